@@ -1,0 +1,68 @@
+import pytest
+import torch
+
+from verify.check import Check, CheckContext, CheckRecorder
+
+
+def test_check_that_records_nothing_fails():
+    result = Check("empty", "records nothing", lambda ctx, rec: None).execute(CheckContext())
+    assert not result.passed
+
+
+def test_exception_becomes_failure_with_traceback():
+    def boom(ctx, rec):
+        rec.expect("reached", True)
+        raise RuntimeError("kaboom")
+
+    result = Check("boom", "raises", boom).execute(CheckContext())
+    assert not result.passed
+    assert "kaboom" in result.error
+
+
+def test_bitwise_comparison_detects_one_ulp():
+    rec = CheckRecorder("c")
+    a = torch.tensor([1.0, 2.0])
+    b = torch.nextafter(a, torch.tensor([10.0, 10.0]))
+    assert rec.compare("same", a, a.clone())
+    assert not rec.compare("one ulp apart", a, b)
+    assert rec.compare("one ulp allowed", a, b, max_ulp=1, reason="hand-derived: adjacent floats")
+    result = rec.finish(0.0)
+    assert not result.passed
+    assert [c.passed for c in result.comparisons] == [True, False, True]
+
+
+def test_ulp_bound_needs_reason_and_non_negative():
+    rec = CheckRecorder("c")
+    a = torch.ones(2)
+    with pytest.raises(ValueError, match="reason"):
+        rec.compare("x", a, a, max_ulp=2)
+    with pytest.raises(ValueError, match="max_ulp"):
+        rec.compare("x", a, a, max_ulp=-1)
+
+
+def test_failed_expectation_fails_check():
+    rec = CheckRecorder("c")
+    rec.expect("true", True)
+    rec.expect("false", False, "why")
+    assert not rec.finish(0.0).passed
+
+
+def test_table_row_width_validated():
+    rec = CheckRecorder("c")
+    with pytest.raises(ValueError, match="row 0 has 1 cells"):
+        rec.table("t", ["a", "b"], [[1]])
+
+
+@pytest.mark.parametrize("kwargs, match", [({"device": "tpu"}, "device"), ({"seed": -1}, "seed")])
+def test_context_validates(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        CheckContext(**kwargs)
+
+
+def test_context_generator_is_deterministic():
+    ctx = CheckContext(seed=3)
+    a = torch.randn(4, generator=ctx.generator(1))
+    b = torch.randn(4, generator=ctx.generator(1))
+    c = torch.randn(4, generator=ctx.generator(2))
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)

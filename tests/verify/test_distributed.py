@@ -1,0 +1,34 @@
+import pytest
+import torch
+import torch.distributed as dist
+
+from verify.distributed import DistributedRunError, spawn
+
+
+def _sum_of_ranks(rank, world_size, scale):
+    t = torch.tensor([float(rank) * scale])
+    dist.all_reduce(t)
+    return (rank, t.item())
+
+
+def _rank_one_fails(rank, world_size):
+    if rank == 1:
+        raise ValueError("rank one is broken on purpose")
+    return rank
+
+
+@pytest.mark.dist
+def test_spawn_returns_results_in_rank_order():
+    results = spawn(_sum_of_ranks, 3, 2.0)
+    assert results == [(0, 6.0), (1, 6.0), (2, 6.0)]
+
+
+@pytest.mark.dist
+def test_spawn_reports_the_failing_rank():
+    with pytest.raises(DistributedRunError, match="(?s)rank 1 failed.*rank one is broken"):
+        spawn(_rank_one_fails, 2, timeout_s=60)
+
+
+def test_spawn_rejects_bad_world_size():
+    with pytest.raises(ValueError, match="world_size"):
+        spawn(_sum_of_ranks, 0, 1.0)

@@ -1,0 +1,206 @@
+"""The shape of a verification check and of what it reports.
+
+A check is a named function that receives a :class:`CheckContext` and a
+:class:`CheckRecorder`. It records comparisons (reference vs candidate, with an
+explicit ULP bound), boolean expectations, tables and findings. The check passes
+when every comparison is within its bound and every expectation holds; an
+exception inside the check is recorded as a failure, never swallowed silently.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+_DEVICES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class CheckContext:
+    """Inputs shared by every check: where to run, how big, and which seed."""
+
+    device: str = "cpu"
+    seed: int = 0
+    quick: bool = False
+
+    def __post_init__(self) -> None:
+        if self.device not in _DEVICES:
+            raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was requested but torch.cuda.is_available() is False")
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+
+    def generator(self, offset: int = 0) -> torch.Generator:
+        """A CPU generator seeded from the context seed plus ``offset``."""
+        g = torch.Generator()
+        g.manual_seed(self.seed * 1_000_003 + offset)
+        return g
+
+
+@dataclass
+class Table:
+    """A small table for the report: a title, column names, rows and notes."""
+
+    title: str
+    columns: list[str]
+    rows: list[list[Any]]
+    notes: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for i, row in enumerate(self.rows):
+            if len(row) != len(self.columns):
+                raise ValueError(
+                    f"Table {self.title!r}: row {i} has {len(row)} cells, "
+                    f"expected {len(self.columns)} (columns={self.columns})"
+                )
+
+
+@dataclass
+class ComparisonRecord:
+    """One reference-vs-candidate comparison and the bound it was held to."""
+
+    label: str
+    max_ulp_allowed: int
+    passed: bool
+    metrics: dict[str, Any]
+    reason: str = ""
+
+
+@dataclass
+class ExpectationRecord:
+    """A named boolean fact the check requires."""
+
+    label: str
+    passed: bool
+    detail: str = ""
+
+
+@dataclass
+class CheckResult:
+    """Everything one check reported."""
+
+    name: str
+    summary: str
+    passed: bool
+    seconds: float
+    comparisons: list[ComparisonRecord] = field(default_factory=list)
+    expectations: list[ExpectationRecord] = field(default_factory=list)
+    tables: list[Table] = field(default_factory=list)
+    findings: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class CheckRecorder:
+    """Collects what a check observes; :meth:`finish` turns it into a result."""
+
+    def __init__(self, name: str, summary: str = "") -> None:
+        self.name = name
+        self.summary = summary
+        self._comparisons: list[ComparisonRecord] = []
+        self._expectations: list[ExpectationRecord] = []
+        self._tables: list[Table] = []
+        self._findings: list[str] = []
+        self._skipped: list[str] = []
+
+    def compare(
+        self,
+        label: str,
+        reference: torch.Tensor,
+        candidate: torch.Tensor,
+        *,
+        max_ulp: int = 0,
+        reason: str = "",
+    ) -> bool:
+        """Compare two tensors; passes when bitwise equal (max_ulp=0) or within max_ulp.
+
+        ``reason`` must justify any ``max_ulp > 0``.
+        """
+        from verify.metrics import compare
+
+        if max_ulp < 0:
+            raise ValueError(f"max_ulp must be >= 0, got {max_ulp}")
+        if max_ulp > 0 and not reason:
+            raise ValueError(f"comparison {label!r}: a max_ulp > 0 bound needs a reason")
+        result = compare(reference, candidate)
+        if max_ulp == 0:
+            ok = result.bitwise_equal
+        else:
+            ok = result.nan_mismatch == 0 and result.inf_mismatch == 0 and result.max_ulp <= max_ulp
+        self._comparisons.append(
+            ComparisonRecord(label, max_ulp, bool(ok), result.to_dict(), reason)
+        )
+        return bool(ok)
+
+    def expect(self, label: str, condition: bool, detail: str = "") -> bool:
+        """Record a boolean fact; the check fails if it is False."""
+        self._expectations.append(ExpectationRecord(label, bool(condition), detail))
+        return bool(condition)
+
+    def table(
+        self,
+        title: str,
+        columns: Sequence[str],
+        rows: Sequence[Sequence[Any]],
+        notes: Sequence[str] = (),
+    ) -> None:
+        self._tables.append(Table(title, list(columns), [list(r) for r in rows], list(notes)))
+
+    def finding(self, text: str) -> None:
+        """A noteworthy fact that is not a failure (e.g. a peer disagreeing with the spec)."""
+        self._findings.append(text)
+
+    def skip(self, text: str) -> None:
+        """Something the check could not run here, and why."""
+        self._skipped.append(text)
+
+    def finish(self, seconds: float, error: str | None = None) -> CheckResult:
+        passed = (
+            error is None
+            and all(c.passed for c in self._comparisons)
+            and all(e.passed for e in self._expectations)
+            and (self._comparisons or self._expectations)
+        )
+        return CheckResult(
+            name=self.name,
+            summary=self.summary,
+            passed=bool(passed),
+            seconds=seconds,
+            comparisons=self._comparisons,
+            expectations=self._expectations,
+            tables=self._tables,
+            findings=self._findings,
+            skipped=self._skipped,
+            error=error,
+        )
+
+
+CheckFunction = Callable[[CheckContext, CheckRecorder], None]
+
+
+@dataclass(frozen=True)
+class Check:
+    """A registered check: a name, a one-line summary and the function that runs it."""
+
+    name: str
+    summary: str
+    run: CheckFunction
+
+    def execute(self, context: CheckContext) -> CheckResult:
+        """Run the check; an exception becomes a failed result carrying the traceback."""
+        recorder = CheckRecorder(self.name, self.summary)
+        start = time.perf_counter()
+        try:
+            self.run(context, recorder)
+        except Exception:  # noqa: BLE001 - reported, never hidden
+            return recorder.finish(time.perf_counter() - start, error=traceback.format_exc())
+        return recorder.finish(time.perf_counter() - start)

@@ -1,0 +1,34 @@
+"""The registered checks, one module per technique.
+
+Each module in ``CHECK_MODULES`` defines ``CHECK``, a :class:`verify.check.Check`.
+The registry is a fixed tuple, read once; nothing is registered at import time.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from verify.check import Check
+
+# Order is the order of the report: the truth layer first, then the techniques.
+CHECK_MODULES: tuple[str, ...] = (
+    "formats",
+    "oracle",
+    "metrics",
+)
+
+
+def all_checks() -> tuple[Check, ...]:
+    """Every registered check, in report order."""
+    return tuple(
+        importlib.import_module(f"verify.checks.{name}").CHECK for name in CHECK_MODULES
+    )
+
+
+def check_by_name(name: str) -> Check:
+    """The check called ``name``; a ValueError lists the valid names otherwise."""
+    for check in all_checks():
+        if check.name == name:
+            return check
+    names = ", ".join(c.name for c in all_checks())
+    raise ValueError(f"unknown check {name!r}; valid names: {names}")

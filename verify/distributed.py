@@ -1,0 +1,109 @@
+"""Run a function on W real ``torch.distributed`` processes (gloo on CPU) and collect results.
+
+Used by checks and tests that need real collectives on a laptop or CI machine.
+Each child process initialises its own process group on a fresh localhost port,
+runs ``fn(rank, world_size, *args)``, and sends back the (picklable) return value.
+An exception in any rank is re-raised in the parent with that rank's traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT_S = 240.0
+
+
+class DistributedRunError(RuntimeError):
+    """A rank failed or timed out; the message carries every rank's traceback."""
+
+
+def free_port() -> int:
+    """A TCP port on localhost that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    queue: Any,
+) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    # One intra-op thread per rank: W ranks share 2 cores in CI.
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        try:
+            result = fn(rank, world_size, *args)
+        finally:
+            dist.barrier()
+            dist.destroy_process_group()
+        queue.put((rank, True, result))
+    except BaseException:  # noqa: BLE001 - forwarded to the parent
+        queue.put((rank, False, traceback.format_exc()))
+
+
+def spawn(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return results by rank.
+
+    ``fn`` must be a module-level function (it is pickled into spawned processes).
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_child, args=(r, world_size, port, backend, fn, args, queue))
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    try:
+        for _ in range(world_size):
+            try:
+                rank, ok, payload = queue.get(timeout=timeout_s)
+            except Exception as exc:  # queue.Empty
+                raise DistributedRunError(
+                    f"timed out after {timeout_s}s waiting for ranks; got {sorted(results)}"
+                    + "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in failures.items())
+                ) from exc
+            if ok:
+                results[rank] = payload
+            else:
+                failures[rank] = payload
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if failures else 30)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if failures:
+        raise DistributedRunError(
+            "".join(f"\n--- rank {r} failed ---\n{tb}" for r, tb in sorted(failures.items()))
+        )
+    return [results[r] for r in range(world_size)]
