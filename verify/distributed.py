@@ -9,6 +9,7 @@ An exception in any rank is re-raised in the parent with that rank's traceback.
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 from collections.abc import Callable
@@ -52,7 +53,9 @@ def _child(
         finally:
             dist.barrier()
             dist.destroy_process_group()
-        queue.put((rank, True, result))
+        # Plain pickle copies tensor data by value; the queue's own pickler would send
+        # shared-memory handles that vanish when this process exits.
+        queue.put((rank, True, pickle.dumps(result)))
     except BaseException:  # noqa: BLE001 - forwarded to the parent
         queue.put((rank, False, traceback.format_exc()))
 
@@ -67,6 +70,7 @@ def spawn(
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return results by rank.
 
     ``fn`` must be a module-level function (it is pickled into spawned processes).
+    Return values may hold tensors; they are copied back by value.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -91,7 +95,7 @@ def spawn(
                     + "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in failures.items())
                 ) from exc
             if ok:
-                results[rank] = payload
+                results[rank] = pickle.loads(payload)
             else:
                 failures[rank] = payload
                 break

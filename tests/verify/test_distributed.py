@@ -11,6 +11,18 @@ def _sum_of_ranks(rank, world_size, scale):
     return (rank, t.item())
 
 
+def _tensor_result(rank, world_size):
+    return {"rank": rank, "data": torch.arange(4, dtype=torch.bfloat16) + rank}
+
+
+@pytest.mark.dist
+def test_spawn_returns_tensors_by_value():
+    results = spawn(_tensor_result, 2, timeout_s=60)
+    for rank, result in enumerate(results):
+        assert result["rank"] == rank
+        assert torch.equal(result["data"], torch.arange(4, dtype=torch.bfloat16) + rank)
+
+
 def _rank_one_fails(rank, world_size):
     if rank == 1:
         raise ValueError("rank one is broken on purpose")
