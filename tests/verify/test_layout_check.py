@@ -1,0 +1,100 @@
+"""The ``layout`` check and the ``verify layout`` report."""
+
+import json
+
+import pytest
+
+from fastgrad.layout import compute_layout
+from verify import layout_report
+from verify.check import Check, CheckContext
+from verify.checks import CHECK_MODULES
+from verify.checks.layout import CHECK, make_run
+from verify.cli import main as cli_main
+
+
+def test_layout_check_passes_quick():
+    assert "layout" in CHECK_MODULES and CHECK.name == "layout"
+    result = CHECK.execute(CheckContext(quick=True))
+    assert result.passed, (result.error, [e for e in result.expectations if not e.passed])
+    titles = [t.title for t in result.tables]
+    assert any("Padding overhead" in t for t in titles)
+    assert any("Seed's worked examples" in t for t in titles)
+    assert any("4,194,304" in f for f in result.findings)
+
+
+def _ignores_shared_embedding(numels, **kwargs):
+    return compute_layout(numels, **{**kwargs, "shared_embedding": ()})
+
+
+def _forgets_high_busbw(numels, **kwargs):
+    return compute_layout(numels, **{**kwargs, "pad_buckets_for_high_nccl_busbw": False})
+
+
+def _pads_without_distributed_optimizer(numels, **kwargs):
+    return compute_layout(numels, **{**kwargs, "use_distributed_optimizer": True})
+
+
+@pytest.mark.parametrize(
+    "broken", [_ignores_shared_embedding, _forgets_high_busbw, _pads_without_distributed_optimizer]
+)
+def test_layout_check_fails_for_a_broken_candidate(broken):
+    result = Check("layout", "broken", make_run(broken)).execute(CheckContext(quick=True))
+    assert result.error is None
+    assert not result.passed
+    failed = [e.label for e in result.expectations if not e.passed]
+    assert any("candidate == refgrad" in label or "hand-derived (candidate)" in label for label in failed)
+
+
+def test_seed_examples_from_the_formula():
+    rows = {(r["example"][:1], r["quantity"]): r for r in layout_report.seed_examples()}
+    # Hand-derived: lcm(64,128,2^16)=2^16; ceil(40e6/65536)=611; 611*65536=40,042,496;
+    # /64 = 625,664 = 611*2^10; 10,000,000 = 128*78,125; 625,000 - 9*65,536 = 35,176.
+    assert rows[("2", "divisor lcm(64,128,2**16)")]["formula"] == 65_536
+    assert rows[("2", "padded bucket (elements)")]["formula"] == 40_042_496
+    assert rows[("3", "padded / 64")]["formula"] == 625_664
+    assert rows[("3", "largest 2^k dividing shard")]["formula"] == 1_024
+    assert rows[("1", "padded bucket (elements)")]["formula"] == 10_000_000
+    assert rows[("3", "625,000 % 65,536")]["formula"] == 35_176
+    assert rows[("w", "padded bucket (elements)")]["formula"] == 8_454_144  # 129 * 65536
+    assert rows[("1", "divisor lcm(8,128)")]["agrees"]
+    assert not rows[("2", "divisor lcm(64,128,2**16)")]["agrees"]
+
+
+def test_padding_rows_hand_checked_small_model():
+    # gpt-125m: every weight is a multiple of 768 = 3 * 256 elements, so starts never need
+    # the 64-pad; with basic padding at dp 8 (divisor 128) nothing is padded at all.
+    (row,) = [r for r in layout_report.padding_rows(["gpt-125m"], [8]) if not r["high_busbw"]]
+    assert row["padding_elements"] == 0 and row["padding_bytes"] == 0
+    assert row["params"] == sum(layout_report.MODELS["gpt-125m"].param_numels()[0])
+    for high in layout_report.padding_rows(["gpt-125m"], [8, 64]):
+        if high["high_busbw"]:
+            assert high["min_shard_pow2"] >= 2**16 // high["dp"]
+
+
+def test_model_sizes_are_as_named():
+    sizes = {m: sum(spec.param_numels()[0]) for m, spec in layout_report.MODELS.items()}
+    assert 120e6 < sizes["gpt-125m"] < 130e6
+    assert 6.5e9 < sizes["llama-7b"] < 7e9
+    assert 68e9 < sizes["llama-70b"] < 70e9
+
+
+def test_cli_json(capsys):
+    assert cli_main(["layout", "--model", "gpt-125m", "--dp", "8", "--dp", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {(r["dp"], r["high_busbw"]) for r in out["padding"]} == {
+        (8, False), (8, True), (3, False), (3, True)
+    }
+    assert any("65,536" in f for f in out["findings"])
+
+
+def test_cli_text(capsys):
+    assert cli_main(["layout", "--model", "llama-7b", "--dp", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "llama-7b" in out and "min_shard_pow2" in out and "4,194,304" in out
+
+
+@pytest.mark.parametrize("argv", [["layout", "--dp", "0"], ["layout", "--model", "gpt-9000"]])
+def test_cli_bad_usage_exits_2(argv):
+    with pytest.raises(SystemExit) as info:
+        cli_main(argv)
+    assert info.value.code == 2

@@ -1,0 +1,309 @@
+"""``verify layout``: padding overhead of bucketed gradient buffers, from the formula.
+
+For decoder-only transformer parameter lists of about 125M, 7B and 70B
+parameters, at several data-parallel sizes and with high-busbw padding on and
+off, this reports how many elements (and bytes) the padding adds and the
+largest power of two dividing each rank's shard. It also recomputes the seed's
+worked examples from the formula and flags where the seed's arithmetic is wrong.
+All layouts come from ``fastgrad.layout.compute_layout``; the ``layout`` check
+confirms they equal ``refgrad.layout`` for the same lists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fastgrad.config import default_bucket_size
+from fastgrad.layout import compute_layout
+
+DEFAULT_DPS = (8, 64, 512)
+GRAD_BYTES = 4  # fp32 main grads (grad_reduce_in_fp32), the usual production setting
+PARAM_BYTES = 2  # bf16 params (param buffer exists with the distributed optimizer)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer, enough to list its parameter sizes in registration order."""
+
+    name: str
+    hidden: int
+    layers: int
+    vocab: int
+    ffn_hidden: int
+    kv_channels_total: int  # width of K (and of V): hidden for MHA, less for GQA
+    gated_mlp: bool  # SwiGLU: fc1 holds gate and up projections
+    biases: bool
+    layernorm_bias: bool
+    learned_positions: int  # rows of a learned position embedding (0 = rotary)
+    tied_embeddings: bool
+
+    def param_numels(self) -> tuple[list[int], list[int], list[str]]:
+        """(numels, shared-embedding indices, names), registration order."""
+        h = self.hidden
+        numels: list[int] = []
+        names: list[str] = []
+
+        def add(name: str, numel: int) -> None:
+            names.append(name)
+            numels.append(numel)
+
+        add("embedding.word_embeddings.weight", self.vocab * h)
+        if self.learned_positions:
+            add("embedding.position_embeddings.weight", self.learned_positions * h)
+        qkv_out = h + 2 * self.kv_channels_total
+        fc1_out = 2 * self.ffn_hidden if self.gated_mlp else self.ffn_hidden
+        for i in range(self.layers):
+            p = f"decoder.layers.{i}."
+            add(p + "input_layernorm.weight", h)
+            if self.layernorm_bias:
+                add(p + "input_layernorm.bias", h)
+            add(p + "self_attention.linear_qkv.weight", qkv_out * h)
+            if self.biases:
+                add(p + "self_attention.linear_qkv.bias", qkv_out)
+            add(p + "self_attention.linear_proj.weight", h * h)
+            if self.biases:
+                add(p + "self_attention.linear_proj.bias", h)
+            add(p + "pre_mlp_layernorm.weight", h)
+            if self.layernorm_bias:
+                add(p + "pre_mlp_layernorm.bias", h)
+            add(p + "mlp.linear_fc1.weight", fc1_out * h)
+            if self.biases:
+                add(p + "mlp.linear_fc1.bias", fc1_out)
+            add(p + "mlp.linear_fc2.weight", h * self.ffn_hidden)
+            if self.biases:
+                add(p + "mlp.linear_fc2.bias", h)
+        add("decoder.final_layernorm.weight", h)
+        if self.layernorm_bias:
+            add("decoder.final_layernorm.bias", h)
+        shared: list[int] = []
+        if self.tied_embeddings:
+            shared.append(0)  # the word embedding doubles as the output layer
+        else:
+            add("output_layer.weight", self.vocab * h)
+        return numels, shared, names
+
+
+MODELS: dict[str, ModelSpec] = {
+    # GPT-3 Small: 12 x 768, learned positions, tied embeddings, biases everywhere.
+    "gpt-125m": ModelSpec("gpt-125m", 768, 12, 50304, 3072, 768, False, True, True, 2048, True),
+    # Llama-2-7B shape: RMSNorm (no bias), SwiGLU, untied output layer, rotary.
+    "llama-7b": ModelSpec("llama-7b", 4096, 32, 32000, 11008, 4096, True, False, False, 0, False),
+    # Llama-2-70B shape: GQA with 8 KV heads of 128 channels.
+    "llama-70b": ModelSpec("llama-70b", 8192, 80, 32000, 28672, 1024, True, False, False, 0, False),
+}
+
+
+def two_adic(value: int) -> int:
+    """The largest power of two dividing ``value`` (value > 0)."""
+    return value & -value
+
+
+def padding_row(
+    model: ModelSpec,
+    dp_size: int,
+    high_busbw: bool,
+    *,
+    grad_bytes: int = GRAD_BYTES,
+    param_bytes: int = PARAM_BYTES,
+) -> dict[str, Any]:
+    """One report row: the model's layout at ``dp_size`` with the default bucket size."""
+    numels, shared, _ = model.param_numels()
+    bucket_size = default_bucket_size(dp_size)
+    layout = compute_layout(
+        numels,
+        dp_size=dp_size,
+        bucket_size=bucket_size,
+        use_distributed_optimizer=True,
+        pad_buckets_for_high_nccl_busbw=high_busbw,
+        shared_embedding=shared,
+    )
+    params = sum(numels)
+    padding = layout.numel - params  # start gaps inside buckets + end padding
+    end_padding = layout.numel - layout.numel_unpadded
+    shard_sizes = [(end - start) // dp_size for start, end in layout.bucket_indices]
+    shard_pow2 = [two_adic(s) for s in shard_sizes]
+    return {
+        "model": model.name,
+        "params": params,
+        "dp": dp_size,
+        "high_busbw": high_busbw,
+        "bucket_size": bucket_size,
+        "buckets": len(layout.bucket_indices),
+        "numel": layout.numel,
+        "padding_elements": padding,
+        "end_padding_elements": end_padding,
+        "padding_bytes": padding * (grad_bytes + param_bytes),
+        "padding_percent": 100.0 * padding / layout.numel,
+        "min_shard_pow2": min(shard_pow2),
+        "max_shard_pow2": max(shard_pow2),
+        "shards_divisible_by_2**16": sum(1 for s in shard_sizes if s % 2**16 == 0),
+    }
+
+
+def padding_rows(
+    models: Sequence[str],
+    dps: Sequence[int],
+    *,
+    grad_bytes: int = GRAD_BYTES,
+    param_bytes: int = PARAM_BYTES,
+) -> list[dict[str, Any]]:
+    """Rows for every (model, dp, high-busbw on/off)."""
+    return [
+        padding_row(MODELS[m], dp, hb, grad_bytes=grad_bytes, param_bytes=param_bytes)
+        for m in models
+        for dp in dps
+        for hb in (False, True)
+    ]
+
+
+PADDING_COLUMNS = (
+    "model", "params", "dp", "high_busbw", "buckets", "padding_elements",
+    "padding_bytes", "padding_percent", "min_shard_pow2", "shards_divisible_by_2**16",
+)
+
+
+def _pad(value: int, divisor: int) -> int:
+    return -(-value // divisor) * divisor
+
+
+def seed_examples() -> list[dict[str, Any]]:
+    """The seed's worked padding numbers beside the same quantities from the formula."""
+    rows: list[dict[str, Any]] = []
+
+    def row(example: str, quantity: str, seed_value: Any, formula_value: Any) -> None:
+        rows.append(
+            {
+                "example": example,
+                "quantity": quantity,
+                "seed": seed_value,
+                "formula": formula_value,
+                "agrees": seed_value == formula_value,
+            }
+        )
+
+    # Example 1: dp 8, a 10,000,000-element bf16 bucket, basic padding.
+    d1 = math.lcm(8, 128)
+    p1 = _pad(10_000_000, d1)
+    row("1: dp=8, 10M elements, basic", "divisor lcm(8,128)", 128, d1)
+    row("1: dp=8, 10M elements, basic", "padded bucket (elements)", 10_000_128, p1)
+    row("1: dp=8, 10M elements, basic", "overhead (bytes, bf16)", 256, 2 * (p1 - 10_000_000))
+    # Example 2: dp 64, 40,000,000 elements, high-busbw padding.
+    d2 = math.lcm(64, 128, 2**16)
+    p2 = _pad(40_000_000, d2)
+    row("2: dp=64, 40M elements, high-busbw", "divisor lcm(64,128,2**16)", 4_194_304, d2)
+    row("2: dp=64, 40M elements, high-busbw", "padded bucket (elements)", 41_943_040, p2)
+    row("2: dp=64, 40M elements, high-busbw", "overhead (elements)", 1_943_040, p2 - 40_000_000)
+    row(
+        "2: dp=64, 40M elements, high-busbw",
+        "overhead (% of 80 MB)",
+        4.86,
+        round(100 * (p2 - 40_000_000) / 40_000_000, 3),
+    )
+    # Example 3: the per-rank shard (NCCL ring message).
+    row("3: shard, no padding", "40,000,000 / 64", 625_000, 40_000_000 // 64)
+    row("3: shard, no padding", "625,000 % 65,536", 34_088, 625_000 % 2**16)
+    row("3: shard, high-busbw padding", "padded / 64", 655_360, p2 // 64)
+    row("3: shard, high-busbw padding", "shard % 65,536", 0, (p2 // 64) % 2**16)
+    row("3: shard, high-busbw padding", "largest 2^k dividing shard", 2**16, two_adic(p2 // 64))
+    # Worst case: dp 128, a bucket one element over the seed's divisor.
+    d4 = math.lcm(128, 128, 2**16)
+    p4 = _pad(8_388_609, d4)
+    row("worst: dp=128, 8,388,609 elements", "divisor lcm(128,128,2**16)", 8_388_608, d4)
+    row("worst: dp=128, 8,388,609 elements", "padded bucket (elements)", 16_777_216, p4)
+    row("worst: dp=128, 8,388,609 elements", "overhead (elements)", 8_388_607, p4 - 8_388_609)
+    return rows
+
+
+SEED_COLUMNS = ("example", "quantity", "seed", "formula", "agrees")
+
+
+def seed_findings(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """One sentence per seed number the formula contradicts."""
+    return [
+        f"seed example {r['example']}: {r['quantity']} is {r['formula']:,} by the formula, "
+        f"the seed says {r['seed']:,}"
+        if isinstance(r["formula"], int)
+        else f"seed example {r['example']}: {r['quantity']} is {r['formula']} by the formula, "
+        f"the seed says {r['seed']}"
+        for r in rows
+        if not r["agrees"]
+    ] + [
+        "the seed's claim that high-busbw padding makes every rank's shard divisible by 2^16 "
+        "does not follow from lcm(dp, 128, 2**16): the bucket is divisible by 2^16, the shard "
+        "only by 2^16/dp for power-of-two dp (see min_shard_pow2 in the padding table)"
+    ]
+
+
+def _format_cell(value: Any) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.4f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def format_table(columns: Sequence[str], rows: Sequence[dict[str, Any]]) -> str:
+    """A plain fixed-width text table."""
+    cells = [[_format_cell(r[c]) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    """Options of ``verify layout``."""
+    parser.add_argument(
+        "--model",
+        action="append",
+        choices=sorted(MODELS),
+        help="model parameter list (repeatable; default: all)",
+    )
+    parser.add_argument(
+        "--dp", action="append", type=_positive_int, help="data-parallel size (repeatable; default 8, 64, 512)"
+    )
+    parser.add_argument("--grad-bytes", type=_positive_int, default=GRAD_BYTES, help="bytes per grad element")
+    parser.add_argument("--param-bytes", type=_positive_int, default=PARAM_BYTES, help="bytes per param element")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Print the padding report; 0 on success."""
+    models = args.model or list(MODELS)
+    dps = args.dp or list(DEFAULT_DPS)
+    rows = padding_rows(models, dps, grad_bytes=args.grad_bytes, param_bytes=args.param_bytes)
+    examples = seed_examples()
+    findings = seed_findings(examples)
+    if args.json:
+        print(json.dumps({"padding": rows, "seed_examples": examples, "findings": findings}, indent=2))
+        return 0
+    print(
+        "Padding overhead with the distributed optimizer, default bucket size "
+        f"max(40M, 1M*dp), {args.grad_bytes}-byte grads + {args.param_bytes}-byte params"
+    )
+    print(format_table(PADDING_COLUMNS, rows))
+    print()
+    print("Seed's worked examples, recomputed from pad(v, lcm(dp, 128[, 2**16]))")
+    print(format_table(SEED_COLUMNS, examples))
+    print()
+    for line in findings:
+        print(f"* {line}")
+    return 0
