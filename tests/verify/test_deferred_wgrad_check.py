@@ -1,0 +1,73 @@
+"""The deferred_wgrad check passes on fastgrad and fails on deliberately broken candidates."""
+
+import pytest
+
+from fastgrad.embedding import ColumnParallelOutputLayer
+from verify.check import CheckContext, CheckRecorder
+from verify.checks import CHECK_MODULES
+from verify.checks.deferred_wgrad import CHECK, WgradCase, build_cases, run_deferred_wgrad_check
+
+SMALL_CASES = [
+    WgradCase(1, False, 3, 0, "float32", "random"),
+    WgradCase(2, True, 3, 1, "float32", "random"),
+]
+
+
+class ReversedDrainLayer(ColumnParallelOutputLayer):
+    """Drains LIFO instead of FIFO: right pairs, wrong order of the fp32 adds."""
+
+    def drain_deferred_wgrad(self, reduce_in_flight=None):
+        self.activation_buffer.reverse()
+        self.grad_output_buffer.reverse()
+        return super().drain_deferred_wgrad(reduce_in_flight)
+
+
+class ClearsOnlyActivationsLayer(ColumnParallelOutputLayer):
+    """Production's start-of-step bug: the grad_output buffer survives an abandoned step."""
+
+    def start_step(self):
+        self.activation_buffer.clear()
+        return 0
+
+
+def failed_labels(result):
+    return [c.label for c in result.comparisons if not c.passed] + [
+        e.label for e in result.expectations if not e.passed
+    ]
+
+
+def test_registered():
+    assert "deferred_wgrad" in CHECK_MODULES
+    assert CHECK.name == "deferred_wgrad"
+
+
+def test_case_matrix_covers_the_issue():
+    cases = build_cases(quick=False)
+    assert {c.num_microbatches for c in cases} == {1, 3, 8}
+    assert {(c.tp, c.sequence_parallel) for c in cases} == {(1, False), (2, False), (2, True)}
+    assert {c.main_grad_dtype for c in cases} == {"float32", "bfloat16"}
+    for m in (1, 3, 8):
+        assert {c.limit for c in cases if c.num_microbatches == m} == {0, 1, 2, m}
+
+
+@pytest.mark.dist
+def test_check_passes_quick():
+    result = CHECK.execute(CheckContext(quick=True))
+    assert result.error is None, result.error
+    assert result.passed, failed_labels(result)[:10]
+    assert len(result.comparisons) > 50 and len(result.expectations) > 100
+    labels = " ".join(c.label for c in result.comparisons)
+    assert "tied/bfloat16/iter1" in labels and "tp2-sp-" in labels
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    "layer_cls, symptom",
+    [(ReversedDrainLayer, "deferred == immediate in drain order"), (ClearsOnlyActivationsLayer, "stale step")],
+)
+def test_check_fails_on_a_broken_candidate(layer_cls, symptom):
+    rec = CheckRecorder(CHECK.name)
+    run_deferred_wgrad_check(CheckContext(quick=True), rec, layer_cls=layer_cls, cases=SMALL_CASES)
+    result = rec.finish(0.0)
+    assert not result.passed
+    assert any(symptom in label for label in failed_labels(result)), failed_labels(result)
