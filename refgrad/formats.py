@@ -280,7 +280,8 @@ def round_to_bits(fmt: FloatFormat, value: Value | int | float, overflow: str | 
     ``overflow`` decides what a value whose rounded magnitude exceeds the largest
     finite value becomes: ``"inf"`` (±inf), ``"saturate"`` (±max finite) or
     ``"nan"``. ``None`` uses the format's documented default. For formats without
-    infinities an infinite input follows the same policy. NaN always gives the
+    infinities an infinite input follows the same policy; formats with
+    infinities keep an infinite input infinite. NaN always gives the
     canonical NaN. float8_e8m0fnu has neither sign nor zero: a positive value
     below 2^-127 becomes 2^-127, and zero or a negative value is an error.
     """
@@ -297,6 +298,8 @@ def round_to_bits(fmt: FloatFormat, value: Value | int | float, overflow: str | 
         negative = value is Special.NEG_INF
         if negative and not fmt.signed:
             raise ValueError(f"{fmt.name} is unsigned: cannot represent -inf")
+        if fmt.has_inf:  # an exact infinity is representable: not an overflow
+            return _overflow_bits(fmt, negative, "inf")
         return _overflow_bits(fmt, negative, policy)
     if value is Special.NEG_ZERO or value == 0:
         if not fmt.has_zero:
