@@ -17,7 +17,6 @@ from refgrad.embedding import (
     reference_main_grad,
     tied_embedding_grad_sum,
 )
-from verify.checks.deferred_wgrad import pack_for_queue, unpack_from_queue
 
 S, B, H, V = 4, 2, 8, 6
 
@@ -343,12 +342,12 @@ def _tp2_worker(rank, world_size, seed):
         before = mg.clone()
         allreduce_tied_embedding_grad(mg, dist.group.WORLD)
         tied.append((before, mg.clone()))
-    return pack_for_queue({"tp": out, "tied": tied, "w_full": w_full, "steps": steps})
+    return {"tp": out, "tied": tied, "w_full": w_full, "steps": steps}
 
 
 @pytest.fixture(scope="module")
 def tp2_results():
-    return [unpack_from_queue(r) for r in run_distributed(_tp2_worker, 2, 1234)]
+    return run_distributed(_tp2_worker, 2, 1234)
 
 
 @pytest.mark.dist

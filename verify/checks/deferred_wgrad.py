@@ -233,33 +233,6 @@ def _tied_embedding_on_rank(rank: int, seed: int, main_grad_dtype: str, layer_cl
     return out
 
 
-def pack_for_queue(obj):
-    """Tensors -> plain bytes, so results cross the process boundary by value.
-
-    torch's queue pickler shares tensor storage through file descriptors that die
-    with the child process, which exits right after returning.
-    """
-    if isinstance(obj, torch.Tensor):
-        return ("__tensor__", str(obj.dtype).removeprefix("torch."), tuple(obj.shape),
-                obj.detach().contiguous().view(torch.uint8).numpy().tobytes())
-    if isinstance(obj, dict):
-        return {k: pack_for_queue(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return type(obj)(pack_for_queue(v) for v in obj)
-    return obj
-
-
-def unpack_from_queue(obj):
-    if isinstance(obj, tuple) and len(obj) == 4 and obj[0] == "__tensor__":
-        raw = torch.frombuffer(bytearray(obj[3]), dtype=torch.uint8)
-        return raw.view(getattr(torch, obj[1])).reshape(obj[2])
-    if isinstance(obj, dict):
-        return {k: unpack_from_queue(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return type(obj)(unpack_from_queue(v) for v in obj)
-    return obj
-
-
 def _rank_main(rank: int, world_size: int, cases: list[dict], seed: int, layer_cls) -> dict:
     """Everything that needs processes: the TP cases and the tied-embedding exchange."""
     results = {}
@@ -269,7 +242,7 @@ def _rank_main(rank: int, world_size: int, cases: list[dict], seed: int, layer_c
             case, seed, rank, dist.group.WORLD if case.tp > 1 else None, layer_cls
         )
     tied = {d: _tied_embedding_on_rank(rank, seed, d, layer_cls) for d in ("float32", "bfloat16")}
-    return pack_for_queue({"cases": results, "tied": tied})
+    return {"cases": results, "tied": tied}
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -316,7 +289,7 @@ def run_deferred_wgrad_check(
     single = [c for c in cases if c.tp == 1]
     # TP-1 cases run on every process with that process's own data (rank-specific).
     per_rank = [
-        unpack_from_queue(r) for r in spawn(_rank_main, WORLD, [asdict(c) for c in cases], ctx.seed, layer_cls)
+        r for r in spawn(_rank_main, WORLD, [asdict(c) for c in cases], ctx.seed, layer_cls)
     ]
 
     deferred_vs_immediate, drain_order_rows, ref_rows = [], [], []
