@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -6,6 +7,10 @@ import torch
 
 # Lets test modules import tests/distributed_utils.py and spawned children unpickle test functions.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # xdist already runs one worker per core; intra-op threads on top only oversubscribe.
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):

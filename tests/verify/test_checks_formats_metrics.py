@@ -1,0 +1,125 @@
+"""The "formats" and "metrics" self-checks pass, and fail when fed broken candidates."""
+
+from __future__ import annotations
+
+import dataclasses
+from fractions import Fraction
+
+import torch
+
+from refgrad import formats as F
+from verify.check import CheckContext, CheckRecorder
+from verify.checks import check_by_name
+from verify.checks.formats import run_formats_check
+from verify.checks.metrics import run_metrics_check
+from verify.metrics import UlpDistance, compare, ulp_distance
+
+QUICK = CheckContext(quick=True)
+
+
+def _failed_labels(result) -> list[str]:
+    return [c.label for c in result.comparisons if not c.passed] + [
+        e.label for e in result.expectations if not e.passed
+    ]
+
+
+def test_formats_check_passes_quick():
+    result = check_by_name("formats").execute(QUICK)
+    assert result.error is None, result.error
+    assert result.passed, _failed_labels(result)
+    assert result.comparisons and result.expectations
+    # Every known torch behaviour is reported as a finding with its example.
+    assert len(result.findings) >= 9
+    assert any("float64->bfloat16" in f and "0x3f80" in f for f in result.findings)
+
+
+def test_metrics_check_passes_quick():
+    result = check_by_name("metrics").execute(QUICK)
+    assert result.error is None, result.error
+    assert result.passed, _failed_labels(result)
+
+
+def truncating_round_to_bits(fmt, value, overflow=None):
+    """Broken candidate: rounds toward zero instead of to nearest."""
+    bits = F.round_to_bits(fmt, value, overflow)
+    exact = Fraction(value) if isinstance(value, float) and value == value and abs(value) != float(
+        "inf") else value
+    if not isinstance(exact, Fraction) or exact == 0 or F.is_nan_bits(fmt, bits):
+        return bits
+    rounded = F.decode(fmt, bits)
+    has_smaller_magnitude = bits & ~fmt.sign_bit > 0
+    if isinstance(rounded, Fraction) and abs(rounded) > abs(exact) and has_smaller_magnitude:
+        return bits - 1  # the next pattern toward zero (same sign)
+    return bits
+
+
+def _run_formats(**candidates):
+    rec = CheckRecorder("formats")
+    run_formats_check(QUICK, rec, **candidates)
+    return rec.finish(0.0)
+
+
+def test_formats_check_fails_for_truncating_rounding():
+    result = _run_formats(round_to_bits=truncating_round_to_bits)
+    assert not result.passed
+    failed = _failed_labels(result)
+    assert any("refgrad vs rounding rule" in label for label in failed)
+    assert any("known behaviour" in label for label in failed)
+
+
+def test_formats_check_fails_for_truncating_bf16_cast():
+    def truncating_cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if dtype == torch.bfloat16 and t.dtype == torch.float32:
+            kept = t.contiguous().view(torch.int32) & -65536  # drop the low 16 bits
+            return kept.view(torch.float32).to(dtype)  # now exact: plain truncation
+        return t.to(dtype)
+
+    result = _run_formats(cast=truncating_cast)
+    failed = _failed_labels(result)
+    assert not result.passed
+    assert any("float32->bfloat16: torch vs rounding rule" in label for label in failed)
+    assert all("bfloat16" in label for label in failed)
+
+
+def _run_metrics(**candidates):
+    rec = CheckRecorder("metrics")
+    run_metrics_check(QUICK, rec, **candidates)
+    return rec.finish(0.0)
+
+
+def test_metrics_check_fails_for_raw_bit_difference():
+    """Broken candidate: |bits(a) - bits(b)|, with no sign-magnitude mapping or NaN rules."""
+
+    def raw_difference(a: torch.Tensor, b: torch.Tensor) -> UlpDistance:
+        width = a.element_size() * 8
+        view = {8: torch.uint8, 16: torch.int16, 32: torch.int32}[width]
+        mask = (1 << width) - 1
+        ia = a.view(view).to(torch.int64) & mask
+        ib = b.view(view).to(torch.int64) & mask
+        return UlpDistance((ia - ib).abs(), torch.zeros_like(ia, dtype=torch.bool))
+
+    result = _run_metrics(ulp_fn=raw_difference)
+    failed = _failed_labels(result)
+    assert not result.passed
+    assert any("+0 and -0" in label for label in failed)
+    assert any("NaN vs NaN" in label for label in failed)
+
+
+def test_metrics_check_fails_for_wrong_compare_fields():
+    def forgets_inf(reference, candidate):
+        return dataclasses.replace(compare(reference, candidate), inf_mismatch=0)
+
+    result = _run_metrics(compare_fn=forgets_inf)
+    assert _failed_labels(result) == ["compare(): inf_mismatch == 1"]
+
+
+def test_metrics_check_fails_when_zero_signs_are_not_merged():
+    def signed_zero_distance(a, b):
+        d = ulp_distance(a, b)
+        a32, b32 = a.to(torch.float32), b.to(torch.float32)
+        zero_pair = (a32 == 0) & (b32 == 0) & (torch.signbit(a32) != torch.signbit(b32))
+        return UlpDistance(d.ulps + zero_pair.to(torch.int64), d.nan_mismatch)
+
+    result = _run_metrics(ulp_fn=signed_zero_distance)
+    assert not result.passed
+    assert any("+0 and -0" in label for label in _failed_labels(result))
