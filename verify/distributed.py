@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 import pickle
+import queue as queue_module
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT_S = 240.0
+_POLL_S = 0.5
 
 
 class DistributedRunError(RuntimeError):
@@ -85,20 +88,29 @@ def spawn(
         p.start()
     results: dict[int, Any] = {}
     failures: dict[int, str] = {}
+    deadline = time.monotonic() + timeout_s
     try:
-        for _ in range(world_size):
+        while len(results) < world_size and not failures:
             try:
-                rank, ok, payload = queue.get(timeout=timeout_s)
-            except Exception as exc:  # queue.Empty
-                raise DistributedRunError(
-                    f"timed out after {timeout_s}s waiting for ranks; got {sorted(results)}"
-                    + "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in failures.items())
-                ) from exc
+                rank, ok, payload = queue.get(timeout=_POLL_S)
+            except queue_module.Empty:
+                # A child that died before reporting (e.g. killed, or failed to unpickle
+                # fn) will never report: fail now instead of waiting out the timeout.
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead:
+                    failures.update(
+                        {r: f"process exited with code {procs[r].exitcode} before reporting"
+                         for r in dead if r not in results}
+                    )
+                elif time.monotonic() > deadline:
+                    raise DistributedRunError(
+                        f"timed out after {timeout_s}s waiting for ranks; got {sorted(results)}"
+                    ) from None
+                continue
             if ok:
                 results[rank] = pickle.loads(payload)
             else:
                 failures[rank] = payload
-                break
     finally:
         for p in procs:
             p.join(timeout=5 if failures else 30)

@@ -1,3 +1,6 @@
+import os
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -44,3 +47,17 @@ def test_spawn_reports_the_failing_rank():
 def test_spawn_rejects_bad_world_size():
     with pytest.raises(ValueError, match="world_size"):
         spawn(_sum_of_ranks, 0, 1.0)
+
+
+def _rank_one_dies(rank, world_size):
+    if rank == 1:
+        os._exit(3)
+    return rank
+
+
+@pytest.mark.dist
+def test_spawn_notices_a_dead_rank_without_waiting_for_the_timeout():
+    start = time.monotonic()
+    with pytest.raises(DistributedRunError, match="rank 1 failed"):
+        spawn(_rank_one_dies, 2, timeout_s=200)
+    assert time.monotonic() - start < 100
