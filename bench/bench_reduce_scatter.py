@@ -1,0 +1,150 @@
+"""Benchmark the local reduction of the fp32-accumulating reduce-scatter, and its wire bytes.
+
+Usage::
+
+    .venv/bin/python bench/bench_reduce_scatter.py              # CPU (and CUDA if present)
+    .venv/bin/python bench/bench_reduce_scatter.py --quick      # small shapes
+    .venv/bin/python bench/bench_reduce_scatter.py --shard-numel 67108864 --json out.json
+
+Every timing is a ratio against baselines measured in the same run, on the same
+``[W, shard]`` bf16 all-to-all output (W = 8 and 64):
+
+* ``fastgrad``: ``fastgrad.collectives.reduce_shards_fp32`` (Triton single pass on
+  CUDA; sequential fp32 loop on CPU), bitwise equal to refgrad;
+* ``production``: ``torch.sum(view(W, -1), dim=0, dtype=float32)`` then
+  ``output.copy_()`` (Megatron-Core's wait());
+* ``seed loop``: the seed's ``out32 += gathered[i].to(float32)`` per rank, then copy.
+
+On CUDA it also reports the fraction of the device's copy bandwidth
+(``dst.copy_(src)`` of the same bytes, measured in the same run) that the
+reduction reaches, counting ``(W + 1) * shard * 2`` bytes moved. CPU runs skip
+that line. Finally the wire bytes per rank of this method, a bf16
+reduce-scatter and an fp32 (FSDP2-style) reduce-scatter, from the message sizes
+``(N-1)/N * S * b``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from fastgrad.collectives import reduce_shards_fp32
+
+
+def fastgrad_reduce(shards: torch.Tensor, output: torch.Tensor) -> None:
+    """fastgrad's local reduction (Triton on CUDA, sequential fp32 loop elsewhere)."""
+    reduce_shards_fp32(shards, output, average=False)
+
+
+def production_reduce(shards: torch.Tensor, output: torch.Tensor) -> None:
+    """Megatron-Core's local reduction: torch.sum in fp32, then one downcast copy."""
+    output.copy_(torch.sum(shards, dim=0, dtype=torch.float32))
+
+
+def seed_loop_reduce(shards: torch.Tensor, output: torch.Tensor) -> None:
+    """The seed's snippet: an fp32 buffer, one converted add per rank, then copy."""
+    acc = torch.zeros(shards.shape[1], dtype=torch.float32, device=shards.device)
+    for i in range(shards.shape[0]):
+        acc += shards[i].to(torch.float32)
+    output.copy_(acc.to(shards.dtype))
+
+
+def _median_time(fn, args: tuple, repeats: int, sync) -> float:
+    fn(*args)  # warm-up (first-call allocation, Triton compilation)
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        fn(*args)
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def wire_bytes_per_rank(world_size: int, numel: int) -> dict[str, float]:
+    """Bytes each rank sends for S = numel elements: (N-1)/N * S * b per collective."""
+    share = (world_size - 1) / world_size * numel
+    return {
+        "fp32-accumulate (bf16 all-to-all)": share * 2,
+        "bf16 reduce-scatter": share * 2,
+        "fp32 reduce-scatter (FSDP2 reduce_dtype=fp32)": share * 4,
+    }
+
+
+def run(device: str, world_sizes, shard_numel: int, repeats: int) -> list[dict]:
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    rows = []
+    for world_size in world_sizes:
+        # Generated on the device in bf16: W=64 x 2^26 fp32 samples would need 17 GB of host RAM.
+        g = torch.Generator(device=device).manual_seed(world_size)
+        shards = torch.randn(world_size, shard_numel, generator=g, device=device,
+                             dtype=torch.bfloat16)
+        out = torch.empty(shard_numel, dtype=torch.bfloat16, device=device)
+        t_fast = _median_time(fastgrad_reduce, (shards, out), repeats, sync)
+        t_prod = _median_time(production_reduce, (shards, out), repeats, sync)
+        t_seed = _median_time(seed_loop_reduce, (shards, out), repeats, sync)
+        row = {
+            "device": device, "W": world_size, "shard_numel": shard_numel,
+            "fastgrad_s": t_fast, "production_s": t_prod, "seed_loop_s": t_seed,
+            "speedup_vs_production": t_prod / t_fast, "speedup_vs_seed_loop": t_seed / t_fast,
+        }
+        if device == "cuda":
+            moved = (world_size + 1) * shard_numel * 2
+            src = torch.empty(moved // 2 // 2, dtype=torch.bfloat16, device=device)
+            dst = torch.empty_like(src)
+            t_copy = _median_time(torch.Tensor.copy_, (dst, src), repeats, sync)
+            copy_bandwidth = 2 * src.numel() * 2 / t_copy  # read + write
+            row["copy_bandwidth_GBps"] = copy_bandwidth / 1e9
+            row["fastgrad_bandwidth_GBps"] = moved / t_fast / 1e9
+            row["fraction_of_copy_bandwidth"] = (moved / t_fast) / copy_bandwidth
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small shapes, few repeats")
+    parser.add_argument("--shard-numel", type=int, default=None,
+                        help="elements per shard (default: 2^20 on CPU, 2^26 on CUDA)")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args()
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    results = {"torch": torch.__version__, "rows": [], "wire_bytes": {}}
+    for device in devices:
+        default_shard = (2**14 if args.quick else 2**20) if device == "cpu" else 2**26
+        shard = args.shard_numel or default_shard
+        repeats = args.repeats or (3 if args.quick else 7)
+        results["rows"] += run(device, (8, 64), shard, repeats)
+    if not torch.cuda.is_available():
+        print("CUDA is not available: skipping the GPU timings and the copy-bandwidth fraction")
+    else:
+        results["gpu"] = torch.cuda.get_device_name()
+    print(f"{'device':>6} {'W':>3} {'shard':>9} {'fastgrad ms':>12} {'production ms':>14} "
+          f"{'seed loop ms':>13} {'x production':>13} {'x seed loop':>12} {'of copy BW':>10}")
+    for r in results["rows"]:
+        frac = f"{100 * r['fraction_of_copy_bandwidth']:.1f}%" if "fraction_of_copy_bandwidth" in r else "-"
+        print(f"{r['device']:>6} {r['W']:>3} {r['shard_numel']:>9} {1e3 * r['fastgrad_s']:>12.3f} "
+              f"{1e3 * r['production_s']:>14.3f} {1e3 * r['seed_loop_s']:>13.3f} "
+              f"{r['speedup_vs_production']:>12.2f}x {r['speedup_vs_seed_loop']:>11.2f}x {frac:>10}")
+    numel = 40_000_000  # production's default bucket size in elements
+    print(f"\nwire bytes per rank for one bucket of {numel} elements, (N-1)/N * S * b:")
+    for world_size in (8, 64):
+        sizes = wire_bytes_per_rank(world_size, numel)
+        results["wire_bytes"][world_size] = sizes
+        base = sizes["bf16 reduce-scatter"]
+        for name, nbytes in sizes.items():
+            print(f"  N={world_size:<3} {name:<46} {nbytes / 2**20:9.1f} MiB  "
+                  f"({nbytes / base:.2f}x bf16 reduce-scatter)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""verify accumulation: the sweep's models equal refgrad, its exact reference equals the oracle,
+its statistics are computed right, and the CLI writes what it promises."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from refgrad import collectives as refc
+from verify import accumulation as acc
+from verify.distributed import free_port
+from verify.metrics import assert_bitwise_equal
+from verify.oracle import correctly_rounded_sum
+
+REPO = Path(__file__).resolve().parents[2]
+DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _sample(world_size, columns, dtype, seed, distribution="gradient"):
+    return acc.generate(distribution, world_size, columns, torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("world_size", [2, 3, 5, 8])
+def test_models_equal_refgrad(dtype, world_size):
+    chunk = 6
+    stacked = _sample(world_size, world_size * chunk, dtype, seed=world_size)
+    inputs = list(stacked)
+    ring = torch.cat(refc.reduce_scatter(inputs, accumulate="wire", order="ring"))
+    assert_bitwise_equal(ring, acc.ring_reduce(stacked, chunk))
+    reverse = torch.cat(refc.reduce_scatter(inputs, accumulate="wire", order="ring_reverse"))
+    assert_bitwise_equal(reverse, acc.ring_reduce(stacked, chunk, reverse=True))
+    assert_bitwise_equal(refc.all_reduce(inputs, accumulate="wire", order="rank")[0],
+                         acc.rank_reduce(stacked))
+    assert_bitwise_equal(refc.all_reduce(inputs, accumulate="wire", order="tree")[0],
+                         acc.tree_reduce(stacked))
+    fp32 = refc.all_reduce(inputs, accumulate="fp32", order="rank")[0]
+    assert_bitwise_equal(fp32, acc.fp32_reduce(stacked)[0])
+
+
+def test_ring_model_over_column_blocks_equals_whole_ring():
+    world_size, chunk = 4, 5
+    stacked = _sample(world_size, world_size * chunk, torch.float16, seed=3, distribution="normal")
+    whole = acc.ring_reduce(stacked, chunk)
+    pieces = [acc.ring_reduce(stacked[:, c * chunk : (c + 2) * chunk].contiguous(), chunk, c)
+              for c in (0, 2)]
+    assert_bitwise_equal(whole, torch.cat(pieces))
+    with pytest.raises(ValueError, match="whole number of chunks"):
+        acc.ring_reduce(stacked[:, :7].contiguous(), chunk)
+
+
+def test_float64_sum_exactness_rule():
+    fp16 = torch.tensor([[60000.0], [2.0**-24]], dtype=torch.float16)
+    assert acc.float64_sum_is_exact(fp16).all()
+    # bf16 2^100 and 2^-100: a sum needs ~200 bits, so float64 is not exact.
+    wide = torch.tensor([[2.0**100, 1.0, 0.0], [2.0**-100, 2.0**-30, 0.0]], dtype=torch.bfloat16)
+    assert acc.float64_sum_is_exact(wide).tolist() == [False, True, True]
+    assert not acc.float64_sum_is_exact(torch.ones(2, 3)).any()  # float32: never claimed
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_exact_references_equal_the_oracle_on_adversarial_columns(dtype):
+    stacked = _sample(16, 64, torch.float32, seed=9)
+    stacked[:, 0] = -0.0  # all -0: IEEE sum is -0
+    stacked[:, 1] = 0.0
+    stacked[0, 2], stacked[1, 2] = 3.0, -3.0  # exact cancellation: +0
+    stacked[:, 3] = 0.0
+    stacked[0, 3], stacked[1, 3] = 1.0, 2.0**-11  # an exact tie in fp16
+    stacked[0, 4], stacked[1, 4] = 2.0**100, 2.0**-100  # slow path (bf16); inf (fp16)
+    stacked[0, 5], stacked[1, 5] = float("inf"), float("-inf")  # NaN
+    stacked[0, 6] = float("nan")
+    wire = stacked.to(dtype)
+    exact64, rounded = acc.exact_references(wire)
+    assert_bitwise_equal(correctly_rounded_sum(wire, dtype), rounded)
+    assert torch.signbit(exact64[0]) and not torch.signbit(exact64[1])
+
+
+def test_growth_exponent_recovers_known_slopes():
+    dps = [2, 4, 8, 16, 32]
+    assert acc.growth_exponent(dps, [3e-4 * math.sqrt(n) for n in dps]) == pytest.approx(0.5)
+    assert acc.growth_exponent(dps, [1e-3 * (n - 1) / (n - 1) for n in dps]) == pytest.approx(0.0)
+    assert acc.growth_exponent([8], [1e-3]) is None
+    assert acc.growth_exponent([2, 4], [0.0, 0.0]) is None
+
+
+def test_small_sweep_statistics_are_consistent():
+    config = acc.SweepConfig(dp_sizes=(2, 5, 16), distributions=("same_sign", "normal"),
+                             numel=4000)
+    points = acc.run_sweep(config)
+    assert len(points) == 3 * 2 * 2 * 3
+    for p in points:
+        assert p.numel == config.numel_for(p.dp) >= 4000
+        assert 0.0 <= p.frac_correctly_rounded <= 1.0
+        assert p.median_ulp <= p.max_ulp
+        assert p.theory_typical == pytest.approx(math.sqrt(p.dp) * acc.UNIT_ROUNDOFF[p.dtype])
+        if p.dp == 2 and p.method == "ring":
+            # One addition is one IEEE rounding of the exact sum: always correctly rounded.
+            assert p.frac_correctly_rounded == 1.0 and p.max_ulp == 0
+        if p.method == "fp32" and p.distribution == "same_sign":
+            # No cancellation: fp32 relative error <= 15 * 2^-24, far below half a 16-bit ULP.
+            assert p.max_ulp <= 1
+    # Point metrics recomputed independently for one point: N=5, fp16, normal, ring.
+    p = next(p for p in points if (p.dp, p.dtype, p.distribution, p.method)
+             == (5, "float16", "normal", "ring"))
+    block_seed = acc._seed_for(config, "normal", 5, 0)
+    stacked = acc.generate("normal", 5, config.numel_for(5),
+                           torch.Generator().manual_seed(block_seed)).to(torch.float16)
+    exact = torch.stack([t.double() for t in stacked]).sum(0)  # exact for fp16 (see docs)
+    result = torch.cat(refc.reduce_scatter(list(stacked), accumulate="wire", order="ring"))
+    rel = float(torch.linalg.vector_norm(result.double() - exact) / torch.linalg.vector_norm(exact))
+    assert p.rel_error == pytest.approx(rel, rel=1e-12)
+    correct = correctly_rounded_sum(stacked, torch.float16)
+    assert p.frac_correctly_rounded == pytest.approx(
+        float((result.view(torch.int16) == correct.view(torch.int16)).double().mean()))
+
+
+def test_sweep_over_several_column_blocks_keeps_each_chunks_ring_order(monkeypatch):
+    # 4 ranks, 64 elements: chunks of 16; a 64-element block budget gives one chunk per block.
+    monkeypatch.setattr(acc, "BLOCK_ELEMENTS", 64)
+    config = acc.SweepConfig(dp_sizes=(4,), dtypes=("bfloat16",), distributions=("normal",),
+                             methods=("ring",), numel=64)
+    (point,) = acc.run_sweep(config)
+    blocks = [acc.generate("normal", 4, 16, torch.Generator().manual_seed(
+        acc._seed_for(config, "normal", 4, b))) for b in range(4)]
+    full = torch.cat(blocks, dim=1).to(torch.bfloat16)
+    expected = torch.cat(refc.reduce_scatter(list(full), accumulate="wire", order="ring"))
+    correct = correctly_rounded_sum(full, torch.bfloat16)
+    assert point.frac_correctly_rounded == pytest.approx(
+        float((expected.view(torch.int16) == correct.view(torch.int16)).double().mean()))
+    exact = full.double().sum(0)
+    rel = float(torch.linalg.vector_norm(expected.double() - exact) / torch.linalg.vector_norm(exact))
+    assert point.rel_error == pytest.approx(rel, rel=1e-9)
+
+
+def test_sweep_config_validation():
+    with pytest.raises(ValueError, match="dp_sizes"):
+        acc.SweepConfig(dp_sizes=(1, 2))
+    with pytest.raises(ValueError, match="dp_sizes"):
+        acc.SweepConfig(dp_sizes=(16384,))
+    with pytest.raises(ValueError, match="dtypes"):
+        acc.SweepConfig(dtypes=("float8",))
+    with pytest.raises(ValueError, match="numel"):
+        acc.SweepConfig(numel=0)
+    with pytest.raises(ValueError, match="distribution"):
+        acc.generate("uniform", 2, 2, torch.Generator())
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser()
+    acc.configure_parser(parser)
+    return parser.parse_args(argv)
+
+
+def test_main_writes_table_json_markdown_and_plot(tmp_path, capsys):
+    args = _parse(["--dp", "2,8,64", "--dtype", "fp16", "--numel", "2048",
+                   "--json", str(tmp_path / "r.json"), "--markdown", str(tmp_path / "r.md"),
+                   "--plot", str(tmp_path / "r.png")])
+    assert acc.main(args) == 0
+    out, err = capsys.readouterr()
+    assert "Growth exponents" in out and "seed's claims" in out
+    assert "9/9" in err  # the progress bar reached the end (3 distributions x 3 N)
+    payload = json.loads((tmp_path / "r.json").read_text())
+    assert len(payload["points"]) == 3 * 3 * 3
+    claims = payload["seed_claims"]
+    assert {(c["dp"], c["claimed"]) for c in claims} == {(8, 1e-5), (64, 8e-5), (8, 1e-7), (64, 8e-7)}
+    assert "| N | method |" in (tmp_path / "r.md").read_text()
+    assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plot_is_skipped_with_a_message_without_matplotlib(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(acc, "_matplotlib_available", lambda: False)
+    args = _parse(["--dp", "2,4", "--dtype", "bf16", "--distribution", "normal", "--numel", "256",
+                   "--plot", str(tmp_path / "r.png"), "--no-progress"])
+    assert acc.main(args) == 0
+    assert "matplotlib is not installed" in capsys.readouterr().err
+    assert not (tmp_path / "r.png").exists()
+
+
+def test_bad_usage():
+    with pytest.raises(SystemExit):
+        _parse(["--dtype", "fp8"])
+    with pytest.raises(SystemExit):
+        _parse(["--dp", "two"])
+    assert acc.main(_parse(["--dp", "1,2", "--no-progress"])) == 2
+
+
+def test_dist_backend_outside_torchrun_is_a_usage_error(monkeypatch, capsys):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert acc.main(_parse(["--backend", "dist"])) == 2
+    assert "torchrun" in capsys.readouterr().err
+
+
+@pytest.mark.dist
+def test_dist_backend_under_torchrun(tmp_path):
+    torchrun = Path(sys.executable).with_name("torchrun")
+    report = tmp_path / "dist.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [str(torchrun), "--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "verify",
+         "accumulation", "--backend", "dist", "--numel", "512", "--distribution", "normal",
+         "--json", str(report)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    payload = json.loads(report.read_text())
+    assert payload["world_size"] == 2 and payload["fastgrad_matches_model"] is True
+    rows = {(r["collective"], r["dtype"]): r for r in payload["rows"]}
+    assert set(rows) == {(c, d) for c in ("reduce_scatter", "all_reduce", "fastgrad fp32-accumulate")
+                         for d in ("float16", "bfloat16")}
+    for (collective, _), row in rows.items():
+        if collective.startswith("fastgrad"):
+            assert row["matches"]["fp32"]["bitwise"]
+        # With two ranks every order is one IEEE addition of the exact pair sum.
+        assert row["frac_correctly_rounded"] == 1.0
+    assert rows[("all_reduce", "float16")]["identical_on_all_ranks"]
