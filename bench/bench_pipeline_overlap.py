@@ -1,0 +1,88 @@
+"""Step time and exposed grad sync of a 1F1B pipeline, overlap_grad_reduce on against off, same run.
+
+Usage: .venv/bin/python bench/bench_pipeline_overlap.py [--stages P] [--dp D] [--microbatches M]
+       [--hidden H] [--layers L] [--steps S] [--buckets-per-stage K]
+
+Spawns P*D gloo ranks (CPU). Both settings train the same model on the same
+data; their gradients are checked bitwise equal before any time is printed,
+so a faster wrong answer cannot be reported. Prints, per setting, the median
+and best step time and exposed sync (step end minus the end of the last
+compute on any rank) over the steps after the first, and the ratios
+off / on. On an oversubscribed machine (fewer cores than ranks) the async
+reduction competes with compute for the same cores: expect noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+
+def main() -> None:
+    from fastgrad.timeline import TimelineEvent, summarize_step
+    from refgrad.pipeline import LinearStackSpec, StepPlan
+    from verify.checks.pipeline import PipelineCase, pipeline_worker
+    from verify.distributed import spawn
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--dp", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4, help="Linear layers per stage")
+    parser.add_argument("--microbatch-size", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--buckets-per-stage", type=int, default=4)
+    args = parser.parse_args()
+    for name in ("stages", "dp", "microbatches", "hidden", "layers", "microbatch_size",
+                 "buckets_per_stage"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.steps < 2:
+        parser.error("--steps must be >= 2 (the first step is warm-up)")
+
+    spec = LinearStackSpec(num_stages=args.stages, layers_per_stage=args.layers,
+                           hidden=args.hidden, microbatch_size=args.microbatch_size)
+    layer_numel = args.hidden * args.hidden + args.hidden
+    bucket_size = max(1, args.layers * layer_numel // args.buckets_per_stage)
+    case = PipelineCase("bench", args.stages, args.dp, 0, spec,
+                        tuple(StepPlan(args.microbatches) for _ in range(args.steps)),
+                        bucket_size=bucket_size, timing=True)
+    ranks = spawn(pipeline_worker, args.stages * args.dp, [[case]])
+
+    for step in range(args.steps):
+        for rank_result in ranks:
+            on, off = rank_result["bench"][True], rank_result["bench"][False]
+            for name in on.grads[step]:
+                if not torch.equal(torch.from_numpy(on.grads[step][name]),
+                                   torch.from_numpy(off.grads[step][name])):
+                    raise SystemExit(f"overlap on and off disagree: step {step}, {name}")
+
+    summary = {}
+    for overlap in (True, False):
+        reports = []
+        for step in range(1, args.steps):
+            events = [TimelineEvent(*e) for r in ranks for e in r["bench"][overlap].events[step]]
+            reports.append(summarize_step(events))
+        summary[overlap] = reports
+    print(f"1F1B P={args.stages} D={args.dp} M={args.microbatches} hidden={args.hidden} "
+          f"layers/stage={args.layers} buckets/stage~{args.buckets_per_stage}, "
+          f"{args.steps - 1} timed steps")
+    print(f"{'overlap':<8} {'median step ms':>15} {'best step ms':>13} {'median exposed ms':>18} "
+          f"{'bubble':>7}")
+    medians = {}
+    for overlap, reports in summary.items():
+        step_ms = statistics.median(r.step_time for r in reports) * 1e3
+        exposed_ms = statistics.median(r.exposed_grad_sync for r in reports) * 1e3
+        medians[overlap] = (step_ms, exposed_ms)
+        print(f"{'on' if overlap else 'off':<8} {step_ms:>15.3f} "
+              f"{min(r.step_time for r in reports) * 1e3:>13.3f} {exposed_ms:>18.3f} "
+              f"{statistics.median(r.bubble_fraction for r in reports):>7.3f}")
+    print(f"ratio off/on: step {medians[False][0] / medians[True][0]:.3f}, exposed sync "
+          f"{medians[False][1] / max(medians[True][1], 1e-9):.3f}")
+
+
+if __name__ == "__main__":
+    main()

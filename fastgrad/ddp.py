@@ -1,0 +1,350 @@
+"""Bucketed data parallelism on the padded buffers of :mod:`fastgrad.buffer`.
+
+Mechanics (REFERENCE_NOTES section 5, production's DDP with its failure modes fixed):
+
+- A post-accumulate-grad hook on every trainable parameter adds ``param.grad``
+  into ``param.main_grad`` (a view of the bucket's contiguous buffer) and
+  clears ``param.grad``. Grads written straight into ``main_grad`` outside
+  autograd (fused or deferred wgrad) are announced with :meth:`mark_grad_ready`.
+- ``no_sync()`` (or ``disable_grad_sync``/``enable_grad_sync``) marks the
+  microbatches that are *not* the last; ready parameters are counted only while
+  sync is enabled, i.e. during the last microbatch's backward.
+- With ``overlap_grad_reduce`` a bucket launches its asynchronous reduction
+  (``Bucket.start_grad_sync``: all-reduce, or reduce-scatter with the
+  distributed optimizer, optionally fp32-accumulating; SUM, or an average via
+  ``1/dp`` pre-scaling or ``ReduceOp.AVG``) the moment its last expected
+  parameter is ready. ``finish_grad_sync()`` waits for them all. Without
+  overlap, ``finish_grad_sync()`` runs the same reductions synchronously.
+
+Expected counts. On the first batch (and again whenever the set of trainable
+parameters changes) the engine *learns* which parameters of each bucket really
+produce a gradient on the last microbatch: a bucket launches as soon as all of
+its trainable parameters are ready, and a bucket that is still incomplete at
+``finish_grad_sync`` (an unused parameter) is launched there and its observed
+count becomes the expectation. Later batches launch each bucket when its
+learned count is reached; a bucket that never launches is an error naming the
+bucket and its ready/total counts. The counts are per *last microbatch*, so a
+change in the number of microbatches cannot invalidate them (production learns
+counts that silently depend on it), and a parameter frozen or unfrozen between
+steps triggers relearning instead of a hang.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from fastgrad.buffer import Bucket, ParamAndGradBuffer
+from fastgrad.config import DDPConfig
+from fastgrad.errors import LifecycleError
+
+
+@dataclass
+class _BucketState:
+    """Per-step bookkeeping of one bucket."""
+
+    bucket: Bucket
+    index: int
+    ready: set[nn.Parameter] = field(default_factory=set)
+    learned: frozenset[nn.Parameter] | None = None
+    launched: bool = False
+
+
+@dataclass(frozen=True)
+class BucketReadiness:
+    """A snapshot of one bucket's readiness (for reports and tests)."""
+
+    index: int
+    ready: int
+    expected: int
+    total: int
+    launched: bool
+    learned: bool
+
+
+class DistributedDataParallel:
+    """Wrap ``module``; reduce its gradients across ``dp_group`` bucket by bucket.
+
+    ``average=True`` (production's default) averages over the replicas: through
+    ``ReduceOp.AVG`` when ``config.average_in_collective`` is set, otherwise by
+    pre-scaling each bucket by ``1/dp`` before a SUM. ``average=False`` sums.
+    ``external_grad_params`` are parameters whose ``main_grad`` is written
+    outside autograd; they count as ready only through :meth:`mark_grad_ready`.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        config: DDPConfig,
+        dp_group: Any = None,
+        average: bool = True,
+        external_grad_params: Iterable[nn.Parameter] = (),
+    ) -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        if not isinstance(config, DDPConfig):
+            raise TypeError(f"config must be a DDPConfig, got {type(config).__name__}")
+        if not isinstance(average, bool):
+            raise TypeError(f"average must be a bool, got {type(average).__name__}")
+        if config.average_in_collective and not average:
+            raise ValueError(
+                "config.average_in_collective=True averages in the collective; it cannot be "
+                "combined with average=False (sum)"
+            )
+        self.module = module
+        self.config = config
+        self._names = {p: n for n, p in module.named_parameters()}
+        params = [p for p in module.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("module has no parameter with requires_grad=True")
+        self._frozen_at_build = frozenset(p for p in module.parameters() if not p.requires_grad)
+        self.external_grad_params = frozenset(external_grad_params)
+        unknown = [p for p in self.external_grad_params if p not in set(params)]
+        if unknown:
+            raise ValueError("external_grad_params must be trainable parameters of module")
+        dp_size = dist.get_world_size(dp_group) if dist.is_initialized() else 1
+        scaling = 1.0 / dp_size if (average and not config.average_in_collective) else 1.0
+        self.buffer = ParamAndGradBuffer(
+            params, config=config, dp_group=dp_group, gradient_scaling_factor=scaling
+        )
+        self.dp_size = dp_size
+        self._states = [_BucketState(b, i) for i, b in enumerate(self.buffer.buckets)]
+        self._state_of = {p: s for s in self._states for p in s.bucket.params}
+        self._sync_enabled = True
+        self._step_open = False
+        self._launch_sites: dict[int, str] = {}
+        self.last_launch_sites: tuple[str, ...] = ()
+        self._trainable: frozenset[nn.Parameter] = frozenset(params)
+        self._learning = True
+        self.relearn_count = 0
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._on_grad_accumulated)
+            for p in params
+            if p not in self.external_grad_params
+        ]
+
+    # -- forwarding
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def name_of(self, param: nn.Parameter) -> str:
+        """The parameter's name in the wrapped module (for error messages)."""
+        return self._names.get(param, "<unnamed>")
+
+    # -- step lifecycle
+    def _open_step(self) -> None:
+        if self._step_open:
+            return
+        current = frozenset(p for p in self._state_of if p.requires_grad)
+        unfrozen = [p for p in self._frozen_at_build if p.requires_grad]
+        if unfrozen:
+            raise LifecycleError(
+                f"parameter {self.name_of(unfrozen[0])!r} was frozen when DDP was built and has "
+                "no slot in the grad buffer; unfreezing it needs a new DistributedDataParallel"
+            )
+        if current != self._trainable:
+            # Frozen set changed: what each bucket waits for must be learned again.
+            self._trainable = current
+            self._learning = True
+            self.relearn_count += 1
+            for state in self._states:
+                state.learned = None
+        self._step_open = True
+
+    def zero_grad_buffer(self) -> None:
+        """Zero every ``main_grad`` (start of a step); refused while a reduce is pending."""
+        pending = [s for s in self._states if s.launched]
+        if pending:
+            raise LifecycleError(
+                f"zero_grad_buffer while bucket {pending[0].index}'s reduce is launched and not "
+                "finished; call finish_grad_sync first"
+            )
+        self.buffer.zero_grad()
+        self._open_step()
+
+    @property
+    def grad_sync_enabled(self) -> bool:
+        return self._sync_enabled
+
+    def disable_grad_sync(self) -> None:
+        """Mark the following backwards as not the last microbatch (no counting, no launch)."""
+        if not self._sync_enabled:
+            raise LifecycleError("grad sync is already disabled (no_sync() is not reentrant)")
+        launched = [s.index for s in self._states if s.launched]
+        if launched:
+            raise LifecycleError(
+                f"no_sync() entered after bucket(s) {launched} launched their reduce this step; "
+                "finish_grad_sync must come first"
+            )
+        self._open_step()
+        self._sync_enabled = False
+
+    def enable_grad_sync(self) -> None:
+        """Mark the next backward as the last microbatch's (idempotent)."""
+        self._sync_enabled = True
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Context manager: backwards inside it only accumulate into ``main_grad``."""
+        self.disable_grad_sync()
+        try:
+            yield
+        finally:
+            self.enable_grad_sync()
+
+    # -- readiness
+    def _expected(self, state: _BucketState) -> frozenset[nn.Parameter]:
+        if state.learned is not None:
+            return state.learned
+        return frozenset(p for p in state.bucket.params if p in self._trainable)
+
+    def _complete(self, state: _BucketState) -> bool:
+        return self._expected(state) <= state.ready
+
+    def _on_grad_accumulated(self, param: nn.Parameter) -> None:
+        if param.grad is None:
+            return
+        self._open_step()
+        state = self._state_of[param]
+        if self._sync_enabled:
+            self._check_can_become_ready(param, state)
+        param.main_grad.add_(param.grad)
+        param.grad = None
+        if self._sync_enabled:
+            self._register_ready(param, state)
+
+    def _check_can_become_ready(self, param: nn.Parameter, state: _BucketState) -> None:
+        if state.launched:
+            raise LifecycleError(
+                f"grad of {self.name_of(param)!r} arrived after bucket {state.index}'s reduce "
+                "was launched: grad sync must be enabled only for the last microbatch's backward"
+            )
+        if param in state.ready:
+            raise LifecycleError(
+                f"{self.name_of(param)!r} became ready twice with grad sync enabled: grad sync "
+                "must be enabled only for the last microbatch's backward"
+            )
+
+    def _register_ready(self, param: nn.Parameter, state: _BucketState) -> None:
+        state.ready.add(param)
+        if self.config.overlap_grad_reduce and self._complete(state):
+            self._launch(state, "hook")
+
+    def mark_grad_ready(self, param: nn.Parameter) -> None:
+        """Announce that ``param.main_grad`` was written outside autograd for this microbatch."""
+        if param not in self._state_of:
+            raise ValueError("param is not a trainable parameter of this DDP module")
+        self._open_step()
+        if not self._sync_enabled:
+            return
+        state = self._state_of[param]
+        self._check_can_become_ready(param, state)
+        self._register_ready(param, state)
+
+    def reduce_in_flight(self, param: nn.Parameter) -> bool:
+        """True when ``param``'s bucket has launched its reduce this step (writes would race)."""
+        state = self._state_of.get(param)
+        return state is not None and state.launched
+
+    @property
+    def any_reduce_in_flight(self) -> bool:
+        return any(s.launched for s in self._states)
+
+    def readiness(self) -> list[BucketReadiness]:
+        """Per bucket: ready / expected / total params, launched, expectation learned."""
+        return [
+            BucketReadiness(
+                index=s.index,
+                ready=len(s.ready),
+                expected=len(self._expected(s)),
+                total=len(s.bucket.params),
+                launched=s.launched,
+                learned=s.learned is not None,
+            )
+            for s in self._states
+        ]
+
+    # -- reduction
+    def _launch(self, state: _BucketState, site: str) -> None:
+        state.bucket.start_grad_sync()
+        state.launched = True
+        self._launch_sites[state.index] = site
+
+    def start_grad_sync(self) -> None:
+        """Dispatch every complete bucket not yet launched (overlap only; no-op otherwise)."""
+        if not self._sync_enabled:
+            raise LifecycleError("start_grad_sync inside no_sync(): enable grad sync first")
+        if not self.config.overlap_grad_reduce:
+            return
+        for state in self._states:
+            if not state.launched and self._complete(state):
+                self._launch(state, "dispatch")
+
+    def finish_grad_sync(self) -> None:
+        """Wait for every bucket's reduction (running it now without overlap); end the step."""
+        if not self._sync_enabled:
+            raise LifecycleError(
+                "finish_grad_sync inside no_sync(): the last microbatch's grads were never "
+                "counted; call enable_grad_sync (leave no_sync) first"
+            )
+        self._open_step()
+        missing: _BucketState | None = None
+        for state in self._states:
+            if state.launched:
+                continue
+            if (
+                self.config.overlap_grad_reduce
+                and not self._learning
+                and not self._complete(state)
+                and missing is None
+            ):
+                missing = state
+                continue
+            if missing is None:
+                self._launch(state, "finish")
+        for state in self._states:
+            if state.launched:
+                state.bucket.finish_grad_sync()
+        if missing is not None:
+            expected = self._expected(missing)
+            absent = sorted(self.name_of(p) for p in expected - missing.ready)
+            error = LifecycleError(
+                f"finish_grad_sync: communication call has not been issued for bucket "
+                f"{missing.index} ({len(missing.ready)}/{len(expected)} params have grad "
+                f"available; waiting for {absent}); learned on the first batch, so the "
+                "graph changed (a parameter unused this step?)"
+            )
+            self._end_step(learn=False)
+            raise error
+        self._end_step(learn=self._learning)
+
+    def _end_step(self, *, learn: bool) -> None:
+        for state in self._states:
+            if learn:
+                state.learned = frozenset(state.ready)
+            state.ready.clear()
+            state.launched = False
+        if learn:
+            self._learning = False
+        self.last_launch_sites = tuple(
+            self._launch_sites.get(s.index, "never") for s in self._states
+        )
+        self._launch_sites = {}
+        self._step_open = False
+
+    @property
+    def learning(self) -> bool:
+        """True until the expected ready counts have been learned (first batch, or after a change)."""
+        return self._learning
+
+    def remove_hooks(self) -> None:
+        """Detach the grad hooks (the buffer views stay)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()

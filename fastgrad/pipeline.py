@@ -1,0 +1,359 @@
+"""1F1B pipeline schedule (no interleaving) over real torch.distributed processes.
+
+``P`` pipeline stages times ``D`` data-parallel replicas make ``P*D`` ranks;
+global rank ``stage * D + dp_rank`` (pipeline outermost, as production's
+default rank order). Activations and their gradients travel between stages
+with point-to-point ``isend``/``irecv``; gradients are reduced across the ``D``
+replicas of a stage by :class:`fastgrad.ddp.DistributedDataParallel`.
+
+Gradient sync placement (REFERENCE_NOTES section 5):
+
+- grad sync is disabled for the whole step and enabled just before the
+  backward of the last microbatch, so buckets launch their reduce as that
+  backward completes them;
+- non-first stages then dispatch every bucket still pending, inside their
+  cooldown bubble (the first stage finishes last, so it has no bubble left);
+- then the deferred embedding-wgrad drain (when given), then finalization:
+  wait for every bucket, then the tied-embedding all-reduce over the first and
+  last stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fastgrad.embedding import allreduce_tied_embedding_grad
+from fastgrad.errors import LifecycleError
+from fastgrad.timeline import Timeline
+
+
+class GradSync(Protocol):
+    """What the schedule needs from the data-parallel engine (fastgrad.ddp)."""
+
+    def disable_grad_sync(self) -> None: ...
+    def enable_grad_sync(self) -> None: ...
+    def start_grad_sync(self) -> None: ...
+    def finish_grad_sync(self) -> None: ...
+    def mark_grad_ready(self, param: nn.Parameter) -> None: ...
+    def reduce_in_flight(self, param: nn.Parameter) -> bool: ...
+
+
+class DeferredWgradDrain(Protocol):
+    """What the schedule needs from a deferred output-layer wgrad (fastgrad.embedding)."""
+
+    weight: nn.Parameter
+
+    def drain_deferred_wgrad(
+        self, reduce_in_flight: Callable[[nn.Parameter], bool] | None = None
+    ) -> int: ...
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """This rank's place in the ``pp_size x dp_size`` grid and its process groups."""
+
+    rank: int
+    pp_size: int
+    dp_size: int
+    stage: int
+    dp_rank: int
+    pp_ranks: tuple[int, ...]
+    dp_ranks: tuple[int, ...]
+    dp_group: Any
+    pp_group: Any
+    embedding_ranks: tuple[int, ...]
+    embedding_group: Any
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage == self.pp_size - 1
+
+
+def global_rank(stage: int, dp_rank: int, dp_size: int, first_rank: int = 0) -> int:
+    """The global rank of ``(stage, dp_rank)``: pipeline outermost, offset by ``first_rank``."""
+    return first_rank + stage * dp_size + dp_rank
+
+
+def build_parallel_groups(
+    pp_size: int, dp_size: int, *, first_rank: int = 0
+) -> ParallelGroups | None:
+    """Create the DP, pipeline and embedding groups of a ``pp_size x dp_size`` grid.
+
+    The grid occupies global ranks ``[first_rank, first_rank + pp_size * dp_size)``
+    (several grids can share one world). ``dist.new_group`` is collective over
+    the whole world, so every rank of the world must call this identically, in
+    the same order; ranks outside the grid get ``None``.
+    """
+    for name, value in (("pp_size", pp_size), ("dp_size", dp_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if isinstance(first_rank, bool) or not isinstance(first_rank, int) or first_rank < 0:
+        raise ValueError(f"first_rank must be an int >= 0, got {first_rank!r}")
+    if not dist.is_initialized():
+        raise LifecycleError("build_parallel_groups needs torch.distributed to be initialised")
+    world = dist.get_world_size()
+    if first_rank + pp_size * dp_size > world:
+        raise ValueError(
+            f"first_rank + pp_size * dp_size = {first_rank} + {pp_size} * {dp_size} exceeds "
+            f"the world size {world}"
+        )
+    rank = dist.get_rank()
+    member = first_rank <= rank < first_rank + pp_size * dp_size
+    stage, dp_rank = divmod(rank - first_rank, dp_size) if member else (-1, -1)
+    dp_group = pp_group = embedding_group = None
+    dp_ranks: tuple[int, ...] = ()
+    pp_ranks: tuple[int, ...] = ()
+    embedding_ranks: tuple[int, ...] = ()
+    for s in range(pp_size):
+        ranks = tuple(global_rank(s, d, dp_size, first_rank) for d in range(dp_size))
+        group = dist.new_group(list(ranks))
+        if s == stage:
+            dp_group, dp_ranks = group, ranks
+    for d in range(dp_size):
+        ranks = tuple(global_rank(s, d, dp_size, first_rank) for s in range(pp_size))
+        group = dist.new_group(list(ranks))
+        if d == dp_rank:
+            pp_group, pp_ranks = group, ranks
+    if pp_size > 1:
+        for d in range(dp_size):
+            ranks = (
+                global_rank(0, d, dp_size, first_rank),
+                global_rank(pp_size - 1, d, dp_size, first_rank),
+            )
+            group = dist.new_group(list(ranks))
+            if d == dp_rank:
+                embedding_group, embedding_ranks = group, ranks
+    if not member:
+        return None
+    return ParallelGroups(
+        rank=rank,
+        pp_size=pp_size,
+        dp_size=dp_size,
+        stage=stage,
+        dp_rank=dp_rank,
+        pp_ranks=pp_ranks,
+        dp_ranks=dp_ranks,
+        dp_group=dp_group,
+        pp_group=pp_group,
+        embedding_ranks=embedding_ranks,
+        embedding_group=embedding_group,
+    )
+
+
+def num_warmup_microbatches(pp_size: int, stage: int, num_microbatches: int) -> int:
+    """1F1B warmup forwards of ``stage``: ``min(P - stage - 1, M)``."""
+    if not 0 <= stage < pp_size:
+        raise ValueError(f"stage must be in [0, {pp_size}), got {stage}")
+    if num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
+    return min(pp_size - stage - 1, num_microbatches)
+
+
+def schedule_1f1b(pp_size: int, stage: int, num_microbatches: int) -> list[tuple[str, int]]:
+    """The program order of one stage: ``("F", i)`` and ``("B", i)`` in 1F1B order."""
+    warmup = num_warmup_microbatches(pp_size, stage, num_microbatches)
+    order = [("F", i) for i in range(warmup)]
+    for i in range(num_microbatches - warmup):
+        order.append(("F", warmup + i))
+        order.append(("B", i))
+    order.extend(("B", i) for i in range(num_microbatches - warmup, num_microbatches))
+    return order
+
+
+class _P2P:
+    """Point-to-point exchange with the neighbouring stages of this rank's pipeline."""
+
+    def __init__(
+        self, groups: ParallelGroups, shape: tuple[int, ...], dtype: torch.dtype, timeline: Timeline
+    ) -> None:
+        self.groups = groups
+        self.shape = shape
+        self.dtype = dtype
+        self.timeline = timeline
+        stage = groups.stage
+        self.prev = groups.pp_ranks[stage - 1] if stage > 0 else None
+        self.next = groups.pp_ranks[stage + 1] if stage < groups.pp_size - 1 else None
+
+    def exchange(
+        self,
+        kind: str,
+        microbatch: int,
+        send: torch.Tensor | None,
+        send_to: int | None,
+        recv_from: int | None,
+    ) -> torch.Tensor | None:
+        """Post the send and the receive together (no ordering deadlock), then wait for both."""
+        if send_to is None:
+            send = None
+        if send is None and recv_from is None:
+            return None
+        received = None
+        with self.timeline.record(kind, microbatch):
+            works = []
+            if send is not None:
+                works.append(dist.isend(send.contiguous(), dst=send_to))
+            if recv_from is not None:
+                received = torch.empty(self.shape, dtype=self.dtype)
+                works.append(dist.irecv(received, src=recv_from))
+            for work in works:
+                work.wait()
+        return received
+
+
+def forward_backward_1f1b(
+    stage_module: nn.Module,
+    *,
+    groups: ParallelGroups,
+    grad_sync: GradSync,
+    num_microbatches: int,
+    activation_shape: tuple[int, ...],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    inputs: Sequence[torch.Tensor] | None = None,
+    targets: Sequence[torch.Tensor] | None = None,
+    dtype: torch.dtype = torch.float32,
+    timeline: Timeline | None = None,
+    deferred_wgrad: DeferredWgradDrain | None = None,
+    embedding_params: Sequence[nn.Parameter] = (),
+) -> list[torch.Tensor]:
+    """Run one 1F1B step; return the last stage's per-microbatch losses (else ``[]``).
+
+    ``inputs`` (first stage) and ``targets`` (last stage) hold one tensor per
+    microbatch. ``grad_sync`` is disabled on entry and enabled before the last
+    microbatch's backward; on return every bucket's reduction has finished, and
+    ``embedding_params`` (tied weights on the first and last stage) have had
+    their ``main_grad`` all-reduced over the embedding group. ``deferred_wgrad``
+    (a ``fastgrad.embedding.ColumnParallelOutputLayer`` on the last stage whose
+    weight DDP lists in ``external_grad_params``) is drained after the cooldown,
+    then its weight is marked ready; call its ``start_step()`` before this.
+    """
+    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int):
+        raise TypeError(f"num_microbatches must be an int, got {type(num_microbatches).__name__}")
+    if num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
+    if groups.is_first_stage and (inputs is None or len(inputs) != num_microbatches):
+        raise ValueError(f"inputs must hold num_microbatches={num_microbatches} tensors on the first stage")
+    if groups.is_last_stage and (targets is None or len(targets) != num_microbatches):
+        raise ValueError(f"targets must hold num_microbatches={num_microbatches} tensors on the last stage")
+    if embedding_params and groups.pp_size > 1 and groups.embedding_group is None:
+        raise ValueError("embedding_params were given but this rank has no embedding group")
+    timeline = timeline if timeline is not None else Timeline(groups.rank, enabled=False)
+    p2p = _P2P(groups, tuple(activation_shape), dtype, timeline)
+    stage = groups.stage
+    warmup = num_warmup_microbatches(groups.pp_size, stage, num_microbatches)
+    remaining = num_microbatches - warmup
+    in_flight: list[tuple[int, torch.Tensor | None, torch.Tensor]] = []
+    losses: list[torch.Tensor] = []
+
+    def forward(microbatch: int, received: torch.Tensor | None) -> torch.Tensor:
+        with timeline.record("forward", microbatch):
+            if groups.is_first_stage:
+                x = inputs[microbatch]
+                stage_input = None
+            else:
+                x = received.requires_grad_(True)
+                stage_input = x
+            y = stage_module(x)
+            if groups.is_last_stage:
+                loss = loss_fn(y, targets[microbatch])
+                losses.append(loss.detach())
+                in_flight.append((microbatch, stage_input, loss))
+                return loss
+            in_flight.append((microbatch, stage_input, y))
+            return y.detach()
+
+    def backward(output_grad: torch.Tensor | None) -> tuple[int, torch.Tensor | None]:
+        microbatch, stage_input, output = in_flight.pop(0)
+        with timeline.record("backward", microbatch):
+            if output_grad is None:
+                torch.autograd.backward(output)
+            else:
+                torch.autograd.backward(output, grad_tensors=output_grad)
+        return microbatch, (stage_input.grad if stage_input is not None else None)
+
+    grad_sync.disable_grad_sync()
+    for i in range(warmup):
+        received = p2p.exchange("recv", i, None, None, p2p.prev)
+        sent = forward(i, received)
+        p2p.exchange("send", i, sent, p2p.next, None)
+    received = p2p.exchange("recv", warmup, None, None, p2p.prev) if remaining > 0 else None
+    for i in range(remaining):
+        microbatch = warmup + i
+        last_iteration = i == remaining - 1
+        sent = forward(microbatch, received)
+        output_grad = p2p.exchange("send_recv", microbatch, sent, p2p.next, p2p.next)
+        if warmup == 0 and last_iteration:
+            grad_sync.enable_grad_sync()
+        backward_microbatch, input_grad = backward(output_grad)
+        if last_iteration:
+            p2p.exchange("send", backward_microbatch, input_grad, p2p.prev, None)
+            received = None
+        else:
+            received = p2p.exchange("send_recv", backward_microbatch, input_grad, p2p.prev, p2p.prev)
+    for i in range(warmup):
+        if i == warmup - 1:
+            grad_sync.enable_grad_sync()
+        microbatch = remaining + i
+        output_grad = p2p.exchange("recv", microbatch, None, None, p2p.next)
+        backward_microbatch, input_grad = backward(output_grad)
+        p2p.exchange("send", backward_microbatch, input_grad, p2p.prev, None)
+    if in_flight:
+        raise LifecycleError(f"1F1B left {len(in_flight)} microbatches without a backward")
+
+    if not groups.is_first_stage:
+        with timeline.record("grad_sync_launch"):
+            grad_sync.start_grad_sync()
+    if deferred_wgrad is not None:
+        # The output weight's main_grad is written outside autograd (fused or
+        # deferred wgrad), so its bucket waits for this mark: it cannot launch
+        # before the drain has written the last microbatch's wgrad.
+        with timeline.record("wgrad_drain"):
+            deferred_wgrad.drain_deferred_wgrad(grad_sync.reduce_in_flight)
+        grad_sync.mark_grad_ready(deferred_wgrad.weight)
+    finalize_grads(grad_sync, groups, embedding_params, timeline)
+    return losses
+
+
+def finalize_grads(
+    grad_sync: GradSync,
+    groups: ParallelGroups,
+    embedding_params: Sequence[nn.Parameter],
+    timeline: Timeline | None = None,
+) -> None:
+    """Wait for every bucket's reduction, then all-reduce (SUM) tied embedding grads.
+
+    The embedding all-reduce runs after the DP sync, so each stage's copy is
+    already the DP-reduced gradient: ``main_grad = first_copy + last_copy``.
+    """
+    timeline = timeline if timeline is not None else Timeline(groups.rank, enabled=False)
+    with timeline.record("grad_sync_wait"):
+        grad_sync.finish_grad_sync()
+    if embedding_params and groups.pp_size > 1 and (groups.is_first_stage or groups.is_last_stage):
+        with timeline.record("embedding_sync"):
+            for param in embedding_params:
+                grad = getattr(param, "main_grad", None)
+                if grad is None:
+                    raise LifecycleError("tied embedding parameter has no main_grad to all-reduce")
+                allreduce_tied_embedding_grad(grad, groups.embedding_group)
+
+
+__all__ = [
+    "GradSync",
+    "DeferredWgradDrain",
+    "ParallelGroups",
+    "build_parallel_groups",
+    "forward_backward_1f1b",
+    "finalize_grads",
+    "global_rank",
+    "num_warmup_microbatches",
+    "schedule_1f1b",
+]

@@ -1,0 +1,302 @@
+"""Reference for gradient sync in pipeline bubbles (REFERENCE_NOTES section 5).
+
+The pipelined, data-parallel training step must compute exactly what this one
+process computes, in this order:
+
+1. for each data-parallel replica ``d``, run its microbatches one after the
+   other through the *whole* model (all stages in one autograd graph);
+2. sum each parameter's per-microbatch gradients in microbatch order, in the
+   grad dtype (fp32), starting from zeros: ``acc = acc + g_m``;
+3. reduce the per-replica sums across replicas with ``refgrad.collectives``
+   (rank-order fp32 sum; for ``D <= 2`` the correctly rounded sum), summed,
+   averaged in the collective, or pre-scaled by ``1/D`` as production does;
+4. an SGD step ``p = p - lr * g`` with two visible fp32 roundings, skipping
+   frozen parameters.
+
+The model is a small deterministic stack of ``Linear`` + ``tanh`` layers split
+evenly across ``num_stages`` stages; its weights, inputs and targets come from
+seeded generators, so the pipelined run can rebuild exactly the same tensors on
+each stage. A frozen parameter (``requires_grad=False``) gets no gradient: its
+reduced gradient is zero and it is not updated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from refgrad.collectives import all_reduce, prescale_like_torch
+from refgrad.exact import correctly_rounded_sum
+
+
+def _positive_int(owner: str, name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{owner}.{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{owner}.{name} must be >= 1, got {value}")
+
+
+@dataclass(frozen=True)
+class LinearStackSpec:
+    """A ``num_stages * layers_per_stage`` stack of ``hidden x hidden`` Linear+tanh layers.
+
+    The last layer of the last stage has no tanh. ``seed`` fixes the weights and
+    the data; ``microbatch_size`` is the number of rows per microbatch.
+    ``output_head`` appends ``logits = x · W_headᵀ`` (``hidden x hidden``) on the
+    last stage, whose weight gradient production defers to the pipeline flush:
+    per microbatch ``W_head.main_grad += G_kᵀ · X_k`` (one fp32 GEMM, one fp32
+    add, microbatch order). ``tied_embedding`` ties ``W_head`` to the first
+    stage's ``layers.0.weight`` (same initial values); after the DP reduction
+    both copies become ``fp32(reduced_first + reduced_head)``.
+    """
+
+    num_stages: int
+    layers_per_stage: int = 2
+    hidden: int = 8
+    microbatch_size: int = 4
+    seed: int = 0
+    output_head: bool = False
+    tied_embedding: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("num_stages", "layers_per_stage", "hidden", "microbatch_size"):
+            _positive_int("LinearStackSpec", name, getattr(self, name))
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"LinearStackSpec.seed must be an int >= 0, got {self.seed!r}")
+        for name in ("output_head", "tied_embedding"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"LinearStackSpec.{name} must be a bool")
+        if self.output_head and self.num_stages < 2:
+            raise ValueError("LinearStackSpec.output_head needs num_stages >= 2 (its wgrad is "
+                             "deferred to the pipeline flush)")
+        if self.tied_embedding and not self.output_head:
+            raise ValueError("LinearStackSpec.tied_embedding needs output_head=True")
+
+    @property
+    def activation_shape(self) -> tuple[int, int]:
+        """Shape of the tensor passed between stages."""
+        return (self.microbatch_size, self.hidden)
+
+
+class StageModule(nn.Module):
+    """One pipeline stage: ``layers_per_stage`` Linear layers, tanh between them."""
+
+    def __init__(self, spec: LinearStackSpec, stage: int) -> None:
+        super().__init__()
+        if not 0 <= stage < spec.num_stages:
+            raise ValueError(f"stage must be in [0, {spec.num_stages}), got {stage}")
+        self.final_activation = stage != spec.num_stages - 1
+        self.layers = nn.ModuleList()
+        for layer in range(spec.layers_per_stage):
+            linear = nn.Linear(spec.hidden, spec.hidden)
+            weight, bias = _layer_init(spec, stage, layer)
+            with torch.no_grad():
+                linear.weight.copy_(weight)
+                linear.bias.copy_(bias)
+            self.layers.append(linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        last = len(self.layers) - 1
+        for i, linear in enumerate(self.layers):
+            x = linear(x)
+            if i < last or self.final_activation:
+                x = torch.tanh(x)
+        return x
+
+
+def _layer_init(spec: LinearStackSpec, stage: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(spec.seed * 7919 + stage * 101 + layer)
+    scale = 1.0 / spec.hidden**0.5
+    weight = (torch.rand(spec.hidden, spec.hidden, generator=g) * 2 - 1) * scale
+    bias = (torch.rand(spec.hidden, generator=g) * 2 - 1) * 0.1
+    return weight, bias
+
+
+HEAD_PARAM = "head.weight"  # stage-local name of the output-head weight on the last stage
+EMBEDDING_PARAM = "layers.0.weight"  # stage-local name of the first stage's tied weight
+
+
+def head_weight_init(spec: LinearStackSpec) -> torch.Tensor:
+    """Initial output-head weight: the first stage's first weight when tied."""
+    if spec.tied_embedding:
+        return _layer_init(spec, 0, 0)[0]
+    g = torch.Generator().manual_seed(spec.seed * 7919 + 99_991)
+    return (torch.rand(spec.hidden, spec.hidden, generator=g) * 2 - 1) / spec.hidden**0.5
+
+
+class _HeadRecordingWgrad(torch.autograd.Function):
+    """``x · Wᵀ``; backward returns the input gradient ``G · W`` and records ``(G, X)``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, record):
+        ctx.save_for_backward(x, weight)
+        ctx.record = record
+        return torch.matmul(x, weight.t())
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, weight = ctx.saved_tensors
+        ctx.record.append((grad_output.detach(), x.detach()))
+        return grad_output.matmul(weight), None, None
+
+
+def microbatch_data(
+    spec: LinearStackSpec, dp_rank: int, step: int, num_microbatches: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Rank-, step- and microbatch-specific ``(inputs, targets)`` for one replica."""
+    _positive_int("microbatch_data", "num_microbatches", num_microbatches)
+    g = torch.Generator().manual_seed(spec.seed * 1_000_003 + dp_rank * 10_007 + step * 31 + 5)
+    inputs = [torch.randn(spec.activation_shape, generator=g) for _ in range(num_microbatches)]
+    targets = [torch.randn(spec.activation_shape, generator=g) for _ in range(num_microbatches)]
+    return inputs, targets
+
+
+def microbatch_loss(output: torch.Tensor, target: torch.Tensor, num_microbatches: int) -> torch.Tensor:
+    """Mean squared error of one microbatch, divided by the microbatch count (as production)."""
+    return (output - target).square().mean() / num_microbatches
+
+
+def sgd_update(param: torch.Tensor, grad: torch.Tensor, lr: float) -> torch.Tensor:
+    """``param - lr * grad`` with two separate fp32 roundings (no fused multiply-add)."""
+    return torch.sub(param, torch.mul(grad, lr))
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One training step: how many microbatches, and which parameters are frozen."""
+
+    num_microbatches: int
+    frozen: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        _positive_int("StepPlan", "num_microbatches", self.num_microbatches)
+
+
+@dataclass
+class ReferenceResult:
+    """Per step: losses ``[dp][microbatch]``, reduced grads, params after the update,
+    and each replica's microbatch-ordered grad sum before the DP reduction."""
+
+    losses: list[list[list[float]]] = field(default_factory=list)
+    grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    params: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    replica_sums: list[list[dict[str, torch.Tensor]]] = field(default_factory=list)
+
+
+def stage_param_name(stage: int, name: str) -> str:
+    """The global name of a stage-local parameter name, e.g. ``stage1.layers.0.weight``."""
+    return f"stage{stage}.{name}"
+
+
+REDUCTIONS = ("sum", "avg", "prescale")
+
+
+def reduce_across_replicas(per_replica: Sequence[torch.Tensor], reduction: str) -> torch.Tensor:
+    """The reference DP reduction of one parameter's per-replica grads (``refgrad.collectives``).
+
+    ``reduction``: ``"sum"`` (fp32 sum in rank order, one rounding per add),
+    ``"avg"`` (that sum divided by ``D`` with one more rounding: ``ReduceOp.AVG``)
+    or ``"prescale"`` (each replica's grad multiplied by ``1/D`` as torch does,
+    then summed: production's gradient scaling factor before a SUM). For
+    ``D <= 2`` the rank-order sum is the correctly rounded sum, which any
+    all-reduce algorithm produces.
+    """
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if not per_replica:
+        raise ValueError("per_replica must hold at least one tensor")
+    if len(per_replica) == 1:
+        # A reduction over one replica is that replica (x * 1.0 and x / 1 are exact).
+        return per_replica[0].clone()
+    shape = per_replica[0].shape
+    world = len(per_replica)
+    numel = per_replica[0].numel()
+    padded = -(-numel // world) * world
+    flat = []
+    for t in per_replica:
+        f = torch.zeros(padded, dtype=t.dtype)
+        f[:numel] = t.reshape(-1)
+        flat.append(f)
+    op = "sum"
+    if reduction == "prescale":
+        flat = prescale_like_torch(flat, 1.0 / world)
+    elif reduction == "avg":
+        op = "avg"
+    reduced = all_reduce(flat, accumulate="fp32", order="rank", op=op)[0]
+    return reduced[:numel].reshape(shape)
+
+
+def reference_training(
+    spec: LinearStackSpec,
+    plans: Sequence[StepPlan],
+    dp_size: int,
+    *,
+    lr: float = 0.05,
+    reduction: str = "sum",
+) -> ReferenceResult:
+    """Run ``plans`` (one per step) on the whole model in one process; see the module doc."""
+    _positive_int("reference_training", "dp_size", dp_size)
+    stages = [StageModule(spec, s) for s in range(spec.num_stages)]
+    named = {
+        stage_param_name(s, n): p for s, stage in enumerate(stages) for n, p in stage.named_parameters()
+    }
+    head_name = stage_param_name(spec.num_stages - 1, HEAD_PARAM)
+    tied_name = stage_param_name(0, EMBEDDING_PARAM)
+    head = None
+    if spec.output_head:
+        head = head_weight_init(spec).requires_grad_(True)
+        named[head_name] = head
+    result = ReferenceResult()
+    for step, plan in enumerate(plans):
+        unknown = sorted(set(plan.frozen) - set(named))
+        if unknown:
+            raise ValueError(f"StepPlan.frozen names unknown parameters: {unknown}")
+        for name, p in named.items():
+            p.requires_grad_(name not in plan.frozen)
+        step_losses: list[list[float]] = []
+        per_replica_sums: list[dict[str, torch.Tensor]] = []
+        for dp_rank in range(dp_size):
+            inputs, targets = microbatch_data(spec, dp_rank, step, plan.num_microbatches)
+            sums = {name: torch.zeros_like(p) for name, p in named.items()}
+            losses: list[float] = []
+            for x, target in zip(inputs, targets):
+                for p in named.values():
+                    p.grad = None
+                out = x
+                for stage in stages:
+                    out = stage(out)
+                record: list[tuple[torch.Tensor, torch.Tensor]] = []
+                if head is not None:
+                    out = _HeadRecordingWgrad.apply(out, head, record)
+                loss = microbatch_loss(out, target, plan.num_microbatches)
+                loss.backward()
+                losses.append(float(loss.detach()))
+                for name, p in named.items():
+                    if p.grad is not None:
+                        sums[name] = sums[name] + p.grad
+                for grad_output, head_input in record:
+                    sums[head_name] = sums[head_name] + torch.mm(grad_output.t(), head_input)
+            step_losses.append(losses)
+            per_replica_sums.append(sums)
+        reduced = {
+            name: reduce_across_replicas([sums[name] for sums in per_replica_sums], reduction)
+            for name in named
+        }
+        if spec.tied_embedding:
+            # The embedding all-reduce over the first and last stage, after the DP sync.
+            tied = correctly_rounded_sum([reduced[tied_name], reduced[head_name]], torch.float32)
+            reduced[tied_name] = tied
+            reduced[head_name] = tied.clone()
+        with torch.no_grad():
+            for name, p in named.items():
+                p.grad = None
+                if name not in plan.frozen:
+                    p.copy_(sgd_update(p, reduced[name], lr))
+        result.losses.append(step_losses)
+        result.grads.append(reduced)
+        result.replica_sums.append(per_replica_sums)
+        result.params.append({name: p.detach().clone() for name, p in named.items()})
+    return result

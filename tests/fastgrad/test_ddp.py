@@ -1,0 +1,289 @@
+"""fastgrad.ddp: hooks into main_grad, no_sync, readiness counting, learned counts, errors.
+
+Single-process tests (dp_size 1, no process group) exercise the state machine;
+one gloo test (2 ranks, rank-specific data, 3 steps) checks the reductions
+against refgrad.collectives through refgrad.pipeline.reduce_across_replicas.
+"""
+
+import pytest
+import torch
+from distributed_utils import run_distributed
+from torch import nn
+
+from fastgrad.config import DDPConfig
+from fastgrad.ddp import DistributedDataParallel
+from fastgrad.errors import LifecycleError
+from refgrad.pipeline import reduce_across_replicas
+
+
+class TwoLayer(nn.Module):
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.first = nn.Linear(4, 4)
+        self.second = nn.Linear(4, 4)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+        self.skip_second = False
+
+    def forward(self, x):
+        x = torch.tanh(self.first(x))
+        return x if self.skip_second else self.second(x)
+
+
+def _data(seed: int, count: int):
+    g = torch.Generator().manual_seed(100 + seed)
+    return [torch.randn(3, 4, generator=g) for _ in range(count)]
+
+
+def _backward(ddp, x):
+    ddp(x).square().sum().backward()
+
+
+def _per_microbatch_grads(seed: int, inputs):
+    """Plain autograd grads of an identical module, one microbatch at a time."""
+    model = TwoLayer(seed)
+    grads = []
+    for x in inputs:
+        model.zero_grad(set_to_none=True)
+        model(x).square().sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    return grads
+
+
+def _config(overlap=True, bucket_size=16, **kw):
+    return DDPConfig(overlap_grad_reduce=overlap, bucket_size=bucket_size, **kw)
+
+
+def _run_step(ddp, inputs):
+    ddp.zero_grad_buffer()
+    with ddp.no_sync():
+        for x in inputs[:-1]:
+            _backward(ddp, x)
+    _backward(ddp, inputs[-1])
+    ddp.finish_grad_sync()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_main_grad_is_the_microbatch_ordered_sum(overlap):
+    model = TwoLayer()
+    ddp = DistributedDataParallel(model, config=_config(overlap), average=False)
+    inputs = _data(0, 3)
+    expected = _per_microbatch_grads(0, inputs)
+    _run_step(ddp, inputs)
+    for name, p in model.named_parameters():
+        acc = torch.zeros_like(p)
+        for g in expected:
+            acc = acc + g[name]
+        assert torch.equal(p.main_grad, acc), name
+        assert p.grad is None  # moved into main_grad by the hook
+
+
+def test_buckets_launch_in_the_last_backward_after_the_first_batch():
+    model = TwoLayer()
+    ddp = DistributedDataParallel(model, config=_config(True), average=False)
+    assert len(ddp.buffer.buckets) >= 2
+    for step in range(3):
+        _run_step(ddp, _data(step, 2))
+        sites = set(ddp.last_launch_sites)
+        assert sites == {"hook"}, (step, ddp.last_launch_sites)
+    assert not ddp.learning
+
+
+def test_without_overlap_everything_reduces_in_finish():
+    ddp = DistributedDataParallel(TwoLayer(), config=_config(False), average=False)
+    _run_step(ddp, _data(0, 2))
+    assert set(ddp.last_launch_sites) == {"finish"}
+
+
+def test_microbatch_count_change_keeps_learned_counts_valid():
+    model = TwoLayer()
+    ddp = DistributedDataParallel(model, config=_config(True), average=False)
+    for step, m in enumerate((3, 1, 5, 2)):
+        inputs = _data(step, m)
+        _run_step(ddp, inputs)
+        assert set(ddp.last_launch_sites) == {"hook"}
+        expected = _per_microbatch_grads(0, inputs)
+        acc = torch.zeros_like(model.first.weight)
+        for g in expected:
+            acc = acc + g["first.weight"]
+        assert torch.equal(model.first.weight.main_grad, acc)
+    assert ddp.relearn_count == 0
+
+
+def test_frozen_parameter_change_relearns_instead_of_hanging():
+    model = TwoLayer()
+    ddp = DistributedDataParallel(model, config=_config(True), average=False)
+    _run_step(ddp, _data(0, 2))
+    model.second.bias.requires_grad_(False)
+    _run_step(ddp, _data(1, 2))
+    assert ddp.relearn_count == 1
+    assert torch.count_nonzero(model.second.bias.main_grad) == 0
+    bucket = next(r for r in ddp.readiness() if r.total and r.learned and r.expected < r.total)
+    assert bucket.expected == bucket.total - 1
+    model.second.bias.requires_grad_(True)
+    _run_step(ddp, _data(2, 2))
+    assert ddp.relearn_count == 2
+    assert set(ddp.last_launch_sites) == {"hook"}
+    assert torch.count_nonzero(model.second.bias.main_grad) > 0
+
+
+def test_bucket_never_launched_names_bucket_and_counts():
+    model = TwoLayer()
+    ddp = DistributedDataParallel(model, config=_config(True, bucket_size=10_000), average=False)
+    _run_step(ddp, _data(0, 2))  # learns: every param produces a grad
+    model.skip_second = True  # graph change: second.* never get a grad
+    ddp.zero_grad_buffer()
+    _backward(ddp, _data(1, 1)[0])
+    with pytest.raises(LifecycleError, match=r"bucket 0 \(2/4 params have grad available") as info:
+        ddp.finish_grad_sync()
+    assert "second.weight" in str(info.value)
+    # The engine is usable again after the error (new step, graph restored).
+    model.skip_second = False
+    _run_step(ddp, _data(2, 2))
+
+
+def test_unused_parameter_on_first_batch_is_learned():
+    model = TwoLayer()
+    model.skip_second = True
+    ddp = DistributedDataParallel(model, config=_config(True, bucket_size=10_000), average=False)
+    _run_step(ddp, _data(0, 2))
+    assert ddp.last_launch_sites == ("finish",)  # incomplete on the first batch: launched at finish
+    _run_step(ddp, _data(1, 2))
+    assert ddp.last_launch_sites == ("hook",)  # learned 2 of 4
+
+
+def test_sync_enabled_on_two_microbatches_is_refused():
+    ddp = DistributedDataParallel(TwoLayer(), config=_config(True), average=False)
+    ddp.zero_grad_buffer()
+    inputs = _data(0, 2)
+    _backward(ddp, inputs[0])  # sync enabled: this is taken as the last microbatch
+    with pytest.raises(LifecycleError, match="only for the last microbatch"):
+        _backward(ddp, inputs[1])
+
+
+def test_no_sync_misuse_is_refused():
+    ddp = DistributedDataParallel(TwoLayer(), config=_config(True), average=False)
+    ddp.zero_grad_buffer()
+    with ddp.no_sync():
+        with pytest.raises(LifecycleError, match="not reentrant"):
+            with ddp.no_sync():
+                pass
+        with pytest.raises(LifecycleError, match="inside no_sync"):
+            ddp.finish_grad_sync()
+        with pytest.raises(LifecycleError, match="inside no_sync"):
+            ddp.start_grad_sync()
+    _backward(ddp, _data(0, 1)[0])  # launches buckets
+    with pytest.raises(LifecycleError, match="launched their reduce"):
+        ddp.disable_grad_sync()
+    with pytest.raises(LifecycleError, match="finish_grad_sync first"):
+        ddp.zero_grad_buffer()
+    ddp.finish_grad_sync()
+
+
+def test_mark_grad_ready_for_grads_written_outside_autograd():
+    model = TwoLayer()
+    ddp = DistributedDataParallel(
+        model, config=_config(True, bucket_size=10_000), average=False,
+        external_grad_params=[model.second.weight],
+    )
+    for step in range(2):
+        ddp.zero_grad_buffer()
+        x = _data(step, 1)[0]
+        model.second.weight.requires_grad_(True)
+        _backward(ddp, x)  # second.weight's hook is not registered: its grad stays in .grad
+        assert not ddp.reduce_in_flight(model.second.weight)
+        model.second.weight.main_grad.add_(model.second.weight.grad)
+        model.second.weight.grad = None
+        ddp.mark_grad_ready(model.second.weight)
+        assert ddp.reduce_in_flight(model.second.weight)
+        ddp.finish_grad_sync()
+        assert ddp.last_launch_sites == ("hook",)
+
+
+def test_constructor_validation():
+    with pytest.raises(TypeError, match="module"):
+        DistributedDataParallel("x", config=_config())
+    with pytest.raises(TypeError, match="config"):
+        DistributedDataParallel(TwoLayer(), config={})
+    with pytest.raises(ValueError, match="average_in_collective"):
+        DistributedDataParallel(TwoLayer(), config=_config(average_in_collective=True), average=False)
+    frozen = TwoLayer()
+    for p in frozen.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(ValueError, match="requires_grad"):
+        DistributedDataParallel(frozen, config=_config())
+    with pytest.raises(ValueError, match="mark_grad_ready|trainable"):
+        DistributedDataParallel(TwoLayer(), config=_config()).mark_grad_ready(nn.Parameter(torch.ones(1)))
+
+
+def test_unfreezing_a_parameter_frozen_at_build_is_refused():
+    model = TwoLayer()
+    model.first.bias.requires_grad_(False)
+    ddp = DistributedDataParallel(model, config=_config())
+    _run_step(ddp, _data(0, 1))
+    model.first.bias.requires_grad_(True)
+    with pytest.raises(LifecycleError, match="frozen when DDP was built"):
+        ddp.zero_grad_buffer()
+
+
+# ---------------------------------------------------------------- gloo, 2 ranks
+
+CONFIGS = {
+    "all-reduce sum": (dict(), False, "sum"),
+    "all-reduce prescale": (dict(), True, "prescale"),
+    "reduce-scatter avg": (dict(use_distributed_optimizer=True, average_in_collective=True), True, "avg"),
+}
+
+
+def _dp_worker(rank, world_size):
+    import torch.distributed as dist
+
+    out = {}
+    for label, (extra, average, _) in CONFIGS.items():
+        for overlap in (True, False):
+            model = TwoLayer()
+            ddp = DistributedDataParallel(
+                model, config=_config(overlap, **extra), average=average
+            )
+            steps = []
+            for step in range(2):
+                inputs = _data(10 * step + rank, 2 + step)  # rank-specific, M changes
+                _run_step(ddp, inputs)
+                grads = {}
+                for bucket in ddp.buffer.buckets:
+                    if extra.get("use_distributed_optimizer"):
+                        full = torch.empty_like(bucket.grad_data)
+                        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+                        gather(full, bucket.local_grad_shard.clone())
+                        bucket.grad_data.copy_(full)
+                for name, p in model.named_parameters():
+                    grads[name] = p.main_grad.numpy().copy()
+                steps.append((grads, [x.numpy() for x in inputs]))
+            out[(label, overlap)] = steps
+    return out
+
+
+@pytest.mark.dist
+def test_reductions_match_refgrad_on_two_ranks():
+    results = run_distributed(_dp_worker, 2)
+    for label, (_, _, reduction) in CONFIGS.items():
+        for overlap in (True, False):
+            for step in range(2):
+                per_rank_sums = []
+                for rank in range(2):
+                    _, inputs = results[rank][(label, overlap)][step]
+                    grads = _per_microbatch_grads(0, [torch.from_numpy(x) for x in inputs])
+                    sums = {}
+                    for name in grads[0]:
+                        acc = torch.zeros_like(grads[0][name])
+                        for g in grads:
+                            acc = acc + g[name]
+                        sums[name] = acc
+                    per_rank_sums.append(sums)
+                for name in per_rank_sums[0]:
+                    expected = reduce_across_replicas([s[name] for s in per_rank_sums], reduction)
+                    for rank in range(2):
+                        got = torch.from_numpy(results[rank][(label, overlap)][step][0][name])
+                        assert torch.equal(got, expected), (label, overlap, step, name, rank)

@@ -1,0 +1,243 @@
+"""fastgrad.pipeline (1F1B schedule, groups, deferred-wgrad drain) and fastgrad.timeline.
+
+The bitwise pipeline-vs-refgrad sweep over P, D and M is the ``pipeline``
+check (tests/verify/test_pipeline_check.py); here: the schedule's structure,
+validation, timelines, and one gloo run of a pipeline whose last stage ends
+in ``fastgrad.embedding.ColumnParallelOutputLayer`` with deferred wgrad.
+"""
+
+import pytest
+import torch
+from distributed_utils import run_distributed
+from torch import nn
+
+from fastgrad.errors import LifecycleError
+from fastgrad.pipeline import (
+    ParallelGroups,
+    build_parallel_groups,
+    forward_backward_1f1b,
+    num_warmup_microbatches,
+    schedule_1f1b,
+)
+from fastgrad.timeline import Timeline, TimelineEvent, summarize_step
+from refgrad.pipeline import LinearStackSpec, StageModule, microbatch_data, microbatch_loss
+
+
+@pytest.mark.parametrize("P,M", [(1, 1), (2, 1), (2, 5), (4, 3), (4, 4), (4, 9), (8, 2)])
+def test_schedule_structure(P, M):
+    for stage in range(P):
+        order = schedule_1f1b(P, stage, M)
+        warmup = min(P - stage - 1, M)
+        assert num_warmup_microbatches(P, stage, M) == warmup
+        assert order[:warmup] == [("F", i) for i in range(warmup)]
+        assert sorted(order) == sorted([("F", i) for i in range(M)] + [("B", i) for i in range(M)])
+        in_flight = 0
+        for kind, i in order:
+            in_flight += 1 if kind == "F" else -1
+            assert 0 <= in_flight <= P - stage  # 1F1B bounds stored activations by P - stage
+            if kind == "B":
+                assert order.index(("F", i)) < order.index(("B", i))
+        assert order[-1] == ("B", M - 1)  # the last microbatch's backward comes last
+
+
+def test_schedule_validation():
+    with pytest.raises(ValueError, match="stage"):
+        num_warmup_microbatches(2, 2, 1)
+    with pytest.raises(ValueError, match="num_microbatches"):
+        num_warmup_microbatches(2, 0, 0)
+
+
+def test_build_groups_validation():
+    with pytest.raises(ValueError, match="pp_size"):
+        build_parallel_groups(0, 1)
+    with pytest.raises(ValueError, match="first_rank"):
+        build_parallel_groups(1, 1, first_rank=-1)
+    with pytest.raises(LifecycleError, match="initialised"):
+        build_parallel_groups(1, 1)
+
+
+def _groups(stage=0, pp=2):
+    return ParallelGroups(0, pp, 1, stage, 0, tuple(range(pp)), (0,), None, None, (), None)
+
+
+def test_forward_backward_validation():
+    spec = LinearStackSpec(num_stages=2)
+    module = StageModule(spec, 0)
+    common = dict(grad_sync=None, activation_shape=spec.activation_shape, loss_fn=None)
+    with pytest.raises(ValueError, match="num_microbatches"):
+        forward_backward_1f1b(module, groups=_groups(), num_microbatches=0, **common)
+    with pytest.raises(TypeError, match="num_microbatches"):
+        forward_backward_1f1b(module, groups=_groups(), num_microbatches=1.0, **common)
+    with pytest.raises(ValueError, match="inputs"):
+        forward_backward_1f1b(module, groups=_groups(), num_microbatches=2, inputs=[1], **common)
+    with pytest.raises(ValueError, match="targets"):
+        forward_backward_1f1b(module, groups=_groups(1), num_microbatches=1, targets=[], **common)
+
+
+def test_summarize_step_hand_built_timeline():
+    # Two ranks; rank 0 computes [0,1] and [3,4]; rank 1 computes [1,3]; rank 0's
+    # grad-sync wait ends at 5, one unit after the last compute (4): exposed = 1.
+    events = [
+        TimelineEvent(0, "forward", 0, 0.0, 1.0),
+        TimelineEvent(1, "forward", 0, 1.0, 2.0),
+        TimelineEvent(1, "backward", 0, 2.0, 3.0),
+        TimelineEvent(0, "backward", 0, 3.0, 4.0),
+        TimelineEvent(1, "grad_sync_wait", -1, 3.0, 3.5),
+        TimelineEvent(0, "grad_sync_wait", -1, 4.0, 5.0),
+    ]
+    report = summarize_step(events)
+    assert report.step_time == 5.0
+    assert report.compute_end == 4.0
+    assert report.exposed_grad_sync == 1.0
+    assert report.per_rank_busy == (2.0, 2.0)
+    assert report.bubble_fraction == pytest.approx(1 - 2.0 / 5.0)
+    assert report.grad_sync_wait == 1.0
+    assert report.mean_forward == 1.0 and report.mean_backward == 1.0
+
+
+def test_timeline_records_and_validates():
+    timeline = Timeline(3)
+    with timeline.record("forward", 2):
+        pass
+    (event,) = timeline.events
+    assert (event.rank, event.kind, event.microbatch) == (3, "forward", 2)
+    assert event.end >= event.start
+    disabled = Timeline(0, enabled=False)
+    with disabled.record("backward"):
+        pass
+    assert disabled.events == []
+    with pytest.raises(ValueError, match="kind"):
+        TimelineEvent(0, "nap", 0, 0.0, 1.0)
+    with pytest.raises(ValueError, match="end"):
+        TimelineEvent(0, "forward", 0, 1.0, 0.0)
+    with pytest.raises(ValueError, match="empty"):
+        summarize_step([])
+
+
+# ---------------------------------------------------------------- gloo: output layer, drain
+
+SPEC = LinearStackSpec(num_stages=2, layers_per_stage=1, hidden=8, microbatch_size=4, seed=3)
+
+
+class HeadStage(nn.Module):
+    """The last stage: the Linear stack, then a column-parallel output layer (tp=1)."""
+
+    def __init__(self, defer: bool) -> None:
+        from fastgrad.embedding import ColumnParallelOutputLayer, EmbeddingWgradConfig
+
+        super().__init__()
+        self.body = StageModule(SPEC, 1)
+        weight = torch.randn(8, 8, generator=torch.Generator().manual_seed(9)) * 0.3
+        config = EmbeddingWgradConfig(
+            defer_embedding_wgrad_compute=defer, pipeline_model_parallel_size=2
+        )
+        self.head = ColumnParallelOutputLayer(weight, config)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def _sgd(module):
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.sub(p, torch.mul(p.main_grad, 0.1)))
+
+
+def _head_worker(rank, world_size):
+    from fastgrad.config import DDPConfig
+    from fastgrad.ddp import DistributedDataParallel
+    from fastgrad.pipeline import finalize_grads
+
+    groups = build_parallel_groups(2, 1)
+    out = {}
+    for defer in (True, False):
+        for overlap in (True, False):
+            module = StageModule(SPEC, 0) if rank == 0 else HeadStage(defer)
+            head = None if rank == 0 else module.head
+            ddp = DistributedDataParallel(
+                module,
+                config=DDPConfig(overlap_grad_reduce=overlap, bucket_size=40),
+                dp_group=groups.dp_group,
+                average=False,
+                external_grad_params=[] if head is None else [head.weight],
+            )
+            record = []
+            for step, m in enumerate((3, 1)):
+                inputs, targets = microbatch_data(SPEC, 0, step, m)
+                if head is not None:
+                    head.start_step()
+                ddp.zero_grad_buffer()
+                losses = forward_backward_1f1b(
+                    module,
+                    groups=groups,
+                    grad_sync=ddp,
+                    num_microbatches=m,
+                    activation_shape=SPEC.activation_shape,
+                    loss_fn=lambda y, t, m=m: microbatch_loss(y, t, m),
+                    inputs=inputs if rank == 0 else None,
+                    targets=targets if rank == 1 else None,
+                    deferred_wgrad=head,
+                )
+                grads = {n: p.main_grad.numpy().copy() for n, p in module.named_parameters()}
+                record.append(([float(v) for v in losses], grads, ddp.last_launch_sites))
+                _sgd(module)
+            out[(defer, overlap)] = record
+    # Tied-embedding all-reduce: first stage's layer 0 weight with the head weight.
+    tied = module.layers[0].weight if rank == 0 else module.head.weight
+
+    class _Done:
+        def finish_grad_sync(self):
+            pass
+
+    before = tied.main_grad.clone()
+    finalize_grads(_Done(), groups, [tied])
+    out["tied"] = (before.numpy(), tied.main_grad.numpy().copy())
+    return out
+
+
+def _sequential_reference():
+    """All microbatches in one process, plain autograd; the head accumulates itself."""
+    stage0, stage1 = StageModule(SPEC, 0), HeadStage(defer=False)
+    params = list(stage0.named_parameters()) + list(stage1.named_parameters())
+    record = []
+    for step, m in enumerate((3, 1)):
+        stage1.head.weight.main_grad.zero_()
+        for _, p in params:
+            p.grad = None
+        inputs, targets = microbatch_data(SPEC, 0, step, m)
+        losses = []
+        for x, t in zip(inputs, targets):
+            loss = microbatch_loss(stage1(stage0(x)), t, m)
+            loss.backward()
+            losses.append(float(loss.detach()))
+        for name, p in params:
+            if name != "head.weight":
+                p.main_grad = p.grad.clone()
+        record.append((losses, {n: p.main_grad.clone() for n, p in stage0.named_parameters()},
+                       {n: p.main_grad.clone() for n, p in stage1.named_parameters()}))
+        _sgd(stage0)
+        _sgd(stage1)
+    return record
+
+
+@pytest.mark.dist
+def test_pipeline_with_deferred_output_layer_wgrad_matches_sequential():
+    results = run_distributed(_head_worker, 2)
+    reference = _sequential_reference()
+    for key in [(True, True), (True, False), (False, True), (False, False)]:
+        for step, (ref_losses, ref0, ref1) in enumerate(reference):
+            losses, grads1, sites1 = results[1][key][step]
+            _, grads0, _ = results[0][key][step]
+            assert losses == ref_losses, (key, step)
+            for name, value in ref0.items():
+                assert torch.equal(torch.from_numpy(grads0[name]), value), (key, step, name)
+            for name, value in ref1.items():
+                assert torch.equal(torch.from_numpy(grads1[name]), value), (key, step, name)
+            if key[1] and step > 0:
+                # The head's bucket waits for the drain's mark; nothing launches in finish.
+                assert "finish" not in sites1, sites1
+    a_before, a_after = results[0]["tied"]
+    b_before, b_after = results[1]["tied"]
+    expected = torch.from_numpy(a_before) + torch.from_numpy(b_before)
+    assert torch.equal(torch.from_numpy(a_after), expected)
+    assert torch.equal(torch.from_numpy(b_after), expected)

@@ -1,0 +1,142 @@
+"""refgrad.pipeline: the one-process reference of a pipelined, data-parallel step."""
+
+import pytest
+import torch
+
+from refgrad.pipeline import (
+    LinearStackSpec,
+    StageModule,
+    StepPlan,
+    microbatch_data,
+    microbatch_loss,
+    reduce_across_replicas,
+    reference_training,
+    sgd_update,
+    stage_param_name,
+)
+
+ULP1 = 2.0**-23  # spacing of fp32 just above 1.0
+
+
+def _t(*values):
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def test_reduce_across_replicas_hand_values():
+    # 1 + ulp/2 is a tie: rounds to even (1.0). 1 + 1.5 ulp is a tie between
+    # 1 + ulp and 1 + 2 ulp: rounds to the even 1 + 2 ulp.
+    got = reduce_across_replicas([_t(1.0, 1.0, 7.0), _t(ULP1 / 2, 1.5 * ULP1, -7.0)], "sum")
+    assert torch.equal(got, _t(1.0, 1.0 + 2 * ULP1, 0.0))
+    assert torch.equal(reduce_across_replicas([_t(1.0, 3.0), _t(3.0, 4.0)], "avg"), _t(2.0, 3.5))
+    assert torch.equal(reduce_across_replicas([_t(3.0, 1.0), _t(5.0, 2.0)], "prescale"), _t(4.0, 1.5))
+    single = _t(1.5, -2.0)
+    assert torch.equal(reduce_across_replicas([single], "prescale"), single)
+
+
+def test_reduce_across_replicas_keeps_shape_and_rejects_bad_input():
+    a = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    assert torch.equal(reduce_across_replicas([a, a], "sum"), 2 * a)
+    with pytest.raises(ValueError, match="reduction"):
+        reduce_across_replicas([a], "max")
+    with pytest.raises(ValueError, match="at least one"):
+        reduce_across_replicas([], "sum")
+
+
+def test_grads_are_summed_in_microbatch_order():
+    spec = LinearStackSpec(num_stages=2, seed=4)
+    ref = reference_training(spec, [StepPlan(3)], dp_size=1)
+    inputs, targets = microbatch_data(spec, 0, 0, 3)
+    per_microbatch = []
+    for x, t in zip(inputs, targets):
+        stages = [StageModule(spec, s) for s in range(2)]  # fresh weights each time
+        microbatch_loss(stages[1](stages[0](x)), t, 3).backward()
+        per_microbatch.append({stage_param_name(s, n): p.grad for s, m in enumerate(stages)
+                               for n, p in m.named_parameters()})
+    for name, got in ref.grads[0].items():
+        expected = (per_microbatch[0][name] + per_microbatch[1][name]) + per_microbatch[2][name]
+        assert torch.equal(got, expected), name
+
+
+def test_frozen_parameter_gets_zero_grad_and_no_update_and_replicas_differ():
+    spec = LinearStackSpec(num_stages=2, seed=2)
+    frozen = stage_param_name(1, "layers.0.bias")
+    ref = reference_training(spec, [StepPlan(2), StepPlan(1, frozenset({frozen}))], dp_size=2)
+    assert torch.count_nonzero(ref.grads[1][frozen]) == 0
+    assert torch.equal(ref.params[1][frozen], ref.params[0][frozen])
+    other = stage_param_name(0, "layers.0.weight")
+    assert not torch.equal(ref.params[1][other], ref.params[0][other])
+    assert ref.params[0][other].equal(sgd_update(StageModule(spec, 0).layers[0].weight.detach(),
+                                                 ref.grads[0][other], 0.05))
+    assert ref.losses[0][0] != ref.losses[0][1]  # rank-specific data
+    assert [len(step[0]) for step in ref.losses] == [2, 1]
+
+
+def test_sgd_update_has_two_visible_roundings():
+    # lr is rounded to fp32, the product rounded to fp32, then the difference.
+    p, g = _t(1.0), _t(3.0)
+    product = torch.tensor(0.1, dtype=torch.float32) * torch.tensor(3.0, dtype=torch.float32)
+    expected = torch.tensor(1.0, dtype=torch.float32) - product
+    assert torch.equal(sgd_update(p, g, 0.1), expected.reshape(1))
+
+
+def test_validation():
+    with pytest.raises(ValueError, match="num_stages"):
+        LinearStackSpec(num_stages=0)
+    with pytest.raises(TypeError, match="hidden"):
+        LinearStackSpec(num_stages=1, hidden=2.0)
+    with pytest.raises(ValueError, match="seed"):
+        LinearStackSpec(num_stages=1, seed=-1)
+    with pytest.raises(ValueError, match="num_microbatches"):
+        StepPlan(0)
+    with pytest.raises(ValueError, match="stage"):
+        StageModule(LinearStackSpec(num_stages=2), 2)
+    with pytest.raises(ValueError, match="unknown"):
+        reference_training(LinearStackSpec(num_stages=1), [StepPlan(1, frozenset({"nope"}))], 1)
+    with pytest.raises(ValueError, match="dp_size"):
+        reference_training(LinearStackSpec(num_stages=1), [StepPlan(1)], 0)
+
+
+def test_tied_output_head_copies_stay_equal_and_get_the_summed_grad():
+    from refgrad.exact import correctly_rounded_sum
+    from refgrad.pipeline import EMBEDDING_PARAM, HEAD_PARAM
+
+    spec = LinearStackSpec(num_stages=2, seed=5, output_head=True, tied_embedding=True)
+    ref = reference_training(spec, [StepPlan(3), StepPlan(2)], dp_size=2)
+    head, emb = stage_param_name(1, HEAD_PARAM), stage_param_name(0, EMBEDDING_PARAM)
+    for step in range(2):
+        assert torch.equal(ref.grads[step][head], ref.grads[step][emb])
+        assert torch.equal(ref.params[step][head], ref.params[step][emb])
+        # Per copy: DP-reduce first, then the embedding all-reduce adds the two copies.
+        sums = ref.replica_sums[step]
+        expected = correctly_rounded_sum(
+            [reduce_across_replicas([s[emb] for s in sums], "sum"),
+             reduce_across_replicas([s[head] for s in sums], "sum")], torch.float32)
+        assert torch.equal(ref.grads[step][emb], expected)
+    assert torch.count_nonzero(ref.replica_sums[0][0][head]) > 0
+
+
+def test_head_wgrad_is_the_microbatch_ordered_sum_of_gemms():
+    from refgrad.pipeline import HEAD_PARAM, head_weight_init
+
+    spec = LinearStackSpec(num_stages=2, seed=6, output_head=True)
+    ref = reference_training(spec, [StepPlan(2)], dp_size=1)
+    inputs, targets = microbatch_data(spec, 0, 0, 2)
+    expected = torch.zeros(spec.hidden, spec.hidden)
+    weight = head_weight_init(spec)
+    for x, t in zip(inputs, targets):
+        stages = [StageModule(spec, s) for s in range(2)]
+        hidden = stages[1](stages[0](x)).detach().requires_grad_(True)
+        logits = torch.matmul(hidden, weight.t())
+        logits.retain_grad()
+        microbatch_loss(logits, t, 2).backward()
+        expected = expected + torch.mm(logits.grad.t(), hidden.detach())
+    assert torch.equal(ref.grads[0][stage_param_name(1, HEAD_PARAM)], expected)
+
+
+def test_head_flags_validation():
+    with pytest.raises(ValueError, match="tied_embedding"):
+        LinearStackSpec(num_stages=2, tied_embedding=True)
+    with pytest.raises(ValueError, match="output_head"):
+        LinearStackSpec(num_stages=1, output_head=True)
+    with pytest.raises(TypeError, match="output_head"):
+        LinearStackSpec(num_stages=2, output_head=1)

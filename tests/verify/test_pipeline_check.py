@@ -1,0 +1,47 @@
+"""The ``pipeline`` check passes on fastgrad and fails on deliberately broken candidates."""
+
+import pytest
+
+from refgrad.pipeline import LinearStackSpec, StepPlan, stage_param_name
+from verify.check import Check, CheckContext
+from verify.checks import check_by_name
+from verify.checks.pipeline import PipelineCase, default_plans, run_pipeline_check
+
+
+@pytest.mark.dist
+def test_pipeline_check_passes_quick():
+    result = check_by_name("pipeline").execute(CheckContext(quick=True))
+    assert result.passed, (result.error, [c for c in result.comparisons if not c.passed],
+                           [e for e in result.expectations if not e.passed])
+    labels = [c.label for c in result.comparisons]
+    assert any("overlap on: reduced grads vs refgrad" in label for label in labels)
+    assert any("overlap off: losses vs refgrad" in label for label in labels)
+    assert any(t.title.startswith("simulator vs measured") for t in result.tables)
+
+
+def _broken(fault):
+    spec = LinearStackSpec(num_stages=2, seed=1)
+    plans = default_plans(2, stage_param_name(1, "layers.0.weight"))
+    return [[PipelineCase(f"P2 D1 {fault}", 2, 1, 0, spec, plans, fault=fault)]]
+
+
+@pytest.mark.dist
+def test_pipeline_check_fails_when_microbatch_accumulation_order_is_wrong():
+    # The candidate sums the same microbatches in reverse order: the same math,
+    # different fp32 rounding. Only a bitwise comparison catches it.
+    check = Check("pipeline", "broken", lambda ctx, rec: run_pipeline_check(
+        ctx, rec, world=2, phases=_broken("reversed_microbatches")))
+    result = check.execute(CheckContext(quick=True))
+    assert not result.passed
+    assert result.error is None
+    failed = [c.label for c in result.comparisons if not c.passed]
+    assert any("reduced grads vs refgrad" in label for label in failed), failed
+    assert any("losses vs refgrad" in label for label in failed), failed
+
+
+def test_case_validation():
+    spec = LinearStackSpec(num_stages=2)
+    with pytest.raises(ValueError, match="reduction"):
+        PipelineCase("x", 2, 1, 0, spec, (StepPlan(1),), reduction="max")
+    with pytest.raises(ValueError, match="fault"):
+        PipelineCase("x", 2, 1, 0, spec, (StepPlan(1),), fault="gremlins")

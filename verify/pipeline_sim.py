@@ -1,0 +1,277 @@
+"""Discrete-event simulator of a 1F1B pipeline step with data-parallel grad sync.
+
+Model (one pipeline; the ``D`` replicas run the same timeline in parallel):
+
+- ``P`` stages, ``M`` microbatches; each stage runs its 1F1B program order
+  (``warmup = min(P - s - 1, M)`` forwards, then one-forward-one-backward, then
+  the cooldown backwards). An op starts when its stage is free and its input
+  has arrived: ``F(s, i)`` needs ``F(s-1, i)`` plus one transfer ``p2p``;
+  ``B(s, i)`` needs ``B(s+1, i)`` plus ``p2p``.
+- Each stage's gradients are reduced over its own DP group, on a channel that
+  runs concurrently with compute; the stage's total sync cost ``grad_sync``
+  (``last_stage_grad_sync`` for the last stage when given: it often holds the
+  large output layer) is split over ``num_buckets`` equal buckets, reduced one
+  after the other.
+- Sync modes:
+  * ``overlap``: bucket ``k`` becomes ready ``(k+1)/K`` of the way through the
+    stage's last backward and launches then (production with
+    ``overlap_grad_reduce``; non-first stages finish it in their cooldown bubble);
+  * ``after-compute``: every bucket is reduced after the stage's own last
+    backward (``overlap_grad_reduce=False``: ``finish_grad_sync`` runs the
+    reduction synchronously, but each stage starts as soon as *it* is done);
+  * ``barrier``: the sync starts only after the whole pipeline finishes (the
+    seed's "traditional" timeline).
+- Step time is when the last stage finishes compute and sync. The bubble
+  fraction is the mean over stages of ``1 - busy / step_time``; the exposed
+  sync is ``step_time - compute_end`` (what the sync adds to the critical path).
+
+For equal per-stage costs, no transfer cost and no sync, the step is
+``(M + P - 1)(f + b)`` and the bubble fraction ``(P - 1) / (M + P - 1)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass
+
+SYNC_MODES = ("overlap", "after-compute", "barrier")
+
+
+def _check_cost(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"PipelineCosts.{name} must be a number, got {type(value).__name__}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"PipelineCosts.{name} must be finite and >= 0, got {value}")
+
+
+@dataclass(frozen=True)
+class PipelineCosts:
+    """Per-microbatch, per-stage costs (any time unit) and the per-stage grad-sync cost."""
+
+    forward: float = 1.0
+    backward: float = 2.0
+    p2p: float = 0.0
+    grad_sync: float = 0.0
+    num_buckets: int = 1
+    last_stage_grad_sync: float | None = None
+
+    def stage_grad_sync(self, stage: int, num_stages: int) -> float:
+        """Sync cost of ``stage`` (the last stage may differ: it holds the output layer)."""
+        if stage == num_stages - 1 and self.last_stage_grad_sync is not None:
+            return self.last_stage_grad_sync
+        return self.grad_sync
+
+    def __post_init__(self) -> None:
+        for name in ("forward", "backward", "p2p", "grad_sync"):
+            _check_cost(name, getattr(self, name))
+        if self.last_stage_grad_sync is not None:
+            _check_cost("last_stage_grad_sync", self.last_stage_grad_sync)
+        if self.forward + self.backward <= 0:
+            raise ValueError("PipelineCosts.forward + backward must be > 0")
+        if isinstance(self.num_buckets, bool) or not isinstance(self.num_buckets, int):
+            raise TypeError("PipelineCosts.num_buckets must be an int")
+        if self.num_buckets < 1:
+            raise ValueError(f"PipelineCosts.num_buckets must be >= 1, got {self.num_buckets}")
+
+
+@dataclass(frozen=True)
+class SimulationResult:
+    """Times of one simulated step."""
+
+    num_stages: int
+    num_microbatches: int
+    mode: str
+    step_time: float
+    compute_end: float
+    bubble_fraction: float
+    exposed_grad_sync: float
+    stage_compute_end: tuple[float, ...]
+    stage_sync_end: tuple[float, ...]
+    stage_last_backward_start: tuple[float, ...]
+
+    grad_sync_cost: float = 0.0
+
+    @property
+    def hidden_fraction(self) -> float:
+        """Share of the largest stage sync cost kept off the critical path (1.0 without sync)."""
+        if self.grad_sync_cost == 0:
+            return 1.0
+        return 1.0 - self.exposed_grad_sync / self.grad_sync_cost
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "num_stages": self.num_stages,
+            "num_microbatches": self.num_microbatches,
+            "mode": self.mode,
+            "step_time": self.step_time,
+            "compute_end": self.compute_end,
+            "bubble_fraction": self.bubble_fraction,
+            "exposed_grad_sync": self.exposed_grad_sync,
+            "stage_compute_end": list(self.stage_compute_end),
+            "stage_sync_end": list(self.stage_sync_end),
+            "grad_sync_cost": self.grad_sync_cost,
+            "hidden_fraction": self.hidden_fraction,
+        }
+
+
+def program_order(num_stages: int, stage: int, num_microbatches: int) -> list[tuple[str, int]]:
+    """1F1B program order of one stage, derived here independently of fastgrad."""
+    warmup = min(num_stages - stage - 1, num_microbatches)
+    order: list[tuple[str, int]] = [("F", i) for i in range(warmup)]
+    next_forward, next_backward = warmup, 0
+    while next_forward < num_microbatches:
+        order.append(("F", next_forward))
+        order.append(("B", next_backward))
+        next_forward += 1
+        next_backward += 1
+    while next_backward < num_microbatches:
+        order.append(("B", next_backward))
+        next_backward += 1
+    return order
+
+
+def closed_form_bubble_fraction(num_stages: int, num_microbatches: int) -> float:
+    """``(P - 1) / (M + P - 1)``: the 1F1B bubble for equal costs and free transfers."""
+    return (num_stages - 1) / (num_microbatches + num_stages - 1)
+
+
+def simulate(
+    num_stages: int, num_microbatches: int, costs: PipelineCosts, mode: str = "overlap"
+) -> SimulationResult:
+    """Simulate one step; see the module doc for the model."""
+    for name, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if mode not in SYNC_MODES:
+        raise ValueError(f"mode must be one of {SYNC_MODES}, got {mode!r}")
+    P, M = num_stages, num_microbatches
+    orders = [program_order(P, s, M) for s in range(P)]
+    position = [0] * P
+    free_at = [0.0] * P
+    end: dict[tuple[str, int, int], float] = {}
+    last_backward_start = [0.0] * P
+    remaining = P * 2 * M
+    while remaining:
+        progressed = False
+        for s in range(P):
+            while position[s] < len(orders[s]):
+                kind, i = orders[s][position[s]]
+                if kind == "F":
+                    dep = None if s == 0 else ("F", s - 1, i)
+                    duration = costs.forward
+                else:
+                    dep = ("F", s, i) if s == P - 1 else ("B", s + 1, i)
+                    duration = costs.backward
+                if dep is not None and dep not in end:
+                    break
+                ready = 0.0
+                if dep is not None:
+                    ready = end[dep] + (costs.p2p if dep[1] != s else 0.0)
+                start = max(free_at[s], ready)
+                end[(kind, s, i)] = free_at[s] = start + duration
+                if kind == "B" and i == M - 1:
+                    last_backward_start[s] = start
+                position[s] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:  # pragma: no cover - 1F1B cannot deadlock; guards edits
+            raise RuntimeError("pipeline simulation made no progress (dependency cycle)")
+    compute_end_per_stage = tuple(free_at)
+    compute_end = max(compute_end_per_stage)
+    sync_end = []
+    for s in range(P):
+        stage_cost = costs.stage_grad_sync(s, P)
+        bucket_cost = stage_cost / costs.num_buckets
+        if stage_cost == 0:
+            sync_end.append(compute_end_per_stage[s])
+            continue
+        channel = 0.0
+        for k in range(costs.num_buckets):
+            if mode == "overlap":
+                ready = last_backward_start[s] + (k + 1) / costs.num_buckets * costs.backward
+            elif mode == "after-compute":
+                ready = compute_end_per_stage[s]
+            else:
+                ready = compute_end
+            channel = max(channel, ready) + bucket_cost
+        sync_end.append(channel)
+    step_time = max(max(sync_end), compute_end)
+    busy = M * (costs.forward + costs.backward)
+    bubble = sum(1.0 - busy / step_time for _ in range(P)) / P
+    return SimulationResult(
+        num_stages=P,
+        num_microbatches=M,
+        mode=mode,
+        step_time=step_time,
+        compute_end=compute_end,
+        bubble_fraction=bubble,
+        exposed_grad_sync=step_time - compute_end,
+        stage_compute_end=compute_end_per_stage,
+        stage_sync_end=tuple(sync_end),
+        stage_last_backward_start=tuple(last_backward_start),
+        grad_sync_cost=max(costs.stage_grad_sync(s, P) for s in range(P)),
+    )
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``verify simulate-pipeline``."""
+    parser.add_argument("--stages", "-P", type=int, default=16, help="pipeline stages P")
+    parser.add_argument("--microbatches", "-M", type=int, default=64, help="microbatches M")
+    parser.add_argument("--forward", type=float, default=1.0, help="forward cost per microbatch")
+    parser.add_argument("--backward", type=float, default=2.0, help="backward cost per microbatch")
+    parser.add_argument("--p2p", type=float, default=0.0, help="cost of one activation transfer")
+    parser.add_argument("--grad-sync", type=float, default=2.0, help="per-stage DP grad-sync cost")
+    parser.add_argument(
+        "--last-stage-grad-sync", type=float, default=None,
+        help="sync cost of the last stage (e.g. a large output layer); default --grad-sync",
+    )
+    parser.add_argument("--buckets", type=int, default=1, help="buckets the sync is split into")
+    parser.add_argument(
+        "--mode", choices=SYNC_MODES + ("all",), default="all", help="sync placement (default: all)"
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Print step time, bubble fraction and exposed sync for the requested modes."""
+    try:
+        costs = PipelineCosts(
+            forward=args.forward,
+            backward=args.backward,
+            p2p=args.p2p,
+            grad_sync=args.grad_sync,
+            num_buckets=args.buckets,
+            last_stage_grad_sync=args.last_stage_grad_sync,
+        )
+        modes = SYNC_MODES if args.mode == "all" else (args.mode,)
+        results = [simulate(args.stages, args.microbatches, costs, m) for m in modes]
+    except (TypeError, ValueError) as exc:
+        print(f"verify simulate-pipeline: error: {exc}")
+        return 2
+    closed = closed_form_bubble_fraction(args.stages, args.microbatches)
+    if args.json:
+        print(json.dumps({"closed_form_bubble_fraction": closed,
+                          "results": [r.to_dict() for r in results]}, indent=2))
+        return 0
+    print(
+        f"1F1B P={args.stages} M={args.microbatches} forward={costs.forward:g} "
+        f"backward={costs.backward:g} p2p={costs.p2p:g} grad_sync={costs.grad_sync:g} "
+        f"buckets={costs.num_buckets}"
+        + (f" last_stage_grad_sync={costs.last_stage_grad_sync:g}"
+           if costs.last_stage_grad_sync is not None else "")
+    )
+    print(f"closed-form bubble (P-1)/(M+P-1) = {closed:.4f}")
+    print(f"{'mode':<14} {'step time':>10} {'bubble':>8} {'exposed sync':>13} {'hidden':>7}")
+    for r in results:
+        print(
+            f"{r.mode:<14} {r.step_time:>10.4g} {r.bubble_fraction:>8.4f} "
+            f"{r.exposed_grad_sync:>13.4g} {r.hidden_fraction:>7.1%}"
+        )
+    slack = [results[0].compute_end - e for e in results[0].stage_compute_end]
+    print(
+        "cooldown slack per stage (compute end to step compute end): first stage "
+        f"{slack[0]:.4g}, second {slack[1] if len(slack) > 1 else 0:.4g}, last {slack[-1]:.4g}"
+    )
+    return 0
