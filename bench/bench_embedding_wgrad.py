@@ -29,21 +29,11 @@ import time
 
 import torch
 import torch.distributed as dist
+from _timing import median_time  # bench/ is on sys.path when a script runs
 
+from fastgrad.comm import all_gather_into
 from fastgrad.embedding import ColumnParallelOutputLayer, EmbeddingWgradConfig, accumulate_wgrad_
 from verify.distributed import spawn
-
-
-def _median_time(fn, repeats: int, sync=lambda: None) -> float:
-    fn()  # warm-up: first-call allocations and lazy initialisation stay out of the timing
-    times = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _data(m, seq, batch, hidden, vocab, device="cpu", seed=0):
@@ -67,7 +57,7 @@ def bench_cpu_drain(m: int, seq: int, batch: int, hidden: int, vocab: int, repea
         for x, go in zip(xs, gos):
             layer(x.clone().requires_grad_(True)).backward(go)
 
-    t_imm = _median_time(lambda: backward_all(immediate), repeats)
+    t_imm = median_time(lambda: backward_all(immediate), repeats)
     t_def_bwd, t_drain = [], []
     for _ in range(repeats + 1):  # the first round is a warm-up
         start = time.perf_counter()
@@ -83,7 +73,7 @@ def bench_cpu_drain(m: int, seq: int, batch: int, hidden: int, vocab: int, repea
         for x, go in zip(xs, gos):
             accumulate_wgrad_(main_grad, go, x)
 
-    t_gemms = _median_time(gemms, repeats)
+    t_gemms = median_time(gemms, repeats)
     return {
         "shape": {"M": m, "tokens": seq * batch, "hidden": hidden, "vocab": vocab},
         "immediate_backward_s": t_imm,
@@ -117,11 +107,11 @@ def _overlap_worker(rank: int, world: int, m, seq, batch, hidden, vocab, repeats
     def gathers():
         for x in locals_:
             out = torch.empty((seq, batch, hidden), dtype=x.dtype, device=x.device)
-            dist.all_gather_into_tensor(out, x, group=dist.group.WORLD)
+            all_gather_into(out, x, group=dist.group.WORLD)
 
     gathered = [torch.empty((seq, batch, hidden), dtype=torch.bfloat16, device=device) for _ in xs]
     for out, x in zip(gathered, locals_):
-        dist.all_gather_into_tensor(out, x)
+        all_gather_into(out, x)
 
     def gemms():
         for x, go in zip(gathered, gos):
@@ -130,8 +120,8 @@ def _overlap_worker(rank: int, world: int, m, seq, batch, hidden, vocab, repeats
     def drain():
         layer.drain_deferred_wgrad()
 
-    t_gather = _median_time(gathers, repeats, sync)
-    t_gemm = _median_time(gemms, repeats, sync)
+    t_gather = median_time(gathers, repeats, sync)
+    t_gemm = median_time(gemms, repeats, sync)
     drains = []
     for _ in range(repeats + 1):  # the first round is a warm-up
         fill()

@@ -12,22 +12,11 @@ from __future__ import annotations
 
 import argparse
 import random
-import time
-from collections.abc import Callable
-from typing import Any
+
+from _timing import best_time  # bench/ is on sys.path when a script runs
 
 from fastgrad.layout import compute_layout as fast_layout
 from refgrad.layout import compute_layout as reference_layout
-
-
-def best_time(fn: Callable[[], Any], repeats: int) -> float:
-    """Best wall time of ``repeats`` calls (seconds)."""
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def main() -> None:

@@ -25,28 +25,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from _timing import median_time  # bench/ is on sys.path when a script runs
 
 from fastgrad import mxfp8
 from verify import mxfp8_support as support
-
-
-def median_time(fn: Callable[[], Any], repeats: int, sync: Callable[[], None] = lambda: None) -> float:
-    """Median wall time of ``repeats`` calls after one warm-up call (seconds)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def interleaved_best_times(candidates: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:

@@ -26,23 +26,17 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from _timing import best_time  # bench/ is on sys.path when a script runs
 
 from refgrad import exact
 from verify import oracle
 
 
-def best_time(fn: Callable[[], Any], repeats: int, device: str) -> float:
+def device_best_time(fn: Callable[[], Any], repeats: int, device: str) -> float:
     """Best wall time of ``repeats`` calls, in seconds (synchronising CUDA)."""
-    best = float("inf")
-    for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return best
+    if device == "cuda":
+        return best_time(fn, repeats, torch.cuda.synchronize)
+    return best_time(fn, repeats)
 
 
 def gradients(ranks: int, elements: int, seed: int) -> torch.Tensor:
@@ -93,7 +87,7 @@ def main() -> int:
         if not torch.equal(_bits(fast)[:ref_columns], _bits(reference)):
             print(f"FAIL: verify.oracle differs from refgrad.exact into {target}")
             return 1
-        fast_seconds = best_time(
+        fast_seconds = device_best_time(
             lambda t=target: oracle.correctly_rounded_sum(on_device, t), args.repeats, args.device
         )
         how = (
@@ -109,8 +103,8 @@ def main() -> int:
 
     if args.sweep:
         big = gradients(1024, 100_000, args.seed + 1).to(args.device)
-        plain = best_time(lambda: big.sum(0), max(1, args.repeats // 2), args.device)
-        exact_time = best_time(
+        plain = device_best_time(lambda: big.sum(0), max(1, args.repeats // 2), args.device)
+        exact_time = device_best_time(
             lambda: oracle.correctly_rounded_sum(big, torch.bfloat16),
             max(1, args.repeats // 2),
             args.device,

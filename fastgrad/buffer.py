@@ -65,6 +65,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fastgrad.comm import reduce_scatter_into
 from fastgrad.config import DDPConfig
 from fastgrad.errors import LifecycleError
 from fastgrad.layout import PARAM_START_ALIGNMENT, BufferLayout, compute_layout
@@ -118,10 +119,7 @@ class ReduceScatterStrategy(GradReduceStrategy):
     name: str = "reduce-scatter"
 
     def launch(self, bucket: Bucket) -> Any:
-        # torch 2.13 deprecates reduce_scatter_tensor in favour of the identical
-        # reduce_scatter_single; use whichever this torch provides.
-        collective = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        return collective(
+        return reduce_scatter_into(
             bucket.local_grad_shard,
             bucket.grad_data,
             op=self.op,

@@ -49,11 +49,19 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from fastgrad.comm import all_gather_into, reduce_scatter_into
 from fastgrad.errors import LifecycleError
 
 ReduceInFlight = Callable[[torch.nn.Parameter], bool]
 
 _CUDA_WGRAD_METHODS = ("addmm_out_dtype", "addmm_out_dtype_inplace", "fp32_upcast")
+# The accumulation dtypes whose rounding refgrad.embedding defines.
+MAIN_GRAD_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_main_grad_dtype(dtype: torch.dtype, name: str) -> None:
+    if dtype not in MAIN_GRAD_DTYPES:
+        raise TypeError(f"{name} must be one of {MAIN_GRAD_DTYPES}, got {dtype}")
 _BOOL_FIELDS = ("defer_embedding_wgrad_compute", "gradient_accumulation_fusion", "sequence_parallel")
 _INT_FIELDS = ("wgrad_deferral_limit", "pipeline_model_parallel_size", "tensor_model_parallel_size")
 
@@ -155,6 +163,7 @@ def accumulate_wgrad_(
     """
     if cuda_method not in _CUDA_WGRAD_METHODS:
         raise ValueError(f"cuda_method must be one of {_CUDA_WGRAD_METHODS}, got {cuda_method!r}")
+    _check_main_grad_dtype(main_grad.dtype, "main_grad's dtype")
     go = _flatten_tokens(grad_output)
     x = _flatten_tokens(total_input)
     if go.shape[0] != x.shape[0]:
@@ -202,8 +211,7 @@ def _all_gather_sequence(
     shape = (local.shape[0] * world, *local.shape[1:])
     if out is None or tuple(out.shape) != shape or out.dtype != local.dtype:
         out = torch.empty(shape, dtype=local.dtype, device=local.device)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    handle = gather(out, local.contiguous(), group=group, async_op=async_op)
+    handle = all_gather_into(out, local.contiguous(), group=group, async_op=async_op)
     return out, handle
 
 
@@ -213,8 +221,7 @@ def _reduce_scatter_sequence(full: torch.Tensor, group) -> tuple[torch.Tensor, o
     if full.shape[0] % world:
         raise ValueError(f"dim 0 ({full.shape[0]}) must be divisible by the TP size {world}")
     out = torch.empty((full.shape[0] // world, *full.shape[1:]), dtype=full.dtype, device=full.device)
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    handle = scatter(out, full.contiguous(), group=group, async_op=True)
+    handle = reduce_scatter_into(out, full.contiguous(), group=group, async_op=True)
     return out, handle
 
 
@@ -307,11 +314,19 @@ class ColumnParallelOutputLayer(torch.nn.Module):
         self._sequence_parallel_active = config.sequence_parallel and tp > 1
         self.weight = torch.nn.Parameter(weight.detach().clone())
         if main_grad is None:
+            _check_main_grad_dtype(main_grad_dtype, "main_grad_dtype")
             main_grad = torch.zeros(weight.shape, dtype=main_grad_dtype, device=weight.device)
         elif tuple(main_grad.shape) != tuple(weight.shape):
             raise ValueError(
                 f"main_grad has shape {tuple(main_grad.shape)}, must match weight {tuple(weight.shape)}"
             )
+        else:
+            _check_main_grad_dtype(main_grad.dtype, "main_grad's dtype")
+            if main_grad.device != weight.device:
+                raise ValueError(
+                    f"main_grad is on {main_grad.device} but weight is on {weight.device}; "
+                    "they must share a device"
+                )
         self.weight.main_grad = main_grad
         self.reduce_in_flight = reduce_in_flight
         # Lists, as in production, so the schedule can inspect their lengths.
@@ -324,6 +339,11 @@ class ColumnParallelOutputLayer(torch.nn.Module):
             raise ValueError(
                 f"local_input's last dim ({local_input.shape[-1]}) must equal the hidden size "
                 f"{self.weight.shape[1]}"
+            )
+        if local_input.dtype != self.weight.dtype:
+            raise TypeError(
+                f"local_input has dtype {local_input.dtype} but the weight is {self.weight.dtype}; "
+                "they must match"
             )
         if torch.is_grad_enabled() and self.config.defers_next(len(self.activation_buffer)):
             self.activation_buffer.append(local_input.detach())
@@ -409,7 +429,9 @@ class ColumnParallelOutputLayer(torch.nn.Module):
         )
 
 
-def allreduce_tied_embedding_grad(main_grad: torch.Tensor, embedding_group) -> None:
+def allreduce_tied_embedding_grad(
+    main_grad: torch.Tensor, embedding_group: dist.ProcessGroup | None
+) -> None:
     """Sum the tied word-embedding ``main_grad`` over the embedding group (first + last stage).
 
     Call after the DP grad sync on the ranks of ``embedding_group``; a group of

@@ -15,12 +15,15 @@ Python loop runs once per bucket, not once per parameter.
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
+
+# Argument validation is shared with the reference (one set of rules and messages);
+# the layout arithmetic below is deliberately independent of refgrad's.
+from refgrad.layout import positive_int, validate_shared_embedding
 
 PARAM_START_ALIGNMENT = 64  # elements: 128-byte aligned starts for >= 16-bit params
 BUCKET_END_ALIGNMENT = 128  # elements: 256-byte aligned bucket ends
@@ -124,18 +127,6 @@ class BufferLayout:
     __hash__ = None  # type: ignore[assignment]
 
 
-def _positive_int(value: object, name: str) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got bool")
-    try:
-        as_int = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
-    if as_int <= 0:
-        raise ValueError(f"{name} must be positive, got {as_int}")
-    return as_int
-
-
 def _numels_array(numels: Sequence[int] | np.ndarray) -> np.ndarray:
     if isinstance(numels, np.ndarray):
         if numels.ndim != 1:
@@ -166,25 +157,6 @@ def _numels_array(numels: Sequence[int] | np.ndarray) -> np.ndarray:
     return array
 
 
-def _shared_indices(shared_embedding: Iterable[int], count: int) -> list[int]:
-    seen: set[int] = set()
-    for index in shared_embedding:
-        if isinstance(index, bool):
-            raise TypeError("shared_embedding entries must be ints, got bool")
-        try:
-            i = operator.index(index)
-        except TypeError:
-            raise TypeError(
-                f"shared_embedding entries must be ints, got {type(index).__name__}"
-            ) from None
-        if not 0 <= i < count:
-            raise ValueError(f"shared_embedding index {i} is out of range for {count} parameters")
-        if i in seen:
-            raise ValueError(f"shared_embedding index {i} is listed twice")
-        seen.add(i)
-    return sorted(seen)
-
-
 def compute_layout(
     numels: Sequence[int] | np.ndarray,
     *,
@@ -201,9 +173,9 @@ def compute_layout(
     """
     sizes = _numels_array(numels)
     count = int(sizes.size)
-    dp = _positive_int(dp_size, "dp_size")
-    size = None if bucket_size is None else _positive_int(bucket_size, "bucket_size")
-    shared = _shared_indices(shared_embedding, count)
+    dp = positive_int(dp_size, "dp_size")
+    size = None if bucket_size is None else positive_int(bucket_size, "bucket_size")
+    shared = sorted(validate_shared_embedding(shared_embedding, count))
     divisor = bucket_end_divisor(dp, use_distributed_optimizer, pad_buckets_for_high_nccl_busbw)
     align = PARAM_START_ALIGNMENT if use_distributed_optimizer else 1
 

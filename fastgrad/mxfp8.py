@@ -29,9 +29,13 @@ from __future__ import annotations
 
 import torch
 
-SCALE_MODES: tuple[str, ...] = ("floor", "ceil", "even", "rceil")
-INPUT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
-OUTPUT_DTYPES: tuple[torch.dtype, ...] = INPUT_DTYPES
+# The argument contract (modes, dtypes, shapes) is the spec's; one copy of it, in
+# refgrad, so the two implementations cannot drift apart on what they accept.
+from refgrad.mxfp8 import (
+    SCALE_MODES,
+    validate_dequantize_args,
+    validate_quantize_args,
+)
 
 _FP32_EXPONENT_MASK = 0x7F800000
 _FP32_FRACTION_MASK = 0x007FFFFF
@@ -48,27 +52,6 @@ _SCALE_MIN, _SCALE_MAX = -127, 127
 _FRACTION_OF_1_75 = 0x600000  # fraction field of a float32 with mantissa 1.75
 _HALF_ULP_AT_3_BITS = 1 << 19  # half an E4M3 ulp, in float32 fraction units
 _MAX_USEFUL_SHIFT = 25  # a 24-bit significand shifted by >= 25 rounds to 0
-
-
-def validate_quantize_args(x: torch.Tensor, scale_mode: str, block_size: int) -> None:
-    """Raise TypeError/ValueError naming the parameter and the rule it breaks."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in INPUT_DTYPES:
-        raise TypeError(f"x must have dtype in {INPUT_DTYPES}, got {x.dtype}")
-    if scale_mode not in SCALE_MODES:
-        raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
-    if isinstance(block_size, bool) or not isinstance(block_size, int):
-        raise TypeError(f"block_size must be an int, got {type(block_size).__name__}")
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    if x.dim() == 0:
-        raise ValueError("x must have at least one dimension (blocks run along the last one)")
-    if x.shape[-1] % block_size != 0:
-        raise ValueError(
-            f"the last dimension of x ({x.shape[-1]}) must be divisible by "
-            f"block_size ({block_size})"
-        )
 
 
 def _floor_log2_fraction_field(fraction: torch.Tensor) -> torch.Tensor:
@@ -239,32 +222,6 @@ def e8m0_scale_values(scale_bits: torch.Tensor) -> torch.Tensor:
     )
     values = torch.where(codes == 0, smallest, normal)
     return torch.where(codes == _E8M0_NAN, float("nan"), values)
-
-
-def validate_dequantize_args(
-    scale_bits: torch.Tensor, element_bits: torch.Tensor, block_size: int, dtype: torch.dtype
-) -> None:
-    """Raise TypeError/ValueError naming the parameter and the rule it breaks."""
-    for name, t in (("scale_bits", scale_bits), ("element_bits", element_bits)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype != torch.uint8:
-            raise TypeError(f"{name} must be a uint8 tensor of bit patterns, got {t.dtype}")
-    if isinstance(block_size, bool) or not isinstance(block_size, int):
-        raise TypeError(f"block_size must be an int, got {type(block_size).__name__}")
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    if dtype not in OUTPUT_DTYPES:
-        raise TypeError(f"dtype must be one of {OUTPUT_DTYPES}, got {dtype}")
-    if element_bits.dim() == 0:
-        raise ValueError("element_bits must have at least one dimension")
-    expected = (*element_bits.shape[:-1], element_bits.shape[-1] // block_size)
-    if element_bits.shape[-1] % block_size != 0 or tuple(scale_bits.shape) != expected:
-        raise ValueError(
-            f"scale_bits has shape {tuple(scale_bits.shape)} but element_bits of shape "
-            f"{tuple(element_bits.shape)} with block_size={block_size} needs scales of "
-            f"shape {expected} (and a last dimension divisible by block_size)"
-        )
 
 
 def dequantize(

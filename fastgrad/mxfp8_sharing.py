@@ -50,6 +50,7 @@ import torch.distributed as dist
 
 from fastgrad import mxfp8
 from fastgrad.buffer import select_reduce_strategy
+from fastgrad.comm import all_gather_into
 from fastgrad.config import DDPConfig
 from fastgrad.errors import LifecycleError
 from fastgrad.layout import BufferLayout, compute_layout
@@ -328,6 +329,7 @@ class MXFP8ParamGradBuffer:
         return tuple(p.shape)
 
     def bucket_of(self, param: Param) -> SharedBucket:
+        """The bucket holding ``param``; a ValueError for a param not in this buffer."""
         try:
             return self._bucket_of[id(param)]
         except KeyError:
@@ -480,8 +482,7 @@ class MXFP8ParamGradBuffer:
                 "(param and grad share memory)"
             )
         if self.distributed and self.dp_size > 1:
-            all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-            bucket._gather_handle = all_gather(
+            bucket._gather_handle = all_gather_into(
                 bucket.param_data, bucket.local_param_shard, group=self.dp_group, async_op=True
             )
         bucket.state = RegionState.GATHERING
@@ -570,8 +571,12 @@ class ShardedOptimizer:
     ) -> None:
         if kind not in self.KINDS:
             raise ValueError(f"kind must be one of {self.KINDS}, got {kind!r}")
-        if not (isinstance(lr, float) and lr > 0):
-            raise ValueError(f"lr must be a positive float, got {lr!r}")
+        if not (isinstance(lr, float) and 0 < lr < math.inf):
+            raise ValueError(f"lr must be a positive finite float, got {lr!r}")
+        if len(betas) != 2 or not all(isinstance(b, float) and 0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"betas must be two floats in [0, 1), got {betas!r}")
+        if not (isinstance(eps, float) and 0 < eps < math.inf):
+            raise ValueError(f"eps must be a positive finite float, got {eps!r}")
         self.buffer = buffer
         self.kind = kind
         self.lr = lr

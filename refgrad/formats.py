@@ -169,7 +169,8 @@ ALL_FORMATS: tuple[FloatFormat, ...] = (
     FLOAT8_E8M0FNU,
 )
 
-_UNSIGNED_VIEW = {8: torch.uint8, 16: torch.int16, 32: torch.int32}
+# Integer dtypes of the same width, for reinterpreting bits (16/32-bit ones are signed).
+_SAME_WIDTH_INT = {8: torch.uint8, 16: torch.int16, 32: torch.int32}
 
 
 def format_of(dtype_or_name: torch.dtype | str | FloatFormat) -> FloatFormat:
@@ -224,8 +225,8 @@ def decode(fmt: FloatFormat, bits: int) -> Value:
     return -value if negative else value
 
 
-def _floor_log2(x: Fraction) -> int:
-    """floor(log2(x)) for x > 0, exactly."""
+def floor_log2(x: Fraction) -> int:
+    """floor(log2(x)) for x > 0, exactly (shared by every refgrad module that needs it)."""
     e = x.numerator.bit_length() - x.denominator.bit_length()
     # 2^e <= x < 2^(e+1) holds after at most one correction in each direction.
     if Fraction(2) ** e > x:
@@ -314,7 +315,7 @@ def round_to_bits(fmt: FloatFormat, value: Value | int | float, overflow: str | 
 
     # The quantum (weight of the last significand bit) at this magnitude; below the
     # normal range it stays at the subnormal quantum.
-    exponent = max(_floor_log2(magnitude), fmt.min_exponent)
+    exponent = max(floor_log2(magnitude), fmt.min_exponent)
     quantum_exp = exponent - fmt.mantissa_bits
     significand = _round_half_even(magnitude / Fraction(2) ** quantum_exp)  # THE rounding
 
@@ -330,7 +331,7 @@ def round_to_bits(fmt: FloatFormat, value: Value | int | float, overflow: str | 
 
 def _encode_finite(fmt: FloatFormat, magnitude: Fraction) -> int:
     """The unsigned bit pattern of an exactly representable positive magnitude."""
-    exponent = _floor_log2(magnitude)
+    exponent = floor_log2(magnitude)
     if exponent < fmt.min_exponent:  # subnormal
         mantissa = magnitude / Fraction(2) ** (fmt.min_exponent - fmt.mantissa_bits)
         assert mantissa.denominator == 1, "magnitude is not representable"
@@ -347,30 +348,55 @@ def round_to_value(fmt: FloatFormat, value: Value | int | float, overflow: str |
     return decode(fmt, round_to_bits(fmt, value, overflow))
 
 
-def _raw_view(fmt: FloatFormat, t: torch.Tensor) -> torch.Tensor:
-    if t.dtype != fmt.torch_dtype:
-        raise TypeError(f"expected a {fmt.name} tensor, got {t.dtype}")
-    return t.detach().cpu().contiguous().view(_UNSIGNED_VIEW[fmt.total_bits])
+def _same_width_int(dtype: torch.dtype, name: str) -> tuple[int, torch.dtype]:
+    width = torch.empty((), dtype=dtype).element_size() * 8
+    if width not in _SAME_WIDTH_INT:
+        widths = ", ".join(str(w) for w in _SAME_WIDTH_INT)
+        raise TypeError(f"{name} must have an element width in {{{widths}}} bits, got {dtype}")
+    return width, _SAME_WIDTH_INT[width]
+
+
+def tensor_bit_patterns(t: torch.Tensor) -> torch.Tensor:
+    """The unsigned bit patterns of ``t`` as an int64 tensor of the same shape and device.
+
+    A reinterpretation, never a value cast; the one vectorised bits view every
+    module shares (8-, 16- and 32-bit dtypes).
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"t must be a torch.Tensor, got {type(t).__name__}")
+    width, int_view = _same_width_int(t.dtype, "t")
+    return t.detach().contiguous().view(int_view).to(torch.int64) & ((1 << width) - 1)
+
+
+def tensor_from_bit_patterns(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A ``dtype`` tensor whose elements have the unsigned patterns in the integer tensor ``bits``.
+
+    The inverse of :func:`tensor_bit_patterns`: a reinterpretation, never a value cast.
+    """
+    width, int_view = _same_width_int(dtype, "dtype")
+    if bits.dtype.is_floating_point or bits.dtype == torch.bool:
+        raise TypeError(f"bits must be an integer tensor, got {bits.dtype}")
+    bits = bits.to(torch.int64)
+    # Signed views hold the top half of the patterns as negative integers.
+    if width > 8:
+        bits = torch.where(bits >= 1 << (width - 1), bits - (1 << width), bits)
+    return bits.to(int_view).view(dtype)
 
 
 def tensor_to_bits(t: torch.Tensor) -> list[int]:
     """The raw unsigned bit patterns of a tensor's elements, flattened in row-major order."""
-    fmt = format_of(t.dtype)
-    mask = (1 << fmt.total_bits) - 1
-    return [int(b) & mask for b in _raw_view(fmt, t).reshape(-1).tolist()]
+    format_of(t.dtype)  # only the formats this module describes
+    return tensor_bit_patterns(t.detach().cpu()).reshape(-1).tolist()
 
 
 def bits_to_tensor(
     fmt: FloatFormat, bits: Sequence[int], shape: Sequence[int] | None = None
 ) -> torch.Tensor:
     """A ``fmt`` tensor whose elements have the given bit patterns (no value casts)."""
+    bits = list(bits)
     for b in bits:
         _check_bits(fmt, b)
-    width = fmt.total_bits
-    # Signed views hold the top half of the patterns as negative integers.
-    signed = [b - (1 << width) if width > 8 and b >= 1 << (width - 1) else b for b in bits]
-    raw = torch.tensor(signed, dtype=_UNSIGNED_VIEW[width])
-    out = raw.view(fmt.torch_dtype)
+    out = tensor_from_bit_patterns(torch.tensor(bits, dtype=torch.int64), fmt.torch_dtype)
     return out.reshape(tuple(shape)) if shape is not None else out
 
 

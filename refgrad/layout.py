@@ -85,7 +85,8 @@ class Layout:
         }
 
 
-def _as_positive_int(value: object, name: str) -> int:
+def positive_int(value: object, name: str) -> int:
+    """``value`` as an int; TypeError unless it is an integer (bool excluded), ValueError unless > 0."""
     if isinstance(value, bool):
         raise TypeError(f"{name} must be an int, got bool")
     try:
@@ -104,11 +105,16 @@ def validate_layout_arguments(
     shared_embedding: Iterable[int],
 ) -> tuple[list[int], int, int | None, frozenset[int]]:
     """Check the arguments of :func:`compute_layout`; return them normalised."""
-    numel_list = [_as_positive_int(n, f"numels[{i}]") for i, n in enumerate(numels)]
+    numel_list = [positive_int(n, f"numels[{i}]") for i, n in enumerate(numels)]
     if not numel_list:
         raise ValueError("numels must contain at least one parameter size")
-    dp = _as_positive_int(dp_size, "dp_size")
-    size = None if bucket_size is None else _as_positive_int(bucket_size, "bucket_size")
+    dp = positive_int(dp_size, "dp_size")
+    size = None if bucket_size is None else positive_int(bucket_size, "bucket_size")
+    return numel_list, dp, size, validate_shared_embedding(shared_embedding, len(numel_list))
+
+
+def validate_shared_embedding(shared_embedding: Iterable[int], count: int) -> frozenset[int]:
+    """The shared-embedding registration indices; each an int in ``[0, count)``, listed once."""
     shared: set[int] = set()
     for index in shared_embedding:
         if isinstance(index, bool):
@@ -119,14 +125,12 @@ def validate_layout_arguments(
             raise TypeError(
                 f"shared_embedding entries must be ints, got {type(index).__name__}"
             ) from None
-        if not 0 <= i < len(numel_list):
-            raise ValueError(
-                f"shared_embedding index {i} is out of range for {len(numel_list)} parameters"
-            )
+        if not 0 <= i < count:
+            raise ValueError(f"shared_embedding index {i} is out of range for {count} parameters")
         if i in shared:
             raise ValueError(f"shared_embedding index {i} is listed twice")
         shared.add(i)
-    return numel_list, dp, size, frozenset(shared)
+    return frozenset(shared)
 
 
 def compute_layout(

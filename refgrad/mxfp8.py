@@ -51,6 +51,7 @@ from refgrad.formats import (
     Value,
     decode,
     decode_tensor,
+    floor_log2,
     format_of,
     round_to_bits,
     round_values_to_tensor,
@@ -90,16 +91,6 @@ def validate_quantize_args(x: torch.Tensor, scale_mode: str, block_size: int) ->
             f"the last dimension of x ({x.shape[-1]}) must be divisible by "
             f"block_size ({block_size})"
         )
-
-
-def floor_log2(value: Fraction) -> int:
-    """``floor(log2(value))`` for ``value > 0``, exactly."""
-    exponent = value.numerator.bit_length() - value.denominator.bit_length()
-    if Fraction(2) ** exponent > value:
-        exponent -= 1
-    elif Fraction(2) ** (exponent + 1) <= value:
-        exponent += 1
-    return exponent
 
 
 def ceil_log2(value: Fraction) -> int:

@@ -97,6 +97,7 @@ class CheckResult:
     error: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
+        """The result as plain dicts and lists (for the JSON report)."""
         return asdict(self)
 
 
@@ -153,6 +154,7 @@ class CheckRecorder:
         rows: Sequence[Sequence[Any]],
         notes: Sequence[str] = (),
     ) -> None:
+        """A table for the report (rows of plain values; notes printed beneath it)."""
         self._tables.append(Table(title, list(columns), [list(r) for r in rows], list(notes)))
 
     def finding(self, text: str) -> None:
@@ -164,6 +166,7 @@ class CheckRecorder:
         self._skipped.append(text)
 
     def finish(self, seconds: float, error: str | None = None) -> CheckResult:
+        """Close the check: it passes only with no error, at least one comparison or expectation, and all of them passing."""
         passed = (
             error is None
             and all(c.passed for c in self._comparisons)

@@ -66,6 +66,7 @@ def _add_run_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``verify`` parser: ``run``, ``env`` and the delegated subcommands."""
     parser = argparse.ArgumentParser(
         prog="verify",
         description="Verify optimized gradient paths (fastgrad) against exact references (refgrad).",

@@ -75,8 +75,14 @@ def spawn(
     ``fn`` must be a module-level function (it is pickled into spawned processes).
     Return values may hold tensors; they are copied back by value.
     """
+    if not callable(fn):
+        raise TypeError(f"fn must be a callable, got {type(fn).__name__}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise TypeError(f"world_size must be an int, got {type(world_size).__name__}")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not timeout_s > 0:  # also refuses NaN
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -114,6 +120,11 @@ def spawn(
     finally:
         for p in procs:
             p.join(timeout=5 if failures else 30)
+        # A rank that died without reporting is usually the root cause of the others'
+        # failures (their collectives see a reset connection): name it too.
+        for r, p in enumerate(procs):
+            if r not in results and r not in failures and p.exitcode not in (None, 0):
+                failures[r] = f"process exited with code {p.exitcode} before reporting"
         for p in procs:
             if p.is_alive():
                 p.kill()

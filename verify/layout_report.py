@@ -42,6 +42,17 @@ class ModelSpec:
     learned_positions: int  # rows of a learned position embedding (0 = rotary)
     tied_embeddings: bool
 
+    def __post_init__(self) -> None:
+        for name in ("hidden", "layers", "vocab", "ffn_hidden", "kv_channels_total"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ModelSpec.{name} must be an int >= 1, got {value!r}")
+        if isinstance(self.learned_positions, bool) or not isinstance(self.learned_positions, int) \
+                or self.learned_positions < 0:
+            raise ValueError(
+                f"ModelSpec.learned_positions must be an int >= 0, got {self.learned_positions!r}"
+            )
+
     def param_numels(self) -> tuple[list[int], list[int], list[str]]:
         """(numels, shared-embedding indices, names), registration order."""
         h = self.hidden

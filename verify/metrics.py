@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from refgrad.formats import FloatFormat, format_of, tensor_bit_patterns
+
 __all__ = [
     "HISTOGRAM_BUCKETS",
     "Comparison",
@@ -45,34 +47,10 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class _BitLayout:
-    """How to read one dtype's bit patterns: width, integer view, sign and NaN rule."""
-
-    total_bits: int
-    int_view: torch.dtype  # same-width integer dtype used to reinterpret the bits
-    signed: bool
-    exponent_bits: int
-    mantissa_bits: int
-    # "ieee": exponent all ones + mantissa != 0 is NaN, mantissa == 0 is inf.
-    # "e4m3fn": only magnitude all-ones (S.1111.111) is NaN; there is no inf.
-    # "e8m0": only 0xFF is NaN; there is no inf.
-    special_style: str
-
-
-def _layout(dtype: torch.dtype) -> _BitLayout:
-    if dtype == torch.float32:
-        return _BitLayout(32, torch.int32, True, 8, 23, "ieee")
-    if dtype == torch.float16:
-        return _BitLayout(16, torch.int16, True, 5, 10, "ieee")
-    if dtype == torch.bfloat16:
-        return _BitLayout(16, torch.int16, True, 8, 7, "ieee")
-    if dtype == torch.float8_e4m3fn:
-        return _BitLayout(8, torch.uint8, True, 4, 3, "e4m3fn")
-    if dtype == torch.float8_e5m2:
-        return _BitLayout(8, torch.uint8, True, 5, 2, "ieee")
-    if dtype == torch.float8_e8m0fnu:
-        return _BitLayout(8, torch.uint8, False, 8, 0, "e8m0")
+def _layout(dtype: torch.dtype) -> FloatFormat:
+    """The bit layout of ``dtype``: refgrad's format descriptor, the one source of truth."""
+    if dtype in supported_dtypes():
+        return format_of(dtype)
     names = ", ".join(str(d) for d in supported_dtypes())
     raise TypeError(f"dtype {dtype} is not supported for ULP metrics; supported: {names}")
 
@@ -89,44 +67,38 @@ def supported_dtypes() -> tuple[torch.dtype, ...]:
     )
 
 
-def _raw_bits(t: torch.Tensor, layout: _BitLayout) -> torch.Tensor:
-    """The unsigned bit patterns of ``t`` as int64 (no value conversion)."""
-    as_int = t.view(layout.int_view).to(torch.int64)
-    return as_int & ((1 << layout.total_bits) - 1)
-
-
-def _magnitude_and_sign(bits: torch.Tensor, layout: _BitLayout) -> tuple[torch.Tensor, torch.Tensor]:
+def _magnitude_and_sign(bits: torch.Tensor, layout: FloatFormat) -> tuple[torch.Tensor, torch.Tensor]:
     if not layout.signed:
         return bits, torch.zeros_like(bits, dtype=torch.bool)
     sign_bit = 1 << (layout.total_bits - 1)
     return bits & (sign_bit - 1), (bits & sign_bit) != 0
 
 
-def _nan_mask(bits: torch.Tensor, layout: _BitLayout) -> torch.Tensor:
+def _nan_mask(bits: torch.Tensor, layout: FloatFormat) -> torch.Tensor:
     magnitude, _ = _magnitude_and_sign(bits, layout)
-    if layout.special_style == "e8m0":
+    if layout.nan_style == "ff":
         return bits == 0xFF
-    if layout.special_style == "e4m3fn":
-        return magnitude == 0x7F
+    if layout.nan_style == "all_ones":
+        return magnitude == (1 << (layout.total_bits - 1)) - 1
     exponent_field = magnitude >> layout.mantissa_bits
     mantissa_field = magnitude & ((1 << layout.mantissa_bits) - 1)
     return (exponent_field == (1 << layout.exponent_bits) - 1) & (mantissa_field != 0)
 
 
-def _inf_mask(bits: torch.Tensor, layout: _BitLayout) -> torch.Tensor:
-    if layout.special_style != "ieee":
+def _inf_mask(bits: torch.Tensor, layout: FloatFormat) -> torch.Tensor:
+    if not layout.has_inf:
         return torch.zeros_like(bits, dtype=torch.bool)
     magnitude, _ = _magnitude_and_sign(bits, layout)
     return magnitude == ((1 << layout.exponent_bits) - 1) << layout.mantissa_bits
 
 
-def _ordered(bits: torch.Tensor, layout: _BitLayout) -> torch.Tensor:
+def _ordered(bits: torch.Tensor, layout: FloatFormat) -> torch.Tensor:
     """Sign-magnitude bits -> integers whose order is the numeric order (+0 == -0)."""
     magnitude, negative = _magnitude_and_sign(bits, layout)
     return torch.where(negative, -magnitude, magnitude)
 
 
-def _check_pair(a: Any, b: Any, names: tuple[str, str]) -> _BitLayout:
+def _check_pair(a: Any, b: Any, names: tuple[str, str]) -> FloatFormat:
     for value, name in zip((a, b), names):
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
@@ -162,12 +134,12 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> UlpDistance:
     number. See the module docstring for the conventions.
     """
     layout = _check_pair(a, b, ("a", "b"))
-    ulps, nan_a, nan_b = _distance_from_bits(_raw_bits(a, layout), _raw_bits(b, layout), layout)
+    ulps, nan_a, nan_b = _distance_from_bits(tensor_bit_patterns(a), tensor_bit_patterns(b), layout)
     return UlpDistance(ulps=ulps, nan_mismatch=nan_a ^ nan_b)
 
 
 def _distance_from_bits(
-    bits_a: torch.Tensor, bits_b: torch.Tensor, layout: _BitLayout
+    bits_a: torch.Tensor, bits_b: torch.Tensor, layout: FloatFormat
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(ULP distances with 0 wherever either side is NaN, NaN mask of a, NaN mask of b)."""
     nan_a = _nan_mask(bits_a, layout)
@@ -321,8 +293,8 @@ def _compare(
     cand = candidate.detach().reshape(-1).cpu()
     n = ref.numel()
 
-    ref_bits = _raw_bits(ref, layout)
-    cand_bits = _raw_bits(cand, layout)
+    ref_bits = tensor_bit_patterns(ref)
+    cand_bits = tensor_bit_patterns(cand)
     ulps_all, ref_nan, cand_nan = _distance_from_bits(ref_bits, cand_bits, layout)
     distance = UlpDistance(ulps=ulps_all, nan_mismatch=ref_nan ^ cand_nan)
     differs = ref_bits != cand_bits

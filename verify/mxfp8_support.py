@@ -132,6 +132,7 @@ def torch_cast_elements(x: torch.Tensor, scale_mode: str) -> tuple[torch.Tensor,
 
 
 def torchao_available() -> bool:
+    """True when torchao can be imported (found on the path; not imported here)."""
     return importlib.util.find_spec("torchao") is not None
 
 
@@ -250,31 +251,11 @@ def train_toy_rank(
     return {
         "snapshots": snapshots,
         "allocated_bytes": buffer.allocated_bytes(),
-        "expected_bytes": buffer.expected_bytes(),
         "numel": buffer.numel,
         "sharing": buffer.sharing,
         "shard_ranges": [b.local_shard_range for b in buffer.buckets],
         "param_ranges": [buffer.param_range(w) for w in weights],
     }
-
-
-_RAW_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def to_wire(obj: Any) -> Any:
-    """Tensors -> numpy arrays of their raw bit patterns, recursively.
-
-    Results cross the process boundary by pickling; torch tensors would travel
-    as shared-memory handles that die with the child process.
-    """
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach().cpu().contiguous()
-        return t.view(_RAW_VIEW[t.element_size()]).numpy().copy()
-    if isinstance(obj, dict):
-        return {k: to_wire(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return type(obj)(to_wire(v) for v in obj)
-    return obj
 
 
 def train_both_modes_rank(
@@ -287,13 +268,12 @@ def train_both_modes_rank(
 ) -> dict[tuple[bool, bool], dict[str, Any]]:
     """Run :func:`train_toy_rank` for sharing off/on x the grad dtypes, in one process.
 
-    Tensors come back as raw-bit numpy arrays (:func:`to_wire`).
+    Keys are ``(sharing, grad_fp32)``; tensors come back by value through
+    :func:`verify.distributed.spawn`'s plain pickling.
     """
     return {
-        (sharing, grad_fp32): to_wire(
-            train_toy_rank(
-                rank, world_size, sharing, grad_fp32, iterations, optimizer_kind, "floor", seed
-            )
+        (sharing, grad_fp32): train_toy_rank(
+            rank, world_size, sharing, grad_fp32, iterations, optimizer_kind, "floor", seed
         )
         for grad_fp32 in grad_fp32_options
         for sharing in (False, True)

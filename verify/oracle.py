@@ -80,6 +80,7 @@ from refgrad.formats import (
     Special,
     format_of,
     round_to_bits,
+    tensor_from_bit_patterns,
 )
 
 __all__ = ["INPUT_DTYPES", "MAX_RANKS", "TARGET_DTYPES", "correctly_rounded_sum"]
@@ -107,7 +108,6 @@ _BASE_EXPONENT = -150  # N = S · 2^150 is an integer for every float32 sum
 _ELEMENTS_PER_CHUNK = 1 << 18  # working-set size for the banding pass
 _COLUMNS_PER_FINISH = 4096
 
-_INT_VIEW = {8: torch.uint8, 16: torch.int16, 32: torch.int32}
 
 
 def _stack(tensors_or_stacked: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
@@ -273,13 +273,6 @@ def _special_bits(fmt: FloatFormat, overflow: str | None) -> dict[str, int]:
     }
 
 
-def _to_tensor(bits: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
-    width = fmt.total_bits
-    if width > 8:
-        bits = torch.where(bits >= 1 << (width - 1), bits - (1 << width), bits)
-    return bits.to(_INT_VIEW[width]).view(fmt.torch_dtype)
-
-
 def correctly_rounded_sum(
     tensors_or_stacked: torch.Tensor | Sequence[torch.Tensor],
     dtype: torch.dtype,
@@ -341,4 +334,4 @@ def correctly_rounded_sum(
             specials["nan"],
             torch.where(has_pos_inf, specials["pos_inf"], specials["neg_inf"]),
         )
-    return _to_tensor(bits, fmt).reshape(out_shape)
+    return tensor_from_bit_patterns(bits, fmt.torch_dtype).reshape(out_shape)

@@ -35,9 +35,11 @@ class Report:
 
     @property
     def passed(self) -> bool:
+        """True when at least one check ran and every check passed."""
         return bool(self.checks) and all(c.passed for c in self.checks)
 
     def to_dict(self) -> dict[str, Any]:
+        """The JSON report: schema version, result, ``env``, options and ``checks``."""
         return _json_safe(
             {
                 "schema_version": REPORT_SCHEMA_VERSION,
@@ -49,9 +51,11 @@ class Report:
         )
 
     def write_json(self, path: str | Path) -> None:
+        """Write :meth:`to_dict` as indented JSON to ``path``."""
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
     def write_markdown(self, path: str | Path) -> None:
+        """Write :func:`render_markdown` of this report to ``path``."""
         Path(path).write_text(render_markdown(self))
 
 
@@ -80,6 +84,7 @@ def render_table_text(table: Table) -> str:
 
 
 def render_table_markdown(table: Table) -> str:
+    """One recorded table as a Markdown table with its title and notes."""
     lines = [f"**{table.title}**", ""]
     lines.append("| " + " | ".join(table.columns) + " |")
     lines.append("|" + "---|" * len(table.columns))
@@ -133,6 +138,7 @@ def render_text(report: Report, verbose: bool = False) -> str:
 
 
 def render_markdown(report: Report) -> str:
+    """The whole report as Markdown: result, environment, then each check."""
     lines = ["# gradverify report", ""]
     lines.append(f"**Result: {'PASS' if report.passed else 'FAIL'}**")
     lines.append("")

@@ -6,15 +6,17 @@ on CUDA; everything else takes the torch path, which gives the same bits.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 
 import torch
 
 
-@functools.cache
 def triton_available() -> bool:
-    """True when Triton is importable and a CUDA device is present."""
+    """True when Triton is importable and a CUDA device is present.
+
+    Not memoised (no module-level cache): both probes are cheap, and tests can
+    change the environment between calls.
+    """
     if not torch.cuda.is_available():
         return False
     return importlib.util.find_spec("triton") is not None

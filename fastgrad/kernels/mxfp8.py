@@ -106,7 +106,8 @@ def quantize_triton(
 
     validate_quantize_args(x, scale_mode, block_size)
     for name, value in (("block_size", block_size), ("blocks_per_program", blocks_per_program)):
-        if value & (value - 1):
+        # 0 & -1 == 0, so the power-of-two test alone would let 0 through.
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
             raise ValueError(f"{name} must be a power of two for the Triton kernel, got {value}")
     source = x.detach().contiguous()
     if source.dtype == torch.float32:

@@ -125,8 +125,9 @@ def test_local_buffer_properties_on_cuda():
 def test_padding_never_leaks():
     params = make_params([(5,), (70,)], [torch.float32] * 2)
     buf = ParamAndGradBuffer(params, config=DIST_OPT, dp_size=4)
-    # Layout (dp 4, divisor 128): 70 at [0,70); 5 at [128,133)? no: 70 < 100, so 5 at
-    # pad64(70)=128 in the same bucket: [128,133); unpadded 133 -> end 256. Shards of 64.
+    # Layout (dp 4, divisor lcm(4,128)=128), reverse order: 70 at [0,70) leaves the bucket
+    # open (70 < bucket size 100); 5 at pad64(70)=128 in the same bucket: [128,133);
+    # unpadded 133 -> end pad(133,128)=256. Shards of 256/4 = 64.
     (group,) = buf.groups
     assert [group.param_range(p) for p in params] == [(128, 133), (0, 70)]
     for p in params:

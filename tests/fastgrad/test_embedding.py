@@ -99,9 +99,18 @@ def test_layer_argument_errors():
         ColumnParallelOutputLayer(weight(), EmbeddingWgradConfig(), main_grad=torch.zeros(2, 2))
     with pytest.raises(ValueError, match="tp_group is required"):
         ColumnParallelOutputLayer(weight(), EmbeddingWgradConfig(tensor_model_parallel_size=2))
+    with pytest.raises(TypeError, match="main_grad_dtype must be one of"):
+        ColumnParallelOutputLayer(weight(), EmbeddingWgradConfig(), main_grad_dtype=torch.float64)
+    with pytest.raises(TypeError, match="main_grad's dtype must be one of"):
+        ColumnParallelOutputLayer(weight(), EmbeddingWgradConfig(), main_grad=torch.zeros(V, H, dtype=torch.int32))
+    with pytest.raises(ValueError, match="must share a device"):
+        ColumnParallelOutputLayer(weight(), EmbeddingWgradConfig(), main_grad=torch.zeros(V, H, device="meta"))
     layer = ColumnParallelOutputLayer(weight(), EmbeddingWgradConfig())
     with pytest.raises(ValueError, match="hidden size"):
         layer(torch.zeros(S, B, H + 1, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="local_input has dtype torch.float32 but the weight is torch.bfloat16"):
+        layer(torch.zeros(S, B, H))
+    assert layer.activation_buffer == [] and torch.count_nonzero(layer.weight.main_grad) == 0
 
 
 def test_accumulate_wgrad_errors():
@@ -112,6 +121,8 @@ def test_accumulate_wgrad_errors():
         accumulate_wgrad_(mg, torch.zeros(3, V + 1), torch.zeros(3, H))
     with pytest.raises(ValueError, match="cuda_method"):
         accumulate_wgrad_(mg, torch.zeros(3, V), torch.zeros(3, H), cuda_method="x")
+    with pytest.raises(TypeError, match="main_grad's dtype must be one of"):
+        accumulate_wgrad_(mg.double(), torch.zeros(3, V), torch.zeros(3, H))
 
 
 # --- numerics against refgrad -------------------------------------------------------------

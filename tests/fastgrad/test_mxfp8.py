@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 
 from fastgrad import mxfp8 as fast
 from refgrad import mxfp8 as ref
+from refgrad.formats import bits_to_tensor, format_of, tensor_bit_patterns
 from verify.mxfp8_support import special_blocks
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-RAW_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 HYPOTHESIS = settings(
     max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
@@ -32,9 +32,7 @@ def assert_same_quantization(x: torch.Tensor, mode: str, block_size: int = 32) -
 
 
 def from_bits(bits: list[int], dtype: torch.dtype) -> torch.Tensor:
-    width = 32 if dtype == torch.float32 else 16
-    signed = [b - (1 << width) if b >= 1 << (width - 1) else b for b in bits]
-    return torch.tensor(signed, dtype=RAW_VIEW[dtype]).view(dtype)
+    return bits_to_tensor(format_of(dtype), bits)
 
 
 @st.composite
@@ -105,7 +103,7 @@ def test_dequantize_matches_refgrad_for_any_codes(scales, elements):
     for dtype in DTYPES:
         expected = ref.dequantize(scale_bits, element_bits, dtype=dtype)
         got = fast.dequantize(scale_bits, element_bits, dtype=dtype)
-        assert torch.equal(expected.view(RAW_VIEW[dtype]), got.view(RAW_VIEW[dtype])), dtype
+        assert torch.equal(tensor_bit_patterns(expected), tensor_bit_patterns(got)), dtype
 
 
 def test_e4m3_code_table_matches_refgrad_decode():
@@ -174,6 +172,13 @@ def test_triton_kernel_logic_in_interpreter():
         "        s, e = quantize_triton(x, scale_mode=mode, blocks_per_program=8)\n"
         "        rs, re = ref.quantize(x, scale_mode=mode)\n"
         "        assert torch.equal(s, rs) and torch.equal(e, re), (dtype, mode)\n"
+        "for bad in (0, 3, -4):\n"
+        "    try:\n"
+        "        quantize_triton(torch.zeros(64), blocks_per_program=bad)\n"
+        "    except ValueError as exc:\n"
+        "        assert 'blocks_per_program must be a power of two' in str(exc)\n"
+        "    else:\n"
+        "        raise AssertionError(f'blocks_per_program={bad} accepted')\n"
     )
     env = dict(os.environ, TRITON_INTERPRET="1")
     root = Path(__file__).resolve().parents[2]
@@ -199,4 +204,4 @@ def test_cuda_quantize_matches_refgrad(dtype):
         assert torch.equal(expected[1], torch_path[1].cpu())
         deq = fast.dequantize(scales, elements, dtype=dtype)
         ref_deq = ref.dequantize(expected[0], expected[1], dtype=dtype)
-        assert torch.equal(ref_deq.view(RAW_VIEW[dtype]), deq.cpu().view(RAW_VIEW[dtype]))
+        assert torch.equal(tensor_bit_patterns(ref_deq), tensor_bit_patterns(deq.cpu()))

@@ -13,7 +13,6 @@ grads of elements [1664, 3712) -- bucket 1's (and the start of bucket 2's) grads
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from distributed_utils import run_distributed
@@ -22,10 +21,16 @@ from fastgrad.config import DDPConfig
 from fastgrad.errors import LifecycleError
 from fastgrad.mxfp8_sharing import MXFP8Parameter, MXFP8ParamGradBuffer, ShardedOptimizer
 from refgrad import mxfp8 as ref
+from refgrad.formats import tensor_bit_patterns
 from verify.mxfp8_support import TOY_SHAPES, toy_config, train_both_modes_rank
 
 TOY_NUMEL = 7424
 TOY_BUCKETS = [(0, 1280), (1280, 3328), (3328, 7424)]
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN patterns and -0 included), dtype included."""
+    return a.dtype == b.dtype and torch.equal(tensor_bit_patterns(a), tensor_bit_patterns(b))
 
 
 def make_buffer(*, sharing: bool, grad_fp32: bool = True, extra: list | None = None):
@@ -68,7 +73,9 @@ def test_sharing_falls_back_without_mxfp8_params():
     bias = torch.zeros(64, dtype=torch.bfloat16)
     buffer = MXFP8ParamGradBuffer([bias], config=toy_config(sharing=True, grad_fp32=True))
     assert not buffer.sharing
-    assert buffer.allocated_bytes() == buffer.expected_bytes()
+    # 64 elements padded to 128 (lcm(dp=1, 128)); fp32 grads + a separate bf16 param buffer.
+    assert buffer.numel == 128
+    assert buffer.allocated_bytes() == buffer.expected_bytes() == 128 * (4 + 2)
 
 
 # ------------------------------------------------------------------ production's NaN configs
@@ -224,6 +231,15 @@ def test_bad_arguments():
         MXFP8ParamGradBuffer([torch.ones(4)], config=toy_config(sharing=True, grad_fp32=True))
     with pytest.raises(ValueError, match="kind"):
         ShardedOptimizer(buffer, kind="lamb")
+    for lr in (0.0, -1e-3, float("inf"), float("nan"), 1):
+        with pytest.raises(ValueError, match="lr must be a positive finite float"):
+            ShardedOptimizer(buffer, lr=lr)
+    for betas in ((0.9,), (0.9, 1.0), (-0.1, 0.9), (0.9, float("nan"))):
+        with pytest.raises(ValueError, match="betas must be two floats in"):
+            ShardedOptimizer(buffer, kind="adam", betas=betas)
+    for eps in (0.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="eps must be a positive finite float"):
+            ShardedOptimizer(buffer, kind="adam", eps=eps)
 
 
 # ------------------------------------------------------------------ dp=2 gloo: parity and errors
@@ -266,12 +282,12 @@ def test_dp2_training_bitwise_parity_with_sharing_off_and_lifecycle_errors():
             for it, (a, b) in enumerate(zip(off["snapshots"], on["snapshots"])):
                 for key in ("scale_bits", "element_bits", "masters_before", "masters_after", "local_grad_shards"):
                     for x, y in zip(a[key], b[key]):
-                        assert np.array_equal(x, y), (rank, grad_fp32, it, key)
-                assert np.array_equal(a["grads"], b["grads"]), (rank, grad_fp32, it)
+                        assert same_bits(x, y), (rank, grad_fp32, it, key)
+                assert same_bits(a["grads"], b["grads"]), (rank, grad_fp32, it)
             # training moved the params: the iterations are not all the same bits
-            assert not np.array_equal(on["snapshots"][0]["element_bits"][0], on["snapshots"][2]["element_bits"][0])
+            assert not same_bits(on["snapshots"][0]["element_bits"][0], on["snapshots"][2]["element_bits"][0])
         per_rank_bits.append(result["parity"][(True, True)]["snapshots"][-1]["element_bits"])
     # the all-gather gave both ranks the same params, though their data (and grads) differ
-    assert all(np.array_equal(x, y) for x, y in zip(*per_rank_bits))
+    assert all(same_bits(x, y) for x, y in zip(*per_rank_bits))
     grads = [r["parity"][(True, True)]["snapshots"][0]["local_grad_shards"] for r in results]
-    assert not np.array_equal(grads[0][0], grads[1][0])
+    assert not same_bits(grads[0][0], grads[1][0])

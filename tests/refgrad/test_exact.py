@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from refgrad import formats as F
 from refgrad.exact import correctly_rounded_sum, exact_sum, ieee_sum
 from refgrad.formats import Special
-from verify.checks.oracle import HAND_CASES, bits_of
+from refgrad.formats import tensor_bit_patterns as bits_of
+from verify.checks.oracle import HAND_CASES
 
 NAN, POS_INF, NEG_INF, NEG_ZERO = Special.NAN, Special.POS_INF, Special.NEG_INF, Special.NEG_ZERO
 

@@ -19,15 +19,15 @@ import pytest
 import torch
 
 from refgrad import formats as F
+from refgrad.formats import tensor_bit_patterns as bits_of
+from refgrad.formats import tensor_from_bit_patterns as tensor_from_bits
 from verify.checks.formats import (
     E8M0_TORCH_SUBNORMAL_ROUND_UP,
     KNOWN_TORCH_BEHAVIOURS,
-    bits_of,
     float32_cast_candidates,
     outside_known_torch_behaviours,
     positive_finite_patterns,
     refgrad_round_float32,
-    tensor_from_bits,
 )
 
 TWO = Fraction(2)
@@ -380,6 +380,35 @@ def test_tensor_helpers_reinterpret_bits():
         0xFFFFFFFF, 0x80000001]
     with pytest.raises(ValueError, match="bits"):
         F.bits_to_tensor(F.FLOAT8_E5M2, [256])
+
+
+def test_vectorised_bit_pattern_helpers():
+    # Hand-written patterns: fp32 -0 and a NaN payload, bf16 -1 and all-ones, e4m3fn NaN, e8m0 2^0.
+    cases = [
+        (torch.float32, [-0.0, 1.0], [0x80000000, 0x3F800000]),
+        (torch.bfloat16, [-1.0, 2.0], [0xBF80, 0x4000]),
+        (torch.float8_e4m3fn, [448.0, -2.0], [0x7E, 0xC0]),
+        (torch.float8_e8m0fnu, [1.0, 2.0**-127], [0x7F, 0x00]),
+    ]
+    for dtype, values, expected in cases:
+        t = torch.tensor(values, dtype=torch.float64).to(dtype)
+        got = bits_of(t)
+        assert got.dtype == torch.int64 and got.tolist() == expected, dtype
+        assert bits_of(tensor_from_bits(got, dtype)).tolist() == expected
+    # Patterns in the top half (negative in a signed view) and NaN payloads survive.
+    patterns = torch.tensor([[0xFFFFFFFF, 0x7FC00001], [0x80000001, 0]], dtype=torch.int64)
+    back = tensor_from_bits(patterns, torch.float32)
+    assert back.shape == (2, 2) and torch.isnan(back[0]).all()
+    assert torch.equal(bits_of(back), patterns)
+    assert bits_of(tensor_from_bits(torch.tensor([0xFFFF]), torch.float16)).tolist() == [0xFFFF]
+    with pytest.raises(TypeError, match="t must be a torch.Tensor"):
+        bits_of([1.0])
+    with pytest.raises(TypeError, match="element width"):
+        bits_of(torch.ones(2, dtype=torch.float64))
+    with pytest.raises(TypeError, match="element width"):
+        tensor_from_bits(torch.zeros(2, dtype=torch.int64), torch.float64)
+    with pytest.raises(TypeError, match="bits must be an integer tensor"):
+        tensor_from_bits(torch.zeros(2), torch.float32)
 
 
 # --- agreement with torch's casts from float32 ------------------------------------------

@@ -71,3 +71,22 @@ def test_check_fails_on_a_broken_candidate(layer_cls, symptom):
     result = rec.finish(0.0)
     assert not result.passed
     assert any(symptom in label for label in failed_labels(result)), failed_labels(result)
+
+
+@pytest.mark.parametrize(
+    ("fields", "error", "match"),
+    [
+        ({"tp": 0}, ValueError, r"WgradCase.tp must be an int >= 1"),
+        ({"num_microbatches": 0}, ValueError, r"WgradCase.num_microbatches must be an int >= 1"),
+        ({"limit": -1}, ValueError, r"WgradCase.limit must be an int >= 0"),
+        ({"sequence_parallel": 1}, TypeError, r"WgradCase.sequence_parallel must be a bool"),
+        ({"main_grad_dtype": "float16"}, ValueError, r"WgradCase.main_grad_dtype"),
+        ({"lane": "zeros"}, ValueError, r"WgradCase.lane must be one of"),
+    ],
+)
+def test_case_validates_itself(fields, error, match):
+    good = {"tp": 1, "sequence_parallel": False, "num_microbatches": 3, "limit": 1,
+            "main_grad_dtype": "float32", "lane": "grid"}
+    WgradCase(**good)
+    with pytest.raises(error, match=match):
+        WgradCase(**{**good, **fields})

@@ -44,9 +44,19 @@ def test_spawn_reports_the_failing_rank():
         spawn(_rank_one_fails, 2, timeout_s=60)
 
 
-def test_spawn_rejects_bad_world_size():
-    with pytest.raises(ValueError, match="world_size"):
+def test_spawn_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="world_size must be >= 1"):
         spawn(_sum_of_ranks, 0, 1.0)
+    with pytest.raises(TypeError, match="world_size must be an int"):
+        spawn(_sum_of_ranks, 2.0, 1.0)
+    with pytest.raises(TypeError, match="world_size must be an int"):
+        spawn(_sum_of_ranks, True, 1.0)
+    with pytest.raises(TypeError, match="fn must be a callable"):
+        spawn("_sum_of_ranks", 2, 1.0)
+    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+        spawn(_sum_of_ranks, 2, 1.0, timeout_s=0)
+    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+        spawn(_sum_of_ranks, 2, 1.0, timeout_s=float("nan"))
 
 
 def _rank_one_dies(rank, world_size):

@@ -18,6 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from refgrad.formats import bits_to_tensor, format_of
 from verify.metrics import (
     HISTOGRAM_BUCKETS,
     assert_bitwise_equal,
@@ -35,16 +36,11 @@ WIDTH = {
     torch.float8_e5m2: 8,
     torch.float8_e8m0fnu: 8,
 }
-INT_VIEW = {32: torch.int32, 16: torch.int16, 8: torch.uint8}
 
 
 def from_bits(dtype: torch.dtype, patterns: list[int]) -> torch.Tensor:
     """A tensor of ``dtype`` holding the given unsigned bit patterns (reinterpreted)."""
-    width = WIDTH[dtype]
-    if width == 8:
-        return torch.tensor(patterns, dtype=torch.uint8).view(dtype)
-    signed = [p - (1 << width) if p >= 1 << (width - 1) else p for p in patterns]
-    return torch.tensor(signed, dtype=INT_VIEW[width]).view(dtype)
+    return bits_to_tensor(format_of(dtype), patterns)
 
 
 def fp32_bits(x: float) -> int:

@@ -65,13 +65,18 @@ def test_quantizer_part_passes_on_the_real_candidate():
 
 
 def test_memory_part_fails_when_the_allocation_is_not_shared():
-    rank0 = {
-        (False, True): {"allocated_bytes": 600, "expected_bytes": 600, "numel": 100, "sharing": False},
-        # a "sharing" buffer that silently allocated param_data anyway
-        (True, True): {"allocated_bytes": 600, "expected_bytes": 400, "numel": 100, "sharing": True},
-    }
+    # Toy model at dp=2: numel 7424 (hand-derived in tests/fastgrad/test_mxfp8_sharing.py);
+    # fp32 grads + bf16 params = 6 bytes per element without sharing, 4 with.
+    honest_off = {"allocated_bytes": 7424 * 6, "numel": 7424, "sharing": False}
+    honest_on = {"allocated_bytes": 7424 * 4, "numel": 7424, "sharing": True}
+    rec = CheckRecorder("mxfp8")
+    check_module.check_memory(rec, {(False, True): honest_off, (True, True): honest_on})
+    assert rec.finish(0.0).passed
+    # a "sharing" buffer that silently allocated param_data anyway
+    rank0 = {(False, True): honest_off, (True, True): {**honest_on, "allocated_bytes": 7424 * 6}}
     rec = CheckRecorder("mxfp8")
     check_module.check_memory(rec, rank0)
     failed = [e.label for e in rec.finish(0.0).expectations if not e.passed]
-    assert any("measured bytes equal" in label for label in failed)
+    assert any("measured bytes equal the expected allocation (fp32 grads, sharing=True)" in label for label in failed)
     assert any("saving equals" in label for label in failed)
+    assert not any("sharing=False" in label for label in failed)

@@ -16,18 +16,16 @@ from hypothesis import strategies as st
 
 from refgrad import exact
 from refgrad import formats as F
+from refgrad.formats import tensor_bit_patterns as bits_of
 from verify import oracle
 from verify.check import CheckContext, CheckRecorder
-from verify.checks.oracle import CHECK, HAND_CASES, bits_of, check_oracle, midpoints
+from verify.checks.oracle import CHECK, HAND_CASES, check_oracle, midpoints
 
 TARGETS = oracle.TARGET_DTYPES
-_INT_VIEW = {8: torch.uint8, 16: torch.int16, 32: torch.int32}
 
 
 def _from_bits(bits: list[int], dtype: torch.dtype) -> torch.Tensor:
-    width = torch.empty(0, dtype=dtype).element_size() * 8
-    signed = [b - (1 << width) if width > 8 and b >= 1 << (width - 1) else b for b in bits]
-    return torch.tensor(signed, dtype=_INT_VIEW[width]).view(dtype)
+    return F.bits_to_tensor(F.format_of(dtype), bits)
 
 
 def _assert_same_bits(stacked: torch.Tensor, target: torch.dtype, overflow: str | None = None):

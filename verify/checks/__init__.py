@@ -16,6 +16,7 @@ CHECK_MODULES: tuple[str, ...] = (
     "oracle",
     "metrics",
     "layout",
+    "reduce_scatter",
     "deferred_wgrad",
     "pipeline",
     "mxfp8",

@@ -69,6 +69,24 @@ class WgradCase:
     main_grad_dtype: str  # "float32" | "bfloat16"
     lane: str  # "random" (bf16 normals) | "grid" (values in {-1, 0, 1}·2^-k)
 
+    def __post_init__(self) -> None:
+        for name in ("tp", "num_microbatches"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"WgradCase.{name} must be an int >= 1, got {value!r}")
+        if isinstance(self.limit, bool) or not isinstance(self.limit, int) or self.limit < 0:
+            raise ValueError(f"WgradCase.limit must be an int >= 0, got {self.limit!r}")
+        if not isinstance(self.sequence_parallel, bool):
+            raise TypeError(
+                f"WgradCase.sequence_parallel must be a bool, got {type(self.sequence_parallel).__name__}"
+            )
+        if self.main_grad_dtype not in ("float32", "bfloat16"):
+            raise ValueError(
+                f"WgradCase.main_grad_dtype must be 'float32' or 'bfloat16', got {self.main_grad_dtype!r}"
+            )
+        if self.lane not in LANES:
+            raise ValueError(f"WgradCase.lane must be one of {LANES}, got {self.lane!r}")
+
     @property
     def label(self) -> str:
         sp = "sp" if self.sequence_parallel else "nosp"
@@ -106,7 +124,9 @@ def compared_with_refgrad(case: WgradCase, quick: bool) -> bool:
     return (case.num_microbatches, case.limit) in picked
 
 
-def case_data(case: WgradCase, seed: int, data_rank: int):
+def case_data(
+    case: WgradCase, seed: int, data_rank: int
+) -> tuple[torch.Tensor, list[list[torch.Tensor]], list[list[torch.Tensor]]]:
     """Full (unsharded) weight, inputs and output grads: ``xs[it][k]``, ``gos[it][k]``."""
     # Not hash(label): str hashes are salted per process, and the parent regenerates this data.
     offset = int.from_bytes(case.label.encode()[-8:], "little") + len(case.label)
@@ -161,7 +181,13 @@ def _run_layer(case, layer_cls, config, weight, xs, gos, rank, order_of, tp_grou
     return grads_after, drained, dgrads, empty_drain_ok
 
 
-def run_case_on_rank(case: WgradCase, seed: int, rank: int, tp_group, layer_cls) -> dict:
+def run_case_on_rank(
+    case: WgradCase,
+    seed: int,
+    rank: int,
+    tp_group: dist.ProcessGroup | None,
+    layer_cls: type[ColumnParallelOutputLayer],
+) -> dict:
     """Deferred, immediate, and immediate-in-drain-order runs of one case on this rank."""
     data_rank = rank if case.tp == 1 else 0
     weight, xs, gos = case_data(case, seed, data_rank)
@@ -280,7 +306,7 @@ def run_deferred_wgrad_check(
     ctx: CheckContext,
     rec: CheckRecorder,
     *,
-    layer_cls=ColumnParallelOutputLayer,
+    layer_cls: type[ColumnParallelOutputLayer] = ColumnParallelOutputLayer,
     cases: list[WgradCase] | None = None,
 ) -> None:
     """The check body; tests feed a deliberately broken ``layer_cls`` and fewer ``cases``."""

@@ -48,8 +48,6 @@ VIRTUAL_NEXT_AFTER_MAX: dict[str, Fraction] = {
     "float8_e8m0fnu": Fraction(2) ** 128,  # 2^127 · 2
 }
 
-_INT_VIEW = {8: torch.uint8, 16: torch.int16, 32: torch.int32}
-
 # round_to_bits(fmt, value, overflow) -> bits; the candidate the check holds to the rules.
 RoundFunction = Callable[[F.FloatFormat, object, "str | None"], int]
 # cast(tensor, dtype) -> tensor; torch's cast unless a test swaps in a broken one.
@@ -59,19 +57,6 @@ CastFunction = Callable[[torch.Tensor, torch.dtype], torch.Tensor]
 def torch_cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """torch's own cast: the behaviour this check characterises."""
     return t.to(dtype)
-
-
-def bits_of(t: torch.Tensor) -> torch.Tensor:
-    """The unsigned bit patterns of ``t`` as an int64 tensor (reinterpretation only)."""
-    width = t.element_size() * 8
-    return t.contiguous().view(_INT_VIEW[width]).to(torch.int64) & ((1 << width) - 1)
-
-
-def tensor_from_bits(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A ``dtype`` tensor holding the unsigned patterns in the int64 tensor ``bits``."""
-    width = torch.empty((), dtype=dtype).element_size() * 8
-    signed = torch.where(bits >= 1 << (width - 1), bits - (1 << width), bits) if width > 8 else bits
-    return signed.to(_INT_VIEW[width]).view(dtype)
 
 
 @dataclass(frozen=True)
@@ -104,10 +89,10 @@ def float32_cast_candidates(fmt: F.FloatFormat, patterns: torch.Tensor) -> CastC
     if patterns.numel() and int(patterns.max()) > fmt.max_finite_bits:
         raise ValueError(f"patterns must be <= max_finite_bits ({fmt.max_finite_bits:#x})")
     dtype = fmt.torch_dtype
-    low = tensor_from_bits(patterns, dtype).to(torch.float64)
+    low = F.tensor_from_bit_patterns(patterns, dtype).to(torch.float64)
     at_top = patterns == fmt.max_finite_bits
     next_patterns = torch.where(at_top, patterns, patterns + 1)
-    high = tensor_from_bits(next_patterns, dtype).to(torch.float64)
+    high = F.tensor_from_bit_patterns(next_patterns, dtype).to(torch.float64)
     high = torch.where(at_top, torch.full_like(high, float(VIRTUAL_NEXT_AFTER_MAX[fmt.name])), high)
     midpoint64 = (low + high) / 2  # exact: one bit more than the format's precision
     midpoint = midpoint64.to(torch.float32)
@@ -178,7 +163,7 @@ class KnownTorchBehaviour:
         source = torch.tensor([self.example], dtype=getattr(torch, self.source_dtype))
         if source.item() != self.example and self.example == self.example:
             raise ValueError(f"{self.name}: example {self.example!r} is not exact in {self.source_dtype}")
-        return int(bits_of(source.to(getattr(torch, self.target_dtype)))[0])
+        return int(F.tensor_bit_patterns(source.to(getattr(torch, self.target_dtype)))[0])
 
     def refgrad_result(self, round_to_bits: RoundFunction = F.round_to_bits) -> int | None:
         fmt = F.format_of(self.target_dtype)
@@ -297,7 +282,7 @@ def _compare_cast(
 ) -> None:
     """Bitwise comparison of expected bits with the cast of float32 ``values``."""
     candidate = cast(values, fmt.torch_dtype)
-    rec.compare(label, tensor_from_bits(expected, fmt.torch_dtype), candidate)
+    rec.compare(label, F.tensor_from_bit_patterns(expected, fmt.torch_dtype), candidate)
 
 
 def _sample(patterns: torch.Tensor, size: int, rng: random.Random) -> torch.Tensor:
@@ -322,6 +307,7 @@ def _random_float32(fmt: F.FloatFormat, n: int, generator: torch.Generator) -> t
 
 
 def run(ctx: CheckContext, rec: CheckRecorder) -> None:
+    """The ``formats`` check's entry point (see :func:`run_formats_check`)."""
     run_formats_check(ctx, rec)
 
 
@@ -365,8 +351,8 @@ def run_formats_check(
         refgrad_bits = refgrad_round_float32(fmt, subset.values, None, round_to_bits)
         rec.compare(
             f"float32->{fmt.name}: refgrad vs rounding rule ({checked.numel()} patterns)",
-            tensor_from_bits(subset.expected_bits, fmt.torch_dtype),
-            tensor_from_bits(refgrad_bits, fmt.torch_dtype),
+            F.tensor_from_bit_patterns(subset.expected_bits, fmt.torch_dtype),
+            F.tensor_from_bit_patterns(refgrad_bits, fmt.torch_dtype),
         )
         randoms = _random_float32(fmt, 200 if ctx.quick else 4000, ctx.generator(offset))
         nan_input = torch.isnan(randoms)
@@ -402,7 +388,7 @@ def run_formats_check(
 
     # 3. Other sources: fp16/bf16 -> fp8 directly must equal going through float32 (exact).
     for source in (torch.float16, torch.bfloat16):
-        every_source = tensor_from_bits(torch.arange(1 << 16, dtype=torch.int64), source)
+        every_source = F.tensor_from_bit_patterns(torch.arange(1 << 16, dtype=torch.int64), source)
         for target in (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu):
             direct = cast(every_source, target)
             via_float32 = cast(every_source.to(torch.float32), target)

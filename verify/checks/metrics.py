@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import torch
 
+from refgrad.formats import tensor_from_bit_patterns as tensor_from_bits
 from verify.check import Check, CheckContext, CheckRecorder
-from verify.checks.formats import tensor_from_bits
 from verify.metrics import Comparison, UlpDistance, compare, ulp_distance
 
 UlpFunction = Callable[[torch.Tensor, torch.Tensor], UlpDistance]
@@ -76,6 +76,7 @@ def _rank_model_mismatches(dtype: torch.dtype, ulp_fn: UlpFunction) -> int:
 
 
 def run(ctx: CheckContext, rec: CheckRecorder) -> None:
+    """The ``metrics`` check's entry point (see :func:`run_metrics_check`)."""
     run_metrics_check(ctx, rec)
 
 

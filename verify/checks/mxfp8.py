@@ -31,6 +31,7 @@ from fastgrad import mxfp8 as fast
 from fastgrad.layout import compute_layout
 from refgrad import mxfp8 as ref
 from refgrad.formats import BFLOAT16, decode_tensor, round_values_to_tensor
+from refgrad.layout import compute_layout as reference_layout
 from verify import mxfp8_support as support
 from verify.check import Check, CheckContext, CheckRecorder
 from verify.distributed import spawn
@@ -99,6 +100,7 @@ def check_quantizer(
 
 
 def check_triton(ctx: CheckContext, rec: CheckRecorder) -> None:
+    """The Triton quantizer vs refgrad, bitwise, per mode (CUDA with Triton only; else a skip)."""
     if ctx.device != "cuda":
         rec.skip("Triton kernel: needs ctx.device='cuda' (the torch path ran instead)")
         return
@@ -243,10 +245,6 @@ def rceil_versus_fp32_division(ctx: CheckContext, rec: CheckRecorder) -> None:
 # ----------------------------------------------------------------------------- sharing
 
 
-def _from_wire(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(array)).view(dtype)
-
-
 def check_sharing(ctx: CheckContext, rec: CheckRecorder, iterations: int = 3) -> dict:
     """Train on dp=2 gloo ranks with sharing on and off; bitwise equality every iteration."""
     # quick: fp32 grads only (the fp32 case is the one whose param bytes overlap other
@@ -259,15 +257,17 @@ def check_sharing(ctx: CheckContext, rec: CheckRecorder, iterations: int = 3) ->
             grad_dtype = torch.float32 if grad_fp32 else torch.bfloat16
             tag = f"rank {rank}, {'fp32' if grad_fp32 else 'bf16'} grads"
             rec.expect(f"sharing active only when on ({tag})", on["sharing"] and not off["sharing"])
+            dtypes = {snap["grads"].dtype for run in (off, on) for snap in run["snapshots"]}
+            rec.expect(f"grad buffers hold {grad_dtype} ({tag})", dtypes == {grad_dtype}, f"got {dtypes}")
             for it, (a, b) in enumerate(zip(off["snapshots"], on["snapshots"])):
                 where = f"{tag}, iteration {it}"
                 for k, (sa, sb) in enumerate(zip(a["scale_bits"], b["scale_bits"])):
-                    rec.compare(f"MXFP8 scales W{k + 1}, {where}", _as_e8m0(_from_wire(sa, torch.uint8)), _as_e8m0(_from_wire(sb, torch.uint8)))
+                    rec.compare(f"MXFP8 scales W{k + 1}, {where}", _as_e8m0(sa), _as_e8m0(sb))
                 for k, (ea, eb) in enumerate(zip(a["element_bits"], b["element_bits"])):
-                    rec.compare(f"MXFP8 elements W{k + 1}, {where}", _as_e4m3(_from_wire(ea, torch.uint8)), _as_e4m3(_from_wire(eb, torch.uint8)))
-                rec.compare(f"grad buffer after reduce-scatter, {where}", _from_wire(a["grads"], grad_dtype), _from_wire(b["grads"], grad_dtype))
+                    rec.compare(f"MXFP8 elements W{k + 1}, {where}", _as_e4m3(ea), _as_e4m3(eb))
+                rec.compare(f"grad buffer after reduce-scatter, {where}", a["grads"], b["grads"])
                 for k, (ma, mb) in enumerate(zip(a["masters_after"], b["masters_after"])):
-                    rec.compare(f"fp32 master shard bucket {k} after step, {where}", _from_wire(ma, torch.float32), _from_wire(mb, torch.float32))
+                    rec.compare(f"fp32 master shard bucket {k} after step, {where}", ma, mb)
     _check_gathered_against_refgrad(ctx, rec, results, iterations)
     return results[0]
 
@@ -285,7 +285,7 @@ def _check_gathered_against_refgrad(
         for per_rank in results:
             run = per_rank[key]
             for (lo, hi), shard in zip(run["shard_ranges"], run["snapshots"][it]["masters_before"]):
-                full[lo:hi] = _from_wire(shard, torch.float32)
+                full[lo:hi] = shard
         # The staging cast fp32 -> bf16, rounded by refgrad.formats (not by torch's cast).
         params_bf16 = round_values_to_tensor(BFLOAT16, decode_tensor(full), full.shape)
         for k, (start, end) in enumerate(run0["param_ranges"]):
@@ -298,31 +298,56 @@ def _check_gathered_against_refgrad(
                 rec.compare(
                     f"gathered MXFP8 W{k + 1} vs refgrad(all-gathered masters), rank {rank}, iteration {it}",
                     _as_e4m3(expected_elements.reshape(-1)),
-                    _as_e4m3(_from_wire(snap["element_bits"][k], torch.uint8).reshape(-1)),
+                    _as_e4m3(snap["element_bits"][k].reshape(-1)),
                 )
                 rec.compare(
                     f"gathered MXFP8 W{k + 1} scales vs refgrad, rank {rank}, iteration {it}",
                     _as_e8m0(expected_scales.reshape(-1)),
-                    _as_e8m0(_from_wire(snap["scale_bits"][k], torch.uint8).reshape(-1)),
+                    _as_e8m0(snap["scale_bits"][k].reshape(-1)),
                 )
 
 
 # ----------------------------------------------------------------------------- memory
 
 
-def check_memory(rec: CheckRecorder, rank0: dict) -> None:
+def toy_reference_numel(dp_size: int) -> int:
+    """The toy model's padded buffer size from refgrad's layout (independent of the buffer)."""
+    layout = reference_layout(
+        [rows * cols for rows, cols in support.TOY_SHAPES],
+        dp_size=dp_size,
+        bucket_size=support.TOY_BUCKET_SIZE,
+        use_distributed_optimizer=True,
+        pad_buckets_for_high_nccl_busbw=False,
+    )
+    return layout.numel
+
+
+def check_memory(rec: CheckRecorder, rank0: dict, dp_size: int = 2) -> None:
+    """Measured param+grad bytes, sharing on vs off, against refgrad's layout (rank 0's runs).
+
+    Expected: ``numel * grad_bytes`` with sharing, plus ``numel * 2`` (the bf16
+    param buffer) without; ``numel`` comes from ``refgrad.layout``, not the buffer.
+    """
     rows = []
+    numel = toy_reference_numel(dp_size)
     for grad_fp32 in sorted({key[1] for key in rank0}, reverse=True):
         off, on = rank0[(False, grad_fp32)], rank0[(True, grad_fp32)]
         grad_name = "fp32" if grad_fp32 else "bf16"
+        grad_bytes = 4 if grad_fp32 else 2
         for run in (off, on):
+            expected = numel * (grad_bytes if run["sharing"] else grad_bytes + 2)
+            rec.expect(
+                f"buffer numel equals refgrad's layout ({grad_name} grads, sharing={run['sharing']})",
+                run["numel"] == numel,
+                f"buffer {run['numel']}, refgrad.layout {numel}",
+            )
             rec.expect(
                 f"measured bytes equal the expected allocation ({grad_name} grads, sharing={run['sharing']})",
-                run["allocated_bytes"] == run["expected_bytes"],
-                f"measured {run['allocated_bytes']}, expected {run['expected_bytes']}",
+                run["allocated_bytes"] == expected,
+                f"measured {run['allocated_bytes']}, expected {expected}",
             )
         saving = off["allocated_bytes"] - on["allocated_bytes"]
-        expected_saving = 2 * off["numel"]  # the bf16 param_data that sharing removes
+        expected_saving = 2 * numel  # the bf16 param_data that sharing removes
         rec.expect(
             f"saving equals the bf16 param buffer ({grad_name} grads)",
             saving == expected_saving,

@@ -35,7 +35,6 @@ Candidate = Callable[..., torch.Tensor]
 """``candidate(stacked [W, ...] tensor, dtype, overflow=None) -> tensor``."""
 
 _MAX32 = (2.0 - 2.0**-23) * 2.0**127
-_INT_VIEW = {8: torch.uint8, 16: torch.int16, 32: torch.int32}
 
 
 @dataclass(frozen=True)
@@ -147,26 +146,13 @@ HAND_CASES: tuple[HandCase, ...] = (
 )
 
 
-def bits_of(t: torch.Tensor) -> torch.Tensor:
-    """Unsigned bit patterns of ``t`` as int64 (reinterpretation only)."""
-    width = t.element_size() * 8
-    return t.contiguous().view(_INT_VIEW[width]).to(torch.int64) & ((1 << width) - 1)
-
-
-def _from_bits(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    width = torch.empty(0, dtype=dtype).element_size() * 8
-    if width > 8:
-        bits = torch.where(bits >= 1 << (width - 1), bits - (1 << width), bits)
-    return bits.to(_INT_VIEW[width]).view(dtype)
-
-
 # ---------------------------------------------------------------- adversarial inputs
 
 
 def random_patterns(g: torch.Generator, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """Uniformly random bit patterns of ``dtype``: NaN, inf, subnormals and all exponents."""
     width = torch.empty(0, dtype=dtype).element_size() * 8
-    return _from_bits(torch.randint(0, 1 << width, tuple(shape), generator=g), dtype)
+    return F.tensor_from_bit_patterns(torch.randint(0, 1 << width, tuple(shape), generator=g), dtype)
 
 
 def full_exponent_spread(
@@ -177,7 +163,7 @@ def full_exponent_spread(
     sign = torch.randint(0, 2, shape, generator=g) << 31
     exponent = torch.randint(exponents[0], exponents[1] + 1, shape, generator=g) << 23
     mantissa = torch.randint(0, 1 << 23, shape, generator=g)
-    return _from_bits(sign | exponent | mantissa, torch.float32)
+    return F.tensor_from_bit_patterns(sign | exponent | mantissa, torch.float32)
 
 
 def _shuffle_rows(g: torch.Generator, stacked: torch.Tensor) -> torch.Tensor:
@@ -246,11 +232,11 @@ def midpoints(g: torch.Generator, target: torch.dtype, ranks: int, columns: int)
     # The smallest target value whose half-ULP is a float32 number (>= 2^-149).
     lowest = 2 << fmt.mantissa_bits if fmt is F.FLOAT32 else 0
     y_bits = torch.randint(lowest, fmt.max_finite_bits, (columns,), generator=g)
-    y = _from_bits(y_bits, target).float()  # widening to float32 is exact
-    successor = _from_bits(y_bits + 1, target).float()
+    y = F.tensor_from_bit_patterns(y_bits, target).float()  # widening to float32 is exact
+    successor = F.tensor_from_bit_patterns(y_bits + 1, target).float()
     half_ulp = ((successor.double() - y.double()) / 2).float()  # a power of two: exact
     # y = y_high + y_low exactly: y_high drops 12 mantissa bits, y_low is those bits.
-    y_high = _from_bits(bits_of(y) & ~0xFFF, torch.float32)
+    y_high = F.tensor_from_bit_patterns(F.tensor_bit_patterns(y) & ~0xFFF, torch.float32)
     y_low = (y.double() - y_high.double()).float()
     nudge_kind = torch.randint(-1, 2, (columns,), generator=g)
     nudge = nudge_kind.float() * 2.0**-149
@@ -288,8 +274,8 @@ def check_oracle(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate) ->
     for case in HAND_CASES:
         expected = case.expected_bits
         reference = exact.correctly_rounded_sum(list(case.stacked()), case.target, case.overflow)
-        got_ref = int(bits_of(reference)[0])
-        got_cand = int(bits_of(candidate(case.stacked(), case.target, overflow=case.overflow))[0])
+        got_ref = int(F.tensor_bit_patterns(reference)[0])
+        got_cand = int(F.tensor_bit_patterns(candidate(case.stacked(), case.target, overflow=case.overflow))[0])
         if got_ref != expected or got_cand != expected:
             hand_failures.append(
                 f"{case.label}: expected {expected:#x}, refgrad {got_ref:#x}, candidate {got_cand:#x}"
@@ -305,11 +291,11 @@ def check_oracle(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate) ->
         mid = midpoints(g, target, ranks=12, columns=columns)
         got = candidate(mid.stacked, target)
         ref = _reference(mid.stacked, target)
-        expected = _from_bits(mid.expected_bits, target)
+        expected = F.tensor_from_bit_patterns(mid.expected_bits, target)
         name = F.format_of(target).name
         rec.compare(f"midpoints into {name}: candidate vs rounding rule", expected, got)
         rec.compare(f"midpoints into {name}: refgrad.exact vs rounding rule", expected, ref)
-        rows.append([name, columns, mid.n_ties, int((bits_of(got) == mid.expected_bits).sum())])
+        rows.append([name, columns, mid.n_ties, int((F.tensor_bit_patterns(got) == mid.expected_bits).sum())])
     rec.table(
         "constructed rounding midpoints (12 ranks, cancelling pairs over the whole float32 range)",
         ["target", "columns", "exact ties", "candidate correct"],
