@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from verify.check import CheckResult, Table
+from verify.check import CheckResult, ComparisonRecord, Table
 
 REPORT_SCHEMA_VERSION = 1
 
@@ -137,6 +137,40 @@ def render_text(report: Report, verbose: bool = False) -> str:
     return "\n".join(lines)
 
 
+MARKDOWN_COMPARISON_ROWS = 25
+"""Beyond this many comparisons a check's Markdown lists only the notable ones (JSON has all)."""
+
+
+def _comparison_rows_markdown(comparisons: Sequence[ComparisonRecord]) -> list[str]:
+    """A table of comparisons: all of them when few, else a summary plus failures and ULP-bounded ones."""
+    shown = list(comparisons)
+    lines = []
+    if len(comparisons) > MARKDOWN_COMPARISON_ROWS:
+        bitwise = [c for c in comparisons if c.metrics.get("bitwise_equal")]
+        worst = max((c.metrics.get("max_ulp") or 0) for c in comparisons)
+        failed = sum(not c.passed for c in comparisons)
+        lines.append(
+            f"{len(comparisons)} comparisons: {len(bitwise)} bitwise equal, {failed} failed, "
+            f"largest ULP distance {worst}. Listed below: failures and comparisons held to an "
+            "ULP bound (every comparison is in the JSON report)."
+        )
+        lines.append("")
+        shown = [c for c in comparisons if not c.passed or c.max_ulp_allowed > 0]
+    if shown:
+        lines.append("| comparison | bound | n | mismatches | max ULP | result |")
+        lines.append("|---|---|---|---|---|---|")
+        for c in shown:
+            m = c.metrics
+            bound = "bitwise" if c.max_ulp_allowed == 0 else f"<= {c.max_ulp_allowed} ULP"
+            lines.append(
+                f"| {c.label} | {bound} | {m.get('n')} | {m.get('n_mismatch')} | "
+                f"{m.get('max_ulp')} | {'ok' if c.passed else 'FAIL'} |"
+            )
+    reasons = dict((c.label, c.reason) for c in shown if c.reason)
+    lines.extend(f"\n_{label}: {reason}_" for label, reason in reasons.items())
+    return lines
+
+
 def render_markdown(report: Report) -> str:
     """The whole report as Markdown: result, environment, then each check."""
     lines = ["# gradverify report", ""]
@@ -165,17 +199,7 @@ def render_markdown(report: Report) -> str:
         if r.error:
             lines.extend(["", "```", r.error.strip(), "```"])
         if r.comparisons:
-            lines.extend(["", "| comparison | bound | n | mismatches | max ULP | result |"])
-            lines.append("|---|---|---|---|---|---|")
-            for c in r.comparisons:
-                m = c.metrics
-                bound = "bitwise" if c.max_ulp_allowed == 0 else f"<= {c.max_ulp_allowed} ULP"
-                lines.append(
-                    f"| {c.label} | {bound} | {m.get('n')} | {m.get('n_mismatch')} | "
-                    f"{m.get('max_ulp')} | {'ok' if c.passed else 'FAIL'} |"
-                )
-            reasons = [(c.label, c.reason) for c in r.comparisons if c.reason]
-            lines.extend(f"\n_{label}: {reason}_" for label, reason in reasons)
+            lines.extend(["", *_comparison_rows_markdown(r.comparisons)])
         failed = [e for e in r.expectations if not e.passed]
         if r.expectations:
             lines.append("")

@@ -1,0 +1,51 @@
+import json
+
+import torch
+
+from verify.check import CheckRecorder
+from verify.report import MARKDOWN_COMPARISON_ROWS, Report, render_markdown, render_text
+
+
+def _result_with(n_comparisons: int):
+    rec = CheckRecorder("many", "many comparisons")
+    a = torch.tensor([1.0, 2.0])
+    one_ulp = torch.nextafter(a, torch.full_like(a, 10.0))
+    for i in range(n_comparisons - 2):
+        rec.compare(f"equal {i}", a, a.clone())
+    rec.compare("bounded", a, one_ulp, max_ulp=1, reason="adjacent floats, by construction")
+    rec.compare("broken", a, one_ulp)
+    rec.table("t", ["x"], [[float("inf")]])
+    return rec.finish(0.1)
+
+
+def test_long_comparison_lists_are_condensed_in_markdown():
+    n = MARKDOWN_COMPARISON_ROWS + 5
+    md = render_markdown(Report(env={"torch": "x"}, checks=[_result_with(n)]))
+    assert f"{n} comparisons: {n - 2} bitwise equal, 1 failed, largest ULP distance 1" in md
+    assert "| bounded | <= 1 ULP |" in md
+    assert "| broken | bitwise |" in md and "FAIL" in md
+    assert "| equal 0 |" not in md
+    assert "adjacent floats, by construction" in md
+
+
+def test_short_comparison_lists_are_complete_in_markdown():
+    md = render_markdown(Report(env={}, checks=[_result_with(4)]))
+    for label in ("equal 0", "equal 1", "bounded", "broken"):
+        assert f"| {label} |" in md
+
+
+def test_json_keeps_every_comparison_and_is_valid_json(tmp_path):
+    report = Report(env={"torch": "x"}, checks=[_result_with(40)])
+    path = tmp_path / "r.json"
+    report.write_json(path)
+    data = json.loads(path.read_text())
+    assert data["passed"] is False
+    assert len(data["checks"][0]["comparisons"]) == 40
+    assert data["checks"][0]["tables"][0]["rows"] == [["inf"]]
+
+
+def test_text_summary_shows_failures():
+    text = render_text(Report(env={}, checks=[_result_with(4)]))
+    assert "FAIL  many" in text
+    assert "[FAIL] broken" in text
+    assert "0/1 checks passed" in text
