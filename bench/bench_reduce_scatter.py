@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
+from functools import partial
 
 import torch
+from _timing import median_time  # bench/ is on sys.path when a script runs
 
 from fastgrad.collectives import reduce_shards_fp32
+from refgrad.formats import tensor_bit_patterns
 
 
 def fastgrad_reduce(shards: torch.Tensor, output: torch.Tensor) -> None:
@@ -53,18 +54,6 @@ def seed_loop_reduce(shards: torch.Tensor, output: torch.Tensor) -> None:
     output.copy_(acc.to(shards.dtype))
 
 
-def _median_time(fn, args: tuple, repeats: int, sync) -> float:
-    fn(*args)  # warm-up (first-call allocation, Triton compilation)
-    times = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        fn(*args)
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def wire_bytes_per_rank(world_size: int, numel: int) -> dict[str, float]:
     """Bytes each rank sends for S = numel elements: (N-1)/N * S * b per collective."""
     share = (world_size - 1) / world_size * numel
@@ -75,7 +64,8 @@ def wire_bytes_per_rank(world_size: int, numel: int) -> dict[str, float]:
     }
 
 
-def run(device: str, world_sizes, shard_numel: int, repeats: int) -> list[dict]:
+def run(device: str, world_sizes: tuple[int, ...], shard_numel: int, repeats: int) -> list[dict]:
+    """Time the three local reductions on ``[W, shard_numel]`` bf16 shards for each W."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     rows = []
     for world_size in world_sizes:
@@ -84,9 +74,16 @@ def run(device: str, world_sizes, shard_numel: int, repeats: int) -> list[dict]:
         shards = torch.randn(world_size, shard_numel, generator=g, device=device,
                              dtype=torch.bfloat16)
         out = torch.empty(shard_numel, dtype=torch.bfloat16, device=device)
-        t_fast = _median_time(fastgrad_reduce, (shards, out), repeats, sync)
-        t_prod = _median_time(production_reduce, (shards, out), repeats, sync)
-        t_seed = _median_time(seed_loop_reduce, (shards, out), repeats, sync)
+        # A faster wrong answer must not be reported: fastgrad must equal the seed's loop,
+        # which adds in the same rank order in fp32 (randn has no -0, where 0 + -0 differs).
+        seed_out = torch.empty_like(out)
+        fastgrad_reduce(shards, out)
+        seed_loop_reduce(shards, seed_out)
+        if not torch.equal(tensor_bit_patterns(out), tensor_bit_patterns(seed_out)):
+            raise SystemExit(f"fastgrad and the seed loop disagree ({device}, W={world_size})")
+        t_fast = median_time(partial(fastgrad_reduce, shards, out), repeats, sync)
+        t_prod = median_time(partial(production_reduce, shards, out), repeats, sync)
+        t_seed = median_time(partial(seed_loop_reduce, shards, out), repeats, sync)
         row = {
             "device": device, "W": world_size, "shard_numel": shard_numel,
             "fastgrad_s": t_fast, "production_s": t_prod, "seed_loop_s": t_seed,
@@ -96,7 +93,7 @@ def run(device: str, world_sizes, shard_numel: int, repeats: int) -> list[dict]:
             moved = (world_size + 1) * shard_numel * 2
             src = torch.empty(moved // 2 // 2, dtype=torch.bfloat16, device=device)
             dst = torch.empty_like(src)
-            t_copy = _median_time(torch.Tensor.copy_, (dst, src), repeats, sync)
+            t_copy = median_time(partial(dst.copy_, src), repeats, sync)
             copy_bandwidth = 2 * src.numel() * 2 / t_copy  # read + write
             row["copy_bandwidth_GBps"] = copy_bandwidth / 1e9
             row["fastgrad_bandwidth_GBps"] = moved / t_fast / 1e9
@@ -106,6 +103,7 @@ def run(device: str, world_sizes, shard_numel: int, repeats: int) -> list[dict]:
 
 
 def main() -> None:
+    """Parse the options, time every device, print the table and the wire bytes."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small shapes, few repeats")
     parser.add_argument("--shard-numel", type=int, default=None,
@@ -113,6 +111,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
+    for name in ("shard_numel", "repeats"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     results = {"torch": torch.__version__, "rows": [], "wire_bytes": {}}
     for device in devices:

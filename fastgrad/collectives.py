@@ -76,6 +76,8 @@ def reduce_shards_fp32(shards: torch.Tensor, output: torch.Tensor, *, average: b
     Bitwise equal to refgrad's ``accumulate="fp32", order="rank"`` model on every path:
     each step is one IEEE fp32 addition (a 16-bit value converts to fp32 exactly).
     """
+    _check_tensor("shards", shards)
+    _check_tensor("output", output)
     if shards.dim() != 2:
         raise ValueError(f"shards must be 2-D [world_size, shard_numel], got shape {tuple(shards.shape)}")
     world_size, shard_numel = shards.shape
@@ -83,10 +85,12 @@ def reduce_shards_fp32(shards: torch.Tensor, output: torch.Tensor, *, average: b
         raise ValueError(
             f"output must have shard_numel={shard_numel} elements, got {output.numel()}"
         )
+    if shards.dtype not in WIRE_DTYPES:
+        raise TypeError(f"shards.dtype must be one of {WIRE_DTYPES}, got {shards.dtype}")
     if output.dtype != shards.dtype:
         raise TypeError(f"output.dtype must equal shards.dtype ({shards.dtype}), got {output.dtype}")
-    _check_tensor("shards", shards)
-    _check_tensor("output", output)
+    if output.device != shards.device:
+        raise ValueError(f"output must be on shards' device ({shards.device}), got {output.device}")
     if _use_triton(shards):
         from fastgrad.kernels.reduction import reduce_shards_fp32 as triton_reduce
 

@@ -105,7 +105,8 @@ class DistributedDataParallel:
             raise ValueError("module has no parameter with requires_grad=True")
         self._frozen_at_build = frozenset(p for p in module.parameters() if not p.requires_grad)
         self.external_grad_params = frozenset(external_grad_params)
-        unknown = [p for p in self.external_grad_params if p not in set(params)]
+        trainable = set(params)
+        unknown = [p for p in self.external_grad_params if p not in trainable]
         if unknown:
             raise ValueError("external_grad_params must be trainable parameters of module")
         dp_size = dist.get_world_size(dp_group) if dist.is_initialized() else 1
@@ -131,6 +132,7 @@ class DistributedDataParallel:
 
     # -- forwarding
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the wrapped module's forward."""
         return self.module(*args, **kwargs)
 
     def name_of(self, param: nn.Parameter) -> str:
@@ -170,6 +172,7 @@ class DistributedDataParallel:
 
     @property
     def grad_sync_enabled(self) -> bool:
+        """False inside ``no_sync()``: backwards only accumulate, nothing is counted."""
         return self._sync_enabled
 
     def disable_grad_sync(self) -> None:
@@ -254,6 +257,7 @@ class DistributedDataParallel:
 
     @property
     def any_reduce_in_flight(self) -> bool:
+        """True when any bucket has launched its reduce this step."""
         return any(s.launched for s in self._states)
 
     def readiness(self) -> list[BucketReadiness]:
@@ -293,7 +297,13 @@ class DistributedDataParallel:
                 "finish_grad_sync inside no_sync(): the last microbatch's grads were never "
                 "counted; call enable_grad_sync (leave no_sync) first"
             )
-        self._open_step()
+        if not self._step_open:
+            # Nothing since the last finish: reducing again would reduce the
+            # already-reduced grads a second time (or wait on nothing).
+            raise LifecycleError(
+                "finish_grad_sync without a step in progress: no zero_grad_buffer, backward, "
+                "no_sync or mark_grad_ready since the last finish_grad_sync"
+            )
         missing: _BucketState | None = None
         for state in self._states:
             if state.launched:

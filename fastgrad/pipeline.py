@@ -70,12 +70,30 @@ class ParallelGroups:
     embedding_ranks: tuple[int, ...]
     embedding_group: Any
 
+    def __post_init__(self) -> None:
+        for name in ("pp_size", "dp_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ParallelGroups.{name} must be an int >= 1, got {value!r}")
+        if not 0 <= self.stage < self.pp_size:
+            raise ValueError(f"ParallelGroups.stage must be in [0, {self.pp_size}), got {self.stage}")
+        if not 0 <= self.dp_rank < self.dp_size:
+            raise ValueError(
+                f"ParallelGroups.dp_rank must be in [0, {self.dp_size}), got {self.dp_rank}"
+            )
+        if len(self.pp_ranks) != self.pp_size:
+            raise ValueError(
+                f"ParallelGroups.pp_ranks must hold pp_size={self.pp_size} ranks, got {self.pp_ranks}"
+            )
+
     @property
     def is_first_stage(self) -> bool:
+        """True on stage 0 (it owns the inputs)."""
         return self.stage == 0
 
     @property
     def is_last_stage(self) -> bool:
+        """True on the last stage (it owns the targets and the losses)."""
         return self.stage == self.pp_size - 1
 
 

@@ -44,6 +44,7 @@ class TimelineEvent:
 
     @property
     def duration(self) -> float:
+        """``end - start`` in seconds."""
         return self.end - self.start
 
 
@@ -68,6 +69,7 @@ class Timeline:
             self.events.append(TimelineEvent(self.rank, kind, microbatch, start, time.perf_counter()))
 
     def clear(self) -> None:
+        """Forget the recorded events (start of a new step)."""
         self.events.clear()
 
 
@@ -85,6 +87,7 @@ class StepReport:
     mean_backward: float
 
     def to_dict(self) -> dict[str, object]:
+        """The headline numbers, JSON-ready, in seconds and fractions."""
         return {
             "step_time_s": self.step_time,
             "bubble_fraction": self.bubble_fraction,

@@ -22,6 +22,7 @@ reduced gradient is zero and it is not updated.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -239,6 +240,10 @@ def reference_training(
 ) -> ReferenceResult:
     """Run ``plans`` (one per step) on the whole model in one process; see the module doc."""
     _positive_int("reference_training", "dp_size", dp_size)
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr):
+        raise ValueError(f"lr must be a finite number, got {lr!r}")
     stages = [StageModule(spec, s) for s in range(spec.num_stages)]
     named = {
         stage_param_name(s, n): p for s, stage in enumerate(stages) for n, p in stage.named_parameters()

@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from refgrad.formats import tensor_bit_patterns
+
 METHODS: tuple[str, ...] = ("ring", "tree", "fp32")
 METHOD_LABELS = {
     "ring": "ring (wire)",
@@ -122,7 +124,7 @@ def tree_reduce(stacked: torch.Tensor) -> torch.Tensor:
 
 def fp32_reduce(stacked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank order accumulated in fp32, rounded once: (wire-dtype result, fp32 accumulator)."""
-    acc = stacked[0].to(torch.float32)
+    acc = stacked[0].to(torch.float32, copy=True)  # never alias (and then modify) an fp32 input
     widened = torch.empty_like(acc)
     for rank in range(1, stacked.shape[0]):
         widened.copy_(stacked[rank])  # exact; a mixed-dtype add_ is torch's slow path
@@ -233,7 +235,7 @@ def float64_sum_is_exact(stacked: torch.Tensor) -> torch.Tensor:
         return torch.full((columns,), 40 + log2_w <= 53, dtype=torch.bool, device=stacked.device)
     if stacked.dtype != torch.bfloat16:
         return torch.zeros(columns, dtype=torch.bool, device=stacked.device)
-    bits = stacked.view(torch.int16).to(torch.int32) & 0x7FFF
+    bits = tensor_bit_patterns(stacked) & 0x7FFF
     exponent = bits >> 7  # biased exponent field; 0 for zeros and subnormals
     # x (nonzero) is a multiple of 2^(max(e,1)-134) and below 2^(e-126); zeros constrain nothing.
     quantum_exp = torch.where(bits == 0, 255, exponent.clamp(min=1)).amin(dim=0)
@@ -272,7 +274,8 @@ def exact_references(stacked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     zero = exact64 == 0
     if bool(zero.any()):
         # torch's sum starts from +0, but IEEE makes a sum of only -0 addends -0.
-        all_negative_zero = (stacked[:, zero].view(torch.int16) == -(2**15)).all(dim=0)
+        negative_zero_bits = 1 << (8 * stacked.element_size() - 1)
+        all_negative_zero = (tensor_bit_patterns(stacked[:, zero]) == negative_zero_bits).all(dim=0)
         exact64[zero] = torch.where(all_negative_zero, -0.0, 0.0).to(torch.float64)
     fast = float64_sum_is_exact(stacked) & (exact64.abs() < 2.0**127)
     rounded = torch.empty(exact64.shape, dtype=stacked.dtype, device=stacked.device)
@@ -302,9 +305,12 @@ class SweepConfig:
     methods: tuple[str, ...] = METHODS
     numel: int = DEFAULT_NUMEL
     seed: int = 0
+    block_elements: int = BLOCK_ELEMENTS  # memory bound per [N, columns] block (>= 1 chunk)
 
     def __post_init__(self) -> None:
-        if not self.dp_sizes or any(not isinstance(n, int) or n < 2 for n in self.dp_sizes):
+        if not self.dp_sizes or any(
+            isinstance(n, bool) or not isinstance(n, int) or n < 2 for n in self.dp_sizes
+        ):
             raise ValueError(f"dp_sizes must be integers >= 2, got {self.dp_sizes}")
         if any(n > 8192 for n in self.dp_sizes):
             raise ValueError(
@@ -318,6 +324,12 @@ class SweepConfig:
         ):
             if not values or any(v not in allowed for v in values):
                 raise ValueError(f"{name} must be a non-empty subset of {allowed}, got {values}")
+        for name in ("numel", "seed", "block_elements"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if self.block_elements < 1:
+            raise ValueError(f"block_elements must be >= 1, got {self.block_elements}")
         if self.numel < 1:
             raise ValueError(f"numel must be >= 1, got {self.numel}")
         if self.seed < 0:
@@ -348,7 +360,7 @@ def run_sweep(
         for dp in config.dp_sizes:
             numel = config.numel_for(dp)
             chunk_numel = numel // dp
-            chunks_per_block = max(1, BLOCK_ELEMENTS // (dp * chunk_numel))
+            chunks_per_block = max(1, config.block_elements // (dp * chunk_numel))
             block_columns = chunks_per_block * chunk_numel
             accs = {(d, m): _Accumulator() for d in config.dtypes for m in config.methods}
             for block, start in enumerate(range(0, numel, block_columns)):
@@ -452,6 +464,7 @@ POINT_COLUMNS = ("N", "method", "rel.err", "max ULP", "median ULP", "correctly r
 
 
 def point_rows(points: Sequence[Point], dtype: str, distribution: str) -> list[list[str]]:
+    """Table rows (``POINT_COLUMNS``) of one dtype and distribution, by N then method."""
     rows = []
     for p in sorted((p for p in points if p.dtype == dtype and p.distribution == distribution),
                     key=lambda p: (p.dp, METHODS.index(p.method))):
@@ -517,6 +530,7 @@ def _sections(points: Sequence[Point], config: SweepConfig):
 
 
 def render_text(points: Sequence[Point], config: SweepConfig) -> str:
+    """Every table of the report as plain text."""
     out = []
     for title, columns, rows, notes in _sections(points, config):
         out += [f"== {title}", _text_table(columns, rows)] + [f"   note: {n}" for n in notes] + [""]
@@ -524,6 +538,7 @@ def render_text(points: Sequence[Point], config: SweepConfig) -> str:
 
 
 def render_markdown(points: Sequence[Point], config: SweepConfig) -> str:
+    """Every table of the report as Markdown."""
     out = ["# Reduction error vs data-parallel size", ""]
     for title, columns, rows, notes in _sections(points, config):
         out += [f"## {title}", "", _md_table(columns, rows), ""] + [f"*{n}*" for n in notes] + [""]
@@ -660,10 +675,11 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"verify accumulation: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    if args.plot and not _matplotlib_available():
+    plot_path = args.plot
+    if plot_path and not _matplotlib_available():
         print("verify accumulation: matplotlib is not installed (pip install "
               "'gradverify[plot]'); skipping --plot", file=sys.stderr)
-        args.plot = None
+        plot_path = None
     start = time.perf_counter()
     points = run_sweep(config, ProgressBar(enabled=not args.no_progress))
     seconds = time.perf_counter() - start
@@ -684,9 +700,9 @@ def main(args: argparse.Namespace) -> int:
         with open(args.markdown, "w") as f:
             f.write(render_markdown(points, config))
         print(f"wrote {args.markdown}", file=sys.stderr)
-    if args.plot:
-        write_plot(points, config, args.plot)
-        print(f"wrote {args.plot}", file=sys.stderr)
+    if plot_path:
+        write_plot(points, config, plot_path)
+        print(f"wrote {plot_path}", file=sys.stderr)
     return EXIT_OK
 
 

@@ -2,7 +2,7 @@
 
 Run under torchrun (gloo on CPU, NCCL on GPUs). Every rank builds the same
 ``[W, n]`` inputs from the seed and reduces its own row with the backend's
-``reduce_scatter_tensor`` and ``all_reduce`` and with fastgrad's fp32-accumulating
+reduce-scatter (``fastgrad.comm.reduce_scatter_into``) and ``all_reduce`` and with fastgrad's fp32-accumulating
 reduce-scatter. Rank 0 gathers the results and reports, per collective, the
 error against the correctly rounded exact sum and how many elements are bitwise
 equal to each model (ring in either direction, rank order and tree in the wire
@@ -21,6 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fastgrad.comm import all_gather_into, reduce_scatter_into
+from refgrad.formats import tensor_bit_patterns
 from verify.accumulation import (
     DEFAULT_DP,
     DISTRIBUTIONS,
@@ -54,10 +56,6 @@ def _model_outputs(stacked: torch.Tensor) -> dict[str, torch.Tensor]:
     }
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int16)
-
-
 def _measure(result: torch.Tensor, exact64: torch.Tensor, rounded: torch.Tensor,
              models: dict[str, torch.Tensor]) -> dict[str, Any]:
     from verify.metrics import ulp_distance
@@ -72,7 +70,7 @@ def _measure(result: torch.Tensor, exact64: torch.Tensor, rounded: torch.Tensor,
         "matches": {},
     }
     for name, model in models.items():
-        differs = _bits(result) != _bits(model)
+        differs = tensor_bit_patterns(result) != tensor_bit_patterns(model)
         equal = result.numel() - int(differs.sum())
         row["matches"][name] = {
             "equal_elements": equal,
@@ -103,6 +101,10 @@ def main_dist(args: argparse.Namespace) -> int:
         print(f"verify accumulation: error: --numel must be >= 1, got {args.numel}",
               file=sys.stderr)
         return EXIT_USAGE
+    if args.seed < 0:
+        print(f"verify accumulation: error: --seed must be >= 0, got {args.seed}",
+              file=sys.stderr)
+        return EXIT_USAGE
     started = _init_from_torchrun()
     if started is None:
         print("verify accumulation: error: --backend dist must run under torchrun "
@@ -116,9 +118,6 @@ def main_dist(args: argparse.Namespace) -> int:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     numel = -(-args.numel // world_size) * world_size
     shard = numel // world_size
-    # torch 2.13 renamed these (the old names warn); use whichever this torch provides.
-    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     from fastgrad.collectives import reduce_scatter_with_fp32_accumulation
 
     rows: list[dict[str, Any]] = []
@@ -133,7 +132,7 @@ def main_dist(args: argparse.Namespace) -> int:
             mine = stacked[rank].to(device)
             outputs = {"input": mine}
             rs_out = torch.empty(shard, dtype=dtype, device=device)
-            reduce_scatter(rs_out, mine)
+            reduce_scatter_into(rs_out, mine)
             outputs["reduce_scatter"] = rs_out
             ar = mine.clone()
             dist.all_reduce(ar)
@@ -144,7 +143,7 @@ def main_dist(args: argparse.Namespace) -> int:
             gathered = {}
             for name, out in outputs.items():
                 everyone = torch.empty(world_size * out.numel(), dtype=dtype, device=device)
-                all_gather(everyone, out)
+                all_gather_into(everyone, out)
                 gathered[name] = everyone.view(world_size, -1).cpu()
             if rank != 0:
                 continue
@@ -153,7 +152,8 @@ def main_dist(args: argparse.Namespace) -> int:
             exact64, rounded = exact_references(stacked)
             models = _model_outputs(stacked)
             all_reduce_consistent = all(
-                torch.equal(_bits(gathered["all_reduce"][r]), _bits(gathered["all_reduce"][0]))
+                torch.equal(tensor_bit_patterns(gathered["all_reduce"][r]),
+                            tensor_bit_patterns(gathered["all_reduce"][0]))
                 for r in range(world_size)
             )
             for name, per_rank in gathered.items():
@@ -167,6 +167,10 @@ def main_dist(args: argparse.Namespace) -> int:
                 rows.append(row)
     if rank == 0:
         _report(rows, args, backend, world_size, numel, fastgrad_ok)
+    # Only rank 0 judged; every rank exits with its verdict.
+    verdict = torch.tensor([int(fastgrad_ok)], device=device)
+    dist.broadcast(verdict, src=0)
+    fastgrad_ok = bool(verdict.item())
     dist.barrier()
     dist.destroy_process_group()
     return EXIT_OK if fastgrad_ok else EXIT_FAILED

@@ -34,9 +34,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from dataclasses import dataclass
 
 SYNC_MODES = ("overlap", "after-compute", "barrier")
+EXIT_OK, EXIT_USAGE = 0, 2  # the simulator has no check that can fail
 
 
 def _check_cost(name: str, value: float) -> None:
@@ -101,6 +103,7 @@ class SimulationResult:
         return 1.0 - self.exposed_grad_sync / self.grad_sync_cost
 
     def to_dict(self) -> dict[str, object]:
+        """JSON-ready fields, with ``hidden_fraction``."""
         return {
             "num_stages": self.num_stages,
             "num_microbatches": self.num_microbatches,
@@ -134,6 +137,9 @@ def program_order(num_stages: int, stage: int, num_microbatches: int) -> list[tu
 
 def closed_form_bubble_fraction(num_stages: int, num_microbatches: int) -> float:
     """``(P - 1) / (M + P - 1)``: the 1F1B bubble for equal costs and free transfers."""
+    for name, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     return (num_stages - 1) / (num_microbatches + num_stages - 1)
 
 
@@ -217,6 +223,10 @@ def simulate(
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``verify simulate-pipeline``."""
+    parser.description = (
+        "Discrete-event simulation of one 1F1B pipeline step with data-parallel grad sync: "
+        "step time, bubble fraction and exposed sync per sync placement."
+    )
     parser.add_argument("--stages", "-P", type=int, default=16, help="pipeline stages P")
     parser.add_argument("--microbatches", "-M", type=int, default=64, help="microbatches M")
     parser.add_argument("--forward", type=float, default=1.0, help="forward cost per microbatch")
@@ -248,13 +258,13 @@ def main(args: argparse.Namespace) -> int:
         modes = SYNC_MODES if args.mode == "all" else (args.mode,)
         results = [simulate(args.stages, args.microbatches, costs, m) for m in modes]
     except (TypeError, ValueError) as exc:
-        print(f"verify simulate-pipeline: error: {exc}")
-        return 2
+        print(f"verify simulate-pipeline: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     closed = closed_form_bubble_fraction(args.stages, args.microbatches)
     if args.json:
         print(json.dumps({"closed_form_bubble_fraction": closed,
                           "results": [r.to_dict() for r in results]}, indent=2))
-        return 0
+        return EXIT_OK
     print(
         f"1F1B P={args.stages} M={args.microbatches} forward={costs.forward:g} "
         f"backward={costs.backward:g} p2p={costs.p2p:g} grad_sync={costs.grad_sync:g} "
@@ -274,4 +284,4 @@ def main(args: argparse.Namespace) -> int:
         "cooldown slack per stage (compute end to step compute end): first stage "
         f"{slack[0]:.4g}, second {slack[1] if len(slack) > 1 else 0:.4g}, last {slack[-1]:.4g}"
     )
-    return 0
+    return EXIT_OK

@@ -24,20 +24,6 @@ ITERATIONS = 2
 SENTINEL = 7.0
 
 
-def _pack(t: torch.Tensor) -> tuple[str, tuple[int, ...], bytes]:
-    """A tensor as plain bytes: the result queue cannot carry many shared-memory tensors."""
-    t = t.detach().cpu().contiguous()
-    raw = t.view(torch.int16) if t.element_size() == 2 else t
-    return (str(t.dtype).removeprefix("torch."), tuple(t.shape), raw.numpy().tobytes())
-
-
-def _unpack(packed: tuple[str, tuple[int, ...], bytes]) -> torch.Tensor:
-    dtype_name, shape, data = packed
-    dtype = getattr(torch, dtype_name)
-    raw = torch.frombuffer(bytearray(data), dtype=torch.int16 if dtype.itemsize == 2 else dtype)
-    return raw.view(dtype).reshape(shape).clone()
-
-
 def _rank_input(rank: int, world_size: int, dtype: torch.dtype, iteration: int) -> torch.Tensor:
     """Rank-specific gradients: mixed magnitudes, both signs, a few exact ties."""
     g = torch.Generator().manual_seed(1000 * world_size + 100 * iteration + rank)
@@ -145,11 +131,11 @@ def _buffer_cases(rank: int, group) -> list[dict]:
             g = torch.Generator().manual_seed(77 + 10 * rank + iteration)
             for p in params:
                 p.main_grad.copy_(torch.randn(p.shape, generator=g) * (rank + 1))
-            before = [_pack(b.grad_data) for b in buf.buckets]
+            before = [b.grad_data.clone() for b in buf.buckets]
             buf.start_grad_sync()
             buf.finish_grad_sync()
             records.append({"average": average, "iteration": iteration, "before": before,
-                            "after": [_pack(b.local_grad_shard) for b in buf.buckets]})
+                            "after": [b.local_grad_shard.clone() for b in buf.buckets]})
     return records
 
 
@@ -160,28 +146,16 @@ def _rank_main(rank: int, world_size: int, group_sizes: tuple[int, ...]) -> dict
         # Every rank takes part in creating every group, as torch.distributed requires.
         group = dist.new_group(list(range(size))) if size < world_size else None
         if rank < size:
-            result["cases"][size] = [
-                {k: _pack(v) if isinstance(v, torch.Tensor) else v for k, v in record.items()}
-                for record in _run_cases(rank, size, group)
-            ]
+            result["cases"][size] = _run_cases(rank, size, group)
     result["buffer"] = _buffer_cases(rank, None)
     return result
 
 
-def _is_packed(v) -> bool:
-    return isinstance(v, tuple) and len(v) == 3 and isinstance(v[2], bytes)
-
-
 def _check_against_refgrad(per_rank_cases: list[list[dict]], world_size: int) -> None:
-    per_rank = [
-        {"cases": [{k: _unpack(v) if _is_packed(v) else v for k, v in rec.items()}
-                   for rec in cases]}
-        for cases in per_rank_cases
-    ]
-    n_records = len(per_rank[0]["cases"])
+    n_records = len(per_rank_cases[0])
     assert n_records == len(DTYPE_NAMES) * ITERATIONS
     for i in range(n_records):
-        records = [per_rank[r]["cases"][i] for r in range(world_size)]
+        records = [per_rank_cases[r][i] for r in range(world_size)]
         inputs = [rec["input"] for rec in records]
         # Rank-specific inputs: identical ones would hide a missing reduction or average.
         assert not torch.equal(inputs[0], inputs[1])
@@ -202,12 +176,12 @@ def _check_buffer_against_refgrad(per_rank_records: list[list[dict]]) -> None:
     assert len(per_rank_records[0]) == 2 * ITERATIONS
     for i, first in enumerate(per_rank_records[0]):
         for b in range(len(first["before"])):
-            inputs = [_unpack(per_rank_records[r][i]["before"][b]) for r in range(world_size)]
+            inputs = [per_rank_records[r][i]["before"][b] for r in range(world_size)]
             expected = ref_reduce_scatter(inputs, accumulate="fp32", order="rank",
                                           op="avg" if first["average"] else "sum")
             for rank in range(world_size):
                 assert_bitwise_equal(
-                    expected[rank], _unpack(per_rank_records[rank][i]["after"][b]),
+                    expected[rank], per_rank_records[rank][i]["after"][b],
                     msg=f"buffer bucket {b} rank {rank} average={first['average']}",
                 )
 
@@ -261,12 +235,19 @@ def test_local_reduction_matches_refgrad(dtype, world_size, average):
 
 
 def test_local_reduction_rejects_bad_shapes():
+    with pytest.raises(TypeError, match="shards must be a torch.Tensor"):
+        reduce_shards_fp32([[1.0], [2.0]], torch.zeros(1), average=False)
     with pytest.raises(ValueError, match="2-D"):
         reduce_shards_fp32(torch.zeros(8), torch.zeros(8), average=False)
     with pytest.raises(ValueError, match="shard_numel"):
         reduce_shards_fp32(torch.zeros(2, 8), torch.zeros(7), average=False)
     with pytest.raises(TypeError, match="output.dtype"):
         reduce_shards_fp32(torch.zeros(2, 8), torch.zeros(8, dtype=torch.float16), average=False)
+    with pytest.raises(TypeError, match="shards.dtype"):
+        reduce_shards_fp32(torch.zeros(2, 8, dtype=torch.float64),
+                           torch.zeros(8, dtype=torch.float64), average=False)
+    with pytest.raises(ValueError, match="shards' device"):
+        reduce_shards_fp32(torch.zeros(2, 8), torch.zeros(8, device="meta"), average=False)
     with pytest.raises(ValueError, match="shards must be contiguous"):
         reduce_shards_fp32(torch.zeros(8, 2).t(), torch.zeros(8), average=False)
     with pytest.raises(ValueError, match="output must be contiguous"):
@@ -308,6 +289,7 @@ _INTERPRETER_SCRIPT = """
 import torch
 from fastgrad.collectives import reduce_shards_fp32 as torch_path
 from fastgrad.kernels.reduction import reduce_shards_fp32 as kernel
+from refgrad.formats import tensor_bit_patterns
 bad = []
 for world_size in (1, 3, 8, 64):
     for n in (1, 33, 3 * 2048 + 5):
@@ -319,7 +301,7 @@ for world_size in (1, 3, 8, 64):
             b = torch.empty(n, dtype=torch.float16)
             kernel(shards, a, average=average)
             torch_path(shards, b, average=average)
-            if not torch.equal(a.view(torch.int16), b.view(torch.int16)):
+            if not torch.equal(tensor_bit_patterns(a), tensor_bit_patterns(b)):
                 bad.append((world_size, n, average))
 print("MISMATCHES", bad)
 """

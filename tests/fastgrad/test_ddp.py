@@ -182,6 +182,22 @@ def test_no_sync_misuse_is_refused():
     ddp.finish_grad_sync()
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_finish_without_a_step_is_refused(overlap):
+    # Without overlap a second finish would silently reduce the reduced grads again.
+    model = TwoLayer()
+    ddp = DistributedDataParallel(model, config=_config(overlap), average=False)
+    with pytest.raises(LifecycleError, match="without a step in progress"):
+        ddp.finish_grad_sync()  # finish before any start
+    inputs = _data(0, 2)
+    _run_step(ddp, inputs)
+    reduced = model.first.weight.main_grad.clone()
+    with pytest.raises(LifecycleError, match="without a step in progress"):
+        ddp.finish_grad_sync()  # finish twice
+    assert torch.equal(model.first.weight.main_grad, reduced)
+    _run_step(ddp, _data(1, 2))  # the next step is unaffected
+
+
 def test_mark_grad_ready_for_grads_written_outside_autograd():
     model = TwoLayer()
     ddp = DistributedDataParallel(
@@ -238,7 +254,7 @@ CONFIGS = {
 
 
 def _dp_worker(rank, world_size):
-    import torch.distributed as dist
+    from fastgrad.comm import all_gather_into
 
     out = {}
     for label, (extra, average, _) in CONFIGS.items():
@@ -255,12 +271,11 @@ def _dp_worker(rank, world_size):
                 for bucket in ddp.buffer.buckets:
                     if extra.get("use_distributed_optimizer"):
                         full = torch.empty_like(bucket.grad_data)
-                        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-                        gather(full, bucket.local_grad_shard.clone())
+                        all_gather_into(full, bucket.local_grad_shard.clone())
                         bucket.grad_data.copy_(full)
                 for name, p in model.named_parameters():
-                    grads[name] = p.main_grad.numpy().copy()
-                steps.append((grads, [x.numpy() for x in inputs]))
+                    grads[name] = p.main_grad.clone()
+                steps.append((grads, inputs))
             out[(label, overlap)] = steps
     return out
 
@@ -274,7 +289,7 @@ def test_reductions_match_refgrad_on_two_ranks():
                 per_rank_sums = []
                 for rank in range(2):
                     _, inputs = results[rank][(label, overlap)][step]
-                    grads = _per_microbatch_grads(0, [torch.from_numpy(x) for x in inputs])
+                    grads = _per_microbatch_grads(0, inputs)
                     sums = {}
                     for name in grads[0]:
                         acc = torch.zeros_like(grads[0][name])
@@ -285,5 +300,5 @@ def test_reductions_match_refgrad_on_two_ranks():
                 for name in per_rank_sums[0]:
                     expected = reduce_across_replicas([s[name] for s in per_rank_sums], reduction)
                     for rank in range(2):
-                        got = torch.from_numpy(results[rank][(label, overlap)][step][0][name])
+                        got = results[rank][(label, overlap)][step][0][name]
                         assert torch.equal(got, expected), (label, overlap, step, name, rank)

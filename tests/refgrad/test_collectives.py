@@ -46,7 +46,7 @@ def test_reverse_ring_equals_the_forward_ring_only_for_three_ranks(dtype):
     four = _random_ranks(4, 4 * 40, dtype, seed=22)
     forward = torch.cat(rc.reduce_scatter(four, accumulate="wire", order="ring"))
     reverse = torch.cat(rc.reduce_scatter(four, accumulate="wire", order="ring_reverse"))
-    assert not torch.equal(forward.view(torch.int16), reverse.view(torch.int16))
+    assert not torch.equal(formats.tensor_bit_patterns(forward), formats.tensor_bit_patterns(reverse))
     for c in range(4):
         parts = [four[r][c * 40 : (c + 1) * 40] for r in rc.ring_order(4, c, reverse=True)]
         assert_bitwise_equal(functools.reduce(torch.add, parts), reverse[c * 40 : (c + 1) * 40])
@@ -170,10 +170,15 @@ def test_avg_divides_the_fp32_accumulator_before_the_final_rounding(dtype):
 
 
 def test_avg_hand_case():
-    # fp32: (1 + 1 + 1) / 3 = 1 exactly; (1 + 2^-11 + 2^-11)/3 rounds in fp32 then fp16.
-    inputs = _ranks([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0]])
+    # (1 + 1 + 1) / 3 = 1 exactly. (1 + 2^-11 + 2^-11): fp32 keeps the sum 1 + 2^-10 =
+    # 1025/1024; / 3 = 1025/3072 rounds in fp32 to 11196417 * 2^-25 (11196416.67 rounded),
+    # then to fp16 (ulp 2^-12 in [1/4, 1/2)): 11196417 / 2^13 = 1366.75 -> 1367 * 2^-12.
+    # The wire loses both 2^-11 to ties-to-even: 1 / 3 -> 1365.33 -> 1365 * 2^-12.
+    inputs = _ranks([[1.0, 1.0], [1.0, 2.0**-11], [1.0, 2.0**-11]])
     out = rc.all_reduce(inputs, accumulate="fp32", order="rank", op="avg")[0]
-    assert (out == 1.0).all()
+    assert out.tolist() == [1.0, 1367 * 2.0**-12]
+    wire = rc.all_reduce(inputs, accumulate="wire", order="rank", op="avg")[0]
+    assert wire.tolist() == [1.0, 1365 * 2.0**-12]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -237,8 +242,7 @@ def test_property_refgrad_equals_torch_on_arbitrary_finite_patterns(dtype):
         lambda w: st.lists(st.lists(_finite_patterns(dtype), min_size=w, max_size=w),
                            min_size=w, max_size=w)))
     def check(patterns):
-        inputs = [torch.tensor([b - 0x10000 if b >= 0x8000 else b for b in row],
-                               dtype=torch.int16).view(dtype) for row in patterns]
+        inputs = [formats.tensor_from_bit_patterns(torch.tensor(row), dtype) for row in patterns]
         wire = torch.cat(rc.reduce_scatter(inputs, accumulate="wire", order="rank"))
         assert_bitwise_equal(functools.reduce(torch.add, inputs), wire)
         acc = inputs[0].float()

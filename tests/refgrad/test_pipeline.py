@@ -72,11 +72,11 @@ def test_frozen_parameter_gets_zero_grad_and_no_update_and_replicas_differ():
 
 
 def test_sgd_update_has_two_visible_roundings():
-    # lr is rounded to fp32, the product rounded to fp32, then the difference.
-    p, g = _t(1.0), _t(3.0)
-    product = torch.tensor(0.1, dtype=torch.float32) * torch.tensor(3.0, dtype=torch.float32)
-    expected = torch.tensor(1.0, dtype=torch.float32) - product
-    assert torch.equal(sgd_update(p, g, 0.1), expected.reshape(1))
+    # Hand-derived: fp32(0.1) = 13421773 * 2^-27; * 7 = 93952411 * 2^-27 rounds (ulp 2^-24 in
+    # [1/2, 1)) to 11744051 * 2^-24; 1 - that = 5033165 * 2^-24 exactly. A fused multiply-add
+    # would round 1 - 93952411 * 2^-27 = 40265317 * 2^-27 once: 10066329 * 2^-25, a different value.
+    assert torch.equal(sgd_update(_t(1.0), _t(7.0), 0.1), _t(5033165 * 2.0**-24))
+    assert 5033165 * 2.0**-24 != 10066329 * 2.0**-25
 
 
 def test_validation():
@@ -94,6 +94,10 @@ def test_validation():
         reference_training(LinearStackSpec(num_stages=1), [StepPlan(1, frozenset({"nope"}))], 1)
     with pytest.raises(ValueError, match="dp_size"):
         reference_training(LinearStackSpec(num_stages=1), [StepPlan(1)], 0)
+    with pytest.raises(ValueError, match="reduction"):
+        reference_training(LinearStackSpec(num_stages=1), [StepPlan(1)], 1, reduction="max")
+    with pytest.raises(ValueError, match="lr"):
+        reference_training(LinearStackSpec(num_stages=1), [StepPlan(1)], 1, lr=float("inf"))
 
 
 def test_tied_output_head_copies_stay_equal_and_get_the_summed_grad():

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from refgrad import collectives as refc
+from refgrad.formats import tensor_bit_patterns
 from verify import accumulation as acc
 from verify.distributed import free_port
 from verify.metrics import assert_bitwise_equal
@@ -44,6 +45,14 @@ def test_models_equal_refgrad(dtype, world_size):
                          acc.tree_reduce(stacked))
     fp32 = refc.all_reduce(inputs, accumulate="fp32", order="rank")[0]
     assert_bitwise_equal(fp32, acc.fp32_reduce(stacked)[0])
+
+
+def test_fp32_model_leaves_an_fp32_input_untouched():
+    stacked = torch.tensor([[1.0, 2.0], [3.0, 2.0**-30]])
+    result, accumulator = acc.fp32_reduce(stacked)
+    assert stacked.tolist() == [[1.0, 2.0], [3.0, 2.0**-30]]
+    assert result.tolist() == [4.0, 2.0]  # 2 + 2^-30 rounds to 2 in fp32 (ulp 2^-22)
+    assert accumulator.tolist() == [4.0, 2.0]
 
 
 def test_ring_model_over_column_blocks_equals_whole_ring():
@@ -86,7 +95,8 @@ def test_exact_references_equal_the_oracle_on_adversarial_columns(dtype):
 def test_growth_exponent_recovers_known_slopes():
     dps = [2, 4, 8, 16, 32]
     assert acc.growth_exponent(dps, [3e-4 * math.sqrt(n) for n in dps]) == pytest.approx(0.5)
-    assert acc.growth_exponent(dps, [1e-3 * (n - 1) / (n - 1) for n in dps]) == pytest.approx(0.0)
+    assert acc.growth_exponent(dps, [2e-3 * n for n in dps]) == pytest.approx(1.0)
+    assert acc.growth_exponent(dps, [1e-3 for _ in dps]) == pytest.approx(0.0)
     assert acc.growth_exponent([8], [1e-3]) is None
     assert acc.growth_exponent([2, 4], [0.0, 0.0]) is None
 
@@ -119,14 +129,13 @@ def test_small_sweep_statistics_are_consistent():
     assert p.rel_error == pytest.approx(rel, rel=1e-12)
     correct = correctly_rounded_sum(stacked, torch.float16)
     assert p.frac_correctly_rounded == pytest.approx(
-        float((result.view(torch.int16) == correct.view(torch.int16)).double().mean()))
+        float((tensor_bit_patterns(result) == tensor_bit_patterns(correct)).double().mean()))
 
 
-def test_sweep_over_several_column_blocks_keeps_each_chunks_ring_order(monkeypatch):
+def test_sweep_over_several_column_blocks_keeps_each_chunks_ring_order():
     # 4 ranks, 64 elements: chunks of 16; a 64-element block budget gives one chunk per block.
-    monkeypatch.setattr(acc, "BLOCK_ELEMENTS", 64)
     config = acc.SweepConfig(dp_sizes=(4,), dtypes=("bfloat16",), distributions=("normal",),
-                             methods=("ring",), numel=64)
+                             methods=("ring",), numel=64, block_elements=64)
     (point,) = acc.run_sweep(config)
     blocks = [acc.generate("normal", 4, 16, torch.Generator().manual_seed(
         acc._seed_for(config, "normal", 4, b))) for b in range(4)]
@@ -134,7 +143,7 @@ def test_sweep_over_several_column_blocks_keeps_each_chunks_ring_order(monkeypat
     expected = torch.cat(refc.reduce_scatter(list(full), accumulate="wire", order="ring"))
     correct = correctly_rounded_sum(full, torch.bfloat16)
     assert point.frac_correctly_rounded == pytest.approx(
-        float((expected.view(torch.int16) == correct.view(torch.int16)).double().mean()))
+        float((tensor_bit_patterns(expected) == tensor_bit_patterns(correct)).double().mean()))
     exact = full.double().sum(0)
     rel = float(torch.linalg.vector_norm(expected.double() - exact) / torch.linalg.vector_norm(exact))
     assert point.rel_error == pytest.approx(rel, rel=1e-9)
@@ -149,6 +158,8 @@ def test_sweep_config_validation():
         acc.SweepConfig(dtypes=("float8",))
     with pytest.raises(ValueError, match="numel"):
         acc.SweepConfig(numel=0)
+    with pytest.raises(ValueError, match="block_elements"):
+        acc.SweepConfig(block_elements=0)
     with pytest.raises(ValueError, match="distribution"):
         acc.generate("uniform", 2, 2, torch.Generator())
 
@@ -185,11 +196,36 @@ def test_plot_is_skipped_with_a_message_without_matplotlib(tmp_path, capsys, mon
 
 
 def test_bad_usage():
-    with pytest.raises(SystemExit):
-        _parse(["--dtype", "fp8"])
-    with pytest.raises(SystemExit):
-        _parse(["--dp", "two"])
+    for argv in (["--dtype", "fp8"], ["--dp", "two"], ["--method", "kahan"]):
+        with pytest.raises(SystemExit) as info:
+            _parse(argv)
+        assert info.value.code == 2, argv
     assert acc.main(_parse(["--dp", "1,2", "--no-progress"])) == 2
+    assert acc.main(_parse(["--dp", "0", "--no-progress"])) == 2
+    assert acc.main(_parse(["--numel", "0", "--no-progress"])) == 2
+    assert acc.main(_parse(["--seed", "-1", "--no-progress"])) == 2
+    with pytest.raises(TypeError, match="numel"):
+        acc.SweepConfig(numel=2.5)
+    with pytest.raises(ValueError, match="dp_sizes"):
+        acc.SweepConfig(dp_sizes=(True, 4))
+
+
+def test_verify_cli_accumulation_help_and_exit_codes(capsys):
+    """Through the real ``verify`` entry point: --help exits 0, bad usage exits 2."""
+    from verify import cli
+
+    with pytest.raises(SystemExit) as info:
+        cli.main(["accumulation", "--help"])
+    assert info.value.code == 0
+    assert "--dp" in capsys.readouterr().out
+    for argv in (["accumulation", "--dtype", "fp8"], ["accumulation", "--backend", "mpi"]):
+        with pytest.raises(SystemExit) as info:
+            cli.main(argv)
+        assert info.value.code == 2, argv
+    assert cli.main(["accumulation", "--dp", "0", "--no-progress"]) == 2
+    assert "dp_sizes" in capsys.readouterr().err
+    assert cli.main(["accumulation", "--dp", "2", "--dtype", "bf16", "--distribution", "normal",
+                     "--numel", "64", "--no-progress"]) == 0
 
 
 def test_dist_backend_outside_torchrun_is_a_usage_error(monkeypatch, capsys):
@@ -197,6 +233,8 @@ def test_dist_backend_outside_torchrun_is_a_usage_error(monkeypatch, capsys):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert acc.main(_parse(["--backend", "dist"])) == 2
     assert "torchrun" in capsys.readouterr().err
+    assert acc.main(_parse(["--backend", "dist", "--seed", "-1"])) == 2
+    assert "--seed" in capsys.readouterr().err
 
 
 @pytest.mark.dist

@@ -45,3 +45,13 @@ def test_case_validation():
         PipelineCase("x", 2, 1, 0, spec, (StepPlan(1),), reduction="max")
     with pytest.raises(ValueError, match="fault"):
         PipelineCase("x", 2, 1, 0, spec, (StepPlan(1),), fault="gremlins")
+    with pytest.raises(ValueError, match="dp_size"):
+        PipelineCase("x", 2, 0, 0, spec, (StepPlan(1),))
+    with pytest.raises(ValueError, match="first_rank"):
+        PipelineCase("x", 2, 1, -1, spec, (StepPlan(1),))
+    with pytest.raises(ValueError, match="num_stages"):
+        PipelineCase("x", 4, 1, 0, spec, (StepPlan(1),))
+    with pytest.raises(ValueError, match="plans"):
+        PipelineCase("x", 2, 1, 0, spec, ())
+    with pytest.raises(ValueError, match="lr"):
+        PipelineCase("x", 2, 1, 0, spec, (StepPlan(1),), lr=float("nan"))

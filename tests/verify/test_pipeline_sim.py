@@ -90,8 +90,36 @@ def test_cli_production_scale(capsys):
 
 def test_cli_bad_input_exit_code(capsys):
     assert main(_parse(["--forward", "-1"])) == 2
-    assert "forward" in capsys.readouterr().out
+    assert "forward" in capsys.readouterr().err
+    assert main(_parse(["-P", "0"])) == 2
+    assert "num_stages" in capsys.readouterr().err
+    assert main(_parse(["-M", "0"])) == 2
+    assert main(_parse(["--buckets", "0"])) == 2
     assert main(_parse(["-P", "4", "-M", "8", "--mode", "barrier"])) == 0
+    with pytest.raises(ValueError, match="num_microbatches"):
+        closed_form_bubble_fraction(2, 0)
+
+
+def test_verify_cli_simulate_pipeline_help_and_exit_codes(capsys):
+    """Through the real ``verify`` entry point: --help exits 0, bad usage exits 2."""
+    from verify import cli
+
+    with pytest.raises(SystemExit) as info:
+        cli.main(["simulate-pipeline", "--help"])
+    assert info.value.code == 0
+    assert "--microbatches" in capsys.readouterr().out
+    for argv in (["simulate-pipeline", "--mode", "eventually"], ["simulate-pipeline", "-P", "x"]):
+        with pytest.raises(SystemExit) as info:
+            cli.main(argv)
+        assert info.value.code == 2, argv
+    assert cli.main(["simulate-pipeline", "--stages", "0"]) == 2
+    assert cli.main(["simulate-pipeline", "--grad-sync", "nan"]) == 2
+    # P=2, M=2, f=b=1, no sync: (M + P - 1)(f + b) = 6, bubble (P-1)/(M+P-1) = 1/3.
+    assert cli.main(["simulate-pipeline", "-P", "2", "-M", "2", "--forward", "1", "--backward",
+                     "1", "--grad-sync", "0", "--mode", "overlap", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["results"][0]["step_time"] == 6.0
+    assert data["results"][0]["bubble_fraction"] == pytest.approx(1 / 3)
 
 
 def test_last_stage_sync_hides_in_its_cooldown_slack():

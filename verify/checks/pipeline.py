@@ -18,6 +18,7 @@ discrete-event simulator (``verify.pipeline_sim``) against them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fastgrad.timeline import TimelineEvent
 from refgrad.pipeline import (
     EMBEDDING_PARAM,
     HEAD_PARAM,
@@ -62,6 +64,21 @@ class PipelineCase:
     fault: str | None = None
 
     def __post_init__(self) -> None:
+        for name in ("pp_size", "dp_size", "bucket_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"PipelineCase.{name} must be an int >= 1, got {value!r}")
+        if isinstance(self.first_rank, bool) or not isinstance(self.first_rank, int) \
+                or self.first_rank < 0:
+            raise ValueError(f"PipelineCase.first_rank must be an int >= 0, got {self.first_rank!r}")
+        if self.spec.num_stages != self.pp_size:
+            raise ValueError(f"PipelineCase.spec.num_stages ({self.spec.num_stages}) must equal "
+                             f"pp_size ({self.pp_size})")
+        if not self.plans or not all(isinstance(p, StepPlan) for p in self.plans):
+            raise ValueError("PipelineCase.plans must be a non-empty tuple of StepPlan")
+        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) \
+                or not math.isfinite(self.lr) or self.lr <= 0:
+            raise ValueError(f"PipelineCase.lr must be a finite number > 0, got {self.lr!r}")
         if self.reduction not in ("sum", "avg", "prescale"):
             raise ValueError(f"PipelineCase.reduction must be sum/avg/prescale, got {self.reduction!r}")
         if self.fault not in FAULTS:
@@ -69,6 +86,7 @@ class PipelineCase:
 
     @property
     def world(self) -> int:
+        """Ranks the grid occupies: ``pp_size * dp_size``."""
         return self.pp_size * self.dp_size
 
 
@@ -79,11 +97,11 @@ class RankResult:
     stage: int
     dp_rank: int
     losses: list[list[float]] = field(default_factory=list)
-    grads: list[dict[str, Any]] = field(default_factory=list)  # numpy arrays
-    params: list[dict[str, Any]] = field(default_factory=list)  # numpy arrays
+    grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    params: list[dict[str, torch.Tensor]] = field(default_factory=list)
     launch_sites: list[tuple[str, ...]] = field(default_factory=list)
     relearn_count: int = 0
-    events: list[list[Any]] = field(default_factory=list)
+    events: list[list[TimelineEvent]] = field(default_factory=list)
 
 
 def default_plans(pp_size: int, frozen: str) -> tuple[StepPlan, ...]:
@@ -111,10 +129,11 @@ def _full_reduced_grads(ddp: Any, case: PipelineCase, dp_group: Any) -> None:
     """With the distributed optimizer only the local shard is reduced: gather the others."""
     if not case.use_distributed_optimizer or case.dp_size == 1:
         return
+    from fastgrad.comm import all_gather_into
+
     for bucket in ddp.buffer.buckets:
         gathered = torch.empty_like(bucket.grad_data)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(gathered, bucket.local_grad_shard.clone(), group=dp_group)
+        all_gather_into(gathered, bucket.local_grad_shard.clone(), group=dp_group)
         bucket.grad_data.copy_(gathered)
 
 
@@ -194,18 +213,16 @@ def run_case_on_rank(case: PipelineCase, groups: Any, overlap: bool) -> RankResu
             deferred_wgrad=head,
             embedding_params=tied,
         )
-        result.events.append([(e.rank, e.kind, e.microbatch, e.start, e.end) for e in timeline.events])
+        result.events.append(list(timeline.events))
         _full_reduced_grads(ddp, case, groups.dp_group)
         result.losses.append([float(v) for v in losses])
-        # numpy, not tensors: torch's queue pickler shares tensor storage through
-        # file descriptors that die with this process before the parent reads them.
-        result.grads.append({n: p.main_grad.detach().numpy().copy() for n, p in named.items()})
+        result.grads.append({n: p.main_grad.detach().clone() for n, p in named.items()})
         result.launch_sites.append(ddp.last_launch_sites)
         with torch.no_grad():
             for name, p in named.items():
                 if name not in plan.frozen:
                     p.copy_(sgd_update(p, p.main_grad, case.lr))
-        result.params.append({n: p.detach().numpy().copy() for n, p in named.items()})
+        result.params.append({n: p.detach().clone() for n, p in named.items()})
     result.relearn_count = ddp.relearn_count
     ddp.remove_hooks()
     return result
@@ -286,10 +303,8 @@ def _collect(case: PipelineCase, ranks: list[dict], overlap: bool) -> dict[str, 
         for step in range(steps):
             if res.stage == case.pp_size - 1:
                 losses[step][res.dp_rank] = res.losses[step]
-            grads[step][res.dp_rank].update(
-                {n: torch.from_numpy(a) for n, a in res.grads[step].items()})
-            params[step][res.dp_rank].update(
-                {n: torch.from_numpy(a) for n, a in res.params[step].items()})
+            grads[step][res.dp_rank].update(res.grads[step])
+            params[step][res.dp_rank].update(res.params[step])
     return {"losses": losses, "grads": grads, "params": params, "ranks": results}
 
 
@@ -384,12 +399,11 @@ def _large_dp_report(rec: CheckRecorder, case: PipelineCase, ranks: list[dict]) 
 
 
 def _timeline_rows(case: PipelineCase, ranks: list[dict], step: int = 2) -> list[list[Any]]:
-    from fastgrad.timeline import TimelineEvent, summarize_step
+    from fastgrad.timeline import summarize_step
 
     rows = []
     for overlap in (True, False):
-        events = [TimelineEvent(*e) for r in ranks if case.name in r
-                  for e in r[case.name][overlap].events[step]]
+        events = [e for r in ranks if case.name in r for e in r[case.name][overlap].events[step]]
         report = summarize_step(events)
         rows.append([case.name, "on" if overlap else "off", case.plans[step].num_microbatches,
                      round(report.step_time * 1e3, 3), round(report.bubble_fraction, 3),
@@ -398,7 +412,7 @@ def _timeline_rows(case: PipelineCase, ranks: list[dict], step: int = 2) -> list
 
 
 def _timing_report(rec: CheckRecorder, case: PipelineCase, ranks: list[dict]) -> None:
-    from fastgrad.timeline import TimelineEvent, summarize_step
+    from fastgrad.timeline import summarize_step
     from verify.pipeline_sim import PipelineCosts, simulate
 
     rows = []
@@ -407,7 +421,7 @@ def _timing_report(rec: CheckRecorder, case: PipelineCase, ranks: list[dict]) ->
         per_rank = [r[case.name][overlap] for r in ranks if case.name in r]
         # Step 0 warms up allocators and gloo connections; report the later steps.
         for step in range(1, len(case.plans)):
-            events = [TimelineEvent(*e) for res in per_rank for e in res.events[step]]
+            events = [e for res in per_rank for e in res.events[step]]
             report = summarize_step(events)
             reports.setdefault(overlap, []).append(report)
     for overlap, reps in reports.items():
@@ -461,7 +475,7 @@ def _timing_report(rec: CheckRecorder, case: PipelineCase, ranks: list[dict]) ->
     rec.expect(
         "timelines recorded forward, backward and communication events on every rank",
         all(
-            {k for (_, k, *_rest) in res.events[1]} >= {"forward", "backward", "grad_sync_wait"}
+            {e.kind for e in res.events[1]} >= {"forward", "backward", "grad_sync_wait"}
             for r in ranks if case.name in r for res in r[case.name].values()
         ),
     )

@@ -34,6 +34,7 @@ from fastgrad.collectives import (
 from refgrad import collectives as refc
 from refgrad import formats
 from refgrad.exact import exact_sum
+from refgrad.formats import tensor_bit_patterns
 from verify import accumulation as acc
 from verify.check import Check, CheckContext, CheckRecorder
 from verify.distributed import spawn
@@ -44,21 +45,9 @@ DTYPE_NAMES = ("float16", "bfloat16")
 ITERATIONS = 2
 
 
-def pack(t: torch.Tensor) -> tuple[str, tuple[int, ...], bytes]:
-    """A tensor as plain bytes (the spawn result queue cannot carry many shared tensors)."""
-    t = t.detach().cpu().contiguous()
-    raw = t.view(torch.int16) if t.element_size() == 2 else t
-    return (str(t.dtype).removeprefix("torch."), tuple(t.shape), raw.numpy().tobytes())
-
-
-def unpack(packed: tuple[str, tuple[int, ...], bytes]) -> torch.Tensor:
-    dtype_name, shape, data = packed
-    dtype = getattr(torch, dtype_name)
-    raw = torch.frombuffer(bytearray(data), dtype=torch.int16 if dtype.itemsize == 2 else dtype)
-    return raw.view(dtype).reshape(shape).clone()
-
-
-def rank_input(rank: int, world_size: int, numel: int, dtype: torch.dtype, it: int, seed: int):
+def rank_input(
+    rank: int, world_size: int, numel: int, dtype: torch.dtype, it: int, seed: int
+) -> torch.Tensor:
     """Rank-specific gradient-like data with a few exact wire-dtype ties."""
     g = torch.Generator().manual_seed(seed * 7919 + 1000 * world_size + 100 * it + rank)
     x = torch.randn(numel, generator=g) * torch.exp2(-14 * torch.rand(numel, generator=g))
@@ -73,22 +62,22 @@ def _run_modes(candidate: Callable, rank: int, size: int, group, shard: int, see
         dtype = getattr(torch, dtype_name)
         for it in range(ITERATIONS):
             x = rank_input(rank, size, size * shard, dtype, it, seed)
-            record = {"dtype": dtype_name, "it": it, "input": pack(x)}
+            record = {"dtype": dtype_name, "it": it, "input": x.clone()}
             for op_name, op in OPS.items():
                 out = torch.empty(shard, dtype=dtype)
                 candidate(out, x, group=group, op=op)
-                record[(op_name, "sync")] = pack(out)
+                record[(op_name, "sync")] = out
                 out = torch.empty(shard, dtype=dtype)
                 candidate(out, x, group=group, op=op, async_op=True).wait()
-                record[(op_name, "async")] = pack(out)
+                record[(op_name, "async")] = out
                 out = torch.empty(shard, dtype=dtype)
                 scratch = torch.empty(x.numel(), dtype=dtype)
                 candidate(out, x, group=group, op=op, scratch=scratch)
-                record[(op_name, "scratch")] = pack(out)
+                record[(op_name, "scratch")] = out
                 buffer = x.clone()
                 view = buffer[rank * shard : (rank + 1) * shard]
                 candidate(view, buffer, group=group, op=op, async_op=True).wait()
-                record[(op_name, "in_place")] = pack(view)
+                record[(op_name, "in_place")] = view.clone()
             records.append(record)
     return records
 
@@ -104,17 +93,18 @@ def _rank_worker(rank: int, world_size: int, sizes, shard: int, seed: int, candi
 
 
 def check_multi_rank(ctx: CheckContext, rec: CheckRecorder, candidate: Callable) -> None:
+    """``candidate`` on real gloo groups (every mode, SUM and AVG) vs refgrad fp32/rank, bitwise."""
     sizes = (2, 3) if ctx.quick else (2, 3, 4)
     shard = 16 if ctx.quick else 96
     per_rank = spawn(_rank_worker, max(sizes), sizes, shard, ctx.seed, candidate)
     for size in sizes:
         records = [per_rank[r][size] for r in range(size)]
         for i, first in enumerate(records[0]):
-            inputs = [unpack(records[r][i]["input"]) for r in range(size)]
+            inputs = [records[r][i]["input"] for r in range(size)]
             for op_name in OPS:
                 expected = refc.reduce_scatter(inputs, accumulate="fp32", order="rank", op=op_name)
                 for mode in MODES:
-                    got = torch.cat([unpack(records[r][i][(op_name, mode)]) for r in range(size)])
+                    got = torch.cat([records[r][i][(op_name, mode)] for r in range(size)])
                     rec.compare(
                         f"fastgrad vs refgrad fp32/rank: W={size} {first['dtype']} "
                         f"it={first['it']} op={op_name} {mode}",
@@ -163,6 +153,7 @@ def check_models(ctx: CheckContext, rec: CheckRecorder) -> None:
 
 
 def check_error_growth(ctx: CheckContext, rec: CheckRecorder) -> None:
+    """A small sweep against the exact oracle; expectations from proofs or wide margins."""
     config = acc.SweepConfig(
         dp_sizes=(2, 8, 32) if ctx.quick else (2, 8, 32, 128),
         distributions=("normal", "same_sign"),
@@ -214,6 +205,7 @@ def check_error_growth(ctx: CheckContext, rec: CheckRecorder) -> None:
 
 
 def _exact_average(inputs: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The exact mean over ranks, correctly rounded to ``dtype`` (one rounding)."""
     fmt = formats.format_of(dtype)
     decoded = [formats.decode_tensor(t) for t in inputs]
     world_size = len(inputs)
@@ -281,7 +273,7 @@ def check_production_sum_order(ctx: CheckContext, rec: CheckRecorder) -> None:
         fp32_sum = torch.sum(stacked, dim=0, dtype=torch.float32)
         sequential = acc.fp32_reduce(stacked)[1]
         rows.append([world_size, int((fp32_sum != sequential).sum()),
-                     int((production.view(torch.int16) != ours.view(torch.int16)).sum())])
+                     int((tensor_bit_patterns(production) != tensor_bit_patterns(ours)).sum())])
     rec.table(
         "Production's local reduction torch.sum(dim=0, dtype=float32) vs rank order (CPU, bf16)",
         ["W", "fp32 sums differing (of 4096)", "bf16 results differing (of 4096)"],
