@@ -54,7 +54,7 @@ from fastgrad.errors import LifecycleError
 
 ReduceInFlight = Callable[[torch.nn.Parameter], bool]
 
-_CUDA_WGRAD_METHODS = ("addmm_out_dtype", "addmm_out_dtype_inplace", "fp32_upcast")
+CUDA_WGRAD_METHODS = ("addmm_out_dtype", "addmm_out_dtype_inplace", "fp32_upcast")
 # The accumulation dtypes whose rounding refgrad.embedding defines.
 MAIN_GRAD_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -129,9 +129,9 @@ class EmbeddingWgradConfig:
                 "EmbeddingWgradConfig.defer_embedding_wgrad_compute needs "
                 "gradient_accumulation_fusion=True: the drain accumulates into main_grad directly"
             )
-        if self.cuda_wgrad_method not in _CUDA_WGRAD_METHODS:
+        if self.cuda_wgrad_method not in CUDA_WGRAD_METHODS:
             raise ValueError(
-                f"EmbeddingWgradConfig.cuda_wgrad_method must be one of {_CUDA_WGRAD_METHODS}, "
+                f"EmbeddingWgradConfig.cuda_wgrad_method must be one of {CUDA_WGRAD_METHODS}, "
                 f"got {self.cuda_wgrad_method!r}"
             )
 
@@ -161,8 +161,8 @@ def accumulate_wgrad_(
     leading dimensions; ``main_grad`` is ``[V, H]``. With ``fused=False`` the
     microbatch's wgrad is rounded to ``total_input``'s dtype before the add.
     """
-    if cuda_method not in _CUDA_WGRAD_METHODS:
-        raise ValueError(f"cuda_method must be one of {_CUDA_WGRAD_METHODS}, got {cuda_method!r}")
+    if cuda_method not in CUDA_WGRAD_METHODS:
+        raise ValueError(f"cuda_method must be one of {CUDA_WGRAD_METHODS}, got {cuda_method!r}")
     _check_main_grad_dtype(main_grad.dtype, "main_grad's dtype")
     go = _flatten_tokens(grad_output)
     x = _flatten_tokens(total_input)

@@ -90,3 +90,29 @@ def test_case_validates_itself(fields, error, match):
     WgradCase(**good)
     with pytest.raises(error, match=match):
         WgradCase(**{**good, **fields})
+
+
+def test_wgrad_method_comparison_logic_on_cpu():
+    # The CUDA section's comparison, run on the CPU path (cuda_method is ignored there).
+    from verify.checks.deferred_wgrad import compare_wgrad_methods_on
+
+    rec = CheckRecorder("wgrad")
+    compare_wgrad_methods_on("cpu", rec, 0, ("fp32_upcast",))
+    result = rec.finish(0.0)
+    assert result.passed and len(result.comparisons) == 2
+
+
+def test_wgrad_method_comparison_catches_a_dropped_microbatch():
+    from fastgrad.embedding import accumulate_wgrad_
+    from verify.checks.deferred_wgrad import compare_wgrad_methods_on
+
+    calls = []
+
+    def drops_first(main_grad, go, x, *, cuda_method):
+        calls.append(1)
+        if len(calls) % 3 != 1:  # every first microbatch of a run is lost
+            accumulate_wgrad_(main_grad, go, x, cuda_method=cuda_method)
+
+    rec = CheckRecorder("wgrad")
+    compare_wgrad_methods_on("cpu", rec, 0, ("fp32_upcast",), drops_first)
+    assert not rec.finish(0.0).passed

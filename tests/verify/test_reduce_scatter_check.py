@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from fastgrad.collectives import AVG, SUM
-from verify.check import Check, CheckContext
+from verify.check import Check, CheckContext, CheckRecorder
 from verify.checks import CHECK_MODULES, check_by_name
 from verify.checks.reduce_scatter import CHECK, check_multi_rank
 
@@ -56,3 +56,28 @@ def test_check_fails_on_wire_accumulation():
     failed = [c.label for c in result.comparisons if not c.passed]
     # With 3 ranks the 16-bit partial sum is rounded twice, which the inputs' ties expose.
     assert any("W=3" in label for label in failed), failed
+
+
+def test_local_reduction_comparison_logic_on_cpu():
+    # The CUDA section's comparison, run on the CPU path: passes for fastgrad...
+    from verify.checks.reduce_scatter import compare_local_reduction_on
+
+    rec = CheckRecorder("local")
+    compare_local_reduction_on("cpu", rec, torch.Generator().manual_seed(1), ((3, 67),))
+    result = rec.finish(0.0)
+    assert result.passed and len(result.comparisons) == 4
+
+
+def test_local_reduction_comparison_catches_wire_accumulation():
+    # ...and fails for a reduction that accumulates in the 16-bit dtype.
+    from verify.checks.reduce_scatter import compare_local_reduction_on
+
+    def wire_sum(shards, out, *, average):
+        acc = shards[0].clone()
+        for row in shards[1:]:
+            acc += row
+        out.copy_(acc / shards.shape[0] if average else acc)
+
+    rec = CheckRecorder("local")
+    compare_local_reduction_on("cpu", rec, torch.Generator().manual_seed(1), ((8, 257),), wire_sum)
+    assert not rec.finish(0.0).passed

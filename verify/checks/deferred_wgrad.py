@@ -31,14 +31,17 @@ What it establishes, on real gloo process groups (2 processes):
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
 
 from fastgrad.embedding import (
+    CUDA_WGRAD_METHODS,
     ColumnParallelOutputLayer,
     EmbeddingWgradConfig,
+    accumulate_wgrad_,
     allreduce_tied_embedding_grad,
 )
 from fastgrad.errors import LifecycleError
@@ -482,8 +485,42 @@ def _stale_step_case(rec: CheckRecorder, layer_cls) -> None:
     rec.expect("stale step: start_step clears both buffers (bitwise equal to a fresh layer)", same, detail)
 
 
+def compare_wgrad_methods_on(
+    device: str, rec: CheckRecorder, seed: int, methods, accumulate: Callable = accumulate_wgrad_
+) -> None:
+    """``main_grad += goᵀ·x`` on ``device`` with each wgrad method vs refgrad, on the exact grid.
+
+    On the grid lane every product and partial sum is exact, so any summation
+    order inside the GEMM must give refgrad's bits.
+    """
+    for dtype in ("float32", "bfloat16"):
+        case = WgradCase(1, False, 3, 0, dtype, "grid")
+        _, xs, gos = case_data(case, seed, data_rank=0)
+        expected = reference_main_grad(gos[0], xs[0], main_grad_dtype=getattr(torch, dtype))
+        for method in methods:
+            main_grad = torch.zeros(VOCAB, HIDDEN, dtype=getattr(torch, dtype), device=device)
+            try:
+                for x, go in zip(xs[0], gos[0]):
+                    accumulate(main_grad, go.to(device), x.to(device), cuda_method=method)
+            except (RuntimeError, NotImplementedError) as exc:
+                # addmm with both out_dtype and out= has been broken in some torch releases.
+                rec.finding(f"{device} wgrad method {method!r} is unavailable on this torch: {exc}")
+                continue
+            rec.compare(f"{device} wgrad {method}: main_grad {dtype} (exact grid)",
+                        expected, main_grad.cpu())
+
+
+def check_cuda_wgrad(ctx: CheckContext, rec: CheckRecorder) -> None:
+    """With ``--device cuda``: the fp32-accumulating wgrad GEMM (cuBLAS) vs refgrad."""
+    if ctx.device != "cuda":
+        rec.skip("CUDA wgrad GEMM (cuBLAS, fp32 output) vs refgrad: run `verify run --device cuda`")
+        return
+    compare_wgrad_methods_on("cuda", rec, ctx.seed, CUDA_WGRAD_METHODS)
+
+
 def _run(ctx: CheckContext, rec: CheckRecorder) -> None:
     run_deferred_wgrad_check(ctx, rec)
+    check_cuda_wgrad(ctx, rec)
 
 
 CHECK = Check(

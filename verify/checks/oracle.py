@@ -347,8 +347,17 @@ def check_oracle(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate) ->
     )
 
 
+def _on_cuda(stacked: torch.Tensor, dtype: torch.dtype, *args, **kwargs) -> torch.Tensor:
+    """The vectorised oracle computed on the GPU, returned on the CPU for comparison."""
+    return oracle.correctly_rounded_sum(stacked.cuda(), dtype, *args, **kwargs).cpu()
+
+
 def _run(ctx: CheckContext, rec: CheckRecorder) -> None:
     check_oracle(ctx, rec, oracle.correctly_rounded_sum)
+    if ctx.device == "cuda":
+        check_oracle(ctx, rec, _on_cuda)
+    else:
+        rec.skip("verify.oracle on CUDA tensors: run `verify run --device cuda`")
 
 
 CHECK = Check(

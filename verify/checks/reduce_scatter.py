@@ -285,9 +285,41 @@ def check_production_sum_order(ctx: CheckContext, rec: CheckRecorder) -> None:
                     f"{bf16_diff} bf16 results differ from rank order on this machine")
 
 
+def compare_local_reduction_on(
+    device: str, rec: CheckRecorder, g: torch.Generator, sizes, reduce: Callable = reduce_shards_fp32
+) -> None:
+    """The local fp32 reduction run on ``device`` vs refgrad, bitwise, fp16 and bf16, SUM and AVG.
+
+    Values span 2^12 so fp32 accumulation and the single rounding both matter.
+    """
+    for dtype in (torch.float16, torch.bfloat16):
+        for world_size, numel in sizes:
+            values = torch.randn(world_size, numel, generator=g)
+            shards = (values * torch.exp2(-12 * torch.rand(world_size, numel, generator=g))).to(dtype)
+            for op in ("sum", "avg"):
+                out = torch.empty(numel, dtype=dtype, device=device)
+                reduce(shards.to(device), out, average=op == "avg")
+                expected = refc.all_reduce(list(shards), accumulate="fp32", order="rank", op=op)[0]
+                rec.compare(f"{device} local reduction {dtype} W={world_size} n={numel} {op}",
+                            expected, out.cpu())
+
+
+def check_cuda_local_reduction(ctx: CheckContext, rec: CheckRecorder) -> None:
+    """With ``--device cuda``: the GPU local reduction (Triton kernel when available) vs refgrad.
+
+    Shard lengths cover several kernel blocks and a ragged tail.
+    """
+    if ctx.device != "cuda":
+        rec.skip("CUDA local reduction (Triton kernel) vs refgrad: run `verify run --device cuda`")
+        return
+    sizes = ((3, 257),) if ctx.quick else ((2, 2053), (3, 2053), (8, 1029), (64, 257))
+    compare_local_reduction_on("cuda", rec, ctx.generator(404), sizes)
+
+
 def run_check(ctx: CheckContext, rec: CheckRecorder, candidate: Callable | None = None) -> None:
     """The whole check; ``candidate`` replaces fastgrad's function (tests feed broken ones)."""
     check_multi_rank(ctx, rec, candidate or reduce_scatter_with_fp32_accumulation)
+    check_cuda_local_reduction(ctx, rec)
     check_models(ctx, rec)
     check_error_growth(ctx, rec)
     check_average(ctx, rec)
