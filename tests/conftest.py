@@ -20,3 +20,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _dist_tests_must_be_marked(request, monkeypatch):
+    """Fail a test that starts torch.distributed processes without the ``dist`` mark.
+
+    ``tox -e dist`` and ``-m "not dist"`` select on the mark, so it must be true.
+    """
+    if request.node.get_closest_marker("dist"):
+        return
+    import verify.distributed
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(
+            f"{request.node.nodeid} starts torch.distributed processes: mark it @pytest.mark.dist"
+        )
+
+    monkeypatch.setattr(verify.distributed.mp, "get_context", refuse)
