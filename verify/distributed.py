@@ -51,11 +51,15 @@ def _child(
     torch.set_num_threads(1)
     try:
         dist.init_process_group(backend, rank=rank, world_size=world_size)
-        try:
-            result = fn(rank, world_size, *args)
-        finally:
-            dist.barrier()
-            dist.destroy_process_group()
+        result = fn(rank, world_size, *args)
+    except BaseException:  # noqa: BLE001 - forwarded to the parent
+        # Report at once and skip the barrier: peers may be blocked in a collective
+        # waiting for this rank, and the parent kills them once it sees this failure.
+        queue.put((rank, False, traceback.format_exc()))
+        return
+    try:
+        dist.barrier()
+        dist.destroy_process_group()
         # Plain pickle copies tensor data by value; the queue's own pickler would send
         # shared-memory handles that vanish when this process exits.
         queue.put((rank, True, pickle.dumps(result)))

@@ -71,3 +71,19 @@ def test_spawn_notices_a_dead_rank_without_waiting_for_the_timeout():
     with pytest.raises(DistributedRunError, match="rank 1 failed"):
         spawn(_rank_one_dies, 2, timeout_s=200)
     assert time.monotonic() - start < 100
+
+
+def _rank_one_fails_while_rank_zero_waits(rank, world_size):
+    if rank == 1:
+        raise RuntimeError("rank one fails before sending")
+    buffer = torch.zeros(1)
+    dist.recv(buffer, src=1)  # never satisfied: rank 1 failed
+    return rank
+
+
+@pytest.mark.dist
+def test_a_failing_rank_does_not_leave_its_peers_waiting_for_the_timeout():
+    start = time.monotonic()
+    with pytest.raises(DistributedRunError, match="(?s)rank 1 failed.*fails before sending"):
+        spawn(_rank_one_fails_while_rank_zero_waits, 2, timeout_s=200)
+    assert time.monotonic() - start < 60
