@@ -27,6 +27,14 @@ Model (one pipeline; the ``D`` replicas run the same timeline in parallel):
 
 For equal per-stage costs, no transfer cost and no sync, the step is
 ``(M + P - 1)(f + b)`` and the bubble fraction ``(P - 1) / (M + P - 1)``.
+
+Interleaved 1F1B (``virtual_stages = V > 1``, Megatron's virtual pipeline):
+each stage holds ``V`` model chunks, chunk ``c`` of stage ``s`` being virtual
+stage ``c * P + s``; a chunk costs ``1/V`` of the stage's forward, backward and
+grad-sync costs. Microbatches pass through each chunk in groups of ``P`` (so
+``M % P == 0``); warmup is ``min(2(P - s - 1) + (V - 1) P, M V)`` forwards.
+Each chunk's sync becomes ready with its own last backward (microbatch
+``M - 1``) in ``overlap`` mode. Equal costs give ``(P - 1) / (V M + P - 1)``.
 """
 
 from __future__ import annotations
@@ -94,6 +102,7 @@ class SimulationResult:
     stage_last_backward_start: tuple[float, ...]
 
     grad_sync_cost: float = 0.0
+    virtual_stages: int = 1
 
     @property
     def hidden_fraction(self) -> float:
@@ -116,7 +125,7 @@ class SimulationResult:
             "stage_sync_end": list(self.stage_sync_end),
             "grad_sync_cost": self.grad_sync_cost,
             "hidden_fraction": self.hidden_fraction,
-        }
+        } | ({"virtual_stages": self.virtual_stages} if self.virtual_stages > 1 else {})
 
 
 def program_order(num_stages: int, stage: int, num_microbatches: int) -> list[tuple[str, int]]:
@@ -135,76 +144,126 @@ def program_order(num_stages: int, stage: int, num_microbatches: int) -> list[tu
     return order
 
 
-def closed_form_bubble_fraction(num_stages: int, num_microbatches: int) -> float:
-    """``(P - 1) / (M + P - 1)``: the 1F1B bubble for equal costs and free transfers."""
-    for name, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):
+def _validate_shape(num_stages: int, num_microbatches: int, virtual_stages: int) -> None:
+    for name, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches),
+                        ("virtual_stages", virtual_stages)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return (num_stages - 1) / (num_microbatches + num_stages - 1)
+    if virtual_stages > 1 and num_microbatches % num_stages != 0:
+        raise ValueError(
+            f"num_microbatches ({num_microbatches}) must be a multiple of num_stages "
+            f"({num_stages}) with virtual_stages > 1 (microbatches pass through each chunk "
+            "in groups of P)"
+        )
+
+
+def interleaved_program_order(
+    num_stages: int, stage: int, num_microbatches: int, virtual_stages: int
+) -> list[tuple[str, int, int]]:
+    """Interleaved 1F1B order of one stage, ``("F"|"B", chunk, microbatch)``, derived here
+    independently of fastgrad (the forward and backward sequences are built group by group)."""
+    _validate_shape(num_stages, num_microbatches, virtual_stages)
+    P, V, M = num_stages, virtual_stages, num_microbatches
+    forwards: list[tuple[str, int, int]] = []
+    backwards: list[tuple[str, int, int]] = []
+    for group_start in range(0, M, P):
+        for c in range(V):
+            forwards.extend(("F", c, group_start + j) for j in range(P))
+            backwards.extend(("B", V - 1 - c, group_start + j) for j in range(P))
+    warmup = min(2 * (P - stage - 1) + (V - 1) * P, M * V)
+    order = forwards[:warmup]
+    for f_op, b_op in zip(forwards[warmup:], backwards):
+        order += [f_op, b_op]
+    order += backwards[M * V - warmup:]
+    return order
+
+
+def closed_form_bubble_fraction(
+    num_stages: int, num_microbatches: int, virtual_stages: int = 1
+) -> float:
+    """``(P - 1) / (V M + P - 1)``: the (interleaved) 1F1B bubble for equal costs, free transfers."""
+    _validate_shape(num_stages, num_microbatches, virtual_stages)
+    return (num_stages - 1) / (virtual_stages * num_microbatches + num_stages - 1)
 
 
 def simulate(
-    num_stages: int, num_microbatches: int, costs: PipelineCosts, mode: str = "overlap"
+    num_stages: int,
+    num_microbatches: int,
+    costs: PipelineCosts,
+    mode: str = "overlap",
+    virtual_stages: int = 1,
 ) -> SimulationResult:
     """Simulate one step; see the module doc for the model."""
-    for name, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    _validate_shape(num_stages, num_microbatches, virtual_stages)
     if mode not in SYNC_MODES:
         raise ValueError(f"mode must be one of {SYNC_MODES}, got {mode!r}")
-    P, M = num_stages, num_microbatches
-    orders = [program_order(P, s, M) for s in range(P)]
+    P, M, V = num_stages, num_microbatches, virtual_stages
+    num_virtual = P * V
+    # Ops are ("F"|"B", chunk, microbatch); V = 1 keeps the plain 1F1B order.
+    if V == 1:
+        orders = [[(kind, 0, i) for kind, i in program_order(P, s, M)] for s in range(P)]
+    else:
+        orders = [interleaved_program_order(P, s, M, V) for s in range(P)]
+    forward_cost, backward_cost = costs.forward / V, costs.backward / V
     position = [0] * P
     free_at = [0.0] * P
+    # Keyed by (kind, virtual stage, microbatch); virtual stage v runs on stage v % P.
     end: dict[tuple[str, int, int], float] = {}
     last_backward_start = [0.0] * P
-    remaining = P * 2 * M
+    chunk_last_backward_start = [[0.0] * V for _ in range(P)]
+    remaining = P * 2 * M * V
     while remaining:
         progressed = False
         for s in range(P):
             while position[s] < len(orders[s]):
-                kind, i = orders[s][position[s]]
+                kind, c, i = orders[s][position[s]]
+                v = c * P + s
                 if kind == "F":
-                    dep = None if s == 0 else ("F", s - 1, i)
-                    duration = costs.forward
+                    dep = None if v == 0 else ("F", v - 1, i)
+                    duration = forward_cost
                 else:
-                    dep = ("F", s, i) if s == P - 1 else ("B", s + 1, i)
-                    duration = costs.backward
+                    dep = ("F", v, i) if v == num_virtual - 1 else ("B", v + 1, i)
+                    duration = backward_cost
                 if dep is not None and dep not in end:
                     break
                 ready = 0.0
                 if dep is not None:
-                    ready = end[dep] + (costs.p2p if dep[1] != s else 0.0)
+                    ready = end[dep] + (costs.p2p if dep[1] % P != s else 0.0)
                 start = max(free_at[s], ready)
-                end[(kind, s, i)] = free_at[s] = start + duration
+                end[(kind, v, i)] = free_at[s] = start + duration
                 if kind == "B" and i == M - 1:
                     last_backward_start[s] = start
+                    chunk_last_backward_start[s][c] = start
                 position[s] += 1
                 remaining -= 1
                 progressed = True
-        if not progressed:  # pragma: no cover - 1F1B cannot deadlock; guards edits
+        if not progressed:  # pragma: no cover - (interleaved) 1F1B cannot deadlock; guards edits
             raise RuntimeError("pipeline simulation made no progress (dependency cycle)")
     compute_end_per_stage = tuple(free_at)
     compute_end = max(compute_end_per_stage)
     sync_end = []
     for s in range(P):
         stage_cost = costs.stage_grad_sync(s, P)
-        bucket_cost = stage_cost / costs.num_buckets
+        # Each chunk holds 1/V of the stage's grads, in its own buckets.
+        bucket_cost = stage_cost / V / costs.num_buckets
         if stage_cost == 0:
             sync_end.append(compute_end_per_stage[s])
             continue
         channel = 0.0
-        for k in range(costs.num_buckets):
-            if mode == "overlap":
-                ready = last_backward_start[s] + (k + 1) / costs.num_buckets * costs.backward
-            elif mode == "after-compute":
-                ready = compute_end_per_stage[s]
-            else:
-                ready = compute_end
-            channel = max(channel, ready) + bucket_cost
+        # Chunks finish their last backward in reverse order (V - 1 first).
+        for c in reversed(range(V)):
+            for k in range(costs.num_buckets):
+                if mode == "overlap":
+                    ready = (chunk_last_backward_start[s][c]
+                             + (k + 1) / costs.num_buckets * backward_cost)
+                elif mode == "after-compute":
+                    ready = compute_end_per_stage[s]
+                else:
+                    ready = compute_end
+                channel = max(channel, ready) + bucket_cost
         sync_end.append(channel)
     step_time = max(max(sync_end), compute_end)
-    busy = M * (costs.forward + costs.backward)
+    busy = M * V * (forward_cost + backward_cost)
     bubble = sum(1.0 - busy / step_time for _ in range(P)) / P
     return SimulationResult(
         num_stages=P,
@@ -218,6 +277,7 @@ def simulate(
         stage_sync_end=tuple(sync_end),
         stage_last_backward_start=tuple(last_backward_start),
         grad_sync_cost=max(costs.stage_grad_sync(s, P) for s in range(P)),
+        virtual_stages=V,
     )
 
 
@@ -241,6 +301,11 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--mode", choices=SYNC_MODES + ("all",), default="all", help="sync placement (default: all)"
     )
+    parser.add_argument(
+        "--virtual-stages", "-V", type=int, default=1,
+        help="model chunks per stage (interleaved 1F1B when > 1; needs M %% P == 0); "
+             "per-chunk costs are the per-stage costs / V",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -256,23 +321,26 @@ def main(args: argparse.Namespace) -> int:
             last_stage_grad_sync=args.last_stage_grad_sync,
         )
         modes = SYNC_MODES if args.mode == "all" else (args.mode,)
-        results = [simulate(args.stages, args.microbatches, costs, m) for m in modes]
+        V = args.virtual_stages
+        results = [simulate(args.stages, args.microbatches, costs, m, V) for m in modes]
     except (TypeError, ValueError) as exc:
         print(f"verify simulate-pipeline: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    closed = closed_form_bubble_fraction(args.stages, args.microbatches)
+    closed = closed_form_bubble_fraction(args.stages, args.microbatches, V)
     if args.json:
         print(json.dumps({"closed_form_bubble_fraction": closed,
                           "results": [r.to_dict() for r in results]}, indent=2))
         return EXIT_OK
+    schedule = "1F1B" if V == 1 else f"interleaved 1F1B V={V}"
     print(
-        f"1F1B P={args.stages} M={args.microbatches} forward={costs.forward:g} "
+        f"{schedule} P={args.stages} M={args.microbatches} forward={costs.forward:g} "
         f"backward={costs.backward:g} p2p={costs.p2p:g} grad_sync={costs.grad_sync:g} "
         f"buckets={costs.num_buckets}"
         + (f" last_stage_grad_sync={costs.last_stage_grad_sync:g}"
            if costs.last_stage_grad_sync is not None else "")
     )
-    print(f"closed-form bubble (P-1)/(M+P-1) = {closed:.4f}")
+    formula = "(P-1)/(M+P-1)" if V == 1 else "(P-1)/(V*M+P-1)"
+    print(f"closed-form bubble {formula} = {closed:.4f}")
     print(f"{'mode':<14} {'step time':>10} {'bubble':>8} {'exposed sync':>13} {'hidden':>7}")
     for r in results:
         print(

@@ -1,7 +1,7 @@
 """fastgrad.pipeline_interleaved: interleaved 1F1B with per-chunk grad sync.
 
-Expected values: hand-derived program orders, an independent dependency
-simulator in this file against the closed-form bubble ``(P-1)/(V*M+P-1)``,
+Expected values: hand-derived program orders, the independent discrete-event
+simulator (``verify.pipeline_sim``) against the closed-form bubble ``(P-1)/(V*M+P-1)``,
 and ``refgrad.pipeline.reference_training`` on the same ``P*V``-stage model
 (one process, microbatches in order) for losses, reduced grads and updated
 parameters, bitwise, for ``D <= 2`` (a sum of two fp32 values has one rounding).
@@ -26,12 +26,11 @@ from refgrad.pipeline import (
     LinearStackSpec,
     StageModule,
     StepPlan,
-    microbatch_data,
-    microbatch_loss,
     reference_training,
-    sgd_update,
     stage_param_name,
 )
+from verify.checks.pipeline import PipelineCase, run_interleaved_case_on_rank
+from verify.pipeline_sim import PipelineCosts, interleaved_program_order, simulate
 
 # ---------------------------------------------------------------- schedule order
 
@@ -123,44 +122,16 @@ def test_forward_backward_validation():
 # ---------------------------------------------------------------- bubble vs closed form
 
 
-def _simulate(P, V, M, forward, backward):
-    """Equal-cost dependency simulation of the program orders (independent of fastgrad's
-    communication): F(v, m) waits for F(v-1, m), B(v, m) for B(v+1, m), both for the
-    previous op of their rank. Returns (step time, per-rank busy time)."""
-    orders = [schedule_interleaved(P, s, V, M) for s in range(P)]
-    done: dict[tuple[str, int, int], Fraction] = {}
-    position, free = [0] * P, [Fraction(0)] * P
-    num_virtual = P * V
-    while any(position[s] < len(orders[s]) for s in range(P)):
-        progressed = False
-        for s in range(P):
-            if position[s] == len(orders[s]):
-                continue
-            kind, c, m = orders[s][position[s]]
-            v = c * P + s
-            if kind == "F":
-                dep = ("F", v - 1, m) if v > 0 else None
-            else:
-                dep = ("B", v + 1, m) if v < num_virtual - 1 else None
-            if dep is not None and dep not in done:
-                continue
-            start = max(free[s], done[dep] if dep is not None else Fraction(0))
-            free[s] = start + (forward if kind == "F" else backward)
-            done[(kind, v, m)] = free[s]
-            position[s] += 1
-            progressed = True
-        assert progressed, "the program orders deadlock"
-    return max(free), [M * V * (forward + backward)] * P
-
-
 @pytest.mark.parametrize("P,V,M", [(2, 2, 4), (4, 2, 8), (4, 3, 8), (4, 4, 16), (8, 2, 16)])
 def test_bubble_matches_closed_form_for_equal_costs(P, V, M):
-    # Each chunk holds 1/V of a stage's layers: per-chunk costs f/V and b/V with f = b.
-    cost = Fraction(1, V)
-    step, busy = _simulate(P, V, M, cost, cost)
-    bubble = sum(1 - b / step for b in busy) / P
-    assert bubble == Fraction(P - 1, V * M + P - 1)
-    assert step == (V * M + P - 1) * 2 * cost
+    # The discrete-event simulator derives its interleaved order independently;
+    # it must equal fastgrad's, and that order must reach the closed-form bubble.
+    # Per-stage costs V give per-chunk costs 1 (every time an exact float).
+    for stage in range(P):
+        assert interleaved_program_order(P, stage, M, V) == schedule_interleaved(P, stage, V, M)
+    r = simulate(P, M, PipelineCosts(forward=V, backward=V), virtual_stages=V)
+    assert r.step_time == (V * M + P - 1) * 2
+    assert 1 - Fraction(M * V * 2) / Fraction(r.step_time) == Fraction(P - 1, V * M + P - 1)
 
 
 # ---------------------------------------------------------------- gloo, bitwise vs refgrad
@@ -185,65 +156,10 @@ def _spec(P, V):
     return LinearStackSpec(num_stages=P * V, layers_per_stage=1, hidden=8, microbatch_size=4, seed=5)
 
 
-class _RecordingSync:
-    """Forward to a chunk's DDP; at each enable, note which chunks already launched a reduce."""
-
-    def __init__(self, ddps, chunk, log):
-        self.ddp, self.ddps, self.chunk, self.log = ddps[chunk], ddps, chunk, log
-
-    def enable_grad_sync(self):
-        self.log.append((self.chunk, tuple(d.any_reduce_in_flight for d in self.ddps)))
-        self.ddp.enable_grad_sync()
-
-    def __getattr__(self, name):
-        return getattr(self.ddp, name)
-
-
-def _run_case(groups, P, D, V, plans, overlap):
-    from fastgrad.config import DDPConfig
-    from fastgrad.ddp import DistributedDataParallel
-
-    spec = _spec(P, V)
-    stage = groups.stage
-    chunks = [StageModule(spec, c * P + stage) for c in range(V)]
-    named = [{stage_param_name(c * P + stage, n): p for n, p in chunk.named_parameters()}
-             for c, chunk in enumerate(chunks)]
-    ddps = [DistributedDataParallel(chunk, config=DDPConfig(overlap_grad_reduce=overlap,
-                                                            bucket_size=40),
-                                    dp_group=groups.dp_group, average=False) for chunk in chunks]
-    out = {"losses": [], "grads": [], "params": [], "sites": [], "enables": []}
-    for step, plan in enumerate(plans):
-        for params in named:
-            for name, p in params.items():
-                p.requires_grad_(name not in plan.frozen)
-        for ddp in ddps:
-            ddp.zero_grad_buffer()
-        m = plan.num_microbatches
-        inputs, targets = microbatch_data(spec, groups.dp_rank, step, m)
-        log = []
-        losses = forward_backward_interleaved(
-            chunks,
-            groups=groups,
-            grad_syncs=[_RecordingSync(ddps, c, log) for c in range(V)],
-            num_microbatches=m,
-            activation_shape=spec.activation_shape,
-            loss_fn=lambda y, t, m=m: microbatch_loss(y, t, m),
-            inputs=inputs if groups.is_first_stage else None,
-            targets=targets if groups.is_last_stage else None,
-        )
-        out["losses"].append([float(v) for v in losses])
-        out["grads"].append({n: p.main_grad.clone() for params in named for n, p in params.items()})
-        out["sites"].append([ddp.last_launch_sites for ddp in ddps])
-        out["enables"].append(log)
-        with torch.no_grad():
-            for params in named:
-                for name, p in params.items():
-                    if name not in plan.frozen:
-                        p.copy_(sgd_update(p, p.main_grad, LR))
-        out["params"].append({n: p.detach().clone() for params in named for n, p in params.items()})
-    for ddp in ddps:
-        ddp.remove_hooks()
-    return out
+def _case(name, P, D, V, plans):
+    # Scaffolding shared with the ``pipeline`` check: one DDP per chunk, SGD, recording syncs.
+    return PipelineCase(name, P, D, 0, _spec(P, V), plans, bucket_size=40, lr=LR,
+                        virtual_stages=V)
 
 
 def _interleaved_worker(rank, world_size):
@@ -254,8 +170,8 @@ def _interleaved_worker(rank, world_size):
         for name, P, D, V, plans in phase:
             groups = build_parallel_groups(P, D)
             for overlap in (True, False):
-                results[(name, overlap)] = (groups.stage, groups.dp_rank,
-                                            _run_case(groups, P, D, V, plans, overlap))
+                results[(name, overlap)] = run_interleaved_case_on_rank(
+                    _case(name, P, D, V, plans), groups, overlap)
             dist.barrier()
     return results
 
@@ -268,24 +184,25 @@ def test_interleaved_matches_refgrad_bitwise():
             reference = reference_training(_spec(P, V), plans, D, lr=LR, reduction="sum")
             for overlap in (True, False):
                 for rank in range(P * D):
-                    stage, dp_rank, out = per_rank[rank][(name, overlap)]
+                    out = per_rank[rank][(name, overlap)]
+                    stage, dp_rank = out.stage, out.dp_rank
                     for step in range(len(plans)):
                         where = (name, overlap, rank, step)
                         if stage == P - 1:
-                            assert out["losses"][step] == reference.losses[step][dp_rank], where
+                            assert out.losses[step] == reference.losses[step][dp_rank], where
                         else:
-                            assert out["losses"][step] == [], where
-                        for param, grad in out["grads"][step].items():
+                            assert out.losses[step] == [], where
+                        for param, grad in out.grads[step].items():
                             assert torch.equal(grad, reference.grads[step][param]), (where, param)
-                        for param, value in out["params"][step].items():
+                        for param, value in out.params[step].items():
                             assert torch.equal(value, reference.params[step][param]), (where, param)
-                        assert len(out["grads"][step]) == 2 * V  # weight and bias per chunk
-                        sites = {s for chunk_sites in out["sites"][step] for s in chunk_sites}
+                        assert len(out.grads[step]) == 2 * V  # weight and bias per chunk
+                        sites = set(out.launch_sites[step])
                         assert sites == ({"hook"} if overlap else {"finish"}), (where, sites)
                         # Chunks enable in reverse order, once each; with overlap, chunk
                         # V-1's buckets are already reducing when chunk 0 starts its last
                         # backward (the sync hides behind the other chunks' cooldown).
-                        enables = out["enables"][step]
+                        enables = out.chunk_enables[step]
                         assert [c for c, _ in enables] == list(range(V - 1, -1, -1)), where
                         if V > 1:
                             assert enables[-1][1][V - 1] is overlap, where

@@ -17,12 +17,20 @@ def test_pipeline_check_passes_quick():
     assert any("overlap on: reduced grads vs refgrad" in label for label in labels)
     assert any("overlap off: losses vs refgrad" in label for label in labels)
     assert any(t.title.startswith("simulator vs measured") for t in result.tables)
+    for overlap in ("on", "off"):
+        tag = f"P2 D2 V2 interleaved all-reduce sum, overlap {overlap}"
+        assert f"{tag}: reduced grads vs refgrad" in labels
+        assert f"{tag}: params after SGD vs refgrad" in labels
+        assert any(e.label.startswith(f"{tag}: chunks enabled") for e in result.expectations)
 
 
 def _broken(fault):
     spec = LinearStackSpec(num_stages=2, seed=1)
     plans = default_plans(2, stage_param_name(1, "layers.0.weight"))
-    return [[PipelineCase(f"P2 D1 {fault}", 2, 1, 0, spec, plans, fault=fault)]]
+    interleaved = PipelineCase(f"P2 D1 V2 {fault}", 2, 1, 0, LinearStackSpec(num_stages=4, seed=1),
+                               (StepPlan(4), StepPlan(2), StepPlan(2)), virtual_stages=2,
+                               fault=fault)
+    return [[PipelineCase(f"P2 D1 {fault}", 2, 1, 0, spec, plans, fault=fault)], [interleaved]]
 
 
 @pytest.mark.dist
@@ -37,6 +45,8 @@ def test_pipeline_check_fails_when_microbatch_accumulation_order_is_wrong():
     failed = [c.label for c in result.comparisons if not c.passed]
     assert any("reduced grads vs refgrad" in label for label in failed), failed
     assert any("losses vs refgrad" in label for label in failed), failed
+    for name in ("P2 D1 reversed_microbatches", "P2 D1 V2 reversed_microbatches"):
+        assert any(label.startswith(f"{name}, overlap on: reduced grads") for label in failed), failed
 
 
 def test_case_validation():
@@ -55,3 +65,13 @@ def test_case_validation():
         PipelineCase("x", 2, 1, 0, spec, ())
     with pytest.raises(ValueError, match="lr"):
         PipelineCase("x", 2, 1, 0, spec, (StepPlan(1),), lr=float("nan"))
+    spec4 = LinearStackSpec(num_stages=4)
+    with pytest.raises(ValueError, match=r"pp_size \* virtual_stages \(4\)"):
+        PipelineCase("x", 2, 1, 0, spec, (StepPlan(2),), virtual_stages=2)
+    with pytest.raises(ValueError, match=r"num_microbatches \[3\] must be multiples of pp_size"):
+        PipelineCase("x", 2, 1, 0, spec4, (StepPlan(2), StepPlan(3)), virtual_stages=2)
+    with pytest.raises(ValueError, match="virtual_stages"):
+        PipelineCase("x", 2, 1, 0, spec, (StepPlan(2),), virtual_stages=0)
+    with pytest.raises(ValueError, match="no output head"):
+        PipelineCase("x", 2, 1, 0, LinearStackSpec(num_stages=4, output_head=True),
+                     (StepPlan(2),), virtual_stages=2)

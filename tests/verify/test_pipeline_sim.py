@@ -2,14 +2,17 @@
 
 import argparse
 import json
+from fractions import Fraction
 
 import pytest
 
 from fastgrad.pipeline import schedule_1f1b
+from fastgrad.pipeline_interleaved import schedule_interleaved
 from verify.pipeline_sim import (
     PipelineCosts,
     closed_form_bubble_fraction,
     configure_parser,
+    interleaved_program_order,
     main,
     program_order,
     simulate,
@@ -134,3 +137,85 @@ def test_last_stage_sync_hides_in_its_cooldown_slack():
     barrier = simulate(2, 2, PipelineCosts(forward=1, backward=1, last_stage_grad_sync=1.0),
                        "barrier")
     assert barrier.exposed_grad_sync == 1.0
+
+
+# ---------------------------------------------------------------- interleaved (V > 1)
+
+
+@pytest.mark.parametrize("P,V,M", [(2, 1, 2), (2, 2, 2), (2, 2, 4), (2, 3, 6), (3, 2, 3),
+                                   (4, 2, 4), (4, 2, 8), (4, 3, 12), (8, 2, 16)])
+def test_interleaved_order_agrees_with_fastgrad_schedule(P, V, M):
+    for stage in range(P):
+        assert interleaved_program_order(P, stage, M, V) == schedule_interleaved(P, stage, V, M)
+
+
+@pytest.mark.parametrize("P,V,M", [(1, 2, 3), (2, 2, 2), (2, 2, 4), (2, 3, 6), (3, 2, 3),
+                                   (4, 2, 4), (4, 2, 8), (4, 3, 8), (4, 4, 16), (8, 2, 16),
+                                   (16, 2, 64)])
+@pytest.mark.parametrize("f,b", [(1, 1), (1, 2)])
+def test_interleaved_equal_costs_match_closed_form_exactly(P, V, M, f, b):
+    # Per-stage costs V*f and V*b give integer per-chunk costs f and b: every time
+    # is an exact float, so the step and the bubble are compared exactly.
+    r = simulate(P, M, PipelineCosts(forward=V * f, backward=V * b), virtual_stages=V)
+    assert r.step_time == (V * M + P - 1) * (f + b)
+    busy = M * V * (f + b)
+    assert 1 - Fraction(busy) / Fraction(r.step_time) == Fraction(P - 1, V * M + P - 1)
+    assert r.bubble_fraction == pytest.approx(closed_form_bubble_fraction(P, M, V), rel=1e-15)
+    assert closed_form_bubble_fraction(P, M, V) == (P - 1) / (V * M + P - 1)
+    assert r.exposed_grad_sync == 0 and r.virtual_stages == V
+
+
+def test_interleaved_hand_derived_timeline_and_sync():
+    # P=2, V=2, M=2, per-chunk costs 1 (stage costs 2). Virtual stages v0=s0c0,
+    # v1=s1c0, v2=s0c1, v3=s1c1. Stage 0: F00 F01 F10 F11 B10 B11 B00 B01 at
+    # [0,1] [1,2] [2,3] [3,4] [5,6] [7,8] [8,9] [9,10]; stage 1: F00 F01 F10 B10
+    # F11 B11 B00 B01 at [1,2] [2,3] [3,4] [4,5] [5,6] [6,7] [7,8] [8,9].
+    costs = PipelineCosts(forward=2, backward=2, grad_sync=2)
+    r = simulate(2, 2, costs, "overlap", virtual_stages=2)
+    assert r.stage_compute_end == (10.0, 9.0)
+    assert r.stage_last_backward_start == (9.0, 8.0)
+    # Each chunk syncs 1: stage 0 chunk 1 after B(c1, mb1) ends at 8 -> [8, 9],
+    # chunk 0 at 10 -> [10, 11]; stage 1: [7, 8] and [9, 10]. Only chunk 0 of
+    # stage 0 is exposed (1 of the stage's 2).
+    assert r.stage_sync_end == (11.0, 10.0)
+    assert r.exposed_grad_sync == 1.0 and r.hidden_fraction == 0.5
+    # Without interleaving: compute ends at (M+P-1)(f+b) = 12, all 2 exposed.
+    plain = simulate(2, 2, costs, "overlap")
+    assert plain.step_time == 14.0 and plain.exposed_grad_sync == 2.0
+    # after-compute: both chunks after the stage's compute end (10 and 9).
+    r = simulate(2, 2, costs, "after-compute", virtual_stages=2)
+    assert r.stage_sync_end == (12.0, 11.0) and r.exposed_grad_sync == 2.0
+
+
+def test_interleaved_validation():
+    with pytest.raises(ValueError, match=r"num_microbatches \(6\) must be a multiple of "
+                                         r"num_stages \(4\)"):
+        simulate(4, 6, PipelineCosts(), virtual_stages=2)
+    with pytest.raises(ValueError, match="virtual_stages must be an int >= 1"):
+        simulate(4, 8, PipelineCosts(), virtual_stages=0)
+    with pytest.raises(ValueError, match="virtual_stages"):
+        closed_form_bubble_fraction(4, 8, True)
+    with pytest.raises(ValueError, match="multiple of num_stages"):
+        interleaved_program_order(2, 0, 3, 2)
+    # V = 1 keeps plain 1F1B, where any M works.
+    assert simulate(4, 6, PipelineCosts(), virtual_stages=1).step_time == 27.0
+
+
+def test_cli_virtual_stages(capsys):
+    from verify import cli
+
+    assert cli.main(["simulate-pipeline", "-P", "4", "-M", "6", "--virtual-stages", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "num_microbatches (6) must be a multiple of num_stages (4)" in err
+    assert cli.main(["simulate-pipeline", "--virtual-stages", "0"]) == 2
+    assert "virtual_stages must be an int >= 1" in capsys.readouterr().err
+    # P=4, M=8, V=2, f=b=2 (per chunk 1), no sync: (V*M + P - 1) * 2 = 38, bubble 3/19.
+    assert cli.main(["simulate-pipeline", "-P", "4", "-M", "8", "-V", "2", "--forward", "2",
+                     "--backward", "2", "--grad-sync", "0", "--mode", "overlap", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["closed_form_bubble_fraction"] == 3 / 19
+    assert data["results"][0]["step_time"] == 38.0
+    assert data["results"][0]["virtual_stages"] == 2
+    assert main(_parse(["-P", "4", "-M", "8", "-V", "2"])) == 0
+    out = capsys.readouterr().out
+    assert "interleaved 1F1B V=2 P=4 M=8" in out and "(P-1)/(V*M+P-1) = 0.1579" in out

@@ -14,6 +14,12 @@ All grids share one spawned world: ``(4, 2)`` uses all 8 ranks, ``(2, 2)`` and
 ``(4, 1)`` run side by side on ranks 0-3 and 4-7, ``(2, 1)`` on ranks 0-1. A
 timing phase records per-rank timelines (overlap on vs off) and holds the
 discrete-event simulator (``verify.pipeline_sim``) against them.
+
+One interleaved case (``virtual_stages = 2``: ``fastgrad.pipeline_interleaved``,
+one DDP engine per model chunk, ``M`` a changing multiple of ``P``) runs the
+same comparisons against refgrad on the ``P * V``-stage model, and checks that
+the chunks enable their sync in reverse order with chunk ``V - 1`` already
+reducing (overlap on) when chunk 0 starts its last backward.
 """
 
 from __future__ import annotations
@@ -62,20 +68,29 @@ class PipelineCase:
     lr: float = 0.05
     timing: bool = False  # the dedicated timing case: bigger layers, simulator comparison
     fault: str | None = None
+    virtual_stages: int = 1  # > 1: interleaved 1F1B, spec has pp_size * virtual_stages stages
 
     def __post_init__(self) -> None:
-        for name in ("pp_size", "dp_size", "bucket_size"):
+        for name in ("pp_size", "dp_size", "bucket_size", "virtual_stages"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"PipelineCase.{name} must be an int >= 1, got {value!r}")
         if isinstance(self.first_rank, bool) or not isinstance(self.first_rank, int) \
                 or self.first_rank < 0:
             raise ValueError(f"PipelineCase.first_rank must be an int >= 0, got {self.first_rank!r}")
-        if self.spec.num_stages != self.pp_size:
+        if self.spec.num_stages != self.pp_size * self.virtual_stages:
             raise ValueError(f"PipelineCase.spec.num_stages ({self.spec.num_stages}) must equal "
-                             f"pp_size ({self.pp_size})")
+                             f"pp_size * virtual_stages ({self.pp_size * self.virtual_stages})")
         if not self.plans or not all(isinstance(p, StepPlan) for p in self.plans):
             raise ValueError("PipelineCase.plans must be a non-empty tuple of StepPlan")
+        if self.virtual_stages > 1:
+            if self.pp_size < 2 or self.spec.output_head or self.timing:
+                raise ValueError("PipelineCase.virtual_stages > 1 needs pp_size >= 2, no output "
+                                 "head and no timing (the interleaved schedule has neither)")
+            bad = [p.num_microbatches for p in self.plans if p.num_microbatches % self.pp_size]
+            if bad:
+                raise ValueError(f"PipelineCase.plans: num_microbatches {bad} must be multiples "
+                                 f"of pp_size ({self.pp_size}) when virtual_stages > 1")
         if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) \
                 or not math.isfinite(self.lr) or self.lr <= 0:
             raise ValueError(f"PipelineCase.lr must be a finite number > 0, got {self.lr!r}")
@@ -102,6 +117,8 @@ class RankResult:
     launch_sites: list[tuple[str, ...]] = field(default_factory=list)
     relearn_count: int = 0
     events: list[list[TimelineEvent]] = field(default_factory=list)
+    # Interleaved only, per step: (chunk, which chunks had a reduce in flight) at each enable.
+    chunk_enables: list[list[tuple[int, tuple[bool, ...]]]] = field(default_factory=list)
 
 
 def default_plans(pp_size: int, frozen: str) -> tuple[StepPlan, ...]:
@@ -149,8 +166,80 @@ class _BodyWithHead(torch.nn.Module):
         return self.head(self.body(x))
 
 
+class _RecordingSync:
+    """Forward to one chunk's DDP; at its enable, note which chunks already launched a reduce."""
+
+    def __init__(self, ddps: list[Any], chunk: int, log: list) -> None:
+        self.ddp, self.ddps, self.chunk, self.log = ddps[chunk], ddps, chunk, log
+
+    def enable_grad_sync(self) -> None:
+        self.log.append((self.chunk, tuple(d.any_reduce_in_flight for d in self.ddps)))
+        self.ddp.enable_grad_sync()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.ddp, name)
+
+
+def run_interleaved_case_on_rank(case: PipelineCase, groups: Any, overlap: bool) -> RankResult:
+    """Train an interleaved ``case`` (one DDP engine per model chunk) on this rank."""
+    from fastgrad.ddp import DistributedDataParallel
+    from fastgrad.pipeline_interleaved import forward_backward_interleaved
+    from fastgrad.timeline import Timeline
+
+    P, V, stage = case.pp_size, case.virtual_stages, groups.stage
+    chunks = [StageModule(case.spec, c * P + stage) for c in range(V)]
+    named = {stage_param_name(c * P + stage, n): p
+             for c, chunk in enumerate(chunks) for n, p in chunk.named_parameters()}
+    ddps = [DistributedDataParallel(chunk, config=_ddp_config(case, overlap),
+                                    dp_group=groups.dp_group, average=case.reduction != "sum")
+            for chunk in chunks]
+    result = RankResult(stage=stage, dp_rank=groups.dp_rank)
+    timeline = Timeline(groups.rank)
+    for step, plan in enumerate(case.plans):
+        for name, p in named.items():
+            p.requires_grad_(name not in plan.frozen)
+        for ddp in ddps:
+            ddp.zero_grad_buffer()
+        m = plan.num_microbatches
+        inputs, targets = microbatch_data(case.spec, groups.dp_rank, step, m)
+        if case.fault == "reversed_microbatches":
+            inputs, targets = inputs[::-1], targets[::-1]
+        timeline.clear()
+        dist.barrier(group=groups.pp_group)
+        log: list[tuple[int, tuple[bool, ...]]] = []
+        losses = forward_backward_interleaved(
+            chunks,
+            groups=groups,
+            grad_syncs=[_RecordingSync(ddps, c, log) for c in range(V)],
+            num_microbatches=m,
+            activation_shape=case.spec.activation_shape,
+            loss_fn=lambda out, target, m=m: microbatch_loss(out, target, m),
+            inputs=inputs if groups.is_first_stage else None,
+            targets=targets if groups.is_last_stage else None,
+            timeline=timeline,
+        )
+        result.events.append(list(timeline.events))
+        for ddp in ddps:
+            _full_reduced_grads(ddp, case, groups.dp_group)
+        result.losses.append([float(v) for v in losses])
+        result.grads.append({n: p.main_grad.detach().clone() for n, p in named.items()})
+        result.launch_sites.append(tuple(s for ddp in ddps for s in ddp.last_launch_sites))
+        result.chunk_enables.append(log)
+        with torch.no_grad():
+            for name, p in named.items():
+                if name not in plan.frozen:
+                    p.copy_(sgd_update(p, p.main_grad, case.lr))
+        result.params.append({n: p.detach().clone() for n, p in named.items()})
+    result.relearn_count = sum(ddp.relearn_count for ddp in ddps)
+    for ddp in ddps:
+        ddp.remove_hooks()
+    return result
+
+
 def run_case_on_rank(case: PipelineCase, groups: Any, overlap: bool) -> RankResult:
     """Train ``case`` on this rank of its grid; return what it saw."""
+    if case.virtual_stages > 1:
+        return run_interleaved_case_on_rank(case, groups, overlap)
     from fastgrad.ddp import DistributedDataParallel
     from fastgrad.pipeline import forward_backward_1f1b
     from fastgrad.timeline import Timeline
@@ -259,6 +348,15 @@ def build_phases(quick: bool, seed: int, fault: str | None = None) -> tuple[int,
         frozen = stage_param_name(pp - 1, "layers.0.weight")
         return PipelineCase(name, pp, dp, first, spec, default_plans(pp, frozen), fault=fault, **kw)
 
+    # Interleaved P=2, V=2: M in {2P, P, 3P}, the last virtual stage's weight frozen in step 2.
+    interleaved_spec = LinearStackSpec(num_stages=4, layers_per_stage=1, hidden=8,
+                                       microbatch_size=4, seed=seed)
+    interleaved_frozen = frozenset({stage_param_name(3, "layers.0.weight")})
+    interleaved = PipelineCase(
+        "P2 D2 V2 interleaved all-reduce sum", 2, 2, 0, interleaved_spec,
+        (StepPlan(4), StepPlan(2, interleaved_frozen), StepPlan(6)), bucket_size=40,
+        fault=fault, virtual_stages=2,
+    )
     timing_spec = LinearStackSpec(num_stages=2, layers_per_stage=4, hidden=192, microbatch_size=96, seed=seed)
     timing = PipelineCase(
         "timing P2 D2", 2, 2, 0, timing_spec, tuple(StepPlan(5) for _ in range(6)),
@@ -269,6 +367,7 @@ def build_phases(quick: bool, seed: int, fault: str | None = None) -> tuple[int,
             [case("P2 D2 all-reduce avg-in-collective, tied head", 2, 2, 0, head=True,
                   reduction="avg")],
             [case("P4 D1 all-reduce sum", 4, 1, 0)],
+            [interleaved],
             [replace(timing, plans=timing.plans[:3])],
         ]
     return 8, [
@@ -279,7 +378,8 @@ def build_phases(quick: bool, seed: int, fault: str | None = None) -> tuple[int,
                  reduce_scatter_with_fp32_accumulation=True, reduction="avg"),
             case("P4 D1 all-reduce sum", 4, 1, 4),
         ],
-        [case("P2 D1 all-reduce sum, tied head", 2, 1, 0, head=True)],
+        [case("P2 D1 all-reduce sum, tied head", 2, 1, 0, head=True),
+         replace(interleaved, first_rank=4)],
         [case("P2 D4 all-reduce sum", 2, 4, 0)],
         [case("P2 D4 reduce-scatter fp32-accumulation sum", 2, 4, 0, use_distributed_optimizer=True,
               reduce_scatter_with_fp32_accumulation=True)],
@@ -401,6 +501,7 @@ def _large_dp_report(rec: CheckRecorder, case: PipelineCase, ranks: list[dict]) 
 def _timeline_rows(case: PipelineCase, ranks: list[dict], step: int = 2) -> list[list[Any]]:
     from fastgrad.timeline import summarize_step
 
+    step = min(step, len(case.plans) - 1)  # a case with fewer steps reports its last one
     rows = []
     for overlap in (True, False):
         events = [e for r in ranks if case.name in r for e in r[case.name][overlap].events[step]]
@@ -547,6 +648,8 @@ def run_pipeline_check(
                 rec.expect(f"{tag}: freezing then unfreezing a parameter relearned the counts "
                            "twice on its stage only", relearns == expected,
                            f"(stage, relearn count) per rank: {relearns}")
+                if case.virtual_stages > 1:
+                    _interleaved_enable_report(rec, tag, case, got["ranks"], overlap)
             table.append([case.name, case.pp_size, case.dp_size,
                           ",".join(str(p.num_microbatches) for p in case.plans),
                           reduction, "yes" if case.use_distributed_optimizer else "no"])
@@ -557,6 +660,21 @@ def run_pipeline_check(
     rec.table("pipeline cases (bitwise: fastgrad overlap on, off and refgrad)",
               ["case", "P", "D", "M per step", "reduction", "dist. optimizer"], table,
               notes=["a parameter of the last stage is frozen in step 3 and unfrozen in step 4"])
+
+
+def _interleaved_enable_report(rec: CheckRecorder, tag: str, case: PipelineCase,
+                               results: list[RankResult], overlap: bool) -> None:
+    """Chunks enable their sync once each, in reverse order; with overlap, chunk V-1 is
+    already reducing when chunk 0 starts its last backward (its sync hides behind it)."""
+    V = case.virtual_stages
+    logs = [log for res in results for log in res.chunk_enables]
+    order_ok = all([c for c, _ in log] == list(range(V - 1, -1, -1)) for log in logs)
+    rec.expect(f"{tag}: chunks enabled their grad sync once each, last chunk first", order_ok,
+               f"enable orders: {sorted({tuple(c for c, _ in log) for log in logs})}")
+    in_flight = {log[-1][1][V - 1] for log in logs}
+    rec.expect(f"{tag}: chunk {V - 1} {'was' if overlap else 'was not'} reducing when chunk 0 "
+               "started its last backward", in_flight == {overlap},
+               f"chunk {V - 1} in flight at chunk 0's enable: {sorted(in_flight)}")
 
 
 def _run(ctx: CheckContext, rec: CheckRecorder) -> None:
