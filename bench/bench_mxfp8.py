@@ -33,7 +33,7 @@ import torch
 from _timing import median_time  # bench/ is on sys.path when a script runs
 
 from fastgrad import mxfp8
-from verify import mxfp8_support as support
+from verify.fixtures import mxfp8 as support
 
 
 def interleaved_best_times(candidates: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:

@@ -9,7 +9,7 @@ Usage::
 Every timing is a ratio against baselines measured in the same run, on the same
 ``[W, shard]`` bf16 all-to-all output (W = 8 and 64):
 
-* ``fastgrad``: ``fastgrad.collectives.reduce_shards_fp32`` (Triton single pass on
+* ``fastgrad``: ``fastgrad.reduce_scatter.reduce_shards_fp32`` (Triton single pass on
   CUDA; sequential fp32 loop on CPU), bitwise equal to refgrad;
 * ``production``: ``torch.sum(view(W, -1), dim=0, dtype=float32)`` then
   ``output.copy_()`` (Megatron-Core's wait());
@@ -32,7 +32,7 @@ from functools import partial
 import torch
 from _timing import median_time  # bench/ is on sys.path when a script runs
 
-from fastgrad.collectives import reduce_shards_fp32
+from fastgrad.reduce_scatter import reduce_shards_fp32
 from refgrad.formats import tensor_bit_patterns
 
 

@@ -36,6 +36,6 @@ if [ "${NGPU:-1}" -gt 1 ]; then
 fi
 step bench-reduce-scatter "$python" bench/bench_reduce_scatter.py --json "$out/bench-reduce-scatter.json"
 step bench-mxfp8 "$python" bench/bench_mxfp8.py --json "$out/bench-mxfp8.json"
-step bench-embedding-wgrad "$python" bench/bench_embedding_wgrad.py --json "$out/bench-embedding-wgrad.json"
+step bench-embedding-wgrad "$python" bench/bench_deferred_wgrad.py --json "$out/bench-embedding-wgrad.json"
 step bench-oracle "$python" bench/bench_oracle.py --device cuda
 echo "results in $out"

@@ -43,7 +43,7 @@ reduced bucket), ``ReduceScatterStrategy`` (distributed optimizer: rank r gets
 its reduced shard r, written in place into ``grad_data``; the rest of the
 bucket keeps the local, unreduced grads, as in production),
 ``Fp32AccumulationReduceScatterStrategy`` (``reduce_scatter_with_fp32_accumulation``:
-16-bit all-to-all + fp32 local sum, from ``fastgrad.collectives``), and
+16-bit all-to-all + fp32 local sum, from ``fastgrad.reduce_scatter``), and
 ``LocalOnlyStrategy`` (dp_size 1 without torch.distributed: nothing to send).
 
 Averaging: with ``average_in_collective`` the collective uses
@@ -130,14 +130,14 @@ class ReduceScatterStrategy(GradReduceStrategy):
 
 @dataclass(frozen=True)
 class Fp32AccumulationReduceScatterStrategy(GradReduceStrategy):
-    """16-bit all-to-all, fp32 local accumulation (``fastgrad.collectives``)."""
+    """16-bit all-to-all, fp32 local accumulation (``fastgrad.reduce_scatter``)."""
 
     op: Any = dist.ReduceOp.SUM
     name: str = "reduce-scatter-fp32-accumulation"
 
     def launch(self, bucket: Bucket) -> Any:
-        # Imported here: fastgrad.collectives is optional for plain reductions.
-        from fastgrad.collectives import reduce_scatter_with_fp32_accumulation
+        # Imported here: fastgrad.reduce_scatter is optional for plain reductions.
+        from fastgrad.reduce_scatter import reduce_scatter_with_fp32_accumulation
 
         return reduce_scatter_with_fp32_accumulation(
             bucket.local_grad_shard,

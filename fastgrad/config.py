@@ -47,7 +47,7 @@ class DDPConfig:
       overlap_grad_reduce / overlap_param_gather: launch collectives
         asynchronously per bucket while compute continues.
       reduce_scatter_with_fp32_accumulation: reduce-scatter 16-bit grads through
-        an all-to-all and accumulate in fp32 (fastgrad.collectives).
+        an all-to-all and accumulate in fp32 (fastgrad.reduce_scatter).
       average_in_collective: average (not sum) in the collective.
       fp8_param_gather / reuse_grad_buf_for_mxfp8_param_ag: MXFP8 param
         all-gather, optionally through the grad buffer's memory.

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fastgrad.embedding import allreduce_tied_embedding_grad
+from fastgrad.deferred_wgrad import allreduce_tied_embedding_grad
 from fastgrad.errors import LifecycleError
 from fastgrad.timeline import Timeline
 
@@ -45,7 +45,7 @@ class GradSync(Protocol):
 
 
 class DeferredWgradDrain(Protocol):
-    """What the schedule needs from a deferred output-layer wgrad (fastgrad.embedding)."""
+    """What the schedule needs from a deferred output-layer wgrad (fastgrad.deferred_wgrad)."""
 
     weight: nn.Parameter
 
@@ -250,7 +250,7 @@ def forward_backward_1f1b(
     microbatch's backward; on return every bucket's reduction has finished, and
     ``embedding_params`` (tied weights on the first and last stage) have had
     their ``main_grad`` all-reduced over the embedding group. ``deferred_wgrad``
-    (a ``fastgrad.embedding.ColumnParallelOutputLayer`` on the last stage whose
+    (a ``fastgrad.deferred_wgrad.ColumnParallelOutputLayer`` on the last stage whose
     weight DDP lists in ``external_grad_params``) is drained after the cooldown,
     then its weight is marked ready; call its ``start_step()`` before this.
     """

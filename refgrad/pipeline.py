@@ -7,7 +7,7 @@ process computes, in this order:
    other through the *whole* model (all stages in one autograd graph);
 2. sum each parameter's per-microbatch gradients in microbatch order, in the
    grad dtype (fp32), starting from zeros: ``acc = acc + g_m``;
-3. reduce the per-replica sums across replicas with ``refgrad.collectives``
+3. reduce the per-replica sums across replicas with ``refgrad.reduce_scatter``
    (rank-order fp32 sum; for ``D <= 2`` the correctly rounded sum), summed,
    averaged in the collective, or pre-scaled by ``1/D`` as production does;
 4. an SGD step ``p = p - lr * g`` with two visible fp32 roundings, skipping
@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from refgrad.collectives import all_reduce, prescale_like_torch
 from refgrad.exact import correctly_rounded_sum
+from refgrad.reduce_scatter import all_reduce, prescale_like_torch
 
 
 def _positive_int(owner: str, name: str, value: object) -> None:
@@ -196,7 +196,7 @@ REDUCTIONS = ("sum", "avg", "prescale")
 
 
 def reduce_across_replicas(per_replica: Sequence[torch.Tensor], reduction: str) -> torch.Tensor:
-    """The reference DP reduction of one parameter's per-replica grads (``refgrad.collectives``).
+    """The reference DP reduction of one parameter's per-replica grads (``refgrad.reduce_scatter``).
 
     ``reduction``: ``"sum"`` (fp32 sum in rank order, one rounding per add),
     ``"avg"`` (that sum divided by ``D`` with one more rounding: ``ReduceOp.AVG``)

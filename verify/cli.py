@@ -28,9 +28,9 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 # Subcommand name -> module defining configure_parser(parser) and main(args) -> int.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "layout": ("verify.layout_report", "padding-overhead report for bucketed gradient buffers"),
-    "accumulation": ("verify.accumulation", "error growth of reduce-scatter with DP size"),
-    "simulate-pipeline": ("verify.pipeline_sim", "discrete-event 1F1B pipeline simulator"),
+    "layout": ("verify.studies.layout", "padding-overhead report for bucketed gradient buffers"),
+    "accumulation": ("verify.studies.reduce_scatter.cli", "error growth of reduce-scatter with DP size"),
+    "simulate-pipeline": ("verify.studies.pipeline", "discrete-event 1F1B pipeline simulator"),
 }
 
 

@@ -8,7 +8,7 @@ round-to-nearest division (``div_rn``; a plain ``/`` may be approximate), and
 stores the result rounded once (RNE) to the output dtype. Memory traffic is the
 minimum: W reads and one write per element.
 
-This module imports Triton at import time; ``fastgrad.collectives`` imports it
+This module imports Triton at import time; ``fastgrad.reduce_scatter`` imports it
 only when ``fastgrad.kernels.triton_available()`` and the tensors are on CUDA,
 so CPU-only machines never load it.
 """

@@ -2,7 +2,7 @@
 
 Single-process tests (dp_size 1, no process group) exercise the state machine;
 one gloo test (2 ranks, rank-specific data, 3 steps) checks the reductions
-against refgrad.collectives through refgrad.pipeline.reduce_across_replicas.
+against refgrad.reduce_scatter through refgrad.pipeline.reduce_across_replicas.
 """
 
 import pytest

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from fastgrad import mxfp8 as fast
 from refgrad import mxfp8 as ref
 from refgrad.formats import bits_to_tensor, format_of, tensor_bit_patterns
-from verify.mxfp8_support import special_blocks
+from verify.fixtures.mxfp8 import special_blocks
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 HYPOTHESIS = settings(
@@ -164,7 +164,7 @@ def test_triton_kernel_logic_in_interpreter():
         "import torch\n"
         "from fastgrad.kernels.mxfp8 import quantize_triton\n"
         "from refgrad import mxfp8 as ref\n"
-        "from verify.mxfp8_support import special_blocks, random_blocks\n"
+        "from verify.fixtures.mxfp8 import special_blocks, random_blocks\n"
         "for dtype in (torch.float32, torch.float16, torch.bfloat16):\n"
         "    g = torch.Generator().manual_seed(5)\n"
         "    x = torch.cat([special_blocks(dtype)[1], random_blocks(8, g, dtype)])\n"
@@ -192,7 +192,7 @@ def test_triton_kernel_logic_in_interpreter():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cuda_quantize_matches_refgrad(dtype):
     g = torch.Generator().manual_seed(11)
-    from verify.mxfp8_support import random_blocks
+    from verify.fixtures.mxfp8 import random_blocks
 
     x = torch.cat([special_blocks(dtype)[1], random_blocks(256, g, dtype)])
     for mode in ref.SCALE_MODES:

@@ -1,6 +1,6 @@
 """MXFP8 param all-gather through the grad buffer: parity with sharing off, memory, lifecycle errors.
 
-Toy model (verify.mxfp8_support.TOY_SHAPES, bucket_size 1000): registration order
+Toy model (verify.fixtures.mxfp8.TOY_SHAPES, bucket_size 1000): registration order
 W1 (4096), W2 (2048), W3 (1024), W4 (256) is laid out in reverse with 64-aligned
 starts and bucket ends padded to lcm(dp, 128) = 128 (dp 1 or 2):
   W4 [0, 256), W3 [256, 1280)  -> bucket 0 [0, 1280)   (1280 >= 1000 closes it)
@@ -22,7 +22,7 @@ from fastgrad.errors import LifecycleError
 from fastgrad.mxfp8_sharing import MXFP8Parameter, MXFP8ParamGradBuffer, ShardedOptimizer
 from refgrad import mxfp8 as ref
 from refgrad.formats import tensor_bit_patterns
-from verify.mxfp8_support import TOY_SHAPES, toy_config, train_both_modes_rank
+from verify.fixtures.mxfp8 import TOY_SHAPES, toy_config, train_both_modes_rank
 
 TOY_NUMEL = 7424
 TOY_BUCKETS = [(0, 1280), (1280, 3328), (3328, 7424)]

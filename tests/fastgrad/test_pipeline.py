@@ -3,7 +3,7 @@
 The bitwise pipeline-vs-refgrad sweep over P, D and M is the ``pipeline``
 check (tests/verify/test_pipeline_check.py); here: the schedule's structure,
 validation, timelines, and one gloo run of a pipeline whose last stage ends
-in ``fastgrad.embedding.ColumnParallelOutputLayer`` with deferred wgrad.
+in ``fastgrad.deferred_wgrad.ColumnParallelOutputLayer`` with deferred wgrad.
 """
 
 import pytest
@@ -134,7 +134,7 @@ class HeadStage(nn.Module):
     """The last stage: the Linear stack, then a column-parallel output layer (tp=1)."""
 
     def __init__(self, defer: bool) -> None:
-        from fastgrad.embedding import ColumnParallelOutputLayer, EmbeddingWgradConfig
+        from fastgrad.deferred_wgrad import ColumnParallelOutputLayer, EmbeddingWgradConfig
 
         super().__init__()
         self.body = StageModule(SPEC, 1)

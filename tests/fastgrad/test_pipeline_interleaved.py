@@ -1,7 +1,7 @@
 """fastgrad.pipeline_interleaved: interleaved 1F1B with per-chunk grad sync.
 
 Expected values: hand-derived program orders, the independent discrete-event
-simulator (``verify.pipeline_sim``) against the closed-form bubble ``(P-1)/(V*M+P-1)``,
+simulator (``verify.studies.pipeline``) against the closed-form bubble ``(P-1)/(V*M+P-1)``,
 and ``refgrad.pipeline.reference_training`` on the same ``P*V``-stage model
 (one process, microbatches in order) for losses, reduced grads and updated
 parameters, bitwise, for ``D <= 2`` (a sum of two fp32 values has one rounding).
@@ -30,7 +30,7 @@ from refgrad.pipeline import (
     stage_param_name,
 )
 from verify.checks.pipeline import PipelineCase, run_interleaved_case_on_rank
-from verify.pipeline_sim import PipelineCosts, interleaved_program_order, simulate
+from verify.studies.pipeline import PipelineCosts, interleaved_program_order, simulate
 
 # ---------------------------------------------------------------- schedule order
 

@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from refgrad import collectives as refc
+from refgrad import reduce_scatter as refc
 from refgrad.formats import tensor_bit_patterns
-from verify import accumulation as acc
 from verify.distributed import free_port
 from verify.metrics import assert_bitwise_equal
 from verify.oracle import correctly_rounded_sum
+from verify.studies.reduce_scatter import cli as acc_cli
+from verify.studies.reduce_scatter import growth as acc
 
 REPO = Path(__file__).resolve().parents[2]
 DTYPES = (torch.float16, torch.bfloat16)
@@ -166,7 +167,7 @@ def test_sweep_config_validation():
 
 def _parse(argv):
     parser = argparse.ArgumentParser()
-    acc.configure_parser(parser)
+    acc_cli.configure_parser(parser)
     return parser.parse_args(argv)
 
 
@@ -174,7 +175,7 @@ def test_main_writes_table_json_markdown_and_plot(tmp_path, capsys):
     args = _parse(["--dp", "2,8,64", "--dtype", "fp16", "--numel", "2048",
                    "--json", str(tmp_path / "r.json"), "--markdown", str(tmp_path / "r.md"),
                    "--plot", str(tmp_path / "r.png")])
-    assert acc.main(args) == 0
+    assert acc_cli.main(args) == 0
     out, err = capsys.readouterr()
     assert "Growth exponents" in out and "seed's claims" in out
     assert "9/9" in err  # the progress bar reached the end (3 distributions x 3 N)
@@ -187,10 +188,10 @@ def test_main_writes_table_json_markdown_and_plot(tmp_path, capsys):
 
 
 def test_plot_is_skipped_with_a_message_without_matplotlib(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(acc, "_matplotlib_available", lambda: False)
+    monkeypatch.setattr(acc_cli, "_matplotlib_available", lambda: False)
     args = _parse(["--dp", "2,4", "--dtype", "bf16", "--distribution", "normal", "--numel", "256",
                    "--plot", str(tmp_path / "r.png"), "--no-progress"])
-    assert acc.main(args) == 0
+    assert acc_cli.main(args) == 0
     assert "matplotlib is not installed" in capsys.readouterr().err
     assert not (tmp_path / "r.png").exists()
 
@@ -200,10 +201,10 @@ def test_bad_usage():
         with pytest.raises(SystemExit) as info:
             _parse(argv)
         assert info.value.code == 2, argv
-    assert acc.main(_parse(["--dp", "1,2", "--no-progress"])) == 2
-    assert acc.main(_parse(["--dp", "0", "--no-progress"])) == 2
-    assert acc.main(_parse(["--numel", "0", "--no-progress"])) == 2
-    assert acc.main(_parse(["--seed", "-1", "--no-progress"])) == 2
+    assert acc_cli.main(_parse(["--dp", "1,2", "--no-progress"])) == 2
+    assert acc_cli.main(_parse(["--dp", "0", "--no-progress"])) == 2
+    assert acc_cli.main(_parse(["--numel", "0", "--no-progress"])) == 2
+    assert acc_cli.main(_parse(["--seed", "-1", "--no-progress"])) == 2
     with pytest.raises(TypeError, match="numel"):
         acc.SweepConfig(numel=2.5)
     with pytest.raises(ValueError, match="dp_sizes"):
@@ -231,9 +232,9 @@ def test_verify_cli_accumulation_help_and_exit_codes(capsys):
 def test_dist_backend_outside_torchrun_is_a_usage_error(monkeypatch, capsys):
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    assert acc.main(_parse(["--backend", "dist"])) == 2
+    assert acc_cli.main(_parse(["--backend", "dist"])) == 2
     assert "torchrun" in capsys.readouterr().err
-    assert acc.main(_parse(["--backend", "dist", "--seed", "-1"])) == 2
+    assert acc_cli.main(_parse(["--backend", "dist", "--seed", "-1"])) == 2
     assert "--seed" in capsys.readouterr().err
 
 

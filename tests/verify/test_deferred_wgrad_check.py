@@ -2,7 +2,7 @@
 
 import pytest
 
-from fastgrad.embedding import ColumnParallelOutputLayer
+from fastgrad.deferred_wgrad import ColumnParallelOutputLayer
 from verify.check import CheckContext, CheckRecorder
 from verify.checks import CHECK_MODULES
 from verify.checks.deferred_wgrad import CHECK, WgradCase, build_cases, run_deferred_wgrad_check
@@ -103,7 +103,7 @@ def test_wgrad_method_comparison_logic_on_cpu():
 
 
 def test_wgrad_method_comparison_catches_a_dropped_microbatch():
-    from fastgrad.embedding import accumulate_wgrad_
+    from fastgrad.deferred_wgrad import accumulate_wgrad_
     from verify.checks.deferred_wgrad import compare_wgrad_methods_on
 
     calls = []

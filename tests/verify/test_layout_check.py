@@ -5,11 +5,11 @@ import json
 import pytest
 
 from fastgrad.layout import compute_layout
-from verify import layout_report
 from verify.check import Check, CheckContext
 from verify.checks import CHECK_MODULES
 from verify.checks.layout import CHECK, make_run
 from verify.cli import main as cli_main
+from verify.studies import layout as layout_report
 
 
 def test_layout_check_passes_quick():

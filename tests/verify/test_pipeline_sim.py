@@ -1,4 +1,4 @@
-"""verify.pipeline_sim: closed form, hand-derived sync exposure, CLI."""
+"""verify.studies.pipeline: closed form, hand-derived sync exposure, CLI."""
 
 import argparse
 import json
@@ -8,7 +8,7 @@ import pytest
 
 from fastgrad.pipeline import schedule_1f1b
 from fastgrad.pipeline_interleaved import schedule_interleaved
-from verify.pipeline_sim import (
+from verify.studies.pipeline import (
     PipelineCosts,
     closed_form_bubble_fraction,
     configure_parser,

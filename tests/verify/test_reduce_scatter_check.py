@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fastgrad.collectives import AVG, SUM
+from fastgrad.reduce_scatter import AVG, SUM
 from verify.check import Check, CheckContext, CheckRecorder
 from verify.checks import CHECK_MODULES, check_by_name
 from verify.checks.reduce_scatter import CHECK, check_multi_rank

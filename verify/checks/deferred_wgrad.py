@@ -13,7 +13,7 @@ What it establishes, on real gloo process groups (2 processes):
    (``limit..M-1, 0..limit-1``) instead, and holds the microbatch-order result
    to the Higham bound, reporting the ULP distances it finds.
    dgrads must be bitwise equal in every case (they always run at once).
-2. fastgrad vs refgrad (``refgrad.embedding.reference_main_grad`` in the order
+2. fastgrad vs refgrad (``refgrad.deferred_wgrad.reference_main_grad`` in the order
    the adds really happen): bitwise on a small-integer grid where every partial
    sum is exact in the ``main_grad`` format; within
    ``fastgrad_error_factor(T, 2M) * A`` elementwise on random data (the GEMM's
@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from fastgrad.embedding import (
+from fastgrad.deferred_wgrad import (
     CUDA_WGRAD_METHODS,
     ColumnParallelOutputLayer,
     EmbeddingWgradConfig,
@@ -45,7 +45,7 @@ from fastgrad.embedding import (
     allreduce_tied_embedding_grad,
 )
 from fastgrad.errors import LifecycleError
-from refgrad.embedding import (
+from refgrad.deferred_wgrad import (
     deferred_accumulation_order,
     fastgrad_error_factor,
     reference_main_grad,

@@ -353,7 +353,7 @@ def default_scenarios(world_size: int) -> list[ReduceScenario]:
         ),
         ReduceScenario(
             "reduce-scatter with fp32 accumulation", shapes, ("bfloat16",) * len(shapes),
-            dist_opt + (("reduce_scatter_with_fp32_accumulation", True),), needs="fastgrad.collectives",
+            dist_opt + (("reduce_scatter_with_fp32_accumulation", True),), needs="fastgrad.reduce_scatter",
         ),
         ReduceScenario(
             "one tiny param: most ranks' shards are all padding", ((5,),), ("bfloat16",),
@@ -716,7 +716,7 @@ def make_run(candidate: LayoutFunction | None = None) -> Callable[[CheckContext,
 
 
 def _run(ctx: CheckContext, rec: CheckRecorder, options: _Options) -> None:
-    from verify import layout_report
+    from verify.studies import layout as layout_report
 
     candidate = options.candidate
     # 1. Hand-derived layouts.

@@ -32,9 +32,9 @@ from fastgrad.layout import compute_layout
 from refgrad import mxfp8 as ref
 from refgrad.formats import BFLOAT16, decode_tensor, round_values_to_tensor
 from refgrad.layout import compute_layout as reference_layout
-from verify import mxfp8_support as support
 from verify.check import Check, CheckContext, CheckRecorder
 from verify.distributed import spawn
+from verify.fixtures import mxfp8 as support
 
 QuantizeFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -13,7 +13,7 @@ values has one rounding whatever algorithm the all-reduce uses.
 All grids share one spawned world: ``(4, 2)`` uses all 8 ranks, ``(2, 2)`` and
 ``(4, 1)`` run side by side on ranks 0-3 and 4-7, ``(2, 1)`` on ranks 0-1. A
 timing phase records per-rank timelines (overlap on vs off) and holds the
-discrete-event simulator (``verify.pipeline_sim``) against them.
+discrete-event simulator (``verify.studies.pipeline``) against them.
 
 One interleaved case (``virtual_stages = 2``: ``fastgrad.pipeline_interleaved``,
 one DDP engine per model chunk, ``M`` a changing multiple of ``P``) runs the
@@ -250,7 +250,7 @@ def run_case_on_rank(case: PipelineCase, groups: Any, overlap: bool) -> RankResu
     named = {stage_param_name(stage, n): p for n, p in body.named_parameters()}
     module, head, tied = body, None, []
     if spec.output_head and groups.is_last_stage:
-        from fastgrad.embedding import ColumnParallelOutputLayer, EmbeddingWgradConfig
+        from fastgrad.deferred_wgrad import ColumnParallelOutputLayer, EmbeddingWgradConfig
 
         head = ColumnParallelOutputLayer(
             head_weight_init(spec),
@@ -514,7 +514,7 @@ def _timeline_rows(case: PipelineCase, ranks: list[dict], step: int = 2) -> list
 
 def _timing_report(rec: CheckRecorder, case: PipelineCase, ranks: list[dict]) -> None:
     from fastgrad.timeline import summarize_step
-    from verify.pipeline_sim import PipelineCosts, simulate
+    from verify.studies.pipeline import PipelineCosts, simulate
 
     rows = []
     reports = {}

@@ -2,8 +2,8 @@
 
 1. On real gloo groups of 2, 3 and 4 ranks (quick: 2 and 3), with rank-specific
    fp16/bf16 inputs and two iterations, every mode of
-   ``fastgrad.collectives.reduce_scatter_with_fp32_accumulation`` (sync, async,
-   caller scratch; SUM and AVG) must equal ``refgrad.collectives.reduce_scatter(
+   ``fastgrad.reduce_scatter.reduce_scatter_with_fp32_accumulation`` (sync, async,
+   caller scratch; SUM and AVG) must equal ``refgrad.reduce_scatter.reduce_scatter(
    accumulate="fp32", order="rank")`` bitwise.
 2. The vectorised models used by ``verify accumulation`` (ring, rank, tree in the
    wire dtype; fp32 accumulation) must equal refgrad bitwise, and the sweep's
@@ -25,19 +25,19 @@ from fractions import Fraction
 import torch
 import torch.distributed as dist
 
-from fastgrad.collectives import (
+from fastgrad.reduce_scatter import (
     AVG,
     SUM,
     reduce_scatter_with_fp32_accumulation,
     reduce_shards_fp32,
 )
-from refgrad import collectives as refc
 from refgrad import formats
+from refgrad import reduce_scatter as refc
 from refgrad.exact import exact_sum
 from refgrad.formats import tensor_bit_patterns
-from verify import accumulation as acc
 from verify.check import Check, CheckContext, CheckRecorder
 from verify.distributed import spawn
+from verify.studies.reduce_scatter import growth as acc
 
 OPS = {"sum": SUM, "avg": AVG}
 MODES = ("sync", "async", "scratch", "in_place")

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from fastgrad.comm import all_gather_into, reduce_scatter_into
 from refgrad.formats import tensor_bit_patterns
-from verify.accumulation import (
+from verify.studies.reduce_scatter.growth import (
     DEFAULT_DP,
     DISTRIBUTIONS,
     DTYPES,
@@ -118,7 +118,7 @@ def main_dist(args: argparse.Namespace) -> int:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     numel = -(-args.numel // world_size) * world_size
     shard = numel // world_size
-    from fastgrad.collectives import reduce_scatter_with_fp32_accumulation
+    from fastgrad.reduce_scatter import reduce_scatter_with_fp32_accumulation
 
     rows: list[dict[str, Any]] = []
     fastgrad_ok = True

@@ -1,6 +1,6 @@
 """Reference output-layer (embedding) weight gradient, accumulated into ``main_grad``.
 
-This is the spec that ``fastgrad.embedding`` is held to. It walks a list of
+This is the spec that ``fastgrad.deferred_wgrad`` is held to. It walks a list of
 microbatches, computes each microbatch's weight gradient with exact rational
 arithmetic and accumulates it into ``main_grad`` in a stated order.
 
@@ -81,7 +81,7 @@ def deferred_accumulation_order(num_microbatches: int, wgrad_deferral_limit: int
 
 def _finite(value, what: str) -> Fraction:
     if isinstance(value, Special) and value is not Special.NEG_ZERO:
-        raise ValueError(f"{what} is {value.value}; refgrad.embedding models finite values only")
+        raise ValueError(f"{what} is {value.value}; refgrad.deferred_wgrad models finite values only")
     return value_to_fraction(value)
 
 

@@ -1,4 +1,4 @@
-"""fastgrad.collectives against refgrad's fp32/rank-order model, on real gloo process groups."""
+"""fastgrad.reduce_scatter against refgrad's fp32/rank-order model, on real gloo process groups."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import torch
 import torch.distributed as dist
 from distributed_utils import run_distributed
 
-from fastgrad.collectives import (
+from fastgrad.reduce_scatter import (
     AVG,
     SUM,
     FP32AccumulationWork,
     reduce_scatter_with_fp32_accumulation,
     reduce_shards_fp32,
 )
-from refgrad.collectives import reduce_scatter as ref_reduce_scatter
+from refgrad.reduce_scatter import reduce_scatter as ref_reduce_scatter
 from verify.metrics import assert_bitwise_equal
 
 DTYPE_NAMES = ("float16", "bfloat16")
@@ -287,7 +287,7 @@ def test_cuda_kernel_matches_refgrad_and_cpu_path(dtype, world_size, average):
 
 _INTERPRETER_SCRIPT = """
 import torch
-from fastgrad.collectives import reduce_shards_fp32 as torch_path
+from fastgrad.reduce_scatter import reduce_shards_fp32 as torch_path
 from fastgrad.kernels.reduction import reduce_shards_fp32 as kernel
 from refgrad.formats import tensor_bit_patterns
 bad = []

@@ -2,9 +2,9 @@
 
 Usage::
 
-    .venv/bin/python bench/bench_embedding_wgrad.py            # CPU sections; GPU ones skip
-    .venv/bin/python bench/bench_embedding_wgrad.py --quick    # small shapes
-    .venv/bin/python bench/bench_embedding_wgrad.py --json out.json
+    .venv/bin/python bench/bench_deferred_wgrad.py            # CPU sections; GPU ones skip
+    .venv/bin/python bench/bench_deferred_wgrad.py --quick    # small shapes
+    .venv/bin/python bench/bench_deferred_wgrad.py --json out.json
 
 Every number is a ratio against a baseline measured in the same run:
 
@@ -32,7 +32,11 @@ import torch.distributed as dist
 from _timing import median_time  # bench/ is on sys.path when a script runs
 
 from fastgrad.comm import all_gather_into
-from fastgrad.embedding import ColumnParallelOutputLayer, EmbeddingWgradConfig, accumulate_wgrad_
+from fastgrad.deferred_wgrad import (
+    ColumnParallelOutputLayer,
+    EmbeddingWgradConfig,
+    accumulate_wgrad_,
+)
 from verify.distributed import spawn
 
 

@@ -1,11 +1,11 @@
-"""refgrad.embedding: the rounding model, checked on hand-derived cases."""
+"""refgrad.deferred_wgrad: the rounding model, checked on hand-derived cases."""
 
 from fractions import Fraction
 
 import pytest
 import torch
 
-from refgrad.embedding import (
+from refgrad.deferred_wgrad import (
     deferred_accumulation_order,
     exact_weight_gradient,
     fastgrad_error_factor,

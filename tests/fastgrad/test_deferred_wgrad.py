@@ -1,18 +1,18 @@
-"""fastgrad.embedding: config rules, deferral/drain lifecycle, numerics vs refgrad, TP=2 on gloo."""
+"""fastgrad.deferred_wgrad: config rules, deferral/drain lifecycle, numerics vs refgrad, TP=2 on gloo."""
 
 import pytest
 import torch
 import torch.distributed as dist
 from distributed_utils import run_distributed
 
-from fastgrad.embedding import (
+from fastgrad.deferred_wgrad import (
     ColumnParallelOutputLayer,
     EmbeddingWgradConfig,
     accumulate_wgrad_,
     allreduce_tied_embedding_grad,
 )
 from fastgrad.errors import LifecycleError
-from refgrad.embedding import (
+from refgrad.deferred_wgrad import (
     deferred_accumulation_order,
     reference_main_grad,
     tied_embedding_grad_sum,

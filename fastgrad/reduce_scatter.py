@@ -7,7 +7,7 @@ shards with one ``all_to_all_single`` (the same bytes on the wire as a
 reduce-scatter: ``(W-1)/W * S * b`` per rank) and then each rank sums the W
 shards it received in an fp32 accumulator, in rank order 0..W-1, and rounds to
 the 16-bit dtype once. The result is bitwise equal to
-``refgrad.collectives.reduce_scatter(..., accumulate="fp32", order="rank")``.
+``refgrad.reduce_scatter.reduce_scatter(..., accumulate="fp32", order="rank")``.
 
 Local reduction: on CUDA with Triton, one kernel that reads every shard once and
 writes once (:mod:`fastgrad.kernels.reduction`); elsewhere a sequential torch

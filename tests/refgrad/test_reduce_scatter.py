@@ -1,4 +1,4 @@
-"""refgrad.collectives: hand-derived cases, IEEE specials, and agreement with torch's own arithmetic."""
+"""refgrad.reduce_scatter: hand-derived cases, IEEE specials, and agreement with torch's own arithmetic."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import functools
 import pytest
 import torch
 
-from refgrad import collectives as rc
 from refgrad import formats
+from refgrad import reduce_scatter as rc
 from verify.metrics import assert_bitwise_equal
 
 DTYPES = (torch.float16, torch.bfloat16)

@@ -31,7 +31,7 @@ Semantics (production, Megatron-Core, with its crashes fixed):
   torch.float32)``), falling back to an fp32 GEMM on upcast copies when this
   torch lacks ``out_dtype``; on CPU as an fp32 GEMM on upcast copies followed by
   one fp32 add. Both round the microbatch's wgrad to fp32 once and the add once,
-  the model in ``refgrad.embedding``.
+  the model in ``refgrad.deferred_wgrad``.
 - Numerics of deferral: with ``limit`` 0 or ``>= M`` every microbatch is
   deferred and the adds happen in microbatch order, exactly as without
   deferral, so ``main_grad`` is bitwise identical. With ``0 < limit < M`` the
@@ -55,7 +55,7 @@ from fastgrad.errors import LifecycleError
 ReduceInFlight = Callable[[torch.nn.Parameter], bool]
 
 CUDA_WGRAD_METHODS = ("addmm_out_dtype", "addmm_out_dtype_inplace", "fp32_upcast")
-# The accumulation dtypes whose rounding refgrad.embedding defines.
+# The accumulation dtypes whose rounding refgrad.deferred_wgrad defines.
 MAIN_GRAD_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -185,7 +185,7 @@ def accumulate_wgrad_(
     if main_grad.is_cuda and sixteen_bit:
         if main_grad.dtype == torch.float32 and cuda_method == "addmm_out_dtype_inplace":
             # Writes straight into main_grad; addmm with both out_dtype and out= has been
-            # broken in some torch releases (bench/bench_embedding_wgrad.py probes it).
+            # broken in some torch releases (bench/bench_deferred_wgrad.py probes it).
             torch.addmm(main_grad, go.t(), x, out_dtype=torch.float32, out=main_grad)
             return
         if main_grad.dtype == torch.float32 and cuda_method == "addmm_out_dtype":
