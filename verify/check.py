@@ -27,6 +27,9 @@ class CheckContext:
     device: str = "cpu"
     seed: int = 0
     quick: bool = False
+    # Deadline for each multi-rank phase a check starts (``verify.distributed.spawn``):
+    # a stalled rank turns into an error naming it instead of a hang.
+    timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.device not in _DEVICES:
@@ -35,6 +38,8 @@ class CheckContext:
             raise ValueError("device='cuda' was requested but torch.cuda.is_available() is False")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if not self.timeout_s > 0:  # also refuses NaN
+            raise ValueError(f"timeout_s must be > 0 seconds, got {self.timeout_s}")
 
     def generator(self, offset: int = 0) -> torch.Generator:
         """A CPU generator seeded from the context seed plus ``offset``."""
