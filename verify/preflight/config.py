@@ -75,6 +75,7 @@ class PreflightConfig:
     gradient_accumulation_fusion: bool
     seed: int
     world_size: int | None = None
+    world_size_source: str | None = None  # "--world-size" or "WORLD_SIZE (torchrun)"
     spelling: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
     notes: tuple[str, ...] = ()
 
@@ -106,9 +107,9 @@ class PreflightConfig:
         # then data_parallel_size = world_size // (TP * PP * CP).
         if self.world_size is not None and self.world_size != tp * pp * dp:
             raise ConfigError(
-                f"world size {self.world_size} ({self.data_parallel_source}) must equal "
+                f"world size {self.world_size} ({self.world_size_source}) must equal "
                 f"{n('tensor_model_parallel_size')} ({tp}) x {n('pipeline_model_parallel_size')} "
-                f"({pp}) x data-parallel size ({dp}) = {tp * pp * dp}")
+                f"({pp}) x {self.data_parallel_source} ({dp}) = {tp * pp * dp}")
         # megatron/core/num_microbatches_calculator.py ConstantNumMicroBatchesCalculator:
         # 'global batch size (...) is not divisible by micro batch size (...) times data parallel size'.
         if self.global_batch_size % (self.micro_batch_size * dp) != 0:
@@ -152,9 +153,6 @@ class PreflightConfig:
         if self.reuse_grad_buf_for_mxfp8_param_ag and not self.fp8_param_gather:
             raise ConfigError("--reuse-grad-buf-for-mxfp8-param-ag requires --fp8-param-gather "
                               "(reuse the grad buffer only when keeping params in MXFP8)")
-        if self.reuse_grad_buf_for_mxfp8_param_ag and self.fp8_recipe != "mxfp8":
-            raise ConfigError("--reuse-grad-buf-for-mxfp8-param-ag is for --fp8-recipe mxfp8 "
-                              f"(distributed_data_parallel_config.py), got {self.fp8_recipe!r}")
         # megatron/training/arguments.py: '--fp8-param-gather only supported with distributed optimizer'.
         if self.fp8_param_gather and not self.use_distributed_optimizer:
             raise ConfigError("--fp8-param-gather requires --use-distributed-optimizer")
@@ -242,8 +240,9 @@ def pad_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) -> 
 
 
 def _resolve_data_parallel(values: dict, spelling: Mapping[str, str],
-                           environ: Mapping[str, str], tp: int, pp: int) -> tuple[int, str, int | None]:
-    """(DP size, where it came from, world size or None), as Megatron derives DP from world size."""
+                           environ: Mapping[str, str], tp: int,
+                           pp: int) -> tuple[int, str, int | None, str | None]:
+    """(DP size, its source, world size or None, its source), as Megatron derives DP."""
     world, world_source = values.get("world_size"), spelling.get("world_size")
     if world is None and environ.get("WORLD_SIZE"):
         try:
@@ -252,14 +251,14 @@ def _resolve_data_parallel(values: dict, spelling: Mapping[str, str],
             raise ConfigError(f"WORLD_SIZE must be an integer, got {environ['WORLD_SIZE']!r}") from None
         world_source = "WORLD_SIZE (torchrun)"
     if "data_parallel_size" in values:
-        return values["data_parallel_size"], "--data-parallel-size", world
+        return values["data_parallel_size"], "--data-parallel-size", world, world_source
     if world is None:
         raise ConfigError("the data-parallel size is unknown: give --data-parallel-size, or "
                           "--world-size (or run under torchrun, which sets WORLD_SIZE)")
     if world < 1 or world % (tp * pp):
         raise ConfigError(f"world size {world} ({world_source}) must be a positive multiple of "
                           f"--tensor-model-parallel-size x --pipeline-model-parallel-size = {tp * pp}")
-    return world // (tp * pp), f"{world_source} / (TP x PP)", world
+    return world // (tp * pp), f"{world_source} / (TP x PP)", world, world_source
 
 
 def resolve(parsed: ParsedFlags, environ: Mapping[str, str]) -> PreflightConfig:
@@ -275,7 +274,7 @@ def resolve(parsed: ParsedFlags, environ: Mapping[str, str]) -> PreflightConfig:
     if tp < 1 or pp < 1:
         bad = "tensor_model_parallel_size" if tp < 1 else "pipeline_model_parallel_size"
         raise ConfigError(f"{_flag(bad, spelling)} must be a positive integer, got {v[bad]}")
-    dp, dp_source, world = _resolve_data_parallel(v, spelling, environ, tp, pp)
+    dp, dp_source, world, world_source = _resolve_data_parallel(v, spelling, environ, tp, pp)
     if v.get("bf16") and v.get("fp16"):  # arguments.py: `assert not args.bf16` under fp16
         raise ConfigError("--bf16 and --fp16 are mutually exclusive")
     params_dtype = "bf16" if v.get("bf16") else "fp16" if v.get("fp16") else "fp32"
@@ -290,6 +289,10 @@ def resolve(parsed: ParsedFlags, environ: Mapping[str, str]) -> PreflightConfig:
             notes.append("--bf16: Megatron accumulates and reduces grads in fp32 "
                          "(--grad-reduce-in-bf16 not given)")
     grad_dtype = "fp32" if accumulate_fp32 or params_dtype == "fp32" else params_dtype
+    if v.get("reuse_grad_buf_for_mxfp8_param_ag") and v.get("fp8_recipe") != "mxfp8":
+        # distributed_data_parallel_config.py: "Should be set to True only when fp8_recipe is
+        # mxfp8" -- documented, not asserted.
+        notes.append("--reuse-grad-buf-for-mxfp8-param-ag is meant for --fp8-recipe mxfp8 only")
     rs_fp32 = bool(v.get("ddp_reduce_scatter_with_fp32_accumulation"))
     if rs_fp32 and grad_dtype == "fp32":  # arguments.py turns it off with a warning
         rs_fp32 = False
@@ -347,7 +350,8 @@ def resolve(parsed: ParsedFlags, environ: Mapping[str, str]) -> PreflightConfig:
         reuse_grad_buf_for_mxfp8_param_ag=bool(v.get("reuse_grad_buf_for_mxfp8_param_ag")),
         sequence_parallel=sequence_parallel,
         gradient_accumulation_fusion=v.get("gradient_accumulation_fusion", True),
-        seed=v.get("seed", 1234), world_size=world, spelling=spelling, notes=tuple(notes),
+        seed=v.get("seed", 1234), world_size=world,
+        world_size_source=world_source, spelling=spelling, notes=tuple(notes),
     )
 
 

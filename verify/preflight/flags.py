@@ -9,6 +9,7 @@ both accepted, as Megatron's argparse accepts them.
 
 from __future__ import annotations
 
+import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,13 +89,15 @@ class ParsedFlags:
         return next(f for f, (a, _) in FLAG_SPECS.items() if a == attribute)
 
 
+_CONTINUATION = re.compile(r"\\[ \t]*(#.*)?$")
+
+
 def tokenize_args_text(text: str) -> list[str]:
     """Split a launcher's flags as a shell would: ``\\`` continuations, ``#`` comments, quotes."""
     tokens: list[str] = []
     for number, line in enumerate(text.splitlines(), start=1):
-        stripped = line.rstrip()
-        if stripped.endswith("\\"):
-            stripped = stripped[:-1]  # a continuation: the next line goes on
+        # A continuation (the next line goes on), forgiving a comment after the backslash.
+        stripped = _CONTINUATION.sub("", line)
         try:
             tokens.extend(shlex.split(stripped, comments=True))
         except ValueError as exc:
