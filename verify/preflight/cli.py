@@ -80,6 +80,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                      help="achieved TFLOP/s per GPU for the estimated costs (default 400)")
     own.add_argument("--assumed-bus-gbps", type=float, default=100.0,
                      help="collective bus bandwidth in GB/s for the estimated costs (default 100)")
+    parser.epilog = "Megatron-Core flags understood: " + " ".join(FLAG_SPECS)
     megatron = parser.add_argument_group("Megatron-Core flags (same names as Megatron's)")
     for flag, (_, kind) in FLAG_SPECS.items():
         nargs = 0 if kind in ("true", "false") else None
