@@ -172,9 +172,9 @@ def wire_rows(config: PreflightConfig, chunks: list[ChunkLayout]) -> list[dict]:
     return rows
 
 
-def _gamma(k: int, u: float) -> float:
-    """Higham's ``gamma(k) = k u / (1 - k u)``; inf when ``k u >= 1``."""
-    return k * u / (1 - k * u) if k * u < 1 else math.inf
+def _gamma(k: int, u: float) -> float | None:
+    """Higham's ``gamma(k) = k u / (1 - k u)``; None (no bound) when ``k u >= 1``."""
+    return k * u / (1 - k * u) if k * u < 1 else None
 
 
 def reduction_error(config: PreflightConfig) -> dict:
@@ -187,7 +187,8 @@ def reduction_error(config: PreflightConfig) -> dict:
                        and config.use_distributed_optimizer)
     if fp32_accumulate:
         method = f"all-to-all + fp32 accumulation, one rounding to {wire}"
-        typical, worst = u, u + _gamma(n - 1, FP32_UNIT_ROUNDOFF)
+        gamma = _gamma(n - 1, FP32_UNIT_ROUNDOFF)
+        typical, worst = u, None if gamma is None else u + gamma
         model = "one rounding: u (independent of N); worst u + gamma_fp32(N-1)"
     else:
         method = f"ring {'reduce-scatter' if config.use_distributed_optimizer else 'all-reduce'} in {wire}"

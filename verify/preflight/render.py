@@ -17,8 +17,8 @@ def _bytes(value: float) -> str:
     return f"{value / GIB:,.3f} GiB"
 
 
-def _sci(value: float) -> str:
-    return f"{value:.2e}"
+def _sci(value: float | None) -> str:
+    return "none ((N-1)u >= 1)" if value is None else f"{value:.2e}"
 
 
 def collapse_stages(rows: list[list[str]]) -> list[list[str]]:
