@@ -29,6 +29,18 @@ def test_both_spellings_of_the_virtual_pipeline_size_set_one_setting():
         assert parsed.flag("virtual_pipeline_model_parallel_size") == flag
 
 
+def test_layers_per_virtual_stage_gives_the_virtual_pipeline_size():
+    # 8 layers / PP 2 = 4 per stage; 2 per virtual stage -> VPP 2 (arguments.py).
+    tokens = SMALL[2:] + ["--num-layers", "8", "--pipeline-model-parallel-size", "2",
+                          "--data-parallel-size", "1", "--global-batch-size", "2",
+                          "--num-layers-per-virtual-pipeline-stage", "2"]
+    assert resolve(parse_megatron_flags(tokens), {}).virtual_pipeline_model_parallel_size == 2
+    with pytest.raises(ValueError, match="--num-layers-per-virtual-pipeline-stage .3. must divide"):
+        resolve(parse_megatron_flags(tokens + ["--num-layers-per-virtual-pipeline-stage", "3"]), {})
+    with pytest.raises(ValueError, match="cannot both be set"):
+        resolve(parse_megatron_flags(tokens + ["--virtual-pipeline-model-parallel-size", "2"]), {})
+
+
 def test_vocab_size_is_padded_like_megatron_and_padded_vocab_size_is_taken_as_is():
     # _vocab_size_with_padding: multiple = 128 (make-vocab-size-divisible-by) x TP 8 = 1024;
     # 50257 -> ceil(50257 / 1024) = 50 -> 51200.

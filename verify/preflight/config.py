@@ -261,6 +261,22 @@ def _resolve_data_parallel(values: dict, spelling: Mapping[str, str],
     return world // (tp * pp), f"{world_source} / (TP x PP)", world, world_source
 
 
+def _resolve_virtual_stages(values: dict, spelling: Mapping[str, str], pp: int) -> int:
+    """VPP from either flag, as megatron/training/arguments.py validate_args derives it."""
+    per_stage = values.get("num_layers_per_virtual_pipeline_stage")
+    if per_stage is None:
+        return values.get("virtual_pipeline_model_parallel_size") or 1
+    if "virtual_pipeline_model_parallel_size" in values:
+        raise ConfigError("--num-layers-per-virtual-pipeline-stage and "
+                          f"{spelling['virtual_pipeline_model_parallel_size']} cannot both be set")
+    layers = values["num_layers"]
+    if per_stage < 1 or layers % pp or (layers // pp) % per_stage:
+        raise ConfigError(f"--num-layers-per-virtual-pipeline-stage ({per_stage}) must divide "
+                          f"the layers per pipeline stage, --num-layers ({layers}) / "
+                          f"--pipeline-model-parallel-size ({pp})")
+    return (layers // pp) // per_stage
+
+
 def resolve(parsed: ParsedFlags, environ: Mapping[str, str]) -> PreflightConfig:
     """Apply Megatron's defaults and adjustments to the parsed flags; validate the result."""
     v, spelling = dict(parsed.values), dict(parsed.spelling)
@@ -319,7 +335,7 @@ def resolve(parsed: ParsedFlags, environ: Mapping[str, str]) -> PreflightConfig:
         ffn = int((4 * hidden * 2 / 3) / 64) * 64 if swiglu else 4 * hidden
     groups = v.get("num_query_groups", heads) if v.get("group_query_attention") else heads
     kv_channels = v.get("kv_channels", hidden // heads if heads > 0 else 0)
-    vpp = v.get("virtual_pipeline_model_parallel_size") or 1
+    vpp = _resolve_virtual_stages(v, spelling, pp)
     return PreflightConfig(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp, data_parallel_size=dp,

@@ -27,6 +27,7 @@ FLAG_SPECS: dict[str, tuple[str, str]] = {
     "--pipeline-model-parallel-size": ("pipeline_model_parallel_size", "int"),
     "--num-virtual-stages-per-pipeline-rank": ("virtual_pipeline_model_parallel_size", "int"),
     "--virtual-pipeline-model-parallel-size": ("virtual_pipeline_model_parallel_size", "int"),
+    "--num-layers-per-virtual-pipeline-stage": ("num_layers_per_virtual_pipeline_stage", "int"),
     "--data-parallel-size": ("data_parallel_size", "int"),
     "--world-size": ("world_size", "int"),
     "--micro-batch-size": ("micro_batch_size", "int"),
