@@ -31,6 +31,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "layout": ("verify.studies.layout", "padding-overhead report for bucketed gradient buffers"),
     "accumulation": ("verify.studies.reduce_scatter.cli", "error growth of reduce-scatter with DP size"),
     "simulate-pipeline": ("verify.studies.pipeline", "discrete-event 1F1B pipeline simulator"),
+    "preflight": ("verify.preflight.cli", "validate a Megatron-Core configuration and lay it out on paper"),
 }
 
 

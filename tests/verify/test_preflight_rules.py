@@ -1,0 +1,141 @@
+"""``verify preflight`` refuses what Megatron-Core refuses: exit 2, the flag named, nothing run."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from verify.preflight import cli as preflight_cli
+from verify.preflight.config import ConfigError, resolve
+from verify.preflight.flags import parse_megatron_flags
+
+# A valid base: TP 2, PP 4, DP 2 (8 microbatches), 8 layers, hidden 64, 4 heads.
+BASE = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4",
+        "--data-parallel-size", "2", "--micro-batch-size", "1", "--global-batch-size", "16",
+        "--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "16", "--padded-vocab-size", "128", "--bf16"]
+
+
+def _run(argv: list[str], capsys, environ: dict | None = None) -> tuple[int, str, str]:
+    parser = argparse.ArgumentParser(prog="verify preflight")
+    preflight_cli.configure_parser(parser)
+    rc = preflight_cli.main(parser.parse_args(argv), environ={} if environ is None else environ)
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+def test_the_base_configuration_passes(capsys):
+    rc, out, _ = _run(BASE, capsys)
+    assert rc == 0 and out.startswith("PREFLIGHT PASSED")
+
+
+RULES = [
+    # megatron/core/model_parallel_config.py: deferral without pipeline parallelism.
+    (["--pipeline-model-parallel-size", "1", "--num-layers", "2",
+      "--defer-embedding-wgrad-compute"], None,
+     ["--defer-embedding-wgrad-compute", "--pipeline-model-parallel-size"]),
+    # ... without gradient-accumulation fusion.
+    (["--defer-embedding-wgrad-compute", "--no-gradient-accumulation-fusion"], None,
+     ["--defer-embedding-wgrad-compute", "--no-gradient-accumulation-fusion"]),
+    # ... with a negative limit.
+    (["--defer-embedding-wgrad-compute", "--wgrad-deferral-limit", "-1"], None,
+     ["--wgrad-deferral-limit", "-1"]),
+    # distributed_data_parallel_config.py: buffer reuse without fp8 param gather.
+    (["--use-distributed-optimizer", "--reuse-grad-buf-for-mxfp8-param-ag",
+      "--fp8-format", "e4m3", "--fp8-recipe", "mxfp8"], None,
+     ["--reuse-grad-buf-for-mxfp8-param-ag", "--fp8-param-gather"]),
+    # num_microbatches_calculator.py: 18 % (1 x 2) == 0 but 17 is not.
+    (["--global-batch-size", "17"], None,
+     ["--global-batch-size", "--micro-batch-size", "(17)", "= 2"]),
+    # schedules.py: interleaving with M = 12 / (1 x 2) = 6 microbatches, not a multiple of PP 4.
+    (["--global-batch-size", "12", "--num-virtual-stages-per-pipeline-rank", "2"], None,
+     ["--num-virtual-stages-per-pipeline-rank", "= 6", "multiple of --pipeline-model-parallel-size (4)"]),
+    # ... the older spelling is the one named when it was used; M = 2 < PP = 4.
+    (["--global-batch-size", "4", "--virtual-pipeline-model-parallel-size", "2"], None,
+     ["--virtual-pipeline-model-parallel-size", "= 2"]),
+    # arguments.py: interleaving without p2p overlap needs PP > 2.
+    (["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
+      "--no-overlap-p2p-communication"], None,
+     ["--pipeline-model-parallel-size >= 3", "--no-overlap-p2p-communication"]),
+    # arguments.py: world size under torchrun must equal TP x PP x DP (2 x 4 x 2 = 16).
+    ([], {"WORLD_SIZE": "32"}, ["world size 32", "WORLD_SIZE (torchrun)", "= 16"]),
+    (["--world-size", "24"], None, ["world size 24", "--world-size", "= 16"]),
+    # arguments.py: world size divisible by TP x PP when DP is derived.
+    (["--data-parallel-size", "0", "--world-size", "12"], None, ["--data-parallel-size"]),
+    # arguments.py: layers divisible by PP, and by PP x VPP when interleaving.
+    (["--num-layers", "6"], None, ["--num-layers (6)", "--pipeline-model-parallel-size (4)"]),
+    (["--num-layers", "12", "--num-virtual-stages-per-pipeline-rank", "2"], None,
+     ["--num-layers (12)", "--num-virtual-stages-per-pipeline-rank (2)"]),
+    # arguments.py: hidden % heads; transformer_config.py: heads % TP.
+    (["--hidden-size", "66", "--ffn-hidden-size", "128"], None,
+     ["--hidden-size (66)", "--num-attention-heads (4)"]),
+    (["--num-attention-heads", "3", "--hidden-size", "63", "--ffn-hidden-size", "128"], None,
+     ["--num-attention-heads (3)", "--tensor-model-parallel-size (2)"]),
+    # layers.py divide(): FFN and vocab split over TP.
+    (["--ffn-hidden-size", "255"], None, ["--ffn-hidden-size (255)"]),
+    (["--padded-vocab-size", "127"], None, ["--padded-vocab-size (127)"]),
+    # arguments.py: overlap param gather needs the distributed optimizer and overlapped grads.
+    (["--overlap-param-gather", "--overlap-grad-reduce"], None,
+     ["--overlap-param-gather", "--use-distributed-optimizer"]),
+    (["--overlap-param-gather", "--use-distributed-optimizer"], None,
+     ["--overlap-param-gather", "--overlap-grad-reduce"]),
+    (["--fp8-param-gather", "--fp8-format", "e4m3"], None,
+     ["--fp8-param-gather", "--use-distributed-optimizer"]),
+    (["--fp16"], None, ["--bf16", "--fp16"]),
+]
+
+
+@pytest.mark.parametrize(("extra", "environ", "needles"), RULES)
+def test_each_rule_exits_2_naming_the_flag(extra, environ, needles, capsys, monkeypatch):
+    built = []
+    monkeypatch.setattr(preflight_cli, "build_report", lambda *a, **k: built.append(a))
+    rc, out, err = _run(BASE + extra, capsys, environ)
+    assert rc == 2, err
+    assert built == [] and out == ""  # nothing run, nothing printed to stdout
+    assert "PREFLIGHT REFUSED" in err
+    for needle in needles:
+        assert needle in err, (needle, err)
+
+
+@pytest.mark.parametrize(("drop", "flag"), [
+    ("--num-layers", "--num-layers"), ("--micro-batch-size", "--micro-batch-size"),
+    ("--padded-vocab-size", "--padded-vocab-size"),
+])
+def test_missing_required_flag_is_named(drop, flag):
+    tokens = list(BASE)
+    i = tokens.index(drop)
+    del tokens[i:i + 2]
+    with pytest.raises(ConfigError, match=flag):
+        resolve(parse_megatron_flags(tokens), {})
+
+
+def test_unknown_data_parallel_size_is_a_usage_error():
+    tokens = list(BASE)
+    i = tokens.index("--data-parallel-size")
+    del tokens[i:i + 2]
+    with pytest.raises(ConfigError, match="--data-parallel-size, or --world-size"):
+        resolve(parse_megatron_flags(tokens), {})
+
+
+def test_bad_flag_value_exits_2(capsys):
+    rc, _, err = _run(BASE + ["--micro-batch-size", "one"], capsys)
+    assert rc == 2 and "--micro-batch-size expects an integer" in err
+
+
+def test_megatron_adjustments_are_reported_not_fatal():
+    config = resolve(parse_megatron_flags(
+        BASE + ["--tensor-model-parallel-size", "1", "--sequence-parallel",
+                "--ddp-reduce-scatter-with-fp32-accumulation"]), {})
+    assert config.sequence_parallel is False
+    # --bf16 without --grad-reduce-in-bf16: fp32 grads, so the fp32-accumulation path is off.
+    assert config.grad_dtype == "fp32"
+    assert config.ddp_reduce_scatter_with_fp32_accumulation is False
+    assert len(config.notes) == 3
+    bf16_wire = resolve(parse_megatron_flags(BASE + ["--grad-reduce-in-bf16"]), {})
+    assert bf16_wire.grad_dtype == "bf16"
+
+
+def test_unwritable_output_is_exit_3(capsys, tmp_path):
+    rc, _, err = _run(BASE + ["--json", str(tmp_path / "missing-dir" / "x.json")], capsys)
+    assert rc == 3 and "error" in err

@@ -1,0 +1,209 @@
+"""The full-size model on paper: buffer layouts, bytes on the wire, predicted reduction error.
+
+Nothing here allocates a tensor of the model's size: the layouts come from
+``fastgrad.layout.compute_layout`` on the per-chunk list of parameter sizes
+(production's own arithmetic, vectorised over parameters), and every other
+figure is a formula over those sizes. Units: elements for layouts, bytes for
+memory and traffic, per rank and per optimizer step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from fastgrad.layout import BufferLayout, compute_layout
+from verify.preflight.config import DTYPE_BYTES, PreflightConfig
+from verify.preflight.model import ParamSpec, chunk_parameters
+from verify.studies.reduce_scatter.growth import DEFAULT_DP, UNIT_ROUNDOFF
+
+FP32_UNIT_ROUNDOFF = 2.0**-24
+BUCKET_RULES = ("Bucket size: max(40M, 1M x DP) elements or --ddp-bucket-size on pipeline rank 0's "
+                "first model chunk only; one bucket on every pipeline rank > 0 "
+                "(megatron/core/distributed/distributed_data_parallel.py: `if disable_bucketing or "
+                "pp_rank > 0: self.bucket_size = None`), on model chunks > 0 (training.py "
+                "get_model) and without --overlap-grad-reduce (training.py resolve_ddp_bucket_size)")
+WIRE_FORMULAS = {
+    "grad_reduce_scatter": "sum over buckets of (N-1)/N * S * b_grad (ring reduce-scatter; "
+                           "the fp32-accumulation all-to-all sends the same bytes)",
+    "grad_all_reduce": "sum over buckets of 2 (N-1)/N * S * b_grad (ring all-reduce, no "
+                       "distributed optimizer)",
+    "param_all_gather": "sum over buckets of (N-1)/N * S * b_param (distributed optimizer; "
+                        "b_param = 1 + 1/32 with MXFP8 --fp8-param-gather: E4M3 data + E8M0 scales)",
+    "embedding_all_reduce": "2 (2-1)/2 * (vocab/TP * h) * b_grad on the first and last stage "
+                            "(tied embeddings, PP > 1, embedding group of 2)",
+    "pipeline_p2p": "M * (mbs * seq/(TP if sequence parallel) * h * b_act) per chunk boundary "
+                    "and direction: forward activations sent downstream, their grads upstream",
+    "tensor_parallel": "layers * M * 8 (T-1)/T * mbs * seq * h * b_act (per layer and "
+                       "microbatch: 2 all-gathers + 2 reduce-scatters forward and the mirror "
+                       "backward with sequence parallelism; 4 all-reduces without: same bytes)",
+}
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """One model chunk's parameters and the gradient buffer production builds for them."""
+
+    stage: int
+    chunk: int
+    params: tuple[ParamSpec, ...]
+    bucket_size: int | None
+    bucket_rule: str
+    layout: BufferLayout
+
+    @property
+    def param_elements(self) -> int:
+        return sum(p.numel for p in self.params)
+
+
+def bucket_size_for(config: PreflightConfig, stage: int, chunk: int) -> tuple[int | None, str]:
+    """Production's bucket size for a chunk, and the rule that set it."""
+    if not config.overlap_grad_reduce:
+        # megatron/training/training.py resolve_ddp_bucket_size: None without overlap.
+        return None, "one (no --overlap-grad-reduce)"
+    if stage > 0:
+        # megatron/core/distributed/distributed_data_parallel.py:
+        # `if disable_bucketing or pp_rank > 0: self.bucket_size = None`.
+        return None, "one (pipeline rank > 0)"
+    if chunk > 0:
+        # megatron/training/training.py get_model: disable_bucketing for chunk_idx > 0.
+        return None, "one (model chunk > 0)"
+    size = config.first_stage_bucket_size
+    source = "--ddp-bucket-size" if config.ddp_bucket_size is not None else "max(40M, 1M x DP)"
+    return size, f"{size:,} ({source})"
+
+
+def chunk_layouts(config: PreflightConfig) -> list[ChunkLayout]:
+    """Every (stage, chunk)'s buffer, one DDP buffer per model chunk as Megatron wraps them."""
+    out = []
+    for stage in range(config.pipeline_model_parallel_size):
+        for chunk in range(config.virtual_pipeline_model_parallel_size):
+            params = chunk_parameters(config, stage, chunk)
+            size, rule = bucket_size_for(config, stage, chunk)
+            layout = compute_layout(
+                [p.numel for p in params],
+                dp_size=config.data_parallel_size,
+                bucket_size=size,
+                use_distributed_optimizer=config.use_distributed_optimizer,
+                pad_buckets_for_high_nccl_busbw=config.ddp_pad_buckets_for_high_nccl_busbw,
+                shared_embedding=[i for i, p in enumerate(params) if p.shared_embedding],
+            )
+            out.append(ChunkLayout(stage, chunk, tuple(params), size, rule, layout))
+    return out
+
+
+def _ring_fraction(n: int) -> float:
+    return (n - 1) / n
+
+
+def param_gather_bytes_per_element(config: PreflightConfig) -> float:
+    """Bytes per element of the param all-gather."""
+    if config.fp8_param_gather:
+        return 1 + 1 / 32 if config.fp8_recipe == "mxfp8" else 1.0
+    return float(DTYPE_BYTES[config.params_dtype])
+
+
+def memory_rows(config: PreflightConfig, chunks: list[ChunkLayout]) -> list[dict]:
+    """Per chunk: sizes, padding, buffer bytes and the MXFP8 sharing saving (2 B x numel)."""
+    grad_bytes, param_bytes = DTYPE_BYTES[config.grad_dtype], DTYPE_BYTES[config.params_dtype]
+    rows = []
+    for c in chunks:
+        numel = c.layout.numel
+        padding = numel - c.param_elements
+        # verify/checks/mxfp8.py check_memory: sharing removes the bf16 param buffer, 2 B/element.
+        saving = 2 * numel if config.use_distributed_optimizer else 0
+        rows.append({
+            "stage": c.stage, "chunk": c.chunk, "num_params": len(c.params),
+            "param_elements": c.param_elements, "buffer_numel": numel,
+            "numel_unpadded": c.layout.numel_unpadded, "padding_elements": padding,
+            "padding_fraction": padding / numel, "bucket_rule": c.bucket_rule,
+            "num_buckets": c.layout.num_buckets,
+            "bucket_numels": [end - start for start, end in c.layout.bucket_indices],
+            "grad_buffer_bytes": numel * grad_bytes,
+            "param_buffer_bytes": ((0 if config.mxfp8_sharing else numel * param_bytes)
+                                   if config.use_distributed_optimizer
+                                   else c.param_elements * param_bytes),
+            "mxfp8_sharing_enabled": config.mxfp8_sharing,
+            "mxfp8_sharing_saving_bytes": saving,
+        })
+    return rows
+
+
+def activation_bytes(config: PreflightConfig) -> float:
+    """One microbatch's activation (or its grad) at a pipeline boundary."""
+    seq = config.seq_length
+    if config.sequence_parallel:
+        seq = seq / config.tensor_model_parallel_size
+    return config.micro_batch_size * seq * config.hidden_size * DTYPE_BYTES[config.params_dtype]
+
+
+def wire_rows(config: PreflightConfig, chunks: list[ChunkLayout]) -> list[dict]:
+    """Per pipeline stage (one rank of it): bytes each collective sends per step."""
+    n, tp = config.data_parallel_size, config.tensor_model_parallel_size
+    pp, vpp, m = (config.pipeline_model_parallel_size,
+                  config.virtual_pipeline_model_parallel_size, config.num_microbatches)
+    grad_b = DTYPE_BYTES[config.grad_dtype]
+    act_b = DTYPE_BYTES[config.params_dtype]
+    boundary = activation_bytes(config)
+    rows = []
+    for stage in range(pp):
+        mine = [c for c in chunks if c.stage == stage]
+        bucket_numels = [end - start for c in mine for start, end in c.layout.bucket_indices]
+        factor = 1 if config.use_distributed_optimizer else 2
+        grad = sum(factor * _ring_fraction(n) * s * grad_b for s in bucket_numels)
+        gather = (sum(_ring_fraction(n) * s * param_gather_bytes_per_element(config)
+                      for s in bucket_numels) if config.use_distributed_optimizer else 0.0)
+        embedding = 0.0
+        if config.tied_embeddings and pp > 1 and stage in (0, pp - 1):
+            embedding = (config.padded_vocab_size // tp) * config.hidden_size * grad_b
+        virtual = [c.chunk * pp + stage for c in mine]
+        sends_forward = sum(1 for v in virtual if v < pp * vpp - 1)
+        sends_backward = sum(1 for v in virtual if v > 0)
+        p2p = (sends_forward + sends_backward) * m * boundary
+        layers = sum(1 for c in mine for p in c.params if p.name.endswith("input_layernorm.weight"))
+        tensor = (layers * m * 8 * (tp - 1) / tp * config.micro_batch_size * config.seq_length
+                  * config.hidden_size * act_b)
+        rows.append({
+            "stage": stage, "grad_collective": "reduce-scatter" if factor == 1 else "all-reduce",
+            "grad_sync_bytes": grad, "param_all_gather_bytes": gather,
+            "embedding_all_reduce_bytes": embedding, "pipeline_p2p_sent_bytes": p2p,
+            "tensor_parallel_bytes": tensor, "layers": layers,
+        })
+    return rows
+
+
+def _gamma(k: int, u: float) -> float | None:
+    """Higham's ``gamma(k) = k u / (1 - k u)``; None (no bound) when ``k u >= 1``."""
+    return k * u / (1 - k * u) if k * u < 1 else None
+
+
+def reduction_error(config: PreflightConfig) -> dict:
+    """Predicted relative error of the DP gradient reduction, from the accumulation study's models."""
+    n = config.data_parallel_size
+    wire = config.grad_dtype
+    study_dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(wire)
+    u = UNIT_ROUNDOFF[study_dtype] if study_dtype else FP32_UNIT_ROUNDOFF
+    fp32_accumulate = (config.ddp_reduce_scatter_with_fp32_accumulation
+                       and config.use_distributed_optimizer)
+    if fp32_accumulate:
+        method = f"all-to-all + fp32 accumulation, one rounding to {wire}"
+        gamma = _gamma(n - 1, FP32_UNIT_ROUNDOFF)
+        typical, worst = u, None if gamma is None else u + gamma
+        model = "one rounding: u (independent of N); worst u + gamma_fp32(N-1)"
+    else:
+        method = f"ring {'reduce-scatter' if config.use_distributed_optimizer else 'all-reduce'} in {wire}"
+        typical, worst = math.sqrt(n) * u, _gamma(n - 1, u)
+        model = "typical sqrt(N) u; worst gamma(N-1) = (N-1)u/(1-(N-1)u), relative to sum |g|"
+    if n == 1:
+        typical = worst = 0.0
+    low, high = min(DEFAULT_DP), max(DEFAULT_DP)
+    if study_dtype is None:
+        basis = ("model only: `verify accumulation` measures fp16/bf16 wires; an fp32 wire "
+                 "follows the same model with u = 2^-24")
+    elif low <= n <= high:
+        basis = f"within the measured range of `verify accumulation` (N = {low}..{high})"
+    else:
+        basis = f"extrapolated: N = {n} is beyond the measured N = {low}..{high}"
+    return {"method": method, "wire_dtype": wire, "dp": n, "unit_roundoff": u,
+            "typical_relative_error": typical, "worst_case_bound": worst, "model": model,
+            "basis": basis}

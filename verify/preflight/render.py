@@ -1,0 +1,140 @@
+"""Tables of a preflight report: rich on the terminal, Markdown in a file."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+Tables = list[tuple[str, list[str], list[list[str]]]]
+GIB = 2**30
+
+
+def _bytes(value: float) -> str:
+    return f"{value / GIB:,.3f} GiB"
+
+
+def _sci(value: float | None) -> str:
+    return "none ((N-1)u >= 1)" if value is None else f"{value:.2e}"
+
+
+def collapse_stages(rows: list[list[str]]) -> list[list[str]]:
+    """Merge consecutive rows that differ only in their first cell (the stage): "1-14"."""
+    out: list[list[str]] = []
+    first_of_run: list[str] = []
+    for row in rows:
+        if out and out[-1][1:] == row[1:]:
+            out[-1][0] = f"{first_of_run[0]}-{row[0]}"
+        else:
+            out.append(list(row))
+            first_of_run = [row[0]]
+    return out
+
+
+def report_tables(report: dict) -> Tables:
+    """(title, columns, rows) for every section of the report."""
+    config = report["config"]
+    tables: Tables = []
+    settings = [[k, str(v)] for k, v in config.items() if k != "notes"]
+    tables.append(("Configuration (Megatron-Core names, after Megatron's own defaults)",
+                   ["setting", "value"], settings))
+    tables.append((
+        "Gradient buffer per stage and model chunk (one TP rank; fastgrad.layout.compute_layout)",
+        ["stage", "chunk", "params", "elements", "buffer numel", "padding", "buckets",
+         "bucket rule", "grad buffer", "param buffer", "MXFP8 sharing saves"],
+        collapse_stages([[str(r["stage"]), str(r["chunk"]), str(r["num_params"]), f"{r['param_elements']:,}",
+          f"{r['buffer_numel']:,}", f"{r['padding_elements']:,} ({100 * r['padding_fraction']:.4f}%)",
+          str(r["num_buckets"]), r["bucket_rule"], _bytes(r["grad_buffer_bytes"]),
+          _bytes(r["param_buffer_bytes"]),
+          _bytes(r["mxfp8_sharing_saving_bytes"])
+          + (" (on)" if r["mxfp8_sharing_enabled"] else " (if enabled)")]
+         for r in report["layout"]]),
+    ))
+    tables.append((
+        "Bytes sent per step by one rank of each stage",
+        ["stage", "grad sync", "param all-gather", "embedding all-reduce", "pipeline p2p",
+         "tensor parallel"],
+        collapse_stages([[str(r["stage"]), f"{_bytes(r['grad_sync_bytes'])} ({r['grad_collective']})",
+          _bytes(r["param_all_gather_bytes"]), _bytes(r["embedding_all_reduce_bytes"]),
+          _bytes(r["pipeline_p2p_sent_bytes"]), _bytes(r["tensor_parallel_bytes"])]
+         for r in report["wire"]]),
+    ))
+    tables.append(("Formulas (N = DP size, S = bucket numel, b = bytes per element, "
+                   "M = microbatches)", ["collective", "bytes per step"],
+                   [[k, v] for k, v in report["wire_formulas"].items()]))
+    err = report["reduction_error"]
+    tables.append(("Predicted relative error of the DP gradient reduction",
+                   ["method", "N", "u", "typical", "worst-case bound", "model", "basis"],
+                   [[err["method"], str(err["dp"]), _sci(err["unit_roundoff"]),
+                     _sci(err["typical_relative_error"]), _sci(err["worst_case_bound"]),
+                     err["model"], err["basis"]]]))
+    pipe = report["pipeline"]
+    costs = pipe["costs_ms"]
+    tables.append(("Pipeline step (verify simulate-pipeline's simulator; ms per microbatch and stage)",
+                   ["forward", "backward", "p2p", "grad sync", "last-stage sync", "mode",
+                    "step", "bubble", "closed-form bubble", "exposed sync"],
+                   [[f"{costs['forward']:.3f}", f"{costs['backward']:.3f}", f"{costs['p2p']:.4f}",
+                     f"{costs['grad_sync']:.3f}", f"{costs['last_stage_grad_sync']:.3f}",
+                     pipe["sync_mode"], f"{pipe['step_time_ms']:.2f}",
+                     f"{100 * pipe['bubble_fraction']:.2f}%",
+                     f"{100 * pipe['closed_form_bubble_fraction']:.2f}%",
+                     f"{pipe['exposed_grad_sync_ms']:.3f}"]]))
+    return tables
+
+
+def _notes(report: dict) -> list[str]:
+    lines = list(report["config"]["notes"]) + [report["bucket_rules"]]
+    lines += [f"assumption: {a}" for a in report["pipeline"]["assumptions"]]
+    lines.append(f"simulator: {report['pipeline']['model']}")
+    if report["unknown_flags"]:
+        lines.append("ignored flags (not used by preflight): " + ", ".join(report["unknown_flags"]))
+    lines.append(report["twin"]["note"])
+    return lines
+
+
+def print_terminal(report: dict, console: Console | None = None) -> None:
+    """The verdict line first, then the tables and notes."""
+    console = console or Console(soft_wrap=False)
+    console.print(report["verdict"], markup=False, highlight=False)
+    for title, columns, rows in report_tables(report):
+        table = Table(title=title, title_justify="left")
+        for column in columns:
+            table.add_column(column, overflow="fold")
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+    for line in _notes(report):
+        console.print(f"- {line}", markup=False, highlight=False)
+
+
+def _md_cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def render_markdown(report: dict) -> str:
+    """The whole report as Markdown: verdict, tables, notes, environment."""
+    out = [f"# verify preflight (gradverify {report['gradverify_version']})", "",
+           f"**{report['verdict']}**", ""]
+    for title, columns, rows in report_tables(report):
+        out += [f"## {title}", "", "| " + " | ".join(columns) + " |",
+                "|" + "---|" * len(columns)]
+        out += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in rows]
+        out.append("")
+    out += ["## Notes", ""] + [f"- {_md_cell(line)}" for line in _notes(report)] + [""]
+    out += ["## Environment", "", "```json", json.dumps(report["env"], indent=2), "```", ""]
+    return "\n".join(out)
+
+
+def write_outputs(report: dict, json_path: str | None, markdown_path: str | None) -> Sequence[str]:
+    """Write the requested files; returns what was written."""
+    written = []
+    if json_path:
+        Path(json_path).write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
+        written.append(json_path)
+    if markdown_path:
+        Path(markdown_path).write_text(render_markdown(report), encoding="utf-8")
+        written.append(markdown_path)
+    return written

@@ -1,0 +1,99 @@
+"""Pipeline bubble and exposed grad-sync time, from the discrete-event simulator.
+
+Costs are the user's (``--forward-ms`` etc.) or estimated from the paper
+figures under stated assumptions: forward FLOPs ``2 x params x tokens`` per TP
+rank (embedding lookups excluded, attention scores ignored), backward twice the
+forward, at ``--assumed-tflops``; grad sync and p2p from the wire bytes at
+``--assumed-bus-gbps``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from verify.preflight.config import PreflightConfig
+from verify.preflight.paper import ChunkLayout, activation_bytes
+from verify.studies.pipeline import PipelineCosts, closed_form_bubble_fraction, simulate
+
+EMBEDDING_LOOKUPS = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
+
+
+@dataclass(frozen=True)
+class CostInputs:
+    """Given costs (ms, per microbatch and stage; None = estimate) and the estimate's assumptions."""
+
+    forward_ms: float | None = None
+    backward_ms: float | None = None
+    grad_sync_ms: float | None = None
+    p2p_ms: float | None = None
+    assumed_tflops: float = 400.0
+    assumed_bus_gbps: float = 100.0
+
+    def __post_init__(self) -> None:
+        for name in ("forward_ms", "backward_ms", "grad_sync_ms", "p2p_ms"):
+            value = getattr(self, name)
+            if value is not None and not value >= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+        for name in ("assumed_tflops", "assumed_bus_gbps"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+
+
+def stage_matmul_params(chunks: list[ChunkLayout], stage: int) -> int:
+    """Parameters of a stage (one TP rank) that take part in matmuls."""
+    return sum(p.numel for c in chunks if c.stage == stage for p in c.params
+               if p.name not in EMBEDDING_LOOKUPS)
+
+
+def pipeline_timing(config: PreflightConfig, chunks: list[ChunkLayout], wire: list[dict],
+                    inputs: CostInputs) -> dict:
+    """Costs used (with their source) and the simulated step."""
+    pp, m = config.pipeline_model_parallel_size, config.num_microbatches
+    tokens = config.micro_batch_size * config.seq_length
+    flops_per_s = inputs.assumed_tflops * 1e12
+    bytes_per_ms = inputs.assumed_bus_gbps * 1e9 / 1e3
+    assumptions = []
+    if inputs.forward_ms is None:
+        heaviest = max(stage_matmul_params(chunks, s) for s in range(pp))
+        forward = 2 * heaviest * tokens / flops_per_s * 1e3
+        assumptions.append(f"forward = 2 x {heaviest:,} params (heaviest stage, per TP rank) x "
+                           f"{tokens:,} tokens at {inputs.assumed_tflops:g} TFLOP/s")
+    else:
+        forward = inputs.forward_ms
+    if inputs.backward_ms is None:
+        backward = 2 * forward
+        assumptions.append("backward = 2 x forward")
+    else:
+        backward = inputs.backward_ms
+    sync_by_stage = [row["grad_sync_bytes"] / bytes_per_ms for row in wire]
+    if inputs.grad_sync_ms is None:
+        grad_sync = max(sync_by_stage[:-1]) if pp > 1 else sync_by_stage[0]
+        last_sync = sync_by_stage[-1]
+        assumptions.append(f"grad sync = wire bytes / {inputs.assumed_bus_gbps:g} GB/s bus "
+                           "bandwidth (largest non-last stage; the last stage its own)")
+    else:
+        grad_sync = last_sync = inputs.grad_sync_ms
+    if inputs.p2p_ms is None:
+        p2p = activation_bytes(config) / bytes_per_ms if pp > 1 else 0.0
+        assumptions.append(f"p2p = one boundary activation / {inputs.assumed_bus_gbps:g} GB/s")
+    else:
+        p2p = inputs.p2p_ms
+    costs = PipelineCosts(forward=forward, backward=backward, p2p=p2p, grad_sync=grad_sync,
+                          num_buckets=1, last_stage_grad_sync=last_sync)
+    mode = "overlap" if config.overlap_grad_reduce else "after-compute"
+    vpp = config.virtual_pipeline_model_parallel_size
+    result = simulate(pp, m, costs, mode=mode, virtual_stages=vpp)
+    return {
+        "costs_ms": {"forward": forward, "backward": backward, "p2p": p2p,
+                     "grad_sync": grad_sync, "last_stage_grad_sync": last_sync},
+        "assumptions": assumptions,
+        "sync_mode": mode,
+        "step_time_ms": result.step_time,
+        "compute_end_ms": result.compute_end,
+        "bubble_fraction": result.bubble_fraction,
+        "closed_form_bubble_fraction": closed_form_bubble_fraction(pp, m, vpp),
+        "exposed_grad_sync_ms": result.exposed_grad_sync,
+        "hidden_grad_sync_fraction": result.hidden_fraction,
+        "model": ("one bucket per stage in the simulator (production buckets only pipeline "
+                  "rank 0's first chunk); equal costs on every stage (the heaviest one)"),
+    }
