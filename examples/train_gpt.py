@@ -21,6 +21,7 @@ bitwise identical, else the exit status is 1.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import socket
 import sys
@@ -29,6 +30,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Protocol
 
 if __package__ in (None, ""):
     # Run as a file (torchrun examples/train_gpt.py): make `examples` and the
@@ -64,6 +66,16 @@ class Runtime:
         return self.groups.rank
 
 
+class TrainOptimizer(Protocol):
+    """What the training loop needs from :func:`build_optimizer`'s result."""
+
+    skipped: int  # updates skipped so far (non-finite gradients)
+
+    def step(self) -> float:
+        """Update the params from the reduced ``main_grad``; return the global grad norm."""
+        ...
+
+
 def unsupported_optimizer_reason(args: TrainArgs) -> str | None:
     """Why :func:`build_optimizer` cannot serve ``args`` (None when it can)."""
     if args.use_distributed_optimizer:
@@ -79,9 +91,12 @@ class AdamWOnMainGrad:
     """Fallback optimizer: ``torch.optim.AdamW`` fed from the DP-averaged ``main_grad``.
 
     Valid only when every rank holds the whole reduced gradient (all-reduce,
-    no distributed optimizer). ``step`` clips by the global norm over all
+    no distributed optimizer). 16-bit params are updated through fp32 master
+    copies (as Megatron-Core's mixed-precision optimizer: AdamW's state and
+    ``eps`` do not survive fp16). ``step`` clips by the global norm over all
     pipeline stages (the last stage's copy of a tied embedding is not counted
-    twice), steps AdamW and clears ``.grad`` again (the DDP hooks need it None).
+    twice) and skips the update when that norm is not finite; the norm is the
+    same on every rank, so all ranks skip together.
     """
 
     def __init__(self, ddp_modules: Sequence[DistributedDataParallel], args: TrainArgs,
@@ -89,8 +104,12 @@ class AdamWOnMainGrad:
         self.args = args
         self.groups = groups
         self.params = [p for d in ddp_modules for p in d.module.parameters() if p.requires_grad]
-        decay = [p for p in self.params if p.ndim >= 2]
-        no_decay = [p for p in self.params if p.ndim < 2]  # biases and norm weights
+        self.masters = [
+            p if p.dtype == torch.float32 else p.detach().float().requires_grad_(True)
+            for p in self.params
+        ]
+        decay = [m for p, m in zip(self.params, self.masters) if p.ndim >= 2]
+        no_decay = [m for p, m in zip(self.params, self.masters) if p.ndim < 2]  # biases, norms
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": args.weight_decay},
              {"params": no_decay, "weight_decay": 0.0}],
@@ -102,6 +121,7 @@ class AdamWOnMainGrad:
             p for p in self.params
             if not (getattr(p, "shared_embedding", False) and not groups.is_first_stage)
         ]
+        self.skipped = 0
 
     def global_grad_norm(self) -> float:
         """L2 norm of the reduced gradient of the whole model (all stages)."""
@@ -113,22 +133,32 @@ class AdamWOnMainGrad:
         return float(squares.sqrt())
 
     def step(self) -> float:
-        """Clip, update the parameters; return the gradient norm before clipping."""
+        """Clip and update the parameters; return the gradient norm before clipping."""
         norm = self.global_grad_norm()
+        if not math.isfinite(norm):
+            self.skipped += 1
+            return norm
         scale = 1.0
         if self.args.clip_grad > 0 and norm > self.args.clip_grad:
             scale = self.args.clip_grad / (norm + 1e-6)
-        for p in self.params:
-            p.grad = p.main_grad.to(p.dtype) * scale
+        for master, p in zip(self.masters, self.params):
+            master.grad = p.main_grad.to(master.dtype) * scale
         self.optimizer.step()
-        for p in self.params:
-            p.grad = None
+        with torch.no_grad():
+            for master, p in zip(self.masters, self.params):
+                master.grad = None  # a .grad left on p would be added to by the next backward
+                if master is not p:
+                    p.copy_(master)
         return norm
 
 
 def build_optimizer(ddp_modules: Sequence[DistributedDataParallel], args: TrainArgs,
-                    groups: ParallelGroups) -> AdamWOnMainGrad:
-    """The optimizer of the wrapped modules (call ``step()`` after ``finish_grad_sync``)."""
+                    groups: ParallelGroups) -> TrainOptimizer:
+    """The optimizer of the wrapped modules (call ``step()`` after ``finish_grad_sync``).
+
+    The one place to plug in ``fastgrad.optim``'s distributed optimizer (and
+    then to drop the refusal in :func:`unsupported_optimizer_reason`).
+    """
     reason = unsupported_optimizer_reason(args)
     if reason is not None:
         raise ValueError(reason)
@@ -282,7 +312,7 @@ def train(args: TrainArgs, runtime: Runtime, console: Console) -> int:
         console.print(
             f"world {dist.get_world_size()} ({runtime.backend}) = PP {groups.pp_size} x DP "
             f"{groups.dp_size}; {args.num_microbatches} microbatches of {args.micro_batch_size}"
-            f" per replica; vocabulary {corpus.vocab_size}; {count} params on stage 0",
+            f" per replica; vocabulary {corpus.vocab_size}; stage 0 holds {count} parameters",
             markup=False, highlight=False,
         )
     losses: list[float] = []
@@ -310,12 +340,14 @@ def train(args: TrainArgs, runtime: Runtime, console: Console) -> int:
                     markup=False, highlight=False,
                 )
     agree = verify_identical_parameters(ddp.module, runtime, console)
+    world = dist.get_world_size()
     if rank0:
         console.print(
             f"summary: first loss {losses[0]:.6f} last loss {losses[-1]:.6f} after "
-            f"{args.train_iters} iterations; parameters "
+            f"{args.train_iters} iterations ({optimizer.skipped} skipped for non-finite gradients); "
+            "parameters "
             + ("identical on" if agree else "DIFFER across")
-            + f" all {dist.get_world_size()} ranks",
+            + (f" all {world} ranks" if world > 1 else " the one rank"),
             markup=False, highlight=False,
         )
     return 0 if agree else 1

@@ -98,9 +98,10 @@ def test_train_gpt_dp2_and_pp2_loss_falls_and_ranks_agree() -> None:
     assert pp[0][3] and pp[0][3] == pp[1][3], "tied embedding copies differ between the stages"
     # Same global batch each step (2 replicas x 2 microbatches vs 1 x 4): the same
     # mathematical training run, differing only in the rounding of the reductions
-    # (fp32 sums in another order), which 20 steps amplify far less than 1e-3.
+    # (fp32 sums in another order), which 20 steps leave near 3e-7 relative (the printed precision); a
+    # wrong data split or schedule shows as > 1e-2 from the first step.
     for step, (a, b) in enumerate(zip(curves["DP=2"], curves["PP=2"]), start=1):
-        assert abs(a - b) <= 1e-3 * abs(b), f"step {step}: DP=2 loss {a} vs PP=2 loss {b}"
+        assert abs(a - b) <= 1e-4 * abs(b), f"step {step}: DP=2 loss {a} vs PP=2 loss {b}"
 
 
 @pytest.mark.parametrize(
