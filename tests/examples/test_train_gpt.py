@@ -178,3 +178,14 @@ def test_two_stages_compose_to_the_whole_model(tie: bool) -> None:
         assert shared_first == [] and shared_last == []
     with pytest.raises(ValueError, match="num_layers=2 must be divisible by pp_size=3"):
         build_stage(model, 0, 3)
+
+
+def test_distributed_optimizer_is_refused_until_fastgrad_optim_is_wired(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from examples import train_gpt
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert train_gpt.main(["--use-distributed-optimizer"]) == 2
+    assert "--use-distributed-optimizer needs fastgrad.optim" in capsys.readouterr().err
