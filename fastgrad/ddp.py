@@ -15,6 +15,20 @@ Mechanics (REFERENCE_NOTES section 5, production's DDP with its failure modes fi
   ``1/dp`` pre-scaling or ``ReduceOp.AVG``) the moment its last expected
   parameter is ready. ``finish_grad_sync()`` waits for them all. Without
   overlap, ``finish_grad_sync()`` runs the same reductions synchronously.
+  Whether a bucket's reduce was launched is the bucket's own
+  ``reduce_in_flight`` (recorded in one place).
+- The data-parallel group is resolved once (:class:`fastgrad.mesh.DPMeshInfo`)
+  and handed to the buffer and its buckets.
+- ``DistributedDataParallel`` is a ``torch.nn.Module`` wrapping the user's
+  module as submodule ``module``: ``forward`` calls it; ``parameters()``,
+  ``named_parameters()``, ``state_dict()`` and ``load_state_dict()`` are the
+  wrapped module's, under its own names (no ``module.`` prefix), unpadded.
+- After ``finish_grad_sync()`` a plain ``torch.optim`` optimizer on
+  ``ddp.parameters()`` either steps on the reduced gradient (all-reduce:
+  ``param.grad`` is ``main_grad``, or a cast copy when dtypes differ) or fails
+  at its first step with a LifecycleError (distributed optimizer: only a shard
+  is reduced); see :mod:`fastgrad.exposed_grads`. ``zero_grad_buffer()``
+  resets ``param.grad`` to None.
 
 Expected counts. On the first batch (and again whenever the set of trainable
 parameters changes) the engine *learns* which parameters of each bucket really
@@ -36,12 +50,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch.distributed as dist
 from torch import nn
 
 from fastgrad.buffer import Bucket, ParamAndGradBuffer
 from fastgrad.config import DDPConfig
 from fastgrad.errors import LifecycleError
+from fastgrad.exposed_grads import drop_exposed_grads, expose_reduced_grads
+from fastgrad.mesh import DPMeshInfo
 
 
 @dataclass
@@ -52,7 +67,11 @@ class _BucketState:
     index: int
     ready: set[nn.Parameter] = field(default_factory=set)
     learned: frozenset[nn.Parameter] | None = None
-    launched: bool = False
+
+    @property
+    def launched(self) -> bool:
+        """The bucket's reduce was launched this step (the bucket's own record)."""
+        return self.bucket.reduce_in_flight
 
 
 @dataclass(frozen=True)
@@ -67,8 +86,13 @@ class BucketReadiness:
     learned: bool
 
 
-class DistributedDataParallel:
+class DistributedDataParallel(nn.Module):
     """Wrap ``module``; reduce its gradients across ``dp_group`` bucket by bucket.
+
+    An ``nn.Module``: ``ddp(x)`` runs ``module``; ``parameters()``,
+    ``named_parameters()``, ``state_dict()``/``load_state_dict()`` are the
+    wrapped module's (its own names, unpadded tensors); ``train()``/``eval()``
+    reach it as submodule ``module``.
 
     ``average=True`` (production's default) averages over the replicas: through
     ``ReduceOp.AVG`` when ``config.average_in_collective`` is set, otherwise by
@@ -97,6 +121,7 @@ class DistributedDataParallel:
                 "config.average_in_collective=True averages in the collective; it cannot be "
                 "combined with average=False (sum)"
             )
+        super().__init__()
         self.module = module
         self.config = config
         self._names = {p: n for n, p in module.named_parameters()}
@@ -109,12 +134,13 @@ class DistributedDataParallel:
         unknown = [p for p in self.external_grad_params if p not in trainable]
         if unknown:
             raise ValueError("external_grad_params must be trainable parameters of module")
-        dp_size = dist.get_world_size(dp_group) if dist.is_initialized() else 1
-        scaling = 1.0 / dp_size if (average and not config.average_in_collective) else 1.0
+        self.mesh = DPMeshInfo.resolve(dp_group)
+        scaling = 1.0 / self.mesh.size if (average and not config.average_in_collective) else 1.0
         self.buffer = ParamAndGradBuffer(
-            params, config=config, dp_group=dp_group, gradient_scaling_factor=scaling
+            params, config=config, mesh=self.mesh, gradient_scaling_factor=scaling
         )
-        self.dp_size = dp_size
+        self.dp_size = self.mesh.size
+        self._exposed_grads: dict = {}  # param -> what finish_grad_sync put in param.grad
         self._states = [_BucketState(b, i) for i, b in enumerate(self.buffer.buckets)]
         self._state_of = {p: s for s in self._states for p in s.bucket.params}
         self._sync_enabled = True
@@ -124,16 +150,37 @@ class DistributedDataParallel:
         self._trainable: frozenset[nn.Parameter] = frozenset(params)
         self._learning = True
         self.relearn_count = 0
-        self._hooks = [
+        self._grad_hooks = [
             p.register_post_accumulate_grad_hook(self._on_grad_accumulated)
             for p in params
             if p not in self.external_grad_params
         ]
 
-    # -- forwarding
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    # -- nn.Module: the wrapped module, under its own names
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module's forward."""
         return self.module(*args, **kwargs)
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """The wrapped module's parameters under its own names (``parameters()`` uses this)."""
+        return self.module.named_parameters(
+            prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate
+        )
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped module's state dict (its names, unpadded tensors; no ``module.`` prefix)."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Copy ``state_dict`` into the wrapped module's tensors (which stay buffer views)."""
+        if assign:
+            raise ValueError(
+                "assign=True would replace the parameters with new tensors outside the grad "
+                "buffer; load with assign=False (the default)"
+            )
+        return self.module.load_state_dict(state_dict, strict=strict)
 
     def name_of(self, param: nn.Parameter) -> str:
         """The parameter's name in the wrapped module (for error messages)."""
@@ -167,6 +214,7 @@ class DistributedDataParallel:
                 f"zero_grad_buffer while bucket {pending[0].index}'s reduce is launched and not "
                 "finished; call finish_grad_sync first"
             )
+        drop_exposed_grads(self._exposed_grads)
         self.buffer.zero_grad()
         self._open_step()
 
@@ -217,7 +265,18 @@ class DistributedDataParallel:
         state = self._state_of[param]
         if self._sync_enabled:
             self._check_can_become_ready(param, state)
-        param.main_grad.add_(param.grad)
+        exposed = self._exposed_grads.pop(param, None)
+        if exposed is not None and param.grad is exposed:
+            # The last finish_grad_sync exposed a grad and autograd accumulated into it.
+            if exposed is not param.main_grad:
+                raise LifecycleError(
+                    f"backward accumulated into {self.name_of(param)!r}'s param.grad, a cast copy "
+                    "of the reduced main_grad left by finish_grad_sync; call zero_grad_buffer() "
+                    "(or optimizer.zero_grad()) before the next backward"
+                )
+            # A view of main_grad: autograd already accumulated into main_grad itself.
+        else:
+            param.main_grad.add_(param.grad)
         param.grad = None
         if self._sync_enabled:
             self._register_ready(param, state)
@@ -277,7 +336,6 @@ class DistributedDataParallel:
     # -- reduction
     def _launch(self, state: _BucketState, site: str) -> None:
         state.bucket.start_grad_sync()
-        state.launched = True
         self._launch_sites[state.index] = site
 
     def start_grad_sync(self) -> None:
@@ -333,13 +391,15 @@ class DistributedDataParallel:
             self._end_step(learn=False)
             raise error
         self._end_step(learn=self._learning)
+        self._exposed_grads = expose_reduced_grads(
+            self.buffer.params, sharded=self.config.use_distributed_optimizer
+        )
 
     def _end_step(self, *, learn: bool) -> None:
         for state in self._states:
             if learn:
                 state.learned = frozenset(state.ready)
             state.ready.clear()
-            state.launched = False
         if learn:
             self._learning = False
         self.last_launch_sites = tuple(
@@ -355,6 +415,6 @@ class DistributedDataParallel:
 
     def remove_hooks(self) -> None:
         """Detach the grad hooks (the buffer views stay)."""
-        for handle in self._hooks:
+        for handle in self._grad_hooks:
             handle.remove()
-        self._hooks.clear()
+        self._grad_hooks.clear()

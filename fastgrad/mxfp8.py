@@ -27,6 +27,8 @@ On CUDA with Triton installed, the general formula runs fused in
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 # The argument contract (modes, dtypes, shapes) is the spec's; one copy of it, in
@@ -149,11 +151,41 @@ def round_scaled_to_e4m3(
     return code.bitwise_or_(sign)
 
 
+QuantizedPair = tuple[torch.Tensor, torch.Tensor]
+
+
+def validate_quantize_out(x: torch.Tensor, block_size: int, out: QuantizedPair | None) -> None:
+    """``out`` must be None or ``(scale_bits, element_bits)``: contiguous uint8 on ``x``'s device."""
+    if out is None:
+        return
+    if not isinstance(out, tuple) or len(out) != 2:
+        raise TypeError("out must be a (scale_bits, element_bits) tuple of tensors")
+    scale_shape = (*x.shape[:-1], x.shape[-1] // block_size)
+    for name, tensor, shape in (
+        ("out[0] (scale_bits)", out[0], scale_shape),
+        ("out[1] (element_bits)", out[1], tuple(x.shape)),
+    ):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dtype != torch.uint8 or tuple(tensor.shape) != tuple(shape):
+            raise ValueError(
+                f"{name} must be uint8 with shape {tuple(shape)}, got {tensor.dtype} "
+                f"{tuple(tensor.shape)}"
+            )
+        if tensor.device != x.device or not tensor.is_contiguous():
+            raise ValueError(f"{name} must be contiguous on {x.device}")
+
+
 def quantize_torch(
-    x: torch.Tensor, *, scale_mode: str = "floor", block_size: int = 32
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x: torch.Tensor,
+    *,
+    scale_mode: str = "floor",
+    block_size: int = 32,
+    out: QuantizedPair | None = None,
+) -> QuantizedPair:
     """The vectorised torch path of :func:`quantize` (any device)."""
     validate_quantize_args(x, scale_mode, block_size)
+    validate_quantize_out(x, block_size, out)
     bits = x.detach().to(torch.float32).contiguous().view(torch.int32)
     blocks = bits.reshape(-1, block_size)
     magnitude = blocks & _FP32_MAGNITUDE_MASK
@@ -171,6 +203,11 @@ def quantize_torch(
         codes = torch.where(nonfinite, _E4M3_NAN, codes)
     scales = torch.where(nonfinite, _E8M0_NAN, exponent + _E8M0_BIAS)
     scale_shape = (*x.shape[:-1], x.shape[-1] // block_size)
+    if out is not None:
+        # copy_ casts int32 -> uint8 like .to(torch.uint8): no uint8 temporaries.
+        out[0].copy_(scales.reshape(scale_shape))
+        out[1].copy_(codes.reshape(x.shape))
+        return out
     return (
         scales.to(torch.uint8).reshape(scale_shape),
         codes.to(torch.uint8).reshape(x.shape),
@@ -186,19 +223,26 @@ def triton_usable(x: torch.Tensor, block_size: int) -> bool:
 
 
 def quantize(
-    x: torch.Tensor, *, scale_mode: str = "floor", block_size: int = 32
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x: torch.Tensor,
+    *,
+    scale_mode: str = "floor",
+    block_size: int = 32,
+    out: QuantizedPair | None = None,
+) -> QuantizedPair:
     """MXFP8-quantize ``x`` along its last dimension; bitwise equal to ``refgrad.mxfp8.quantize``.
 
-    Returns ``(scale_bits, element_bits)`` as uint8 tensors on ``x``'s device.
+    Returns ``(scale_bits, element_bits)`` as uint8 tensors on ``x``'s device;
+    with ``out=(scale_bits, element_bits)`` (contiguous uint8 of those shapes)
+    the codes are written straight into them, and ``out`` is returned.
     Uses the Triton kernel on CUDA when Triton is installed.
     """
     validate_quantize_args(x, scale_mode, block_size)
+    validate_quantize_out(x, block_size, out)
     if triton_usable(x, block_size):
         from fastgrad.kernels.mxfp8 import quantize_triton
 
-        return quantize_triton(x, scale_mode=scale_mode, block_size=block_size)
-    return quantize_torch(x, scale_mode=scale_mode, block_size=block_size)
+        return quantize_triton(x, scale_mode=scale_mode, block_size=block_size, out=out)
+    return quantize_torch(x, scale_mode=scale_mode, block_size=block_size, out=out)
 
 
 def e4m3_code_values(device: torch.device | str = "cpu") -> torch.Tensor:
@@ -252,3 +296,55 @@ def _canonical_nan(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.tensor(0x7FC00000, dtype=torch.int32, device=device).view(dtype)
     pattern = 0x7FC0 if dtype == torch.bfloat16 else 0x7E00
     return torch.tensor(pattern, dtype=torch.int16, device=device).view(dtype)
+
+
+PARAM_DTYPE = torch.bfloat16  # dtype of all-gathered (and non-quantized) MXFP8-model params
+
+
+class MXFP8Parameter:
+    """A weight held as MXFP8 bits in its own storage (E8M0 scales + E4M3 elements).
+
+    ``copy_from(values)`` quantizes ``values`` straight into that storage;
+    ``dequantize()`` gives the values the forward pass computes with.
+    ``main_grad`` is set by the ``fastgrad.buffer.ParamAndGradBuffer`` holding it.
+    """
+
+    def __init__(
+        self, value: torch.Tensor, *, scale_mode: str = "floor", block_size: int = 32
+    ) -> None:
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            raise TypeError("value must be a floating-point torch.Tensor")
+        scale_bits, element_bits = quantize(
+            value.detach().to(PARAM_DTYPE), scale_mode=scale_mode, block_size=block_size
+        )
+        self.shape = tuple(value.shape)
+        self.scale_mode = scale_mode
+        self.block_size = block_size
+        self.scale_bits = scale_bits
+        self.element_bits = element_bits
+        self.main_grad: torch.Tensor | None = None
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def device(self) -> torch.device:
+        return self.element_bits.device
+
+    def copy_from(self, values: torch.Tensor) -> None:
+        """Quantize ``values`` (any float dtype, ``numel`` elements) into this parameter, in place."""
+        if values.numel() != self.numel():
+            raise ValueError(f"values has {values.numel()} elements, the parameter {self.numel()}")
+        quantize(
+            values.reshape(self.shape),
+            scale_mode=self.scale_mode,
+            block_size=self.block_size,
+            out=(self.scale_bits, self.element_bits),
+        )
+
+    def dequantize(self, dtype: torch.dtype = PARAM_DTYPE) -> torch.Tensor:
+        """The parameter's values (exact in bf16 and fp32 for the scales quantize produces)."""
+        return dequantize(self.scale_bits, self.element_bits, block_size=self.block_size, dtype=dtype)
+
+    def __repr__(self) -> str:
+        return f"MXFP8Parameter(shape={self.shape}, scale_mode={self.scale_mode!r})"

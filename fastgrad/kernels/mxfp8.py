@@ -19,6 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
+# The argument contract lives in refgrad (the spec); importing it from there,
+# not from fastgrad.mxfp8, keeps this module out of an import cycle with it.
+from refgrad.mxfp8 import validate_quantize_args
+
 SCALE_MODE_CODES = {"floor": 0, "ceil": 1, "even": 2, "rceil": 3}
 DEFAULT_BLOCKS_PER_PROGRAM = 64
 
@@ -97,13 +101,14 @@ def quantize_triton(
     scale_mode: str = "floor",
     block_size: int = 32,
     blocks_per_program: int = DEFAULT_BLOCKS_PER_PROGRAM,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP8-quantize ``x`` with the Triton kernel; same contract as ``fastgrad.mxfp8.quantize``.
 
     ``block_size`` and ``blocks_per_program`` must be powers of two (``tl.arange``).
+    ``out=(scale_bits, element_bits)``: contiguous uint8 tensors the kernel writes
+    into (validated by ``fastgrad.mxfp8.quantize``, the public entry point).
     """
-    from fastgrad.mxfp8 import validate_quantize_args
-
     validate_quantize_args(x, scale_mode, block_size)
     for name, value in (("block_size", block_size), ("blocks_per_program", blocks_per_program)):
         # 0 & -1 == 0, so the power-of-two test alone would let 0 through.
@@ -117,8 +122,11 @@ def quantize_triton(
     else:
         kernel_source, source_kind = source, 2
     n_blocks = source.numel() // block_size
-    scales = torch.empty(n_blocks, dtype=torch.uint8, device=x.device)
-    elements = torch.empty(source.shape, dtype=torch.uint8, device=x.device)
+    if out is None:
+        scales = torch.empty(n_blocks, dtype=torch.uint8, device=x.device)
+        elements = torch.empty(source.shape, dtype=torch.uint8, device=x.device)
+    else:
+        scales, elements = out[0].view(-1), out[1]
     if n_blocks:
         grid = (triton.cdiv(n_blocks, blocks_per_program),)
         _mxfp8_quantize_kernel[grid](
@@ -131,4 +139,6 @@ def quantize_triton(
             SCALE_MODE=SCALE_MODE_CODES[scale_mode],
             SOURCE_KIND=source_kind,
         )
+    if out is not None:
+        return out
     return scales.reshape(*x.shape[:-1], x.shape[-1] // block_size), elements

@@ -7,15 +7,16 @@ import torch
 
 from fastgrad.buffer import (
     AllReduceStrategy,
-    Fp32AccumulationReduceScatterStrategy,
     LocalOnlyStrategy,
     ParamAndGradBuffer,
     ReduceScatterStrategy,
     aligned_zeros,
     select_reduce_strategy,
 )
+from fastgrad.comm import reduce_scatter_into
 from fastgrad.config import DDPConfig
 from fastgrad.errors import LifecycleError
+from fastgrad.reduce_scatter import reduce_scatter_with_fp32_accumulation
 from refgrad.layout import compute_layout as reference_layout
 from verify.checks.layout import buffer_violations, default_scenarios, run_reduce_scenarios
 
@@ -196,11 +197,13 @@ def test_reduce_across_ranks_without_process_group_is_refused():
 def test_strategy_selection():
     assert isinstance(select_reduce_strategy(DIST_OPT, distributed=False), LocalOnlyStrategy)
     assert isinstance(select_reduce_strategy(DDPConfig(), distributed=True), AllReduceStrategy)
-    assert isinstance(select_reduce_strategy(DIST_OPT, distributed=True), ReduceScatterStrategy)
+    plain = select_reduce_strategy(DIST_OPT, distributed=True)
+    assert isinstance(plain, ReduceScatterStrategy) and plain.collective is reduce_scatter_into
     fp32 = DDPConfig(use_distributed_optimizer=True, reduce_scatter_with_fp32_accumulation=True)
-    assert isinstance(
-        select_reduce_strategy(fp32, distributed=True), Fp32AccumulationReduceScatterStrategy
-    )
+    fp32_strategy = select_reduce_strategy(fp32, distributed=True)
+    # One reduce-scatter class, parameterised by the collective.
+    assert isinstance(fp32_strategy, ReduceScatterStrategy)
+    assert fp32_strategy.collective is reduce_scatter_with_fp32_accumulation
     avg = select_reduce_strategy(DDPConfig(average_in_collective=True), distributed=True)
     assert avg.op == torch.distributed.ReduceOp.AVG
     with pytest.raises(TypeError, match="DDPConfig"):

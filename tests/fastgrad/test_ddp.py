@@ -71,13 +71,23 @@ def test_main_grad_is_the_microbatch_ordered_sum(overlap):
     ddp = DistributedDataParallel(model, config=_config(overlap), average=False)
     inputs = _data(0, 3)
     expected = _per_microbatch_grads(0, inputs)
-    _run_step(ddp, inputs)
+    ddp.zero_grad_buffer()
+    with ddp.no_sync():
+        for x in inputs[:-1]:
+            _backward(ddp, x)
+    _backward(ddp, inputs[-1])
+    for p in model.parameters():
+        assert p.grad is None  # moved into main_grad by the hook
+    ddp.finish_grad_sync()
     for name, p in model.named_parameters():
         acc = torch.zeros_like(p)
         for g in expected:
             acc = acc + g[name]
         assert torch.equal(p.main_grad, acc), name
-        assert p.grad is None  # moved into main_grad by the hook
+        # All-reduce config: finish_grad_sync exposes the reduced grad (same dtype: a view).
+        assert p.grad is p.main_grad
+    ddp.zero_grad_buffer()
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_buckets_launch_in_the_last_backward_after_the_first_batch():
@@ -302,3 +312,130 @@ def test_reductions_match_refgrad_on_two_ranks():
                     for rank in range(2):
                         got = results[rank][(label, overlap)][step][0][name]
                         assert torch.equal(got, expected), (label, overlap, step, name, rank)
+
+
+# ---------------------------------------------------------------- nn.Module and plain optimizers
+
+
+def test_ddp_is_a_module_with_the_wrapped_modules_names_and_tensors():
+    model = TwoLayer()
+    ddp = DistributedDataParallel(model, config=_config(use_distributed_optimizer=True))
+    assert isinstance(ddp, nn.Module) and ddp.module is model
+    assert [n for n, _ in ddp.named_parameters()] == [n for n, _ in model.named_parameters()]
+    assert all(a is b for a, b in zip(ddp.parameters(), model.parameters()))
+    state = ddp.state_dict()
+    assert list(state) == ["first.weight", "first.bias", "second.weight", "second.bias"]
+    for name, p in model.named_parameters():
+        assert state[name].shape == p.shape and torch.equal(state[name], p)  # unpadded
+    x = _data(0, 1)[0]
+    assert torch.equal(ddp(x), model(x))
+    ddp.eval()
+    assert not model.training and not model.first.training
+    ddp.train()
+    assert model.training
+    # Loading writes through the parameters, which stay views into the buffer.
+    other = TwoLayer(seed=5).state_dict()
+    ddp.load_state_dict(other)
+    group = ddp.buffer.group_of(model.first.weight)
+    start, end = group.param_range(model.first.weight)
+    assert torch.equal(group.param_data[start:end].view(4, 4), other["first.weight"])
+    assert model.first.weight.data_ptr() == group.param_data[start:end].data_ptr()
+    with pytest.raises(ValueError, match="assign"):
+        ddp.load_state_dict(other, assign=True)
+
+
+def test_plain_optimizer_under_the_distributed_optimizer_fails_at_its_first_step():
+    model = TwoLayer()
+    ddp = DistributedDataParallel(model, config=_config(use_distributed_optimizer=True))
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    _run_step(ddp, _data(0, 2))
+    with pytest.raises(LifecycleError, match="use_distributed_optimizer=True"):
+        optimizer.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    # A backward without zero_grad_buffer is refused too, instead of corrupting main_grad.
+    with pytest.raises(LifecycleError, match="zero_grad_buffer"):
+        _backward(ddp, _data(1, 1)[0])
+    ddp.zero_grad_buffer()  # resets param.grad: the next step works again
+    _run_step(ddp, _data(2, 2))
+
+
+def test_backward_into_an_exposed_cast_copy_is_refused():
+    model = TwoLayer().to(torch.bfloat16)
+    ddp = DistributedDataParallel(model, config=_config(grad_reduce_in_fp32=True))
+    _run_step(ddp, [x.to(torch.bfloat16) for x in _data(0, 1)])
+    assert model.first.weight.grad.dtype == torch.bfloat16  # a cast copy of the fp32 main_grad
+    with pytest.raises(LifecycleError, match="cast copy"):
+        _backward(ddp, _data(1, 1)[0].to(torch.bfloat16))
+
+
+SGD_LR = 0.125
+PLAIN_OPTIMIZER_CASES = {
+    "fp32 params (param.grad is main_grad)": (torch.float32, False),
+    "bf16 params, fp32 grads (param.grad is a cast copy)": (torch.bfloat16, True),
+}
+
+
+def _plain_sgd_worker(rank, world_size):
+    out = {}
+    for label, (dtype, grad_fp32) in PLAIN_OPTIMIZER_CASES.items():
+        model = TwoLayer().to(dtype)
+        ddp = DistributedDataParallel(
+            model, config=_config(True, grad_reduce_in_fp32=grad_fp32), average=True
+        )
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=SGD_LR)
+        steps = []
+        for step in range(3):
+            inputs = [x.to(dtype) for x in _data(10 * step + rank, 2)]  # rank-specific
+            _run_step(ddp, inputs)
+            optimizer.step()
+            steps.append((inputs, {n: p.detach().clone() for n, p in model.named_parameters()}))
+        out[label] = steps
+    try:
+        ddp = DistributedDataParallel(TwoLayer(), config=_config(use_distributed_optimizer=True))
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=SGD_LR)
+        _run_step(ddp, _data(rank, 2))
+        optimizer.step()
+        out["distributed optimizer"] = "no error"
+    except LifecycleError as exc:
+        out["distributed optimizer"] = str(exc)
+    return out
+
+
+@pytest.mark.dist
+def test_plain_sgd_on_ddp_parameters_matches_a_hand_computed_reference_on_two_ranks():
+    """SGD on ddp.parameters() = p - lr * (mean over ranks of the summed microbatch grads).
+
+    Hand reference: each rank's grads from plain autograd on an identical module,
+    summed over microbatches in the grad dtype (main_grad starts at 0), times 1/2
+    (prescale: exact), summed over the 2 ranks (one fp32/bf16 addition: order-free),
+    cast to the param dtype, then torch.optim.SGD's update ``p.add_(g, alpha=-lr)``.
+    """
+    results = run_distributed(_plain_sgd_worker, 2)
+    for label, (dtype, grad_fp32) in PLAIN_OPTIMIZER_CASES.items():
+        grad_dtype = torch.float32 if grad_fp32 else dtype
+        reference = TwoLayer().to(dtype)
+        for step in range(3):
+            per_rank = []
+            for rank in range(2):
+                inputs, _ = results[rank][label][step]
+                acc = {n: torch.zeros_like(p, dtype=grad_dtype) for n, p in reference.named_parameters()}
+                for x in inputs:
+                    reference.zero_grad(set_to_none=True)
+                    reference(x).square().sum().backward()
+                    for n, p in reference.named_parameters():
+                        acc[n] = acc[n] + p.grad.to(grad_dtype)
+                per_rank.append(acc)
+            with torch.no_grad():
+                for n, p in reference.named_parameters():
+                    grad = (per_rank[0][n] * 0.5 + per_rank[1][n] * 0.5).to(dtype)
+                    p.add_(grad, alpha=-SGD_LR)
+            for rank in range(2):
+                got = results[rank][label][step][1]
+                for n, p in reference.named_parameters():
+                    assert got[n].dtype == dtype
+                    assert torch.equal(got[n], p.detach()), (label, step, rank, n)
+        # training moved the parameters
+        assert not torch.equal(results[0][label][0][1]["first.weight"], TwoLayer().to(dtype).first.weight)
+    for rank in range(2):
+        assert "use_distributed_optimizer=True" in results[rank]["distributed optimizer"]

@@ -150,6 +150,46 @@ def test_dequantize_errors():
         fast.dequantize(torch.zeros(2, dtype=torch.uint8), codes, dtype=torch.float64)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quantize_into_out_matches_refgrad_in_place(dtype):
+    g = torch.Generator().manual_seed(3)
+    from verify.fixtures.mxfp8 import random_blocks
+
+    x = torch.cat([special_blocks(dtype)[1], random_blocks(16, g, dtype)])  # several rows
+    for mode in ref.SCALE_MODES:
+        expected = ref.quantize(x, scale_mode=mode)
+        out = (torch.full_like(expected[0], 0xAB), torch.full_like(expected[1], 0xAB))
+        pointers = (out[0].data_ptr(), out[1].data_ptr())
+        assert fast.quantize(x, scale_mode=mode, out=out) is out
+        assert (out[0].data_ptr(), out[1].data_ptr()) == pointers
+        assert torch.equal(expected[0], out[0]) and torch.equal(expected[1], out[1]), mode
+
+
+def test_quantize_out_errors():
+    x = torch.zeros(2, 64)
+    good = (torch.zeros(2, 2, dtype=torch.uint8), torch.zeros(2, 64, dtype=torch.uint8))
+    with pytest.raises(TypeError, match="out must be a"):
+        fast.quantize(x, out=list(good))
+    with pytest.raises(ValueError, match=r"out\[0\].*shape \(2, 2\)"):
+        fast.quantize(x, out=(torch.zeros(4, dtype=torch.uint8), good[1]))
+    with pytest.raises(ValueError, match=r"out\[1\].*uint8"):
+        fast.quantize(x, out=(good[0], torch.zeros(2, 64)))
+    with pytest.raises(ValueError, match="contiguous"):
+        fast.quantize(x, out=(good[0], torch.zeros(64, 2, dtype=torch.uint8).T))
+
+
+def test_mxfp8_parameter_copy_from_writes_its_own_storage():
+    g = torch.Generator().manual_seed(4)
+    param = fast.MXFP8Parameter(torch.randn(8, 64, generator=g))
+    pointers = (param.scale_bits.data_ptr(), param.element_bits.data_ptr())
+    values = torch.randn(8 * 64, generator=g).to(torch.bfloat16)
+    param.copy_from(values)
+    expected = ref.quantize(values.reshape(8, 64))
+    assert (param.scale_bits.data_ptr(), param.element_bits.data_ptr()) == pointers
+    assert torch.equal(param.scale_bits, expected[0])
+    assert torch.equal(param.element_bits, expected[1])
+
+
 def test_triton_not_used_on_cpu():
     assert not fast.triton_usable(torch.zeros(32), 32)
 
@@ -172,6 +212,9 @@ def test_triton_kernel_logic_in_interpreter():
         "        s, e = quantize_triton(x, scale_mode=mode, blocks_per_program=8)\n"
         "        rs, re = ref.quantize(x, scale_mode=mode)\n"
         "        assert torch.equal(s, rs) and torch.equal(e, re), (dtype, mode)\n"
+        "        out = (torch.full_like(rs, 0xAB), torch.full_like(re, 0xAB))\n"
+        "        got = quantize_triton(x, scale_mode=mode, blocks_per_program=8, out=out)\n"
+        "        assert got is out and torch.equal(out[0], rs) and torch.equal(out[1], re)\n"
         "for bad in (0, 3, -4):\n"
         "    try:\n"
         "        quantize_triton(torch.zeros(64), blocks_per_program=bad)\n"
@@ -199,6 +242,9 @@ def test_cuda_quantize_matches_refgrad(dtype):
         expected = ref.quantize(x, scale_mode=mode)
         scales, elements = fast.quantize(x.cuda(), scale_mode=mode)  # Triton when installed
         assert torch.equal(expected[0], scales.cpu()) and torch.equal(expected[1], elements.cpu())
+        out = (torch.full_like(scales, 0xAB), torch.full_like(elements, 0xAB))
+        assert fast.quantize(x.cuda(), scale_mode=mode, out=out) is out  # written in place
+        assert torch.equal(expected[0], out[0].cpu()) and torch.equal(expected[1], out[1].cpu())
         torch_path = fast.quantize_torch(x.cuda(), scale_mode=mode)
         assert torch.equal(expected[0], torch_path[0].cpu())
         assert torch.equal(expected[1], torch_path[1].cpu())

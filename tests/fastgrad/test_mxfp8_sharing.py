@@ -19,7 +19,8 @@ from distributed_utils import run_distributed
 
 from fastgrad.config import DDPConfig
 from fastgrad.errors import LifecycleError
-from fastgrad.mxfp8_sharing import MXFP8Parameter, MXFP8ParamGradBuffer, ShardedOptimizer
+from fastgrad.mxfp8_sharing import MXFP8Parameter, MXFP8ParamGradBuffer
+from fastgrad.optim import ShardedOptimizer
 from refgrad import mxfp8 as ref
 from refgrad.formats import tensor_bit_patterns
 from verify.fixtures.mxfp8 import TOY_SHAPES, toy_config, train_both_modes_rank
@@ -204,7 +205,7 @@ def test_staging_over_unconsumed_grads_is_refused():
 def test_bucket_holding_a_non_quantized_param_is_not_zeroed():
     bias = torch.full((64,), 0.75, dtype=torch.bfloat16)  # registered last: bucket 0
     weights, buffer, optimizer = make_buffer(sharing=True, grad_fp32=False, extra=[bias])
-    assert buffer.bucket_of(bias).bucket_id == 0 and buffer.bucket_of(bias).holds_non_quantized
+    assert buffer.bucket_of(bias).bucket_id == 0 and buffer.region_of(bias).holds_non_quantized
     with pytest.raises(LifecycleError, match="non-quantized param"):
         buffer.zero_grad()  # production's zero_grad would wipe the bias here
     optimizer.stage()

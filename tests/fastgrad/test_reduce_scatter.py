@@ -114,7 +114,7 @@ def _error_cases(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
 
 def _buffer_cases(rank: int, group) -> list[dict]:
     """Production's call path: a bucketed bf16 buffer whose config selects this reduce-scatter."""
-    from fastgrad.buffer import Fp32AccumulationReduceScatterStrategy, ParamAndGradBuffer
+    from fastgrad.buffer import ParamAndGradBuffer
     from fastgrad.config import DDPConfig
 
     records = []
@@ -125,7 +125,7 @@ def _buffer_cases(rank: int, group) -> list[dict]:
         params = [torch.nn.Parameter(torch.zeros(shape, dtype=torch.bfloat16))
                   for shape in [(5,), (7, 3), (11,), (9, 2)]]
         buf = ParamAndGradBuffer(params, config=config, dp_group=group)
-        assert isinstance(buf.strategy, Fp32AccumulationReduceScatterStrategy)
+        assert buf.strategy.collective is reduce_scatter_with_fp32_accumulation
         for iteration in range(ITERATIONS):
             buf.zero_grad()
             g = torch.Generator().manual_seed(77 + 10 * rank + iteration)
