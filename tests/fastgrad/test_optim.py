@@ -7,6 +7,7 @@ used by the multi-rank tests in test_optim_dist.py.
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import pytest
 import torch
@@ -317,3 +318,38 @@ def test_wrong_ddp_config_is_refused():
     ddp = DistributedDataParallel(model, config=DDPConfig())
     with pytest.raises(ValueError, match="use_distributed_optimizer=True"):
         DistributedOptimizer(ddp, AdamWConfig(lr=0.1))
+
+
+# --------------------------------------------------------------------------- exact norm, groups
+
+
+def test_square_limbs_are_exact_and_partition_independent():
+    from fastgrad.optim.norm import limbs_to_fraction, local_square_limbs
+
+    torch.manual_seed(0)
+    x = torch.randn(5000) * torch.logspace(-30, 30, 5000)
+    x[:4] = torch.tensor([1e-45, -3e38, 2.0**-149, 0.0])  # subnormal, near max, tiny, zero
+    exact = sum((Fraction(v) ** 2 for v in x.tolist()), Fraction(0))
+    whole, _ = local_square_limbs([x])
+    assert limbs_to_fraction(whole) == exact
+    for cuts in ([1, 77, 4000], [2500], [13, 14, 15, 4999]):
+        parts = torch.tensor_split(x, cuts)
+        per_rank = [local_square_limbs([p])[0] for p in parts]
+        summed = [sum(limbs) for limbs in zip(*per_rank)]  # what all_reduce(SUM) computes
+        assert limbs_to_fraction(summed) == exact
+
+
+def test_square_limbs_count_nonfinite():
+    from fastgrad.optim.norm import local_square_limbs
+
+    _, nonfinite = local_square_limbs([torch.tensor([1.0, math.inf, -math.nan, 2.0])])
+    assert nonfinite == 2
+
+
+def test_groups_without_decay_split_by_buffer_group_and_by_rule():
+    model, ddp, opt = build(MIXED, "adamw")
+    groups = param_groups_without_decay_for(ddp)
+    names = [sorted(ddp.name_of(p) for p in g["params"]) for g in groups]
+    assert names == [["embed.weight"], ["norm.weight"], ["layer.weight"], ["layer.bias"]]
+    assert [g.get("weight_decay") for g in groups] == [None, 0.0, None, 0.0]
+    assert [c.weight_decay for c in opt.groups] == [0.1, 0.0, 0.1, 0.0]
