@@ -154,9 +154,15 @@ def adamw_element(p: Fraction, g: Fraction, m: Fraction, v: Fraction, s: dict[st
     return p, m, v
 
 
-def sgd_element(p: Fraction, g: Fraction, buf: Fraction | None, h: SGD):
-    """One element of one SGD step; ``buf`` None on the first step. Returns ``(p, buf)``."""
-    lr, mu, wd = r32(h.lr), r32(h.momentum), r32(h.weight_decay)
+def sgd_scalars(h: SGD) -> tuple[Fraction, Fraction, Fraction]:
+    """``(lr, momentum, weight_decay)`` rounded to fp32."""
+    return r32(h.lr), r32(h.momentum), r32(h.weight_decay)
+
+
+def sgd_element(p: Fraction, g: Fraction, buf: Fraction | None, s: tuple[Fraction, ...]):
+    """One element of one SGD step (``s`` from :func:`sgd_scalars`; ``buf`` None on the
+    first step). Returns ``(p, buf)``."""
+    lr, mu, wd = s
     if wd != 0:
         g = r32(g + r32(wd * p))
     if mu != 0:
@@ -248,9 +254,10 @@ def optimizer_step(
         else:
             first = state.momentum is None
             new_buf = []
+            s = sgd_scalars(h)
             for i, gi in enumerate(g):
                 state.master[i], b = sgd_element(
-                    state.master[i], gi, None if first else state.momentum[i], h
+                    state.master[i], gi, None if first else state.momentum[i], s
                 )
                 new_buf.append(b)
             if r32(h.momentum) != 0:

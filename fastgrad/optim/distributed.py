@@ -31,7 +31,14 @@ from fastgrad.comm import all_gather_into
 from fastgrad.ddp import DistributedDataParallel
 from fastgrad.errors import LifecycleError
 from fastgrad.optim.checkpoint import CheckpointMixin
-from fastgrad.optim.config import AdamWConfig, DynamicLossScaler, OptimizerConfig, SGDConfig, StepResult, fp32
+from fastgrad.optim.config import (
+    AdamWConfig,
+    DynamicLossScaler,
+    OptimizerConfig,
+    SGDConfig,
+    StepResult,
+    fp32,
+)
 from fastgrad.optim.norm import NUM_LIMBS, limbs_to_fraction, local_square_limbs
 from fastgrad.optim.update import adamw_update_, sgd_update_
 

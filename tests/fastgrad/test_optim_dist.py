@@ -86,7 +86,9 @@ def worker_dp3(rank: int, world: int, checkpoint: dict) -> dict:
 @pytest.mark.dist
 def test_dp2_then_dp3_bitwise_equal_to_refgrad():
     dp2 = run_distributed(worker_dp2, 2)
-    want, _ = reference_trajectory([2, 2, 2], MIXED, "adamw", clip=0.5)
+    want, (states, steps) = reference_trajectory([2, 2], MIXED, "adamw", clip=0.5)
+    after_checkpoint = (copy.deepcopy(states), steps)
+    want += reference_trajectory([2], MIXED, "adamw", clip=0.5, start=(states, steps), first_step_id=2)[0]
     for rank, out in enumerate(dp2):
         for step, snap in enumerate(out["adamw"]["snapshots"]):
             assert_matches(snap, want[step], f"dp2 adamw rank {rank} step {step}")
@@ -98,10 +100,9 @@ def test_dp2_then_dp3_bitwise_equal_to_refgrad():
 
     # Checkpoint after step 2 at DP=2; resume at DP=3 and at DP=1.
     checkpoint = dp2[0]["adamw"]["snapshots"][1]["state"]
-    _, (states, steps) = reference_trajectory([2, 2], MIXED, "adamw", clip=0.5)
     dp3 = run_distributed(worker_dp3, 3, checkpoint)
     want3, _ = reference_trajectory([3], MIXED, "adamw", clip=0.5, average=False,
-                                    start=(copy.deepcopy(states), steps), first_step_id=2)
+                                    start=copy.deepcopy(after_checkpoint), first_step_id=2)
     for rank, out in enumerate(dp3):
         loaded = out["resumed"]["loaded"]["state"]["params"]
         for name in NAMES:
@@ -132,6 +133,6 @@ def test_dp2_then_dp3_bitwise_equal_to_refgrad():
     model, ddp, opt = build(MIXED, "adamw", clip=0.5, average=False)
     opt.load_state_dict(checkpoint)
     want1, _ = reference_trajectory([1], MIXED, "adamw", clip=0.5, average=False,
-                                    start=(copy.deepcopy(states), steps), first_step_id=2)
+                                    start=copy.deepcopy(after_checkpoint), first_step_id=2)
     train_step(model, ddp, opt, 0, 2)
     assert_matches(snapshot(model, opt), want1[0], "dp1 resumed")
