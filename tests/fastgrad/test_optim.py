@@ -76,14 +76,14 @@ class Model(nn.Module):
 
 
 def build(dtypes, algorithm, *, clip=None, overlap_param_gather=False, average=True,
-          scaler=None, grad_fp32=False):
+          scaler=None, grad_fp32=False, dp_group=None):
     """Model + DDP (distributed optimizer, several buckets) + DistributedOptimizer."""
     model = Model(dtypes)
     config = DDPConfig(
         use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=200,
         overlap_param_gather=overlap_param_gather, grad_reduce_in_fp32=grad_fp32,
     )
-    ddp = DistributedDataParallel(model, config=config, average=average)
+    ddp = DistributedDataParallel(model, config=config, average=average, dp_group=dp_group)
     cfg = AdamWConfig(**ADAMW) if algorithm == "adamw" else SGDConfig(**SGD)
     opt = DistributedOptimizer(
         ddp, cfg, param_groups_without_decay_for(ddp), max_grad_norm=clip, loss_scaler=scaler

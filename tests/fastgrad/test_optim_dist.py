@@ -1,6 +1,6 @@
 """fastgrad.optim on real gloo ranks: bitwise equal to refgrad.optim at DP 2 and 3.
 
-Two spawns. DP=2: AdamW (bf16+fp32 params, clipping, overlap_param_gather)
+One spawn of 3 ranks. DP=2 (ranks 0 and 1, a sub-group): AdamW (bf16+fp32 params, clipping, overlap_param_gather)
 and SGD with momentum (fp32, synchronous gather). DP=3 (padding, uneven
 ownership, a rank owning only padding in some buckets): the DP=2 checkpoint
 loaded and trained on, SGD with overlap, fp16 with the loss scaler and an inf
@@ -14,6 +14,7 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from fastgrad.errors import LifecycleError
 from fastgrad.optim import DynamicLossScaler
@@ -52,13 +53,22 @@ def _train(rank, steps, *, start=0, build_args, build_kwargs, load=None, scaler=
     return out
 
 
-def worker_dp2(rank: int, world: int) -> dict:
-    torch.manual_seed(1234 + rank)
+def worker_dp2(rank: int, pair) -> dict:
     return {
         "adamw": _train(rank, 3, build_args=(MIXED, "adamw"),
-                        build_kwargs={"clip": 0.5, "overlap_param_gather": True}),
-        "sgd": _train(rank, 3, build_args=(FP32, "sgd"), build_kwargs={}),
+                        build_kwargs={"clip": 0.5, "overlap_param_gather": True, "dp_group": pair}),
+        "sgd": _train(rank, 3, build_args=(FP32, "sgd"), build_kwargs={"dp_group": pair}),
     }
+
+
+def worker(rank: int, world: int) -> dict:
+    """DP=2 on ranks 0-1, then DP=3 on all, resuming from rank 0's DP=2 checkpoint."""
+    pair = dist.new_group([0, 1])
+    out = {"dp2": worker_dp2(rank, pair) if rank < 2 else None}
+    checkpoint = [out["dp2"]["adamw"]["snapshots"][1]["state"] if rank == 0 else None]
+    dist.broadcast_object_list(checkpoint, src=0)
+    out["dp3"] = worker_dp3(rank, world, checkpoint[0])
+    return out
 
 
 def worker_dp3(rank: int, world: int, checkpoint: dict) -> dict:
@@ -85,7 +95,9 @@ def worker_dp3(rank: int, world: int, checkpoint: dict) -> dict:
 
 @pytest.mark.dist
 def test_dp2_then_dp3_bitwise_equal_to_refgrad():
-    dp2 = run_distributed(worker_dp2, 2)
+    ranks = run_distributed(worker, 3)
+    dp2 = [out["dp2"] for out in ranks[:2]]
+    dp3 = [out["dp3"] for out in ranks]
     want, (states, steps) = reference_trajectory([2, 2], MIXED, "adamw", clip=0.5)
     after_checkpoint = (copy.deepcopy(states), steps)
     want += reference_trajectory([2], MIXED, "adamw", clip=0.5, start=(states, steps), first_step_id=2)[0]
@@ -100,7 +112,6 @@ def test_dp2_then_dp3_bitwise_equal_to_refgrad():
 
     # Checkpoint after step 2 at DP=2; resume at DP=3 and at DP=1.
     checkpoint = dp2[0]["adamw"]["snapshots"][1]["state"]
-    dp3 = run_distributed(worker_dp3, 3, checkpoint)
     want3, _ = reference_trajectory([3], MIXED, "adamw", clip=0.5, average=False,
                                     start=copy.deepcopy(after_checkpoint), first_step_id=2)
     for rank, out in enumerate(dp3):
