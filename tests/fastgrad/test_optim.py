@@ -76,7 +76,7 @@ class Model(nn.Module):
 
 
 def build(dtypes, algorithm, *, clip=None, overlap_param_gather=False, average=True,
-          scaler=None, grad_fp32=False, dp_group=None):
+          scaler=None, grad_fp32=False, dp_group=None, model_parallel_group=None):
     """Model + DDP (distributed optimizer, several buckets) + DistributedOptimizer."""
     model = Model(dtypes)
     config = DDPConfig(
@@ -86,7 +86,8 @@ def build(dtypes, algorithm, *, clip=None, overlap_param_gather=False, average=T
     ddp = DistributedDataParallel(model, config=config, average=average, dp_group=dp_group)
     cfg = AdamWConfig(**ADAMW) if algorithm == "adamw" else SGDConfig(**SGD)
     opt = DistributedOptimizer(
-        ddp, cfg, param_groups_without_decay_for(ddp), max_grad_norm=clip, loss_scaler=scaler
+        ddp, cfg, param_groups_without_decay_for(ddp), max_grad_norm=clip, loss_scaler=scaler,
+        model_parallel_group=model_parallel_group,
     )
     return model, ddp, opt
 

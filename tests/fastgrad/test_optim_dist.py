@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from fastgrad.errors import LifecycleError
 from fastgrad.optim import DynamicLossScaler
+from refgrad import optim as R
 from tests.distributed_utils import run_distributed
 from tests.fastgrad.test_optim import (
     FP32,
@@ -26,6 +27,7 @@ from tests.fastgrad.test_optim import (
     assert_matches,
     bits,
     build,
+    coefficient,
     reference_trajectory,
     snapshot,
     train_step,
@@ -68,6 +70,14 @@ def worker(rank: int, world: int) -> dict:
     checkpoint = [out["dp2"]["adamw"]["snapshots"][1]["state"] if rank == 0 else None]
     dist.broadcast_object_list(checkpoint, src=0)
     out["dp3"] = worker_dp3(rank, world, checkpoint[0])
+    # Three pipeline stages of DP=1: the norm is summed over the model-parallel group, and
+    # the tied embedding's copies on stages 1 and 2 (marked shared) are not counted again.
+    singles = [dist.new_group([r]) for r in range(world)]
+    model, ddp, opt = build(MIXED, "adamw", dp_group=singles[rank],
+                            model_parallel_group=dist.group.WORLD)
+    if rank > 0:
+        model.embed.weight.shared = True
+    out["pipeline_norm"] = train_step(model, ddp, opt, rank, 0).grad_norm
     return out
 
 
@@ -139,6 +149,12 @@ def test_dp2_then_dp3_bitwise_equal_to_refgrad():
         for step, snap in enumerate(out["fp16"]["snapshots"]):
             assert_matches(snap, want16[step], f"dp3 fp16 rank {rank} step {step}")
         assert "modified between the launch" in out["modified"], out["modified"]
+
+    stage_grads = [
+        R.values(coefficient(r, 0, i, n).to(MIXED[n]).float())
+        for r in range(3) for i, n in enumerate(NAMES) if r == 0 or n != "embed.weight"
+    ]
+    assert [out["pipeline_norm"] for out in ranks] == [float(R.global_norm(stage_grads))] * 3
 
     # DP=1 loads the DP=2 checkpoint and continues like refgrad.
     model, ddp, opt = build(MIXED, "adamw", clip=0.5, average=False)
