@@ -148,6 +148,7 @@ class DistributedOptimizer(CheckpointMixin):
         for bucket in self.buffer.buckets:
             self._track_grad_sync(bucket)
         self._hooks = self._register_forward_pre_hooks() if self.overlap_param_gather else []
+        self.last_result: StepResult | None = None
 
     # -- construction
     def _build_groups(self, param_groups):
@@ -217,7 +218,11 @@ class DistributedOptimizer(CheckpointMixin):
         return _BucketShard(bucket, pieces, offsets, runs, master.clone(), state)
 
     def _track_grad_sync(self, bucket: Bucket) -> None:
-        """Note every finished grad sync of ``bucket`` (wraps its ``finish_grad_sync``)."""
+        """Note every finished grad sync of ``bucket`` (wraps its ``finish_grad_sync``).
+
+        The bucket API has no "reduced since" marker; wrapping the instance's
+        method is the one place every path (DDP, the buffer, direct calls) goes through.
+        """
         original = bucket.finish_grad_sync
         synced = self._synced
 
@@ -297,7 +302,9 @@ class DistributedOptimizer(CheckpointMixin):
         if self.loss_scaler is not None:
             self.loss_scaler.update(found_inf)
         if found_inf or not math.isfinite(norm):
-            return StepResult(False, "NaN/inf in the gradients (all-reduced over all ranks): step skipped", norm, scale)
+            reason = "NaN/inf in the gradients (flag all-reduced over all ranks): step skipped"
+            self.last_result = StepResult(False, reason, norm, scale)
+            return self.last_result
         coef = None
         if self.max_grad_norm is not None:
             coef = self.max_grad_norm / (norm + CLIP_EPS)
@@ -318,7 +325,8 @@ class DistributedOptimizer(CheckpointMixin):
                     sgd_update_(shard.master[sl], g[sl], shard.state["momentum_buffer"][sl], cfg, t == 1)
         self._publish_all()
         reason = "stepped" + (f" (clipped by {coef:.6g})" if coef is not None and coef < 1.0 else "")
-        return StepResult(True, reason, norm, scale, coef)
+        self.last_result = StepResult(True, reason, norm, scale, coef)
+        return self.last_result
 
     # -- param publication: cast master shard into the param shard, all-gather
     def _publish_all(self) -> None:

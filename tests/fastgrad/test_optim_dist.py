@@ -48,9 +48,12 @@ def _train(rank, steps, *, start=0, build_args, build_kwargs, load=None, scaler=
         r = train_step(model, ddp, opt, rank, step, loss_scale=scale, inf_at=INF_AT if scaler else None)
         out["results"].append((r.stepped, r.reason, r.loss_scale))
         if ddp.config.overlap_param_gather:
-            launched = opt.param_gather_in_flight or ddp.dp_size == 1
+            launched = opt.param_gather_in_flight
             model.embed({"embed.weight": torch.zeros(1)})  # the pre-hook waits for its bucket(s)
-            out["gather_waited_in_hook"].append(launched)
+            embed = model.embed.weight
+            waited = all(s.gather_handle is None for s in opt.shards
+                         if any(p is embed for p in s.bucket.params))
+            out["gather_waited_in_hook"].append(launched and waited)
         out["snapshots"].append(snapshot(model, opt))
     return out
 
