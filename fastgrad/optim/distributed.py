@@ -282,7 +282,10 @@ class DistributedOptimizer(CheckpointMixin):
     def _check_ready(self) -> None:
         busy = [b.bucket_id for b in self.buffer.buckets if b.reduce_in_flight]
         if busy:
-            raise LifecycleError(f"step while bucket(s) {busy}' grad reduction is in flight; call finish_grad_sync first")
+            raise LifecycleError(
+                f"step while the grad reduction of bucket(s) {busy} is in flight; "
+                "call ddp.finish_grad_sync() first"
+            )
         unsynced = [b.bucket_id for b in self.buffer.buckets if id(b) not in self._synced]
         if unsynced:
             raise LifecycleError(
