@@ -1,0 +1,391 @@
+"""The distributed optimizer: fp32 master shards over the bucket shards this rank owns.
+
+Per bucket, this rank keeps fp32 master copies (and AdamW moments or the SGD
+momentum) of exactly the parameter elements inside its shard
+(``Bucket.shard_pieces``): padding owns no state. ``step()`` follows
+``refgrad.optim``'s order: unscale (fp16 loss scaling), one all-reduce of the
+exact sum-of-squares limbs plus a NaN/inf count (over DP, then the optional
+model-parallel group), skip or clip, update, cast the master shard into the
+bucket's param shard and all-gather each bucket's params -- synchronously, or
+with ``overlap_param_gather`` launched at the end of the step and waited for
+in a forward pre-hook of the modules that own that bucket's params.
+
+The "cast master shard into the param shard and gather" step is
+:meth:`DistributedOptimizer._publish_bucket`; a later MXFP8 param mode only
+replaces it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fastgrad.buffer import Bucket
+from fastgrad.comm import all_gather_into
+from fastgrad.ddp import DistributedDataParallel
+from fastgrad.errors import LifecycleError
+from fastgrad.optim.checkpoint import CheckpointMixin
+from fastgrad.optim.config import (
+    AdamWConfig,
+    DynamicLossScaler,
+    OptimizerConfig,
+    SGDConfig,
+    StepResult,
+    fp32,
+)
+from fastgrad.optim.norm import NUM_LIMBS, limbs_to_fraction, local_square_limbs
+from fastgrad.optim.update import adamw_update_, sgd_update_
+
+CLIP_EPS = 1e-6  # Megatron-Core: clip_coeff = max_norm / (total_norm + 1e-6)
+
+
+def default_no_decay(name: str, param: torch.Tensor) -> bool:
+    """Biases and norm weights (1-D params) get no weight decay, as Megatron-Core's default."""
+    return param.ndim <= 1 or name.endswith(".bias")
+
+
+def param_groups_without_decay_for(
+    ddp: DistributedDataParallel,
+    skip: Callable[[str, torch.Tensor], bool] = default_no_decay,
+) -> list[dict[str, Any]]:
+    """Param groups: per buffer group, the decayed params and (``weight_decay=0``) the skipped ones."""
+    groups: list[dict[str, Any]] = []
+    for buffer_group in ddp.buffer.groups:
+        decay = [p for p in buffer_group.params if not skip(ddp.name_of(p), p)]
+        no_decay = [p for p in buffer_group.params if skip(ddp.name_of(p), p)]
+        if decay:
+            groups.append({"params": decay})
+        if no_decay:
+            groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+@dataclass
+class _Run:
+    """Consecutive shard elements of one bucket owned by one param group."""
+
+    lo: int
+    hi: int
+    group: int
+
+
+@dataclass
+class _BucketShard:
+    """This rank's optimizer state for one bucket: compact over the shard's param pieces."""
+
+    bucket: Bucket
+    pieces: list[Any]  # fastgrad.buffer.ShardPiece, buffer order
+    offsets: list[tuple[int, int]]  # each piece's (lo, hi) in the compact tensors
+    runs: list[_Run]
+    master: torch.Tensor
+    state: dict[str, torch.Tensor]
+    gather_handle: Any = None
+    versions: dict[torch.Tensor, int] | None = None
+
+
+class DistributedOptimizer(CheckpointMixin):
+    """AdamW or SGD over the shards of ``ddp``'s buffer (``use_distributed_optimizer=True``).
+
+    ``param_groups``: None (every trainable param, one group) or a list of
+    ``{"params": [...], **overrides}`` whose overrides replace fields of
+    ``config``. Every param of one param group must live in the same buffer
+    group (the same param dtype and grad dtype, i.e. ``ddp.buffer.group_of``);
+    every trainable param must be in exactly one param group.
+    ``max_grad_norm``: clip to this global norm (None: no clipping).
+    ``loss_scaler``: required for fp16 grads, refused otherwise.
+    ``model_parallel_group``: the norm and the found-inf flag are also summed
+    over it (pipeline stages); params marked ``shared=True`` (a tied
+    embedding's second copy) are left out of the norm.
+    """
+
+    def __init__(
+        self,
+        ddp: DistributedDataParallel,
+        config: OptimizerConfig,
+        param_groups: Sequence[dict[str, Any]] | None = None,
+        *,
+        max_grad_norm: float | None = None,
+        loss_scaler: DynamicLossScaler | None = None,
+        model_parallel_group: Any = None,
+    ) -> None:
+        if not isinstance(ddp, DistributedDataParallel):
+            raise TypeError(f"ddp must be a fastgrad DistributedDataParallel, got {type(ddp).__name__}")
+        if not isinstance(config, (AdamWConfig, SGDConfig)):
+            raise TypeError(f"config must be an AdamWConfig or SGDConfig, got {type(config).__name__}")
+        if not ddp.config.use_distributed_optimizer:
+            raise ValueError(
+                "DistributedOptimizer needs DDPConfig.use_distributed_optimizer=True "
+                "(it updates the reduce-scattered shards and all-gathers params)"
+            )
+        if max_grad_norm is not None:
+            if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)):
+                raise TypeError(f"max_grad_norm must be a float or None, got {type(max_grad_norm).__name__}")
+            if not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
+                raise ValueError(f"max_grad_norm must be finite and > 0 (or None), got {max_grad_norm}")
+        grad_dtypes = {g.grad_dtype for g in ddp.buffer.groups}
+        if torch.float16 in grad_dtypes and loss_scaler is None:
+            raise ValueError("fp16 grads need a loss_scaler (DynamicLossScaler); bf16/fp32 need none")
+        if torch.float16 not in grad_dtypes and loss_scaler is not None:
+            raise ValueError("loss_scaler is only for fp16 grads; this buffer has none")
+        self.ddp = ddp
+        self.buffer = ddp.buffer
+        self.config = config
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.loss_scaler = loss_scaler
+        self.model_parallel_group = model_parallel_group
+        self.overlap_param_gather = ddp.config.overlap_param_gather
+        self.groups, self.group_params = self._build_groups(param_groups)
+        self.steps = [0] * len(self.groups)
+        group_index = {p: i for i, params in enumerate(self.group_params) for p in params}
+        self.shards = [self._build_shard(b, group_index) for b in self.buffer.buckets]
+        self._synced: set[int] = set()
+        for bucket in self.buffer.buckets:
+            self._track_grad_sync(bucket)
+        self._hooks = self._register_forward_pre_hooks() if self.overlap_param_gather else []
+        self.last_result: StepResult | None = None
+
+    # -- construction
+    def _build_groups(self, param_groups):
+        trainable = [p for b in self.buffer.buckets for p in b.params]
+        if param_groups is None:
+            param_groups = [{"params": trainable}]
+        configs, members, owner = [], [], {}
+        for gi, spec in enumerate(param_groups):
+            if not isinstance(spec, dict) or "params" not in spec:
+                raise TypeError(f"param_groups[{gi}] must be a dict with a 'params' list")
+            overrides = {k: v for k, v in spec.items() if k != "params"}
+            try:
+                configs.append(dataclasses.replace(self.config, **overrides))
+            except TypeError as exc:
+                raise ValueError(f"param_groups[{gi}]: unknown hyper-parameter ({exc})") from None
+            params = list(spec["params"])
+            if not params:
+                raise ValueError(f"param_groups[{gi}] has no params")
+            buffer_groups = set()
+            for p in params:
+                try:
+                    buffer_groups.add(self.buffer.group_of(p).key)
+                except ValueError:
+                    raise ValueError(
+                        f"param_groups[{gi}]: {self.ddp.name_of(p)!r} is not a trainable "
+                        "parameter of the DDP buffer"
+                    ) from None
+                if p in owner:
+                    raise ValueError(
+                        f"{self.ddp.name_of(p)!r} is in param_groups[{owner[p]}] and "
+                        f"param_groups[{gi}]; a param belongs to one group"
+                    )
+                owner[p] = gi
+            if len(buffer_groups) > 1:
+                raise ValueError(
+                    f"param_groups[{gi}] mixes buffers: its params live in buffer groups "
+                    f"{sorted(str(k) for k in buffer_groups)} (param dtype, grad dtype); every "
+                    "param of one param group must share one buffer group -- split the group "
+                    "by dtype (param_groups_without_decay_for does)"
+                )
+            members.append(params)
+        missing = [p for p in trainable if p not in owner]
+        if missing:
+            raise ValueError(
+                f"{self.ddp.name_of(missing[0])!r} is a trainable param of the DDP buffer but in "
+                "no param group (it would never be updated)"
+            )
+        return configs, members
+
+    def _build_shard(self, bucket: Bucket, group_index: dict) -> _BucketShard:
+        pieces = bucket.shard_pieces(bucket.dp_rank)
+        offsets, runs, masters, n = [], [], [], 0
+        for piece in pieces:
+            lo, hi = piece.param_offset
+            offsets.append((n, n + hi - lo))
+            gi = group_index[piece.param]
+            if runs and runs[-1].group == gi:
+                runs[-1].hi = n + hi - lo
+            else:
+                runs.append(_Run(n, n + hi - lo, gi))
+            masters.append(piece.param.detach().reshape(-1)[lo:hi].float())
+            n += hi - lo
+        device = bucket.grad_data.device
+        master = torch.cat(masters) if masters else torch.zeros(0, dtype=torch.float32, device=device)
+        names = ("exp_avg", "exp_avg_sq") if isinstance(self.config, AdamWConfig) else ("momentum_buffer",)
+        state = {name: torch.zeros_like(master) for name in names}
+        return _BucketShard(bucket, pieces, offsets, runs, master.clone(), state)
+
+    def _track_grad_sync(self, bucket: Bucket) -> None:
+        """Note every finished grad sync of ``bucket`` (wraps its ``finish_grad_sync``).
+
+        The bucket API has no "reduced since" marker; wrapping the instance's
+        method is the one place every path (DDP, the buffer, direct calls) goes through.
+        """
+        original = bucket.finish_grad_sync
+        synced = self._synced
+
+        def finish_grad_sync() -> None:
+            original()
+            synced.add(id(bucket))
+
+        bucket.finish_grad_sync = finish_grad_sync
+
+    def _register_forward_pre_hooks(self) -> list[Any]:
+        shard_of = {p: s for s in self.shards for p in s.bucket.params}
+        hooks = []
+        for module in self.ddp.module.modules():
+            mine = {id(shard_of[p]): shard_of[p] for p in module.parameters(recurse=False) if p in shard_of}
+            if mine:
+                shards = list(mine.values())
+                hooks.append(module.register_forward_pre_hook(lambda _m, _a, s=shards: self._wait(s)))
+        return hooks
+
+    def remove_hooks(self) -> None:
+        """Detach the forward pre-hooks (overlap_param_gather)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+    # -- step
+    def _fp32_grads(self, shard: _BucketShard, inv_scale: float | None) -> torch.Tensor:
+        data = shard.bucket.group.grad_data
+        parts = [data[a:b].float() for a, b in (p.buffer_range for p in shard.pieces)]
+        grads = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float32, device=data.device)
+        if inv_scale is not None:
+            grads.mul_(inv_scale)
+        return grads
+
+    def _all_reduce(self, tensor: torch.Tensor) -> None:
+        if self.buffer.distributed:
+            dist.all_reduce(tensor, group=self.buffer.dp_group)
+        if self.model_parallel_group is not None:
+            dist.all_reduce(tensor, group=self.model_parallel_group)
+
+    def global_grad_norm(self, grads: Sequence[torch.Tensor]) -> tuple[float, bool]:
+        """(fp64 global norm, found NaN/inf) over the local shards' grads, all-reduced once."""
+        for_norm = []
+        for shard, g in zip(self.shards, grads):
+            for piece, (lo, hi) in zip(shard.pieces, shard.offsets):
+                if not getattr(piece.param, "shared", False):
+                    for_norm.append(g[lo:hi])
+        limbs, _ = local_square_limbs(for_norm)
+        nonfinite = sum(int((~torch.isfinite(g)).sum()) for g in grads)
+        packed = torch.tensor(limbs + [nonfinite], dtype=torch.int64, device=self.buffer.groups[0].grad_data.device)
+        self._all_reduce(packed)
+        values = packed.tolist()
+        if values[NUM_LIMBS]:
+            return math.nan, True
+        return math.sqrt(float(limbs_to_fraction(values[:NUM_LIMBS]))), False
+
+    def _check_ready(self) -> None:
+        busy = [b.bucket_id for b in self.buffer.buckets if b.reduce_in_flight]
+        if busy:
+            raise LifecycleError(
+                f"step while the grad reduction of bucket(s) {busy} is in flight; "
+                "call ddp.finish_grad_sync() first"
+            )
+        unsynced = [b.bucket_id for b in self.buffer.buckets if id(b) not in self._synced]
+        if unsynced:
+            raise LifecycleError(
+                f"step before the grad sync of bucket(s) {unsynced} finished since the last step: "
+                "the grad shards are not reduced (call ddp.finish_grad_sync() after backward)"
+            )
+
+    def step(self) -> StepResult:
+        """One optimizer step over the local shards; returns what happened."""
+        self.finish_param_sync()
+        self._check_ready()
+        self._synced.clear()
+        scale = None if self.loss_scaler is None else self.loss_scaler.scale
+        inv_scale = None if scale is None else fp32(1.0 / scale)
+        grads = [self._fp32_grads(s, inv_scale) for s in self.shards]
+        norm, found_inf = self.global_grad_norm(grads)
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(found_inf)
+        if found_inf or not math.isfinite(norm):
+            reason = "NaN/inf in the gradients (flag all-reduced over all ranks): step skipped"
+            self.last_result = StepResult(False, reason, norm, scale)
+            return self.last_result
+        coef = None
+        if self.max_grad_norm is not None:
+            coef = self.max_grad_norm / (norm + CLIP_EPS)
+            if coef < 1.0:
+                c32 = fp32(coef)
+                for g in grads:
+                    g.mul_(c32)
+        for gi in range(len(self.groups)):
+            self.steps[gi] += 1
+        for shard, g in zip(self.shards, grads):
+            for run in shard.runs:
+                cfg, t = self.groups[run.group], self.steps[run.group]
+                sl = slice(run.lo, run.hi)
+                if isinstance(cfg, AdamWConfig):
+                    adamw_update_(shard.master[sl], g[sl], shard.state["exp_avg"][sl],
+                                  shard.state["exp_avg_sq"][sl], cfg, t)
+                else:
+                    sgd_update_(shard.master[sl], g[sl], shard.state["momentum_buffer"][sl], cfg, t == 1)
+        self._publish_all()
+        reason = "stepped" + (f" (clipped by {coef:.6g})" if coef is not None and coef < 1.0 else "")
+        self.last_result = StepResult(True, reason, norm, scale, coef)
+        return self.last_result
+
+    # -- param publication: cast master shard into the param shard, all-gather
+    def _publish_all(self) -> None:
+        for shard in self.shards:
+            self._publish_bucket(shard)
+        if not self.overlap_param_gather:
+            self.finish_param_sync()
+
+    def _publish_bucket(self, shard: _BucketShard) -> None:
+        bucket = shard.bucket
+        data = bucket.group.param_data
+        cast = shard.master.to(bucket.group.param_dtype)
+        for piece, (lo, hi) in zip(shard.pieces, shard.offsets):
+            a, b = piece.buffer_range
+            data[a:b].copy_(cast[lo:hi])
+        if bucket.dp_size > 1:
+            shard.gather_handle = all_gather_into(
+                bucket.param_data, bucket.local_param_shard, group=bucket.dp_group, async_op=True
+            )
+            shard.versions = {p: p._version for p in bucket.params}
+
+    def _wait(self, shards: Iterable[_BucketShard]) -> None:
+        for shard in shards:
+            if shard.gather_handle is None:
+                continue
+            handle, shard.gather_handle = shard.gather_handle, None
+            handle.wait()
+            self._check_unmodified(shard)
+
+    def _check_unmodified(self, shard: _BucketShard) -> None:
+        """Params written between the all-gather's launch and its wait race with it: refuse."""
+        bucket = shard.bucket
+        changed = [p for p, v in (shard.versions or {}).items() if p._version != v]
+        data = bucket.group.param_data
+        cast = shard.master.to(bucket.group.param_dtype)
+        for piece, (lo, hi) in zip(shard.pieces, shard.offsets):
+            a, b = piece.buffer_range
+            if not torch.equal(_bits(data[a:b]), _bits(cast[lo:hi])):
+                changed.append(piece.param)
+        shard.versions = None
+        if changed:
+            raise LifecycleError(
+                f"parameter {self.ddp.name_of(changed[0])!r} was modified between the launch of "
+                f"bucket {bucket.bucket_id}'s param all-gather and its wait; the gather overwrites "
+                "it (modify params only through the optimizer, or after finish_param_sync())"
+            )
+
+    def finish_param_sync(self) -> None:
+        """Wait for every bucket's param all-gather still in flight."""
+        self._wait(self.shards)
+
+    @property
+    def param_gather_in_flight(self) -> bool:
+        return any(s.gather_handle is not None for s in self.shards)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    widths = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.contiguous().view(widths[t.element_size()])
