@@ -183,6 +183,9 @@ class Bucket:
         self.param_data = None if group.param_data is None else group.param_data[start:end]
         self._handle: Any = None
         self._in_flight = False
+        # Completed reductions since construction: consumers (the distributed
+        # optimizer) compare it with the count they saw to know the shard is fresh.
+        self.grad_sync_count = 0
 
     # -- process group
     @property
@@ -296,6 +299,7 @@ class Bucket:
                 handle.wait()
         finally:
             self._in_flight = False
+        self.grad_sync_count += 1
 
     def __repr__(self) -> str:
         return (

@@ -2,7 +2,8 @@
 
 Public API: :class:`DistributedOptimizer`, :class:`AdamWConfig`,
 :class:`SGDConfig`, :class:`DynamicLossScaler`, :class:`StepResult`,
-:func:`param_groups_without_decay_for`, :func:`default_no_decay`.
+:func:`param_groups_without_decay_for`, :func:`default_no_decay`, and
+:class:`ShardedOptimizer` (the MXFP8 param-gather front's optimizer).
 """
 
 from fastgrad.optim.config import AdamWConfig, DynamicLossScaler, SGDConfig, StepResult
@@ -11,12 +12,14 @@ from fastgrad.optim.distributed import (
     default_no_decay,
     param_groups_without_decay_for,
 )
+from fastgrad.optim.sharded import ShardedOptimizer
 
 __all__ = [
     "AdamWConfig",
     "DistributedOptimizer",
     "DynamicLossScaler",
     "SGDConfig",
+    "ShardedOptimizer",
     "StepResult",
     "default_no_decay",
     "param_groups_without_decay_for",

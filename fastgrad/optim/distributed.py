@@ -144,9 +144,9 @@ class DistributedOptimizer(CheckpointMixin):
         self.steps = [0] * len(self.groups)
         group_index = {p: i for i, params in enumerate(self.group_params) for p in params}
         self.shards = [self._build_shard(b, group_index) for b in self.buffer.buckets]
-        self._synced: set[int] = set()
-        for bucket in self.buffer.buckets:
-            self._track_grad_sync(bucket)
+        # A step needs a grad sync of every bucket finished after the previous step
+        # (or after construction): compare each bucket's completed-sync count.
+        self._sync_count_at_step = {id(b): b.grad_sync_count for b in self.buffer.buckets}
         self._hooks = self._register_forward_pre_hooks() if self.overlap_param_gather else []
         self.last_result: StepResult | None = None
 
@@ -217,21 +217,6 @@ class DistributedOptimizer(CheckpointMixin):
         state = {name: torch.zeros_like(master) for name in names}
         return _BucketShard(bucket, pieces, offsets, runs, master.clone(), state)
 
-    def _track_grad_sync(self, bucket: Bucket) -> None:
-        """Note every finished grad sync of ``bucket`` (wraps its ``finish_grad_sync``).
-
-        The bucket API has no "reduced since" marker; wrapping the instance's
-        method is the one place every path (DDP, the buffer, direct calls) goes through.
-        """
-        original = bucket.finish_grad_sync
-        synced = self._synced
-
-        def finish_grad_sync() -> None:
-            original()
-            synced.add(id(bucket))
-
-        bucket.finish_grad_sync = finish_grad_sync
-
     def _register_forward_pre_hooks(self) -> list[Any]:
         shard_of = {p: s for s in self.shards for p in s.bucket.params}
         hooks = []
@@ -286,7 +271,10 @@ class DistributedOptimizer(CheckpointMixin):
                 f"step while the grad reduction of bucket(s) {busy} is in flight; "
                 "call ddp.finish_grad_sync() first"
             )
-        unsynced = [b.bucket_id for b in self.buffer.buckets if id(b) not in self._synced]
+        unsynced = [
+            b.bucket_id for b in self.buffer.buckets
+            if b.grad_sync_count == self._sync_count_at_step[id(b)]
+        ]
         if unsynced:
             raise LifecycleError(
                 f"step before the grad sync of bucket(s) {unsynced} finished since the last step: "
@@ -297,7 +285,7 @@ class DistributedOptimizer(CheckpointMixin):
         """One optimizer step over the local shards; returns what happened."""
         self.finish_param_sync()
         self._check_ready()
-        self._synced.clear()
+        self._sync_count_at_step = {id(b): b.grad_sync_count for b in self.buffer.buckets}
         scale = None if self.loss_scaler is None else self.loss_scaler.scale
         inv_scale = None if scale is None else fp32(1.0 / scale)
         grads = [self._fp32_grads(s, inv_scale) for s in self.shards]
