@@ -287,3 +287,79 @@ def test_result_status_is_derived_and_validated():
     assert CheckResult("a", "", passed=False, seconds=0, error="boom").status == "ERROR"
     with pytest.raises(ValueError, match="status"):
         CheckResult("a", "", passed=True, seconds=0, status="MAYBE")
+
+
+def test_layout_takes_the_users_shapes_file_and_gpt_description(tmp_path, capsys):
+    assert cli.main(["layout", "--shapes", "4096x4096,4096,11008x4096", "--dp", "8",
+                     "--json", "-"]) == 0
+    rows = json.loads(capsys.readouterr().out)["padding"]
+    assert {r["params"] for r in rows} == {4096 * 4096 + 4096 + 11008 * 4096}
+    shapes = tmp_path / "shapes.json"
+    shapes.write_text(json.dumps({"emb": [1000, 64], "ln": 64}))
+    out = tmp_path / "layout.json"
+    assert cli.main(["layout", "--model-file", str(shapes), "--dp", "8", "--json", str(out)]) == 0
+    assert {r["params"] for r in json.loads(out.read_text())["padding"]} == {1000 * 64 + 64}
+    # Hand count, h=64, 2 layers, vocab 1024, ffn 4h, biases, LayerNorm, rope, tied:
+    # embedding 65536; per layer: 2 LN (w+b) 256, qkv 192*64+192, proj 64*64+64,
+    # fc1 256*64+256, fc2 64*256+64 = 49984; final LN 128.
+    assert cli.main(["layout", "--num-layers", "2", "--hidden-size", "64",
+                     "--padded-vocab-size", "1024", "--dp", "8", "--json", "-"]) == 0
+    rows = json.loads(capsys.readouterr().out)["padding"]
+    assert {r["params"] for r in rows} == {65536 + 2 * 49984 + 128}
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--shapes", "4096xq"], "--shapes"), (["--num-layers", "2"], "--hidden-size"),
+    (["--model-file", "/nonexistent-dir/m.json"], "--model-file"),
+    (["--json", "/nonexistent-dir/out.json"], "--json"),
+])
+def test_layout_bad_input_names_the_flag(capsys, argv, flag):
+    assert cli.main(["layout", *argv]) == 2
+    err = capsys.readouterr().err
+    assert flag in err and "Traceback" not in err
+
+
+def test_accumulation_refuses_what_memory_cannot_hold_before_work(monkeypatch, capsys):
+    from verify.studies.reduce_scatter import cli as acc_cli
+
+    monkeypatch.setattr(acc_cli, "available_memory_bytes", lambda: 8 * 2**30)
+    monkeypatch.setattr(acc_cli, "run_sweep", lambda *a, **k: pytest.fail("sweep ran"))
+    assert cli.main(["accumulation", "--numel", "2000000000", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "--numel 2000000000 needs about" in err and "GiB" in err and "8.0 GiB" in err
+
+
+@pytest.mark.parametrize("option", ["--json", "--markdown", "--plot"])
+def test_accumulation_checks_its_outputs_before_the_sweep(monkeypatch, tmp_path, capsys, option):
+    from verify.studies.reduce_scatter import cli as acc_cli
+
+    monkeypatch.setattr(acc_cli, "run_sweep", lambda *a, **k: pytest.fail("sweep ran"))
+    assert cli.main(["accumulation", option, str(tmp_path / "missing" / "x"), "--no-progress"]) == 2
+    assert option in capsys.readouterr().err
+
+
+def test_accumulation_one_output_failing_still_writes_the_others(monkeypatch, tmp_path, capsys):
+    from verify.studies.reduce_scatter import cli as acc_cli
+
+    def broken(points, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(acc_cli, "write_points_plot", broken)
+    monkeypatch.setattr(acc_cli, "_matplotlib_available", lambda: True)
+    out_json, out_md = tmp_path / "a.json", tmp_path / "a.md"
+    assert cli.main(["accumulation", "--dp", "2,4", "--dtype", "bf16", "--distribution", "normal",
+                     "--numel", "64", "--no-progress", "--plot", str(tmp_path / "a.png"),
+                     "--json", str(out_json), "--markdown", str(out_md)]) == 3
+    assert json.loads(out_json.read_text())["points"] and out_md.read_text()
+    assert "--plot" in capsys.readouterr().err
+
+
+def test_interrupted_subcommand_says_so_in_one_line(monkeypatch, capsys):
+    from verify.studies.reduce_scatter import cli as acc_cli
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(acc_cli, "run_sweep", interrupted)
+    assert cli.main(["accumulation", "--dp", "2", "--numel", "64", "--no-progress"]) == 3
+    assert capsys.readouterr().err.strip() == "verify accumulation: interrupted"
