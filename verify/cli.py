@@ -234,9 +234,10 @@ def _run_checks(args: argparse.Namespace) -> int:
     )
     factor = QUICK_FACTOR if args.quick else 1.0
     weights = [ROUGH_CHECK_SECONDS.get(c.name, DEFAULT_CHECK_SECONDS) * factor for c in checks]
-    with interrupt_kills_ranks(), StepProgress(sum(weights), "verify run") as progress:
+    with interrupt_kills_ranks(), StepProgress(sum(weights), "verify run",
+                                                          steps=len(checks)) as progress:
         for number, (check, weight) in enumerate(zip(checks, weights), start=1):
-            progress.step(f"{check.name} ({number}/{len(checks)})", expected=weight)
+            progress.step(f"{check.name} ({number}/{len(checks)}) ...", expected=weight)
             start = time.perf_counter()
             try:
                 result = check.execute(context)

@@ -65,7 +65,7 @@ class StepProgress:
     """
 
     def __init__(self, total: float, description: str, *, enabled: bool = True,
-                 stream: TextIO | None = None) -> None:
+                 stream: TextIO | None = None, steps: int | None = None) -> None:
         if not total > 0:
             raise ValueError(f"total must be > 0, got {total}")
         self.total = float(total)
@@ -74,6 +74,7 @@ class StepProgress:
         self.stream = stream if stream is not None else sys.stderr
         self.done = 0.0
         self.steps = 0
+        self.step_count = steps  # when given, plain lines count steps ("3/8") not weight
         self.start = time.perf_counter()
         self._rich: Progress | None = None
         self._task: Any = None
@@ -135,5 +136,7 @@ class StepProgress:
             elapsed = time.perf_counter() - self.start
             left = self.remaining_estimate()
             eta = f", about {_duration(left)} left" if left and self.done < self.total else ""
-            print(f"[{self.description}] {label} ({self.done:g}/{self.total:g}, "
-                  f"{_duration(elapsed)} elapsed{eta})", file=self.stream, flush=True)
+            count = (f"{self.steps}/{self.step_count}" if self.step_count
+                     else f"{self.done:g}/{self.total:g}")
+            print(f"[{self.description}] {label} ({count}, {_duration(elapsed)} elapsed{eta})",
+                  file=self.stream, flush=True)

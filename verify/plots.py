@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import textwrap
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -98,9 +99,9 @@ def plot_error_growth(series: GrowthSeries, path: str | Path, title: str = "") -
             ax.grid(True, which="major", lw=0.3)
     axes[0][0].legend(fontsize=7)
     if title:
-        fig.suptitle(title, fontsize=10)
+        fig.suptitle("\n".join(textwrap.wrap(title, 40 * len(distributions))), fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return Path(path)
 
@@ -123,12 +124,13 @@ def plot_timelines(rows: Sequence[Mapping[str, Any]], path: str | Path, title: s
     ax.set_yticks(y)
     ax.set_yticklabels(labels, fontsize=7)
     ax.invert_yaxis()
+    ax.set_xlim(0, 1.25 * max(steps, default=1.0))  # room for the bubble labels
     ax.set_xlabel("step time (ms)", fontsize=8)
     ax.legend(fontsize=7, loc="lower right")
     if title:
-        ax.set_title(title, fontsize=9)
+        ax.set_title("\n".join(textwrap.wrap(title, 70)), fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return Path(path)
 

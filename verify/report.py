@@ -264,8 +264,9 @@ def render_markdown(report: Report) -> str:
     details of each check, and the environment last."""
     lines = ["# gradverify report", "", f"**Result: {report.verdict}** ({verdict_line(report)})"]
     if not report.complete:
-        lines += ["", "**Incomplete:** the run was interrupted; only the checks listed below "
-                      "finished (an interrupted check is listed as ERROR)."]
+        lines += ["", "**Incomplete:** the run was interrupted. The checks below finished, "
+                      "except the last one, which was stopped and is listed as ERROR; the "
+                      "checks after it did not run."]
     prov = report.provenance
     if prov:
         lines += ["", f"gradverify {prov.get('gradverify', 'unknown')}"
