@@ -31,6 +31,7 @@ from verify.check import ERROR, CheckContext, CheckResult
 from verify.checks import all_checks, check_by_name
 from verify.console import StepProgress, terminal_width
 from verify.env import fingerprint, format_fingerprint, gradverify_version, provenance
+from verify.options import SetOnce
 from verify.outputs import Output, OutputPathError, check_output_paths, write_outputs
 from verify.plots import PlotUnavailable, matplotlib_available, report_plots
 
@@ -55,17 +56,6 @@ QUICK_FACTOR = 0.5
 
 class UsageError(Exception):
     """Bad command-line usage (exit code 2)."""
-
-
-class SetOnce(argparse.Action):
-    """A single-value option that refuses to be given twice (instead of keeping the last)."""
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
-                 values: Any, option_string: str | None = None) -> None:
-        if getattr(namespace, f"_seen_{self.dest}", False):
-            parser.error(f"{option_string} was given more than once")
-        setattr(namespace, f"_seen_{self.dest}", True)
-        setattr(namespace, self.dest, values)
 
 
 def _load_subcommand(module_name: str) -> ModuleType | None:

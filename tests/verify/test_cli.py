@@ -363,3 +363,15 @@ def test_interrupted_subcommand_says_so_in_one_line(monkeypatch, capsys):
     monkeypatch.setattr(acc_cli, "run_sweep", interrupted)
     assert cli.main(["accumulation", "--dp", "2", "--numel", "64", "--no-progress"]) == 3
     assert capsys.readouterr().err.strip() == "verify accumulation: interrupted"
+
+
+@pytest.mark.parametrize("argv", [
+    ["run", "--seed", "1", "--seed", "2"], ["accumulation", "--numel", "8", "--numel", "9"],
+    ["simulate-pipeline", "-P", "4", "--stages", "8"], ["layout", "--hidden-size", "8", "--hidden-size", "9"],
+    ["env", "--json", "-", "--json", "a.json"],
+])
+def test_single_value_options_given_twice_are_refused(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    assert "was given more than once" in capsys.readouterr().err

@@ -282,6 +282,7 @@ def _positive_int(text: str) -> int:
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """Options of ``verify layout``."""
+    from verify.options import SetOnce
     from verify.studies.layout_input import add_model_arguments
 
     parser.description = (
@@ -299,9 +300,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "--dp", action="append", type=_positive_int,
         help=f"data-parallel size (repeatable; default {', '.join(map(str, DEFAULT_DPS))})",
     )
-    parser.add_argument("--grad-bytes", type=_positive_int, default=GRAD_BYTES, help="bytes per grad element")
-    parser.add_argument("--param-bytes", type=_positive_int, default=PARAM_BYTES, help="bytes per param element")
-    parser.add_argument("--json", metavar="PATH",
+    parser.add_argument("--grad-bytes", type=_positive_int, action=SetOnce, default=GRAD_BYTES, help="bytes per grad element")
+    parser.add_argument("--param-bytes", type=_positive_int, action=SetOnce, default=PARAM_BYTES, help="bytes per param element")
+    parser.add_argument("--json", metavar="PATH", action=SetOnce,
                         help="write the report as JSON to PATH ('-': standard output instead "
                              "of the tables)")
     add_model_arguments(parser)

@@ -146,30 +146,32 @@ def gpt_model(args: Any) -> ModelSpec | None:
 
 
 def add_model_arguments(parser: Any) -> None:
-    """The options that describe the user's own model."""
+    """The options that describe the user's own model (each at most once)."""
+    from verify.options import SetOnce
+
     group = parser.add_argument_group(
         "your own model (instead of, or beside, --model)",
         "a list of parameter shapes, a JSON file of them, or a Megatron-style GPT description")
-    group.add_argument("--shapes", metavar="SHAPES",
+    group.add_argument("--shapes", action=SetOnce, metavar="SHAPES",
                        help="parameter shapes in registration order, e.g. 4096x4096,4096,...")
     group.add_argument("--shared-embedding", type=int, action="append", metavar="INDEX",
                        help="index of a --shapes parameter shared across stages (repeatable)")
-    group.add_argument("--model-file", metavar="PATH",
+    group.add_argument("--model-file", action=SetOnce, metavar="PATH",
                        help="JSON: a list of shapes, {name: shape}, or "
                             "{\"name\", \"shapes\", \"shared_embedding\"}")
-    group.add_argument("--num-layers", type=int, metavar="N")
-    group.add_argument("--hidden-size", type=int, metavar="H")
-    group.add_argument("--ffn-hidden-size", type=int, metavar="F", help="default 4 x H")
-    group.add_argument("--padded-vocab-size", type=int, metavar="V")
-    group.add_argument("--num-query-groups", type=int, metavar="G", help="GQA: KV head groups")
-    group.add_argument("--kv-channels", type=int, metavar="C", help="channels per attention head")
+    group.add_argument("--num-layers", action=SetOnce, type=int, metavar="N")
+    group.add_argument("--hidden-size", action=SetOnce, type=int, metavar="H")
+    group.add_argument("--ffn-hidden-size", action=SetOnce, type=int, metavar="F", help="default 4 x H")
+    group.add_argument("--padded-vocab-size", action=SetOnce, type=int, metavar="V")
+    group.add_argument("--num-query-groups", action=SetOnce, type=int, metavar="G", help="GQA: KV head groups")
+    group.add_argument("--kv-channels", action=SetOnce, type=int, metavar="C", help="channels per attention head")
     group.add_argument("--swiglu", action="store_true", help="gated MLP (fc1 holds two matrices)")
     group.add_argument("--disable-bias-linear", action="store_true", help="no linear biases")
-    group.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
-    group.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"),
+    group.add_argument("--normalization", action=SetOnce, choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
+    group.add_argument("--position-embedding-type", action=SetOnce, choices=("learned_absolute", "rope"),
                        default=None, help="default: learned_absolute with "
                        "--max-position-embeddings, else rope")
-    group.add_argument("--max-position-embeddings", type=int, metavar="S", default=None)
+    group.add_argument("--max-position-embeddings", action=SetOnce, type=int, metavar="S", default=None)
     group.add_argument("--untie-embeddings-and-output-weights", action="store_true")
 
 

@@ -300,34 +300,35 @@ def _with_flags(message: str) -> str:
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``verify simulate-pipeline``."""
+    """Arguments of ``verify simulate-pipeline`` (each at most once)."""
+    from verify.options import SetOnce
+
     parser.description = (
         "Discrete-event simulation of one 1F1B pipeline step with data-parallel grad sync: "
         "step time, bubble fraction and exposed sync per sync placement (well under a second)."
     )
-    parser.add_argument("--stages", "-P", type=int, default=16, help="pipeline stages P")
-    parser.add_argument("--microbatches", "-M", type=int, default=64, help="microbatches M")
-    parser.add_argument("--forward", type=float, default=1.0, help="forward cost per microbatch")
-    parser.add_argument("--backward", type=float, default=2.0, help="backward cost per microbatch")
-    parser.add_argument("--p2p", type=float, default=0.0, help="cost of one activation transfer")
-    parser.add_argument("--grad-sync", type=float, default=2.0, help="per-stage DP grad-sync cost")
+    parser.add_argument("--stages", "-P", action=SetOnce, type=int, default=16, help="pipeline stages P")
+    parser.add_argument("--microbatches", "-M", action=SetOnce, type=int, default=64, help="microbatches M")
+    parser.add_argument("--forward", action=SetOnce, type=float, default=1.0, help="forward cost per microbatch")
+    parser.add_argument("--backward", action=SetOnce, type=float, default=2.0, help="backward cost per microbatch")
+    parser.add_argument("--p2p", action=SetOnce, type=float, default=0.0, help="cost of one activation transfer")
+    parser.add_argument("--grad-sync", action=SetOnce, type=float, default=2.0, help="per-stage DP grad-sync cost")
     parser.add_argument(
-        "--last-stage-grad-sync", type=float, default=None,
+        "--last-stage-grad-sync", action=SetOnce, type=float, default=None,
         help="sync cost of the last stage (e.g. a large output layer); default --grad-sync",
     )
-    parser.add_argument("--buckets", type=int, default=1, help="buckets the sync is split into")
+    parser.add_argument("--buckets", action=SetOnce, type=int, default=1, help="buckets the sync is split into")
     parser.add_argument(
-        "--mode", choices=SYNC_MODES + ("all",), default="all", help="sync placement"
+        "--mode", action=SetOnce, choices=SYNC_MODES + ("all",), default="all", help="sync placement"
     )
     parser.add_argument(
-        "--virtual-stages", "-V", type=int, default=1,
+        "--virtual-stages", "-V", action=SetOnce, type=int, default=1,
         help="model chunks per stage (interleaved 1F1B when > 1; needs M %% P == 0); "
              "per-chunk costs are the per-stage costs / V",
     )
-    parser.add_argument("--json", metavar="PATH",
+    parser.add_argument("--json", action=SetOnce, metavar="PATH",
                         help="also write the results as JSON to PATH ('-': standard output "
                              "instead of the table)")
-    # A repeated option keeps its last value (argparse); the JSON records the values used.
 
 
 def main(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
+from verify.options import SetOnce
 from verify.studies.reduce_scatter.growth import (
     DEFAULT_DP,
     DEFAULT_NUMEL,
@@ -74,16 +75,6 @@ def _choice_list(allowed: Sequence[str], aliases: dict[str, str] | None = None):
     return parse
 
 
-class _SetOnce(argparse.Action):
-    """A single-value option that refuses to be given twice (instead of keeping the last)."""
-
-    def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001
-        if getattr(namespace, f"_seen_{self.dest}", False):
-            parser.error(f"{option_string} was given more than once")
-        setattr(namespace, f"_seen_{self.dest}", True)
-        setattr(namespace, self.dest, values)
-
-
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """Options of ``verify accumulation``."""
     parser.description = (
@@ -92,25 +83,25 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "Rough run time on 2 CPU cores: minutes with the defaults (it grows with --numel and "
         "the largest --dp); about 15 s with --numel 2048."
     )
-    parser.add_argument("--dp", type=_int_list, default=DEFAULT_DP, action=_SetOnce,
+    parser.add_argument("--dp", type=_int_list, default=DEFAULT_DP, action=SetOnce,
                         help="comma-separated DP sizes")
     parser.add_argument("--dtype", type=_choice_list(tuple(DTYPES), DTYPE_ALIASES),
-                        default=tuple(DTYPES), action=_SetOnce, help="wire dtypes: fp16,bf16")
-    parser.add_argument("--distribution", type=_choice_list(DISTRIBUTIONS), action=_SetOnce,
+                        default=tuple(DTYPES), action=SetOnce, help="wire dtypes: fp16,bf16")
+    parser.add_argument("--distribution", type=_choice_list(DISTRIBUTIONS), action=SetOnce,
                         default=DISTRIBUTIONS, help="input distributions, comma-separated")
     parser.add_argument("--method", type=_choice_list(METHODS), default=METHODS,
-                        action=_SetOnce, help="reduction methods, comma-separated")
-    parser.add_argument("--numel", type=int, default=DEFAULT_NUMEL, action=_SetOnce,
+                        action=SetOnce, help="reduction methods, comma-separated")
+    parser.add_argument("--numel", type=int, default=DEFAULT_NUMEL, action=SetOnce,
                         help="elements per point")
-    parser.add_argument("--seed", type=int, default=0, action=_SetOnce, help="random seed")
-    parser.add_argument("--backend", choices=("sim", "dist"), default="sim", action=_SetOnce,
+    parser.add_argument("--seed", type=int, default=0, action=SetOnce, help="random seed")
+    parser.add_argument("--backend", choices=("sim", "dist"), default="sim", action=SetOnce,
                         help="sim: in-process models; dist: this process group's "
                              "real collectives, under torchrun")
-    parser.add_argument("--json", metavar="PATH", action=_SetOnce,
+    parser.add_argument("--json", metavar="PATH", action=SetOnce,
                         help="write the results as JSON")
-    parser.add_argument("--markdown", metavar="PATH", action=_SetOnce,
+    parser.add_argument("--markdown", metavar="PATH", action=SetOnce,
                         help="write the tables as Markdown")
-    parser.add_argument("--plot", metavar="PNG", action=_SetOnce,
+    parser.add_argument("--plot", metavar="PNG", action=SetOnce,
                         help="plot error vs N (needs matplotlib: pip install 'gradverify[plot]')")
     parser.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
 
