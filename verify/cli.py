@@ -29,7 +29,7 @@ from typing import Any
 
 from verify.check import ERROR, CheckContext, CheckResult
 from verify.checks import all_checks, check_by_name
-from verify.console import StepProgress, terminal_width
+from verify.console import StepProgress, emit, terminal_width
 from verify.env import fingerprint, format_fingerprint, gradverify_version, provenance
 from verify.options import SetOnce
 from verify.outputs import Output, OutputPathError, check_output_paths, write_outputs
@@ -107,7 +107,8 @@ def _add_run_parser(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--markdown", metavar="PATH", action=SetOnce,
                      help="write the Markdown report here")
     run.add_argument("--no-plots", action="store_true",
-                     help="do not draw the figures (PNG) beside the reports")
+                     help="do not draw the figures (PNG) beside the reports (they are drawn "
+                          "beside --markdown, else --json, when matplotlib is installed)")
     run.add_argument("-v", "--verbose", action="store_true",
                      help="print every comparison, finding and table")
 
@@ -135,17 +136,6 @@ def build_parser() -> argparse.ArgumentParser:
         module.configure_parser(sub)
         sub.set_defaults(_module=module_name)
     return parser
-
-
-def emit(text: str) -> None:
-    """Print to stdout; a reader that went away (``| head``) silences the rest, no traceback."""
-    try:
-        print(text, flush=True)
-    except BrokenPipeError:
-        # Point stdout at /dev/null so the interpreter's final flush cannot fail again.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
 
 
 @contextmanager

@@ -42,6 +42,17 @@ def terminal_width(stream: TextIO | None = None) -> int:
         return DEFAULT_WIDTH
 
 
+def emit(text: str) -> None:
+    """Print to stdout; a reader that went away (``| head``) silences the rest, no traceback."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        # Point stdout at /dev/null so the interpreter's final flush cannot fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
 def render_rich(renderable: Any, width: int) -> str:
     """A rich renderable (e.g. a Table) as plain text of at most ``width`` columns."""
     buffer = io.StringIO()

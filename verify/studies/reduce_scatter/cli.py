@@ -165,7 +165,7 @@ def write_points_plot(points: Sequence[Point], path: Path) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run the sweep (or the dist measurement) and write the requested outputs."""
-    from verify.console import StepProgress
+    from verify.console import StepProgress, emit
     from verify.outputs import Output, write_outputs
 
     problem = _output_problem(args)
@@ -196,7 +196,7 @@ def main(args: argparse.Namespace) -> int:
     with StepProgress(total, "accumulation", enabled=not args.no_progress) as progress:
         points = run_sweep(config, lambda done, _total, label: progress.advance(1, label))
     seconds = time.perf_counter() - start
-    print(render_text(points, config))
+    emit(render_text(points, config))  # a closed pipe must not cost the files below
     print(f"measured {len(points)} points in {seconds:.1f}s", file=sys.stderr)
     outputs = []
     if args.json:
