@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from fastgrad.buffer import ParamAndGradBuffer
 from fastgrad.layout import compute_layout
 from verify.check import CheckContext
 from verify.checks import CHECK_MODULES
@@ -44,6 +45,28 @@ def test_layout_check_fails_for_a_broken_candidate(broken):
     assert not result.passed
     failed = [e.label for e in result.expectations if not e.passed]
     assert any("candidate == refgrad" in label or "hand-derived (candidate)" in label for label in failed)
+
+
+class _BlindToPaddingBuffer(ParamAndGradBuffer):
+    """A plausible bug: the padding check never looks at the padding."""
+
+    def padding_is_zero(self) -> bool:
+        return True
+
+
+def test_layout_check_fails_for_a_broken_buffer_class():
+    result = CHECK.execute(CheckContext(quick=True),
+                           LayoutCandidate.default(buffer_cls=_BlindToPaddingBuffer))
+    assert result.error is None, result.error
+    assert result.failed_labels() == ["ParamAndGradBuffer views/alignment/padding on cpu"]
+    assert any("padding_is_zero missed poisoned padding" in e.detail for e in result.expectations)
+
+
+def test_layout_candidate_validates_itself():
+    with pytest.raises(TypeError, match="LayoutCandidate.buffer_cls must be a class"):
+        LayoutCandidate.default(buffer_cls=object())
+    with pytest.raises(TypeError, match="LayoutCandidate.compute_layout must be callable"):
+        LayoutCandidate.default(compute_layout=None)
 
 
 def test_seed_examples_from_the_formula():
