@@ -104,5 +104,5 @@ def test_wgrad_method_comparison_catches_a_dropped_microbatch():
 
     rec = CheckRecorder("wgrad")
     compare_wgrad_methods_on("cpu", rec, 0, ("fp32_upcast",),
-                             DeferredWgradCandidate(accumulate=drops_first).accumulate)
+                             DeferredWgradCandidate(accumulate=drops_first))
     assert not rec.finish(0.0).passed

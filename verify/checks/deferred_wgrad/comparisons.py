@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import asdict
 
 import torch
@@ -10,7 +9,6 @@ import torch
 from fastgrad.deferred_wgrad import (
     CUDA_WGRAD_METHODS,
     EmbeddingWgradConfig,
-    accumulate_wgrad_,
 )
 from fastgrad.errors import LifecycleError
 from refgrad.deferred_wgrad import (
@@ -248,13 +246,19 @@ def _stale_step_case(ctx: CheckContext, rec: CheckRecorder, layer_cls) -> None:
 
 
 def compare_wgrad_methods_on(
-    device: str, rec: CheckRecorder, seed: int, methods, accumulate: Callable = accumulate_wgrad_
+    device: str,
+    rec: CheckRecorder,
+    seed: int,
+    methods,
+    candidate: DeferredWgradCandidate = DeferredWgradCandidate(),  # noqa: B008 - frozen
 ) -> None:
-    """``main_grad += goᵀ·x`` on ``device`` with each wgrad method vs refgrad, on the exact grid.
+    """``main_grad += goᵀ·x`` on ``device`` with each wgrad method of the candidate's
+    ``accumulate`` vs refgrad, on the exact grid.
 
     On the grid lane every product and partial sum is exact, so any summation
     order inside the GEMM must give refgrad's bits.
     """
+    accumulate = candidate.accumulate
     for dtype in ("float32", "bfloat16"):
         case = WgradCase(1, False, 3, 0, dtype, "grid")
         _, xs, gos = case_data(case, seed, data_rank=0)
@@ -277,4 +281,4 @@ def check_cuda_wgrad(ctx: CheckContext, rec: CheckRecorder, candidate: DeferredW
     if ctx.device != "cuda":
         rec.skip("CUDA wgrad GEMM (cuBLAS, fp32 output) vs refgrad: run `verify run --device cuda`")
         return
-    compare_wgrad_methods_on("cuda", rec, ctx.seed, CUDA_WGRAD_METHODS, candidate.accumulate)
+    compare_wgrad_methods_on("cuda", rec, ctx.seed, CUDA_WGRAD_METHODS, candidate)
