@@ -2,7 +2,7 @@
 
 1. Quantizer: ``fastgrad.mxfp8`` vs ``refgrad.mxfp8`` bitwise, every scale mode,
    on the special blocks (zeros, -0, NaN/inf, subnormal amax, amax 448*2^k,
-   mantissa above 1.75, E4M3 ties) and seeded random blocks, for fp32, bf16 and
+   mantissa above 1.75, E4M3 ties) and random blocks (from ``ctx.seed``), for fp32, bf16 and
    fp16 inputs; dequantize likewise for every output dtype; the Triton kernel
    too on CUDA. A conformance table puts torch's own casts and torchao's
    ``to_mx`` beside the spec; where they disagree it is a finding, not a failure.

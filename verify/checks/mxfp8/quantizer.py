@@ -146,7 +146,7 @@ def conformance_table(
         ["mode", "quantizer", "fp32 scales", "fp32 elements", "bf16 scales", "bf16 elements"],
         rows,
         notes=[
-            f"inputs per dtype: {len(support.special_blocks()[0])} special blocks + seeded "
+            f"inputs per dtype: {len(support.special_blocks()[0])} special blocks + "
             "random blocks (half wide-exponent normals, half raw bit patterns, so NaN/inf "
             "blocks appear at their natural rate)",
             "torch casts (naive): (amax/448).to(float8_e8m0fnu), (x/scale).to(float8_e4m3fn); "
