@@ -6,11 +6,11 @@ from verify import cli
 from verify.check import Check
 
 
-def _failing(ctx, rec):
+def _failing(ctx, rec, candidate):
     rec.expect("deliberately false", False, "this check is built to fail")
 
 
-def _passing(ctx, rec):
+def _passing(ctx, rec, candidate):
     rec.expect("deliberately true", True)
 
 
@@ -44,7 +44,7 @@ def test_cuda_without_cuda_is_usage_error(capsys):
 
 @pytest.mark.parametrize("fn, code", [(_passing, 0), (_failing, 1)])
 def test_exit_code_and_reports(monkeypatch, tmp_path, fn, code):
-    check = Check("synthetic", "synthetic check", fn)
+    check = Check("synthetic", "synthetic check", fn, default_candidate=object())  # nothing under test
     monkeypatch.setattr(cli, "check_by_name", lambda name: check)
     out_json, out_md = tmp_path / "r.json", tmp_path / "r.md"
     assert cli.main(["run", "--check", "synthetic", "--json", str(out_json), "--markdown", str(out_md)]) == code
