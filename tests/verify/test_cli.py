@@ -14,26 +14,26 @@ from verify.check import Check, CheckResult
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _failing(ctx, rec):
+def _failing(ctx, rec, candidate):
     rec.expect("deliberately false", False, "this check is built to fail")
 
 
-def _passing(ctx, rec):
+def _passing(ctx, rec, candidate):
     rec.expect("deliberately true", True)
 
 
-def _crashing(ctx, rec):
+def _crashing(ctx, rec, candidate):
     rec.expect("recorded before the crash", True)
     raise RuntimeError("rank 1 exited with code -9")
 
 
-def _skipping(ctx, rec):
+def _skipping(ctx, rec, candidate):
     rec.skip("needs CUDA")
 
 
 def _use(monkeypatch, *functions):
     """Register synthetic checks named check0, check1, ... in place of the real ones."""
-    checks = {f"check{i}": Check(f"check{i}", f"synthetic {fn.__name__}", fn)
+    checks = {f"check{i}": Check(f"check{i}", f"synthetic {fn.__name__}", fn, default_candidate=object())
               for i, fn in enumerate(functions)}
     monkeypatch.setattr(cli, "check_by_name", lambda name: checks[name])
     monkeypatch.setattr(cli, "all_checks", lambda: tuple(checks.values()))
@@ -107,7 +107,7 @@ def test_skip_only_check_is_skip_not_pass(monkeypatch, capsys):
                                        (".", "is a directory")])
 def test_bad_output_path_is_refused_before_any_check_runs(monkeypatch, tmp_path, capsys, path, why):
     ran = []
-    _use(monkeypatch, lambda ctx, rec: ran.append(1))
+    _use(monkeypatch, lambda ctx, rec, candidate: ran.append(1))
     md = tmp_path / "ok.md"
     assert cli.main(["run", "--json", path, "--markdown", str(md)]) == 2
     err = capsys.readouterr().err
@@ -134,10 +134,10 @@ def test_one_output_failing_later_still_writes_the_others(monkeypatch, tmp_path,
 def test_interrupt_reports_what_finished_marked_incomplete(monkeypatch, tmp_path, capsys):
     ran = []
 
-    def interrupted(ctx, rec):
+    def interrupted(ctx, rec, candidate):
         raise KeyboardInterrupt
 
-    _use(monkeypatch, _passing, interrupted, lambda ctx, rec: ran.append(1))
+    _use(monkeypatch, _passing, interrupted, lambda ctx, rec, candidate: ran.append(1))
     out_json, out_md = tmp_path / "r.json", tmp_path / "r.md"
     assert cli.main(["run", "--json", str(out_json), "--markdown", str(out_md)]) == 3
     assert not ran  # the run stops at the interruption
@@ -150,7 +150,7 @@ def test_interrupt_reports_what_finished_marked_incomplete(monkeypatch, tmp_path
 
 def test_timeout_feeds_the_check_context(monkeypatch):
     seen = []
-    _use(monkeypatch, lambda ctx, rec: (seen.append(ctx.timeout_s), rec.expect("ok", True)))
+    _use(monkeypatch, lambda ctx, rec, candidate: (seen.append(ctx.timeout_s), rec.expect("ok", True)))
     assert cli.main(["run", "--timeout", "7.5"]) == 0
     assert seen == [7.5]
     for bad in ("0", "-1", "nan", "soon"):
@@ -198,7 +198,7 @@ def test_same_seed_gives_identical_results_and_timings_live_apart(tmp_path):
 def test_plots_are_written_beside_the_report_and_shown_in_markdown(monkeypatch, tmp_path):
     pytest.importorskip("matplotlib")
 
-    def growth(ctx, rec):
+    def growth(ctx, rec, candidate):
         rec.expect("ok", True)
         rows = [[d, "normal", n, m, f"{e * n ** 0.5:.2e}", 1, "50.00%"]
                 for d, e in (("float16", 2e-4), ("bfloat16", 2e-3)) for n in (2, 8, 32)

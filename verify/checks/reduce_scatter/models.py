@@ -1,115 +1,21 @@
-"""Check ``reduce_scatter``: fastgrad's fp32-accumulating reduce-scatter vs refgrad, and error growth.
-
-1. On real gloo groups of 2, 3 and 4 ranks (quick: 2 and 3), with rank-specific
-   fp16/bf16 inputs and two iterations, every mode of
-   ``fastgrad.reduce_scatter.reduce_scatter_with_fp32_accumulation`` (sync, async,
-   caller scratch; SUM and AVG) must equal ``refgrad.reduce_scatter.reduce_scatter(
-   accumulate="fp32", order="rank")`` bitwise.
-2. The vectorised models used by ``verify accumulation`` (ring, rank, tree in the
-   wire dtype; fp32 accumulation) must equal refgrad bitwise, and the sweep's
-   fast exact reference must equal ``verify.oracle`` bitwise.
-3. A small error-growth sweep against the exact oracle, with expectations that
-   follow from proofs (fp32 accumulation of same-sign data is within 1 ULP) or
-   from large statistical margins (the ring's error grows, fp32's does not).
-4. Measured, reported as tables and findings: production's averaging (pre-scale
-   by 1/W in the 16-bit dtype) vs dividing the fp32 sum, against the exact
-   average; and whether production's ``torch.sum(dim=0, dtype=float32)`` local
-   reduction follows rank order.
-"""
+"""The reduce_scatter check's model and measurement parts: the sweep's models vs refgrad, error growth, averaging, production's sum order."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from fractions import Fraction
 
 import torch
-import torch.distributed as dist
 
 from fastgrad.reduce_scatter import (
-    AVG,
-    SUM,
-    reduce_scatter_with_fp32_accumulation,
     reduce_shards_fp32,
 )
 from refgrad import formats
 from refgrad import reduce_scatter as refc
 from refgrad.exact import exact_sum
 from refgrad.formats import tensor_bit_patterns
-from verify.check import Check, CheckContext, CheckRecorder
-from verify.distributed import spawn
+from verify.check import CheckContext, CheckRecorder
+from verify.checks.reduce_scatter.cases import DTYPE_NAMES
 from verify.studies.reduce_scatter import growth as acc
-
-OPS = {"sum": SUM, "avg": AVG}
-MODES = ("sync", "async", "scratch", "in_place")
-DTYPE_NAMES = ("float16", "bfloat16")
-ITERATIONS = 2
-
-
-def rank_input(
-    rank: int, world_size: int, numel: int, dtype: torch.dtype, it: int, seed: int
-) -> torch.Tensor:
-    """Rank-specific gradient-like data with a few exact wire-dtype ties."""
-    g = torch.Generator().manual_seed(seed * 7919 + 1000 * world_size + 100 * it + rank)
-    x = torch.randn(numel, generator=g) * torch.exp2(-14 * torch.rand(numel, generator=g))
-    x = x * (rank + 1)
-    x[:3] = torch.tensor([1.0, 2.0**-11, -(2.0**-9)])
-    return x.to(dtype)
-
-
-def _run_modes(candidate: Callable, rank: int, size: int, group, shard: int, seed: int):
-    records = []
-    for dtype_name in DTYPE_NAMES:
-        dtype = getattr(torch, dtype_name)
-        for it in range(ITERATIONS):
-            x = rank_input(rank, size, size * shard, dtype, it, seed)
-            record = {"dtype": dtype_name, "it": it, "input": x.clone()}
-            for op_name, op in OPS.items():
-                out = torch.empty(shard, dtype=dtype)
-                candidate(out, x, group=group, op=op)
-                record[(op_name, "sync")] = out
-                out = torch.empty(shard, dtype=dtype)
-                candidate(out, x, group=group, op=op, async_op=True).wait()
-                record[(op_name, "async")] = out
-                out = torch.empty(shard, dtype=dtype)
-                scratch = torch.empty(x.numel(), dtype=dtype)
-                candidate(out, x, group=group, op=op, scratch=scratch)
-                record[(op_name, "scratch")] = out
-                buffer = x.clone()
-                view = buffer[rank * shard : (rank + 1) * shard]
-                candidate(view, buffer, group=group, op=op, async_op=True).wait()
-                record[(op_name, "in_place")] = view.clone()
-            records.append(record)
-    return records
-
-
-def _rank_worker(rank: int, world_size: int, sizes, shard: int, seed: int, candidate) -> dict:
-    """One spawned rank: run every mode on groups of ranks 0..size-1 for each size."""
-    results = {}
-    for size in sizes:
-        group = dist.new_group(list(range(size))) if size < world_size else None
-        if rank < size:
-            results[size] = _run_modes(candidate, rank, size, group, shard, seed)
-    return results
-
-
-def check_multi_rank(ctx: CheckContext, rec: CheckRecorder, candidate: Callable) -> None:
-    """``candidate`` on real gloo groups (every mode, SUM and AVG) vs refgrad fp32/rank, bitwise."""
-    sizes = (2, 3) if ctx.quick else (2, 3, 4)
-    shard = 16 if ctx.quick else 96
-    per_rank = spawn(_rank_worker, max(sizes), sizes, shard, ctx.seed, candidate)
-    for size in sizes:
-        records = [per_rank[r][size] for r in range(size)]
-        for i, first in enumerate(records[0]):
-            inputs = [records[r][i]["input"] for r in range(size)]
-            for op_name in OPS:
-                expected = refc.reduce_scatter(inputs, accumulate="fp32", order="rank", op=op_name)
-                for mode in MODES:
-                    got = torch.cat([records[r][i][(op_name, mode)] for r in range(size)])
-                    rec.compare(
-                        f"fastgrad vs refgrad fp32/rank: W={size} {first['dtype']} "
-                        f"it={first['it']} op={op_name} {mode}",
-                        torch.cat(expected), got,
-                    )
 
 
 def check_models(ctx: CheckContext, rec: CheckRecorder) -> None:
@@ -283,51 +189,3 @@ def check_production_sum_order(ctx: CheckContext, rec: CheckRecorder) -> None:
     for w, fp32_diff, bf16_diff in rows:
         rec.finding(f"torch.sum(dim=0, dtype=float32) at W={w}: {fp32_diff} fp32 sums and "
                     f"{bf16_diff} bf16 results differ from rank order on this machine")
-
-
-def compare_local_reduction_on(
-    device: str, rec: CheckRecorder, g: torch.Generator, sizes, reduce: Callable = reduce_shards_fp32
-) -> None:
-    """The local fp32 reduction run on ``device`` vs refgrad, bitwise, fp16 and bf16, SUM and AVG.
-
-    Values span 2^12 so fp32 accumulation and the single rounding both matter.
-    """
-    for dtype in (torch.float16, torch.bfloat16):
-        for world_size, numel in sizes:
-            values = torch.randn(world_size, numel, generator=g)
-            shards = (values * torch.exp2(-12 * torch.rand(world_size, numel, generator=g))).to(dtype)
-            for op in ("sum", "avg"):
-                out = torch.empty(numel, dtype=dtype, device=device)
-                reduce(shards.to(device), out, average=op == "avg")
-                expected = refc.all_reduce(list(shards), accumulate="fp32", order="rank", op=op)[0]
-                rec.compare(f"{device} local reduction {dtype} W={world_size} n={numel} {op}",
-                            expected, out.cpu())
-
-
-def check_cuda_local_reduction(ctx: CheckContext, rec: CheckRecorder) -> None:
-    """With ``--device cuda``: the GPU local reduction (Triton kernel when available) vs refgrad.
-
-    Shard lengths cover several kernel blocks and a ragged tail.
-    """
-    if ctx.device != "cuda":
-        rec.skip("CUDA local reduction (Triton kernel) vs refgrad: run `verify run --device cuda`")
-        return
-    sizes = ((3, 257),) if ctx.quick else ((2, 2053), (3, 2053), (8, 1029), (64, 257))
-    compare_local_reduction_on("cuda", rec, ctx.generator(404), sizes)
-
-
-def run_check(ctx: CheckContext, rec: CheckRecorder, candidate: Callable | None = None) -> None:
-    """The whole check; ``candidate`` replaces fastgrad's function (tests feed broken ones)."""
-    check_multi_rank(ctx, rec, candidate or reduce_scatter_with_fp32_accumulation)
-    check_cuda_local_reduction(ctx, rec)
-    check_models(ctx, rec)
-    check_error_growth(ctx, rec)
-    check_average(ctx, rec)
-    check_production_sum_order(ctx, rec)
-
-
-CHECK = Check(
-    name="reduce_scatter",
-    summary="fp32-accumulating reduce-scatter vs refgrad (bitwise, gloo W=2..4); error growth with N",
-    run=run_check,
-)

@@ -1,0 +1,284 @@
+"""The deferred_wgrad check's comparisons: rank results vs immediate mode, the drain order and refgrad; the guard and stale-step cases; the wgrad GEMM methods."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import torch
+
+from fastgrad.deferred_wgrad import (
+    CUDA_WGRAD_METHODS,
+    EmbeddingWgradConfig,
+)
+from fastgrad.errors import LifecycleError
+from refgrad.deferred_wgrad import (
+    deferred_accumulation_order,
+    fastgrad_error_factor,
+    reference_main_grad,
+    tied_embedding_grad_sum,
+)
+from verify.check import CheckContext, CheckRecorder
+from verify.checks.deferred_wgrad.candidate import DeferredWgradCandidate
+from verify.checks.deferred_wgrad.cases import (
+    BATCH,
+    HIDDEN,
+    ITERATIONS,
+    SEQ,
+    VOCAB,
+    WORLD,
+    WgradCase,
+    build_cases,
+    case_data,
+    compared_with_refgrad,
+)
+from verify.checks.deferred_wgrad.worker import rank_main
+from verify.distributed import spawn
+from verify.metrics import compare
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and compare(a, b).bitwise_equal
+
+
+def abs_products(xs, gos) -> torch.Tensor:
+    """``A = sum_k |G_k|ᵀ|X_k|`` over both iterations in float64 (products exact; 2^-40 slack)."""
+    total = torch.zeros(VOCAB, HIDDEN, dtype=torch.float64)
+    for it in range(ITERATIONS):
+        for k in range(len(xs[it])):
+            go = gos[it][k].reshape(-1, VOCAB).double().abs()
+            x = xs[it][k].reshape(-1, HIDDEN).double().abs()
+            total += go.t() @ x
+    return total * (1 + 2.0**-40)
+
+
+def _reference(case: WgradCase, xs, gos, order: list[int]) -> torch.Tensor:
+    """refgrad over both iterations as one sequence of 2M microbatches in ``order`` per step."""
+    m = case.num_microbatches
+    flat_x = [x for it in range(ITERATIONS) for x in xs[it]]
+    flat_g = [g for it in range(ITERATIONS) for g in gos[it]]
+    full_order = [it * m + k for it in range(ITERATIONS) for k in order]
+    return reference_main_grad(
+        flat_g, flat_x, main_grad_dtype=getattr(torch, case.main_grad_dtype), order=full_order
+    )
+
+
+def _ulp_row(label: str, ref: torch.Tensor, cand: torch.Tensor, bound_ok: bool) -> list:
+    c = compare(ref, cand)
+    return [label, c.bitwise_equal, c.max_ulp, round(c.mean_ulp, 3), bound_ok]
+
+
+def run_deferred_wgrad_check(
+    ctx: CheckContext, rec: CheckRecorder, candidate: DeferredWgradCandidate
+) -> None:
+    """The multi-rank cases, the tied embedding, the guard and the stale step."""
+    layer_cls = candidate.layer_cls
+    cases = build_cases(ctx.quick)
+    multi = [c for c in cases if c.tp > 1]
+    single = [c for c in cases if c.tp == 1]
+    # TP-1 cases run on every process with that process's own data (rank-specific).
+    per_rank = [
+        r for r in spawn(rank_main, WORLD, [asdict(c) for c in cases], ctx.seed, layer_cls,
+                   timeout_s=ctx.timeout_s)
+    ]
+
+    deferred_vs_immediate, drain_order_rows, ref_rows = [], [], []
+    for case in cases:
+        ranks = range(WORLD)
+        results = [per_rank[r]["cases"][case.label] for r in ranks]
+        m, limit = case.num_microbatches, case.limit
+        expected_drained = [m if limit == 0 else min(limit, m)] * ITERATIONS
+        for r, res in zip(ranks, results):
+            tag = f"{case.label}/rank{r}"
+            rec.expect(f"{tag}: drain count", res["drained"] == expected_drained,
+                       f"drained {res['drained']}, expected {expected_drained}")
+            rec.expect(f"{tag}: immediate drain is empty", res["immediate_drained"] == [0] * ITERATIONS,
+                       f"immediate mode drained {res['immediate_drained']}")
+            rec.expect(f"{tag}: 0-entry drain leaves main_grad unchanged", res["empty_drain_ok"])
+            rec.expect(f"{tag}: dgrads deferred == immediate (bitwise)", res["dgrad_equal"])
+            for it in range(ITERATIONS):
+                d, i, o = res["deferred"][it], res["immediate"][it], res["reordered"][it]
+                rec.expect(
+                    f"{tag}/iter{it}: deferred == immediate in drain order (bitwise)",
+                    bits_equal(d, o),
+                    "the deferred run must equal the immediate path that adds in order "
+                    f"{deferred_accumulation_order(m, limit)}",
+                )
+                if not case.reorders or case.lane == "grid":
+                    # Same order of adds, or every partial sum exact: must be bitwise.
+                    rec.compare(f"{tag}/iter{it}: deferred vs immediate", i, d, max_ulp=0)
+                else:
+                    deferred_vs_immediate.append((case, r, it, i, d))
+
+        # refgrad: gather the TP shards into the full [V, H] gradient per data rank.
+        data_ranks = list(ranks) if case.tp == 1 else [0]
+        for dr in data_ranks if compared_with_refgrad(case, ctx.quick) else []:
+            _, xs, gos = case_data(case, ctx.seed, dr)
+            order = deferred_accumulation_order(m, limit)
+            final = (
+                results[dr]["deferred"][-1]
+                if case.tp == 1
+                else torch.cat([res["deferred"][-1] for res in results], dim=0)
+            )
+            ref = _reference(case, xs, gos, order)
+            tag = f"{case.label}/data{dr}"
+            if case.lane == "grid":
+                rec.compare(f"{tag}: fastgrad vs refgrad (exact grid)", ref, final, max_ulp=0)
+            else:
+                factor = fastgrad_error_factor(
+                    SEQ * BATCH, ITERATIONS * m, main_grad_dtype=getattr(torch, case.main_grad_dtype)
+                )
+                a = abs_products(xs, gos)
+                err = (final.double() - ref.double()).abs()
+                ok = bool((err <= a * float(factor)).all())
+                rec.expect(
+                    f"{tag}: |fastgrad - refgrad| <= {float(factor):.3g}·A",
+                    ok,
+                    f"max err/A = {float((err / a.clamp_min(1e-300)).max()):.3g}",
+                )
+                ref_rows.append(_ulp_row(tag, ref, final, ok))
+
+    # Reordered cases: not bitwise; hold them to the bound and report ULPs.
+    for case, r, it, imm, dfr in deferred_vs_immediate:
+        _, xs, gos = case_data(case, ctx.seed, r if case.tp == 1 else 0)
+        factor = fastgrad_error_factor(
+            SEQ * BATCH, ITERATIONS * case.num_microbatches,
+            main_grad_dtype=getattr(torch, case.main_grad_dtype),
+        )
+        a = abs_products(xs, gos)
+        if case.tp > 1:
+            vshard = VOCAB // case.tp
+            a = a[r * vshard : (r + 1) * vshard]
+        ok = bool(((imm.double() - dfr.double()).abs() <= a * float(factor)).all())
+        tag = f"{case.label}/rank{r}/iter{it}"
+        rec.expect(f"{tag}: deferred vs immediate within the reorder bound", ok)
+        drain_order_rows.append(_ulp_row(tag, imm, dfr, ok))
+
+    rec.table(
+        "deferred vs immediate where deferral reorders the fp32 adds (0 < limit < M)",
+        ["case", "bitwise", "max ulp", "mean ulp", "within bound"],
+        drain_order_rows,
+        notes=[
+            "Order of adds: limit..M-1 then 0..limit-1 (production's drain). Bitwise equal "
+            "to the immediate path run in that order (expectations above).",
+            "Bound: 2((1+γ(T))(1+γ'(2M+1))-1)·A, A = Σ|G||X|, γ' with the main_grad format's "
+            "accumulation roundoff; no ULP bound exists in general (cancellation).",
+        ],
+    )
+    rec.table(
+        "fastgrad vs refgrad, random bf16 data (refgrad in the real order of adds)",
+        ["case", "bitwise", "max ulp", "mean ulp", "within bound"],
+        ref_rows,
+        notes=["The GEMM's fp32 summation order (BLAS/cuBLAS) is the only unfixed rounding."],
+    )
+
+    # Tied embeddings: both stages equal, and equal to the exact sum rounded once.
+    for dtype in ("float32", "bfloat16"):
+        stage0, stage1 = per_rank[0]["tied"][dtype], per_rank[1]["tied"][dtype]
+        for it in range(ITERATIONS):
+            tag = f"tied/{dtype}/iter{it}"
+            rec.compare(f"{tag}: stage0 vs stage1 after all-reduce", stage0[it]["after"], stage1[it]["after"])
+            expected = tied_embedding_grad_sum([stage0[it]["before"], stage1[it]["before"]])
+            rec.compare(f"{tag}: vs refgrad tied sum", expected, stage1[it]["after"])
+
+    _guard_case(ctx, rec, layer_cls)
+    _stale_step_case(ctx, rec, layer_cls)
+    rec.finding(
+        f"{len(cases)} cases ({len(single)} at TP 1 on each of {WORLD} processes, {len(multi)} at TP 2), "
+        f"{ITERATIONS} iterations each; {len(drain_order_rows)} (case, rank, iteration) results "
+        "reorder the fp32 adds under deferral and are not bitwise equal to microbatch order "
+        f"({sum(1 for row in drain_order_rows if not row[1])} of them actually differ)."
+    )
+
+
+def _guard_case(ctx: CheckContext, rec: CheckRecorder, layer_cls) -> None:
+    """Draining into a bucket whose reduce is in flight must raise and write nothing."""
+    config = EmbeddingWgradConfig(defer_embedding_wgrad_compute=True, pipeline_model_parallel_size=2)
+    g = ctx.generator(3)  # seed 0: manual_seed(3)
+    layer = layer_cls(torch.randn(VOCAB, HIDDEN, generator=g).bfloat16(), config)
+    x = torch.randn(SEQ, BATCH, HIDDEN, generator=g).bfloat16().requires_grad_(True)
+    layer(x).backward(torch.randn(SEQ, BATCH, VOCAB, generator=g).bfloat16())
+    before = layer.weight.main_grad.clone()
+    raised = False
+    try:
+        layer.drain_deferred_wgrad(reduce_in_flight=lambda p: p is layer.weight)
+    except LifecycleError:
+        raised = True
+    rec.expect("guard: drain into an in-flight bucket raises LifecycleError", raised)
+    rec.expect("guard: main_grad untouched after the refusal", torch.equal(before, layer.weight.main_grad))
+    rec.expect("guard: the deferred entry is still there to drain later", layer.num_deferred == 1)
+
+
+def _stale_step_case(ctx: CheckContext, rec: CheckRecorder, layer_cls) -> None:
+    """A step abandoned after a backward leaves entries in both buffers; the next step must not see them.
+
+    Production clears only the activation buffer at step start, so a stale
+    grad_output would be paired with the next step's first input.
+    """
+    config = EmbeddingWgradConfig(
+        defer_embedding_wgrad_compute=True, wgrad_deferral_limit=2, pipeline_model_parallel_size=2
+    )
+    g = ctx.generator(11)  # seed 0: manual_seed(11)
+    weight = torch.randn(VOCAB, HIDDEN, generator=g).bfloat16()
+    xs = [torch.randn(SEQ, BATCH, HIDDEN, generator=g).bfloat16() for _ in range(3)]
+    gos = [torch.randn(SEQ, BATCH, VOCAB, generator=g).bfloat16() for _ in range(3)]
+
+    def full_step(layer) -> None:
+        layer.start_step()
+        for x, go in zip(xs[1:], gos[1:]):
+            layer(x.clone().requires_grad_(True)).backward(go)
+        layer.drain_deferred_wgrad()
+
+    fresh = layer_cls(weight, config)
+    full_step(fresh)
+    reused = layer_cls(weight, config)
+    reused.start_step()
+    reused(xs[0].clone().requires_grad_(True)).backward(gos[0])  # abandoned: no drain
+    reused.weight.main_grad.zero_()
+    try:
+        full_step(reused)
+        same = torch.equal(
+            fresh.weight.main_grad.view(torch.int32), reused.weight.main_grad.view(torch.int32)
+        )
+        detail = "main_grad differs from a fresh layer's"
+    except LifecycleError as exc:
+        same, detail = False, f"LifecycleError: {exc}"
+    rec.expect("stale step: start_step clears both buffers (bitwise equal to a fresh layer)", same, detail)
+
+
+def compare_wgrad_methods_on(
+    device: str,
+    rec: CheckRecorder,
+    seed: int,
+    methods,
+    candidate: DeferredWgradCandidate = DeferredWgradCandidate(),  # noqa: B008 - frozen
+) -> None:
+    """``main_grad += goᵀ·x`` on ``device`` with each wgrad method of the candidate's
+    ``accumulate`` vs refgrad, on the exact grid.
+
+    On the grid lane every product and partial sum is exact, so any summation
+    order inside the GEMM must give refgrad's bits.
+    """
+    accumulate = candidate.accumulate
+    for dtype in ("float32", "bfloat16"):
+        case = WgradCase(1, False, 3, 0, dtype, "grid")
+        _, xs, gos = case_data(case, seed, data_rank=0)
+        expected = reference_main_grad(gos[0], xs[0], main_grad_dtype=getattr(torch, dtype))
+        for method in methods:
+            main_grad = torch.zeros(VOCAB, HIDDEN, dtype=getattr(torch, dtype), device=device)
+            try:
+                for x, go in zip(xs[0], gos[0]):
+                    accumulate(main_grad, go.to(device), x.to(device), cuda_method=method)
+            except (RuntimeError, NotImplementedError) as exc:
+                # addmm with both out_dtype and out= has been broken in some torch releases.
+                rec.finding(f"{device} wgrad method {method!r} is unavailable on this torch: {exc}")
+                continue
+            rec.compare(f"{device} wgrad {method}: main_grad {dtype} (exact grid)",
+                        expected, main_grad.cpu())
+
+
+def check_cuda_wgrad(ctx: CheckContext, rec: CheckRecorder, candidate: DeferredWgradCandidate) -> None:
+    """With ``--device cuda``: the fp32-accumulating wgrad GEMM (cuBLAS) vs refgrad."""
+    if ctx.device != "cuda":
+        rec.skip("CUDA wgrad GEMM (cuBLAS, fp32 output) vs refgrad: run `verify run --device cuda`")
+        return
+    compare_wgrad_methods_on("cuda", rec, ctx.seed, CUDA_WGRAD_METHODS, candidate)

@@ -1,0 +1,150 @@
+"""The deferred_wgrad check's multi-rank worker: each case, deferred and immediate, on one rank."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from fastgrad.deferred_wgrad import (
+    ColumnParallelOutputLayer,
+    EmbeddingWgradConfig,
+    allreduce_tied_embedding_grad,
+)
+from refgrad.deferred_wgrad import (
+    deferred_accumulation_order,
+)
+from verify.checks.deferred_wgrad.cases import (
+    BATCH,
+    HIDDEN,
+    ITERATIONS,
+    SEQ,
+    VOCAB,
+    WgradCase,
+    case_data,
+)
+
+
+def run_layer(case, layer_cls, config, weight, xs, gos, rank, order_of, tp_group):
+    """Run ITERATIONS steps; return main_grad after each, drain counts, dgrads, empty-drain facts."""
+    tp = case.tp
+    vshard = VOCAB // tp
+    sshard = SEQ // tp if case.sequence_parallel else SEQ
+    vrank = rank if tp > 1 else 0
+    layer = layer_cls(
+        weight[vrank * vshard : (vrank + 1) * vshard],
+        config,
+        tp_group=tp_group,
+        main_grad_dtype=getattr(torch, case.main_grad_dtype),
+    )
+    grads_after, drained, dgrads, empty_drain_ok = [], [], [], True
+    for it in range(ITERATIONS):
+        layer.start_step()
+        step_dgrads = {}
+        for k in order_of(it):
+            x_full = xs[it][k]
+            x = x_full[vrank * sshard : (vrank + 1) * sshard] if case.sequence_parallel else x_full
+            x = x.clone().requires_grad_(True)
+            go = gos[it][k][..., vrank * vshard : (vrank + 1) * vshard].contiguous()
+            layer(x).backward(go)
+            step_dgrads[k] = x.grad
+        drained.append(layer.drain_deferred_wgrad())
+        snapshot = layer.weight.main_grad.clone()
+        # A second drain finds 0 entries: it must return 0 and leave main_grad alone.
+        empty_drain_ok &= layer.drain_deferred_wgrad() == 0
+        empty_drain_ok &= torch.equal(
+            layer.weight.main_grad.view(torch.int16 if snapshot.itemsize == 2 else torch.int32),
+            snapshot.view(torch.int16 if snapshot.itemsize == 2 else torch.int32),
+        )
+        grads_after.append(snapshot)
+        dgrads.append([step_dgrads[k] for k in range(case.num_microbatches)])
+    return grads_after, drained, dgrads, empty_drain_ok
+
+
+def run_case_on_rank(
+    case: WgradCase,
+    seed: int,
+    rank: int,
+    tp_group: dist.ProcessGroup | None,
+    layer_cls: type[ColumnParallelOutputLayer],
+) -> dict:
+    """Deferred, immediate, and immediate-in-drain-order runs of one case on this rank."""
+    data_rank = rank if case.tp == 1 else 0
+    weight, xs, gos = case_data(case, seed, data_rank)
+    m = case.num_microbatches
+    deferred_cfg = EmbeddingWgradConfig(
+        defer_embedding_wgrad_compute=True,
+        wgrad_deferral_limit=case.limit,
+        pipeline_model_parallel_size=2,
+        tensor_model_parallel_size=case.tp,
+        sequence_parallel=case.sequence_parallel,
+    )
+    immediate_cfg = EmbeddingWgradConfig(
+        pipeline_model_parallel_size=2,
+        tensor_model_parallel_size=case.tp,
+        sequence_parallel=case.sequence_parallel,
+    )
+    natural = lambda it: range(m)  # noqa: E731
+    drain_order = lambda it: deferred_accumulation_order(m, case.limit)  # noqa: E731
+    deferred = run_layer(case, layer_cls, deferred_cfg, weight, xs, gos, rank, natural, tp_group)
+    immediate = run_layer(case, ColumnParallelOutputLayer, immediate_cfg, weight, xs, gos, rank, natural, tp_group)
+    reordered = run_layer(case, ColumnParallelOutputLayer, immediate_cfg, weight, xs, gos, rank, drain_order, tp_group)
+    dgrad_equal = all(
+        torch.equal(a, b)
+        for it in range(ITERATIONS)
+        for a, b in zip(deferred[2][it], immediate[2][it])
+    )
+    return {
+        "deferred": deferred[0],
+        "immediate": immediate[0],
+        "reordered": reordered[0],
+        "drained": deferred[1],
+        "immediate_drained": immediate[1],
+        "empty_drain_ok": deferred[3] and immediate[3],
+        "dgrad_equal": dgrad_equal,
+    }
+
+
+def _tied_embedding_on_rank(rank: int, seed: int, main_grad_dtype: str, layer_cls) -> list[dict]:
+    """Stage 0: word-embedding grads; stage 1: deferred output layer; then the tied all-reduce."""
+    dtype = getattr(torch, main_grad_dtype)
+    g = torch.Generator().manual_seed(seed * 31 + 5)
+    weight = torch.randn(VOCAB, HIDDEN, generator=g).bfloat16()
+    out = []
+    if rank == 0:
+        main_grad = torch.zeros(VOCAB, HIDDEN, dtype=dtype)
+    else:
+        config = EmbeddingWgradConfig(defer_embedding_wgrad_compute=True, pipeline_model_parallel_size=2)
+        layer = layer_cls(weight, config, main_grad_dtype=dtype)
+        main_grad = layer.weight.main_grad
+    for _ in range(ITERATIONS):
+        # Every iteration starts from zeros, as after the optimizer step's zero_grad.
+        main_grad.zero_()
+        if rank == 1:
+            layer.start_step()
+        for _ in range(3):
+            if rank == 0:
+                tokens = torch.randint(0, VOCAB, (SEQ * BATCH,), generator=g)
+                rows = torch.randn(SEQ * BATCH, HIDDEN, generator=g).bfloat16()
+                main_grad.index_add_(0, tokens, rows.to(dtype))
+            else:
+                x = torch.randn(SEQ, BATCH, HIDDEN, generator=g).bfloat16().requires_grad_(True)
+                go = torch.randn(SEQ, BATCH, VOCAB, generator=g).bfloat16()
+                layer(x).backward(go)
+        if rank == 1:
+            layer.drain_deferred_wgrad()
+        before = main_grad.clone()
+        allreduce_tied_embedding_grad(main_grad, dist.group.WORLD)
+        out.append({"before": before, "after": main_grad.clone()})
+    return out
+
+
+def rank_main(rank: int, world_size: int, cases: list[dict], seed: int, layer_cls) -> dict:
+    """Everything that needs processes: the TP cases and the tied-embedding exchange."""
+    results = {}
+    for spec in cases:
+        case = WgradCase(**spec)
+        results[case.label] = run_case_on_rank(
+            case, seed, rank, dist.group.WORLD if case.tp > 1 else None, layer_cls
+        )
+    tied = {d: _tied_embedding_on_rank(rank, seed, d, layer_cls) for d in ("float32", "bfloat16")}
+    return {"cases": results, "tied": tied}

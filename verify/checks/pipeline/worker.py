@@ -1,0 +1,226 @@
+"""The pipeline check's multi-rank worker: one rank's 1F1B (or interleaved) run of every case, overlap on and off."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from refgrad.pipeline import (
+    EMBEDDING_PARAM,
+    HEAD_PARAM,
+    StageModule,
+    head_weight_init,
+    microbatch_data,
+    microbatch_loss,
+    sgd_update,
+    stage_param_name,
+)
+from verify.checks.pipeline.cases import PipelineCase, RankResult
+
+
+def case_ddp_config(case: PipelineCase, overlap: bool):
+    from fastgrad.config import DDPConfig
+
+    return DDPConfig(
+        use_distributed_optimizer=case.use_distributed_optimizer,
+        reduce_scatter_with_fp32_accumulation=case.reduce_scatter_with_fp32_accumulation,
+        average_in_collective=case.reduction == "avg",
+        overlap_grad_reduce=overlap,
+        bucket_size=case.bucket_size,
+    )
+
+
+def _full_reduced_grads(ddp: Any, case: PipelineCase, dp_group: Any) -> None:
+    """With the distributed optimizer only the local shard is reduced: gather the others."""
+    if not case.use_distributed_optimizer or case.dp_size == 1:
+        return
+    from fastgrad.comm import all_gather_into
+
+    for bucket in ddp.buffer.buckets:
+        gathered = torch.empty_like(bucket.grad_data)
+        all_gather_into(gathered, bucket.local_grad_shard.clone(), group=dp_group)
+        bucket.grad_data.copy_(gathered)
+
+
+class _BodyWithHead(torch.nn.Module):
+    """The last stage with an output head: ``head(body(x))``."""
+
+    def __init__(self, body: torch.nn.Module, head: torch.nn.Module) -> None:
+        super().__init__()
+        self.body = body
+        self.head = head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+class _RecordingSync:
+    """Forward to one chunk's DDP; at its enable, note which chunks already launched a reduce."""
+
+    def __init__(self, ddps: list[Any], chunk: int, log: list) -> None:
+        self.ddp, self.ddps, self.chunk, self.log = ddps[chunk], ddps, chunk, log
+
+    def enable_grad_sync(self) -> None:
+        self.log.append((self.chunk, tuple(d.any_reduce_in_flight for d in self.ddps)))
+        self.ddp.enable_grad_sync()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.ddp, name)
+
+
+def run_interleaved_case_on_rank(case: PipelineCase, groups: Any, overlap: bool) -> RankResult:
+    """Train an interleaved ``case`` (one DDP engine per model chunk) on this rank."""
+    from fastgrad.ddp import DistributedDataParallel
+    from fastgrad.pipeline_interleaved import forward_backward_interleaved
+    from fastgrad.timeline import Timeline
+
+    P, V, stage = case.pp_size, case.virtual_stages, groups.stage
+    chunks = [StageModule(case.spec, c * P + stage) for c in range(V)]
+    named = {stage_param_name(c * P + stage, n): p
+             for c, chunk in enumerate(chunks) for n, p in chunk.named_parameters()}
+    ddps = [DistributedDataParallel(chunk, config=case_ddp_config(case, overlap),
+                                    dp_group=groups.dp_group, average=case.reduction != "sum")
+            for chunk in chunks]
+    result = RankResult(stage=stage, dp_rank=groups.dp_rank)
+    timeline = Timeline(groups.rank)
+    for step, plan in enumerate(case.plans):
+        for name, p in named.items():
+            p.requires_grad_(name not in plan.frozen)
+        for ddp in ddps:
+            ddp.zero_grad_buffer()
+        m = plan.num_microbatches
+        inputs, targets = microbatch_data(case.spec, groups.dp_rank, step, m)
+        if case.fault == "reversed_microbatches":
+            inputs, targets = inputs[::-1], targets[::-1]
+        timeline.clear()
+        dist.barrier(group=groups.pp_group)
+        log: list[tuple[int, tuple[bool, ...]]] = []
+        losses = forward_backward_interleaved(
+            chunks,
+            groups=groups,
+            grad_syncs=[_RecordingSync(ddps, c, log) for c in range(V)],
+            num_microbatches=m,
+            activation_shape=case.spec.activation_shape,
+            loss_fn=lambda out, target, m=m: microbatch_loss(out, target, m),
+            inputs=inputs if groups.is_first_stage else None,
+            targets=targets if groups.is_last_stage else None,
+            timeline=timeline,
+        )
+        result.events.append(list(timeline.events))
+        for ddp in ddps:
+            _full_reduced_grads(ddp, case, groups.dp_group)
+        result.losses.append([float(v) for v in losses])
+        result.grads.append({n: p.main_grad.detach().clone() for n, p in named.items()})
+        result.launch_sites.append(tuple(s for ddp in ddps for s in ddp.last_launch_sites))
+        result.chunk_enables.append(log)
+        with torch.no_grad():
+            for name, p in named.items():
+                if name not in plan.frozen:
+                    p.copy_(sgd_update(p, p.main_grad, case.lr))
+        result.params.append({n: p.detach().clone() for n, p in named.items()})
+    result.relearn_count = sum(ddp.relearn_count for ddp in ddps)
+    for ddp in ddps:
+        ddp.remove_hooks()
+    return result
+
+
+def run_case_on_rank(case: PipelineCase, groups: Any, overlap: bool) -> RankResult:
+    """Train ``case`` on this rank of its grid; return what it saw."""
+    if case.virtual_stages > 1:
+        return run_interleaved_case_on_rank(case, groups, overlap)
+    from fastgrad.ddp import DistributedDataParallel
+    from fastgrad.pipeline import forward_backward_1f1b
+    from fastgrad.timeline import Timeline
+
+    stage = groups.stage
+    spec = case.spec
+    body = StageModule(spec, stage)
+    named = {stage_param_name(stage, n): p for n, p in body.named_parameters()}
+    module, head, tied = body, None, []
+    if spec.output_head and groups.is_last_stage:
+        from fastgrad.deferred_wgrad import ColumnParallelOutputLayer, EmbeddingWgradConfig
+
+        head = ColumnParallelOutputLayer(
+            head_weight_init(spec),
+            EmbeddingWgradConfig(defer_embedding_wgrad_compute=True,
+                                 pipeline_model_parallel_size=case.pp_size),
+        )
+        module = _BodyWithHead(body, head)
+        named[stage_param_name(stage, HEAD_PARAM)] = head.weight
+        if spec.tied_embedding:
+            tied = [head.weight]
+    if spec.tied_embedding and groups.is_first_stage:
+        tied = [named[stage_param_name(0, EMBEDDING_PARAM)]]
+    for param in tied:
+        # Own bucket, same bucket-relative offsets on both stages: the DP shards of the
+        # two copies line up, so the embedding all-reduce is right on every shard.
+        param.shared_embedding = True
+    ddp = DistributedDataParallel(
+        module,
+        config=case_ddp_config(case, overlap),
+        dp_group=groups.dp_group,
+        average=case.reduction != "sum",
+        external_grad_params=[] if head is None else [head.weight],
+    )
+    result = RankResult(stage=stage, dp_rank=groups.dp_rank)
+    timeline = Timeline(groups.rank)
+    for step, plan in enumerate(case.plans):
+        for name, p in named.items():
+            p.requires_grad_(name not in plan.frozen)
+        ddp.zero_grad_buffer()
+        if head is not None:
+            head.start_step()
+        inputs, targets = microbatch_data(case.spec, groups.dp_rank, step, plan.num_microbatches)
+        if case.fault == "reversed_microbatches":
+            inputs, targets = inputs[::-1], targets[::-1]
+        m = plan.num_microbatches
+        timeline.clear()
+        if case.pp_size > 1:
+            dist.barrier(group=groups.pp_group)
+        losses = forward_backward_1f1b(
+            module,
+            groups=groups,
+            grad_sync=ddp,
+            num_microbatches=m,
+            activation_shape=case.spec.activation_shape,
+            loss_fn=lambda out, target, m=m: microbatch_loss(out, target, m),
+            inputs=inputs if groups.is_first_stage else None,
+            targets=targets if groups.is_last_stage else None,
+            timeline=timeline,
+            deferred_wgrad=head,
+            embedding_params=tied,
+        )
+        result.events.append(list(timeline.events))
+        _full_reduced_grads(ddp, case, groups.dp_group)
+        result.losses.append([float(v) for v in losses])
+        result.grads.append({n: p.main_grad.detach().clone() for n, p in named.items()})
+        result.launch_sites.append(ddp.last_launch_sites)
+        with torch.no_grad():
+            for name, p in named.items():
+                if name not in plan.frozen:
+                    p.copy_(sgd_update(p, p.main_grad, case.lr))
+        result.params.append({n: p.detach().clone() for n, p in named.items()})
+    result.relearn_count = ddp.relearn_count
+    ddp.remove_hooks()
+    return result
+
+
+def pipeline_worker(rank: int, world_size: int, phases: list[list[PipelineCase]]) -> dict:
+    """Spawned entry point: run every phase's grids side by side; results by case name."""
+    from fastgrad.pipeline import build_parallel_groups
+
+    out: dict[str, dict[bool, RankResult]] = {}
+    for phase in phases:
+        mine = []
+        for case in phase:
+            groups = build_parallel_groups(case.pp_size, case.dp_size, first_rank=case.first_rank)
+            if groups is not None:
+                mine.append((case, groups))
+        for case, groups in mine:
+            out[case.name] = {
+                overlap: run_case_on_rank(case, groups, overlap) for overlap in (True, False)
+            }
+        dist.barrier()
+    return out

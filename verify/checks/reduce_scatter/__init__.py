@@ -1,0 +1,60 @@
+"""Check ``reduce_scatter``: fastgrad's fp32-accumulating reduce-scatter vs refgrad, and error growth.
+
+1. On real gloo groups of 2, 3 and 4 ranks (quick: 2 and 3), with rank-specific
+   fp16/bf16 inputs and two iterations, every mode of
+   ``fastgrad.reduce_scatter.reduce_scatter_with_fp32_accumulation`` (sync, async,
+   caller scratch; SUM and AVG) must equal ``refgrad.reduce_scatter.reduce_scatter(
+   accumulate="fp32", order="rank")`` bitwise.
+2. The vectorised models used by ``verify accumulation`` (ring, rank, tree in the
+   wire dtype; fp32 accumulation) must equal refgrad bitwise, and the sweep's
+   fast exact reference must equal ``verify.oracle`` bitwise.
+3. A small error-growth sweep against the exact oracle, with expectations that
+   follow from proofs (fp32 accumulation of same-sign data is within 1 ULP) or
+   from large statistical margins (the ring's error grows, fp32's does not).
+4. Order-sensitive inputs (exponents spread wider than fp32's 24 bits, so fp32 partial
+   sums round differently in another order; the check asserts this with refgrad): the
+   candidate's local reduction at W=3, 4, 5, 8 and its reduce-scatter on gloo groups of
+   3 (and 4) ranks must equal refgrad fp32/rank bitwise, so any change of summation
+   order fails here.
+5. Measured, reported as tables and findings: production's averaging (pre-scale
+   by 1/W in the 16-bit dtype) vs dividing the fp32 sum, against the exact
+   average; and whether production's ``torch.sum(dim=0, dtype=float32)`` local
+   reduction follows rank order.
+
+Package layout: ``cases`` (inputs), ``candidate`` (the implementation under test),
+``worker`` (the multi-rank part), ``local`` (the local reduction on order-sensitive
+inputs and on CUDA), ``models`` (the sweep's models, error growth, averaging, sum order),
+``entry`` (the run function and the registration).
+"""
+
+from verify.checks.reduce_scatter.candidate import ReduceScatterCandidate
+from verify.checks.reduce_scatter.cases import order_sensitive_input, rank_input
+from verify.checks.reduce_scatter.entry import CHECK, run
+from verify.checks.reduce_scatter.local import (
+    check_cuda_local_reduction,
+    check_local_order_sensitive,
+    compare_local_reduction_on,
+)
+from verify.checks.reduce_scatter.models import (
+    check_average,
+    check_error_growth,
+    check_models,
+    check_production_sum_order,
+)
+from verify.checks.reduce_scatter.worker import check_multi_rank
+
+__all__ = [
+    "CHECK",
+    "ReduceScatterCandidate",
+    "check_average",
+    "check_cuda_local_reduction",
+    "check_error_growth",
+    "check_local_order_sensitive",
+    "check_models",
+    "check_multi_rank",
+    "check_production_sum_order",
+    "compare_local_reduction_on",
+    "order_sensitive_input",
+    "rank_input",
+    "run",
+]

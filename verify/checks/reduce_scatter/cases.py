@@ -1,0 +1,63 @@
+"""The reduce_scatter check's inputs: rank-specific data with wire-dtype ties, and order-sensitive data."""
+
+from __future__ import annotations
+
+import torch
+
+from fastgrad.reduce_scatter import (
+    AVG,
+    SUM,
+)
+
+OPS = {"sum": SUM, "avg": AVG}
+MODES = ("sync", "async", "scratch", "in_place")
+DTYPE_NAMES = ("float16", "bfloat16")
+ITERATIONS = 2
+# W at which the local reduction sees order-sensitive inputs (W=2 is commutative: a+b == b+a).
+ORDER_SENSITIVE_LOCAL_SIZES = (3, 4, 5, 8)
+# Per dtype: exponents of the cancelling pair (+B on one rank, -B on another) and of the
+# small values on the other ranks. The gap is at least 2^25, more than fp32's 24 bits, so
+# a small value added while the fp32 partial sum holds B is lost, and one added after B
+# and -B have cancelled is kept. No sum can overflow: |B| < 2^15 (fp16), < 2^41 (bf16).
+_ORDER_EXPONENTS = {"float16": ((13, 14), (-14, -12)), "bfloat16": ((30, 40), (-10, 0))}
+
+
+def rank_input(
+    rank: int, world_size: int, numel: int, dtype: torch.dtype, it: int, seed: int
+) -> torch.Tensor:
+    """Rank-specific gradient-like data with a few exact wire-dtype ties."""
+    g = torch.Generator().manual_seed(seed * 7919 + 1000 * world_size + 100 * it + rank)
+    x = torch.randn(numel, generator=g) * torch.exp2(-14 * torch.rand(numel, generator=g))
+    x = x * (rank + 1)
+    x[:3] = torch.tensor([1.0, 2.0**-11, -(2.0**-9)])
+    return x.to(dtype)
+
+
+def order_sensitive_input(
+    rank: int, world_size: int, numel: int, dtype: torch.dtype, it: int, seed: int
+) -> torch.Tensor:
+    """Rank ``rank``'s values of a [W, numel] matrix whose fp32 sums depend on the rank order.
+
+    In every column two random ranks hold +B and -B and the others small values 2^25 or
+    more below B (random signs and mantissas), so the fp32 sum keeps exactly the small
+    values that come after both B's: another order keeps others. The whole matrix comes
+    from one generator (every rank derives the same one), and rank ``rank`` takes its row.
+    """
+    (big_lo, big_hi), (small_lo, small_hi) = _ORDER_EXPONENTS[str(dtype).removeprefix("torch.")]
+    g = torch.Generator().manual_seed(seed * 7919 + 50_000 + 1000 * world_size + 100 * it)
+    shape = (world_size, numel)
+
+    def values(lo: int, hi: int) -> torch.Tensor:
+        exponents = torch.randint(lo, hi + 1, shape, generator=g).to(torch.float64)
+        mantissas = 1 + torch.rand(shape, generator=g, dtype=torch.float64)
+        return mantissas * torch.exp2(exponents)
+
+    big, small = values(big_lo, big_hi), values(small_lo, small_hi)
+    signs = torch.where(torch.rand(shape, generator=g) < 0.5, -1.0, 1.0).to(torch.float64)
+    # Per column, the ranks holding +B and -B: the first two of a random permutation.
+    holders = torch.argsort(torch.rand(shape, generator=g), dim=0)
+    matrix = signs * small
+    columns = torch.arange(numel)
+    matrix[holders[0], columns] = big[0]
+    matrix[holders[1], columns] = -big[0]
+    return matrix[rank].to(dtype)
