@@ -41,7 +41,6 @@ def rank_main(job: RankJob, result_conn: Any) -> None:
     The name is what :mod:`verify.distributed.diagnosis` looks for in stack dumps.
     """
     progress = job.progress
-    progress.mark("starting")
     # Forkserver children inherit the server's environment, taken when it started;
     # a rank must see the caller's, as a freshly spawned process would.
     os.environ.clear()
@@ -49,6 +48,8 @@ def rank_main(job: RankJob, result_conn: Any) -> None:
     # Kept open for the life of the process: faulthandler writes the stack here on SIGUSR1.
     stack_file = open(job.stack_path, "w")  # noqa: SIM115
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    # The first marker also tells the parent that SIGUSR1 is now safe to send.
+    progress.mark("starting")
     # One intra-op thread per rank: W ranks share 2 cores in CI.
     torch.set_num_threads(1)
     try:

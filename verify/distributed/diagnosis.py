@@ -27,6 +27,8 @@ STACK_DUMP_WAIT_S = 1.5
 
 def process_state(pid: int | None, exitcode: int | None) -> str:
     """'running', 'stopped (SIGSTOP or a debugger)' or how the process ended."""
+    if pid is None:
+        return "not started"
     if exitcode is not None:
         if exitcode < 0:
             return f"killed by {signal.Signals(-exitcode).name}"
@@ -40,7 +42,11 @@ def process_state(pid: int | None, exitcode: int | None) -> str:
 
 
 def request_stack_dumps(pids: dict[int, int], stack_files: dict[int, Path]) -> dict[int, str]:
-    """SIGUSR1 every running rank, wait (bounded) for the dumps; rank -> dump text."""
+    """SIGUSR1 each rank in ``pids``, wait (bounded) for the dumps; rank -> dump text.
+
+    Only for ranks that have marked progress: SIGUSR1 kills a process whose handler
+    is not registered yet, and ``rank_main`` registers it before its first marker.
+    """
     asked = []
     for rank, pid in pids.items():
         try:
@@ -87,10 +93,11 @@ def summarize_frames(frames: list[tuple[str, int, str]]) -> str | None:
     inside = 0
     while inside < len(frames) and f"{os.sep}torch{os.sep}distributed{os.sep}" in frames[inside][0]:
         inside += 1
-    if inside == len(frames):
-        return f"inside torch.distributed ({frames[0][2]})"
-    file, line, func = frames[inside]
-    caller = f"{_short(file)}:{line} ({func})"
+    if inside < len(frames):
+        file, line, func = frames[inside]
+        caller = f"{_short(file)}:{line} ({func})"
+    else:  # called by rank_main itself: init_process_group or the final barrier
+        caller = f"the harness ({ENTRY_FUNCTION})"
     if inside == 0:
         return f"at {caller}"
     # The public API is the outermost torch frame that is not a decorator's wrapper.

@@ -29,7 +29,7 @@ class RankState:
 
     def describe(self) -> str:
         """Several lines for an error message."""
-        marker = "no progress marker"
+        marker = "never reached the harness's entry point (still starting?)"
         if self.marker is not None:
             age = f", {self.marker_age_s:.1f} s ago" if self.marker_age_s is not None else ""
             marker = f"last marker {self.marker!r}{age}"

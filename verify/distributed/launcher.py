@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing import forkserver
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
@@ -79,13 +80,23 @@ class RankLauncher:
             context.set_forkserver_preload(list(self.preload))
         return context
 
-    def warm_up(self) -> None:
-        """Start the fork server now (it imports ``preload`` in the background)."""
-        if self.start_method == "forkserver":
-            from multiprocessing import forkserver
+    def warm_up(self, wait_s: float = 0.0) -> None:
+        """Start the fork server now; it imports ``preload`` in the background.
 
-            self.context()
-            forkserver.ensure_running()
+        With ``wait_s > 0``, wait up to that long for the imports to finish (a no-op
+        process is forked once they have), e.g. before timing or short deadlines.
+        """
+        if self.start_method != "forkserver":
+            return
+        context = self.context()
+        forkserver.ensure_running()
+        if wait_s > 0:
+            probe = context.Process(target=int)
+            probe.start()
+            probe.join(timeout=wait_s)
+            if probe.exitcode is None:
+                probe.kill()
+                probe.join(timeout=TERMINATE_GRACE_S)
 
     def spawn(
         self,
@@ -204,7 +215,7 @@ class _Run:
         dumps = {}
         if with_stacks:
             running = {r: pid for r, pid in pids.items()
-                       if "stopped" not in _state(self.procs[r])}
+                       if self.board.read(r) is not None and _state(self.procs[r]) == "running"}
             dumps = request_stack_dumps(running, self.stack_files)
         exitcodes = {r: self.procs[r].exitcode for r in ranks}
         return diagnose(ranks, pids, exitcodes, self.board, dumps)
@@ -213,7 +224,8 @@ class _Run:
         """SIGTERM every live rank at once, SIGKILL the rest after a grace, join with a deadline."""
         alive = [p for p in self.procs if p.exitcode is None]
         for proc in alive:
-            _signal(proc.terminate)
+            # A frozen process acts on SIGTERM only once continued: no grace for it.
+            _signal(proc.kill if _state(proc).startswith("stopped") else proc.terminate)
         deadline = time.monotonic() + TERMINATE_GRACE_S
         for proc in alive:
             proc.join(timeout=max(0.0, deadline - time.monotonic()))
