@@ -172,6 +172,9 @@ def _timeout_of(launcher, fn, world_size):
         launcher.spawn(fn, world_size, timeout_s=SHORT_TIMEOUT_S)
     elapsed = time.monotonic() - start
     assert SHORT_TIMEOUT_S <= elapsed < SHORT_TIMEOUT_S + SLACK_S, elapsed
+    for state in info.value.states.values():  # killed and reaped, not left behind
+        with pytest.raises(ProcessLookupError):
+            os.kill(state.pid, 0)
     return info.value
 
 
@@ -185,7 +188,7 @@ def test_a_stalled_rank_times_out_with_its_last_marker_and_location(warm_launche
     assert error.states[1].marker_age_s >= SHORT_TIMEOUT_S - 3
     assert "_rank_one_sleeps" in error.states[1].location
     assert error.states[0].location == "in torch.distributed.barrier, called from the harness (rank_main)"
-    assert "step 1: data loading" in str(error) and "rank 1: running" in str(error)
+    assert "step 1: data loading" in str(error) and f"rank 1 (pid {error.states[1].pid}): running" in str(error)
 
 
 @pytest.mark.dist

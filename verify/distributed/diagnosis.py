@@ -120,6 +120,7 @@ def diagnose(
         frames = rank_frames(dumps.get(rank, ""))
         states[rank] = RankState(
             rank=rank,
+            pid=pids.get(rank),
             process=process_state(pids.get(rank), exitcodes.get(rank)),
             marker=marker[0] if marker else None,
             marker_age_s=marker[1] if marker else None,

@@ -16,6 +16,7 @@ class RankState:
     """What the harness knew about one unfinished rank when it gave up on the run."""
 
     rank: int
+    pid: int | None
     # e.g. "running", "stopped (SIGSTOP or a debugger)", "exited with code 3".
     process: str
     # The last label the rank reported (see verify.distributed.progress) and its age.
@@ -33,7 +34,7 @@ class RankState:
         if self.marker is not None:
             age = f", {self.marker_age_s:.1f} s ago" if self.marker_age_s is not None else ""
             marker = f"last marker {self.marker!r}{age}"
-        lines = [f"  rank {self.rank}: {self.process}; {marker}"]
+        lines = [f"  rank {self.rank} (pid {self.pid}): {self.process}; {marker}"]
         if self.location:
             lines.append(f"    {self.location}")
         lines.extend(f"      {frame}" for frame in self.stack)

@@ -25,7 +25,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing import forkserver
 from multiprocessing.connection import wait
@@ -50,6 +50,9 @@ DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch.multiprocessing",
                    "verify.distributed", "refgrad", "fastgrad")
 START_METHODS = ("forkserver", "spawn")
+# Overrides the default start method, e.g. VERIFY_RANK_START_METHOD=spawn for the old
+# behaviour (bench/bench_verify_run.py times both), or where forkserver misbehaves.
+START_METHOD_VARIABLE = "VERIFY_RANK_START_METHOD"
 # After the first rank fails, how long its peers get to report their own errors.
 FAILURE_GRACE_S = 1.0
 # Between SIGTERM to every rank and SIGKILL to every rank still alive.
@@ -61,12 +64,13 @@ _POLL_S = 0.5
 class RankLauncher:
     """How rank processes are started: ``forkserver`` (fast, default) or ``spawn`` (baseline)."""
 
-    start_method: str = "forkserver"
+    start_method: str = field(default_factory=lambda: os.environ.get(START_METHOD_VARIABLE, "forkserver"))
     preload: tuple[str, ...] = DEFAULT_PRELOAD
 
     def __post_init__(self) -> None:
         if self.start_method not in START_METHODS:
-            raise ValueError(f"start_method must be one of {START_METHODS}, got {self.start_method!r}")
+            raise ValueError(f"start_method (or ${START_METHOD_VARIABLE}) must be one of "
+                             f"{START_METHODS}, got {self.start_method!r}")
         if self.start_method not in mp.get_all_start_methods():
             raise ValueError(f"start_method {self.start_method!r} is not available on this platform")
         if not all(isinstance(m, str) and m for m in self.preload):
