@@ -38,7 +38,7 @@ def _outcome(report: dict[str, Any]) -> list[Any]:
     ]
 
 
-def _run_once(method: str, verify_args: list[str]) -> tuple[float, list[Any]]:
+def _run_once(method: str, verify_args: list[str]) -> tuple[float, list[Any], dict[str, Any]]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "report.json"
         env = {**os.environ, START_METHOD_VARIABLE: method,
@@ -50,7 +50,10 @@ def _run_once(method: str, verify_args: list[str]) -> tuple[float, list[Any]]:
         if not out.exists():
             raise RuntimeError(f"verify run ({method}) wrote no report (exit {proc.returncode}):\n"
                                f"{proc.stderr[-4000:]}")
-        return wall, _outcome(json.loads(out.read_text()))
+        report = json.loads(out.read_text())
+        per_check = {c["name"]: {"passed": c["passed"], "seconds": round(c["seconds"], 1)}
+                     for c in report["checks"]}
+        return wall, _outcome(report), per_check
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,18 +70,21 @@ def main(argv: list[str] | None = None) -> int:
     verify_args = ["--seed", str(args.seed), *(["--quick"] if args.quick else []),
                    *[a for name in args.check for a in ("--check", name)]]
     walls: dict[str, list[float]] = {m: [] for m in METHODS}
+    checks: dict[str, list[dict[str, Any]]] = {m: [] for m in METHODS}
     baseline_outcome = None
     identical = True
     for round_index in range(args.rounds):
         order = METHODS if round_index % 2 == 0 else METHODS[::-1]
         for method in order:
-            wall, outcome = _run_once(method, verify_args)
+            wall, outcome, per_check = _run_once(method, verify_args)
             walls[method].append(wall)
+            checks[method].append(per_check)
             baseline_outcome = outcome if baseline_outcome is None else baseline_outcome
             same = outcome == baseline_outcome
             identical &= same
+            failed = [name for name, c in per_check.items() if not c["passed"]]
             print(f"round {round_index}: {method:<10} {wall:7.1f} s  results "
-                  f"{'identical' if same else 'DIFFER'}", flush=True)
+                  f"{'identical' if same else 'DIFFER'}; failed checks: {failed or 'none'}", flush=True)
     ratios = [f / s for f, s in zip(walls["forkserver"], walls["spawn"], strict=True)]
     summary = {
         "verify_args": verify_args,
@@ -88,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         "ratio_forkserver_over_spawn_per_round": ratios,
         "median_ratio": statistics.median(ratios),
         "results_identical": identical,
+        "per_check": checks,
     }
     print(f"wall ratio forkserver/spawn: median {summary['median_ratio']:.2f} "
           f"(rounds: {', '.join(f'{r:.2f}' for r in ratios)}); results identical: {identical}")

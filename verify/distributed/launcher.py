@@ -41,10 +41,11 @@ from verify.distributed.errors import RankCrashed, RankTimeout
 from verify.distributed.progress import ProgressBoard
 
 # Deadline for one spawn when the caller gives none (checks pass CheckContext.timeout_s).
-# The slowest legitimate spawn, the pipeline check's 8 ranks, takes ~6 s idle and ~15 s on
-# a 2-core box shared by 8 busy workers with the fork server (it was 15 s idle and 36-47 s
-# loaded when every rank imported torch). 60 s keeps that phase 4x clear of the deadline on a
-# loaded CI box while a hung laptop run still reports within a minute.
+# The slowest legitimate spawn is the pipeline check's 8 ranks: 15 s idle and 36-47 s on a
+# loaded 2-core box when every rank imported torch (~1.5 s of CPU each, ~12 s of that phase
+# on 2 cores). Forked from the preloaded server, that import is gone, which leaves the phase
+# well under 40 s even loaded; 60 s keeps it clear of the deadline on a busy CI box while a
+# hung run on a laptop still reports within a minute. Checks pass CheckContext.timeout_s.
 DEFAULT_TIMEOUT_S = 60.0
 # Modules the fork server imports once; ImportErrors among them are ignored by CPython.
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch.multiprocessing",
@@ -152,7 +153,7 @@ class _Run:
         self.failures: dict[int, str] = {}
         self.failures_seen_at = float("inf")
         self.readers: dict[Any, int] = {}
-        self.procs = []
+        self.procs: list[Any] = []
         wants_progress = _wants_progress(fn)
         environment = dict(os.environ)
         try:
@@ -198,6 +199,7 @@ class _Run:
             for conn in self.readers:
                 conn.close()
             shutil.rmtree(self.stack_dir, ignore_errors=True)
+            self.store = None  # closes the rendezvous port now, not at garbage collection
 
     def _receive(self, conn: Any) -> None:
         rank = self.readers[conn]
