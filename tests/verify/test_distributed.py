@@ -251,11 +251,16 @@ def test_two_threads_may_spawn_at_once(warm_launcher):
     assert second == [(0, 10.0), (1, 10.0)]
 
 
-def test_launcher_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="start_method must be one of"):
+def test_launcher_rejects_bad_arguments(monkeypatch):
+    with pytest.raises(ValueError, match=r"start_method \(or \$VERIFY_RANK_START_METHOD\) must be one of"):
         RankLauncher("fork")
     with pytest.raises(TypeError, match="preload must be a tuple of module names"):
         RankLauncher(preload=("torch", ""))
+    monkeypatch.setenv("VERIFY_RANK_START_METHOD", "spawn")
+    assert RankLauncher().start_method == "spawn"
+    monkeypatch.setenv("VERIFY_RANK_START_METHOD", "threads")
+    with pytest.raises(ValueError, match="got 'threads'"):
+        RankLauncher()
 
 
 def test_an_unmarked_test_cannot_start_ranks():
