@@ -30,11 +30,12 @@ def _dist_tests_must_be_marked(request, monkeypatch):
     """
     if request.node.get_closest_marker("dist"):
         return
-    import verify.distributed
+    from verify.distributed import RankLauncher
 
     def refuse(*args, **kwargs):
         raise AssertionError(
             f"{request.node.nodeid} starts torch.distributed processes: mark it @pytest.mark.dist"
         )
 
-    monkeypatch.setattr(verify.distributed.mp, "get_context", refuse)
+    # Every rank process is started from RankLauncher.context(), whatever the start method.
+    monkeypatch.setattr(RankLauncher, "context", refuse)

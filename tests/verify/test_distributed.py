@@ -1,11 +1,23 @@
+import multiprocessing
 import os
+import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from verify.distributed import DistributedRunError, spawn
+from fastgrad.timeline import Timeline
+from verify.distributed import (
+    DistributedRunError,
+    RankCrashed,
+    RankLauncher,
+    RankTimeout,
+    spawn,
+)
+from verify.distributed.diagnosis import rank_frames, summarize_frames
+from verify.distributed.progress import MAX_LABEL_BYTES, ProgressBoard
 
 
 def _sum_of_ranks(rank, world_size, scale):
@@ -87,3 +99,212 @@ def test_a_failing_rank_does_not_leave_its_peers_waiting_for_the_timeout():
     with pytest.raises(DistributedRunError, match="(?s)rank 1 failed.*fails before sending"):
         spawn(_rank_one_fails_while_rank_zero_waits, 2, timeout_s=200)
     assert time.monotonic() - start < 60
+
+
+# ------------------------------------------------ crashes, deadlines and diagnosis
+# Short deadlines keep these fast; the fork server is warmed first so that its one-time
+# torch import does not eat into them. SLACK covers the stack dumps (<= 1.5 s), the
+# SIGTERM grace (1 s) and the SIGKILL join (<= 1 s) on a loaded machine.
+SHORT_TIMEOUT_S = 8.0
+SLACK_S = 6.0
+
+
+@pytest.fixture(scope="module")
+def warm_launcher():
+    launcher = RankLauncher()
+    launcher.warm_up(wait_s=60)
+    return launcher
+
+
+def _raises_on_rank_one(rank, world_size, *, progress):
+    progress.mark("validating inputs")
+    if rank == 1:
+        raise ValueError("rank one is broken on purpose")
+    return rank
+
+
+@pytest.mark.dist
+def test_a_raising_rank_is_a_rank_crash_naming_it(warm_launcher):
+    with pytest.raises(RankCrashed, match="(?s)rank 1 failed.*rank one is broken") as info:
+        warm_launcher.spawn(_raises_on_rank_one, 3, timeout_s=SHORT_TIMEOUT_S)
+    # Peers waiting for rank 1 in the final barrier may fail too (connection reset).
+    assert 1 in info.value.ranks
+    assert "rank one is broken" in info.value.failures[1]
+    assert isinstance(info.value, DistributedRunError)
+
+
+@pytest.mark.dist
+def test_an_exiting_rank_is_a_rank_crash_with_its_exit_code(warm_launcher):
+    with pytest.raises(RankCrashed, match="rank 1 failed") as info:
+        warm_launcher.spawn(_rank_one_dies, 2, timeout_s=SHORT_TIMEOUT_S)
+    assert 1 in info.value.ranks
+    assert "exited with code 3" in info.value.failures[1]
+
+
+def _rank_one_sleeps(rank, world_size, *, progress):
+    for step in range(2):
+        progress.mark(f"step {step}: data loading")
+        if rank == 1 and step == 1:
+            time.sleep(10_000)
+    return rank
+
+
+def _rank_one_freezes(rank, world_size, *, progress):
+    for step in range(2):
+        progress.mark(f"step {step}: before the grad all-reduce")
+        if rank == 1 and step == 1:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        dist.all_reduce(torch.ones(2))
+    return rank
+
+
+def _rank_one_skips_an_all_reduce(rank, world_size, *, progress):
+    for step in range(2):
+        progress.mark(f"step {step}: grad all-reduce")
+        if not (rank == 1 and step == 1):
+            dist.all_reduce(torch.ones(4) * rank)
+    return rank
+
+
+def _timeout_of(launcher, fn, world_size):
+    start = time.monotonic()
+    with pytest.raises(RankTimeout) as info:
+        launcher.spawn(fn, world_size, timeout_s=SHORT_TIMEOUT_S)
+    elapsed = time.monotonic() - start
+    assert SHORT_TIMEOUT_S <= elapsed < SHORT_TIMEOUT_S + SLACK_S, elapsed
+    for state in info.value.states.values():  # killed and reaped, not left behind
+        with pytest.raises(ProcessLookupError):
+            os.kill(state.pid, 0)
+    return info.value
+
+
+@pytest.mark.dist
+def test_a_stalled_rank_times_out_with_its_last_marker_and_location(warm_launcher):
+    error = _timeout_of(warm_launcher, _rank_one_sleeps, 2)
+    # Rank 0 finished its function and waits for rank 1 in the harness's final barrier.
+    assert error.ranks == (0, 1)
+    assert error.states[1].process == "running"
+    assert error.states[1].marker == "step 1: data loading"
+    assert error.states[1].marker_age_s >= SHORT_TIMEOUT_S - 3
+    assert "_rank_one_sleeps" in error.states[1].location
+    assert error.states[0].location == "in torch.distributed.barrier, called from the harness (rank_main)"
+    assert "step 1: data loading" in str(error) and f"rank 1 (pid {error.states[1].pid}): running" in str(error)
+
+
+@pytest.mark.dist
+def test_a_rank_frozen_with_sigstop_is_killed_and_named(warm_launcher):
+    error = _timeout_of(warm_launcher, _rank_one_freezes, 3)
+    assert error.ranks == (0, 1, 2)
+    assert error.states[1].process.startswith("stopped")
+    assert error.states[1].marker == "step 1: before the grad all-reduce"
+    assert error.states[1].location is None  # a frozen process cannot dump its stack
+    for peer in (0, 2):
+        assert error.states[peer].location.startswith("in torch.distributed.all_reduce, called from")
+        assert "_rank_one_freezes" in error.states[peer].location
+
+
+@pytest.mark.dist
+def test_a_rank_skipping_a_collective_is_a_timeout_pointing_at_it(warm_launcher):
+    error = _timeout_of(warm_launcher, _rank_one_skips_an_all_reduce, 3)
+    assert error.ranks == (0, 1, 2)
+    assert error.states[1].marker == "returned; in the harness's final barrier"
+    for peer in (0, 2):
+        assert error.states[peer].marker == "step 1: grad all-reduce"
+        assert "in torch.distributed.all_reduce" in error.states[peer].location
+
+
+def _progress_rank(rank, world_size, *, progress):
+    return progress.rank
+
+
+def _positional_progress(rank, world_size, progress=None):
+    return progress
+
+
+@pytest.mark.dist
+def test_progress_goes_only_to_functions_with_a_keyword_only_parameter(warm_launcher):
+    assert warm_launcher.spawn(_progress_rank, 2) == [0, 1]
+    assert warm_launcher.spawn(_positional_progress, 2) == [None, None]
+
+
+def _read_variable(rank, world_size):
+    return os.environ.get("VERIFY_HARNESS_TEST_VARIABLE")
+
+
+@pytest.mark.dist
+def test_ranks_see_the_callers_environment_not_the_fork_servers(warm_launcher, monkeypatch):
+    monkeypatch.setenv("VERIFY_HARNESS_TEST_VARIABLE", "set after the server started")
+    assert warm_launcher.spawn(_read_variable, 2) == ["set after the server started"] * 2
+
+
+@pytest.mark.dist
+def test_spawn_start_method_gives_the_same_results():
+    assert spawn(_sum_of_ranks, 3, 2.0, launcher=RankLauncher("spawn")) == [(0, 6.0), (1, 6.0), (2, 6.0)]
+
+
+@pytest.mark.dist
+def test_two_threads_may_spawn_at_once(warm_launcher):
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = [pool.submit(warm_launcher.spawn, _sum_of_ranks, 2, scale) for scale in (1.0, 10.0)]
+        first, second = (f.result(timeout=120) for f in futures)
+    assert first == [(0, 1.0), (1, 1.0)]
+    assert second == [(0, 10.0), (1, 10.0)]
+
+
+def test_launcher_rejects_bad_arguments(monkeypatch):
+    with pytest.raises(ValueError, match=r"start_method \(or \$VERIFY_RANK_START_METHOD\) must be one of"):
+        RankLauncher("fork")
+    with pytest.raises(TypeError, match="preload must be a tuple of module names"):
+        RankLauncher(preload=("torch", ""))
+    monkeypatch.setenv("VERIFY_RANK_START_METHOD", "spawn")
+    assert RankLauncher().start_method == "spawn"
+    monkeypatch.setenv("VERIFY_RANK_START_METHOD", "threads")
+    with pytest.raises(ValueError, match="got 'threads'"):
+        RankLauncher()
+
+
+def test_an_unmarked_test_cannot_start_ranks():
+    with pytest.raises(AssertionError, match="mark it @pytest.mark.dist"):
+        spawn(_sum_of_ranks, 2, 1.0)
+
+
+def test_progress_slots_round_trip_and_truncate():
+    board = ProgressBoard(multiprocessing.get_context("spawn"), 3)
+    assert board.read(0) is None
+    board.for_rank(2).mark("stage 1: backward microbatch 3")
+    label, age = board.read(2)
+    assert label == "stage 1: backward microbatch 3" and 0 <= age < 5
+    board.for_rank(2).mark("x" * 1000)
+    assert board.read(2)[0] == "x" * MAX_LABEL_BYTES
+    assert board.read(1) is None
+    with pytest.raises(ValueError, match="rank must be in"):
+        board.for_rank(3)
+
+
+def test_a_timeline_listener_marks_each_event():
+    board = ProgressBoard(multiprocessing.get_context("spawn"), 1)
+    timeline = Timeline(0, listener=board.for_rank(0).timeline_listener("stage 1: "))
+    with timeline.record("backward", 3):
+        assert board.read(0)[0] == "stage 1: backward microbatch 3 start"
+    assert board.read(0)[0] == "stage 1: backward microbatch 3 end"
+    with Timeline(0, enabled=False, listener=board.for_rank(0).timeline_listener()).record("grad_sync_wait"):
+        assert board.read(0)[0] == "grad_sync_wait start"
+    assert [e.kind for e in timeline.events] == ["backward"]
+
+
+def test_stack_dumps_are_summarised_at_the_collective_and_its_caller():
+    dump = (
+        "Thread 0x0001 (most recent call first):\n"
+        '  File "/x/lib/torch/distributed/distributed_c10d.py", line 3252 in all_reduce\n'
+        '  File "/x/lib/torch/distributed/c10d_logger.py", line 83 in wrapper\n'
+        '  File "/src/fastgrad/pipeline.py", line 340 in finalize_grads\n'
+        '  File "/src/verify/distributed/_child.py", line 57 in rank_main\n'
+        '  File "/py/multiprocessing/process.py", line 108 in run\n'
+    )
+    frames = rank_frames(dump)
+    assert [f for _, _, f in frames] == ["all_reduce", "wrapper", "finalize_grads"]
+    assert summarize_frames(frames) == (
+        "in torch.distributed.all_reduce, called from /src/fastgrad/pipeline.py:340 (finalize_grads)"
+    )
+    assert summarize_frames(frames[2:]) == "at /src/fastgrad/pipeline.py:340 (finalize_grads)"
+    assert summarize_frames([]) is None

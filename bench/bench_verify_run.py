@@ -1,0 +1,108 @@
+"""Wall time of ``verify run`` with ranks forked from a preloaded server vs spawned fresh.
+
+Runs the CLI in a subprocess per measurement, alternating the two start methods
+(spawn, forkserver, forkserver, spawn, ...) with the same seed, so that load from
+other work on the machine falls on both alike. Every run must report the same
+comparisons and expectations (labels, pass/fail, metrics), whatever the start
+method; timing tables are not compared. Prints the per-round and median wall
+ratio forkserver/spawn and writes them under bench/results/.
+
+    python bench/bench_verify_run.py --rounds 2 [--quick] [--check pipeline ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+START_METHOD_VARIABLE = "VERIFY_RANK_START_METHOD"  # read by verify.distributed.RankLauncher
+METHODS = ("spawn", "forkserver")
+
+
+def _outcome(report: dict[str, Any]) -> list[Any]:
+    """What must not depend on the start method: every comparison and expectation."""
+    return [
+        (check["name"], check["passed"], check["error"],
+         [(c["label"], c["max_ulp_allowed"], c["passed"], c["metrics"]) for c in check["comparisons"]],
+         [(e["label"], e["passed"]) for e in check["expectations"]])
+        for check in report["checks"]
+    ]
+
+
+def _run_once(method: str, verify_args: list[str]) -> tuple[float, list[Any], dict[str, Any]]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "report.json"
+        env = {**os.environ, START_METHOD_VARIABLE: method,
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        start = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "verify", "run", *verify_args, "--json", str(out)],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+        wall = time.perf_counter() - start
+        if not out.exists():
+            raise RuntimeError(f"verify run ({method}) wrote no report (exit {proc.returncode}):\n"
+                               f"{proc.stderr[-4000:]}")
+        report = json.loads(out.read_text())
+        per_check = {c["name"]: {"passed": c["passed"], "seconds": round(c["seconds"], 1)}
+                     for c in report["checks"]}
+        return wall, _outcome(report), per_check
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Time ``rounds`` interleaved pairs; exit 1 if any run's results differ from the first."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved spawn/forkserver pairs")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--check", action="append", default=[], metavar="NAME")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "verify_run_cpu.json")
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
+    verify_args = ["--seed", str(args.seed), *(["--quick"] if args.quick else []),
+                   *[a for name in args.check for a in ("--check", name)]]
+    walls: dict[str, list[float]] = {m: [] for m in METHODS}
+    checks: dict[str, list[dict[str, Any]]] = {m: [] for m in METHODS}
+    baseline_outcome = None
+    identical = True
+    for round_index in range(args.rounds):
+        order = METHODS if round_index % 2 == 0 else METHODS[::-1]
+        for method in order:
+            wall, outcome, per_check = _run_once(method, verify_args)
+            walls[method].append(wall)
+            checks[method].append(per_check)
+            baseline_outcome = outcome if baseline_outcome is None else baseline_outcome
+            same = outcome == baseline_outcome
+            identical &= same
+            failed = [name for name, c in per_check.items() if not c["passed"]]
+            print(f"round {round_index}: {method:<10} {wall:7.1f} s  results "
+                  f"{'identical' if same else 'DIFFER'}; failed checks: {failed or 'none'}", flush=True)
+    ratios = [f / s for f, s in zip(walls["forkserver"], walls["spawn"], strict=True)]
+    summary = {
+        "verify_args": verify_args,
+        "cpu_count": os.cpu_count(),
+        "load_average_at_end": os.getloadavg(),
+        "wall_s": walls,
+        "ratio_forkserver_over_spawn_per_round": ratios,
+        "median_ratio": statistics.median(ratios),
+        "results_identical": identical,
+        "per_check": checks,
+    }
+    print(f"wall ratio forkserver/spawn: median {summary['median_ratio']:.2f} "
+          f"(rounds: {', '.join(f'{r:.2f}' for r in ratios)}); results identical: {identical}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0 if identical else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

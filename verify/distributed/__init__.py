@@ -1,0 +1,64 @@
+"""Run a function on W real ``torch.distributed`` processes (gloo on CPU) and collect results.
+
+Used by checks and tests that need real collectives on a laptop or CI machine.
+Each rank initialises its own process group (rendezvous on a store the parent
+hosts), runs ``fn(rank, world_size, *args)``, and sends back the (picklable)
+return value by value. Ranks are forked from a fork server that has already
+imported torch (see :mod:`verify.distributed.launcher`).
+
+Nothing hangs: a rank that raises or dies ends the run with :class:`RankCrashed`
+(its traceback or exit status); a run that passes ``timeout_s`` ends with
+:class:`RankTimeout`, every rank killed at once, naming the ranks that had not
+finished with their last progress marker and, where they could answer, the
+torch.distributed call they were blocked in. A rank function that declares a
+keyword-only ``progress`` parameter receives a :class:`RankProgress` to mark its
+steps with (``progress.mark("stage 1: backward microbatch 3")``).
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from verify.distributed.errors import DistributedRunError, RankCrashed, RankState, RankTimeout
+from verify.distributed.launcher import DEFAULT_TIMEOUT_S, RankLauncher
+from verify.distributed.progress import RankProgress
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "DistributedRunError",
+    "RankCrashed",
+    "RankLauncher",
+    "RankProgress",
+    "RankState",
+    "RankTimeout",
+    "free_port",
+    "spawn",
+]
+
+
+def free_port() -> int:
+    """A TCP port on localhost that was free a moment ago (for tools that need a fixed port)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    launcher: RankLauncher | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes; results by rank.
+
+    ``fn`` must be a module-level function (it is pickled into the ranks). Return
+    values may hold tensors; they are copied back by value. ``launcher`` picks the
+    start method (default: a fork server preloading torch). Raises
+    :class:`RankCrashed` or :class:`RankTimeout` (both :class:`DistributedRunError`).
+    """
+    return (launcher or RankLauncher()).spawn(fn, world_size, *args, backend=backend,
+                                              timeout_s=timeout_s)
