@@ -232,12 +232,15 @@ class Check:
 
     ``default_candidate`` is the implementation the check holds to its references when
     none is given (fastgrad's, or verify's own for the truth-layer checks).
+    ``spawns_ranks`` says the check starts torch.distributed processes, so the
+    runner can start the rank launcher early (and tests can mark it ``dist``).
     """
 
     name: str
     summary: str
     run: CheckFunction
     default_candidate: Any
+    spawns_ranks: bool = False
 
     def __post_init__(self) -> None:
         if not callable(self.run):

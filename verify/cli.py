@@ -13,6 +13,7 @@ run was interrupted, or an output could not be written).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import importlib
 import json
 import multiprocessing
@@ -30,6 +31,7 @@ from typing import Any
 from verify.check import ERROR, CheckContext, CheckResult
 from verify.checks import all_checks, check_by_name
 from verify.console import StepProgress, emit, terminal_width
+from verify.distributed import RankLauncher
 from verify.env import fingerprint, format_fingerprint, gradverify_version, provenance
 from verify.options import SetOnce
 from verify.outputs import Output, OutputPathError, check_output_paths, write_outputs
@@ -53,6 +55,9 @@ ROUGH_CHECK_SECONDS = {"formats": 8, "oracle": 4, "metrics": 1, "layout": 8, "re
                        "deferred_wgrad": 12, "pipeline": 20, "mxfp8": 9}
 DEFAULT_CHECK_SECONDS = 10.0
 QUICK_FACTOR = 0.5
+# Two checks at once: while one check's ranks start or wait in a collective, the
+# other computes; on 2 cores this halves the default run (bench/bench_verify_run.py).
+DEFAULT_JOBS = 2
 
 
 class UsageError(Exception):
@@ -76,6 +81,16 @@ def _positive_seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"expected a finite number of seconds > 0, got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value}")
     return value
 
 
@@ -104,6 +119,9 @@ def _add_run_parser(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--timeout", type=_positive_seconds, default=DEFAULT_TIMEOUT_S,
                      metavar="SECONDS", action=SetOnce,
                      help="deadline of each multi-rank phase: a stalled rank becomes an ERROR")
+    run.add_argument("--jobs", type=_positive_int, default=DEFAULT_JOBS, metavar="N", action=SetOnce,
+                     help="checks run at the same time (each check's ranks stay its own "
+                          "processes); 1 runs them one after another")
     run.add_argument("--json", metavar="PATH", action=SetOnce, help="write the JSON report here")
     run.add_argument("--markdown", metavar="PATH", action=SetOnce,
                      help="write the Markdown report here")
@@ -159,9 +177,12 @@ def interrupt_kills_ranks() -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
+INTERRUPTED_ERROR = "KeyboardInterrupt: interrupted (Ctrl-C) before the check finished"
+
+
 def _interrupted_result(check: Any, seconds: float) -> CheckResult:
     return CheckResult(name=check.name, summary=check.summary, passed=False, seconds=seconds,
-                       error="KeyboardInterrupt: interrupted (Ctrl-C) before the check finished",
+                       error=INTERRUPTED_ERROR,
                        status=ERROR)
 
 
@@ -215,22 +236,20 @@ def _run_checks(args: argparse.Namespace) -> int:
     )
     factor = QUICK_FACTOR if args.quick else 1.0
     weights = [ROUGH_CHECK_SECONDS.get(c.name, DEFAULT_CHECK_SECONDS) * factor for c in checks]
+    if any(check.spawns_ranks for check in checks):
+        # Start the fork server now: it imports torch while the first checks run.
+        RankLauncher().warm_up()
     with interrupt_kills_ranks(), StepProgress(sum(weights), "verify run",
                                                           steps=len(checks)) as progress:
-        for number, (check, weight) in enumerate(zip(checks, weights), start=1):
-            progress.step(f"{check.name} ({number}/{len(checks)}) ...", expected=weight)
-            start = time.perf_counter()
-            try:
-                result = check.execute(context)
-            except KeyboardInterrupt:
-                report.checks.append(_interrupted_result(check, time.perf_counter() - start))
-                report.complete = False
-                break
-            report.checks.append(result)
-            progress.advance(weight, f"{result.status} {check.name}")
+        if args.jobs == 1:
+            _run_one_by_one(checks, weights, context, progress, report)
+        else:
+            _run_concurrently(checks, weights, context, progress, report, args.jobs)
     if not report.complete:
-        print(f"verify: interrupted during {report.checks[-1].name}; reporting the "
-              f"{len(report.checks) - 1} checks that finished (marked incomplete)", file=sys.stderr)
+        stopped = [c.name for c in report.checks if c.error == INTERRUPTED_ERROR]
+        print(f"verify: interrupted during {', '.join(stopped)}; reporting the "
+              f"{len(report.checks) - len(stopped)} checks that finished (marked incomplete)",
+              file=sys.stderr)
     emit(render_text(report, verbose=args.verbose, width=terminal_width()))
     outputs = _plot_outputs(report, args)  # first: the reports show the plots
     if args.json:
@@ -239,6 +258,71 @@ def _run_checks(args: argparse.Namespace) -> int:
         outputs.append(Output("--markdown", Path(args.markdown), report.write_markdown))
     failures = _write_all(outputs)
     return EXIT_ERROR if failures else EXIT_BY_VERDICT[report.verdict]
+
+
+def _run_one_by_one(checks: Sequence[Any], weights: Sequence[float], context: CheckContext,
+                    progress: StepProgress, report: Any) -> None:
+    for number, (check, weight) in enumerate(zip(checks, weights), start=1):
+        progress.step(f"{check.name} ({number}/{len(checks)}) ...", expected=weight)
+        start = time.perf_counter()
+        try:
+            result = check.execute(context)
+        except KeyboardInterrupt:
+            report.checks.append(_interrupted_result(check, time.perf_counter() - start))
+            report.complete = False
+            return
+        report.checks.append(result)
+        progress.advance(weight, f"{result.status} {check.name}")
+
+
+def _run_concurrently(checks: Sequence[Any], weights: Sequence[float], context: CheckContext,
+                      progress: StepProgress, report: Any, jobs: int) -> None:
+    """Run ``jobs`` checks at a time; the report keeps registry order.
+
+    On Ctrl-C no further check starts; the ranks of running checks were already
+    killed (``interrupt_kills_ranks``), so they end at once as interrupted errors.
+    """
+    results: dict[int, CheckResult] = {}
+    started: dict[int, float] = {}
+    interrupted = False
+
+    def execute(index: int) -> CheckResult:
+        started[index] = time.perf_counter()
+        return checks[index].execute(context)
+
+    progress.step(f"{', '.join(c.name for c in checks[:jobs])} ...", expected=sum(weights[:jobs]))
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="check")
+    futures = {pool.submit(execute, i): i for i in range(len(checks))}
+    try:
+        for future in concurrent.futures.as_completed(futures):
+            index = futures[future]
+            try:
+                results[index] = future.result()
+            except KeyboardInterrupt:  # raised inside the check itself
+                interrupted = True
+                break
+            progress.advance(weights[index], f"{results[index].status} {checks[index].name}")
+    except KeyboardInterrupt:
+        interrupted = True
+    if interrupted:
+        for future in futures:
+            future.cancel()
+    pool.shutdown(wait=True)
+    for future, index in futures.items():
+        if index in results or future.cancelled() or index not in started:
+            continue
+        try:
+            results[index] = future.result()
+        except KeyboardInterrupt:
+            pass
+    for index, check in enumerate(checks):
+        if index in results and not (interrupted and results[index].status == ERROR):
+            report.checks.append(results[index])
+        elif index in started:
+            report.checks.append(
+                _interrupted_result(check, time.perf_counter() - started[index]))
+    if interrupted:
+        report.complete = False
 
 
 def _write_all(outputs: Sequence[Output]) -> list[str]:

@@ -139,7 +139,8 @@ def test_interrupt_reports_what_finished_marked_incomplete(monkeypatch, tmp_path
 
     _use(monkeypatch, _passing, interrupted, lambda ctx, rec, candidate: ran.append(1))
     out_json, out_md = tmp_path / "r.json", tmp_path / "r.md"
-    assert cli.main(["run", "--json", str(out_json), "--markdown", str(out_md)]) == 3
+    assert cli.main(["run", "--jobs", "1", "--json", str(out_json),
+                     "--markdown", str(out_md)]) == 3
     assert not ran  # the run stops at the interruption
     report = json.loads(out_json.read_text())
     assert report["complete"] is False and report["verdict"] == "ERROR"
@@ -259,8 +260,8 @@ def test_ctrl_c_stops_cleanly_with_a_partial_report(tmp_path):
 
     out_json = tmp_path / "r.json"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "verify", "run", "--quick", "--check", "metrics", "--check",
-         "pipeline", "--json", str(out_json), "--markdown", str(tmp_path / "r.md")],
+        [sys.executable, "-m", "verify", "run", "--quick", "--jobs", "1", "--check", "metrics",
+         "--check", "pipeline", "--json", str(out_json), "--markdown", str(tmp_path / "r.md")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env_subprocess(),
         cwd=REPO, start_new_session=True)
     err_lines: list[str] = []
@@ -269,7 +270,7 @@ def test_ctrl_c_stops_cleanly_with_a_partial_report(tmp_path):
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not any("pipeline (2/2)" in x for x in err_lines):
         time.sleep(0.1)
-    time.sleep(3)  # into the pipeline check: its ranks are starting or running
+    time.sleep(1)  # into the pipeline check (about 4 s quick): its ranks are running
     os.killpg(proc.pid, signal.SIGINT)
     out = proc.stdout.read()
     proc.wait(timeout=60)
@@ -375,3 +376,47 @@ def test_single_value_options_given_twice_are_refused(argv, capsys):
         cli.main(argv)
     assert exc.value.code == 2
     assert "was given more than once" in capsys.readouterr().err
+
+
+def test_interrupt_with_concurrent_checks_starts_nothing_more(monkeypatch, tmp_path, capsys):
+    """--jobs 2: the check running beside the interrupted one finishes; no later check starts."""
+    import threading
+
+    release = threading.Event()
+    ran = []
+
+    def slow_pass(ctx, rec, candidate):
+        release.wait(10)
+        rec.expect("ok", True)
+
+    def interrupted(ctx, rec, candidate):
+        release.set()
+        raise KeyboardInterrupt
+
+    _use(monkeypatch, slow_pass, interrupted, lambda ctx, rec, candidate: ran.append(1))
+    out_json = tmp_path / "r.json"
+    assert cli.main(["run", "--jobs", "2", "--json", str(out_json)]) == 3
+    report = json.loads(out_json.read_text())
+    assert report["complete"] is False
+    assert [c["status"] for c in report["checks"]] == ["PASS", "ERROR"]
+    assert not ran
+    assert "interrupted during check1; reporting the 1 checks that finished" in capsys.readouterr().err
+
+
+def test_concurrent_run_gives_the_same_results_as_one_by_one(tmp_path):
+    """The report's results objects do not depend on --jobs (checks share no state)."""
+    reports = []
+    for jobs in ("1", "2"):
+        out = tmp_path / f"r{jobs}.json"
+        assert cli.main(["run", "--quick", "--jobs", jobs, "--no-plots", "--check", "metrics",
+                         "--check", "oracle", "--check", "formats", "--json", str(out)]) == 0
+        reports.append(json.loads(out.read_text())["checks"])
+    assert [c["name"] for c in reports[1]] == ["metrics", "oracle", "formats"]
+    assert reports[0] == reports[1]
+
+
+def test_jobs_must_be_positive(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["run", "--jobs", "0"])
+    assert info.value.code == 2
+    assert "--jobs" in capsys.readouterr().err

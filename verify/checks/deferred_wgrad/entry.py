@@ -18,4 +18,5 @@ CHECK = Check(
     summary="Deferred embedding wgrad: bitwise vs immediate (or the drain order), vs refgrad, tied grads",
     run=run,
     default_candidate=DeferredWgradCandidate.default(),
+    spawns_ranks=True,
 )

@@ -198,4 +198,5 @@ CHECK = Check(
     summary="bucketed padded grad buffers: fastgrad layout/buffers vs refgrad, padding report",
     run=run,
     default_candidate=LayoutCandidate.default(),
+    spawns_ranks=True,
 )

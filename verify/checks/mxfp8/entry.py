@@ -52,4 +52,5 @@ CHECK = Check(
     summary="MXFP8 quantization (4 scale modes) vs the exact spec, and grad-buffer sharing for MXFP8 param all-gather",
     run=run,
     default_candidate=MXFP8Candidate.default(),
+    spawns_ranks=True,
 )

@@ -118,4 +118,5 @@ CHECK = Check(
     summary="1F1B with grad sync in the cooldown bubble: overlap on = off = refgrad, bitwise",
     run=run,
     default_candidate=PipelineCandidate.default(),
+    spawns_ranks=True,
 )

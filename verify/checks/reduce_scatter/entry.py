@@ -33,4 +33,5 @@ CHECK = Check(
     summary="fp32-accumulating reduce-scatter vs refgrad (bitwise, gloo W=2..4); error growth with N",
     run=run,
     default_candidate=ReduceScatterCandidate.default(),
+    spawns_ranks=True,
 )
