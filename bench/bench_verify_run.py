@@ -1,11 +1,12 @@
-"""Wall time of ``verify run`` with ranks forked from a preloaded server vs spawned fresh.
+"""Wall time of ``verify run`` as it is (ranks forked from a preloaded server, two checks
+at once) vs as it was (every rank spawned fresh, one check after another).
 
-Runs the CLI in a subprocess per measurement, alternating the two start methods
-(spawn, forkserver, forkserver, spawn, ...) with the same seed, so that load from
-other work on the machine falls on both alike. Every run must report the same
-comparisons and expectations (labels, pass/fail, metrics), whatever the start
-method; timing tables are not compared. Prints the per-round and median wall
-ratio forkserver/spawn and writes them under bench/results/.
+Runs the CLI in a subprocess per measurement, alternating the two settings
+(before, after, after, before, ...) with the same seed, so that load from other
+work on the machine falls on both alike. Every run must report the same
+comparisons and expectations (labels, pass/fail, metrics), whatever the setting;
+timing tables are not compared. Prints the per-round and median wall ratio
+after/before and writes them under bench/results/.
 
     python bench/bench_verify_run.py --rounds 2 [--quick] [--check pipeline ...]
 """
@@ -25,7 +26,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 START_METHOD_VARIABLE = "VERIFY_RANK_START_METHOD"  # read by verify.distributed.RankLauncher
-METHODS = ("spawn", "forkserver")
+# setting -> (rank start method, --jobs)
+SETTINGS = {"before": ("spawn", "1"), "after": ("forkserver", "2")}
+METHODS = tuple(SETTINGS)
 
 
 def _outcome(report: dict[str, Any]) -> list[Any]:
@@ -38,20 +41,23 @@ def _outcome(report: dict[str, Any]) -> list[Any]:
     ]
 
 
-def _run_once(method: str, verify_args: list[str]) -> tuple[float, list[Any], dict[str, Any]]:
+def _run_once(setting: str, verify_args: list[str]) -> tuple[float, list[Any], dict[str, Any]]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "report.json"
+        method, jobs = SETTINGS[setting]
         env = {**os.environ, START_METHOD_VARIABLE: method,
                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         start = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "verify", "run", *verify_args, "--json", str(out)],
+        proc = subprocess.run([sys.executable, "-m", "verify", "run", *verify_args, "--jobs", jobs,
+                               "--no-plots", "--json", str(out)],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
         wall = time.perf_counter() - start
         if not out.exists():
-            raise RuntimeError(f"verify run ({method}) wrote no report (exit {proc.returncode}):\n"
+            raise RuntimeError(f"verify run ({setting}) wrote no report (exit {proc.returncode}):\n"
                                f"{proc.stderr[-4000:]}")
         report = json.loads(out.read_text())
-        per_check = {c["name"]: {"passed": c["passed"], "seconds": round(c["seconds"], 1)}
+        seconds = report.get("timings", {}).get("checks", {})
+        per_check = {c["name"]: {"passed": c["passed"], "seconds": round(seconds.get(c["name"], 0), 1)}
                      for c in report["checks"]}
         return wall, _outcome(report), per_check
 
@@ -59,7 +65,7 @@ def _run_once(method: str, verify_args: list[str]) -> tuple[float, list[Any], di
 def main(argv: list[str] | None = None) -> int:
     """Time ``rounds`` interleaved pairs; exit 1 if any run's results differ from the first."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=2, help="interleaved spawn/forkserver pairs")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved before/after pairs")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--check", action="append", default=[], metavar="NAME")
@@ -85,18 +91,19 @@ def main(argv: list[str] | None = None) -> int:
             failed = [name for name, c in per_check.items() if not c["passed"]]
             print(f"round {round_index}: {method:<10} {wall:7.1f} s  results "
                   f"{'identical' if same else 'DIFFER'}; failed checks: {failed or 'none'}", flush=True)
-    ratios = [f / s for f, s in zip(walls["forkserver"], walls["spawn"], strict=True)]
+    ratios = [a / b for a, b in zip(walls["after"], walls["before"], strict=True)]
     summary = {
         "verify_args": verify_args,
         "cpu_count": os.cpu_count(),
         "load_average_at_end": os.getloadavg(),
         "wall_s": walls,
-        "ratio_forkserver_over_spawn_per_round": ratios,
+        "settings": {k: {"start_method": m, "jobs": int(j)} for k, (m, j) in SETTINGS.items()},
+        "ratio_after_over_before_per_round": ratios,
         "median_ratio": statistics.median(ratios),
         "results_identical": identical,
         "per_check": checks,
     }
-    print(f"wall ratio forkserver/spawn: median {summary['median_ratio']:.2f} "
+    print(f"wall ratio after/before: median {summary['median_ratio']:.2f} "
           f"(rounds: {', '.join(f'{r:.2f}' for r in ratios)}); results identical: {identical}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=2) + "\n")
