@@ -70,3 +70,49 @@ def test_case_validation():
     with pytest.raises(ValueError, match="no output head"):
         PipelineCase("x", 2, 1, 0, LinearStackSpec(num_stages=4, output_head=True),
                      (StepPlan(2),), virtual_stages=2)
+
+
+class _StallingProgress:
+    """Passes every marker on; blocks forever when the given event starts (a hung stage)."""
+
+    def __init__(self, progress, stall_on: str) -> None:
+        self.progress, self.stall_on = progress, stall_on
+
+    def mark(self, label: str) -> None:
+        self.progress.mark(label)
+
+    def timeline_listener(self, prefix: str = ""):
+        inner = self.progress.timeline_listener(prefix)
+
+        def listen(kind, microbatch, edge):
+            inner(kind, microbatch, edge)
+            if f"{prefix}{kind} microbatch {microbatch} {edge}".endswith(self.stall_on):
+                import time
+
+                time.sleep(3600)
+
+        return listen
+
+
+def _pipeline_rank_that_stalls(rank, world_size, case, *, progress):
+    """Rank 1 (stage 1 of P2 D1) hangs at the start of step 1's backward of microbatch 1."""
+    from fastgrad.pipeline import build_parallel_groups
+    from verify.checks.pipeline import run_case_on_rank
+
+    groups = build_parallel_groups(case.pp_size, case.dp_size)
+    if rank == 1:
+        progress = _StallingProgress(progress, "step 1: backward microbatch 1 start")
+    return run_case_on_rank(case, groups, True, progress)
+
+
+@pytest.mark.dist
+def test_a_stalled_stage_is_reported_with_its_case_stage_and_step():
+    from verify.distributed import RankTimeout, spawn
+
+    spec = LinearStackSpec(num_stages=2, layers_per_stage=1, hidden=8, seed=5)
+    case = PipelineCase("P2 D1 stall", 2, 1, 0, spec, (StepPlan(3), StepPlan(3)))
+    with pytest.raises(RankTimeout) as info:
+        spawn(_pipeline_rank_that_stalls, 2, case, timeout_s=8)
+    state = info.value.states[1]
+    assert state.marker == "P2 D1 stall overlap on, stage 1, step 1: backward microbatch 1 start"
+    assert "stage 1, step 1" in str(info.value)

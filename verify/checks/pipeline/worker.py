@@ -70,8 +70,20 @@ class _RecordingSync:
         return getattr(self.ddp, name)
 
 
-def run_interleaved_case_on_rank(case: PipelineCase, groups: Any, overlap: bool) -> RankResult:
-    """Train an interleaved ``case`` (one DDP engine per model chunk) on this rank."""
+def _step_marker(progress: Any, case: PipelineCase, stage: int, overlap: bool, step: int) -> Any:
+    """A timeline listener naming case, stage and step, so a stalled rank says where it was."""
+    if progress is None:
+        return None
+    return progress.timeline_listener(
+        f"{case.name} overlap {'on' if overlap else 'off'}, stage {stage}, step {step}: ")
+
+
+def run_interleaved_case_on_rank(case: PipelineCase, groups: Any, overlap: bool,
+                                 progress: Any = None) -> RankResult:
+    """Train an interleaved ``case`` (one DDP engine per model chunk) on this rank.
+
+    ``progress`` (a ``verify.distributed.RankProgress``) is told each event as it happens.
+    """
     from fastgrad.ddp import DistributedDataParallel
     from fastgrad.pipeline_interleaved import forward_backward_interleaved
     from fastgrad.timeline import Timeline
@@ -86,6 +98,7 @@ def run_interleaved_case_on_rank(case: PipelineCase, groups: Any, overlap: bool)
     result = RankResult(stage=stage, dp_rank=groups.dp_rank)
     timeline = Timeline(groups.rank)
     for step, plan in enumerate(case.plans):
+        timeline.listener = _step_marker(progress, case, groups.stage, overlap, step)
         for name, p in named.items():
             p.requires_grad_(name not in plan.frozen)
         for ddp in ddps:
@@ -126,10 +139,14 @@ def run_interleaved_case_on_rank(case: PipelineCase, groups: Any, overlap: bool)
     return result
 
 
-def run_case_on_rank(case: PipelineCase, groups: Any, overlap: bool) -> RankResult:
-    """Train ``case`` on this rank of its grid; return what it saw."""
+def run_case_on_rank(case: PipelineCase, groups: Any, overlap: bool,
+                     progress: Any = None) -> RankResult:
+    """Train ``case`` on this rank of its grid; return what it saw.
+
+    ``progress`` (a ``verify.distributed.RankProgress``) is told each event as it happens.
+    """
     if case.virtual_stages > 1:
-        return run_interleaved_case_on_rank(case, groups, overlap)
+        return run_interleaved_case_on_rank(case, groups, overlap, progress)
     from fastgrad.ddp import DistributedDataParallel
     from fastgrad.pipeline import forward_backward_1f1b
     from fastgrad.timeline import Timeline
@@ -167,6 +184,7 @@ def run_case_on_rank(case: PipelineCase, groups: Any, overlap: bool) -> RankResu
     result = RankResult(stage=stage, dp_rank=groups.dp_rank)
     timeline = Timeline(groups.rank)
     for step, plan in enumerate(case.plans):
+        timeline.listener = _step_marker(progress, case, groups.stage, overlap, step)
         for name, p in named.items():
             p.requires_grad_(name not in plan.frozen)
         ddp.zero_grad_buffer()
@@ -207,8 +225,13 @@ def run_case_on_rank(case: PipelineCase, groups: Any, overlap: bool) -> RankResu
     return result
 
 
-def pipeline_worker(rank: int, world_size: int, phases: list[list[PipelineCase]]) -> dict:
-    """Spawned entry point: run every phase's grids side by side; results by case name."""
+def pipeline_worker(rank: int, world_size: int, phases: list[list[PipelineCase]], *,
+                    progress: Any = None) -> dict:
+    """Spawned entry point: run every phase's grids side by side; results by case name.
+
+    The harness passes ``progress``: a rank that stalls is reported with its case,
+    stage, step and last schedule event.
+    """
     from fastgrad.pipeline import build_parallel_groups
 
     out: dict[str, dict[bool, RankResult]] = {}
@@ -220,7 +243,8 @@ def pipeline_worker(rank: int, world_size: int, phases: list[list[PipelineCase]]
                 mine.append((case, groups))
         for case, groups in mine:
             out[case.name] = {
-                overlap: run_case_on_rank(case, groups, overlap) for overlap in (True, False)
+                overlap: run_case_on_rank(case, groups, overlap, progress)
+                for overlap in (True, False)
             }
         dist.barrier()
     return out
