@@ -82,6 +82,31 @@ def report_tables(report: dict) -> Tables:
                      f"{100 * pipe['bubble_fraction']:.2f}%",
                      f"{100 * pipe['closed_form_bubble_fraction']:.2f}%",
                      f"{pipe['exposed_grad_sync_ms']:.3f}"]]))
+    tables += twin_tables(report)
+    return tables
+
+
+def twin_tables(report: dict) -> Tables:
+    """The twin's mapping and per-step parity table, and the hazards."""
+    tables: Tables = []
+    twin = report["twin"]
+    if twin.get("run"):
+        tables.append(("Scaled twin: production vs twin", ["setting", "production", "twin"],
+                       twin["mapping"]))
+        claim = "bitwise" if twin["bitwise"] else "bound"
+        tables.append((f"Twin vs refgrad after every step ({claim}: {twin['order_note']})",
+                       ["step", "M", "loss max ULP", "grads bitwise", "grad max ULP",
+                        "params bitwise", "param max ULP", "result"],
+                       [[str(r["step"]), str(r["microbatches"]), str(r["loss_max_ulp"]),
+                         f"{r['grads_bitwise']}/{r['grads_total']}", str(r["grad_max_ulp"]),
+                         f"{r['params_bitwise']}/{r['params_total']}", str(r["param_max_ulp"]),
+                         "ok" if not r["failures"] else r["failures"][0]]
+                        for r in twin["steps"]]))
+    if report.get("hazards"):
+        tables.append(("Production's known hazards for this configuration",
+                       ["hazard", "status", "why", "twin"],
+                       [[h["name"], h["status"].upper(), h["reason"], h["twin"] or "-"]
+                        for h in report["hazards"]]))
     return tables
 
 
@@ -91,7 +116,10 @@ def _notes(report: dict) -> list[str]:
     lines.append(f"simulator: {report['pipeline']['model']}")
     if report["unknown_flags"]:
         lines.append("ignored flags (not used by preflight): " + ", ".join(report["unknown_flags"]))
-    lines.append(report["twin"]["note"])
+    twin = report["twin"]
+    lines.append(twin["note"])
+    lines += [f"not twinned: {item}" for item in twin.get("not_twinned", [])]
+    lines += [f"twin failure: {item}" for item in twin.get("failures", [])[:20]]
     return lines
 
 

@@ -1,0 +1,77 @@
+"""The twin's rank side: which fastgrad it runs, and the spawned (or torchrun) entry point.
+
+A :class:`TwinCandidate` names the fastgrad the twin trains with. Production's
+is the default; tests hand in a deliberately broken one (a drain that runs its
+deferred GEMMs last-in first-out) to prove that preflight notices. The broken
+pieces are installed inside the rank's own process only (spawned children, or
+the caller's process under torchrun, where a test may ask for it), never in the
+parent that compares.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+DRAIN_ORDERS = ("fifo", "lifo")
+
+
+@dataclass(frozen=True)
+class TwinCandidate:
+    """The fastgrad under test. ``drain_order="lifo"`` breaks the deferred-wgrad drain on purpose."""
+
+    name: str = "fastgrad"
+    drain_order: str = "fifo"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"TwinCandidate.name must be a non-empty string, got {self.name!r}")
+        if self.drain_order not in DRAIN_ORDERS:
+            raise ValueError(f"TwinCandidate.drain_order must be one of {DRAIN_ORDERS}, "
+                             f"got {self.drain_order!r}")
+
+    @property
+    def is_production(self) -> bool:
+        return self.drain_order == "fifo"
+
+
+def _lifo_drain(layer: Any, reduce_in_flight: Any = None) -> int:
+    """A wrong drain: the deferred GEMMs run newest first (a different fp32 sum order)."""
+    from fastgrad.deferred_wgrad import ColumnParallelOutputLayer
+
+    layer.activation_buffer.reverse()
+    layer.grad_output_buffer.reverse()
+    return _PRODUCTION_DRAIN[ColumnParallelOutputLayer](layer, reduce_in_flight)
+
+
+_PRODUCTION_DRAIN: dict[type, Any] = {}
+
+
+def install_candidate(candidate: TwinCandidate) -> None:
+    """Swap the broken pieces of ``candidate`` into fastgrad, in this process only."""
+    if candidate.is_production:
+        return
+    from fastgrad.deferred_wgrad import ColumnParallelOutputLayer
+
+    _PRODUCTION_DRAIN.setdefault(ColumnParallelOutputLayer,
+                                 ColumnParallelOutputLayer.drain_deferred_wgrad)
+    ColumnParallelOutputLayer.drain_deferred_wgrad = _lifo_drain
+
+
+def run_twin_rank(case: Any, overlap: bool) -> Any:
+    """Train the twin's case on this rank of the current world; None outside its grid."""
+    from fastgrad.pipeline import build_parallel_groups
+    from verify.checks.pipeline import run_case_on_rank
+
+    groups = build_parallel_groups(case.pp_size, case.dp_size, first_rank=0)
+    if groups is None:
+        return None
+    return run_case_on_rank(case, groups, overlap)
+
+
+def twin_worker(rank: int, world_size: int, case: Any, overlap: bool,
+                candidate: TwinCandidate) -> Any:
+    """Spawned entry point (``verify.distributed.spawn``): one rank's :class:`RankResult`."""
+    del rank, world_size  # the grid is read from torch.distributed
+    install_candidate(candidate)
+    return run_twin_rank(case, overlap)
