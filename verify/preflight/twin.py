@@ -244,7 +244,8 @@ def _within(ref: torch.Tensor, got: torch.Tensor, bound_ulps: int | None) -> tup
     if bound_ulps is None:
         return False, cmp.max_ulp, detail
     scale = float(ref.abs().max())
-    allowed = bound_ulps * (math.ulp(scale) if scale > 0 else UNIT_ROUNDOFF_FP32)
+    # fp32 ULP of the largest element: float64's ulp x 2^29 (52 - 23 mantissa bits).
+    allowed = bound_ulps * (math.ulp(scale) * 2.0**29 if scale > 0 else UNIT_ROUNDOFF_FP32)
     return bool(diff.max() <= allowed), cmp.max_ulp, detail + f" (bound {allowed:.3g})"
 
 
