@@ -196,6 +196,7 @@ def main(args: argparse.Namespace, environ: Mapping[str, str] | None = None,
         for path in write_outputs(report, args.json, args.markdown):
             print(f"wrote {path}", file=sys.stderr)
     except (OSError, TwinRunError) as exc:
-        print(f"ERROR: verify preflight could not finish: {exc}", file=sys.stderr)
+        print("ERROR: verify preflight could not finish", file=sys.stderr)
+        print(f"verify preflight: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
     return EXIT_OK if report["passed"] else EXIT_FAILED
