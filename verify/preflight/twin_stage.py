@@ -86,10 +86,14 @@ def run_twin_stage(config: PreflightConfig, options: TwinOptions, report: dict, 
                 where = f"spawned, {plan.world_size} gloo ranks on the CPU"
         except DistributedRunError as exc:
             raise TwinRunError(f"the twin's ranks failed: {exc}") from None
-        say("refgrad's single-process model")
-        reference = reference_for(plan)
-        say("comparing every step")
-        rows = compare_steps(plan, ranks, reference)
+        say("refgrad's single-process model, comparing every step")
+        return finish_twin_report(config, plan, ranks, report, where=where, candidate=candidate)
+
+
+def finish_twin_report(config: PreflightConfig, plan: TwinPlan, ranks: list[Any], report: dict,
+                       *, where: str, candidate: TwinCandidate) -> bool:
+    """Compare the ranks' results with refgrad, decide the hazards, write the verdict."""
+    rows = compare_steps(plan, ranks, reference_for(plan))
     failures = [f for row in rows for f in row.failures]
     passed = not failures
     hazards = decide_hazards(

@@ -63,10 +63,38 @@ def run_twin_rank(case: Any, overlap: bool) -> Any:
     from fastgrad.pipeline import build_parallel_groups
     from verify.checks.pipeline import run_case_on_rank
 
-    groups = build_parallel_groups(case.pp_size, case.dp_size, first_rank=0)
+    groups = build_parallel_groups(case.pp_size, case.dp_size, first_rank=case.first_rank)
     if groups is None:
         return None
     return run_case_on_rank(case, groups, overlap)
+
+
+def twin_phases_worker(rank: int, world_size: int,
+                       phases: list[list[tuple[Any, bool, TwinCandidate]]]) -> list[list[Any]]:
+    """Several twins side by side in one world: ``(case, overlap, candidate)`` per grid,
+    each grid on ranks ``[case.first_rank, case.first_rank + case.world)``, one phase after
+    another. A candidate is installed only on its grid's ranks (and stays for later phases)."""
+    del world_size
+    import torch.distributed as dist
+
+    from fastgrad.pipeline import build_parallel_groups
+    from verify.checks.pipeline import run_case_on_rank
+
+    out = []
+    for phase in phases:
+        # new_group is collective over the whole world: every rank builds every grid first.
+        groups = [build_parallel_groups(case.pp_size, case.dp_size, first_rank=case.first_rank)
+                  for case, _, _ in phase]
+        results = []
+        for (case, overlap, candidate), grid in zip(phase, groups):
+            if grid is None:
+                results.append(None)
+                continue
+            install_candidate(candidate)
+            results.append(run_case_on_rank(case, grid, overlap))
+        out.append(results)
+        dist.barrier()
+    return out
 
 
 def twin_worker(rank: int, world_size: int, case: Any, overlap: bool,
