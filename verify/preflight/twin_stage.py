@@ -23,7 +23,12 @@ from verify.preflight.twin import (
     plan_twin,
     reference_for,
 )
-from verify.preflight.twin_worker import TwinCandidate, install_candidate, run_twin_rank, twin_worker
+from verify.preflight.twin_worker import (
+    TwinCandidate,
+    install_candidate,
+    run_twin_rank,
+    twin_worker,
+)
 
 
 class TwinRunError(RuntimeError):
