@@ -43,7 +43,7 @@ from verify.preflight.paper import (
 )
 from verify.preflight.render import print_terminal, write_outputs
 from verify.preflight.timing import CostInputs, pipeline_timing
-from verify.preflight.twin import TwinOptions, plan_twin
+from verify.preflight.twin import TwinOptions, TwinSizeError, plan_twin
 from verify.preflight.twin_stage import TwinRunError, paper_only_hazards, run_twin_stage
 from verify.preflight.twin_worker import TwinCandidate
 
@@ -176,13 +176,20 @@ def main(args: argparse.Namespace, environ: Mapping[str, str] | None = None,
                            assumed_tflops=args.assumed_tflops,
                            assumed_bus_gbps=args.assumed_bus_gbps)
         options = twin_options(args)
-        if not args.no_twin:
-            plan_twin(config, options)  # refuses a twin above --max-world-size before any work
     except (FlagError, ConfigError, ValueError) as exc:
         print("PREFLIGHT REFUSED: the configuration would not start; nothing was run.",
               file=sys.stderr)
         print(f"verify preflight: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    if not args.no_twin:
+        try:
+            plan_twin(config, options)  # refuses a twin above --max-world-size before any work
+        except TwinSizeError as exc:
+            print("PREFLIGHT REFUSED: the configuration is valid, but its twin needs more ranks "
+                  "than allowed; nothing was run (--no-twin gives the paper figures).",
+                  file=sys.stderr)
+            print(f"verify preflight: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
     try:
         report = build_report(config, parsed, costs)
         if args.no_twin:

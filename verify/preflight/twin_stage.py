@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping
 from contextlib import nullcontext
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from verify.preflight.config import PreflightConfig
@@ -80,6 +80,12 @@ def run_twin_stage(config: PreflightConfig, options: TwinOptions, report: dict, 
 
         try:
             if under_torchrun(environ):
+                import torch
+
+                if torch.cuda.is_available():
+                    plan = replace(plan, not_twinned=plan.not_twinned + (
+                        "NCCL: the twin's tensors live on the CPU, so on the torchrun world it "
+                        "runs gloo (same ranks, same groups)",))
                 say(f"training {len(plan.case.plans)} steps on the torchrun world")
                 ranks, where = _run_in_torchrun(plan, candidate)
                 if ranks is None:
