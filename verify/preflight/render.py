@@ -37,7 +37,7 @@ def collapse_stages(rows: list[list[str]]) -> list[list[str]]:
 def report_tables(report: dict) -> Tables:
     """(title, columns, rows) for every section of the report."""
     config = report["config"]
-    tables: Tables = []
+    tables: Tables = twin_tables(report)  # the parity table right after the verdict
     settings = [[k, str(v)] for k, v in config.items() if k != "notes"]
     tables.append(("Configuration (Megatron-Core names, after Megatron's own defaults)",
                    ["setting", "value"], settings))
@@ -82,17 +82,19 @@ def report_tables(report: dict) -> Tables:
                      f"{100 * pipe['bubble_fraction']:.2f}%",
                      f"{100 * pipe['closed_form_bubble_fraction']:.2f}%",
                      f"{pipe['exposed_grad_sync_ms']:.3f}"]]))
-    tables += twin_tables(report)
+    if report.get("hazards"):
+        tables.append(("Production's known hazards for this configuration",
+                       ["hazard", "status", "why", "twin"],
+                       [[h["name"], h["status"].upper(), h["reason"], h["twin"] or "-"]
+                        for h in report["hazards"]]))
     return tables
 
 
 def twin_tables(report: dict) -> Tables:
-    """The twin's mapping and per-step parity table, and the hazards."""
+    """The twin's per-step parity table and how it maps the configuration (if it ran)."""
     tables: Tables = []
     twin = report["twin"]
     if twin.get("run"):
-        tables.append(("Scaled twin: production vs twin", ["setting", "production", "twin"],
-                       twin["mapping"]))
         claim = "bitwise" if twin["bitwise"] else "bound"
         tables.append((f"Twin vs refgrad after every step ({claim}: {twin['order_note']})",
                        ["step", "M", "loss max ULP", "grads bitwise", "grad max ULP",
@@ -102,11 +104,8 @@ def twin_tables(report: dict) -> Tables:
                          f"{r['params_bitwise']}/{r['params_total']}", str(r["param_max_ulp"]),
                          "ok" if not r["failures"] else r["failures"][0]]
                         for r in twin["steps"]]))
-    if report.get("hazards"):
-        tables.append(("Production's known hazards for this configuration",
-                       ["hazard", "status", "why", "twin"],
-                       [[h["name"], h["status"].upper(), h["reason"], h["twin"] or "-"]
-                        for h in report["hazards"]]))
+        tables.append(("Scaled twin: production vs twin", ["setting", "production", "twin"],
+                       twin["mapping"]))
     return tables
 
 
