@@ -47,6 +47,11 @@ TP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2
        "--data-parallel-size", "1", "--global-batch-size", "8", "--untie-embeddings-and-output-weights",
        "--defer-embedding-wgrad-compute", "--wgrad-deferral-limit", "2"]
 
+# PP2 DP1 M4: untied output layer computed in the backward, AdamW through the distributed optimizer.
+UNTIED_ADAMW = ["--pipeline-model-parallel-size", "2", "--data-parallel-size", "1",
+                "--global-batch-size", "4", "--untie-embeddings-and-output-weights",
+                "--use-distributed-optimizer", "--overlap-grad-reduce"]
+
 
 def _config(flags: list[str]):
     parsed = parse_megatron_flags(MODEL + flags)
@@ -56,6 +61,7 @@ def _config(flags: list[str]):
 
 # name -> (flags, phase, first rank)
 LAYOUT = {"tied_deferred": (TIED_DEFERRED, 0, 0), "interleaved": (INTERLEAVED, 0, 4),
+          "untied_adamw": (UNTIED_ADAMW, 0, 6),
           "dp3": (DP3, 1, 0), "tp2": (TP2, 1, 4)}
 
 
@@ -68,7 +74,7 @@ def twins():
         plan = plan_twin(config, SMALL)
         plan = replace(plan, case=replace(plan.case, first_rank=first))
         plans[name] = (config, report, plan, phase, len(phases[phase]))
-        phases[phase].append((plan.case, plan.overlap, TwinCandidate()))
+        phases[phase].append((plan.case, plan.overlap, TwinCandidate(), plan.optimizer))
     ranks = run_distributed(twin_phases_worker, 8, phases, timeout_s=300)
     out = {}
     for name, (config, report, plan, phase, index) in plans.items():
@@ -91,6 +97,9 @@ def test_twin_passes_against_refgrad(twins, name):
         assert all(s["grad_max_ulp"] == 0 and s["param_max_ulp"] == 0 and s["loss_max_ulp"] == 0
                    for s in steps)
         assert all(s["grads_bitwise"] == s["grads_total"] > 0 for s in steps)
+        assert all(s["state_bitwise"] == s["state_total"] for s in steps)
+    if plan.optimizer == "adamw":  # master, exp_avg, exp_avg_sq of every (param, replica)
+        assert all(s["state_total"] == 3 * s["params_total"] > 0 for s in steps)
 
 
 @pytest.mark.dist
@@ -103,6 +112,11 @@ def test_twin_claims_and_gaps_follow_the_configuration(twins):
     tied = twins["tied_deferred"][2].case
     assert tied.spec.output_head and tied.spec.tied_embedding
     assert tied.use_distributed_optimizer and tied.reduction == "prescale"
+    # The distributed optimizer is twinned (AdamW vs refgrad.optim) at VPP 1 only.
+    assert twins["tied_deferred"][2].optimizer == "adamw"
+    assert twins["untied_adamw"][2].optimizer == "adamw"
+    assert not twins["untied_adamw"][2].case.spec.tied_embedding
+    assert twins["interleaved"][2].optimizer == "sgd" and twins["dp3"][2].optimizer == "sgd"
     assert [p.num_microbatches for p in tied.plans] == [4, 4]
     inter = twins["interleaved"][2]
     assert inter.case.virtual_stages == 2 and inter.case.reduce_scatter_with_fp32_accumulation

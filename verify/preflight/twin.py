@@ -70,6 +70,7 @@ class TwinPlan:
     order_note: str
     mapping: tuple[tuple[str, str, str], ...]  # (setting, production, twin)
     not_twinned: tuple[str, ...]
+    optimizer: str = "sgd"  # "adamw": fastgrad.optim.DistributedOptimizer vs refgrad.optim
 
 
 def _twin_microbatches(config: PreflightConfig, options: TwinOptions) -> int:
@@ -126,7 +127,8 @@ def plan_twin(config: PreflightConfig, options: TwinOptions) -> TwinPlan:
                       f"(DP-1)u sum|x| (Higham 4.4); later steps carry those differences through "
                       f"the model. Bound: {ulp_bound_factor(dp)} x (step+1) ULP of each tensor's "
                       f"largest magnitude")
-    not_twinned += _left_out(config, m, head)
+    optimizer = "adamw" if config.use_distributed_optimizer and vpp == 1 else "sgd"
+    not_twinned += _left_out(config, m, head, optimizer)
     mapping = (
         ("TP x PP x VPP x DP", f"{tp} x {pp} x {vpp} x {dp}", f"1 x {pp} x {vpp} x {dp}"),
         ("ranks", str(tp * pp * dp), str(world)),
@@ -145,14 +147,16 @@ def plan_twin(config: PreflightConfig, options: TwinOptions) -> TwinPlan:
          "deferred wgrad, drained after the cooldown" if head else "none"),
         ("tied embedding all-reduce", str(config.tied_embeddings and pp > 1),
          str(head and config.tied_embeddings)),
+        ("optimizer", "distributed optimizer" if config.use_distributed_optimizer else "(not parsed)",
+         "fastgrad.optim AdamW (lr 1e-2)" if optimizer == "adamw" else "SGD (lr 0.05)"),
         ("steps", "-", str(options.steps)),
     )
     return TwinPlan(case=case, overlap=config.overlap_grad_reduce, world_size=world,
                     bitwise=bitwise, order_note=order_note, mapping=mapping,
-                    not_twinned=tuple(not_twinned))
+                    not_twinned=tuple(not_twinned), optimizer=optimizer)
 
 
-def _left_out(config: PreflightConfig, m: int, head: bool) -> list[str]:
+def _left_out(config: PreflightConfig, m: int, head: bool, optimizer: str) -> list[str]:
     """Every part of the configuration the twin does not reproduce, with the reason."""
     out = []
     tp = config.tensor_model_parallel_size
@@ -179,8 +183,14 @@ def _left_out(config: PreflightConfig, m: int, head: bool) -> list[str]:
     if head and not config.defer_embedding_wgrad_compute:
         out.append("the twin defers the output-layer wgrad to the drain; production computes it "
                    "in the backward (same fp32 sums, same microbatch order)")
-    out.append("optimizer: the twin updates with SGD (p - lr*g, two fp32 roundings); the "
-               "distributed optimizer's AdamW and its state are checked by `verify run optim`")
+    if optimizer == "sgd":
+        why = ("interleaved chunks each have their own buffer" if config.use_distributed_optimizer
+               else "without --use-distributed-optimizer")
+        out.append(f"optimizer ({why}): the twin updates with SGD (p - lr*g, two fp32 "
+                   "roundings); AdamW is twinned with the distributed optimizer at VPP 1")
+    else:
+        out.append("gradient clipping and loss scaling: the twin's AdamW steps unclipped, unscaled "
+                   "(the norm is still summed over the pipeline group)")
     if config.fp8_recipe or config.fp8_param_gather:
         out.append(f"FP8 ({config.fp8_recipe or config.fp8_format}) params and the MXFP8 param "
                    "all-gather: checked by `verify run mxfp8`")
@@ -210,6 +220,9 @@ class StepRow:
     params_bitwise: int
     params_total: int
     param_max_ulp: int
+    state_bitwise: int = 0  # master weights and AdamW moments (distributed optimizer only)
+    state_total: int = 0
+    state_max_ulp: int = 0
     failures: list[str] = field(default_factory=list)
 
 
@@ -219,6 +232,7 @@ def collect(case: Any, ranks: list[Any]) -> dict[str, list]:
     losses = [[[] for _ in range(case.dp_size)] for _ in range(steps)]
     grads = [[{} for _ in range(case.dp_size)] for _ in range(steps)]
     params = [[{} for _ in range(case.dp_size)] for _ in range(steps)]
+    state = [[{} for _ in range(case.dp_size)] for _ in range(steps)]
     for res in ranks:
         if res is None:
             continue
@@ -227,7 +241,9 @@ def collect(case: Any, ranks: list[Any]) -> dict[str, list]:
                 losses[step][res.dp_rank] = res.losses[step]
             grads[step][res.dp_rank].update(res.grads[step])
             params[step][res.dp_rank].update(res.params[step])
-    return {"losses": losses, "grads": grads, "params": params}
+            if hasattr(res, "state"):
+                state[step][res.dp_rank].update(res.state[step])
+    return {"losses": losses, "grads": grads, "params": params, "state": state}
 
 
 def _within(ref: torch.Tensor, got: torch.Tensor, bound_ulps: int | None) -> tuple[bool, int, str]:
@@ -282,14 +298,39 @@ def compare_steps(plan: TwinPlan, ranks: list[Any], reference: Any) -> list[Step
                         what = "reduced gradient" if kind == "grads" else "updated parameter"
                         row.failures.append(f"step {step}: {what} {name} (replica {replica}) "
                                             f"differs from refgrad: {detail}")
+        if hasattr(reference, "state"):
+            _compare_state(row, reference.state[step], got["state"][step], bound)
         rows.append(row)
     return rows
 
 
+def _compare_state(row: StepRow, ref_state: dict, got_state: list[dict], bound: int | None) -> None:
+    """Master weights and AdamW moments per parameter and replica vs refgrad.optim."""
+    for name in sorted(ref_state):
+        for replica, per_name in enumerate(got_state):
+            for key, ref in ref_state[name].items():
+                row.state_total += 1
+                cand = per_name.get(name, {}).get(key)
+                if cand is None:
+                    row.failures.append(f"step {row.step}: optimizer {key} of {name} missing on "
+                                        f"replica {replica}")
+                    continue
+                ok, ulps, detail = _within(ref, cand, bound)
+                row.state_max_ulp = max(row.state_max_ulp, ulps)
+                row.state_bitwise += ulps == 0
+                if not ok:
+                    row.failures.append(f"step {row.step}: optimizer {key} of {name} (replica "
+                                        f"{replica}) differs from refgrad.optim: {detail}")
+
+
 def reference_for(plan: TwinPlan) -> Any:
-    """refgrad's single-process run of the same case."""
+    """refgrad's single-process run of the same case (with refgrad.optim for AdamW)."""
     from refgrad.pipeline import reference_training
 
     case = plan.case
+    if plan.optimizer == "adamw":
+        from verify.preflight.twin_optim import reference_with_optimizer
+
+        return reference_with_optimizer(case)
     return reference_training(case.spec, case.plans, case.dp_size, lr=case.lr,
                               reduction=case.reduction)

@@ -30,6 +30,9 @@ from verify.preflight.twin_worker import (
     twin_worker,
 )
 
+OPTIM_NOTE = (", and fastgrad.optim.DistributedOptimizer's AdamW master weights and state "
+              "(vs refgrad.optim, exact arithmetic),")
+
 
 class TwinRunError(RuntimeError):
     """The twin could not run (a rank failed or timed out): exit code 3."""
@@ -49,7 +52,7 @@ def _run_in_torchrun(plan: TwinPlan, candidate: TwinCandidate) -> tuple[list[Any
     if world < plan.world_size:
         raise TwinRunError(f"the twin needs {plan.world_size} ranks (PP x DP), torchrun gave {world}")
     install_candidate(candidate)
-    mine = run_twin_rank(plan.case, plan.overlap)
+    mine = run_twin_rank(plan.case, plan.overlap, plan.optimizer)
     gathered: list[Any] = [None] * world if dist.get_rank() == 0 else None
     dist.gather_object(mine, gathered, dst=0)
     backend = dist.get_backend()
@@ -92,7 +95,7 @@ def run_twin_stage(config: PreflightConfig, options: TwinOptions, report: dict, 
                     return None
             else:
                 say(f"training {len(plan.case.plans)} steps on {plan.world_size} gloo ranks")
-                ranks = spawn(twin_worker, plan.world_size, plan.case, plan.overlap, candidate,
+                ranks = spawn(twin_worker, plan.world_size, plan.case, plan.overlap, candidate, plan.optimizer,
                               timeout_s=options.timeout_s)
                 where = f"spawned, {plan.world_size} gloo ranks on the CPU"
         except DistributedRunError as exc:
@@ -114,6 +117,7 @@ def finish_twin_report(config: PreflightConfig, plan: TwinPlan, ranks: list[Any]
         "run": True,
         "passed": passed,
         "candidate": candidate.name,
+        "optimizer": plan.optimizer,
         "where": where,
         "bitwise": plan.bitwise,
         "order_note": plan.order_note,
@@ -122,7 +126,8 @@ def finish_twin_report(config: PreflightConfig, plan: TwinPlan, ranks: list[Any]
         "steps": [asdict(row) for row in rows],
         "failures": failures,
         "note": (f"Scaled twin ({where}): losses, every reduced gradient and every updated "
-                 f"parameter compared with refgrad after each step, "
+                 f"parameter{OPTIM_NOTE if plan.optimizer == 'adamw' else ''} compared with "
+                 f"refgrad after each step, "
                  f"{'bitwise' if plan.bitwise else 'within the stated bound'}."),
     }
     report["hazards"] = [h.to_dict() for h in hazards]

@@ -58,48 +58,57 @@ def install_candidate(candidate: TwinCandidate) -> None:
     ColumnParallelOutputLayer.drain_deferred_wgrad = _lifo_drain
 
 
-def run_twin_rank(case: Any, overlap: bool) -> Any:
+def run_on_grid(case: Any, groups: Any, overlap: bool, optimizer: str) -> Any:
+    """One rank's training: SGD (``verify.checks.pipeline``) or fastgrad.optim's AdamW."""
+    if optimizer == "adamw":
+        from verify.preflight.twin_optim import run_optimizer_rank
+
+        return run_optimizer_rank(case, groups, overlap)
+    from verify.checks.pipeline import run_case_on_rank
+
+    return run_case_on_rank(case, groups, overlap)
+
+
+def run_twin_rank(case: Any, overlap: bool, optimizer: str = "sgd") -> Any:
     """Train the twin's case on this rank of the current world; None outside its grid."""
     from fastgrad.pipeline import build_parallel_groups
-    from verify.checks.pipeline import run_case_on_rank
 
     groups = build_parallel_groups(case.pp_size, case.dp_size, first_rank=case.first_rank)
     if groups is None:
         return None
-    return run_case_on_rank(case, groups, overlap)
+    return run_on_grid(case, groups, overlap, optimizer)
 
 
 def twin_phases_worker(rank: int, world_size: int,
-                       phases: list[list[tuple[Any, bool, TwinCandidate]]]) -> list[list[Any]]:
-    """Several twins side by side in one world: ``(case, overlap, candidate)`` per grid,
+                       phases: list[list[tuple[Any, bool, TwinCandidate, str]]]) -> list[list[Any]]:
+    """Several twins side by side in one world: ``(case, overlap, candidate, optimizer)`` per grid,
     each grid on ranks ``[case.first_rank, case.first_rank + case.world)``, one phase after
     another. A candidate is installed only on its grid's ranks (and stays for later phases)."""
     del world_size
     import torch.distributed as dist
 
     from fastgrad.pipeline import build_parallel_groups
-    from verify.checks.pipeline import run_case_on_rank
 
     out = []
     for phase in phases:
         # new_group is collective over the whole world: every rank builds every grid first.
         groups = [build_parallel_groups(case.pp_size, case.dp_size, first_rank=case.first_rank)
-                  for case, _, _ in phase]
+                  for case, *_ in phase]
         results = []
-        for (case, overlap, candidate), grid in zip(phase, groups):
+        for (case, overlap, candidate, optimizer), grid in zip(phase, groups):
             if grid is None:
                 results.append(None)
                 continue
             install_candidate(candidate)
-            results.append(run_case_on_rank(case, grid, overlap))
+            results.append(run_on_grid(case, grid, overlap, optimizer))
         out.append(results)
         dist.barrier()
     return out
 
 
 def twin_worker(rank: int, world_size: int, case: Any, overlap: bool,
-                candidate: TwinCandidate) -> Any:
-    """Spawned entry point (``verify.distributed.spawn``): one rank's :class:`RankResult`."""
+                candidate: TwinCandidate, optimizer: str = "sgd") -> Any:
+    """Spawned entry point (``verify.distributed.spawn``): one rank's results."""
     del rank, world_size  # the grid is read from torch.distributed
     install_candidate(candidate)
-    return run_twin_rank(case, overlap)
+    return run_twin_rank(case, overlap, optimizer)
