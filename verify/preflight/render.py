@@ -98,11 +98,12 @@ def twin_tables(report: dict) -> Tables:
         claim = "bitwise" if twin["bitwise"] else "bound"
         tables.append((f"Twin vs refgrad after every step ({claim}: {twin['order_note']})",
                        ["step", "M", "loss max ULP", "grads bitwise", "grad max ULP",
-                        "params bitwise", "param max ULP", "optimizer state bitwise", "result"],
+                        "params bitwise", "param max ULP", "opt. state bitwise", "result"],
                        [[str(r["step"]), str(r["microbatches"]), str(r["loss_max_ulp"]),
                          f"{r['grads_bitwise']}/{r['grads_total']}", str(r["grad_max_ulp"]),
                          f"{r['params_bitwise']}/{r['params_total']}", str(r["param_max_ulp"]),
-                         f"{r['state_bitwise']}/{r['state_total']} (max {r['state_max_ulp']} ULP)"
+                         (f"{r['state_bitwise']}/{r['state_total']}"
+                          + (f" (max {r['state_max_ulp']} ULP)" if r["state_max_ulp"] else ""))
                          if r["state_total"] else "- (SGD)",
                          "ok" if not r["failures"] else r["failures"][0]]
                         for r in twin["steps"]]))

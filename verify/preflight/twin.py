@@ -162,7 +162,7 @@ def _left_out(config: PreflightConfig, m: int, head: bool, optimizer: str) -> li
     tp = config.tensor_model_parallel_size
     if tp > 1:
         out.append(f"tensor parallelism (TP {tp}): the twin runs TP 1 ranks; the output layer's "
-                   "sequence-parallel all-gather in the drain is checked by `verify run deferred_wgrad`")
+                   "sequence-parallel all-gather in the drain is checked by `verify run --check deferred_wgrad`")
     if config.sequence_parallel:
         out.append("sequence parallelism: needs TP > 1 in the twin")
     if m != config.num_microbatches:
@@ -193,11 +193,11 @@ def _left_out(config: PreflightConfig, m: int, head: bool, optimizer: str) -> li
                    "(the norm is still summed over the pipeline group)")
     if config.fp8_recipe or config.fp8_param_gather:
         out.append(f"FP8 ({config.fp8_recipe or config.fp8_format}) params and the MXFP8 param "
-                   "all-gather: checked by `verify run mxfp8`")
+                   "all-gather: checked by `verify run --check mxfp8`")
     if config.reuse_grad_buf_for_mxfp8_param_ag:
         out.append("grad-buffer reuse for the MXFP8 param all-gather: see the hazards")
     if config.overlap_param_gather:
-        out.append("--overlap-param-gather: the twin's SGD updates the full params in place")
+        out.append("--overlap-param-gather: the twin gathers the params right after each step")
     out.append("transformer blocks (attention, MLP, norms, embeddings) are Linear+tanh layers")
     return out
 
