@@ -226,3 +226,31 @@ def test_a_drain_in_the_wrong_order_fails_naming_parameter_and_step(capsys, tmp_
     assert report["env"]["torch"] and report["gradverify_version"]
     assert report["config"]["num_microbatches"] == 4
     assert "stage1.head.weight" in md_path.read_text()
+
+
+@pytest.mark.dist
+def test_under_torchrun_the_twin_runs_on_the_launched_world(tmp_path):
+    """torchrun (2 processes): DP comes from WORLD_SIZE, rank 0 reports, both exit 0."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from verify.distributed import free_port
+
+    root = Path(__file__).resolve().parents[2]
+    json_path = tmp_path / "torchrun.json"
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(free_port()), "-m", "verify", "preflight", *MODEL,
+           "--pipeline-model-parallel-size", "2", "--global-batch-size", "4",
+           "--defer-embedding-wgrad-compute", "--twin-hidden-size", "8", "--twin-steps", "2",
+           "--no-progress", "--json", str(json_path)]
+    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("PASS: TP=1 PP=2 VPP=1 DP=1") == 1  # rank 0 only
+    report = json.loads(json_path.read_text())
+    assert report["twin"]["where"].startswith("torchrun, 2 ranks")
+    assert report["config"]["data_parallel_source"].startswith("WORLD_SIZE (torchrun)")
