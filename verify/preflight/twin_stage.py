@@ -137,7 +137,8 @@ def finish_twin_report(config: PreflightConfig, plan: TwinPlan, ranks: list[Any]
              f"DP={config.data_parallel_size}, {config.num_microbatches} microbatches")
     gaps = f"; {len(plan.not_twinned)} parts not twinned (listed)"
     if passed:
-        report["verdict"] = (f"PASS: {shape}; twin ({plan.world_size} ranks, "
+        ranks = f"{plan.world_size} rank{'s' if plan.world_size != 1 else ''}"
+        report["verdict"] = (f"PASS: {shape}; twin ({ranks}, "
                              f"{len(rows)} steps) matches refgrad "
                              f"{'bitwise' if plan.bitwise else 'within the stated bound'}"
                              f"{gaps}; {findings} hazard finding(s)")
