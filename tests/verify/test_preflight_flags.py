@@ -123,7 +123,7 @@ def test_cli_end_to_end_writes_json_and_markdown(tmp_path, capsys):
     args_file.write_text(" ".join(SMALL) + " \\\n --pipeline-model-parallel-size 2 --lr 3e-4\n")
     rc = verify_main(["preflight", "--args-file", str(args_file), "--world-size", "6",
                       "--bf16", "--use-distributed-optimizer", "--json", str(json_path),
-                      "--markdown", str(md_path)])
+                      "--markdown", str(md_path), "--no-twin"])
     out = capsys.readouterr().out
     assert rc == 0
     assert out.splitlines()[0].startswith("PREFLIGHT PASSED")

@@ -1,17 +1,19 @@
 """``verify preflight``: check a Megatron-Core configuration and lay the full-size model out on paper.
 
-Stages of :func:`main` (each returns or raises; a later phase adds the scaled
-twin run as :data:`TWIN_STAGE`):
+Stages of :func:`main` (each returns or raises):
 
 1. read the flags (``--args-file`` and the command line) and resolve them into a
    validated :class:`~verify.preflight.config.PreflightConfig` (exit 2 on a rule
    production enforces, nothing run);
 2. the paper figures (:func:`build_report`);
-3. the twin run: not in this phase, the report says so;
+3. the scaled twin (:mod:`verify.preflight.twin_stage`): trained with fastgrad
+   on real ranks and compared with refgrad after every step, then production's
+   hazards for the configuration (``--no-twin``: paper figures and hazards only);
 4. output: verdict line, tables, ``--json``/``--markdown``.
 
-Exit codes: 0 pass, 1 numerical failure (reserved for the twin run), 2 usage,
-3 error.
+Exit codes: 0 pass, 1 numerical failure (the twin differs from refgrad), 2
+usage (a refused configuration, or a twin larger than ``--max-world-size``),
+3 error (a rank failed or timed out, a file could not be written).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from importlib import metadata
 
 from verify.env import fingerprint
@@ -41,12 +43,14 @@ from verify.preflight.paper import (
 )
 from verify.preflight.render import print_terminal, write_outputs
 from verify.preflight.timing import CostInputs, pipeline_timing
+from verify.preflight.twin import TwinOptions, TwinSizeError, plan_twin
+from verify.preflight.twin_stage import TwinRunError, paper_only_hazards, run_twin_stage
+from verify.preflight.twin_worker import TwinCandidate
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ERROR = 0, 1, 2, 3
-TWIN_NOTE = ("The scaled twin run is not part of this output: these figures are computed on "
-             "paper from the configuration; no model was built and no collective was run.")
-# Stage 3 hook: (config, args, report) -> passed. None until the twin phase adds it.
-TWIN_STAGE: Callable[[PreflightConfig, argparse.Namespace, dict], bool] | None = None
+TWIN_NOTE = ("The scaled twin run is not part of this output (--no-twin): these figures are "
+             "computed on paper from the configuration; no model was built and no collective "
+             "was run.")
 
 
 class _MegatronFlag(argparse.Action):
@@ -80,6 +84,24 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                      help="achieved TFLOP/s per GPU for the estimated costs (default 400)")
     own.add_argument("--assumed-bus-gbps", type=float, default=100.0,
                      help="collective bus bandwidth in GB/s for the estimated costs (default 100)")
+    twin = parser.add_argument_group("scaled twin")
+    twin.add_argument("--no-twin", action="store_true",
+                      help="paper figures and hazards only: build no model, run no collective")
+    twin.add_argument("--twin-hidden-size", type=int, default=TwinOptions.hidden_size,
+                      metavar="H", help=f"the twin's layer width (default {TwinOptions.hidden_size})")
+    twin.add_argument("--twin-layers", type=int, default=TwinOptions.layers, metavar="L",
+                      help=f"the twin's layers per virtual stage (default {TwinOptions.layers})")
+    twin.add_argument("--twin-steps", type=int, default=TwinOptions.steps, metavar="N",
+                      help=f"training steps, each compared with refgrad (default {TwinOptions.steps})")
+    twin.add_argument("--twin-max-microbatches", type=int, default=TwinOptions.max_microbatches,
+                      metavar="M", help="cap on the twin's microbatches per step (default "
+                                        f"{TwinOptions.max_microbatches})")
+    twin.add_argument("--max-world-size", type=int, default=TwinOptions.max_world_size,
+                      metavar="W", help="most ranks the twin may spawn, PP x DP (default "
+                                        f"{TwinOptions.max_world_size})")
+    twin.add_argument("--timeout", type=float, default=TwinOptions.timeout_s, metavar="S",
+                      help=f"deadline for the twin's ranks in seconds (default {TwinOptions.timeout_s:g})")
+    twin.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
     parser.epilog = "Megatron-Core flags understood: " + " ".join(FLAG_SPECS)
     megatron = parser.add_argument_group("Megatron-Core flags (same names as Megatron's)")
     for flag, (_, kind) in FLAG_SPECS.items():
@@ -130,12 +152,21 @@ def build_report(config: PreflightConfig, parsed: ParsedFlags, costs: CostInputs
         "reduction_error": reduction_error(config),
         "pipeline": pipeline_timing(config, chunks, wire, costs),
         "twin": {"run": False, "note": TWIN_NOTE},
+        "hazards": [],
         "env": fingerprint(),
     }
 
 
-def main(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> int:
-    """Run the stages; returns the exit code."""
+def twin_options(args: argparse.Namespace) -> TwinOptions:
+    """The ``--twin-*`` flags, validated (ValueError names the flag)."""
+    return TwinOptions(hidden_size=args.twin_hidden_size, layers=args.twin_layers,
+                       steps=args.twin_steps, max_microbatches=args.twin_max_microbatches,
+                       max_world_size=args.max_world_size, timeout_s=args.timeout)
+
+
+def main(args: argparse.Namespace, environ: Mapping[str, str] | None = None,
+         candidate: TwinCandidate | None = None) -> int:
+    """Run the stages; returns the exit code. ``candidate``: the fastgrad the twin runs (tests)."""
     environ = os.environ if environ is None else environ
     try:
         parsed = read_flags(args)
@@ -144,19 +175,35 @@ def main(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> 
                            grad_sync_ms=args.grad_sync_ms, p2p_ms=args.p2p_ms,
                            assumed_tflops=args.assumed_tflops,
                            assumed_bus_gbps=args.assumed_bus_gbps)
+        options = twin_options(args)
     except (FlagError, ConfigError, ValueError) as exc:
         print("PREFLIGHT REFUSED: the configuration would not start; nothing was run.",
               file=sys.stderr)
         print(f"verify preflight: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    if not args.no_twin:
+        try:
+            plan_twin(config, options)  # refuses a twin above --max-world-size before any work
+        except TwinSizeError as exc:
+            print("PREFLIGHT REFUSED: the configuration is valid, but its twin needs more ranks "
+                  "than allowed; nothing was run (--no-twin gives the paper figures).",
+                  file=sys.stderr)
+            print(f"verify preflight: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
     try:
         report = build_report(config, parsed, costs)
-        if TWIN_STAGE is not None:
-            report["passed"] = TWIN_STAGE(config, args, report)
+        if args.no_twin:
+            paper_only_hazards(config, report)
+        else:
+            verdict = run_twin_stage(config, options, report, environ=environ, candidate=candidate,
+                                     progress=False if args.no_progress else None)
+            if verdict is None:  # a torchrun rank other than 0: rank 0 reports
+                return EXIT_OK
         print_terminal(report)
         for path in write_outputs(report, args.json, args.markdown):
             print(f"wrote {path}", file=sys.stderr)
-    except OSError as exc:
+    except (OSError, TwinRunError) as exc:
+        print("ERROR: verify preflight could not finish", file=sys.stderr)
         print(f"verify preflight: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
     return EXIT_OK if report["passed"] else EXIT_FAILED

@@ -37,7 +37,7 @@ def collapse_stages(rows: list[list[str]]) -> list[list[str]]:
 def report_tables(report: dict) -> Tables:
     """(title, columns, rows) for every section of the report."""
     config = report["config"]
-    tables: Tables = []
+    tables: Tables = twin_tables(report)  # the parity table right after the verdict
     settings = [[k, str(v)] for k, v in config.items() if k != "notes"]
     tables.append(("Configuration (Megatron-Core names, after Megatron's own defaults)",
                    ["setting", "value"], settings))
@@ -82,6 +82,33 @@ def report_tables(report: dict) -> Tables:
                      f"{100 * pipe['bubble_fraction']:.2f}%",
                      f"{100 * pipe['closed_form_bubble_fraction']:.2f}%",
                      f"{pipe['exposed_grad_sync_ms']:.3f}"]]))
+    if report.get("hazards"):
+        tables.append(("Production's known hazards for this configuration",
+                       ["hazard", "status", "why", "twin"],
+                       [[h["name"], h["status"].upper(), h["reason"], h["twin"] or "-"]
+                        for h in report["hazards"]]))
+    return tables
+
+
+def twin_tables(report: dict) -> Tables:
+    """The twin's per-step parity table and how it maps the configuration (if it ran)."""
+    tables: Tables = []
+    twin = report["twin"]
+    if twin.get("run"):
+        claim = "bitwise" if twin["bitwise"] else "bound"
+        tables.append((f"Twin vs refgrad after every step ({claim}: {twin['order_note']})",
+                       ["step", "M", "loss max ULP", "grads bitwise", "grad max ULP",
+                        "params bitwise", "param max ULP", "opt. state bitwise", "result"],
+                       [[str(r["step"]), str(r["microbatches"]), str(r["loss_max_ulp"]),
+                         f"{r['grads_bitwise']}/{r['grads_total']}", str(r["grad_max_ulp"]),
+                         f"{r['params_bitwise']}/{r['params_total']}", str(r["param_max_ulp"]),
+                         (f"{r['state_bitwise']}/{r['state_total']}"
+                          + (f" (max {r['state_max_ulp']} ULP)" if r["state_max_ulp"] else ""))
+                         if r["state_total"] else "- (SGD)",
+                         "ok" if not r["failures"] else r["failures"][0]]
+                        for r in twin["steps"]]))
+        tables.append(("Scaled twin: production vs twin", ["setting", "production", "twin"],
+                       twin["mapping"]))
     return tables
 
 
@@ -91,7 +118,10 @@ def _notes(report: dict) -> list[str]:
     lines.append(f"simulator: {report['pipeline']['model']}")
     if report["unknown_flags"]:
         lines.append("ignored flags (not used by preflight): " + ", ".join(report["unknown_flags"]))
-    lines.append(report["twin"]["note"])
+    twin = report["twin"]
+    lines.append(twin["note"])
+    lines += [f"not twinned: {item}" for item in twin.get("not_twinned", [])]
+    lines += [f"twin failure: {item}" for item in twin.get("failures", [])[:20]]
     return lines
 
 

@@ -1,0 +1,256 @@
+"""``verify preflight``'s scaled twin and hazards.
+
+Multi-rank configurations share one spawned 8-rank world (two phases, grids
+side by side); each is compared with refgrad through the same code the CLI
+uses (:func:`finish_twin_report`). The broken-fastgrad run goes through the CLI
+end to end. Hazard decisions are checked against hand-derived expectations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+
+import pytest
+
+from tests.distributed_utils import run_distributed
+from verify.preflight import cli as preflight_cli
+from verify.preflight.cli import build_report
+from verify.preflight.config import resolve
+from verify.preflight.flags import parse_megatron_flags
+from verify.preflight.hazards import FINDING, SAFE, decide_hazards, deferred_entries
+from verify.preflight.render import render_markdown
+from verify.preflight.timing import CostInputs
+from verify.preflight.twin import TwinOptions, TwinSizeError, plan_twin, ulp_bound_factor
+from verify.preflight.twin_stage import finish_twin_report
+from verify.preflight.twin_worker import TwinCandidate, twin_phases_worker
+
+MODEL = ["--micro-batch-size", "1", "--num-layers", "8", "--hidden-size", "64",
+         "--num-attention-heads", "4", "--seq-length", "16", "--padded-vocab-size", "128"]
+SMALL = TwinOptions(hidden_size=8, layers=1, steps=2)
+
+# PP2 DP2 M4: tied embedding, deferred output-layer wgrad, overlap, distributed optimizer.
+TIED_DEFERRED = ["--pipeline-model-parallel-size", "2", "--data-parallel-size", "2",
+                 "--global-batch-size", "8", "--defer-embedding-wgrad-compute",
+                 "--overlap-grad-reduce", "--use-distributed-optimizer"]
+# PP2 VPP2 DP1 M4: interleaved, distributed optimizer, bf16 grads with fp32-accumulating RS.
+INTERLEAVED = ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size",
+               "2", "--data-parallel-size", "1", "--global-batch-size", "4",
+               "--use-distributed-optimizer", "--bf16", "--grad-reduce-in-bf16",
+               "--ddp-reduce-scatter-with-fp32-accumulation", "--overlap-grad-reduce"]
+# PP1 DP3 M4: all-reduce at a non-power-of-two DP (gloo picks the order: the ULP bound).
+DP3 = ["--pipeline-model-parallel-size", "1", "--data-parallel-size", "3",
+       "--global-batch-size", "12"]
+# TP2 PP2 DP1 M8 (TP not twinned: listed), untied, deferral limit 2.
+TP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+       "--data-parallel-size", "1", "--global-batch-size", "8", "--untie-embeddings-and-output-weights",
+       "--defer-embedding-wgrad-compute", "--wgrad-deferral-limit", "2"]
+
+# PP2 DP1 M4: untied output layer computed in the backward, AdamW through the distributed optimizer.
+UNTIED_ADAMW = ["--pipeline-model-parallel-size", "2", "--data-parallel-size", "1",
+                "--global-batch-size", "4", "--untie-embeddings-and-output-weights",
+                "--use-distributed-optimizer", "--overlap-grad-reduce"]
+
+
+def _config(flags: list[str]):
+    parsed = parse_megatron_flags(MODEL + flags)
+    config = resolve(parsed, {})
+    return config, build_report(config, parsed, CostInputs())
+
+
+# name -> (flags, phase, first rank)
+LAYOUT = {"tied_deferred": (TIED_DEFERRED, 0, 0), "interleaved": (INTERLEAVED, 0, 4),
+          "untied_adamw": (UNTIED_ADAMW, 0, 6),
+          "dp3": (DP3, 1, 0), "tp2": (TP2, 1, 4)}
+
+
+@pytest.fixture(scope="module")
+def twins():
+    """Every configuration of LAYOUT trained in one spawned world; plans and results by name."""
+    plans, phases = {}, [[], []]
+    for name, (flags, phase, first) in LAYOUT.items():
+        config, report = _config(flags)
+        plan = plan_twin(config, SMALL)
+        plan = replace(plan, case=replace(plan.case, first_rank=first))
+        plans[name] = (config, report, plan, phase, len(phases[phase]))
+        phases[phase].append((plan.case, plan.overlap, TwinCandidate(), plan.optimizer))
+    ranks = run_distributed(twin_phases_worker, 8, phases, timeout_s=300)
+    out = {}
+    for name, (config, report, plan, phase, index) in plans.items():
+        results = [r[phase][index] for r in ranks]
+        passed = finish_twin_report(config, plan, results, report, where="test world",
+                                    candidate=TwinCandidate())
+        out[name] = (config, report, plan, passed)
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", sorted(LAYOUT))
+def test_twin_passes_against_refgrad(twins, name):
+    config, report, plan, passed = twins[name]
+    assert passed, report["twin"]["failures"][:3]
+    assert report["verdict"].startswith("PASS")
+    steps = report["twin"]["steps"]
+    assert len(steps) == SMALL.steps >= 2
+    if plan.bitwise:
+        assert all(s["grad_max_ulp"] == 0 and s["param_max_ulp"] == 0 and s["loss_max_ulp"] == 0
+                   for s in steps)
+        assert all(s["grads_bitwise"] == s["grads_total"] > 0 for s in steps)
+        assert all(s["state_bitwise"] == s["state_total"] for s in steps)
+    if plan.optimizer == "adamw":  # master, exp_avg, exp_avg_sq of every (param, replica)
+        assert all(s["state_total"] == 3 * s["params_total"] > 0 for s in steps)
+
+
+@pytest.mark.dist
+def test_twin_claims_and_gaps_follow_the_configuration(twins):
+    # DP 2, and the fp32-accumulating reduce-scatter, fix the order: bitwise; DP 3 all-reduce not.
+    assert twins["tied_deferred"][2].bitwise and twins["interleaved"][2].bitwise
+    dp3 = twins["dp3"][2]
+    assert not dp3.bitwise and f"{ulp_bound_factor(3)} x (step+1) ULP" in dp3.order_note
+    assert ulp_bound_factor(3) == 8 * 2 * 3  # 8 (D-1) D, as documented
+    tied = twins["tied_deferred"][2].case
+    assert tied.spec.output_head and tied.spec.tied_embedding
+    assert tied.use_distributed_optimizer and tied.reduction == "prescale"
+    # The distributed optimizer is twinned (AdamW vs refgrad.optim) at VPP 1 only.
+    assert twins["tied_deferred"][2].optimizer == "adamw"
+    assert twins["untied_adamw"][2].optimizer == "adamw"
+    assert not twins["untied_adamw"][2].case.spec.tied_embedding
+    assert twins["interleaved"][2].optimizer == "sgd" and twins["dp3"][2].optimizer == "sgd"
+    assert [p.num_microbatches for p in tied.plans] == [4, 4]
+    inter = twins["interleaved"][2]
+    assert inter.case.virtual_stages == 2 and inter.case.reduce_scatter_with_fp32_accumulation
+    assert any("bf16 grad buffer" in g for g in inter.not_twinned)
+    tp2 = twins["tp2"][2]
+    assert any(g.startswith("tensor parallelism (TP 2)") for g in tp2.not_twinned)
+    assert any("--wgrad-deferral-limit 2" in g for g in tp2.not_twinned)
+    markdown = render_markdown(twins["tp2"][1])
+    assert "not twinned: tensor parallelism" in markdown
+    assert "Twin vs refgrad after every step" in markdown
+
+
+@pytest.mark.dist
+def test_twin_hazards_in_the_report(twins):
+    by_name = {h["name"]: h for h in twins["tied_deferred"][1]["hazards"]}
+    # Deferral + overlap at PP 2: the cooldown dispatch precedes the drain (finding); 4 entries.
+    assert by_name["drain writes a bucket already reducing"]["status"] == FINDING
+    assert by_name["drain with 0 or 1 deferred entries"]["status"] == SAFE
+    assert "matched refgrad" in by_name["drain with 0 or 1 deferred entries"]["twin"]
+    dp3 = {h["name"]: h for h in twins["dp3"][1]["hazards"]}
+    assert dp3["pre-scaled averaging at a non-power-of-two DP"]["status"] == FINDING
+
+
+def _hazards(flags: list[str], **kw) -> dict[str, str]:
+    config, _ = _config(flags)
+    return {h.name: h.status for h in decide_hazards(config, **kw)}
+
+
+def test_hazards_against_hand_derived_decisions():
+    # M = 32 / (1 x 2) = 16; limit 1 -> one deferred entry: Megatron's UnboundLocalError.
+    one = TIED_DEFERRED[:5] + ["32", "--defer-embedding-wgrad-compute", "--wgrad-deferral-limit", "1"]
+    config, _ = _config(one)
+    assert deferred_entries(config, config.num_microbatches) == 1
+    assert _hazards(one)["drain with 0 or 1 deferred entries"] == FINDING
+    # M = 2 / (1 x 2) = 1 microbatch, limit 0 (defer all) -> one entry.
+    single = TIED_DEFERRED[:5] + ["2", "--defer-embedding-wgrad-compute"]
+    assert _hazards(single)["drain with 0 or 1 deferred entries"] == FINDING
+    # No overlap: buckets reduce after the drain.
+    assert _hazards(single)["drain writes a bucket already reducing"] == SAFE
+    # MXFP8 reuse without --overlap-param-gather: NaN at iteration 2; forced sync zeroed.
+    mxfp8 = ["--data-parallel-size", "2", "--global-batch-size", "4", "--use-distributed-optimizer",
+             "--fp8-recipe", "mxfp8", "--fp8-param-gather", "--reuse-grad-buf-for-mxfp8-param-ag",
+             "--overlap-grad-reduce"]
+    got = _hazards(mxfp8)
+    assert got["MXFP8 buffer reuse without both overlaps"] == FINDING
+    assert got["forced param sync reads zeroed data"] == FINDING
+    both = _hazards(mxfp8 + ["--overlap-param-gather"])
+    assert both["MXFP8 buffer reuse without both overlaps"] == SAFE
+    # DP 4 is a power of two (exact 1/4); DP 6 is not; DP 1 averages nothing.
+    for dp, status in ((1, SAFE), (4, SAFE), (6, FINDING)):
+        flags = ["--data-parallel-size", str(dp), "--global-batch-size", str(dp)]
+        assert _hazards(flags)["pre-scaled averaging at a non-power-of-two DP"] == status, dp
+    # Padding exists only with the distributed optimizer.
+    assert _hazards(DP3, padding_elements=100)["padding in norms and checkpoints"] == SAFE
+    assert _hazards(TIED_DEFERRED, padding_elements=100)["padding in norms and checkpoints"] == FINDING
+    assert _hazards(TIED_DEFERRED, padding_elements=0)["padding in norms and checkpoints"] == SAFE
+    # A batch-size ramp changes M from step to step.
+    assert _hazards(DP3, unknown_flags=("--rampup-batch-size 16 16 1000",))[
+        "changing microbatch count"] == FINDING
+    assert _hazards(DP3)["changing microbatch count"] == SAFE
+
+
+def test_twin_options_and_size_refusals(capsys):
+    with pytest.raises(ValueError, match="--twin-hidden-size"):
+        TwinOptions(hidden_size=0)
+    with pytest.raises(ValueError, match="--twin-steps"):
+        TwinOptions(steps=1)
+    with pytest.raises(ValueError, match="--timeout"):
+        TwinOptions(timeout_s=float("nan"))
+    config, _ = _config(["--pipeline-model-parallel-size", "4", "--data-parallel-size", "3",
+                         "--global-batch-size", "12"])
+    with pytest.raises(TwinSizeError, match=r"PP \(4\) x DP \(3\) = 12 ranks"):
+        plan_twin(config, TwinOptions())
+    rc, out, err = _cli(["--pipeline-model-parallel-size", "4", "--data-parallel-size", "3",
+                         "--global-batch-size", "12"], capsys)
+    assert rc == 2 and out == "" and "= 12 ranks, more than --max-world-size (8)" in err
+    rc, _, err = _cli(DP3 + ["--twin-layers", "0"], capsys)
+    assert rc == 2 and "--twin-layers must be a positive integer" in err
+
+
+def _cli(flags: list[str], capsys, candidate: TwinCandidate | None = None, extra=()):
+    parser = argparse.ArgumentParser(prog="verify preflight")
+    preflight_cli.configure_parser(parser)
+    args = parser.parse_args(MODEL + flags + ["--twin-hidden-size", "8", "--twin-steps", "2",
+                                              "--no-progress", *extra])
+    rc = preflight_cli.main(args, environ={}, candidate=candidate)
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+@pytest.mark.dist
+def test_a_drain_in_the_wrong_order_fails_naming_parameter_and_step(capsys, tmp_path):
+    """A fastgrad whose drain runs the deferred GEMMs newest first: exit 1, FAIL, names."""
+    flags = ["--pipeline-model-parallel-size", "2", "--data-parallel-size", "1",
+             "--global-batch-size", "4", "--defer-embedding-wgrad-compute"]
+    json_path, md_path = tmp_path / "t.json", tmp_path / "t.md"
+    rc, out, _ = _cli(flags, capsys, TwinCandidate("lifo drain", "lifo"),
+                      extra=("--json", str(json_path), "--markdown", str(md_path)))
+    assert rc == 1
+    first = out.splitlines()[0]
+    assert first.startswith("FAIL")
+    report = json.loads(json_path.read_text())
+    assert report["passed"] is False and report["twin"]["candidate"] == "lifo drain"
+    # The head's gradient is the drain's sum: wrong in step 0, on the only replica.
+    assert any(f.startswith("step 0: reduced gradient stage1.head.weight (replica 0)")
+               for f in report["twin"]["failures"])
+    assert report["env"]["torch"] and report["gradverify_version"]
+    assert report["config"]["num_microbatches"] == 4
+    assert "stage1.head.weight" in md_path.read_text()
+
+
+@pytest.mark.dist
+def test_under_torchrun_the_twin_runs_on_the_launched_world(tmp_path):
+    """torchrun (2 processes): DP comes from WORLD_SIZE, rank 0 reports, both exit 0."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from verify.distributed import free_port
+
+    root = Path(__file__).resolve().parents[2]
+    json_path = tmp_path / "torchrun.json"
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(free_port()), "-m", "verify", "preflight", *MODEL,
+           "--pipeline-model-parallel-size", "2", "--global-batch-size", "4",
+           "--defer-embedding-wgrad-compute", "--twin-hidden-size", "8", "--twin-steps", "2",
+           "--no-progress", "--json", str(json_path)]
+    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("PASS: TP=1 PP=2 VPP=1 DP=1") == 1  # rank 0 only
+    report = json.loads(json_path.read_text())
+    assert report["twin"]["where"].startswith("torchrun, 2 ranks")
+    assert report["config"]["data_parallel_source"].startswith("WORLD_SIZE (torchrun)")

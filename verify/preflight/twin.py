@@ -1,0 +1,336 @@
+"""The scaled twin: the user's layout trained for a few steps with fastgrad, checked against refgrad.
+
+:func:`plan_twin` maps a :class:`PreflightConfig` onto a
+``verify.checks.pipeline`` case: the same PP x VPP x DP grid and microbatch
+count (capped), the same reduction (Megatron's default 1/DP pre-scaling before a
+SUM), the same collective (reduce-scatter with the distributed optimizer,
+all-reduce without), fp32-accumulating reduce-scatter, overlap on or off,
+the deferred output-layer wgrad and the tied-embedding all-reduce, with
+``--twin-hidden-size`` wide Linear+tanh layers in place of transformer blocks.
+Everything the twin does not reproduce is listed in ``not_twinned``.
+
+:func:`run_twin` trains it on real ranks (spawned gloo processes, or the
+torchrun group) and :func:`compare_steps` holds every step's losses, reduced
+gradients and updated parameters against ``refgrad.pipeline``'s single-process
+model: bitwise where the reduction order is fixed, else within a stated bound.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from verify.preflight.config import PreflightConfig
+
+UNIT_ROUNDOFF_FP32 = 2.0**-24
+TWIN_LR = 0.05
+
+
+class TwinSizeError(ValueError):
+    """The twin needs more ranks than allowed (exit code 2)."""
+
+
+@dataclass(frozen=True)
+class TwinOptions:
+    """How big the twin is and how long it may run (the ``--twin-*`` flags)."""
+
+    hidden_size: int = 16
+    layers: int = 1  # per virtual pipeline stage
+    steps: int = 3
+    max_microbatches: int = 8
+    max_world_size: int = 8
+    timeout_s: float = 240.0
+
+    def __post_init__(self) -> None:
+        for name, flag in (("hidden_size", "--twin-hidden-size"), ("layers", "--twin-layers"),
+                           ("steps", "--twin-steps"), ("max_microbatches", "--twin-max-microbatches"),
+                           ("max_world_size", "--max-world-size")):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{flag} must be a positive integer, got {value!r}")
+        if self.steps < 2:
+            raise ValueError(f"--twin-steps must be >= 2 (a step that reuses learned state), "
+                             f"got {self.steps}")
+        if not (isinstance(self.timeout_s, (int, float)) and math.isfinite(self.timeout_s)
+                and self.timeout_s > 0):
+            raise ValueError(f"--timeout must be a finite number of seconds > 0, got {self.timeout_s!r}")
+
+
+@dataclass(frozen=True)
+class TwinPlan:
+    """The case the twin runs, how it maps the configuration, and what it leaves out."""
+
+    case: Any  # verify.checks.pipeline.PipelineCase
+    overlap: bool
+    world_size: int
+    bitwise: bool
+    order_note: str
+    mapping: tuple[tuple[str, str, str], ...]  # (setting, production, twin)
+    not_twinned: tuple[str, ...]
+    optimizer: str = "sgd"  # "adamw": fastgrad.optim.DistributedOptimizer vs refgrad.optim
+
+
+def _twin_microbatches(config: PreflightConfig, options: TwinOptions) -> int:
+    m, pp = config.num_microbatches, config.pipeline_model_parallel_size
+    m = min(m, options.max_microbatches)
+    if config.virtual_pipeline_model_parallel_size > 1:  # a multiple of PP, >= PP
+        m = max(pp, m - m % pp)
+    return m
+
+
+def plan_twin(config: PreflightConfig, options: TwinOptions) -> TwinPlan:
+    """Scale ``config`` down to a twin case; TwinSizeError when it needs too many ranks."""
+    from refgrad.pipeline import LinearStackSpec, StepPlan
+    from verify.checks.pipeline import PipelineCase
+
+    tp, pp = config.tensor_model_parallel_size, config.pipeline_model_parallel_size
+    vpp, dp = config.virtual_pipeline_model_parallel_size, config.data_parallel_size
+    world = pp * dp
+    if world > options.max_world_size:
+        raise TwinSizeError(
+            f"the twin needs PP ({pp}) x DP ({dp}) = {world} ranks, more than --max-world-size "
+            f"({options.max_world_size}); raise --max-world-size or run under torchrun")
+    not_twinned: list[str] = []
+    h, layers = options.hidden_size, options.layers
+    head = vpp == 1 and pp > 1
+    if vpp > 1 and (config.tied_embeddings or config.defer_embedding_wgrad_compute):
+        not_twinned.append("output layer, deferred wgrad and tied-embedding all-reduce under "
+                           "interleaving: the interleaved twin has no output layer")
+    if pp == 1:
+        not_twinned.append("output layer: a single-stage twin has no output layer (production "
+                           "neither defers its wgrad nor all-reduces a tied embedding at PP 1)")
+    m = _twin_microbatches(config, options)
+    spec = LinearStackSpec(num_stages=pp * vpp, layers_per_stage=layers, hidden=h,
+                           microbatch_size=config.micro_batch_size, seed=config.seed % 100_000,
+                           output_head=head, tied_embedding=head and config.tied_embeddings)
+    stage_numel = layers * (h * h + h)
+    bucket = max(h * h + h, stage_numel // 3) if config.overlap_grad_reduce else 10 * stage_numel
+    rs_fp32 = config.ddp_reduce_scatter_with_fp32_accumulation and config.use_distributed_optimizer
+    case = PipelineCase(
+        name="twin", pp_size=pp, dp_size=dp, first_rank=0, spec=spec,
+        plans=tuple(StepPlan(m) for _ in range(options.steps)),
+        use_distributed_optimizer=config.use_distributed_optimizer,
+        reduce_scatter_with_fp32_accumulation=rs_fp32,
+        reduction="prescale", bucket_size=bucket, lr=TWIN_LR, virtual_stages=vpp,
+    )
+    if dp <= 2:
+        bitwise, order_note = True, "DP <= 2: a sum of two fp32 values has one rounding in any order"
+    elif rs_fp32:
+        bitwise, order_note = True, "fp32-accumulating reduce-scatter sums in rank order"
+    else:
+        bitwise = False
+        order_note = (f"DP {dp} > 2: gloo/NCCL choose the order of the {dp}-value sum, so each "
+                      f"reduced element may differ from refgrad's rank-order sum by up to "
+                      f"(DP-1)u sum|x| (Higham 4.4); later steps carry those differences through "
+                      f"the model. Bound: {ulp_bound_factor(dp)} x (step+1) ULP of each tensor's "
+                      f"largest magnitude")
+    optimizer = "adamw" if config.use_distributed_optimizer and vpp == 1 else "sgd"
+    not_twinned += _left_out(config, m, head, optimizer)
+    mapping = (
+        ("TP x PP x VPP x DP", f"{tp} x {pp} x {vpp} x {dp}", f"1 x {pp} x {vpp} x {dp}"),
+        ("ranks", str(tp * pp * dp), str(world)),
+        ("microbatches per step", str(config.num_microbatches), str(m)),
+        ("micro batch size (rows)", str(config.micro_batch_size), str(config.micro_batch_size)),
+        ("layers", str(config.num_layers), f"{layers} per virtual stage = {layers * pp * vpp}"),
+        ("hidden size", str(config.hidden_size), str(h)),
+        ("grad reduction", f"x 1/DP then SUM ({'reduce-scatter' if config.use_distributed_optimizer else 'all-reduce'})",
+         f"x 1/DP then SUM ({'reduce-scatter' if config.use_distributed_optimizer else 'all-reduce'}"
+         f"{', fp32 rank-order accumulation' if rs_fp32 else ''})"),
+        ("overlap grad reduce", str(config.overlap_grad_reduce), str(config.overlap_grad_reduce)),
+        ("bucket size", str(config.first_stage_bucket_size or "one bucket"),
+         f"{bucket} elements (several buckets per stage)" if config.overlap_grad_reduce
+         else "one bucket per stage"),
+        ("output layer", "deferred wgrad" if config.defer_embedding_wgrad_compute else "wgrad in backward",
+         "deferred wgrad, drained after the cooldown" if head else "none"),
+        ("tied embedding all-reduce", str(config.tied_embeddings and pp > 1),
+         str(head and config.tied_embeddings)),
+        ("optimizer", "distributed optimizer" if config.use_distributed_optimizer else "(not parsed)",
+         "fastgrad.optim AdamW (lr 1e-2)" if optimizer == "adamw" else "SGD (lr 0.05)"),
+        ("steps", "-", str(options.steps)),
+    )
+    return TwinPlan(case=case, overlap=config.overlap_grad_reduce, world_size=world,
+                    bitwise=bitwise, order_note=order_note, mapping=mapping,
+                    not_twinned=tuple(not_twinned), optimizer=optimizer)
+
+
+def _left_out(config: PreflightConfig, m: int, head: bool, optimizer: str) -> list[str]:
+    """Every part of the configuration the twin does not reproduce, with the reason."""
+    out = []
+    tp = config.tensor_model_parallel_size
+    if tp > 1:
+        out.append(f"tensor parallelism (TP {tp}): the twin runs TP 1 ranks; the output layer's "
+                   "sequence-parallel all-gather in the drain is checked by `verify run --check deferred_wgrad`")
+    if config.sequence_parallel:
+        out.append("sequence parallelism: needs TP > 1 in the twin")
+    if m != config.num_microbatches:
+        out.append(f"microbatch count: {config.num_microbatches} capped to {m} "
+                   "(--twin-max-microbatches; the schedule's steady state is the same)")
+    if config.params_dtype != "fp32":
+        out.append(f"{config.params_dtype} params and compute: the twin computes in fp32")
+    if config.grad_dtype != "fp32":
+        out.append(f"{config.grad_dtype} grad buffer and wire dtype: the twin reduces fp32 grads")
+    if config.overlap_grad_reduce and config.pipeline_model_parallel_size > 1:
+        out.append("bucket rule: production buckets only pipeline rank 0's first chunk (later "
+                   "stages one bucket); the twin uses the same bucket size on every stage")
+    if config.ddp_pad_buckets_for_high_nccl_busbw:
+        out.append("--ddp-pad-buckets-for-high-nccl-busbw: padding is laid out on paper only")
+    if head and config.defer_embedding_wgrad_compute and config.wgrad_deferral_limit > 0:
+        out.append(f"--wgrad-deferral-limit {config.wgrad_deferral_limit}: the twin defers "
+                   "every microbatch's output-layer wgrad")
+    if head and not config.defer_embedding_wgrad_compute:
+        out.append("the twin defers the output-layer wgrad to the drain; production computes it "
+                   "in the backward (same fp32 sums, same microbatch order)")
+    if optimizer == "sgd":
+        why = ("interleaved chunks each have their own buffer" if config.use_distributed_optimizer
+               else "without --use-distributed-optimizer")
+        out.append(f"optimizer ({why}): the twin updates with SGD (p - lr*g, two fp32 "
+                   "roundings); AdamW is twinned with the distributed optimizer at VPP 1")
+    else:
+        out.append("gradient clipping and loss scaling: the twin's AdamW steps unclipped, unscaled "
+                   "(the norm is still summed over the pipeline group)")
+    if config.fp8_recipe or config.fp8_param_gather:
+        out.append(f"FP8 ({config.fp8_recipe or config.fp8_format}) params and the MXFP8 param "
+                   "all-gather: checked by `verify run --check mxfp8`")
+    if config.reuse_grad_buf_for_mxfp8_param_ag:
+        out.append("grad-buffer reuse for the MXFP8 param all-gather: see the hazards")
+    if config.overlap_param_gather:
+        out.append("--overlap-param-gather: the twin gathers the params right after each step")
+    out.append("transformer blocks (attention, MLP, norms, embeddings) are Linear+tanh layers")
+    return out
+
+
+def ulp_bound_factor(dp: int) -> int:
+    """ULPs of a tensor's largest element allowed per step when the reduction order is free."""
+    return 8 * (dp - 1) * dp
+
+
+@dataclass
+class StepRow:
+    """One step's comparison against refgrad."""
+
+    step: int
+    microbatches: int
+    loss_max_ulp: int
+    grads_bitwise: int
+    grads_total: int
+    grad_max_ulp: int
+    params_bitwise: int
+    params_total: int
+    param_max_ulp: int
+    state_bitwise: int = 0  # master weights and AdamW moments (distributed optimizer only)
+    state_total: int = 0
+    state_max_ulp: int = 0
+    failures: list[str] = field(default_factory=list)
+
+
+def collect(case: Any, ranks: list[Any]) -> dict[str, list]:
+    """Per step: losses [replica][microbatch] and grads/params {name: tensor} per replica."""
+    steps = len(case.plans)
+    losses = [[[] for _ in range(case.dp_size)] for _ in range(steps)]
+    grads = [[{} for _ in range(case.dp_size)] for _ in range(steps)]
+    params = [[{} for _ in range(case.dp_size)] for _ in range(steps)]
+    state = [[{} for _ in range(case.dp_size)] for _ in range(steps)]
+    for res in ranks:
+        if res is None:
+            continue
+        for step in range(steps):
+            if res.stage == case.pp_size - 1:
+                losses[step][res.dp_rank] = res.losses[step]
+            grads[step][res.dp_rank].update(res.grads[step])
+            params[step][res.dp_rank].update(res.params[step])
+            if hasattr(res, "state"):
+                state[step][res.dp_rank].update(res.state[step])
+    return {"losses": losses, "grads": grads, "params": params, "state": state}
+
+
+def _within(ref: torch.Tensor, got: torch.Tensor, bound_ulps: int | None) -> tuple[bool, int, str]:
+    """(ok, max ULP, detail); bitwise when ``bound_ulps`` is None."""
+    from verify.metrics import compare
+
+    cmp = compare(ref.reshape(-1), got.reshape(-1))
+    if cmp.bitwise_equal:
+        return True, 0, ""
+    diff = (got.double() - ref.double()).abs().reshape(-1)
+    worst = int(diff.argmax())
+    detail = (f"{cmp.n_mismatch}/{cmp.n} elements differ, max {cmp.max_ulp} ULP; element {worst}: "
+              f"refgrad {float(ref.reshape(-1)[worst])!r}, fastgrad {float(got.reshape(-1)[worst])!r}")
+    if bound_ulps is None:
+        return False, cmp.max_ulp, detail
+    scale = float(ref.abs().max())
+    # fp32 ULP of the largest element: float64's ulp x 2^29 (52 - 23 mantissa bits).
+    allowed = bound_ulps * (math.ulp(scale) * 2.0**29 if scale > 0 else UNIT_ROUNDOFF_FP32)
+    return bool(diff.max() <= allowed), cmp.max_ulp, detail + f" (bound {allowed:.3g})"
+
+
+def compare_steps(plan: TwinPlan, ranks: list[Any], reference: Any) -> list[StepRow]:
+    """Every step's losses, reduced grads and updated params vs refgrad, per replica."""
+    case = plan.case
+    got = collect(case, ranks)
+    rows = []
+    for step, step_plan in enumerate(case.plans):
+        bound = None if plan.bitwise else ulp_bound_factor(case.dp_size) * (step + 1)
+        row = StepRow(step, step_plan.num_microbatches, 0, 0, 0, 0, 0, 0, 0)
+        ref_loss = torch.tensor([v for rep in reference.losses[step] for v in rep])
+        got_loss = torch.tensor([v for rep in got["losses"][step] for v in rep])
+        if ref_loss.shape != got_loss.shape:
+            row.failures.append(f"step {step}: {got_loss.numel()} losses, refgrad has {ref_loss.numel()}")
+        else:
+            ok, row.loss_max_ulp, detail = _within(ref_loss, got_loss, bound)
+            if not ok:
+                row.failures.append(f"step {step}: loss differs from refgrad: {detail}")
+        for kind, ref_named in (("grads", reference.grads[step]), ("params", reference.params[step])):
+            for name in sorted(ref_named):
+                for replica in range(case.dp_size):
+                    cand = got[kind][step][replica].get(name)
+                    setattr(row, f"{kind}_total", getattr(row, f"{kind}_total") + 1)
+                    if cand is None:
+                        row.failures.append(f"step {step}: {name} missing on replica {replica}")
+                        continue
+                    ok, ulps, detail = _within(ref_named[name], cand, bound)
+                    attr = "grad_max_ulp" if kind == "grads" else "param_max_ulp"
+                    setattr(row, attr, max(getattr(row, attr), ulps))
+                    if ulps == 0:
+                        setattr(row, f"{kind}_bitwise", getattr(row, f"{kind}_bitwise") + 1)
+                    if not ok:
+                        what = "reduced gradient" if kind == "grads" else "updated parameter"
+                        row.failures.append(f"step {step}: {what} {name} (replica {replica}) "
+                                            f"differs from refgrad: {detail}")
+        if hasattr(reference, "state"):
+            _compare_state(row, reference.state[step], got["state"][step], bound)
+        rows.append(row)
+    return rows
+
+
+def _compare_state(row: StepRow, ref_state: dict, got_state: list[dict], bound: int | None) -> None:
+    """Master weights and AdamW moments per parameter and replica vs refgrad.optim."""
+    for name in sorted(ref_state):
+        for replica, per_name in enumerate(got_state):
+            for key, ref in ref_state[name].items():
+                row.state_total += 1
+                cand = per_name.get(name, {}).get(key)
+                if cand is None:
+                    row.failures.append(f"step {row.step}: optimizer {key} of {name} missing on "
+                                        f"replica {replica}")
+                    continue
+                ok, ulps, detail = _within(ref, cand, bound)
+                row.state_max_ulp = max(row.state_max_ulp, ulps)
+                row.state_bitwise += ulps == 0
+                if not ok:
+                    row.failures.append(f"step {row.step}: optimizer {key} of {name} (replica "
+                                        f"{replica}) differs from refgrad.optim: {detail}")
+
+
+def reference_for(plan: TwinPlan) -> Any:
+    """refgrad's single-process run of the same case (with refgrad.optim for AdamW)."""
+    from refgrad.pipeline import reference_training
+
+    case = plan.case
+    if plan.optimizer == "adamw":
+        from verify.preflight.twin_optim import reference_with_optimizer
+
+        return reference_with_optimizer(case)
+    return reference_training(case.spec, case.plans, case.dp_size, lr=case.lr,
+                              reduction=case.reduction)

@@ -1,0 +1,163 @@
+"""Stage 3 of ``verify preflight``: plan, run and compare the twin; decide the hazards.
+
+Without torchrun the twin spawns ``PP x DP`` gloo ranks on the CPU
+(``verify.distributed.spawn``); under torchrun (``RANK`` and ``WORLD_SIZE``
+set) it runs in this process on the real world (ranks beyond ``PP x DP`` stand
+by) and rank 0 compares and reports.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from contextlib import nullcontext
+from dataclasses import asdict, replace
+from typing import Any
+
+from verify.preflight.config import PreflightConfig
+from verify.preflight.hazards import FINDING, decide_hazards
+from verify.preflight.twin import (
+    TwinOptions,
+    TwinPlan,
+    compare_steps,
+    plan_twin,
+    reference_for,
+)
+from verify.preflight.twin_worker import (
+    TwinCandidate,
+    install_candidate,
+    run_twin_rank,
+    twin_worker,
+)
+
+OPTIM_NOTE = (", and fastgrad.optim.DistributedOptimizer's AdamW master weights and state "
+              "(vs refgrad.optim, exact arithmetic),")
+
+
+class TwinRunError(RuntimeError):
+    """The twin could not run (a rank failed or timed out): exit code 3."""
+
+
+def under_torchrun(environ: Mapping[str, str]) -> bool:
+    return bool(environ.get("RANK")) and bool(environ.get("WORLD_SIZE"))
+
+
+def _run_in_torchrun(plan: TwinPlan, candidate: TwinCandidate) -> tuple[list[Any] | None, str]:
+    """Run on the torchrun world; rank 0 gets every rank's result, others None."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    if world < plan.world_size:
+        raise TwinRunError(f"the twin needs {plan.world_size} ranks (PP x DP), torchrun gave {world}")
+    install_candidate(candidate)
+    mine = run_twin_rank(plan.case, plan.overlap, plan.optimizer)
+    gathered: list[Any] = [None] * world if dist.get_rank() == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    backend = dist.get_backend()
+    return (gathered if dist.get_rank() == 0 else None), f"torchrun, {world} ranks, {backend}"
+
+
+def _progress(enabled: bool):
+    if not enabled:
+        return nullcontext(None)
+    from rich.console import Console
+
+    return Console(stderr=True).status("twin: starting", spinner="dots")
+
+
+def run_twin_stage(config: PreflightConfig, options: TwinOptions, report: dict, *,
+                   environ: Mapping[str, str], candidate: TwinCandidate | None = None,
+                   progress: bool | None = None) -> bool | None:
+    """Fill ``report["twin"]`` and ``report["hazards"]``; the verdict (None: not rank 0)."""
+    from verify.distributed import DistributedRunError, spawn
+
+    candidate = candidate or TwinCandidate()
+    plan = plan_twin(config, options)  # TwinSizeError -> exit 2, raised before anything runs
+    show = sys.stderr.isatty() if progress is None else progress
+    with _progress(show) as status:
+        def say(text: str) -> None:
+            if status is not None:
+                status.update(f"twin: {text}")
+
+        try:
+            if under_torchrun(environ):
+                import torch
+
+                if torch.cuda.is_available():
+                    plan = replace(plan, not_twinned=plan.not_twinned + (
+                        "NCCL: the twin's tensors live on the CPU, so on the torchrun world it "
+                        "runs gloo (same ranks, same groups)",))
+                say(f"training {len(plan.case.plans)} steps on the torchrun world")
+                ranks, where = _run_in_torchrun(plan, candidate)
+                if ranks is None:
+                    return None
+            else:
+                say(f"training {len(plan.case.plans)} steps on {plan.world_size} gloo ranks")
+                ranks = spawn(twin_worker, plan.world_size, plan.case, plan.overlap, candidate, plan.optimizer,
+                              timeout_s=options.timeout_s)
+                where = f"spawned, {plan.world_size} gloo ranks on the CPU"
+        except DistributedRunError as exc:
+            raise TwinRunError(f"the twin's ranks failed: {exc}") from None
+        say("refgrad's single-process model, comparing every step")
+        return finish_twin_report(config, plan, ranks, report, where=where, candidate=candidate)
+
+
+def finish_twin_report(config: PreflightConfig, plan: TwinPlan, ranks: list[Any], report: dict,
+                       *, where: str, candidate: TwinCandidate) -> bool:
+    """Compare the ranks' results with refgrad, decide the hazards, write the verdict."""
+    rows = compare_steps(plan, ranks, reference_for(plan))
+    failures = [f for row in rows for f in row.failures]
+    passed = not failures
+    hazards = decide_hazards(
+        config, padding_elements=_padding_per_rank(report), unknown_flags=tuple(report["unknown_flags"]),
+        twin_ran=True, twin_passed=passed, twin_has_head=plan.case.spec.output_head)
+    report["twin"] = {
+        "run": True,
+        "passed": passed,
+        "candidate": candidate.name,
+        "optimizer": plan.optimizer,
+        "where": where,
+        "bitwise": plan.bitwise,
+        "order_note": plan.order_note,
+        "mapping": [list(m) for m in plan.mapping],
+        "not_twinned": list(plan.not_twinned),
+        "steps": [asdict(row) for row in rows],
+        "failures": failures,
+        "note": (f"Scaled twin ({where}): losses, every reduced gradient and every updated "
+                 f"parameter{OPTIM_NOTE if plan.optimizer == 'adamw' else ''} compared with "
+                 f"refgrad after each step, "
+                 f"{'bitwise' if plan.bitwise else 'within the stated bound'}."),
+    }
+    report["hazards"] = [h.to_dict() for h in hazards]
+    findings = sum(h.status == FINDING for h in hazards)
+    pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size
+    shape = (f"TP={config.tensor_model_parallel_size} PP={pp} VPP={vpp} "
+             f"DP={config.data_parallel_size}, {config.num_microbatches} microbatches")
+    gaps = f"; {len(plan.not_twinned)} parts not twinned (listed)"
+    if passed:
+        ranks = f"{plan.world_size} rank{'s' if plan.world_size != 1 else ''}"
+        report["verdict"] = (f"PASS: {shape}; twin ({ranks}, "
+                             f"{len(rows)} steps) matches refgrad "
+                             f"{'bitwise' if plan.bitwise else 'within the stated bound'}"
+                             f"{gaps}; {findings} hazard finding(s)")
+    else:
+        report["verdict"] = f"FAIL: {shape}; twin differs from refgrad: {failures[0]}"
+    report["passed"] = passed
+    return passed
+
+
+def _padding_per_rank(report: dict) -> int:
+    """Largest padding a rank holds (all its chunks), from the paper layout."""
+    per_stage: dict[int, int] = {}
+    for row in report.get("layout", []):
+        per_stage[row["stage"]] = per_stage.get(row["stage"], 0) + row["padding_elements"]
+    return max(per_stage.values(), default=0)
+
+
+def paper_only_hazards(config: PreflightConfig, report: dict) -> None:
+    """Hazards decided from the configuration alone (the twin did not run)."""
+    hazards = decide_hazards(config, padding_elements=_padding_per_rank(report),
+                             unknown_flags=tuple(report["unknown_flags"]))
+    report["hazards"] = [h.to_dict() for h in hazards]
