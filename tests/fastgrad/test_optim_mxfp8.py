@@ -118,3 +118,52 @@ def test_dp2_mxfp8_params_bitwise_vs_refgrad_and_sharing_parity():
         _check_against_refgrad(runs, kind)
         # training moved the params
         assert not torch.equal(runs[0]["bits0"][0][1], runs[0]["steps"][-1]["bits"][0][1])
+
+
+def _one_rank(sharing: bool):
+    init = torch.Generator().manual_seed(3)
+    weights = [MXFP8Parameter(torch.randn(s, generator=init)) for s in SHAPES]
+    buffer = MXFP8ParamGradBuffer(weights, config=toy_config(sharing=sharing, grad_fp32=True))
+    return weights, buffer, DistributedOptimizer(buffer, AdamWConfig(lr=1e-2))
+
+
+def test_capability_flag_and_lifecycle_guard_through_the_optimizer():
+    from fastgrad.errors import LifecycleError
+
+    assert DistributedOptimizer.supports_mxfp8 is True
+    weights, buffer, opt = _one_rank(sharing=True)
+    with pytest.raises(LifecycleError, match="grad sync of bucket"):
+        opt.step()  # no reduce_grads yet
+    buffer.zero_grad()
+    for w in weights:
+        buffer.accumulate_grad(w, torch.ones(w.shape))
+    with pytest.raises(LifecycleError, match="overwrite grads"):
+        opt.publish_params()  # staging would wipe the unconsumed grads (shared bytes)
+    buffer.reduce_grads()
+    assert opt.step().stepped
+    # step() quantized the params, then zeroed every bucket's param bytes (the first half
+    # of the fp32 grad bytes); zero_grad clears the rest before the next accumulation
+    assert bool(buffer.param_data.eq(0).all())
+    with pytest.raises(LifecycleError, match="zeroed"):
+        buffer.gathered_param(weights[0])
+    with pytest.raises(LifecycleError, match="forced param sync"):
+        buffer.gather_all_params(force_sync=True)
+    with pytest.raises(LifecycleError, match="accumulate_grad after reduce_grads"):
+        buffer.reduce_grads()
+        buffer.accumulate_grad(weights[0], torch.ones(weights[0].shape))
+
+
+def test_checkpoint_round_trip_republishes_the_mxfp8_params():
+    weights, buffer, opt = _one_rank(sharing=True)
+    buffer.zero_grad()
+    for k, w in enumerate(weights):
+        buffer.accumulate_grad(w, torch.full(w.shape, 0.25 * (k + 1)))
+    buffer.reduce_grads()
+    opt.step()
+    state = opt.state_dict()
+    assert sorted(state["params"]) == [f"params[{i}]" for i in range(len(SHAPES))]
+    fresh_weights, _, fresh = _one_rank(sharing=False)  # other init, separate buffers
+    fresh.load_state_dict(state)
+    for a, b in zip(weights, fresh_weights):
+        assert torch.equal(a.scale_bits, b.scale_bits) and torch.equal(a.element_bits, b.element_bits)
+    assert all(_same(x, y) for x, y in zip(opt.master_shards(), fresh.master_shards()))
