@@ -168,7 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     precision = parser.add_argument_group("precision")
     precision.add_argument("--bf16", action="store_true", help="bf16 params and activations")
     precision.add_argument("--fp16", action="store_true",
-                           help="fp16 params and activations (no loss scaling in this example)")
+                           help="fp16 params and activations (dynamic loss scaling with "
+                           "--use-distributed-optimizer; none with the fallback optimizer)")
     precision.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
                            help="main_grad buffers in fp32 whatever the param dtype")
     ddp = parser.add_argument_group("data parallelism (fastgrad.ddp)")

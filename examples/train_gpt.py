@@ -13,7 +13,10 @@ over the replicas, in ``param.main_grad``); PP = 1 accumulates gradients over
 the microbatches with ``no_sync()``, PP > 1 runs
 ``fastgrad.pipeline.forward_backward_1f1b`` (grad sync in the cooldown bubble,
 then the tied-embedding all-reduce). The optimizer is built by
-:func:`build_optimizer`. At the end every rank's parameters are hashed and
+:func:`build_optimizer`: ``fastgrad.optim.DistributedOptimizer`` with
+``--use-distributed-optimizer`` (fp32 master shards, reduce-scattered grads,
+param all-gather; fp16 with ``DynamicLossScaler``), else a torch AdamW on the
+all-reduced ``main_grad``. At the end every rank's parameters are hashed and
 compared: replicas of a stage, and the two copies of a tied embedding, must be
 bitwise identical, else the exit status is 1.
 """
@@ -49,6 +52,12 @@ from examples.data import CharCorpus  # noqa: E402
 from examples.gpt import GPT, GPTConfig, build_stage, shared_embedding_params  # noqa: E402
 from fastgrad.config import DDPConfig  # noqa: E402
 from fastgrad.ddp import DistributedDataParallel  # noqa: E402
+from fastgrad.optim import (  # noqa: E402
+    AdamWConfig,
+    DistributedOptimizer,
+    DynamicLossScaler,
+    param_groups_without_decay_for,
+)
 from fastgrad.pipeline import ParallelGroups, build_parallel_groups, forward_backward_1f1b  # noqa: E402
 
 
@@ -70,21 +79,64 @@ class TrainOptimizer(Protocol):
     """What the training loop needs from :func:`build_optimizer`'s result."""
 
     skipped: int  # updates skipped so far (non-finite gradients)
+    loss_scale: float  # multiply the loss by this before backward (1.0 without fp16 scaling)
 
     def step(self) -> float:
         """Update the params from the reduced ``main_grad``; return the global grad norm."""
         ...
 
+    def finish_param_sync(self) -> None:
+        """Wait for any param all-gather still in flight (before reading the params)."""
+        ...
 
-def unsupported_optimizer_reason(args: TrainArgs) -> str | None:
-    """Why :func:`build_optimizer` cannot serve ``args`` (None when it can)."""
-    if args.use_distributed_optimizer:
-        return (
-            "--use-distributed-optimizer needs fastgrad.optim's distributed optimizer, which "
-            "this example does not drive yet; run without --use-distributed-optimizer "
-            "(and without --overlap-param-gather / --ddp-reduce-scatter-with-fp32-accumulation)"
+
+def mark_shared_copies(stage_module: nn.Module, groups: ParallelGroups) -> None:
+    """Mark a tied embedding's copy on a later stage ``shared`` (fastgrad.optim's marker).
+
+    examples/gpt.py marks both copies ``shared_embedding``; the optimizer leaves
+    params with ``shared = True`` out of the global norm, so only the first
+    stage's copy counts (both hold the same all-reduced gradient).
+    """
+    if groups.pp_size > 1 and not groups.is_first_stage:
+        for p in shared_embedding_params(stage_module):
+            p.shared = True
+
+
+class ShardedAdamW:
+    """``fastgrad.optim.DistributedOptimizer`` (AdamW) over this rank's one DDP chunk.
+
+    The global norm is summed over the pipeline group; the last stage's copy of
+    a tied embedding is marked ``shared`` (the optimizer leaves it out of the
+    norm: the first stage's copy holds the same all-reduced gradient). fp16
+    grads get a ``DynamicLossScaler``; a skipped step is counted in ``skipped``.
+    """
+
+    def __init__(self, ddp: DistributedDataParallel, args: TrainArgs, groups: ParallelGroups) -> None:
+        mark_shared_copies(ddp.module, groups)
+        fp16_grads = any(g.grad_dtype == torch.float16 for g in ddp.buffer.groups)
+        self.optimizer = DistributedOptimizer(
+            ddp,
+            AdamWConfig(lr=args.lr, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=args.weight_decay),
+            param_groups_without_decay_for(ddp),
+            max_grad_norm=args.clip_grad if args.clip_grad > 0 else None,
+            loss_scaler=DynamicLossScaler() if fp16_grads else None,
+            model_parallel_group=groups.pp_group if groups.pp_size > 1 else None,
         )
-    return None
+        self.skipped = 0
+
+    @property
+    def loss_scale(self) -> float:
+        scaler = self.optimizer.loss_scaler
+        return 1.0 if scaler is None else scaler.scale
+
+    def step(self) -> float:
+        """One distributed-optimizer step; return the global grad norm (unscaled)."""
+        result = self.optimizer.step()
+        self.skipped += not result.stepped
+        return result.grad_norm
+
+    def finish_param_sync(self) -> None:
+        self.optimizer.finish_param_sync()
 
 
 class AdamWOnMainGrad:
@@ -122,6 +174,10 @@ class AdamWOnMainGrad:
             if not (getattr(p, "shared_embedding", False) and not groups.is_first_stage)
         ]
         self.skipped = 0
+        self.loss_scale = 1.0  # fp16 runs unscaled with this fallback
+
+    def finish_param_sync(self) -> None:
+        """Nothing in flight: the update writes the params directly."""
 
     def global_grad_norm(self) -> float:
         """L2 norm of the reduced gradient of the whole model (all stages)."""
@@ -156,13 +212,17 @@ def build_optimizer(ddp_modules: Sequence[DistributedDataParallel], args: TrainA
                     groups: ParallelGroups) -> TrainOptimizer:
     """The optimizer of the wrapped modules (call ``step()`` after ``finish_grad_sync``).
 
-    The one place to plug in ``fastgrad.optim``'s distributed optimizer (and
-    then to drop the refusal in :func:`unsupported_optimizer_reason`).
+    ``--use-distributed-optimizer``: :class:`ShardedAdamW` (one DDP chunk per
+    stage, as this example builds); otherwise :class:`AdamWOnMainGrad`.
     """
-    reason = unsupported_optimizer_reason(args)
-    if reason is not None:
-        raise ValueError(reason)
-    return AdamWOnMainGrad(ddp_modules, args, groups)
+    if not args.use_distributed_optimizer:
+        return AdamWOnMainGrad(ddp_modules, args, groups)
+    if len(ddp_modules) != 1:
+        raise ValueError(
+            f"--use-distributed-optimizer drives one DDP chunk per stage, got {len(ddp_modules)} "
+            "(several chunks would each compute their own grad norm)"
+        )
+    return ShardedAdamW(ddp_modules[0], args, groups)
 
 
 def build_ddp_config(args: TrainArgs) -> DDPConfig:
@@ -214,16 +274,20 @@ def build_model_stage(args: TrainArgs, vocab_size: int, runtime: Runtime) -> nn.
 
 
 def train_step(ddp: DistributedDataParallel, args: TrainArgs, runtime: Runtime,
-               inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> torch.Tensor | None:
+               inputs: list[torch.Tensor], targets: list[torch.Tensor],
+               loss_scale: float = 1.0) -> torch.Tensor | None:
     """Forward and backward of one global batch; on return ``main_grad`` is reduced.
 
-    Returns this replica's mean loss over its microbatches on the last stage, else None.
+    ``loss_scale`` (fp16 loss scaling, a power of two) multiplies the loss before
+    backward. Returns this replica's mean (unscaled) loss over its microbatches
+    on the last stage, else None.
     """
     groups, m = runtime.groups, args.num_microbatches
 
     def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         # Divided by M: the microbatch grads accumulate into the mean over the batch.
-        return F.cross_entropy(logits.float().flatten(0, 1), target.flatten()) / m
+        loss = F.cross_entropy(logits.float().flatten(0, 1), target.flatten()) / m
+        return loss * loss_scale if loss_scale != 1.0 else loss
 
     ddp.zero_grad_buffer()
     if groups.pp_size == 1:
@@ -234,7 +298,7 @@ def train_step(ddp: DistributedDataParallel, args: TrainArgs, runtime: Runtime,
                 loss.backward()
             total += loss.detach()
         ddp.finish_grad_sync()
-        return total
+        return total / loss_scale
     losses = forward_backward_1f1b(
         ddp,
         groups=groups,
@@ -247,7 +311,7 @@ def train_step(ddp: DistributedDataParallel, args: TrainArgs, runtime: Runtime,
         dtype=args.params_dtype,
         embedding_params=shared_embedding_params(ddp.module),
     )
-    return torch.stack(losses).sum() if groups.is_last_stage else None
+    return torch.stack(losses).sum() / loss_scale if groups.is_last_stage else None
 
 
 def global_mean_loss(loss: torch.Tensor | None, runtime: Runtime) -> float:
@@ -329,16 +393,18 @@ def train(args: TrainArgs, runtime: Runtime, console: Console) -> int:
             )
             inputs = [t.to(runtime.device) for t in inputs]
             targets = [t.to(runtime.device) for t in targets]
-            local = train_step(ddp, args, runtime, inputs, targets)
+            local = train_step(ddp, args, runtime, inputs, targets, optimizer.loss_scale)
             grad_norm = optimizer.step()
             losses.append(global_mean_loss(local, runtime))
             progress.update(task, advance=1, loss=f"{losses[-1]:.4f}")
             if rank0 and (iteration % args.log_interval == 0 or iteration == 1):
                 progress.console.print(
                     f"iteration {iteration:>6}/{args.train_iters} | loss {losses[-1]:.6f} | "
-                    f"grad norm {grad_norm:.4f} | lr {args.lr:.3e}",
+                    f"grad norm {grad_norm:.4f} | lr {args.lr:.3e}"
+                    + (f" | loss scale {optimizer.loss_scale:g}" if optimizer.loss_scale != 1.0 else ""),
                     markup=False, highlight=False,
                 )
+    optimizer.finish_param_sync()  # --overlap-param-gather: the last gather may be in flight
     agree = verify_identical_parameters(ddp.module, runtime, console)
     world = dist.get_world_size()
     if rank0:
@@ -358,11 +424,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     args = parse_args(argv, world_size, report=rank == 0)
-    reason = unsupported_optimizer_reason(args)
-    if reason is not None:
-        if rank == 0:
-            print(f"train_gpt.py: error: {reason}", file=sys.stderr)
-        return 2
     if torch.cuda.is_available() and args.pipeline_model_parallel_size > 1:
         # fastgrad.pipeline allocates its receive buffers on the CPU, which NCCL rejects.
         if rank == 0:

@@ -40,7 +40,8 @@ overlaps or without ``fp8_param_gather``) are refused by
 With sharing off, the same class uses separate ``param_data`` (bf16) and
 ``grad_data`` allocations and the same steps, which is the baseline the
 verify check holds the shared buffer to, bitwise. The distributed optimizer
-that owns the fp32 master shards is ``fastgrad.optim.ShardedOptimizer``.
+that owns the fp32 master shards is ``fastgrad.optim.DistributedOptimizer``
+(built on this front; its ``step()`` stages, gathers and quantizes).
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 Public API: :class:`DistributedOptimizer`, :class:`AdamWConfig`,
 :class:`SGDConfig`, :class:`DynamicLossScaler`, :class:`StepResult`,
-:func:`param_groups_without_decay_for`, :func:`default_no_decay`, and
-:class:`ShardedOptimizer` (the MXFP8 param-gather front's optimizer).
+:func:`param_groups_without_decay_for` and :func:`default_no_decay`.
+``DistributedOptimizer`` also drives MXFP8 params (``supports_mxfp8``): build it
+on a ``fastgrad.mxfp8_sharing.MXFP8ParamGradBuffer``.
 """
 
 from fastgrad.optim.config import AdamWConfig, DynamicLossScaler, SGDConfig, StepResult
@@ -12,14 +13,12 @@ from fastgrad.optim.distributed import (
     default_no_decay,
     param_groups_without_decay_for,
 )
-from fastgrad.optim.sharded import ShardedOptimizer
 
 __all__ = [
     "AdamWConfig",
     "DistributedOptimizer",
     "DynamicLossScaler",
     "SGDConfig",
-    "ShardedOptimizer",
     "StepResult",
     "default_no_decay",
     "param_groups_without_decay_for",

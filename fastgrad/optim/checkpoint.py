@@ -47,7 +47,7 @@ class CheckpointMixin:
                 fulls[key] = self._gather_full(shard, tensor)
             for p in bucket.params:
                 start, end = bucket.param_to_index[p]
-                params[self.ddp.name_of(p)] = {
+                params[self.name_of(p)] = {
                     key: full[start:end].reshape(p.shape).clone() for key, full in fulls.items()
                 }
         return {
@@ -55,7 +55,7 @@ class CheckpointMixin:
             "algorithm": type(self.config).__name__,
             "params": params,
             "param_groups": [
-                {"names": [self.ddp.name_of(p) for p in members], "hyper": dataclasses.asdict(cfg), "step": step}
+                {"names": [self.name_of(p) for p in members], "hyper": dataclasses.asdict(cfg), "step": step}
                 for members, cfg, step in zip(self.group_params, self.groups, self.steps)
             ],
             "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict(),
@@ -68,7 +68,7 @@ class CheckpointMixin:
             raise ValueError(
                 f"checkpoint holds {state['algorithm']} state; this optimizer is {type(self.config).__name__}"
             )
-        expected = {self.ddp.name_of(p): p for s in self.shards for p in s.bucket.params}
+        expected = {self.name_of(p): p for s in self.shards for p in s.bucket.params}
         saved = state["params"]
         missing, unexpected = sorted(set(expected) - set(saved)), sorted(set(saved) - set(expected))
         if missing or unexpected:
@@ -87,7 +87,7 @@ class CheckpointMixin:
                         f"parameter has {tuple(p.shape)}"
                     )
         groups = state["param_groups"]
-        names = [[self.ddp.name_of(p) for p in members] for members in self.group_params]
+        names = [[self.name_of(p) for p in members] for members in self.group_params]
         if [g["names"] for g in groups] != names:
             raise ValueError("checkpoint param groups (their param names, in order) do not match this optimizer's")
 
@@ -98,7 +98,7 @@ class CheckpointMixin:
         saved = state["params"]
         for shard in self.shards:
             for piece, (lo, hi) in zip(shard.pieces, shard.offsets):
-                entry = saved[self.ddp.name_of(piece.param)]
+                entry = saved[self.name_of(piece.param)]
                 a, b = piece.param_offset
                 shard.master[lo:hi] = entry["master"].reshape(-1)[a:b].to(shard.master)
                 for key, tensor in shard.state.items():
@@ -109,6 +109,5 @@ class CheckpointMixin:
             raise ValueError("checkpoint and optimizer disagree on having a loss scaler")
         if self.loss_scaler is not None:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
-        for shard in self.shards:
-            self._publish_bucket(shard)
+        self._publish_all()
         self.finish_param_sync()

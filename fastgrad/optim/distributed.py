@@ -11,8 +11,14 @@ with ``overlap_param_gather`` launched at the end of the step and waited for
 in a forward pre-hook of the modules that own that bucket's params.
 
 The "cast master shard into the param shard and gather" step is
-:meth:`DistributedOptimizer._publish_bucket`; a later MXFP8 param mode only
-replaces it.
+:meth:`DistributedOptimizer._publish_all`. With MXFP8 params the optimizer is
+built on a :class:`fastgrad.mxfp8_sharing.MXFP8ParamGradBuffer` instead of a
+DDP wrapper (MXFP8 params are not autograd leaves: their grads come through
+``accumulate_grad``), and publishing follows Megatron-Core's order through
+that front, whose lifecycle guard stays in force: stage every master shard as
+bf16 into its bucket's ``param_data`` shard, all-gather per bucket, quantize
+the gathered slices into the MXFP8 params, zero that bucket's ``param_data``
+(the grad bytes, with ``reuse_grad_buf_for_mxfp8_param_ag``).
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ from fastgrad.buffer import Bucket
 from fastgrad.comm import all_gather_into
 from fastgrad.ddp import DistributedDataParallel
 from fastgrad.errors import LifecycleError
+from fastgrad.mxfp8 import MXFP8Parameter
+from fastgrad.mxfp8_sharing import MXFP8ParamGradBuffer
 from fastgrad.optim.checkpoint import CheckpointMixin
 from fastgrad.optim.config import (
     AdamWConfig,
@@ -92,6 +100,12 @@ class _BucketShard:
 class DistributedOptimizer(CheckpointMixin):
     """AdamW or SGD over the shards of ``ddp``'s buffer (``use_distributed_optimizer=True``).
 
+    ``ddp``: a fastgrad ``DistributedDataParallel``, or an
+    ``MXFP8ParamGradBuffer`` (MXFP8 params; ``step()`` then re-quantizes them
+    through the front and ``overlap_param_gather`` launches every bucket's
+    gather before the first wait, at the end of the step: there is no module
+    to hook). Params of an MXFP8 buffer are named ``params[i]`` in checkpoints.
+
     ``param_groups``: None (every trainable param, one group) or a list of
     ``{"params": [...], **overrides}`` whose overrides replace fields of
     ``config``. Every param of one param group must live in the same buffer
@@ -104,9 +118,11 @@ class DistributedOptimizer(CheckpointMixin):
     embedding's second copy) are left out of the norm.
     """
 
+    supports_mxfp8 = True  # accepts an MXFP8ParamGradBuffer in place of a DDP wrapper
+
     def __init__(
         self,
-        ddp: DistributedDataParallel,
+        ddp: DistributedDataParallel | MXFP8ParamGradBuffer,
         config: OptimizerConfig,
         param_groups: Sequence[dict[str, Any]] | None = None,
         *,
@@ -114,8 +130,11 @@ class DistributedOptimizer(CheckpointMixin):
         loss_scaler: DynamicLossScaler | None = None,
         model_parallel_group: Any = None,
     ) -> None:
-        if not isinstance(ddp, DistributedDataParallel):
-            raise TypeError(f"ddp must be a fastgrad DistributedDataParallel, got {type(ddp).__name__}")
+        if not isinstance(ddp, (DistributedDataParallel, MXFP8ParamGradBuffer)):
+            raise TypeError(
+                "ddp must be a fastgrad DistributedDataParallel or an MXFP8ParamGradBuffer, "
+                f"got {type(ddp).__name__}"
+            )
         if not isinstance(config, (AdamWConfig, SGDConfig)):
             raise TypeError(f"config must be an AdamWConfig or SGDConfig, got {type(config).__name__}")
         if not ddp.config.use_distributed_optimizer:
@@ -134,6 +153,7 @@ class DistributedOptimizer(CheckpointMixin):
         if torch.float16 not in grad_dtypes and loss_scaler is not None:
             raise ValueError("loss_scaler is only for fp16 grads; this buffer has none")
         self.ddp = ddp
+        self.mxfp8 = ddp if isinstance(ddp, MXFP8ParamGradBuffer) else None
         self.buffer = ddp.buffer
         self.config = config
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
@@ -147,8 +167,37 @@ class DistributedOptimizer(CheckpointMixin):
         # A step needs a grad sync of every bucket finished after the previous step
         # (or after construction): compare each bucket's completed-sync count.
         self._sync_count_at_step = {id(b): b.grad_sync_count for b in self.buffer.buckets}
-        self._hooks = self._register_forward_pre_hooks() if self.overlap_param_gather else []
+        hooked = self.overlap_param_gather and self.mxfp8 is None
+        self._hooks = self._register_forward_pre_hooks() if hooked else []
         self.last_result: StepResult | None = None
+
+    def name_of(self, param: Any) -> str:
+        """The param's name: its module path (DDP) or ``params[i]`` (MXFP8 buffer order)."""
+        if self.mxfp8 is None:
+            return self.ddp.name_of(param)
+        return f"params[{next(i for i, p in enumerate(self.mxfp8.params) if p is param)}]"
+
+    def master_shards(self) -> list[torch.Tensor]:
+        """Per bucket, this rank's fp32 master shard laid out as the bucket shard (padding 0)."""
+        out = []
+        for shard in self.shards:
+            bucket = shard.bucket
+            full = torch.zeros(bucket.shard_numel, dtype=torch.float32, device=shard.master.device)
+            start = bucket.local_shard_range[0]
+            for piece, (lo, hi) in zip(shard.pieces, shard.offsets):
+                a, b = piece.buffer_range
+                full[a - start : b - start] = shard.master[lo:hi]
+            out.append(full)
+        return out
+
+    def publish_params(self) -> None:
+        """Cast the masters into the param shards and all-gather now (and quantize MXFP8 params).
+
+        ``step()`` does this itself; call it only to (re)publish outside a step,
+        e.g. before the first forward so the params equal the masters' rounding.
+        """
+        self.finish_param_sync()
+        self._publish_all()
 
     # -- construction
     def _build_groups(self, param_groups):
@@ -173,12 +222,12 @@ class DistributedOptimizer(CheckpointMixin):
                     buffer_groups.add(self.buffer.group_of(p).key)
                 except ValueError:
                     raise ValueError(
-                        f"param_groups[{gi}]: {self.ddp.name_of(p)!r} is not a trainable "
+                        f"param_groups[{gi}]: {self.name_of(p)!r} is not a trainable "
                         "parameter of the DDP buffer"
                     ) from None
                 if p in owner:
                     raise ValueError(
-                        f"{self.ddp.name_of(p)!r} is in param_groups[{owner[p]}] and "
+                        f"{self.name_of(p)!r} is in param_groups[{owner[p]}] and "
                         f"param_groups[{gi}]; a param belongs to one group"
                     )
                 owner[p] = gi
@@ -193,7 +242,7 @@ class DistributedOptimizer(CheckpointMixin):
         missing = [p for p in trainable if p not in owner]
         if missing:
             raise ValueError(
-                f"{self.ddp.name_of(missing[0])!r} is a trainable param of the DDP buffer but in "
+                f"{self.name_of(missing[0])!r} is a trainable param of the DDP buffer but in "
                 "no param group (it would never be updated)"
             )
         return configs, members
@@ -209,7 +258,7 @@ class DistributedOptimizer(CheckpointMixin):
                 runs[-1].hi = n + hi - lo
             else:
                 runs.append(_Run(n, n + hi - lo, gi))
-            masters.append(piece.param.detach().reshape(-1)[lo:hi].float())
+            masters.append(_flat_fp32(piece.param)[lo:hi])
             n += hi - lo
         device = bucket.grad_data.device
         master = torch.cat(masters) if masters else torch.zeros(0, dtype=torch.float32, device=device)
@@ -289,6 +338,8 @@ class DistributedOptimizer(CheckpointMixin):
         scale = None if self.loss_scaler is None else self.loss_scaler.scale
         inv_scale = None if scale is None else fp32(1.0 / scale)
         grads = [self._fp32_grads(s, inv_scale) for s in self.shards]
+        if self.mxfp8 is not None:
+            self.mxfp8.consume_grads()  # copied out: grad accumulation may start again
         norm, found_inf = self.global_grad_norm(grads)
         if self.loss_scaler is not None:
             self.loss_scaler.update(found_inf)
@@ -321,6 +372,12 @@ class DistributedOptimizer(CheckpointMixin):
 
     # -- param publication: cast master shard into the param shard, all-gather
     def _publish_all(self) -> None:
+        if self.mxfp8 is not None:
+            # Megatron-Core's MXFP8 order, through the front (its guard refuses misuse):
+            # stage all shards, then per bucket gather -> quantize -> zero param_data.
+            self.mxfp8.stage_master_params(self.master_shards())
+            self.mxfp8.gather_all_params()
+            return
         for shard in self.shards:
             self._publish_bucket(shard)
         if not self.overlap_param_gather:
@@ -360,7 +417,7 @@ class DistributedOptimizer(CheckpointMixin):
         shard.versions = None
         if changed:
             raise LifecycleError(
-                f"parameter {self.ddp.name_of(changed[0])!r} was modified between the launch of "
+                f"parameter {self.name_of(changed[0])!r} was modified between the launch of "
                 f"bucket {bucket.bucket_id}'s param all-gather and its wait; the gather overwrites "
                 "it (modify params only through the optimizer, or after finish_param_sync())"
             )
@@ -372,6 +429,13 @@ class DistributedOptimizer(CheckpointMixin):
     @property
     def param_gather_in_flight(self) -> bool:
         return any(s.gather_handle is not None for s in self.shards)
+
+
+def _flat_fp32(param: Any) -> torch.Tensor:
+    """A param's values, flat fp32 (an MXFP8 param's dequantized values, exact in fp32)."""
+    if isinstance(param, MXFP8Parameter):
+        return param.dequantize(torch.float32).reshape(-1)
+    return param.detach().reshape(-1).float()
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

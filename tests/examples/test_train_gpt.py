@@ -2,8 +2,10 @@
 
 The distributed test launches the script the way users do
 (``python -m torch.distributed.run --standalone --nproc-per-node 2``), once as
-DP=2 and once as PP=2 (1F1B, tied embedding across the two stages), both at
-the same time, and checks from the printed output that the loss falls, that
+DP=2 with fastgrad's distributed optimizer (``--use-distributed-optimizer
+--overlap-param-gather --ddp-reduce-scatter-with-fp32-accumulation``) and once
+as PP=2 (1F1B, tied embedding across the two stages, the fallback torch AdamW),
+both at the same time, and checks from the printed output that the loss falls, that
 replicas and tied-embedding copies hold bitwise identical parameters (the
 script's own check, plus the digests each rank prints) and that the two
 layouts, which see the same global batch every step, follow the same loss
@@ -76,7 +78,9 @@ def _rank_digests(output: str) -> dict[int, tuple[int, int, str, str]]:
 @pytest.mark.dist
 def test_train_gpt_dp2_and_pp2_loss_falls_and_ranks_agree() -> None:
     # Both launches at once: most of their time is process start-up and imports.
-    dp_run = _launch(["--overlap-grad-reduce", "--ddp-bucket-size", "4000"])
+    dp_run = _launch(["--overlap-grad-reduce", "--ddp-bucket-size", "4000",
+                      "--use-distributed-optimizer", "--overlap-param-gather",
+                      "--ddp-reduce-scatter-with-fp32-accumulation"])
     pp_run = _launch(["--pipeline-model-parallel-size", "2"])
     outputs = {"DP=2": _finish(dp_run), "PP=2": _finish(pp_run)}
     curves = {}
@@ -98,8 +102,9 @@ def test_train_gpt_dp2_and_pp2_loss_falls_and_ranks_agree() -> None:
     assert pp[0][3] and pp[0][3] == pp[1][3], "tied embedding copies differ between the stages"
     # Same global batch each step (2 replicas x 2 microbatches vs 1 x 4): the same
     # mathematical training run, differing only in the rounding of the reductions
-    # (fp32 sums in another order), which 20 steps leave near 3e-7 relative (the printed precision); a
-    # wrong data split or schedule shows as > 1e-2 from the first step.
+    # (fp32 sums in another order) and of the AdamW update (fastgrad.optim's fp32
+    # formula vs torch's, a few ulps per step), which 20 steps leave far below 1e-4
+    # relative; a wrong data split, schedule or sharded update shows as > 1e-2.
     for step, (a, b) in enumerate(zip(curves["DP=2"], curves["PP=2"]), start=1):
         assert abs(a - b) <= 1e-4 * abs(b), f"step {step}: DP=2 loss {a} vs PP=2 loss {b}"
 
@@ -180,12 +185,36 @@ def test_two_stages_compose_to_the_whole_model(tie: bool) -> None:
         build_stage(model, 0, 3)
 
 
-def test_distributed_optimizer_is_refused_until_fastgrad_optim_is_wired(
+def test_distributed_optimizer_fp16_uses_the_loss_scaler_in_process(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from examples import train_gpt
 
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    assert train_gpt.main(["--use-distributed-optimizer"]) == 2
-    assert "--use-distributed-optimizer needs fastgrad.optim" in capsys.readouterr().err
+    argv = [*TINY, "--train-iters", "3", "--use-distributed-optimizer", "--fp16"]  # last wins
+    assert train_gpt.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("| loss scale 65536") == 3, out  # DynamicLossScaler's initial 2^16
+    assert "(0 skipped for non-finite gradients); parameters identical on the one rank" in out
+
+
+def test_distributed_optimizer_marks_the_last_stages_tied_embedding_shared() -> None:
+    from examples import train_gpt
+
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=11, seq_length=8, hidden_size=16, num_layers=2,
+                       num_attention_heads=2, tie_embeddings=True)
+    model = GPT(config)
+    first, last = build_stage(model, 0, 2), build_stage(model, 1, 2)
+
+    class Groups:  # the two fields ShardedAdamW's marking reads
+        pp_size = 2
+
+        def __init__(self, first_stage: bool) -> None:
+            self.is_first_stage = first_stage
+
+    train_gpt.mark_shared_copies(first, Groups(True))
+    train_gpt.mark_shared_copies(last, Groups(False))
+    assert not getattr(shared_embedding_params(first)[0], "shared", False)  # counted in the norm
+    assert shared_embedding_params(last)[0].shared  # the second copy: left out of the norm
