@@ -1,7 +1,11 @@
 """The shape of a verification check and of what it reports.
 
-A check is a named function that receives a :class:`CheckContext` and a
-:class:`CheckRecorder`. It records comparisons (reference vs candidate, with an
+A check is a named function that receives a :class:`CheckContext`, a
+:class:`CheckRecorder` and a *candidate*: a small frozen dataclass naming the
+implementation under test (each check defines its own, e.g.
+``verify.checks.layout.LayoutCandidate``, whose ``default()`` points at fastgrad or
+verify). Tests and other implementations of the same technique pass their own
+candidate to :meth:`Check.execute`. It records comparisons (reference vs candidate, with an
 explicit ULP bound), boolean expectations, tables and findings. The check passes
 when every comparison is within its bound and every expectation holds; an
 exception inside the check is recorded as a failure, never swallowed silently.
@@ -105,6 +109,12 @@ class CheckResult:
         """The result as plain dicts and lists (for the JSON report)."""
         return asdict(self)
 
+    def failed_labels(self) -> list[str]:
+        """Labels of the comparisons, then the expectations, that did not pass."""
+        return [c.label for c in self.comparisons if not c.passed] + [
+            e.label for e in self.expectations if not e.passed
+        ]
+
 
 class CheckRecorder:
     """Collects what a check observes; :meth:`finish` turns it into a result."""
@@ -192,23 +202,45 @@ class CheckRecorder:
         )
 
 
-CheckFunction = Callable[[CheckContext, CheckRecorder], None]
+CheckFunction = Callable[[CheckContext, CheckRecorder, Any], None]
+"""``run(ctx, rec, candidate) -> None``: the one entry signature of every check."""
 
 
 @dataclass(frozen=True)
 class Check:
-    """A registered check: a name, a one-line summary and the function that runs it."""
+    """A registered check: a name, a one-line summary, its run function and default candidate.
+
+    ``default_candidate`` is the implementation the check holds to its references when
+    none is given (fastgrad's, or verify's own for the truth-layer checks).
+    """
 
     name: str
     summary: str
     run: CheckFunction
+    default_candidate: Any
 
-    def execute(self, context: CheckContext) -> CheckResult:
-        """Run the check; an exception becomes a failed result carrying the traceback."""
+    def __post_init__(self) -> None:
+        if not callable(self.run):
+            raise TypeError(f"Check {self.name!r}: run must be callable, got {type(self.run).__name__}")
+        if self.default_candidate is None:
+            raise ValueError(f"Check {self.name!r}: default_candidate must not be None")
+
+    def execute(self, context: CheckContext, candidate: Any = None) -> CheckResult:
+        """Run the check against ``candidate`` (default: ``default_candidate``).
+
+        An exception inside the check becomes a failed result carrying the traceback.
+        A candidate of another type than the default's is refused with a TypeError.
+        """
+        chosen = self.default_candidate if candidate is None else candidate
+        if not isinstance(chosen, type(self.default_candidate)):
+            raise TypeError(
+                f"check {self.name!r}: candidate must be a {type(self.default_candidate).__name__}, "
+                f"got {type(chosen).__name__}"
+            )
         recorder = CheckRecorder(self.name, self.summary)
         start = time.perf_counter()
         try:
-            self.run(context, recorder)
+            self.run(context, recorder, chosen)
         except Exception:  # noqa: BLE001 - reported, never hidden
             return recorder.finish(time.perf_counter() - start, error=traceback.format_exc())
         return recorder.finish(time.perf_counter() - start)

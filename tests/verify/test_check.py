@@ -1,22 +1,55 @@
+from dataclasses import dataclass
+
 import pytest
 import torch
 
 from verify.check import Check, CheckContext, CheckRecorder
 
 
+@dataclass(frozen=True)
+class _Candidate:
+    value: int = 1
+
+
+class _OtherCandidate:
+    pass
+
+
 def test_check_that_records_nothing_fails():
-    result = Check("empty", "records nothing", lambda ctx, rec: None).execute(CheckContext())
+    result = Check("empty", "records nothing", lambda ctx, rec, cand: None, _Candidate()).execute(
+        CheckContext())
     assert not result.passed
 
 
 def test_exception_becomes_failure_with_traceback():
-    def boom(ctx, rec):
+    def boom(ctx, rec, cand):
         rec.expect("reached", True)
         raise RuntimeError("kaboom")
 
-    result = Check("boom", "raises", boom).execute(CheckContext())
+    result = Check("boom", "raises", boom, _Candidate()).execute(CheckContext())
     assert not result.passed
     assert "kaboom" in result.error
+
+
+def test_execute_uses_the_default_candidate_or_the_given_one():
+    def run(ctx, rec, cand):
+        rec.expect(f"value {cand.value}", cand.value == 1)
+
+    check = Check("c", "candidate", run, _Candidate())
+    assert check.execute(CheckContext()).passed
+    result = check.execute(CheckContext(), candidate=_Candidate(2))
+    assert not result.passed and result.expectations[0].label == "value 2"
+
+
+def test_execute_refuses_a_candidate_of_another_type():
+    check = Check("c", "candidate", lambda ctx, rec, cand: None, _Candidate())
+    with pytest.raises(TypeError, match="candidate must be a _Candidate"):
+        check.execute(CheckContext(), candidate=_OtherCandidate())
+
+
+def test_check_needs_a_default_candidate():
+    with pytest.raises(ValueError, match="default_candidate"):
+        Check("c", "no default", lambda ctx, rec, cand: None, None)
 
 
 def test_bitwise_comparison_detects_one_ulp():

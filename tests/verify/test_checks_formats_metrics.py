@@ -8,25 +8,20 @@ from fractions import Fraction
 import torch
 
 from refgrad import formats as F
-from verify.check import CheckContext, CheckRecorder
+from verify.check import CheckContext
 from verify.checks import check_by_name
-from verify.checks.formats import run_formats_check
-from verify.checks.metrics import run_metrics_check
+from verify.checks.formats import FormatsCandidate
+from verify.checks.metrics import MetricsCandidate
 from verify.metrics import UlpDistance, compare, ulp_distance
 
 QUICK = CheckContext(quick=True)
 
 
-def _failed_labels(result) -> list[str]:
-    return [c.label for c in result.comparisons if not c.passed] + [
-        e.label for e in result.expectations if not e.passed
-    ]
-
 
 def test_formats_check_passes_quick():
     result = check_by_name("formats").execute(QUICK)
     assert result.error is None, result.error
-    assert result.passed, _failed_labels(result)
+    assert result.passed, result.failed_labels()
     assert result.comparisons and result.expectations
     # Every known torch behaviour is reported as a finding with its example.
     assert len(result.findings) >= 9
@@ -36,7 +31,7 @@ def test_formats_check_passes_quick():
 def test_metrics_check_passes_quick():
     result = check_by_name("metrics").execute(QUICK)
     assert result.error is None, result.error
-    assert result.passed, _failed_labels(result)
+    assert result.passed, result.failed_labels()
 
 
 def truncating_round_to_bits(fmt, value, overflow=None):
@@ -54,15 +49,13 @@ def truncating_round_to_bits(fmt, value, overflow=None):
 
 
 def _run_formats(**candidates):
-    rec = CheckRecorder("formats")
-    run_formats_check(QUICK, rec, **candidates)
-    return rec.finish(0.0)
+    return check_by_name("formats").execute(QUICK, FormatsCandidate(**candidates))
 
 
 def test_formats_check_fails_for_truncating_rounding():
     result = _run_formats(round_to_bits=truncating_round_to_bits)
     assert not result.passed
-    failed = _failed_labels(result)
+    failed = result.failed_labels()
     assert any("refgrad vs rounding rule" in label for label in failed)
     assert any("known behaviour" in label for label in failed)
 
@@ -75,16 +68,14 @@ def test_formats_check_fails_for_truncating_bf16_cast():
         return t.to(dtype)
 
     result = _run_formats(cast=truncating_cast)
-    failed = _failed_labels(result)
+    failed = result.failed_labels()
     assert not result.passed
     assert any("float32->bfloat16: torch vs rounding rule" in label for label in failed)
     assert all("bfloat16" in label for label in failed)
 
 
 def _run_metrics(**candidates):
-    rec = CheckRecorder("metrics")
-    run_metrics_check(QUICK, rec, **candidates)
-    return rec.finish(0.0)
+    return check_by_name("metrics").execute(QUICK, MetricsCandidate(**candidates))
 
 
 def test_metrics_check_fails_for_raw_bit_difference():
@@ -98,8 +89,8 @@ def test_metrics_check_fails_for_raw_bit_difference():
         ib = b.view(view).to(torch.int64) & mask
         return UlpDistance((ia - ib).abs(), torch.zeros_like(ia, dtype=torch.bool))
 
-    result = _run_metrics(ulp_fn=raw_difference)
-    failed = _failed_labels(result)
+    result = _run_metrics(ulp_distance=raw_difference)
+    failed = result.failed_labels()
     assert not result.passed
     assert any("+0 and -0" in label for label in failed)
     assert any("NaN vs NaN" in label for label in failed)
@@ -109,8 +100,8 @@ def test_metrics_check_fails_for_wrong_compare_fields():
     def forgets_inf(reference, candidate):
         return dataclasses.replace(compare(reference, candidate), inf_mismatch=0)
 
-    result = _run_metrics(compare_fn=forgets_inf)
-    assert _failed_labels(result) == ["compare(): inf_mismatch == 1"]
+    result = _run_metrics(compare=forgets_inf)
+    assert result.failed_labels() == ["compare(): inf_mismatch == 1"]
 
 
 def test_metrics_check_fails_when_zero_signs_are_not_merged():
@@ -120,6 +111,6 @@ def test_metrics_check_fails_when_zero_signs_are_not_merged():
         zero_pair = (a32 == 0) & (b32 == 0) & (torch.signbit(a32) != torch.signbit(b32))
         return UlpDistance(d.ulps + zero_pair.to(torch.int64), d.nan_mismatch)
 
-    result = _run_metrics(ulp_fn=signed_zero_distance)
+    result = _run_metrics(ulp_distance=signed_zero_distance)
     assert not result.passed
-    assert any("+0 and -0" in label for label in _failed_labels(result))
+    assert any("+0 and -0" in label for label in result.failed_labels())

@@ -5,12 +5,7 @@ import pytest
 from fastgrad.deferred_wgrad import ColumnParallelOutputLayer
 from verify.check import CheckContext, CheckRecorder
 from verify.checks import CHECK_MODULES
-from verify.checks.deferred_wgrad import CHECK, WgradCase, build_cases, run_deferred_wgrad_check
-
-SMALL_CASES = [
-    WgradCase(1, False, 3, 0, "float32", "random"),
-    WgradCase(2, True, 3, 1, "float32", "random"),
-]
+from verify.checks.deferred_wgrad import CHECK, DeferredWgradCandidate, WgradCase, build_cases
 
 
 class ReversedDrainLayer(ColumnParallelOutputLayer):
@@ -29,11 +24,6 @@ class ClearsOnlyActivationsLayer(ColumnParallelOutputLayer):
         self.activation_buffer.clear()
         return 0
 
-
-def failed_labels(result):
-    return [c.label for c in result.comparisons if not c.passed] + [
-        e.label for e in result.expectations if not e.passed
-    ]
 
 
 def test_registered():
@@ -54,7 +44,7 @@ def test_case_matrix_covers_the_issue():
 def test_check_passes_quick():
     result = CHECK.execute(CheckContext(quick=True))
     assert result.error is None, result.error
-    assert result.passed, failed_labels(result)[:10]
+    assert result.passed, result.failed_labels()[:10]
     assert len(result.comparisons) > 50 and len(result.expectations) > 100
     labels = " ".join(c.label for c in result.comparisons)
     assert "tied/bfloat16/iter1" in labels and "tp2-sp-" in labels
@@ -66,11 +56,10 @@ def test_check_passes_quick():
     [(ReversedDrainLayer, "deferred == immediate in drain order"), (ClearsOnlyActivationsLayer, "stale step")],
 )
 def test_check_fails_on_a_broken_candidate(layer_cls, symptom):
-    rec = CheckRecorder(CHECK.name)
-    run_deferred_wgrad_check(CheckContext(quick=True), rec, layer_cls=layer_cls, cases=SMALL_CASES)
-    result = rec.finish(0.0)
+    result = CHECK.execute(CheckContext(quick=True), DeferredWgradCandidate(layer_cls=layer_cls))
+    assert result.error is None, result.error
     assert not result.passed
-    assert any(symptom in label for label in failed_labels(result)), failed_labels(result)
+    assert any(symptom in label for label in result.failed_labels()), result.failed_labels()
 
 
 @pytest.mark.parametrize(
@@ -114,5 +103,6 @@ def test_wgrad_method_comparison_catches_a_dropped_microbatch():
             accumulate_wgrad_(main_grad, go, x, cuda_method=cuda_method)
 
     rec = CheckRecorder("wgrad")
-    compare_wgrad_methods_on("cpu", rec, 0, ("fp32_upcast",), drops_first)
+    compare_wgrad_methods_on("cpu", rec, 0, ("fp32_upcast",),
+                             DeferredWgradCandidate(accumulate=drops_first).accumulate)
     assert not rec.finish(0.0).passed

@@ -48,11 +48,12 @@ def _floor_for_every_mode(x, *, scale_mode="floor", block_size=32):
     return fast.quantize(x, scale_mode="floor", block_size=block_size)
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("broken", [_ties_away_from_zero, _floor_for_every_mode])
-def test_quantizer_part_fails_on_a_broken_candidate(broken):
-    rec = CheckRecorder("mxfp8")
-    check_module.check_quantizer(CheckContext(quick=True), rec, broken)
-    result = rec.finish(0.0)
+def test_check_fails_on_a_broken_quantizer(broken):
+    result = check_module.CHECK.execute(CheckContext(quick=True),
+                                        check_module.MXFP8Candidate(quantize=broken))
+    assert result.error is None, result.error
     assert not result.passed
     assert any(not c.passed for c in result.comparisons)
 

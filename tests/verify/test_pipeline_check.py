@@ -2,10 +2,10 @@
 
 import pytest
 
-from refgrad.pipeline import LinearStackSpec, StepPlan, stage_param_name
-from verify.check import Check, CheckContext
+from refgrad.pipeline import LinearStackSpec, StepPlan
+from verify.check import CheckContext
 from verify.checks import check_by_name
-from verify.checks.pipeline import PipelineCase, default_plans, run_pipeline_check
+from verify.checks.pipeline import CHECK, PipelineCandidate, PipelineCase
 
 
 @pytest.mark.dist
@@ -24,29 +24,24 @@ def test_pipeline_check_passes_quick():
         assert any(e.label.startswith(f"{tag}: chunks enabled") for e in result.expectations)
 
 
-def _broken(fault):
-    spec = LinearStackSpec(num_stages=2, seed=1)
-    plans = default_plans(2, stage_param_name(1, "layers.0.weight"))
-    interleaved = PipelineCase(f"P2 D1 V2 {fault}", 2, 1, 0, LinearStackSpec(num_stages=4, seed=1),
-                               (StepPlan(4), StepPlan(2), StepPlan(2)), virtual_stages=2,
-                               fault=fault)
-    return [[PipelineCase(f"P2 D1 {fault}", 2, 1, 0, spec, plans, fault=fault)], [interleaved]]
-
-
 @pytest.mark.dist
 def test_pipeline_check_fails_when_microbatch_accumulation_order_is_wrong():
     # The candidate sums the same microbatches in reverse order: the same math,
     # different fp32 rounding. Only a bitwise comparison catches it.
-    check = Check("pipeline", "broken", lambda ctx, rec: run_pipeline_check(
-        ctx, rec, world=2, phases=_broken("reversed_microbatches")))
-    result = check.execute(CheckContext(quick=True))
+    result = CHECK.execute(CheckContext(quick=True), PipelineCandidate(fault="reversed_microbatches"))
     assert not result.passed
     assert result.error is None
     failed = [c.label for c in result.comparisons if not c.passed]
     assert any("reduced grads vs refgrad" in label for label in failed), failed
     assert any("losses vs refgrad" in label for label in failed), failed
-    for name in ("P2 D1 reversed_microbatches", "P2 D1 V2 reversed_microbatches"):
+    # Both schedules: the non-interleaved 1F1B (P4 D1) and the interleaved one (V2).
+    for name in ("P4 D1 all-reduce sum", "P2 D2 V2 interleaved all-reduce sum"):
         assert any(label.startswith(f"{name}, overlap on: reduced grads") for label in failed), failed
+
+
+def test_candidate_validation():
+    with pytest.raises(ValueError, match="PipelineCandidate.fault"):
+        PipelineCandidate(fault="gremlins")
 
 
 def test_case_validation():

@@ -1,15 +1,18 @@
-"""The reduce_scatter check passes on fastgrad and fails on a wire-accumulating candidate."""
+"""The reduce_scatter check passes on fastgrad and fails on broken candidates: a
+wire-accumulating one, and local reductions that sum the ranks rotated or reversed."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from fastgrad.reduce_scatter import AVG, SUM
-from verify.check import Check, CheckContext, CheckRecorder
+from fastgrad.reduce_scatter import AVG, SUM, reduce_shards_fp32
+from verify.check import CheckContext, CheckRecorder
 from verify.checks import CHECK_MODULES, check_by_name
-from verify.checks.reduce_scatter import CHECK, check_multi_rank
+from verify.checks.reduce_scatter import CHECK, ReduceScatterCandidate, compare_local_reduction_on
 
 
 class _Done:
@@ -17,20 +20,38 @@ class _Done:
         return True
 
 
-def wire_accumulating_candidate(output, input, *, group=None, async_op=False, scratch=None,  # noqa: A002
-                                op=SUM):
-    """A plausible bug: the same all-to-all, but the local sum stays in the 16-bit dtype."""
+def wire_sum(shards, out, *, average):
+    """A plausible bug: the local sum stays in the 16-bit dtype."""
+    acc = shards[0].clone()
+    for row in shards[1:]:
+        acc += row
+    out.copy_(acc / shards.shape[0] if average else acc)
+
+
+def rotated_sum(shards, out, *, average):
+    """A plausible bug: fp32 accumulation starting at rank 1 (rank 0 added last)."""
+    reduce_shards_fp32(torch.roll(shards, -1, dims=0), out, average=average)
+
+
+def reversed_sum(shards, out, *, average):
+    """A plausible bug: fp32 accumulation from rank W-1 down to rank 0."""
+    reduce_shards_fp32(torch.flip(shards, dims=(0,)), out, average=average)
+
+
+def all_to_all_then(local_reduction, output, input, *, group=None, async_op=False,  # noqa: A002
+                    scratch=None, op=SUM):
+    """fastgrad's all-to-all followed by ``local_reduction`` (picklable via functools.partial)."""
     world_size = dist.get_world_size(group)
     gathered = torch.empty_like(input)
     dist.all_to_all_single(gathered, input, group=group)
-    shards = gathered.view(world_size, -1)
-    total = shards[0].clone()
-    for rank in range(1, world_size):
-        total += shards[rank]
-    if op == AVG:
-        total /= world_size
-    output.copy_(total)
+    local_reduction(gathered.view(world_size, -1), output, average=op == AVG)
     return _Done() if async_op else None
+
+
+def broken_candidate(local_reduction) -> ReduceScatterCandidate:
+    return ReduceScatterCandidate(reduce_scatter=functools.partial(all_to_all_then, local_reduction),
+                                  local_reduction=local_reduction)
+
 
 
 @pytest.mark.dist
@@ -39,29 +60,47 @@ def test_check_passes_on_fastgrad():
     assert check_by_name("reduce_scatter") is CHECK
     result = CHECK.execute(CheckContext(quick=True))
     assert result.error is None, result.error
-    failed = [c.label for c in result.comparisons if not c.passed]
-    failed += [e.label for e in result.expectations if not e.passed]
-    assert result.passed, failed
+    assert result.passed, result.failed_labels()
     assert len(result.comparisons) > 50
     assert result.tables and result.findings
+    labels = [c.label for c in result.comparisons]
+    for size in (3, 4, 5, 8):
+        assert any(label.startswith("order-sensitive local reduction") and f"W={size} " in label
+                   for label in labels)
+    assert any(label.startswith("order-sensitive reduce-scatter") and "W=3 " in label
+               for label in labels)
 
 
 @pytest.mark.dist
 def test_check_fails_on_wire_accumulation():
-    broken = Check("reduce_scatter", "broken candidate",
-                   lambda ctx, rec: check_multi_rank(ctx, rec, wire_accumulating_candidate))
-    result = broken.execute(CheckContext(quick=True))
+    result = CHECK.execute(CheckContext(quick=True), broken_candidate(wire_sum))
     assert result.error is None, result.error
     assert not result.passed
     failed = [c.label for c in result.comparisons if not c.passed]
     # With 3 ranks the 16-bit partial sum is rounded twice, which the inputs' ties expose.
-    assert any("W=3" in label for label in failed), failed
+    assert any("W=3" in label and label.startswith("fastgrad vs refgrad") for label in failed), failed
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("local_reduction", [rotated_sum, reversed_sum])
+def test_check_fails_on_another_summation_order(local_reduction):
+    # fp32 accumulation, one rounding: only the order of the ranks differs. The check's
+    # order-sensitive inputs catch it itself, in the collective and in the local reduction,
+    # at every W >= 3 (at W=2 both orders are the same commutative addition).
+    result = CHECK.execute(CheckContext(quick=True), broken_candidate(local_reduction))
+    assert result.error is None, result.error
+    assert not result.passed
+    failed = result.failed_labels()
+    assert not any(label.startswith("order-sensitive inputs") for label in failed), failed
+    assert any(label.startswith("order-sensitive reduce-scatter") and "W=3 " in label
+               for label in failed), failed
+    for size in (3, 4, 5, 8):
+        assert any(label.startswith("order-sensitive local reduction") and f"W={size} " in label
+                   for label in failed), (size, failed)
 
 
 def test_local_reduction_comparison_logic_on_cpu():
     # The CUDA section's comparison, run on the CPU path: passes for fastgrad...
-    from verify.checks.reduce_scatter import compare_local_reduction_on
-
     rec = CheckRecorder("local")
     compare_local_reduction_on("cpu", rec, torch.Generator().manual_seed(1), ((3, 67),))
     result = rec.finish(0.0)
@@ -70,14 +109,7 @@ def test_local_reduction_comparison_logic_on_cpu():
 
 def test_local_reduction_comparison_catches_wire_accumulation():
     # ...and fails for a reduction that accumulates in the 16-bit dtype.
-    from verify.checks.reduce_scatter import compare_local_reduction_on
-
-    def wire_sum(shards, out, *, average):
-        acc = shards[0].clone()
-        for row in shards[1:]:
-            acc += row
-        out.copy_(acc / shards.shape[0] if average else acc)
-
     rec = CheckRecorder("local")
-    compare_local_reduction_on("cpu", rec, torch.Generator().manual_seed(1), ((8, 257),), wire_sum)
+    compare_local_reduction_on("cpu", rec, torch.Generator().manual_seed(1), ((8, 257),),
+                               ReduceScatterCandidate(local_reduction=wire_sum))
     assert not rec.finish(0.0).passed

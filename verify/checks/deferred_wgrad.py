@@ -305,20 +305,37 @@ def _ulp_row(label: str, ref: torch.Tensor, cand: torch.Tensor, bound_ok: bool) 
     return [label, c.bitwise_equal, c.max_ulp, round(c.mean_ulp, 3), bound_ok]
 
 
+@dataclass(frozen=True)
+class DeferredWgradCandidate:
+    """The deferred-wgrad implementation under test: the layer class and the wgrad GEMM."""
+
+    layer_cls: type = ColumnParallelOutputLayer
+    accumulate: Callable = accumulate_wgrad_
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layer_cls, type):
+            raise TypeError("DeferredWgradCandidate.layer_cls must be a class")
+        if not callable(self.accumulate):
+            raise TypeError("DeferredWgradCandidate.accumulate must be callable")
+
+    @classmethod
+    def default(cls) -> DeferredWgradCandidate:
+        """fastgrad's ``ColumnParallelOutputLayer`` and ``accumulate_wgrad_``."""
+        return cls()
+
+
 def run_deferred_wgrad_check(
-    ctx: CheckContext,
-    rec: CheckRecorder,
-    *,
-    layer_cls: type[ColumnParallelOutputLayer] = ColumnParallelOutputLayer,
-    cases: list[WgradCase] | None = None,
+    ctx: CheckContext, rec: CheckRecorder, candidate: DeferredWgradCandidate
 ) -> None:
-    """The check body; tests feed a deliberately broken ``layer_cls`` and fewer ``cases``."""
-    cases = build_cases(ctx.quick) if cases is None else list(cases)
+    """The multi-rank cases, the tied embedding, the guard and the stale step."""
+    layer_cls = candidate.layer_cls
+    cases = build_cases(ctx.quick)
     multi = [c for c in cases if c.tp > 1]
     single = [c for c in cases if c.tp == 1]
     # TP-1 cases run on every process with that process's own data (rank-specific).
     per_rank = [
-        r for r in spawn(_rank_main, WORLD, [asdict(c) for c in cases], ctx.seed, layer_cls)
+        r for r in spawn(_rank_main, WORLD, [asdict(c) for c in cases], ctx.seed, layer_cls,
+                   timeout_s=ctx.timeout_s)
     ]
 
     deferred_vs_immediate, drain_order_rows, ref_rows = [], [], []
@@ -420,8 +437,8 @@ def run_deferred_wgrad_check(
             expected = tied_embedding_grad_sum([stage0[it]["before"], stage1[it]["before"]])
             rec.compare(f"{tag}: vs refgrad tied sum", expected, stage1[it]["after"])
 
-    _guard_case(rec, layer_cls)
-    _stale_step_case(rec, layer_cls)
+    _guard_case(ctx, rec, layer_cls)
+    _stale_step_case(ctx, rec, layer_cls)
     rec.finding(
         f"{len(cases)} cases ({len(single)} at TP 1 on each of {WORLD} processes, {len(multi)} at TP 2), "
         f"{ITERATIONS} iterations each; {len(drain_order_rows)} (case, rank, iteration) results "
@@ -430,10 +447,10 @@ def run_deferred_wgrad_check(
     )
 
 
-def _guard_case(rec: CheckRecorder, layer_cls) -> None:
+def _guard_case(ctx: CheckContext, rec: CheckRecorder, layer_cls) -> None:
     """Draining into a bucket whose reduce is in flight must raise and write nothing."""
     config = EmbeddingWgradConfig(defer_embedding_wgrad_compute=True, pipeline_model_parallel_size=2)
-    g = torch.Generator().manual_seed(3)
+    g = ctx.generator(3)  # seed 0: manual_seed(3)
     layer = layer_cls(torch.randn(VOCAB, HIDDEN, generator=g).bfloat16(), config)
     x = torch.randn(SEQ, BATCH, HIDDEN, generator=g).bfloat16().requires_grad_(True)
     layer(x).backward(torch.randn(SEQ, BATCH, VOCAB, generator=g).bfloat16())
@@ -448,7 +465,7 @@ def _guard_case(rec: CheckRecorder, layer_cls) -> None:
     rec.expect("guard: the deferred entry is still there to drain later", layer.num_deferred == 1)
 
 
-def _stale_step_case(rec: CheckRecorder, layer_cls) -> None:
+def _stale_step_case(ctx: CheckContext, rec: CheckRecorder, layer_cls) -> None:
     """A step abandoned after a backward leaves entries in both buffers; the next step must not see them.
 
     Production clears only the activation buffer at step start, so a stale
@@ -457,7 +474,7 @@ def _stale_step_case(rec: CheckRecorder, layer_cls) -> None:
     config = EmbeddingWgradConfig(
         defer_embedding_wgrad_compute=True, wgrad_deferral_limit=2, pipeline_model_parallel_size=2
     )
-    g = torch.Generator().manual_seed(11)
+    g = ctx.generator(11)  # seed 0: manual_seed(11)
     weight = torch.randn(VOCAB, HIDDEN, generator=g).bfloat16()
     xs = [torch.randn(SEQ, BATCH, HIDDEN, generator=g).bfloat16() for _ in range(3)]
     gos = [torch.randn(SEQ, BATCH, VOCAB, generator=g).bfloat16() for _ in range(3)]
@@ -510,21 +527,23 @@ def compare_wgrad_methods_on(
                         expected, main_grad.cpu())
 
 
-def check_cuda_wgrad(ctx: CheckContext, rec: CheckRecorder) -> None:
+def check_cuda_wgrad(ctx: CheckContext, rec: CheckRecorder, candidate: DeferredWgradCandidate) -> None:
     """With ``--device cuda``: the fp32-accumulating wgrad GEMM (cuBLAS) vs refgrad."""
     if ctx.device != "cuda":
         rec.skip("CUDA wgrad GEMM (cuBLAS, fp32 output) vs refgrad: run `verify run --device cuda`")
         return
-    compare_wgrad_methods_on("cuda", rec, ctx.seed, CUDA_WGRAD_METHODS)
+    compare_wgrad_methods_on("cuda", rec, ctx.seed, CUDA_WGRAD_METHODS, candidate.accumulate)
 
 
-def _run(ctx: CheckContext, rec: CheckRecorder) -> None:
-    run_deferred_wgrad_check(ctx, rec)
-    check_cuda_wgrad(ctx, rec)
+def run(ctx: CheckContext, rec: CheckRecorder, candidate: DeferredWgradCandidate) -> None:
+    """The ``deferred_wgrad`` check against ``candidate`` (default: fastgrad's layer)."""
+    run_deferred_wgrad_check(ctx, rec, candidate)
+    check_cuda_wgrad(ctx, rec, candidate)
 
 
 CHECK = Check(
     name="deferred_wgrad",
     summary="Deferred embedding wgrad: bitwise vs immediate (or the drain order), vs refgrad, tied grads",
-    run=_run,
+    run=run,
+    default_candidate=DeferredWgradCandidate.default(),
 )

@@ -306,18 +306,22 @@ def _random_float32(fmt: F.FloatFormat, n: int, generator: torch.Generator) -> t
     return torch.cat([arbitrary, in_range])
 
 
-def run(ctx: CheckContext, rec: CheckRecorder) -> None:
-    """The ``formats`` check's entry point (see :func:`run_formats_check`)."""
-    run_formats_check(ctx, rec)
+@dataclass(frozen=True)
+class FormatsCandidate:
+    """What the ``formats`` check holds to the rounding rule: refgrad's rounding and torch's cast."""
+
+    round_to_bits: RoundFunction = F.round_to_bits
+    cast: CastFunction = torch_cast
+
+    @classmethod
+    def default(cls) -> FormatsCandidate:
+        """``refgrad.formats.round_to_bits`` and torch's own casts."""
+        return cls()
 
 
-def run_formats_check(
-    ctx: CheckContext,
-    rec: CheckRecorder,
-    round_to_bits: RoundFunction = F.round_to_bits,
-    cast: CastFunction = torch_cast,
-) -> None:
-    """The check, with the rounding function and the torch cast as swappable candidates."""
+def run(ctx: CheckContext, rec: CheckRecorder, candidate: FormatsCandidate) -> None:
+    """The ``formats`` check: round trips, the rounding rule, and torch's float32 casts."""
+    round_to_bits, cast = candidate.round_to_bits, candidate.cast
     rng = random.Random(ctx.seed)
 
     # 1. Round trips.
@@ -432,4 +436,5 @@ CHECK = Check(
     name="formats",
     summary="refgrad.formats round trips and agreement with torch's float32 casts",
     run=run,
+    default_candidate=FormatsCandidate.default(),
 )

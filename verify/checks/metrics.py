@@ -9,6 +9,7 @@ of all representable values (checked exhaustively for the 8-bit formats).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -75,18 +76,22 @@ def _rank_model_mismatches(dtype: torch.dtype, ulp_fn: UlpFunction) -> int:
     return int(wrong.sum())
 
 
-def run(ctx: CheckContext, rec: CheckRecorder) -> None:
-    """The ``metrics`` check's entry point (see :func:`run_metrics_check`)."""
-    run_metrics_check(ctx, rec)
+@dataclass(frozen=True)
+class MetricsCandidate:
+    """What the ``metrics`` check holds to hand-derived cases: ``ulp_distance`` and ``compare``."""
+
+    ulp_distance: UlpFunction = ulp_distance
+    compare: CompareFunction = compare
+
+    @classmethod
+    def default(cls) -> MetricsCandidate:
+        """``verify.metrics.ulp_distance`` and ``verify.metrics.compare``."""
+        return cls()
 
 
-def run_metrics_check(
-    ctx: CheckContext,
-    rec: CheckRecorder,
-    ulp_fn: UlpFunction = ulp_distance,
-    compare_fn: CompareFunction = compare,
-) -> None:
-    """The check, with ``ulp_distance`` and ``compare`` as swappable candidates."""
+def run(ctx: CheckContext, rec: CheckRecorder, candidate: MetricsCandidate) -> None:
+    """The ``metrics`` check: ULP distances and ``compare()`` on hand-derived cases."""
+    ulp_fn, compare_fn = candidate.ulp_distance, candidate.compare
     rows = []
     for dtype, a, b, expected, why in HAND_ULP_CASES:
         x, y = _pair(dtype, [a, b], [b, a])
@@ -164,4 +169,5 @@ CHECK = Check(
     name="metrics",
     summary="ULP distance and compare() on hand-derived cases across all formats",
     run=run,
+    default_candidate=MetricsCandidate.default(),
 )

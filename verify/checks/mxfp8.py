@@ -13,7 +13,7 @@
    the all-gathered master params.
 3. Memory: bytes of the param+grad allocations (``untyped_storage().nbytes()``)
    with sharing on and off equal the expected saving; a 7B-540B table computed
-   with ``fastgrad.layout.compute_layout``, checking the seed's arithmetic.
+   with ``fastgrad.layout.compute_layout``, checking the published arithmetic.
 4. Requantization drift MXFP8 -> bf16 -> MXFP8: the fraction of block scales
    that move, per mode.
 """
@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
@@ -41,16 +42,16 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 GB = 10**9
 
-# The seed's table: model -> (params, fp8 param GB, bf16 grad GB, standard GB, sharing GB,
+# The published description's table: model -> (params, fp8 param GB, bf16 grad GB, standard GB, sharing GB,
 # savings GB) and its DP=8 per-rank savings (GB). Checked against exact arithmetic.
-SEED_TABLE = {
+PUBLISHED_TABLE = {
     "7B": (7 * 10**9, 7, 14, 21, 14, 7),
     "13B": (13 * 10**9, 13, 26, 39, 26, 13),
     "70B": (70 * 10**9, 70, 140, 210, 140, 70),
     "175B": (175 * 10**9, 175, 350, 525, 350, 175),
     "540B": (540 * 10**9, 540, 1080, 1620, 1080, 540),
 }
-SEED_PER_RANK_DP8 = {"7B": Fraction(875, 1000), "70B": Fraction(875, 100), "175B": Fraction(21875, 1000), "540B": Fraction(675, 10)}
+PUBLISHED_PER_RANK_DP8 = {"7B": Fraction(875, 1000), "70B": Fraction(875, 100), "175B": Fraction(21875, 1000), "540B": Fraction(675, 10)}
 
 
 def _as_e4m3(bits: torch.Tensor) -> torch.Tensor:
@@ -250,7 +251,8 @@ def check_sharing(ctx: CheckContext, rec: CheckRecorder, iterations: int = 3) ->
     # quick: fp32 grads only (the fp32 case is the one whose param bytes overlap other
     # buckets' grads); the full run adds bf16 grads.
     grad_options = (True,) if ctx.quick else (True, False)
-    results = spawn(support.train_both_modes_rank, 2, iterations, "adam", ctx.seed, grad_options)
+    results = spawn(support.train_both_modes_rank, 2, iterations, "adam", ctx.seed, grad_options,
+                    timeout_s=ctx.timeout_s)
     for rank, per_mode in enumerate(results):
         for grad_fp32 in grad_options:
             off, on = per_mode[(False, grad_fp32)], per_mode[(True, grad_fp32)]
@@ -359,7 +361,7 @@ def check_memory(rec: CheckRecorder, rank0: dict, dp_size: int = 2) -> None:
         ["grads", "numel (padded)", "sharing off", "sharing on", "saving", "saving %"],
         rows,
     )
-    _seed_table(rec)
+    _published_table(rec)
 
 
 def _synthetic_numels(total: int) -> np.ndarray:
@@ -378,10 +380,10 @@ def _gb(value: int | Fraction) -> str:
     return f"{float(Fraction(value) / GB):,.3f}"
 
 
-def _seed_table(rec: CheckRecorder) -> None:
+def _published_table(rec: CheckRecorder) -> None:
     dp = 8
     rows = []
-    for model, (params, p_gb, g_gb, std_gb, share_gb, save_gb) in SEED_TABLE.items():
+    for model, (params, p_gb, g_gb, std_gb, share_gb, save_gb) in PUBLISHED_TABLE.items():
         layout = compute_layout(
             _synthetic_numels(params),
             dp_size=dp,
@@ -391,7 +393,7 @@ def _seed_table(rec: CheckRecorder) -> None:
         )
         n = layout.numel
         rows.append([model, f"{layout.numel_unpadded:,}", f"{n:,}", _gb(2 * n), _gb(4 * n), _gb(2 * n), _percent(2 * n, 4 * n), _gb(6 * n), _gb(4 * n), _percent(2 * n, 6 * n)])
-        # The seed's own (fp8-param) arithmetic, exactly.
+        # The published description's own (fp8-param) arithmetic, exactly.
         ok = (
             Fraction(p_gb * GB) == params
             and g_gb == 2 * p_gb
@@ -400,7 +402,7 @@ def _seed_table(rec: CheckRecorder) -> None:
             and save_gb == std_gb - share_gb
             and Fraction(save_gb, std_gb) == Fraction(1, 3)
         )
-        rec.expect(f"seed table row {model}: P + 2P = 3P and a 1/3 saving, exactly", ok)
+        rec.expect(f"published table row {model}: P + 2P = 3P and a 1/3 saving, exactly", ok)
     rec.table(
         "Per-rank param+grad buffer bytes (GB = 1e9 B), dp=8, layout by fastgrad.layout.compute_layout",
         ["model", "params", "padded numel", "saving = bf16 param_data", "bf16 grads: off = 4N", "bf16 grads: on = 2N", "saving %", "fp32 grads: off = 6N", "fp32 grads: on = 4N", "saving %"],
@@ -411,11 +413,11 @@ def _seed_table(rec: CheckRecorder) -> None:
             "params: 50,000,017-element matrices plus a remainder; default bucket size max(40M, 1M*dp)",
         ],
     )
-    for model, per_rank in SEED_PER_RANK_DP8.items():
-        params = SEED_TABLE[model][0]
-        rec.expect(f"seed per-rank row {model}: P/8 arithmetic", per_rank * GB == Fraction(params, 8))
+    for model, per_rank in PUBLISHED_PER_RANK_DP8.items():
+        params = PUBLISHED_TABLE[model][0]
+        rec.expect(f"published per-rank row {model}: P/8 arithmetic", per_rank * GB == Fraction(params, 8))
     rec.finding(
-        "seed: 'savings per rank are divided by 8 with the distributed optimizer' (0.875 GB for "
+        "Megatron-Core's published description: 'savings per rank are divided by 8 with the distributed optimizer' (0.875 GB for "
         "7B ... 67.5 GB for 540B) is wrong: the distributed optimizer shards optimizer state, "
         "not the param/grad buffers; each rank allocates the whole buffer (measured above: "
         "both dp=2 ranks hold numel elements), so the saving per rank is the whole bf16 "
@@ -423,18 +425,18 @@ def _seed_table(rec: CheckRecorder) -> None:
     )
     copy_ms = Fraction(175, 1500) * 1000
     rec.expect(
-        "seed copy-time arithmetic: 175 GB / 1500 GB/s is about 117 ms",
+        "published copy-time arithmetic: 175 GB / 1500 GB/s is about 117 ms",
         round(copy_ms) == 117,
         f"{float(copy_ms):.1f} ms",
     )
     share = Fraction(21875, 1000) / 241
     rec.finding(
-        f"seed: the 175B layout example claims '22GB per rank (10% reduction)' of 241 GB; "
+        f"the published description: the 175B layout example claims '22GB per rank (10% reduction)' of 241 GB; "
         f"21.875/241 = {float(share) * 100:.1f}%, and its premise (grad shards of 1/8 per rank) "
         "repeats the error above."
     )
     rec.finding(
-        "seed: its tables assume 1-byte FP8 params in the param buffer (saving 1/3); production "
+        "the published description: its tables assume 1-byte FP8 params in the param buffer (saving 1/3); production "
         "gathers bf16 params through the shared buffer (REFERENCE_NOTES 4), so the measured "
         "saving is 2 bytes per element: 1/2 with bf16 grads and 1/3 with fp32 grads."
     )
@@ -497,9 +499,25 @@ def check_drift(ctx: CheckContext, rec: CheckRecorder) -> None:
 # ----------------------------------------------------------------------------- entry
 
 
-def run_check(ctx: CheckContext, rec: CheckRecorder, quantize: QuantizeFn = fast.quantize) -> None:
-    """The whole check; ``quantize`` is the candidate (tests feed a broken one)."""
-    results = check_quantizer(ctx, rec, quantize)
+@dataclass(frozen=True)
+class MXFP8Candidate:
+    """The MXFP8 quantizer under test: ``quantize(x, *, scale_mode, block_size) -> (scales, bits)``."""
+
+    quantize: QuantizeFn = fast.quantize
+
+    def __post_init__(self) -> None:
+        if not callable(self.quantize):
+            raise TypeError("MXFP8Candidate.quantize must be callable")
+
+    @classmethod
+    def default(cls) -> MXFP8Candidate:
+        """``fastgrad.mxfp8.quantize``."""
+        return cls()
+
+
+def run(ctx: CheckContext, rec: CheckRecorder, candidate: MXFP8Candidate) -> None:
+    """The ``mxfp8`` check against ``candidate`` (default: fastgrad's quantizer)."""
+    results = check_quantizer(ctx, rec, candidate.quantize)
     check_triton(ctx, rec)
     conformance_table(ctx, rec, results)
     rceil_versus_fp32_division(ctx, rec)
@@ -511,5 +529,6 @@ def run_check(ctx: CheckContext, rec: CheckRecorder, quantize: QuantizeFn = fast
 CHECK = Check(
     name="mxfp8",
     summary="MXFP8 quantization (4 scale modes) vs the exact spec, and grad-buffer sharing for MXFP8 param all-gather",
-    run=run_check,
+    run=run,
+    default_candidate=MXFP8Candidate.default(),
 )

@@ -21,6 +21,7 @@ Evidence, in order of independence from the code under test:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -31,8 +32,20 @@ from refgrad import formats as F
 from verify import oracle
 from verify.check import Check, CheckContext, CheckRecorder
 
-Candidate = Callable[..., torch.Tensor]
-"""``candidate(stacked [W, ...] tensor, dtype, overflow=None) -> tensor``."""
+SumFunction = Callable[..., torch.Tensor]
+"""``correctly_rounded_sum(stacked [W, ...] tensor, dtype, overflow=None) -> tensor``."""
+
+
+@dataclass(frozen=True)
+class OracleCandidate:
+    """The vectorised exact sum under test (normally ``verify.oracle.correctly_rounded_sum``)."""
+
+    correctly_rounded_sum: SumFunction = oracle.correctly_rounded_sum
+
+    @classmethod
+    def default(cls) -> OracleCandidate:
+        """``verify.oracle.correctly_rounded_sum``."""
+        return cls()
 
 _MAX32 = (2.0 - 2.0**-23) * 2.0**127
 
@@ -265,7 +278,7 @@ def _reference(
     return exact.correctly_rounded_sum(list(stacked), target, overflow)
 
 
-def check_oracle(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate) -> None:
+def check_oracle(ctx: CheckContext, rec: CheckRecorder, candidate: SumFunction) -> None:
     """Hold ``candidate`` (normally verify.oracle.correctly_rounded_sum) to refgrad.exact and hand cases."""
     columns = 24 if ctx.quick else 1024
     g = ctx.generator(2)
@@ -347,15 +360,18 @@ def check_oracle(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate) ->
     )
 
 
-def _on_cuda(stacked: torch.Tensor, dtype: torch.dtype, *args, **kwargs) -> torch.Tensor:
+def _on_cuda(
+    correctly_rounded_sum: SumFunction, stacked: torch.Tensor, dtype: torch.dtype, *args, **kwargs
+) -> torch.Tensor:
     """The vectorised oracle computed on the GPU, returned on the CPU for comparison."""
-    return oracle.correctly_rounded_sum(stacked.cuda(), dtype, *args, **kwargs).cpu()
+    return correctly_rounded_sum(stacked.cuda(), dtype, *args, **kwargs).cpu()
 
 
-def _run(ctx: CheckContext, rec: CheckRecorder) -> None:
-    check_oracle(ctx, rec, oracle.correctly_rounded_sum)
+def run(ctx: CheckContext, rec: CheckRecorder, candidate: OracleCandidate) -> None:
+    """The ``oracle`` check: the candidate's sum on the CPU (and on CUDA with ``--device cuda``)."""
+    check_oracle(ctx, rec, candidate.correctly_rounded_sum)
     if ctx.device == "cuda":
-        check_oracle(ctx, rec, _on_cuda)
+        check_oracle(ctx, rec, functools.partial(_on_cuda, candidate.correctly_rounded_sum))
     else:
         rec.skip("verify.oracle on CUDA tensors: run `verify run --device cuda`")
 
@@ -363,5 +379,6 @@ def _run(ctx: CheckContext, rec: CheckRecorder) -> None:
 CHECK = Check(
     name="oracle",
     summary="verify.oracle (vectorised exact sum) equals refgrad.exact and hand-derived roundings",
-    run=_run,
+    run=run,
+    default_candidate=OracleCandidate.default(),
 )

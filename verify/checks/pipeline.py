@@ -582,21 +582,30 @@ def _timing_report(rec: CheckRecorder, case: PipelineCase, ranks: list[dict]) ->
     )
 
 
-def run_pipeline_check(
-    ctx: CheckContext,
-    rec: CheckRecorder,
-    *,
-    world: int | None = None,
-    phases: list[list[PipelineCase]] | None = None,
-) -> None:
-    """The check body; tests pass their own ``world``/``phases`` (e.g. a faulty candidate)."""
+@dataclass(frozen=True)
+class PipelineCandidate:
+    """The pipeline implementation under test: fastgrad's DDP and 1F1B schedules, run as is
+    (``fault=None``) or with one of the known faults of ``FAULTS`` injected (a broken
+    candidate the check must catch)."""
+
+    fault: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.fault not in FAULTS:
+            raise ValueError(f"PipelineCandidate.fault must be one of {FAULTS}, got {self.fault!r}")
+
+    @classmethod
+    def default(cls) -> PipelineCandidate:
+        """fastgrad as is."""
+        return cls()
+
+
+def run(ctx: CheckContext, rec: CheckRecorder, candidate: PipelineCandidate) -> None:
+    """The ``pipeline`` check against ``candidate`` (default: fastgrad as is)."""
     from verify.distributed import spawn
 
-    if phases is None:
-        world, phases = build_phases(ctx.quick, ctx.seed)
-    elif world is None:
-        raise ValueError("world must be given together with phases")
-    ranks = spawn(pipeline_worker, world, phases)
+    world, phases = build_phases(ctx.quick, ctx.seed, candidate.fault)
+    ranks = spawn(pipeline_worker, world, phases, timeout_s=ctx.timeout_s)
     table = []
     timing_rows: list[list[Any]] = []
     for phase in phases:
@@ -677,12 +686,9 @@ def _interleaved_enable_report(rec: CheckRecorder, tag: str, case: PipelineCase,
                f"chunk {V - 1} in flight at chunk 0's enable: {sorted(in_flight)}")
 
 
-def _run(ctx: CheckContext, rec: CheckRecorder) -> None:
-    run_pipeline_check(ctx, rec)
-
-
 CHECK = Check(
     name="pipeline",
     summary="1F1B with grad sync in the cooldown bubble: overlap on = off = refgrad, bitwise",
-    run=_run,
+    run=run,
+    default_candidate=PipelineCandidate.default(),
 )

@@ -11,7 +11,12 @@
 3. A small error-growth sweep against the exact oracle, with expectations that
    follow from proofs (fp32 accumulation of same-sign data is within 1 ULP) or
    from large statistical margins (the ring's error grows, fp32's does not).
-4. Measured, reported as tables and findings: production's averaging (pre-scale
+4. Order-sensitive inputs (exponents spread wider than fp32's 24 bits, so fp32 partial
+   sums round differently in another order; the check asserts this with refgrad): the
+   candidate's local reduction at W=3, 4, 5, 8 and its reduce-scatter on gloo groups of
+   3 (and 4) ranks must equal refgrad fp32/rank bitwise, so any change of summation
+   order fails here.
+5. Measured, reported as tables and findings: production's averaging (pre-scale
    by 1/W in the 16-bit dtype) vs dividing the fp32 sum, against the exact
    average; and whether production's ``torch.sum(dim=0, dtype=float32)`` local
    reduction follows rank order.
@@ -20,6 +25,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from fractions import Fraction
 
 import torch
@@ -43,6 +49,36 @@ OPS = {"sum": SUM, "avg": AVG}
 MODES = ("sync", "async", "scratch", "in_place")
 DTYPE_NAMES = ("float16", "bfloat16")
 ITERATIONS = 2
+# W at which the local reduction sees order-sensitive inputs (W=2 is commutative: a+b == b+a).
+ORDER_SENSITIVE_LOCAL_SIZES = (3, 4, 5, 8)
+# Per dtype: exponents of the cancelling pair (+B on one rank, -B on another) and of the
+# small values on the other ranks. The gap is at least 2^25, more than fp32's 24 bits, so
+# a small value added while the fp32 partial sum holds B is lost, and one added after B
+# and -B have cancelled is kept. No sum can overflow: |B| < 2^15 (fp16), < 2^41 (bf16).
+_ORDER_EXPONENTS = {"float16": ((13, 14), (-14, -12)), "bfloat16": ((30, 40), (-10, 0))}
+
+
+@dataclass(frozen=True)
+class ReduceScatterCandidate:
+    """The reduce-scatter under test: the collective and the local fp32 reduction it uses.
+
+    ``reduce_scatter(output, input, *, group, op, async_op=False, scratch=None)`` is
+    called on every rank (it must be a module-level function: it is pickled into the
+    spawned ranks); ``local_reduction(shards [W, n], out, *, average)`` is called directly.
+    """
+
+    reduce_scatter: Callable = reduce_scatter_with_fp32_accumulation
+    local_reduction: Callable = reduce_shards_fp32
+
+    def __post_init__(self) -> None:
+        for name in ("reduce_scatter", "local_reduction"):
+            if not callable(getattr(self, name)):
+                raise TypeError(f"ReduceScatterCandidate.{name} must be callable")
+
+    @classmethod
+    def default(cls) -> ReduceScatterCandidate:
+        """fastgrad's ``reduce_scatter_with_fp32_accumulation`` and ``reduce_shards_fp32``."""
+        return cls()
 
 
 def rank_input(
@@ -54,6 +90,36 @@ def rank_input(
     x = x * (rank + 1)
     x[:3] = torch.tensor([1.0, 2.0**-11, -(2.0**-9)])
     return x.to(dtype)
+
+
+def order_sensitive_input(
+    rank: int, world_size: int, numel: int, dtype: torch.dtype, it: int, seed: int
+) -> torch.Tensor:
+    """Rank ``rank``'s values of a [W, numel] matrix whose fp32 sums depend on the rank order.
+
+    In every column two random ranks hold +B and -B and the others small values 2^25 or
+    more below B (random signs and mantissas), so the fp32 sum keeps exactly the small
+    values that come after both B's: another order keeps others. The whole matrix comes
+    from one generator (every rank derives the same one), and rank ``rank`` takes its row.
+    """
+    (big_lo, big_hi), (small_lo, small_hi) = _ORDER_EXPONENTS[str(dtype).removeprefix("torch.")]
+    g = torch.Generator().manual_seed(seed * 7919 + 50_000 + 1000 * world_size + 100 * it)
+    shape = (world_size, numel)
+
+    def values(lo: int, hi: int) -> torch.Tensor:
+        exponents = torch.randint(lo, hi + 1, shape, generator=g).to(torch.float64)
+        mantissas = 1 + torch.rand(shape, generator=g, dtype=torch.float64)
+        return mantissas * torch.exp2(exponents)
+
+    big, small = values(big_lo, big_hi), values(small_lo, small_hi)
+    signs = torch.where(torch.rand(shape, generator=g) < 0.5, -1.0, 1.0).to(torch.float64)
+    # Per column, the ranks holding +B and -B: the first two of a random permutation.
+    holders = torch.argsort(torch.rand(shape, generator=g), dim=0)
+    matrix = signs * small
+    columns = torch.arange(numel)
+    matrix[holders[0], columns] = big[0]
+    matrix[holders[1], columns] = -big[0]
+    return matrix[rank].to(dtype)
 
 
 def _run_modes(candidate: Callable, rank: int, size: int, group, shard: int, seed: int):
@@ -82,23 +148,46 @@ def _run_modes(candidate: Callable, rank: int, size: int, group, shard: int, see
     return records
 
 
+def _run_order_sensitive(candidate: Callable, rank: int, size: int, group, shard: int, seed: int):
+    """Order-sensitive inputs through the candidate (sync, SUM and AVG) on one group."""
+    records = []
+    for dtype_name in DTYPE_NAMES:
+        dtype = getattr(torch, dtype_name)
+        for it in range(ITERATIONS):
+            x = order_sensitive_input(rank, size, size * shard, dtype, it, seed)
+            record = {"dtype": dtype_name, "it": it, "input": x.clone()}
+            for op_name, op in OPS.items():
+                out = torch.empty(shard, dtype=dtype)
+                candidate(out, x, group=group, op=op)
+                record[op_name] = out
+            records.append(record)
+    return records
+
+
 def _rank_worker(rank: int, world_size: int, sizes, shard: int, seed: int, candidate) -> dict:
-    """One spawned rank: run every mode on groups of ranks 0..size-1 for each size."""
-    results = {}
+    """One spawned rank: every mode on groups of ranks 0..size-1 for each size, then the
+    order-sensitive inputs on groups of 3 or more ranks."""
+    results, ordered = {}, {}
     for size in sizes:
         group = dist.new_group(list(range(size))) if size < world_size else None
         if rank < size:
             results[size] = _run_modes(candidate, rank, size, group, shard, seed)
-    return results
+            if size >= 3:
+                ordered[size] = _run_order_sensitive(candidate, rank, size, group, shard, seed)
+    return {"modes": results, "order_sensitive": ordered}
 
 
-def check_multi_rank(ctx: CheckContext, rec: CheckRecorder, candidate: Callable) -> None:
-    """``candidate`` on real gloo groups (every mode, SUM and AVG) vs refgrad fp32/rank, bitwise."""
+def check_multi_rank(
+    ctx: CheckContext, rec: CheckRecorder, candidate: ReduceScatterCandidate
+) -> None:
+    """The candidate's reduce-scatter on real gloo groups (every mode, SUM and AVG) vs
+    refgrad fp32/rank, bitwise; at W >= 3 also on order-sensitive inputs."""
     sizes = (2, 3) if ctx.quick else (2, 3, 4)
     shard = 16 if ctx.quick else 96
-    per_rank = spawn(_rank_worker, max(sizes), sizes, shard, ctx.seed, candidate)
+    per_rank = spawn(_rank_worker, max(sizes), sizes, shard, ctx.seed, candidate.reduce_scatter,
+                     timeout_s=ctx.timeout_s)
     for size in sizes:
-        records = [per_rank[r][size] for r in range(size)]
+        records = [per_rank[r]["modes"][size] for r in range(size)]
         for i, first in enumerate(records[0]):
             inputs = [records[r][i]["input"] for r in range(size)]
             for op_name in OPS:
@@ -110,6 +199,54 @@ def check_multi_rank(ctx: CheckContext, rec: CheckRecorder, candidate: Callable)
                         f"it={first['it']} op={op_name} {mode}",
                         torch.cat(expected), got,
                     )
+    for size in (s for s in sizes if s >= 3):
+        records = [per_rank[r]["order_sensitive"][size] for r in range(size)]
+        for i, first in enumerate(records[0]):
+            inputs = [records[r][i]["input"] for r in range(size)]
+            for op_name in OPS:
+                expected = refc.reduce_scatter(inputs, accumulate="fp32", order="rank", op=op_name)
+                got = torch.cat([records[r][i][op_name] for r in range(size)])
+                rec.compare(
+                    f"order-sensitive reduce-scatter vs refgrad fp32/rank: W={size} "
+                    f"{first['dtype']} it={first['it']} op={op_name}",
+                    torch.cat(expected), got,
+                )
+
+
+def check_local_order_sensitive(
+    ctx: CheckContext, rec: CheckRecorder, candidate: ReduceScatterCandidate
+) -> None:
+    """The candidate's local reduction on order-sensitive inputs vs refgrad fp32/rank, bitwise.
+
+    First proves with refgrad that the inputs are order-sensitive: summing the same rows
+    rotated by one rank, or reversed, gives other bits somewhere.
+    """
+    numel = 64 if ctx.quick else 512
+    for world_size in ORDER_SENSITIVE_LOCAL_SIZES:
+        for dtype_name in DTYPE_NAMES:
+            dtype = getattr(torch, dtype_name)
+            rows = [order_sensitive_input(r, world_size, numel, dtype, 0, ctx.seed)
+                    for r in range(world_size)]
+            tag = f"W={world_size} {dtype_name}"
+            in_rank_order = refc.all_reduce(rows, accumulate="fp32", order="rank")[0]
+            differs = {}
+            for order_name, permuted in (("rotated", rows[1:] + rows[:1]), ("reversed", rows[::-1])):
+                other = refc.all_reduce(permuted, accumulate="fp32", order="rank")[0]
+                differs[order_name] = int(
+                    (tensor_bit_patterns(other) != tensor_bit_patterns(in_rank_order)).sum())
+            rec.expect(
+                f"order-sensitive inputs ({tag}): refgrad's fp32 sum in rotated and in reversed "
+                "rank order differs from rank order",
+                all(differs.values()),
+                f"elements that differ (of {numel}): {differs}",
+            )
+            shards = torch.stack(rows)
+            for op in ("sum", "avg"):
+                out = torch.empty(numel, dtype=dtype)
+                candidate.local_reduction(shards, out, average=op == "avg")
+                expected = refc.all_reduce(rows, accumulate="fp32", order="rank", op=op)[0]
+                rec.compare(f"order-sensitive local reduction vs refgrad fp32/rank: {tag} {op}",
+                            expected, out)
 
 
 def check_models(ctx: CheckContext, rec: CheckRecorder) -> None:
@@ -286,12 +423,18 @@ def check_production_sum_order(ctx: CheckContext, rec: CheckRecorder) -> None:
 
 
 def compare_local_reduction_on(
-    device: str, rec: CheckRecorder, g: torch.Generator, sizes, reduce: Callable = reduce_shards_fp32
+    device: str,
+    rec: CheckRecorder,
+    g: torch.Generator,
+    sizes,
+    candidate: ReduceScatterCandidate = ReduceScatterCandidate(),  # noqa: B008 - frozen
 ) -> None:
-    """The local fp32 reduction run on ``device`` vs refgrad, bitwise, fp16 and bf16, SUM and AVG.
+    """The candidate's local fp32 reduction run on ``device`` vs refgrad, bitwise, fp16 and
+    bf16, SUM and AVG.
 
     Values span 2^12 so fp32 accumulation and the single rounding both matter.
     """
+    reduce = candidate.local_reduction
     for dtype in (torch.float16, torch.bfloat16):
         for world_size, numel in sizes:
             values = torch.randn(world_size, numel, generator=g)
@@ -304,7 +447,9 @@ def compare_local_reduction_on(
                             expected, out.cpu())
 
 
-def check_cuda_local_reduction(ctx: CheckContext, rec: CheckRecorder) -> None:
+def check_cuda_local_reduction(
+    ctx: CheckContext, rec: CheckRecorder, candidate: ReduceScatterCandidate
+) -> None:
     """With ``--device cuda``: the GPU local reduction (Triton kernel when available) vs refgrad.
 
     Shard lengths cover several kernel blocks and a ragged tail.
@@ -313,13 +458,14 @@ def check_cuda_local_reduction(ctx: CheckContext, rec: CheckRecorder) -> None:
         rec.skip("CUDA local reduction (Triton kernel) vs refgrad: run `verify run --device cuda`")
         return
     sizes = ((3, 257),) if ctx.quick else ((2, 2053), (3, 2053), (8, 1029), (64, 257))
-    compare_local_reduction_on("cuda", rec, ctx.generator(404), sizes)
+    compare_local_reduction_on("cuda", rec, ctx.generator(404), sizes, candidate)
 
 
-def run_check(ctx: CheckContext, rec: CheckRecorder, candidate: Callable | None = None) -> None:
-    """The whole check; ``candidate`` replaces fastgrad's function (tests feed broken ones)."""
-    check_multi_rank(ctx, rec, candidate or reduce_scatter_with_fp32_accumulation)
-    check_cuda_local_reduction(ctx, rec)
+def run(ctx: CheckContext, rec: CheckRecorder, candidate: ReduceScatterCandidate) -> None:
+    """The ``reduce_scatter`` check against ``candidate`` (default: fastgrad's)."""
+    check_multi_rank(ctx, rec, candidate)
+    check_local_order_sensitive(ctx, rec, candidate)
+    check_cuda_local_reduction(ctx, rec, candidate)
     check_models(ctx, rec)
     check_error_growth(ctx, rec)
     check_average(ctx, rec)
@@ -329,5 +475,6 @@ def run_check(ctx: CheckContext, rec: CheckRecorder, candidate: Callable | None 
 CHECK = Check(
     name="reduce_scatter",
     summary="fp32-accumulating reduce-scatter vs refgrad (bitwise, gloo W=2..4); error growth with N",
-    run=run_check,
+    run=run,
+    default_candidate=ReduceScatterCandidate.default(),
 )

@@ -1,0 +1,307 @@
+"""Multi-rank part of the layout check: real gloo reductions through the buffers vs exact sums."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+import torch
+
+from refgrad.layout import compute_layout as reference_layout
+from verify.distributed import DEFAULT_TIMEOUT_S, spawn
+
+# --------------------------------------------------------------------------- multi-rank
+
+
+def grad_value(rank: int, iteration: int, microbatch: int, param_index: int, flat_index: int) -> int:
+    """Integer test gradient in [-8, 8]: sums over <= 3 ranks x 2 microbatches stay exact in bf16."""
+    return (param_index * 7 + flat_index * 3 + rank * 5 + iteration * 11 + microbatch * 13) % 17 - 8
+
+
+def _grad_tensor(rank: int, iteration: int, microbatch: int, param_index: int, numel: int) -> torch.Tensor:
+    flat = torch.arange(numel, dtype=torch.int64)
+    const = param_index * 7 + rank * 5 + iteration * 11 + microbatch * 13
+    return ((flat * 3 + const) % 17 - 8).to(torch.float64)
+
+
+@dataclass(frozen=True)
+class ReduceScenario:
+    """One buffer configuration to reduce across real ranks (picklable)."""
+
+    name: str
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+    config: tuple[tuple[str, Any], ...]
+    shared: tuple[int, ...] = ()
+    gradient_scaling_factor: float = 1.0
+    iterations: int = 2
+    microbatches: int = 2
+    needs: str = ""  # an optional module the strategy imports
+
+    def ddp_config(self) -> Any:
+        from fastgrad.config import DDPConfig
+
+        return DDPConfig(**dict(self.config))
+
+
+def default_scenarios(world_size: int) -> list[ReduceScenario]:
+    """Reduce-scatter (plain, averaged, fp32-accumulating), all-reduce, an all-padding shard."""
+    shapes = ((3, 5), (40,), (7, 3), (64,), (30, 2), (1,))
+    dtypes = ("bfloat16", "float32", "bfloat16", "bfloat16", "float32", "bfloat16")
+    dist_opt = (("use_distributed_optimizer", True), ("overlap_grad_reduce", True), ("bucket_size", 60))
+    scenarios = [
+        ReduceScenario("reduce-scatter SUM, mixed dtypes, shared embedding", shapes, dtypes, dist_opt, shared=(0,)),
+        ReduceScenario(
+            "all-reduce SUM (no distributed optimizer)", shapes, dtypes,
+            (("overlap_grad_reduce", True), ("bucket_size", 60)),
+        ),
+        ReduceScenario(
+            "reduce-scatter with fp32 accumulation", shapes, ("bfloat16",) * len(shapes),
+            dist_opt + (("reduce_scatter_with_fp32_accumulation", True),), needs="fastgrad.reduce_scatter",
+        ),
+        ReduceScenario(
+            "one tiny param: most ranks' shards are all padding", ((5,),), ("bfloat16",),
+            (("use_distributed_optimizer", True),),
+        ),
+    ]
+    if world_size & (world_size - 1) == 0:  # averaging is exact only for power-of-two dp
+        scenarios += [
+            ReduceScenario(
+                "reduce-scatter AVG in the collective", shapes, dtypes,
+                dist_opt + (("average_in_collective", True),),
+            ),
+            ReduceScenario(
+                "fp32 grads of bf16 params, pre-scaled by 1/dp", shapes, ("bfloat16",) * len(shapes),
+                dist_opt + (("grad_reduce_in_fp32", True),),
+                gradient_scaling_factor=1.0 / world_size,
+            ),
+        ]
+    return scenarios
+
+
+def _scenario_params(scenario: ReduceScenario, device: str) -> list[torch.Tensor]:
+    params = []
+    for i, (shape, dtype) in enumerate(zip(scenario.shapes, scenario.dtypes)):
+        numel = math.prod(shape)
+        values = (torch.arange(numel, dtype=torch.float64) % 5 + i).reshape(shape)
+        p = torch.nn.Parameter(values.to(getattr(torch, dtype)).to(device))
+        if i in scenario.shared:
+            p.shared_embedding = True
+        params.append(p)
+    return params
+
+
+def reduce_worker(
+    rank: int, world_size: int, scenarios: Sequence[ReduceScenario], buffer_cls: type | None = None
+) -> list[dict]:
+    """Per rank: build each scenario's buffer, accumulate rank-specific grads, reduce, report."""
+    import importlib.util
+
+    from fastgrad.buffer import ParamAndGradBuffer
+
+    ParamAndGradBuffer = buffer_cls or ParamAndGradBuffer  # noqa: N806 - the candidate's class
+    results = []
+    for scenario in scenarios:
+        if scenario.needs and importlib.util.find_spec(scenario.needs) is None:
+            results.append({"skipped": f"{scenario.needs} is not available"})
+            continue
+        params = _scenario_params(scenario, "cpu")
+        before = [p.detach().clone() for p in params]
+        buffer = ParamAndGradBuffer(
+            params,
+            config=scenario.ddp_config(),
+            gradient_scaling_factor=scenario.gradient_scaling_factor,
+        )
+        out: dict[str, Any] = {
+            "params_kept": all(torch.equal(a, p.detach()) for a, p in zip(before, params)),
+            "iterations": [],
+        }
+        for it in range(scenario.iterations):
+            buffer.zero_grad()
+            for mb in range(scenario.microbatches):
+                for i, p in enumerate(params):
+                    g = _grad_tensor(rank, it, mb, i, p.numel()).reshape(p.shape)
+                    p.main_grad.add_(g.to(p.main_grad.dtype))
+            in_flight = []
+            for bucket in reversed(buffer.buckets):  # backprop order is reverse of layout
+                bucket.start_grad_sync()
+                in_flight.append(bucket.reduce_in_flight)
+            for bucket in buffer.buckets:
+                bucket.finish_grad_sync()
+            record = {
+                "in_flight_seen": all(in_flight),
+                "padding_zero": buffer.padding_is_zero(),
+                "groups": [],
+                "local_norm_sq": float(buffer.local_shard_grad_norm_sq())
+                if buffer.config.use_distributed_optimizer
+                else 0.0,
+                "checkpoint": {
+                    i: [(piece["param_offset"], piece["main_grad"].double().tolist()) for piece in pieces]
+                    for i, pieces in buffer.shard_checkpoint_state().items()
+                }
+                if buffer.config.use_distributed_optimizer
+                else {},
+            }
+            for group in buffer.groups:
+                if buffer.config.use_distributed_optimizer:
+                    regions = [b.shard_range(rank) for b in group.buckets]
+                else:
+                    regions = [(b.start, b.end) for b in group.buckets]
+                record["groups"].append(
+                    {
+                        "key": (str(group.param_dtype), str(group.grad_dtype)),
+                        "regions": regions,
+                        # Plain lists: tensors in spawn results travel through shared-memory
+                        # file descriptors that vanish when the child exits.
+                        "values": [group.grad_data[lo:hi].double().tolist() for lo, hi in regions],
+                    }
+                )
+            out["iterations"].append(record)
+        results.append(out)
+    return results
+
+
+def expected_reduction(
+    scenario: ReduceScenario, world_size: int, rank: int, iteration: int
+) -> list[dict[str, Any]]:
+    """Per group: this rank's regions and their exact reduced values, laid out by refgrad."""
+    config = scenario.ddp_config()
+    groups: dict[tuple[str, str], list[int]] = {}
+    for i, dtype in enumerate(scenario.dtypes):
+        grad_dtype = "float32" if config.grad_reduce_in_fp32 else dtype
+        groups.setdefault((f"torch.{dtype}", f"torch.{grad_dtype}"), []).append(i)
+    expected = []
+    for key, members in groups.items():
+        numels = [math.prod(scenario.shapes[i]) for i in members]
+        layout = reference_layout(
+            numels,
+            dp_size=world_size,
+            bucket_size=config.resolved_bucket_size(world_size),
+            use_distributed_optimizer=config.use_distributed_optimizer,
+            pad_buckets_for_high_nccl_busbw=config.pad_buckets_for_high_nccl_busbw,
+            shared_embedding=[k for k, i in enumerate(members) if i in scenario.shared],
+        )
+        values = [Fraction(0)] * layout.numel
+        scale = Fraction(scenario.gradient_scaling_factor)
+        if config.average_in_collective:
+            scale /= world_size
+        for k, i in enumerate(members):
+            start, end, _ = layout.param_index_map[k]
+            for flat in range(end - start):
+                total = sum(
+                    grad_value(q, iteration, mb, i, flat)
+                    for q in range(world_size)
+                    for mb in range(scenario.microbatches)
+                )
+                values[start + flat] = total * scale
+        if config.use_distributed_optimizer:
+            regions = [layout.shard(b, rank) for b in range(len(layout.bucket_indices))]
+        else:
+            regions = list(layout.bucket_indices)
+        expected.append(
+            {
+                "key": key,
+                "regions": regions,
+                "values": [
+                    torch.tensor([float(v) for v in values[lo:hi]], dtype=torch.float64)
+                    for lo, hi in regions
+                ],
+                "all_values": values,
+                "layout": layout,
+                "members": members,
+            }
+        )
+    return expected
+
+
+def _checkpoint_problems(
+    per_rank_checkpoints: Sequence[dict], expected: Sequence[dict[str, Any]], numels: Sequence[int]
+) -> list[str]:
+    """Shard checkpoints of all ranks hold every param element once, reduced, and no padding."""
+    problems: list[str] = []
+    location = {}
+    for group in expected:
+        for k, i in enumerate(group["members"]):
+            location[i] = (group, group["layout"].param_index_map[k][0])
+    covered = [[0] * n for n in numels]
+    for rank, checkpoint in enumerate(per_rank_checkpoints):
+        for i, pieces in checkpoint.items():
+            group, start = location[i]
+            for (lo, hi), values in pieces:
+                for offset in range(lo, hi):
+                    covered[i][offset] += 1
+                want = torch.tensor(
+                    [float(v) for v in group["all_values"][start + lo : start + hi]], dtype=torch.float64
+                )
+                if not torch.equal(torch.tensor(values, dtype=torch.float64), want):
+                    problems.append(f"rank {rank}: checkpoint piece of param {i} holds wrong values")
+    for i, counts in enumerate(covered):
+        if any(c != 1 for c in counts):
+            problems.append(f"param {i}: shard checkpoints cover some elements {set(counts)} times")
+    return problems
+
+
+def run_reduce_scenarios(
+    world_size: int,
+    scenarios: Sequence[ReduceScenario],
+    *,
+    buffer_cls: type | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> list[tuple[str, bool, str]]:
+    """Spawn ``world_size`` gloo ranks; (label, passed, detail) per scenario, iteration and rank.
+
+    ``buffer_cls`` replaces ``fastgrad.buffer.ParamAndGradBuffer`` (a candidate's class).
+    """
+    per_rank = spawn(reduce_worker, world_size, list(scenarios), buffer_cls, timeout_s=timeout_s)
+    outcomes: list[tuple[str, bool, str]] = []
+    for s_index, scenario in enumerate(scenarios):
+        label = f"dp={world_size}: {scenario.name}"
+        if "skipped" in per_rank[0][s_index]:
+            outcomes.append((label, True, "skipped: " + per_rank[0][s_index]["skipped"]))
+            continue
+        for it in range(scenario.iterations):
+            norm_total = 0.0
+            problems: list[str] = []
+            expected_norm = None
+            for rank in range(world_size):
+                got = per_rank[rank][s_index]
+                record = got["iterations"][it]
+                if not got["params_kept"]:
+                    problems.append(f"rank {rank}: param values changed when remapped")
+                if not record["in_flight_seen"]:
+                    problems.append(f"rank {rank}: reduce_in_flight was False after start")
+                if not record["padding_zero"]:
+                    problems.append(f"rank {rank}: padding became non-zero")
+                want = expected_reduction(scenario, world_size, rank, it)
+                if [g["key"] for g in record["groups"]] != [g["key"] for g in want]:
+                    problems.append(f"rank {rank}: groups {[g['key'] for g in record['groups']]}")
+                    continue
+                for g_got, g_want in zip(record["groups"], want):
+                    if [tuple(r) for r in g_got["regions"]] != [tuple(r) for r in g_want["regions"]]:
+                        problems.append(f"rank {rank} {g_want['key']}: shard ranges differ from refgrad")
+                        continue
+                    for b, (v_got, v_want) in enumerate(zip(g_got["values"], g_want["values"])):
+                        v_got = torch.tensor(v_got, dtype=torch.float64)
+                        if not torch.equal(v_got, v_want):
+                            bad = int((v_got != v_want).sum())
+                            problems.append(f"rank {rank} {g_want['key']} bucket {b}: {bad} elements differ")
+                norm_total += record["local_norm_sq"]
+                if expected_norm is None:
+                    expected_norm = sum(
+                        float(v) ** 2 for g in want for v in g["all_values"]
+                    )
+            if scenario.ddp_config().use_distributed_optimizer:
+                problems += _checkpoint_problems(
+                    [per_rank[r][s_index]["iterations"][it]["checkpoint"] for r in range(world_size)],
+                    expected_reduction(scenario, world_size, 0, it),
+                    [math.prod(shape) for shape in scenario.shapes],
+                )
+            if scenario.ddp_config().use_distributed_optimizer and expected_norm is not None:
+                # Integer/dyadic grads: every square and partial sum is exact in float64.
+                if norm_total != expected_norm:
+                    problems.append(f"sum of local shard norms^2 {norm_total} != exact {expected_norm}")
+            outcomes.append((f"{label}, iteration {it}", not problems, "; ".join(problems[:5])))
+    return outcomes
