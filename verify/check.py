@@ -90,6 +90,12 @@ class ExpectationRecord:
     detail: str = ""
 
 
+PASS, FAIL, ERROR, SKIP = "PASS", "FAIL", "ERROR", "SKIP"
+STATUSES = (PASS, FAIL, ERROR, SKIP)
+"""A check's outcome: FAIL is a numerical failure (a comparison or expectation); ERROR is
+a crash, timeout or interruption (no verdict on the numbers); SKIP recorded only skips."""
+
+
 @dataclass
 class CheckResult:
     """Everything one check reported."""
@@ -104,6 +110,20 @@ class CheckResult:
     findings: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     error: str | None = None
+    status: str = ""  # one of STATUSES; derived from the fields above when left empty
+
+    def __post_init__(self) -> None:
+        if not self.status:
+            if self.error is not None:
+                self.status = ERROR
+            elif self.passed:
+                self.status = PASS
+            elif self.skipped and not (self.comparisons or self.expectations):
+                self.status = SKIP
+            else:
+                self.status = FAIL
+        if self.status not in STATUSES:
+            raise ValueError(f"status must be one of {STATUSES}, got {self.status!r}")
 
     def to_dict(self) -> dict[str, Any]:
         """The result as plain dicts and lists (for the JSON report)."""

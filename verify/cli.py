@@ -1,11 +1,13 @@
 """The ``verify`` command line.
 
 ``verify run`` runs every registered check (or one, with ``--check``) and writes
-the report; ``verify env`` prints the environment fingerprint. Other
+the reports and plots; ``verify env`` prints the environment fingerprint. Other
 subcommands (``layout``, ``accumulation``, ``simulate-pipeline``) live in their
 own modules, listed in :data:`SUBCOMMANDS`.
 
-Exit codes: 0 when every check passes, 1 when any fails, 2 on bad usage.
+Exit codes (as pytest keeps failures and errors apart): 0 every check passed,
+1 a numerical failure, 2 bad usage, 3 an error (a check crashed or timed out, the
+run was interrupted, or an output could not be written).
 """
 
 from __future__ import annotations
@@ -13,18 +15,29 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import multiprocessing
+import os
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
 from types import ModuleType
+from typing import Any
 
-import torch
-
-from verify.check import CheckContext
+from verify.check import ERROR, CheckContext, CheckResult
 from verify.checks import all_checks, check_by_name
-from verify.env import fingerprint, format_fingerprint
-from verify.report import Report, render_text
+from verify.console import StepProgress, emit, terminal_width
+from verify.env import fingerprint, format_fingerprint, gradverify_version, provenance
+from verify.options import SetOnce
+from verify.outputs import Output, OutputPathError, check_output_paths, write_outputs
+from verify.plots import PlotUnavailable, matplotlib_available, report_plots
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ERROR = 0, 1, 2, 3
+EXIT_BY_VERDICT = {"PASS": EXIT_OK, "FAIL": EXIT_FAILED, "ERROR": EXIT_ERROR}
+DEFAULT_TIMEOUT_S = CheckContext.timeout_s
 
 # Subcommand name -> module defining configure_parser(parser) and main(args) -> int.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -33,6 +46,13 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "simulate-pipeline": ("verify.studies.pipeline", "discrete-event 1F1B pipeline simulator"),
     "preflight": ("verify.preflight.cli", "validate a Megatron-Core configuration and lay it out on paper"),
 }
+
+# Rough wall seconds of each check on 2 CPU cores (full size; --quick takes about half):
+# the progress estimate and --help use them. Unknown checks count as DEFAULT_CHECK_SECONDS.
+ROUGH_CHECK_SECONDS = {"formats": 8, "oracle": 4, "metrics": 1, "layout": 8, "reduce_scatter": 11,
+                       "deferred_wgrad": 12, "pipeline": 20, "mxfp8": 9}
+DEFAULT_CHECK_SECONDS = 10.0
+QUICK_FACTOR = 0.5
 
 
 class UsageError(Exception):
@@ -49,21 +69,49 @@ def _load_subcommand(module_name: str) -> ModuleType | None:
         raise
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds > 0, got {text}")
+    return value
+
+
+def _rough_total(quick: bool) -> float:
+    total = sum(ROUGH_CHECK_SECONDS.values())
+    return total * QUICK_FACTOR if quick else total
+
+
 def _add_run_parser(subparsers: argparse._SubParsersAction) -> None:
-    run = subparsers.add_parser("run", help="run the registered checks and report")
-    run.add_argument(
-        "--check",
-        action="append",
-        metavar="NAME",
-        help="run only this check (repeatable); see --list",
+    run = subparsers.add_parser(
+        "run", help="run the registered checks and report",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description=(
+            "Run the registered checks and write the reports. Rough run time on 2 CPU cores: "
+            f"about {_rough_total(False):.0f} s for all checks, {_rough_total(True):.0f} s with "
+            "--quick. Exit codes: 0 all passed, 1 a numerical failure, 2 usage, 3 an error "
+            "(crash, timeout, interrupted, output not written)."
+        ),
     )
+    run.add_argument("--check", action="append", metavar="NAME",
+                     help="run only this check (repeatable); see --list")
     run.add_argument("--list", action="store_true", help="list the registered checks and exit")
-    run.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--device", choices=("cpu", "cuda"), default="cpu", action=SetOnce)
+    run.add_argument("--seed", type=int, default=0, action=SetOnce)
     run.add_argument("--quick", action="store_true", help="smaller problem sizes")
-    run.add_argument("--json", metavar="PATH", help="write the JSON report here")
-    run.add_argument("--markdown", metavar="PATH", help="write the Markdown report here")
-    run.add_argument("-v", "--verbose", action="store_true", help="print every comparison and table")
+    run.add_argument("--timeout", type=_positive_seconds, default=DEFAULT_TIMEOUT_S,
+                     metavar="SECONDS", action=SetOnce,
+                     help="deadline of each multi-rank phase: a stalled rank becomes an ERROR")
+    run.add_argument("--json", metavar="PATH", action=SetOnce, help="write the JSON report here")
+    run.add_argument("--markdown", metavar="PATH", action=SetOnce,
+                     help="write the Markdown report here")
+    run.add_argument("--no-plots", action="store_true",
+                     help="do not draw the figures (PNG) beside the reports (they are drawn "
+                          "beside --markdown, else --json, when matplotlib is installed)")
+    run.add_argument("-v", "--verbose", action="store_true",
+                     help="print every comparison, finding and table")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,51 +120,154 @@ def build_parser() -> argparse.ArgumentParser:
         prog="verify",
         description="Verify optimized gradient paths (fastgrad) against exact references (refgrad).",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {gradverify_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers.required = True
     _add_run_parser(subparsers)
-    env = subparsers.add_parser("env", help="print the environment fingerprint")
-    env.add_argument("--json", action="store_true", help="print JSON")
+    env = subparsers.add_parser("env", help="print the environment fingerprint",
+                                description="Print the environment fingerprint (about 1 s).")
+    env.add_argument("--json", metavar="PATH", action=SetOnce,
+                     help="write the fingerprint as JSON to PATH ('-': standard output)")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         module = _load_subcommand(module_name)
         if module is None:
             continue
-        sub = subparsers.add_parser(name, help=help_text)
+        sub = subparsers.add_parser(name, help=help_text,
+                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         module.configure_parser(sub)
         sub.set_defaults(_module=module_name)
     return parser
 
 
+@contextmanager
+def interrupt_kills_ranks() -> Iterator[None]:
+    """While active, Ctrl-C first kills this process's multiprocessing children (the ranks of
+    a running check), then raises KeyboardInterrupt here, so nothing waits on dead peers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_interrupt(signum: int, frame: Any) -> None:
+        for child in multiprocessing.active_children():
+            child.kill()
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _interrupted_result(check: Any, seconds: float) -> CheckResult:
+    return CheckResult(name=check.name, summary=check.summary, passed=False, seconds=seconds,
+                       error="KeyboardInterrupt: interrupted (Ctrl-C) before the check finished",
+                       status=ERROR)
+
+
+def _plot_outputs(report: Any, args: argparse.Namespace) -> list[Output]:
+    """The figures, beside the Markdown report (else the JSON one); none without a report."""
+    anchor = args.markdown or args.json
+    if args.no_plots or anchor is None:
+        return []
+    if not matplotlib_available():
+        print("verify: note: no plots drawn (matplotlib is not installed: "
+              "pip install 'gradverify[plot]')", file=sys.stderr)
+        return []
+    anchor_path = Path(anchor)
+
+    def draw(directory: Path) -> None:
+        written = report_plots(report.checks, directory, anchor_path.stem)
+        base = Path(args.markdown).parent if args.markdown else directory
+        report.plots.extend((title, os.path.relpath(path, base)) for title, path in written)
+        for _, path in written:
+            print(f"wrote {path}", file=sys.stderr)
+
+    return [Output("--markdown" if args.markdown else "--json", anchor_path.parent, draw,
+                   announce=False)]
+
+
 def _run_checks(args: argparse.Namespace) -> int:
     if args.list:
         for check in all_checks():
-            print(f"{check.name:<16} {check.summary}")
+            emit(f"{check.name:<16} {check.summary}")
         return EXIT_OK
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda was given but CUDA is not available on this machine")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda was given but CUDA is not available on this machine")
     if args.seed < 0:
         raise UsageError(f"--seed must be >= 0, got {args.seed}")
+    check_output_paths([("--json", args.json), ("--markdown", args.markdown)])
     try:
         checks = [check_by_name(n) for n in args.check] if args.check else list(all_checks())
     except ValueError as exc:
-        raise UsageError(str(exc)) from exc
-    context = CheckContext(device=args.device, seed=args.seed, quick=args.quick)
+        raise UsageError(f"--check: {exc}") from exc
+    from verify.report import Report, render_text
+
+    context = CheckContext(device=args.device, seed=args.seed, quick=args.quick,
+                           timeout_s=args.timeout)
     report = Report(
-        env=fingerprint(),
+        env=fingerprint(), provenance=provenance(),
         options={"device": args.device, "seed": args.seed, "quick": args.quick,
-                 "checks": [c.name for c in checks]},
+                 "timeout_s": args.timeout, "checks": [c.name for c in checks]},
     )
-    for check in checks:
-        print(f"running {check.name} ...", file=sys.stderr, flush=True)
-        report.checks.append(check.execute(context))
-    print(render_text(report, verbose=args.verbose))
+    factor = QUICK_FACTOR if args.quick else 1.0
+    weights = [ROUGH_CHECK_SECONDS.get(c.name, DEFAULT_CHECK_SECONDS) * factor for c in checks]
+    with interrupt_kills_ranks(), StepProgress(sum(weights), "verify run",
+                                                          steps=len(checks)) as progress:
+        for number, (check, weight) in enumerate(zip(checks, weights), start=1):
+            progress.step(f"{check.name} ({number}/{len(checks)}) ...", expected=weight)
+            start = time.perf_counter()
+            try:
+                result = check.execute(context)
+            except KeyboardInterrupt:
+                report.checks.append(_interrupted_result(check, time.perf_counter() - start))
+                report.complete = False
+                break
+            report.checks.append(result)
+            progress.advance(weight, f"{result.status} {check.name}")
+    if not report.complete:
+        print(f"verify: interrupted during {report.checks[-1].name}; reporting the "
+              f"{len(report.checks) - 1} checks that finished (marked incomplete)", file=sys.stderr)
+    emit(render_text(report, verbose=args.verbose, width=terminal_width()))
+    outputs = _plot_outputs(report, args)  # first: the reports show the plots
     if args.json:
-        report.write_json(args.json)
-        print(f"wrote {args.json}", file=sys.stderr)
+        outputs.append(Output("--json", Path(args.json), report.write_json))
     if args.markdown:
-        report.write_markdown(args.markdown)
-        print(f"wrote {args.markdown}", file=sys.stderr)
-    return EXIT_OK if report.passed else EXIT_FAILED
+        outputs.append(Output("--markdown", Path(args.markdown), report.write_markdown))
+    failures = _write_all(outputs)
+    return EXIT_ERROR if failures else EXIT_BY_VERDICT[report.verdict]
+
+
+def _write_all(outputs: Sequence[Output]) -> list[str]:
+    """write_outputs, with plotting errors (not only OSError) kept from stopping the rest."""
+    guarded = []
+    for output in outputs:
+        def write(path: Path, _write: Callable[[Path], None] = output.write) -> None:
+            try:
+                _write(path)
+            except (OSError, PlotUnavailable):
+                raise
+            except Exception as exc:  # noqa: BLE001 - a figure must not cost the reports
+                raise OSError(f"{type(exc).__name__}: {exc}") from exc
+        guarded.append(Output(output.option, output.path, write, output.announce))
+    return write_outputs(guarded)
+
+
+def _env(args: argparse.Namespace) -> int:
+    env = fingerprint() | provenance()
+    if args.json is None:
+        emit(format_fingerprint(env))
+        return EXIT_OK
+    if args.json == "-":
+        emit(json.dumps(env, indent=2))
+        return EXIT_OK
+    check_output_paths([("--json", args.json)])
+    failures = write_outputs([Output("--json", Path(args.json),
+                                     lambda p: p.write_text(json.dumps(env, indent=2) + "\n"))])
+    return EXIT_ERROR if failures else EXIT_OK
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -127,13 +278,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "run":
             return _run_checks(args)
         if args.command == "env":
-            env = fingerprint()
-            print(json.dumps(env, indent=2) if args.json else format_fingerprint(env))
-            return EXIT_OK
+            return _env(args)
         return int(_load_subcommand(args._module).main(args))
-    except UsageError as exc:
-        print(f"verify: error: {exc}", file=sys.stderr)
+    except (UsageError, OutputPathError, PlotUnavailable) as exc:
+        print(f"verify {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"verify {args.command}: interrupted", file=sys.stderr)
+        return EXIT_ERROR
+    except BrokenPipeError:
+        emit("")  # silences stdout; the reader is gone
+        return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
 import sys
 from datetime import datetime, timezone
 from typing import Any
@@ -55,6 +56,36 @@ def _triton_version() -> str | None:
     except Exception:  # noqa: BLE001 - absent or broken on this machine
         return None
     return getattr(triton, "__version__", "unknown")
+
+
+def gradverify_version() -> str:
+    """The installed gradverify version ("unknown" when not installed as a package)."""
+    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
+
+    try:
+        return version("gradverify")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def git_commit() -> str | None:
+    """The commit of the checkout this code runs from (``+dirty`` with local changes), or None."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not os.path.exists(os.path.join(root, ".git")):
+        return None
+    try:
+        commit = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True,
+                                text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return commit + ("+dirty" if dirty.strip() else "") if commit else None
+
+
+def provenance() -> dict[str, Any]:
+    """What produced a report: the gradverify version and, from a checkout, the git commit."""
+    return {"gradverify": gradverify_version(), "git_commit": git_commit()}
 
 
 def fingerprint() -> dict[str, Any]:

@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from verify.check import CheckResult, ComparisonRecord, Table
+from verify.check import ERROR, FAIL, PASS, SKIP, CheckResult, ComparisonRecord, Table
+from verify.console import render_rich
 
-REPORT_SCHEMA_VERSION = 1
+REPORT_SCHEMA_VERSION = 2  # 2: verdict/status/complete, timings apart from results
 
 
 def _json_safe(value: Any) -> Any:
@@ -25,28 +26,67 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
+VERDICTS = (PASS, FAIL, ERROR, SKIP)
+
+
 @dataclass
 class Report:
-    """The outcome of one ``verify run``: the environment and every check's result."""
+    """The outcome of one ``verify run``: the environment and every check's result.
+
+    ``complete`` is False when the run stopped early (Ctrl-C): the report then holds
+    what finished. ``plots`` are ``(title, path)`` pairs, paths relative to the report.
+    """
 
     env: dict[str, Any]
     checks: list[CheckResult] = field(default_factory=list)
     options: dict[str, Any] = field(default_factory=dict)
+    provenance: dict[str, Any] = field(default_factory=dict)
+    complete: bool = True
+    plots: list[tuple[str, str]] = field(default_factory=list)
+
+    def counts(self) -> dict[str, int]:
+        """How many checks ended in each status."""
+        return {s: sum(c.status == s for c in self.checks) for s in VERDICTS}
+
+    @property
+    def verdict(self) -> str:
+        """ERROR if any check errored or the run is incomplete; else FAIL if any failed (or
+        nothing was verified); else PASS."""
+        counts = self.counts()
+        if counts[ERROR] or not self.complete:
+            return ERROR
+        if counts[FAIL] or not counts[PASS]:
+            return FAIL
+        return PASS
 
     @property
     def passed(self) -> bool:
-        """True when at least one check ran and every check passed."""
-        return bool(self.checks) and all(c.passed for c in self.checks)
+        """True when the run is complete, at least one check passed and none failed or errored."""
+        return self.verdict == PASS
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON report: schema version, result, ``env``, options and ``checks``."""
+        """The JSON report. ``checks`` holds the results only (same seed, same results); wall
+        times live apart in ``timings`` and the moment of the run in ``env``."""
+        results = []
+        for c in self.checks:
+            entry = c.to_dict()
+            entry.pop("seconds", None)
+            results.append(entry)
         return _json_safe(
             {
                 "schema_version": REPORT_SCHEMA_VERSION,
+                "verdict": self.verdict,
                 "passed": self.passed,
-                "env": self.env,
+                "complete": self.complete,
+                "gradverify": self.provenance,
                 "options": self.options,
-                "checks": [c.to_dict() for c in self.checks],
+                "checks": results,
+                "timings": {
+                    "total_seconds": sum(c.seconds for c in self.checks),
+                    "checks": {c.name: c.seconds for c in self.checks},
+                },
+                "plots": [path for _, path in self.plots],
+                "env": self.env,
             }
         )
 
@@ -60,6 +100,8 @@ class Report:
 
 
 def _cell(value: Any) -> str:
+    if isinstance(value, bool):  # informational yes/no, not a verdict: never "False"
+        return "yes" if value else "no"
     if isinstance(value, float):
         if value == 0 or not math.isfinite(value):
             return str(value)
@@ -69,17 +111,19 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
-def render_table_text(table: Table) -> str:
-    """A fixed-width text table."""
-    cells = [[_cell(v) for v in row] for row in table.rows]
-    widths = [len(c) for c in table.columns]
-    for row in cells:
-        widths = [max(w, len(c)) for w, c in zip(widths, row)]
-    lines = [table.title]
-    lines.append("  ".join(c.ljust(w) for c, w in zip(table.columns, widths)))
-    lines.append("  ".join("-" * w for w in widths))
-    lines.extend("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells)
-    lines.extend(f"  note: {n}" for n in table.notes)
+def render_table_text(table: Table, width: int = 100) -> str:
+    """A recorded table as text that fits ``width`` columns (cells wrap when needed)."""
+    from rich import box
+    from rich.table import Table as RichTable
+
+    rich_table = RichTable(title=table.title, title_justify="left", box=box.SIMPLE_HEAD,
+                           pad_edge=False, expand=False)
+    for column in table.columns:
+        rich_table.add_column(str(column), overflow="fold")
+    for row in table.rows:
+        rich_table.add_row(*(_cell(v) for v in row))
+    lines = [render_rich(rich_table, width)]
+    lines.extend(_fit(f"note: {n}", width) for n in table.notes)
     return "\n".join(lines)
 
 
@@ -93,47 +137,72 @@ def render_table_markdown(table: Table) -> str:
     return "\n".join(lines)
 
 
-def _comparison_line(c: Any) -> str:
+def _fit(text: str, width: int, indent: str = "") -> str:
+    """One line of at most ``width`` columns (cut with an ellipsis)."""
+    line = indent + text.replace("\n", " ")
+    return line if len(line) <= width else line[: max(width - 1, 0)] + "…"
+
+
+def _comparison_line(c: ComparisonRecord) -> str:
     m = c.metrics
-    verdict = "ok " if c.passed else "FAIL"
+    verdict = "ok  " if c.passed else "FAIL"
     bound = "bitwise" if c.max_ulp_allowed == 0 else f"<= {c.max_ulp_allowed} ulp"
     return (
-        f"  [{verdict}] {c.label}: n={m.get('n')} mismatches={m.get('n_mismatch')} "
+        f"[{verdict}] {c.label}: n={m.get('n')} mismatches={m.get('n_mismatch')} "
         f"max_ulp={m.get('max_ulp')} ({bound})"
     )
 
 
-def render_text(report: Report, verbose: bool = False) -> str:
-    """The terminal summary: one line per check, details for failures (or all with verbose)."""
+def _error_headline(error: str) -> str:
+    """The last line of a traceback: the exception and its message."""
+    lines = [line for line in error.strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "error"
+
+
+def verdict_line(report: Report) -> str:
+    """``8 checks: 7 PASS, 1 FAIL -> FAIL`` (and the interruption, if any)."""
+    counts = report.counts()
+    parts = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
+    line = f"{len(report.checks)} checks: {parts or 'none ran'} -> {report.verdict}"
+    if not report.complete:
+        line += " (interrupted: report incomplete)"
+    return line
+
+
+def render_text(report: Report, verbose: bool = False, width: int = 100) -> str:
+    """The terminal summary, at most ``width`` columns: one line per check, what went wrong
+    under failing ones; every comparison, expectation, finding and table with ``verbose``."""
     lines = []
+    name_width = max((len(r.name) for r in report.checks), default=8)
     for result in report.checks:
-        status = "PASS" if result.passed else "FAIL"
-        lines.append(
-            f"{status}  {result.name:<16} {result.seconds:6.1f}s  "
-            f"{len(result.comparisons)} comparisons, {len(result.expectations)} expectations"
-            f"  - {result.summary}"
-        )
-        show = verbose or not result.passed
-        if show:
-            lines.extend(_comparison_line(c) for c in result.comparisons if verbose or not c.passed)
-            lines.extend(
-                f"  [{'ok ' if e.passed else 'FAIL'}] {e.label}" + (f": {e.detail}" if e.detail else "")
-                for e in result.expectations
-                if verbose or not e.passed
-            )
+        lines.append(_fit(
+            f"{result.status:<5} {result.name:<{name_width}} {result.seconds:6.1f}s  "
+            f"{result.summary}", width))
+        failing = result.status in (FAIL, ERROR)
+        details = [_comparison_line(c) for c in result.comparisons if verbose or not c.passed]
+        details += [
+            f"[{'ok  ' if e.passed else 'FAIL'}] {e.label}" + (f": {e.detail}" if e.detail else "")
+            for e in result.expectations if verbose or not e.passed
+        ]
+        if failing or verbose:
+            lines.extend(_fit(d, width, "  ") for d in details)
         if result.error:
-            lines.append("  error:\n    " + result.error.strip().replace("\n", "\n    "))
-        for text in result.skipped:
-            lines.append(f"  skipped: {text}")
+            if verbose:
+                lines.append("  error:")
+                lines.extend("    " + line for line in result.error.strip().splitlines())
+            else:
+                lines.append(_fit(f"error: {_error_headline(result.error)}", width, "  "))
         if verbose:
+            lines.extend(_fit(f"skipped: {t}", width, "  ") for t in result.skipped)
+            lines.extend(_fit(f"info: {t}", width, "  ") for t in result.findings)
             for table in result.tables:
                 lines.append("")
-                lines.append("  " + render_table_text(table).replace("\n", "\n  "))
-        for text in result.findings:
-            lines.append(f"  finding: {text}")
-    passed = sum(r.passed for r in report.checks)
+                lines.append(render_table_text(table, width - 2).replace("\n", "\n  "))
     lines.append("")
-    lines.append(f"{passed}/{len(report.checks)} checks passed")
+    lines.append(verdict_line(report))
+    hidden = sum(len(r.findings) + len(r.skipped) for r in report.checks)
+    if not verbose and hidden:
+        lines.append(_fit(f"({hidden} findings and skipped items: see -v or the reports)", width))
     return "\n".join(lines)
 
 
@@ -171,31 +240,53 @@ def _comparison_rows_markdown(comparisons: Sequence[ComparisonRecord]) -> list[s
     return lines
 
 
+def _failures_markdown(report: Report) -> list[str]:
+    """What failed or errored, before any detail."""
+    lines = []
+    for r in report.checks:
+        if r.status not in (FAIL, ERROR):
+            continue
+        lines.extend(["", f"### {r.name}: {r.status}", ""])
+        if r.error:
+            lines.append(f"Error: `{_error_headline(r.error)}` (traceback under Details)")
+        for c in r.comparisons:
+            if not c.passed:
+                lines.append(f"- comparison {c.label}: {c.metrics.get('n_mismatch')} mismatches, "
+                             f"max ULP {c.metrics.get('max_ulp')} (bound {c.max_ulp_allowed})")
+        lines.extend(f"- expectation {e.label}: {e.detail}" for e in r.expectations if not e.passed)
+        if not (r.error or r.comparisons or r.expectations):
+            lines.append("- the check recorded no comparison and no expectation")
+    return lines
+
+
 def render_markdown(report: Report) -> str:
-    """The whole report as Markdown: result, environment, then each check."""
-    lines = ["# gradverify report", ""]
-    lines.append(f"**Result: {'PASS' if report.passed else 'FAIL'}**")
-    lines.append("")
-    lines.append("## Environment")
-    lines.append("")
-    lines.append("```json")
-    lines.append(json.dumps(_json_safe(report.env), indent=2))
-    lines.append("```")
-    lines.append("")
-    lines.append("## Summary")
-    lines.append("")
-    lines.append("| check | result | seconds | comparisons | expectations |")
-    lines.append("|---|---|---|---|---|")
+    """The report as Markdown: verdict and summary first, then failures, plots, the
+    details of each check, and the environment last."""
+    lines = ["# gradverify report", "", f"**Result: {report.verdict}** ({verdict_line(report)})"]
+    if not report.complete:
+        lines += ["", "**Incomplete:** the run was interrupted. The checks below finished, "
+                      "except the last one, which was stopped and is listed as ERROR; the "
+                      "checks after it did not run."]
+    prov = report.provenance
+    if prov:
+        lines += ["", f"gradverify {prov.get('gradverify', 'unknown')}"
+                      + (f", commit `{prov['git_commit']}`" if prov.get("git_commit") else "")
+                      + (f"; options: `{json.dumps(report.options)}`" if report.options else "")]
+    lines += ["", "## Summary", "", "| check | result | seconds | comparisons | expectations |",
+              "|---|---|---|---|---|"]
     for r in report.checks:
-        lines.append(
-            f"| {r.name} | {'PASS' if r.passed else 'FAIL'} | {r.seconds:.1f} | "
-            f"{len(r.comparisons)} | {len(r.expectations)} |"
-        )
+        lines.append(f"| {r.name} | {r.status} | {r.seconds:.1f} | {len(r.comparisons)} | "
+                     f"{len(r.expectations)} |")
+    failures = _failures_markdown(report)
+    if failures:
+        lines += ["", "## Failures and errors", *failures]
+    if report.plots:
+        lines += ["", "## Plots"]
+        for title, path in report.plots:
+            lines += ["", f"![{title}]({path})"]
+    lines += ["", "## Details"]
     for r in report.checks:
-        lines.append("")
-        lines.append(f"## {r.name}: {'PASS' if r.passed else 'FAIL'}")
-        lines.append("")
-        lines.append(r.summary)
+        lines += ["", f"### {r.name}: {r.status}", "", r.summary]
         if r.error:
             lines.extend(["", "```", r.error.strip(), "```"])
         if r.comparisons:
@@ -208,11 +299,13 @@ def render_markdown(report: Report) -> str:
         for table in r.tables:
             lines.extend(["", render_table_markdown(table)])
         if r.findings:
-            lines.extend(["", "Findings:"])
+            lines.extend(["", "Findings (informational):"])
             lines.extend(f"- {f}" for f in r.findings)
         if r.skipped:
             lines.extend(["", "Skipped:"])
             lines.extend(f"- {s}" for s in r.skipped)
+    lines += ["", "## Environment", "", "```json", json.dumps(_json_safe(report.env), indent=2),
+              "```"]
     return "\n".join(lines) + "\n"
 
 

@@ -187,12 +187,14 @@ def test_main_writes_table_json_markdown_and_plot(tmp_path, capsys):
     assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_plot_is_skipped_with_a_message_without_matplotlib(tmp_path, capsys, monkeypatch):
+def test_plot_without_matplotlib_is_a_usage_error_before_any_work(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(acc_cli, "_matplotlib_available", lambda: False)
+    monkeypatch.setattr(acc_cli, "run_sweep", lambda *a, **k: pytest.fail("sweep ran"))
     args = _parse(["--dp", "2,4", "--dtype", "bf16", "--distribution", "normal", "--numel", "256",
                    "--plot", str(tmp_path / "r.png"), "--no-progress"])
-    assert acc_cli.main(args) == 0
-    assert "matplotlib is not installed" in capsys.readouterr().err
+    assert acc_cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert "matplotlib, which is not installed" in err and "pip install" in err and "--plot" in err
     assert not (tmp_path / "r.png").exists()
 
 
@@ -224,7 +226,7 @@ def test_verify_cli_accumulation_help_and_exit_codes(capsys):
             cli.main(argv)
         assert info.value.code == 2, argv
     assert cli.main(["accumulation", "--dp", "0", "--no-progress"]) == 2
-    assert "dp_sizes" in capsys.readouterr().err
+    assert "--dp must be integers >= 2" in capsys.readouterr().err
     assert cli.main(["accumulation", "--dp", "2", "--dtype", "bf16", "--distribution", "normal",
                      "--numel", "64", "--no-progress"]) == 0
 

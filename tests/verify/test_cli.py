@@ -1,9 +1,17 @@
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from verify import cli
-from verify.check import Check
+from verify.check import Check, CheckResult
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _failing(ctx, rec):
@@ -14,13 +22,38 @@ def _passing(ctx, rec):
     rec.expect("deliberately true", True)
 
 
-def test_env_json_has_fingerprint_fields(capsys):
-    assert cli.main(["env", "--json"]) == 0
+def _crashing(ctx, rec):
+    rec.expect("recorded before the crash", True)
+    raise RuntimeError("rank 1 exited with code -9")
+
+
+def _skipping(ctx, rec):
+    rec.skip("needs CUDA")
+
+
+def _use(monkeypatch, *functions):
+    """Register synthetic checks named check0, check1, ... in place of the real ones."""
+    checks = {f"check{i}": Check(f"check{i}", f"synthetic {fn.__name__}", fn)
+              for i, fn in enumerate(functions)}
+    monkeypatch.setattr(cli, "check_by_name", lambda name: checks[name])
+    monkeypatch.setattr(cli, "all_checks", lambda: tuple(checks.values()))
+    return checks
+
+
+def _env_subprocess():
+    return dict(os.environ, PYTHONPATH=str(REPO), COLUMNS="100")
+
+
+def test_env_json_has_fingerprint_fields(capsys, tmp_path):
+    assert cli.main(["env", "--json", "-"]) == 0
     env = json.loads(capsys.readouterr().out)
-    for key in ("torch", "cuda", "nccl", "gpu_name", "variables"):
+    for key in ("torch", "cuda", "nccl", "gpu_name", "variables", "gradverify"):
         assert key in env
     assert "NCCL_ALGO" in env["variables"]
     assert "CUBLAS_WORKSPACE_CONFIG" in env["variables"]
+    path = tmp_path / "env.json"
+    assert cli.main(["env", "--json", str(path)]) == 0
+    assert json.loads(path.read_text())["torch"] == env["torch"]
 
 
 def test_unknown_check_is_usage_error(capsys):
@@ -42,20 +75,158 @@ def test_cuda_without_cuda_is_usage_error(capsys):
     assert cli.main(["run", "--device", "cuda"]) == 2
 
 
-@pytest.mark.parametrize("fn, code", [(_passing, 0), (_failing, 1)])
-def test_exit_code_and_reports(monkeypatch, tmp_path, fn, code):
-    check = Check("synthetic", "synthetic check", fn)
-    monkeypatch.setattr(cli, "check_by_name", lambda name: check)
+@pytest.mark.parametrize("fn, code, status", [(_passing, 0, "PASS"), (_failing, 1, "FAIL"),
+                                               (_crashing, 3, "ERROR")])
+def test_exit_code_and_reports(monkeypatch, tmp_path, fn, code, status):
+    _use(monkeypatch, fn)
     out_json, out_md = tmp_path / "r.json", tmp_path / "r.md"
-    assert cli.main(["run", "--check", "synthetic", "--json", str(out_json), "--markdown", str(out_md)]) == code
+    assert cli.main(["run", "--check", "check0", "--json", str(out_json),
+                     "--markdown", str(out_md)]) == code
     report = json.loads(out_json.read_text())
     assert report["passed"] is (code == 0)
+    assert report["verdict"] == status and report["complete"] is True
     assert "torch" in report["env"]
     [entry] = report["checks"]
-    assert entry["name"] == "synthetic"
+    assert entry["name"] == "check0"
     assert entry["passed"] is (code == 0)
+    assert entry["status"] == status
     assert "comparisons" in entry
-    assert ("PASS" if code == 0 else "FAIL") in out_md.read_text()
+    assert f"**Result: {status}**" in out_md.read_text()
+
+
+def test_skip_only_check_is_skip_not_pass(monkeypatch, capsys):
+    _use(monkeypatch, _passing, _skipping)
+    assert cli.main(["run"]) == 0  # a skip next to a pass does not fail the run
+    out = capsys.readouterr().out
+    assert "SKIP  check1" in out and "1 PASS, 1 SKIP -> PASS" in out
+    _use(monkeypatch, _skipping)
+    assert cli.main(["run"]) == 1  # nothing was verified
+
+
+@pytest.mark.parametrize("path, why", [("/nonexistent-dir/a.json", "does not exist"),
+                                       (".", "is a directory")])
+def test_bad_output_path_is_refused_before_any_check_runs(monkeypatch, tmp_path, capsys, path, why):
+    ran = []
+    _use(monkeypatch, lambda ctx, rec: ran.append(1))
+    md = tmp_path / "ok.md"
+    assert cli.main(["run", "--json", path, "--markdown", str(md)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "--json" in err and why in err
+    assert not ran and not md.exists()
+
+
+def test_one_output_failing_later_still_writes_the_others(monkeypatch, tmp_path, capsys):
+    from verify.report import Report
+
+    _use(monkeypatch, _passing)
+
+    def broken(self, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Report, "write_json", broken)
+    md = tmp_path / "r.md"
+    assert cli.main(["run", "--json", str(tmp_path / "r.json"), "--markdown", str(md)]) == 3
+    assert "PASS" in md.read_text()
+    err = capsys.readouterr().err
+    assert "--json" in err and "No space left on device" in err and "Traceback" not in err
+
+
+def test_interrupt_reports_what_finished_marked_incomplete(monkeypatch, tmp_path, capsys):
+    ran = []
+
+    def interrupted(ctx, rec):
+        raise KeyboardInterrupt
+
+    _use(monkeypatch, _passing, interrupted, lambda ctx, rec: ran.append(1))
+    out_json, out_md = tmp_path / "r.json", tmp_path / "r.md"
+    assert cli.main(["run", "--json", str(out_json), "--markdown", str(out_md)]) == 3
+    assert not ran  # the run stops at the interruption
+    report = json.loads(out_json.read_text())
+    assert report["complete"] is False and report["verdict"] == "ERROR"
+    assert [c["status"] for c in report["checks"]] == ["PASS", "ERROR"]
+    assert "Incomplete" in out_md.read_text()
+    assert "interrupted during check1" in capsys.readouterr().err
+
+
+def test_timeout_feeds_the_check_context(monkeypatch):
+    seen = []
+    _use(monkeypatch, lambda ctx, rec: (seen.append(ctx.timeout_s), rec.expect("ok", True)))
+    assert cli.main(["run", "--timeout", "7.5"]) == 0
+    assert seen == [7.5]
+    for bad in ("0", "-1", "nan", "soon"):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["run", "--timeout", bad])
+        assert exc.value.code == 2
+
+
+def test_repeated_single_value_options_are_refused(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["run", "--json", "a.json", "--json", "b.json"])
+    assert exc.value.code == 2
+    assert "--json was given more than once" in capsys.readouterr().err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.startswith("verify ")
+
+
+def test_help_shows_defaults_and_run_time(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["run", "--help"])
+    out = capsys.readouterr().out
+    assert "default: 60.0" in " ".join(out.split()) and "Rough run time" in out
+
+
+def test_same_seed_gives_identical_results_and_timings_live_apart(tmp_path):
+    reports = []
+    for i in range(2):
+        path = tmp_path / f"r{i}.json"
+        assert cli.main(["run", "--quick", "--check", "metrics", "--check", "oracle",
+                         "--json", str(path), "--no-plots"]) == 0
+        reports.append(json.loads(path.read_text()))
+    assert reports[0]["checks"] == reports[1]["checks"]
+    assert all("seconds" not in c for c in reports[0]["checks"])
+    assert set(reports[0]["timings"]["checks"]) == {"metrics", "oracle"}
+    assert reports[0]["gradverify"]["gradverify"]
+    if (REPO / ".git").exists():
+        assert reports[0]["gradverify"]["git_commit"]
+
+
+def test_plots_are_written_beside_the_report_and_shown_in_markdown(monkeypatch, tmp_path):
+    pytest.importorskip("matplotlib")
+
+    def growth(ctx, rec):
+        rec.expect("ok", True)
+        rows = [[d, "normal", n, m, f"{e * n ** 0.5:.2e}", 1, "50.00%"]
+                for d, e in (("float16", 2e-4), ("bfloat16", 2e-3)) for n in (2, 8, 32)
+                for m in ("ring (wire)", "fp32-accumulate")]
+        rec.table("error vs N", ["dtype", "distribution", "N", "method", "rel.err", "max ULP",
+                                 "correctly rounded"], rows)
+        rec.table("timelines", ["case", "overlap", "M", "step", "bubble", "exposed sync",
+                                "sync wait"], [["pp2", "on", 2, 3.0, 0.3, 0.5, 0.6],
+                                               ["pp2", "off", 2, 4.0, 0.4, 1.5, 1.6]])
+
+    _use(monkeypatch, growth)
+    md = tmp_path / "report.md"
+    assert cli.main(["run", "--markdown", str(md)]) == 0
+    pngs = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert pngs == ["report-error-growth-check0.png", "report-timeline-check0-1.png"]
+    text = md.read_text()
+    for name in pngs:
+        assert f"]({name})" in text
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+    assert cli.main(["run", "--markdown", str(tmp_path / "b.md"), "--no-plots"]) == 0
+    assert not list(tmp_path.glob("b-*.png"))
+
+
+def test_without_matplotlib_default_plots_are_a_note(monkeypatch, tmp_path, capsys):
+    _use(monkeypatch, _passing)
+    monkeypatch.setattr(cli, "matplotlib_available", lambda: False)
+    assert cli.main(["run", "--markdown", str(tmp_path / "r.md")]) == 0
+    assert "gradverify[plot]" in capsys.readouterr().err
 
 
 def test_every_listed_subcommand_module_exists():
@@ -71,3 +242,136 @@ def test_registered_checks_have_unique_names():
     names = [c.name for c in all_checks()]
     assert len(names) == len(set(names))
     assert {"formats", "oracle", "metrics"} <= set(names)
+
+
+def test_list_into_a_closed_pipe_has_no_traceback():
+    proc = subprocess.run(f"{sys.executable} -m verify run --list | head -1", shell=True,
+                          capture_output=True, text=True, env=_env_subprocess(), timeout=60,
+                          cwd=REPO, executable="/bin/bash")
+    assert proc.returncode == 0
+    assert len(proc.stdout.splitlines()) == 1
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr
+
+
+def test_ctrl_c_stops_cleanly_with_a_partial_report(tmp_path):
+    """SIGINT to the whole process group (as a terminal sends it) while gloo ranks run."""
+    import threading
+
+    out_json = tmp_path / "r.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "verify", "run", "--quick", "--check", "metrics", "--check",
+         "pipeline", "--json", str(out_json), "--markdown", str(tmp_path / "r.md")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env_subprocess(),
+        cwd=REPO, start_new_session=True)
+    err_lines: list[str] = []
+    reader = threading.Thread(target=lambda: err_lines.extend(proc.stderr), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any("pipeline (2/2)" in x for x in err_lines):
+        time.sleep(0.1)
+    time.sleep(3)  # into the pipeline check: its ranks are starting or running
+    os.killpg(proc.pid, signal.SIGINT)
+    out = proc.stdout.read()
+    proc.wait(timeout=60)
+    reader.join(timeout=10)
+    err = "".join(err_lines)
+    assert proc.returncode == 3, (out, err)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert sum("interrupted" in line for line in err.splitlines()) == 1, err
+    report = json.loads(out_json.read_text())
+    assert report["complete"] is False
+    assert [c["status"] for c in report["checks"]] == ["PASS", "ERROR"]
+
+
+def test_result_status_is_derived_and_validated():
+    assert CheckResult("a", "", passed=False, seconds=0, error="boom").status == "ERROR"
+    with pytest.raises(ValueError, match="status"):
+        CheckResult("a", "", passed=True, seconds=0, status="MAYBE")
+
+
+def test_layout_takes_the_users_shapes_file_and_gpt_description(tmp_path, capsys):
+    assert cli.main(["layout", "--shapes", "4096x4096,4096,11008x4096", "--dp", "8",
+                     "--json", "-"]) == 0
+    rows = json.loads(capsys.readouterr().out)["padding"]
+    assert {r["params"] for r in rows} == {4096 * 4096 + 4096 + 11008 * 4096}
+    shapes = tmp_path / "shapes.json"
+    shapes.write_text(json.dumps({"emb": [1000, 64], "ln": 64}))
+    out = tmp_path / "layout.json"
+    assert cli.main(["layout", "--model-file", str(shapes), "--dp", "8", "--json", str(out)]) == 0
+    assert {r["params"] for r in json.loads(out.read_text())["padding"]} == {1000 * 64 + 64}
+    # Hand count, h=64, 2 layers, vocab 1024, ffn 4h, biases, LayerNorm, rope, tied:
+    # embedding 65536; per layer: 2 LN (w+b) 256, qkv 192*64+192, proj 64*64+64,
+    # fc1 256*64+256, fc2 64*256+64 = 49984; final LN 128.
+    assert cli.main(["layout", "--num-layers", "2", "--hidden-size", "64",
+                     "--padded-vocab-size", "1024", "--dp", "8", "--json", "-"]) == 0
+    rows = json.loads(capsys.readouterr().out)["padding"]
+    assert {r["params"] for r in rows} == {65536 + 2 * 49984 + 128}
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--shapes", "4096xq"], "--shapes"), (["--num-layers", "2"], "--hidden-size"),
+    (["--model-file", "/nonexistent-dir/m.json"], "--model-file"),
+    (["--json", "/nonexistent-dir/out.json"], "--json"),
+])
+def test_layout_bad_input_names_the_flag(capsys, argv, flag):
+    assert cli.main(["layout", *argv]) == 2
+    err = capsys.readouterr().err
+    assert flag in err and "Traceback" not in err
+
+
+def test_accumulation_refuses_what_memory_cannot_hold_before_work(monkeypatch, capsys):
+    from verify.studies.reduce_scatter import cli as acc_cli
+
+    monkeypatch.setattr(acc_cli, "available_memory_bytes", lambda: 8 * 2**30)
+    monkeypatch.setattr(acc_cli, "run_sweep", lambda *a, **k: pytest.fail("sweep ran"))
+    assert cli.main(["accumulation", "--numel", "2000000000", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "--numel 2000000000 needs about" in err and "GiB" in err and "8.0 GiB" in err
+
+
+@pytest.mark.parametrize("option", ["--json", "--markdown", "--plot"])
+def test_accumulation_checks_its_outputs_before_the_sweep(monkeypatch, tmp_path, capsys, option):
+    from verify.studies.reduce_scatter import cli as acc_cli
+
+    monkeypatch.setattr(acc_cli, "run_sweep", lambda *a, **k: pytest.fail("sweep ran"))
+    assert cli.main(["accumulation", option, str(tmp_path / "missing" / "x"), "--no-progress"]) == 2
+    assert option in capsys.readouterr().err
+
+
+def test_accumulation_one_output_failing_still_writes_the_others(monkeypatch, tmp_path, capsys):
+    from verify.studies.reduce_scatter import cli as acc_cli
+
+    def broken(points, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(acc_cli, "write_points_plot", broken)
+    monkeypatch.setattr(acc_cli, "_matplotlib_available", lambda: True)
+    out_json, out_md = tmp_path / "a.json", tmp_path / "a.md"
+    assert cli.main(["accumulation", "--dp", "2,4", "--dtype", "bf16", "--distribution", "normal",
+                     "--numel", "64", "--no-progress", "--plot", str(tmp_path / "a.png"),
+                     "--json", str(out_json), "--markdown", str(out_md)]) == 3
+    assert json.loads(out_json.read_text())["points"] and out_md.read_text()
+    assert "--plot" in capsys.readouterr().err
+
+
+def test_interrupted_subcommand_says_so_in_one_line(monkeypatch, capsys):
+    from verify.studies.reduce_scatter import cli as acc_cli
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(acc_cli, "run_sweep", interrupted)
+    assert cli.main(["accumulation", "--dp", "2", "--numel", "64", "--no-progress"]) == 3
+    assert capsys.readouterr().err.strip() == "verify accumulation: interrupted"
+
+
+@pytest.mark.parametrize("argv", [
+    ["run", "--seed", "1", "--seed", "2"], ["accumulation", "--numel", "8", "--numel", "9"],
+    ["simulate-pipeline", "-P", "4", "--stages", "8"], ["layout", "--hidden-size", "8", "--hidden-size", "9"],
+    ["env", "--json", "-", "--json", "a.json"],
+])
+def test_single_value_options_given_twice_are_refused(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    assert "was given more than once" in capsys.readouterr().err

@@ -85,7 +85,7 @@ def test_model_sizes_are_as_named():
 
 
 def test_cli_json(capsys):
-    assert cli_main(["layout", "--model", "gpt-125m", "--dp", "8", "--dp", "3", "--json"]) == 0
+    assert cli_main(["layout", "--model", "gpt-125m", "--dp", "8", "--dp", "3", "--json", "-"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert {(r["dp"], r["high_busbw"]) for r in out["padding"]} == {
         (8, False), (8, True), (3, False), (3, True)

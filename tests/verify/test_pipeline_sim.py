@@ -83,7 +83,7 @@ def _parse(argv):
 
 def test_cli_production_scale(capsys):
     assert main(_parse(["-P", "16", "-M", "64", "--grad-sync", "1.5", "--buckets", "4",
-                        "--json"])) == 0
+                        "--json", "-"])) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["closed_form_bubble_fraction"] == pytest.approx(15 / 79)
     overlap = next(r for r in data["results"] if r["mode"] == "overlap")
@@ -95,7 +95,7 @@ def test_cli_bad_input_exit_code(capsys):
     assert main(_parse(["--forward", "-1"])) == 2
     assert "forward" in capsys.readouterr().err
     assert main(_parse(["-P", "0"])) == 2
-    assert "num_stages" in capsys.readouterr().err
+    assert "--stages" in capsys.readouterr().err
     assert main(_parse(["-M", "0"])) == 2
     assert main(_parse(["--buckets", "0"])) == 2
     assert main(_parse(["-P", "4", "-M", "8", "--mode", "barrier"])) == 0
@@ -119,7 +119,7 @@ def test_verify_cli_simulate_pipeline_help_and_exit_codes(capsys):
     assert cli.main(["simulate-pipeline", "--grad-sync", "nan"]) == 2
     # P=2, M=2, f=b=1, no sync: (M + P - 1)(f + b) = 6, bubble (P-1)/(M+P-1) = 1/3.
     assert cli.main(["simulate-pipeline", "-P", "2", "-M", "2", "--forward", "1", "--backward",
-                     "1", "--grad-sync", "0", "--mode", "overlap", "--json"]) == 0
+                     "1", "--grad-sync", "0", "--mode", "overlap", "--json", "-"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["results"][0]["step_time"] == 6.0
     assert data["results"][0]["bubble_fraction"] == pytest.approx(1 / 3)
@@ -206,12 +206,12 @@ def test_cli_virtual_stages(capsys):
 
     assert cli.main(["simulate-pipeline", "-P", "4", "-M", "6", "--virtual-stages", "2"]) == 2
     err = capsys.readouterr().err
-    assert "num_microbatches (6) must be a multiple of num_stages (4)" in err
+    assert "--microbatches (6) must be a multiple of --stages (4)" in err
     assert cli.main(["simulate-pipeline", "--virtual-stages", "0"]) == 2
-    assert "virtual_stages must be an int >= 1" in capsys.readouterr().err
+    assert "--virtual-stages must be an int >= 1" in capsys.readouterr().err
     # P=4, M=8, V=2, f=b=2 (per chunk 1), no sync: (V*M + P - 1) * 2 = 38, bubble 3/19.
     assert cli.main(["simulate-pipeline", "-P", "4", "-M", "8", "-V", "2", "--forward", "2",
-                     "--backward", "2", "--grad-sync", "0", "--mode", "overlap", "--json"]) == 0
+                     "--backward", "2", "--grad-sync", "0", "--mode", "overlap", "--json", "-"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["closed_form_bubble_fraction"] == 3 / 19
     assert data["results"][0]["step_time"] == 38.0

@@ -48,4 +48,38 @@ def test_text_summary_shows_failures():
     text = render_text(Report(env={}, checks=[_result_with(4)]))
     assert "FAIL  many" in text
     assert "[FAIL] broken" in text
-    assert "0/1 checks passed" in text
+    assert "1 checks: 1 FAIL -> FAIL" in text
+
+
+def test_markdown_opens_with_the_verdict_and_ends_with_the_environment():
+    md = render_markdown(Report(env={"torch": "x", "variables": {"NCCL_ALGO": None}},
+                                checks=[_result_with(4)], provenance={"gradverify": "9.9"}))
+    order = [md.index(s) for s in ("**Result: FAIL**", "## Summary", "## Failures and errors",
+                                   "## Details", "## Environment")]
+    assert order == sorted(order)
+    assert md.index("| many | FAIL |") < md.index("## Failures and errors")
+    assert "comparison broken: 2 mismatches" in md.split("## Details")[0]
+    assert md.rstrip().endswith("```") and '"NCCL_ALGO": null' in md.split("## Environment")[1]
+    assert "gradverify 9.9" in md.split("## Summary")[0]
+
+
+def test_text_fits_the_width_and_hides_findings_without_verbose():
+    rec = CheckRecorder("long", "a summary " * 40)
+    rec.expect("an expectation with a very long label " * 10, False, "detail " * 50)
+    rec.finding("an informational finding " * 20)
+    rec.table("bitwise table", ["case", "bitwise"], [["a", False], ["b", True]])
+    report = Report(env={}, checks=[rec.finish(0.1)])
+    for width in (60, 100):
+        text = render_text(report, width=width)
+        assert all(len(line) <= width for line in text.splitlines()), text
+        assert "an informational finding" not in text
+    verbose = render_text(report, verbose=True, width=80)
+    assert "info: an informational finding" in verbose
+    assert "False" not in verbose and " no " in verbose  # a yes/no cell, not a verdict
+
+
+def test_json_keeps_timings_apart_from_results():
+    data = Report(env={}, checks=[_result_with(4)]).to_dict()
+    assert "seconds" not in data["checks"][0]
+    assert data["timings"]["checks"] == {"many": 0.1}
+    assert data["checks"][0]["status"] == "FAIL" and data["verdict"] == "FAIL"

@@ -282,37 +282,70 @@ def _positive_int(text: str) -> int:
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """Options of ``verify layout``."""
+    from verify.options import SetOnce
+    from verify.studies.layout_input import add_model_arguments
+
+    parser.description = (
+        "Padding overhead of bucketed gradient buffers (distributed optimizer, default bucket "
+        "size) for built-in models or your own (well under a second)."
+    )
     parser.add_argument(
         "--model",
         action="append",
         choices=sorted(MODELS),
-        help="model parameter list (repeatable; default: all)",
+        help="built-in model parameter list (repeatable; default: all, unless your own model "
+             "is given)",
     )
     parser.add_argument(
-        "--dp", action="append", type=_positive_int, help="data-parallel size (repeatable; default 8, 64, 512)"
+        "--dp", action="append", type=_positive_int,
+        help=f"data-parallel size (repeatable; default {', '.join(map(str, DEFAULT_DPS))})",
     )
-    parser.add_argument("--grad-bytes", type=_positive_int, default=GRAD_BYTES, help="bytes per grad element")
-    parser.add_argument("--param-bytes", type=_positive_int, default=PARAM_BYTES, help="bytes per param element")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument("--grad-bytes", type=_positive_int, action=SetOnce, default=GRAD_BYTES, help="bytes per grad element")
+    parser.add_argument("--param-bytes", type=_positive_int, action=SetOnce, default=PARAM_BYTES, help="bytes per param element")
+    parser.add_argument("--json", metavar="PATH", action=SetOnce,
+                        help="write the report as JSON to PATH ('-': standard output instead "
+                             "of the tables)")
+    add_model_arguments(parser)
 
 
 def main(args: argparse.Namespace) -> int:
-    """Print the padding report; 0 on success."""
-    models = args.model or list(MODELS)
+    """Print the padding report; 0 on success, 2 on bad usage, 3 when --json cannot be written."""
+    import sys
+    from pathlib import Path
+
+    from verify.outputs import Output, OutputPathError, check_output_paths, write_outputs
+    from verify.studies.layout_input import model_rows, user_models
+
+    try:
+        if args.json not in (None, "-"):
+            check_output_paths([("--json", args.json)])
+        own = user_models(args)
+    except (OutputPathError, ValueError) as exc:
+        print(f"verify layout: error: {exc}", file=sys.stderr)
+        return 2
+    names = args.model or ([] if own else list(MODELS))
+    models = [MODELS[m] for m in names] + own
     dps = args.dp or list(DEFAULT_DPS)
-    rows = padding_rows(models, dps, grad_bytes=args.grad_bytes, param_bytes=args.param_bytes)
+    rows = model_rows(models, dps, padding_row, grad_bytes=args.grad_bytes,
+                      param_bytes=args.param_bytes)
     examples = seed_examples()
     findings = seed_findings(examples)
-    if args.json:
-        print(json.dumps({"padding": rows, "seed_examples": examples, "findings": findings}, indent=2))
-        return 0
+    if args.json is not None:
+        text = json.dumps({"padding": rows, "seed_examples": examples, "findings": findings},
+                          indent=2)
+        if args.json == "-":
+            print(text)
+            return 0
+        return 3 if write_outputs([Output("--json", Path(args.json),
+                                          lambda p: p.write_text(text + "\n"))],
+                                  prog="verify layout") else 0
     print(
         "Padding overhead with the distributed optimizer, default bucket size "
         f"max(40M, 1M*dp), {args.grad_bytes}-byte grads + {args.param_bytes}-byte params"
     )
     print(format_table(PADDING_COLUMNS, rows))
     print()
-    print("Seed's worked examples, recomputed from pad(v, lcm(dp, 128[, 2**16]))")
+    print("Megatron-Core's published worked examples, recomputed from pad(v, lcm(dp, 128[, 2**16]))")
     print(format_table(SEED_COLUMNS, examples))
     print()
     for line in findings:

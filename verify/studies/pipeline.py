@@ -281,36 +281,66 @@ def simulate(
     )
 
 
+# Internal names in the model's error messages -> the flags that set them (longest first).
+FLAG_OF_NAME = (
+    ("PipelineCosts.last_stage_grad_sync", "--last-stage-grad-sync"),
+    ("PipelineCosts.forward + backward", "--forward + --backward"),
+    ("PipelineCosts.grad_sync", "--grad-sync"), ("PipelineCosts.num_buckets", "--buckets"),
+    ("PipelineCosts.forward", "--forward"), ("PipelineCosts.backward", "--backward"),
+    ("PipelineCosts.p2p", "--p2p"), ("num_microbatches", "--microbatches"),
+    ("virtual_stages", "--virtual-stages"), ("num_stages", "--stages"),
+)
+
+
+def _with_flags(message: str) -> str:
+    """``message`` with internal parameter names replaced by the command's flags."""
+    for name, flag in FLAG_OF_NAME:
+        message = message.replace(name, flag)
+    return message
+
+
 def configure_parser(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``verify simulate-pipeline``."""
+    """Arguments of ``verify simulate-pipeline`` (each at most once)."""
+    from verify.options import SetOnce
+
     parser.description = (
         "Discrete-event simulation of one 1F1B pipeline step with data-parallel grad sync: "
-        "step time, bubble fraction and exposed sync per sync placement."
+        "step time, bubble fraction and exposed sync per sync placement (well under a second)."
     )
-    parser.add_argument("--stages", "-P", type=int, default=16, help="pipeline stages P")
-    parser.add_argument("--microbatches", "-M", type=int, default=64, help="microbatches M")
-    parser.add_argument("--forward", type=float, default=1.0, help="forward cost per microbatch")
-    parser.add_argument("--backward", type=float, default=2.0, help="backward cost per microbatch")
-    parser.add_argument("--p2p", type=float, default=0.0, help="cost of one activation transfer")
-    parser.add_argument("--grad-sync", type=float, default=2.0, help="per-stage DP grad-sync cost")
+    parser.add_argument("--stages", "-P", action=SetOnce, type=int, default=16, help="pipeline stages P")
+    parser.add_argument("--microbatches", "-M", action=SetOnce, type=int, default=64, help="microbatches M")
+    parser.add_argument("--forward", action=SetOnce, type=float, default=1.0, help="forward cost per microbatch")
+    parser.add_argument("--backward", action=SetOnce, type=float, default=2.0, help="backward cost per microbatch")
+    parser.add_argument("--p2p", action=SetOnce, type=float, default=0.0, help="cost of one activation transfer")
+    parser.add_argument("--grad-sync", action=SetOnce, type=float, default=2.0, help="per-stage DP grad-sync cost")
     parser.add_argument(
-        "--last-stage-grad-sync", type=float, default=None,
+        "--last-stage-grad-sync", action=SetOnce, type=float, default=None,
         help="sync cost of the last stage (e.g. a large output layer); default --grad-sync",
     )
-    parser.add_argument("--buckets", type=int, default=1, help="buckets the sync is split into")
+    parser.add_argument("--buckets", action=SetOnce, type=int, default=1, help="buckets the sync is split into")
     parser.add_argument(
-        "--mode", choices=SYNC_MODES + ("all",), default="all", help="sync placement (default: all)"
+        "--mode", action=SetOnce, choices=SYNC_MODES + ("all",), default="all", help="sync placement"
     )
     parser.add_argument(
-        "--virtual-stages", "-V", type=int, default=1,
+        "--virtual-stages", "-V", action=SetOnce, type=int, default=1,
         help="model chunks per stage (interleaved 1F1B when > 1; needs M %% P == 0); "
              "per-chunk costs are the per-stage costs / V",
     )
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--json", action=SetOnce, metavar="PATH",
+                        help="also write the results as JSON to PATH ('-': standard output "
+                             "instead of the table)")
 
 
 def main(args: argparse.Namespace) -> int:
     """Print step time, bubble fraction and exposed sync for the requested modes."""
+    from verify.outputs import OutputPathError, check_output_paths
+
+    if args.json not in (None, "-"):
+        try:
+            check_output_paths([("--json", args.json)])
+        except OutputPathError as exc:
+            print(f"verify simulate-pipeline: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
     try:
         costs = PipelineCosts(
             forward=args.forward,
@@ -324,13 +354,22 @@ def main(args: argparse.Namespace) -> int:
         V = args.virtual_stages
         results = [simulate(args.stages, args.microbatches, costs, m, V) for m in modes]
     except (TypeError, ValueError) as exc:
-        print(f"verify simulate-pipeline: error: {exc}", file=sys.stderr)
+        print(f"verify simulate-pipeline: error: {_with_flags(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
     closed = closed_form_bubble_fraction(args.stages, args.microbatches, V)
-    if args.json:
-        print(json.dumps({"closed_form_bubble_fraction": closed,
-                          "results": [r.to_dict() for r in results]}, indent=2))
-        return EXIT_OK
+    if args.json is not None:
+        from pathlib import Path
+
+        from verify.outputs import Output, write_outputs
+
+        text = json.dumps({"closed_form_bubble_fraction": closed,
+                           "results": [r.to_dict() for r in results]}, indent=2)
+        if args.json == "-":
+            print(text)
+            return EXIT_OK
+        if write_outputs([Output("--json", Path(args.json), lambda p: p.write_text(text + "\n"))],
+                         prog="verify simulate-pipeline"):
+            return 3
     schedule = "1F1B" if V == 1 else f"interleaved 1F1B V={V}"
     print(
         f"{schedule} P={args.stages} M={args.microbatches} forward={costs.forward:g} "
