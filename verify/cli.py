@@ -50,7 +50,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 # Rough wall seconds of each check on 2 CPU cores (full size; --quick takes about half):
 # the progress estimate and --help use them. Unknown checks count as DEFAULT_CHECK_SECONDS.
 ROUGH_CHECK_SECONDS = {"formats": 8, "oracle": 4, "metrics": 1, "layout": 8, "reduce_scatter": 11,
-                       "deferred_wgrad": 12, "pipeline": 20, "mxfp8": 9}
+                       "deferred_wgrad": 12, "pipeline": 20, "mxfp8": 9, "optim": 18}
 DEFAULT_CHECK_SECONDS = 10.0
 QUICK_FACTOR = 0.5
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -94,23 +95,36 @@ def _check_case(rec: CheckRecorder, case: OptimCase, runs: list[dict], want: lis
                    all(waited for r in runs for _, waited in r["gather_waited_in_hook"]))
 
 
+def _references(cases: list[OptimCase], seed: int) -> dict:
+    """refgrad's trajectory of every case, and of the DP=3 run resumed from the DP=2 checkpoint."""
+    out: dict = {"cases": []}
+    for case in cases:
+        if case == CHECKPOINT_CASE:
+            first, after = case_trajectory(case, seed, worlds=[case.dp] * RESUME_AFTER)
+            after = copy.deepcopy(after)
+            rest, _ = case_trajectory(case, seed, start=copy.deepcopy(after), first_step_id=RESUME_AFTER)
+            out["cases"].append(first + rest)
+            dp3_case = dataclasses.replace(CHECKPOINT_CASE, ranks=(0, 1, 2))
+            out["dp3"] = (dp3_case, case_trajectory(dp3_case, seed, start=copy.deepcopy(after),
+                                                    first_step_id=RESUME_AFTER)[0])
+        else:
+            out["cases"].append(case_trajectory(case, seed)[0])
+    return out
+
+
 def check_multi_rank(ctx: CheckContext, rec: CheckRecorder, candidate: OptimCandidate) -> None:
     """The case matrix, the DP=2 resume and the DP=2 -> DP=3 reshard on one 4-rank spawn."""
     cases = case_matrix(ctx.quick)
     seed = ctx.seed % 391  # 391 = 17 * 23: the data patterns' periods
-    per_rank = spawn(rank_worker, WORLD, cases, candidate.optimizer_cls, seed, timeout_s=ctx.timeout_s)
-    after_checkpoint = None
+    # refgrad's (slow, exact) references are computed while the ranks start and train.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        references = pool.submit(_references, cases, seed)
+        per_rank = spawn(rank_worker, WORLD, cases, candidate.optimizer_cls, seed,
+                         timeout_s=ctx.timeout_s)
+        expected = references.result()
     for index, case in enumerate(cases):
         runs = [per_rank[r]["cases"][index] for r in case.ranks]
-        if case == CHECKPOINT_CASE:
-            first, after_checkpoint = case_trajectory(case, seed, worlds=[case.dp] * RESUME_AFTER)
-            after_checkpoint = copy.deepcopy(after_checkpoint)
-            rest, _ = case_trajectory(case, seed, start=copy.deepcopy(after_checkpoint),
-                                      first_step_id=RESUME_AFTER)
-            want = first + rest
-        else:
-            want, _ = case_trajectory(case, seed)
-        _check_case(rec, case, runs, want)
+        _check_case(rec, case, runs, expected["cases"][index])
 
     uninterrupted = per_rank[0]["cases"][cases.index(CHECKPOINT_CASE)]["snapshots"]
     checkpoint = per_rank[0]["cases"][cases.index(CHECKPOINT_CASE)]["checkpoint"]
@@ -136,12 +150,10 @@ def check_multi_rank(ctx: CheckContext, rec: CheckRecorder, candidate: OptimCand
         rec.compare(f"optim DP=2 checkpoint loaded at DP=3 (rank {rank}) params == master cast",
                     _flat({n: checkpoint["params"][n]["master"].to(MIXED[n]) for n in NAMES}),
                     _flat(run["loaded"]["params"]))
-    dp3_case = dataclasses.replace(CHECKPOINT_CASE, ranks=(0, 1, 2))
-    want3, _ = case_trajectory(dp3_case, seed, start=copy.deepcopy(after_checkpoint),
-                               first_step_id=RESUME_AFTER)
-    for k, expected in enumerate(want3):
+    dp3_case, want3 = expected["dp3"]
+    for k, step_expected in enumerate(want3):
         step = RESUME_AFTER + k + 1
-        _compare_snapshot(rec, f"{dp3_case.label} resumed from DP=2 step {step}", expected,
+        _compare_snapshot(rec, f"{dp3_case.label} resumed from DP=2 step {step}", step_expected,
                           resharded[0]["snapshots"][k])
         rec.expect(f"{dp3_case.label} resumed from DP=2 step {step}: every rank holds the same "
                    "params and state bitwise", _same_on_every_rank([r["snapshots"][k] for r in resharded]))
@@ -211,7 +223,9 @@ def check_torch_adamw(ctx: CheckContext, rec: CheckRecorder) -> None:
         ["weight_decay", "grads", "elements", "steps", "max ULP"], rows,
         ["torch uses lerp/addcmul/addcdiv (fused forms), bias corrections in fp64 on the step "
          "size and on sqrt(v)/sqrt(bc2), eps added after that division; fastgrad follows refgrad "
-         "(one rounding per op), asserted bitwise by the comparisons of this check"],
+         "(one rounding per op), asserted bitwise by the comparisons of this check",
+         "the largest ULP counts sit on params that pass near zero, where one ULP is tiny: "
+         "the absolute difference stays about one ULP of 1.0 (2^-23)"],
     )
     worst = max(r[-1] for r in rows)
     rec.finding(f"torch.optim.AdamW differs from refgrad's (and fastgrad's) AdamW by up to {worst} "
