@@ -13,7 +13,8 @@ Usage::
    correctly rounded sqrt, the cast into the param buffer.
 2. With ``overlap_param_gather`` on 2 gloo ranks: the time the forward waits in the
    pre-hooks for the param all-gathers, as a share of the same all-gathers' own
-   (synchronous) time. On a GPU node the same code runs with ``--backend nccl``.
+   (synchronous) time. CPU/gloo only for now: the NCCL variant needs one GPU per
+   rank (two or more GPUs) and CUDA tensors, and is not written yet.
 """
 
 from __future__ import annotations
