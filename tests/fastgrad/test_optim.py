@@ -1,7 +1,8 @@
 """fastgrad.optim on one process (DP=1): bitwise equal to refgrad.optim, and its input rules.
 
-The helpers here (model, rank-specific grads, the refgrad trajectory) are also
-used by the multi-rank tests in test_optim_dist.py.
+The model, the rank-specific grads and the refgrad trajectory live in
+``verify.checks.optim`` (the ``optim`` check uses them too); the multi-rank tests
+in test_optim_dist.py import them from there or from here.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from fractions import Fraction
 
 import pytest
 import torch
-from torch import nn
 
 from fastgrad.config import DDPConfig
 from fastgrad.ddp import DistributedDataParallel
@@ -24,174 +24,20 @@ from fastgrad.optim import (
     param_groups_without_decay_for,
 )
 from refgrad import optim as R
-from refgrad import reduce_scatter as RS
-
-NAMES = ("embed.weight", "layer.weight", "layer.bias", "norm.weight")
-SHAPES = {"embed.weight": (13, 17), "layer.weight": (9, 11), "layer.bias": (11,), "norm.weight": (11,)}
-ADAMW = {"lr": 0.01, "beta1": 0.9, "beta2": 0.99, "eps": 1e-6, "weight_decay": 0.1}
-SGD = {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01}
-
-
-def initial(index: int, name: str) -> torch.Tensor:
-    """Initial values: multiples of 1/16 in [-11/16, 11/16], exact in bf16 and fp16."""
-    n = math.prod(SHAPES[name])
-    flat = torch.arange(n, dtype=torch.float64)
-    return (((flat * 37 + index * 11) % 23 - 11) / 16).reshape(SHAPES[name])
-
-
-def coefficient(rank: int, step: int, index: int, name: str, inf_at: tuple | None = None) -> torch.Tensor:
-    """Rank-specific d(loss)/d(param): multiples of 1/8 in [-1, 1] (sums over <= 4 ranks exact)."""
-    n = math.prod(SHAPES[name])
-    flat = torch.arange(n, dtype=torch.float64)
-    c = ((flat * 3 + index * 7 + rank * 5 + step * 11) % 17 - 8) / 8
-    if inf_at is not None and inf_at[:3] == (rank, step, name):
-        c[inf_at[3]] = math.inf
-    return c.reshape(SHAPES[name])
-
-
-class Leaf(nn.Module):
-    """Owns some params; forward adds ``sum(param * coefficient)`` for each."""
-
-    def __init__(self, prefix: str, params: dict[str, torch.Tensor]) -> None:
-        super().__init__()
-        self.prefix = prefix
-        for key, value in params.items():
-            self.register_parameter(key, nn.Parameter(value))
-
-    def forward(self, coeffs: dict[str, torch.Tensor]) -> torch.Tensor:
-        return sum((p.float() * coeffs[f"{self.prefix}.{k}"]).sum() for k, p in self.named_parameters())
-
-
-class Model(nn.Module):
-    def __init__(self, dtypes: dict[str, torch.dtype]) -> None:
-        super().__init__()
-        def make(name):
-            return initial(NAMES.index(name), name).to(dtypes[name])
-        self.embed = Leaf("embed", {"weight": make("embed.weight")})
-        self.layer = Leaf("layer", {"weight": make("layer.weight"), "bias": make("layer.bias")})
-        self.norm = Leaf("norm", {"weight": make("norm.weight")})
-
-    def forward(self, coeffs: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.embed(coeffs) + self.layer(coeffs) + self.norm(coeffs)
-
-
-def build(dtypes, algorithm, *, clip=None, overlap_param_gather=False, average=True,
-          scaler=None, grad_fp32=False, dp_group=None, model_parallel_group=None):
-    """Model + DDP (distributed optimizer, several buckets) + DistributedOptimizer."""
-    model = Model(dtypes)
-    config = DDPConfig(
-        use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=200,
-        overlap_param_gather=overlap_param_gather, grad_reduce_in_fp32=grad_fp32,
-    )
-    ddp = DistributedDataParallel(model, config=config, average=average, dp_group=dp_group)
-    cfg = AdamWConfig(**ADAMW) if algorithm == "adamw" else SGDConfig(**SGD)
-    opt = DistributedOptimizer(
-        ddp, cfg, param_groups_without_decay_for(ddp), max_grad_norm=clip, loss_scaler=scaler,
-        model_parallel_group=model_parallel_group,
-    )
-    return model, ddp, opt
-
-
-def train_step(model, ddp, opt, rank, step, *, loss_scale=1.0, inf_at=None):
-    """zero, forward, backward (DDP hooks reduce), step; returns the StepResult."""
-    ddp.zero_grad_buffer()
-    coeffs = {n: coefficient(rank, step, i, n, inf_at).float() * loss_scale for i, n in enumerate(NAMES)}
-    model(coeffs).backward()
-    ddp.finish_grad_sync()
-    return opt.step()
-
-
-def snapshot(model, opt) -> dict:
-    """Full params (after the gather) and the optimizer's full state_dict."""
-    opt.finish_param_sync()
-    return {
-        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-        "state": opt.state_dict(),
-    }
-
-
-# --------------------------------------------------------------------------- the refgrad trajectory
-
-
-def reduced_grads(world: int, step: int, dtypes, *, average: bool, grad_fp32=False,
-                  loss_scale=1.0, inf_at=None) -> list[torch.Tensor]:
-    key = (world, step, tuple(dtypes.items()), average, grad_fp32, loss_scale, inf_at)
-    if key not in _REDUCED:
-        _REDUCED[key] = _reduced_grads(world, step, dtypes, average=average, grad_fp32=grad_fp32,
-                                       loss_scale=loss_scale, inf_at=inf_at)
-    return _REDUCED[key]
-
-
-_REDUCED: dict = {}  # the refgrad reductions are slow and shared by several tests
-
-
-def _reduced_grads(world: int, step: int, dtypes, *, average: bool, grad_fp32=False,
-                   loss_scale=1.0, inf_at=None) -> list[torch.Tensor]:
-    """Per param: the DDP reduction of the ranks' grads, by refgrad's reduce-scatter spec.
-
-    The grads are multiples of 1/8 (times a power-of-two loss scale), so every
-    partial sum is exact and the rank order used here is also gloo's result.
-    Averaging is by torch's ``1/dp`` pre-scale (exact only for power-of-two dp).
-    """
-    out = []
-    for i, name in enumerate(NAMES):
-        gdtype = torch.float32 if grad_fp32 else dtypes[name]
-        per_rank = [
-            (coefficient(r, step, i, name, inf_at) * loss_scale).to(dtypes[name]).to(gdtype).reshape(-1)
-            for r in range(world)
-        ]
-        if average:
-            per_rank = RS.prescale_like_torch(per_rank, 1.0 / world)
-        out.append(RS.all_reduce(per_rank, accumulate="wire", order="rank")[0])
-    return out
-
-
-def reference_trajectory(worlds, dtypes, algorithm, *, clip=None, average=True, grad_fp32=False,
-                         scales=None, inf_at=None, start=None, first_step_id=0):
-    """refgrad.optim fed the reduced grads of each step; a snapshot after every step.
-
-    ``worlds[k]``: the DP size of step k (grads differ per DP size).
-    ``scales[k]``: the loss scale of step k. ``start``: (states, steps) to resume from;
-    ``first_step_id``: the data index of the first step.
-    """
-    hyper = R.AdamW(**ADAMW) if algorithm == "adamw" else R.SGD(**SGD)
-    no_decay = type(hyper)(**{**hyper.__dict__, "weight_decay": 0.0})
-    hypers = [no_decay if len(SHAPES[n]) == 1 else hyper for n in NAMES]
-    if start is None:
-        states = [R.ParamState(master=R.values(initial(i, n).to(dtypes[n]).float())) for i, n in enumerate(NAMES)]
-        steps = 0
-    else:
-        states, steps = start
-    snapshots = []
-    for k, world in enumerate(worlds):
-        scale = None if scales is None else scales[k]
-        step_id = first_step_id + k
-        grads = reduced_grads(world, step_id, dtypes, average=average, grad_fp32=grad_fp32,
-                              loss_scale=1.0 if scale is None else scale, inf_at=inf_at)
-        stepped, _ = R.optimizer_step(states, grads, hypers, [steps + 1] * len(NAMES),
-                                      max_norm=clip, loss_scale=scale)
-        steps += stepped
-        snapshots.append({"stepped": stepped, "steps": steps, **expected_tensors(states, dtypes)})
-    return snapshots, (states, steps)
-
-
-def expected_tensors(states, dtypes) -> dict:
-    out = {"params": {}, "state": {}}
-    for n, s in zip(NAMES, states):
-        shape = SHAPES[n]
-        out["params"][n] = R.to_tensor(s.master, shape, dtypes[n])
-        entry = {"master": R.to_tensor(s.master, shape)}
-        for key in ("exp_avg", "exp_avg_sq"):
-            if getattr(s, key) is not None:
-                entry[key] = R.to_tensor(getattr(s, key), shape)
-        if s.momentum is not None:
-            entry["momentum_buffer"] = R.to_tensor(s.momentum, shape)
-        out["state"][n] = entry
-    return out
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view({2: torch.int16, 4: torch.int32}[t.element_size()])
+from verify.checks.optim.cases import (  # noqa: F401 - re-exported for test_optim_dist
+    FP16,
+    FP32,
+    INF_AT,
+    MIXED,
+    NAMES,
+    Model,
+    bits,
+    build,
+    coefficient,
+    snapshot,
+    train_step,
+)
+from verify.checks.optim.expectations import reduced_grads, reference_trajectory  # noqa: F401
 
 
 def assert_matches(got: dict, want: dict, where: str) -> None:
@@ -205,9 +51,6 @@ def assert_matches(got: dict, want: dict, where: str) -> None:
 
 # --------------------------------------------------------------------------- DP=1 tests
 
-MIXED = {"embed.weight": torch.bfloat16, "layer.weight": torch.float32,
-         "layer.bias": torch.float32, "norm.weight": torch.bfloat16}
-FP32 = dict.fromkeys(NAMES, torch.float32)
 
 
 @pytest.mark.parametrize(

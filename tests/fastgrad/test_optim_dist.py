@@ -21,7 +21,9 @@ from fastgrad.optim import DynamicLossScaler
 from refgrad import optim as R
 from tests.distributed_utils import run_distributed
 from tests.fastgrad.test_optim import (
+    FP16,
     FP32,
+    INF_AT,
     MIXED,
     NAMES,
     assert_matches,
@@ -32,9 +34,6 @@ from tests.fastgrad.test_optim import (
     snapshot,
     train_step,
 )
-
-FP16 = dict.fromkeys(NAMES, torch.float16)
-INF_AT = (1, 1, "layer.weight", 5)  # rank 1, step 1: one inf grad element on one rank only
 
 
 def _train(rank, steps, *, start=0, build_args, build_kwargs, load=None, scaler=False):

@@ -19,6 +19,7 @@ CHECK_MODULES: tuple[str, ...] = (
     "reduce_scatter",
     "deferred_wgrad",
     "pipeline",
+    "optim",
     "mxfp8",
 )
 

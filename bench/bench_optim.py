@@ -1,0 +1,193 @@
+"""Benchmark ``fastgrad.optim.DistributedOptimizer``: its step vs torch's AdamW, and overlap.
+
+Usage::
+
+    .venv/bin/python bench/bench_optim.py                 # 10^7 params, 7 rounds
+    .venv/bin/python bench/bench_optim.py --quick         # 10^6 params, 3 rounds
+    .venv/bin/python bench/bench_optim.py --out bench/results/optim_cpu.txt
+
+1. The optimizer step (AdamW, weight decay, fp32 params and grads) on N params at
+   DP=1 vs ``torch.optim.AdamW(foreach=True)`` on the same elements, interleaved
+   round by round; the ratio torch/fastgrad (>= 1: fastgrad at least as fast). Then
+   where fastgrad's step spends its time: the exact norm, the update, its
+   correctly rounded sqrt, the cast into the param buffer.
+2. With ``overlap_param_gather`` on 2 gloo ranks: the time the forward waits in the
+   pre-hooks for the param all-gathers, as a share of the same all-gathers' own
+   (synchronous) time. CPU/gloo only for now: the NCCL variant needs one GPU per
+   rank (two or more GPUs) and CUDA tensors, and is not written yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import time
+
+import torch
+from torch import nn
+
+from fastgrad.config import DDPConfig
+from fastgrad.ddp import DistributedDataParallel
+from fastgrad.optim import AdamWConfig, DistributedOptimizer
+from fastgrad.optim.norm import local_square_limbs
+from fastgrad.optim.update import adamw_update_, sqrt_fp32
+from verify.distributed import spawn
+
+LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.1
+SHAPES_OF = {10**7: [(2000, 2000), (2000, 2000), (1000, 2000)], 10**6: [(500, 1000), (500, 1000)]}
+
+
+class Weights(nn.Module):
+    """Plain 2-D weights; ``forward`` returns ``sum(w * c)`` so grads are the given tensors."""
+
+    def __init__(self, shapes, g: torch.Generator) -> None:
+        super().__init__()
+        self.ws = nn.ParameterList([nn.Parameter(torch.randn(s, generator=g)) for s in shapes])
+
+    def forward(self, coeffs):
+        return sum((w * c).sum() for w, c in zip(self.ws, coeffs))
+
+
+def interleaved(candidates: dict, setups: dict, rounds: int) -> dict[str, list[float]]:
+    """Per round, each candidate once (its setup untimed); all times per candidate."""
+    times = {name: [] for name in candidates}
+    for name, fn in candidates.items():  # warm-up
+        setups[name]()
+        fn()
+    for _ in range(rounds):
+        for name, fn in candidates.items():
+            setups[name]()
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def step_benchmark(numel: int, rounds: int) -> list[str]:
+    g = torch.Generator().manual_seed(0)
+    shapes = SHAPES_OF[numel]
+    grads = [torch.randn(s, generator=g) * 1e-2 for s in shapes]
+    model = Weights(shapes, g)
+    ddp = DistributedDataParallel(model, config=DDPConfig(use_distributed_optimizer=True,
+                                                          bucket_size=numel + 1))
+    opt = DistributedOptimizer(ddp, AdamWConfig(lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS,
+                                                weight_decay=WD))
+    ref = [nn.Parameter(w.detach().clone()) for w in model.ws]
+    torch_opt = torch.optim.AdamW(ref, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=True)
+
+    def fast_setup():
+        ddp.zero_grad_buffer()
+        model(grads).backward()
+        ddp.finish_grad_sync()
+
+    def torch_setup():
+        for p, gr in zip(ref, grads):
+            p.grad = gr.clone()
+
+    times = interleaved({"fastgrad": opt.step, "torch": torch_opt.step},
+                        {"fastgrad": fast_setup, "torch": torch_setup}, rounds)
+    fast, base = statistics.median(times["fastgrad"]), statistics.median(times["torch"])
+    lines = [f"step, {numel:.0e} fp32 params, AdamW wd={WD}, DP=1, median of {rounds} interleaved rounds:",
+             f"  torch.optim.AdamW(foreach=True): {1e3 * base:8.1f} ms",
+             f"  fastgrad DistributedOptimizer:   {1e3 * fast:8.1f} ms",
+             f"  ratio torch/fastgrad: {base / fast:.2f} (goal >= 1)"]
+    # Where fastgrad's time goes: its parts on the same number of elements.
+    flat = torch.cat([gr.reshape(-1) for gr in grads])
+    master, m, v = torch.randn(numel, generator=g), torch.zeros(numel), torch.zeros(numel)
+    cfg = opt.config
+    parts = {
+        "exact norm (local_square_limbs)": lambda: local_square_limbs([flat]),
+        "adamw_update_ (whole update)": lambda: adamw_update_(master, flat, m, v, cfg, 1),
+        "  of which sqrt_fp32": lambda: sqrt_fp32(v),
+        "  torch.sqrt (not correctly rounded)": lambda: torch.sqrt(v),
+        "fp32 grads copy (grad buffer -> fp32)": lambda: flat.float().clone(),
+        "master -> param buffer cast+copy": lambda: ddp.buffer.groups[0].param_data[:numel].copy_(master),
+    }
+    part_times = interleaved(parts, dict.fromkeys(parts, lambda: None), max(3, rounds // 2))
+    lines.append("  fastgrad's parts (median ms, same elements):")
+    for name, ts in part_times.items():
+        lines.append(f"    {name:40s} {1e3 * statistics.median(ts):8.1f}")
+    return lines
+
+
+class Layer(nn.Module):
+    def __init__(self, width: int, g: torch.Generator) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(width, width, generator=g) / width**0.5)
+
+    def forward(self, x):
+        return torch.tanh(x @ self.weight)
+
+
+def _overlap_worker(rank: int, world: int, width: int, layers: int, rounds: int) -> dict:
+    import torch.distributed as dist
+
+    from fastgrad.comm import all_gather_into
+
+    g = torch.Generator().manual_seed(1)
+    model = nn.Sequential(*[Layer(width, g) for _ in range(layers)])
+    ddp = DistributedDataParallel(model, config=DDPConfig(
+        use_distributed_optimizer=True, overlap_param_gather=True, bucket_size=width * width))
+    opt = DistributedOptimizer(ddp, AdamWConfig(lr=LR))
+    waited = [0.0]
+    starts = {}
+    for layer in model:
+        layer.register_forward_pre_hook(lambda m, a: starts.__setitem__(id(m), time.perf_counter()),
+                                        prepend=True)
+        layer.register_forward_pre_hook(
+            lambda m, a: waited.__setitem__(0, waited[0] + time.perf_counter() - starts[id(m)]))
+    x = torch.randn(64, width, generator=g)
+    waits, gathers = [], []
+    for _ in range(rounds + 1):
+        ddp.zero_grad_buffer()
+        model(x).sum().backward()
+        ddp.finish_grad_sync()
+        opt.step()  # launches every bucket's param all-gather
+        waited[0] = 0.0
+        with torch.no_grad():
+            model(x)  # each layer's pre-hook waits for its bucket
+        waits.append(waited[0])
+        dist.barrier()
+        start = time.perf_counter()
+        for b in ddp.buffer.buckets:  # the same all-gathers, synchronous
+            all_gather_into(b.param_data, b.local_param_shard, group=b.dp_group)
+        gathers.append(time.perf_counter() - start)
+    return {"wait": statistics.median(waits[1:]), "gather": statistics.median(gathers[1:])}
+
+
+def overlap_benchmark(width: int, layers: int, rounds: int, backend: str) -> list[str]:
+    per_rank = spawn(_overlap_worker, 2, width, layers, rounds, backend=backend, timeout_s=600)
+    wait = statistics.mean(r["wait"] for r in per_rank)
+    gather = statistics.mean(r["gather"] for r in per_rank)
+    return [f"overlap_param_gather, {backend}, DP=2, {layers} buckets of {width}x{width} fp32, "
+            f"median of {rounds} rounds:",
+            f"  forward waited in pre-hooks: {1e3 * wait:.2f} ms; the all-gathers alone: "
+            f"{1e3 * gather:.2f} ms; share {wait / gather:.1%}"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="10^6 params, 3 rounds")
+    parser.add_argument("--backend", default="gloo", choices=("gloo",),
+                        help="collective backend of the overlap part (CPU tensors: gloo)")
+    parser.add_argument("--out", help="also write the output to this file")
+    args = parser.parse_args()
+    numel, rounds = (10**6, 3) if args.quick else (10**7, 7)
+    lines = [f"bench_optim, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}, "
+             f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+             f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"]
+    lines += step_benchmark(numel, rounds)
+    lines += overlap_benchmark(256 if args.quick else 1024, 4, rounds, args.backend)
+    lines.append(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""The ``optim`` check: fastgrad's optimizer passes it; broken optimizers fail it."""
+
+from __future__ import annotations
+
+import pytest
+
+from fastgrad.optim import DistributedOptimizer
+from verify.check import FAIL, PASS, CheckContext
+from verify.checks import check_by_name
+from verify.checks.optim import OptimCandidate
+from verify.checks.optim.cases import case_matrix
+
+
+class DecaysEverything(DistributedOptimizer):
+    """Broken on purpose: drops the param groups' overrides, so biases and norm weights decay."""
+
+    def __init__(self, ddp, config, param_groups=None, **kwargs):
+        plain = None if param_groups is None else [{"params": g["params"]} for g in param_groups]
+        super().__init__(ddp, config, plain, **kwargs)
+
+
+class LocalNorm(DistributedOptimizer):
+    """Broken on purpose: all-reduces the NaN/inf count but not the sum of squares, so each
+    rank clips by the norm of its own shard."""
+
+    def _all_reduce(self, tensor):
+        flag = tensor[-1:].clone()
+        super()._all_reduce(flag)
+        tensor[-1:] = flag
+
+
+def _quick(candidate=None):
+    return check_by_name("optim").execute(CheckContext(quick=True), candidate)
+
+
+@pytest.mark.dist
+def test_fastgrad_passes_quick():
+    result = _quick()
+    assert result.status == PASS, (result.error, result.failed_labels())
+    assert any("MXFP8" in s for s in result.skipped)
+    assert any("torch.optim.AdamW" in f for f in result.findings)
+
+
+@pytest.mark.dist
+def test_weight_decay_on_biases_fails():
+    result = _quick(OptimCandidate(DecaysEverything))
+    assert result.status == FAIL, result.error
+    failed = result.failed_labels()
+    # Every case decays the 2-D weights only; the broken one decays the 1-D params too.
+    assert any("adamw" in label and label.endswith("params") for label in failed), failed
+    assert any("sgd" in label and label.endswith("master") for label in failed), failed
+
+
+@pytest.mark.dist
+def test_norm_without_all_reduce_fails_where_clipping_at_dp_above_1():
+    result = _quick(OptimCandidate(LocalNorm))
+    assert result.status == FAIL, result.error
+    failed = result.failed_labels()
+    assert any(" clip " in label and "DP=1 " not in label for label in failed), failed
+    # DP=1 has nothing to all-reduce, and unclipped cases never use the norm: they still pass.
+    assert not any("DP=1 " in label or " noclip " in label for label in failed), failed
+
+
+def test_candidate_must_be_a_class():
+    with pytest.raises(TypeError, match="optimizer_cls must be a class"):
+        OptimCandidate("x")
+
+
+def test_matrix_covers_every_dimension_in_quick_and_default():
+    for quick in (True, False):
+        cases = case_matrix(quick)
+        assert {c.dp for c in cases} == {1, 2, 3, 4}
+        assert {c.algorithm for c in cases} == {"adamw", "sgd"}
+        assert {c.grads for c in cases} == {"bf16", "fp16"}
+        assert {c.main_grads_fp32 for c in cases} == {True, False}
+        assert {c.clip is None for c in cases} == {True, False}
+        assert {c.overlap for c in cases} == {True, False}

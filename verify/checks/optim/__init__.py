@@ -1,0 +1,57 @@
+"""Check ``optim``: fastgrad's distributed optimizer (Megatron-Core's) bitwise equal to refgrad.
+
+One spawn of 4 gloo ranks with sub-groups DP=1 (one rank), DP=2 (ranks 0-1 and
+2-3), DP=3 (ranks 0-2, padding and uneven ownership) and DP=4 (the world); every
+rank gets its own grads; after every step the full params, fp32 masters and
+optimizer state (via ``state_dict``) must equal ``refgrad.optim`` fed refgrad's
+reduction of the same grads, bitwise, and be the same on every rank.
+
+The case matrix covers every dimension at least once, not the product
+(``cases.case_matrix``; DP / algorithm / grads / main grads / clip / gather):
+
+  * DP=1 adamw bf16/fp32 clip sync
+  * DP=2 adamw bf16/bf16 clip overlap   (the checkpoint case, 3 steps)
+  * DP=2 sgd   fp16/fp16 noclip sync    (loss scaler, an inf on one rank skips step 2)
+  * DP=3 sgd   bf16/fp32 noclip overlap
+  * DP=4 adamw fp16/fp16 clip overlap   (loss scaler, skipped step)
+  * not ``--quick``: DP=3 adamw fp16/fp32 clip sync, DP=4 sgd bf16/bf16 clip sync
+
+so both algorithms meet both grad dtypes, both main-grad dtypes, clipping on and
+off and both gather modes; every DP size meets AdamW or SGD with overlap or not.
+"bf16" params are bf16 beside fp32 ones (two buffer groups); weight decay is off
+for biases and norm weights (``param_groups_without_decay_for``). Then:
+
+  * resume: the DP=2 checkpoint after step 2, loaded at DP=2 on other ranks, gives
+    step 3 bitwise equal to the uninterrupted run; loaded at DP=3 it gives bitwise
+    the same full masters and state, params equal to the masters' cast, and a
+    step 3 equal to refgrad;
+  * errors: a param group mixing buffers, a non-positive max norm, a checkpoint
+    whose names or shapes do not match, a step before any grad sync, a param
+    modified between its all-gather's launch and wait: each the right error
+    type, with the rule in the message;
+  * MXFP8 params (with and without buffer sharing): skipped while
+    ``fastgrad.optim`` lacks MXFP8 support (``supports_mxfp8``);
+  * measured, not asserted: ``torch.optim.AdamW`` vs the spec in fp32 ULP. torch
+    updates ``m`` with ``lerp_`` (a fused multiply-add on CPU), ``v`` with one
+    ``addcmul_``, puts the fp64 bias corrections on the step size and on
+    ``sqrt(v)/sqrt(bc2)`` and adds eps after that division, and applies the update
+    with one ``addcdiv_``; the spec rounds ``beta1*m + (1-beta1)*g`` term by term,
+    divides ``m`` and ``v`` by fp32 bias corrections and adds eps to ``sqrt(v_hat)``.
+
+Package layout: ``cases`` (the model, data and matrix, shared with the tests),
+``expectations`` (refgrad's trajectories), ``worker`` (the 4 ranks), ``entry``
+(the candidate, the run function and the report glue).
+"""
+
+from verify.check import Check
+from verify.checks.optim.entry import OptimCandidate, run
+
+CHECK = Check(
+    name="optim",
+    summary="distributed optimizer (AdamW/SGD, clipping, loss scaling, checkpoints) vs refgrad, "
+            "bitwise, gloo DP=1..4",
+    run=run,
+    default_candidate=OptimCandidate.default(),
+)
+
+__all__ = ["CHECK", "OptimCandidate"]

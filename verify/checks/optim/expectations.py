@@ -1,0 +1,106 @@
+"""What the ``optim`` check (and tests/fastgrad/test_optim*.py) expect: refgrad's trajectory.
+
+The DDP reduction of the ranks' grads is refgrad's reduce-scatter spec; the step
+is ``refgrad.optim.optimizer_step`` (exact arithmetic, one rounding per op).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from refgrad import optim as R
+from refgrad import reduce_scatter as RS
+from verify.checks.optim.cases import ADAMW, INF_AT, NAMES, SGD, SHAPES, coefficient, initial
+
+
+def reduced_grads(world: int, step: int, dtypes, *, average: bool, grad_fp32=False,
+                  loss_scale=1.0, inf_at=None, seed=0) -> tuple[torch.Tensor, ...]:
+    """Per param: the DDP reduction of the ranks' grads, by refgrad's reduce-scatter spec.
+
+    The grads are multiples of 1/8 (times a power-of-two loss scale), so every
+    partial sum is exact and the rank order used here is also gloo's result.
+    Averaging is by torch's ``1/dp`` pre-scale (exact only for power-of-two dp).
+    Memoised: the refgrad reductions are slow and shared by several cases.
+    """
+    return _reduced_grads(world, step, tuple(dtypes.items()), average, grad_fp32, loss_scale,
+                          inf_at, seed)
+
+
+@functools.lru_cache(maxsize=512)
+def _reduced_grads(world, step, dtype_items, average, grad_fp32, loss_scale, inf_at, seed):
+    dtypes = dict(dtype_items)
+    out = []
+    for i, name in enumerate(NAMES):
+        gdtype = torch.float32 if grad_fp32 else dtypes[name]
+        per_rank = [
+            (coefficient(r, step, i, name, inf_at, seed) * loss_scale)
+            .to(dtypes[name]).to(gdtype).reshape(-1)
+            for r in range(world)
+        ]
+        if average:
+            per_rank = RS.prescale_like_torch(per_rank, 1.0 / world)
+        out.append(RS.all_reduce(per_rank, accumulate="wire", order="rank")[0])
+    return tuple(out)
+
+
+def reference_trajectory(worlds, dtypes, algorithm, *, clip=None, average=True, grad_fp32=False,
+                         scales=None, inf_at=None, start=None, first_step_id=0, seed=0):
+    """refgrad.optim fed the reduced grads of each step; a snapshot after every step.
+
+    ``worlds[k]``: the DP size of step k (grads differ per DP size).
+    ``scales[k]``: the loss scale of step k. ``start``: (states, steps) to resume from
+    (updated in place); ``first_step_id``: the data index of the first step.
+    Returns ``(snapshots, (states, steps))``.
+    """
+    hyper = R.AdamW(**ADAMW) if algorithm == "adamw" else R.SGD(**SGD)
+    no_decay = type(hyper)(**{**hyper.__dict__, "weight_decay": 0.0})
+    hypers = [no_decay if len(SHAPES[n]) == 1 else hyper for n in NAMES]
+    if start is None:
+        states = [R.ParamState(master=R.values(initial(i, n, seed).to(dtypes[n]).float()))
+                  for i, n in enumerate(NAMES)]
+        steps = 0
+    else:
+        states, steps = start
+    snapshots = []
+    for k, world in enumerate(worlds):
+        scale = None if scales is None else scales[k]
+        step_id = first_step_id + k
+        grads = reduced_grads(world, step_id, dtypes, average=average, grad_fp32=grad_fp32,
+                              loss_scale=1.0 if scale is None else scale, inf_at=inf_at, seed=seed)
+        stepped, _ = R.optimizer_step(states, grads, hypers, [steps + 1] * len(NAMES),
+                                      max_norm=clip, loss_scale=scale)
+        steps += stepped
+        snapshots.append({"stepped": stepped, "steps": steps, **expected_tensors(states, dtypes)})
+    return snapshots, (states, steps)
+
+
+def expected_tensors(states, dtypes) -> dict:
+    """refgrad's states as tensors: model params (rounded to their dtype) and fp32 state."""
+    out = {"params": {}, "state": {}}
+    for n, s in zip(NAMES, states):
+        shape = SHAPES[n]
+        out["params"][n] = R.to_tensor(s.master, shape, dtypes[n])
+        entry = {"master": R.to_tensor(s.master, shape)}
+        for key in ("exp_avg", "exp_avg_sq"):
+            if getattr(s, key) is not None:
+                entry[key] = R.to_tensor(getattr(s, key), shape)
+        if s.momentum is not None:
+            entry["momentum_buffer"] = R.to_tensor(s.momentum, shape)
+        out["state"][n] = entry
+    return out
+
+
+def case_trajectory(case, seed: int, start=None, first_step_id: int = 0, worlds=None):
+    """refgrad's trajectory for an ``OptimCase`` (optionally resumed / at other DP sizes)."""
+    steps = case.steps - first_step_id if worlds is None else len(worlds)
+    worlds = [case.dp] * steps if worlds is None else worlds
+    scales = case.scales()
+    return reference_trajectory(
+        worlds, case.dtypes, case.algorithm, clip=case.clip,
+        average=all(w & (w - 1) == 0 for w in worlds), grad_fp32=case.main_grads_fp32,
+        scales=None if scales is None else scales[first_step_id:first_step_id + steps],
+        inf_at=INF_AT if case.scaled else None, start=start, first_step_id=first_step_id, seed=seed,
+    )
+
