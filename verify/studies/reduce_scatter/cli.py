@@ -9,22 +9,17 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict
 
-from verify.studies.reduce_scatter.growth import (
+from verify.studies.reduce_scatter.models import DISTRIBUTIONS, DTYPE_ALIASES, DTYPES, METHODS
+from verify.studies.reduce_scatter.render import render_markdown, render_text, write_plot
+from verify.studies.reduce_scatter.sweep import (
     DEFAULT_DP,
     DEFAULT_NUMEL,
-    DISTRIBUTIONS,
-    DTYPE_ALIASES,
-    DTYPES,
     EXIT_OK,
     EXIT_USAGE,
-    METHODS,
     SweepConfig,
     growth_table,
-    render_markdown,
-    render_text,
+    published_claims_table,
     run_sweep,
-    seed_claims_table,
-    write_plot,
 )
 
 
@@ -138,7 +133,7 @@ def main(args: argparse.Namespace) -> int:
             "seconds": seconds,
             "points": [asdict(p) for p in points],
             "growth": growth_table(points),
-            "seed_claims": seed_claims_table(points),
+            "published_claims": published_claims_table(points),
         }
         with open(args.json, "w") as f:
             json.dump(payload, f, indent=2)
