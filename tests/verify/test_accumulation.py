@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from refgrad import formats
 from refgrad import reduce_scatter as refc
 from refgrad.formats import tensor_bit_patterns
 from verify.distributed import free_port
@@ -275,3 +276,41 @@ def test_ring_model_past_the_last_rank_wraps_like_refgrad(first_chunk):
     block = torch.cat([stacked[:, c * chunk : (c + 1) * chunk] for c in cols], dim=1)
     assert_bitwise_equal(torch.cat([by_chunk[c] for c in cols]),
                          models.ring_reduce(block.contiguous(), chunk, first_chunk))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_beyond_8192_ranks_models_and_references_follow_refgrad_and_the_oracle(dtype):
+    # W > 2^13: float64 is no longer exact over all rows, so the references go group-wise.
+    world_size, chunk = 3 * reference.EXACT_GROUP_ROWS + 5, 1
+    columns = 10
+    stacked = _sample(world_size, columns, torch.float32, seed=21, distribution="normal")
+    stacked[:, 0] = -0.0  # all -0: the IEEE sum is -0
+    stacked[:, 1] *= 2000.0  # large partial sums (fp16: up to ~2^26 over 24581 rows)
+    if dtype == torch.bfloat16:
+        stacked[0, 3], stacked[1, 3] = 2.0**100, 2.0**-100  # not exact in float64: the slow path
+    wire = stacked.to(dtype)
+    exact64, rounded = reference.exact_references(wire)
+    assert_bitwise_equal(correctly_rounded_sum(wire, dtype), rounded)
+    assert torch.signbit(exact64[0])
+    for c in range(columns):  # math.fsum: the float64 nearest the exact column sum
+        exact = math.fsum(wire[:, c].double().tolist())
+        assert abs(float(exact64[c]) - exact) <= world_size * 2.0**-53 * float(
+            wire[:, c].double().abs().sum())
+    # The ring of the chunks ending on ranks 7 and 8, and rank-order fp32, from refgrad's spec.
+    fmt = formats.format_of(dtype)
+    decoded = [formats.decode_tensor(wire[:, c].contiguous()) for c in (7, 8)]
+    block = wire[:, 7:9].contiguous()
+    ring = models.ring_reduce(block, chunk, first_chunk=7)
+    for i, c in enumerate((7, 8)):
+        values = [decoded[i][r] for r in refc.ring_order(world_size, c)]
+        expected = refc.accumulate_values(values, wire=fmt, accumulate="wire", tree=False)
+        assert_bitwise_equal(formats.round_values_to_tensor(fmt, [expected], (1,)), ring[i : i + 1])
+    fp32 = models.fp32_reduce(block)[0]
+    for i in range(2):
+        expected = refc.accumulate_values(decoded[i], wire=fmt, accumulate="fp32", tree=False)
+        assert_bitwise_equal(formats.round_values_to_tensor(fmt, [expected], (1,)), fp32[i : i + 1])
+
+
+def test_sweep_accepts_dp_up_to_65536():
+    config = sweep.SweepConfig(dp_sizes=(8192, 65536), numel=10)
+    assert config.numel_for(65536) == 65536  # one element per rank's chunk
