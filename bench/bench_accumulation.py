@@ -154,7 +154,7 @@ def main() -> int:
                     "command": " ".join(sys.argv), "rows": []}
     print(result["machine"])
     if args.rss:
-        result["rss"] = [peak_rss(1024, 2**16), peak_rss(16384, 2**16)]
+        result["rss"] = [peak_rss(4096, 2**14), peak_rss(16384, 2**14)]
     elif args.large:
         config = sweep.SweepConfig(dp_sizes=(65536,), dtypes=("float16",),
                                    distributions=("normal",), numel=args.large_numel)
