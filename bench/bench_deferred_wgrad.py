@@ -29,7 +29,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from _timing import median_time  # bench/ is on sys.path when a script runs
+from _timing import interleaved_medians  # bench/ is on sys.path when a script runs
 
 from fastgrad.comm import all_gather_into
 from fastgrad.deferred_wgrad import (
@@ -61,23 +61,30 @@ def bench_cpu_drain(m: int, seq: int, batch: int, hidden: int, vocab: int, repea
         for x, go in zip(xs, gos):
             layer(x.clone().requires_grad_(True)).backward(go)
 
-    t_imm = median_time(lambda: backward_all(immediate), repeats)
+    main_grad = torch.zeros(vocab, hidden)
     t_def_bwd, t_drain = [], []
-    for _ in range(repeats + 1):  # the first round is a warm-up
+
+    def deferred_round():
+        # Times its two phases itself: the backward (deferred) and the drain after it.
         start = time.perf_counter()
         backward_all(deferred)
         mid = time.perf_counter()
         deferred.drain_deferred_wgrad()
         t_def_bwd.append(mid - start)
         t_drain.append(time.perf_counter() - mid)
-    t_def, t_dr = statistics.median(t_def_bwd[1:]), statistics.median(t_drain[1:])
-    main_grad = torch.zeros(vocab, hidden)
 
     def gemms():
         for x, go in zip(xs, gos):
             accumulate_wgrad_(main_grad, go, x)
 
-    t_gemms = median_time(gemms, repeats)
+    times = interleaved_medians({
+        "immediate": lambda: backward_all(immediate),
+        "deferred": deferred_round,
+        "gemms": gemms,
+    }, repeats)
+    t_imm, t_gemms = times["immediate"], times["gemms"]
+    # The first round is interleaved_medians' warm-up call.
+    t_def, t_dr = statistics.median(t_def_bwd[1:]), statistics.median(t_drain[1:])
     return {
         "shape": {"M": m, "tokens": seq * batch, "hidden": hidden, "vocab": vocab},
         "immediate_backward_s": t_imm,
@@ -124,10 +131,10 @@ def _overlap_worker(rank: int, world: int, m, seq, batch, hidden, vocab, repeats
     def drain():
         layer.drain_deferred_wgrad()
 
-    t_gather = median_time(gathers, repeats, sync)
-    t_gemm = median_time(gemms, repeats, sync)
     drains = []
-    for _ in range(repeats + 1):  # the first round is a warm-up
+
+    def drain_round():
+        # Times the drain itself, after the buffers are refilled and every rank is ready.
         fill()
         dist.barrier()
         sync()
@@ -135,7 +142,12 @@ def _overlap_worker(rank: int, world: int, m, seq, batch, hidden, vocab, repeats
         drain()
         sync()
         drains.append(time.perf_counter() - start)
-    t_drain = statistics.median(drains[1:])
+
+    # Every rank runs the same interleaved order, so the collectives line up.
+    times = interleaved_medians({"gathers": gathers, "gemms": gemms, "drain": drain_round},
+                                repeats, device=device)
+    t_gather, t_gemm = times["gathers"], times["gemms"]
+    t_drain = statistics.median(drains[1:])  # the first is the warm-up call
     hidden_frac = (t_gather + t_gemm - t_drain) / t_gather if t_gather > 0 else float("nan")
     return {"gather_s": t_gather, "gemm_s": t_gemm, "drain_s": t_drain,
             "gather_hidden_fraction": max(0.0, min(1.0, hidden_frac)), "raw_hidden_fraction": hidden_frac}

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import random
 
-from _timing import best_time  # bench/ is on sys.path when a script runs
+from _timing import interleaved_best  # bench/ is on sys.path when a script runs
 
 from fastgrad.layout import compute_layout as fast_layout
 from refgrad.layout import compute_layout as reference_layout
@@ -54,8 +54,11 @@ def main() -> None:
         fast = fast_layout(numels, **kwargs)
         if ref.to_dict() != fast.to_dict():
             raise SystemExit(f"{name}: fastgrad and refgrad layouts differ; not timing")
-        t_ref = best_time(lambda kw=kwargs: reference_layout(numels, **kw), args.repeats)
-        t_fast = best_time(lambda kw=kwargs: fast_layout(numels, **kw), args.repeats)
+        best = interleaved_best({
+            "refgrad": lambda kw=kwargs: reference_layout(numels, **kw),
+            "fastgrad": lambda kw=kwargs: fast_layout(numels, **kw),
+        }, args.repeats)
+        t_ref, t_fast = best["refgrad"], best["fastgrad"]
         print(f"{name:<42} {len(ref.bucket_indices):>8} {t_ref:>10.4f} {t_fast:>11.4f} "
               f"{t_ref / t_fast:>6.1f}x")
 

@@ -25,32 +25,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from _timing import median_time  # bench/ is on sys.path when a script runs
+from _timing import interleaved_best, interleaved_medians  # bench/ is on sys.path
 
 from fastgrad import mxfp8
 from verify.fixtures import mxfp8 as support
-
-
-def interleaved_best_times(candidates: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
-    """Best wall time of each candidate over ``repeats`` rounds, candidates interleaved per round.
-
-    On a shared machine the minimum is the least disturbed measurement, and
-    interleaving spreads slow periods over every candidate alike.
-    """
-    for fn in candidates.values():
-        fn()  # warm-up
-    best = dict.fromkeys(candidates, float("inf"))
-    for _ in range(repeats):
-        for name, fn in candidates.items():
-            start = time.perf_counter()
-            fn()
-            best[name] = min(best[name], time.perf_counter() - start)
-    return best
 
 
 def cpu_section(numel: int, repeats: int) -> list[dict[str, Any]]:
@@ -69,7 +51,7 @@ def cpu_section(numel: int, repeats: int) -> list[dict[str, Any]]:
         if torchao is not None:
             for mode in mxfp8.SCALE_MODES:
                 candidates[f"torchao {mode}"] = lambda x=x, mode=mode: torchao(x, mode)
-        best = interleaved_best_times(candidates, repeats)
+        best = interleaved_best(candidates, repeats)
         for name, seconds in best.items():
             rows.append({
                 "dtype": str(dtype),
@@ -93,7 +75,6 @@ def gpu_section(numel: int, repeats: int) -> list[dict[str, Any]]:
     from fastgrad.kernels.mxfp8 import quantize_triton
 
     rows = []
-    sync = torch.cuda.synchronize
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(numel // 1024, 1024, device="cuda").to(dtype)
         for mode in mxfp8.SCALE_MODES:
@@ -102,12 +83,17 @@ def gpu_section(numel: int, repeats: int) -> list[dict[str, Any]]:
             if not (torch.equal(torch_path[0], kernel[0]) and torch.equal(torch_path[1], kernel[1])):
                 raise AssertionError(f"Triton kernel and torch path disagree ({dtype}, {mode})")
         destination = torch.empty_like(x)
-        copy_seconds = median_time(lambda x=x, d=destination: d.copy_(x), repeats, sync)
+        candidates: dict[str, Callable[[], Any]] = {"copy": lambda x=x, d=destination: d.copy_(x)}
+        for mode in mxfp8.SCALE_MODES:
+            candidates[f"triton {mode}"] = lambda x=x, mode=mode: quantize_triton(x, scale_mode=mode)
+            candidates[f"torch {mode}"] = (
+                lambda x=x, mode=mode: mxfp8.quantize_torch(x, scale_mode=mode))
+        times = interleaved_medians(candidates, repeats, device="cuda")
+        copy_seconds = times["copy"]
         copy_bandwidth = 2 * x.numel() * x.element_size() / copy_seconds
         moved = x.numel() * x.element_size() + x.numel() + x.numel() // 32
         for mode in mxfp8.SCALE_MODES:
-            seconds = median_time(lambda x=x, mode=mode: quantize_triton(x, scale_mode=mode), repeats, sync)
-            torch_seconds = median_time(lambda x=x, mode=mode: mxfp8.quantize_torch(x, scale_mode=mode), repeats, sync)
+            seconds, torch_seconds = times[f"triton {mode}"], times[f"torch {mode}"]
             rows.append({
                 "dtype": str(dtype),
                 "mode": mode,

@@ -26,17 +26,15 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from _timing import best_time  # bench/ is on sys.path when a script runs
+from _timing import interleaved_best  # bench/ is on sys.path when a script runs
 
 from refgrad import exact
 from verify import oracle
 
 
 def device_best_time(fn: Callable[[], Any], repeats: int, device: str) -> float:
-    """Best wall time of ``repeats`` calls, in seconds (synchronising CUDA)."""
-    if device == "cuda":
-        return best_time(fn, repeats, torch.cuda.synchronize)
-    return best_time(fn, repeats)
+    """Best time of ``repeats`` calls after a warm-up, in seconds (CUDA events on CUDA)."""
+    return interleaved_best({"fn": fn}, repeats, device=device)["fn"]
 
 
 def gradients(ranks: int, elements: int, seed: int) -> torch.Tensor:
@@ -103,12 +101,11 @@ def main() -> int:
 
     if args.sweep:
         big = gradients(1024, 100_000, args.seed + 1).to(args.device)
-        plain = device_best_time(lambda: big.sum(0), max(1, args.repeats // 2), args.device)
-        exact_time = device_best_time(
-            lambda: oracle.correctly_rounded_sum(big, torch.bfloat16),
-            max(1, args.repeats // 2),
-            args.device,
-        )
+        both = interleaved_best({
+            "plain": lambda: big.sum(0),
+            "exact": lambda: oracle.correctly_rounded_sum(big, torch.bfloat16),
+        }, max(1, args.repeats // 2), device=args.device)
+        plain, exact_time = both["plain"], both["exact"]
         print(
             f"sweep size 1024 x 100,000 = 1e8 rank-elements: verify.oracle {exact_time:.2f} s "
             f"({1e8 / exact_time / 1e6:.0f} M rank-elements/s), plain float32 sum(0) {plain:.3f} s, "

@@ -20,9 +20,19 @@ Averaging (``op=AVG``): the fp32 sum is divided by W (IEEE division in fp32)
 and only then rounded to the wire dtype. Production instead pre-scales every
 gradient by ``1/W`` in the gradient dtype before the collective, which is
 exact only for power-of-two W and no underflow.
+
+Pre-scaling (``prescale=s``): production's ``grad_data.mul_(s)`` before the
+collective, folded into the local reduction so the bucket makes no extra
+read-and-write pass. Every received element is multiplied by ``s`` and rounded
+to the wire dtype exactly as torch's ``mul_`` does it on the sender (fp32
+product, rounded to fp32, then to the dtype), then accumulated. The rounding is
+elementwise and the all-to-all only moves elements, so scaling row by row on
+the receiver gives the same bits as scaling the whole input on the sender.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -47,11 +57,13 @@ class FP32AccumulationWork:
         shards: torch.Tensor,
         output: torch.Tensor,
         average: bool,
+        prescale: float | None = None,
     ) -> None:
         self._all_to_all_work = all_to_all_work
         self._shards = shards
         self._output = output
         self._average = average
+        self._prescale = prescale
         self._done = False
 
     def wait(self) -> bool:
@@ -59,7 +71,8 @@ class FP32AccumulationWork:
         if not self._done:
             if self._all_to_all_work is not None:
                 self._all_to_all_work.wait()
-            reduce_shards_fp32(self._shards, self._output, average=self._average)
+            reduce_shards_fp32(self._shards, self._output, average=self._average,
+                               prescale=self._prescale)
             self._done = True
             # Drop the scratch reference so the caller's memory can be reused.
             self._shards = None  # type: ignore[assignment]
@@ -70,12 +83,28 @@ class FP32AccumulationWork:
         return self._done
 
 
-def reduce_shards_fp32(shards: torch.Tensor, output: torch.Tensor, *, average: bool) -> None:
+def check_prescale(prescale: object) -> float | None:
+    """``prescale`` as a float (``None`` stays ``None``); TypeError/ValueError otherwise."""
+    if prescale is None:
+        return None
+    if isinstance(prescale, bool) or not isinstance(prescale, (int, float)):
+        raise TypeError(f"prescale must be a float or None, got {type(prescale).__name__}")
+    if not math.isfinite(prescale):
+        raise ValueError(f"prescale must be finite, got {prescale}")
+    return float(prescale)
+
+
+def reduce_shards_fp32(
+    shards: torch.Tensor, output: torch.Tensor, *, average: bool, prescale: float | None = None
+) -> None:
     """Sum the rows of ``shards`` ([W, n]) in fp32 in row order, optionally / W, round once.
 
     Bitwise equal to refgrad's ``accumulate="fp32", order="rank"`` model on every path:
     each step is one IEEE fp32 addition (a 16-bit value converts to fp32 exactly).
+    ``prescale``: each element is first replaced by ``shards[r] * prescale`` computed as
+    torch's ``mul_`` computes it in the shards' dtype (see the module docstring).
     """
+    prescale = check_prescale(prescale)
     _check_tensor("shards", shards)
     _check_tensor("output", output)
     if shards.dim() != 2:
@@ -94,15 +123,19 @@ def reduce_shards_fp32(shards: torch.Tensor, output: torch.Tensor, *, average: b
     if _use_triton(shards):
         from fastgrad.kernels.reduction import reduce_shards_fp32 as triton_reduce
 
-        triton_reduce(shards, output.view(-1), average=average)
+        triton_reduce(shards, output.view(-1), average=average, prescale=prescale)
         return
     # A sequential loop, not torch.sum(dim=0): sum's reduction order over dim 0
     # is not specified, while this order is exactly rank 0, 1, ..., W-1. Each
     # shard is widened explicitly (exact) because an in-place fp32 += bf16 add
     # takes torch's slow mixed-dtype path on CPU.
-    acc = shards[0].to(torch.float32, copy=True)  # never alias an fp32 input row
+    def row(rank: int) -> torch.Tensor:
+        # torch's own elementwise multiply in the shards' dtype: the bits of grad_data.mul_.
+        return shards[rank] if prescale is None else shards[rank] * prescale
+
+    acc = row(0).to(torch.float32, copy=True)  # never alias an fp32 input row
     for rank in range(1, world_size):
-        acc.add_(shards[rank].to(torch.float32))
+        acc.add_(row(rank).to(torch.float32))
     if average:
         # A 0-dim tensor divisor: CUDA turns a Python-scalar divisor into a
         # multiplication by its reciprocal, which is not IEEE division.
@@ -139,6 +172,7 @@ def reduce_scatter_with_fp32_accumulation(
     async_op: bool = False,
     scratch: torch.Tensor | None = None,
     op: dist.ReduceOp.RedOpType = SUM,
+    prescale: float | None = None,
 ) -> FP32AccumulationWork | None:
     """Reduce-scatter ``input`` into ``output`` with 16-bit wire data and fp32 accumulation.
 
@@ -152,7 +186,10 @@ def reduce_scatter_with_fp32_accumulation(
     ``ReduceOp.SUM`` or ``ReduceOp.AVG``. With ``async_op=True`` the all-to-all
     is launched and a handle is returned whose ``wait()`` completes the reduction;
     the caller must not modify ``input`` or ``scratch`` before that.
+    ``prescale``: production's gradient pre-scale ``input.mul_(prescale)``, applied
+    inside the reduction instead (same bits; ``input`` itself is left unscaled).
     """
+    prescale = check_prescale(prescale)
     if op not in (SUM, AVG):
         raise ValueError(f"op must be ReduceOp.SUM or ReduceOp.AVG, got {op!r}")
     if not isinstance(async_op, bool):
@@ -204,7 +241,8 @@ def reduce_scatter_with_fp32_accumulation(
     work = dist.all_to_all_single(
         scratch.view(-1), input.view(-1), group=group, async_op=async_op
     )
-    handle = FP32AccumulationWork(work if async_op else None, shards, output, op == AVG)
+    handle = FP32AccumulationWork(work if async_op else None, shards, output, op == AVG,
+                                  prescale)
     if async_op:
         return handle
     handle.wait()

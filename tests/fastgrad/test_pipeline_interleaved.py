@@ -29,8 +29,9 @@ from refgrad.pipeline import (
     reference_training,
     stage_param_name,
 )
+from refgrad.pipeline_schedule import interleaved_program_order
 from verify.checks.pipeline import PipelineCase, run_interleaved_case_on_rank
-from verify.studies.pipeline import PipelineCosts, interleaved_program_order, simulate
+from verify.studies.pipeline import PipelineCosts, simulate
 
 # ---------------------------------------------------------------- schedule order
 

@@ -357,3 +357,131 @@ def test_local_reduction_ieee_specials_match_refgrad(dtype):
         # Hand-derived: 65504 + 65504 - 65504 overflows an fp16 partial sum but not fp32's
         # (bf16 shares fp32's exponent range, so there both overflow: inf, as refgrad says).
         assert out[2].item() == pytest.approx(65504.0 / 3, rel=2**-10)
+
+
+# ------------------------------------------------------------------ pre-scale inside the reduction
+
+PRESCALES = (1 / 8, 1 / 3, 1 / 6, 1e-3, 3.0)  # powers of two and not; 1e-3 pushes fp16 subnormal
+
+
+def _prescale_shards(world_size: int, numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    shards = torch.randn(world_size, numel, generator=g) * torch.exp2(
+        -20 * torch.rand(world_size, numel, generator=g))
+    shards[0, :3] = torch.tensor([-0.0, 0.0, 2.0**-14])
+    return shards.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("prescale", PRESCALES)
+@pytest.mark.parametrize("average", [False, True])
+def test_prescale_inside_the_reduction_equals_the_separate_pass(dtype, prescale, average):
+    world_size, numel = 5, 37
+    shards = _prescale_shards(world_size, numel, dtype, seed=int(1 / prescale) + world_size)
+    fused = torch.empty(numel, dtype=dtype)
+    reduce_shards_fp32(shards, fused, average=average, prescale=prescale)
+    # Production: grad_data.mul_(s) over the whole buffer, then the unscaled reduction.
+    separate = torch.empty(numel, dtype=dtype)
+    reduce_shards_fp32(shards.clone().mul_(prescale), separate, average=average)
+    assert_bitwise_equal(separate, fused)
+    if dtype != torch.float32:
+        # And both are refgrad's model of torch's pre-scale followed by the fp32 reduction.
+        from refgrad.reduce_scatter import prescale_like_torch
+
+        scaled = prescale_like_torch(list(shards), prescale)
+        per_rank = [torch.cat([row, torch.zeros(numel * (world_size - 1), dtype=dtype)])
+                    for row in scaled]
+        expected = ref_reduce_scatter(per_rank, accumulate="fp32", order="rank",
+                                      op="avg" if average else "sum")[0]
+        assert_bitwise_equal(expected, fused)
+
+
+def test_prescale_validation():
+    shards, out = torch.zeros(2, 4), torch.zeros(4)
+    with pytest.raises(TypeError, match="prescale must be a float"):
+        reduce_shards_fp32(shards, out, average=False, prescale="0.5")
+    with pytest.raises(TypeError, match="prescale must be a float"):
+        reduce_shards_fp32(shards, out, average=False, prescale=True)
+    with pytest.raises(ValueError, match="prescale must be finite"):
+        reduce_shards_fp32(shards, out, average=False, prescale=float("inf"))
+
+
+def _prescale_rank_main(rank: int, world_size: int) -> list[dict]:
+    """Sender-side ``mul_`` then the plain call, against ``prescale=`` on the receiver."""
+    records = []
+    for dtype in (torch.float16, torch.bfloat16):
+        for iteration in range(ITERATIONS):
+            x = _rank_input(rank, world_size, dtype, iteration)
+            for prescale in (1 / world_size, 1e-3):
+                sender = x.clone().mul_(prescale)  # production: the bucket is scaled in place
+                expected = torch.empty(SHARD_NUMEL, dtype=dtype)
+                reduce_scatter_with_fp32_accumulation(expected, sender)
+                fused = torch.empty(SHARD_NUMEL, dtype=dtype)
+                untouched = x.clone()
+                reduce_scatter_with_fp32_accumulation(fused, untouched, async_op=True,
+                                                      prescale=prescale).wait()
+                records.append({"dtype": str(dtype), "iteration": iteration, "prescale": prescale,
+                                "expected": expected, "fused": fused,
+                                "input_untouched": torch.equal(untouched.view(torch.int16),
+                                                               x.view(torch.int16))})
+    return records
+
+
+@pytest.mark.dist
+def test_prescale_on_the_receiver_equals_prescale_on_the_sender():
+    """The all-to-all only moves elements and the pre-scale rounds elementwise, so scaling
+    each received row gives the bits of scaling each rank's whole bucket before sending."""
+    per_rank = run_distributed(_prescale_rank_main, 3)
+    for rank, records in enumerate(per_rank):
+        assert len(records) == 2 * ITERATIONS * 2
+        for r in records:
+            what = f"rank {rank} {r['dtype']} iteration {r['iteration']} prescale {r['prescale']}"
+            assert_bitwise_equal(r["expected"], r["fused"], msg=what)
+            assert r["input_untouched"], what
+
+
+_PRESCALE_INTERPRETER_SCRIPT = """
+import torch
+from fastgrad.reduce_scatter import reduce_shards_fp32 as torch_path
+from fastgrad.kernels.reduction import reduce_shards_fp32 as kernel, shard_alignment
+from refgrad.formats import tensor_bit_patterns
+assert [shard_alignment(n) for n in (1, 2, 12, 33, 6144, 6149)] == [1, 2, 4, 1, 8, 1]
+bad = []
+for dtype in (torch.float16, torch.float32):
+    for world_size in (1, 3, 8):
+        for n in (1, 12, 33, 2 * 2048 + 4, 3 * 2048 + 5):
+            g = torch.Generator().manual_seed(world_size * 1000 + n)
+            shards = (torch.randn(world_size, n, generator=g)
+                      * torch.exp2(-20 * torch.rand(world_size, n, generator=g))).to(dtype)
+            for prescale in (None, 1 / world_size if world_size > 1 else 0.5, 1 / 3, 1e-3):
+                for average in (False, True):
+                    a = torch.empty(n, dtype=dtype)
+                    b = torch.empty(n, dtype=dtype)
+                    c = torch.empty(n, dtype=dtype)
+                    kernel(shards, a, average=average, prescale=prescale)
+                    torch_path(shards, b, average=average, prescale=prescale)
+                    # The separate pass production makes today.
+                    scaled = shards if prescale is None else shards.clone().mul_(prescale)
+                    torch_path(scaled, c, average=average)
+                    if not (torch.equal(tensor_bit_patterns(a), tensor_bit_patterns(b))
+                            and torch.equal(tensor_bit_patterns(a), tensor_bit_patterns(c))):
+                        bad.append((str(dtype), world_size, n, prescale, average))
+print("MISMATCHES", bad)
+"""
+
+
+def test_triton_kernel_prescale_and_alignment_in_the_interpreter():
+    """Pre-scale inside the kernel == the torch path == the separate ``mul_`` pass, fp16 and
+    fp32 (the interpreter is faithful for those only), for aligned and ragged shard lengths."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", _PRESCALE_INTERPRETER_SCRIPT], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "MISMATCHES []" in proc.stdout, proc.stdout

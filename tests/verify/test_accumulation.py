@@ -14,20 +14,21 @@ from pathlib import Path
 import pytest
 import torch
 
+from refgrad import formats
 from refgrad import reduce_scatter as refc
 from refgrad.formats import tensor_bit_patterns
 from verify.distributed import free_port
 from verify.metrics import assert_bitwise_equal
 from verify.oracle import correctly_rounded_sum
 from verify.studies.reduce_scatter import cli as acc_cli
-from verify.studies.reduce_scatter import growth as acc
+from verify.studies.reduce_scatter import models, reference, sweep
 
 REPO = Path(__file__).resolve().parents[2]
 DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _sample(world_size, columns, dtype, seed, distribution="gradient"):
-    return acc.generate(distribution, world_size, columns, torch.Generator().manual_seed(seed)).to(dtype)
+    return models.generate(distribution, world_size, columns, torch.Generator().manual_seed(seed)).to(dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -37,20 +38,20 @@ def test_models_equal_refgrad(dtype, world_size):
     stacked = _sample(world_size, world_size * chunk, dtype, seed=world_size)
     inputs = list(stacked)
     ring = torch.cat(refc.reduce_scatter(inputs, accumulate="wire", order="ring"))
-    assert_bitwise_equal(ring, acc.ring_reduce(stacked, chunk))
+    assert_bitwise_equal(ring, models.ring_reduce(stacked, chunk))
     reverse = torch.cat(refc.reduce_scatter(inputs, accumulate="wire", order="ring_reverse"))
-    assert_bitwise_equal(reverse, acc.ring_reduce(stacked, chunk, reverse=True))
+    assert_bitwise_equal(reverse, models.ring_reduce(stacked, chunk, reverse=True))
     assert_bitwise_equal(refc.all_reduce(inputs, accumulate="wire", order="rank")[0],
-                         acc.rank_reduce(stacked))
+                         models.rank_reduce(stacked))
     assert_bitwise_equal(refc.all_reduce(inputs, accumulate="wire", order="tree")[0],
-                         acc.tree_reduce(stacked))
+                         models.tree_reduce(stacked))
     fp32 = refc.all_reduce(inputs, accumulate="fp32", order="rank")[0]
-    assert_bitwise_equal(fp32, acc.fp32_reduce(stacked)[0])
+    assert_bitwise_equal(fp32, models.fp32_reduce(stacked)[0])
 
 
 def test_fp32_model_leaves_an_fp32_input_untouched():
     stacked = torch.tensor([[1.0, 2.0], [3.0, 2.0**-30]])
-    result, accumulator = acc.fp32_reduce(stacked)
+    result, accumulator = models.fp32_reduce(stacked)
     assert stacked.tolist() == [[1.0, 2.0], [3.0, 2.0**-30]]
     assert result.tolist() == [4.0, 2.0]  # 2 + 2^-30 rounds to 2 in fp32 (ulp 2^-22)
     assert accumulator.tolist() == [4.0, 2.0]
@@ -59,21 +60,21 @@ def test_fp32_model_leaves_an_fp32_input_untouched():
 def test_ring_model_over_column_blocks_equals_whole_ring():
     world_size, chunk = 4, 5
     stacked = _sample(world_size, world_size * chunk, torch.float16, seed=3, distribution="normal")
-    whole = acc.ring_reduce(stacked, chunk)
-    pieces = [acc.ring_reduce(stacked[:, c * chunk : (c + 2) * chunk].contiguous(), chunk, c)
+    whole = models.ring_reduce(stacked, chunk)
+    pieces = [models.ring_reduce(stacked[:, c * chunk : (c + 2) * chunk].contiguous(), chunk, c)
               for c in (0, 2)]
     assert_bitwise_equal(whole, torch.cat(pieces))
     with pytest.raises(ValueError, match="whole number of chunks"):
-        acc.ring_reduce(stacked[:, :7].contiguous(), chunk)
+        models.ring_reduce(stacked[:, :7].contiguous(), chunk)
 
 
 def test_float64_sum_exactness_rule():
     fp16 = torch.tensor([[60000.0], [2.0**-24]], dtype=torch.float16)
-    assert acc.float64_sum_is_exact(fp16).all()
+    assert reference.float64_sum_is_exact(fp16).all()
     # bf16 2^100 and 2^-100: a sum needs ~200 bits, so float64 is not exact.
     wide = torch.tensor([[2.0**100, 1.0, 0.0], [2.0**-100, 2.0**-30, 0.0]], dtype=torch.bfloat16)
-    assert acc.float64_sum_is_exact(wide).tolist() == [False, True, True]
-    assert not acc.float64_sum_is_exact(torch.ones(2, 3)).any()  # float32: never claimed
+    assert reference.float64_sum_is_exact(wide).tolist() == [False, True, True]
+    assert not reference.float64_sum_is_exact(torch.ones(2, 3)).any()  # float32: never claimed
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -88,30 +89,30 @@ def test_exact_references_equal_the_oracle_on_adversarial_columns(dtype):
     stacked[0, 5], stacked[1, 5] = float("inf"), float("-inf")  # NaN
     stacked[0, 6] = float("nan")
     wire = stacked.to(dtype)
-    exact64, rounded = acc.exact_references(wire)
+    exact64, rounded = reference.exact_references(wire)
     assert_bitwise_equal(correctly_rounded_sum(wire, dtype), rounded)
     assert torch.signbit(exact64[0]) and not torch.signbit(exact64[1])
 
 
 def test_growth_exponent_recovers_known_slopes():
     dps = [2, 4, 8, 16, 32]
-    assert acc.growth_exponent(dps, [3e-4 * math.sqrt(n) for n in dps]) == pytest.approx(0.5)
-    assert acc.growth_exponent(dps, [2e-3 * n for n in dps]) == pytest.approx(1.0)
-    assert acc.growth_exponent(dps, [1e-3 for _ in dps]) == pytest.approx(0.0)
-    assert acc.growth_exponent([8], [1e-3]) is None
-    assert acc.growth_exponent([2, 4], [0.0, 0.0]) is None
+    assert sweep.growth_exponent(dps, [3e-4 * math.sqrt(n) for n in dps]) == pytest.approx(0.5)
+    assert sweep.growth_exponent(dps, [2e-3 * n for n in dps]) == pytest.approx(1.0)
+    assert sweep.growth_exponent(dps, [1e-3 for _ in dps]) == pytest.approx(0.0)
+    assert sweep.growth_exponent([8], [1e-3]) is None
+    assert sweep.growth_exponent([2, 4], [0.0, 0.0]) is None
 
 
 def test_small_sweep_statistics_are_consistent():
-    config = acc.SweepConfig(dp_sizes=(2, 5, 16), distributions=("same_sign", "normal"),
+    config = sweep.SweepConfig(dp_sizes=(2, 5, 16), distributions=("same_sign", "normal"),
                              numel=4000)
-    points = acc.run_sweep(config)
+    points = sweep.run_sweep(config)
     assert len(points) == 3 * 2 * 2 * 3
     for p in points:
         assert p.numel == config.numel_for(p.dp) >= 4000
         assert 0.0 <= p.frac_correctly_rounded <= 1.0
         assert p.median_ulp <= p.max_ulp
-        assert p.theory_typical == pytest.approx(math.sqrt(p.dp) * acc.UNIT_ROUNDOFF[p.dtype])
+        assert p.theory_typical == pytest.approx(math.sqrt(p.dp) * models.UNIT_ROUNDOFF[p.dtype])
         if p.dp == 2 and p.method == "ring":
             # One addition is one IEEE rounding of the exact sum: always correctly rounded.
             assert p.frac_correctly_rounded == 1.0 and p.max_ulp == 0
@@ -121,8 +122,8 @@ def test_small_sweep_statistics_are_consistent():
     # Point metrics recomputed independently for one point: N=5, fp16, normal, ring.
     p = next(p for p in points if (p.dp, p.dtype, p.distribution, p.method)
              == (5, "float16", "normal", "ring"))
-    block_seed = acc._seed_for(config, "normal", 5, 0)
-    stacked = acc.generate("normal", 5, config.numel_for(5),
+    block_seed = sweep._seed_for(config, "normal", 5, 0)
+    stacked = models.generate("normal", 5, config.numel_for(5),
                            torch.Generator().manual_seed(block_seed)).to(torch.float16)
     exact = torch.stack([t.double() for t in stacked]).sum(0)  # exact for fp16 (see docs)
     result = torch.cat(refc.reduce_scatter(list(stacked), accumulate="wire", order="ring"))
@@ -135,11 +136,11 @@ def test_small_sweep_statistics_are_consistent():
 
 def test_sweep_over_several_column_blocks_keeps_each_chunks_ring_order():
     # 4 ranks, 64 elements: chunks of 16; a 64-element block budget gives one chunk per block.
-    config = acc.SweepConfig(dp_sizes=(4,), dtypes=("bfloat16",), distributions=("normal",),
+    config = sweep.SweepConfig(dp_sizes=(4,), dtypes=("bfloat16",), distributions=("normal",),
                              methods=("ring",), numel=64, block_elements=64)
-    (point,) = acc.run_sweep(config)
-    blocks = [acc.generate("normal", 4, 16, torch.Generator().manual_seed(
-        acc._seed_for(config, "normal", 4, b))) for b in range(4)]
+    (point,) = sweep.run_sweep(config)
+    blocks = [models.generate("normal", 4, 16, torch.Generator().manual_seed(
+        sweep._seed_for(config, "normal", 4, b))) for b in range(4)]
     full = torch.cat(blocks, dim=1).to(torch.bfloat16)
     expected = torch.cat(refc.reduce_scatter(list(full), accumulate="wire", order="ring"))
     correct = correctly_rounded_sum(full, torch.bfloat16)
@@ -152,17 +153,18 @@ def test_sweep_over_several_column_blocks_keeps_each_chunks_ring_order():
 
 def test_sweep_config_validation():
     with pytest.raises(ValueError, match="dp_sizes"):
-        acc.SweepConfig(dp_sizes=(1, 2))
+        sweep.SweepConfig(dp_sizes=(1, 2))
     with pytest.raises(ValueError, match="dp_sizes"):
-        acc.SweepConfig(dp_sizes=(16384,))
+        sweep.SweepConfig(dp_sizes=(2**16 + 1,))
+    assert sweep.SweepConfig(dp_sizes=(2**16,)).dp_sizes == (65536,)
     with pytest.raises(ValueError, match="dtypes"):
-        acc.SweepConfig(dtypes=("float8",))
+        sweep.SweepConfig(dtypes=("float8",))
     with pytest.raises(ValueError, match="numel"):
-        acc.SweepConfig(numel=0)
+        sweep.SweepConfig(numel=0)
     with pytest.raises(ValueError, match="block_elements"):
-        acc.SweepConfig(block_elements=0)
+        sweep.SweepConfig(block_elements=0)
     with pytest.raises(ValueError, match="distribution"):
-        acc.generate("uniform", 2, 2, torch.Generator())
+        models.generate("uniform", 2, 2, torch.Generator())
 
 
 def _parse(argv):
@@ -177,11 +179,11 @@ def test_main_writes_table_json_markdown_and_plot(tmp_path, capsys):
                    "--plot", str(tmp_path / "r.png")])
     assert acc_cli.main(args) == 0
     out, err = capsys.readouterr()
-    assert "Growth exponents" in out and "seed's claims" in out
+    assert "Growth exponents" in out and "Megatron-Core's published claims" in out and "seed" not in out.lower()
     assert "9/9" in err  # the progress bar reached the end (3 distributions x 3 N)
     payload = json.loads((tmp_path / "r.json").read_text())
     assert len(payload["points"]) == 3 * 3 * 3
-    claims = payload["seed_claims"]
+    claims = payload["published_claims"]
     assert {(c["dp"], c["claimed"]) for c in claims} == {(8, 1e-5), (64, 8e-5), (8, 1e-7), (64, 8e-7)}
     assert "| N | method |" in (tmp_path / "r.md").read_text()
     assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
@@ -208,9 +210,9 @@ def test_bad_usage():
     assert acc_cli.main(_parse(["--numel", "0", "--no-progress"])) == 2
     assert acc_cli.main(_parse(["--seed", "-1", "--no-progress"])) == 2
     with pytest.raises(TypeError, match="numel"):
-        acc.SweepConfig(numel=2.5)
+        sweep.SweepConfig(numel=2.5)
     with pytest.raises(ValueError, match="dp_sizes"):
-        acc.SweepConfig(dp_sizes=(True, 4))
+        sweep.SweepConfig(dp_sizes=(True, 4))
 
 
 def test_verify_cli_accumulation_help_and_exit_codes(capsys):
@@ -263,3 +265,54 @@ def test_dist_backend_under_torchrun(tmp_path):
         # With two ranks every order is one IEEE addition of the exact pair sum.
         assert row["frac_correctly_rounded"] == 1.0
     assert rows[("all_reduce", "float16")]["identical_on_all_ranks"]
+
+
+@pytest.mark.parametrize("first_chunk", [0, 2, 5, 7])
+def test_ring_model_past_the_last_rank_wraps_like_refgrad(first_chunk):
+    # Chunks beyond rank W-1 take the gather path; both paths must follow refgrad's ring order.
+    world_size, chunk = 6, 3
+    stacked = _sample(world_size, world_size * chunk, torch.bfloat16, seed=11)
+    whole = torch.cat(refc.reduce_scatter(list(stacked), accumulate="wire", order="ring"))
+    by_chunk = list(whole.view(world_size, chunk))
+    cols = [(first_chunk + i) % world_size for i in range(2)]
+    block = torch.cat([stacked[:, c * chunk : (c + 1) * chunk] for c in cols], dim=1)
+    assert_bitwise_equal(torch.cat([by_chunk[c] for c in cols]),
+                         models.ring_reduce(block.contiguous(), chunk, first_chunk))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_beyond_8192_ranks_models_and_references_follow_refgrad_and_the_oracle(dtype):
+    # W > 2^13: float64 is no longer exact over all rows, so the references go group-wise.
+    world_size, chunk = 3 * reference.EXACT_GROUP_ROWS + 5, 1
+    columns = 10
+    stacked = _sample(world_size, columns, torch.float32, seed=21, distribution="normal")
+    stacked[:, 0] = -0.0  # all -0: the IEEE sum is -0
+    stacked[:, 1] *= 2000.0  # large partial sums (fp16: up to ~2^26 over 24581 rows)
+    if dtype == torch.bfloat16:
+        stacked[0, 3], stacked[1, 3] = 2.0**100, 2.0**-100  # not exact in float64: the slow path
+    wire = stacked.to(dtype)
+    exact64, rounded = reference.exact_references(wire)
+    assert_bitwise_equal(correctly_rounded_sum(wire, dtype), rounded)
+    assert torch.signbit(exact64[0])
+    for c in range(columns):  # math.fsum: the float64 nearest the exact column sum
+        exact = math.fsum(wire[:, c].double().tolist())
+        assert abs(float(exact64[c]) - exact) <= world_size * 2.0**-53 * float(
+            wire[:, c].double().abs().sum())
+    # The ring of the chunks ending on ranks 7 and 8, and rank-order fp32, from refgrad's spec.
+    fmt = formats.format_of(dtype)
+    decoded = [formats.decode_tensor(wire[:, c].contiguous()) for c in (7, 8)]
+    block = wire[:, 7:9].contiguous()
+    ring = models.ring_reduce(block, chunk, first_chunk=7)
+    for i, c in enumerate((7, 8)):
+        values = [decoded[i][r] for r in refc.ring_order(world_size, c)]
+        expected = refc.accumulate_values(values, wire=fmt, accumulate="wire", tree=False)
+        assert_bitwise_equal(formats.round_values_to_tensor(fmt, [expected], (1,)), ring[i : i + 1])
+    fp32 = models.fp32_reduce(block)[0]
+    for i in range(2):
+        expected = refc.accumulate_values(decoded[i], wire=fmt, accumulate="fp32", tree=False)
+        assert_bitwise_equal(formats.round_values_to_tensor(fmt, [expected], (1,)), fp32[i : i + 1])
+
+
+def test_sweep_accepts_dp_up_to_65536():
+    config = sweep.SweepConfig(dp_sizes=(8192, 65536), numel=10)
+    assert config.numel_for(65536) == 65536  # one element per rank's chunk

@@ -8,13 +8,12 @@ import pytest
 
 from fastgrad.pipeline import schedule_1f1b
 from fastgrad.pipeline_interleaved import schedule_interleaved
+from refgrad.pipeline_schedule import interleaved_program_order, program_order
 from verify.studies.pipeline import (
     PipelineCosts,
     closed_form_bubble_fraction,
     configure_parser,
-    interleaved_program_order,
     main,
-    program_order,
     simulate,
 )
 

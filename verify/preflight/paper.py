@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from fastgrad.layout import BufferLayout, compute_layout
 from verify.preflight.config import DTYPE_BYTES, PreflightConfig
 from verify.preflight.model import ParamSpec, chunk_parameters
-from verify.studies.reduce_scatter.growth import DEFAULT_DP, UNIT_ROUNDOFF
+from verify.studies.reduce_scatter.models import UNIT_ROUNDOFF
+from verify.studies.reduce_scatter.sweep import DEFAULT_DP
 
 FP32_UNIT_ROUNDOFF = 2.0**-24
 BUCKET_RULES = ("Bucket size: max(40M, 1M x DP) elements or --ddp-bucket-size on pipeline rank 0's "

@@ -45,6 +45,12 @@ import math
 import sys
 from dataclasses import dataclass
 
+from refgrad.pipeline_schedule import (
+    interleaved_program_order,
+    program_order,
+    validate_schedule_shape,
+)
+
 SYNC_MODES = ("overlap", "after-compute", "barrier")
 EXIT_OK, EXIT_USAGE = 0, 2  # the simulator has no check that can fail
 
@@ -128,61 +134,11 @@ class SimulationResult:
         } | ({"virtual_stages": self.virtual_stages} if self.virtual_stages > 1 else {})
 
 
-def program_order(num_stages: int, stage: int, num_microbatches: int) -> list[tuple[str, int]]:
-    """1F1B program order of one stage, derived here independently of fastgrad."""
-    warmup = min(num_stages - stage - 1, num_microbatches)
-    order: list[tuple[str, int]] = [("F", i) for i in range(warmup)]
-    next_forward, next_backward = warmup, 0
-    while next_forward < num_microbatches:
-        order.append(("F", next_forward))
-        order.append(("B", next_backward))
-        next_forward += 1
-        next_backward += 1
-    while next_backward < num_microbatches:
-        order.append(("B", next_backward))
-        next_backward += 1
-    return order
-
-
-def _validate_shape(num_stages: int, num_microbatches: int, virtual_stages: int) -> None:
-    for name, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches),
-                        ("virtual_stages", virtual_stages)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    if virtual_stages > 1 and num_microbatches % num_stages != 0:
-        raise ValueError(
-            f"num_microbatches ({num_microbatches}) must be a multiple of num_stages "
-            f"({num_stages}) with virtual_stages > 1 (microbatches pass through each chunk "
-            "in groups of P)"
-        )
-
-
-def interleaved_program_order(
-    num_stages: int, stage: int, num_microbatches: int, virtual_stages: int
-) -> list[tuple[str, int, int]]:
-    """Interleaved 1F1B order of one stage, ``("F"|"B", chunk, microbatch)``, derived here
-    independently of fastgrad (the forward and backward sequences are built group by group)."""
-    _validate_shape(num_stages, num_microbatches, virtual_stages)
-    P, V, M = num_stages, virtual_stages, num_microbatches
-    forwards: list[tuple[str, int, int]] = []
-    backwards: list[tuple[str, int, int]] = []
-    for group_start in range(0, M, P):
-        for c in range(V):
-            forwards.extend(("F", c, group_start + j) for j in range(P))
-            backwards.extend(("B", V - 1 - c, group_start + j) for j in range(P))
-    warmup = min(2 * (P - stage - 1) + (V - 1) * P, M * V)
-    order = forwards[:warmup]
-    for f_op, b_op in zip(forwards[warmup:], backwards):
-        order += [f_op, b_op]
-    order += backwards[M * V - warmup:]
-    return order
-
-
 def closed_form_bubble_fraction(
     num_stages: int, num_microbatches: int, virtual_stages: int = 1
 ) -> float:
     """``(P - 1) / (V M + P - 1)``: the (interleaved) 1F1B bubble for equal costs, free transfers."""
-    _validate_shape(num_stages, num_microbatches, virtual_stages)
+    validate_schedule_shape(num_stages, num_microbatches, virtual_stages)
     return (num_stages - 1) / (virtual_stages * num_microbatches + num_stages - 1)
 
 
@@ -194,7 +150,7 @@ def simulate(
     virtual_stages: int = 1,
 ) -> SimulationResult:
     """Simulate one step; see the module doc for the model."""
-    _validate_shape(num_stages, num_microbatches, virtual_stages)
+    validate_schedule_shape(num_stages, num_microbatches, virtual_stages)
     if mode not in SYNC_MODES:
         raise ValueError(f"mode must be one of {SYNC_MODES}, got {mode!r}")
     P, M, V = num_stages, num_microbatches, virtual_stages

@@ -15,7 +15,9 @@ from refgrad.exact import exact_sum
 from refgrad.formats import tensor_bit_patterns
 from verify.check import CheckContext, CheckRecorder
 from verify.checks.reduce_scatter.cases import DTYPE_NAMES
-from verify.studies.reduce_scatter import growth as acc
+from verify.studies.reduce_scatter import models as study_models
+from verify.studies.reduce_scatter import reference as study_reference
+from verify.studies.reduce_scatter import sweep as study_sweep
 
 
 def check_models(ctx: CheckContext, rec: CheckRecorder) -> None:
@@ -27,47 +29,47 @@ def check_models(ctx: CheckContext, rec: CheckRecorder) -> None:
         g = ctx.generator(world_size)
         for dtype_name in DTYPE_NAMES:
             dtype = getattr(torch, dtype_name)
-            sample = acc.generate("gradient", world_size, world_size * chunk, g).to(dtype)
+            sample = study_models.generate("gradient", world_size, world_size * chunk, g).to(dtype)
             inputs = list(sample)
             label = f"W={world_size} {dtype_name}"
             ring = torch.cat(refc.reduce_scatter(inputs, accumulate="wire", order="ring"))
             rec.compare(f"sweep ring model vs refgrad ({label})", ring,
-                        acc.ring_reduce(sample, chunk))
+                        study_models.ring_reduce(sample, chunk))
             reverse = torch.cat(refc.reduce_scatter(inputs, accumulate="wire",
                                                     order="ring_reverse"))
             rec.compare(f"sweep reverse-ring model vs refgrad ({label})", reverse,
-                        acc.ring_reduce(sample, chunk, reverse=True))
-            for order, model in (("rank", acc.rank_reduce), ("tree", acc.tree_reduce)):
+                        study_models.ring_reduce(sample, chunk, reverse=True))
+            for order, model in (("rank", study_models.rank_reduce), ("tree", study_models.tree_reduce)):
                 expected = refc.all_reduce(inputs, accumulate="wire", order=order)[0]
                 rec.compare(f"sweep {order} model vs refgrad ({label})", expected, model(sample))
             expected = refc.all_reduce(inputs, accumulate="fp32", order="rank")[0]
             rec.compare(f"sweep fp32 model vs refgrad ({label})", expected,
-                        acc.fp32_reduce(sample)[0])
+                        study_models.fp32_reduce(sample)[0])
     # Fast exact reference vs the oracle, including columns that need the slow path
     # (bf16 exponents 2^100 apart) and signed zeros.
     g = ctx.generator(99)
     for dtype in (torch.float16, torch.bfloat16):
-        sample = acc.generate("gradient", 64, 512, g)
+        sample = study_models.generate("gradient", 64, 512, g)
         sample[:, :8] = 0.0
         sample[:, :4] = -0.0
         sample[0, 8:16] = 2.0**60
         sample[1, 8:16] = 2.0**-60
         stacked = sample.to(dtype)
-        _, rounded = acc.exact_references(stacked)
+        _, rounded = study_reference.exact_references(stacked)
         rec.compare(f"sweep exact reference vs verify.oracle ({dtype})",
                     correctly_rounded_sum(stacked, dtype), rounded)
 
 
 def check_error_growth(ctx: CheckContext, rec: CheckRecorder) -> None:
     """A small sweep against the exact oracle; expectations from proofs or wide margins."""
-    config = acc.SweepConfig(
+    config = study_sweep.SweepConfig(
         dp_sizes=(2, 8, 32) if ctx.quick else (2, 8, 32, 128),
         distributions=("normal", "same_sign"),
         numel=2**12 if ctx.quick else 2**14,
         seed=ctx.seed,
     )
-    points = acc.run_sweep(config)
-    rows = [[p.dtype, p.distribution, p.dp, acc.METHOD_LABELS[p.method], f"{p.rel_error:.2e}",
+    points = study_sweep.run_sweep(config)
+    rows = [[p.dtype, p.distribution, p.dp, study_models.METHOD_LABELS[p.method], f"{p.rel_error:.2e}",
              p.max_ulp, f"{100 * p.frac_correctly_rounded:.2f}%"] for p in points]
     rec.table("Error vs N against the correctly rounded exact sum (small sweep)",
               ["dtype", "distribution", "N", "method", "rel.err", "max ULP", "correctly rounded"],
@@ -94,8 +96,8 @@ def check_error_growth(ctx: CheckContext, rec: CheckRecorder) -> None:
                 f"{[round(p.frac_correctly_rounded, 4) for p in ring]}",
             )
             dps = list(config.dp_sizes)
-            ring_slope = acc.growth_exponent(dps, [p.rel_error for p in ring])
-            fp32_slope = acc.growth_exponent(dps, [p.rel_error for p in fp32])
+            ring_slope = study_sweep.growth_exponent(dps, [p.rel_error for p in ring])
+            fp32_slope = study_sweep.growth_exponent(dps, [p.rel_error for p in fp32])
             rec.expect(
                 f"ring error grows with N, fp32-accumulate error does not ({dtype}, {distribution})",
                 ring_slope is not None and fp32_slope is not None
@@ -132,7 +134,7 @@ def check_average(ctx: CheckContext, rec: CheckRecorder) -> None:
         dtype = getattr(torch, dtype_name)
         for world_size in (3, 8, 64):
             g = ctx.generator(500 + world_size)
-            stacked = acc.generate("gradient", world_size, numel, g).to(dtype)
+            stacked = study_models.generate("gradient", world_size, numel, g).to(dtype)
             inputs = list(stacked)
             exact = _exact_average(inputs, dtype)
             ours = torch.empty(numel, dtype=dtype)
@@ -172,12 +174,12 @@ def check_production_sum_order(ctx: CheckContext, rec: CheckRecorder) -> None:
     rows = []
     for world_size in (8, 64):
         g = ctx.generator(700 + world_size)
-        stacked = acc.generate("normal", world_size, 4096, g).to(torch.bfloat16)
+        stacked = study_models.generate("normal", world_size, 4096, g).to(torch.bfloat16)
         ours = torch.empty(4096, dtype=torch.bfloat16)
         reduce_shards_fp32(stacked, ours, average=False)
         production = torch.sum(stacked, dim=0, dtype=torch.float32).to(torch.bfloat16)
         fp32_sum = torch.sum(stacked, dim=0, dtype=torch.float32)
-        sequential = acc.fp32_reduce(stacked)[1]
+        sequential = study_models.fp32_reduce(stacked)[1]
         rows.append([world_size, int((fp32_sum != sequential).sum()),
                      int((tensor_bit_patterns(production) != tensor_bit_patterns(ours)).sum())])
     rec.table(

@@ -12,23 +12,24 @@ from dataclasses import asdict
 from pathlib import Path
 
 from verify.options import SetOnce
-from verify.studies.reduce_scatter.growth import (
-    DEFAULT_DP,
-    DEFAULT_NUMEL,
+from verify.studies.reduce_scatter.models import (
     DISTRIBUTIONS,
     DTYPE_ALIASES,
     DTYPES,
-    EXIT_OK,
-    EXIT_USAGE,
     METHOD_LABELS,
     METHODS,
+)
+from verify.studies.reduce_scatter.render import render_markdown, render_text
+from verify.studies.reduce_scatter.sweep import (
+    DEFAULT_DP,
+    DEFAULT_NUMEL,
+    EXIT_OK,
+    EXIT_USAGE,
     Point,
     SweepConfig,
     growth_table,
-    render_markdown,
-    render_text,
+    published_claims_table,
     run_sweep,
-    seed_claims_table,
 )
 
 EXIT_ERROR = 3  # an output could not be written (as `verify run`)
@@ -205,7 +206,7 @@ def main(args: argparse.Namespace) -> int:
             "seconds": seconds,
             "points": [asdict(p) for p in points],
             "growth": growth_table(points),
-            "seed_claims": seed_claims_table(points),
+            "published_claims": published_claims_table(points),
         }
         outputs.append(Output("--json", Path(args.json),
                               lambda p: p.write_text(json.dumps(payload, indent=2))))

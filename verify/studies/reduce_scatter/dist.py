@@ -23,24 +23,20 @@ import torch.distributed as dist
 
 from fastgrad.comm import all_gather_into, reduce_scatter_into
 from refgrad.formats import tensor_bit_patterns
-from verify.studies.reduce_scatter.growth import (
-    DEFAULT_DP,
+from verify.studies.reduce_scatter.models import (
     DISTRIBUTIONS,
     DTYPES,
-    EXIT_FAILED,
-    EXIT_OK,
-    EXIT_USAGE,
     METHOD_LABELS,
     UNIT_ROUNDOFF,
-    _md_table,
-    _text_table,
-    exact_references,
     fp32_reduce,
     generate,
     rank_reduce,
     ring_reduce,
     tree_reduce,
 )
+from verify.studies.reduce_scatter.reference import exact_references
+from verify.studies.reduce_scatter.render import md_table, text_table
+from verify.studies.reduce_scatter.sweep import DEFAULT_DP, EXIT_FAILED, EXIT_OK, EXIT_USAGE
 
 MODELS = ("ring", "ring_reverse", "rank", "tree", "fp32")
 
@@ -195,7 +191,7 @@ def _report(rows, args, backend, world_size, numel, fastgrad_ok) -> None:
         "fastgrad must equal the fp32-accumulate (rank order) model bitwise: "
         + ("it does" if fastgrad_ok else "IT DOES NOT"),
     ]
-    print(f"== {title}\n{_text_table(columns, table)}")
+    print(f"== {title}\n{text_table(columns, table)}")
     for n in notes:
         print(f"   note: {n}")
     if args.json:
@@ -205,7 +201,7 @@ def _report(rows, args, backend, world_size, numel, fastgrad_ok) -> None:
         print(f"wrote {args.json}", file=sys.stderr)
     if args.markdown:
         with open(args.markdown, "w") as f:
-            f.write(f"## {title}\n\n{_md_table(columns, table)}\n\n"
+            f.write(f"## {title}\n\n{md_table(columns, table)}\n\n"
                     + "\n".join(f"*{n}*" for n in notes) + "\n")
         print(f"wrote {args.markdown}", file=sys.stderr)
     if args.plot:
