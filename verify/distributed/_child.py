@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
 import faulthandler
 import os
 import pickle
 import signal
+import sys
+import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +37,78 @@ class RankJob:
     stack_path: str
     environment: dict[str, str]
     timeout_s: float
+    # The process that called spawn; the rank exits when it is gone (see _exit_with_parent).
+    parent_pid: int
+
+
+_PARENT_POLL_S = 0.5
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """End this rank soon after the process that launched it has gone.
+
+    Forkserver ranks are children of the fork server, not of the caller, so a caller
+    that dies (or is interrupted while ranks are still starting) would otherwise leave
+    them waiting on its store for minutes, holding the terminal's output open.
+    """
+
+    def watch() -> None:
+        while True:
+            time.sleep(_PARENT_POLL_S)
+            if not _parent_alive(parent_pid):  # gone (or its pid reused by another user)
+                os._exit(1)
+
+    # A rank blocked in a C++ call that holds the GIL (connecting to a vanished store)
+    # never runs the watcher; on Linux the kernel also kills it when its own parent
+    # (the fork server, which exits with the caller) goes.
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        except (OSError, AttributeError):
+            pass
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+_CONNECT_ATTEMPT_S = 2.0
+
+
+def _parent_alive(parent_pid: int) -> bool:
+    """True while the launching process runs (a zombie, exited but not yet reaped, is gone)."""
+    try:
+        os.kill(parent_pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    try:
+        with open(f"/proc/{parent_pid}/stat") as stat:
+            # "pid (comm) state ...": comm may contain spaces and parentheses.
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return True  # no /proc: trust kill(0)
+
+
+def _connect_store(job: RankJob) -> Any:
+    """Connect to the parent's rendezvous store in short attempts while the parent lives.
+
+    One long connect blocks in C++ with the GIL held, so a rank whose parent was
+    interrupted or died would wait out the whole deadline (and keep the terminal's
+    output open); short attempts let it notice and exit.
+    """
+    deadline = time.monotonic() + job.timeout_s
+    while True:
+        attempt = min(_CONNECT_ATTEMPT_S, max(0.1, deadline - time.monotonic()))
+        try:
+            store = dist.TCPStore("127.0.0.1", job.store_port, job.world_size, is_master=False,
+                                  timeout=timedelta(seconds=attempt))
+        except (RuntimeError, TimeoutError):  # DistNetworkError/DistStoreError are RuntimeErrors
+            if not _parent_alive(job.parent_pid):
+                os._exit(1)
+            if time.monotonic() >= deadline:
+                raise
+            continue
+        store.set_timeout(timedelta(seconds=job.timeout_s))
+        return store
 
 
 def rank_main(job: RankJob, result_conn: Any) -> None:
@@ -40,6 +116,10 @@ def rank_main(job: RankJob, result_conn: Any) -> None:
 
     The name is what :mod:`verify.distributed.diagnosis` looks for in stack dumps.
     """
+    # Ctrl-C reaches every process of the terminal's group: the parent handles it and
+    # kills the ranks, so a rank must not die printing its own KeyboardInterrupt.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _exit_with_parent(job.parent_pid)
     progress = job.progress
     # Forkserver children inherit the server's environment, taken when it started;
     # a rank must see the caller's, as a freshly spawned process would.
@@ -54,8 +134,7 @@ def rank_main(job: RankJob, result_conn: Any) -> None:
     torch.set_num_threads(1)
     try:
         progress.mark("init_process_group")
-        store = dist.TCPStore("127.0.0.1", job.store_port, job.world_size, is_master=False,
-                              timeout=timedelta(seconds=job.timeout_s))
+        store = _connect_store(job)
         dist.init_process_group(job.backend, store=store, rank=job.rank, world_size=job.world_size)
         progress.mark("running the rank function")
         kwargs = {"progress": progress} if job.pass_progress else {}

@@ -22,9 +22,12 @@ import inspect
 import os
 import pickle
 import shutil
+import signal
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing import forkserver
@@ -61,6 +64,27 @@ TERMINATE_GRACE_S = 1.0
 _POLL_S = 0.5
 
 
+@contextmanager
+def sigint_ignored_in_children() -> Iterator[None]:
+    """Start the fork server with Ctrl-C ignored (the disposition survives fork and exec).
+
+    A terminal sends SIGINT to the whole process group: the fork server (while it
+    imports torch) must not print a KeyboardInterrupt traceback; the parent handles
+    Ctrl-C and kills the ranks, which ignore it themselves (``rank_main``). Only
+    around the server's start, which returns at once: a signal arriving in that
+    window is lost. Handlers can be changed only on the main thread; a server first
+    started from another thread keeps Ctrl-C (its ranks still ignore it).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 @dataclass(frozen=True)
 class RankLauncher:
     """How rank processes are started: ``forkserver`` (fast, default) or ``spawn`` (baseline)."""
@@ -83,6 +107,9 @@ class RankLauncher:
         if self.start_method == "forkserver":
             # Takes effect when the server starts; a running server keeps its preload.
             context.set_forkserver_preload(list(self.preload))
+            # Start it here (a no-op when running) so that it starts ignoring Ctrl-C.
+            with sigint_ignored_in_children():
+                forkserver.ensure_running()
         return context
 
     def warm_up(self, wait_s: float = 0.0) -> None:
@@ -94,7 +121,6 @@ class RankLauncher:
         if self.start_method != "forkserver":
             return
         context = self.context()
-        forkserver.ensure_running()
         if wait_s > 0:
             probe = context.Process(target=int)
             probe.start()
@@ -161,7 +187,7 @@ class _Run:
                 reader, writer = context.Pipe(duplex=False)
                 job = RankJob(rank, world_size, self.store.port, backend, fn, args, wants_progress,
                               self.board.for_rank(rank), str(self.stack_files[rank]), environment,
-                              timeout_s)
+                              timeout_s, os.getpid())
                 proc = context.Process(target=rank_main, args=(job, writer))
                 proc.start()
                 # Only the child may hold the write end, so its death reads as EOF here.
