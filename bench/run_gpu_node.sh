@@ -25,8 +25,7 @@ step() {  # step NAME COMMAND...: run, tee the log, record the exit code
   tail -n 40 "$out/$name.log"
 }
 
-step env "$python" -m verify env --json
-cp "$out/env.log" "$out/env.json"
+step env "$python" -m verify env --json "$out/env.json"
 step pytest-gpu "$python" -m pytest -m gpu -q -p no:cacheprovider
 step pytest-all "$python" -m pytest -n 8 -q -p no:cacheprovider
 step verify-cuda "$python" -m verify run --device cuda -v --json "$out/verify-cuda.json" --markdown "$out/verify-cuda.md"

@@ -128,7 +128,7 @@ def head_weight_init(spec: LinearStackSpec) -> torch.Tensor:
     return (torch.rand(spec.hidden, spec.hidden, generator=g) * 2 - 1) / spec.hidden**0.5
 
 
-class _HeadRecordingWgrad(torch.autograd.Function):
+class HeadRecordingWgrad(torch.autograd.Function):
     """``x · Wᵀ``; backward returns the input gradient ``G · W`` and records ``(G, X)``."""
 
     @staticmethod
@@ -275,7 +275,7 @@ def reference_training(
                     out = stage(out)
                 record: list[tuple[torch.Tensor, torch.Tensor]] = []
                 if head is not None:
-                    out = _HeadRecordingWgrad.apply(out, head, record)
+                    out = HeadRecordingWgrad.apply(out, head, record)
                 loss = microbatch_loss(out, target, plan.num_microbatches)
                 loss.backward()
                 losses.append(float(loss.detach()))

@@ -217,16 +217,10 @@ def test_bad_usage():
 
 def test_verify_cli_accumulation_help_and_exit_codes(capsys):
     """Through the real ``verify`` entry point: --help exits 0, bad usage exits 2."""
+    from tests.verify.cli_helpers import assert_help_and_usage_errors
     from verify import cli
 
-    with pytest.raises(SystemExit) as info:
-        cli.main(["accumulation", "--help"])
-    assert info.value.code == 0
-    assert "--dp" in capsys.readouterr().out
-    for argv in (["accumulation", "--dtype", "fp8"], ["accumulation", "--backend", "mpi"]):
-        with pytest.raises(SystemExit) as info:
-            cli.main(argv)
-        assert info.value.code == 2, argv
+    assert_help_and_usage_errors(capsys, "accumulation", "--dp", (["--dtype", "fp8"], ["--backend", "mpi"]))
     assert cli.main(["accumulation", "--dp", "0", "--no-progress"]) == 2
     assert "--dp must be integers >= 2" in capsys.readouterr().err
     assert cli.main(["accumulation", "--dp", "2", "--dtype", "bf16", "--distribution", "normal",

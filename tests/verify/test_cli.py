@@ -293,8 +293,12 @@ def test_result_status_is_derived_and_validated():
 def test_layout_takes_the_users_shapes_file_and_gpt_description(tmp_path, capsys):
     assert cli.main(["layout", "--shapes", "4096x4096,4096,11008x4096", "--dp", "8",
                      "--json", "-"]) == 0
-    rows = json.loads(capsys.readouterr().out)["padding"]
+    text = capsys.readouterr().out
+    rows = json.loads(text)["padding"]
     assert {r["params"] for r in rows} == {4096 * 4096 + 4096 + 11008 * 4096}
+    assert "published_examples" in text and "seed" not in text.lower()
+    assert cli.main(["layout", "--model", "gpt-125m", "--dp", "64"]) == 0
+    assert "seed" not in capsys.readouterr().out.lower()
     shapes = tmp_path / "shapes.json"
     shapes.write_text(json.dumps({"emb": [1000, 64], "ln": 64}))
     out = tmp_path / "layout.json"

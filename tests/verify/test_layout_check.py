@@ -69,8 +69,8 @@ def test_layout_candidate_validates_itself():
         LayoutCandidate.default(compute_layout=None)
 
 
-def test_seed_examples_from_the_formula():
-    rows = {(r["example"][:1], r["quantity"]): r for r in layout_report.seed_examples()}
+def test_published_examples_from_the_formula():
+    rows = {(r["example"][:1], r["quantity"]): r for r in layout_report.published_examples()}
     # Hand-derived: lcm(64,128,2^16)=2^16; ceil(40e6/65536)=611; 611*65536=40,042,496;
     # /64 = 625,664 = 611*2^10; 10,000,000 = 128*78,125; 625,000 - 9*65,536 = 35,176.
     assert rows[("2", "divisor lcm(64,128,2**16)")]["formula"] == 65_536

@@ -104,16 +104,10 @@ def test_cli_bad_input_exit_code(capsys):
 
 def test_verify_cli_simulate_pipeline_help_and_exit_codes(capsys):
     """Through the real ``verify`` entry point: --help exits 0, bad usage exits 2."""
+    from tests.verify.cli_helpers import assert_help_and_usage_errors
     from verify import cli
 
-    with pytest.raises(SystemExit) as info:
-        cli.main(["simulate-pipeline", "--help"])
-    assert info.value.code == 0
-    assert "--microbatches" in capsys.readouterr().out
-    for argv in (["simulate-pipeline", "--mode", "eventually"], ["simulate-pipeline", "-P", "x"]):
-        with pytest.raises(SystemExit) as info:
-            cli.main(argv)
-        assert info.value.code == 2, argv
+    assert_help_and_usage_errors(capsys, "simulate-pipeline", "--microbatches", (["--mode", "eventually"], ["-P", "x"]))
     assert cli.main(["simulate-pipeline", "--stages", "0"]) == 2
     assert cli.main(["simulate-pipeline", "--grad-sync", "nan"]) == 2
     # P=2, M=2, f=b=1, no sync: (M + P - 1)(f + b) = 6, bubble (P-1)/(M+P-1) = 1/3.

@@ -36,17 +36,6 @@ class OptimRankResult:
     state: list[dict[str, dict[str, torch.Tensor]]] = field(default_factory=list)
 
 
-class _BodyThenHead(torch.nn.Module):
-    """The last stage with its output layer: ``head(body(x))``."""
-
-    def __init__(self, body: torch.nn.Module, head: torch.nn.Module) -> None:
-        super().__init__()
-        self.body, self.head = body, head
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.body(x))
-
-
 def run_optimizer_rank(case: Any, groups: Any, overlap: bool) -> OptimRankResult:
     """Train ``case`` (1F1B, distributed optimizer) on this rank with fastgrad's AdamW."""
     from fastgrad.comm import all_gather_into
@@ -64,6 +53,7 @@ def run_optimizer_rank(case: Any, groups: Any, overlap: bool) -> OptimRankResult
         microbatch_loss,
         stage_param_name,
     )
+    from verify.checks.pipeline.worker import BodyWithHead
 
     spec, stage = case.spec, groups.stage
     body = StageModule(spec, stage)
@@ -74,7 +64,7 @@ def run_optimizer_rank(case: Any, groups: Any, overlap: bool) -> OptimRankResult
             head_weight_init(spec),
             EmbeddingWgradConfig(defer_embedding_wgrad_compute=True,
                                  pipeline_model_parallel_size=case.pp_size))
-        module = _BodyThenHead(body, head)
+        module = BodyWithHead(body, head)
         named[stage_param_name(stage, HEAD_PARAM)] = head.weight
         if spec.tied_embedding:
             tied = [head.weight]
@@ -127,23 +117,6 @@ def run_optimizer_rank(case: Any, groups: Any, overlap: bool) -> OptimRankResult
     return result
 
 
-class _HeadWithRecordedWgrad(torch.autograd.Function):
-    """``x W^T``; backward gives ``G W`` and records ``(G, X)`` for the drain's ``G^T X``
-    (the same operations as ``refgrad.pipeline.reference_training``'s output head)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, record):
-        ctx.save_for_backward(x, weight)
-        ctx.record = record
-        return torch.matmul(x, weight.t())
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        x, weight = ctx.saved_tensors
-        ctx.record.append((grad_output.detach(), x.detach()))
-        return grad_output.matmul(weight), None, None
-
-
 @dataclass
 class OptimReference:
     """refgrad's run: per step losses [replica][microbatch], reduced grads, params, state."""
@@ -161,6 +134,7 @@ def reference_with_optimizer(case: Any) -> OptimReference:
     from refgrad.pipeline import (
         EMBEDDING_PARAM,
         HEAD_PARAM,
+        HeadRecordingWgrad,
         StageModule,
         head_weight_init,
         microbatch_data,
@@ -196,7 +170,7 @@ def reference_with_optimizer(case: Any) -> OptimReference:
                     y = st(y)
                 record: list[tuple[torch.Tensor, torch.Tensor]] = []
                 if head is not None:
-                    y = _HeadWithRecordedWgrad.apply(y, head, record)
+                    y = HeadRecordingWgrad.apply(y, head, record)
                 loss = microbatch_loss(y, target, plan.num_microbatches)
                 loss.backward()
                 for grad_output, head_input in record:

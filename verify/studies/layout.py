@@ -3,8 +3,8 @@
 For decoder-only transformer parameter lists of about 125M, 7B and 70B
 parameters, at several data-parallel sizes and with high-busbw padding on and
 off, this reports how many elements (and bytes) the padding adds and the
-largest power of two dividing each rank's shard. It also recomputes the seed's
-worked examples from the formula and flags where the seed's arithmetic is wrong.
+largest power of two dividing each rank's shard. It also recomputes Megatron-Core's
+published worked examples from the formula and flags where their arithmetic is wrong.
 All layouts come from ``fastgrad.layout.compute_layout``; the ``layout`` check
 confirms they equal ``refgrad.layout`` for the same lists.
 """
@@ -182,18 +182,18 @@ def _pad(value: int, divisor: int) -> int:
     return -(-value // divisor) * divisor
 
 
-def seed_examples() -> list[dict[str, Any]]:
-    """The seed's worked padding numbers beside the same quantities from the formula."""
+def published_examples() -> list[dict[str, Any]]:
+    """The published worked padding numbers beside the same quantities from the formula."""
     rows: list[dict[str, Any]] = []
 
-    def row(example: str, quantity: str, seed_value: Any, formula_value: Any) -> None:
+    def row(example: str, quantity: str, published_value: Any, formula_value: Any) -> None:
         rows.append(
             {
                 "example": example,
                 "quantity": quantity,
-                "seed": seed_value,
+                "published": published_value,
                 "formula": formula_value,
-                "agrees": seed_value == formula_value,
+                "agrees": published_value == formula_value,
             }
         )
 
@@ -221,7 +221,7 @@ def seed_examples() -> list[dict[str, Any]]:
     row("3: shard, high-busbw padding", "padded / 64", 655_360, p2 // 64)
     row("3: shard, high-busbw padding", "shard % 65,536", 0, (p2 // 64) % 2**16)
     row("3: shard, high-busbw padding", "largest 2^k dividing shard", 2**16, two_adic(p2 // 64))
-    # Worst case: dp 128, a bucket one element over the seed's divisor.
+    # Worst case: dp 128, a bucket one element over the published divisor.
     d4 = math.lcm(128, 128, 2**16)
     p4 = _pad(8_388_609, d4)
     row("worst: dp=128, 8,388,609 elements", "divisor lcm(128,128,2**16)", 8_388_608, d4)
@@ -230,21 +230,21 @@ def seed_examples() -> list[dict[str, Any]]:
     return rows
 
 
-SEED_COLUMNS = ("example", "quantity", "seed", "formula", "agrees")
+EXAMPLE_COLUMNS = ("example", "quantity", "published", "formula", "agrees")
 
 
-def seed_findings(rows: Sequence[dict[str, Any]]) -> list[str]:
-    """One sentence per seed number the formula contradicts."""
+def published_example_findings(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """One sentence per published number the formula contradicts, and the 2^16 claim."""
     return [
-        f"seed example {r['example']}: {r['quantity']} is {r['formula']:,} by the formula, "
-        f"the seed says {r['seed']:,}"
+        f"published example {r['example']}: {r['quantity']} is "
+        f"{r['formula']:,} by the formula, the published description says {r['published']:,}"
         if isinstance(r["formula"], int)
-        else f"seed example {r['example']}: {r['quantity']} is {r['formula']} by the formula, "
-        f"the seed says {r['seed']}"
+        else f"published example {r['example']}: {r['quantity']} is {r['formula']} by the "
+        f"formula, the published description says {r['published']}"
         for r in rows
         if not r["agrees"]
     ] + [
-        "the seed's claim that high-busbw padding makes every rank's shard divisible by 2^16 "
+        "the published claim that high-busbw padding makes every rank's shard divisible by 2^16 "
         "does not follow from lcm(dp, 128, 2**16): the bucket is divisible by 2^16, the shard "
         "only by 2^16/dp for power-of-two dp (see min_shard_pow2 in the padding table)"
     ]
@@ -328,10 +328,10 @@ def main(args: argparse.Namespace) -> int:
     dps = args.dp or list(DEFAULT_DPS)
     rows = model_rows(models, dps, padding_row, grad_bytes=args.grad_bytes,
                       param_bytes=args.param_bytes)
-    examples = seed_examples()
-    findings = seed_findings(examples)
+    examples = published_examples()
+    findings = published_example_findings(examples)
     if args.json is not None:
-        text = json.dumps({"padding": rows, "seed_examples": examples, "findings": findings},
+        text = json.dumps({"padding": rows, "published_examples": examples, "findings": findings},
                           indent=2)
         if args.json == "-":
             print(text)
@@ -346,7 +346,7 @@ def main(args: argparse.Namespace) -> int:
     print(format_table(PADDING_COLUMNS, rows))
     print()
     print("Megatron-Core's published worked examples, recomputed from pad(v, lcm(dp, 128[, 2**16]))")
-    print(format_table(SEED_COLUMNS, examples))
+    print(format_table(EXAMPLE_COLUMNS, examples))
     print()
     for line in findings:
         print(f"* {line}")

@@ -20,7 +20,7 @@ Model (one pipeline; the ``D`` replicas run the same timeline in parallel):
     backward (``overlap_grad_reduce=False``: ``finish_grad_sync`` runs the
     reduction synchronously, but each stage starts as soon as *it* is done);
   * ``barrier``: the sync starts only after the whole pipeline finishes (the
-    seed's "traditional" timeline).
+    "traditional" timeline in Megatron-Core's published description).
 - Step time is when the last stage finishes compute and sync. The bubble
   fraction is the mean over stages of ``1 - busy / step_time``; the exposed
   sync is ``step_time - compute_end`` (what the sync adds to the critical path).

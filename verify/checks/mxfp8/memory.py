@@ -153,6 +153,6 @@ def _published_table(rec: CheckRecorder) -> None:
     )
     rec.finding(
         "the published description: its tables assume 1-byte FP8 params in the param buffer (saving 1/3); production "
-        "gathers bf16 params through the shared buffer (REFERENCE_NOTES 4), so the measured "
+        "(Megatron-Core) gathers bf16 params through the shared buffer, so the measured "
         "saving is 2 bytes per element: 1/2 with bf16 grads and 1/3 with fp32 grads."
     )

@@ -44,7 +44,7 @@ def _full_reduced_grads(ddp: Any, case: PipelineCase, dp_group: Any) -> None:
         bucket.grad_data.copy_(gathered)
 
 
-class _BodyWithHead(torch.nn.Module):
+class BodyWithHead(torch.nn.Module):
     """The last stage with an output head: ``head(body(x))``."""
 
     def __init__(self, body: torch.nn.Module, head: torch.nn.Module) -> None:
@@ -164,7 +164,7 @@ def run_case_on_rank(case: PipelineCase, groups: Any, overlap: bool,
             EmbeddingWgradConfig(defer_embedding_wgrad_compute=True,
                                  pipeline_model_parallel_size=case.pp_size),
         )
-        module = _BodyWithHead(body, head)
+        module = BodyWithHead(body, head)
         named[stage_param_name(stage, HEAD_PARAM)] = head.weight
         if spec.tied_embedding:
             tied = [head.weight]
