@@ -61,7 +61,8 @@ def local_square_limbs(tensors: Iterable[torch.Tensor]) -> tuple[list[int], int]
     are shifted into place once, with Python integers, at the end. Integer sums are associative, so the result does not
     depend on the blocking or the order.
     """
-    low = high = nonfinite_count = None
+    tensors = list(tensors)
+    low = high = None
     count = 0
     for tensor in tensors:
         flat = tensor.detach().reshape(-1)
@@ -74,7 +75,6 @@ def local_square_limbs(tensors: Iterable[torch.Tensor]) -> tuple[list[int], int]
             low = torch.zeros(_EXPONENT_FIELDS, dtype=torch.int64, device=flat.device)
             high = torch.zeros_like(low)
             block_bins = torch.zeros_like(low)
-            nonfinite_count = torch.zeros((), dtype=torch.int64, device=flat.device)
         for start in range(0, flat.numel(), BLOCK):
             bits = flat[start : start + BLOCK].view(torch.int32) & 0x7FFFFFFF
             field = bits >> 23
@@ -85,11 +85,13 @@ def local_square_limbs(tensors: Iterable[torch.Tensor]) -> tuple[list[int], int]
             block_bins.zero_().index_add_(0, field, square)
             low += block_bins & ((1 << HALF_BITS) - 1)
             high += block_bins >> HALF_BITS
-            nonfinite_count += (field == _EXPONENT_FIELDS - 1).sum()
     if low is None:
         return [0] * NUM_LIMBS, 0
     low_list, high_list = low.tolist(), high.tolist()
-    return _normalize([_bins_to_integer(low_list, high_list)]), int(nonfinite_count)
+    nonfinite = 0
+    if low_list[-1] or high_list[-1]:  # NaN/inf squares (mantissa >= 2^23) landed in field 255
+        nonfinite = sum(int((~torch.isfinite(t)).sum()) for t in tensors)
+    return _normalize([_bins_to_integer(low_list, high_list)]), nonfinite
 
 
 def limbs_to_fraction(limbs: Iterable[int]) -> Fraction:
