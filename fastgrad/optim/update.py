@@ -18,7 +18,7 @@ import torch
 
 from fastgrad.optim.config import AdamWConfig, SGDConfig, fp32
 
-BLOCK = 1 << 16  # elements per pass of the elementwise update: its temporaries stay in L2
+BLOCK = 1 << 18  # elements per pass of the update: 1 MiB per operand, and few per-op thread barriers
 
 
 def sqrt_fp32(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
