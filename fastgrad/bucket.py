@@ -59,6 +59,9 @@ class GradReduceStrategy(abc.ABC):
     """How one bucket's gradients are reduced across the data-parallel group."""
 
     name: str = "abstract"
+    #: True when ``launch`` applies the bucket's gradient scaling factor itself
+    #: (inside the reduction), so the bucket must not pre-scale ``grad_data``.
+    folds_prescale: bool = False
 
     @abc.abstractmethod
     def launch(self, bucket: Bucket) -> Any:
@@ -97,14 +100,20 @@ class ReduceScatterStrategy(GradReduceStrategy):
     op: Any = dist.ReduceOp.SUM
     collective: Callable[..., Any] = reduce_scatter_into
     name: str = "reduce-scatter"
+    folds_prescale: bool = False  # True: ``collective`` takes ``prescale=`` (fp32 accumulation)
 
     def launch(self, bucket: Bucket) -> Any:
+        extra = {}
+        if self.folds_prescale:
+            factor = bucket.gradient_scaling_factor
+            extra["prescale"] = None if factor == 1.0 else factor
         return self.collective(
             bucket.local_grad_shard,
             bucket.grad_data,
             op=self.op,
             group=bucket.dp_group,
             async_op=True,
+            **extra,
         )
 
 
@@ -122,6 +131,7 @@ def select_reduce_strategy(config: DDPConfig, *, distributed: bool) -> GradReduc
             op=op,
             collective=reduce_scatter_with_fp32_accumulation,
             name="reduce-scatter-fp32-accumulation",
+            folds_prescale=True,
         )
     return ReduceScatterStrategy(op=op)
 
@@ -280,8 +290,11 @@ class Bucket:
                 f"cannot reduce across dp_size={self.mesh.size} ranks: torch.distributed "
                 "is not initialized (the buffer was built for layout/shard inspection only)"
             )
-        if self.gradient_scaling_factor != 1.0:
-            # Production pre-scales in the grad dtype before a SUM collective.
+        if self.gradient_scaling_factor != 1.0 and not self.strategy.folds_prescale:
+            # Production pre-scales in the grad dtype before a SUM collective. The
+            # fp32-accumulation reduce-scatter folds that same rounding into its
+            # reduction instead (one pass less; elements outside this rank's
+            # shard then stay unscaled, see docs/reduce_scatter.md).
             self.grad_data.mul_(self.gradient_scaling_factor)
         self._handle = self.strategy.launch(self)
         self._in_flight = True

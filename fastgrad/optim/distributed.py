@@ -164,6 +164,11 @@ class DistributedOptimizer(CheckpointMixin):
         self.steps = [0] * len(self.groups)
         group_index = {p: i for i, params in enumerate(self.group_params) for p in params}
         self.shards = [self._build_shard(b, group_index) for b in self.buffer.buckets]
+        # one fp32 grad tensor per shard, reused every step (a fresh one costs page faults)
+        self._fp32_grad_storage = [
+            torch.empty(s.master.numel(), dtype=torch.float32, device=s.master.device)
+            for s in self.shards
+        ]
         # A step needs a grad sync of every bucket finished after the previous step
         # (or after construction): compare each bucket's completed-sync count.
         self._sync_count_at_step = {id(b): b.grad_sync_count for b in self.buffer.buckets}
@@ -283,10 +288,12 @@ class DistributedOptimizer(CheckpointMixin):
         self._hooks.clear()
 
     # -- step
-    def _fp32_grads(self, shard: _BucketShard, inv_scale: float | None) -> torch.Tensor:
+    def _fp32_grads(self, index: int, inv_scale: float | None) -> torch.Tensor:
+        shard, grads = self.shards[index], self._fp32_grad_storage[index]
         data = shard.bucket.group.grad_data
-        parts = [data[a:b].float() for a, b in (p.buffer_range for p in shard.pieces)]
-        grads = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float32, device=data.device)
+        for (lo, hi), piece in zip(shard.offsets, shard.pieces):
+            a, b = piece.buffer_range
+            grads[lo:hi].copy_(data[a:b])  # exact: fp32, or a widening of bf16/fp16
         if inv_scale is not None:
             grads.mul_(inv_scale)
         return grads
@@ -299,13 +306,13 @@ class DistributedOptimizer(CheckpointMixin):
 
     def global_grad_norm(self, grads: Sequence[torch.Tensor]) -> tuple[float, bool]:
         """(fp64 global norm, found NaN/inf) over the local shards' grads, all-reduced once."""
-        for_norm = []
+        for_norm, shared = [], []
         for shard, g in zip(self.shards, grads):
             for piece, (lo, hi) in zip(shard.pieces, shard.offsets):
-                if not getattr(piece.param, "shared", False):
-                    for_norm.append(g[lo:hi])
-        limbs, _ = local_square_limbs(for_norm)
-        nonfinite = sum(int((~torch.isfinite(g)).sum()) for g in grads)
+                (shared if getattr(piece.param, "shared", False) else for_norm).append(g[lo:hi])
+        # the pieces partition the grads: NaN/inf counted by the norm pass plus the shared ones
+        limbs, nonfinite = local_square_limbs(for_norm)
+        nonfinite += sum(int((~torch.isfinite(g)).sum()) for g in shared)
         packed = torch.tensor(limbs + [nonfinite], dtype=torch.int64, device=self.buffer.groups[0].grad_data.device)
         self._all_reduce(packed)
         values = packed.tolist()
@@ -337,7 +344,7 @@ class DistributedOptimizer(CheckpointMixin):
         self._sync_count_at_step = {id(b): b.grad_sync_count for b in self.buffer.buckets}
         scale = None if self.loss_scaler is None else self.loss_scaler.scale
         inv_scale = None if scale is None else fp32(1.0 / scale)
-        grads = [self._fp32_grads(s, inv_scale) for s in self.shards]
+        grads = [self._fp32_grads(i, inv_scale) for i in range(len(self.shards))]
         if self.mxfp8 is not None:
             self.mxfp8.consume_grads()  # copied out: grad accumulation may start again
         norm, found_inf = self.global_grad_norm(grads)

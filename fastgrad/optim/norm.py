@@ -21,8 +21,11 @@ import torch
 LIMB_BITS = 32
 NUM_LIMBS = 20  # squares reach bit 2*104 + 298 + 48 = 554; 20 * 32 = 640 leaves room for carries
 SCALE_EXPONENT = 298  # the sum is (integer) * 2^-298
-CHUNK = 1 << 26  # elements per pass: 3 * 2^26 * 2^32 < 2^63, no int64 overflow
+BLOCK = 1 << 15  # elements per pass: temporaries stay in L2; 2^15 squares < 2^48 sum below 2^63
+HALF_BITS = 24  # squares (< 2^48) are split into two 24-bit halves before summing
+MAX_ELEMENTS = 1 << 38  # running bins gain < 2^39 per block: 2^23 blocks stay below 2^63
 _MASK = (1 << LIMB_BITS) - 1
+_EXPONENT_FIELDS = 256
 
 
 def _normalize(limbs: list[int]) -> list[int]:
@@ -34,33 +37,61 @@ def _normalize(limbs: list[int]) -> list[int]:
     return out
 
 
+def _bins_to_integer(low_bins: list[int], high_bins: list[int]) -> int:
+    """The exact sum (in units of 2^-298) of per-exponent-field bins of square halves.
+
+    An fp32 value with exponent field ``f`` is ``m * 2^(max(f, 1) - 150)``, so the
+    square's integer ``m^2`` sits at bit ``2 * (max(f, 1) - 150) + 298``. Field 255
+    (NaN/inf) is left out.
+    """
+    total = 0
+    for field in range(_EXPONENT_FIELDS - 1):
+        square_sum = low_bins[field] + (high_bins[field] << HALF_BITS)
+        if square_sum:
+            total += square_sum << (2 * (max(field, 1) - 150) + SCALE_EXPONENT)
+    return total
+
+
 def local_square_limbs(tensors: Iterable[torch.Tensor]) -> tuple[list[int], int]:
-    """(normalized limbs of the exact sum of squares, count of NaN/inf elements)."""
-    limbs = [0] * NUM_LIMBS
-    nonfinite = 0
+    """(normalized limbs of the exact sum of squares, count of NaN/inf elements).
+
+    Squares are binned by exponent field: per block, the integer mantissa squares
+    (exact in int64) are scatter-added into 256 per-field int64 bins (no overflow:
+    2^15 * 2^48 < 2^63), whose 24-bit halves are added into running bins; those
+    are shifted into place once, with Python integers, at the end. Integer sums are associative, so the result does not
+    depend on the blocking or the order.
+    """
+    tensors = list(tensors)
+    low = high = None
+    count = 0
     for tensor in tensors:
         flat = tensor.detach().reshape(-1)
         if flat.dtype != torch.float32:
             raise TypeError(f"expected fp32 grads, got {flat.dtype}")
-        for start in range(0, flat.numel(), CHUNK):
-            bits = flat[start : start + CHUNK].view(torch.int32).to(torch.int64) & 0x7FFFFFFF
+        count += flat.numel()
+        if count > MAX_ELEMENTS:
+            raise OverflowError(f"more than 2^38 elements in one exact norm ({count})")
+        if low is None:
+            low = torch.zeros(_EXPONENT_FIELDS, dtype=torch.int64, device=flat.device)
+            high = torch.zeros_like(low)
+            block_bins = torch.zeros_like(low)
+        for start in range(0, flat.numel(), BLOCK):
+            bits = flat[start : start + BLOCK].view(torch.int32) & 0x7FFFFFFF
             field = bits >> 23
-            nonfinite += int((field == 255).sum())
-            frac = bits & 0x7FFFFF
-            mant = torch.where(field > 0, frac | 0x800000, frac)
-            mant = torch.where(field == 255, torch.zeros_like(mant), mant)
-            exponent = torch.where(field > 0, field, torch.ones_like(field)) - 150
-            square = mant * mant  # exact, < 2^48
-            position = 2 * exponent + SCALE_EXPONENT
-            limb, shift = position >> 5, position & 31
-            low = (square & _MASK) << shift  # < 2^63
-            high = (square >> LIMB_BITS) << shift  # < 2^47
-            acc = torch.zeros(NUM_LIMBS + 2, dtype=torch.int64, device=flat.device)
-            acc.index_add_(0, limb, low & _MASK)
-            acc.index_add_(0, limb + 1, (low >> LIMB_BITS) + (high & _MASK))
-            acc.index_add_(0, limb + 2, high >> LIMB_BITS)
-            limbs = _normalize([a + b for a, b in zip(limbs, acc.tolist()[:NUM_LIMBS])])
-    return limbs, nonfinite
+            # normal: (1 << 23) | fraction; subnormal (field 0): the fraction alone
+            mant = bits.sub_((field - 1).clamp_(min=0) << 23).to(torch.int64)
+            square = mant.mul_(mant)  # exact, < 2^48
+            field = field.to(torch.int64)
+            block_bins.zero_().index_add_(0, field, square)
+            low += block_bins & ((1 << HALF_BITS) - 1)
+            high += block_bins >> HALF_BITS
+    if low is None:
+        return [0] * NUM_LIMBS, 0
+    low_list, high_list = low.tolist(), high.tolist()
+    nonfinite = 0
+    if low_list[-1] or high_list[-1]:  # NaN/inf squares (mantissa >= 2^23) landed in field 255
+        nonfinite = sum(int((~torch.isfinite(t)).sum()) for t in tensors)
+    return _normalize([_bins_to_integer(low_list, high_list)]), nonfinite
 
 
 def limbs_to_fraction(limbs: Iterable[int]) -> Fraction:

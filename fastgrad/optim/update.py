@@ -9,8 +9,7 @@ reciprocal (a second rounding).
 
 ``torch.sqrt`` is not used on fp32 tensors: torch 2.13's vectorized CPU
 kernel (AVX512) is not correctly rounded (about 1 in 5 random inputs differs
-by one ulp). :func:`sqrt_fp32` computes it in fp64 and then corrects the fp32
-candidate with an exact midpoint test.
+by one ulp). :func:`sqrt_fp32` computes it in fp64 and rounds to fp32.
 """
 
 from __future__ import annotations
@@ -19,23 +18,19 @@ import torch
 
 from fastgrad.optim.config import AdamWConfig, SGDConfig, fp32
 
+BLOCK = 1 << 18  # elements per pass of the update: 1 MiB per operand, and few per-op thread barriers
 
-def sqrt_fp32(x: torch.Tensor) -> torch.Tensor:
+
+def sqrt_fp32(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Correctly rounded fp32 square root of a non-negative fp32 tensor.
 
-    ``s = fp32(sqrt64(x))`` is within one fp32 ulp of the answer. The midpoints
-    ``(s + neighbour) / 2`` have 25 significant bits, so their squares are
-    exact in fp64 and comparing them with ``x`` (exact in fp64) decides the
-    rounding; a square root of an fp32 value is never exactly a midpoint.
+    The fp64 square root is correctly rounded, and rounding it again to fp32 is
+    innocuous: 53 >= 2*24 + 2 (Figueroa), so ``fp32(sqrt64(x)) == sqrt32(x)``.
     """
-    s = x.double().sqrt().float()
-    below = torch.nextafter(s, torch.zeros_like(s))
-    above = torch.nextafter(s, torch.full_like(s, float("inf")))
-    x64 = x.double()
-    mid_below = (s.double() + below.double()) * 0.5
-    mid_above = (s.double() + above.double()) * 0.5
-    s = torch.where(x64 < mid_below * mid_below, below, s)
-    return torch.where(x64 > mid_above * mid_above, above, s)
+    root = x.double().sqrt_()
+    if out is None:
+        return root.float()
+    return out.copy_(root)
 
 
 def adamw_scalars(config: AdamWConfig, step: int) -> dict[str, float]:
@@ -60,23 +55,39 @@ def adamw_update_(
     master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
     config: AdamWConfig, step: int,
 ) -> None:
-    """One AdamW step on fp32 ``master``/``exp_avg``/``exp_avg_sq`` (in place)."""
+    """One AdamW step on fp32 ``master``/``exp_avg``/``exp_avg_sq`` (in place).
+
+    Done block by block (``BLOCK`` elements) so that every temporary stays in
+    cache; the operations and their order per element are those of
+    ``refgrad.optim``, so blocking changes no bit.
+    """
     s = adamw_scalars(config, step)
-    if s["wd"] != 0:
-        master.mul_(s["decay"])
-    exp_avg.mul_(s["beta1"])
-    exp_avg.add_(torch.mul(grad, s["one_minus_beta1"]))
-    grad_sq = torch.mul(grad, grad)
-    grad_sq.mul_(s["one_minus_beta2"])
-    exp_avg_sq.mul_(s["beta2"])
-    exp_avg_sq.add_(grad_sq)
-    m_hat = torch.div(exp_avg, torch.full_like(exp_avg, s["bc1"]))
-    denom = torch.div(exp_avg_sq, torch.full_like(exp_avg_sq, s["bc2"]))
-    denom = sqrt_fp32(denom)
-    denom.add_(s["eps"])
-    m_hat.div_(denom)
-    m_hat.mul_(s["lr"])
-    master.sub_(m_hat)
+    flat = [t.view(-1) for t in (master, grad, exp_avg, exp_avg_sq)]
+    n = flat[0].numel()
+    width = min(BLOCK, n)
+    scratch = torch.empty((2, width), dtype=torch.float32, device=master.device)
+    bc1 = torch.full((width,), s["bc1"], dtype=torch.float32, device=master.device)
+    bc2 = torch.full((width,), s["bc2"], dtype=torch.float32, device=master.device)
+    for start in range(0, n, BLOCK):
+        stop = min(start + BLOCK, n)
+        k = stop - start
+        p, g, m, v = (t[start:stop] for t in flat)
+        tmp, denom = scratch[0, :k], scratch[1, :k]
+        if s["wd"] != 0:
+            p.mul_(s["decay"])
+        m.mul_(s["beta1"])
+        m.add_(torch.mul(g, s["one_minus_beta1"], out=tmp))
+        torch.mul(g, g, out=tmp)
+        tmp.mul_(s["one_minus_beta2"])
+        v.mul_(s["beta2"])
+        v.add_(tmp)
+        torch.div(m, bc1[:k], out=tmp)  # m_hat
+        torch.div(v, bc2[:k], out=denom)
+        sqrt_fp32(denom, out=denom)
+        denom.add_(s["eps"])
+        tmp.div_(denom)
+        tmp.mul_(s["lr"])
+        p.sub_(tmp)
 
 
 def sgd_update_(

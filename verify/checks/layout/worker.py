@@ -78,6 +78,11 @@ def default_scenarios(world_size: int) -> list[ReduceScenario]:
                 dist_opt + (("grad_reduce_in_fp32", True),),
                 gradient_scaling_factor=1.0 / world_size,
             ),
+            ReduceScenario(  # the scaling folded into the fp32-accumulating reduction
+                "fp32 accumulation, pre-scaled by 1/dp", shapes, ("bfloat16",) * len(shapes),
+                dist_opt + (("reduce_scatter_with_fp32_accumulation", True),),
+                gradient_scaling_factor=1.0 / world_size, needs="fastgrad.reduce_scatter",
+            ),
         ]
     return scenarios
 
