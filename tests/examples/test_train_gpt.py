@@ -36,8 +36,10 @@ TINY = [
     "--train-iters", str(ITERS), "--lr", "3e-3", "--log-interval", "1", "--seed", "7",
 ]
 LOSS_LINE = re.compile(r"^iteration\s+(\d+)/(\d+) \| loss ([0-9.]+)", re.MULTILINE)
+# Not anchored: the ranks share one stdout, so another rank's line (rank 0's progress
+# bar) may end without a newline just before a digest line.
 RANK_LINE = re.compile(
-    r"^rank (\d+) \(stage (\d+), dp rank (\d+)\): params ([0-9a-f]+)(?: tied-embedding ([0-9a-f]+))?",
+    r"\brank (\d+) \(stage (\d+), dp rank (\d+)\): params ([0-9a-f]+)(?: tied-embedding ([0-9a-f]+))?",
     re.MULTILINE,
 )
 TIMEOUT_S = 240
