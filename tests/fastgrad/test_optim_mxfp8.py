@@ -6,6 +6,8 @@ stages the masters as bf16, all-gathers and quantizes into the MXFP8 params.
 Expected values: ``refgrad.optim.optimizer_step`` on the reduced grads (both
 ranks' shards, joined), then ``refgrad.mxfp8.quantize`` of the masters rounded
 to bf16 by ``refgrad.formats``. Sharing on and off must give the same bits.
+The training and refgrad helpers live in ``verify.checks.optim.mxfp8`` (the
+``optim`` check runs them too).
 """
 
 from __future__ import annotations
@@ -14,46 +16,12 @@ import pytest
 import torch
 
 from fastgrad.mxfp8_sharing import MXFP8Parameter, MXFP8ParamGradBuffer
-from fastgrad.optim import AdamWConfig, DistributedOptimizer, SGDConfig
-from refgrad import mxfp8 as RQ
-from refgrad import optim as R
-from refgrad.formats import tensor_bit_patterns
+from fastgrad.optim import AdamWConfig, DistributedOptimizer
 from tests.distributed_utils import run_distributed
+from verify.checks.optim.mxfp8 import CONFIGS, SHAPES, STEPS, joined_masters, refgrad_trajectory
+from verify.checks.optim.mxfp8 import same_bits as _same
+from verify.checks.optim.mxfp8 import train_mxfp8 as _train
 from verify.fixtures.mxfp8 import toy_config
-
-SHAPES = [(8, 64), (4, 32), (16, 32)]  # 1152 elements: two buckets of bucket_size 1000
-STEPS = 3
-CONFIGS = {
-    "adamw": (AdamWConfig(lr=1e-2, weight_decay=0.1), 0.5),  # (config, max_grad_norm)
-    "sgd": (SGDConfig(lr=0.5, momentum=0.9, weight_decay=0.01), None),
-}
-
-
-def _train(rank: int, kind: str, sharing: bool, grad_fp32: bool) -> dict:
-    init = torch.Generator().manual_seed(11)
-    weights = [MXFP8Parameter(torch.randn(s, generator=init) * 0.5) for s in SHAPES]
-    initial = [w.dequantize(torch.float32) for w in weights]
-    buffer = MXFP8ParamGradBuffer(weights, config=toy_config(sharing=sharing, grad_fp32=grad_fp32))
-    config, clip = CONFIGS[kind]
-    opt = DistributedOptimizer(buffer, config, max_grad_norm=clip)
-    opt.publish_params()
-    out = {"initial": initial, "sharing": buffer.sharing, "steps": [],
-           "param_ranges": [buffer.param_range(w) for w in weights],
-           "buckets": [(b.start, b.end) for b in buffer.buckets],
-           "bits0": [(w.scale_bits.clone(), w.element_bits.clone()) for w in weights]}
-    for step in range(STEPS):
-        buffer.zero_grad()
-        for k, w in enumerate(weights):
-            data = torch.Generator().manual_seed(1000 * step + 10 * rank + k)
-            buffer.accumulate_grad(w, torch.randn(w.shape, generator=data) * (k + 1))
-        buffer.reduce_grads()
-        grads = [b.local_grad_shard.clone() for b in buffer.buckets]
-        result = opt.step()
-        out["steps"].append({
-            "stepped": result.stepped, "grads": grads, "masters": opt.master_shards(),
-            "bits": [(w.scale_bits.clone(), w.element_bits.clone()) for w in weights],
-        })
-    return out
 
 
 def worker(rank: int, world: int) -> dict:
@@ -61,38 +29,17 @@ def worker(rank: int, world: int) -> dict:
             for kind in CONFIGS for sharing in (False, True) for grad_fp32 in (True, False)}
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and torch.equal(tensor_bit_patterns(a), tensor_bit_patterns(b))
-
-
-def _expected_bits(masters: list, shape) -> tuple[torch.Tensor, torch.Tensor]:
-    bf16 = R.to_tensor(masters, shape, torch.bfloat16)  # refgrad's rounding of the staged cast
-    return RQ.quantize(bf16, scale_mode="floor")
-
-
 def _check_against_refgrad(runs: list[dict], kind: str) -> None:
-    run0 = runs[0]
-    config, clip = CONFIGS[kind]
-    hyper = R.AdamW(**vars(config)) if kind == "adamw" else R.SGD(**vars(config))
-    states = [R.ParamState(master=R.values(t)) for t in run0["initial"]]
-    for k, shape in enumerate(SHAPES):
+    want = refgrad_trajectory(runs, kind)
+    for k in range(len(SHAPES)):
         for run in runs:
-            assert torch.equal(_expected_bits(states[k].master, shape)[1], run["bits0"][k][1])
+            assert torch.equal(want["bits0"][k][1], run["bits0"][k][1])
     for step in range(STEPS):
-        full = []
-        for bi in range(len(run0["buckets"])):
-            full.append(torch.cat([run["steps"][step]["grads"][bi] for run in runs]))
-        full = torch.cat(full)
-        grads = [full[a:b].reshape(s) for (a, b), s in zip(run0["param_ranges"], SHAPES)]
-        stepped, _ = R.optimizer_step(states, grads, [hyper] * len(SHAPES), [step + 1] * len(SHAPES),
-                                      max_norm=clip)
-        assert stepped
-        masters = torch.cat([torch.cat([run["steps"][step]["masters"][bi] for run in runs])
-                             for bi in range(len(run0["buckets"]))])
-        for k, ((a, b), shape) in enumerate(zip(run0["param_ranges"], SHAPES)):
-            expected_master = R.to_tensor(states[k].master, (b - a,))
-            assert _same(masters[a:b], expected_master), (kind, step, k)
-            scales, elements = _expected_bits(states[k].master, shape)
+        assert want["steps"][step]["stepped"]
+        masters = joined_masters(runs, step)
+        for k, (a, b) in enumerate(runs[0]["param_ranges"]):
+            assert _same(masters[a:b], want["steps"][step]["masters"][k]), (kind, step, k)
+            scales, elements = want["steps"][step]["bits"][k]
             for rank, run in enumerate(runs):
                 got_scales, got_elements = run["steps"][step]["bits"][k]
                 assert torch.equal(scales, got_scales), (kind, step, k, rank)

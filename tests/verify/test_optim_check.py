@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import pytest
 
+from fastgrad.mxfp8_sharing import MXFP8ParamGradBuffer
 from fastgrad.optim import DistributedOptimizer
-from verify.check import FAIL, PASS, CheckContext
+from tests.distributed_utils import run_distributed
+from verify.check import FAIL, PASS, CheckContext, CheckRecorder
 from verify.checks import check_by_name
 from verify.checks.optim import OptimCandidate
 from verify.checks.optim.cases import case_matrix
+from verify.checks.optim.mxfp8 import compare_runs, refgrad_trajectory, train_mxfp8
 
 
 class DecaysEverything(DistributedOptimizer):
@@ -29,6 +35,16 @@ class LocalNorm(DistributedOptimizer):
         tensor[-1:] = flag
 
 
+class LrOneUlpOnMXFP8(DistributedOptimizer):
+    """Broken on purpose: lr one fp32 ULP too large, on MXFP8 buffers only."""
+
+    def __init__(self, ddp, config, *args, **kwargs):
+        if isinstance(ddp, MXFP8ParamGradBuffer):
+            lr = float(np.nextafter(np.float32(config.lr), np.float32(1.0)))
+            config = dataclasses.replace(config, lr=lr)
+        super().__init__(ddp, config, *args, **kwargs)
+
+
 def _quick(candidate=None):
     return check_by_name("optim").execute(CheckContext(quick=True), candidate)
 
@@ -37,7 +53,12 @@ def _quick(candidate=None):
 def test_fastgrad_passes_quick():
     result = _quick()
     assert result.status == PASS, (result.error, result.failed_labels())
-    assert any("MXFP8" in s for s in result.skipped)
+    assert not any("MXFP8" in s for s in result.skipped)
+    mxfp8 = [c.label for c in result.comparisons if c.label.startswith("optim MXFP8 DP=2 ")]
+    for kind in ("adamw", "sgd"):
+        for sharing in ("on", "off"):
+            for what in ("masters param 0", "param 0 element bits (rank 1)"):
+                assert f"optim MXFP8 DP=2 {kind} sharing {sharing} grads fp32 step 2 {what}" in mxfp8
     assert any("torch.optim.AdamW" in f for f in result.findings)
 
 
@@ -59,6 +80,19 @@ def test_norm_without_all_reduce_fails_where_clipping_at_dp_above_1():
     assert any(" clip " in label and "DP=1 " not in label for label in failed), failed
     # DP=1 has nothing to all-reduce, and unclipped cases never use the norm: they still pass.
     assert not any("DP=1 " in label or " noclip " in label for label in failed), failed
+
+
+def _mxfp8_worker(rank: int, world: int, optimizer_cls) -> dict:
+    return train_mxfp8(rank, "adamw", True, True, seed=5, optimizer_cls=optimizer_cls)
+
+
+@pytest.mark.dist
+def test_mxfp8_comparisons_catch_lr_one_ulp_off():
+    runs = run_distributed(_mxfp8_worker, 2, LrOneUlpOnMXFP8)
+    rec = CheckRecorder("optim")
+    compare_runs(rec, "optim MXFP8 DP=2 adamw sharing on grads fp32", runs, refgrad_trajectory(runs, "adamw"))
+    failed = rec.finish(0.0).failed_labels()
+    assert "optim MXFP8 DP=2 adamw sharing on grads fp32 step 1 masters param 0" in failed, failed
 
 
 def test_candidate_must_be_a_class():

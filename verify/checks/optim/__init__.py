@@ -29,8 +29,13 @@ for biases and norm weights (``param_groups_without_decay_for``). Then:
     whose names or shapes do not match, a step before any grad sync, a param
     modified between its all-gather's launch and wait: each the right error
     type, with the rule in the message;
-  * MXFP8 params (with and without buffer sharing): skipped while
-    ``fastgrad.optim`` lacks MXFP8 support (``supports_mxfp8``);
+  * MXFP8 params (``mxfp8``), on ranks 0-1 of the same spawn at DP=2: AdamW (clipped)
+    and SGD, buffer sharing off and on (and bf16 grads unless ``--quick``), 3 steps
+    of rank-specific grads; after every step the fp32 masters, the optimizer state
+    and every rank's MXFP8 scale and element bits bitwise equal to refgrad's step
+    on the reduced grads, then ``refgrad.mxfp8.quantize`` of the bf16-rounded
+    masters; sharing on must give the same bits as sharing off. Skipped for an
+    optimizer without ``supports_mxfp8``;
   * measured, not asserted: ``torch.optim.AdamW`` vs the spec in fp32 ULP. torch
     updates ``m`` with ``lerp_`` (a fused multiply-add on CPU), ``v`` with one
     ``addcmul_``, puts the fp64 bias corrections on the step size and on
@@ -39,7 +44,8 @@ for biases and norm weights (``param_groups_without_decay_for``). Then:
     divides ``m`` and ``v`` by fp32 bias corrections and adds eps to ``sqrt(v_hat)``.
 
 Package layout: ``cases`` (the model, data and matrix, shared with the tests),
-``expectations`` (refgrad's trajectories), ``worker`` (the 4 ranks), ``entry``
+``expectations`` (refgrad's trajectories), ``mxfp8`` (the MXFP8 runs and their
+refgrad expectations, shared with the tests), ``worker`` (the 4 ranks), ``entry``
 (the candidate, the run function and the report glue).
 """
 

@@ -26,6 +26,7 @@ from verify.checks.optim.cases import (
     train_step,
 )
 from verify.checks.optim.expectations import case_trajectory
+from verify.checks.optim.mxfp8 import compare_runs, refgrad_trajectory, same_bits
 from verify.checks.optim.worker import RESUME_AFTER, WORLD, rank_worker
 from verify.distributed import spawn
 
@@ -116,10 +117,11 @@ def check_multi_rank(ctx: CheckContext, rec: CheckRecorder, candidate: OptimCand
     """The case matrix, the DP=2 resume and the DP=2 -> DP=3 reshard on one 4-rank spawn."""
     cases = case_matrix(ctx.quick)
     seed = ctx.seed % 391  # 391 = 17 * 23: the data patterns' periods
+    mxfp8_runs = mxfp8_matrix(ctx.quick) if _supports_mxfp8(rec, candidate) else []
     # refgrad's (slow, exact) references are computed while the ranks start and train.
     with ThreadPoolExecutor(max_workers=1) as pool:
         references = pool.submit(_references, cases, seed)
-        per_rank = spawn(rank_worker, WORLD, cases, candidate.optimizer_cls, seed,
+        per_rank = spawn(rank_worker, WORLD, cases, candidate.optimizer_cls, seed, mxfp8_runs,
                          timeout_s=ctx.timeout_s)
         expected = references.result()
     for index, case in enumerate(cases):
@@ -166,6 +168,7 @@ def check_multi_rank(ctx: CheckContext, rec: CheckRecorder, candidate: OptimCand
             outcome.startswith("LifecycleError") and "modified between the launch" in outcome,
             outcome[:300],
         )
+    check_mxfp8(rec, mxfp8_runs, [per_rank[0]["mxfp8"], per_rank[1]["mxfp8"]])
 
 
 def _expect_raises(rec: CheckRecorder, label: str, fn: Callable[[], object],
@@ -233,19 +236,46 @@ def check_torch_adamw(ctx: CheckContext, rec: CheckRecorder) -> None:
                 "fastgrad error")
 
 
-def check_mxfp8(ctx: CheckContext, rec: CheckRecorder, candidate: OptimCandidate) -> None:
-    """MXFP8 params, with and without buffer sharing: only when the candidate supports them."""
-    if not getattr(candidate.optimizer_cls, "supports_mxfp8", False):
-        rec.skip("MXFP8 params: the optimizer has no MXFP8 parameter support "
-                 f"({candidate.optimizer_cls.__name__}.supports_mxfp8 is absent or False)")
-        return
-    rec.skip("MXFP8 params: the optimizer reports MXFP8 support, but this check's MXFP8 cases "
-             "are not written yet (they need the MXFP8 parameter API)")
+def mxfp8_matrix(quick: bool) -> list[tuple[str, bool, bool]]:
+    """(algorithm, sharing, fp32 grads) of the MXFP8 runs: both algorithms, sharing on and off."""
+    return [(kind, sharing, grad_fp32) for kind in ("adamw", "sgd") for sharing in (False, True)
+            for grad_fp32 in ((True,) if quick else (True, False))]
+
+
+def _supports_mxfp8(rec: CheckRecorder, candidate: OptimCandidate) -> bool:
+    if getattr(candidate.optimizer_cls, "supports_mxfp8", False):
+        return True
+    rec.skip("MXFP8 params: the optimizer has no MXFP8 parameter support "
+             f"({candidate.optimizer_cls.__name__}.supports_mxfp8 is absent or False)")
+    return False
+
+
+def check_mxfp8(rec: CheckRecorder, mxfp8_runs: list[tuple[str, bool, bool]],
+                per_rank: list[list[dict]]) -> None:
+    """MXFP8 params at DP=2 (ranks 0-1), with and without buffer sharing: masters, optimizer
+    state and MXFP8 bits after every step bitwise equal to refgrad; sharing on == off."""
+    for index, (kind, sharing, grad_fp32) in enumerate(mxfp8_runs):
+        runs = [rank_runs[index] for rank_runs in per_rank]
+        label = (f"optim MXFP8 DP=2 {kind} sharing {'on' if sharing else 'off'} "
+                 f"grads {'fp32' if grad_fp32 else 'bf16'}")
+        rec.expect(f"{label}: the buffer shares param and grad bytes as asked",
+                   all(run["sharing"] == sharing for run in runs))
+        rec.expect(f"{label}: the ranks' local grads differ (rank-specific data)",
+                   not torch.equal(runs[0]["steps"][0]["grads"][0], runs[1]["steps"][0]["grads"][0]))
+        compare_runs(rec, label, runs, refgrad_trajectory(runs, kind))
+        if sharing and (kind, False, grad_fp32) in mxfp8_runs:
+            unshared = mxfp8_runs.index((kind, False, grad_fp32))
+            for rank, rank_runs in enumerate(per_rank):
+                off, on = rank_runs[unshared]["steps"], rank_runs[index]["steps"]
+                rec.expect(f"{label}: grads, masters and MXFP8 bits == sharing off, every step (rank {rank})",
+                           all(all(same_bits(x, y) for x, y in zip(a["grads"] + a["masters"],
+                                                                   b["grads"] + b["masters"]))
+                               and all(torch.equal(x, y) for p, q in zip(a["bits"], b["bits"])
+                                       for x, y in zip(p, q)) for a, b in zip(off, on)))
 
 
 def run(ctx: CheckContext, rec: CheckRecorder, candidate: OptimCandidate) -> None:
     """The ``optim`` check against ``candidate`` (default: fastgrad's DistributedOptimizer)."""
     check_errors(ctx, rec, candidate)
-    check_multi_rank(ctx, rec, candidate)
-    check_mxfp8(ctx, rec, candidate)
+    check_multi_rank(ctx, rec, candidate)  # with the MXFP8 runs (check_mxfp8) on the same spawn
     check_torch_adamw(ctx, rec)

@@ -23,6 +23,7 @@ from verify.checks.optim.cases import (
     snapshot,
     train_step,
 )
+from verify.checks.optim.mxfp8 import train_mxfp8
 
 WORLD = 4
 RESUME_AFTER = 2  # the checkpoint is taken after this many steps of CHECKPOINT_CASE
@@ -82,8 +83,10 @@ def _modified_during_gather(group, local_rank: int, optimizer_cls, seed: int) ->
     return outcome
 
 
-def rank_worker(rank: int, world: int, cases: list[OptimCase], optimizer_cls, seed: int) -> dict:
-    """One rank: phase 1 (the matrix), then phase 2 (resume at DP=2 and DP=3, the race)."""
+def rank_worker(rank: int, world: int, cases: list[OptimCase], optimizer_cls, seed: int,
+                mxfp8_runs: list[tuple[str, bool, bool]]) -> dict:
+    """One rank: phase 1 (the matrix), phase 2 (resume at DP=2 and DP=3, the race), then
+    the MXFP8 runs ``(algorithm, sharing, grad_fp32)`` at DP=2 on ranks 0-1."""
     groups = _groups(world)
     out: dict = {"cases": {}}
     for index, case in enumerate(cases):
@@ -105,4 +108,7 @@ def rank_worker(rank: int, world: int, cases: list[OptimCase], optimizer_cls, se
                                     optimizer_cls, seed, start=RESUME_AFTER, load=checkpoint)
     if rank in (0, 1):
         out["modified"] = _modified_during_gather(groups[(0, 1)], rank, optimizer_cls, seed)
+        out["mxfp8"] = [train_mxfp8(rank, kind, sharing, grad_fp32, dp_group=groups[(0, 1)],
+                                    seed=seed, optimizer_cls=optimizer_cls)
+                        for kind, sharing, grad_fp32 in mxfp8_runs]
     return out
