@@ -46,7 +46,8 @@ def _run_in_torchrun(plan: TwinPlan, candidate: TwinCandidate) -> tuple[list[Any
     """Run on the torchrun world; rank 0 gets every rank's result, others None."""
     import torch.distributed as dist
 
-    if not dist.is_initialized():
+    created = not dist.is_initialized()
+    if created:
         dist.init_process_group("gloo")
     world = dist.get_world_size()
     if world < plan.world_size:
@@ -56,6 +57,11 @@ def _run_in_torchrun(plan: TwinPlan, candidate: TwinCandidate) -> tuple[list[Any
     gathered: list[Any] = [None] * world if dist.get_rank() == 0 else None
     dist.gather_object(mine, gathered, dst=0)
     backend = dist.get_backend()
+    if created:
+        # Leave together: a rank that exits while its peer still reads from it makes
+        # gloo abort the peer (SIGABRT) at interpreter exit.
+        dist.barrier()
+        dist.destroy_process_group()
     return (gathered if dist.get_rank() == 0 else None), f"torchrun, {world} ranks, {backend}"
 
 
