@@ -54,7 +54,8 @@ def _run_in_torchrun(plan: TwinPlan, candidate: TwinCandidate) -> tuple[list[Any
         raise TwinRunError(f"the twin needs {plan.world_size} ranks (PP x DP), torchrun gave {world}")
     install_candidate(candidate)
     mine = run_twin_rank(plan.case, plan.overlap, plan.optimizer)
-    gathered: list[Any] = [None] * world if dist.get_rank() == 0 else None
+    rank = dist.get_rank()
+    gathered: list[Any] = [None] * world if rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)
     backend = dist.get_backend()
     if created:
@@ -62,7 +63,7 @@ def _run_in_torchrun(plan: TwinPlan, candidate: TwinCandidate) -> tuple[list[Any
         # gloo abort the peer (SIGABRT) at interpreter exit.
         dist.barrier()
         dist.destroy_process_group()
-    return (gathered if dist.get_rank() == 0 else None), f"torchrun, {world} ranks, {backend}"
+    return (gathered if rank == 0 else None), f"torchrun, {world} ranks, {backend}"
 
 
 def _progress(enabled: bool):
