@@ -230,6 +230,67 @@ def reduce_across_replicas(per_replica: Sequence[torch.Tensor], reduction: str) 
     return reduced[:numel].reshape(shape)
 
 
+def replica_grad_sums(
+    spec: LinearStackSpec,
+    stages: Sequence[nn.Module],
+    named: dict[str, torch.Tensor],
+    head: torch.Tensor | None,
+    step: int,
+    num_microbatches: int,
+    dp_size: int,
+) -> tuple[list[dict[str, torch.Tensor]], list[list[float]]]:
+    """Each replica's grads summed in microbatch order (fp32), and its losses, for one step.
+
+    ``named`` maps every parameter name to its tensor (the head too, when ``head`` is
+    given: its weight gradient is the recorded ``Gᵀ · X`` of each microbatch).
+    """
+    head_name = stage_param_name(spec.num_stages - 1, HEAD_PARAM)
+    per_replica_sums: list[dict[str, torch.Tensor]] = []
+    step_losses: list[list[float]] = []
+    for dp_rank in range(dp_size):
+        inputs, targets = microbatch_data(spec, dp_rank, step, num_microbatches)
+        sums = {name: torch.zeros_like(p) for name, p in named.items()}
+        losses: list[float] = []
+        for x, target in zip(inputs, targets):
+            for p in named.values():
+                p.grad = None
+            out = x
+            for stage in stages:
+                out = stage(out)
+            record: list[tuple[torch.Tensor, torch.Tensor]] = []
+            if head is not None:
+                out = HeadRecordingWgrad.apply(out, head, record)
+            loss = microbatch_loss(out, target, num_microbatches)
+            loss.backward()
+            losses.append(float(loss.detach()))
+            for name, p in named.items():
+                if p.grad is not None:  # the head's stays None: HeadRecordingWgrad records it
+                    sums[name] = sums[name] + p.grad
+            for grad_output, head_input in record:
+                sums[head_name] = sums[head_name] + torch.mm(grad_output.t(), head_input)
+        step_losses.append(losses)
+        per_replica_sums.append(sums)
+    return per_replica_sums, step_losses
+
+
+def reduce_and_tie(
+    spec: LinearStackSpec, per_replica_sums: Sequence[dict[str, torch.Tensor]], reduction: str
+) -> dict[str, torch.Tensor]:
+    """The DP reduction of every gradient, then the tied-embedding all-reduce if tied."""
+    reduced = {
+        name: reduce_across_replicas([sums[name] for sums in per_replica_sums], reduction)
+        for name in per_replica_sums[0]
+    }
+    if spec.tied_embedding:
+        # The embedding all-reduce over the first and last stage, after the DP sync.
+        head_name = stage_param_name(spec.num_stages - 1, HEAD_PARAM)
+        tied_name = stage_param_name(0, EMBEDDING_PARAM)
+        tied = correctly_rounded_sum([reduced[tied_name], reduced[head_name]], torch.float32)
+        reduced[tied_name] = tied
+        reduced[head_name] = tied.clone()
+    return reduced
+
+
 def reference_training(
     spec: LinearStackSpec,
     plans: Sequence[StepPlan],
@@ -249,7 +310,6 @@ def reference_training(
         stage_param_name(s, n): p for s, stage in enumerate(stages) for n, p in stage.named_parameters()
     }
     head_name = stage_param_name(spec.num_stages - 1, HEAD_PARAM)
-    tied_name = stage_param_name(0, EMBEDDING_PARAM)
     head = None
     if spec.output_head:
         head = head_weight_init(spec).requires_grad_(True)
@@ -261,40 +321,9 @@ def reference_training(
             raise ValueError(f"StepPlan.frozen names unknown parameters: {unknown}")
         for name, p in named.items():
             p.requires_grad_(name not in plan.frozen)
-        step_losses: list[list[float]] = []
-        per_replica_sums: list[dict[str, torch.Tensor]] = []
-        for dp_rank in range(dp_size):
-            inputs, targets = microbatch_data(spec, dp_rank, step, plan.num_microbatches)
-            sums = {name: torch.zeros_like(p) for name, p in named.items()}
-            losses: list[float] = []
-            for x, target in zip(inputs, targets):
-                for p in named.values():
-                    p.grad = None
-                out = x
-                for stage in stages:
-                    out = stage(out)
-                record: list[tuple[torch.Tensor, torch.Tensor]] = []
-                if head is not None:
-                    out = HeadRecordingWgrad.apply(out, head, record)
-                loss = microbatch_loss(out, target, plan.num_microbatches)
-                loss.backward()
-                losses.append(float(loss.detach()))
-                for name, p in named.items():
-                    if p.grad is not None:
-                        sums[name] = sums[name] + p.grad
-                for grad_output, head_input in record:
-                    sums[head_name] = sums[head_name] + torch.mm(grad_output.t(), head_input)
-            step_losses.append(losses)
-            per_replica_sums.append(sums)
-        reduced = {
-            name: reduce_across_replicas([sums[name] for sums in per_replica_sums], reduction)
-            for name in named
-        }
-        if spec.tied_embedding:
-            # The embedding all-reduce over the first and last stage, after the DP sync.
-            tied = correctly_rounded_sum([reduced[tied_name], reduced[head_name]], torch.float32)
-            reduced[tied_name] = tied
-            reduced[head_name] = tied.clone()
+        per_replica_sums, step_losses = replica_grad_sums(
+            spec, stages, named, head, step, plan.num_microbatches, dp_size)
+        reduced = reduce_and_tie(spec, per_replica_sums, reduction)
         with torch.no_grad():
             for name, p in named.items():
                 p.grad = None

@@ -129,17 +129,13 @@ class OptimReference:
 
 def reference_with_optimizer(case: Any) -> OptimReference:
     """The whole model in one process: microbatch-ordered sums, DP reduction, exact AdamW."""
-    from refgrad.exact import correctly_rounded_sum
     from refgrad.optim import AdamW, ParamState, optimizer_step, to_tensor, values
     from refgrad.pipeline import (
-        EMBEDDING_PARAM,
         HEAD_PARAM,
-        HeadRecordingWgrad,
         StageModule,
         head_weight_init,
-        microbatch_data,
-        microbatch_loss,
-        reduce_across_replicas,
+        reduce_and_tie,
+        replica_grad_sums,
         stage_param_name,
     )
 
@@ -147,7 +143,6 @@ def reference_with_optimizer(case: Any) -> OptimReference:
     stages = [StageModule(spec, s) for s in range(spec.num_stages)]
     named = {stage_param_name(s, n): p for s, st in enumerate(stages) for n, p in st.named_parameters()}
     head_name = stage_param_name(spec.num_stages - 1, HEAD_PARAM)
-    tied_name = stage_param_name(0, EMBEDDING_PARAM)
     head = None
     if spec.output_head:
         head = head_weight_init(spec).requires_grad_(True)
@@ -157,34 +152,9 @@ def reference_with_optimizer(case: Any) -> OptimReference:
     hyper = AdamW(**ADAMW)
     out = OptimReference()
     for step, plan in enumerate(case.plans):
-        per_replica, step_losses = [], []
-        for dp_rank in range(case.dp_size):
-            inputs, targets = microbatch_data(spec, dp_rank, step, plan.num_microbatches)
-            sums = {n: torch.zeros_like(p) for n, p in named.items()}
-            losses = []
-            for x, target in zip(inputs, targets):
-                for p in named.values():
-                    p.grad = None
-                y = x
-                for st in stages:
-                    y = st(y)
-                record: list[tuple[torch.Tensor, torch.Tensor]] = []
-                if head is not None:
-                    y = HeadRecordingWgrad.apply(y, head, record)
-                loss = microbatch_loss(y, target, plan.num_microbatches)
-                loss.backward()
-                for grad_output, head_input in record:
-                    sums[head_name] = sums[head_name] + torch.mm(grad_output.t(), head_input)
-                losses.append(float(loss.detach()))
-                for n, p in named.items():
-                    if p.grad is not None and n != head_name:
-                        sums[n] = sums[n] + p.grad
-            step_losses.append(losses)
-            per_replica.append(sums)
-        reduced = {n: reduce_across_replicas([s[n] for s in per_replica], case.reduction) for n in names}
-        if spec.tied_embedding:
-            both = correctly_rounded_sum([reduced[tied_name], reduced[head_name]], torch.float32)
-            reduced[tied_name], reduced[head_name] = both, both.clone()
+        per_replica, step_losses = replica_grad_sums(
+            spec, stages, named, head, step, plan.num_microbatches, case.dp_size)
+        reduced = reduce_and_tie(spec, per_replica, case.reduction)
         shared = [spec.tied_embedding and n == head_name for n in names]
         optimizer_step([states[n] for n in names], [reduced[n] for n in names],
                        [hyper] * len(names), [step + 1] * len(names), shared=shared)
