@@ -45,7 +45,7 @@ import torch.distributed as dist
 from fastgrad.comm import reduce_scatter_into
 from fastgrad.config import DDPConfig
 from fastgrad.errors import LifecycleError
-from fastgrad.mesh import DPMeshInfo
+from fastgrad.mesh import DPMeshInfo, OnMesh
 from fastgrad.reduce_scatter import reduce_scatter_with_fp32_accumulation
 
 if TYPE_CHECKING:
@@ -153,7 +153,7 @@ class ShardPiece:
     buffer_range: tuple[int, int]
 
 
-class Bucket:
+class Bucket(OnMesh):
     """A contiguous slice of a group's buffers, reduced as one collective.
 
     ``params`` may be tensors or ``fastgrad.mxfp8_sharing.MXFP8Parameter``
@@ -196,19 +196,6 @@ class Bucket:
         # Completed reductions since construction: consumers (the distributed
         # optimizer) compare it with the count they saw to know the shard is fresh.
         self.grad_sync_count = 0
-
-    # -- process group
-    @property
-    def dp_size(self) -> int:
-        return self.mesh.size
-
-    @property
-    def dp_rank(self) -> int:
-        return self.mesh.rank
-
-    @property
-    def dp_group(self) -> Any:
-        return self.mesh.group
 
     # -- shards
     @property

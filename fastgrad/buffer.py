@@ -60,11 +60,11 @@ from fastgrad.bucket import (  # noqa: F401  (re-exported: one import site for b
 from fastgrad.buffer_group import ALIGNMENT_ELEMENTS, BufferGroup, aligned_zeros  # noqa: F401
 from fastgrad.config import DDPConfig
 from fastgrad.errors import LifecycleError
-from fastgrad.mesh import DPMeshInfo
+from fastgrad.mesh import DPMeshInfo, OnMesh
 from fastgrad.mxfp8 import PARAM_DTYPE, MXFP8Parameter
 
 
-class ParamAndGradBuffer:
+class ParamAndGradBuffer(OnMesh):
     """Contiguous padded param/grad buffers for ``params``, bucketed for reduction.
 
     Groups params by (param dtype, grad dtype); grad dtype is fp32 with
@@ -151,23 +151,6 @@ class ParamAndGradBuffer:
                 self._group_of[p] = group
         self.buckets: list[Bucket] = [b for g in self.groups for b in g.buckets]
         self._bucket_of: dict[Any, Bucket] = {p: b for b in self.buckets for p in b.params}
-
-    # -- process group (resolved once, in ``mesh``)
-    @property
-    def dp_group(self) -> Any:
-        return self.mesh.group
-
-    @property
-    def dp_size(self) -> int:
-        return self.mesh.size
-
-    @property
-    def dp_rank(self) -> int:
-        return self.mesh.rank
-
-    @property
-    def distributed(self) -> bool:
-        return self.mesh.distributed
 
     @property
     def sharing(self) -> bool:

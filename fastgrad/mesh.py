@@ -61,3 +61,29 @@ class DPMeshInfo:
         if dp_group is not None:
             raise ValueError("dp_group was given but torch.distributed is not initialized")
         return cls(group=None, size=1 if dp_size is None else dp_size, rank=0, distributed=False)
+
+
+class OnMesh:
+    """``dp_group``, ``dp_size``, ``dp_rank`` and ``distributed`` read from ``self.mesh``.
+
+    For the objects that hold a :class:`DPMeshInfo` (buffer, bucket, the MXFP8
+    front): one place for the names callers use, none of them stored twice.
+    """
+
+    mesh: DPMeshInfo
+
+    @property
+    def dp_group(self) -> Any:
+        return self.mesh.group
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh.size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh.rank
+
+    @property
+    def distributed(self) -> bool:
+        return self.mesh.distributed

@@ -55,7 +55,7 @@ from fastgrad.buffer import Bucket, ParamAndGradBuffer
 from fastgrad.comm import all_gather_into
 from fastgrad.config import DDPConfig
 from fastgrad.errors import LifecycleError
-from fastgrad.mesh import DPMeshInfo
+from fastgrad.mesh import DPMeshInfo, OnMesh
 from fastgrad.mxfp8 import PARAM_DTYPE, MXFP8Parameter
 from fastgrad.mxfp8_regions import BucketRegion, ParamRegionGuard, RegionState
 
@@ -80,7 +80,7 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-class MXFP8ParamGradBuffer:
+class MXFP8ParamGradBuffer(OnMesh):
     """Param all-gather and grad accumulation for a distributed-optimizer model with MXFP8 weights.
 
     ``params``: :class:`MXFP8Parameter` or plain bf16 (non-quantized) tensors, in
@@ -131,18 +131,6 @@ class MXFP8ParamGradBuffer:
                     region.state = RegionState.LIVE
 
     # ------------------------------------------------------------------ helpers
-    @property
-    def dp_group(self) -> Any:
-        return self.mesh.group
-
-    @property
-    def dp_size(self) -> int:
-        return self.mesh.size
-
-    @property
-    def dp_rank(self) -> int:
-        return self.mesh.rank
-
     def bucket_of(self, param: Param) -> Bucket:
         """The bucket holding ``param``; a ValueError for a param not in this buffer."""
         return self.buffer.bucket_of(param)
