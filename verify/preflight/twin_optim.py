@@ -41,38 +41,18 @@ def run_optimizer_rank(case: Any, groups: Any, overlap: bool) -> OptimRankResult
     from fastgrad.comm import all_gather_into
     from fastgrad.config import DDPConfig
     from fastgrad.ddp import DistributedDataParallel
-    from fastgrad.deferred_wgrad import ColumnParallelOutputLayer, EmbeddingWgradConfig
     from fastgrad.optim import AdamWConfig, DistributedOptimizer
     from fastgrad.pipeline import forward_backward_1f1b
     from refgrad.pipeline import (
-        EMBEDDING_PARAM,
-        HEAD_PARAM,
-        StageModule,
-        head_weight_init,
         microbatch_data,
         microbatch_loss,
-        stage_param_name,
     )
-    from verify.checks.pipeline.worker import BodyWithHead
+    from verify.checks.pipeline.worker import build_stage_model
 
     spec, stage = case.spec, groups.stage
-    body = StageModule(spec, stage)
-    named = {stage_param_name(stage, n): p for n, p in body.named_parameters()}
-    module, head, tied = body, None, []
-    if spec.output_head and groups.is_last_stage:
-        head = ColumnParallelOutputLayer(
-            head_weight_init(spec),
-            EmbeddingWgradConfig(defer_embedding_wgrad_compute=True,
-                                 pipeline_model_parallel_size=case.pp_size))
-        module = BodyWithHead(body, head)
-        named[stage_param_name(stage, HEAD_PARAM)] = head.weight
-        if spec.tied_embedding:
-            tied = [head.weight]
-            head.weight.shared = True  # the second copy: out of the grad norm
-    if spec.tied_embedding and groups.is_first_stage:
-        tied = [named[stage_param_name(0, EMBEDDING_PARAM)]]
-    for param in tied:
-        param.shared_embedding = True
+    module, named, head, tied = build_stage_model(case, groups)
+    if head is not None and spec.tied_embedding:
+        head.weight.shared = True  # the second copy: out of the grad norm
     ddp = DistributedDataParallel(
         module,
         config=DDPConfig(use_distributed_optimizer=True, overlap_grad_reduce=overlap,

@@ -139,20 +139,10 @@ def run_interleaved_case_on_rank(case: PipelineCase, groups: Any, overlap: bool,
     return result
 
 
-def run_case_on_rank(case: PipelineCase, groups: Any, overlap: bool,
-                     progress: Any = None) -> RankResult:
-    """Train ``case`` on this rank of its grid; return what it saw.
-
-    ``progress`` (a ``verify.distributed.RankProgress``) is told each event as it happens.
-    """
-    if case.virtual_stages > 1:
-        return run_interleaved_case_on_rank(case, groups, overlap, progress)
-    from fastgrad.ddp import DistributedDataParallel
-    from fastgrad.pipeline import forward_backward_1f1b
-    from fastgrad.timeline import Timeline
-
-    stage = groups.stage
-    spec = case.spec
+def build_stage_model(case: PipelineCase, groups: Any) -> tuple[Any, dict[str, Any], Any, list[Any]]:
+    """This rank's stage of ``case``: ``(module, named params, deferred-wgrad head or None,
+    tied-embedding params)``; the head is the last stage's output layer (``output_head``)."""
+    spec, stage = case.spec, groups.stage
     body = StageModule(spec, stage)
     named = {stage_param_name(stage, n): p for n, p in body.named_parameters()}
     module, head, tied = body, None, []
@@ -174,6 +164,23 @@ def run_case_on_rank(case: PipelineCase, groups: Any, overlap: bool,
         # Own bucket, same bucket-relative offsets on both stages: the DP shards of the
         # two copies line up, so the embedding all-reduce is right on every shard.
         param.shared_embedding = True
+    return module, named, head, tied
+
+
+def run_case_on_rank(case: PipelineCase, groups: Any, overlap: bool,
+                     progress: Any = None) -> RankResult:
+    """Train ``case`` on this rank of its grid; return what it saw.
+
+    ``progress`` (a ``verify.distributed.RankProgress``) is told each event as it happens.
+    """
+    if case.virtual_stages > 1:
+        return run_interleaved_case_on_rank(case, groups, overlap, progress)
+    from fastgrad.ddp import DistributedDataParallel
+    from fastgrad.pipeline import forward_backward_1f1b
+    from fastgrad.timeline import Timeline
+
+    stage = groups.stage
+    module, named, head, tied = build_stage_model(case, groups)
     ddp = DistributedDataParallel(
         module,
         config=case_ddp_config(case, overlap),
