@@ -254,3 +254,35 @@ def test_under_torchrun_the_twin_runs_on_the_launched_world(tmp_path):
     report = json.loads(json_path.read_text())
     assert report["twin"]["where"].startswith("torchrun, 2 ranks")
     assert report["config"]["data_parallel_source"].startswith("WORLD_SIZE (torchrun)")
+
+
+def test_a_broken_drain_is_a_fault_of_one_layer_instance_not_a_global_rebinding():
+    """The LIFO candidate's drain lives on the rank's own output layer; the class is untouched."""
+    import torch
+
+    from fastgrad.deferred_wgrad import ColumnParallelOutputLayer, EmbeddingWgradConfig
+    from verify.checks.pipeline.worker import output_layer_class
+    from verify.preflight.twin_worker import with_candidate
+
+    production_drain = ColumnParallelOutputLayer.drain_deferred_wgrad
+    config, _ = _config(["--pipeline-model-parallel-size", "2", "--data-parallel-size", "1",
+                         "--global-batch-size", "4", "--defer-embedding-wgrad-compute"])
+    case = plan_twin(config, SMALL).case
+    assert with_candidate(case, TwinCandidate()) is case
+    assert with_candidate(case, TwinCandidate("lifo", "lifo")).fault == "lifo_drain"
+    assert output_layer_class(None) is ColumnParallelOutputLayer
+    cfg = EmbeddingWgradConfig(defer_embedding_wgrad_compute=True, pipeline_model_parallel_size=2)
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(8, 8, generator=g)
+    xs = [torch.randn(4, 8, generator=g) * 10.0**k for k in range(4)]
+    drained = []
+    for cls in (output_layer_class("lifo_drain"), output_layer_class(None)):
+        layer = cls(weight, cfg)
+        layer.start_step()
+        for x in xs:
+            layer(x.requires_grad_(True)).sum().backward()
+        assert layer.drain_deferred_wgrad() == 4
+        drained.append(layer.weight.main_grad.clone())
+    # Same deferred GEMMs, opposite order: a different fp32 sum; the class kept its drain.
+    assert not torch.equal(drained[0], drained[1])
+    assert ColumnParallelOutputLayer.drain_deferred_wgrad is production_drain

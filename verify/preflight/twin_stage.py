@@ -25,7 +25,6 @@ from verify.preflight.twin import (
 )
 from verify.preflight.twin_worker import (
     TwinCandidate,
-    install_candidate,
     run_twin_rank,
     twin_worker,
 )
@@ -52,8 +51,7 @@ def _run_in_torchrun(plan: TwinPlan, candidate: TwinCandidate) -> tuple[list[Any
     world = dist.get_world_size()
     if world < plan.world_size:
         raise TwinRunError(f"the twin needs {plan.world_size} ranks (PP x DP), torchrun gave {world}")
-    install_candidate(candidate)
-    mine = run_twin_rank(plan.case, plan.overlap, plan.optimizer)
+    mine = run_twin_rank(plan.case, plan.overlap, plan.optimizer, candidate)
     rank = dist.get_rank()
     gathered: list[Any] = [None] * world if rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)

@@ -15,7 +15,11 @@ from refgrad.pipeline import (
     stage_param_name,
 )
 
-FAULTS = (None, "reversed_microbatches")
+# Deliberately broken candidates: "reversed_microbatches" feeds each replica's microbatches
+# in reverse; "lifo_drain" gives the last stage an output layer whose deferred-wgrad drain
+# runs newest first (a different fp32 sum order). Each is applied by the rank to its own
+# data or layer instance, never by changing a library class.
+FAULTS = (None, "reversed_microbatches", "lifo_drain")
 
 
 @dataclass(frozen=True)

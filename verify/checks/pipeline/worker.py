@@ -139,6 +139,25 @@ def run_interleaved_case_on_rank(case: PipelineCase, groups: Any, overlap: bool,
     return result
 
 
+def output_layer_class(fault: str | None) -> type:
+    """fastgrad's output layer, or (fault ``"lifo_drain"``) a subclass whose drain runs the
+    deferred GEMMs newest first; the fault lives on this rank's instance only."""
+    from fastgrad.deferred_wgrad import ColumnParallelOutputLayer
+
+    if fault != "lifo_drain":
+        return ColumnParallelOutputLayer
+
+    class LifoDrainOutputLayer(ColumnParallelOutputLayer):
+        """A wrong drain: newest deferred (input, grad_output) pair first."""
+
+        def drain_deferred_wgrad(self, reduce_in_flight: Any = None) -> int:
+            self.activation_buffer.reverse()
+            self.grad_output_buffer.reverse()
+            return super().drain_deferred_wgrad(reduce_in_flight)
+
+    return LifoDrainOutputLayer
+
+
 def build_stage_model(case: PipelineCase, groups: Any) -> tuple[Any, dict[str, Any], Any, list[Any]]:
     """This rank's stage of ``case``: ``(module, named params, deferred-wgrad head or None,
     tied-embedding params)``; the head is the last stage's output layer (``output_head``)."""
@@ -147,9 +166,9 @@ def build_stage_model(case: PipelineCase, groups: Any) -> tuple[Any, dict[str, A
     named = {stage_param_name(stage, n): p for n, p in body.named_parameters()}
     module, head, tied = body, None, []
     if spec.output_head and groups.is_last_stage:
-        from fastgrad.deferred_wgrad import ColumnParallelOutputLayer, EmbeddingWgradConfig
+        from fastgrad.deferred_wgrad import EmbeddingWgradConfig
 
-        head = ColumnParallelOutputLayer(
+        head = output_layer_class(case.fault)(
             head_weight_init(spec),
             EmbeddingWgradConfig(defer_embedding_wgrad_compute=True,
                                  pipeline_model_parallel_size=case.pp_size),
