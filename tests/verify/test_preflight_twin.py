@@ -123,7 +123,12 @@ def test_twin_claims_and_gaps_follow_the_configuration(twins):
     assert any("bf16 grad buffer" in g for g in inter.not_twinned)
     tp2 = twins["tp2"][2]
     assert any(g.startswith("tensor parallelism (TP 2)") for g in tp2.not_twinned)
-    assert any("--wgrad-deferral-limit 2" in g for g in tp2.not_twinned)
+    # --wgrad-deferral-limit 2 of M 8 is twinned: refgrad adds microbatches 2..7, then 0, 1.
+    assert tp2.case.spec.defer_output_wgrad and tp2.case.spec.wgrad_deferral_limit == 2
+    assert tp2.case.spec.head_wgrad_order(8) == [2, 3, 4, 5, 6, 7, 0, 1]
+    assert not any("deferral" in g or "defers" in g for g in tp2.not_twinned)
+    untied = twins["untied_adamw"][2].case.spec  # no --defer-embedding-wgrad-compute
+    assert not untied.defer_output_wgrad and untied.head_wgrad_order(4) == [0, 1, 2, 3]
     markdown = render_markdown(twins["tp2"][1])
     assert "not twinned: tensor parallelism" in markdown
     assert "Twin vs refgrad after every step" in markdown

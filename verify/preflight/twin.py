@@ -105,7 +105,9 @@ def plan_twin(config: PreflightConfig, options: TwinOptions) -> TwinPlan:
     m = _twin_microbatches(config, options)
     spec = LinearStackSpec(num_stages=pp * vpp, layers_per_stage=layers, hidden=h,
                            microbatch_size=config.micro_batch_size, seed=config.seed % 100_000,
-                           output_head=head, tied_embedding=head and config.tied_embeddings)
+                           output_head=head, tied_embedding=head and config.tied_embeddings,
+                           defer_output_wgrad=config.defer_embedding_wgrad_compute,
+                           wgrad_deferral_limit=config.wgrad_deferral_limit)
     stage_numel = layers * (h * h + h)
     bucket = max(h * h + h, stage_numel // 3) if config.overlap_grad_reduce else 10 * stage_numel
     rs_fp32 = config.ddp_reduce_scatter_with_fp32_accumulation and config.use_distributed_optimizer
@@ -143,8 +145,7 @@ def plan_twin(config: PreflightConfig, options: TwinOptions) -> TwinPlan:
         ("bucket size", str(config.first_stage_bucket_size or "one bucket"),
          f"{bucket} elements (several buckets per stage)" if config.overlap_grad_reduce
          else "one bucket per stage"),
-        ("output layer", "deferred wgrad" if config.defer_embedding_wgrad_compute else "wgrad in backward",
-         "deferred wgrad, drained after the cooldown" if head else "none"),
+        ("output layer", _output_wgrad(config), _output_wgrad(config) if head else "none"),
         ("tied embedding all-reduce", str(config.tied_embeddings and pp > 1),
          str(head and config.tied_embeddings)),
         ("optimizer", "distributed optimizer" if config.use_distributed_optimizer else "(not parsed)",
@@ -154,6 +155,15 @@ def plan_twin(config: PreflightConfig, options: TwinOptions) -> TwinPlan:
     return TwinPlan(case=case, overlap=config.overlap_grad_reduce, world_size=world,
                     bitwise=bitwise, order_note=order_note, mapping=mapping,
                     not_twinned=tuple(not_twinned), optimizer=optimizer)
+
+
+def _output_wgrad(config: PreflightConfig) -> str:
+    """How the output layer's wgrad is accumulated (the same in production and the twin)."""
+    if not config.defer_embedding_wgrad_compute:
+        return "wgrad in the backward"
+    limit = config.wgrad_deferral_limit
+    return ("deferred wgrad, drained after the cooldown" if limit == 0 else
+            f"first {limit} microbatches' wgrad deferred to the drain, the rest in the backward")
 
 
 def _left_out(config: PreflightConfig, m: int, head: bool, optimizer: str) -> list[str]:
@@ -177,12 +187,6 @@ def _left_out(config: PreflightConfig, m: int, head: bool, optimizer: str) -> li
                    "stages one bucket); the twin uses the same bucket size on every stage")
     if config.ddp_pad_buckets_for_high_nccl_busbw:
         out.append("--ddp-pad-buckets-for-high-nccl-busbw: padding is laid out on paper only")
-    if head and config.defer_embedding_wgrad_compute and config.wgrad_deferral_limit > 0:
-        out.append(f"--wgrad-deferral-limit {config.wgrad_deferral_limit}: the twin defers "
-                   "every microbatch's output-layer wgrad")
-    if head and not config.defer_embedding_wgrad_compute:
-        out.append("the twin defers the output-layer wgrad to the drain; production computes it "
-                   "in the backward (same fp32 sums, same microbatch order)")
     if optimizer == "sgd":
         why = ("interleaved chunks each have their own buffer" if config.use_distributed_optimizer
                else "without --use-distributed-optimizer")

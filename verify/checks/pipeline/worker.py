@@ -170,7 +170,8 @@ def build_stage_model(case: PipelineCase, groups: Any) -> tuple[Any, dict[str, A
 
         head = output_layer_class(case.fault)(
             head_weight_init(spec),
-            EmbeddingWgradConfig(defer_embedding_wgrad_compute=True,
+            EmbeddingWgradConfig(defer_embedding_wgrad_compute=spec.defer_output_wgrad,
+                                 wgrad_deferral_limit=spec.wgrad_deferral_limit,
                                  pipeline_model_parallel_size=case.pp_size),
         )
         module = BodyWithHead(body, head)
