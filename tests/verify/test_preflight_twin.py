@@ -59,19 +59,26 @@ def _config(flags: list[str]):
     return config, build_report(config, parsed, CostInputs())
 
 
-# name -> (flags, phase, first rank)
-LAYOUT = {"tied_deferred": (TIED_DEFERRED, 0, 0), "interleaved": (INTERLEAVED, 0, 4),
-          "untied_adamw": (UNTIED_ADAMW, 0, 6),
-          "dp3": (DP3, 1, 0), "tp2": (TP2, 1, 4)}
+# PP2 DP2 M4 with overlap and 2 layers per stage, SGD: production's bucket rule (stage 0
+# bucketed, stage 1 one bucket).
+BUCKETS = ["--pipeline-model-parallel-size", "2", "--data-parallel-size", "2",
+           "--global-batch-size", "8", "--untie-embeddings-and-output-weights",
+           "--overlap-grad-reduce"]
+
+# name -> (flags, phase, first rank, twin options)
+LAYOUT = {"tied_deferred": (TIED_DEFERRED, 0, 0, SMALL), "interleaved": (INTERLEAVED, 0, 4, SMALL),
+          "untied_adamw": (UNTIED_ADAMW, 0, 6, SMALL),
+          "dp3": (DP3, 1, 0, SMALL), "tp2": (TP2, 1, 4, SMALL),
+          "buckets": (BUCKETS, 2, 0, replace(SMALL, layers=2))}
 
 
 @pytest.fixture(scope="module")
 def twins():
     """Every configuration of LAYOUT trained in one spawned world; plans and results by name."""
-    plans, phases = {}, [[], []]
-    for name, (flags, phase, first) in LAYOUT.items():
+    plans, phases = {}, [[], [], []]
+    for name, (flags, phase, first, options) in LAYOUT.items():
         config, report = _config(flags)
-        plan = plan_twin(config, SMALL)
+        plan = plan_twin(config, options)
         plan = replace(plan, case=replace(plan.case, first_rank=first))
         plans[name] = (config, report, plan, phase, len(phases[phase]))
         phases[phase].append((plan.case, plan.overlap, TwinCandidate(), plan.optimizer))
@@ -81,14 +88,14 @@ def twins():
         results = [r[phase][index] for r in ranks]
         passed = finish_twin_report(config, plan, results, report, where="test world",
                                     candidate=TwinCandidate())
-        out[name] = (config, report, plan, passed)
+        out[name] = (config, report, plan, passed, results)
     return out
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("name", sorted(LAYOUT))
 def test_twin_passes_against_refgrad(twins, name):
-    config, report, plan, passed = twins[name]
+    config, report, plan, passed, _ = twins[name]
     assert passed, report["twin"]["failures"][:3]
     assert report["verdict"].startswith("PASS")
     steps = report["twin"]["steps"]
@@ -132,6 +139,23 @@ def test_twin_claims_and_gaps_follow_the_configuration(twins):
     markdown = render_markdown(twins["tp2"][1])
     assert "not twinned: tensor parallelism" in markdown
     assert "Twin vs refgrad after every step" in markdown
+
+
+@pytest.mark.dist
+def test_twin_buckets_only_pipeline_rank_0s_first_chunk(twins):
+    """Production's rule: with overlap, stage 0's first chunk is bucketed, every other chunk is
+    one bucket. Stage 0 holds 2 x (8x8 + 8) = 144 elements in 72-element buckets (bias 8 +
+    weight 64 closes each): 2 buckets; stage 1 (144 + the 8x8 head) one."""
+    _, report, plan, _, results = twins["buckets"]
+    case = plan.case
+    buckets = {(r.stage, len(r.launch_sites[1])) for r in results if r is not None}
+    assert buckets == {(0, 2), (1, 1)}
+    assert (case.bucket_size_for(0, 0), case.bucket_size_for(1, 0)) == (72, 1440)
+    assert not any(g.startswith("bucket rule") for g in plan.not_twinned)
+    # Interleaved: chunk 1 of stage 0 and both chunks of stage 1 are one bucket each.
+    inter = twins["interleaved"][2].case
+    assert inter.bucket_size_for(0, 1) == inter.bucket_size_for(1, 0) == 10 * (8 * 8 + 8)
+    assert report["twin"]["mapping"][8][2].endswith("one bucket elsewhere")
 
 
 @pytest.mark.dist

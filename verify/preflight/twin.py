@@ -109,14 +109,18 @@ def plan_twin(config: PreflightConfig, options: TwinOptions) -> TwinPlan:
                            defer_output_wgrad=config.defer_embedding_wgrad_compute,
                            wgrad_deferral_limit=config.wgrad_deferral_limit)
     stage_numel = layers * (h * h + h)
-    bucket = max(h * h + h, stage_numel // 3) if config.overlap_grad_reduce else 10 * stage_numel
+    # Production's rule: only pipeline rank 0's first chunk is bucketed (with overlap);
+    # every other chunk is one bucket (a size above its element count, head included).
+    one_bucket = 10 * stage_numel
+    bucket = max(h * h + h, stage_numel // 3) if config.overlap_grad_reduce else one_bucket
     rs_fp32 = config.ddp_reduce_scatter_with_fp32_accumulation and config.use_distributed_optimizer
     case = PipelineCase(
         name="twin", pp_size=pp, dp_size=dp, first_rank=0, spec=spec,
         plans=tuple(StepPlan(m) for _ in range(options.steps)),
         use_distributed_optimizer=config.use_distributed_optimizer,
         reduce_scatter_with_fp32_accumulation=rs_fp32,
-        reduction="prescale", bucket_size=bucket, lr=TWIN_LR, virtual_stages=vpp,
+        reduction="prescale", bucket_size=bucket, bucket_size_elsewhere=one_bucket, lr=TWIN_LR,
+        virtual_stages=vpp,
     )
     if dp <= 2:
         bitwise, order_note = True, "DP <= 2: a sum of two fp32 values has one rounding in any order"
@@ -142,9 +146,10 @@ def plan_twin(config: PreflightConfig, options: TwinOptions) -> TwinPlan:
          f"x 1/DP then SUM ({'reduce-scatter' if config.use_distributed_optimizer else 'all-reduce'}"
          f"{', fp32 rank-order accumulation' if rs_fp32 else ''})"),
         ("overlap grad reduce", str(config.overlap_grad_reduce), str(config.overlap_grad_reduce)),
-        ("bucket size", str(config.first_stage_bucket_size or "one bucket"),
-         f"{bucket} elements (several buckets per stage)" if config.overlap_grad_reduce
-         else "one bucket per stage"),
+        ("bucket size", f"{config.first_stage_bucket_size:,} on pipeline rank 0's first chunk, "
+         "one bucket elsewhere" if config.overlap_grad_reduce else "one bucket per chunk",
+         f"{bucket} elements on stage 0's first chunk (several buckets), one bucket elsewhere"
+         if config.overlap_grad_reduce else "one bucket per chunk"),
         ("output layer", _output_wgrad(config), _output_wgrad(config) if head else "none"),
         ("tied embedding all-reduce", str(config.tied_embeddings and pp > 1),
          str(head and config.tied_embeddings)),
@@ -182,9 +187,6 @@ def _left_out(config: PreflightConfig, m: int, head: bool, optimizer: str) -> li
         out.append(f"{config.params_dtype} params and compute: the twin computes in fp32")
     if config.grad_dtype != "fp32":
         out.append(f"{config.grad_dtype} grad buffer and wire dtype: the twin reduces fp32 grads")
-    if config.overlap_grad_reduce and config.pipeline_model_parallel_size > 1:
-        out.append("bucket rule: production buckets only pipeline rank 0's first chunk (later "
-                   "stages one bucket); the twin uses the same bucket size on every stage")
     if config.ddp_pad_buckets_for_high_nccl_busbw:
         out.append("--ddp-pad-buckets-for-high-nccl-busbw: padding is laid out on paper only")
     if optimizer == "sgd":

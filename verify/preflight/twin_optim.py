@@ -57,7 +57,7 @@ def run_optimizer_rank(case: Any, groups: Any, overlap: bool) -> OptimRankResult
         module,
         config=DDPConfig(use_distributed_optimizer=True, overlap_grad_reduce=overlap,
                          reduce_scatter_with_fp32_accumulation=case.reduce_scatter_with_fp32_accumulation,
-                         average_in_collective=case.reduction == "avg", bucket_size=case.bucket_size),
+                         average_in_collective=case.reduction == "avg", bucket_size=case.bucket_size_for(stage, 0)),
         dp_group=groups.dp_group, average=case.reduction != "sum",
         external_grad_params=[] if head is None else [head.weight])
     optimizer = DistributedOptimizer(ddp, AdamWConfig(**ADAMW),

@@ -40,12 +40,20 @@ class PipelineCase:
     timing: bool = False  # the dedicated timing case: bigger layers, simulator comparison
     fault: str | None = None
     virtual_stages: int = 1  # > 1: interleaved 1F1B, spec has pp_size * virtual_stages stages
+    # Production's bucket rule: only pipeline rank 0's first chunk is bucketed with
+    # ``bucket_size``; every other (stage, chunk) uses this one (None: ``bucket_size`` too).
+    bucket_size_elsewhere: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("pp_size", "dp_size", "bucket_size", "virtual_stages"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"PipelineCase.{name} must be an int >= 1, got {value!r}")
+        if self.bucket_size_elsewhere is not None and (
+                isinstance(self.bucket_size_elsewhere, bool)
+                or not isinstance(self.bucket_size_elsewhere, int) or self.bucket_size_elsewhere < 1):
+            raise ValueError(f"PipelineCase.bucket_size_elsewhere must be None or an int >= 1, "
+                             f"got {self.bucket_size_elsewhere!r}")
         if isinstance(self.first_rank, bool) or not isinstance(self.first_rank, int) \
                 or self.first_rank < 0:
             raise ValueError(f"PipelineCase.first_rank must be an int >= 0, got {self.first_rank!r}")
@@ -69,6 +77,12 @@ class PipelineCase:
             raise ValueError(f"PipelineCase.reduction must be sum/avg/prescale, got {self.reduction!r}")
         if self.fault not in FAULTS:
             raise ValueError(f"PipelineCase.fault must be one of {FAULTS}, got {self.fault!r}")
+
+    def bucket_size_for(self, stage: int, chunk: int) -> int:
+        """The DDP bucket size of model chunk ``chunk`` on pipeline stage ``stage``."""
+        if (stage, chunk) == (0, 0) or self.bucket_size_elsewhere is None:
+            return self.bucket_size
+        return self.bucket_size_elsewhere
 
     @property
     def world(self) -> int:

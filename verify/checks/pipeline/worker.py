@@ -20,7 +20,8 @@ from refgrad.pipeline import (
 from verify.checks.pipeline.cases import PipelineCase, RankResult
 
 
-def case_ddp_config(case: PipelineCase, overlap: bool):
+def case_ddp_config(case: PipelineCase, overlap: bool, stage: int, chunk: int = 0):
+    """The DDP config of one model chunk of ``case`` on ``stage``."""
     from fastgrad.config import DDPConfig
 
     return DDPConfig(
@@ -28,7 +29,7 @@ def case_ddp_config(case: PipelineCase, overlap: bool):
         reduce_scatter_with_fp32_accumulation=case.reduce_scatter_with_fp32_accumulation,
         average_in_collective=case.reduction == "avg",
         overlap_grad_reduce=overlap,
-        bucket_size=case.bucket_size,
+        bucket_size=case.bucket_size_for(stage, chunk),
     )
 
 
@@ -92,9 +93,9 @@ def run_interleaved_case_on_rank(case: PipelineCase, groups: Any, overlap: bool,
     chunks = [StageModule(case.spec, c * P + stage) for c in range(V)]
     named = {stage_param_name(c * P + stage, n): p
              for c, chunk in enumerate(chunks) for n, p in chunk.named_parameters()}
-    ddps = [DistributedDataParallel(chunk, config=case_ddp_config(case, overlap),
+    ddps = [DistributedDataParallel(chunk, config=case_ddp_config(case, overlap, stage, c),
                                     dp_group=groups.dp_group, average=case.reduction != "sum")
-            for chunk in chunks]
+            for c, chunk in enumerate(chunks)]
     result = RankResult(stage=stage, dp_rank=groups.dp_rank)
     timeline = Timeline(groups.rank)
     for step, plan in enumerate(case.plans):
@@ -203,7 +204,7 @@ def run_case_on_rank(case: PipelineCase, groups: Any, overlap: bool,
     module, named, head, tied = build_stage_model(case, groups)
     ddp = DistributedDataParallel(
         module,
-        config=case_ddp_config(case, overlap),
+        config=case_ddp_config(case, overlap, stage),
         dp_group=groups.dp_group,
         average=case.reduction != "sum",
         external_grad_params=[] if head is None else [head.weight],
