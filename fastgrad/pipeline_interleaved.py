@@ -20,7 +20,9 @@ Gradient sync: one data-parallel engine per model chunk (``grad_syncs[c]``,
 whole step; chunk ``c``'s engine is enabled just before the backward of its
 last microbatch (``M - 1``), so its buckets launch as that backward completes
 them, while later chunks are still computing. Non-first stages then dispatch
-whatever is still pending in their cooldown bubble; then every engine waits.
+whatever is still pending in their cooldown bubble; then every engine waits,
+and (TP > 1) the grads of sequence-parallel replicated params are summed over
+the TP group.
 
 Communication: sends are asynchronous and waited for at the end of the step;
 a receive is waited for only right before the op that needs it. Every message
@@ -41,6 +43,7 @@ from torch import nn
 
 from fastgrad.errors import LifecycleError
 from fastgrad.pipeline import GradSync, ParallelGroups
+from fastgrad.pipeline_groups import allreduce_sequence_parallel_grads, sequence_parallel_params
 from fastgrad.timeline import Timeline
 
 
@@ -244,6 +247,10 @@ def forward_backward_interleaved(
     with timeline.record("grad_sync_wait"):
         for grad_sync in grad_syncs:
             grad_sync.finish_grad_sync()
+    # TP > 1: sequence-parallel replicated grads summed over the TP group, after the DP sync.
+    allreduce_sequence_parallel_grads(
+        [p for chunk in chunk_modules for p in sequence_parallel_params(chunk, groups)],
+        groups.tp_group)
     return [losses[m] for m in sorted(losses)]
 
 

@@ -59,6 +59,10 @@ class LinearStackSpec:
     at the drain, after the immediate ones (order ``limit..M-1, 0..limit-1``,
     ``refgrad.deferred_wgrad.deferred_accumulation_order``); otherwise in
     microbatch order.
+    ``tensor_parallel`` (TP) and ``sequence_parallel`` split the model as
+    production does; their model is ``refgrad.pipeline_tp`` (the output head
+    vocab-parallel over TP, the Linear+tanh blocks replicated, run on sequence
+    shards under sequence parallelism).
     """
 
     num_stages: int
@@ -70,13 +74,16 @@ class LinearStackSpec:
     tied_embedding: bool = False
     defer_output_wgrad: bool = True
     wgrad_deferral_limit: int = 0
+    tensor_parallel: int = 1
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("num_stages", "layers_per_stage", "hidden", "microbatch_size"):
+        for name in ("num_stages", "layers_per_stage", "hidden", "microbatch_size",
+                     "tensor_parallel"):
             _positive_int("LinearStackSpec", name, getattr(self, name))
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"LinearStackSpec.seed must be an int >= 0, got {self.seed!r}")
-        for name in ("output_head", "tied_embedding", "defer_output_wgrad"):
+        for name in ("output_head", "tied_embedding", "defer_output_wgrad", "sequence_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"LinearStackSpec.{name} must be a bool")
         if self.output_head and self.num_stages < 2:
@@ -88,6 +95,12 @@ class LinearStackSpec:
                              f"(0 = defer every microbatch), got {limit!r}")
         if self.tied_embedding and not self.output_head:
             raise ValueError("LinearStackSpec.tied_embedding needs output_head=True")
+        if self.tensor_parallel > 1:
+            from refgrad.pipeline_tp import validate_tensor_parallel
+
+            validate_tensor_parallel(self)
+        elif self.sequence_parallel:
+            raise ValueError("LinearStackSpec.sequence_parallel needs tensor_parallel > 1")
 
     def head_wgrad_order(self, num_microbatches: int) -> list[int]:
         """The microbatch order in which the head's wgrads are added into its ``main_grad``."""
@@ -97,8 +110,18 @@ class LinearStackSpec:
 
     @property
     def activation_shape(self) -> tuple[int, int]:
-        """Shape of the tensor passed between stages."""
+        """Shape of one microbatch's inputs and targets (every row)."""
         return (self.microbatch_size, self.hidden)
+
+    @property
+    def sequence_shards(self) -> int:
+        """How many row shards the blocks run on: the TP size under sequence parallelism."""
+        return self.tensor_parallel if self.sequence_parallel else 1
+
+    @property
+    def stage_activation_shape(self) -> tuple[int, int]:
+        """Shape of the tensor one rank passes to the next stage (a sequence shard under SP)."""
+        return (self.microbatch_size // self.sequence_shards, self.hidden)
 
 
 class StageModule(nn.Module):
@@ -264,6 +287,10 @@ def replica_grad_sums(
     given: its weight gradient is the recorded ``Gᵀ · X`` of each microbatch, added in
     ``spec.head_wgrad_order``).
     """
+    if spec.tensor_parallel > 1:
+        from refgrad.pipeline_tp import tp_replica_grad_sums
+
+        return tp_replica_grad_sums(spec, stages, named, head, step, num_microbatches, dp_size)
     head_name = stage_param_name(spec.num_stages - 1, HEAD_PARAM)
     per_replica_sums: list[dict[str, torch.Tensor]] = []
     step_losses: list[list[float]] = []
@@ -298,11 +325,16 @@ def replica_grad_sums(
 def reduce_and_tie(
     spec: LinearStackSpec, per_replica_sums: Sequence[dict[str, torch.Tensor]], reduction: str
 ) -> dict[str, torch.Tensor]:
-    """The DP reduction of every gradient, then the tied-embedding all-reduce if tied."""
+    """The DP reduction of every gradient, then (sequence parallel) the TP sum of the
+    replicated blocks' grads, then the tied-embedding all-reduce if tied."""
     reduced = {
         name: reduce_across_replicas([sums[name] for sums in per_replica_sums], reduction)
         for name in per_replica_sums[0]
     }
+    if spec.sequence_shards > 1:
+        from refgrad.pipeline_tp import sum_over_tensor_parallel
+
+        sum_over_tensor_parallel(spec, reduced)
     if spec.tied_embedding:
         # The embedding all-reduce over the first and last stage, after the DP sync.
         head_name = stage_param_name(spec.num_stages - 1, HEAD_PARAM)

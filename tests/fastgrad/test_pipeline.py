@@ -252,3 +252,13 @@ def test_pipeline_with_deferred_output_layer_wgrad_matches_sequential():
     expected = a_before + b_before
     assert torch.equal(a_after, expected)
     assert torch.equal(b_after, expected)
+
+
+def test_global_rank_puts_tensor_parallel_innermost():
+    """(stage, dp, tp) -> (stage * D + dp) * T + tp; TP 1 is the PP x DP grid unchanged."""
+    from fastgrad.pipeline import global_rank
+
+    assert [global_rank(s, d, 2, 0, 2, t) for s in range(2) for d in range(2) for t in range(2)] \
+        == list(range(8))
+    assert global_rank(1, 1, 2, first_rank=4, tp_size=2, tp_rank=0) == 4 + 6
+    assert [global_rank(s, d, 3) for s in range(2) for d in range(3)] == list(range(6))

@@ -65,17 +65,32 @@ BUCKETS = ["--pipeline-model-parallel-size", "2", "--data-parallel-size", "2",
            "--global-batch-size", "8", "--untie-embeddings-and-output-weights",
            "--overlap-grad-reduce"]
 
+# TP2 PP2 DP2 M4, sequence parallel: vocab-parallel output layer (input all-gathered, dgrad
+# reduce-scattered, deferred drain all-gathers), blocks on sequence shards with grads all-reduced
+# over TP; tied (untied by the twin at TP 2, listed), overlap, distributed optimizer (AdamW).
+TP2_SP = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+          "--data-parallel-size", "2", "--global-batch-size", "8", "--sequence-parallel",
+          "--defer-embedding-wgrad-compute", "--overlap-grad-reduce", "--use-distributed-optimizer"]
+# TP2 PP1 DP2 M4, sequence parallel, no output layer: the loss split over sequence shards.
+TP2_SP_PP1 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1",
+              "--data-parallel-size", "2", "--global-batch-size", "8", "--sequence-parallel"]
+# TP2 PP2 VPP2 DP1 M4, sequence parallel, interleaved: the TP all-reduce after the chunks' sync.
+TP2_SP_VPP = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+              "--virtual-pipeline-model-parallel-size", "2", "--data-parallel-size", "1",
+              "--global-batch-size", "4", "--sequence-parallel", "--overlap-grad-reduce"]
+
 # name -> (flags, phase, first rank, twin options)
 LAYOUT = {"tied_deferred": (TIED_DEFERRED, 0, 0, SMALL), "interleaved": (INTERLEAVED, 0, 4, SMALL),
           "untied_adamw": (UNTIED_ADAMW, 0, 6, SMALL),
           "dp3": (DP3, 1, 0, SMALL), "tp2": (TP2, 1, 4, SMALL),
-          "buckets": (BUCKETS, 2, 0, replace(SMALL, layers=2))}
+          "buckets": (BUCKETS, 2, 0, replace(SMALL, layers=2)), "tp2_sp_pp1": (TP2_SP_PP1, 2, 4, SMALL),
+          "tp2_sp": (TP2_SP, 3, 0, SMALL), "tp2_sp_vpp": (TP2_SP_VPP, 4, 0, SMALL)}
 
 
 @pytest.fixture(scope="module")
 def twins():
     """Every configuration of LAYOUT trained in one spawned world; plans and results by name."""
-    plans, phases = {}, [[], [], []]
+    plans, phases = {}, [[], [], [], [], []]
     for name, (flags, phase, first, options) in LAYOUT.items():
         config, report = _config(flags)
         plan = plan_twin(config, options)
@@ -129,7 +144,7 @@ def test_twin_claims_and_gaps_follow_the_configuration(twins):
     assert inter.case.virtual_stages == 2 and inter.case.reduce_scatter_with_fp32_accumulation
     assert any("bf16 grad buffer" in g for g in inter.not_twinned)
     tp2 = twins["tp2"][2]
-    assert any(g.startswith("tensor parallelism (TP 2)") for g in tp2.not_twinned)
+    assert not any("tensor parallel" in g or "sequence parallel" in g for g in tp2.not_twinned)
     # --wgrad-deferral-limit 2 of M 8 is twinned: refgrad adds microbatches 2..7, then 0, 1.
     assert tp2.case.spec.defer_output_wgrad and tp2.case.spec.wgrad_deferral_limit == 2
     assert tp2.case.spec.head_wgrad_order(8) == [2, 3, 4, 5, 6, 7, 0, 1]
@@ -137,8 +152,60 @@ def test_twin_claims_and_gaps_follow_the_configuration(twins):
     untied = twins["untied_adamw"][2].case.spec  # no --defer-embedding-wgrad-compute
     assert not untied.defer_output_wgrad and untied.head_wgrad_order(4) == [0, 1, 2, 3]
     markdown = render_markdown(twins["tp2"][1])
-    assert "not twinned: tensor parallelism" in markdown
+    assert "| TP x PP x VPP x DP | 2 x 2 x 1 x 2 | 2 x 2 x 1 x 1 |" not in markdown
+    assert "| TP x PP x VPP x DP | 2 x 2 x 1 x 1 | 2 x 2 x 1 x 1 |" in markdown
     assert "Twin vs refgrad after every step" in markdown
+
+
+@pytest.mark.dist
+def test_twin_runs_tensor_parallel_ranks_and_checks_each(twins):
+    """TP 2: TP x PP x DP ranks; every TP rank's grads, params (its head rows) and losses held
+    against refgrad.pipeline_tp; sequence parallel where asked; the tied embedding untied."""
+    for name, world in (("tp2", 4), ("tp2_sp", 8), ("tp2_sp_pp1", 4), ("tp2_sp_vpp", 4)):
+        _, report, plan, passed, results = twins[name]
+        case = plan.case
+        assert passed and plan.world_size == case.world == world, name
+        assert case.tp_size == case.spec.tensor_parallel == 2
+        assert case.spec.sequence_parallel == (name != "tp2")
+        ranks = [r for r in results if r is not None]
+        assert sorted((r.stage, r.dp_rank, r.tp_rank) for r in ranks) == sorted(
+            (s, d, t) for s in range(case.pp_size) for d in range(case.dp_size) for t in range(2))
+        names = {n for r in ranks for n in r.grads[0]}
+        # Every parameter on every (replica, TP rank) of its stage: names x DP x TP comparisons.
+        assert all(s["grads_total"] == len(names) * case.dp_size * 2 == s["grads_bitwise"]
+                   for s in report["twin"]["steps"]), name
+    head = "stage1.head.weight"
+    sp = {(r.tp_rank): r for r in twins["tp2_sp"][4] if r is not None and r.stage == 1
+          and r.dp_rank == 0}
+    # Vocab-parallel head: each TP rank holds 4 of the 8 rows; the blocks are replicated.
+    assert tuple(sp[0].params[0][head].shape) == tuple(sp[1].params[0][head].shape) == (4, 8)
+    assert not sp[0].params[0][head].equal(sp[1].params[0][head])
+    assert sp[0].grads[1]["stage1.layers.0.weight"].equal(sp[1].grads[1]["stage1.layers.0.weight"])
+    assert sp[0].losses[1] == sp[1].losses[1] and len(sp[0].losses[1]) == 4
+    tied = twins["tp2_sp"][2]
+    assert not tied.case.spec.tied_embedding and tied.optimizer == "adamw"
+    assert any(g.startswith("tied-embedding all-reduce at TP > 1") for g in tied.not_twinned)
+    # Sequence parallel needs rows divisible by TP: micro batch 1 -> 2 rows (2 tokens a sample).
+    assert tied.case.spec.microbatch_size == 2 and twins["tp2"][2].case.spec.microbatch_size == 1
+
+
+def test_twin_caps_tensor_parallelism_at_two_and_counts_tp_ranks(capsys):
+    config, _ = _config(["--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2",
+                         "--data-parallel-size", "1", "--global-batch-size", "4",
+                         "--sequence-parallel"])
+    plan = plan_twin(config, TwinOptions())
+    assert plan.world_size == 4 and plan.case.tp_size == 2
+    assert any(g.startswith("tensor parallelism TP 4 scaled to TP 2") for g in plan.not_twinned)
+    assert dict((m[0], m[2]) for m in plan.mapping)["TP x PP x VPP x DP"] == "2 x 2 x 1 x 1"
+    # TP 2 x PP 4 x DP 2 = 16 ranks > 8: refused with the TP factor in the figure.
+    flags = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4",
+             "--data-parallel-size", "2", "--global-batch-size", "8"]
+    with pytest.raises(TwinSizeError, match=r"TP \(2\) x PP \(4\) x DP \(2\) = 16 ranks"):
+        plan_twin(_config(flags)[0], TwinOptions())
+    rc, out, err = _cli(flags, capsys)
+    assert rc == 2 and out == "" and "= 16 ranks, more than --max-world-size (8)" in err
+    # An odd twin hidden size is rounded up so the output layer's vocabulary splits over TP 2.
+    assert plan_twin(config, TwinOptions(hidden_size=7)).case.spec.hidden == 8
 
 
 @pytest.mark.dist
@@ -155,7 +222,8 @@ def test_twin_buckets_only_pipeline_rank_0s_first_chunk(twins):
     # Interleaved: chunk 1 of stage 0 and both chunks of stage 1 are one bucket each.
     inter = twins["interleaved"][2].case
     assert inter.bucket_size_for(0, 1) == inter.bucket_size_for(1, 0) == 10 * (8 * 8 + 8)
-    assert report["twin"]["mapping"][8][2].endswith("one bucket elsewhere")
+    assert dict((m[0], m[2]) for m in report["twin"]["mapping"])["bucket size"].endswith(
+        "one bucket elsewhere")
 
 
 @pytest.mark.dist

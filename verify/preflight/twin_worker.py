@@ -62,7 +62,8 @@ def run_twin_rank(case: Any, overlap: bool, optimizer: str = "sgd",
     from fastgrad.pipeline import build_parallel_groups
 
     case = with_candidate(case, candidate or TwinCandidate())
-    groups = build_parallel_groups(case.pp_size, case.dp_size, first_rank=case.first_rank)
+    groups = build_parallel_groups(case.pp_size, case.dp_size, first_rank=case.first_rank,
+                                   tp_size=case.tp_size)
     if groups is None:
         return None
     return run_on_grid(case, groups, overlap, optimizer)
@@ -81,7 +82,8 @@ def twin_phases_worker(rank: int, world_size: int,
     out = []
     for phase in phases:
         # new_group is collective over the whole world: every rank builds every grid first.
-        groups = [build_parallel_groups(case.pp_size, case.dp_size, first_rank=case.first_rank)
+        groups = [build_parallel_groups(case.pp_size, case.dp_size, first_rank=case.first_rank,
+                                   tp_size=case.tp_size)
                   for case, *_ in phase]
         results = []
         for (case, overlap, candidate, optimizer), grid in zip(phase, groups):

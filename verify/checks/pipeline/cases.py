@@ -85,9 +85,14 @@ class PipelineCase:
         return self.bucket_size_elsewhere
 
     @property
+    def tp_size(self) -> int:
+        """Tensor-parallel ranks per (stage, DP rank): ``spec.tensor_parallel``."""
+        return self.spec.tensor_parallel
+
+    @property
     def world(self) -> int:
-        """Ranks the grid occupies: ``pp_size * dp_size``."""
-        return self.pp_size * self.dp_size
+        """Ranks the grid occupies: ``tp_size * pp_size * dp_size``."""
+        return self.tp_size * self.pp_size * self.dp_size
 
 
 @dataclass
@@ -96,6 +101,7 @@ class RankResult:
 
     stage: int
     dp_rank: int
+    tp_rank: int = 0
     losses: list[list[float]] = field(default_factory=list)
     grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
     params: list[dict[str, torch.Tensor]] = field(default_factory=list)

@@ -13,10 +13,10 @@ from refgrad.pipeline import (
     StageModule,
     head_weight_init,
     microbatch_data,
-    microbatch_loss,
     sgd_update,
     stage_param_name,
 )
+from refgrad.pipeline_tp import head_shard, loss_target, sequence_shard, splits_loss, stage_loss
 from verify.checks.pipeline.cases import PipelineCase, RankResult
 
 
@@ -71,6 +71,35 @@ class _RecordingSync:
         return getattr(self.ddp, name)
 
 
+def rank_microbatches(case: PipelineCase, groups: Any, step: int, m: int) -> tuple[list, list, Any]:
+    """This rank's ``(inputs, targets, loss_fn)`` for one step: its replica's data, its
+    sequence shard of the inputs under SP, the part of each target its (partial) loss covers."""
+    spec = case.spec
+    inputs, targets = microbatch_data(spec, groups.dp_rank, step, m)
+    if case.fault == "reversed_microbatches":
+        inputs, targets = inputs[::-1], targets[::-1]
+    tp_rank = getattr(groups, "tp_rank", 0)
+    inputs = [sequence_shard(spec, x, tp_rank) for x in inputs]
+    targets = [loss_target(spec, t, tp_rank) for t in targets]
+    return inputs, targets, lambda out, target: stage_loss(spec, out, target, m)
+
+
+def total_losses(case: PipelineCase, groups: Any, losses: list[torch.Tensor]) -> list[float]:
+    """The step's losses: partial losses summed over the TP group (production's all-reduce)."""
+    if losses and splits_loss(case.spec):
+        stacked = torch.stack(losses)
+        dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=groups.tp_group)
+        losses = list(stacked)
+    return [float(v) for v in losses]
+
+
+def _mark_sequence_parallel(case: PipelineCase, module: torch.nn.Module) -> None:
+    """Under SP the replicated blocks' grads are summed over TP after the DP sync."""
+    if case.spec.sequence_shards > 1:
+        for p in module.parameters():
+            p.sequence_parallel = True
+
+
 def _step_marker(progress: Any, case: PipelineCase, stage: int, overlap: bool, step: int) -> Any:
     """A timeline listener naming case, stage and step, so a stalled rank says where it was."""
     if progress is None:
@@ -91,12 +120,14 @@ def run_interleaved_case_on_rank(case: PipelineCase, groups: Any, overlap: bool,
 
     P, V, stage = case.pp_size, case.virtual_stages, groups.stage
     chunks = [StageModule(case.spec, c * P + stage) for c in range(V)]
+    for chunk in chunks:
+        _mark_sequence_parallel(case, chunk)
     named = {stage_param_name(c * P + stage, n): p
              for c, chunk in enumerate(chunks) for n, p in chunk.named_parameters()}
     ddps = [DistributedDataParallel(chunk, config=case_ddp_config(case, overlap, stage, c),
                                     dp_group=groups.dp_group, average=case.reduction != "sum")
             for c, chunk in enumerate(chunks)]
-    result = RankResult(stage=stage, dp_rank=groups.dp_rank)
+    result = RankResult(stage=stage, dp_rank=groups.dp_rank, tp_rank=groups.tp_rank)
     timeline = Timeline(groups.rank)
     for step, plan in enumerate(case.plans):
         timeline.listener = _step_marker(progress, case, groups.stage, overlap, step)
@@ -105,9 +136,7 @@ def run_interleaved_case_on_rank(case: PipelineCase, groups: Any, overlap: bool,
         for ddp in ddps:
             ddp.zero_grad_buffer()
         m = plan.num_microbatches
-        inputs, targets = microbatch_data(case.spec, groups.dp_rank, step, m)
-        if case.fault == "reversed_microbatches":
-            inputs, targets = inputs[::-1], targets[::-1]
+        inputs, targets, loss_fn = rank_microbatches(case, groups, step, m)
         timeline.clear()
         dist.barrier(group=groups.pp_group)
         log: list[tuple[int, tuple[bool, ...]]] = []
@@ -116,8 +145,8 @@ def run_interleaved_case_on_rank(case: PipelineCase, groups: Any, overlap: bool,
             groups=groups,
             grad_syncs=[_RecordingSync(ddps, c, log) for c in range(V)],
             num_microbatches=m,
-            activation_shape=case.spec.activation_shape,
-            loss_fn=lambda out, target, m=m: microbatch_loss(out, target, m),
+            activation_shape=case.spec.stage_activation_shape,
+            loss_fn=loss_fn,
             inputs=inputs if groups.is_first_stage else None,
             targets=targets if groups.is_last_stage else None,
             timeline=timeline,
@@ -125,7 +154,7 @@ def run_interleaved_case_on_rank(case: PipelineCase, groups: Any, overlap: bool,
         result.events.append(list(timeline.events))
         for ddp in ddps:
             _full_reduced_grads(ddp, case, groups.dp_group)
-        result.losses.append([float(v) for v in losses])
+        result.losses.append(total_losses(case, groups, losses))
         result.grads.append({n: p.main_grad.detach().clone() for n, p in named.items()})
         result.launch_sites.append(tuple(s for ddp in ddps for s in ddp.last_launch_sites))
         result.chunk_enables.append(log)
@@ -164,16 +193,23 @@ def build_stage_model(case: PipelineCase, groups: Any) -> tuple[Any, dict[str, A
     tied-embedding params)``; the head is the last stage's output layer (``output_head``)."""
     spec, stage = case.spec, groups.stage
     body = StageModule(spec, stage)
+    _mark_sequence_parallel(case, body)
     named = {stage_param_name(stage, n): p for n, p in body.named_parameters()}
     module, head, tied = body, None, []
     if spec.output_head and groups.is_last_stage:
         from fastgrad.deferred_wgrad import EmbeddingWgradConfig
 
+        tp = spec.tensor_parallel  # vocab-parallel: this TP rank's rows of the head
+        weight = head_weight_init(spec) if tp == 1 else head_shard(spec, head_weight_init(spec),
+                                                                   groups.tp_rank)
         head = output_layer_class(case.fault)(
-            head_weight_init(spec),
+            weight,
             EmbeddingWgradConfig(defer_embedding_wgrad_compute=spec.defer_output_wgrad,
                                  wgrad_deferral_limit=spec.wgrad_deferral_limit,
-                                 pipeline_model_parallel_size=case.pp_size),
+                                 pipeline_model_parallel_size=case.pp_size,
+                                 tensor_model_parallel_size=tp,
+                                 sequence_parallel=spec.sequence_parallel),
+            tp_group=groups.tp_group,
         )
         module = BodyWithHead(body, head)
         named[stage_param_name(stage, HEAD_PARAM)] = head.weight
@@ -209,7 +245,7 @@ def run_case_on_rank(case: PipelineCase, groups: Any, overlap: bool,
         average=case.reduction != "sum",
         external_grad_params=[] if head is None else [head.weight],
     )
-    result = RankResult(stage=stage, dp_rank=groups.dp_rank)
+    result = RankResult(stage=stage, dp_rank=groups.dp_rank, tp_rank=groups.tp_rank)
     timeline = Timeline(groups.rank)
     for step, plan in enumerate(case.plans):
         timeline.listener = _step_marker(progress, case, groups.stage, overlap, step)
@@ -218,10 +254,8 @@ def run_case_on_rank(case: PipelineCase, groups: Any, overlap: bool,
         ddp.zero_grad_buffer()
         if head is not None:
             head.start_step()
-        inputs, targets = microbatch_data(case.spec, groups.dp_rank, step, plan.num_microbatches)
-        if case.fault == "reversed_microbatches":
-            inputs, targets = inputs[::-1], targets[::-1]
         m = plan.num_microbatches
+        inputs, targets, loss_fn = rank_microbatches(case, groups, step, m)
         timeline.clear()
         if case.pp_size > 1:
             dist.barrier(group=groups.pp_group)
@@ -230,8 +264,8 @@ def run_case_on_rank(case: PipelineCase, groups: Any, overlap: bool,
             groups=groups,
             grad_sync=ddp,
             num_microbatches=m,
-            activation_shape=case.spec.activation_shape,
-            loss_fn=lambda out, target, m=m: microbatch_loss(out, target, m),
+            activation_shape=case.spec.stage_activation_shape,
+            loss_fn=loss_fn,
             inputs=inputs if groups.is_first_stage else None,
             targets=targets if groups.is_last_stage else None,
             timeline=timeline,
@@ -240,7 +274,7 @@ def run_case_on_rank(case: PipelineCase, groups: Any, overlap: bool,
         )
         result.events.append(list(timeline.events))
         _full_reduced_grads(ddp, case, groups.dp_group)
-        result.losses.append([float(v) for v in losses])
+        result.losses.append(total_losses(case, groups, losses))
         result.grads.append({n: p.main_grad.detach().clone() for n, p in named.items()})
         result.launch_sites.append(ddp.last_launch_sites)
         with torch.no_grad():
@@ -266,7 +300,8 @@ def pipeline_worker(rank: int, world_size: int, phases: list[list[PipelineCase]]
     for phase in phases:
         mine = []
         for case in phase:
-            groups = build_parallel_groups(case.pp_size, case.dp_size, first_rank=case.first_rank)
+            groups = build_parallel_groups(case.pp_size, case.dp_size, first_rank=case.first_rank,
+                                           tp_size=case.tp_size)
             if groups is not None:
                 mine.append((case, groups))
         for case, groups in mine:
