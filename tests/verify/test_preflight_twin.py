@@ -79,30 +79,43 @@ TP2_SP_VPP = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-si
               "--virtual-pipeline-model-parallel-size", "2", "--data-parallel-size", "1",
               "--global-batch-size", "4", "--sequence-parallel", "--overlap-grad-reduce"]
 
+# PP2 VPP2 DP2 M4 interleaved with the output layer on the last virtual stage: tied embedding
+# (chunk 0 of stage 0 and the head), every microbatch's wgrad deferred, overlap.
+INTERLEAVED_DEFERRED = ["--pipeline-model-parallel-size", "2",
+                        "--virtual-pipeline-model-parallel-size", "2", "--data-parallel-size", "2",
+                        "--global-batch-size", "8", "--defer-embedding-wgrad-compute",
+                        "--overlap-grad-reduce"]
+
 # name -> (flags, phase, first rank, twin options)
 LAYOUT = {"tied_deferred": (TIED_DEFERRED, 0, 0, SMALL), "interleaved": (INTERLEAVED, 0, 4, SMALL),
           "untied_adamw": (UNTIED_ADAMW, 0, 6, SMALL),
           "dp3": (DP3, 1, 0, SMALL), "tp2": (TP2, 1, 4, SMALL),
           "buckets": (BUCKETS, 2, 0, replace(SMALL, layers=2)), "tp2_sp_pp1": (TP2_SP_PP1, 2, 4, SMALL),
-          "tp2_sp": (TP2_SP, 3, 0, SMALL), "tp2_sp_vpp": (TP2_SP_VPP, 4, 0, SMALL)}
+          "tp2_sp": (TP2_SP, 3, 0, SMALL), "tp2_sp_vpp": (TP2_SP_VPP, 4, 0, SMALL),
+          "interleaved_deferred": (INTERLEAVED_DEFERRED, 4, 4, SMALL)}
+# Broken fastgrads, trained beside them: name -> (flags, phase, first rank, options, candidate).
+BROKEN = {"interleaved_lifo": (INTERLEAVED_DEFERRED[:5] + ["1", "--global-batch-size", "4",
+                                                            "--defer-embedding-wgrad-compute"],
+                               5, 0, SMALL, TwinCandidate("lifo drain", "lifo"))}
 
 
 @pytest.fixture(scope="module")
 def twins():
     """Every configuration of LAYOUT trained in one spawned world; plans and results by name."""
-    plans, phases = {}, [[], [], [], [], []]
-    for name, (flags, phase, first, options) in LAYOUT.items():
+    plans, phases = {}, [[], [], [], [], [], []]
+    layout = {name: (*entry, TwinCandidate()) for name, entry in LAYOUT.items()} | BROKEN
+    for name, (flags, phase, first, options, candidate) in layout.items():
         config, report = _config(flags)
         plan = plan_twin(config, options)
         plan = replace(plan, case=replace(plan.case, first_rank=first))
-        plans[name] = (config, report, plan, phase, len(phases[phase]))
-        phases[phase].append((plan.case, plan.overlap, TwinCandidate(), plan.optimizer))
+        plans[name] = (config, report, plan, phase, len(phases[phase]), candidate)
+        phases[phase].append((plan.case, plan.overlap, candidate, plan.optimizer))
     ranks = run_distributed(twin_phases_worker, 8, phases, timeout_s=300)
     out = {}
-    for name, (config, report, plan, phase, index) in plans.items():
+    for name, (config, report, plan, phase, index, candidate) in plans.items():
         results = [r[phase][index] for r in ranks]
         passed = finish_twin_report(config, plan, results, report, where="test world",
-                                    candidate=TwinCandidate())
+                                    candidate=candidate)
         out[name] = (config, report, plan, passed, results)
     return out
 
@@ -206,6 +219,29 @@ def test_twin_caps_tensor_parallelism_at_two_and_counts_tp_ranks(capsys):
     assert rc == 2 and out == "" and "= 16 ranks, more than --max-world-size (8)" in err
     # An odd twin hidden size is rounded up so the output layer's vocabulary splits over TP 2.
     assert plan_twin(config, TwinOptions(hidden_size=7)).case.spec.hidden == 8
+
+
+@pytest.mark.dist
+def test_interleaved_twin_has_the_output_layer_drain_and_tied_embedding(twins):
+    """VPP 2: the head on the last virtual stage (chunk 1 of stage 1), drained after the
+    interleaved cooldown, tied to chunk 0 of stage 0 and all-reduced; a LIFO drain fails."""
+    _, report, plan, passed, results = twins["interleaved_deferred"]
+    spec = plan.case.spec
+    assert passed and plan.case.virtual_stages == 2 and spec.output_head and spec.tied_embedding
+    assert spec.defer_output_wgrad and not any("interleav" in g for g in plan.not_twinned)
+    last = [r for r in results if r is not None and r.stage == 1]
+    assert all("stage3.head.weight" in r.grads[1] for r in last)
+    first = [r for r in results if r is not None and r.stage == 0]
+    # The tied all-reduce: both copies hold the same sum (DP-reduced first + DP-reduced head).
+    assert all(r.grads[1]["stage0.layers.0.weight"].equal(last[0].grads[1]["stage3.head.weight"])
+               for r in first)
+    _, broken, _, passed, _ = twins["interleaved_lifo"]
+    assert not passed and broken["verdict"].startswith("FAIL")
+    failures = broken["twin"]["failures"]
+    # The drain's sum is the head's gradient, and through the tie the first stage's weight's.
+    for name in ("stage3.head.weight", "stage0.layers.0.weight"):
+        assert any(f.startswith(f"step 0: reduced gradient {name} (replica 0) differs")
+                   for f in failures), (name, failures[:4])
 
 
 @pytest.mark.dist

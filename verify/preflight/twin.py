@@ -102,7 +102,7 @@ def plan_twin(config: PreflightConfig, options: TwinOptions) -> TwinPlan:
             f"under torchrun")
     not_twinned: list[str] = []
     layers = options.layers
-    head = vpp == 1 and pp > 1
+    head = pp > 1  # on the last virtual stage; the drain follows the (interleaved) cooldown
     # The head's vocabulary (the twin's hidden size) is split over TP.
     h = options.hidden_size + (-options.hidden_size % twin_tp if head else 0)
     sequence_parallel = config.sequence_parallel and twin_tp > 1
@@ -115,9 +115,6 @@ def plan_twin(config: PreflightConfig, options: TwinOptions) -> TwinPlan:
         not_twinned.append("tied-embedding all-reduce at TP > 1: production's embedding is "
                            "vocab-parallel, the twin's first-stage weight is a replicated block, "
                            "so the twin unties the output layer (checked at TP 1)")
-    if vpp > 1 and (config.tied_embeddings or config.defer_embedding_wgrad_compute):
-        not_twinned.append("output layer, deferred wgrad and tied-embedding all-reduce under "
-                           "interleaving: the interleaved twin has no output layer")
     if pp == 1:
         not_twinned.append("output layer: a single-stage twin has no output layer (production "
                            "neither defers its wgrad nor all-reduces a tied embedding at PP 1)")

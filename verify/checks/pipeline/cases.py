@@ -63,9 +63,9 @@ class PipelineCase:
         if not self.plans or not all(isinstance(p, StepPlan) for p in self.plans):
             raise ValueError("PipelineCase.plans must be a non-empty tuple of StepPlan")
         if self.virtual_stages > 1:
-            if self.pp_size < 2 or self.spec.output_head or self.timing:
-                raise ValueError("PipelineCase.virtual_stages > 1 needs pp_size >= 2, no output "
-                                 "head and no timing (the interleaved schedule has neither)")
+            if self.pp_size < 2 or self.timing:
+                raise ValueError("PipelineCase.virtual_stages > 1 needs pp_size >= 2 and no timing "
+                                 "(the interleaved schedule has no simulator comparison)")
             bad = [p.num_microbatches for p in self.plans if p.num_microbatches % self.pp_size]
             if bad:
                 raise ValueError(f"PipelineCase.plans: num_microbatches {bad} must be multiples "

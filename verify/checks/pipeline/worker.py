@@ -118,14 +118,16 @@ def run_interleaved_case_on_rank(case: PipelineCase, groups: Any, overlap: bool,
     from fastgrad.pipeline_interleaved import forward_backward_interleaved
     from fastgrad.timeline import Timeline
 
-    P, V, stage = case.pp_size, case.virtual_stages, groups.stage
-    chunks = [StageModule(case.spec, c * P + stage) for c in range(V)]
-    for chunk in chunks:
-        _mark_sequence_parallel(case, chunk)
-    named = {stage_param_name(c * P + stage, n): p
-             for c, chunk in enumerate(chunks) for n, p in chunk.named_parameters()}
+    V, stage = case.virtual_stages, groups.stage
+    built = [build_stage_model(case, groups, c) for c in range(V)]
+    chunks = [module for module, *_ in built]
+    named = {n: p for _, per_chunk, _, _ in built for n, p in per_chunk.items()}
+    heads = [head for _, _, head, _ in built]
+    head = next((h for h in heads if h is not None), None)  # last virtual stage only
+    tied = [p for *_, per_chunk in built for p in per_chunk]
     ddps = [DistributedDataParallel(chunk, config=case_ddp_config(case, overlap, stage, c),
-                                    dp_group=groups.dp_group, average=case.reduction != "sum")
+                                    dp_group=groups.dp_group, average=case.reduction != "sum",
+                                    external_grad_params=[] if heads[c] is None else [heads[c].weight])
             for c, chunk in enumerate(chunks)]
     result = RankResult(stage=stage, dp_rank=groups.dp_rank, tp_rank=groups.tp_rank)
     timeline = Timeline(groups.rank)
@@ -135,6 +137,8 @@ def run_interleaved_case_on_rank(case: PipelineCase, groups: Any, overlap: bool,
             p.requires_grad_(name not in plan.frozen)
         for ddp in ddps:
             ddp.zero_grad_buffer()
+        if head is not None:
+            head.start_step()
         m = plan.num_microbatches
         inputs, targets, loss_fn = rank_microbatches(case, groups, step, m)
         timeline.clear()
@@ -150,6 +154,8 @@ def run_interleaved_case_on_rank(case: PipelineCase, groups: Any, overlap: bool,
             inputs=inputs if groups.is_first_stage else None,
             targets=targets if groups.is_last_stage else None,
             timeline=timeline,
+            deferred_wgrad=head,
+            embedding_params=tied,
         )
         result.events.append(list(timeline.events))
         for ddp in ddps:
@@ -188,15 +194,18 @@ def output_layer_class(fault: str | None) -> type:
     return LifoDrainOutputLayer
 
 
-def build_stage_model(case: PipelineCase, groups: Any) -> tuple[Any, dict[str, Any], Any, list[Any]]:
-    """This rank's stage of ``case``: ``(module, named params, deferred-wgrad head or None,
-    tied-embedding params)``; the head is the last stage's output layer (``output_head``)."""
-    spec, stage = case.spec, groups.stage
+def build_stage_model(case: PipelineCase, groups: Any,
+                      chunk: int = 0) -> tuple[Any, dict[str, Any], Any, list[Any]]:
+    """This rank's model chunk ``chunk`` (virtual stage ``chunk * P + stage``) of ``case``:
+    ``(module, named params, deferred-wgrad head or None, tied-embedding params)``; the head
+    is the last virtual stage's output layer (``output_head``)."""
+    spec = case.spec
+    stage = chunk * case.pp_size + groups.stage  # the virtual stage
     body = StageModule(spec, stage)
     _mark_sequence_parallel(case, body)
     named = {stage_param_name(stage, n): p for n, p in body.named_parameters()}
     module, head, tied = body, None, []
-    if spec.output_head and groups.is_last_stage:
+    if spec.output_head and stage == spec.num_stages - 1:
         from fastgrad.deferred_wgrad import EmbeddingWgradConfig
 
         tp = spec.tensor_parallel  # vocab-parallel: this TP rank's rows of the head
@@ -215,7 +224,7 @@ def build_stage_model(case: PipelineCase, groups: Any) -> tuple[Any, dict[str, A
         named[stage_param_name(stage, HEAD_PARAM)] = head.weight
         if spec.tied_embedding:
             tied = [head.weight]
-    if spec.tied_embedding and groups.is_first_stage:
+    if spec.tied_embedding and stage == 0:
         tied = [named[stage_param_name(0, EMBEDDING_PARAM)]]
     for param in tied:
         # Own bucket, same bucket-relative offsets on both stages: the DP shards of the
