@@ -5,7 +5,8 @@ Global rank ``first_rank + (stage * D + dp_rank) * T + tp_rank``: tensor paralle
 innermost, pipeline outermost (production's default ``tp-dp-pp`` order). Each
 TP rank has its own DP group (same stage and TP rank), pipeline (same DP and TP
 rank) and embedding group (first and last stage, same DP and TP rank); each
-(stage, DP rank) has one TP group. With ``T = 1`` the grid, its groups and the
+(stage, DP rank) has one TP group, and each DP rank one model-parallel group
+(every stage and TP rank: what a grad norm sums over). With ``T = 1`` the grid, its groups and the
 order they are created in are those of the ``PP x DP`` grid.
 """
 
@@ -41,6 +42,9 @@ class ParallelGroups:
     tp_rank: int = 0
     tp_ranks: tuple[int, ...] = ()
     tp_group: Any = None  # None with tp_size 1
+    # Every stage and TP rank of this DP rank (the grad norm's model-parallel group); None at TP 1,
+    # where ``pp_group`` is that group.
+    model_parallel_group: Any = None
 
     def __post_init__(self) -> None:
         for name in ("pp_size", "dp_size", "tp_size"):
@@ -111,7 +115,7 @@ def build_parallel_groups(
     if member:
         stage, rest = divmod(rank - first_rank, dp_size * tp_size)
         dp_rank, tp_rank = divmod(rest, tp_size)
-    dp_group = pp_group = embedding_group = tp_group = None
+    dp_group = pp_group = embedding_group = tp_group = model_parallel_group = None
     dp_ranks: tuple[int, ...] = ()
     pp_ranks: tuple[int, ...] = ()
     embedding_ranks: tuple[int, ...] = ()
@@ -146,6 +150,10 @@ def build_parallel_groups(
                 group = dist.new_group(list(ranks))
                 if (s, d) == (stage, dp_rank):
                     tp_group, tp_ranks = group, ranks
+        for d in range(dp_size):
+            group = dist.new_group([at(s, d, t) for s in range(pp_size) for t in range(tp_size)])
+            if d == dp_rank:
+                model_parallel_group = group
     if not member:
         return None
     return ParallelGroups(
@@ -164,6 +172,7 @@ def build_parallel_groups(
         tp_rank=tp_rank,
         tp_ranks=tp_ranks or (rank,),
         tp_group=tp_group,
+        model_parallel_group=model_parallel_group,
     )
 
 

@@ -57,8 +57,9 @@ def run_optimizer_rank(case: Any, groups: Any, overlap: bool) -> OptimRankResult
                          average_in_collective=case.reduction == "avg", bucket_size=case.bucket_size_for(stage, 0)),
         dp_group=groups.dp_group, average=case.reduction != "sum",
         external_grad_params=[] if head is None else [head.weight])
-    optimizer = DistributedOptimizer(ddp, AdamWConfig(**ADAMW),
-                                     model_parallel_group=groups.pp_group if case.pp_size > 1 else None)
+    model_parallel = groups.model_parallel_group if case.tp_size > 1 else (
+        groups.pp_group if case.pp_size > 1 else None)  # the norm: every stage and TP rank
+    optimizer = DistributedOptimizer(ddp, AdamWConfig(**ADAMW), model_parallel_group=model_parallel)
     name_of = {id(p): n for n, p in named.items()}
     result = OptimRankResult(stage=stage, dp_rank=groups.dp_rank, tp_rank=groups.tp_rank)
     for step, plan in enumerate(case.plans):

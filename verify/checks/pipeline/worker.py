@@ -93,11 +93,16 @@ def total_losses(case: PipelineCase, groups: Any, losses: list[torch.Tensor]) ->
     return [float(v) for v in losses]
 
 
-def _mark_sequence_parallel(case: PipelineCase, module: torch.nn.Module) -> None:
-    """Under SP the replicated blocks' grads are summed over TP after the DP sync."""
-    if case.spec.sequence_shards > 1:
-        for p in module.parameters():
+def _mark_replicated(case: PipelineCase, groups: Any, module: torch.nn.Module) -> None:
+    """The blocks are replicated across TP. Under SP their grads are summed over TP after the
+    DP sync (``sequence_parallel``); on TP ranks > 0 they are duplicates, left out of a grad
+    norm summed over the model-parallel group (``shared``, as Megatron-Core's
+    ``param_is_not_tensor_parallel_duplicate``)."""
+    for p in module.parameters():
+        if case.spec.sequence_shards > 1:
             p.sequence_parallel = True
+        if groups.tp_rank > 0:
+            p.shared = True
 
 
 def _step_marker(progress: Any, case: PipelineCase, stage: int, overlap: bool, step: int) -> Any:
@@ -202,7 +207,7 @@ def build_stage_model(case: PipelineCase, groups: Any,
     spec = case.spec
     stage = chunk * case.pp_size + groups.stage  # the virtual stage
     body = StageModule(spec, stage)
-    _mark_sequence_parallel(case, body)
+    _mark_replicated(case, groups, body)
     named = {stage_param_name(stage, n): p for n, p in body.named_parameters()}
     module, head, tied = body, None, []
     if spec.output_head and stage == spec.num_stages - 1:
