@@ -86,9 +86,12 @@ class LinearStackSpec:
         for name in ("output_head", "tied_embedding", "defer_output_wgrad", "sequence_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"LinearStackSpec.{name} must be a bool")
-        if self.output_head and self.num_stages < 2:
-            raise ValueError("LinearStackSpec.output_head needs num_stages >= 2 (its wgrad is "
-                             "deferred to the pipeline flush)")
+        if self.output_head and self.num_stages < 2 and self.defer_output_wgrad:
+            raise ValueError("LinearStackSpec.output_head with defer_output_wgrad needs "
+                             "num_stages >= 2 (the wgrad is deferred to the pipeline flush)")
+        if self.tied_embedding and self.num_stages < 2:
+            raise ValueError("LinearStackSpec.tied_embedding needs num_stages >= 2 (on one stage "
+                             "the tied weights are one parameter, not an all-reduce)")
         limit = self.wgrad_deferral_limit
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
             raise ValueError(f"LinearStackSpec.wgrad_deferral_limit must be an int >= 0 "

@@ -143,6 +143,11 @@ def test_twin_claims_and_gaps_follow_the_configuration(twins):
     assert twins["tied_deferred"][2].bitwise and twins["interleaved"][2].bitwise
     dp3 = twins["dp3"][2]
     assert not dp3.bitwise and f"{ulp_bound_factor(3)} x (step+1) ULP" in dp3.order_note
+    # PP 1: the output layer follows the only stage, computed in the backward; production's
+    # tied embedding is one weight there, so the twin unties it and says so.
+    assert dp3.case.spec.output_head and not dp3.case.spec.tied_embedding
+    assert not dp3.case.spec.defer_output_wgrad
+    assert any(g.startswith("tied embedding at PP 1") for g in dp3.not_twinned)
     assert ulp_bound_factor(3) == 8 * 2 * 3  # 8 (D-1) D, as documented
     tied = twins["tied_deferred"][2].case
     assert tied.spec.output_head and tied.spec.tied_embedding
@@ -195,6 +200,9 @@ def test_twin_runs_tensor_parallel_ranks_and_checks_each(twins):
     assert not sp[0].params[0][head].equal(sp[1].params[0][head])
     assert sp[0].grads[1]["stage1.layers.0.weight"].equal(sp[1].grads[1]["stage1.layers.0.weight"])
     assert sp[0].losses[1] == sp[1].losses[1] and len(sp[0].losses[1]) == 4
+    # PP 1, TP 2: the vocab-parallel output layer on the only stage.
+    pp1 = [r for r in twins["tp2_sp_pp1"][4] if r is not None]
+    assert {tuple(r.params[1]["stage0.head.weight"].shape) for r in pp1} == {(4, 8)}
     tied = twins["tp2_sp"][2]
     assert not tied.case.spec.tied_embedding and tied.optimizer == "adamw"
     assert any(g.startswith("tied-embedding all-reduce at TP > 1") for g in tied.not_twinned)

@@ -102,26 +102,27 @@ def plan_twin(config: PreflightConfig, options: TwinOptions) -> TwinPlan:
             f"under torchrun")
     not_twinned: list[str] = []
     layers = options.layers
-    head = pp > 1  # on the last virtual stage; the drain follows the (interleaved) cooldown
-    # The head's vocabulary (the twin's hidden size) is split over TP.
-    h = options.hidden_size + (-options.hidden_size % twin_tp if head else 0)
+    # The output layer sits on the last virtual stage (its drain follows the, possibly
+    # interleaved, cooldown); its vocabulary, the twin's hidden size, is split over TP.
+    h = options.hidden_size + (-options.hidden_size % twin_tp)
     sequence_parallel = config.sequence_parallel and twin_tp > 1
     rows = config.micro_batch_size
     if sequence_parallel and rows % twin_tp:
         rows *= twin_tp  # each sample twin_tp tokens long, so the sequence splits over TP
-    tied = head and config.tied_embeddings
+    tied = config.tied_embeddings and pp > 1
     if tied and twin_tp > 1:
         tied = False
         not_twinned.append("tied-embedding all-reduce at TP > 1: production's embedding is "
                            "vocab-parallel, the twin's first-stage weight is a replicated block, "
                            "so the twin unties the output layer (checked at TP 1)")
-    if pp == 1:
-        not_twinned.append("output layer: a single-stage twin has no output layer (production "
-                           "neither defers its wgrad nor all-reduces a tied embedding at PP 1)")
+    if pp == 1 and config.tied_embeddings:
+        not_twinned.append("tied embedding at PP 1: production's embedding and output layer are "
+                           "one weight (both grads summed in the backward, no all-reduce); the "
+                           "twin's output layer is untied")
     m = _twin_microbatches(config, options)
     spec = LinearStackSpec(num_stages=pp * vpp, layers_per_stage=layers, hidden=h,
                            microbatch_size=rows, seed=config.seed % 100_000,
-                           output_head=head, tied_embedding=tied,
+                           output_head=True, tied_embedding=tied,
                            defer_output_wgrad=config.defer_embedding_wgrad_compute,
                            wgrad_deferral_limit=config.wgrad_deferral_limit,
                            tensor_parallel=twin_tp, sequence_parallel=sequence_parallel)
@@ -151,14 +152,14 @@ def plan_twin(config: PreflightConfig, options: TwinOptions) -> TwinPlan:
                       f"the model. Bound: {ulp_bound_factor(dp)} x (step+1) ULP of each tensor's "
                       f"largest magnitude")
     optimizer = "adamw" if config.use_distributed_optimizer and vpp == 1 else "sgd"
-    not_twinned += _left_out(config, m, head, optimizer)
+    not_twinned += _left_out(config, m, optimizer)
     mapping = (
         ("TP x PP x VPP x DP", f"{tp} x {pp} x {vpp} x {dp}", f"{twin_tp} x {pp} x {vpp} x {dp}"),
         ("ranks", str(tp * pp * dp), str(world)),
         ("microbatches per step", str(config.num_microbatches), str(m)),
         ("micro batch size (rows)", str(config.micro_batch_size), str(rows)),
         ("tensor parallelism", _tp_layout(tp, config.sequence_parallel),
-         _tp_layout(twin_tp, sequence_parallel, head)),
+         _tp_layout(twin_tp, sequence_parallel, twin=True)),
         ("layers", str(config.num_layers), f"{layers} per virtual stage = {layers * pp * vpp}"),
         ("hidden size", str(config.hidden_size), str(h)),
         ("grad reduction", f"x 1/DP then SUM ({'reduce-scatter' if config.use_distributed_optimizer else 'all-reduce'})",
@@ -169,7 +170,7 @@ def plan_twin(config: PreflightConfig, options: TwinOptions) -> TwinPlan:
          "one bucket elsewhere" if config.overlap_grad_reduce else "one bucket per chunk",
          f"{bucket} elements on stage 0's first chunk, one bucket elsewhere"
          if config.overlap_grad_reduce else "one bucket per chunk"),
-        ("output layer", _output_wgrad(config), _output_wgrad(config) if head else "none"),
+        ("output layer", _output_wgrad(config), _output_wgrad(config)),
         ("tied embedding all-reduce", str(config.tied_embeddings and pp > 1), str(tied)),
         ("optimizer", "distributed optimizer" if config.use_distributed_optimizer else "(not parsed)",
          "fastgrad.optim AdamW (lr 1e-2)" if optimizer == "adamw" else "SGD (lr 0.05)"),
@@ -180,20 +181,17 @@ def plan_twin(config: PreflightConfig, options: TwinOptions) -> TwinPlan:
                     not_twinned=tuple(not_twinned), optimizer=optimizer)
 
 
-def _tp_layout(tp: int, sequence_parallel: bool, head: bool | None = None) -> str:
-    """How the model is split over TP: production's (``head`` None) or the twin's."""
+def _tp_layout(tp: int, sequence_parallel: bool, twin: bool = False) -> str:
+    """How the model is split over TP: production's or the twin's."""
     if tp == 1:
         return "none"
-    if head is None:
+    if not twin:
         return f"TP {tp}{', sequence parallel' if sequence_parallel else ''}"
-    parts = []
-    if head:
-        parts.append("vocab-parallel output layer (" + (
-            "input all-gathered, dgrad reduce-scattered)" if sequence_parallel else
-            "dgrad all-reduced)"))
-    parts.append("blocks replicated on sequence shards, grads all-reduced over TP"
-                 if sequence_parallel else "blocks replicated (identical on every TP rank)")
-    return f"TP {tp}: " + "; ".join(parts)
+    if sequence_parallel:
+        return (f"TP {tp}: vocab-parallel output layer (input all-gathered, dgrad "
+                "reduce-scattered); blocks replicated on sequence shards, grads all-reduced over TP")
+    return (f"TP {tp}: vocab-parallel output layer (dgrad all-reduced); blocks replicated "
+            "(identical on every TP rank)")
 
 
 def _output_wgrad(config: PreflightConfig) -> str:
@@ -205,7 +203,7 @@ def _output_wgrad(config: PreflightConfig) -> str:
             f"first {limit} microbatches' wgrad deferred to the drain, the rest in the backward")
 
 
-def _left_out(config: PreflightConfig, m: int, head: bool, optimizer: str) -> list[str]:
+def _left_out(config: PreflightConfig, m: int, optimizer: str) -> list[str]:
     """Every part of the configuration the twin does not reproduce, with the reason."""
     out = []
     tp = config.tensor_model_parallel_size

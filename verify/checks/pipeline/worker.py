@@ -78,9 +78,8 @@ def rank_microbatches(case: PipelineCase, groups: Any, step: int, m: int) -> tup
     inputs, targets = microbatch_data(spec, groups.dp_rank, step, m)
     if case.fault == "reversed_microbatches":
         inputs, targets = inputs[::-1], targets[::-1]
-    tp_rank = getattr(groups, "tp_rank", 0)
-    inputs = [sequence_shard(spec, x, tp_rank) for x in inputs]
-    targets = [loss_target(spec, t, tp_rank) for t in targets]
+    inputs = [sequence_shard(spec, x, groups.tp_rank) for x in inputs]
+    targets = [loss_target(spec, t, groups.tp_rank) for t in targets]
     return inputs, targets, lambda out, target: stage_loss(spec, out, target, m)
 
 
