@@ -1,8 +1,11 @@
 """1F1B pipeline schedule (no interleaving) over real torch.distributed processes.
 
-``P`` pipeline stages times ``D`` data-parallel replicas make ``P*D`` ranks;
-global rank ``stage * D + dp_rank`` (pipeline outermost, as production's
-default rank order). Activations and their gradients travel between stages
+``P`` pipeline stages times ``D`` data-parallel replicas times ``T``
+tensor-parallel ranks make ``P*D*T`` ranks; global rank
+``(stage * D + dp_rank) * T + tp_rank`` (tensor parallel innermost, pipeline
+outermost: production's default ``tp-dp-pp`` order; ``T = 1`` by default).
+Each TP rank has its own DP group (same stage and TP rank) and pipeline (same
+DP and TP rank). Activations and their gradients travel between stages
 with point-to-point ``isend``/``irecv``; gradients are reduced across the ``D``
 replicas of a stage by :class:`fastgrad.ddp.DistributedDataParallel`.
 
@@ -14,15 +17,16 @@ Gradient sync placement (REFERENCE_NOTES section 5):
 - non-first stages then dispatch every bucket still pending, inside their
   cooldown bubble (the first stage finishes last, so it has no bubble left);
 - then the deferred embedding-wgrad drain (when given), then finalization:
-  wait for every bucket, then the tied-embedding all-reduce over the first and
-  last stage.
+  wait for every bucket, then (TP > 1) the all-reduce over the TP group of the
+  grads of parameters replicated across it with sequence parallelism
+  (``param.sequence_parallel = True``, as Megatron-Core marks its layernorms),
+  then the tied-embedding all-reduce over the first and last stage.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -30,6 +34,13 @@ from torch import nn
 
 from fastgrad.deferred_wgrad import allreduce_tied_embedding_grad
 from fastgrad.errors import LifecycleError
+from fastgrad.pipeline_groups import (
+    ParallelGroups,
+    allreduce_sequence_parallel_grads,
+    build_parallel_groups,
+    global_rank,
+    sequence_parallel_params,
+)
 from fastgrad.timeline import Timeline
 
 
@@ -52,120 +63,6 @@ class DeferredWgradDrain(Protocol):
     def drain_deferred_wgrad(
         self, reduce_in_flight: Callable[[nn.Parameter], bool] | None = None
     ) -> int: ...
-
-
-@dataclass(frozen=True)
-class ParallelGroups:
-    """This rank's place in the ``pp_size x dp_size`` grid and its process groups."""
-
-    rank: int
-    pp_size: int
-    dp_size: int
-    stage: int
-    dp_rank: int
-    pp_ranks: tuple[int, ...]
-    dp_ranks: tuple[int, ...]
-    dp_group: Any
-    pp_group: Any
-    embedding_ranks: tuple[int, ...]
-    embedding_group: Any
-
-    def __post_init__(self) -> None:
-        for name in ("pp_size", "dp_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"ParallelGroups.{name} must be an int >= 1, got {value!r}")
-        if not 0 <= self.stage < self.pp_size:
-            raise ValueError(f"ParallelGroups.stage must be in [0, {self.pp_size}), got {self.stage}")
-        if not 0 <= self.dp_rank < self.dp_size:
-            raise ValueError(
-                f"ParallelGroups.dp_rank must be in [0, {self.dp_size}), got {self.dp_rank}"
-            )
-        if len(self.pp_ranks) != self.pp_size:
-            raise ValueError(
-                f"ParallelGroups.pp_ranks must hold pp_size={self.pp_size} ranks, got {self.pp_ranks}"
-            )
-
-    @property
-    def is_first_stage(self) -> bool:
-        """True on stage 0 (it owns the inputs)."""
-        return self.stage == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        """True on the last stage (it owns the targets and the losses)."""
-        return self.stage == self.pp_size - 1
-
-
-def global_rank(stage: int, dp_rank: int, dp_size: int, first_rank: int = 0) -> int:
-    """The global rank of ``(stage, dp_rank)``: pipeline outermost, offset by ``first_rank``."""
-    return first_rank + stage * dp_size + dp_rank
-
-
-def build_parallel_groups(
-    pp_size: int, dp_size: int, *, first_rank: int = 0
-) -> ParallelGroups | None:
-    """Create the DP, pipeline and embedding groups of a ``pp_size x dp_size`` grid.
-
-    The grid occupies global ranks ``[first_rank, first_rank + pp_size * dp_size)``
-    (several grids can share one world). ``dist.new_group`` is collective over
-    the whole world, so every rank of the world must call this identically, in
-    the same order; ranks outside the grid get ``None``.
-    """
-    for name, value in (("pp_size", pp_size), ("dp_size", dp_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    if isinstance(first_rank, bool) or not isinstance(first_rank, int) or first_rank < 0:
-        raise ValueError(f"first_rank must be an int >= 0, got {first_rank!r}")
-    if not dist.is_initialized():
-        raise LifecycleError("build_parallel_groups needs torch.distributed to be initialised")
-    world = dist.get_world_size()
-    if first_rank + pp_size * dp_size > world:
-        raise ValueError(
-            f"first_rank + pp_size * dp_size = {first_rank} + {pp_size} * {dp_size} exceeds "
-            f"the world size {world}"
-        )
-    rank = dist.get_rank()
-    member = first_rank <= rank < first_rank + pp_size * dp_size
-    stage, dp_rank = divmod(rank - first_rank, dp_size) if member else (-1, -1)
-    dp_group = pp_group = embedding_group = None
-    dp_ranks: tuple[int, ...] = ()
-    pp_ranks: tuple[int, ...] = ()
-    embedding_ranks: tuple[int, ...] = ()
-    for s in range(pp_size):
-        ranks = tuple(global_rank(s, d, dp_size, first_rank) for d in range(dp_size))
-        group = dist.new_group(list(ranks))
-        if s == stage:
-            dp_group, dp_ranks = group, ranks
-    for d in range(dp_size):
-        ranks = tuple(global_rank(s, d, dp_size, first_rank) for s in range(pp_size))
-        group = dist.new_group(list(ranks))
-        if d == dp_rank:
-            pp_group, pp_ranks = group, ranks
-    if pp_size > 1:
-        for d in range(dp_size):
-            ranks = (
-                global_rank(0, d, dp_size, first_rank),
-                global_rank(pp_size - 1, d, dp_size, first_rank),
-            )
-            group = dist.new_group(list(ranks))
-            if d == dp_rank:
-                embedding_group, embedding_ranks = group, ranks
-    if not member:
-        return None
-    return ParallelGroups(
-        rank=rank,
-        pp_size=pp_size,
-        dp_size=dp_size,
-        stage=stage,
-        dp_rank=dp_rank,
-        pp_ranks=pp_ranks,
-        dp_ranks=dp_ranks,
-        dp_group=dp_group,
-        pp_group=pp_group,
-        embedding_ranks=embedding_ranks,
-        embedding_group=embedding_group,
-    )
 
 
 def num_warmup_microbatches(pp_size: int, stage: int, num_microbatches: int) -> int:
@@ -337,7 +234,8 @@ def forward_backward_1f1b(
         with timeline.record("wgrad_drain"):
             deferred_wgrad.drain_deferred_wgrad(grad_sync.reduce_in_flight)
         grad_sync.mark_grad_ready(deferred_wgrad.weight)
-    finalize_grads(grad_sync, groups, embedding_params, timeline)
+    finalize_grads(grad_sync, groups, embedding_params, timeline,
+                   sequence_parallel_params(stage_module, groups))
     return losses
 
 
@@ -346,15 +244,20 @@ def finalize_grads(
     groups: ParallelGroups,
     embedding_params: Sequence[nn.Parameter],
     timeline: Timeline | None = None,
+    sequence_parallel: Sequence[nn.Parameter] = (),
 ) -> None:
-    """Wait for every bucket's reduction, then all-reduce (SUM) tied embedding grads.
+    """Wait for every bucket's reduction, all-reduce the ``sequence_parallel`` params' grads
+    over the TP group, then all-reduce (SUM) tied embedding grads.
 
-    The embedding all-reduce runs after the DP sync, so each stage's copy is
-    already the DP-reduced gradient: ``main_grad = first_copy + last_copy``.
+    Production's order (``finalize_model_grads``): the TP and embedding all-reduces run
+    after the DP sync, so each copy is already the DP-reduced gradient:
+    ``main_grad = tp_rank_0 + tp_rank_1`` and ``main_grad = first_copy + last_copy``.
     """
     timeline = timeline if timeline is not None else Timeline(groups.rank, enabled=False)
     with timeline.record("grad_sync_wait"):
         grad_sync.finish_grad_sync()
+    if sequence_parallel and groups.tp_size > 1:
+        allreduce_sequence_parallel_grads(sequence_parallel, groups.tp_group)
     if embedding_params and groups.pp_size > 1 and (groups.is_first_stage or groups.is_last_stage):
         with timeline.record("embedding_sync"):
             for param in embedding_params:
@@ -367,6 +270,7 @@ def finalize_grads(
 __all__ = [
     "GradSync",
     "DeferredWgradDrain",
+    "allreduce_sequence_parallel_grads",
     "ParallelGroups",
     "build_parallel_groups",
     "forward_backward_1f1b",
@@ -374,4 +278,5 @@ __all__ = [
     "global_rank",
     "num_warmup_microbatches",
     "schedule_1f1b",
+    "sequence_parallel_params",
 ]

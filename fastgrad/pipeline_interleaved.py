@@ -20,14 +20,20 @@ Gradient sync: one data-parallel engine per model chunk (``grad_syncs[c]``,
 whole step; chunk ``c``'s engine is enabled just before the backward of its
 last microbatch (``M - 1``), so its buckets launch as that backward completes
 them, while later chunks are still computing. Non-first stages then dispatch
-whatever is still pending in their cooldown bubble; then every engine waits.
+whatever is still pending in their cooldown bubble; then every engine waits,
+and (TP > 1) the grads of sequence-parallel replicated params are summed over
+the TP group.
 
 Communication: sends are asynchronous and waited for at the end of the step;
 a receive is waited for only right before the op that needs it. Every message
 carries a tag naming its virtual stage, microbatch and direction, so matching
 cannot depend on posting order (with ``P = 2`` both neighbours are one rank).
-No tied embedding or deferred-wgrad drain here: that stays with
-:func:`fastgrad.pipeline.forward_backward_1f1b`.
+After the cooldown, as in :func:`fastgrad.pipeline.forward_backward_1f1b`: the
+deferred output-layer wgrad (on the last virtual stage, chunk ``V - 1`` of the
+last stage) is drained after the cooldown dispatch and its weight marked ready
+in chunk ``V - 1``'s engine; after every engine waits, the tied embedding
+(chunk 0 of the first stage, the output layer on the last) is all-reduced over
+the embedding group.
 """
 
 from __future__ import annotations
@@ -39,8 +45,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fastgrad.deferred_wgrad import allreduce_tied_embedding_grad
 from fastgrad.errors import LifecycleError
-from fastgrad.pipeline import GradSync, ParallelGroups
+from fastgrad.pipeline import DeferredWgradDrain, GradSync, ParallelGroups
+from fastgrad.pipeline_groups import allreduce_sequence_parallel_grads, sequence_parallel_params
 from fastgrad.timeline import Timeline
 
 
@@ -168,13 +176,19 @@ def forward_backward_interleaved(
     targets: Sequence[torch.Tensor] | None = None,
     dtype: torch.dtype = torch.float32,
     timeline: Timeline | None = None,
+    deferred_wgrad: DeferredWgradDrain | None = None,
+    embedding_params: Sequence[nn.Parameter] = (),
 ) -> list[torch.Tensor]:
     """Run one interleaved 1F1B step; return the losses of the last virtual stage (else ``[]``).
 
     ``chunk_modules[c]`` is virtual stage ``c * P + stage``; ``grad_syncs[c]``
     reduces its gradients. ``inputs`` (first stage: they enter chunk 0) and
     ``targets`` (last stage: the loss follows its last chunk) hold one tensor
-    per microbatch; losses come back in microbatch order. On return every
+    per microbatch; losses come back in microbatch order. ``deferred_wgrad``
+    (last stage: the output layer in chunk ``V - 1``, whose weight
+    ``grad_syncs[V - 1]`` lists as external) is drained after the cooldown;
+    ``embedding_params`` (tied weights on the first and last stage) are
+    all-reduced over the embedding group after the DP sync. On return every
     chunk's reduction has finished.
     """
     virtual_stages = len(chunk_modules)
@@ -189,6 +203,11 @@ def forward_backward_interleaved(
         raise ValueError(f"inputs must hold num_microbatches={num_microbatches} tensors on the first stage")
     if groups.is_last_stage and (targets is None or len(targets) != num_microbatches):
         raise ValueError(f"targets must hold num_microbatches={num_microbatches} tensors on the last stage")
+    if deferred_wgrad is not None and not groups.is_last_stage:
+        raise ValueError("deferred_wgrad belongs to the last virtual stage (the last stage's "
+                         "last chunk); this rank is not on the last stage")
+    if embedding_params and groups.embedding_group is None:
+        raise ValueError("embedding_params were given but this rank has no embedding group")
     timeline = timeline if timeline is not None else Timeline(groups.rank, enabled=False)
     pp_size, stage = groups.pp_size, groups.stage
     num_virtual = pp_size * virtual_stages
@@ -241,9 +260,26 @@ def forward_backward_interleaved(
         with timeline.record("grad_sync_launch"):
             for grad_sync in grad_syncs:
                 grad_sync.start_grad_sync()
+    if deferred_wgrad is not None:
+        # As in 1F1B: the output weight's bucket (last chunk) waits for this mark.
+        last_chunk_sync = grad_syncs[virtual_stages - 1]
+        with timeline.record("wgrad_drain"):
+            deferred_wgrad.drain_deferred_wgrad(last_chunk_sync.reduce_in_flight)
+        last_chunk_sync.mark_grad_ready(deferred_wgrad.weight)
     with timeline.record("grad_sync_wait"):
         for grad_sync in grad_syncs:
             grad_sync.finish_grad_sync()
+    # TP > 1: sequence-parallel replicated grads summed over the TP group, after the DP sync.
+    allreduce_sequence_parallel_grads(
+        [p for chunk in chunk_modules for p in sequence_parallel_params(chunk, groups)],
+        groups.tp_group)
+    if embedding_params and (groups.is_first_stage or groups.is_last_stage):
+        with timeline.record("embedding_sync"):
+            for param in embedding_params:
+                grad = getattr(param, "main_grad", None)
+                if grad is None:
+                    raise LifecycleError("tied embedding parameter has no main_grad to all-reduce")
+                allreduce_tied_embedding_grad(grad, groups.embedding_group)
     return [losses[m] for m in sorted(losses)]
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from refgrad.deferred_wgrad import deferred_accumulation_order
 from refgrad.exact import correctly_rounded_sum
 from refgrad.reduce_scatter import all_reduce, prescale_like_torch
 
@@ -52,6 +53,16 @@ class LinearStackSpec:
     add, microbatch order). ``tied_embedding`` ties ``W_head`` to the first
     stage's ``layers.0.weight`` (same initial values); after the DP reduction
     both copies become ``fp32(reduced_first + reduced_head)``.
+    ``defer_output_wgrad`` and ``wgrad_deferral_limit`` are production's
+    ``--defer-embedding-wgrad-compute`` and ``--wgrad-deferral-limit``: with
+    ``0 < limit < M`` the first ``limit`` microbatches' head wgrads are added
+    at the drain, after the immediate ones (order ``limit..M-1, 0..limit-1``,
+    ``refgrad.deferred_wgrad.deferred_accumulation_order``); otherwise in
+    microbatch order.
+    ``tensor_parallel`` (TP) and ``sequence_parallel`` split the model as
+    production does; their model is ``refgrad.pipeline_tp`` (the output head
+    vocab-parallel over TP, the Linear+tanh blocks replicated, run on sequence
+    shards under sequence parallelism).
     """
 
     num_stages: int
@@ -61,25 +72,59 @@ class LinearStackSpec:
     seed: int = 0
     output_head: bool = False
     tied_embedding: bool = False
+    defer_output_wgrad: bool = True
+    wgrad_deferral_limit: int = 0
+    tensor_parallel: int = 1
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("num_stages", "layers_per_stage", "hidden", "microbatch_size"):
+        for name in ("num_stages", "layers_per_stage", "hidden", "microbatch_size",
+                     "tensor_parallel"):
             _positive_int("LinearStackSpec", name, getattr(self, name))
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"LinearStackSpec.seed must be an int >= 0, got {self.seed!r}")
-        for name in ("output_head", "tied_embedding"):
+        for name in ("output_head", "tied_embedding", "defer_output_wgrad", "sequence_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"LinearStackSpec.{name} must be a bool")
-        if self.output_head and self.num_stages < 2:
-            raise ValueError("LinearStackSpec.output_head needs num_stages >= 2 (its wgrad is "
-                             "deferred to the pipeline flush)")
+        if self.output_head and self.num_stages < 2 and self.defer_output_wgrad:
+            raise ValueError("LinearStackSpec.output_head with defer_output_wgrad needs "
+                             "num_stages >= 2 (the wgrad is deferred to the pipeline flush)")
+        if self.tied_embedding and self.num_stages < 2:
+            raise ValueError("LinearStackSpec.tied_embedding needs num_stages >= 2 (on one stage "
+                             "the tied weights are one parameter, not an all-reduce)")
+        limit = self.wgrad_deferral_limit
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise ValueError(f"LinearStackSpec.wgrad_deferral_limit must be an int >= 0 "
+                             f"(0 = defer every microbatch), got {limit!r}")
         if self.tied_embedding and not self.output_head:
             raise ValueError("LinearStackSpec.tied_embedding needs output_head=True")
+        if self.tensor_parallel > 1:
+            from refgrad.pipeline_tp import validate_tensor_parallel
+
+            validate_tensor_parallel(self)
+        elif self.sequence_parallel:
+            raise ValueError("LinearStackSpec.sequence_parallel needs tensor_parallel > 1")
+
+    def head_wgrad_order(self, num_microbatches: int) -> list[int]:
+        """The microbatch order in which the head's wgrads are added into its ``main_grad``."""
+        if not self.defer_output_wgrad:
+            return list(range(num_microbatches))
+        return deferred_accumulation_order(num_microbatches, self.wgrad_deferral_limit)
 
     @property
     def activation_shape(self) -> tuple[int, int]:
-        """Shape of the tensor passed between stages."""
+        """Shape of one microbatch's inputs and targets (every row)."""
         return (self.microbatch_size, self.hidden)
+
+    @property
+    def sequence_shards(self) -> int:
+        """How many row shards the blocks run on: the TP size under sequence parallelism."""
+        return self.tensor_parallel if self.sequence_parallel else 1
+
+    @property
+    def stage_activation_shape(self) -> tuple[int, int]:
+        """Shape of the tensor one rank passes to the next stage (a sequence shard under SP)."""
+        return (self.microbatch_size // self.sequence_shards, self.hidden)
 
 
 class StageModule(nn.Module):
@@ -242,8 +287,13 @@ def replica_grad_sums(
     """Each replica's grads summed in microbatch order (fp32), and its losses, for one step.
 
     ``named`` maps every parameter name to its tensor (the head too, when ``head`` is
-    given: its weight gradient is the recorded ``Gᵀ · X`` of each microbatch).
+    given: its weight gradient is the recorded ``Gᵀ · X`` of each microbatch, added in
+    ``spec.head_wgrad_order``).
     """
+    if spec.tensor_parallel > 1:
+        from refgrad.pipeline_tp import tp_replica_grad_sums
+
+        return tp_replica_grad_sums(spec, stages, named, head, step, num_microbatches, dp_size)
     head_name = stage_param_name(spec.num_stages - 1, HEAD_PARAM)
     per_replica_sums: list[dict[str, torch.Tensor]] = []
     step_losses: list[list[float]] = []
@@ -251,13 +301,13 @@ def replica_grad_sums(
         inputs, targets = microbatch_data(spec, dp_rank, step, num_microbatches)
         sums = {name: torch.zeros_like(p) for name, p in named.items()}
         losses: list[float] = []
+        record: list[tuple[torch.Tensor, torch.Tensor]] = []
         for x, target in zip(inputs, targets):
             for p in named.values():
                 p.grad = None
             out = x
             for stage in stages:
                 out = stage(out)
-            record: list[tuple[torch.Tensor, torch.Tensor]] = []
             if head is not None:
                 out = HeadRecordingWgrad.apply(out, head, record)
             loss = microbatch_loss(out, target, num_microbatches)
@@ -266,7 +316,9 @@ def replica_grad_sums(
             for name, p in named.items():
                 if p.grad is not None:  # the head's stays None: HeadRecordingWgrad records it
                     sums[name] = sums[name] + p.grad
-            for grad_output, head_input in record:
+        if record:
+            for k in spec.head_wgrad_order(num_microbatches):
+                grad_output, head_input = record[k]
                 sums[head_name] = sums[head_name] + torch.mm(grad_output.t(), head_input)
         step_losses.append(losses)
         per_replica_sums.append(sums)
@@ -276,11 +328,16 @@ def replica_grad_sums(
 def reduce_and_tie(
     spec: LinearStackSpec, per_replica_sums: Sequence[dict[str, torch.Tensor]], reduction: str
 ) -> dict[str, torch.Tensor]:
-    """The DP reduction of every gradient, then the tied-embedding all-reduce if tied."""
+    """The DP reduction of every gradient, then (sequence parallel) the TP sum of the
+    replicated blocks' grads, then the tied-embedding all-reduce if tied."""
     reduced = {
         name: reduce_across_replicas([sums[name] for sums in per_replica_sums], reduction)
         for name in per_replica_sums[0]
     }
+    if spec.sequence_shards > 1:
+        from refgrad.pipeline_tp import sum_over_tensor_parallel
+
+        sum_over_tensor_parallel(spec, reduced)
     if spec.tied_embedding:
         # The embedding all-reduce over the first and last stage, after the DP sync.
         head_name = stage_param_name(spec.num_stages - 1, HEAD_PARAM)

@@ -252,3 +252,47 @@ def test_pipeline_with_deferred_output_layer_wgrad_matches_sequential():
     expected = a_before + b_before
     assert torch.equal(a_after, expected)
     assert torch.equal(b_after, expected)
+
+
+def test_global_rank_puts_tensor_parallel_innermost():
+    """(stage, dp, tp) -> (stage * D + dp) * T + tp; TP 1 is the PP x DP grid unchanged."""
+    from fastgrad.pipeline import global_rank
+
+    assert [global_rank(s, d, 2, 0, 2, t) for s in range(2) for d in range(2) for t in range(2)] \
+        == list(range(8))
+    assert global_rank(1, 1, 2, first_rank=4, tp_size=2, tp_rank=0) == 4 + 6
+    assert [global_rank(s, d, 3) for s in range(2) for d in range(3)] == list(range(6))
+
+
+def _grid_worker(rank, world_size):
+    """Sum rank-specific values over each of this rank's groups, two rounds (TP 2 x PP 2 x DP 2)."""
+    import torch.distributed as dist
+
+    groups = build_parallel_groups(2, 2, tp_size=2)
+    out = {"coords": (groups.stage, groups.dp_rank, groups.tp_rank)}
+    for round_, scale in enumerate((1, 10)):
+        for name in ("dp_group", "pp_group", "tp_group", "model_parallel_group", "embedding_group"):
+            value = torch.tensor([float(rank * scale)])
+            dist.all_reduce(value, group=getattr(groups, name))
+            out[(name, round_)] = float(value)
+    return out
+
+
+@pytest.mark.dist
+def test_tensor_parallel_grid_groups_hold_the_hand_derived_ranks():
+    """rank = (stage * D + dp) * T + tp. DP groups share (stage, tp), pipelines and embedding
+    groups share (dp, tp), TP groups share (stage, dp), model-parallel groups share dp."""
+    results = run_distributed(_grid_worker, 8)
+    for rank, got in enumerate(results):
+        stage, dp, tp = divmod(rank, 4)[0], divmod(rank, 2)[0] % 2, rank % 2
+        assert got["coords"] == (stage, dp, tp)
+        members = {
+            "dp_group": [(stage * 2 + d) * 2 + tp for d in range(2)],
+            "pp_group": [(s * 2 + dp) * 2 + tp for s in range(2)],
+            "tp_group": [(stage * 2 + dp) * 2 + t for t in range(2)],
+            "model_parallel_group": [(s * 2 + dp) * 2 + t for s in range(2) for t in range(2)],
+            "embedding_group": [(s * 2 + dp) * 2 + tp for s in (0, 1)],
+        }
+        for name, ranks in members.items():
+            for round_, scale in enumerate((1, 10)):
+                assert got[(name, round_)] == sum(r * scale for r in ranks), (rank, name)

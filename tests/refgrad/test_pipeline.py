@@ -144,3 +144,44 @@ def test_head_flags_validation():
         LinearStackSpec(num_stages=1, output_head=True)
     with pytest.raises(TypeError, match="output_head"):
         LinearStackSpec(num_stages=2, output_head=1)
+
+
+def test_tensor_parallel_spec_rules_and_hand_checked_tp_sums():
+    """TP 2: the head's vocabulary and (SP) the rows split over TP; the TP sums are one add."""
+    import dataclasses
+
+    import pytest
+
+    from refgrad.pipeline import (
+        LinearStackSpec,
+        StageModule,
+        reduce_and_tie,
+        replica_grad_sums,
+        stage_param_name,
+    )
+    from refgrad.pipeline_tp import loss_target, sequence_shard, splits_loss, stage_loss
+
+    with pytest.raises(ValueError, match="tied_embedding is not modelled"):
+        LinearStackSpec(num_stages=2, output_head=True, tied_embedding=True, tensor_parallel=2)
+    with pytest.raises(ValueError, match="sequence_parallel needs tensor_parallel > 1"):
+        LinearStackSpec(num_stages=2, sequence_parallel=True)
+    with pytest.raises(ValueError, match="microbatch_size .3. must be divisible"):
+        LinearStackSpec(num_stages=2, microbatch_size=3, tensor_parallel=2, sequence_parallel=True)
+    spec = LinearStackSpec(num_stages=2, layers_per_stage=1, hidden=4, microbatch_size=2,
+                           tensor_parallel=2, sequence_parallel=True, output_head=True)
+    assert spec.stage_activation_shape == (1, 4) and splits_loss(spec)
+    x = torch.arange(8.0).reshape(2, 4)
+    assert sequence_shard(spec, x, 1).tolist() == [[4.0, 5.0, 6.0, 7.0]]
+    assert loss_target(spec, x, 1).tolist() == [[2.0, 3.0], [6.0, 7.0]]  # vocab block 1
+    # Partial loss over a block: sum of squares / (rows * V) / M, by hand: (4 + 9) / 8 / 2.
+    assert float(stage_loss(spec, torch.tensor([[2.0], [3.0]]), torch.zeros(2, 1), 2)) == 13 / 16
+    # Under SP each block parameter's per-replica sum has one row per TP rank, and the
+    # reduction adds them after the DP sum: reduced = sum_k (sum_d g[d][k]) (one add each).
+    spec = dataclasses.replace(spec, output_head=False)  # the loss split over sequence shards
+    stages = [StageModule(spec, s) for s in range(2)]
+    named = {stage_param_name(s, n): p for s, st in enumerate(stages) for n, p in st.named_parameters()}
+    sums, losses = replica_grad_sums(spec, stages, named, None, 0, 2, 1)
+    name = stage_param_name(0, "layers.0.weight")
+    assert sums[0][name].shape == (2, 4, 4) and len(losses[0]) == 2
+    reduced = reduce_and_tie(spec, sums, "sum")
+    assert torch.equal(reduced[name], sums[0][name][0] + sums[0][name][1])

@@ -59,36 +59,71 @@ def _config(flags: list[str]):
     return config, build_report(config, parsed, CostInputs())
 
 
-# name -> (flags, phase, first rank)
-LAYOUT = {"tied_deferred": (TIED_DEFERRED, 0, 0), "interleaved": (INTERLEAVED, 0, 4),
-          "untied_adamw": (UNTIED_ADAMW, 0, 6),
-          "dp3": (DP3, 1, 0), "tp2": (TP2, 1, 4)}
+# PP2 DP2 M4 with overlap and 2 layers per stage, SGD: production's bucket rule (stage 0
+# bucketed, stage 1 one bucket).
+BUCKETS = ["--pipeline-model-parallel-size", "2", "--data-parallel-size", "2",
+           "--global-batch-size", "8", "--untie-embeddings-and-output-weights",
+           "--overlap-grad-reduce"]
+
+# TP2 PP2 DP2 M4, sequence parallel: vocab-parallel output layer (input all-gathered, dgrad
+# reduce-scattered, deferred drain all-gathers), blocks on sequence shards with grads all-reduced
+# over TP; tied (untied by the twin at TP 2, listed), overlap, distributed optimizer (AdamW).
+TP2_SP = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+          "--data-parallel-size", "2", "--global-batch-size", "8", "--sequence-parallel",
+          "--defer-embedding-wgrad-compute", "--overlap-grad-reduce", "--use-distributed-optimizer"]
+# TP2 PP1 DP2 M4, sequence parallel, no output layer: the loss split over sequence shards.
+TP2_SP_PP1 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1",
+              "--data-parallel-size", "2", "--global-batch-size", "8", "--sequence-parallel"]
+# TP2 PP2 VPP2 DP1 M4, sequence parallel, interleaved: the TP all-reduce after the chunks' sync.
+TP2_SP_VPP = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+              "--virtual-pipeline-model-parallel-size", "2", "--data-parallel-size", "1",
+              "--global-batch-size", "4", "--sequence-parallel", "--overlap-grad-reduce"]
+
+# PP2 VPP2 DP2 M4 interleaved with the output layer on the last virtual stage: tied embedding
+# (chunk 0 of stage 0 and the head), every microbatch's wgrad deferred, overlap.
+INTERLEAVED_DEFERRED = ["--pipeline-model-parallel-size", "2",
+                        "--virtual-pipeline-model-parallel-size", "2", "--data-parallel-size", "2",
+                        "--global-batch-size", "8", "--defer-embedding-wgrad-compute",
+                        "--overlap-grad-reduce"]
+
+# name -> (flags, phase, first rank, twin options)
+LAYOUT = {"tied_deferred": (TIED_DEFERRED, 0, 0, SMALL), "interleaved": (INTERLEAVED, 0, 4, SMALL),
+          "untied_adamw": (UNTIED_ADAMW, 0, 6, SMALL),
+          "dp3": (DP3, 1, 0, SMALL), "tp2": (TP2, 1, 4, SMALL),
+          "buckets": (BUCKETS, 2, 0, replace(SMALL, layers=2)), "tp2_sp_pp1": (TP2_SP_PP1, 2, 4, SMALL),
+          "tp2_sp": (TP2_SP, 3, 0, SMALL), "tp2_sp_vpp": (TP2_SP_VPP, 4, 0, SMALL),
+          "interleaved_deferred": (INTERLEAVED_DEFERRED, 4, 4, SMALL)}
+# Broken fastgrads, trained beside them: name -> (flags, phase, first rank, options, candidate).
+BROKEN = {"interleaved_lifo": (INTERLEAVED_DEFERRED[:5] + ["1", "--global-batch-size", "4",
+                                                            "--defer-embedding-wgrad-compute"],
+                               5, 0, SMALL, TwinCandidate("lifo drain", "lifo"))}
 
 
 @pytest.fixture(scope="module")
 def twins():
     """Every configuration of LAYOUT trained in one spawned world; plans and results by name."""
-    plans, phases = {}, [[], []]
-    for name, (flags, phase, first) in LAYOUT.items():
+    plans, phases = {}, [[], [], [], [], [], []]
+    layout = {name: (*entry, TwinCandidate()) for name, entry in LAYOUT.items()} | BROKEN
+    for name, (flags, phase, first, options, candidate) in layout.items():
         config, report = _config(flags)
-        plan = plan_twin(config, SMALL)
+        plan = plan_twin(config, options)
         plan = replace(plan, case=replace(plan.case, first_rank=first))
-        plans[name] = (config, report, plan, phase, len(phases[phase]))
-        phases[phase].append((plan.case, plan.overlap, TwinCandidate(), plan.optimizer))
+        plans[name] = (config, report, plan, phase, len(phases[phase]), candidate)
+        phases[phase].append((plan.case, plan.overlap, candidate, plan.optimizer))
     ranks = run_distributed(twin_phases_worker, 8, phases, timeout_s=300)
     out = {}
-    for name, (config, report, plan, phase, index) in plans.items():
+    for name, (config, report, plan, phase, index, candidate) in plans.items():
         results = [r[phase][index] for r in ranks]
         passed = finish_twin_report(config, plan, results, report, where="test world",
-                                    candidate=TwinCandidate())
-        out[name] = (config, report, plan, passed)
+                                    candidate=candidate)
+        out[name] = (config, report, plan, passed, results)
     return out
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("name", sorted(LAYOUT))
 def test_twin_passes_against_refgrad(twins, name):
-    config, report, plan, passed = twins[name]
+    config, report, plan, passed, _ = twins[name]
     assert passed, report["twin"]["failures"][:3]
     assert report["verdict"].startswith("PASS")
     steps = report["twin"]["steps"]
@@ -108,6 +143,11 @@ def test_twin_claims_and_gaps_follow_the_configuration(twins):
     assert twins["tied_deferred"][2].bitwise and twins["interleaved"][2].bitwise
     dp3 = twins["dp3"][2]
     assert not dp3.bitwise and f"{ulp_bound_factor(3)} x (step+1) ULP" in dp3.order_note
+    # PP 1: the output layer follows the only stage, computed in the backward; production's
+    # tied embedding is one weight there, so the twin unties it and says so.
+    assert dp3.case.spec.output_head and not dp3.case.spec.tied_embedding
+    assert not dp3.case.spec.defer_output_wgrad
+    assert any(g.startswith("tied embedding at PP 1") for g in dp3.not_twinned)
     assert ulp_bound_factor(3) == 8 * 2 * 3  # 8 (D-1) D, as documented
     tied = twins["tied_deferred"][2].case
     assert tied.spec.output_head and tied.spec.tied_embedding
@@ -122,11 +162,112 @@ def test_twin_claims_and_gaps_follow_the_configuration(twins):
     assert inter.case.virtual_stages == 2 and inter.case.reduce_scatter_with_fp32_accumulation
     assert any("bf16 grad buffer" in g for g in inter.not_twinned)
     tp2 = twins["tp2"][2]
-    assert any(g.startswith("tensor parallelism (TP 2)") for g in tp2.not_twinned)
-    assert any("--wgrad-deferral-limit 2" in g for g in tp2.not_twinned)
+    assert not any("tensor parallel" in g or "sequence parallel" in g for g in tp2.not_twinned)
+    # --wgrad-deferral-limit 2 of M 8 is twinned: refgrad adds microbatches 2..7, then 0, 1.
+    assert tp2.case.spec.defer_output_wgrad and tp2.case.spec.wgrad_deferral_limit == 2
+    assert tp2.case.spec.head_wgrad_order(8) == [2, 3, 4, 5, 6, 7, 0, 1]
+    assert not any("deferral" in g or "defers" in g for g in tp2.not_twinned)
+    untied = twins["untied_adamw"][2].case.spec  # no --defer-embedding-wgrad-compute
+    assert not untied.defer_output_wgrad and untied.head_wgrad_order(4) == [0, 1, 2, 3]
     markdown = render_markdown(twins["tp2"][1])
-    assert "not twinned: tensor parallelism" in markdown
+    assert "| TP x PP x VPP x DP | 2 x 2 x 1 x 2 | 2 x 2 x 1 x 1 |" not in markdown
+    assert "| TP x PP x VPP x DP | 2 x 2 x 1 x 1 | 2 x 2 x 1 x 1 |" in markdown
     assert "Twin vs refgrad after every step" in markdown
+
+
+@pytest.mark.dist
+def test_twin_runs_tensor_parallel_ranks_and_checks_each(twins):
+    """TP 2: TP x PP x DP ranks; every TP rank's grads, params (its head rows) and losses held
+    against refgrad.pipeline_tp; sequence parallel where asked; the tied embedding untied."""
+    for name, world in (("tp2", 4), ("tp2_sp", 8), ("tp2_sp_pp1", 4), ("tp2_sp_vpp", 4)):
+        _, report, plan, passed, results = twins[name]
+        case = plan.case
+        assert passed and plan.world_size == case.world == world, name
+        assert case.tp_size == case.spec.tensor_parallel == 2
+        assert case.spec.sequence_parallel == (name != "tp2")
+        ranks = [r for r in results if r is not None]
+        assert sorted((r.stage, r.dp_rank, r.tp_rank) for r in ranks) == sorted(
+            (s, d, t) for s in range(case.pp_size) for d in range(case.dp_size) for t in range(2))
+        names = {n for r in ranks for n in r.grads[0]}
+        # Every parameter on every (replica, TP rank) of its stage: names x DP x TP comparisons.
+        assert all(s["grads_total"] == len(names) * case.dp_size * 2 == s["grads_bitwise"]
+                   for s in report["twin"]["steps"]), name
+    head = "stage1.head.weight"
+    sp = {(r.tp_rank): r for r in twins["tp2_sp"][4] if r is not None and r.stage == 1
+          and r.dp_rank == 0}
+    # Vocab-parallel head: each TP rank holds 4 of the 8 rows; the blocks are replicated.
+    assert tuple(sp[0].params[0][head].shape) == tuple(sp[1].params[0][head].shape) == (4, 8)
+    assert not sp[0].params[0][head].equal(sp[1].params[0][head])
+    assert sp[0].grads[1]["stage1.layers.0.weight"].equal(sp[1].grads[1]["stage1.layers.0.weight"])
+    assert sp[0].losses[1] == sp[1].losses[1] and len(sp[0].losses[1]) == 4
+    # PP 1, TP 2: the vocab-parallel output layer on the only stage.
+    pp1 = [r for r in twins["tp2_sp_pp1"][4] if r is not None]
+    assert {tuple(r.params[1]["stage0.head.weight"].shape) for r in pp1} == {(4, 8)}
+    tied = twins["tp2_sp"][2]
+    assert not tied.case.spec.tied_embedding and tied.optimizer == "adamw"
+    assert any(g.startswith("tied-embedding all-reduce at TP > 1") for g in tied.not_twinned)
+    # Sequence parallel needs rows divisible by TP: micro batch 1 -> 2 rows (2 tokens a sample).
+    assert tied.case.spec.microbatch_size == 2 and twins["tp2"][2].case.spec.microbatch_size == 1
+
+
+def test_twin_caps_tensor_parallelism_at_two_and_counts_tp_ranks(capsys):
+    config, _ = _config(["--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2",
+                         "--data-parallel-size", "1", "--global-batch-size", "4",
+                         "--sequence-parallel"])
+    plan = plan_twin(config, TwinOptions())
+    assert plan.world_size == 4 and plan.case.tp_size == 2
+    assert any(g.startswith("tensor parallelism TP 4 scaled to TP 2") for g in plan.not_twinned)
+    assert dict((m[0], m[2]) for m in plan.mapping)["TP x PP x VPP x DP"] == "2 x 2 x 1 x 1"
+    # TP 2 x PP 4 x DP 2 = 16 ranks > 8: refused with the TP factor in the figure.
+    flags = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4",
+             "--data-parallel-size", "2", "--global-batch-size", "8"]
+    with pytest.raises(TwinSizeError, match=r"TP \(2\) x PP \(4\) x DP \(2\) = 16 ranks"):
+        plan_twin(_config(flags)[0], TwinOptions())
+    rc, out, err = _cli(flags, capsys)
+    assert rc == 2 and out == "" and "= 16 ranks, more than --max-world-size (8)" in err
+    # An odd twin hidden size is rounded up so the output layer's vocabulary splits over TP 2.
+    assert plan_twin(config, TwinOptions(hidden_size=7)).case.spec.hidden == 8
+
+
+@pytest.mark.dist
+def test_interleaved_twin_has_the_output_layer_drain_and_tied_embedding(twins):
+    """VPP 2: the head on the last virtual stage (chunk 1 of stage 1), drained after the
+    interleaved cooldown, tied to chunk 0 of stage 0 and all-reduced; a LIFO drain fails."""
+    _, report, plan, passed, results = twins["interleaved_deferred"]
+    spec = plan.case.spec
+    assert passed and plan.case.virtual_stages == 2 and spec.output_head and spec.tied_embedding
+    assert spec.defer_output_wgrad and not any("interleav" in g for g in plan.not_twinned)
+    last = [r for r in results if r is not None and r.stage == 1]
+    assert all("stage3.head.weight" in r.grads[1] for r in last)
+    first = [r for r in results if r is not None and r.stage == 0]
+    # The tied all-reduce: both copies hold the same sum (DP-reduced first + DP-reduced head).
+    assert all(r.grads[1]["stage0.layers.0.weight"].equal(last[0].grads[1]["stage3.head.weight"])
+               for r in first)
+    _, broken, _, passed, _ = twins["interleaved_lifo"]
+    assert not passed and broken["verdict"].startswith("FAIL")
+    failures = broken["twin"]["failures"]
+    # The drain's sum is the head's gradient, and through the tie the first stage's weight's.
+    for name in ("stage3.head.weight", "stage0.layers.0.weight"):
+        assert any(f.startswith(f"step 0: reduced gradient {name} (replica 0) differs")
+                   for f in failures), (name, failures[:4])
+
+
+@pytest.mark.dist
+def test_twin_buckets_only_pipeline_rank_0s_first_chunk(twins):
+    """Production's rule: with overlap, stage 0's first chunk is bucketed, every other chunk is
+    one bucket. Stage 0 holds 2 x (8x8 + 8) = 144 elements in 72-element buckets (bias 8 +
+    weight 64 closes each): 2 buckets; stage 1 (144 + the 8x8 head) one."""
+    _, report, plan, _, results = twins["buckets"]
+    case = plan.case
+    buckets = {(r.stage, len(r.launch_sites[1])) for r in results if r is not None}
+    assert buckets == {(0, 2), (1, 1)}
+    assert (case.bucket_size_for(0, 0), case.bucket_size_for(1, 0)) == (72, 1440)
+    assert not any(g.startswith("bucket rule") for g in plan.not_twinned)
+    # Interleaved: chunk 1 of stage 0 and both chunks of stage 1 are one bucket each.
+    inter = twins["interleaved"][2].case
+    assert inter.bucket_size_for(0, 1) == inter.bucket_size_for(1, 0) == 10 * (8 * 8 + 8)
+    assert dict((m[0], m[2]) for m in report["twin"]["mapping"])["bucket size"].endswith(
+        "one bucket elsewhere")
 
 
 @pytest.mark.dist
@@ -254,3 +395,35 @@ def test_under_torchrun_the_twin_runs_on_the_launched_world(tmp_path):
     report = json.loads(json_path.read_text())
     assert report["twin"]["where"].startswith("torchrun, 2 ranks")
     assert report["config"]["data_parallel_source"].startswith("WORLD_SIZE (torchrun)")
+
+
+def test_a_broken_drain_is_a_fault_of_one_layer_instance_not_a_global_rebinding():
+    """The LIFO candidate's drain lives on the rank's own output layer; the class is untouched."""
+    import torch
+
+    from fastgrad.deferred_wgrad import ColumnParallelOutputLayer, EmbeddingWgradConfig
+    from verify.checks.pipeline.worker import output_layer_class
+    from verify.preflight.twin_worker import with_candidate
+
+    production_drain = ColumnParallelOutputLayer.drain_deferred_wgrad
+    config, _ = _config(["--pipeline-model-parallel-size", "2", "--data-parallel-size", "1",
+                         "--global-batch-size", "4", "--defer-embedding-wgrad-compute"])
+    case = plan_twin(config, SMALL).case
+    assert with_candidate(case, TwinCandidate()) is case
+    assert with_candidate(case, TwinCandidate("lifo", "lifo")).fault == "lifo_drain"
+    assert output_layer_class(None) is ColumnParallelOutputLayer
+    cfg = EmbeddingWgradConfig(defer_embedding_wgrad_compute=True, pipeline_model_parallel_size=2)
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(8, 8, generator=g)
+    xs = [torch.randn(4, 8, generator=g) * 10.0**k for k in range(4)]
+    drained = []
+    for cls in (output_layer_class("lifo_drain"), output_layer_class(None)):
+        layer = cls(weight, cfg)
+        layer.start_step()
+        for x in xs:
+            layer(x.requires_grad_(True)).sum().backward()
+        assert layer.drain_deferred_wgrad() == 4
+        drained.append(layer.weight.main_grad.clone())
+    # Same deferred GEMMs, opposite order: a different fp32 sum; the class kept its drain.
+    assert not torch.equal(drained[0], drained[1])
+    assert ColumnParallelOutputLayer.drain_deferred_wgrad is production_drain

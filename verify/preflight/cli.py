@@ -97,7 +97,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                       metavar="M", help="cap on the twin's microbatches per step (default "
                                         f"{TwinOptions.max_microbatches})")
     twin.add_argument("--max-world-size", type=int, default=TwinOptions.max_world_size,
-                      metavar="W", help="most ranks the twin may spawn, PP x DP (default "
+                      metavar="W", help="most ranks the twin may spawn, TP x PP x DP (default "
                                         f"{TwinOptions.max_world_size})")
     twin.add_argument("--timeout", type=float, default=TwinOptions.timeout_s, metavar="S",
                       help=f"deadline for the twin's ranks in seconds (default {TwinOptions.timeout_s:g})")

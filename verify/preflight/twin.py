@@ -1,8 +1,10 @@
 """The scaled twin: the user's layout trained for a few steps with fastgrad, checked against refgrad.
 
 :func:`plan_twin` maps a :class:`PreflightConfig` onto a
-``verify.checks.pipeline`` case: the same PP x VPP x DP grid and microbatch
-count (capped), the same reduction (Megatron's default 1/DP pre-scaling before a
+``verify.checks.pipeline`` case: the same TP x PP x VPP x DP grid (TP capped at
+2: a vocab-parallel output layer, Linear+tanh blocks replicated, on sequence
+shards under sequence parallelism) and microbatch count (capped), production's
+bucket rule, the same reduction (Megatron's default 1/DP pre-scaling before a
 SUM), the same collective (reduce-scatter with the distributed optimizer,
 all-reduce without), fp32-accumulating reduce-scatter, overlap on or off,
 the deferred output-layer wgrad and the tied-embedding all-reduce, with
@@ -27,6 +29,8 @@ from verify.preflight.config import PreflightConfig
 
 UNIT_ROUNDOFF_FP32 = 2.0**-24
 TWIN_LR = 0.05
+# TP sums of two fp32 values are one rounding in any order: bitwise. Larger TP is scaled to 2.
+MAX_TWIN_TP = 2
 
 
 class TwinSizeError(ValueError):
@@ -88,33 +92,53 @@ def plan_twin(config: PreflightConfig, options: TwinOptions) -> TwinPlan:
 
     tp, pp = config.tensor_model_parallel_size, config.pipeline_model_parallel_size
     vpp, dp = config.virtual_pipeline_model_parallel_size, config.data_parallel_size
-    world = pp * dp
+    twin_tp = min(tp, MAX_TWIN_TP)
+    world = twin_tp * pp * dp
     if world > options.max_world_size:
+        capped = f", capped from {tp}" if twin_tp != tp else ""
         raise TwinSizeError(
-            f"the twin needs PP ({pp}) x DP ({dp}) = {world} ranks, more than --max-world-size "
-            f"({options.max_world_size}); raise --max-world-size or run under torchrun")
+            f"the twin needs TP ({twin_tp}{capped}) x PP ({pp}) x DP ({dp}) = {world} ranks, more "
+            f"than --max-world-size ({options.max_world_size}); raise --max-world-size or run "
+            f"under torchrun")
     not_twinned: list[str] = []
-    h, layers = options.hidden_size, options.layers
-    head = vpp == 1 and pp > 1
-    if vpp > 1 and (config.tied_embeddings or config.defer_embedding_wgrad_compute):
-        not_twinned.append("output layer, deferred wgrad and tied-embedding all-reduce under "
-                           "interleaving: the interleaved twin has no output layer")
-    if pp == 1:
-        not_twinned.append("output layer: a single-stage twin has no output layer (production "
-                           "neither defers its wgrad nor all-reduces a tied embedding at PP 1)")
+    layers = options.layers
+    # The output layer sits on the last virtual stage (its drain follows the, possibly
+    # interleaved, cooldown); its vocabulary, the twin's hidden size, is split over TP.
+    h = options.hidden_size + (-options.hidden_size % twin_tp)
+    sequence_parallel = config.sequence_parallel and twin_tp > 1
+    rows = config.micro_batch_size
+    if sequence_parallel and rows % twin_tp:
+        rows *= twin_tp  # each sample twin_tp tokens long, so the sequence splits over TP
+    tied = config.tied_embeddings and pp > 1
+    if tied and twin_tp > 1:
+        tied = False
+        not_twinned.append("tied-embedding all-reduce at TP > 1: production's embedding is "
+                           "vocab-parallel, the twin's first-stage weight is a replicated block, "
+                           "so the twin unties the output layer (checked at TP 1)")
+    if pp == 1 and config.tied_embeddings:
+        not_twinned.append("tied embedding at PP 1: production's embedding and output layer are "
+                           "one weight (both grads summed in the backward, no all-reduce); the "
+                           "twin's output layer is untied")
     m = _twin_microbatches(config, options)
     spec = LinearStackSpec(num_stages=pp * vpp, layers_per_stage=layers, hidden=h,
-                           microbatch_size=config.micro_batch_size, seed=config.seed % 100_000,
-                           output_head=head, tied_embedding=head and config.tied_embeddings)
+                           microbatch_size=rows, seed=config.seed % 100_000,
+                           output_head=True, tied_embedding=tied,
+                           defer_output_wgrad=config.defer_embedding_wgrad_compute,
+                           wgrad_deferral_limit=config.wgrad_deferral_limit,
+                           tensor_parallel=twin_tp, sequence_parallel=sequence_parallel)
     stage_numel = layers * (h * h + h)
-    bucket = max(h * h + h, stage_numel // 3) if config.overlap_grad_reduce else 10 * stage_numel
+    # Production's rule: only pipeline rank 0's first chunk is bucketed (with overlap);
+    # every other chunk is one bucket (a size above its element count, head included).
+    one_bucket = 10 * stage_numel
+    bucket = max(h * h + h, stage_numel // 3) if config.overlap_grad_reduce else one_bucket
     rs_fp32 = config.ddp_reduce_scatter_with_fp32_accumulation and config.use_distributed_optimizer
     case = PipelineCase(
         name="twin", pp_size=pp, dp_size=dp, first_rank=0, spec=spec,
         plans=tuple(StepPlan(m) for _ in range(options.steps)),
         use_distributed_optimizer=config.use_distributed_optimizer,
         reduce_scatter_with_fp32_accumulation=rs_fp32,
-        reduction="prescale", bucket_size=bucket, lr=TWIN_LR, virtual_stages=vpp,
+        reduction="prescale", bucket_size=bucket, bucket_size_elsewhere=one_bucket, lr=TWIN_LR,
+        virtual_stages=vpp,
     )
     if dp <= 2:
         bitwise, order_note = True, "DP <= 2: a sum of two fp32 values has one rounding in any order"
@@ -128,25 +152,26 @@ def plan_twin(config: PreflightConfig, options: TwinOptions) -> TwinPlan:
                       f"the model. Bound: {ulp_bound_factor(dp)} x (step+1) ULP of each tensor's "
                       f"largest magnitude")
     optimizer = "adamw" if config.use_distributed_optimizer and vpp == 1 else "sgd"
-    not_twinned += _left_out(config, m, head, optimizer)
+    not_twinned += _left_out(config, m, optimizer)
     mapping = (
-        ("TP x PP x VPP x DP", f"{tp} x {pp} x {vpp} x {dp}", f"1 x {pp} x {vpp} x {dp}"),
+        ("TP x PP x VPP x DP", f"{tp} x {pp} x {vpp} x {dp}", f"{twin_tp} x {pp} x {vpp} x {dp}"),
         ("ranks", str(tp * pp * dp), str(world)),
         ("microbatches per step", str(config.num_microbatches), str(m)),
-        ("micro batch size (rows)", str(config.micro_batch_size), str(config.micro_batch_size)),
+        ("micro batch size (rows)", str(config.micro_batch_size), str(rows)),
+        ("tensor parallelism", _tp_layout(tp, config.sequence_parallel),
+         _tp_layout(twin_tp, sequence_parallel, twin=True)),
         ("layers", str(config.num_layers), f"{layers} per virtual stage = {layers * pp * vpp}"),
         ("hidden size", str(config.hidden_size), str(h)),
         ("grad reduction", f"x 1/DP then SUM ({'reduce-scatter' if config.use_distributed_optimizer else 'all-reduce'})",
          f"x 1/DP then SUM ({'reduce-scatter' if config.use_distributed_optimizer else 'all-reduce'}"
          f"{', fp32 rank-order accumulation' if rs_fp32 else ''})"),
         ("overlap grad reduce", str(config.overlap_grad_reduce), str(config.overlap_grad_reduce)),
-        ("bucket size", str(config.first_stage_bucket_size or "one bucket"),
-         f"{bucket} elements (several buckets per stage)" if config.overlap_grad_reduce
-         else "one bucket per stage"),
-        ("output layer", "deferred wgrad" if config.defer_embedding_wgrad_compute else "wgrad in backward",
-         "deferred wgrad, drained after the cooldown" if head else "none"),
-        ("tied embedding all-reduce", str(config.tied_embeddings and pp > 1),
-         str(head and config.tied_embeddings)),
+        ("bucket size", f"{config.first_stage_bucket_size:,} on pipeline rank 0's first chunk, "
+         "one bucket elsewhere" if config.overlap_grad_reduce else "one bucket per chunk",
+         f"{bucket} elements on stage 0's first chunk, one bucket elsewhere"
+         if config.overlap_grad_reduce else "one bucket per chunk"),
+        ("output layer", _output_wgrad(config), _output_wgrad(config)),
+        ("tied embedding all-reduce", str(config.tied_embeddings and pp > 1), str(tied)),
         ("optimizer", "distributed optimizer" if config.use_distributed_optimizer else "(not parsed)",
          "fastgrad.optim AdamW (lr 1e-2)" if optimizer == "adamw" else "SGD (lr 0.05)"),
         ("steps", "-", str(options.steps)),
@@ -156,15 +181,35 @@ def plan_twin(config: PreflightConfig, options: TwinOptions) -> TwinPlan:
                     not_twinned=tuple(not_twinned), optimizer=optimizer)
 
 
-def _left_out(config: PreflightConfig, m: int, head: bool, optimizer: str) -> list[str]:
+def _tp_layout(tp: int, sequence_parallel: bool, twin: bool = False) -> str:
+    """How the model is split over TP: production's or the twin's."""
+    if tp == 1:
+        return "none"
+    if not twin:
+        return f"TP {tp}{', sequence parallel' if sequence_parallel else ''}"
+    if sequence_parallel:
+        return (f"TP {tp}: vocab-parallel output layer (input all-gathered, dgrad "
+                "reduce-scattered); blocks replicated on sequence shards, grads all-reduced over TP")
+    return (f"TP {tp}: vocab-parallel output layer (dgrad all-reduced); blocks replicated "
+            "(identical on every TP rank)")
+
+
+def _output_wgrad(config: PreflightConfig) -> str:
+    """How the output layer's wgrad is accumulated (the same in production and the twin)."""
+    if not config.defer_embedding_wgrad_compute:
+        return "wgrad in the backward"
+    limit = config.wgrad_deferral_limit
+    return ("deferred wgrad, drained after the cooldown" if limit == 0 else
+            f"first {limit} microbatches' wgrad deferred to the drain, the rest in the backward")
+
+
+def _left_out(config: PreflightConfig, m: int, optimizer: str) -> list[str]:
     """Every part of the configuration the twin does not reproduce, with the reason."""
     out = []
     tp = config.tensor_model_parallel_size
-    if tp > 1:
-        out.append(f"tensor parallelism (TP {tp}): the twin runs TP 1 ranks; the output layer's "
-                   "sequence-parallel all-gather in the drain is checked by `verify run --check deferred_wgrad`")
-    if config.sequence_parallel:
-        out.append("sequence parallelism: needs TP > 1 in the twin")
+    if tp > MAX_TWIN_TP:
+        out.append(f"tensor parallelism TP {tp} scaled to TP {MAX_TWIN_TP}: a sum over more than "
+                   "two TP ranks has a backend-chosen order (the collectives are the same)")
     if m != config.num_microbatches:
         out.append(f"microbatch count: {config.num_microbatches} capped to {m} "
                    "(--twin-max-microbatches; the schedule's steady state is the same)")
@@ -172,17 +217,8 @@ def _left_out(config: PreflightConfig, m: int, head: bool, optimizer: str) -> li
         out.append(f"{config.params_dtype} params and compute: the twin computes in fp32")
     if config.grad_dtype != "fp32":
         out.append(f"{config.grad_dtype} grad buffer and wire dtype: the twin reduces fp32 grads")
-    if config.overlap_grad_reduce and config.pipeline_model_parallel_size > 1:
-        out.append("bucket rule: production buckets only pipeline rank 0's first chunk (later "
-                   "stages one bucket); the twin uses the same bucket size on every stage")
     if config.ddp_pad_buckets_for_high_nccl_busbw:
         out.append("--ddp-pad-buckets-for-high-nccl-busbw: padding is laid out on paper only")
-    if head and config.defer_embedding_wgrad_compute and config.wgrad_deferral_limit > 0:
-        out.append(f"--wgrad-deferral-limit {config.wgrad_deferral_limit}: the twin defers "
-                   "every microbatch's output-layer wgrad")
-    if head and not config.defer_embedding_wgrad_compute:
-        out.append("the twin defers the output-layer wgrad to the drain; production computes it "
-                   "in the backward (same fp32 sums, same microbatch order)")
     if optimizer == "sgd":
         why = ("interleaved chunks each have their own buffer" if config.use_distributed_optimizer
                else "without --use-distributed-optimizer")
@@ -227,23 +263,38 @@ class StepRow:
 
 
 def collect(case: Any, ranks: list[Any]) -> dict[str, list]:
-    """Per step: losses [replica][microbatch] and grads/params {name: tensor} per replica."""
-    steps = len(case.plans)
-    losses = [[[] for _ in range(case.dp_size)] for _ in range(steps)]
-    grads = [[{} for _ in range(case.dp_size)] for _ in range(steps)]
-    params = [[{} for _ in range(case.dp_size)] for _ in range(steps)]
-    state = [[{} for _ in range(case.dp_size)] for _ in range(steps)]
+    """Per step: losses [replica][microbatch] and grads/params {name: tensor} per replica,
+    a replica being one (DP rank, TP rank): index ``dp_rank * tp_size + tp_rank``."""
+    steps, replicas = len(case.plans), case.dp_size * case.tp_size
+    losses = [[[] for _ in range(replicas)] for _ in range(steps)]
+    grads = [[{} for _ in range(replicas)] for _ in range(steps)]
+    params = [[{} for _ in range(replicas)] for _ in range(steps)]
+    state = [[{} for _ in range(replicas)] for _ in range(steps)]
     for res in ranks:
         if res is None:
             continue
+        replica = res.dp_rank * case.tp_size + res.tp_rank
         for step in range(steps):
             if res.stage == case.pp_size - 1:
-                losses[step][res.dp_rank] = res.losses[step]
-            grads[step][res.dp_rank].update(res.grads[step])
-            params[step][res.dp_rank].update(res.params[step])
+                losses[step][replica] = res.losses[step]
+            grads[step][replica].update(res.grads[step])
+            params[step][replica].update(res.params[step])
             if hasattr(res, "state"):
-                state[step][res.dp_rank].update(res.state[step])
+                state[step][replica].update(res.state[step])
     return {"losses": losses, "grads": grads, "params": params, "state": state}
+
+
+def replica_label(case: Any, replica: int) -> str:
+    """``replica D`` (TP 1) or ``replica D, TP rank T``."""
+    dp_rank, tp_rank = divmod(replica, case.tp_size)
+    return f"replica {dp_rank}" if case.tp_size == 1 else f"replica {dp_rank}, TP rank {tp_rank}"
+
+
+def _on_rank(case: Any, name: str, ref: torch.Tensor, replica: int) -> torch.Tensor:
+    """The part of refgrad's tensor the replica's TP rank holds (its head rows; else all)."""
+    from refgrad.pipeline_tp import expected_on_rank
+
+    return expected_on_rank(case.spec, name, ref, replica % case.tp_size)
 
 
 def _within(ref: torch.Tensor, got: torch.Tensor, bound_ulps: int | None) -> tuple[bool, int, str]:
@@ -273,7 +324,9 @@ def compare_steps(plan: TwinPlan, ranks: list[Any], reference: Any) -> list[Step
     for step, step_plan in enumerate(case.plans):
         bound = None if plan.bitwise else ulp_bound_factor(case.dp_size) * (step + 1)
         row = StepRow(step, step_plan.num_microbatches, 0, 0, 0, 0, 0, 0, 0)
-        ref_loss = torch.tensor([v for rep in reference.losses[step] for v in rep])
+        # Every TP rank of a replica reports the replica's (TP-summed) losses.
+        ref_loss = torch.tensor([v for rep in reference.losses[step] for _ in range(case.tp_size)
+                                 for v in rep])
         got_loss = torch.tensor([v for rep in got["losses"][step] for v in rep])
         if ref_loss.shape != got_loss.shape:
             row.failures.append(f"step {step}: {got_loss.numel()} losses, refgrad has {ref_loss.numel()}")
@@ -283,28 +336,32 @@ def compare_steps(plan: TwinPlan, ranks: list[Any], reference: Any) -> list[Step
                 row.failures.append(f"step {step}: loss differs from refgrad: {detail}")
         for kind, ref_named in (("grads", reference.grads[step]), ("params", reference.params[step])):
             for name in sorted(ref_named):
-                for replica in range(case.dp_size):
+                for replica in range(case.dp_size * case.tp_size):
                     cand = got[kind][step][replica].get(name)
                     setattr(row, f"{kind}_total", getattr(row, f"{kind}_total") + 1)
                     if cand is None:
-                        row.failures.append(f"step {step}: {name} missing on replica {replica}")
+                        row.failures.append(f"step {step}: {name} missing on "
+                                            f"{replica_label(case, replica)}")
                         continue
-                    ok, ulps, detail = _within(ref_named[name], cand, bound)
+                    ok, ulps, detail = _within(_on_rank(case, name, ref_named[name], replica),
+                                               cand, bound)
                     attr = "grad_max_ulp" if kind == "grads" else "param_max_ulp"
                     setattr(row, attr, max(getattr(row, attr), ulps))
                     if ulps == 0:
                         setattr(row, f"{kind}_bitwise", getattr(row, f"{kind}_bitwise") + 1)
                     if not ok:
                         what = "reduced gradient" if kind == "grads" else "updated parameter"
-                        row.failures.append(f"step {step}: {what} {name} (replica {replica}) "
-                                            f"differs from refgrad: {detail}")
+                        row.failures.append(f"step {step}: {what} {name} "
+                                            f"({replica_label(case, replica)}) differs from "
+                                            f"refgrad: {detail}")
         if hasattr(reference, "state"):
-            _compare_state(row, reference.state[step], got["state"][step], bound)
+            _compare_state(case, row, reference.state[step], got["state"][step], bound)
         rows.append(row)
     return rows
 
 
-def _compare_state(row: StepRow, ref_state: dict, got_state: list[dict], bound: int | None) -> None:
+def _compare_state(case: Any, row: StepRow, ref_state: dict, got_state: list[dict],
+                   bound: int | None) -> None:
     """Master weights and AdamW moments per parameter and replica vs refgrad.optim."""
     for name in sorted(ref_state):
         for replica, per_name in enumerate(got_state):
@@ -313,14 +370,15 @@ def _compare_state(row: StepRow, ref_state: dict, got_state: list[dict], bound: 
                 cand = per_name.get(name, {}).get(key)
                 if cand is None:
                     row.failures.append(f"step {row.step}: optimizer {key} of {name} missing on "
-                                        f"replica {replica}")
+                                        f"{replica_label(case, replica)}")
                     continue
-                ok, ulps, detail = _within(ref, cand, bound)
+                ok, ulps, detail = _within(_on_rank(case, name, ref, replica), cand, bound)
                 row.state_max_ulp = max(row.state_max_ulp, ulps)
                 row.state_bitwise += ulps == 0
                 if not ok:
-                    row.failures.append(f"step {row.step}: optimizer {key} of {name} (replica "
-                                        f"{replica}) differs from refgrad.optim: {detail}")
+                    row.failures.append(f"step {row.step}: optimizer {key} of {name} "
+                                        f"({replica_label(case, replica)}) differs from "
+                                        f"refgrad.optim: {detail}")
 
 
 def reference_for(plan: TwinPlan) -> Any:

@@ -30,6 +30,7 @@ class OptimRankResult:
 
     stage: int
     dp_rank: int
+    tp_rank: int = 0
     losses: list[list[float]] = field(default_factory=list)
     grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
     params: list[dict[str, torch.Tensor]] = field(default_factory=list)
@@ -43,11 +44,7 @@ def run_optimizer_rank(case: Any, groups: Any, overlap: bool) -> OptimRankResult
     from fastgrad.ddp import DistributedDataParallel
     from fastgrad.optim import AdamWConfig, DistributedOptimizer
     from fastgrad.pipeline import forward_backward_1f1b
-    from refgrad.pipeline import (
-        microbatch_data,
-        microbatch_loss,
-    )
-    from verify.checks.pipeline.worker import build_stage_model
+    from verify.checks.pipeline.worker import build_stage_model, rank_microbatches, total_losses
 
     spec, stage = case.spec, groups.stage
     module, named, head, tied = build_stage_model(case, groups)
@@ -57,23 +54,23 @@ def run_optimizer_rank(case: Any, groups: Any, overlap: bool) -> OptimRankResult
         module,
         config=DDPConfig(use_distributed_optimizer=True, overlap_grad_reduce=overlap,
                          reduce_scatter_with_fp32_accumulation=case.reduce_scatter_with_fp32_accumulation,
-                         average_in_collective=case.reduction == "avg", bucket_size=case.bucket_size),
+                         average_in_collective=case.reduction == "avg", bucket_size=case.bucket_size_for(stage, 0)),
         dp_group=groups.dp_group, average=case.reduction != "sum",
         external_grad_params=[] if head is None else [head.weight])
-    optimizer = DistributedOptimizer(ddp, AdamWConfig(**ADAMW),
-                                     model_parallel_group=groups.pp_group if case.pp_size > 1 else None)
+    model_parallel = groups.model_parallel_group if case.tp_size > 1 else (
+        groups.pp_group if case.pp_size > 1 else None)  # the norm: every stage and TP rank
+    optimizer = DistributedOptimizer(ddp, AdamWConfig(**ADAMW), model_parallel_group=model_parallel)
     name_of = {id(p): n for n, p in named.items()}
-    result = OptimRankResult(stage=stage, dp_rank=groups.dp_rank)
+    result = OptimRankResult(stage=stage, dp_rank=groups.dp_rank, tp_rank=groups.tp_rank)
     for step, plan in enumerate(case.plans):
         ddp.zero_grad_buffer()
         if head is not None:
             head.start_step()
         m = plan.num_microbatches
-        inputs, targets = microbatch_data(spec, groups.dp_rank, step, m)
+        inputs, targets, loss_fn = rank_microbatches(case, groups, step, m)
         losses = forward_backward_1f1b(
             module, groups=groups, grad_sync=ddp, num_microbatches=m,
-            activation_shape=spec.activation_shape,
-            loss_fn=lambda out, target, m=m: microbatch_loss(out, target, m),
+            activation_shape=spec.stage_activation_shape, loss_fn=loss_fn,
             inputs=inputs if groups.is_first_stage else None,
             targets=targets if groups.is_last_stage else None,
             deferred_wgrad=head, embedding_params=tied)
@@ -86,7 +83,7 @@ def run_optimizer_rank(case: Any, groups: Any, overlap: bool) -> OptimRankResult
                 start, end = bucket.param_to_index[p]
                 grads[name_of[id(p)]] = full[start:end].reshape(p.shape).clone()
         optimizer.step()
-        result.losses.append([float(v) for v in losses])
+        result.losses.append(total_losses(case, groups, losses))
         result.grads.append(grads)
         result.params.append({n: p.detach().clone() for n, p in named.items()})
         by_ddp_name = optimizer.state_dict()["params"]

@@ -1,9 +1,9 @@
 """Stage 3 of ``verify preflight``: plan, run and compare the twin; decide the hazards.
 
-Without torchrun the twin spawns ``PP x DP`` gloo ranks on the CPU
-(``verify.distributed.spawn``); under torchrun (``RANK`` and ``WORLD_SIZE``
-set) it runs in this process on the real world (ranks beyond ``PP x DP`` stand
-by) and rank 0 compares and reports.
+Without torchrun the twin spawns ``TP x PP x DP`` gloo ranks on the CPU (TP
+capped at 2; ``verify.distributed.spawn``); under torchrun (``RANK`` and
+``WORLD_SIZE`` set) it runs in this process on the real world (ranks beyond
+the twin's stand by) and rank 0 compares and reports.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from verify.preflight.twin import (
 )
 from verify.preflight.twin_worker import (
     TwinCandidate,
-    install_candidate,
     run_twin_rank,
     twin_worker,
 )
@@ -51,9 +50,8 @@ def _run_in_torchrun(plan: TwinPlan, candidate: TwinCandidate) -> tuple[list[Any
         dist.init_process_group("gloo")
     world = dist.get_world_size()
     if world < plan.world_size:
-        raise TwinRunError(f"the twin needs {plan.world_size} ranks (PP x DP), torchrun gave {world}")
-    install_candidate(candidate)
-    mine = run_twin_rank(plan.case, plan.overlap, plan.optimizer)
+        raise TwinRunError(f"the twin needs {plan.world_size} ranks (TP x PP x DP), torchrun gave {world}")
+    mine = run_twin_rank(plan.case, plan.overlap, plan.optimizer, candidate)
     rank = dist.get_rank()
     gathered: list[Any] = [None] * world if rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)

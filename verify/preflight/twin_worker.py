@@ -3,9 +3,8 @@
 A :class:`TwinCandidate` names the fastgrad the twin trains with. Production's
 is the default; tests hand in a deliberately broken one (a drain that runs its
 deferred GEMMs last-in first-out) to prove that preflight notices. The broken
-pieces are installed inside the rank's own process only (spawned children, or
-the caller's process under torchrun, where a test may ask for it), never in the
-parent that compares.
+drain is a fault of the case (``PipelineCase.fault = "lifo_drain"``): each rank
+builds its own output layer with the wrong drain; no library class is changed.
 """
 
 from __future__ import annotations
@@ -35,27 +34,14 @@ class TwinCandidate:
         return self.drain_order == "fifo"
 
 
-def _lifo_drain(layer: Any, reduce_in_flight: Any = None) -> int:
-    """A wrong drain: the deferred GEMMs run newest first (a different fp32 sum order)."""
-    from fastgrad.deferred_wgrad import ColumnParallelOutputLayer
-
-    layer.activation_buffer.reverse()
-    layer.grad_output_buffer.reverse()
-    return _PRODUCTION_DRAIN[ColumnParallelOutputLayer](layer, reduce_in_flight)
-
-
-_PRODUCTION_DRAIN: dict[type, Any] = {}
-
-
-def install_candidate(candidate: TwinCandidate) -> None:
-    """Swap the broken pieces of ``candidate`` into fastgrad, in this process only."""
+def with_candidate(case: Any, candidate: TwinCandidate) -> Any:
+    """``case`` as ``candidate`` runs it: the broken drain is a per-case fault that each rank
+    applies to its own output-layer instance (``verify.checks.pipeline``'s ``"lifo_drain"``)."""
     if candidate.is_production:
-        return
-    from fastgrad.deferred_wgrad import ColumnParallelOutputLayer
+        return case
+    from dataclasses import replace
 
-    _PRODUCTION_DRAIN.setdefault(ColumnParallelOutputLayer,
-                                 ColumnParallelOutputLayer.drain_deferred_wgrad)
-    ColumnParallelOutputLayer.drain_deferred_wgrad = _lifo_drain
+    return replace(case, fault="lifo_drain")
 
 
 def run_on_grid(case: Any, groups: Any, overlap: bool, optimizer: str) -> Any:
@@ -69,11 +55,15 @@ def run_on_grid(case: Any, groups: Any, overlap: bool, optimizer: str) -> Any:
     return run_case_on_rank(case, groups, overlap)
 
 
-def run_twin_rank(case: Any, overlap: bool, optimizer: str = "sgd") -> Any:
-    """Train the twin's case on this rank of the current world; None outside its grid."""
+def run_twin_rank(case: Any, overlap: bool, optimizer: str = "sgd",
+                  candidate: TwinCandidate | None = None) -> Any:
+    """Train the twin's case (as ``candidate`` runs it) on this rank of the current world;
+    None outside its grid."""
     from fastgrad.pipeline import build_parallel_groups
 
-    groups = build_parallel_groups(case.pp_size, case.dp_size, first_rank=case.first_rank)
+    case = with_candidate(case, candidate or TwinCandidate())
+    groups = build_parallel_groups(case.pp_size, case.dp_size, first_rank=case.first_rank,
+                                   tp_size=case.tp_size)
     if groups is None:
         return None
     return run_on_grid(case, groups, overlap, optimizer)
@@ -83,7 +73,7 @@ def twin_phases_worker(rank: int, world_size: int,
                        phases: list[list[tuple[Any, bool, TwinCandidate, str]]]) -> list[list[Any]]:
     """Several twins side by side in one world: ``(case, overlap, candidate, optimizer)`` per grid,
     each grid on ranks ``[case.first_rank, case.first_rank + case.world)``, one phase after
-    another. A candidate is installed only on its grid's ranks (and stays for later phases)."""
+    another. A broken candidate breaks only its own grid's case."""
     del world_size
     import torch.distributed as dist
 
@@ -92,15 +82,15 @@ def twin_phases_worker(rank: int, world_size: int,
     out = []
     for phase in phases:
         # new_group is collective over the whole world: every rank builds every grid first.
-        groups = [build_parallel_groups(case.pp_size, case.dp_size, first_rank=case.first_rank)
+        groups = [build_parallel_groups(case.pp_size, case.dp_size, first_rank=case.first_rank,
+                                   tp_size=case.tp_size)
                   for case, *_ in phase]
         results = []
         for (case, overlap, candidate, optimizer), grid in zip(phase, groups):
             if grid is None:
                 results.append(None)
                 continue
-            install_candidate(candidate)
-            results.append(run_on_grid(case, grid, overlap, optimizer))
+            results.append(run_on_grid(with_candidate(case, candidate), grid, overlap, optimizer))
         out.append(results)
         dist.barrier()
     return out
@@ -110,5 +100,4 @@ def twin_worker(rank: int, world_size: int, case: Any, overlap: bool,
                 candidate: TwinCandidate, optimizer: str = "sgd") -> Any:
     """Spawned entry point (``verify.distributed.spawn``): one rank's results."""
     del rank, world_size  # the grid is read from torch.distributed
-    install_candidate(candidate)
-    return run_twin_rank(case, overlap, optimizer)
+    return run_twin_rank(case, overlap, optimizer, candidate)

@@ -15,7 +15,11 @@ from refgrad.pipeline import (
     stage_param_name,
 )
 
-FAULTS = (None, "reversed_microbatches")
+# Deliberately broken candidates: "reversed_microbatches" feeds each replica's microbatches
+# in reverse; "lifo_drain" gives the last stage an output layer whose deferred-wgrad drain
+# runs newest first (a different fp32 sum order). Each is applied by the rank to its own
+# data or layer instance, never by changing a library class.
+FAULTS = (None, "reversed_microbatches", "lifo_drain")
 
 
 @dataclass(frozen=True)
@@ -36,12 +40,20 @@ class PipelineCase:
     timing: bool = False  # the dedicated timing case: bigger layers, simulator comparison
     fault: str | None = None
     virtual_stages: int = 1  # > 1: interleaved 1F1B, spec has pp_size * virtual_stages stages
+    # Production's bucket rule: only pipeline rank 0's first chunk is bucketed with
+    # ``bucket_size``; every other (stage, chunk) uses this one (None: ``bucket_size`` too).
+    bucket_size_elsewhere: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("pp_size", "dp_size", "bucket_size", "virtual_stages"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"PipelineCase.{name} must be an int >= 1, got {value!r}")
+        if self.bucket_size_elsewhere is not None and (
+                isinstance(self.bucket_size_elsewhere, bool)
+                or not isinstance(self.bucket_size_elsewhere, int) or self.bucket_size_elsewhere < 1):
+            raise ValueError(f"PipelineCase.bucket_size_elsewhere must be None or an int >= 1, "
+                             f"got {self.bucket_size_elsewhere!r}")
         if isinstance(self.first_rank, bool) or not isinstance(self.first_rank, int) \
                 or self.first_rank < 0:
             raise ValueError(f"PipelineCase.first_rank must be an int >= 0, got {self.first_rank!r}")
@@ -51,9 +63,9 @@ class PipelineCase:
         if not self.plans or not all(isinstance(p, StepPlan) for p in self.plans):
             raise ValueError("PipelineCase.plans must be a non-empty tuple of StepPlan")
         if self.virtual_stages > 1:
-            if self.pp_size < 2 or self.spec.output_head or self.timing:
-                raise ValueError("PipelineCase.virtual_stages > 1 needs pp_size >= 2, no output "
-                                 "head and no timing (the interleaved schedule has neither)")
+            if self.pp_size < 2 or self.timing:
+                raise ValueError("PipelineCase.virtual_stages > 1 needs pp_size >= 2 and no timing "
+                                 "(the interleaved schedule has no simulator comparison)")
             bad = [p.num_microbatches for p in self.plans if p.num_microbatches % self.pp_size]
             if bad:
                 raise ValueError(f"PipelineCase.plans: num_microbatches {bad} must be multiples "
@@ -66,10 +78,21 @@ class PipelineCase:
         if self.fault not in FAULTS:
             raise ValueError(f"PipelineCase.fault must be one of {FAULTS}, got {self.fault!r}")
 
+    def bucket_size_for(self, stage: int, chunk: int) -> int:
+        """The DDP bucket size of model chunk ``chunk`` on pipeline stage ``stage``."""
+        if (stage, chunk) == (0, 0) or self.bucket_size_elsewhere is None:
+            return self.bucket_size
+        return self.bucket_size_elsewhere
+
+    @property
+    def tp_size(self) -> int:
+        """Tensor-parallel ranks per (stage, DP rank): ``spec.tensor_parallel``."""
+        return self.spec.tensor_parallel
+
     @property
     def world(self) -> int:
-        """Ranks the grid occupies: ``pp_size * dp_size``."""
-        return self.pp_size * self.dp_size
+        """Ranks the grid occupies: ``tp_size * pp_size * dp_size``."""
+        return self.tp_size * self.pp_size * self.dp_size
 
 
 @dataclass
@@ -78,6 +101,7 @@ class RankResult:
 
     stage: int
     dp_rank: int
+    tp_rank: int = 0
     losses: list[list[float]] = field(default_factory=list)
     grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
     params: list[dict[str, torch.Tensor]] = field(default_factory=list)

@@ -13,14 +13,15 @@ from refgrad.pipeline import (
     StageModule,
     head_weight_init,
     microbatch_data,
-    microbatch_loss,
     sgd_update,
     stage_param_name,
 )
+from refgrad.pipeline_tp import head_shard, loss_target, sequence_shard, splits_loss, stage_loss
 from verify.checks.pipeline.cases import PipelineCase, RankResult
 
 
-def case_ddp_config(case: PipelineCase, overlap: bool):
+def case_ddp_config(case: PipelineCase, overlap: bool, stage: int, chunk: int = 0):
+    """The DDP config of one model chunk of ``case`` on ``stage``."""
     from fastgrad.config import DDPConfig
 
     return DDPConfig(
@@ -28,7 +29,7 @@ def case_ddp_config(case: PipelineCase, overlap: bool):
         reduce_scatter_with_fp32_accumulation=case.reduce_scatter_with_fp32_accumulation,
         average_in_collective=case.reduction == "avg",
         overlap_grad_reduce=overlap,
-        bucket_size=case.bucket_size,
+        bucket_size=case.bucket_size_for(stage, chunk),
     )
 
 
@@ -70,6 +71,39 @@ class _RecordingSync:
         return getattr(self.ddp, name)
 
 
+def rank_microbatches(case: PipelineCase, groups: Any, step: int, m: int) -> tuple[list, list, Any]:
+    """This rank's ``(inputs, targets, loss_fn)`` for one step: its replica's data, its
+    sequence shard of the inputs under SP, the part of each target its (partial) loss covers."""
+    spec = case.spec
+    inputs, targets = microbatch_data(spec, groups.dp_rank, step, m)
+    if case.fault == "reversed_microbatches":
+        inputs, targets = inputs[::-1], targets[::-1]
+    inputs = [sequence_shard(spec, x, groups.tp_rank) for x in inputs]
+    targets = [loss_target(spec, t, groups.tp_rank) for t in targets]
+    return inputs, targets, lambda out, target: stage_loss(spec, out, target, m)
+
+
+def total_losses(case: PipelineCase, groups: Any, losses: list[torch.Tensor]) -> list[float]:
+    """The step's losses: partial losses summed over the TP group (production's all-reduce)."""
+    if losses and splits_loss(case.spec):
+        stacked = torch.stack(losses)
+        dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=groups.tp_group)
+        losses = list(stacked)
+    return [float(v) for v in losses]
+
+
+def _mark_replicated(case: PipelineCase, groups: Any, module: torch.nn.Module) -> None:
+    """The blocks are replicated across TP. Under SP their grads are summed over TP after the
+    DP sync (``sequence_parallel``); on TP ranks > 0 they are duplicates, left out of a grad
+    norm summed over the model-parallel group (``shared``, as Megatron-Core's
+    ``param_is_not_tensor_parallel_duplicate``)."""
+    for p in module.parameters():
+        if case.spec.sequence_shards > 1:
+            p.sequence_parallel = True
+        if groups.tp_rank > 0:
+            p.shared = True
+
+
 def _step_marker(progress: Any, case: PipelineCase, stage: int, overlap: bool, step: int) -> Any:
     """A timeline listener naming case, stage and step, so a stalled rank says where it was."""
     if progress is None:
@@ -88,14 +122,18 @@ def run_interleaved_case_on_rank(case: PipelineCase, groups: Any, overlap: bool,
     from fastgrad.pipeline_interleaved import forward_backward_interleaved
     from fastgrad.timeline import Timeline
 
-    P, V, stage = case.pp_size, case.virtual_stages, groups.stage
-    chunks = [StageModule(case.spec, c * P + stage) for c in range(V)]
-    named = {stage_param_name(c * P + stage, n): p
-             for c, chunk in enumerate(chunks) for n, p in chunk.named_parameters()}
-    ddps = [DistributedDataParallel(chunk, config=case_ddp_config(case, overlap),
-                                    dp_group=groups.dp_group, average=case.reduction != "sum")
-            for chunk in chunks]
-    result = RankResult(stage=stage, dp_rank=groups.dp_rank)
+    V, stage = case.virtual_stages, groups.stage
+    built = [build_stage_model(case, groups, c) for c in range(V)]
+    chunks = [module for module, *_ in built]
+    named = {n: p for _, per_chunk, _, _ in built for n, p in per_chunk.items()}
+    heads = [head for _, _, head, _ in built]
+    head = next((h for h in heads if h is not None), None)  # last virtual stage only
+    tied = [p for *_, per_chunk in built for p in per_chunk]
+    ddps = [DistributedDataParallel(chunk, config=case_ddp_config(case, overlap, stage, c),
+                                    dp_group=groups.dp_group, average=case.reduction != "sum",
+                                    external_grad_params=[] if heads[c] is None else [heads[c].weight])
+            for c, chunk in enumerate(chunks)]
+    result = RankResult(stage=stage, dp_rank=groups.dp_rank, tp_rank=groups.tp_rank)
     timeline = Timeline(groups.rank)
     for step, plan in enumerate(case.plans):
         timeline.listener = _step_marker(progress, case, groups.stage, overlap, step)
@@ -103,10 +141,10 @@ def run_interleaved_case_on_rank(case: PipelineCase, groups: Any, overlap: bool,
             p.requires_grad_(name not in plan.frozen)
         for ddp in ddps:
             ddp.zero_grad_buffer()
+        if head is not None:
+            head.start_step()
         m = plan.num_microbatches
-        inputs, targets = microbatch_data(case.spec, groups.dp_rank, step, m)
-        if case.fault == "reversed_microbatches":
-            inputs, targets = inputs[::-1], targets[::-1]
+        inputs, targets, loss_fn = rank_microbatches(case, groups, step, m)
         timeline.clear()
         dist.barrier(group=groups.pp_group)
         log: list[tuple[int, tuple[bool, ...]]] = []
@@ -115,16 +153,18 @@ def run_interleaved_case_on_rank(case: PipelineCase, groups: Any, overlap: bool,
             groups=groups,
             grad_syncs=[_RecordingSync(ddps, c, log) for c in range(V)],
             num_microbatches=m,
-            activation_shape=case.spec.activation_shape,
-            loss_fn=lambda out, target, m=m: microbatch_loss(out, target, m),
+            activation_shape=case.spec.stage_activation_shape,
+            loss_fn=loss_fn,
             inputs=inputs if groups.is_first_stage else None,
             targets=targets if groups.is_last_stage else None,
             timeline=timeline,
+            deferred_wgrad=head,
+            embedding_params=tied,
         )
         result.events.append(list(timeline.events))
         for ddp in ddps:
             _full_reduced_grads(ddp, case, groups.dp_group)
-        result.losses.append([float(v) for v in losses])
+        result.losses.append(total_losses(case, groups, losses))
         result.grads.append({n: p.main_grad.detach().clone() for n, p in named.items()})
         result.launch_sites.append(tuple(s for ddp in ddps for s in ddp.last_launch_sites))
         result.chunk_enables.append(log)
@@ -139,26 +179,56 @@ def run_interleaved_case_on_rank(case: PipelineCase, groups: Any, overlap: bool,
     return result
 
 
-def build_stage_model(case: PipelineCase, groups: Any) -> tuple[Any, dict[str, Any], Any, list[Any]]:
-    """This rank's stage of ``case``: ``(module, named params, deferred-wgrad head or None,
-    tied-embedding params)``; the head is the last stage's output layer (``output_head``)."""
-    spec, stage = case.spec, groups.stage
+def output_layer_class(fault: str | None) -> type:
+    """fastgrad's output layer, or (fault ``"lifo_drain"``) a subclass whose drain runs the
+    deferred GEMMs newest first; the fault lives on this rank's instance only."""
+    from fastgrad.deferred_wgrad import ColumnParallelOutputLayer
+
+    if fault != "lifo_drain":
+        return ColumnParallelOutputLayer
+
+    class LifoDrainOutputLayer(ColumnParallelOutputLayer):
+        """A wrong drain: newest deferred (input, grad_output) pair first."""
+
+        def drain_deferred_wgrad(self, reduce_in_flight: Any = None) -> int:
+            self.activation_buffer.reverse()
+            self.grad_output_buffer.reverse()
+            return super().drain_deferred_wgrad(reduce_in_flight)
+
+    return LifoDrainOutputLayer
+
+
+def build_stage_model(case: PipelineCase, groups: Any,
+                      chunk: int = 0) -> tuple[Any, dict[str, Any], Any, list[Any]]:
+    """This rank's model chunk ``chunk`` (virtual stage ``chunk * P + stage``) of ``case``:
+    ``(module, named params, deferred-wgrad head or None, tied-embedding params)``; the head
+    is the last virtual stage's output layer (``output_head``)."""
+    spec = case.spec
+    stage = chunk * case.pp_size + groups.stage  # the virtual stage
     body = StageModule(spec, stage)
+    _mark_replicated(case, groups, body)
     named = {stage_param_name(stage, n): p for n, p in body.named_parameters()}
     module, head, tied = body, None, []
-    if spec.output_head and groups.is_last_stage:
-        from fastgrad.deferred_wgrad import ColumnParallelOutputLayer, EmbeddingWgradConfig
+    if spec.output_head and stage == spec.num_stages - 1:
+        from fastgrad.deferred_wgrad import EmbeddingWgradConfig
 
-        head = ColumnParallelOutputLayer(
-            head_weight_init(spec),
-            EmbeddingWgradConfig(defer_embedding_wgrad_compute=True,
-                                 pipeline_model_parallel_size=case.pp_size),
+        tp = spec.tensor_parallel  # vocab-parallel: this TP rank's rows of the head
+        weight = head_weight_init(spec) if tp == 1 else head_shard(spec, head_weight_init(spec),
+                                                                   groups.tp_rank)
+        head = output_layer_class(case.fault)(
+            weight,
+            EmbeddingWgradConfig(defer_embedding_wgrad_compute=spec.defer_output_wgrad,
+                                 wgrad_deferral_limit=spec.wgrad_deferral_limit,
+                                 pipeline_model_parallel_size=case.pp_size,
+                                 tensor_model_parallel_size=tp,
+                                 sequence_parallel=spec.sequence_parallel),
+            tp_group=groups.tp_group,
         )
         module = BodyWithHead(body, head)
         named[stage_param_name(stage, HEAD_PARAM)] = head.weight
         if spec.tied_embedding:
             tied = [head.weight]
-    if spec.tied_embedding and groups.is_first_stage:
+    if spec.tied_embedding and stage == 0:
         tied = [named[stage_param_name(0, EMBEDDING_PARAM)]]
     for param in tied:
         # Own bucket, same bucket-relative offsets on both stages: the DP shards of the
@@ -183,12 +253,12 @@ def run_case_on_rank(case: PipelineCase, groups: Any, overlap: bool,
     module, named, head, tied = build_stage_model(case, groups)
     ddp = DistributedDataParallel(
         module,
-        config=case_ddp_config(case, overlap),
+        config=case_ddp_config(case, overlap, stage),
         dp_group=groups.dp_group,
         average=case.reduction != "sum",
         external_grad_params=[] if head is None else [head.weight],
     )
-    result = RankResult(stage=stage, dp_rank=groups.dp_rank)
+    result = RankResult(stage=stage, dp_rank=groups.dp_rank, tp_rank=groups.tp_rank)
     timeline = Timeline(groups.rank)
     for step, plan in enumerate(case.plans):
         timeline.listener = _step_marker(progress, case, groups.stage, overlap, step)
@@ -197,10 +267,8 @@ def run_case_on_rank(case: PipelineCase, groups: Any, overlap: bool,
         ddp.zero_grad_buffer()
         if head is not None:
             head.start_step()
-        inputs, targets = microbatch_data(case.spec, groups.dp_rank, step, plan.num_microbatches)
-        if case.fault == "reversed_microbatches":
-            inputs, targets = inputs[::-1], targets[::-1]
         m = plan.num_microbatches
+        inputs, targets, loss_fn = rank_microbatches(case, groups, step, m)
         timeline.clear()
         if case.pp_size > 1:
             dist.barrier(group=groups.pp_group)
@@ -209,8 +277,8 @@ def run_case_on_rank(case: PipelineCase, groups: Any, overlap: bool,
             groups=groups,
             grad_sync=ddp,
             num_microbatches=m,
-            activation_shape=case.spec.activation_shape,
-            loss_fn=lambda out, target, m=m: microbatch_loss(out, target, m),
+            activation_shape=case.spec.stage_activation_shape,
+            loss_fn=loss_fn,
             inputs=inputs if groups.is_first_stage else None,
             targets=targets if groups.is_last_stage else None,
             timeline=timeline,
@@ -219,7 +287,7 @@ def run_case_on_rank(case: PipelineCase, groups: Any, overlap: bool,
         )
         result.events.append(list(timeline.events))
         _full_reduced_grads(ddp, case, groups.dp_group)
-        result.losses.append([float(v) for v in losses])
+        result.losses.append(total_losses(case, groups, losses))
         result.grads.append({n: p.main_grad.detach().clone() for n, p in named.items()})
         result.launch_sites.append(ddp.last_launch_sites)
         with torch.no_grad():
@@ -245,7 +313,8 @@ def pipeline_worker(rank: int, world_size: int, phases: list[list[PipelineCase]]
     for phase in phases:
         mine = []
         for case in phase:
-            groups = build_parallel_groups(case.pp_size, case.dp_size, first_rank=case.first_rank)
+            groups = build_parallel_groups(case.pp_size, case.dp_size, first_rank=case.first_rank,
+                                           tp_size=case.tp_size)
             if groups is not None:
                 mine.append((case, groups))
         for case, groups in mine:

@@ -1,0 +1,209 @@
+"""Reference for the pipeline model with tensor parallelism (TP) and sequence parallelism (SP).
+
+``refgrad.pipeline``'s Linear+tanh stack split as production splits it over a
+TP group of ``T`` ranks (bitwise claims hold for ``T <= 2``, see below):
+
+- the **output head** is vocab- (column-) parallel: TP rank ``k`` holds rows
+  ``k*V/T .. (k+1)*V/T`` of ``W_head`` and computes its logits block
+  ``X · W_kᵀ`` as its own GEMM; its input gradient is ``sum_k G_k · W_k``
+  (production: all-reduced over TP, or reduce-scattered under SP); its weight
+  gradient ``G_kᵀ · X`` is accumulated per shard in the deferral order;
+- the **Linear+tanh blocks** are replicated. Without SP every TP rank runs
+  them on the whole microbatch (identical grads, nothing to sum). With SP TP
+  rank ``k`` runs them on rows ``k*R/T .. (k+1)*R/T`` (its sequence shard; the
+  head all-gathers them), so each rank's microbatch-ordered grad sum covers its
+  rows only; after the DP reduction production all-reduces those grads over TP
+  (``param.sequence_parallel``, as Megatron-Core does for layernorm params):
+  ``R_0 + ... + R_{T-1}``;
+- the **loss** is separable over the split: with a head each TP rank's MSE
+  covers its vocab block, with SP and no head its rows; each partial is
+  ``sum (out - target)^2 / (R * V) / M`` and the reported loss is the TP sum of
+  the partials (production all-reduces them).
+
+This module models the per-rank partial sums with one body copy per sequence
+shard (so their grads stay apart) and one GEMM per vocab block, each of the
+same shape as on the rank. Every TP sum above has ``T`` terms: for ``T = 2``
+it is one fp32 addition, correctly rounded in either order, so fastgrad must
+match bitwise; for ``T > 2`` the backend chooses the order and no bitwise claim
+is made here.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from refgrad.pipeline import LinearStackSpec
+
+
+def validate_tensor_parallel(spec: LinearStackSpec) -> None:
+    """ValueError unless ``spec``'s shapes split over its TP size."""
+    tp = spec.tensor_parallel
+    if spec.tied_embedding:
+        raise ValueError("LinearStackSpec.tied_embedding is not modelled with tensor_parallel > 1 "
+                         "(the first stage's tied weight is a replicated block, not a "
+                         "vocab-parallel embedding)")
+    if spec.output_head and spec.hidden % tp:
+        raise ValueError(f"LinearStackSpec.hidden ({spec.hidden}) must be divisible by "
+                         f"tensor_parallel ({tp}): the head's vocabulary is split over TP")
+    if spec.sequence_parallel and spec.microbatch_size % tp:
+        raise ValueError(f"LinearStackSpec.microbatch_size ({spec.microbatch_size}) must be "
+                         f"divisible by tensor_parallel ({tp}) with sequence_parallel")
+
+
+def splits_loss(spec: LinearStackSpec) -> bool:
+    """Whether each TP rank computes a partial loss (a vocab block, or a sequence shard)."""
+    return spec.tensor_parallel > 1 and (spec.output_head or spec.sequence_parallel)
+
+
+def sequence_shard(spec: LinearStackSpec, rows: torch.Tensor, tp_rank: int) -> torch.Tensor:
+    """TP rank ``tp_rank``'s rows of a microbatch tensor under SP (all rows without)."""
+    shards = spec.sequence_shards
+    if shards == 1:
+        return rows
+    r = rows.shape[0] // shards
+    return rows[tp_rank * r:(tp_rank + 1) * r].contiguous()
+
+
+def loss_target(spec: LinearStackSpec, target: torch.Tensor, tp_rank: int) -> torch.Tensor:
+    """The part of a microbatch's target TP rank ``tp_rank``'s partial loss covers."""
+    if not splits_loss(spec):
+        return target
+    if spec.output_head:
+        block = spec.hidden // spec.tensor_parallel
+        return target[:, tp_rank * block:(tp_rank + 1) * block].contiguous()
+    return sequence_shard(spec, target, tp_rank)
+
+
+def stage_loss(spec: LinearStackSpec, output: torch.Tensor, target_part: torch.Tensor,
+               num_microbatches: int) -> torch.Tensor:
+    """One rank's loss of one microbatch: the MSE over all of it without a split, else this
+    rank's partial ``sum (out - target)^2 / (R * V) / M`` (the partials sum to the MSE)."""
+    from refgrad.pipeline import microbatch_loss
+
+    if not splits_loss(spec):
+        return microbatch_loss(output, target_part, num_microbatches)
+    total = spec.microbatch_size * spec.hidden
+    return (output - target_part).square().sum() / total / num_microbatches
+
+
+def head_shard(spec: LinearStackSpec, head: torch.Tensor, tp_rank: int) -> torch.Tensor:
+    """TP rank ``tp_rank``'s rows of the output head's ``[V, H]`` weight, as its own tensor."""
+    block = spec.hidden // spec.tensor_parallel
+    return head.detach()[tp_rank * block:(tp_rank + 1) * block].clone()
+
+
+def tp_replica_grad_sums(
+    spec: LinearStackSpec,
+    stages: Sequence[nn.Module],
+    named: dict[str, torch.Tensor],
+    head: torch.Tensor | None,
+    step: int,
+    num_microbatches: int,
+    dp_size: int,
+) -> tuple[list[dict[str, torch.Tensor]], list[list[float]]]:
+    """``refgrad.pipeline.replica_grad_sums`` at TP > 1 (see the module docstring).
+
+    Under SP a block parameter's sum has a leading TP dimension (one microbatch-ordered
+    sum per TP rank); the head's ``[V, H]`` sum is the row blocks of every TP rank.
+    """
+    from refgrad.pipeline import (
+        HEAD_PARAM,
+        HeadRecordingWgrad,
+        microbatch_data,
+        stage_param_name,
+    )
+
+    shards, tp = spec.sequence_shards, spec.tensor_parallel
+    head_name = stage_param_name(spec.num_stages - 1, HEAD_PARAM)
+    copies = [list(stages)] + [copy.deepcopy(list(stages)) for _ in range(1, shards)]
+    copy_named = [
+        {stage_param_name(s, n): p for s, st in enumerate(body) for n, p in st.named_parameters()}
+        for body in copies
+    ]
+    body_names = [n for n in named if n != head_name]
+    per_replica_sums: list[dict[str, torch.Tensor]] = []
+    step_losses: list[list[float]] = []
+    for dp_rank in range(dp_size):
+        inputs, targets = microbatch_data(spec, dp_rank, step, num_microbatches)
+        sums = {n: torch.zeros((shards, *named[n].shape)) if shards > 1 else torch.zeros_like(named[n])
+                for n in body_names}
+        if head is not None:
+            sums[head_name] = torch.zeros_like(head)
+        records: list[list[list[tuple[torch.Tensor, torch.Tensor]]]] = []
+        losses: list[float] = []
+        for x, target in zip(inputs, targets):
+            for params in copy_named:
+                for p in params.values():
+                    p.grad = None
+            outs = []
+            for k, body in enumerate(copies):
+                out = sequence_shard(spec, x, k)
+                for stage in body:
+                    out = stage(out)
+                outs.append(out)
+            if head is not None:
+                full = torch.cat(outs) if shards > 1 else outs[0]  # the all-gather
+                # One record per vocab block: autograd may run the blocks' backwards in any order.
+                record: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(tp)]
+                partials = [stage_loss(spec, HeadRecordingWgrad.apply(full, head_shard(spec, head, k),
+                                                                      record[k]),
+                                       loss_target(spec, target, k), num_microbatches)
+                            for k in range(tp)]
+                records.append(record)
+            elif shards > 1:
+                partials = [stage_loss(spec, outs[k], loss_target(spec, target, k), num_microbatches)
+                            for k in range(shards)]
+            else:
+                partials = [stage_loss(spec, outs[0], target, num_microbatches)]
+            loss = partials[0]
+            for part in partials[1:]:
+                loss = loss + part  # the TP all-reduce of the partial losses
+            loss.backward()
+            losses.append(float(loss.detach()))
+            for k, params in enumerate(copy_named):
+                for n, p in params.items():
+                    if p.grad is None:
+                        continue
+                    if shards > 1:
+                        sums[n][k] = sums[n][k] + p.grad
+                    else:
+                        sums[n] = sums[n] + p.grad
+        if head is not None:
+            for m in spec.head_wgrad_order(num_microbatches):
+                wgrad = torch.cat([torch.mm(g.t(), x) for [(g, x)] in records[m]])
+                sums[head_name] = sums[head_name] + wgrad
+        step_losses.append(losses)
+        per_replica_sums.append(sums)
+    return per_replica_sums, step_losses
+
+
+def sum_over_tensor_parallel(spec: LinearStackSpec, reduced: dict[str, torch.Tensor]) -> None:
+    """In place: each block parameter's per-TP-rank DP-reduced grads summed in TP-rank order
+    (the all-reduce of sequence-parallel grads after the DP sync; one add at TP 2)."""
+    from refgrad.pipeline import HEAD_PARAM, stage_param_name
+
+    head_name = stage_param_name(spec.num_stages - 1, HEAD_PARAM)
+    for name, per_rank in reduced.items():
+        if name == head_name:
+            continue
+        total = per_rank[0]
+        for k in range(1, spec.sequence_shards):
+            total = total + per_rank[k]
+        reduced[name] = total
+
+
+def expected_on_rank(spec: LinearStackSpec, name: str, full: torch.Tensor, tp_rank: int) -> torch.Tensor:
+    """What TP rank ``tp_rank`` holds of the reference tensor ``full`` named ``name``: its row
+    block of the vocab-parallel head, every other tensor whole (replicated)."""
+    from refgrad.pipeline import HEAD_PARAM, stage_param_name
+
+    if spec.tensor_parallel == 1 or name != stage_param_name(spec.num_stages - 1, HEAD_PARAM):
+        return full
+    block = spec.hidden // spec.tensor_parallel
+    return full[tp_rank * block:(tp_rank + 1) * block]
