@@ -424,13 +424,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     args = parse_args(argv, world_size, report=rank == 0)
-    if torch.cuda.is_available() and args.pipeline_model_parallel_size > 1:
-        # fastgrad.pipeline allocates its receive buffers on the CPU, which NCCL rejects.
-        if rank == 0:
-            print("train_gpt.py: error: --pipeline-model-parallel-size > 1 runs on gloo (CPU) "
-                  "only for now: fastgrad.pipeline receives activations into CPU tensors; "
-                  "hide the GPUs (CUDA_VISIBLE_DEVICES=) to run it on the CPU", file=sys.stderr)
-        return 2
     runtime = init_distributed(args)
     console = Console(highlight=False, soft_wrap=True)
     try:

@@ -85,15 +85,28 @@ def schedule_1f1b(pp_size: int, stage: int, num_microbatches: int) -> list[tuple
     return order
 
 
+def activation_device(modules: Sequence[nn.Module], device: torch.device | str | None) -> torch.device:
+    """Where received activations and grads live: ``device`` if given, else the device of
+    the first parameter of ``modules`` (CPU when they have none). NCCL needs CUDA buffers."""
+    if device is not None:
+        return torch.device(device)
+    for module in modules:
+        for param in module.parameters():
+            return param.device
+    return torch.device("cpu")
+
+
 class _P2P:
     """Point-to-point exchange with the neighbouring stages of this rank's pipeline."""
 
     def __init__(
-        self, groups: ParallelGroups, shape: tuple[int, ...], dtype: torch.dtype, timeline: Timeline
+        self, groups: ParallelGroups, shape: tuple[int, ...], dtype: torch.dtype, timeline: Timeline,
+        device: torch.device,
     ) -> None:
         self.groups = groups
         self.shape = shape
         self.dtype = dtype
+        self.device = device
         self.timeline = timeline
         stage = groups.stage
         self.prev = groups.pp_ranks[stage - 1] if stage > 0 else None
@@ -118,7 +131,7 @@ class _P2P:
             if send is not None:
                 works.append(dist.isend(send.contiguous(), dst=send_to))
             if recv_from is not None:
-                received = torch.empty(self.shape, dtype=self.dtype)
+                received = torch.empty(self.shape, dtype=self.dtype, device=self.device)
                 works.append(dist.irecv(received, src=recv_from))
             for work in works:
                 work.wait()
@@ -139,6 +152,7 @@ def forward_backward_1f1b(
     timeline: Timeline | None = None,
     deferred_wgrad: DeferredWgradDrain | None = None,
     embedding_params: Sequence[nn.Parameter] = (),
+    device: torch.device | str | None = None,
 ) -> list[torch.Tensor]:
     """Run one 1F1B step; return the last stage's per-microbatch losses (else ``[]``).
 
@@ -150,6 +164,8 @@ def forward_backward_1f1b(
     (a ``fastgrad.deferred_wgrad.ColumnParallelOutputLayer`` on the last stage whose
     weight DDP lists in ``external_grad_params``) is drained after the cooldown,
     then its weight is marked ready; call its ``start_step()`` before this.
+    Received activations and grads are allocated on ``device`` (default: the
+    device of ``stage_module``'s parameters, so NCCL gets CUDA buffers).
     """
     if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int):
         raise TypeError(f"num_microbatches must be an int, got {type(num_microbatches).__name__}")
@@ -162,7 +178,8 @@ def forward_backward_1f1b(
     if embedding_params and groups.pp_size > 1 and groups.embedding_group is None:
         raise ValueError("embedding_params were given but this rank has no embedding group")
     timeline = timeline if timeline is not None else Timeline(groups.rank, enabled=False)
-    p2p = _P2P(groups, tuple(activation_shape), dtype, timeline)
+    p2p = _P2P(groups, tuple(activation_shape), dtype, timeline,
+               activation_device([stage_module], device))
     stage = groups.stage
     warmup = num_warmup_microbatches(groups.pp_size, stage, num_microbatches)
     remaining = num_microbatches - warmup

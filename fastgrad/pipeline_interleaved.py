@@ -47,7 +47,7 @@ from torch import nn
 
 from fastgrad.deferred_wgrad import allreduce_tied_embedding_grad
 from fastgrad.errors import LifecycleError
-from fastgrad.pipeline import DeferredWgradDrain, GradSync, ParallelGroups
+from fastgrad.pipeline import DeferredWgradDrain, GradSync, ParallelGroups, activation_device
 from fastgrad.pipeline_groups import allreduce_sequence_parallel_grads, sequence_parallel_params
 from fastgrad.timeline import Timeline
 
@@ -124,8 +124,10 @@ class _InterleavedP2P:
         shape: tuple[int, ...],
         dtype: torch.dtype,
         timeline: Timeline,
+        device: torch.device,
     ) -> None:
         self.groups = groups
+        self.device = device
         self.num_virtual = groups.pp_size * virtual_stages
         self.num_microbatches = num_microbatches
         self.shape = shape
@@ -151,7 +153,7 @@ class _InterleavedP2P:
 
     def recv(self, my_virtual: int, from_virtual: int, microbatch: int, is_grad: bool) -> torch.Tensor:
         """Receive the activation (or gradient) that ``from_virtual`` sends to ``my_virtual``."""
-        received = torch.empty(self.shape, dtype=self.dtype)
+        received = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         with self.timeline.record("recv", microbatch):
             dist.irecv(received, src=self.rank_of(from_virtual),
                        tag=self.tag(my_virtual, microbatch, is_grad)).wait()
@@ -178,6 +180,7 @@ def forward_backward_interleaved(
     timeline: Timeline | None = None,
     deferred_wgrad: DeferredWgradDrain | None = None,
     embedding_params: Sequence[nn.Parameter] = (),
+    device: torch.device | str | None = None,
 ) -> list[torch.Tensor]:
     """Run one interleaved 1F1B step; return the losses of the last virtual stage (else ``[]``).
 
@@ -212,7 +215,7 @@ def forward_backward_interleaved(
     pp_size, stage = groups.pp_size, groups.stage
     num_virtual = pp_size * virtual_stages
     p2p = _InterleavedP2P(groups, virtual_stages, num_microbatches, tuple(activation_shape),
-                          dtype, timeline)
+                          dtype, timeline, activation_device(chunk_modules, device))
     # (chunk, microbatch) -> (stage input that needs its grad, output to backpropagate)
     in_flight: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
     losses: dict[int, torch.Tensor] = {}

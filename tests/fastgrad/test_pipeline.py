@@ -296,3 +296,14 @@ def test_tensor_parallel_grid_groups_hold_the_hand_derived_ranks():
         for name, ranks in members.items():
             for round_, scale in enumerate((1, 10)):
                 assert got[(name, round_)] == sum(r * scale for r in ranks), (rank, name)
+
+
+def test_receive_buffers_live_on_the_stage_modules_device():
+    """NCCL rejects CPU receive buffers: received activations follow the module's device."""
+    from fastgrad.pipeline import activation_device
+
+    module = torch.nn.Linear(2, 2)
+    assert activation_device([module], None) == torch.device("cpu")
+    assert activation_device([torch.nn.ReLU(), module.to("meta")], None) == torch.device("meta")
+    assert activation_device([torch.nn.ReLU()], None) == torch.device("cpu")
+    assert activation_device([module], "meta") == torch.device("meta")
