@@ -39,6 +39,7 @@ rule for a one-digit significand; this is the convention chosen and documented.
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -105,8 +106,9 @@ class FloatFormat:
         # Without subnormals, exponent field 0 is an ordinary (normal) binade.
         return 1 - self.bias if self.has_subnormals else -self.bias
 
-    @property
+    @functools.cached_property
     def max_finite(self) -> Fraction:
+        # Cached (the format is immutable): every rounding compares against it.
         return decode(self, self.max_finite_bits)
 
     @property
