@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from refgrad.formats import FloatFormat
+from refgrad.formats import FloatFormat, floor_log2
 
 
 def _nearest(fmt: FloatFormat, value: Fraction) -> tuple[int, int]:
@@ -22,11 +22,7 @@ def _nearest(fmt: FloatFormat, value: Fraction) -> tuple[int, int]:
     (the quantum at this magnitude, ties to even) without its range checks.
     """
     numerator, denominator = abs(value.numerator), value.denominator
-    # floor(log2(|value|)): e or e - 1, since 2^(e-1) < |value| < 2^(e+1) by the bit lengths.
-    e = numerator.bit_length() - denominator.bit_length()
-    if numerator << max(-e, 0) < denominator << max(e, 0):
-        e -= 1
-    quantum_exp = max(e, fmt.min_exponent) - fmt.mantissa_bits
+    quantum_exp = max(floor_log2(abs(value)), fmt.min_exponent) - fmt.mantissa_bits
     if quantum_exp < 0:
         numerator <<= -quantum_exp
     else:

@@ -112,3 +112,17 @@ def test_to_tensor_overflow_keeps_the_formats_policy():
     """refgrad.optim.to_tensor: a value beyond fp16's range is +-inf, as round_to_bits makes it."""
     out = to_tensor([Fraction(70000), Fraction(-1, 3), Fraction(-70000)], (3,), torch.float16)
     assert out.tolist() == [float("inf"), float(torch.tensor(-1 / 3, dtype=torch.float16)), float("-inf")]
+
+
+def test_floor_log2_by_its_definition():
+    """2**e <= x < 2**(e+1), on dyadic and non-dyadic rationals on both sides of powers of two
+    (round_to_bits and round_rational both rest on it)."""
+    rng = random.Random(3)
+    values = [Fraction(1, 3), Fraction(2, 3), Fraction(4, 3), Fraction(3, 4), Fraction(1), Fraction(7, 7 * 2**40)]
+    for k in range(-160, 160, 7):
+        power = Fraction(2) ** k
+        values += [power, power * Fraction(999, 1000), power * Fraction(1001, 1000), power * Fraction(2**60 - 1, 2**60)]
+    values += [Fraction(rng.randrange(1, 10**40), rng.randrange(1, 10**40)) for _ in range(2000)]
+    for x in values:
+        e = F.floor_log2(x)
+        assert Fraction(2) ** e <= x < Fraction(2) ** (e + 1), x
