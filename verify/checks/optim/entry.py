@@ -291,7 +291,9 @@ def check_mxfp8(rec: CheckRecorder, mxfp8_runs: list[tuple[str, bool, bool]],
     keys = [(kind, _trajectory_inputs(runs)) for (kind, _, _), runs in zip(mxfp8_runs, all_runs)]
     distinct = list(dict.fromkeys(keys))
     inputs = [(kind, all_runs[keys.index((kind, key))]) for kind, key in distinct]
-    trajectories = spawn(_mxfp8_references_process, 1, pickle.dumps(inputs), timeout_s=timeout_s)[0] if inputs else []
+    trajectories = []
+    if inputs:
+        trajectories = spawn(_mxfp8_references_process, 1, pickle.dumps(inputs), timeout_s=timeout_s)[0]
     for index, (kind, sharing, grad_fp32) in enumerate(mxfp8_runs):
         runs = all_runs[index]
         label = (f"optim MXFP8 DP=2 {kind} sharing {'on' if sharing else 'off'} "
