@@ -39,6 +39,7 @@ rule for a one-digit significand; this is the convention chosen and documented.
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -105,8 +106,9 @@ class FloatFormat:
         # Without subnormals, exponent field 0 is an ordinary (normal) binade.
         return 1 - self.bias if self.has_subnormals else -self.bias
 
-    @property
+    @functools.cached_property
     def max_finite(self) -> Fraction:
+        # Cached (the format is immutable): every rounding compares against it.
         return decode(self, self.max_finite_bits)
 
     @property
@@ -216,31 +218,36 @@ def decode(fmt: FloatFormat, bits: int) -> Value:
     if fmt.has_inf and field == (1 << fmt.exponent_bits) - 1:
         return Special.NEG_INF if negative else Special.POS_INF
     if field == 0 and fmt.has_subnormals:
-        value = Fraction(mantissa) * Fraction(2) ** (fmt.min_exponent - fmt.mantissa_bits)
+        value = times_pow2(mantissa, fmt.min_exponent - fmt.mantissa_bits)
     else:
         significand = (1 << fmt.mantissa_bits) | mantissa
-        value = Fraction(significand) * Fraction(2) ** (field - fmt.bias - fmt.mantissa_bits)
+        value = times_pow2(significand, field - fmt.bias - fmt.mantissa_bits)
     if value == 0:
         return Special.NEG_ZERO if negative else Fraction(0)
     return -value if negative else value
 
 
+def times_pow2(integer: int, exponent: int) -> Fraction:
+    """``integer * 2**exponent`` exactly (built from integers: the hot path of decoding)."""
+    if exponent >= 0:
+        return Fraction(integer << exponent)
+    return Fraction(integer, 1 << -exponent)
+
+
 def floor_log2(x: Fraction) -> int:
     """floor(log2(x)) for x > 0, exactly (shared by every refgrad module that needs it)."""
-    e = x.numerator.bit_length() - x.denominator.bit_length()
-    # 2^e <= x < 2^(e+1) holds after at most one correction in each direction.
-    if Fraction(2) ** e > x:
+    numerator, denominator = x.numerator, x.denominator
+    # By the bit lengths 2^(e-1) < x < 2^(e+1); x < 2^e is compared on integers.
+    e = numerator.bit_length() - denominator.bit_length()
+    if numerator << max(-e, 0) < denominator << max(e, 0):
         e -= 1
-    elif Fraction(2) ** (e + 1) <= x:
-        e += 1
     return e
 
 
 def _round_half_even(x: Fraction) -> int:
     """The integer nearest to x >= 0, ties to the even integer."""
-    floor = x.numerator // x.denominator
-    remainder = x - floor
-    if remainder > Fraction(1, 2) or (remainder == Fraction(1, 2) and floor % 2 == 1):
+    floor, remainder = divmod(x.numerator, x.denominator)  # x - floor = remainder / denominator
+    if 2 * remainder > x.denominator or (2 * remainder == x.denominator and floor % 2 == 1):
         return floor + 1
     return floor
 
@@ -317,13 +324,13 @@ def round_to_bits(fmt: FloatFormat, value: Value | int | float, overflow: str | 
     # normal range it stays at the subnormal quantum.
     exponent = max(floor_log2(magnitude), fmt.min_exponent)
     quantum_exp = exponent - fmt.mantissa_bits
-    significand = _round_half_even(magnitude / Fraction(2) ** quantum_exp)  # THE rounding
+    significand = _round_half_even(magnitude * times_pow2(1, -quantum_exp))  # THE rounding
 
     if significand == 0:
         if not fmt.has_zero:  # e8m0: nothing below 2^-127, so that is the nearest value
             return 0
         return sign
-    rounded = Fraction(significand) * Fraction(2) ** quantum_exp
+    rounded = times_pow2(significand, quantum_exp)
     if rounded > fmt.max_finite:
         return _overflow_bits(fmt, negative, policy)
     return sign | _encode_finite(fmt, rounded)
@@ -333,10 +340,10 @@ def _encode_finite(fmt: FloatFormat, magnitude: Fraction) -> int:
     """The unsigned bit pattern of an exactly representable positive magnitude."""
     exponent = floor_log2(magnitude)
     if exponent < fmt.min_exponent:  # subnormal
-        mantissa = magnitude / Fraction(2) ** (fmt.min_exponent - fmt.mantissa_bits)
+        mantissa = magnitude * times_pow2(1, fmt.mantissa_bits - fmt.min_exponent)
         assert mantissa.denominator == 1, "magnitude is not representable"
         return int(mantissa)
-    scaled = magnitude / Fraction(2) ** (exponent - fmt.mantissa_bits)
+    scaled = magnitude * times_pow2(1, fmt.mantissa_bits - exponent)
     assert scaled.denominator == 1, "magnitude is not representable"
     mantissa = int(scaled) - (1 << fmt.mantissa_bits)
     field = exponent + fmt.bias

@@ -61,21 +61,23 @@ from fractions import Fraction
 
 import torch
 
-from refgrad import formats
+from refgrad import formats, integer_rounding
 
 FLOAT64 = formats.FloatFormat("float64", 11, 52, 1023, True, True, True, True, "ieee", "inf", "float64")
 CLIP_EPS = 1e-6  # Megatron-Core's clip_grad_by_total_norm_fp32: max_norm / (norm + 1e-6)
 
 
 def r32(x: Fraction | int | float) -> Fraction:
-    """``x`` rounded once to fp32 (finite results only: the spec never overflows)."""
-    value = formats.round_to_value(formats.FLOAT32, Fraction(x) if isinstance(x, int) else x)
-    return formats.value_to_fraction(value)
+    """``x`` rounded once to fp32 (finite results only: the spec never overflows).
+
+    ``integer_rounding.round_rational``: ``round_to_value``'s rounding in integer arithmetic.
+    """
+    return integer_rounding.round_rational(formats.FLOAT32, Fraction(x))
 
 
 def r64(x: Fraction | int | float) -> Fraction:
     """``x`` rounded once to fp64."""
-    return formats.value_to_fraction(formats.round_to_value(FLOAT64, x))
+    return integer_rounding.round_rational(FLOAT64, Fraction(x))
 
 
 def sqrt_rounded(fmt: formats.FloatFormat, x: Fraction) -> Fraction:
@@ -96,7 +98,7 @@ def sqrt_rounded(fmt: formats.FloatFormat, x: Fraction) -> Fraction:
     r = math.isqrt(scaled.numerator // scaled.denominator)
     exact = r * r == scaled
     root = Fraction(r, 2**k) if exact else Fraction(2 * r + 1, 2 ** (k + 1))
-    return formats.value_to_fraction(formats.round_to_value(fmt, root))
+    return integer_rounding.round_rational(fmt, root)
 
 
 def values(t: torch.Tensor) -> list[Fraction]:
@@ -267,7 +269,14 @@ def optimizer_step(
 
 def to_tensor(vals: Sequence[Fraction], shape: Sequence[int], dtype: torch.dtype = torch.float32):
     """Exact values rounded to ``dtype`` (once) as a tensor of ``shape``."""
-    return formats.round_values_to_tensor(formats.format_of(dtype), vals, tuple(shape))
+    fmt = formats.format_of(dtype)
+    if fmt.nan_style == "ieee":
+        try:  # the fast form of the same rounding (finite results)
+            bits = [integer_rounding.round_rational_bits(fmt, v) for v in vals]
+            return formats.bits_to_tensor(fmt, bits, tuple(shape))
+        except OverflowError:
+            pass  # the format's overflow policy (inf) applies: the spec's path below
+    return formats.round_values_to_tensor(fmt, vals, tuple(shape))
 
 
 # --------------------------------------------------------------------------- torch comparison

@@ -51,8 +51,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 # Rough wall seconds of each check on 2 CPU cores (full size; --quick takes about half):
 # the progress estimate and --help use them. Unknown checks count as DEFAULT_CHECK_SECONDS.
-ROUGH_CHECK_SECONDS = {"formats": 15, "oracle": 6, "metrics": 1, "layout": 6, "reduce_scatter": 28,
-                       "deferred_wgrad": 18, "pipeline": 16, "mxfp8": 6, "optim": 20}
+ROUGH_CHECK_SECONDS = {"formats": 6, "oracle": 3, "metrics": 1, "layout": 2, "reduce_scatter": 11,
+                       "deferred_wgrad": 10, "pipeline": 9, "mxfp8": 2, "optim": 7}
 DEFAULT_CHECK_SECONDS = 10.0
 QUICK_FACTOR = 0.5
 # Two checks at once: while one check's ranks start or wait in a collective, the

@@ -109,3 +109,23 @@ def test_matrix_covers_every_dimension_in_quick_and_default():
         assert {c.main_grads_fp32 for c in cases} == {True, False}
         assert {c.clip is None for c in cases} == {True, False}
         assert {c.overlap for c in cases} == {True, False}
+
+
+def test_mxfp8_references_are_shared_only_between_runs_with_the_same_inputs():
+    """check_mxfp8 computes refgrad's trajectory once per distinct input: the key must see
+    one bit of one grad, the dtype, and the buffer layout, and nothing else."""
+    import torch
+
+    from verify.checks.optim.entry import _trajectory_inputs
+
+    def runs(grad_value=0.5, dtype=torch.float32, buckets=((0, 4),)):
+        step = {"grads": [torch.full((2,), grad_value, dtype=dtype)], "masters": ["ignored"]}
+        return [{"initial": [torch.ones(4)], "steps": [step], "param_ranges": [(0, 4)],
+                 "buckets": list(buckets), "sharing": r == 0} for r in range(2)]
+
+    base = _trajectory_inputs(runs())
+    assert _trajectory_inputs(runs()) == base  # sharing and masters are not inputs
+    one_ulp = float(torch.nextafter(torch.tensor(0.5), torch.tensor(1.0)))
+    assert _trajectory_inputs(runs(one_ulp)) != base
+    assert _trajectory_inputs(runs(dtype=torch.bfloat16)) != base
+    assert _trajectory_inputs(runs(buckets=((0, 2), (2, 4)))) != base

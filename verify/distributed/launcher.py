@@ -51,7 +51,11 @@ from verify.distributed.progress import ProgressBoard
 # hung run on a laptop still reports within a minute. Checks pass CheckContext.timeout_s.
 DEFAULT_TIMEOUT_S = 60.0
 # Modules the fork server imports once; ImportErrors among them are ignored by CPython.
+# torch imports torch.fx.experimental.symbolic_shapes (and with it sympy) lazily, on a
+# rank's first backward or collective: ~0.5 s per rank on an idle core, paid by every
+# rank of every check when not preloaded.
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch.multiprocessing",
+                   "torch.fx.experimental.symbolic_shapes",
                    "verify.distributed", "refgrad", "fastgrad")
 START_METHODS = ("forkserver", "spawn")
 # Overrides the default start method, e.g. VERIFY_RANK_START_METHOD=spawn for the old

@@ -43,6 +43,11 @@ for biases and norm weights (``param_groups_without_decay_for``). Then:
     with one ``addcdiv_``; the spec rounds ``beta1*m + (1-beta1)*g`` term by term,
     divides ``m`` and ``v`` by fp32 bias corrections and adds eps to ``sqrt(v_hat)``.
 
+Cost: refgrad's trajectories (exact arithmetic, pure Python) run in processes of their
+own (``spawn`` with one rank), the case matrix's while the 4 ranks train, so that they
+do not hold the interpreter lock against the check ``verify run --jobs`` runs beside
+this one; MXFP8 runs with bitwise the same inputs (sharing on and off) share one.
+
 Package layout: ``cases`` (the model, data and matrix, shared with the tests),
 ``expectations`` (refgrad's trajectories), ``mxfp8`` (the MXFP8 runs and their
 refgrad expectations, shared with the tests), ``worker`` (the 4 ranks), ``entry``

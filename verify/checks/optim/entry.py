@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import pickle
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ import torch
 from fastgrad.errors import LifecycleError
 from fastgrad.optim import AdamWConfig, DistributedOptimizer
 from refgrad import optim as R
+from refgrad.formats import tensor_bit_patterns
 from verify.check import CheckContext, CheckRecorder
 from verify.checks.optim.cases import (
     CHECKPOINT_CASE,
@@ -113,17 +115,24 @@ def _references(cases: list[OptimCase], seed: int) -> dict:
     return out
 
 
+def _references_process(rank: int, world: int, cases: list[OptimCase], seed: int) -> dict:
+    """:func:`_references` in a process of its own (``spawn`` with one rank, no candidate code)."""
+    return _references(cases, seed)
+
+
 def check_multi_rank(ctx: CheckContext, rec: CheckRecorder, candidate: OptimCandidate) -> None:
     """The case matrix, the DP=2 resume and the DP=2 -> DP=3 reshard on one 4-rank spawn."""
     cases = case_matrix(ctx.quick)
     seed = ctx.seed % 391  # 391 = 17 * 23: the data patterns' periods
     mxfp8_runs = mxfp8_matrix(ctx.quick) if _supports_mxfp8(rec, candidate) else []
-    # refgrad's (slow, exact) references are computed while the ranks start and train.
+    # refgrad's (slow, exact) references are computed while the ranks start and train, in a
+    # process of their own: pure Python, they would hold this process's interpreter lock
+    # against the check that `verify run --jobs` runs beside this one.
     with ThreadPoolExecutor(max_workers=1) as pool:
-        references = pool.submit(_references, cases, seed)
+        references = pool.submit(spawn, _references_process, 1, cases, seed, timeout_s=ctx.timeout_s)
         per_rank = spawn(rank_worker, WORLD, cases, candidate.optimizer_cls, seed, mxfp8_runs,
                          timeout_s=ctx.timeout_s)
-        expected = references.result()
+        expected = references.result()[0]
     for index, case in enumerate(cases):
         runs = [per_rank[r]["cases"][index] for r in case.ranks]
         _check_case(rec, case, runs, expected["cases"][index])
@@ -168,7 +177,7 @@ def check_multi_rank(ctx: CheckContext, rec: CheckRecorder, candidate: OptimCand
             outcome.startswith("LifecycleError") and "modified between the launch" in outcome,
             outcome[:300],
         )
-    check_mxfp8(rec, mxfp8_runs, [per_rank[0]["mxfp8"], per_rank[1]["mxfp8"]])
+    check_mxfp8(rec, mxfp8_runs, [per_rank[0]["mxfp8"], per_rank[1]["mxfp8"]], ctx.timeout_s)
 
 
 def _expect_raises(rec: CheckRecorder, label: str, fn: Callable[[], object],
@@ -250,19 +259,50 @@ def _supports_mxfp8(rec: CheckRecorder, candidate: OptimCandidate) -> bool:
     return False
 
 
+def _mxfp8_references_process(rank: int, world: int, pickled_inputs: bytes) -> list[dict]:
+    """``refgrad_trajectory`` of each ``(algorithm, runs)``, in a process of its own.
+
+    The inputs come pickled by value: as arguments, torch would pass every tensor's
+    storage as a file descriptor, more than a process start can carry.
+    """
+    return [refgrad_trajectory(runs, kind) for kind, runs in pickle.loads(pickled_inputs)]
+
+
+def _trajectory_inputs(runs: list[dict]) -> bytes:
+    """Everything ``refgrad_trajectory`` reads from the runs, as bytes (equal bytes: equal result)."""
+    parts = [repr([(run["param_ranges"], run["buckets"]) for run in runs]).encode()]
+    for run in runs:
+        tensors = [*run["initial"], *(g for step in run["steps"] for g in step["grads"])]
+        parts += [repr([(t.dtype, tuple(t.shape)) for t in tensors]).encode(),
+                  *(tensor_bit_patterns(t).numpy().tobytes() for t in tensors)]
+    return b"|".join(parts)
+
+
 def check_mxfp8(rec: CheckRecorder, mxfp8_runs: list[tuple[str, bool, bool]],
-                per_rank: list[list[dict]]) -> None:
+                per_rank: list[list[dict]], timeout_s: float) -> None:
     """MXFP8 params at DP=2 (ranks 0-1), with and without buffer sharing: masters, optimizer
-    state and MXFP8 bits after every step bitwise equal to refgrad; sharing on == off."""
+    state and MXFP8 bits after every step bitwise equal to refgrad; sharing on == off.
+
+    refgrad's trajectory is a function of the algorithm, the initial values and the reduced
+    grads only: runs with the same ones bitwise (sharing on and off, when the buffer is
+    right) share one computation, done in a process of its own.
+    """
+    all_runs = [[rank_runs[index] for rank_runs in per_rank] for index in range(len(mxfp8_runs))]
+    keys = [(kind, _trajectory_inputs(runs)) for (kind, _, _), runs in zip(mxfp8_runs, all_runs)]
+    distinct = list(dict.fromkeys(keys))
+    inputs = [(kind, all_runs[keys.index((kind, key))]) for kind, key in distinct]
+    trajectories = []
+    if inputs:
+        trajectories = spawn(_mxfp8_references_process, 1, pickle.dumps(inputs), timeout_s=timeout_s)[0]
     for index, (kind, sharing, grad_fp32) in enumerate(mxfp8_runs):
-        runs = [rank_runs[index] for rank_runs in per_rank]
+        runs = all_runs[index]
         label = (f"optim MXFP8 DP=2 {kind} sharing {'on' if sharing else 'off'} "
                  f"grads {'fp32' if grad_fp32 else 'bf16'}")
         rec.expect(f"{label}: the buffer shares param and grad bytes as asked",
                    all(run["sharing"] == sharing for run in runs))
         rec.expect(f"{label}: the ranks' local grads differ (rank-specific data)",
                    not torch.equal(runs[0]["steps"][0]["grads"][0], runs[1]["steps"][0]["grads"][0]))
-        compare_runs(rec, label, runs, refgrad_trajectory(runs, kind))
+        compare_runs(rec, label, runs, trajectories[distinct.index(keys[index])])
         if sharing and (kind, False, grad_fp32) in mxfp8_runs:
             unshared = mxfp8_runs.index((kind, False, grad_fp32))
             for rank, rank_runs in enumerate(per_rank):
