@@ -104,6 +104,12 @@ def _grads_fp32(kind, g32, g16, buf, k, scratch):
     return scratch[:k].view(np.float32)
 
 
+@njit(**_JIT)
+def _widen(kind, g32, g16, n):
+    scratch = np.empty(n, dtype=np.int32)
+    return _grads_fp32(kind, g32, g16, 0, n, scratch).copy()
+
+
 @njit(parallel=True, **_JIT)
 def _square_bins(work, g32, g16, kind, inv_scale, bins, nonfinite):
     """Per row: int64 sums of the mantissa squares per exponent field, and the NaN/inf count.
@@ -248,3 +254,9 @@ def sgd(work, kind, grad_bits, gscale, table, p, momentum, out_kind, param_bits)
         g32, g16 = grad_arrays(kind, grad_bits)
         out32, out16 = out_arrays(out_kind, param_bits)
         _sgd(work, g32, g16, kind, gscale, table, p, momentum, out_kind, out32, out16)
+
+
+def widen(kind: int, grad_bits: np.ndarray) -> np.ndarray:
+    """The grads the kernels see: ``grad_bits`` widened to fp32 (exact; for tests)."""
+    g32, g16 = grad_arrays(kind, grad_bits)
+    return _widen(kind, g32, g16, grad_bits.shape[0])

@@ -117,27 +117,40 @@ class FusedCpuPath:
         self.out_kind = [out_kinds.get(s.bucket.group.param_dtype, kernels.OUT_NONE)
                          for s in self.shards]
         self.writes_params = [k != kernels.OUT_NONE for k in self.out_kind]
-        self.work = [self._work_rows(s) for s in self.shards]
-        self.norm_elements = int(sum((w[:, 1] - w[:, 0])[w[:, 4] == 1].sum() for w in self.work))
+        rows = [self._work_rows(s) for s in self.shards]
+        self.work = [w for w, _ in rows]
+        self.row_piece = [p for _, p in rows]  # each row's piece index in its shard
 
-    def _work_rows(self, shard: Any) -> np.ndarray:
-        """Rows ``(lo, hi, buf, group, in_norm)`` of at most CHUNK elements: the pieces cut at
-        the param-group runs."""
-        rows = []
-        for piece, (lo, hi) in zip(shard.pieces, shard.offsets):
-            in_norm = 0 if getattr(piece.param, "shared", False) else 1
+    def _mark_norm_rows(self) -> int:
+        """Set the rows' ``in_norm`` from the params' current ``shared`` flags (they may be set
+        after construction, as the torch-op path reads them every step); the element count."""
+        count = 0
+        for shard, work, row_piece in zip(self.shards, self.work, self.row_piece):
+            if work.shape[0]:
+                counted = np.array([not getattr(p.param, "shared", False) for p in shard.pieces])
+                work[:, 4] = counted[row_piece]
+                count += int((work[:, 1] - work[:, 0])[work[:, 4] == 1].sum())
+        return count
+
+    def _work_rows(self, shard: Any) -> tuple[np.ndarray, np.ndarray]:
+        """Rows ``(lo, hi, buf, group, in_norm)`` of at most CHUNK elements (the pieces cut at
+        the param-group runs; ``in_norm`` set per step), and each row's piece index."""
+        rows, row_piece = [], []
+        for index, (piece, (lo, hi)) in enumerate(zip(shard.pieces, shard.offsets)):
             shift = piece.buffer_range[0] - lo  # buffer offset = compact index + shift
             for run in shard.runs:
                 a, b = max(lo, run.lo), min(hi, run.hi)
                 for start in range(a, b, self.k.CHUNK):
                     stop = min(start + self.k.CHUNK, b)
-                    rows.append((start, stop, start + shift, run.group, in_norm))
-        return np.array(rows, dtype=np.int64).reshape(-1, 5)
+                    rows.append((start, stop, start + shift, run.group, 1))
+                    row_piece.append(index)
+        return np.array(rows, dtype=np.int64).reshape(-1, 5), np.array(row_piece, dtype=np.int64)
 
     def local_norm(self, inv_scale: float | None) -> tuple[list[int], int]:
         """The exact limbs and NaN/inf count, straight from the grad buffers."""
-        if self.norm_elements > MAX_ELEMENTS:
-            raise OverflowError(f"more than 2^38 elements in one exact norm ({self.norm_elements})")
+        count = self._mark_norm_rows()
+        if count > MAX_ELEMENTS:
+            raise OverflowError(f"more than 2^38 elements in one exact norm ({count})")
         scale = np.float32(1.0 if inv_scale is None else inv_scale)
         low, high, nonfinite = [0] * 256, [0] * 256, 0
         for shard, kind, work in zip(self.shards, self.grad_kind, self.work):
