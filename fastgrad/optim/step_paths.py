@@ -117,6 +117,7 @@ class FusedCpuPath:
         self.out_kind = [out_kinds.get(s.bucket.group.param_dtype, kernels.OUT_NONE)
                          for s in self.shards]
         self.writes_params = [k != kernels.OUT_NONE for k in self.out_kind]
+        self._powers: dict[int, tuple[int, float, float]] = {}  # group -> (step, beta1^t, beta2^t)
         rows = [self._work_rows(s) for s in self.shards]
         self.work = [w for w, _ in rows]
         self.row_piece = [p for _, p in rows]  # each row's piece index in its shard
@@ -166,7 +167,8 @@ class FusedCpuPath:
         gscale = np.array([1.0 if inv_scale is None else inv_scale, 1.0 if clip is None else clip],
                           dtype=np.float32)
         adamw = isinstance(configs[0], AdamWConfig)
-        table = np.array([self._scalars(c, t) for c, t in zip(configs, steps)], dtype=np.float32)
+        table = np.array([self._scalars(i, c, t) for i, (c, t) in enumerate(zip(configs, steps))],
+                         dtype=np.float32)
         for i, shard in enumerate(self.shards):
             group = shard.bucket.group
             grads, params = _raw_bits(group.grad_data), _raw_bits(group.param_data)
@@ -179,9 +181,10 @@ class FusedCpuPath:
                            shard.master.numpy(), shard.state["momentum_buffer"].numpy(),
                            self.out_kind[i], params)
 
-    def _scalars(self, cfg: OptimizerConfig, step: int) -> list[float]:
-        if isinstance(cfg, AdamWConfig):
-            s = adamw_scalars(cfg, step)
+    def _scalars(self, group: int, cfg: OptimizerConfig, step: int) -> list[float]:
+        if isinstance(cfg, AdamWConfig):  # the running beta^t continues from the last step's
+            s = adamw_scalars(cfg, step, self._powers.get(group))
+            self._powers[group] = (step, s["beta1_power"], s["beta2_power"])
             s["has_wd"] = float(s["wd"] != 0)
             return [s[c] for c in self.k.ADAMW_COLUMNS]
         return [fp32(cfg.lr), fp32(cfg.momentum), fp32(cfg.weight_decay), float(step == 1)]
