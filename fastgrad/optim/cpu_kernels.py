@@ -27,6 +27,7 @@ most ``CHUNK`` elements so that ``prange`` balances the cores.
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 from llvmlite import ir
@@ -204,6 +205,29 @@ def _sgd(work, g32, g16, kind, gscale, table, p, momentum, out_kind, out32, out1
 
 # --------------------------------------------------------------------------- numpy entry points
 
+# numba's parallel kernels run on an OpenMP thread pool (GNU OpenMP here), which a
+# fork()ed child of a process that started it must not use: numba then terminates the
+# child. So a process forked after the pool started gets the same kernels compiled
+# without ``parallel`` (``prange`` becomes ``range``; same bits, one core).
+# The list holds the one process fact this needs: the pid that started the pool.
+_POOL_STARTED_BY: list[int] = []
+_SERIAL = {}
+
+
+def _kernel(parallel_kernel):
+    """``parallel_kernel``, or its one-core twin in a child forked after the pool started."""
+    pid = os.getpid()
+    if not _POOL_STARTED_BY:
+        _POOL_STARTED_BY.append(pid)
+    if _POOL_STARTED_BY[0] == pid:
+        return parallel_kernel
+    name = parallel_kernel.py_func.__name__
+    if name not in _SERIAL:
+        # not cached: numba's cache would hand back the parallel build of the same function
+        _SERIAL[name] = njit(**{**_JIT, "cache": False})(parallel_kernel.py_func)
+    return _SERIAL[name]
+
+
 _EMPTY32 = np.zeros(0, dtype=np.float32)
 _EMPTY16 = np.zeros(0, dtype=np.uint16)
 
@@ -233,7 +257,7 @@ def square_bins(work: np.ndarray, kind: int, grad_bits: np.ndarray, inv_scale: n
     nonfinite = np.empty(rows, dtype=np.int64)
     if rows:
         g32, g16 = grad_arrays(kind, grad_bits)
-        _square_bins(work, g32, g16, kind, np.float32(inv_scale), bins, nonfinite)
+        _kernel(_square_bins)(work, g32, g16, kind, np.float32(inv_scale), bins, nonfinite)
     # each row's bin < 2^63; the halves summed over rows stay below 2^63 for < 2^39 elements
     low = (bins & ((1 << 24) - 1)).sum(axis=0)
     high = (bins >> 24).sum(axis=0)
@@ -245,7 +269,7 @@ def adamw(work, kind, grad_bits, gscale, table, p, m, v, out_kind, param_bits) -
     if work.shape[0]:
         g32, g16 = grad_arrays(kind, grad_bits)
         out32, out16 = out_arrays(out_kind, param_bits)
-        _adamw(work, g32, g16, kind, gscale, table, p, m, v, out_kind, out32, out16)
+        _kernel(_adamw)(work, g32, g16, kind, gscale, table, p, m, v, out_kind, out32, out16)
 
 
 def sgd(work, kind, grad_bits, gscale, table, p, momentum, out_kind, param_bits) -> None:
@@ -253,7 +277,7 @@ def sgd(work, kind, grad_bits, gscale, table, p, momentum, out_kind, param_bits)
     if work.shape[0]:
         g32, g16 = grad_arrays(kind, grad_bits)
         out32, out16 = out_arrays(out_kind, param_bits)
-        _sgd(work, g32, g16, kind, gscale, table, p, momentum, out_kind, out32, out16)
+        _kernel(_sgd)(work, g32, g16, kind, gscale, table, p, momentum, out_kind, out32, out16)
 
 
 def widen(kind: int, grad_bits: np.ndarray) -> np.ndarray:

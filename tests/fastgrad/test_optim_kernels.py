@@ -10,6 +10,9 @@ edges and samples, the norm's bins the exact sum. Each must give refgrad's bits.
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from fractions import Fraction
 
 import numpy as np
@@ -248,3 +251,30 @@ def test_fused_norm_bins_are_the_exact_sum_and_the_torch_ops_limbs(dtype, inv_sc
     limbs = limbs_from_bins(low, high)
     assert limbs == local_square_limbs(finite)[0]
     assert limbs_to_fraction(limbs) == sum(Fraction(x) ** 2 for t in finite for x in t.double().tolist())
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_a_child_forked_after_the_kernels_ran_gets_the_same_bits():
+    """numba terminates a fork()ed child that uses the parent's OpenMP pool; the child gets
+    the one-core build of the kernels instead, with the same bits."""
+    n = 2 * K.CHUNK + 37
+    g = _grads(n, torch.float32, torch.Generator().manual_seed(3))
+    work, raw = _work(n), _raw(_buffer(g))
+    want = K.square_bins(work, K.GRAD_FP32, raw, np.float32(1.0))  # starts the pool here
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 when the bits agree
+        try:
+            os._exit(0 if K.square_bins(work, K.GRAD_FP32, raw, np.float32(1.0)) == want else 3)
+        finally:
+            os._exit(4)
+    deadline = time.monotonic() + 120
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child did not finish within 120 s")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(status) == 0
