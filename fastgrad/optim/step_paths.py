@@ -117,7 +117,8 @@ class FusedCpuPath:
         self.out_kind = [out_kinds.get(s.bucket.group.param_dtype, kernels.OUT_NONE)
                          for s in self.shards]
         self.writes_params = [k != kernels.OUT_NONE for k in self.out_kind]
-        self._powers: dict[int, tuple[int, float, float]] = {}  # group -> (step, beta1^t, beta2^t)
+        # group -> ((beta1, beta2), (step, beta1^step, beta2^step)) of its last update
+        self._powers: dict[int, tuple[tuple[float, float], tuple[int, float, float]]] = {}
         rows = [self._work_rows(s) for s in self.shards]
         self.work = [w for w, _ in rows]
         self.row_piece = [p for _, p in rows]  # each row's piece index in its shard
@@ -183,8 +184,10 @@ class FusedCpuPath:
 
     def _scalars(self, group: int, cfg: OptimizerConfig, step: int) -> list[float]:
         if isinstance(cfg, AdamWConfig):  # the running beta^t continues from the last step's
-            s = adamw_scalars(cfg, step, self._powers.get(group))
-            self._powers[group] = (step, s["beta1_power"], s["beta2_power"])
+            betas, powers = self._powers.get(group, (None, None))  # (same betas: a checkpoint
+            powers = powers if betas == (cfg.beta1, cfg.beta2) else None  # load may change them)
+            s = adamw_scalars(cfg, step, powers)
+            self._powers[group] = ((cfg.beta1, cfg.beta2), (step, s["beta1_power"], s["beta2_power"]))
             s["has_wd"] = float(s["wd"] != 0)
             return [s[c] for c in self.k.ADAMW_COLUMNS]
         return [fp32(cfg.lr), fp32(cfg.momentum), fp32(cfg.weight_decay), float(step == 1)]

@@ -278,3 +278,16 @@ def test_a_child_forked_after_the_kernels_ran_gets_the_same_bits():
             pytest.fail("the forked child did not finish within 120 s")
         time.sleep(0.05)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_fused_path_continues_beta_powers_only_for_the_same_betas():
+    from fastgrad.optim.step_paths import FusedCpuPath
+
+    path = FusedCpuPath([], K)
+    first, loaded = AdamWConfig(lr=1e-3, beta1=0.9), AdamWConfig(lr=1e-3, beta1=0.8, beta2=0.99)
+    fresh = {c: [R.adamw_scalars(R.AdamW(lr=1e-3, beta1=c.beta1, beta2=c.beta2), t) for t in range(1, 8)]
+             for c in (first, loaded)}
+    for cfg, steps in ((first, range(1, 5)), (loaded, range(5, 8)), (first, range(2, 4))):
+        for t in steps:  # a checkpoint load may change the betas or move the step back
+            got = dict(zip(K.ADAMW_COLUMNS, path._scalars(0, cfg, t)))
+            assert all(Fraction(got[k]) == v for k, v in fresh[cfg][t - 1].items() if k in got), (cfg, t)
