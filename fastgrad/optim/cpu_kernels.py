@@ -10,8 +10,8 @@ Bits. Every operation and its order per element is ``refgrad.optim``'s, each
 on fp32 values with one fp32 rounding: numba types ``float32 op float32`` as
 float32, ``fastmath`` is off (LLVM then never contracts ``a*b + c`` into a
 fused multiply-add), and the square root is fp64's rounded to fp32
-(innocuous double rounding, 53 >= 2*24 + 2; LLVM's fp32 ``sqrt`` would be
-correctly rounded too, but this keeps one argument for both paths). The
+(innocuous double rounding, 53 >= 2*24 + 2, as ``update.sqrt_fp32``; LLVM
+knows that and emits the fp32 ``sqrtps``, also correctly rounded). The
 exact norm adds the same integer mantissa squares into per-exponent int64
 bins as ``norm.local_square_limbs``; integer sums are associative, so the
 limbs are identical whatever the chunking or the thread count.
