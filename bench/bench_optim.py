@@ -7,10 +7,12 @@ Usage::
     .venv/bin/python bench/bench_optim.py --out bench/results/optim_cpu.txt
 
 1. The optimizer step (AdamW, weight decay, fp32 params and grads) on N params at
-   DP=1 vs ``torch.optim.AdamW(foreach=True)`` on the same elements, interleaved
-   round by round; the ratio torch/fastgrad (>= 1: fastgrad at least as fast). Then
-   where fastgrad's step spends its time: the exact norm, the update, its
-   correctly rounded sqrt, the cast into the param buffer.
+   DP=1: ``torch.optim.AdamW(foreach=True)``, fastgrad with its fused CPU kernels
+   (the default on CPU) and fastgrad forced onto its torch-op path, on the same
+   elements, interleaved round by round (the machine is shared: only the paired
+   ratios torch/fastgrad mean something; >= 1: fastgrad at least as fast). Then
+   where each fastgrad path spends its time, and the fused kernels' one-off JIT
+   compile time (a fresh process with an empty numba cache) vs a cached start.
 2. With ``overlap_param_gather`` on 2 gloo ranks: the time the forward waits in the
    pre-hooks for the param all-gathers, as a share of the same all-gathers' own
    (synchronous) time. CPU/gloo only for now: the NCCL variant needs one GPU per
@@ -33,6 +35,7 @@ from fastgrad.config import DDPConfig
 from fastgrad.ddp import DistributedDataParallel
 from fastgrad.optim import AdamWConfig, DistributedOptimizer
 from fastgrad.optim.norm import local_square_limbs
+from fastgrad.optim.step_paths import FusedCpuPath, TorchOpsPath
 from fastgrad.optim.update import adamw_update_, sqrt_fp32
 from verify.distributed import spawn
 
@@ -73,8 +76,11 @@ def step_benchmark(numel: int, rounds: int) -> list[str]:
     model = Weights(shapes, g)
     ddp = DistributedDataParallel(model, config=DDPConfig(use_distributed_optimizer=True,
                                                           bucket_size=numel + 1))
-    opt = DistributedOptimizer(ddp, AdamWConfig(lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS,
-                                                weight_decay=WD))
+    cfg = AdamWConfig(lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WD)
+    opt = DistributedOptimizer(ddp, cfg)
+    assert isinstance(opt.path, FusedCpuPath), opt.path.name
+    ops_opt = DistributedOptimizer(ddp, cfg)  # the same buffers, on the torch-op path
+    ops_opt.path = TorchOpsPath(ops_opt.shards)
     ref = [nn.Parameter(w.detach().clone()) for w in model.ws]
     torch_opt = torch.optim.AdamW(ref, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=True)
 
@@ -87,30 +93,73 @@ def step_benchmark(numel: int, rounds: int) -> list[str]:
         for p, gr in zip(ref, grads):
             p.grad = gr.clone()
 
-    times = interleaved({"fastgrad": opt.step, "torch": torch_opt.step},
-                        {"fastgrad": fast_setup, "torch": torch_setup}, rounds)
-    fast, base = statistics.median(times["fastgrad"]), statistics.median(times["torch"])
-    lines = [f"step, {numel:.0e} fp32 params, AdamW wd={WD}, DP=1, median of {rounds} interleaved rounds:",
-             f"  torch.optim.AdamW(foreach=True): {1e3 * base:8.1f} ms",
-             f"  fastgrad DistributedOptimizer:   {1e3 * fast:8.1f} ms",
-             f"  ratio torch/fastgrad: {base / fast:.2f} (goal >= 1)"]
+    candidates = {"torch": torch_opt.step, "fused": opt.step, "torch ops": ops_opt.step}
+    times = interleaved(candidates, {"torch": torch_setup, "fused": fast_setup,
+                                     "torch ops": fast_setup}, rounds)
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    paired = {name: statistics.median(b / f for b, f in zip(times["torch"], times[name]))
+              for name in ("fused", "torch ops")}
+    lines = [f"step, {numel:.0e} fp32 params, AdamW wd={WD}, DP=1, {rounds} interleaved rounds "
+             "(median ms; ratio: median of the per-round ratios torch/fastgrad):",
+             f"  torch.optim.AdamW(foreach=True):            {1e3 * med['torch']:8.1f}",
+             f"  fastgrad DistributedOptimizer (fused CPU):  {1e3 * med['fused']:8.1f}"
+             f"   ratio {paired['fused']:.2f} (goal >= 1)",
+             f"  fastgrad DistributedOptimizer (torch ops):  {1e3 * med['torch ops']:8.1f}"
+             f"   ratio {paired['torch ops']:.2f}"]
     # Where fastgrad's time goes: its parts on the same number of elements.
     flat = torch.cat([gr.reshape(-1) for gr in grads])
     master, m, v = torch.randn(numel, generator=g), torch.zeros(numel), torch.zeros(numel)
-    cfg = opt.config
+    steps = [1] * len(opt.groups)
     parts = {
-        "exact norm (local_square_limbs)": lambda: local_square_limbs([flat]),
-        "adamw_update_ (whole update)": lambda: adamw_update_(master, flat, m, v, cfg, 1),
-        "  of which sqrt_fp32": lambda: sqrt_fp32(v),
-        "  torch.sqrt (not correctly rounded)": lambda: torch.sqrt(v),
-        "fp32 grads copy (grad buffer -> fp32)": lambda: flat.float().clone(),
-        "master -> param buffer cast+copy": lambda: ddp.buffer.groups[0].param_data[:numel].copy_(master),
+        "fused: exact norm (square_bins)": lambda: opt.path.local_norm(None),
+        "fused: AdamW update + param copy": lambda: opt.path.update(opt.groups, steps, None, None),
+        "torch ops: exact norm (local_square_limbs)": lambda: local_square_limbs([flat]),
+        "torch ops: adamw_update_ (whole update)": lambda: adamw_update_(master, flat, m, v, cfg, 1),
+        "torch ops:   of which sqrt_fp32": lambda: sqrt_fp32(v),
+        "torch ops:   torch.sqrt (not correctly rounded)": lambda: torch.sqrt(v),
+        "torch ops: fp32 grads copy": lambda: flat.float().clone(),
+        "torch ops: master -> param buffer copy": lambda: ddp.buffer.groups[0].param_data[:numel].copy_(master),
     }
     part_times = interleaved(parts, dict.fromkeys(parts, lambda: None), max(3, rounds // 2))
     lines.append("  fastgrad's parts (median ms, same elements):")
     for name, ts in part_times.items():
-        lines.append(f"    {name:40s} {1e3 * statistics.median(ts):8.1f}")
+        lines.append(f"    {name:48s} {1e3 * statistics.median(ts):8.1f}")
     return lines
+
+
+_FIRST_STEP = """
+import time; t0 = time.perf_counter()
+import torch
+from torch import nn
+from fastgrad.config import DDPConfig
+from fastgrad.ddp import DistributedDataParallel
+from fastgrad.optim import AdamWConfig, DistributedOptimizer
+model = nn.Linear(8, 8)
+ddp = DistributedDataParallel(model, config=DDPConfig(use_distributed_optimizer=True))
+opt = DistributedOptimizer(ddp, AdamWConfig(lr=1e-3))
+model(torch.ones(2, 8)).sum().backward(); ddp.finish_grad_sync(); opt.step()
+print(time.perf_counter() - t0)
+"""
+
+
+def first_step_seconds(cache_dir: str) -> float:
+    """Seconds from a fresh interpreter to the end of a first (tiny) step, numba cache in ``cache_dir``."""
+    import subprocess
+
+    env = dict(os.environ, NUMBA_CACHE_DIR=cache_dir)
+    out = subprocess.run([sys.executable, "-c", _FIRST_STEP], env=env, check=True,
+                         capture_output=True, text=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def compile_benchmark() -> list[str]:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as cache_dir:
+        cold = first_step_seconds(cache_dir)  # compiles the kernels, fills the cache
+        warm = first_step_seconds(cache_dir)  # loads them from the cache
+    return [f"first step in a fresh process (import + build + step): {cold:.2f} s with an empty "
+            f"numba cache (JIT compile), {warm:.2f} s with it filled"]
 
 
 class Layer(nn.Module):
@@ -180,6 +229,7 @@ def main() -> None:
              f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
              f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"]
     lines += step_benchmark(numel, rounds)
+    lines += compile_benchmark()
     lines += overlap_benchmark(256 if args.quick else 1024, 4, rounds, args.backend)
     lines.append(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     text = "\n".join(lines)

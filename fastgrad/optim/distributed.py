@@ -47,8 +47,8 @@ from fastgrad.optim.config import (
     StepResult,
     fp32,
 )
-from fastgrad.optim.norm import NUM_LIMBS, limbs_to_fraction, local_square_limbs
-from fastgrad.optim.update import adamw_update_, sgd_update_
+from fastgrad.optim.norm import NUM_LIMBS, limbs_to_fraction
+from fastgrad.optim.step_paths import choose_path
 
 CLIP_EPS = 1e-6  # Megatron-Core: clip_coeff = max_norm / (total_norm + 1e-6)
 
@@ -164,11 +164,8 @@ class DistributedOptimizer(CheckpointMixin):
         self.steps = [0] * len(self.groups)
         group_index = {p: i for i, params in enumerate(self.group_params) for p in params}
         self.shards = [self._build_shard(b, group_index) for b in self.buffer.buckets]
-        # one fp32 grad tensor per shard, reused every step (a fresh one costs page faults)
-        self._fp32_grad_storage = [
-            torch.empty(s.master.numel(), dtype=torch.float32, device=s.master.device)
-            for s in self.shards
-        ]
+        # fused CPU kernels or torch ops: same bits (fastgrad.optim.step_paths decides)
+        self.path = choose_path(self.shards, self.buffer, self.mxfp8 is not None)
         # A step needs a grad sync of every bucket finished after the previous step
         # (or after construction): compare each bucket's completed-sync count.
         self._sync_count_at_step = {id(b): b.grad_sync_count for b in self.buffer.buckets}
@@ -288,31 +285,15 @@ class DistributedOptimizer(CheckpointMixin):
         self._hooks.clear()
 
     # -- step
-    def _fp32_grads(self, index: int, inv_scale: float | None) -> torch.Tensor:
-        shard, grads = self.shards[index], self._fp32_grad_storage[index]
-        data = shard.bucket.group.grad_data
-        for (lo, hi), piece in zip(shard.offsets, shard.pieces):
-            a, b = piece.buffer_range
-            grads[lo:hi].copy_(data[a:b])  # exact: fp32, or a widening of bf16/fp16
-        if inv_scale is not None:
-            grads.mul_(inv_scale)
-        return grads
-
     def _all_reduce(self, tensor: torch.Tensor) -> None:
         if self.buffer.distributed:
             dist.all_reduce(tensor, group=self.buffer.dp_group)
         if self.model_parallel_group is not None:
             dist.all_reduce(tensor, group=self.model_parallel_group)
 
-    def global_grad_norm(self, grads: Sequence[torch.Tensor]) -> tuple[float, bool]:
-        """(fp64 global norm, found NaN/inf) over the local shards' grads, all-reduced once."""
-        for_norm, shared = [], []
-        for shard, g in zip(self.shards, grads):
-            for piece, (lo, hi) in zip(shard.pieces, shard.offsets):
-                (shared if getattr(piece.param, "shared", False) else for_norm).append(g[lo:hi])
-        # the pieces partition the grads: NaN/inf counted by the norm pass plus the shared ones
-        limbs, nonfinite = local_square_limbs(for_norm)
-        nonfinite += sum(int((~torch.isfinite(g)).sum()) for g in shared)
+    def global_grad_norm(self, inv_scale: float | None = None) -> tuple[float, bool]:
+        """(fp64 global norm, found NaN/inf) of the (unscaled) grad shards, all-reduced once."""
+        limbs, nonfinite = self.path.local_norm(inv_scale)
         packed = torch.tensor(limbs + [nonfinite], dtype=torch.int64, device=self.buffer.groups[0].grad_data.device)
         self._all_reduce(packed)
         values = packed.tolist()
@@ -344,59 +325,47 @@ class DistributedOptimizer(CheckpointMixin):
         self._sync_count_at_step = {id(b): b.grad_sync_count for b in self.buffer.buckets}
         scale = None if self.loss_scaler is None else self.loss_scaler.scale
         inv_scale = None if scale is None else fp32(1.0 / scale)
-        grads = [self._fp32_grads(i, inv_scale) for i in range(len(self.shards))]
+        norm, found_inf = self.global_grad_norm(inv_scale)  # the torch-op path copies the grads
         if self.mxfp8 is not None:
             self.mxfp8.consume_grads()  # copied out: grad accumulation may start again
-        norm, found_inf = self.global_grad_norm(grads)
         if self.loss_scaler is not None:
             self.loss_scaler.update(found_inf)
         if found_inf or not math.isfinite(norm):
             reason = "NaN/inf in the gradients (flag all-reduced over all ranks): step skipped"
             self.last_result = StepResult(False, reason, norm, scale)
             return self.last_result
-        coef = None
+        coef = c32 = None
         if self.max_grad_norm is not None:
             coef = self.max_grad_norm / (norm + CLIP_EPS)
-            if coef < 1.0:
-                c32 = fp32(coef)
-                for g in grads:
-                    g.mul_(c32)
+            c32 = fp32(coef) if coef < 1.0 else None
         for gi in range(len(self.groups)):
             self.steps[gi] += 1
-        for shard, g in zip(self.shards, grads):
-            for run in shard.runs:
-                cfg, t = self.groups[run.group], self.steps[run.group]
-                sl = slice(run.lo, run.hi)
-                if isinstance(cfg, AdamWConfig):
-                    adamw_update_(shard.master[sl], g[sl], shard.state["exp_avg"][sl],
-                                  shard.state["exp_avg_sq"][sl], cfg, t)
-                else:
-                    sgd_update_(shard.master[sl], g[sl], shard.state["momentum_buffer"][sl], cfg, t == 1)
-        self._publish_all()
+        self.path.update(self.groups, self.steps, inv_scale, c32)
+        self._publish_all(cast=[not w for w in self.path.writes_params])
         reason = "stepped" + (f" (clipped by {coef:.6g})" if coef is not None and coef < 1.0 else "")
         self.last_result = StepResult(True, reason, norm, scale, coef)
         return self.last_result
 
     # -- param publication: cast master shard into the param shard, all-gather
-    def _publish_all(self) -> None:
+    def _publish_all(self, cast: Sequence[bool] | None = None) -> None:
         if self.mxfp8 is not None:
             # Megatron-Core's MXFP8 order, through the front (its guard refuses misuse):
             # stage all shards, then per bucket gather -> quantize -> zero param_data.
             self.mxfp8.stage_master_params(self.master_shards())
             self.mxfp8.gather_all_params()
             return
-        for shard in self.shards:
-            self._publish_bucket(shard)
+        for i, shard in enumerate(self.shards):  # cast[i] False: the update wrote the param copy
+            self._publish_bucket(shard, cast=True if cast is None else cast[i])
         if not self.overlap_param_gather:
             self.finish_param_sync()
 
-    def _publish_bucket(self, shard: _BucketShard) -> None:
+    def _publish_bucket(self, shard: _BucketShard, cast: bool = True) -> None:
         bucket = shard.bucket
-        data = bucket.group.param_data
-        cast = shard.master.to(bucket.group.param_dtype)
-        for piece, (lo, hi) in zip(shard.pieces, shard.offsets):
-            a, b = piece.buffer_range
-            data[a:b].copy_(cast[lo:hi])
+        if cast:
+            data, values = bucket.group.param_data, shard.master.to(bucket.group.param_dtype)
+            for piece, (lo, hi) in zip(shard.pieces, shard.offsets):
+                a, b = piece.buffer_range
+                data[a:b].copy_(values[lo:hi])
         if bucket.dp_size > 1:
             shard.gather_handle = all_gather_into(
                 bucket.param_data, bucket.local_param_shard, group=bucket.dp_group, async_op=True

@@ -52,6 +52,12 @@ def _bins_to_integer(low_bins: list[int], high_bins: list[int]) -> int:
     return total
 
 
+def limbs_from_bins(low_bins: list[int], high_bins: list[int]) -> list[int]:
+    """Normalized limbs of per-exponent-field bins of square halves (see ``_bins_to_integer``);
+    the fused CPU kernels (``cpu_kernels.square_bins``) produce such bins."""
+    return _normalize([_bins_to_integer(low_bins, high_bins)])
+
+
 def local_square_limbs(tensors: Iterable[torch.Tensor]) -> tuple[list[int], int]:
     """(normalized limbs of the exact sum of squares, count of NaN/inf elements).
 
@@ -91,7 +97,7 @@ def local_square_limbs(tensors: Iterable[torch.Tensor]) -> tuple[list[int], int]
     nonfinite = 0
     if low_list[-1] or high_list[-1]:  # NaN/inf squares (mantissa >= 2^23) landed in field 255
         nonfinite = sum(int((~torch.isfinite(t)).sum()) for t in tensors)
-    return _normalize([_bins_to_integer(low_list, high_list)]), nonfinite
+    return limbs_from_bins(low_list, high_list), nonfinite
 
 
 def limbs_to_fraction(limbs: Iterable[int]) -> Fraction:

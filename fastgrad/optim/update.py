@@ -33,21 +33,26 @@ def sqrt_fp32(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     return out.copy_(root)
 
 
-def adamw_scalars(config: AdamWConfig, step: int) -> dict[str, float]:
+def adamw_scalars(
+    config: AdamWConfig, step: int, powers: tuple[int, float, float] | None = None
+) -> dict[str, float]:
     """The fp32 scalars of AdamW step ``step`` (1-based), as in ``refgrad.optim.adamw_scalars``.
 
     Each is one fp32 operation on fp32 values computed in fp64 and rounded to
-    fp32: innocuous double rounding (53 >= 2*24 + 2).
+    fp32: innocuous double rounding (53 >= 2*24 + 2). ``powers``: a previous
+    result's ``(k, beta1_power, beta2_power)`` for some ``k <= step``, to continue
+    the running products from there instead of from step 1.
     """
     b1, b2 = fp32(config.beta1), fp32(config.beta2)
-    b1p, b2p = b1, b2
-    for _ in range(step - 1):
+    k, b1p, b2p = powers if powers is not None and powers[0] <= step else (1, b1, b2)
+    for _ in range(step - k):
         b1p, b2p = fp32(b1p * b1), fp32(b2p * b2)
     lr, wd = fp32(config.lr), fp32(config.weight_decay)
     return {
         "lr": lr, "beta1": b1, "beta2": b2, "eps": fp32(config.eps), "wd": wd,
         "one_minus_beta1": fp32(1 - b1), "one_minus_beta2": fp32(1 - b2),
         "bc1": fp32(1 - b1p), "bc2": fp32(1 - b2p), "decay": fp32(1 - fp32(lr * wd)),
+        "beta1_power": b1p, "beta2_power": b2p,
     }
 
 

@@ -1,0 +1,286 @@
+"""Fused CPU kernels (numba) of the optimizer step: one pass per shard per phase.
+
+The torch-op path (``norm.py``, ``update.py``) makes about ten passes over
+memory per element and a copy of the grads; these kernels make one for the
+exact norm and one for the update (which also writes the fp32/bf16 param
+copy), read the grads straight from the grad buffer (fp32, bf16 or fp16,
+widened exactly by bit manipulation), and split the work over the cores.
+
+Bits. Every operation and its order per element is ``refgrad.optim``'s, each
+on fp32 values with one fp32 rounding: numba types ``float32 op float32`` as
+float32, ``fastmath`` is off (LLVM then never contracts ``a*b + c`` into a
+fused multiply-add), and the square root is fp64's rounded to fp32
+(innocuous double rounding, 53 >= 2*24 + 2, as ``update.sqrt_fp32``; LLVM
+knows that and emits the fp32 ``sqrtps``, also correctly rounded). The
+exact norm adds the same integer mantissa squares into per-exponent int64
+bins as ``norm.local_square_limbs``; integer sums are associative, so the
+limbs are identical whatever the chunking or the thread count.
+``tests/fastgrad/test_optim_kernels.py`` checks all of it against refgrad.
+
+Work is described by a table of rows ``(lo, hi, buf, group, in_norm)``:
+shard elements ``[lo, hi)`` (compact optimizer-state index) whose grads (and
+param copy) start at ``buf`` in the bucket group's buffer, updated with param
+group ``group``'s scalars, counted in the norm when ``in_norm``. Rows hold at
+most ``CHUNK`` elements so that ``prange`` balances the cores.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange
+from numba.core import types
+from numba.extending import intrinsic
+
+CHUNK = 1 << 15  # elements per work row: a row's 2^15 squares (< 2^48 each) sum below 2^63
+GRAD_FP32, GRAD_BF16, GRAD_FP16 = 0, 1, 2
+OUT_NONE, OUT_FP32, OUT_BF16 = 0, 1, 2
+ADAMW_COLUMNS = ("lr", "beta1", "beta2", "eps", "decay", "one_minus_beta1", "one_minus_beta2",
+                 "bc1", "bc2", "has_wd")
+SGD_COLUMNS = ("lr", "momentum", "wd", "first")
+_FIELDS = 256
+_COPIES = 4  # bin copies used round-robin: consecutive equal exponents do not wait on each other
+_JIT = {"nogil": True, "cache": True, "fastmath": False, "error_model": "numpy"}
+
+
+@intrinsic
+def _bits_of(typingctx, x):
+    """The int32 bit pattern of a float32 (a register bitcast)."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.int32(types.float32), codegen
+
+
+@intrinsic
+def _float_of(typingctx, x):
+    """The float32 whose bit pattern is the int32 ``x``."""
+    if x != types.int32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.int32), codegen
+
+
+@njit(inline="always", **_JIT)
+def _fp16_to_fp32_bits(h):
+    """Exact widening of fp16 bits ``h`` (int64 in [0, 2^16)) to fp32 bits (int64)."""
+    sign = (h & 0x8000) << 16
+    e = (h >> 10) & 0x1F
+    f = h & 0x3FF
+    if e == 31:  # inf/NaN (payload kept, as torch's conversion)
+        return sign | 0x7F800000 | (f << 13)
+    if e != 0:
+        return sign | ((e + 112) << 23) | (f << 13)
+    if f == 0:
+        return sign
+    shift = 0  # subnormal f * 2^-24: normalize the mantissa
+    while (f & 0x400) == 0:
+        f <<= 1
+        shift += 1
+    return sign | ((113 - shift) << 23) | ((f & 0x3FF) << 13)
+
+
+@njit(inline="always", **_JIT)
+def _grads_fp32(kind, g32, g16, buf, k, scratch):
+    """The row's ``k`` grads from buffer offset ``buf`` as an fp32 array: a view of an
+    fp32 buffer, or bf16/fp16 widened exactly into ``scratch`` (int32, >= k)."""
+    if kind == GRAD_FP32:
+        return g32[buf : buf + k]
+    if kind == GRAD_BF16:
+        for j in range(k):
+            scratch[j] = np.int32(np.int64(g16[buf + j]) << 16)
+    else:
+        for j in range(k):
+            bits = _fp16_to_fp32_bits(np.int64(g16[buf + j]))
+            scratch[j] = np.int32(bits - (1 << 32) if bits >= (1 << 31) else bits)
+    return scratch[:k].view(np.float32)
+
+
+@njit(**_JIT)
+def _widen(kind, g32, g16, n):
+    scratch = np.empty(n, dtype=np.int32)
+    return _grads_fp32(kind, g32, g16, 0, n, scratch).copy()
+
+
+@njit(parallel=True, **_JIT)
+def _square_bins(work, g32, g16, kind, inv_scale, bins, nonfinite):
+    """Per row: int64 sums of the mantissa squares per exponent field, and the NaN/inf count.
+
+    Field 255 (NaN/inf) gets squares too (< 2^48, like every other); callers ignore it.
+    """
+    for r in prange(work.shape[0]):
+        lo, hi, buf, in_norm = work[r, 0], work[r, 1], work[r, 2], work[r, 4]
+        k = hi - lo
+        scratch = np.empty(k, dtype=np.int32)
+        g = _grads_fp32(kind, g32, g16, buf, k, scratch)
+        squares = np.empty(k, dtype=np.int64)
+        fields = np.empty(k, dtype=np.int64)
+        bad = 0
+        for j in range(k):  # vectorized: bits, fields, exact mantissa squares
+            bits = np.int64(_bits_of(g[j] * inv_scale)) & 0x7FFFFFFF
+            field = bits >> 23
+            # normal: (1 << 23) | fraction; subnormal (field 0): the fraction alone
+            mant = bits - (max(field - 1, 0) << 23)
+            squares[j] = mant * mant
+            fields[j] = field
+            bad += field == 255
+        local = np.zeros(_COPIES * _FIELDS, dtype=np.int64)
+        if in_norm:
+            for j in range(k):  # the scatter: round-robin copies break store-to-load chains
+                local[(j & (_COPIES - 1)) * _FIELDS + fields[j]] += squares[j]
+        for c in range(_FIELDS):
+            bins[r, c] = local[c] + local[_FIELDS + c] + local[2 * _FIELDS + c] + local[3 * _FIELDS + c]
+        nonfinite[r] = bad
+
+
+@njit(inline="always", **_JIT)
+def _store_params(out_kind, out32, out16, buf, p):
+    """The row's new fp32 params ``p`` into the param buffer at ``buf``: as they are (fp32) or
+    rounded to nearest even (bf16; NaN -> 0x7FC0, as torch's conversion)."""
+    if out_kind == OUT_FP32:
+        out32[buf : buf + p.size] = p
+    elif out_kind == OUT_BF16:
+        for j in range(p.size):
+            bits = np.int64(_bits_of(p[j])) & 0xFFFFFFFF
+            rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            out16[buf + j] = 0x7FC0 if p[j] != p[j] else rounded
+
+
+@njit(parallel=True, **_JIT)
+def _adamw(work, g32, g16, kind, gscale, table, p, m, v, out_kind, out32, out16):
+    """AdamW on every row, in ``refgrad.optim.adamw_element``'s order; writes the param copy."""
+    inv_scale, clip = gscale[0], gscale[1]
+    for r in prange(work.shape[0]):
+        lo, hi, buf, grp = work[r, 0], work[r, 1], work[r, 2], work[r, 3]
+        lr, b1, b2, eps, decay = table[grp, 0], table[grp, 1], table[grp, 2], table[grp, 3], table[grp, 4]
+        omb1, omb2, bc1, bc2 = table[grp, 5], table[grp, 6], table[grp, 7], table[grp, 8]
+        if table[grp, 9] == 0:
+            decay = np.float32(1.0)  # no weight decay: p * 1 == p
+        k = hi - lo
+        scratch = np.empty(k, dtype=np.int32)
+        g = _grads_fp32(kind, g32, g16, buf, k, scratch)
+        pr, mr, vr = p[lo:hi], m[lo:hi], v[lo:hi]
+        for j in range(k):
+            gj = (g[j] * inv_scale) * clip  # x * 1 == x: unscaling / clipping off cost no bits
+            pj = pr[j] * decay
+            mj = mr[j] * b1 + gj * omb1
+            vj = vr[j] * b2 + (gj * gj) * omb2
+            denom = np.float32(math.sqrt(np.float64(vj / bc2))) + eps
+            pr[j] = pj - lr * ((mj / bc1) / denom)
+            mr[j] = mj
+            vr[j] = vj
+        _store_params(out_kind, out32, out16, buf, pr)
+
+
+@njit(parallel=True, **_JIT)
+def _sgd(work, g32, g16, kind, gscale, table, p, momentum, out_kind, out32, out16):
+    """SGD (torch semantics, dampening 0) on every row, in ``refgrad.optim.sgd_element``'s order."""
+    inv_scale, clip = gscale[0], gscale[1]
+    for r in prange(work.shape[0]):
+        lo, hi, buf, grp = work[r, 0], work[r, 1], work[r, 2], work[r, 3]
+        lr, mu, wd, first = table[grp, 0], table[grp, 1], table[grp, 2], table[grp, 3] != 0
+        k = hi - lo
+        scratch = np.empty(k, dtype=np.int32)
+        g = _grads_fp32(kind, g32, g16, buf, k, scratch)
+        pr, br = p[lo:hi], momentum[lo:hi]
+        for j in range(k):
+            gj = (g[j] * inv_scale) * clip
+            if wd != 0:
+                gj = gj + wd * pr[j]
+            if mu != 0:
+                gj = gj if first else mu * br[j] + gj
+                br[j] = gj
+            pr[j] = pr[j] - lr * gj
+        _store_params(out_kind, out32, out16, buf, pr)
+
+
+# --------------------------------------------------------------------------- numpy entry points
+
+# numba's parallel kernels run on an OpenMP thread pool (GNU OpenMP here), which a
+# fork()ed child of a process that started it must not use: numba then terminates the
+# child. So a process forked after the pool started gets the same kernels compiled
+# without ``parallel`` (``prange`` becomes ``range``; same bits, one core).
+# The list holds the one process fact this needs: the pid that started the pool.
+_POOL_STARTED_BY: list[int] = []
+_SERIAL = {}
+
+
+def _kernel(parallel_kernel):
+    """``parallel_kernel``, or its one-core twin in a child forked after the pool started."""
+    pid = os.getpid()
+    if not _POOL_STARTED_BY:
+        _POOL_STARTED_BY.append(pid)
+    if _POOL_STARTED_BY[0] == pid:
+        return parallel_kernel
+    name = parallel_kernel.py_func.__name__
+    if name not in _SERIAL:
+        # not cached: numba's cache would hand back the parallel build of the same function
+        _SERIAL[name] = njit(**{**_JIT, "cache": False})(parallel_kernel.py_func)
+    return _SERIAL[name]
+
+
+_EMPTY32 = np.zeros(0, dtype=np.float32)
+_EMPTY16 = np.zeros(0, dtype=np.uint16)
+
+
+def grad_arrays(kind: int, grad_bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(g32, g16)`` for the kernels from a grad buffer's raw bits (the unused one empty)."""
+    if kind == GRAD_FP32:
+        return grad_bits.view(np.float32), _EMPTY16
+    return _EMPTY32, grad_bits.view(np.uint16)
+
+
+def out_arrays(out_kind: int, param_bits: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """``(out32, out16)`` for the kernels from a param buffer's raw bits."""
+    if out_kind == OUT_FP32:
+        return param_bits.view(np.float32), _EMPTY16
+    if out_kind == OUT_BF16:
+        return _EMPTY32, param_bits.view(np.uint16)
+    return _EMPTY32, _EMPTY16
+
+
+def square_bins(work: np.ndarray, kind: int, grad_bits: np.ndarray, inv_scale: np.float32
+                ) -> tuple[list[int], list[int], int]:
+    """``(low, high, nonfinite)``: the 24-bit halves of the per-field square sums (as
+    ``norm._bins_to_integer`` takes them) and the count of NaN/inf grads."""
+    rows = work.shape[0]
+    bins = np.empty((rows, _FIELDS), dtype=np.int64)
+    nonfinite = np.empty(rows, dtype=np.int64)
+    if rows:
+        g32, g16 = grad_arrays(kind, grad_bits)
+        _kernel(_square_bins)(work, g32, g16, kind, np.float32(inv_scale), bins, nonfinite)
+    # each row's bin < 2^63; the halves summed over rows stay below 2^63 for < 2^39 elements
+    low = (bins & ((1 << 24) - 1)).sum(axis=0)
+    high = (bins >> 24).sum(axis=0)
+    return low.tolist(), high.tolist(), int(nonfinite.sum())
+
+
+def adamw(work, kind, grad_bits, gscale, table, p, m, v, out_kind, param_bits) -> None:
+    """One fused AdamW pass over ``work`` (see the module docstring)."""
+    if work.shape[0]:
+        g32, g16 = grad_arrays(kind, grad_bits)
+        out32, out16 = out_arrays(out_kind, param_bits)
+        _kernel(_adamw)(work, g32, g16, kind, gscale, table, p, m, v, out_kind, out32, out16)
+
+
+def sgd(work, kind, grad_bits, gscale, table, p, momentum, out_kind, param_bits) -> None:
+    """One fused SGD pass over ``work``."""
+    if work.shape[0]:
+        g32, g16 = grad_arrays(kind, grad_bits)
+        out32, out16 = out_arrays(out_kind, param_bits)
+        _kernel(_sgd)(work, g32, g16, kind, gscale, table, p, momentum, out_kind, out32, out16)
+
+
+def widen(kind: int, grad_bits: np.ndarray) -> np.ndarray:
+    """The grads the kernels see: ``grad_bits`` widened to fp32 (exact; for tests)."""
+    g32, g16 = grad_arrays(kind, grad_bits)
+    return _widen(kind, g32, g16, grad_bits.shape[0])
