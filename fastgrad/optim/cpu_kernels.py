@@ -21,17 +21,19 @@ Work is described by a table of rows ``(lo, hi, buf, group, in_norm)``:
 shard elements ``[lo, hi)`` (compact optimizer-state index) whose grads (and
 param copy) start at ``buf`` in the bucket group's buffer, updated with param
 group ``group``'s scalars, counted in the norm when ``in_norm``. Rows hold at
-most ``CHUNK`` elements so that ``prange`` balances the cores.
+most ``CHUNK`` elements, split over threads in contiguous slices (``_run_rows``).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-import os
+import threading
 
 import numpy as np
+import torch
 from llvmlite import ir
-from numba import njit, prange
+from numba import njit
 from numba.core import types
 from numba.extending import intrinsic
 
@@ -42,6 +44,7 @@ ADAMW_COLUMNS = ("lr", "beta1", "beta2", "eps", "decay", "one_minus_beta1", "one
                  "bc1", "bc2", "has_wd")
 SGD_COLUMNS = ("lr", "momentum", "wd", "first")
 _FIELDS = 256
+SLICES_PER_THREAD = 8  # pieces per thread: a slowed thread takes fewer
 _COPIES = 4  # bin copies used round-robin: consecutive equal exponents do not wait on each other
 _JIT = {"nogil": True, "cache": True, "fastmath": False, "error_model": "numpy"}
 
@@ -111,19 +114,19 @@ def _widen(kind, g32, g16, n):
     return _grads_fp32(kind, g32, g16, 0, n, scratch).copy()
 
 
-@njit(parallel=True, **_JIT)
+@njit(**_JIT)
 def _square_bins(work, g32, g16, kind, inv_scale, bins, nonfinite):
     """Per row: int64 sums of the mantissa squares per exponent field, and the NaN/inf count.
 
     Field 255 (NaN/inf) gets squares too (< 2^48, like every other); callers ignore it.
     """
-    for r in prange(work.shape[0]):
+    for r in range(work.shape[0]):
         lo, hi, buf, in_norm = work[r, 0], work[r, 1], work[r, 2], work[r, 4]
         k = hi - lo
         scratch = np.empty(k, dtype=np.int32)
         g = _grads_fp32(kind, g32, g16, buf, k, scratch)
         squares = np.empty(k, dtype=np.int64)
-        fields = np.empty(k, dtype=np.int64)
+        fields = np.empty(k, dtype=np.uint8)
         bad = 0
         for j in range(k):  # vectorized: bits, fields, exact mantissa squares
             bits = np.int64(_bits_of(g[j] * inv_scale)) & 0x7FFFFFFF
@@ -155,11 +158,11 @@ def _store_params(out_kind, out32, out16, buf, p):
             out16[buf + j] = 0x7FC0 if p[j] != p[j] else rounded
 
 
-@njit(parallel=True, **_JIT)
+@njit(**_JIT)
 def _adamw(work, g32, g16, kind, gscale, table, p, m, v, out_kind, out32, out16):
     """AdamW on every row, in ``refgrad.optim.adamw_element``'s order; writes the param copy."""
     inv_scale, clip = gscale[0], gscale[1]
-    for r in prange(work.shape[0]):
+    for r in range(work.shape[0]):
         lo, hi, buf, grp = work[r, 0], work[r, 1], work[r, 2], work[r, 3]
         lr, b1, b2, eps, decay = table[grp, 0], table[grp, 1], table[grp, 2], table[grp, 3], table[grp, 4]
         omb1, omb2, bc1, bc2 = table[grp, 5], table[grp, 6], table[grp, 7], table[grp, 8]
@@ -181,11 +184,11 @@ def _adamw(work, g32, g16, kind, gscale, table, p, m, v, out_kind, out32, out16)
         _store_params(out_kind, out32, out16, buf, pr)
 
 
-@njit(parallel=True, **_JIT)
+@njit(**_JIT)
 def _sgd(work, g32, g16, kind, gscale, table, p, momentum, out_kind, out32, out16):
     """SGD (torch semantics, dampening 0) on every row, in ``refgrad.optim.sgd_element``'s order."""
     inv_scale, clip = gscale[0], gscale[1]
-    for r in prange(work.shape[0]):
+    for r in range(work.shape[0]):
         lo, hi, buf, grp = work[r, 0], work[r, 1], work[r, 2], work[r, 3]
         lr, mu, wd, first = table[grp, 0], table[grp, 1], table[grp, 2], table[grp, 3] != 0
         k = hi - lo
@@ -205,27 +208,43 @@ def _sgd(work, g32, g16, kind, gscale, table, p, momentum, out_kind, out32, out1
 
 # --------------------------------------------------------------------------- numpy entry points
 
-# numba's parallel kernels run on an OpenMP thread pool (GNU OpenMP here), which a
-# fork()ed child of a process that started it must not use: numba then terminates the
-# child. So a process forked after the pool started gets the same kernels compiled
-# without ``parallel`` (``prange`` becomes ``range``; same bits, one core).
-# The list holds the one process fact this needs: the pid that started the pool.
-_POOL_STARTED_BY: list[int] = []
-_SERIAL = {}
+# Parallelism: the kernels are compiled ``nogil`` and one-threaded; the rows are split
+# into contiguous slices run on plain threads, one per intra-op thread torch uses.
+# numba's own parallel backend (an OpenMP pool) is not used: it shares torch's GNU
+# OpenMP runtime, whose idle workers spin after every kernel and took the cores from
+# the gloo progress threads carrying the overlapped param all-gather (the forward's
+# wait doubled in bench/bench_optim.py), and a child fork()ed after that pool started
+# is terminated by numba. Plain threads end with the call: nothing survives a fork.
 
 
-def _kernel(parallel_kernel):
-    """``parallel_kernel``, or its one-core twin in a child forked after the pool started."""
-    pid = os.getpid()
-    if not _POOL_STARTED_BY:
-        _POOL_STARTED_BY.append(pid)
-    if _POOL_STARTED_BY[0] == pid:
-        return parallel_kernel
-    name = parallel_kernel.py_func.__name__
-    if name not in _SERIAL:
-        # not cached: numba's cache would hand back the parallel build of the same function
-        _SERIAL[name] = njit(**{**_JIT, "cache": False})(parallel_kernel.py_func)
-    return _SERIAL[name]
+def _run_rows(kernel, work: np.ndarray, per_row: tuple[np.ndarray, ...], *args) -> None:
+    """``kernel(work[s], *per_row[s], *args)`` over contiguous slices ``s`` of the rows, on
+    this thread and ``torch.get_num_threads() - 1`` helpers that each take the next slice
+    when done (a thread that shares its core with another process's work, or with an
+    OpenMP worker still spinning after the last torch op, then simply takes fewer).
+    Rows are independent (disjoint elements; per-row outputs in ``per_row``), so the
+    split changes no bit."""
+    rows = work.shape[0]
+    workers = max(1, min(torch.get_num_threads(), rows))
+    pieces = min(rows, SLICES_PER_THREAD * workers)
+    bounds = [rows * i // pieces for i in range(pieces + 1)]
+    next_piece = itertools.count()  # next() is atomic under the GIL
+
+    def drain() -> None:
+        for i in iter(next_piece.__next__, None):
+            if i >= pieces:
+                return
+            lo, hi = bounds[i], bounds[i + 1]
+            kernel(work[lo:hi], *(a[lo:hi] for a in per_row), *args)
+
+    helpers = [threading.Thread(target=drain, daemon=True) for _ in range(workers - 1)]
+    for helper in helpers:
+        helper.start()
+    try:
+        drain()
+    finally:
+        for helper in helpers:
+            helper.join()
 
 
 _EMPTY32 = np.zeros(0, dtype=np.float32)
@@ -248,6 +267,11 @@ def out_arrays(out_kind: int, param_bits: np.ndarray | None) -> tuple[np.ndarray
     return _EMPTY32, _EMPTY16
 
 
+def _square_bins_rows(work, bins, nonfinite, g32, g16, kind, inv_scale) -> None:
+    """:func:`_square_bins` with its per-row outputs first (the order ``_run_rows`` passes)."""
+    _square_bins(work, g32, g16, kind, inv_scale, bins, nonfinite)
+
+
 def square_bins(work: np.ndarray, kind: int, grad_bits: np.ndarray, inv_scale: np.float32
                 ) -> tuple[list[int], list[int], int]:
     """``(low, high, nonfinite)``: the 24-bit halves of the per-field square sums (as
@@ -257,7 +281,7 @@ def square_bins(work: np.ndarray, kind: int, grad_bits: np.ndarray, inv_scale: n
     nonfinite = np.empty(rows, dtype=np.int64)
     if rows:
         g32, g16 = grad_arrays(kind, grad_bits)
-        _kernel(_square_bins)(work, g32, g16, kind, np.float32(inv_scale), bins, nonfinite)
+        _run_rows(_square_bins_rows, work, (bins, nonfinite), g32, g16, kind, np.float32(inv_scale))
     # each row's bin < 2^63; the halves summed over rows stay below 2^63 for < 2^39 elements
     low = (bins & ((1 << 24) - 1)).sum(axis=0)
     high = (bins >> 24).sum(axis=0)
@@ -269,7 +293,7 @@ def adamw(work, kind, grad_bits, gscale, table, p, m, v, out_kind, param_bits) -
     if work.shape[0]:
         g32, g16 = grad_arrays(kind, grad_bits)
         out32, out16 = out_arrays(out_kind, param_bits)
-        _kernel(_adamw)(work, g32, g16, kind, gscale, table, p, m, v, out_kind, out32, out16)
+        _run_rows(_adamw, work, (), g32, g16, kind, gscale, table, p, m, v, out_kind, out32, out16)
 
 
 def sgd(work, kind, grad_bits, gscale, table, p, momentum, out_kind, param_bits) -> None:
@@ -277,7 +301,8 @@ def sgd(work, kind, grad_bits, gscale, table, p, momentum, out_kind, param_bits)
     if work.shape[0]:
         g32, g16 = grad_arrays(kind, grad_bits)
         out32, out16 = out_arrays(out_kind, param_bits)
-        _kernel(_sgd)(work, g32, g16, kind, gscale, table, p, momentum, out_kind, out32, out16)
+        _run_rows(_sgd, work, (), g32, g16, kind, gscale, table, p, momentum, out_kind, out32,
+                  out16)
 
 
 def widen(kind: int, grad_bits: np.ndarray) -> np.ndarray:

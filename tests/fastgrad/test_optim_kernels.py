@@ -255,12 +255,13 @@ def test_fused_norm_bins_are_the_exact_sum_and_the_torch_ops_limbs(dtype, inv_sc
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
 def test_a_child_forked_after_the_kernels_ran_gets_the_same_bits():
-    """numba terminates a fork()ed child that uses the parent's OpenMP pool; the child gets
-    the one-core build of the kernels instead, with the same bits."""
+    """A fork()ed child (the fork server's ranks, a DataLoader worker) runs the kernels
+    with the parent's bits and does not hang or get terminated (numba's own OpenMP
+    backend, not used, would terminate it)."""
     n = 2 * K.CHUNK + 37
     g = _grads(n, torch.float32, torch.Generator().manual_seed(3))
     work, raw = _work(n), _raw(_buffer(g))
-    want = K.square_bins(work, K.GRAD_FP32, raw, np.float32(1.0))  # starts the pool here
+    want = K.square_bins(work, K.GRAD_FP32, raw, np.float32(1.0))  # threads ran here
     pid = os.fork()
     if pid == 0:  # the child: exit status 0 when the bits agree
         try:
