@@ -112,7 +112,8 @@ class DistributedOptimizer(CheckpointMixin):
     group (the same param dtype and grad dtype, i.e. ``ddp.buffer.group_of``);
     every trainable param must be in exactly one param group.
     ``max_grad_norm``: clip to this global norm (None: no clipping).
-    ``loss_scaler``: required for fp16 grads, refused otherwise.
+    ``loss_scaler``: required for fp16 grads, optional for a DDP wrapper's fp32 grads,
+    refused for bf16 grads and for an MXFP8 buffer.
     ``model_parallel_group``: the norm and the found-inf flag are also summed
     over it (pipeline stages); params marked ``shared=True`` (a tied
     embedding's second copy) are left out of the norm.
@@ -150,8 +151,13 @@ class DistributedOptimizer(CheckpointMixin):
         grad_dtypes = {g.grad_dtype for g in ddp.buffer.groups}
         if torch.float16 in grad_dtypes and loss_scaler is None:
             raise ValueError("fp16 grads need a loss_scaler (DynamicLossScaler); bf16/fp32 need none")
-        if torch.float16 not in grad_dtypes and loss_scaler is not None:
-            raise ValueError("loss_scaler is only for fp16 grads; this buffer has none")
+        if loss_scaler is not None and torch.float16 not in grad_dtypes:
+            # fp32 grads of a DDP wrapper may carry a scale (Megatron's --loss-scale, or fp16
+            # params with fp32 main grads): powers of two scale and unscale them exactly.
+            if isinstance(ddp, MXFP8ParamGradBuffer) or torch.bfloat16 in grad_dtypes:
+                raise ValueError("loss_scaler is only for fp16 grads, or the fp32 grads of a "
+                                 "DistributedDataParallel; this buffer has "
+                                 f"{'bf16 grads' if torch.bfloat16 in grad_dtypes else 'MXFP8 params'}")
         self.ddp = ddp
         self.mxfp8 = ddp if isinstance(ddp, MXFP8ParamGradBuffer) else None
         self.buffer = ddp.buffer

@@ -6,15 +6,23 @@ engine, deferred output layer and tied embedding as the SGD twin
 (``verify.checks.pipeline.run_case_on_rank``), then steps
 ``fastgrad.optim.DistributedOptimizer`` (AdamW over its reduce-scattered shard;
 the norm summed over the pipeline group, the tied copy on the last stage left
-out) and records its full fp32 master weights and AdamW state
+out; clipped to ``--clip-grad``; the loss scaled as Megatron's grad scaler
+does) and records its full fp32 master weights and AdamW state
 (``state_dict``). The reference runs ``refgrad.pipeline``'s model one replica
 after the other, reduces as ``refgrad.pipeline.reduce_across_replicas`` does,
 and steps ``refgrad.optim.optimizer_step`` (exact arithmetic, one rounding per
-fp32 operation).
+fp32 operation) with the same max norm and loss scale.
+
+Loss scaling in the fp32 twin: the loss is multiplied by the scale ``S`` (a
+power of two) before the backward, so every gradient is exactly ``S`` times the
+unscaled one (no fp32 overflow or underflow at the twin's magnitudes); the
+reference therefore holds its reduced grads times ``S`` and unscales them with
+``r32(1/S)`` as the optimizer must.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +30,72 @@ import torch
 
 ADAMW = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0}
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
+CONSTANT_SCALE_WINDOW = 2**31  # a ConstantGradScaler never grows: a window no twin reaches
+
+
+def _power_of_two(value: float) -> bool:
+    return value > 0 and math.isfinite(value) and math.frexp(value)[0] == 0.5
+
+
+@dataclass(frozen=True)
+class AdamWTwin:
+    """Clipping and loss scaling of the twin's AdamW, taken from the configuration.
+
+    ``loss_scale``: the initial scale (dynamic) or the constant one; None = no
+    scaling. Megatron's ConstantGradScaler is modelled as a scaler that never
+    changes (min = initial, a growth window of 2^31 steps).
+    """
+
+    max_grad_norm: float | None = None
+    loss_scale: float | None = None
+    dynamic: bool = False
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    overlap_param_gather: bool = False  # gather launched by step(), waited in forward pre-hooks
+
+    def __post_init__(self) -> None:
+        if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm)
+                                                   and self.max_grad_norm > 0):
+            raise ValueError(f"AdamWTwin.max_grad_norm must be finite and > 0, got {self.max_grad_norm}")
+        if self.loss_scale is not None and not _power_of_two(self.loss_scale):
+            raise ValueError(f"AdamWTwin.loss_scale must be a power of two, got {self.loss_scale}")
+
+    @property
+    def window(self) -> int:
+        return self.loss_scale_window if self.dynamic else CONSTANT_SCALE_WINDOW
+
+    def scaler(self) -> Any:
+        """fastgrad's DynamicLossScaler for this setting (None without loss scaling)."""
+        from fastgrad.optim import DynamicLossScaler
+
+        if self.loss_scale is None:
+            return None
+        return DynamicLossScaler(initial_scale=self.loss_scale,
+                                 min_scale=self.min_loss_scale if self.dynamic else self.loss_scale,
+                                 growth_interval=self.window, hysteresis=self.hysteresis)
+
+
+def adamw_twin_for(config: Any) -> tuple[AdamWTwin, list[str]]:
+    """The twin's clipping and loss scaling for ``config``, and what it cannot reproduce."""
+    left_out = []
+    max_norm = config.clip_grad if config.clip_grad > 0 else None
+    kind = config.loss_scaling
+    scale = None
+    if kind == "constant":
+        scale = config.loss_scale
+    elif kind == "dynamic":
+        scale = config.initial_loss_scale
+    if scale is not None and not (_power_of_two(scale) and (kind == "constant"
+                                                            or _power_of_two(config.min_loss_scale))):
+        left_out.append(f"loss scale {scale:g} (min {config.min_loss_scale:g}) is not a power of two: "
+                        "unscaling would round, so the twin's AdamW steps unscaled")
+        scale = None
+    return AdamWTwin(max_grad_norm=max_norm, loss_scale=scale, dynamic=kind == "dynamic",
+                     min_loss_scale=config.min_loss_scale,
+                     loss_scale_window=config.loss_scale_window,
+                     hysteresis=config.hysteresis,
+                     overlap_param_gather=config.overlap_param_gather), left_out
 
 
 @dataclass
@@ -34,9 +108,15 @@ class OptimRankResult:
     grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
     params: list[dict[str, torch.Tensor]] = field(default_factory=list)
     state: list[dict[str, dict[str, torch.Tensor]]] = field(default_factory=list)
+    # per step: (stepped, grad norm, clip coefficient or None, loss scale or None)
+    steps: list[tuple[bool, float, float | None, float | None]] = field(default_factory=list)
+    # per step with overlap_param_gather at DP > 1: (gather in flight after the step,
+    # every gather waited for by the next forward's pre-hooks)
+    gathers_waited_in_hooks: list[tuple[bool, bool]] = field(default_factory=list)
 
 
-def run_optimizer_rank(case: Any, groups: Any, overlap: bool) -> OptimRankResult:
+def run_optimizer_rank(case: Any, groups: Any, overlap: bool,
+                       optim: AdamWTwin | None = None) -> OptimRankResult:
     """Train ``case`` (1F1B, distributed optimizer) on this rank with fastgrad's AdamW."""
     from fastgrad.comm import all_gather_into
     from fastgrad.config import DDPConfig
@@ -49,6 +129,7 @@ def run_optimizer_rank(case: Any, groups: Any, overlap: bool) -> OptimRankResult
     )
     from verify.checks.pipeline.worker import build_stage_model
 
+    optim = optim or AdamWTwin()
     spec, stage = case.spec, groups.stage
     module, named, head, tied = build_stage_model(case, groups)
     if head is not None and spec.tied_embedding:
@@ -56,27 +137,44 @@ def run_optimizer_rank(case: Any, groups: Any, overlap: bool) -> OptimRankResult
     ddp = DistributedDataParallel(
         module,
         config=DDPConfig(use_distributed_optimizer=True, overlap_grad_reduce=overlap,
+                         overlap_param_gather=optim.overlap_param_gather,
                          reduce_scatter_with_fp32_accumulation=case.reduce_scatter_with_fp32_accumulation,
                          average_in_collective=case.reduction == "avg", bucket_size=case.bucket_size),
         dp_group=groups.dp_group, average=case.reduction != "sum",
         external_grad_params=[] if head is None else [head.weight])
-    optimizer = DistributedOptimizer(ddp, AdamWConfig(**ADAMW),
+    optimizer = DistributedOptimizer(ddp, AdamWConfig(**ADAMW), max_grad_norm=optim.max_grad_norm,
+                                     loss_scaler=optim.scaler(),
                                      model_parallel_group=groups.pp_group if case.pp_size > 1 else None)
     name_of = {id(p): n for n, p in named.items()}
     result = OptimRankResult(stage=stage, dp_rank=groups.dp_rank)
+
+    def snapshot() -> None:
+        """The last step's params and optimizer state. Taken once the params are gathered (the
+        next forward's pre-hooks waited): state_dict() would otherwise wait in their place."""
+        result.params.append({n: p.detach().clone() for n, p in named.items()})
+        by_ddp_name = optimizer.state_dict()["params"]
+        result.state.append({name_of[id(p)]: by_ddp_name[ddp.name_of(p)]
+                             for p in named.values() if ddp.name_of(p) in by_ddp_name})
+
     for step, plan in enumerate(case.plans):
         ddp.zero_grad_buffer()
         if head is not None:
             head.start_step()
         m = plan.num_microbatches
+        scale = 1.0 if optimizer.loss_scaler is None else optimizer.loss_scaler.scale
         inputs, targets = microbatch_data(spec, groups.dp_rank, step, m)
+        launched = optimizer.param_gather_in_flight
         losses = forward_backward_1f1b(
             module, groups=groups, grad_sync=ddp, num_microbatches=m,
             activation_shape=spec.activation_shape,
-            loss_fn=lambda out, target, m=m: microbatch_loss(out, target, m),
+            loss_fn=lambda out, target, m=m, s=scale: microbatch_loss(out, target, m) * s,
             inputs=inputs if groups.is_first_stage else None,
             targets=targets if groups.is_last_stage else None,
             deferred_wgrad=head, embedding_params=tied)
+        if step > 0:  # the previous step's params, now gathered by the forward pre-hooks
+            if optimizer.overlap_param_gather and groups.dp_size > 1:
+                result.gathers_waited_in_hooks.append((launched, not optimizer.param_gather_in_flight))
+            snapshot()
         grads = {}
         for bucket in ddp.buffer.buckets:  # each rank reduced only its shard: gather the rest
             full = bucket.grad_data.clone()
@@ -85,13 +183,13 @@ def run_optimizer_rank(case: Any, groups: Any, overlap: bool) -> OptimRankResult
             for p in bucket.params:
                 start, end = bucket.param_to_index[p]
                 grads[name_of[id(p)]] = full[start:end].reshape(p.shape).clone()
-        optimizer.step()
-        result.losses.append([float(v) for v in losses])
+        stepped = optimizer.step()
+        result.losses.append([float(v) / scale for v in losses])  # exact: S is a power of two
         result.grads.append(grads)
-        result.params.append({n: p.detach().clone() for n, p in named.items()})
-        by_ddp_name = optimizer.state_dict()["params"]
-        result.state.append({name_of[id(p)]: by_ddp_name[ddp.name_of(p)]
-                             for p in named.values() if ddp.name_of(p) in by_ddp_name})
+        result.steps.append((stepped.stepped, stepped.grad_norm, stepped.clip_coefficient,
+                             stepped.loss_scale))
+    optimizer.finish_param_sync()  # the last step's gather: no forward follows it
+    snapshot()
     optimizer.remove_hooks()
     ddp.remove_hooks()
     return result
@@ -105,11 +203,13 @@ class OptimReference:
     grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
     params: list[dict[str, torch.Tensor]] = field(default_factory=list)
     state: list[dict[str, dict[str, torch.Tensor]]] = field(default_factory=list)
+    # per step: (stepped, exact norm rounded to fp64, clip coefficient, loss scale)
+    steps: list[tuple[bool, float, float | None, float | None]] = field(default_factory=list)
 
 
-def reference_with_optimizer(case: Any) -> OptimReference:
+def reference_with_optimizer(case: Any, optim: AdamWTwin | None = None) -> OptimReference:
     """The whole model in one process: microbatch-ordered sums, DP reduction, exact AdamW."""
-    from refgrad.optim import AdamW, ParamState, optimizer_step, to_tensor, values
+    from refgrad.optim import AdamW, ParamState, clip_coefficient, optimizer_step, to_tensor, values
     from refgrad.pipeline import (
         HEAD_PARAM,
         StageModule,
@@ -119,6 +219,7 @@ def reference_with_optimizer(case: Any) -> OptimReference:
         stage_param_name,
     )
 
+    optim = optim or AdamWTwin()
     spec = case.spec
     stages = [StageModule(spec, s) for s in range(spec.num_stages)]
     named = {stage_param_name(s, n): p for s, st in enumerate(stages) for n, p in st.named_parameters()}
@@ -130,14 +231,26 @@ def reference_with_optimizer(case: Any) -> OptimReference:
     names = list(named)
     states = {n: ParamState(master=values(p.detach())) for n, p in named.items()}
     hyper = AdamW(**ADAMW)
+    scale, clean_steps = optim.loss_scale, 0
     out = OptimReference()
     for step, plan in enumerate(case.plans):
         per_replica, step_losses = replica_grad_sums(
             spec, stages, named, head, step, plan.num_microbatches, case.dp_size)
         reduced = reduce_and_tie(spec, per_replica, case.reduction)
+        if scale is not None:  # what the scaled backward leaves in the buffer (exact: S = 2^k)
+            reduced = {n: g * scale for n, g in reduced.items()}
         shared = [spec.tied_embedding and n == head_name for n in names]
-        optimizer_step([states[n] for n in names], [reduced[n] for n in names],
-                       [hyper] * len(names), [step + 1] * len(names), shared=shared)
+        stepped, norm = optimizer_step(
+            [states[n] for n in names], [reduced[n] for n in names], [hyper] * len(names),
+            [step + 1] * len(names), shared=shared, max_norm=optim.max_grad_norm, loss_scale=scale)
+        coef = None
+        if stepped and optim.max_grad_norm is not None:
+            coef = float(clip_coefficient(norm, optim.max_grad_norm))
+        out.steps.append((stepped, math.nan if norm is None else float(norm), coef, scale))
+        if scale is not None and stepped:  # Megatron's scaler: grow after `window` clean steps
+            clean_steps += 1
+            if clean_steps == optim.window:
+                scale, clean_steps = scale * 2, 0
         state_now = {}
         with torch.no_grad():
             for n in names:
@@ -151,3 +264,58 @@ def reference_with_optimizer(case: Any) -> OptimReference:
         out.params.append({n: p.detach().clone() for n, p in named.items()})
         out.state.append(state_now)
     return out
+
+
+def compare_optimizer_step(row: Any, reference: Any, ranks: list[Any]) -> None:
+    """The step's outcome (stepped, global grad norm, clip coefficient, loss scale) on every rank
+    vs refgrad's; the norm must match bitwise (exact sum of squares, two fp64 roundings)."""
+    if not hasattr(reference, "steps"):
+        return
+    step = row.step
+    stepped, norm, coef, scale = reference.steps[step]
+    row.grad_norm, row.clip_coefficient, row.loss_scale = norm, coef, scale
+    row.clipped = coef is not None and coef < 1.0
+    for res in ranks:
+        if res is None or not hasattr(res, "steps"):
+            continue
+        got_stepped, got_norm, got_coef, got_scale = res.steps[step]
+        where = f"step {step}: optimizer on stage {res.stage} (replica {res.dp_rank})"
+        if got_stepped != stepped:
+            row.failures.append(f"{where} {'stepped' if got_stepped else 'skipped'}, refgrad "
+                                f"{'stepped' if stepped else 'skipped'}")
+        if got_norm != norm and not (math.isnan(norm) and math.isnan(got_norm)):
+            row.failures.append(f"{where}: global grad norm {got_norm!r}, refgrad {norm!r}")
+        if got_scale != scale:
+            row.failures.append(f"{where}: loss scale {got_scale!r}, refgrad {scale!r}")
+        if (got_coef is not None and got_coef < 1.0) != row.clipped:
+            row.failures.append(f"{where}: {'clipped' if got_coef is not None and got_coef < 1 else 'not clipped'}"
+                                f" (coefficient {got_coef!r}), refgrad coefficient {coef!r}")
+
+
+def _scaling_text(kind: str | None, scale: float | None, config: Any) -> str:
+    if kind is None or scale is None:
+        return "none"
+    if kind == "constant":
+        return f"constant {scale:g}"
+    return (f"dynamic from {scale:g} (min {config.min_loss_scale:g}, x2 after "
+            f"{config.loss_scale_window} clean steps, hysteresis {config.hysteresis})")
+
+
+def optimizer_mapping(config: Any, adamw: AdamWTwin | None) -> tuple[tuple[str, str, str], ...]:
+    """(setting, production, twin) rows for clipping, loss scaling and the param all-gather."""
+    kind = config.loss_scaling
+    production_scale = (config.loss_scale if kind == "constant"
+                        else config.initial_loss_scale if kind == "dynamic" else None)
+    clip = f"global norm <= {config.clip_grad:g}" if config.clip_grad > 0 else "off (--clip-grad 0)"
+    if adamw is None:
+        return (("gradient clipping", clip, "none (SGD twin)"),
+                ("loss scaling", _scaling_text(kind, production_scale, config), "none (SGD twin)"))
+    gather = "waited in forward pre-hooks" if config.overlap_param_gather else "right after the step"
+    return (
+        ("gradient clipping", clip,
+         "none" if adamw.max_grad_norm is None else
+         f"global norm <= {adamw.max_grad_norm:g} (summed over DP and pipeline, tied copy once)"),
+        ("loss scaling", _scaling_text(kind, production_scale, config),
+         _scaling_text("dynamic" if adamw.dynamic else "constant", adamw.loss_scale, config)),
+        ("param all-gather", gather, gather),
+    )
