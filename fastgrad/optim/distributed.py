@@ -39,6 +39,7 @@ from fastgrad.errors import LifecycleError
 from fastgrad.mxfp8 import MXFP8Parameter
 from fastgrad.mxfp8_sharing import MXFP8ParamGradBuffer
 from fastgrad.optim.checkpoint import CheckpointMixin
+from fastgrad.optim.chunks import ModelChunks
 from fastgrad.optim.config import (
     AdamWConfig,
     DynamicLossScaler,
@@ -100,7 +101,8 @@ class _BucketShard:
 class DistributedOptimizer(CheckpointMixin):
     """AdamW or SGD over the shards of ``ddp``'s buffer (``use_distributed_optimizer=True``).
 
-    ``ddp``: a fastgrad ``DistributedDataParallel``, or an
+    ``ddp``: a fastgrad ``DistributedDataParallel``, the ``ModelChunks`` of several
+    (interleaved pipeline stages: one norm and one step over every chunk), or an
     ``MXFP8ParamGradBuffer`` (MXFP8 params; ``step()`` then re-quantizes them
     through the front and ``overlap_param_gather`` launches every bucket's
     gather before the first wait, at the end of the step: there is no module
@@ -123,7 +125,7 @@ class DistributedOptimizer(CheckpointMixin):
 
     def __init__(
         self,
-        ddp: DistributedDataParallel | MXFP8ParamGradBuffer,
+        ddp: DistributedDataParallel | ModelChunks | MXFP8ParamGradBuffer,
         config: OptimizerConfig,
         param_groups: Sequence[dict[str, Any]] | None = None,
         *,
@@ -131,9 +133,9 @@ class DistributedOptimizer(CheckpointMixin):
         loss_scaler: DynamicLossScaler | None = None,
         model_parallel_group: Any = None,
     ) -> None:
-        if not isinstance(ddp, (DistributedDataParallel, MXFP8ParamGradBuffer)):
+        if not isinstance(ddp, (DistributedDataParallel, ModelChunks, MXFP8ParamGradBuffer)):
             raise TypeError(
-                "ddp must be a fastgrad DistributedDataParallel or an MXFP8ParamGradBuffer, "
+                "ddp must be a fastgrad DistributedDataParallel, ModelChunks or an MXFP8ParamGradBuffer, "
                 f"got {type(ddp).__name__}"
             )
         if not isinstance(config, (AdamWConfig, SGDConfig)):

@@ -43,6 +43,11 @@ GROWING_SCALE = ["--pipeline-model-parallel-size", "1", "--data-parallel-size", 
                  "--initial-loss-scale", "256", "--loss-scale-window", "1", "--overlap-grad-reduce",
                  "--overlap-param-gather"]
 
+# PP2 VPP2 DP2 M4, interleaved: one AdamW over both model chunks, both overlaps, clipped.
+INTERLEAVED = ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2",
+               "--data-parallel-size", "2", "--global-batch-size", "8", "--use-distributed-optimizer",
+               "--overlap-grad-reduce", "--overlap-param-gather", "--clip-grad", "0.2"]
+
 
 def _config(flags: list[str]):
     parsed = parse_megatron_flags(MODEL + flags)
@@ -115,24 +120,35 @@ def test_twin_settings_follow_the_configuration():
 # --------------------------------------------------------------------------- multi-rank
 
 
-# name -> (flags, first rank); all in one phase of an 8-rank world.
-LAYOUT = {"clipped_fp16": (CLIPPED_FP16, 0), "constant_scale": (CONSTANT_SCALE, 4),
-          "growing_scale": (GROWING_SCALE, 6)}
+# name -> (flags, first rank, phase); two phases of an 8-rank world.
+LAYOUT = {"clipped_fp16": (CLIPPED_FP16, 0, 0), "constant_scale": (CONSTANT_SCALE, 4, 0),
+          "growing_scale": (GROWING_SCALE, 6, 0), "interleaved": (INTERLEAVED, 0, 1)}
 
 
 def _plans(layout: dict) -> dict:
-    plans = {}
-    for name, (flags, first) in layout.items():
+    """name -> (config, report, plan, phase, index in its phase)."""
+    plans, counts = {}, {}
+    for name, (flags, first, *phase) in layout.items():
         config, report = _config(flags)
         plan = plan_twin(config, STEPS)
-        plans[name] = (config, report, replace(plan, case=replace(plan.case, first_rank=first)))
+        phase = phase[0] if phase else 0
+        counts[phase] = counts.get(phase, -1) + 1
+        plans[name] = (config, report, replace(plan, case=replace(plan.case, first_rank=first)),
+                       phase, counts[phase])
     return plans
+
+
+def _phases(plans: dict) -> list:
+    phases = [[] for _ in range(1 + max(p[3] for p in plans.values()))]
+    for _, _, plan, phase, _ in plans.values():
+        phases[phase].append((plan.case, plan.overlap, TwinCandidate(), plan.rank_optimizer))
+    return phases
 
 
 def _finish(plans: dict, ranks: list, candidate: TwinCandidate) -> dict:
     out = {}
-    for index, (name, (config, report, plan)) in enumerate(plans.items()):
-        results = [r[0][index] for r in ranks]
+    for name, (config, report, plan, phase, index) in plans.items():
+        results = [r[phase][index] for r in ranks]
         passed = finish_twin_report(config, plan, results, report, where="test world",
                                     candidate=candidate)
         out[name] = (report, plan, passed, results)
@@ -142,9 +158,7 @@ def _finish(plans: dict, ranks: list, candidate: TwinCandidate) -> dict:
 @pytest.fixture(scope="module")
 def twins():
     plans = _plans(LAYOUT)
-    phase = [(plan.case, plan.overlap, TwinCandidate(), plan.rank_optimizer)
-             for _, _, plan in plans.values()]
-    return _finish(plans, run_distributed(twin_phases_worker, 8, [phase], timeout_s=300),
+    return _finish(plans, run_distributed(twin_phases_worker, 8, _phases(plans), timeout_s=300),
                    TwinCandidate())
 
 
@@ -170,13 +184,17 @@ def test_clipping_triggered_and_the_scale_followed_megatrons_scaler(twins):
     constant = twins["constant_scale"][0]["twin"]["steps"]
     assert all(s["clip_coefficient"] is None and not s["clipped"] for s in constant)
     assert [s["loss_scale"] for s in constant] == [1024.0] * 3
+    # VPP 2: one norm over both chunks (one optimizer), clipped every step at 0.2.
+    inter = twins["interleaved"]
+    assert inter[1].optimizer == "adamw" and inter[1].case.virtual_stages == 2
+    assert all(s["clipped"] for s in inter[0]["twin"]["steps"])
     # window 1: x2 after each clean step, from 256.
     assert [s["loss_scale"] for s in twins["growing_scale"][0]["twin"]["steps"]] == [256.0, 512.0, 1024.0]
 
 
 @pytest.mark.dist
 def test_overlapped_param_gather_is_waited_in_the_forward_pre_hooks(twins):
-    for name in ("clipped_fp16", "growing_scale"):
+    for name in ("clipped_fp16", "growing_scale", "interleaved"):
         results = [r for r in twins[name][3] if r is not None]
         # steps 1 and 2: the gather launched by the previous step, finished by the forward
         assert all(r.gathers_waited_in_hooks == [(True, True)] * 2 for r in results), name
@@ -217,9 +235,7 @@ def _faulty_worker(rank: int, world_size: int, phases: list, faults: dict) -> li
 @pytest.mark.dist
 def test_a_skipped_clip_or_a_wrong_loss_scale_inverse_fails_naming_step_and_parameter():
     plans = _plans({"skip_clip": (CLIPPED_FP16, 0), "double_unscale": (GROWING_SCALE, 4)})
-    phase = [(plan.case, plan.overlap, TwinCandidate(), plan.rank_optimizer)
-             for _, _, plan in plans.values()]
-    ranks = run_distributed(_faulty_worker, 6, [phase],
+    ranks = run_distributed(_faulty_worker, 6, _phases(plans),
                             {(0, 4): "skip_clip", (4, 6): "double_unscale"}, timeout_s=300)
     out = _finish(plans, ranks, TwinCandidate("broken optimizer"))
     for name in plans:

@@ -133,7 +133,7 @@ def plan_twin(config: PreflightConfig, options: TwinOptions) -> TwinPlan:
                       f"(DP-1)u sum|x| (Higham 4.4); later steps carry those differences through "
                       f"the model. Bound: {ulp_bound_factor(dp)} x (step+1) ULP of each tensor's "
                       f"largest magnitude")
-    optimizer = "adamw" if config.use_distributed_optimizer and vpp == 1 else "sgd"
+    optimizer = "adamw" if config.use_distributed_optimizer else "sgd"
     not_twinned += _left_out(config, m, head, optimizer)
     adamw = None
     if optimizer == "adamw":
@@ -204,10 +204,9 @@ def _left_out(config: PreflightConfig, m: int, head: bool, optimizer: str) -> li
         out.append("the twin defers the output-layer wgrad to the drain; production computes it "
                    "in the backward (same fp32 sums, same microbatch order)")
     if optimizer == "sgd":
-        why = ("interleaved chunks each have their own buffer" if config.use_distributed_optimizer
-               else "without --use-distributed-optimizer")
-        out.append(f"optimizer ({why}): the twin updates with SGD (p - lr*g, two fp32 "
-                   "roundings); AdamW is twinned with the distributed optimizer at VPP 1")
+        out.append("optimizer (without --use-distributed-optimizer): the twin updates with SGD "
+                   "(p - lr*g, two fp32 roundings), unclipped and unscaled; AdamW is twinned "
+                   "with the distributed optimizer")
     if config.fp8_recipe or config.fp8_param_gather:
         out.append(f"FP8 ({config.fp8_recipe or config.fp8_format}) params and the MXFP8 param "
                    "all-gather: checked by `verify run --check mxfp8`")

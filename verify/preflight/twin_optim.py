@@ -1,7 +1,8 @@
 """The twin with the distributed optimizer: fastgrad.optim's AdamW vs refgrad.optim, every step.
 
-Used when the configuration has ``--use-distributed-optimizer`` and no
-interleaving. Each rank trains its stage with the same 1F1B schedule, DDP
+Used when the configuration has ``--use-distributed-optimizer``. Each rank
+trains its stage (at VPP > 1 its model chunks, one DDP buffer each, under one
+optimizer through ``fastgrad.optim.ModelChunks``) with the same schedule, DDP
 engine, deferred output layer and tied embedding as the SGD twin
 (``verify.checks.pipeline.run_case_on_rank``), then steps
 ``fastgrad.optim.DistributedOptimizer`` (AdamW over its reduce-scattered shard;
@@ -115,55 +116,113 @@ class OptimRankResult:
     gathers_waited_in_hooks: list[tuple[bool, bool]] = field(default_factory=list)
 
 
+def _ddp_config(case: Any, overlap: bool, optim: AdamWTwin) -> Any:
+    from fastgrad.config import DDPConfig
+
+    return DDPConfig(use_distributed_optimizer=True, overlap_grad_reduce=overlap,
+                     overlap_param_gather=optim.overlap_param_gather,
+                     reduce_scatter_with_fp32_accumulation=case.reduce_scatter_with_fp32_accumulation,
+                     average_in_collective=case.reduction == "avg", bucket_size=case.bucket_size)
+
+
+def _full_grads(ddps: list[Any], name_of: dict[int, str], case: Any, groups: Any) -> dict:
+    """Every param's reduced grad: each rank reduced only its shard, so gather the rest."""
+    from fastgrad.comm import all_gather_into
+
+    grads = {}
+    for ddp in ddps:
+        for bucket in ddp.buffer.buckets:
+            full = bucket.grad_data.clone()
+            if case.dp_size > 1:
+                all_gather_into(full, bucket.local_grad_shard.clone(), group=groups.dp_group)
+            for p in bucket.params:
+                start, end = bucket.param_to_index[p]
+                grads[name_of[id(p)]] = full[start:end].reshape(p.shape).clone()
+    return grads
+
+
+class _Recorder:
+    """Fills an OptimRankResult around each step of one rank's optimizer."""
+
+    def __init__(self, result: OptimRankResult, optimizer: Any, target: Any, named: dict) -> None:
+        self.result, self.optimizer, self.target, self.named = result, optimizer, target, named
+        self.launched = False
+
+    @property
+    def scale(self) -> float:
+        scaler = self.optimizer.loss_scaler
+        return 1.0 if scaler is None else scaler.scale
+
+    def before_forward(self) -> None:
+        self.launched = self.optimizer.param_gather_in_flight
+
+    def after_backward(self, step: int, groups: Any) -> None:
+        """The previous step's params, now gathered by the forward pre-hooks, and its state."""
+        if step == 0:
+            return
+        if self.optimizer.overlap_param_gather and groups.dp_size > 1:
+            self.result.gathers_waited_in_hooks.append(
+                (self.launched, not self.optimizer.param_gather_in_flight))
+        self.snapshot()
+
+    def snapshot(self) -> None:
+        # Taken once the params are gathered: state_dict() would otherwise wait in the hooks' place.
+        self.result.params.append({n: p.detach().clone() for n, p in self.named.items()})
+        by_target_name = self.optimizer.state_dict()["params"]
+        self.result.state.append({n: by_target_name[self.target.name_of(p)]
+                                  for n, p in self.named.items()
+                                  if self.target.name_of(p) in by_target_name})
+
+    def step(self, losses: list, grads: dict, scale: float) -> None:
+        outcome = self.optimizer.step()
+        self.result.losses.append([float(v) / scale for v in losses])  # exact: S = 2^k
+        self.result.grads.append(grads)
+        self.result.steps.append((outcome.stepped, outcome.grad_norm, outcome.clip_coefficient,
+                                  outcome.loss_scale))
+
+    def finish(self) -> OptimRankResult:
+        self.optimizer.finish_param_sync()  # the last step's gather: no forward follows it
+        self.snapshot()
+        self.optimizer.remove_hooks()
+        return self.result
+
+
+def _optimizer(target: Any, optim: AdamWTwin, case: Any, groups: Any) -> Any:
+    from fastgrad.optim import AdamWConfig, DistributedOptimizer
+
+    return DistributedOptimizer(target, AdamWConfig(**ADAMW), max_grad_norm=optim.max_grad_norm,
+                                loss_scaler=optim.scaler(),
+                                model_parallel_group=groups.pp_group if case.pp_size > 1 else None)
+
+
 def run_optimizer_rank(case: Any, groups: Any, overlap: bool,
                        optim: AdamWTwin | None = None) -> OptimRankResult:
-    """Train ``case`` (1F1B, distributed optimizer) on this rank with fastgrad's AdamW."""
-    from fastgrad.comm import all_gather_into
-    from fastgrad.config import DDPConfig
+    """Train ``case`` (1F1B, or interleaved at VPP > 1) on this rank with fastgrad's AdamW."""
     from fastgrad.ddp import DistributedDataParallel
-    from fastgrad.optim import AdamWConfig, DistributedOptimizer
     from fastgrad.pipeline import forward_backward_1f1b
-    from refgrad.pipeline import (
-        microbatch_data,
-        microbatch_loss,
-    )
+    from refgrad.pipeline import microbatch_data, microbatch_loss
     from verify.checks.pipeline.worker import build_stage_model
 
     optim = optim or AdamWTwin()
-    spec, stage = case.spec, groups.stage
+    if case.virtual_stages > 1:
+        return run_interleaved_optimizer_rank(case, groups, overlap, optim)
+    spec = case.spec
     module, named, head, tied = build_stage_model(case, groups)
     if head is not None and spec.tied_embedding:
         head.weight.shared = True  # the second copy: out of the grad norm
-    ddp = DistributedDataParallel(
-        module,
-        config=DDPConfig(use_distributed_optimizer=True, overlap_grad_reduce=overlap,
-                         overlap_param_gather=optim.overlap_param_gather,
-                         reduce_scatter_with_fp32_accumulation=case.reduce_scatter_with_fp32_accumulation,
-                         average_in_collective=case.reduction == "avg", bucket_size=case.bucket_size),
-        dp_group=groups.dp_group, average=case.reduction != "sum",
-        external_grad_params=[] if head is None else [head.weight])
-    optimizer = DistributedOptimizer(ddp, AdamWConfig(**ADAMW), max_grad_norm=optim.max_grad_norm,
-                                     loss_scaler=optim.scaler(),
-                                     model_parallel_group=groups.pp_group if case.pp_size > 1 else None)
+    ddp = DistributedDataParallel(module, config=_ddp_config(case, overlap, optim),
+                                  dp_group=groups.dp_group, average=case.reduction != "sum",
+                                  external_grad_params=[] if head is None else [head.weight])
+    optimizer = _optimizer(ddp, optim, case, groups)
     name_of = {id(p): n for n, p in named.items()}
-    result = OptimRankResult(stage=stage, dp_rank=groups.dp_rank)
-
-    def snapshot() -> None:
-        """The last step's params and optimizer state. Taken once the params are gathered (the
-        next forward's pre-hooks waited): state_dict() would otherwise wait in their place."""
-        result.params.append({n: p.detach().clone() for n, p in named.items()})
-        by_ddp_name = optimizer.state_dict()["params"]
-        result.state.append({name_of[id(p)]: by_ddp_name[ddp.name_of(p)]
-                             for p in named.values() if ddp.name_of(p) in by_ddp_name})
-
+    rec = _Recorder(OptimRankResult(stage=groups.stage, dp_rank=groups.dp_rank), optimizer, ddp, named)
     for step, plan in enumerate(case.plans):
         ddp.zero_grad_buffer()
         if head is not None:
             head.start_step()
-        m = plan.num_microbatches
-        scale = 1.0 if optimizer.loss_scaler is None else optimizer.loss_scaler.scale
+        m, scale = plan.num_microbatches, rec.scale
         inputs, targets = microbatch_data(spec, groups.dp_rank, step, m)
-        launched = optimizer.param_gather_in_flight
+        rec.before_forward()
         losses = forward_backward_1f1b(
             module, groups=groups, grad_sync=ddp, num_microbatches=m,
             activation_shape=spec.activation_shape,
@@ -171,28 +230,49 @@ def run_optimizer_rank(case: Any, groups: Any, overlap: bool,
             inputs=inputs if groups.is_first_stage else None,
             targets=targets if groups.is_last_stage else None,
             deferred_wgrad=head, embedding_params=tied)
-        if step > 0:  # the previous step's params, now gathered by the forward pre-hooks
-            if optimizer.overlap_param_gather and groups.dp_size > 1:
-                result.gathers_waited_in_hooks.append((launched, not optimizer.param_gather_in_flight))
-            snapshot()
-        grads = {}
-        for bucket in ddp.buffer.buckets:  # each rank reduced only its shard: gather the rest
-            full = bucket.grad_data.clone()
-            if case.dp_size > 1:
-                all_gather_into(full, bucket.local_grad_shard.clone(), group=groups.dp_group)
-            for p in bucket.params:
-                start, end = bucket.param_to_index[p]
-                grads[name_of[id(p)]] = full[start:end].reshape(p.shape).clone()
-        stepped = optimizer.step()
-        result.losses.append([float(v) / scale for v in losses])  # exact: S is a power of two
-        result.grads.append(grads)
-        result.steps.append((stepped.stepped, stepped.grad_norm, stepped.clip_coefficient,
-                             stepped.loss_scale))
-    optimizer.finish_param_sync()  # the last step's gather: no forward follows it
-    snapshot()
-    optimizer.remove_hooks()
+        rec.after_backward(step, groups)
+        rec.step(losses, _full_grads([ddp], name_of, case, groups), scale)
     ddp.remove_hooks()
-    return result
+    return rec.finish()
+
+
+def run_interleaved_optimizer_rank(case: Any, groups: Any, overlap: bool,
+                                   optim: AdamWTwin) -> OptimRankResult:
+    """Interleaved 1F1B, one DDP engine (one buffer) per model chunk, one AdamW over all chunks
+    (``fastgrad.optim.ModelChunks``), as Megatron-Core's optimizer over its model chunks."""
+    from fastgrad.ddp import DistributedDataParallel
+    from fastgrad.optim import ModelChunks
+    from fastgrad.pipeline_interleaved import forward_backward_interleaved
+    from refgrad.pipeline import StageModule, microbatch_data, microbatch_loss, stage_param_name
+
+    P, V, stage = case.pp_size, case.virtual_stages, groups.stage
+    chunks = [StageModule(case.spec, c * P + stage) for c in range(V)]
+    named = {stage_param_name(c * P + stage, n): p
+             for c, chunk in enumerate(chunks) for n, p in chunk.named_parameters()}
+    ddps = [DistributedDataParallel(chunk, config=_ddp_config(case, overlap, optim),
+                                    dp_group=groups.dp_group, average=case.reduction != "sum")
+            for chunk in chunks]
+    target = ModelChunks(ddps)
+    optimizer = _optimizer(target, optim, case, groups)
+    name_of = {id(p): n for n, p in named.items()}
+    rec = _Recorder(OptimRankResult(stage=stage, dp_rank=groups.dp_rank), optimizer, target, named)
+    for step, plan in enumerate(case.plans):
+        for ddp in ddps:
+            ddp.zero_grad_buffer()
+        m, scale = plan.num_microbatches, rec.scale
+        inputs, targets = microbatch_data(case.spec, groups.dp_rank, step, m)
+        rec.before_forward()
+        losses = forward_backward_interleaved(
+            chunks, groups=groups, grad_syncs=ddps, num_microbatches=m,
+            activation_shape=case.spec.activation_shape,
+            loss_fn=lambda out, target, m=m, s=scale: microbatch_loss(out, target, m) * s,
+            inputs=inputs if groups.is_first_stage else None,
+            targets=targets if groups.is_last_stage else None)
+        rec.after_backward(step, groups)
+        rec.step(losses, _full_grads(ddps, name_of, case, groups), scale)
+    for ddp in ddps:
+        ddp.remove_hooks()
+    return rec.finish()
 
 
 @dataclass
