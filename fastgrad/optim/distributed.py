@@ -140,11 +140,7 @@ class DistributedOptimizer(CheckpointMixin):
             )
         if not isinstance(config, (AdamWConfig, SGDConfig)):
             raise TypeError(f"config must be an AdamWConfig or SGDConfig, got {type(config).__name__}")
-        if not ddp.config.use_distributed_optimizer:
-            raise ValueError(
-                "DistributedOptimizer needs DDPConfig.use_distributed_optimizer=True "
-                "(it updates the reduce-scattered shards and all-gathers params)"
-            )
+        self._check_buffer_kind(ddp)
         if max_grad_norm is not None:
             if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)):
                 raise TypeError(f"max_grad_norm must be a float or None, got {type(max_grad_norm).__name__}")
@@ -183,6 +179,18 @@ class DistributedOptimizer(CheckpointMixin):
         hooked = self.overlap_param_gather and self.mxfp8 is None
         self._hooks = self._register_forward_pre_hooks() if hooked else []
         self.last_result: StepResult | None = None
+
+    def _check_buffer_kind(self, ddp: Any) -> None:
+        if not ddp.config.use_distributed_optimizer:
+            raise ValueError(
+                "DistributedOptimizer needs DDPConfig.use_distributed_optimizer=True "
+                "(it updates the reduce-scattered shards and all-gathers params; "
+                "fastgrad.optim.ReplicatedOptimizer steps all-reduced grads)"
+            )
+
+    def _owned_pieces(self, bucket: Bucket) -> list[Any]:
+        """The param elements this rank updates in ``bucket``: its shard's."""
+        return bucket.shard_pieces(bucket.dp_rank)
 
     def name_of(self, param: Any) -> str:
         """The param's name: its module path (DDP) or ``params[i]`` (MXFP8 buffer order)."""
@@ -261,7 +269,7 @@ class DistributedOptimizer(CheckpointMixin):
         return configs, members
 
     def _build_shard(self, bucket: Bucket, group_index: dict) -> _BucketShard:
-        pieces = bucket.shard_pieces(bucket.dp_rank)
+        pieces = self._owned_pieces(bucket)
         offsets, runs, masters, n = [], [], [], 0
         for piece in pieces:
             lo, hi = piece.param_offset

@@ -1,10 +1,12 @@
-"""fastgrad.optim.ModelChunks: one DistributedOptimizer over several DDP model chunks.
+"""fastgrad.optim.ModelChunks (several DDP chunks under one optimizer) and ReplicatedOptimizer.
 
 Interleaved pipeline stages hold several chunks, each with its own DDP buffer;
 Megatron-Core steps them with one optimizer (one global norm, one clip
 coefficient). Two chunks (the optim check's model with two seeds) on DP 2 gloo
 ranks, AdamW clipped to 0.5 with the overlapped param all-gather, are compared
 bitwise with one refgrad.optim step over all eight params every step.
+ReplicatedOptimizer (no distributed optimizer: all-reduced grads, every rank
+steps every param) is compared with refgrad.optim at DP 2 the same way.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from fastgrad.optim import (
     AdamWConfig,
     DistributedOptimizer,
     ModelChunks,
+    ReplicatedOptimizer,
     param_groups_without_decay_for,
 )
 from refgrad import optim as R
@@ -132,3 +135,50 @@ def test_model_chunks_refuse_mismatched_chunks():
     chunks = ModelChunks(ddps)
     assert chunks.name_of(ddps[1].module.layer.bias) == "chunk1.layer.bias"
     assert len(chunks.buffer.buckets) == len(ddps[0].buffer.buckets) + len(ddps[1].buffer.buckets)
+
+
+# --------------------------------------------------------------------------- replicated optimizer
+
+
+def _replicated_worker(rank: int, world_size: int) -> dict:
+    """DP 2, all-reduced grads: ReplicatedOptimizer on one model, and over two chunks."""
+    del world_size
+    from tests.fastgrad.test_optim import snapshot, train_step
+    from verify.checks.optim.cases import MIXED
+
+    out = {}
+    for label, dtypes in (("fp32", FP32), ("bf16+fp32", MIXED)):
+        model = Model(dtypes, 0)
+        config = DDPConfig(use_distributed_optimizer=False, overlap_grad_reduce=True, bucket_size=BUCKET_SIZE)
+        ddp = DistributedDataParallel(model, config=config, average=True)
+        opt = ReplicatedOptimizer(ddp, AdamWConfig(**ADAMW), param_groups_without_decay_for(ddp),
+                                  max_grad_norm=CLIP)
+        out[label] = []
+        for step in range(STEPS):
+            result = train_step(model, ddp, opt, rank, step)
+            out[label].append((result.clip_coefficient, snapshot(model, opt)))
+    return out
+
+
+@pytest.mark.dist
+def test_replicated_optimizer_over_all_reduced_grads_is_refgrads_step_bitwise():
+    from tests.fastgrad.test_optim import assert_matches
+    from verify.checks.optim.cases import MIXED
+    from verify.checks.optim.expectations import reference_trajectory
+
+    ranks = run_distributed(_replicated_worker, 2, timeout_s=120)
+    for label, dtypes in (("fp32", FP32), ("bf16+fp32", MIXED)):
+        want, _ = reference_trajectory([2] * STEPS, dtypes, "adamw", clip=CLIP)
+        for rank, got in enumerate(ranks):
+            for step, (coefficient_, snap) in enumerate(got[label]):
+                assert coefficient_ < 1, (label, step)  # every step clips at 0.5
+                assert_matches(snap, want[step], f"{label} rank {rank} step {step}")
+
+
+def test_replicated_optimizer_refuses_a_sharded_buffer():
+    _, ddps = _chunks(False)
+    with pytest.raises(ValueError, match="needs DDPConfig.use_distributed_optimizer=False"):
+        ReplicatedOptimizer(ddps[0], AdamWConfig(lr=0.1))
+    config = DDPConfig(use_distributed_optimizer=False, bucket_size=BUCKET_SIZE)
+    with pytest.raises(ValueError, match="ReplicatedOptimizer steps all-reduced grads"):
+        DistributedOptimizer(DistributedDataParallel(Model(FP32), config=config), AdamWConfig(lr=0.1))

@@ -48,6 +48,12 @@ INTERLEAVED = ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-
                "--data-parallel-size", "2", "--global-batch-size", "8", "--use-distributed-optimizer",
                "--overlap-grad-reduce", "--overlap-param-gather", "--clip-grad", "0.2"]
 
+# PP2 DP2 M4 without --use-distributed-optimizer: all-reduced grads, ReplicatedOptimizer, tied
+# embedding with the deferred output layer, clipped at 0.3 (the norm is 0.34-0.42).
+REPLICATED = ["--pipeline-model-parallel-size", "2", "--data-parallel-size", "2",
+              "--global-batch-size", "8", "--defer-embedding-wgrad-compute", "--overlap-grad-reduce",
+              "--clip-grad", "0.3"]
+
 
 def _config(flags: list[str]):
     parsed = parse_megatron_flags(MODEL + flags)
@@ -122,7 +128,8 @@ def test_twin_settings_follow_the_configuration():
 
 # name -> (flags, first rank, phase); two phases of an 8-rank world.
 LAYOUT = {"clipped_fp16": (CLIPPED_FP16, 0, 0), "constant_scale": (CONSTANT_SCALE, 4, 0),
-          "growing_scale": (GROWING_SCALE, 6, 0), "interleaved": (INTERLEAVED, 0, 1)}
+          "growing_scale": (GROWING_SCALE, 6, 0), "interleaved": (INTERLEAVED, 0, 1),
+          "replicated": (REPLICATED, 4, 1)}
 
 
 def _plans(layout: dict) -> dict:
@@ -188,6 +195,12 @@ def test_clipping_triggered_and_the_scale_followed_megatrons_scaler(twins):
     inter = twins["interleaved"]
     assert inter[1].optimizer == "adamw" and inter[1].case.virtual_stages == 2
     assert all(s["clipped"] for s in inter[0]["twin"]["steps"])
+    # No distributed optimizer: every rank steps every param over the all-reduced grads.
+    replicated = twins["replicated"]
+    assert not replicated[1].case.use_distributed_optimizer and replicated[1].optimizer == "adamw"
+    assert "ReplicatedOptimizer" in dict((m[0], m[2]) for m in replicated[1].mapping)["optimizer"]
+    assert all(s["clipped"] for s in replicated[0]["twin"]["steps"])
+    assert not any("SGD" in g for name in twins for g in twins[name][1].not_twinned)
     # window 1: x2 after each clean step, from 256.
     assert [s["loss_scale"] for s in twins["growing_scale"][0]["twin"]["steps"]] == [256.0, 512.0, 1024.0]
 
@@ -198,7 +211,8 @@ def test_overlapped_param_gather_is_waited_in_the_forward_pre_hooks(twins):
         results = [r for r in twins[name][3] if r is not None]
         # steps 1 and 2: the gather launched by the previous step, finished by the forward
         assert all(r.gathers_waited_in_hooks == [(True, True)] * 2 for r in results), name
-    assert all(r.gathers_waited_in_hooks == [] for r in twins["constant_scale"][3] if r is not None)
+    for name in ("constant_scale", "replicated"):  # DP 1; no param all-gather
+        assert all(r.gathers_waited_in_hooks == [] for r in twins[name][3] if r is not None)
 
 
 # --------------------------------------------------------------------------- broken optimizers
