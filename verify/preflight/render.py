@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -120,11 +121,13 @@ def _norm_cell(row: dict) -> str:
     if norm is None:
         return "-"
     coef = row.get("clip_coefficient")
-    text = f"{norm:.6g}"
+    text = f"{norm:.4g}"
     if coef is not None:
-        text += f" (clipped x{coef:.4g})" if row.get("clipped") else " (not clipped)"
-    if row.get("loss_scale") is not None:
-        text += f", scale {row['loss_scale']:g}"
+        text += f" clip x{coef:.3g}" if row.get("clipped") else " no clip"
+    scale = row.get("loss_scale")
+    if scale is not None:
+        exponent = math.frexp(scale)[1] - 1  # the twin's scales are powers of two
+        text += f", S=2^{exponent}"
     return text
 
 

@@ -93,6 +93,10 @@ def adamw_twin_for(config: Any) -> tuple[AdamWTwin, list[str]]:
         left_out.append(f"loss scale {scale:g} (min {config.min_loss_scale:g}) is not a power of two: "
                         "unscaling would round, so the twin's AdamW steps unscaled")
         scale = None
+    if scale is not None and kind == "dynamic":
+        left_out.append("loss-scale backoff: the fp32 twin's grads never overflow, so the dynamic "
+                        "scaler's skip, backoff and --hysteresis are not exercised (its growth "
+                        "every --loss-scale-window clean steps is)")
     return AdamWTwin(max_grad_norm=max_norm, loss_scale=scale, dynamic=kind == "dynamic",
                      min_loss_scale=config.min_loss_scale,
                      loss_scale_window=config.loss_scale_window,
