@@ -122,13 +122,14 @@ class OptimRankResult:
 
 
 def _ddp_config(case: Any, overlap: bool, optim: AdamWTwin) -> Any:
-    from fastgrad.config import DDPConfig
+    """The pipeline check's DDP settings for ``case`` (one place for the bucket rules), with
+    the optimizer's param all-gather overlap."""
+    import dataclasses
 
-    return DDPConfig(use_distributed_optimizer=case.use_distributed_optimizer,
-                     overlap_grad_reduce=overlap,
-                     overlap_param_gather=optim.overlap_param_gather,
-                     reduce_scatter_with_fp32_accumulation=case.reduce_scatter_with_fp32_accumulation,
-                     average_in_collective=case.reduction == "avg", bucket_size=case.bucket_size)
+    from verify.checks.pipeline.worker import case_ddp_config
+
+    return dataclasses.replace(case_ddp_config(case, overlap),
+                               overlap_param_gather=optim.overlap_param_gather)
 
 
 def _full_grads(ddps: list[Any], name_of: dict[int, str], case: Any, groups: Any) -> dict:
