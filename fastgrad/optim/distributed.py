@@ -39,6 +39,7 @@ from fastgrad.errors import LifecycleError
 from fastgrad.mxfp8 import MXFP8Parameter
 from fastgrad.mxfp8_sharing import MXFP8ParamGradBuffer
 from fastgrad.optim.checkpoint import CheckpointMixin
+from fastgrad.optim.chunks import ModelChunks
 from fastgrad.optim.config import (
     AdamWConfig,
     DynamicLossScaler,
@@ -100,7 +101,8 @@ class _BucketShard:
 class DistributedOptimizer(CheckpointMixin):
     """AdamW or SGD over the shards of ``ddp``'s buffer (``use_distributed_optimizer=True``).
 
-    ``ddp``: a fastgrad ``DistributedDataParallel``, or an
+    ``ddp``: a fastgrad ``DistributedDataParallel``, the ``ModelChunks`` of several
+    (interleaved pipeline stages: one norm and one step over every chunk), or an
     ``MXFP8ParamGradBuffer`` (MXFP8 params; ``step()`` then re-quantizes them
     through the front and ``overlap_param_gather`` launches every bucket's
     gather before the first wait, at the end of the step: there is no module
@@ -112,7 +114,8 @@ class DistributedOptimizer(CheckpointMixin):
     group (the same param dtype and grad dtype, i.e. ``ddp.buffer.group_of``);
     every trainable param must be in exactly one param group.
     ``max_grad_norm``: clip to this global norm (None: no clipping).
-    ``loss_scaler``: required for fp16 grads, refused otherwise.
+    ``loss_scaler``: required for fp16 grads, optional for a DDP wrapper's fp32 grads,
+    refused for bf16 grads and for an MXFP8 buffer.
     ``model_parallel_group``: the norm and the found-inf flag are also summed
     over it (pipeline stages); params marked ``shared=True`` (a tied
     embedding's second copy) are left out of the norm.
@@ -122,7 +125,7 @@ class DistributedOptimizer(CheckpointMixin):
 
     def __init__(
         self,
-        ddp: DistributedDataParallel | MXFP8ParamGradBuffer,
+        ddp: DistributedDataParallel | ModelChunks | MXFP8ParamGradBuffer,
         config: OptimizerConfig,
         param_groups: Sequence[dict[str, Any]] | None = None,
         *,
@@ -130,18 +133,14 @@ class DistributedOptimizer(CheckpointMixin):
         loss_scaler: DynamicLossScaler | None = None,
         model_parallel_group: Any = None,
     ) -> None:
-        if not isinstance(ddp, (DistributedDataParallel, MXFP8ParamGradBuffer)):
+        if not isinstance(ddp, (DistributedDataParallel, ModelChunks, MXFP8ParamGradBuffer)):
             raise TypeError(
-                "ddp must be a fastgrad DistributedDataParallel or an MXFP8ParamGradBuffer, "
+                "ddp must be a fastgrad DistributedDataParallel, ModelChunks or an MXFP8ParamGradBuffer, "
                 f"got {type(ddp).__name__}"
             )
         if not isinstance(config, (AdamWConfig, SGDConfig)):
             raise TypeError(f"config must be an AdamWConfig or SGDConfig, got {type(config).__name__}")
-        if not ddp.config.use_distributed_optimizer:
-            raise ValueError(
-                "DistributedOptimizer needs DDPConfig.use_distributed_optimizer=True "
-                "(it updates the reduce-scattered shards and all-gathers params)"
-            )
+        self._check_buffer_kind(ddp)
         if max_grad_norm is not None:
             if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)):
                 raise TypeError(f"max_grad_norm must be a float or None, got {type(max_grad_norm).__name__}")
@@ -150,8 +149,13 @@ class DistributedOptimizer(CheckpointMixin):
         grad_dtypes = {g.grad_dtype for g in ddp.buffer.groups}
         if torch.float16 in grad_dtypes and loss_scaler is None:
             raise ValueError("fp16 grads need a loss_scaler (DynamicLossScaler); bf16/fp32 need none")
-        if torch.float16 not in grad_dtypes and loss_scaler is not None:
-            raise ValueError("loss_scaler is only for fp16 grads; this buffer has none")
+        if loss_scaler is not None and torch.float16 not in grad_dtypes:
+            # fp32 grads of a DDP wrapper may carry a scale (Megatron's --loss-scale, or fp16
+            # params with fp32 main grads): powers of two scale and unscale them exactly.
+            if isinstance(ddp, MXFP8ParamGradBuffer) or torch.bfloat16 in grad_dtypes:
+                raise ValueError("loss_scaler is only for fp16 grads, or the fp32 grads of a "
+                                 "DistributedDataParallel; this buffer has "
+                                 f"{'bf16 grads' if torch.bfloat16 in grad_dtypes else 'MXFP8 params'}")
         self.ddp = ddp
         self.mxfp8 = ddp if isinstance(ddp, MXFP8ParamGradBuffer) else None
         self.buffer = ddp.buffer
@@ -172,6 +176,18 @@ class DistributedOptimizer(CheckpointMixin):
         hooked = self.overlap_param_gather and self.mxfp8 is None
         self._hooks = self._register_forward_pre_hooks() if hooked else []
         self.last_result: StepResult | None = None
+
+    def _check_buffer_kind(self, ddp: Any) -> None:
+        if not ddp.config.use_distributed_optimizer:
+            raise ValueError(
+                "DistributedOptimizer needs DDPConfig.use_distributed_optimizer=True "
+                "(it updates the reduce-scattered shards and all-gathers params; "
+                "fastgrad.optim.ReplicatedOptimizer steps all-reduced grads)"
+            )
+
+    def _owned_pieces(self, bucket: Bucket) -> list[Any]:
+        """The param elements this rank updates in ``bucket``: its shard's."""
+        return bucket.shard_pieces(bucket.dp_rank)
 
     def name_of(self, param: Any) -> str:
         """The param's name: its module path (DDP) or ``params[i]`` (MXFP8 buffer order)."""
@@ -250,7 +266,7 @@ class DistributedOptimizer(CheckpointMixin):
         return configs, members
 
     def _build_shard(self, bucket: Bucket, group_index: dict) -> _BucketShard:
-        pieces = bucket.shard_pieces(bucket.dp_rank)
+        pieces = self._owned_pieces(bucket)
         offsets, runs, masters, n = [], [], [], 0
         for piece in pieces:
             lo, hi = piece.param_offset

@@ -114,7 +114,9 @@ class FusedCpuPath:
                       torch.float16: kernels.GRAD_FP16}
         out_kinds = {torch.float32: kernels.OUT_FP32, torch.bfloat16: kernels.OUT_BF16}
         self.grad_kind = [grad_kinds[s.bucket.group.grad_dtype] for s in self.shards]
-        self.out_kind = [out_kinds.get(s.bucket.group.param_dtype, kernels.OUT_NONE)
+        # no param buffer (params not views of one): the optimizer copies them itself
+        self.out_kind = [kernels.OUT_NONE if s.bucket.group.param_data is None
+                         else out_kinds.get(s.bucket.group.param_dtype, kernels.OUT_NONE)
                          for s in self.shards]
         self.writes_params = [k != kernels.OUT_NONE for k in self.out_kind]
         # group -> ((beta1, beta2), (step, beta1^step, beta2^step)) of its last update
@@ -172,7 +174,8 @@ class FusedCpuPath:
                          dtype=np.float32)
         for i, shard in enumerate(self.shards):
             group = shard.bucket.group
-            grads, params = _raw_bits(group.grad_data), _raw_bits(group.param_data)
+            grads = _raw_bits(group.grad_data)
+            params = None if group.param_data is None else _raw_bits(group.param_data)
             if adamw:
                 self.k.adamw(self.work[i], self.grad_kind[i], grads, gscale, table,
                              shard.master.numpy(), shard.state["exp_avg"].numpy(),

@@ -157,6 +157,19 @@ def test_fp16_needs_a_loss_scaler_and_bf16_refuses_one():
         build(MIXED, "adamw", scaler=DynamicLossScaler())
 
 
+def test_fp32_grads_take_a_loss_scale_and_unscale_it_exactly():
+    """Megatron's --loss-scale (or fp16 params with fp32 main grads): a scaled fp32 backward."""
+    scaler = DynamicLossScaler(initial_scale=2.0**10, growth_interval=2)
+    model, ddp, opt = build(FP32, "adamw", clip=0.5, scaler=scaler)
+    scales = [2.0**10, 2.0**10, 2.0**11]  # x2 after 2 clean steps
+    want, _ = reference_trajectory([1, 1, 1], FP32, "adamw", clip=0.5, scales=scales)
+    for step, scale in enumerate(scales):
+        assert opt.loss_scaler.scale == scale
+        result = train_step(model, ddp, opt, 0, step, loss_scale=scale)
+        assert result.stepped and result.loss_scale == scale and result.clip_coefficient < 1
+        assert_matches(snapshot(model, opt), want[step], f"step {step}")
+
+
 def test_dynamic_loss_scaler_by_hand():
     s = DynamicLossScaler(initial_scale=8.0, min_scale=2.0, growth_interval=2, hysteresis=2)
     s.update(True)

@@ -152,11 +152,12 @@ def test_twin_claims_and_gaps_follow_the_configuration(twins):
     tied = twins["tied_deferred"][2].case
     assert tied.spec.output_head and tied.spec.tied_embedding
     assert tied.use_distributed_optimizer and tied.reduction == "prescale"
-    # The distributed optimizer is twinned (AdamW vs refgrad.optim) at VPP 1 only.
+    # The distributed optimizer is twinned (AdamW vs refgrad.optim), at VPP 2 over both chunks.
     assert twins["tied_deferred"][2].optimizer == "adamw"
     assert twins["untied_adamw"][2].optimizer == "adamw"
     assert not twins["untied_adamw"][2].case.spec.tied_embedding
-    assert twins["interleaved"][2].optimizer == "sgd" and twins["dp3"][2].optimizer == "sgd"
+    # Without it, ReplicatedOptimizer's AdamW over the all-reduced grads.
+    assert twins["interleaved"][2].optimizer == "adamw" and twins["dp3"][2].optimizer == "adamw"
     assert [p.num_microbatches for p in tied.plans] == [4, 4]
     inter = twins["interleaved"][2]
     assert inter.case.virtual_stages == 2 and inter.case.reduce_scatter_with_fp32_accumulation

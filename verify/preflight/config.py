@@ -10,6 +10,7 @@ commit d98e8a64ddf3) they come from.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -19,6 +20,12 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 DEFAULT_BUCKET_FLOOR = 40_000_000  # elements; megatron/training/training.py resolve_ddp_bucket_size
+# megatron/training/arguments.py defaults of the optimizer flags.
+DEFAULT_CLIP_GRAD = 1.0
+DEFAULT_INITIAL_LOSS_SCALE = 2.0**32
+DEFAULT_MIN_LOSS_SCALE = 1.0
+DEFAULT_LOSS_SCALE_WINDOW = 1000
+DEFAULT_HYSTERESIS = 2
 
 
 class ConfigError(ValueError):
@@ -76,6 +83,12 @@ class PreflightConfig:
     seed: int
     world_size: int | None = None
     world_size_source: str | None = None  # "--world-size" or "WORLD_SIZE (torchrun)"
+    clip_grad: float = DEFAULT_CLIP_GRAD  # global-norm clipping; 0 = off (optimizer.py: clip_grad > 0)
+    loss_scale: float | None = None  # static loss scale; None = dynamic under --fp16, else none
+    initial_loss_scale: float = DEFAULT_INITIAL_LOSS_SCALE
+    min_loss_scale: float = DEFAULT_MIN_LOSS_SCALE
+    loss_scale_window: int = DEFAULT_LOSS_SCALE_WINDOW
+    hysteresis: int = DEFAULT_HYSTERESIS
     spelling: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
     notes: tuple[str, ...] = ()
 
@@ -148,6 +161,7 @@ class PreflightConfig:
         if vpp > 1:
             self._check_interleaving()
         self._check_deferral()
+        self._check_optimizer()
         # megatron/core/distributed/distributed_data_parallel_config.py __post_init__:
         # 'Reuse grad buffer only when keeping params in MXFP8.'
         if self.reuse_grad_buf_for_mxfp8_param_ag and not self.fp8_param_gather:
@@ -183,6 +197,34 @@ class PreflightConfig:
                 f"{vpp_flag} > 1 (interleaved schedule) needs the number of microbatches "
                 f"{n('global_batch_size')} / ({n('micro_batch_size')} x DP) = {m} to be a "
                 f"multiple of {n('pipeline_model_parallel_size')} ({pp}) and >= it")
+
+    def _check_optimizer(self) -> None:
+        n = self._name
+        if not (math.isfinite(self.clip_grad) and self.clip_grad >= 0):
+            raise ConfigError(f"{n('clip_grad')} must be a finite number >= 0 (0 turns clipping "
+                              f"off), got {self.clip_grad}")
+        for attribute in ("loss_scale", "initial_loss_scale", "min_loss_scale"):
+            value = getattr(self, attribute)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"{n(attribute)} must be a finite number > 0, got {value}")
+        if self.min_loss_scale > self.initial_loss_scale:
+            raise ConfigError(f"{n('min_loss_scale')} ({self.min_loss_scale:g}) must be <= "
+                              f"{n('initial_loss_scale')} ({self.initial_loss_scale:g})")
+        for attribute in ("loss_scale_window", "hysteresis"):
+            value = getattr(self, attribute)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{n(attribute)} must be a positive integer, got {value!r}")
+
+    @property
+    def loss_scaling(self) -> str | None:
+        """Megatron's grad scaler: "constant" (--loss-scale), "dynamic" (--fp16), or None.
+
+        megatron/core/optimizer/__init__.py: with fp16, bf16 or the distributed optimizer
+        a given loss_scale makes a ConstantGradScaler, else fp16 gets a DynamicGradScaler.
+        """
+        if self.loss_scale and (self.params_dtype != "fp32" or self.use_distributed_optimizer):
+            return "constant"
+        return "dynamic" if self.params_dtype == "fp16" else None
 
     def _check_deferral(self) -> None:
         # megatron/core/model_parallel_config.py __post_init__ (three ValueErrors).
@@ -368,7 +410,22 @@ def resolve(parsed: ParsedFlags, environ: Mapping[str, str]) -> PreflightConfig:
         gradient_accumulation_fusion=v.get("gradient_accumulation_fusion", True),
         seed=v.get("seed", 1234), world_size=world,
         world_size_source=world_source, spelling=spelling, notes=tuple(notes),
+        clip_grad=v.get("clip_grad", DEFAULT_CLIP_GRAD), loss_scale=v.get("loss_scale"),
+        initial_loss_scale=v.get("initial_loss_scale", DEFAULT_INITIAL_LOSS_SCALE),
+        min_loss_scale=v.get("min_loss_scale", DEFAULT_MIN_LOSS_SCALE),
+        loss_scale_window=_whole(v, spelling, "loss_scale_window", DEFAULT_LOSS_SCALE_WINDOW),
+        hysteresis=v.get("hysteresis", DEFAULT_HYSTERESIS),
     )
+
+
+def _whole(values: dict, spelling: Mapping[str, str], attribute: str, default: int) -> int:
+    """A float flag that must hold a whole number (Megatron parses --loss-scale-window as float)."""
+    value = values.get(attribute, default)
+    if isinstance(value, float):
+        if not (math.isfinite(value) and value == int(value)):
+            raise ConfigError(f"{_flag(attribute, spelling)} must be a whole number, got {value}")
+        value = int(value)
+    return value
 
 
 __all__ = ["ConfigError", "DTYPE_BYTES", "PreflightConfig", "pad_vocab_size", "resolve"]

@@ -19,7 +19,7 @@ class FlagError(ValueError):
     """A flag gradverify understands was given a bad value (exit code 2)."""
 
 
-# flag -> (attribute name, kind). Kinds: "int", "str", "true" (a store_true
+# flag -> (attribute name, kind). Kinds: "int", "float", "str", "true" (a store_true
 # switch), "false" (a switch that turns the attribute off). Two spellings of one
 # setting share an attribute; ParsedFlags.spelling records which one was used.
 FLAG_SPECS: dict[str, tuple[str, str]] = {
@@ -71,6 +71,13 @@ FLAG_SPECS: dict[str, tuple[str, str]] = {
     "--gradient-accumulation-fusion": ("gradient_accumulation_fusion", "true"),
     "--no-gradient-accumulation-fusion": ("gradient_accumulation_fusion", "false"),
     "--seed": ("seed", "int"),
+    # optimizer: megatron/training/arguments.py (--clip-grad default 1.0; 0 turns clipping off)
+    "--clip-grad": ("clip_grad", "float"),
+    "--loss-scale": ("loss_scale", "float"),
+    "--initial-loss-scale": ("initial_loss_scale", "float"),
+    "--min-loss-scale": ("min_loss_scale", "float"),
+    "--loss-scale-window": ("loss_scale_window", "float"),
+    "--hysteresis": ("hysteresis", "int"),
 }
 
 
@@ -168,6 +175,11 @@ def parse_megatron_flags(tokens: list[str]) -> ParsedFlags:
                 parsed.values[attribute] = int(raw)
             except ValueError:
                 raise FlagError(f"{name} expects an integer, got {raw!r}") from None
+        elif kind == "float":
+            try:
+                parsed.values[attribute] = float(raw)
+            except ValueError:
+                raise FlagError(f"{name} expects a number, got {raw!r}") from None
         else:
             parsed.values[attribute] = raw
     return parsed

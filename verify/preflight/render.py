@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -98,18 +99,46 @@ def twin_tables(report: dict) -> Tables:
         claim = "bitwise" if twin["bitwise"] else "bound"
         tables.append((f"Twin vs refgrad after every step ({claim}: {twin['order_note']})",
                        ["step", "M", "loss max ULP", "grads bitwise", "grad max ULP",
-                        "params bitwise", "param max ULP", "opt. state bitwise", "result"],
+                        "params bitwise", "param max ULP", "opt. state bitwise", "grad norm (clip)",
+                        "result"],
                        [[str(r["step"]), str(r["microbatches"]), str(r["loss_max_ulp"]),
                          f"{r['grads_bitwise']}/{r['grads_total']}", str(r["grad_max_ulp"]),
                          f"{r['params_bitwise']}/{r['params_total']}", str(r["param_max_ulp"]),
                          (f"{r['state_bitwise']}/{r['state_total']}"
                           + (f" (max {r['state_max_ulp']} ULP)" if r["state_max_ulp"] else ""))
                          if r["state_total"] else "- (SGD)",
+                         _norm_cell(r),
                          "ok" if not r["failures"] else r["failures"][0]]
                         for r in twin["steps"]]))
         tables.append(("Scaled twin: production vs twin", ["setting", "production", "twin"],
                        twin["mapping"]))
     return tables
+
+
+def _norm_cell(row: dict) -> str:
+    """refgrad's global grad norm, whether it was clipped, and the loss scale (AdamW twin)."""
+    norm = row.get("grad_norm")
+    if norm is None:
+        return "-"
+    coef = row.get("clip_coefficient")
+    text = f"{norm:.4g}"
+    if coef is not None:
+        text += f" clip x{coef:.3g}" if row.get("clipped") else " no clip"
+    scale = row.get("loss_scale")
+    if scale is not None:
+        exponent = math.frexp(scale)[1] - 1  # the twin's scales are powers of two
+        text += f", S=2^{exponent}"
+    return text
+
+
+def _clipping_note(steps: list[dict]) -> list[str]:
+    """Say so when the twin clipped on no step: the clip path ran without changing a grad."""
+    norms = [s["grad_norm"] for s in steps if s.get("clip_coefficient") is not None]
+    if not norms or any(s.get("clipped") for s in steps):
+        return []
+    return [f"clipping never triggered in the twin (largest global grad norm {max(norms):.4g} "
+            "is below --clip-grad): its coefficient was checked, but no grad was scaled; a "
+            "smaller --clip-grad exercises the clipped step"]
 
 
 def _notes(report: dict) -> list[str]:
@@ -120,6 +149,7 @@ def _notes(report: dict) -> list[str]:
         lines.append("ignored flags (not used by preflight): " + ", ".join(report["unknown_flags"]))
     twin = report["twin"]
     lines.append(twin["note"])
+    lines += _clipping_note(twin.get("steps", []))
     lines += [f"not twinned: {item}" for item in twin.get("not_twinned", [])]
     lines += [f"twin failure: {item}" for item in twin.get("failures", [])[:20]]
     return lines

@@ -75,6 +75,12 @@ class TwinPlan:
     mapping: tuple[tuple[str, str, str], ...]  # (setting, production, twin)
     not_twinned: tuple[str, ...]
     optimizer: str = "sgd"  # "adamw": fastgrad.optim.DistributedOptimizer vs refgrad.optim
+    adamw: Any = None  # verify.preflight.twin_optim.AdamWTwin (clipping, loss scale) for "adamw"
+
+    @property
+    def rank_optimizer(self) -> Any:
+        """What the ranks are told to step with: "sgd", or the AdamWTwin settings."""
+        return self.adamw if self.optimizer == "adamw" and self.adamw is not None else self.optimizer
 
 
 def _twin_microbatches(config: PreflightConfig, options: TwinOptions) -> int:
@@ -151,8 +157,12 @@ def plan_twin(config: PreflightConfig, options: TwinOptions) -> TwinPlan:
                       f"(DP-1)u sum|x| (Higham 4.4); later steps carry those differences through "
                       f"the model. Bound: {ulp_bound_factor(dp)} x (step+1) ULP of each tensor's "
                       f"largest magnitude")
-    optimizer = "adamw" if config.use_distributed_optimizer and vpp == 1 else "sgd"
+    optimizer = "adamw"  # verify.preflight.twin_optim (the SGD twin stays for the pipeline check)
     not_twinned += _left_out(config, m, optimizer)
+    from verify.preflight.twin_optim import adamw_twin_for
+
+    adamw, optim_left_out = adamw_twin_for(config)
+    not_twinned += optim_left_out
     mapping = (
         ("TP x PP x VPP x DP", f"{tp} x {pp} x {vpp} x {dp}", f"{twin_tp} x {pp} x {vpp} x {dp}"),
         ("ranks", str(tp * pp * dp), str(world)),
@@ -172,13 +182,23 @@ def plan_twin(config: PreflightConfig, options: TwinOptions) -> TwinPlan:
          if config.overlap_grad_reduce else "one bucket per chunk"),
         ("output layer", _output_wgrad(config), _output_wgrad(config)),
         ("tied embedding all-reduce", str(config.tied_embeddings and pp > 1), str(tied)),
-        ("optimizer", "distributed optimizer" if config.use_distributed_optimizer else "(not parsed)",
-         "fastgrad.optim AdamW (lr 1e-2)" if optimizer == "adamw" else "SGD (lr 0.05)"),
+        ("optimizer", "distributed optimizer" if config.use_distributed_optimizer
+         else "fp32 masters of every param (no distributed optimizer)",
+         "fastgrad.optim AdamW (lr 1e-2), " + ("DistributedOptimizer" if config.use_distributed_optimizer
+                                              else "ReplicatedOptimizer")),
+        *_optimizer_rows(config, adamw),
         ("steps", "-", str(options.steps)),
     )
     return TwinPlan(case=case, overlap=config.overlap_grad_reduce, world_size=world,
                     bitwise=bitwise, order_note=order_note, mapping=mapping,
-                    not_twinned=tuple(not_twinned), optimizer=optimizer)
+                    not_twinned=tuple(not_twinned), optimizer=optimizer, adamw=adamw)
+
+
+def _optimizer_rows(config: PreflightConfig, adamw: Any) -> tuple[tuple[str, str, str], ...]:
+    """Mapping rows for clipping, loss scaling and the param all-gather."""
+    from verify.preflight.twin_optim import optimizer_mapping
+
+    return optimizer_mapping(config, adamw)
 
 
 def _tp_layout(tp: int, sequence_parallel: bool, twin: bool = False) -> str:
@@ -219,21 +239,11 @@ def _left_out(config: PreflightConfig, m: int, optimizer: str) -> list[str]:
         out.append(f"{config.grad_dtype} grad buffer and wire dtype: the twin reduces fp32 grads")
     if config.ddp_pad_buckets_for_high_nccl_busbw:
         out.append("--ddp-pad-buckets-for-high-nccl-busbw: padding is laid out on paper only")
-    if optimizer == "sgd":
-        why = ("interleaved chunks each have their own buffer" if config.use_distributed_optimizer
-               else "without --use-distributed-optimizer")
-        out.append(f"optimizer ({why}): the twin updates with SGD (p - lr*g, two fp32 "
-                   "roundings); AdamW is twinned with the distributed optimizer at VPP 1")
-    else:
-        out.append("gradient clipping and loss scaling: the twin's AdamW steps unclipped, unscaled "
-                   "(the norm is still summed over the pipeline group)")
     if config.fp8_recipe or config.fp8_param_gather:
         out.append(f"FP8 ({config.fp8_recipe or config.fp8_format}) params and the MXFP8 param "
                    "all-gather: checked by `verify run --check mxfp8`")
     if config.reuse_grad_buf_for_mxfp8_param_ag:
         out.append("grad-buffer reuse for the MXFP8 param all-gather: see the hazards")
-    if config.overlap_param_gather:
-        out.append("--overlap-param-gather: the twin gathers the params right after each step")
     out.append("transformer blocks (attention, MLP, norms, embeddings) are Linear+tanh layers")
     return out
 
@@ -259,6 +269,10 @@ class StepRow:
     state_bitwise: int = 0  # master weights and AdamW moments (distributed optimizer only)
     state_total: int = 0
     state_max_ulp: int = 0
+    grad_norm: float | None = None  # refgrad's global norm, clip coefficient, loss scale (AdamW)
+    clip_coefficient: float | None = None
+    clipped: bool = False
+    loss_scale: float | None = None
     failures: list[str] = field(default_factory=list)
 
 
@@ -355,7 +369,10 @@ def compare_steps(plan: TwinPlan, ranks: list[Any], reference: Any) -> list[Step
                                             f"({replica_label(case, replica)}) differs from "
                                             f"refgrad: {detail}")
         if hasattr(reference, "state"):
+            from verify.preflight.twin_optim import compare_optimizer_step
+
             _compare_state(case, row, reference.state[step], got["state"][step], bound)
+            compare_optimizer_step(row, reference, ranks, bound)
         rows.append(row)
     return rows
 
@@ -389,6 +406,6 @@ def reference_for(plan: TwinPlan) -> Any:
     if plan.optimizer == "adamw":
         from verify.preflight.twin_optim import reference_with_optimizer
 
-        return reference_with_optimizer(case)
+        return reference_with_optimizer(case, plan.adamw)
     return reference_training(case.spec, case.plans, case.dp_size, lr=case.lr,
                               reduction=case.reduction)

@@ -1,20 +1,30 @@
-"""The twin with the distributed optimizer: fastgrad.optim's AdamW vs refgrad.optim, every step.
+"""The twin's optimizer: fastgrad.optim's AdamW vs refgrad.optim, every step.
 
-Used when the configuration has ``--use-distributed-optimizer`` and no
-interleaving. Each rank trains its stage with the same 1F1B schedule, DDP
+Each rank trains its stage (at VPP > 1 its model chunks, one DDP buffer each,
+under one optimizer through ``fastgrad.optim.ModelChunks``) with the same schedule, DDP
 engine, deferred output layer and tied embedding as the SGD twin
 (``verify.checks.pipeline.run_case_on_rank``), then steps
-``fastgrad.optim.DistributedOptimizer`` (AdamW over its reduce-scattered shard;
+``fastgrad.optim.DistributedOptimizer`` (AdamW over its reduce-scattered shard,
+or, without ``--use-distributed-optimizer``, ``ReplicatedOptimizer`` over the
+all-reduced grads;
 the norm summed over the pipeline group, the tied copy on the last stage left
-out) and records its full fp32 master weights and AdamW state
+out; clipped to ``--clip-grad``; the loss scaled as Megatron's grad scaler
+does) and records its full fp32 master weights and AdamW state
 (``state_dict``). The reference runs ``refgrad.pipeline``'s model one replica
 after the other, reduces as ``refgrad.pipeline.reduce_across_replicas`` does,
 and steps ``refgrad.optim.optimizer_step`` (exact arithmetic, one rounding per
-fp32 operation).
+fp32 operation) with the same max norm and loss scale.
+
+Loss scaling in the fp32 twin: the loss is multiplied by the scale ``S`` (a
+power of two) before the backward, so every gradient is exactly ``S`` times the
+unscaled one (no fp32 overflow or underflow at the twin's magnitudes); the
+reference therefore holds its reduced grads times ``S`` and unscales them with
+``r32(1/S)`` as the optimizer must.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +32,76 @@ import torch
 
 ADAMW = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0}
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
+CONSTANT_SCALE_WINDOW = 2**31  # a ConstantGradScaler never grows: a window no twin reaches
+
+
+def _power_of_two(value: float) -> bool:
+    return value > 0 and math.isfinite(value) and math.frexp(value)[0] == 0.5
+
+
+@dataclass(frozen=True)
+class AdamWTwin:
+    """Clipping and loss scaling of the twin's AdamW, taken from the configuration.
+
+    ``loss_scale``: the initial scale (dynamic) or the constant one; None = no
+    scaling. Megatron's ConstantGradScaler is modelled as a scaler that never
+    changes (min = initial, a growth window of 2^31 steps).
+    """
+
+    max_grad_norm: float | None = None
+    loss_scale: float | None = None
+    dynamic: bool = False
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    overlap_param_gather: bool = False  # gather launched by step(), waited in forward pre-hooks
+
+    def __post_init__(self) -> None:
+        if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm)
+                                                   and self.max_grad_norm > 0):
+            raise ValueError(f"AdamWTwin.max_grad_norm must be finite and > 0, got {self.max_grad_norm}")
+        if self.loss_scale is not None and not _power_of_two(self.loss_scale):
+            raise ValueError(f"AdamWTwin.loss_scale must be a power of two, got {self.loss_scale}")
+
+    @property
+    def window(self) -> int:
+        return self.loss_scale_window if self.dynamic else CONSTANT_SCALE_WINDOW
+
+    def scaler(self) -> Any:
+        """fastgrad's DynamicLossScaler for this setting (None without loss scaling)."""
+        from fastgrad.optim import DynamicLossScaler
+
+        if self.loss_scale is None:
+            return None
+        return DynamicLossScaler(initial_scale=self.loss_scale,
+                                 min_scale=self.min_loss_scale if self.dynamic else self.loss_scale,
+                                 growth_interval=self.window, hysteresis=self.hysteresis)
+
+
+def adamw_twin_for(config: Any) -> tuple[AdamWTwin, list[str]]:
+    """The twin's clipping and loss scaling for ``config``, and what it cannot reproduce."""
+    left_out = []
+    max_norm = config.clip_grad if config.clip_grad > 0 else None
+    kind = config.loss_scaling
+    scale = None
+    if kind == "constant":
+        scale = config.loss_scale
+    elif kind == "dynamic":
+        scale = config.initial_loss_scale
+    if scale is not None and not (_power_of_two(scale) and (kind == "constant"
+                                                            or _power_of_two(config.min_loss_scale))):
+        left_out.append(f"loss scale {scale:g} (min {config.min_loss_scale:g}) is not a power of two: "
+                        "unscaling would round, so the twin's AdamW steps unscaled")
+        scale = None
+    if scale is not None and kind == "dynamic":
+        left_out.append("loss-scale backoff: the fp32 twin's grads never overflow, so the dynamic "
+                        "scaler's skip, backoff and --hysteresis are not exercised (its growth "
+                        "every --loss-scale-window clean steps is)")
+    return AdamWTwin(max_grad_norm=max_norm, loss_scale=scale, dynamic=kind == "dynamic",
+                     min_loss_scale=config.min_loss_scale,
+                     loss_scale_window=config.loss_scale_window,
+                     hysteresis=config.hysteresis,
+                     overlap_param_gather=config.overlap_param_gather), left_out
 
 
 @dataclass
@@ -35,63 +115,161 @@ class OptimRankResult:
     grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
     params: list[dict[str, torch.Tensor]] = field(default_factory=list)
     state: list[dict[str, dict[str, torch.Tensor]]] = field(default_factory=list)
+    # per step: (stepped, grad norm, clip coefficient or None, loss scale or None)
+    steps: list[tuple[bool, float, float | None, float | None]] = field(default_factory=list)
+    # per step with overlap_param_gather at DP > 1: (gather in flight after the step,
+    # every gather waited for by the next forward's pre-hooks)
+    gathers_waited_in_hooks: list[tuple[bool, bool]] = field(default_factory=list)
+    # per step: where each bucket's grad reduction was launched (the bucket rule's evidence)
+    launch_sites: list[tuple[Any, ...]] = field(default_factory=list)
 
 
-def run_optimizer_rank(case: Any, groups: Any, overlap: bool) -> OptimRankResult:
-    """Train ``case`` (1F1B, distributed optimizer) on this rank with fastgrad's AdamW."""
+def _ddp_config(case: Any, overlap: bool, optim: AdamWTwin, stage: int, chunk: int = 0) -> Any:
+    """The pipeline check's DDP settings for chunk ``chunk`` on ``stage`` (one place for the
+    bucket rules), with the optimizer's param all-gather overlap."""
+    import dataclasses
+
+    from verify.checks.pipeline.worker import case_ddp_config
+
+    return dataclasses.replace(case_ddp_config(case, overlap, stage, chunk),
+                               overlap_param_gather=optim.overlap_param_gather)
+
+
+def _full_grads(ddps: list[Any], name_of: dict[int, str], case: Any, groups: Any) -> dict:
+    """Every param's reduced grad: each rank reduced only its shard, so gather the rest."""
     from fastgrad.comm import all_gather_into
-    from fastgrad.config import DDPConfig
-    from fastgrad.ddp import DistributedDataParallel
-    from fastgrad.optim import AdamWConfig, DistributedOptimizer
-    from fastgrad.pipeline import forward_backward_1f1b
-    from verify.checks.pipeline.worker import build_stage_model, rank_microbatches, total_losses
 
-    spec, stage = case.spec, groups.stage
-    module, named, head, tied = build_stage_model(case, groups)
-    if head is not None and spec.tied_embedding:
-        head.weight.shared = True  # the second copy: out of the grad norm
-    ddp = DistributedDataParallel(
-        module,
-        config=DDPConfig(use_distributed_optimizer=True, overlap_grad_reduce=overlap,
-                         reduce_scatter_with_fp32_accumulation=case.reduce_scatter_with_fp32_accumulation,
-                         average_in_collective=case.reduction == "avg", bucket_size=case.bucket_size_for(stage, 0)),
-        dp_group=groups.dp_group, average=case.reduction != "sum",
-        external_grad_params=[] if head is None else [head.weight])
-    model_parallel = groups.model_parallel_group if case.tp_size > 1 else (
-        groups.pp_group if case.pp_size > 1 else None)  # the norm: every stage and TP rank
-    optimizer = DistributedOptimizer(ddp, AdamWConfig(**ADAMW), model_parallel_group=model_parallel)
-    name_of = {id(p): n for n, p in named.items()}
-    result = OptimRankResult(stage=stage, dp_rank=groups.dp_rank, tp_rank=groups.tp_rank)
-    for step, plan in enumerate(case.plans):
-        ddp.zero_grad_buffer()
-        if head is not None:
-            head.start_step()
-        m = plan.num_microbatches
-        inputs, targets, loss_fn = rank_microbatches(case, groups, step, m)
-        losses = forward_backward_1f1b(
-            module, groups=groups, grad_sync=ddp, num_microbatches=m,
-            activation_shape=spec.stage_activation_shape, loss_fn=loss_fn,
-            inputs=inputs if groups.is_first_stage else None,
-            targets=targets if groups.is_last_stage else None,
-            deferred_wgrad=head, embedding_params=tied)
-        grads = {}
-        for bucket in ddp.buffer.buckets:  # each rank reduced only its shard: gather the rest
-            full = bucket.grad_data.clone()
-            if case.dp_size > 1:
+    grads = {}
+    for ddp in ddps:
+        for bucket in ddp.buffer.buckets:
+            full = bucket.grad_data.clone()  # all-reduced: whole on every rank
+            if case.dp_size > 1 and case.use_distributed_optimizer:
                 all_gather_into(full, bucket.local_grad_shard.clone(), group=groups.dp_group)
             for p in bucket.params:
                 start, end = bucket.param_to_index[p]
                 grads[name_of[id(p)]] = full[start:end].reshape(p.shape).clone()
-        optimizer.step()
-        result.losses.append(total_losses(case, groups, losses))
-        result.grads.append(grads)
-        result.params.append({n: p.detach().clone() for n, p in named.items()})
-        by_ddp_name = optimizer.state_dict()["params"]
-        result.state.append({name_of[id(p)]: by_ddp_name[ddp.name_of(p)]
-                             for p in named.values() if ddp.name_of(p) in by_ddp_name})
-    optimizer.remove_hooks()
-    ddp.remove_hooks()
-    return result
+    return grads
+
+
+class _Recorder:
+    """Fills an OptimRankResult around each step of one rank's optimizer."""
+
+    def __init__(self, result: OptimRankResult, optimizer: Any, target: Any, named: dict) -> None:
+        self.result, self.optimizer, self.target, self.named = result, optimizer, target, named
+        self.launched = False
+
+    @property
+    def scale(self) -> float:
+        scaler = self.optimizer.loss_scaler
+        return 1.0 if scaler is None else scaler.scale
+
+    def before_forward(self) -> None:
+        self.launched = self.optimizer.param_gather_in_flight
+
+    def after_backward(self, step: int, groups: Any) -> None:
+        """The previous step's params, now gathered by the forward pre-hooks, and its state."""
+        if step == 0:
+            return
+        if self.optimizer.overlap_param_gather and groups.dp_size > 1:
+            self.result.gathers_waited_in_hooks.append(
+                (self.launched, not self.optimizer.param_gather_in_flight))
+        self.snapshot()
+
+    def snapshot(self) -> None:
+        # Taken once the params are gathered: state_dict() would otherwise wait in the hooks' place.
+        self.result.params.append({n: p.detach().clone() for n, p in self.named.items()})
+        by_target_name = self.optimizer.state_dict()["params"]
+        self.result.state.append({n: by_target_name[self.target.name_of(p)]
+                                  for n, p in self.named.items()
+                                  if self.target.name_of(p) in by_target_name})
+
+    def step(self, losses: list[float], grads: dict, scale: float) -> None:
+        outcome = self.optimizer.step()
+        self.result.losses.append([v / scale for v in losses])  # exact: S = 2^k
+        self.result.grads.append(grads)
+        self.result.steps.append((outcome.stepped, outcome.grad_norm, outcome.clip_coefficient,
+                                  outcome.loss_scale))
+
+    def finish(self) -> OptimRankResult:
+        self.optimizer.finish_param_sync()  # the last step's gather: no forward follows it
+        self.snapshot()
+        self.optimizer.remove_hooks()
+        return self.result
+
+
+def _optimizer(target: Any, optim: AdamWTwin, case: Any, groups: Any) -> Any:
+    """DistributedOptimizer over the shards, or (no --use-distributed-optimizer) the
+    ReplicatedOptimizer over the all-reduced grads: Megatron's two optimizers."""
+    from fastgrad.optim import AdamWConfig, DistributedOptimizer, ReplicatedOptimizer
+
+    cls = DistributedOptimizer if case.use_distributed_optimizer else ReplicatedOptimizer
+    return cls(target, AdamWConfig(**ADAMW), max_grad_norm=optim.max_grad_norm,
+               loss_scaler=optim.scaler(),
+               model_parallel_group=_norm_group(case, groups))
+
+
+def _norm_group(case: Any, groups: Any) -> Any:
+    """The group the grad norm is summed over besides DP: every stage and TP rank of this
+    replica (TP duplicates are marked ``shared``), as Megatron-Core's model-parallel group."""
+    if case.tp_size > 1:
+        return groups.model_parallel_group
+    return groups.pp_group if case.pp_size > 1 else None
+
+
+def run_optimizer_rank(case: Any, groups: Any, overlap: bool,
+                       optim: AdamWTwin | None = None) -> OptimRankResult:
+    """Train ``case`` on this rank (1F1B, or interleaved at VPP > 1: one DDP engine per model
+    chunk, one AdamW over all of them through ``fastgrad.optim.ModelChunks``, as
+    Megatron-Core's optimizer over its model chunks) with fastgrad's AdamW."""
+    from fastgrad.ddp import DistributedDataParallel
+    from fastgrad.optim import ModelChunks
+    from fastgrad.pipeline import forward_backward_1f1b
+    from fastgrad.pipeline_interleaved import forward_backward_interleaved
+    from verify.checks.pipeline.worker import build_stage_model, rank_microbatches, total_losses
+
+    optim = optim or AdamWTwin()
+    spec, stage, chunks = case.spec, groups.stage, case.virtual_stages
+    built = [build_stage_model(case, groups, c) for c in range(chunks)]
+    modules = [module for module, *_ in built]
+    named = {n: p for _, per_chunk, _, _ in built for n, p in per_chunk.items()}
+    heads = [head for _, _, head, _ in built]
+    head = next((h for h in heads if h is not None), None)  # the last virtual stage's
+    tied = [p for *_, per_chunk in built for p in per_chunk]
+    if head is not None and spec.tied_embedding:
+        head.weight.shared = True  # the second copy: out of the grad norm
+    ddps = [DistributedDataParallel(module, config=_ddp_config(case, overlap, optim, stage, c),
+                                    dp_group=groups.dp_group, average=case.reduction != "sum",
+                                    external_grad_params=[] if heads[c] is None else [heads[c].weight])
+            for c, module in enumerate(modules)]
+    target = ddps[0] if chunks == 1 else ModelChunks(ddps)
+    optimizer = _optimizer(target, optim, case, groups)
+    name_of = {id(p): n for n, p in named.items()}
+    rec = _Recorder(OptimRankResult(stage=stage, dp_rank=groups.dp_rank, tp_rank=groups.tp_rank),
+                    optimizer, target, named)
+    for step, plan in enumerate(case.plans):
+        for ddp in ddps:
+            ddp.zero_grad_buffer()
+        if head is not None:
+            head.start_step()
+        m, scale = plan.num_microbatches, rec.scale
+        inputs, targets, loss_fn = rank_microbatches(case, groups, step, m)
+        common = dict(groups=groups, num_microbatches=m,
+                      activation_shape=spec.stage_activation_shape,
+                      loss_fn=lambda out, target, f=loss_fn, s=scale: f(out, target) * s,
+                      inputs=inputs if groups.is_first_stage else None,
+                      targets=targets if groups.is_last_stage else None,
+                      deferred_wgrad=head, embedding_params=tied)
+        rec.before_forward()
+        if chunks == 1:
+            losses = forward_backward_1f1b(modules[0], grad_sync=ddps[0], **common)
+        else:
+            losses = forward_backward_interleaved(modules, grad_syncs=ddps, **common)
+        rec.after_backward(step, groups)
+        rec.result.launch_sites.append(tuple(s for ddp in ddps for s in ddp.last_launch_sites))
+        rec.step(total_losses(case, groups, losses), _full_grads(ddps, name_of, case, groups), scale)
+    for ddp in ddps:
+        ddp.remove_hooks()
+    return rec.finish()
 
 
 @dataclass
@@ -102,11 +280,14 @@ class OptimReference:
     grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
     params: list[dict[str, torch.Tensor]] = field(default_factory=list)
     state: list[dict[str, dict[str, torch.Tensor]]] = field(default_factory=list)
+    # per step: (stepped, exact norm rounded to fp64, clip coefficient, loss scale)
+    steps: list[tuple[bool, float, float | None, float | None]] = field(default_factory=list)
+    max_norm: float | None = None
 
 
-def reference_with_optimizer(case: Any) -> OptimReference:
+def reference_with_optimizer(case: Any, optim: AdamWTwin | None = None) -> OptimReference:
     """The whole model in one process: microbatch-ordered sums, DP reduction, exact AdamW."""
-    from refgrad.optim import AdamW, ParamState, optimizer_step, to_tensor, values
+    from refgrad.optim import AdamW, ParamState, clip_coefficient, optimizer_step, to_tensor, values
     from refgrad.pipeline import (
         HEAD_PARAM,
         StageModule,
@@ -116,6 +297,7 @@ def reference_with_optimizer(case: Any) -> OptimReference:
         stage_param_name,
     )
 
+    optim = optim or AdamWTwin()
     spec = case.spec
     stages = [StageModule(spec, s) for s in range(spec.num_stages)]
     named = {stage_param_name(s, n): p for s, st in enumerate(stages) for n, p in st.named_parameters()}
@@ -127,14 +309,26 @@ def reference_with_optimizer(case: Any) -> OptimReference:
     names = list(named)
     states = {n: ParamState(master=values(p.detach())) for n, p in named.items()}
     hyper = AdamW(**ADAMW)
-    out = OptimReference()
+    scale, clean_steps = optim.loss_scale, 0
+    out = OptimReference(max_norm=optim.max_grad_norm)
     for step, plan in enumerate(case.plans):
         per_replica, step_losses = replica_grad_sums(
             spec, stages, named, head, step, plan.num_microbatches, case.dp_size)
         reduced = reduce_and_tie(spec, per_replica, case.reduction)
+        if scale is not None:  # what the scaled backward leaves in the buffer (exact: S = 2^k)
+            reduced = {n: g * scale for n, g in reduced.items()}
         shared = [spec.tied_embedding and n == head_name for n in names]
-        optimizer_step([states[n] for n in names], [reduced[n] for n in names],
-                       [hyper] * len(names), [step + 1] * len(names), shared=shared)
+        stepped, norm = optimizer_step(
+            [states[n] for n in names], [reduced[n] for n in names], [hyper] * len(names),
+            [step + 1] * len(names), shared=shared, max_norm=optim.max_grad_norm, loss_scale=scale)
+        coef = None
+        if stepped and optim.max_grad_norm is not None:
+            coef = float(clip_coefficient(norm, optim.max_grad_norm))
+        out.steps.append((stepped, math.nan if norm is None else float(norm), coef, scale))
+        if scale is not None and stepped:  # Megatron's scaler: grow after `window` clean steps
+            clean_steps += 1
+            if clean_steps == optim.window:
+                scale, clean_steps = scale * 2, 0
         state_now = {}
         with torch.no_grad():
             for n in names:
@@ -148,3 +342,80 @@ def reference_with_optimizer(case: Any) -> OptimReference:
         out.params.append({n: p.detach().clone() for n, p in named.items()})
         out.state.append(state_now)
     return out
+
+
+def norm_tolerance(reference: Any, step: int, bound_ulps: int | None) -> float:
+    """How far the twin's global norm may be from refgrad's: 0 when the reduction order is fixed
+    (exact sum of squares, two fp64 roundings: bitwise). Otherwise each reduced grad element may
+    be off by ``bound_ulps`` fp32 ULPs of its tensor's largest magnitude (``a_t``), and
+    ``| ||g + d|| - ||g|| | <= ||d|| <= sqrt(sum_t numel_t a_t^2)``, plus two fp64 roundings."""
+    if bound_ulps is None:
+        return 0.0
+    scale = reference.steps[step][3] or 1.0
+    total = 0.0
+    for grad in reference.grads[step].values():
+        top = float(grad.abs().max()) / scale
+        allowed = bound_ulps * (math.ulp(top) * 2.0**29 if top > 0 else 2.0**-149)
+        total += grad.numel() * allowed * allowed
+    norm = reference.steps[step][1]
+    return math.sqrt(total) + 2 * math.ulp(norm if math.isfinite(norm) else 0.0)
+
+
+def compare_optimizer_step(row: Any, reference: Any, ranks: list[Any],
+                           bound_ulps: int | None = None) -> None:
+    """The step's outcome (stepped, global grad norm, clip coefficient, loss scale) on every rank
+    vs refgrad's; the norm bitwise where the reduction order is fixed, else within
+    :func:`norm_tolerance` (and then clipping is compared only outside that band)."""
+    if not hasattr(reference, "steps"):
+        return
+    step = row.step
+    stepped, norm, coef, scale = reference.steps[step]
+    row.grad_norm, row.clip_coefficient, row.loss_scale = norm, coef, scale
+    row.clipped = coef is not None and coef < 1.0
+    tolerance = norm_tolerance(reference, step, bound_ulps)
+    decided = reference.max_norm is None or abs(norm - reference.max_norm) > tolerance
+    for res in ranks:
+        if res is None or not hasattr(res, "steps"):
+            continue
+        got_stepped, got_norm, got_coef, got_scale = res.steps[step]
+        where = f"step {step}: optimizer on stage {res.stage} (replica {res.dp_rank})"
+        if got_stepped != stepped:
+            row.failures.append(f"{where} {'stepped' if got_stepped else 'skipped'}, refgrad "
+                                f"{'stepped' if stepped else 'skipped'}")
+        if not (abs(got_norm - norm) <= tolerance or (math.isnan(norm) and math.isnan(got_norm))):
+            row.failures.append(f"{where}: global grad norm {got_norm!r}, refgrad {norm!r}"
+                                + (f" (bound {tolerance:.3g})" if tolerance else ""))
+        if got_scale != scale:
+            row.failures.append(f"{where}: loss scale {got_scale!r}, refgrad {scale!r}")
+        if decided and (got_coef is not None and got_coef < 1.0) != row.clipped:
+            row.failures.append(f"{where}: {'clipped' if got_coef is not None and got_coef < 1 else 'not clipped'}"
+                                f" (coefficient {got_coef!r}), refgrad coefficient {coef!r}")
+
+
+def _scaling_text(kind: str | None, scale: float | None, config: Any) -> str:
+    if kind is None or scale is None:
+        return "none"
+    if kind == "constant":
+        return f"constant {scale:g}"
+    return (f"dynamic from {scale:g} (min {config.min_loss_scale:g}, x2 after "
+            f"{config.loss_scale_window} clean steps, hysteresis {config.hysteresis})")
+
+
+def optimizer_mapping(config: Any, adamw: AdamWTwin | None) -> tuple[tuple[str, str, str], ...]:
+    """(setting, production, twin) rows for clipping, loss scaling and the param all-gather."""
+    kind = config.loss_scaling
+    production_scale = (config.loss_scale if kind == "constant"
+                        else config.initial_loss_scale if kind == "dynamic" else None)
+    clip = f"global norm <= {config.clip_grad:g}" if config.clip_grad > 0 else "off (--clip-grad 0)"
+    if adamw is None:
+        return (("gradient clipping", clip, "none (SGD twin)"),
+                ("loss scaling", _scaling_text(kind, production_scale, config), "none (SGD twin)"))
+    gather = "waited in forward pre-hooks" if config.overlap_param_gather else "right after the step"
+    return (
+        ("gradient clipping", clip,
+         "none" if adamw.max_grad_norm is None else
+         f"global norm <= {adamw.max_grad_norm:g} (summed over DP and pipeline, tied copy once)"),
+        ("loss scaling", _scaling_text(kind, production_scale, config),
+         _scaling_text("dynamic" if adamw.dynamic else "constant", adamw.loss_scale, config)),
+        ("param all-gather", gather, gather),
+    )

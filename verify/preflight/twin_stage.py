@@ -51,7 +51,7 @@ def _run_in_torchrun(plan: TwinPlan, candidate: TwinCandidate) -> tuple[list[Any
     world = dist.get_world_size()
     if world < plan.world_size:
         raise TwinRunError(f"the twin needs {plan.world_size} ranks (TP x PP x DP), torchrun gave {world}")
-    mine = run_twin_rank(plan.case, plan.overlap, plan.optimizer, candidate)
+    mine = run_twin_rank(plan.case, plan.overlap, plan.rank_optimizer, candidate)
     rank = dist.get_rank()
     gathered: list[Any] = [None] * world if rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)
@@ -100,7 +100,7 @@ def run_twin_stage(config: PreflightConfig, options: TwinOptions, report: dict, 
                     return None
             else:
                 say(f"training {len(plan.case.plans)} steps on {plan.world_size} gloo ranks")
-                ranks = spawn(twin_worker, plan.world_size, plan.case, plan.overlap, candidate, plan.optimizer,
+                ranks = spawn(twin_worker, plan.world_size, plan.case, plan.overlap, candidate, plan.rank_optimizer,
                               timeout_s=options.timeout_s)
                 where = f"spawned, {plan.world_size} gloo ranks on the CPU"
         except DistributedRunError as exc:

@@ -46,10 +46,10 @@ def with_candidate(case: Any, candidate: TwinCandidate) -> Any:
 
 def run_on_grid(case: Any, groups: Any, overlap: bool, optimizer: str) -> Any:
     """One rank's training: SGD (``verify.checks.pipeline``) or fastgrad.optim's AdamW."""
-    if optimizer == "adamw":
+    if optimizer != "sgd":  # "adamw", or its AdamWTwin settings (TwinPlan.rank_optimizer)
         from verify.preflight.twin_optim import run_optimizer_rank
 
-        return run_optimizer_rank(case, groups, overlap)
+        return run_optimizer_rank(case, groups, overlap, None if optimizer == "adamw" else optimizer)
     from verify.checks.pipeline import run_case_on_rank
 
     return run_case_on_rank(case, groups, overlap)
