@@ -273,6 +273,17 @@ def finalize_grads(
     timeline = timeline if timeline is not None else Timeline(groups.rank, enabled=False)
     with timeline.record("grad_sync_wait"):
         grad_sync.finish_grad_sync()
+    sync_replicated_grads(groups, embedding_params, timeline, sequence_parallel)
+
+
+def sync_replicated_grads(
+    groups: ParallelGroups,
+    embedding_params: Sequence[nn.Parameter],
+    timeline: Timeline,
+    sequence_parallel: Sequence[nn.Parameter] = (),
+) -> None:
+    """After the DP sync: the ``sequence_parallel`` params' grads summed over TP, then the
+    tied embedding grads summed over the embedding group (both schedules end with this)."""
     if sequence_parallel and groups.tp_size > 1:
         allreduce_sequence_parallel_grads(sequence_parallel, groups.tp_group)
     if embedding_params and groups.pp_size > 1 and (groups.is_first_stage or groups.is_last_stage):
@@ -296,4 +307,5 @@ __all__ = [
     "num_warmup_microbatches",
     "schedule_1f1b",
     "sequence_parallel_params",
+    "sync_replicated_grads",
 ]

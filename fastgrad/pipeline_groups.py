@@ -12,8 +12,9 @@ order they are created in are those of the ``PP x DP`` grid.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import product
 from typing import Any
 
 import torch
@@ -115,45 +116,38 @@ def build_parallel_groups(
     if member:
         stage, rest = divmod(rank - first_rank, dp_size * tp_size)
         dp_rank, tp_rank = divmod(rest, tp_size)
-    dp_group = pp_group = embedding_group = tp_group = model_parallel_group = None
-    dp_ranks: tuple[int, ...] = ()
-    pp_ranks: tuple[int, ...] = ()
+    embedding_group = tp_group = model_parallel_group = None
     embedding_ranks: tuple[int, ...] = ()
     tp_ranks: tuple[int, ...] = ()
 
     def at(s: int, d: int, t: int) -> int:
         return global_rank(s, d, dp_size, first_rank, tp_size, t)
 
-    for t in range(tp_size):
-        for s in range(pp_size):
-            ranks = tuple(at(s, d, t) for d in range(dp_size))
+    def new_groups(keys: Iterable[tuple[int, ...]], ranks_of: Callable[..., Iterable[int]],
+                   mine: tuple[int, ...]) -> tuple[Any, tuple[int, ...]]:
+        """One group per key, created by every rank in the same order (``new_group`` is
+        collective); returns this rank's group and its ranks (None, () if none)."""
+        found: tuple[Any, tuple[int, ...]] = (None, ())
+        for key in keys:
+            ranks = tuple(ranks_of(*key))
             group = dist.new_group(list(ranks))
-            if (s, t) == (stage, tp_rank):
-                dp_group, dp_ranks = group, ranks
-    for t in range(tp_size):
-        for d in range(dp_size):
-            ranks = tuple(at(s, d, t) for s in range(pp_size))
-            group = dist.new_group(list(ranks))
-            if (d, t) == (dp_rank, tp_rank):
-                pp_group, pp_ranks = group, ranks
+            if key == mine:
+                found = (group, ranks)
+        return found
+
+    tps, pps, dps = range(tp_size), range(pp_size), range(dp_size)
+    dp_group, dp_ranks = new_groups(product(tps, pps), lambda t, s: (at(s, d, t) for d in dps),
+                                    (tp_rank, stage))
+    pp_group, pp_ranks = new_groups(product(tps, dps), lambda t, d: (at(s, d, t) for s in pps),
+                                    (tp_rank, dp_rank))
     if pp_size > 1:
-        for t in range(tp_size):
-            for d in range(dp_size):
-                ranks = (at(0, d, t), at(pp_size - 1, d, t))
-                group = dist.new_group(list(ranks))
-                if (d, t) == (dp_rank, tp_rank):
-                    embedding_group, embedding_ranks = group, ranks
+        embedding_group, embedding_ranks = new_groups(
+            product(tps, dps), lambda t, d: (at(0, d, t), at(pp_size - 1, d, t)), (tp_rank, dp_rank))
     if tp_size > 1:
-        for s in range(pp_size):
-            for d in range(dp_size):
-                ranks = tuple(at(s, d, t) for t in range(tp_size))
-                group = dist.new_group(list(ranks))
-                if (s, d) == (stage, dp_rank):
-                    tp_group, tp_ranks = group, ranks
-        for d in range(dp_size):
-            group = dist.new_group([at(s, d, t) for s in range(pp_size) for t in range(tp_size)])
-            if d == dp_rank:
-                model_parallel_group = group
+        tp_group, tp_ranks = new_groups(product(pps, dps), lambda s, d: (at(s, d, t) for t in tps),
+                                        (stage, dp_rank))
+        model_parallel_group, _ = new_groups(
+            ((d,) for d in dps), lambda d: (at(s, d, t) for s in pps for t in tps), (dp_rank,))
     if not member:
         return None
     return ParallelGroups(

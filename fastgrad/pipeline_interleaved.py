@@ -45,10 +45,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fastgrad.deferred_wgrad import allreduce_tied_embedding_grad
 from fastgrad.errors import LifecycleError
-from fastgrad.pipeline import DeferredWgradDrain, GradSync, ParallelGroups, activation_device
-from fastgrad.pipeline_groups import allreduce_sequence_parallel_grads, sequence_parallel_params
+from fastgrad.pipeline import (
+    DeferredWgradDrain,
+    GradSync,
+    ParallelGroups,
+    activation_device,
+    sync_replicated_grads,
+)
+from fastgrad.pipeline_groups import sequence_parallel_params
 from fastgrad.timeline import Timeline
 
 
@@ -272,17 +277,9 @@ def forward_backward_interleaved(
     with timeline.record("grad_sync_wait"):
         for grad_sync in grad_syncs:
             grad_sync.finish_grad_sync()
-    # TP > 1: sequence-parallel replicated grads summed over the TP group, after the DP sync.
-    allreduce_sequence_parallel_grads(
-        [p for chunk in chunk_modules for p in sequence_parallel_params(chunk, groups)],
-        groups.tp_group)
-    if embedding_params and (groups.is_first_stage or groups.is_last_stage):
-        with timeline.record("embedding_sync"):
-            for param in embedding_params:
-                grad = getattr(param, "main_grad", None)
-                if grad is None:
-                    raise LifecycleError("tied embedding parameter has no main_grad to all-reduce")
-                allreduce_tied_embedding_grad(grad, groups.embedding_group)
+    sync_replicated_grads(
+        groups, embedding_params, timeline,
+        [p for chunk in chunk_modules for p in sequence_parallel_params(chunk, groups)])
     return [losses[m] for m in sorted(losses)]
 
 
