@@ -344,7 +344,11 @@ def verify_identical_parameters(module: nn.Module, runtime: Runtime, console: Co
     shared = shared_embedding_params(module)
     mine = (groups.stage, _digest(params), _digest(shared) if shared else None)
     line = f"rank {groups.rank} (stage {groups.stage}, dp rank {groups.dp_rank}): params {mine[1]}"
-    print(line + (f" tied-embedding {mine[2]}" if shared else ""), flush=True)
+    line += f" tied-embedding {mine[2]}" if shared else ""
+    # One write, newline included: print() writes the text and the newline separately,
+    # and another rank's line on the shared stdout can land between the two.
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
     gathered: list[tuple[int, str, str | None]] = [None] * dist.get_world_size()  # type: ignore[list-item]
     dist.all_gather_object(gathered, mine)
     problems = []

@@ -35,9 +35,9 @@ TINY = [
     "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
     "--train-iters", str(ITERS), "--lr", "3e-3", "--log-interval", "1", "--seed", "7",
 ]
-LOSS_LINE = re.compile(r"^iteration\s+(\d+)/(\d+) \| loss ([0-9.]+)", re.MULTILINE)
-# Not anchored: the ranks share one stdout, so another rank's line (rank 0's progress
-# bar) may end without a newline just before a digest line.
+# Not anchored: the ranks share one stdout, so another rank's output (rank 0's progress
+# bar) may end without a newline just before a line.
+LOSS_LINE = re.compile(r"\biteration\s+(\d+)/(\d+) \| loss ([0-9.]+)")
 RANK_LINE = re.compile(
     r"\brank (\d+) \(stage (\d+), dp rank (\d+)\): params ([0-9a-f]+)(?: tied-embedding ([0-9a-f]+))?",
     re.MULTILINE,
