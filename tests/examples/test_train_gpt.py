@@ -37,7 +37,7 @@ TINY = [
 ]
 # Not anchored: the ranks share one stdout, so another rank's output (rank 0's progress
 # bar) may end without a newline just before a line.
-LOSS_LINE = re.compile(r"\biteration\s+(\d+)/(\d+) \| loss ([0-9.]+)")
+LOSS_LINE = re.compile(r"iteration\s+(\d+)/(\d+) \| loss ([0-9.]+)")
 RANK_LINE = re.compile(
     r"\brank (\d+) \(stage (\d+), dp rank (\d+)\): params ([0-9a-f]+)(?: tied-embedding ([0-9a-f]+))?",
     re.MULTILINE,
