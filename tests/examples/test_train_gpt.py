@@ -39,7 +39,7 @@ TINY = [
 # bar) may end without a newline just before a line.
 LOSS_LINE = re.compile(r"iteration\s+(\d+)/(\d+) \| loss ([0-9.]+)")
 RANK_LINE = re.compile(
-    r"\brank (\d+) \(stage (\d+), dp rank (\d+)\): params ([0-9a-f]+)(?: tied-embedding ([0-9a-f]+))?",
+    r"rank (\d+) \(stage (\d+), dp rank (\d+)\): params ([0-9a-f]+)(?: tied-embedding ([0-9a-f]+))?",
     re.MULTILINE,
 )
 TIMEOUT_S = 240
