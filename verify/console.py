@@ -85,7 +85,8 @@ class StepProgress:
         self.stream = stream if stream is not None else sys.stderr
         self.done = 0.0
         self.steps = 0
-        self.step_count = steps  # when given, plain lines count steps ("3/8") not weight
+        self.finished = 0  # steps reported done (advance with a label)
+        self.step_count = steps  # when given, plain lines count finished steps ("3/8") not weight
         self.start = time.perf_counter()
         self._rich: Progress | None = None
         self._task: Any = None
@@ -138,6 +139,8 @@ class StepProgress:
     def advance(self, amount: float = 1.0, label: str | None = None) -> None:
         """Mark ``amount`` of the total as done (``label``: the step that finished)."""
         self.done = min(self.total, self.done + amount)
+        if label is not None:
+            self.finished += 1
         if not self.enabled:
             return
         if self._rich is not None:
@@ -147,7 +150,8 @@ class StepProgress:
             elapsed = time.perf_counter() - self.start
             left = self.remaining_estimate()
             eta = f", about {_duration(left)} left" if left and self.done < self.total else ""
-            count = (f"{self.steps}/{self.step_count}" if self.step_count
+            # Finished, not announced, steps: concurrent checks are announced once together.
+            count = (f"{self.finished}/{self.step_count}" if self.step_count
                      else f"{self.done:g}/{self.total:g}")
             print(f"[{self.description}] {label} ({count}, {_duration(elapsed)} elapsed{eta})",
                   file=self.stream, flush=True)

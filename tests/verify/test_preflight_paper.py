@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 import tracemalloc
 
 import pytest
@@ -160,7 +159,7 @@ def test_gpt3_175b_per_stage_parameters_by_hand():
     assert pipeline["bubble_fraction"] == pytest.approx(15 / 207)
 
 
-def test_gpt3_175b_allocates_nothing_large_and_is_fast(monkeypatch):
+def test_gpt3_175b_allocates_nothing_large(monkeypatch):
     largest = []
     for name in ("zeros", "empty", "ones", "full", "randn", "rand", "zeros_like", "empty_like"):
         real = getattr(torch, name)
@@ -173,14 +172,11 @@ def test_gpt3_175b_allocates_nothing_large_and_is_fast(monkeypatch):
         monkeypatch.setattr(torch, name, spy)
     _gpt3_report()  # warm imports
     tracemalloc.start()
-    start = time.perf_counter()
     config, report = _gpt3_report()
-    elapsed = time.perf_counter() - start
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert max(largest, default=0) < 10**6
     assert peak < 64 * 2**20  # bytes traced by Python while building the 175B report
-    assert elapsed < 5.0  # generous on a loaded 2-core machine; typically well under 1 s
     assert report["layout"][0]["buffer_numel"] == 1_463_270_400
 
 
