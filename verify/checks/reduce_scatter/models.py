@@ -113,15 +113,26 @@ def check_error_growth(ctx: CheckContext, rec: CheckRecorder) -> None:
 
 
 def _exact_average(inputs: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """The exact mean over ranks, correctly rounded to ``dtype`` (one rounding)."""
+    """The exact mean over ranks, correctly rounded to ``dtype`` (one rounding).
+
+    The exact column sum is the float64 sum wherever that is exact (the accumulation
+    study's ``float64_sum_is_exact``: every partial sum representable), else the sum
+    of the decoded values as Fractions; the mean ``sum / W`` is rounded once by
+    ``refgrad.formats``.
+    """
     fmt = formats.format_of(dtype)
-    decoded = [formats.decode_tensor(t) for t in inputs]
-    world_size = len(inputs)
-    values = [
-        exact_sum(formats.value_to_fraction(d[j]) for d in decoded) / Fraction(world_size)
-        for j in range(inputs[0].numel())
-    ]
-    return formats.round_values_to_tensor(fmt, values, (len(values),))
+    stacked = torch.stack(inputs)
+    world_size, numel = stacked.shape
+    sums64 = stacked.double().sum(dim=0).tolist()
+    exact64 = study_reference.float64_sum_is_exact(stacked).tolist()
+    values = []
+    for j in range(numel):
+        if exact64[j]:
+            total = Fraction(sums64[j])
+        else:
+            total = exact_sum(formats.value_to_fraction(v) for v in formats.decode_tensor(stacked[:, j]))
+        values.append(total / world_size)
+    return formats.round_values_to_tensor(fmt, values, (numel,))
 
 
 def check_average(ctx: CheckContext, rec: CheckRecorder) -> None:
