@@ -7,12 +7,17 @@ Usage::
     .venv/bin/python bench/bench_optim.py --out bench/results/optim_cpu.txt
 
 1. The optimizer step (AdamW, weight decay, fp32 params and grads) on N params at
-   DP=1: ``torch.optim.AdamW(foreach=True)``, fastgrad with its fused CPU kernels
-   (the default on CPU) and fastgrad forced onto its torch-op path, on the same
-   elements, interleaved round by round (the machine is shared: only the paired
-   ratios torch/fastgrad mean something; >= 1: fastgrad at least as fast). Then
-   where each fastgrad path spends its time, and the fused kernels' one-off JIT
-   compile time (a fresh process with an empty numba cache) vs a cached start.
+   DP=1 against torch's on the same elements, interleaved round by round (the
+   machine is shared: only the paired ratios torch/fastgrad mean something; >= 1:
+   fastgrad at least as fast), for the same work on both sides: without clipping,
+   ``torch.optim.AdamW(foreach=True)`` vs fastgrad with ``check_nonfinite=False``
+   (no pass over the grads before the update, as Megatron-Core with ``--clip-grad
+   0``); with clipping to 1.0 (Megatron-Core's default), ``clip_grad_norm_(foreach=
+   True)`` + AdamW vs fastgrad's exact norm + clipped update. Also fastgrad's
+   default (an exact-norm pass every step, for its NaN/inf skip, which torch's
+   AdamW does not make) and its torch-op path. Then where each fastgrad path
+   spends its time, and the fused kernels' one-off JIT compile time (a fresh
+   process with an empty numba cache) vs a cached start.
 2. With ``overlap_param_gather`` on 2 gloo ranks: the time the forward waits in the
    pre-hooks for the param all-gathers, as a share of the same all-gathers' own
    (synchronous) time. CPU/gloo only for now: the NCCL variant needs one GPU per
@@ -40,6 +45,7 @@ from fastgrad.optim.update import adamw_update_, sqrt_fp32
 from verify.distributed import spawn
 
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.1
+MAX_NORM = 1.0
 SHAPES_OF = {10**7: [(2000, 2000), (2000, 2000), (1000, 2000)], 10**6: [(500, 1000), (500, 1000)]}
 
 
@@ -72,40 +78,68 @@ def interleaved(candidates: dict, setups: dict, rounds: int) -> dict[str, list[f
 def step_benchmark(numel: int, rounds: int) -> list[str]:
     g = torch.Generator().manual_seed(0)
     shapes = SHAPES_OF[numel]
-    grads = [torch.randn(s, generator=g) * 1e-2 for s in shapes]
+    grads = [torch.randn(s, generator=g) * 1e-2 for s in shapes]  # global norm ~ 0.01 * sqrt(N)
     model = Weights(shapes, g)
     ddp = DistributedDataParallel(model, config=DDPConfig(use_distributed_optimizer=True,
                                                           bucket_size=numel + 1))
     cfg = AdamWConfig(lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WD)
+    # Optimizers over the same buffers: the default (a NaN/inf check, i.e. the exact norm,
+    # every step), as Megatron-Core without clipping (no pass before the update), clipping
+    # at Megatron-Core's default --clip-grad 1.0, and the default on the torch-op path.
     opt = DistributedOptimizer(ddp, cfg)
     assert isinstance(opt.path, FusedCpuPath), opt.path.name
-    ops_opt = DistributedOptimizer(ddp, cfg)  # the same buffers, on the torch-op path
+    unchecked = DistributedOptimizer(ddp, cfg, check_nonfinite=False)
+    clipping = DistributedOptimizer(ddp, cfg, max_grad_norm=MAX_NORM)
+    ops_opt = DistributedOptimizer(ddp, cfg)
     ops_opt.path = TorchOpsPath(ops_opt.shards)
     ref = [nn.Parameter(w.detach().clone()) for w in model.ws]
     torch_opt = torch.optim.AdamW(ref, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=True)
+    ref_clip = [nn.Parameter(w.detach().clone()) for w in model.ws]
+    torch_clip_opt = torch.optim.AdamW(ref_clip, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                                       foreach=True)
 
     def fast_setup():
         ddp.zero_grad_buffer()
         model(grads).backward()
         ddp.finish_grad_sync()
 
-    def torch_setup():
-        for p, gr in zip(ref, grads):
-            p.grad = gr.clone()
+    def torch_setup(params):
+        def setup():
+            for p, gr in zip(params, grads):
+                p.grad = gr.clone()
+        return setup
 
-    candidates = {"torch": torch_opt.step, "fused": opt.step, "torch ops": ops_opt.step}
-    times = interleaved(candidates, {"torch": torch_setup, "fused": fast_setup,
-                                     "torch ops": fast_setup}, rounds)
+    def torch_clip_step():
+        torch.nn.utils.clip_grad_norm_(ref_clip, MAX_NORM, foreach=True)
+        torch_clip_opt.step()
+
+    candidates = {"torch": torch_opt.step, "torch clip": torch_clip_step, "fused": opt.step,
+                  "fused unchecked": unchecked.step, "fused clip": clipping.step,
+                  "torch ops": ops_opt.step}
+    setups = {"torch": torch_setup(ref), "torch clip": torch_setup(ref_clip)}
+    times = interleaved(candidates, {name: setups.get(name, fast_setup) for name in candidates},
+                        rounds)
+    assert clipping.last_result.clip_coefficient < 1, "the benchmark's grads must be clipped"
     med = {name: statistics.median(ts) for name, ts in times.items()}
-    paired = {name: statistics.median(b / f for b, f in zip(times["torch"], times[name]))
-              for name in ("fused", "torch ops")}
+
+    def paired(name: str, baseline: str) -> float:
+        return statistics.median(b / f for b, f in zip(times[baseline], times[name]))
+
     lines = [f"step, {numel:.0e} fp32 params, AdamW wd={WD}, DP=1, {rounds} interleaved rounds "
-             "(median ms; ratio: median of the per-round ratios torch/fastgrad):",
-             f"  torch.optim.AdamW(foreach=True):            {1e3 * med['torch']:8.1f}",
-             f"  fastgrad DistributedOptimizer (fused CPU):  {1e3 * med['fused']:8.1f}"
-             f"   ratio {paired['fused']:.2f} (goal >= 1)",
-             f"  fastgrad DistributedOptimizer (torch ops):  {1e3 * med['torch ops']:8.1f}"
-             f"   ratio {paired['torch ops']:.2f}"]
+             "(median ms; ratio: median of the per-round ratios torch/fastgrad, >= 1: fastgrad "
+             "at least as fast):",
+             "  no clipping:",
+             f"    torch.optim.AdamW(foreach=True):                          {1e3 * med['torch']:8.1f}",
+             f"    fastgrad, check_nonfinite=False (fused CPU):              {1e3 * med['fused unchecked']:8.1f}"
+             f"   ratio {paired('fused unchecked', 'torch'):.2f} (goal >= 1; the same work)",
+             f"    fastgrad, default: + exact norm for the NaN/inf skip:     {1e3 * med['fused']:8.1f}"
+             f"   ratio {paired('fused', 'torch'):.2f}",
+             f"    fastgrad, default, torch-op path:                         {1e3 * med['torch ops']:8.1f}"
+             f"   ratio {paired('torch ops', 'torch'):.2f}",
+             f"  clipping to global norm {MAX_NORM} (Megatron-Core's default --clip-grad):",
+             f"    torch clip_grad_norm_(foreach=True) + AdamW(foreach=True): {1e3 * med['torch clip']:8.1f}",
+             f"    fastgrad, max_grad_norm={MAX_NORM} (fused CPU):                 {1e3 * med['fused clip']:8.1f}"
+             f"   ratio {paired('fused clip', 'torch clip'):.2f} (goal >= 1)"]
     # Where fastgrad's time goes: its parts on the same number of elements.
     flat = torch.cat([gr.reshape(-1) for gr in grads])
     master, m, v = torch.randn(numel, generator=g), torch.zeros(numel), torch.zeros(numel)

@@ -135,10 +135,11 @@ class DynamicLossScaler:
 
 @dataclass(frozen=True)
 class StepResult:
-    """What one ``step()`` did: stepped or skipped (and why), the grad norm, the loss scale."""
+    """What one ``step()`` did: stepped or skipped (and why), the grad norm (None when the
+    step took none: ``check_nonfinite=False`` without clipping or loss scaling), the loss scale."""
 
     stepped: bool
     reason: str
-    grad_norm: float
+    grad_norm: float | None
     loss_scale: float | None
     clip_coefficient: float | None = None

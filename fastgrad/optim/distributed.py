@@ -119,6 +119,11 @@ class DistributedOptimizer(CheckpointMixin):
     ``model_parallel_group``: the norm and the found-inf flag are also summed
     over it (pipeline stages); params marked ``shared=True`` (a tied
     embedding's second copy) are left out of the norm.
+    ``check_nonfinite``: True (default): every step takes the global norm, and a
+    NaN/inf in it skips the step. False: when neither clipping nor a loss scaler
+    needs the norm, the step makes no pass over the grads before the update, as
+    Megatron-Core does with ``--clip-grad 0`` and no loss scaling; a NaN/inf
+    gradient then reaches the master weights, and ``StepResult.grad_norm`` is None.
     """
 
     supports_mxfp8 = True  # accepts an MXFP8ParamGradBuffer in place of a DDP wrapper
@@ -132,6 +137,7 @@ class DistributedOptimizer(CheckpointMixin):
         max_grad_norm: float | None = None,
         loss_scaler: DynamicLossScaler | None = None,
         model_parallel_group: Any = None,
+        check_nonfinite: bool = True,
     ) -> None:
         if not isinstance(ddp, (DistributedDataParallel, ModelChunks, MXFP8ParamGradBuffer)):
             raise TypeError(
@@ -146,6 +152,8 @@ class DistributedOptimizer(CheckpointMixin):
                 raise TypeError(f"max_grad_norm must be a float or None, got {type(max_grad_norm).__name__}")
             if not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
                 raise ValueError(f"max_grad_norm must be finite and > 0 (or None), got {max_grad_norm}")
+        if not isinstance(check_nonfinite, bool):
+            raise TypeError(f"check_nonfinite must be a bool, got {type(check_nonfinite).__name__}")
         grad_dtypes = {g.grad_dtype for g in ddp.buffer.groups}
         if torch.float16 in grad_dtypes and loss_scaler is None:
             raise ValueError("fp16 grads need a loss_scaler (DynamicLossScaler); bf16/fp32 need none")
@@ -162,6 +170,7 @@ class DistributedOptimizer(CheckpointMixin):
         self.config = config
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.loss_scaler = loss_scaler
+        self.check_nonfinite = check_nonfinite
         self.model_parallel_group = model_parallel_group
         self.overlap_param_gather = ddp.config.overlap_param_gather
         self.groups, self.group_params = self._build_groups(param_groups)
@@ -341,12 +350,16 @@ class DistributedOptimizer(CheckpointMixin):
         self._sync_count_at_step = {id(b): b.grad_sync_count for b in self.buffer.buckets}
         scale = None if self.loss_scaler is None else self.loss_scaler.scale
         inv_scale = None if scale is None else fp32(1.0 / scale)
-        norm, found_inf = self.global_grad_norm(inv_scale)  # the torch-op path copies the grads
+        if self.check_nonfinite or self.max_grad_norm is not None or self.loss_scaler is not None:
+            norm, found_inf = self.global_grad_norm(inv_scale)  # the torch-op path copies the grads
+        else:  # nothing needs the norm (Megatron-Core's --clip-grad 0, no loss scaling)
+            self.path.load_grads(inv_scale)
+            norm, found_inf = None, False
         if self.mxfp8 is not None:
             self.mxfp8.consume_grads()  # copied out: grad accumulation may start again
         if self.loss_scaler is not None:
             self.loss_scaler.update(found_inf)
-        if found_inf or not math.isfinite(norm):
+        if found_inf or (norm is not None and not math.isfinite(norm)):
             reason = "NaN/inf in the gradients (flag all-reduced over all ranks): step skipped"
             self.last_result = StepResult(False, reason, norm, scale)
             return self.last_result

@@ -68,9 +68,13 @@ class TorchOpsPath:
             grads.mul_(inv_scale)
         return grads
 
+    def load_grads(self, inv_scale: float | None) -> None:
+        """Copy the (unscaled) grads out for the update (``local_norm`` does it too)."""
+        self._grads = [self._fp32_grads(i, inv_scale) for i in range(len(self.shards))]
+
     def local_norm(self, inv_scale: float | None) -> tuple[list[int], int]:
         """Copies the (unscaled) grads out, then their exact limbs and NaN/inf count."""
-        self._grads = [self._fp32_grads(i, inv_scale) for i in range(len(self.shards))]
+        self.load_grads(inv_scale)
         for_norm, shared = [], []
         for shard, g in zip(self.shards, self._grads):
             for piece, (lo, hi) in zip(shard.pieces, shard.offsets):
@@ -149,6 +153,9 @@ class FusedCpuPath:
                     rows.append((start, stop, start + shift, run.group, 1))
                     row_piece.append(index)
         return np.array(rows, dtype=np.int64).reshape(-1, 5), np.array(row_piece, dtype=np.int64)
+
+    def load_grads(self, inv_scale: float | None) -> None:
+        """Nothing to prepare: the update reads the grad buffers directly."""
 
     def local_norm(self, inv_scale: float | None) -> tuple[list[int], int]:
         """The exact limbs and NaN/inf count, straight from the grad buffers."""

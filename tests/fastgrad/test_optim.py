@@ -23,6 +23,7 @@ from fastgrad.optim import (
     SGDConfig,
     param_groups_without_decay_for,
 )
+from fastgrad.optim.step_paths import TorchOpsPath
 from refgrad import optim as R
 from verify.checks.optim.cases import (  # noqa: F401 - re-exported for test_optim_dist
     FP16,
@@ -74,6 +75,45 @@ def test_dp1_grad_norm_is_refgrads_exact_norm():
     result = train_step(model, ddp, opt, 0, 0)
     grads = [R.values(g) for g in reduced_grads(1, 0, MIXED, average=True)]
     assert result.grad_norm == float(R.global_norm(grads))
+
+
+def _without_nonfinite_check(opt: DistributedOptimizer, torch_ops: bool) -> DistributedOptimizer:
+    opt.check_nonfinite = False
+    if torch_ops:
+        opt.path = TorchOpsPath(opt.shards)
+    return opt
+
+
+@pytest.mark.parametrize("torch_ops", [False, True], ids=["fused", "torch-ops"])
+def test_without_nonfinite_check_the_update_is_refgrads_and_takes_no_norm(torch_ops, monkeypatch):
+    # Megatron-Core without clipping or loss scaling takes no norm: the same update bits.
+    model, ddp, opt = build(MIXED, "adamw")
+    _without_nonfinite_check(opt, torch_ops)
+    monkeypatch.setattr(opt.path, "local_norm", lambda *_: pytest.fail("a norm was taken"))
+    want, _ = reference_trajectory([1, 1], MIXED, "adamw")
+    for step in range(2):
+        result = train_step(model, ddp, opt, 0, step)
+        assert result.stepped and result.grad_norm is None
+        assert_matches(snapshot(model, opt), want[step], f"step {step}")
+
+
+@pytest.mark.parametrize("torch_ops", [False, True], ids=["fused", "torch-ops"])
+def test_without_nonfinite_check_an_inf_grad_reaches_the_masters(torch_ops):
+    # The documented cost of check_nonfinite=False; the default skips that step.
+    checked = build(FP32, "sgd")
+    model, ddp, opt = build(FP32, "sgd")
+    _without_nonfinite_check(opt, torch_ops)
+    assert not train_step(*checked, 1, 1, inf_at=INF_AT).stepped
+    assert train_step(model, ddp, opt, 1, 1, inf_at=INF_AT).stepped
+    masters = opt.state_dict()["params"]
+    assert not all(bool(torch.isfinite(masters[n]["master"]).all()) for n in NAMES)
+
+
+def test_without_nonfinite_check_clipping_still_takes_the_norm_and_skips_inf():
+    model, ddp, opt = build(FP32, "sgd", clip=0.5)
+    opt.check_nonfinite = False
+    result = train_step(model, ddp, opt, 1, 1, inf_at=INF_AT)
+    assert not result.stepped and "NaN/inf" in result.reason
 
 
 def test_checkpoint_round_trip_and_resume_dp1():
