@@ -76,10 +76,14 @@ class TwinPlan:
     not_twinned: tuple[str, ...]
     optimizer: str = "sgd"  # "adamw": fastgrad.optim.DistributedOptimizer vs refgrad.optim
     adamw: Any = None  # verify.preflight.twin_optim.AdamWTwin (clipping, loss scale) for "adamw"
+    mxfp8: Any = None  # verify.preflight.twin_mxfp8.MXFP8Twin: MXFP8 params (None: none)
 
     @property
     def rank_optimizer(self) -> Any:
-        """What the ranks are told to step with: "sgd", or the AdamWTwin settings."""
+        """What the ranks are told to step with: "sgd", the AdamWTwin settings, or (MXFP8
+        params) the MXFP8Twin settings."""
+        if self.mxfp8 is not None:
+            return self.mxfp8
         return self.adamw if self.optimizer == "adamw" and self.adamw is not None else self.optimizer
 
 
@@ -110,7 +114,11 @@ def plan_twin(config: PreflightConfig, options: TwinOptions) -> TwinPlan:
     layers = options.layers
     # The output layer sits on the last virtual stage (its drain follows the, possibly
     # interleaved, cooldown); its vocabulary, the twin's hidden size, is split over TP.
-    h = options.hidden_size + (-options.hidden_size % twin_tp)
+    from verify.preflight.twin_mxfp8 import BLOCK, twins_mxfp8
+
+    # MXFP8 params: blocks of 32 along each weight's last dimension (and the bias).
+    multiple = math.lcm(twin_tp, BLOCK) if twins_mxfp8(config) else twin_tp
+    h = options.hidden_size + (-options.hidden_size % multiple)
     sequence_parallel = config.sequence_parallel and twin_tp > 1
     rows = config.micro_batch_size
     if sequence_parallel and rows % twin_tp:
@@ -159,10 +167,13 @@ def plan_twin(config: PreflightConfig, options: TwinOptions) -> TwinPlan:
                       f"largest magnitude")
     optimizer = "adamw"  # verify.preflight.twin_optim (the SGD twin stays for the pipeline check)
     not_twinned += _left_out(config, m, optimizer)
+    from verify.preflight.twin_mxfp8 import mxfp8_mapping, mxfp8_twin_for
     from verify.preflight.twin_optim import adamw_twin_for
 
     adamw, optim_left_out = adamw_twin_for(config)
     not_twinned += optim_left_out
+    mxfp8, mxfp8_left_out = mxfp8_twin_for(config, adamw)
+    not_twinned += mxfp8_left_out
     mapping = (
         ("TP x PP x VPP x DP", f"{tp} x {pp} x {vpp} x {dp}", f"{twin_tp} x {pp} x {vpp} x {dp}"),
         ("ranks", str(tp * pp * dp), str(world)),
@@ -187,11 +198,12 @@ def plan_twin(config: PreflightConfig, options: TwinOptions) -> TwinPlan:
          "fastgrad.optim AdamW (lr 1e-2), " + ("DistributedOptimizer" if config.use_distributed_optimizer
                                               else "ReplicatedOptimizer")),
         *_optimizer_rows(config, adamw),
+        *mxfp8_mapping(config, mxfp8),
         ("steps", "-", str(options.steps)),
     )
     return TwinPlan(case=case, overlap=config.overlap_grad_reduce, world_size=world,
                     bitwise=bitwise, order_note=order_note, mapping=mapping,
-                    not_twinned=tuple(not_twinned), optimizer=optimizer, adamw=adamw)
+                    not_twinned=tuple(not_twinned), optimizer=optimizer, adamw=adamw, mxfp8=mxfp8)
 
 
 def _optimizer_rows(config: PreflightConfig, adamw: Any) -> tuple[tuple[str, str, str], ...]:
@@ -239,11 +251,16 @@ def _left_out(config: PreflightConfig, m: int, optimizer: str) -> list[str]:
         out.append(f"{config.grad_dtype} grad buffer and wire dtype: the twin reduces fp32 grads")
     if config.ddp_pad_buckets_for_high_nccl_busbw:
         out.append("--ddp-pad-buckets-for-high-nccl-busbw: padding is laid out on paper only")
-    if config.fp8_recipe or config.fp8_param_gather:
-        out.append(f"FP8 ({config.fp8_recipe or config.fp8_format}) params and the MXFP8 param "
-                   "all-gather: checked by `verify run --check mxfp8`")
-    if config.reuse_grad_buf_for_mxfp8_param_ag:
-        out.append("grad-buffer reuse for the MXFP8 param all-gather: see the hazards")
+    from verify.preflight.twin_mxfp8 import twins_mxfp8
+
+    # MXFP8 params (--fp8-recipe mxfp8 --fp8-param-gather) are twinned: verify.preflight.twin_mxfp8.
+    if (config.fp8_recipe or config.fp8_param_gather) and not twins_mxfp8(config):
+        out.append(f"FP8 ({config.fp8_recipe or config.fp8_format}) "
+                   f"{'params' if config.fp8_param_gather else 'compute'}: the twin reproduces "
+                   "only --fp8-recipe mxfp8 with --fp8-param-gather; checked by "
+                   "`verify run --check mxfp8`")
+        if config.reuse_grad_buf_for_mxfp8_param_ag:
+            out.append("grad-buffer reuse for the MXFP8 param all-gather: see the hazards")
     out.append("transformer blocks (attention, MLP, norms, embeddings) are Linear+tanh layers")
     return out
 
@@ -269,6 +286,8 @@ class StepRow:
     state_bitwise: int = 0  # master weights and AdamW moments (distributed optimizer only)
     state_total: int = 0
     state_max_ulp: int = 0
+    mxfp8_bitwise: int = 0  # MXFP8 params' scale and element bit tensors (MXFP8 twin only)
+    mxfp8_total: int = 0
     grad_norm: float | None = None  # refgrad's global norm, clip coefficient, loss scale (AdamW)
     clip_coefficient: float | None = None
     clipped: bool = False
@@ -373,6 +392,10 @@ def compare_steps(plan: TwinPlan, ranks: list[Any], reference: Any) -> list[Step
 
             _compare_state(case, row, reference.state[step], got["state"][step], bound)
             compare_optimizer_step(row, reference, ranks, bound)
+        if hasattr(reference, "mxfp8"):
+            from verify.preflight.twin_mxfp8 import compare_mxfp8_params
+
+            compare_mxfp8_params(case, row, reference, ranks)
         rows.append(row)
     return rows
 
@@ -403,6 +426,10 @@ def reference_for(plan: TwinPlan) -> Any:
     from refgrad.pipeline import reference_training
 
     case = plan.case
+    if plan.mxfp8 is not None:
+        from verify.preflight.twin_mxfp8 import reference_with_mxfp8
+
+        return reference_with_mxfp8(case, plan.mxfp8)
     if plan.optimizer == "adamw":
         from verify.preflight.twin_optim import reference_with_optimizer
 
