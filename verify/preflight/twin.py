@@ -167,7 +167,7 @@ def plan_twin(config: PreflightConfig, options: TwinOptions) -> TwinPlan:
                       f"largest magnitude")
     optimizer = "adamw"  # verify.preflight.twin_optim (the SGD twin stays for the pipeline check)
     not_twinned += _left_out(config, m, optimizer)
-    from verify.preflight.twin_mxfp8 import mxfp8_mapping, mxfp8_twin_for
+    from verify.preflight.twin_mxfp8 import mxfp8_twin_for, with_mxfp8_rows
     from verify.preflight.twin_optim import adamw_twin_for
 
     adamw, optim_left_out = adamw_twin_for(config)
@@ -198,9 +198,9 @@ def plan_twin(config: PreflightConfig, options: TwinOptions) -> TwinPlan:
          "fastgrad.optim AdamW (lr 1e-2), " + ("DistributedOptimizer" if config.use_distributed_optimizer
                                               else "ReplicatedOptimizer")),
         *_optimizer_rows(config, adamw),
-        *mxfp8_mapping(config, mxfp8),
         ("steps", "-", str(options.steps)),
     )
+    mapping = with_mxfp8_rows(mapping, config, mxfp8, vpp)
     return TwinPlan(case=case, overlap=config.overlap_grad_reduce, world_size=world,
                     bitwise=bitwise, order_note=order_note, mapping=mapping,
                     not_twinned=tuple(not_twinned), optimizer=optimizer, adamw=adamw, mxfp8=mxfp8)

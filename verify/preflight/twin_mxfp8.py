@@ -88,18 +88,30 @@ def mxfp8_twin_for(config: Any, adamw: AdamWTwin) -> tuple[MXFP8Twin | None, lis
     return MXFP8Twin(adamw=adamw, reuse_grad_buffer=reuse), left_out
 
 
-def mxfp8_mapping(config: Any, mx: MXFP8Twin | None) -> tuple[tuple[str, str, str], ...]:
-    """(setting, production, twin) rows for the MXFP8 params and the buffer reuse."""
+def with_mxfp8_rows(mapping: tuple[tuple[str, str, str], ...], config: Any, mx: MXFP8Twin | None,
+                    virtual_stages: int = 1) -> tuple[tuple[str, str, str], ...]:
+    """``mapping`` as the MXFP8 twin runs it: its grad reduce and param all-gather rows say how
+    fastgrad's MXFP8 buffer does them, and the MXFP8 rows come before ``steps``."""
     if mx is None:
-        return ()
-    production_reuse = config.reuse_grad_buf_for_mxfp8_param_ag
-    return (
-        ("MXFP8 params", "fp32 master shard -> bf16 -> all-gather -> MXFP8 (weights of the blocks)",
-         "fp32 master shard -> bf16 -> all-gather -> MXFP8 (every weight; fastgrad "
-         "MXFP8ParamGradBuffer + DistributedOptimizer); forward on the dequantized values"),
-        ("param all-gather buffer", "the grad buffer's bytes" if production_reuse else "its own buffer",
+        return mapping
+    twin = {
+        "overlap grad reduce": "False (the MXFP8 buffer reduce-scatters after the backward)",
+        "param all-gather": "every bucket launched at the end of the step, then waited there "
+                            "(quantized into the MXFP8 params; no forward pre-hooks)",
+    }
+    rows = [(name, production, twin.get(name, mine)) for name, production, mine in mapping]
+    chunks = (f"; one MXFP8 buffer for this rank's {virtual_stages} model chunks, bucketed as "
+              "its first" if virtual_stages > 1 else "")
+    reuse = config.reuse_grad_buf_for_mxfp8_param_ag
+    extra = [
+        ("MXFP8 params", "fp32 master shard -> bf16 -> all-gather -> MXFP8 (the blocks' weights)",
+         "fp32 master shard -> bf16 -> all-gather -> MXFP8 (every weight, floor scales; fastgrad "
+         "MXFP8ParamGradBuffer + DistributedOptimizer); forward on the dequantized values" + chunks),
+        ("param all-gather buffer", "the grad buffer's bytes" if reuse else "its own buffer",
          "the grad buffer's bytes" if mx.reuse_grad_buffer else "its own buffer"),
-    )
+    ]
+    at = next((i for i, row in enumerate(rows) if row[0] == "steps"), len(rows))
+    return tuple(rows[:at] + extra + rows[at:])
 
 
 class FrontGradSync:
