@@ -47,12 +47,12 @@ def _config(flags: list[str], base: list[str] = MODEL):
     return config, build_report(config, parsed, CostInputs())
 
 
-def _plans(layout: dict) -> dict:
+def _plans(layout: dict, options: TwinOptions = STEPS) -> dict:
     """name -> (config, report, plan, index in the one phase); ``layout``: name -> (flags, first rank)."""
     out = {}
     for index, (name, (flags, first)) in enumerate(layout.items()):
         config, report = _config(flags)
-        plan = plan_twin(config, STEPS)
+        plan = plan_twin(config, options)
         out[name] = (config, report, replace(plan, case=replace(plan.case, first_rank=first)), index)
     return out
 
@@ -187,7 +187,7 @@ def _faulty_worker(rank: int, world_size: int, phases: list, faults: dict) -> li
 @pytest.mark.dist
 def test_wrong_scale_rounding_or_a_gather_over_live_grads_fails_naming_step_and_parameter():
     plans = _plans({"ceil_scales": (DP2, 0), "gather_over_grads": (PP2_DP2_REUSE, 2),
-                    "gather_without_reuse": (DP2, 6)})
+                    "gather_without_reuse": (DP2, 6)}, replace(STEPS, steps=2))
     faults = {(0, 2): "ceil_scales", (2, 6): "gather_over_grads", (6, 8): "gather_over_grads"}
     ranks = run_distributed(_faulty_worker, 8, _phases(plans), faults, timeout_s=300)
     out = _finish(plans, ranks, TwinCandidate("broken MXFP8"))
