@@ -21,6 +21,7 @@ from tests.distributed_utils import run_distributed
 from verify.preflight.cli import build_report
 from verify.preflight.config import resolve
 from verify.preflight.flags import parse_megatron_flags
+from verify.preflight.render import render_markdown
 from verify.preflight.timing import CostInputs
 from verify.preflight.twin import TwinOptions, plan_twin
 from verify.preflight.twin_mxfp8 import BLOCK, MXFP8Twin
@@ -135,6 +136,8 @@ def test_mxfp8_twin_matches_refgrad_bitwise(twins, name):
         assert s["mxfp8_bitwise"] == s["mxfp8_total"] == 2 * sum(len(r.mxfp8[0]) for r in results)
     # The reusing twins really all-gathered through the grad buffer's bytes; dp2 did not.
     assert all(r.buffer_shared == ("reuse" in name) for r in results)
+    total = steps[0]["mxfp8_total"]
+    assert f"| 2 | {total}/{total} |" in render_markdown(report)  # the per-step bits table
 
 
 @pytest.mark.dist
