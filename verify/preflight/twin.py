@@ -8,7 +8,10 @@ bucket rule, the same reduction (Megatron's default 1/DP pre-scaling before a
 SUM), the same collective (reduce-scatter with the distributed optimizer,
 all-reduce without), fp32-accumulating reduce-scatter, overlap on or off,
 the deferred output-layer wgrad and the tied-embedding all-reduce, with
-``--twin-hidden-size`` wide Linear+tanh layers in place of transformer blocks.
+``--twin-hidden-size`` wide Linear+tanh layers in place of transformer blocks,
+and (``--fp8-recipe mxfp8 --fp8-param-gather``) MXFP8 weights through fastgrad's
+MXFP8 buffer, its param all-gather reusing the grad buffer where the
+configuration does (``verify.preflight.twin_mxfp8``).
 Everything the twin does not reproduce is listed in ``not_twinned``.
 
 :func:`run_twin` trains it on real ranks (spawned gloo processes, or the
