@@ -90,6 +90,8 @@ class MXFP8ParamGradBuffer(OnMesh):
     ``config.grad_reduce_in_fp32``, else bf16. A non-quantized param's
     ``data`` becomes a view into ``param_data`` (production's mapping).
     ``.buffer`` is the underlying ``ParamAndGradBuffer``; ``.buckets`` its buckets.
+    ``gradient_scaling_factor``: each grad is multiplied by it before the reduce-scatter's
+    SUM (``1/DP``: Megatron-Core's default averaging, as ``DistributedDataParallel`` does).
     """
 
     def __init__(
@@ -100,9 +102,11 @@ class MXFP8ParamGradBuffer(OnMesh):
         dp_group: Any = None,
         device: torch.device | str = "cpu",
         mesh: DPMeshInfo | None = None,
+        gradient_scaling_factor: float = 1.0,
     ) -> None:
         self.buffer = ParamAndGradBuffer(
-            params, config=config, dp_group=dp_group, device=device, mesh=mesh, mxfp8_params=True
+            params, config=config, dp_group=dp_group, device=device, mesh=mesh, mxfp8_params=True,
+            gradient_scaling_factor=gradient_scaling_factor,
         )
         (group,) = self.buffer.groups  # every param is bf16 in this mode: one group
         self.group = group

@@ -110,9 +110,18 @@ def twin_tables(report: dict) -> Tables:
                          _norm_cell(r),
                          "ok" if not r["failures"] else r["failures"][0]]
                         for r in twin["steps"]]))
+        if any(r.get("mxfp8_total") for r in twin["steps"]):
+            tables.append(_mxfp8_table(twin["steps"]))
         tables.append(("Scaled twin: production vs twin", ["setting", "production", "twin"],
                        twin["mapping"]))
     return tables
+
+
+def _mxfp8_table(steps: list[dict]) -> tuple[str, list[str], list[list[str]]]:
+    """Per step: how many MXFP8 scale and element bit tensors (per param and rank) equal refgrad's."""
+    return ("Twin's MXFP8 params vs refgrad.mxfp8 after every step (scale and element bits)",
+            ["step", "bit tensors bitwise"],
+            [[str(r["step"]), f"{r['mxfp8_bitwise']}/{r['mxfp8_total']}"] for r in steps])
 
 
 def _norm_cell(row: dict) -> str:

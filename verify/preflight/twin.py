@@ -8,7 +8,10 @@ bucket rule, the same reduction (Megatron's default 1/DP pre-scaling before a
 SUM), the same collective (reduce-scatter with the distributed optimizer,
 all-reduce without), fp32-accumulating reduce-scatter, overlap on or off,
 the deferred output-layer wgrad and the tied-embedding all-reduce, with
-``--twin-hidden-size`` wide Linear+tanh layers in place of transformer blocks.
+``--twin-hidden-size`` wide Linear+tanh layers in place of transformer blocks,
+and (``--fp8-recipe mxfp8 --fp8-param-gather``) MXFP8 weights through fastgrad's
+MXFP8 buffer, its param all-gather reusing the grad buffer where the
+configuration does (``verify.preflight.twin_mxfp8``).
 Everything the twin does not reproduce is listed in ``not_twinned``.
 
 :func:`run_twin` trains it on real ranks (spawned gloo processes, or the
@@ -76,10 +79,14 @@ class TwinPlan:
     not_twinned: tuple[str, ...]
     optimizer: str = "sgd"  # "adamw": fastgrad.optim.DistributedOptimizer vs refgrad.optim
     adamw: Any = None  # verify.preflight.twin_optim.AdamWTwin (clipping, loss scale) for "adamw"
+    mxfp8: Any = None  # verify.preflight.twin_mxfp8.MXFP8Twin: MXFP8 params (None: none)
 
     @property
     def rank_optimizer(self) -> Any:
-        """What the ranks are told to step with: "sgd", or the AdamWTwin settings."""
+        """What the ranks are told to step with: "sgd", the AdamWTwin settings, or (MXFP8
+        params) the MXFP8Twin settings."""
+        if self.mxfp8 is not None:
+            return self.mxfp8
         return self.adamw if self.optimizer == "adamw" and self.adamw is not None else self.optimizer
 
 
@@ -110,7 +117,11 @@ def plan_twin(config: PreflightConfig, options: TwinOptions) -> TwinPlan:
     layers = options.layers
     # The output layer sits on the last virtual stage (its drain follows the, possibly
     # interleaved, cooldown); its vocabulary, the twin's hidden size, is split over TP.
-    h = options.hidden_size + (-options.hidden_size % twin_tp)
+    from verify.preflight.twin_mxfp8 import BLOCK, twins_mxfp8
+
+    # MXFP8 params: blocks of 32 along each weight's last dimension (and the bias).
+    multiple = math.lcm(twin_tp, BLOCK) if twins_mxfp8(config) else twin_tp
+    h = options.hidden_size + (-options.hidden_size % multiple)
     sequence_parallel = config.sequence_parallel and twin_tp > 1
     rows = config.micro_batch_size
     if sequence_parallel and rows % twin_tp:
@@ -159,10 +170,13 @@ def plan_twin(config: PreflightConfig, options: TwinOptions) -> TwinPlan:
                       f"largest magnitude")
     optimizer = "adamw"  # verify.preflight.twin_optim (the SGD twin stays for the pipeline check)
     not_twinned += _left_out(config, m, optimizer)
+    from verify.preflight.twin_mxfp8 import mxfp8_twin_for, with_mxfp8_rows
     from verify.preflight.twin_optim import adamw_twin_for
 
     adamw, optim_left_out = adamw_twin_for(config)
     not_twinned += optim_left_out
+    mxfp8, mxfp8_left_out = mxfp8_twin_for(config, adamw)
+    not_twinned += mxfp8_left_out
     mapping = (
         ("TP x PP x VPP x DP", f"{tp} x {pp} x {vpp} x {dp}", f"{twin_tp} x {pp} x {vpp} x {dp}"),
         ("ranks", str(tp * pp * dp), str(world)),
@@ -189,9 +203,10 @@ def plan_twin(config: PreflightConfig, options: TwinOptions) -> TwinPlan:
         *_optimizer_rows(config, adamw),
         ("steps", "-", str(options.steps)),
     )
+    mapping = with_mxfp8_rows(mapping, config, mxfp8, vpp)
     return TwinPlan(case=case, overlap=config.overlap_grad_reduce, world_size=world,
                     bitwise=bitwise, order_note=order_note, mapping=mapping,
-                    not_twinned=tuple(not_twinned), optimizer=optimizer, adamw=adamw)
+                    not_twinned=tuple(not_twinned), optimizer=optimizer, adamw=adamw, mxfp8=mxfp8)
 
 
 def _optimizer_rows(config: PreflightConfig, adamw: Any) -> tuple[tuple[str, str, str], ...]:
@@ -239,11 +254,16 @@ def _left_out(config: PreflightConfig, m: int, optimizer: str) -> list[str]:
         out.append(f"{config.grad_dtype} grad buffer and wire dtype: the twin reduces fp32 grads")
     if config.ddp_pad_buckets_for_high_nccl_busbw:
         out.append("--ddp-pad-buckets-for-high-nccl-busbw: padding is laid out on paper only")
-    if config.fp8_recipe or config.fp8_param_gather:
-        out.append(f"FP8 ({config.fp8_recipe or config.fp8_format}) params and the MXFP8 param "
-                   "all-gather: checked by `verify run --check mxfp8`")
-    if config.reuse_grad_buf_for_mxfp8_param_ag:
-        out.append("grad-buffer reuse for the MXFP8 param all-gather: see the hazards")
+    from verify.preflight.twin_mxfp8 import twins_mxfp8
+
+    # MXFP8 params (--fp8-recipe mxfp8 --fp8-param-gather) are twinned: verify.preflight.twin_mxfp8.
+    if (config.fp8_recipe or config.fp8_param_gather) and not twins_mxfp8(config):
+        out.append(f"FP8 ({config.fp8_recipe or config.fp8_format}) "
+                   f"{'params' if config.fp8_param_gather else 'compute'}: the twin reproduces "
+                   "only --fp8-recipe mxfp8 with --fp8-param-gather; checked by "
+                   "`verify run --check mxfp8`")
+        if config.reuse_grad_buf_for_mxfp8_param_ag:
+            out.append("grad-buffer reuse for the MXFP8 param all-gather: see the hazards")
     out.append("transformer blocks (attention, MLP, norms, embeddings) are Linear+tanh layers")
     return out
 
@@ -269,6 +289,8 @@ class StepRow:
     state_bitwise: int = 0  # master weights and AdamW moments (distributed optimizer only)
     state_total: int = 0
     state_max_ulp: int = 0
+    mxfp8_bitwise: int = 0  # MXFP8 params' scale and element bit tensors (MXFP8 twin only)
+    mxfp8_total: int = 0
     grad_norm: float | None = None  # refgrad's global norm, clip coefficient, loss scale (AdamW)
     clip_coefficient: float | None = None
     clipped: bool = False
@@ -373,6 +395,10 @@ def compare_steps(plan: TwinPlan, ranks: list[Any], reference: Any) -> list[Step
 
             _compare_state(case, row, reference.state[step], got["state"][step], bound)
             compare_optimizer_step(row, reference, ranks, bound)
+        if hasattr(reference, "mxfp8"):
+            from verify.preflight.twin_mxfp8 import compare_mxfp8_params
+
+            compare_mxfp8_params(case, row, reference, ranks)
         rows.append(row)
     return rows
 
@@ -403,6 +429,10 @@ def reference_for(plan: TwinPlan) -> Any:
     from refgrad.pipeline import reference_training
 
     case = plan.case
+    if plan.mxfp8 is not None:
+        from verify.preflight.twin_mxfp8 import reference_with_mxfp8
+
+        return reference_with_mxfp8(case, plan.mxfp8)
     if plan.optimizer == "adamw":
         from verify.preflight.twin_optim import reference_with_optimizer
 

@@ -285,8 +285,14 @@ class OptimReference:
     max_norm: float | None = None
 
 
-def reference_with_optimizer(case: Any, optim: AdamWTwin | None = None) -> OptimReference:
-    """The whole model in one process: microbatch-ordered sums, DP reduction, exact AdamW."""
+def reference_with_optimizer(case: Any, optim: AdamWTwin | None = None, *,
+                             param_values: Any = None) -> OptimReference:
+    """The whole model in one process: microbatch-ordered sums, DP reduction, exact AdamW.
+
+    ``param_values(master)``: what the forward computes with, given an fp32 master tensor
+    (None: the master itself). It is applied twice to the initial weights (the params are
+    built from them, then published from the masters, which start as the built params) and
+    once after every step (``verify.preflight.twin_mxfp8``: MXFP8 params)."""
     from refgrad.optim import AdamW, ParamState, clip_coefficient, optimizer_step, to_tensor, values
     from refgrad.pipeline import (
         HEAD_PARAM,
@@ -307,7 +313,16 @@ def reference_with_optimizer(case: Any, optim: AdamWTwin | None = None) -> Optim
         head = head_weight_init(spec).requires_grad_(True)
         named[head_name] = head
     names = list(named)
+    publish = param_values or (lambda master: master)
+    if param_values is not None:
+        with torch.no_grad():
+            for p in named.values():
+                p.copy_(publish(p.detach()))
     states = {n: ParamState(master=values(p.detach())) for n, p in named.items()}
+    if param_values is not None:
+        with torch.no_grad():
+            for p in named.values():
+                p.copy_(publish(p.detach()))
     hyper = AdamW(**ADAMW)
     scale, clean_steps = optim.loss_scale, 0
     out = OptimReference(max_norm=optim.max_grad_norm)
@@ -333,7 +348,7 @@ def reference_with_optimizer(case: Any, optim: AdamWTwin | None = None) -> Optim
         with torch.no_grad():
             for n in names:
                 shape = named[n].shape
-                named[n].copy_(to_tensor(states[n].master, shape))
+                named[n].copy_(publish(to_tensor(states[n].master, shape)))
                 state_now[n] = {"master": to_tensor(states[n].master, shape),
                                 "exp_avg": to_tensor(states[n].exp_avg, shape),
                                 "exp_avg_sq": to_tensor(states[n].exp_avg_sq, shape)}

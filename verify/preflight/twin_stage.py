@@ -32,6 +32,9 @@ from verify.preflight.twin_worker import (
 OPTIM_NOTE = (", and fastgrad.optim.DistributedOptimizer's AdamW master weights and state "
               "(vs refgrad.optim, exact arithmetic),")
 
+MXFP8_NOTE = (" and the MXFP8 params' scale and element bits (vs refgrad.mxfp8 of the masters "
+              "staged as bf16),")
+
 
 class TwinRunError(RuntimeError):
     """The twin could not run (a rank failed or timed out): exit code 3."""
@@ -131,7 +134,8 @@ def finish_twin_report(config: PreflightConfig, plan: TwinPlan, ranks: list[Any]
         "steps": [asdict(row) for row in rows],
         "failures": failures,
         "note": (f"Scaled twin ({where}): losses, every reduced gradient and every updated "
-                 f"parameter{OPTIM_NOTE if plan.optimizer == 'adamw' else ''} compared with "
+                 f"parameter{OPTIM_NOTE if plan.optimizer == 'adamw' else ''}"
+                 f"{MXFP8_NOTE if plan.mxfp8 is not None else ''} compared with "
                  f"refgrad after each step, "
                  f"{'bitwise' if plan.bitwise else 'within the stated bound'}."),
     }

@@ -44,8 +44,13 @@ def with_candidate(case: Any, candidate: TwinCandidate) -> Any:
     return replace(case, fault="lifo_drain")
 
 
-def run_on_grid(case: Any, groups: Any, overlap: bool, optimizer: str) -> Any:
-    """One rank's training: SGD (``verify.checks.pipeline``) or fastgrad.optim's AdamW."""
+def run_on_grid(case: Any, groups: Any, overlap: bool, optimizer: Any) -> Any:
+    """One rank's training: SGD (``verify.checks.pipeline``), fastgrad.optim's AdamW
+    (``"adamw"`` or an ``AdamWTwin``), or AdamW over MXFP8 params (an ``MXFP8Twin``)."""
+    from verify.preflight.twin_mxfp8 import MXFP8Twin, run_mxfp8_rank
+
+    if isinstance(optimizer, MXFP8Twin):  # MXFP8 params under fastgrad.optim's AdamW
+        return run_mxfp8_rank(case, groups, overlap, optimizer)
     if optimizer != "sgd":  # "adamw", or its AdamWTwin settings (TwinPlan.rank_optimizer)
         from verify.preflight.twin_optim import run_optimizer_rank
 

@@ -1,0 +1,208 @@
+"""``verify preflight``'s twin with MXFP8 params (``--fp8-recipe mxfp8 --fp8-param-gather``).
+
+The twin's weights are fastgrad MXFP8 params in one ``MXFP8ParamGradBuffer`` per rank
+under ``DistributedOptimizer`` (``verify.preflight.twin_mxfp8``); refgrad quantizes its
+exact masters with ``refgrad.mxfp8``. Three grids share one spawned world: DP 2, and
+PP 2 x DP 2 and DP 2 with the grad buffer reused for the param all-gather. Two
+deliberately broken fastgrads, installed in their ranks' processes only, must make the
+twin FAIL naming the step and the parameter: scales rounded up (``ceil``) instead of the
+spec's floor, and a param all-gather that runs over the shared bytes while the grads are
+still there (before their reduce-scatter). The same late all-gather on a twin without
+the reuse is harmless, which shows the reusing twin really shares the buffer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from tests.distributed_utils import run_distributed
+from verify.preflight.cli import build_report
+from verify.preflight.config import resolve
+from verify.preflight.flags import parse_megatron_flags
+from verify.preflight.render import render_markdown
+from verify.preflight.timing import CostInputs
+from verify.preflight.twin import TwinOptions, plan_twin
+from verify.preflight.twin_mxfp8 import BLOCK, MXFP8Twin
+from verify.preflight.twin_stage import finish_twin_report
+from verify.preflight.twin_worker import TwinCandidate, twin_phases_worker
+
+MODEL = ["--micro-batch-size", "1", "--num-layers", "8", "--hidden-size", "64",
+         "--num-attention-heads", "4", "--seq-length", "16", "--padded-vocab-size", "128",
+         "--use-distributed-optimizer", "--bf16", "--fp8-recipe", "mxfp8", "--fp8-param-gather"]
+STEPS = TwinOptions(hidden_size=8, layers=1, steps=3)  # hidden 8 -> 32: one MXFP8 block
+
+DP2 = ["--pipeline-model-parallel-size", "1", "--data-parallel-size", "2",
+       "--global-batch-size", "8"]
+REUSE = ["--overlap-grad-reduce", "--overlap-param-gather", "--reuse-grad-buf-for-mxfp8-param-ag"]
+# PP2 DP2 M4: tied embedding (own bucket in the MXFP8 buffer), stage 0 in three buckets.
+PP2_DP2_REUSE = ["--pipeline-model-parallel-size", "2", "--data-parallel-size", "2",
+                 "--global-batch-size", "8"] + REUSE
+DP2_REUSE = DP2 + REUSE
+
+
+def _config(flags: list[str], base: list[str] = MODEL):
+    parsed = parse_megatron_flags(base + flags)
+    config = resolve(parsed, {})
+    return config, build_report(config, parsed, CostInputs())
+
+
+def _plans(layout: dict, options: TwinOptions = STEPS) -> dict:
+    """name -> (config, report, plan, index in the one phase); ``layout``: name -> (flags, first rank)."""
+    out = {}
+    for index, (name, (flags, first)) in enumerate(layout.items()):
+        config, report = _config(flags)
+        plan = plan_twin(config, options)
+        out[name] = (config, report, replace(plan, case=replace(plan.case, first_rank=first)), index)
+    return out
+
+
+def _phases(plans: dict) -> list:
+    return [[(plan.case, plan.overlap, TwinCandidate(), plan.rank_optimizer)
+             for _, _, plan, _ in plans.values()]]
+
+
+def _finish(plans: dict, ranks: list, candidate: TwinCandidate) -> dict:
+    out = {}
+    for name, (config, report, plan, index) in plans.items():
+        results = [r[0][index] for r in ranks]
+        passed = finish_twin_report(config, plan, results, report, where="test world",
+                                    candidate=candidate)
+        out[name] = (report, plan, passed, [r for r in results if r is not None])
+    return out
+
+
+# --------------------------------------------------------------------------- plan
+
+
+def test_mxfp8_params_are_twinned_and_left_out_only_where_not_reproduced():
+    plan = plan_twin(_config(PP2_DP2_REUSE)[0], STEPS)
+    assert isinstance(plan.rank_optimizer, MXFP8Twin) and plan.rank_optimizer.reuse_grad_buffer
+    assert plan.case.spec.hidden % BLOCK == 0  # every weight row is whole MXFP8 blocks
+    assert not any("checked by `verify run --check mxfp8`" in g or "see the hazards" in g
+                   for g in plan.not_twinned)
+    assert any(g.startswith("FP8 compute") for g in plan.not_twinned)
+    rows = {m[0]: m[1:] for m in plan.mapping}
+    assert rows["param all-gather buffer"] == ("the grad buffer's bytes",) * 2
+    assert "no forward pre-hooks" in rows["param all-gather"][1]
+    # Reuse without both overlaps: production's NaN (a hazard); fastgrad refuses it, so the
+    # twin gathers into its own buffer and says so.
+    config = _config(DP2 + ["--reuse-grad-buf-for-mxfp8-param-ag"])[0]
+    plan = plan_twin(config, STEPS)
+    assert not plan.rank_optimizer.reuse_grad_buffer
+    assert any("without both overlaps" in g for g in plan.not_twinned)
+    assert dict((m[0], m[2]) for m in plan.mapping)["param all-gather buffer"] == "its own buffer"
+    # Another FP8 recipe, or MXFP8 compute without --fp8-param-gather: not twinned, listed.
+    other_recipe = [f if f != "mxfp8" else "delayed" for f in MODEL]
+    no_param_gather = [f for f in MODEL if f != "--fp8-param-gather"]
+    for base in (other_recipe, no_param_gather):
+        plan = plan_twin(_config(DP2, base)[0], STEPS)
+        assert plan.mxfp8 is None and plan.rank_optimizer == plan.adamw
+        assert any("--check mxfp8" in g for g in plan.not_twinned)
+    # fp16's loss scale: the MXFP8 buffer takes no loss scaler, so the twin steps unscaled.
+    plan = plan_twin(_config(DP2, [f if f != "--bf16" else "--fp16" for f in MODEL])[0], STEPS)
+    assert plan.adamw.loss_scale == 2.0**32 and plan.rank_optimizer.adamw.loss_scale is None
+    assert any(g.startswith("loss scale 4.29497e+09: fastgrad's MXFP8 buffer takes no loss scaler")
+               for g in plan.not_twinned)
+
+
+# --------------------------------------------------------------------------- multi-rank
+
+
+LAYOUT = {"dp2": (DP2, 0), "pp2_dp2_reuse": (PP2_DP2_REUSE, 2), "dp2_reuse": (DP2_REUSE, 6)}
+
+
+@pytest.fixture(scope="module")
+def twins():
+    plans = _plans(LAYOUT)
+    return _finish(plans, run_distributed(twin_phases_worker, 8, _phases(plans), timeout_s=300),
+                   TwinCandidate())
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", sorted(LAYOUT))
+def test_mxfp8_twin_matches_refgrad_bitwise(twins, name):
+    report, plan, passed, results = twins[name]
+    assert passed, report["twin"]["failures"][:3]
+    assert report["verdict"].startswith("PASS") and plan.bitwise
+    steps = report["twin"]["steps"]
+    assert len(steps) == 3
+    for s in steps:
+        assert s["grads_bitwise"] == s["grads_total"] > 0
+        assert s["params_bitwise"] == s["params_total"]
+        assert s["state_bitwise"] == s["state_total"] == 3 * s["params_total"]
+        # scale and element bits of every param on every rank
+        assert s["mxfp8_bitwise"] == s["mxfp8_total"] == 2 * sum(len(r.mxfp8[0]) for r in results)
+    # The reusing twins really all-gathered through the grad buffer's bytes; dp2 did not.
+    assert all(r.buffer_shared == ("reuse" in name) for r in results)
+    total = steps[0]["mxfp8_total"]
+    assert f"| 2 | {total}/{total} |" in render_markdown(report)  # the per-step bits table
+
+
+@pytest.mark.dist
+def test_the_forward_runs_on_quantized_weights(twins):
+    # Not vacuous: MXFP8 moves the weights off the fp32 masters (one E4M3 element keeps
+    # 4 significant bits), so the dequantized params the forward uses differ from them.
+    for name in LAYOUT:
+        results = twins[name][3]
+        moved = sum(int((r.params[step][n] != r.state[step][n]["master"]).sum())
+                    for r in results for step in range(3) for n in r.params[step])
+        assert moved > 0, name
+
+
+# --------------------------------------------------------------------------- broken fastgrads
+
+
+def _install_fault(fault: str) -> None:
+    """Break fastgrad's MXFP8 path in this process only."""
+    from fastgrad.comm import all_gather_into
+    from fastgrad.mxfp8 import MXFP8Parameter, quantize
+    from fastgrad.mxfp8_sharing import MXFP8ParamGradBuffer
+
+    if fault == "ceil_scales":
+        def ceil_copy(self, values):
+            quantize(values.reshape(self.shape), scale_mode="ceil", block_size=self.block_size,
+                     out=(self.scale_bits, self.element_bits))
+
+        MXFP8Parameter.copy_from = ceil_copy
+    elif fault == "gather_over_grads":
+        reduce_grads = MXFP8ParamGradBuffer.reduce_grads
+
+        def late_gather_then_reduce(self):
+            # A param all-gather that lands before the grads' reduce-scatter (production's
+            # ordering hazard, unguarded): with the reuse its bytes are the grads' bytes.
+            for bucket in self.buckets:
+                all_gather_into(bucket.param_data, bucket.local_param_shard.clone(),
+                                group=self.mesh.group)
+            return reduce_grads(self)
+
+        MXFP8ParamGradBuffer.reduce_grads = late_gather_then_reduce
+
+
+def _faulty_worker(rank: int, world_size: int, phases: list, faults: dict) -> list:
+    for (lo, hi), fault in faults.items():
+        if lo <= rank < hi:
+            _install_fault(fault)
+    return twin_phases_worker(rank, world_size, phases)
+
+
+@pytest.mark.dist
+def test_wrong_scale_rounding_or_a_gather_over_live_grads_fails_naming_step_and_parameter():
+    plans = _plans({"ceil_scales": (DP2, 0), "gather_over_grads": (PP2_DP2_REUSE, 2),
+                    "gather_without_reuse": (DP2, 6)}, replace(STEPS, steps=2))
+    faults = {(0, 2): "ceil_scales", (2, 6): "gather_over_grads", (6, 8): "gather_over_grads"}
+    ranks = run_distributed(_faulty_worker, 8, _phases(plans), faults, timeout_s=300)
+    out = _finish(plans, ranks, TwinCandidate("broken MXFP8"))
+    for name in ("ceil_scales", "gather_over_grads"):
+        report, _, passed, _ = out[name]
+        assert not passed and report["verdict"].startswith("FAIL"), name
+    ceil = out["ceil_scales"][0]["twin"]["failures"]
+    assert any(f.startswith("step 0: MXFP8 scale bits of stage0.layers.0.weight (replica 0)")
+               for f in ceil)
+    gather = out["gather_over_grads"][0]["twin"]["failures"]
+    assert any(f.startswith("step 0: reduced gradient stage0.") for f in gather), gather[:3]
+    # Without the reuse the late gather writes the params' own buffer: nothing to corrupt.
+    report, _, passed, results = out["gather_without_reuse"]
+    assert passed, report["twin"]["failures"][:3]
+    assert not any(r.buffer_shared for r in results)
