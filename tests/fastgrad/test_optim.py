@@ -264,3 +264,9 @@ def test_groups_without_decay_split_by_buffer_group_and_by_rule():
     assert names == [["embed.weight"], ["norm.weight"], ["layer.weight"], ["layer.bias"]]
     assert [g.get("weight_decay") for g in groups] == [None, 0.0, None, 0.0]
     assert [c.weight_decay for c in opt.groups] == [0.1, 0.0, 0.1, 0.0]
+
+
+def test_check_nonfinite_must_be_a_bool():
+    _, ddp, _ = build(FP32, "adamw")
+    with pytest.raises(TypeError, match="check_nonfinite must be a bool"):
+        DistributedOptimizer(ddp, AdamWConfig(lr=0.1), check_nonfinite="no")
