@@ -200,6 +200,15 @@ class CheckRecorder:
         """Something the check could not run here, and why."""
         self._skipped.append(text)
 
+    def absorb(self, part: CheckRecorder) -> None:
+        """Append everything ``part`` recorded: a part of this check run elsewhere (in a
+        process of its own), kept in the order it was recorded there."""
+        self._comparisons.extend(part._comparisons)
+        self._expectations.extend(part._expectations)
+        self._tables.extend(part._tables)
+        self._findings.extend(part._findings)
+        self._skipped.extend(part._skipped)
+
     def finish(self, seconds: float, error: str | None = None) -> CheckResult:
         """Close the check: it passes only with no error, at least one comparison or expectation, and all of them passing."""
         passed = (
