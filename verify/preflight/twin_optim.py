@@ -26,9 +26,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 import torch
+
+from verify.preflight.twin_precision import (
+    TwinPrecision,
+    cast_inputs,
+    cast_stage_params_,
+    mixed_loss_fn,
+)
 
 ADAMW = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0}
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
@@ -55,6 +63,7 @@ class AdamWTwin:
     loss_scale_window: int = 1000
     hysteresis: int = 2
     overlap_param_gather: bool = False  # gather launched by step(), waited in forward pre-hooks
+    precision: TwinPrecision = TwinPrecision()  # 16-bit params/compute and the grad buffer dtype
 
     def __post_init__(self) -> None:
         if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm)
@@ -78,8 +87,10 @@ class AdamWTwin:
                                  growth_interval=self.window, hysteresis=self.hysteresis)
 
 
-def adamw_twin_for(config: Any) -> tuple[AdamWTwin, list[str]]:
-    """The twin's clipping and loss scaling for ``config``, and what it cannot reproduce."""
+def adamw_twin_for(config: Any, precision: TwinPrecision | None = None) -> tuple[AdamWTwin, list[str]]:
+    """The twin's clipping and loss scaling for ``config`` at ``precision`` (fp32 when None),
+    and what it cannot reproduce."""
+    precision = precision or TwinPrecision()
     left_out = []
     max_norm = config.clip_grad if config.clip_grad > 0 else None
     kind = config.loss_scaling
@@ -93,7 +104,11 @@ def adamw_twin_for(config: Any) -> tuple[AdamWTwin, list[str]]:
         left_out.append(f"loss scale {scale:g} (min {config.min_loss_scale:g}) is not a power of two: "
                         "unscaling would round, so the twin's AdamW steps unscaled")
         scale = None
-    if scale is not None and kind == "dynamic":
+    if scale is not None and precision.grads == "bf16":
+        left_out.append(f"loss scale {scale:g} with bf16 grads: fastgrad.optim scales only fp16 "
+                        "grads or fp32 ones, so the twin's AdamW steps unscaled")
+        scale = None
+    if scale is not None and kind == "dynamic" and precision.params != "fp16":
         left_out.append("loss-scale backoff: the fp32 twin's grads never overflow, so the dynamic "
                         "scaler's skip, backoff and --hysteresis are not exercised (its growth "
                         "every --loss-scale-window clean steps is)")
@@ -101,7 +116,8 @@ def adamw_twin_for(config: Any) -> tuple[AdamWTwin, list[str]]:
                      min_loss_scale=config.min_loss_scale,
                      loss_scale_window=config.loss_scale_window,
                      hysteresis=config.hysteresis,
-                     overlap_param_gather=config.overlap_param_gather), left_out
+                     overlap_param_gather=config.overlap_param_gather,
+                     precision=precision), left_out
 
 
 @dataclass
@@ -132,7 +148,8 @@ def _ddp_config(case: Any, overlap: bool, optim: AdamWTwin, stage: int, chunk: i
     from verify.checks.pipeline.worker import case_ddp_config
 
     return dataclasses.replace(case_ddp_config(case, overlap, stage, chunk),
-                               overlap_param_gather=optim.overlap_param_gather)
+                               overlap_param_gather=optim.overlap_param_gather,
+                               grad_reduce_in_fp32=optim.precision.grads == "fp32")
 
 
 def _full_grads(ddps: list[Any], name_of: dict[int, str], case: Any, groups: Any) -> dict:
@@ -232,6 +249,7 @@ def run_optimizer_rank(case: Any, groups: Any, overlap: bool,
     built = [build_stage_model(case, groups, c) for c in range(chunks)]
     modules = [module for module, *_ in built]
     named = {n: p for _, per_chunk, _, _ in built for n, p in per_chunk.items()}
+    cast_stage_params_(named.values(), optim.precision)
     heads = [head for _, _, head, _ in built]
     head = next((h for h in heads if h is not None), None)  # the last virtual stage's
     tied = [p for *_, per_chunk in built for p in per_chunk]
@@ -255,8 +273,8 @@ def run_optimizer_rank(case: Any, groups: Any, overlap: bool,
         inputs, targets, loss_fn = rank_microbatches(case, groups, step, m)
         common = dict(groups=groups, num_microbatches=m,
                       activation_shape=spec.stage_activation_shape,
-                      loss_fn=lambda out, target, f=loss_fn, s=scale: f(out, target) * s,
-                      inputs=inputs if groups.is_first_stage else None,
+                      dtype=optim.precision.param_dtype, loss_fn=mixed_loss_fn(loss_fn, scale),
+                      inputs=cast_inputs(inputs, optim.precision) if groups.is_first_stage else None,
                       targets=targets if groups.is_last_stage else None,
                       deferred_wgrad=head, embedding_params=tied)
         rec.before_forward()
@@ -270,6 +288,34 @@ def run_optimizer_rank(case: Any, groups: Any, overlap: bool,
     for ddp in ddps:
         ddp.remove_hooks()
     return rec.finish()
+
+
+class _ReferenceScaler:
+    """Megatron-Core's DynamicGradScaler.update, written out from its source (the constant
+    scaler is one that never moves: min = initial, a window no twin reaches): an overflow
+    resets the growth count and drops the hysteresis count, halving the scale (not below
+    the minimum) once that reaches 0; ``window`` clean steps in a row double the scale and
+    restore the hysteresis count."""
+
+    def __init__(self, optim: AdamWTwin) -> None:
+        self.scale = optim.loss_scale
+        self.min_scale = optim.min_loss_scale if optim.dynamic else optim.loss_scale
+        self.window, self.hysteresis = optim.window, optim.hysteresis
+        self.clean, self.hysteresis_left = 0, optim.hysteresis
+
+    def update(self, found_inf: bool) -> None:
+        if self.scale is None:
+            return
+        if found_inf:
+            self.clean = 0
+            self.hysteresis_left -= 1
+            if self.hysteresis_left <= 0:
+                self.scale = max(self.scale / 2, self.min_scale)
+            return
+        self.clean += 1
+        if self.clean == self.window:
+            self.clean, self.hysteresis_left = 0, self.hysteresis
+            self.scale *= 2
 
 
 @dataclass
@@ -298,6 +344,7 @@ def reference_with_optimizer(case: Any, optim: AdamWTwin | None = None) -> Optim
     )
 
     optim = optim or AdamWTwin()
+    precision = optim.precision
     spec = case.spec
     stages = [StageModule(spec, s) for s in range(spec.num_stages)]
     named = {stage_param_name(s, n): p for s, st in enumerate(stages) for n, p in st.named_parameters()}
@@ -306,37 +353,48 @@ def reference_with_optimizer(case: Any, optim: AdamWTwin | None = None) -> Optim
     if spec.output_head:
         head = head_weight_init(spec).requires_grad_(True)
         named[head_name] = head
+    cast_stage_params_(named.values(), precision)  # the masters below: the 16-bit values
     names = list(named)
     states = {n: ParamState(master=values(p.detach())) for n, p in named.items()}
     hyper = AdamW(**ADAMW)
-    scale, clean_steps = optim.loss_scale, 0
+    scaler = _ReferenceScaler(optim)
     out = OptimReference(max_norm=optim.max_grad_norm)
+    updates = 0  # AdamW's step count: a skipped step (NaN/inf grads) does not count
     for step, plan in enumerate(case.plans):
-        per_replica, step_losses = replica_grad_sums(
-            spec, stages, named, head, step, plan.num_microbatches, case.dp_size)
-        reduced = reduce_and_tie(spec, per_replica, case.reduction)
-        if scale is not None:  # what the scaled backward leaves in the buffer (exact: S = 2^k)
-            reduced = {n: g * scale for n, g in reduced.items()}
+        scale = scaler.scale
+        if precision.mixed:  # the scaled 16-bit backward itself (it may overflow)
+            from refgrad.pipeline_mixed import mixed_reduce_and_tie, mixed_replica_grad_sums
+
+            per_replica, step_losses = mixed_replica_grad_sums(
+                spec, stages, named, head, step, plan.num_microbatches, case.dp_size,
+                grad_dtype=precision.grad_dtype, loss_scale=scale)
+            reduced = mixed_reduce_and_tie(spec, per_replica, case.reduction)
+        else:
+            per_replica, step_losses = replica_grad_sums(
+                spec, stages, named, head, step, plan.num_microbatches, case.dp_size)
+            reduced = reduce_and_tie(spec, per_replica, case.reduction)
+            if scale is not None:  # what the scaled backward leaves in the buffer (exact: S = 2^k)
+                reduced = {n: g * scale for n, g in reduced.items()}
         shared = [spec.tied_embedding and n == head_name for n in names]
         stepped, norm = optimizer_step(
             [states[n] for n in names], [reduced[n] for n in names], [hyper] * len(names),
-            [step + 1] * len(names), shared=shared, max_norm=optim.max_grad_norm, loss_scale=scale)
+            [updates + 1] * len(names), shared=shared, max_norm=optim.max_grad_norm, loss_scale=scale)
         coef = None
         if stepped and optim.max_grad_norm is not None:
             coef = float(clip_coefficient(norm, optim.max_grad_norm))
         out.steps.append((stepped, math.nan if norm is None else float(norm), coef, scale))
-        if scale is not None and stepped:  # Megatron's scaler: grow after `window` clean steps
-            clean_steps += 1
-            if clean_steps == optim.window:
-                scale, clean_steps = scale * 2, 0
+        scaler.update(found_inf=not stepped)
+        updates += stepped
         state_now = {}
         with torch.no_grad():
             for n in names:
-                shape = named[n].shape
-                named[n].copy_(to_tensor(states[n].master, shape))
-                state_now[n] = {"master": to_tensor(states[n].master, shape),
-                                "exp_avg": to_tensor(states[n].exp_avg, shape),
-                                "exp_avg_sq": to_tensor(states[n].exp_avg_sq, shape)}
+                shape, st = named[n].shape, states[n]
+                zeros = [Fraction(0)] * len(st.master)  # moments before the first update that happened
+                # The master rounded once to the param's dtype (the identity for fp32).
+                named[n].copy_(to_tensor(st.master, shape, named[n].dtype))
+                state_now[n] = {"master": to_tensor(st.master, shape),
+                                "exp_avg": to_tensor(st.exp_avg or zeros, shape),
+                                "exp_avg_sq": to_tensor(st.exp_avg_sq or zeros, shape)}
         out.losses.append(step_losses)
         out.grads.append(reduced)
         out.params.append({n: p.detach().clone() for n, p in named.items()})
