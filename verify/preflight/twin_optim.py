@@ -19,7 +19,10 @@ Loss scaling in the fp32 twin: the loss is multiplied by the scale ``S`` (a
 power of two) before the backward, so every gradient is exactly ``S`` times the
 unscaled one (no fp32 overflow or underflow at the twin's magnitudes); the
 reference therefore holds its reduced grads times ``S`` and unscales them with
-``r32(1/S)`` as the optimizer must.
+``r32(1/S)`` as the optimizer must. With 16-bit params (``AdamWTwin.precision``,
+``verify.preflight.twin_precision``) the reference runs the scaled 16-bit backward
+itself (``refgrad.pipeline_mixed``): fp16 grads may overflow, the step is skipped and
+the scale follows Megatron's scaler (``verify.preflight.twin_scaler``).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from verify.preflight.twin_precision import (
     cast_stage_params_,
     mixed_loss_fn,
 )
+from verify.preflight.twin_scaler import ReferenceScaler
 
 ADAMW = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0}
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
@@ -290,34 +294,6 @@ def run_optimizer_rank(case: Any, groups: Any, overlap: bool,
     return rec.finish()
 
 
-class _ReferenceScaler:
-    """Megatron-Core's DynamicGradScaler.update, written out from its source (the constant
-    scaler is one that never moves: min = initial, a window no twin reaches): an overflow
-    resets the growth count and drops the hysteresis count, halving the scale (not below
-    the minimum) once that reaches 0; ``window`` clean steps in a row double the scale and
-    restore the hysteresis count."""
-
-    def __init__(self, optim: AdamWTwin) -> None:
-        self.scale = optim.loss_scale
-        self.min_scale = optim.min_loss_scale if optim.dynamic else optim.loss_scale
-        self.window, self.hysteresis = optim.window, optim.hysteresis
-        self.clean, self.hysteresis_left = 0, optim.hysteresis
-
-    def update(self, found_inf: bool) -> None:
-        if self.scale is None:
-            return
-        if found_inf:
-            self.clean = 0
-            self.hysteresis_left -= 1
-            if self.hysteresis_left <= 0:
-                self.scale = max(self.scale / 2, self.min_scale)
-            return
-        self.clean += 1
-        if self.clean == self.window:
-            self.clean, self.hysteresis_left = 0, self.hysteresis
-            self.scale *= 2
-
-
 @dataclass
 class OptimReference:
     """refgrad's run: per step losses [replica][microbatch], reduced grads, params, state."""
@@ -357,7 +333,8 @@ def reference_with_optimizer(case: Any, optim: AdamWTwin | None = None) -> Optim
     names = list(named)
     states = {n: ParamState(master=values(p.detach())) for n, p in named.items()}
     hyper = AdamW(**ADAMW)
-    scaler = _ReferenceScaler(optim)
+    scaler = ReferenceScaler(optim.loss_scale, min_scale=optim.min_loss_scale if optim.dynamic
+                             else optim.loss_scale, window=optim.window, hysteresis=optim.hysteresis)
     out = OptimReference(max_norm=optim.max_grad_norm)
     updates = 0  # AdamW's step count: a skipped step (NaN/inf grads) does not count
     for step, plan in enumerate(case.plans):
