@@ -72,14 +72,20 @@ def precision_for(config: Any, twin_tp: int) -> tuple[TwinPrecision, int, list[s
         return TwinPrecision(), dp, left_out
     precision = TwinPrecision(config.params_dtype, config.grad_dtype)
     rs_fp32 = config.ddp_reduce_scatter_with_fp32_accumulation and config.use_distributed_optimizer
+    left_out = []
+    if config.gradient_accumulation_fusion:
+        left_out.append("--gradient-accumulation-fusion on the blocks: production's wgrad GEMMs "
+                        f"accumulate into the {config.grad_dtype} main grad in fp32; the twin's "
+                        f"Linear+tanh blocks round each microbatch's wgrad to {config.params_dtype} "
+                        "before the add (its output layer's accumulation is the fused one)")
     if dp > 2 and not rs_fp32:
-        return precision, 2, [
+        return precision, 2, left_out + [
             f"data parallelism DP {dp} scaled to DP 2 for the {config.params_dtype} twin: the backend "
             f"chooses the order of the {dp}-term {config.grad_dtype} grad sum, and one rounding "
             f"moved by it flips a {config.params_dtype} param that every later step carries "
             "(a bound in 16-bit ULPs would hide real bugs); at DP 2 the sum is one rounding, "
             "bitwise (x 1/2 instead of x 1/DP)"]
-    return precision, dp, []
+    return precision, dp, left_out
 
 
 def cast_stage_params_(params: Iterable[torch.Tensor], precision: TwinPrecision) -> None:
