@@ -23,6 +23,7 @@ from verify.preflight.hazards import FINDING, SAFE, decide_hazards, deferred_ent
 from verify.preflight.render import render_markdown
 from verify.preflight.timing import CostInputs
 from verify.preflight.twin import TwinOptions, TwinSizeError, plan_twin, ulp_bound_factor
+from verify.preflight.twin_precision import TwinPrecision
 from verify.preflight.twin_stage import finish_twin_report
 from verify.preflight.twin_worker import TwinCandidate, twin_phases_worker
 
@@ -109,7 +110,7 @@ def twins():
         plan = plan_twin(config, options)
         plan = replace(plan, case=replace(plan.case, first_rank=first))
         plans[name] = (config, report, plan, phase, len(phases[phase]), candidate)
-        phases[phase].append((plan.case, plan.overlap, candidate, plan.optimizer))
+        phases[phase].append((plan.case, plan.overlap, candidate, plan.rank_optimizer))
     ranks = run_distributed(twin_phases_worker, 8, phases, timeout_s=300)
     out = {}
     for name, (config, report, plan, phase, index, candidate) in plans.items():
@@ -161,7 +162,9 @@ def test_twin_claims_and_gaps_follow_the_configuration(twins):
     assert [p.num_microbatches for p in tied.plans] == [4, 4]
     inter = twins["interleaved"][2]
     assert inter.case.virtual_stages == 2 and inter.case.reduce_scatter_with_fp32_accumulation
-    assert any("bf16 grad buffer" in g for g in inter.not_twinned)
+    # --bf16 --grad-reduce-in-bf16: bf16 params and a bf16 grad buffer on the ranks, twinned.
+    assert inter.adamw.precision == TwinPrecision("bf16", "bf16")
+    assert not any("bf16 grad buffer" in g or "computes in fp32" in g for g in inter.not_twinned)
     tp2 = twins["tp2"][2]
     assert not any("tensor parallel" in g or "sequence parallel" in g for g in tp2.not_twinned)
     # --wgrad-deferral-limit 2 of M 8 is twinned: refgrad adds microbatches 2..7, then 0, 1.

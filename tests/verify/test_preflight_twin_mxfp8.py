@@ -83,6 +83,9 @@ def test_mxfp8_params_are_twinned_and_left_out_only_where_not_reproduced():
     assert not any("checked by `verify run --check mxfp8`" in g or "see the hazards" in g
                    for g in plan.not_twinned)
     assert any(g.startswith("FP8 compute") for g in plan.not_twinned)
+    # --bf16 beside MXFP8: the MXFP8 twin's own fp32 compute, not the 16-bit twin's.
+    assert not plan.rank_optimizer.adamw.precision.mixed
+    assert any(g.startswith("bf16 params and compute with MXFP8 params") for g in plan.not_twinned)
     rows = {m[0]: m[1:] for m in plan.mapping}
     assert rows["param all-gather buffer"] == ("the grad buffer's bytes",) * 2
     assert "no forward pre-hooks" in rows["param all-gather"][1]

@@ -150,6 +150,23 @@ def _clipping_note(steps: list[dict]) -> list[str]:
             "smaller --clip-grad exercises the clipped step"]
 
 
+def _overflow_note(steps: list[dict], params_dtype: str) -> list[str]:
+    """Which scaled fp16 twin steps overflowed and were skipped (NaN norm), or that none did."""
+    scaled = [s for s in steps if s.get("loss_scale") is not None and s.get("grad_norm") is not None]
+    if params_dtype != "fp16" or not scaled:
+        return []
+    skipped = [s["step"] for s in scaled if math.isnan(s["grad_norm"])]
+    if not skipped:
+        return ["the fp16 twin's grads never overflowed: the loss scaler's skip, backoff and "
+                "--hysteresis were not exercised (a larger --initial-loss-scale exercises them)"]
+    text = (f"fp16 overflow: twin step(s) {', '.join(map(str, skipped))} skipped on NaN/inf grads, "
+            "as refgrad's, the loss scale following Megatron's scaler")
+    if len(skipped) == len(scaled):
+        text += ("; no step updated the params (a smaller --initial-loss-scale or more "
+                 "--twin-steps reach a clean step)")
+    return [text]
+
+
 def _notes(report: dict) -> list[str]:
     lines = list(report["config"]["notes"]) + [report["bucket_rules"]]
     lines += [f"assumption: {a}" for a in report["pipeline"]["assumptions"]]
@@ -159,6 +176,7 @@ def _notes(report: dict) -> list[str]:
     twin = report["twin"]
     lines.append(twin["note"])
     lines += _clipping_note(twin.get("steps", []))
+    lines += _overflow_note(twin.get("steps", []), report["config"].get("params_dtype", "fp32"))
     lines += [f"not twinned: {item}" for item in twin.get("not_twinned", [])]
     lines += [f"twin failure: {item}" for item in twin.get("failures", [])[:20]]
     return lines

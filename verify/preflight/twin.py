@@ -102,18 +102,20 @@ def plan_twin(config: PreflightConfig, options: TwinOptions) -> TwinPlan:
     """Scale ``config`` down to a twin case; TwinSizeError when it needs too many ranks."""
     from refgrad.pipeline import LinearStackSpec, StepPlan
     from verify.checks.pipeline import PipelineCase
+    from verify.preflight.twin_precision import precision_for
 
     tp, pp = config.tensor_model_parallel_size, config.pipeline_model_parallel_size
-    vpp, dp = config.virtual_pipeline_model_parallel_size, config.data_parallel_size
+    vpp, config_dp = config.virtual_pipeline_model_parallel_size, config.data_parallel_size
     twin_tp = min(tp, MAX_TWIN_TP)
+    precision, dp, not_twinned = precision_for(config, twin_tp)
     world = twin_tp * pp * dp
     if world > options.max_world_size:
         capped = f", capped from {tp}" if twin_tp != tp else ""
+        dp_capped = f", capped from {config_dp}" if dp != config_dp else ""
         raise TwinSizeError(
-            f"the twin needs TP ({twin_tp}{capped}) x PP ({pp}) x DP ({dp}) = {world} ranks, more "
-            f"than --max-world-size ({options.max_world_size}); raise --max-world-size or run "
-            f"under torchrun")
-    not_twinned: list[str] = []
+            f"the twin needs TP ({twin_tp}{capped}) x PP ({pp}) x DP ({dp}{dp_capped}) = {world} "
+            f"ranks, more than --max-world-size ({options.max_world_size}); raise "
+            f"--max-world-size or run under torchrun")
     layers = options.layers
     # The output layer sits on the last virtual stage (its drain follows the, possibly
     # interleaved, cooldown); its vocabulary, the twin's hidden size, is split over TP.
@@ -158,7 +160,8 @@ def plan_twin(config: PreflightConfig, options: TwinOptions) -> TwinPlan:
         virtual_stages=vpp,
     )
     if dp <= 2:
-        bitwise, order_note = True, "DP <= 2: a sum of two fp32 values has one rounding in any order"
+        bitwise, order_note = True, (f"DP <= 2: a sum of two {precision.grads} values has one "
+                                     "rounding in any order")
     elif rs_fp32:
         bitwise, order_note = True, "fp32-accumulating reduce-scatter sums in rank order"
     else:
@@ -172,14 +175,15 @@ def plan_twin(config: PreflightConfig, options: TwinOptions) -> TwinPlan:
     not_twinned += _left_out(config, m, optimizer)
     from verify.preflight.twin_mxfp8 import mxfp8_twin_for, with_mxfp8_rows
     from verify.preflight.twin_optim import adamw_twin_for
+    from verify.preflight.twin_precision import precision_mapping
 
-    adamw, optim_left_out = adamw_twin_for(config)
+    adamw, optim_left_out = adamw_twin_for(config, precision)
     not_twinned += optim_left_out
     mxfp8, mxfp8_left_out = mxfp8_twin_for(config, adamw)
     not_twinned += mxfp8_left_out
     mapping = (
-        ("TP x PP x VPP x DP", f"{tp} x {pp} x {vpp} x {dp}", f"{twin_tp} x {pp} x {vpp} x {dp}"),
-        ("ranks", str(tp * pp * dp), str(world)),
+        ("TP x PP x VPP x DP", f"{tp} x {pp} x {vpp} x {config_dp}", f"{twin_tp} x {pp} x {vpp} x {dp}"),
+        ("ranks", str(tp * pp * config_dp), str(world)),
         ("microbatches per step", str(config.num_microbatches), str(m)),
         ("micro batch size (rows)", str(config.micro_batch_size), str(rows)),
         ("tensor parallelism", _tp_layout(tp, config.sequence_parallel),
@@ -201,6 +205,7 @@ def plan_twin(config: PreflightConfig, options: TwinOptions) -> TwinPlan:
          "fastgrad.optim AdamW (lr 1e-2), " + ("DistributedOptimizer" if config.use_distributed_optimizer
                                               else "ReplicatedOptimizer")),
         *_optimizer_rows(config, adamw),
+        *precision_mapping(config, precision),
         ("steps", "-", str(options.steps)),
     )
     mapping = with_mxfp8_rows(mapping, config, mxfp8, vpp)
@@ -248,10 +253,6 @@ def _left_out(config: PreflightConfig, m: int, optimizer: str) -> list[str]:
     if m != config.num_microbatches:
         out.append(f"microbatch count: {config.num_microbatches} capped to {m} "
                    "(--twin-max-microbatches; the schedule's steady state is the same)")
-    if config.params_dtype != "fp32":
-        out.append(f"{config.params_dtype} params and compute: the twin computes in fp32")
-    if config.grad_dtype != "fp32":
-        out.append(f"{config.grad_dtype} grad buffer and wire dtype: the twin reduces fp32 grads")
     if config.ddp_pad_buckets_for_high_nccl_busbw:
         out.append("--ddp-pad-buckets-for-high-nccl-busbw: padding is laid out on paper only")
     from verify.preflight.twin_mxfp8 import twins_mxfp8
@@ -337,7 +338,8 @@ def _within(ref: torch.Tensor, got: torch.Tensor, bound_ulps: int | None) -> tup
     """(ok, max ULP, detail); bitwise when ``bound_ulps`` is None."""
     from verify.metrics import compare
 
-    cmp = compare(ref.reshape(-1), got.reshape(-1))
+    ref, got = _same_nans(ref.reshape(-1), got.reshape(-1))
+    cmp = compare(ref, got)
     if cmp.bitwise_equal:
         return True, 0, ""
     diff = (got.double() - ref.double()).abs().reshape(-1)
@@ -350,6 +352,15 @@ def _within(ref: torch.Tensor, got: torch.Tensor, bound_ulps: int | None) -> tup
     # fp32 ULP of the largest element: float64's ulp x 2^29 (52 - 23 mantissa bits).
     allowed = bound_ulps * (math.ulp(scale) * 2.0**29 if scale > 0 else UNIT_ROUNDOFF_FP32)
     return bool(diff.max() <= allowed), cmp.max_ulp, detail + f" (bound {allowed:.3g})"
+
+
+def _same_nans(ref: torch.Tensor, got: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both tensors with the NaNs they share set to 0: IEEE 754 leaves a NaN result's sign and
+    payload to the hardware (an overflowed fp16 step's inf - inf), so only NaN-ness is compared."""
+    both = ref.isnan() & got.isnan()
+    if not bool(both.any()):
+        return ref, got
+    return ref.masked_fill(both, 0), got.masked_fill(both, 0)
 
 
 def compare_steps(plan: TwinPlan, ranks: list[Any], reference: Any) -> list[StepRow]:

@@ -19,16 +19,28 @@ Loss scaling in the fp32 twin: the loss is multiplied by the scale ``S`` (a
 power of two) before the backward, so every gradient is exactly ``S`` times the
 unscaled one (no fp32 overflow or underflow at the twin's magnitudes); the
 reference therefore holds its reduced grads times ``S`` and unscales them with
-``r32(1/S)`` as the optimizer must.
+``r32(1/S)`` as the optimizer must. With 16-bit params (``AdamWTwin.precision``,
+``verify.preflight.twin_precision``) the reference runs the scaled 16-bit backward
+itself (``refgrad.pipeline_mixed``): fp16 grads may overflow, the step is skipped and
+the scale follows Megatron's scaler (``verify.preflight.twin_scaler``).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 import torch
+
+from verify.preflight.twin_precision import (
+    TwinPrecision,
+    cast_inputs,
+    cast_stage_params_,
+    mixed_loss_fn,
+)
+from verify.preflight.twin_scaler import ReferenceScaler
 
 ADAMW = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0}
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
@@ -55,6 +67,7 @@ class AdamWTwin:
     loss_scale_window: int = 1000
     hysteresis: int = 2
     overlap_param_gather: bool = False  # gather launched by step(), waited in forward pre-hooks
+    precision: TwinPrecision = TwinPrecision()  # 16-bit params/compute and the grad buffer dtype
 
     def __post_init__(self) -> None:
         if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm)
@@ -78,8 +91,10 @@ class AdamWTwin:
                                  growth_interval=self.window, hysteresis=self.hysteresis)
 
 
-def adamw_twin_for(config: Any) -> tuple[AdamWTwin, list[str]]:
-    """The twin's clipping and loss scaling for ``config``, and what it cannot reproduce."""
+def adamw_twin_for(config: Any, precision: TwinPrecision | None = None) -> tuple[AdamWTwin, list[str]]:
+    """The twin's clipping and loss scaling for ``config`` at ``precision`` (fp32 when None),
+    and what it cannot reproduce."""
+    precision = precision or TwinPrecision()
     left_out = []
     max_norm = config.clip_grad if config.clip_grad > 0 else None
     kind = config.loss_scaling
@@ -93,7 +108,11 @@ def adamw_twin_for(config: Any) -> tuple[AdamWTwin, list[str]]:
         left_out.append(f"loss scale {scale:g} (min {config.min_loss_scale:g}) is not a power of two: "
                         "unscaling would round, so the twin's AdamW steps unscaled")
         scale = None
-    if scale is not None and kind == "dynamic":
+    if scale is not None and precision.grads == "bf16":
+        left_out.append(f"loss scale {scale:g} with bf16 grads: fastgrad.optim scales only fp16 "
+                        "grads or fp32 ones, so the twin's AdamW steps unscaled")
+        scale = None
+    if scale is not None and kind == "dynamic" and precision.params != "fp16":
         left_out.append("loss-scale backoff: the fp32 twin's grads never overflow, so the dynamic "
                         "scaler's skip, backoff and --hysteresis are not exercised (its growth "
                         "every --loss-scale-window clean steps is)")
@@ -101,7 +120,8 @@ def adamw_twin_for(config: Any) -> tuple[AdamWTwin, list[str]]:
                      min_loss_scale=config.min_loss_scale,
                      loss_scale_window=config.loss_scale_window,
                      hysteresis=config.hysteresis,
-                     overlap_param_gather=config.overlap_param_gather), left_out
+                     overlap_param_gather=config.overlap_param_gather,
+                     precision=precision), left_out
 
 
 @dataclass
@@ -132,7 +152,8 @@ def _ddp_config(case: Any, overlap: bool, optim: AdamWTwin, stage: int, chunk: i
     from verify.checks.pipeline.worker import case_ddp_config
 
     return dataclasses.replace(case_ddp_config(case, overlap, stage, chunk),
-                               overlap_param_gather=optim.overlap_param_gather)
+                               overlap_param_gather=optim.overlap_param_gather,
+                               grad_reduce_in_fp32=optim.precision.grads == "fp32")
 
 
 def _full_grads(ddps: list[Any], name_of: dict[int, str], case: Any, groups: Any) -> dict:
@@ -232,6 +253,7 @@ def run_optimizer_rank(case: Any, groups: Any, overlap: bool,
     built = [build_stage_model(case, groups, c) for c in range(chunks)]
     modules = [module for module, *_ in built]
     named = {n: p for _, per_chunk, _, _ in built for n, p in per_chunk.items()}
+    cast_stage_params_(named.values(), optim.precision)
     heads = [head for _, _, head, _ in built]
     head = next((h for h in heads if h is not None), None)  # the last virtual stage's
     tied = [p for *_, per_chunk in built for p in per_chunk]
@@ -255,8 +277,8 @@ def run_optimizer_rank(case: Any, groups: Any, overlap: bool,
         inputs, targets, loss_fn = rank_microbatches(case, groups, step, m)
         common = dict(groups=groups, num_microbatches=m,
                       activation_shape=spec.stage_activation_shape,
-                      loss_fn=lambda out, target, f=loss_fn, s=scale: f(out, target) * s,
-                      inputs=inputs if groups.is_first_stage else None,
+                      dtype=optim.precision.param_dtype, loss_fn=mixed_loss_fn(loss_fn, scale),
+                      inputs=cast_inputs(inputs, optim.precision) if groups.is_first_stage else None,
                       targets=targets if groups.is_last_stage else None,
                       deferred_wgrad=head, embedding_params=tied)
         rec.before_forward()
@@ -304,6 +326,7 @@ def reference_with_optimizer(case: Any, optim: AdamWTwin | None = None, *,
     )
 
     optim = optim or AdamWTwin()
+    precision = optim.precision
     spec = case.spec
     stages = [StageModule(spec, s) for s in range(spec.num_stages)]
     named = {stage_param_name(s, n): p for s, st in enumerate(stages) for n, p in st.named_parameters()}
@@ -312,6 +335,7 @@ def reference_with_optimizer(case: Any, optim: AdamWTwin | None = None, *,
     if spec.output_head:
         head = head_weight_init(spec).requires_grad_(True)
         named[head_name] = head
+    cast_stage_params_(named.values(), precision)  # the masters below: the 16-bit values
     names = list(named)
     publish = param_values or (lambda master: master)
     if param_values is not None:
@@ -324,34 +348,49 @@ def reference_with_optimizer(case: Any, optim: AdamWTwin | None = None, *,
             for p in named.values():
                 p.copy_(publish(p.detach()))
     hyper = AdamW(**ADAMW)
-    scale, clean_steps = optim.loss_scale, 0
+    scaler = ReferenceScaler(optim.loss_scale, min_scale=optim.min_loss_scale if optim.dynamic
+                             else optim.loss_scale, window=optim.window, hysteresis=optim.hysteresis)
     out = OptimReference(max_norm=optim.max_grad_norm)
+    updates = 0  # AdamW's step count: a skipped step (NaN/inf grads) does not count
     for step, plan in enumerate(case.plans):
-        per_replica, step_losses = replica_grad_sums(
-            spec, stages, named, head, step, plan.num_microbatches, case.dp_size)
-        reduced = reduce_and_tie(spec, per_replica, case.reduction)
-        if scale is not None:  # what the scaled backward leaves in the buffer (exact: S = 2^k)
-            reduced = {n: g * scale for n, g in reduced.items()}
+        scale = scaler.scale
+        if precision.mixed:  # the scaled 16-bit backward itself (it may overflow)
+            from refgrad.pipeline_mixed import mixed_reduce_and_tie, mixed_replica_grad_sums
+
+            per_replica, step_losses = mixed_replica_grad_sums(
+                spec, stages, named, head, step, plan.num_microbatches, case.dp_size,
+                grad_dtype=precision.grad_dtype, loss_scale=scale)
+            reduced = mixed_reduce_and_tie(spec, per_replica, case.reduction)
+        else:
+            per_replica, step_losses = replica_grad_sums(
+                spec, stages, named, head, step, plan.num_microbatches, case.dp_size)
+            reduced = reduce_and_tie(spec, per_replica, case.reduction)
+            if scale is not None:  # what the scaled backward leaves in the buffer (exact: S = 2^k)
+                reduced = {n: g * scale for n, g in reduced.items()}
         shared = [spec.tied_embedding and n == head_name for n in names]
         stepped, norm = optimizer_step(
             [states[n] for n in names], [reduced[n] for n in names], [hyper] * len(names),
-            [step + 1] * len(names), shared=shared, max_norm=optim.max_grad_norm, loss_scale=scale)
+            [updates + 1] * len(names), shared=shared, max_norm=optim.max_grad_norm, loss_scale=scale)
         coef = None
         if stepped and optim.max_grad_norm is not None:
             coef = float(clip_coefficient(norm, optim.max_grad_norm))
         out.steps.append((stepped, math.nan if norm is None else float(norm), coef, scale))
-        if scale is not None and stepped:  # Megatron's scaler: grow after `window` clean steps
-            clean_steps += 1
-            if clean_steps == optim.window:
-                scale, clean_steps = scale * 2, 0
+        scaler.update(found_inf=not stepped)
+        updates += stepped
         state_now = {}
         with torch.no_grad():
             for n in names:
-                shape = named[n].shape
-                named[n].copy_(publish(to_tensor(states[n].master, shape)))
-                state_now[n] = {"master": to_tensor(states[n].master, shape),
-                                "exp_avg": to_tensor(states[n].exp_avg, shape),
-                                "exp_avg_sq": to_tensor(states[n].exp_avg_sq, shape)}
+                shape, st = named[n].shape, states[n]
+                zeros = [Fraction(0)] * len(st.master)  # moments before the first update that happened
+                # The master rounded once to the param's dtype (the identity for fp32), or
+                # what the forward computes with (MXFP8: quantized, then dequantized).
+                if param_values is None:
+                    named[n].copy_(to_tensor(st.master, shape, named[n].dtype))
+                else:
+                    named[n].copy_(publish(to_tensor(st.master, shape)))
+                state_now[n] = {"master": to_tensor(st.master, shape),
+                                "exp_avg": to_tensor(st.exp_avg or zeros, shape),
+                                "exp_avg_sq": to_tensor(st.exp_avg_sq or zeros, shape)}
         out.losses.append(step_losses)
         out.grads.append(reduced)
         out.params.append({n: p.detach().clone() for n, p in named.items()})

@@ -1,0 +1,127 @@
+"""The twin's precision: 16-bit (bf16/fp16) params and compute, and the main-grad buffer's dtype.
+
+Under ``--bf16``/``--fp16`` production holds 16-bit params and runs the
+forward and backward in that dtype; each microbatch's grads are added into the
+DDP main-grad buffer of ``config.grad_dtype`` (fp32 with
+``--accumulate-allreduce-grads-in-fp32``, the default under ``--bf16``, else
+the param dtype), reduced over DP in that dtype, and the optimizer steps fp32
+master copies and casts them back into the 16-bit params before the param
+all-gather. The twin does the same on its ranks (:func:`cast_stage_params_`,
+:func:`mixed_loss_fn`, the DDP's ``grad_reduce_in_fp32``) and refgrad's model
+(``refgrad.pipeline_mixed``) does it in one process.
+
+Where the twin keeps fp32 instead (:func:`precision_for`): at TP > 1 (refgrad's
+16-bit model is the TP 1 one). Where the reduction order of a 16-bit model's
+grads is the backend's (DP > 2 without the fp32-accumulating reduce-scatter),
+the twin runs DP 2: a grad differing by one rounding moves an fp32 master,
+flips its 16-bit param's rounding, and every later 16-bit forward carries that
+ULP of the 16-bit format, so no bound tight enough to catch a bug holds; at
+DP 2 a sum of two values is one rounding in any order, so the check is bitwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class TwinPrecision:
+    """The twin's param (and compute) dtype and its main-grad buffer dtype, by name."""
+
+    params: str = "fp32"
+    grads: str = "fp32"
+
+    def __post_init__(self) -> None:
+        if self.params not in DTYPES:
+            raise ValueError(f"TwinPrecision.params must be one of {tuple(DTYPES)}, got {self.params!r}")
+        if self.grads not in ("fp32", self.params):
+            raise ValueError(f"TwinPrecision.grads must be fp32 or the param dtype "
+                             f"{self.params!r}, got {self.grads!r}")
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return DTYPES[self.params]
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        return DTYPES[self.grads]
+
+    @property
+    def mixed(self) -> bool:
+        """16-bit params: the path of ``refgrad.pipeline_mixed``."""
+        return self.params != "fp32"
+
+
+def precision_for(config: Any, twin_tp: int) -> tuple[TwinPrecision, int, list[str]]:
+    """The twin's precision for ``config``, its DP size, and what it leaves out (with why)."""
+    from verify.preflight.twin_mxfp8 import twins_mxfp8
+
+    dp = config.data_parallel_size
+    if config.params_dtype == "fp32":
+        return TwinPrecision(), dp, []
+    if twins_mxfp8(config):  # the MXFP8 twin's own path: fp32 compute on dequantized weights
+        left_out = [f"{config.params_dtype} params and compute with MXFP8 params: the MXFP8 twin "
+                    "computes in fp32 on the dequantized weights (its masters go to the gather as "
+                    "bf16, as production's)"]
+        if config.grad_dtype != "fp32":
+            left_out.append(f"{config.grad_dtype} grad buffer with MXFP8 params: the MXFP8 twin's "
+                            "buffer accumulates and reduces fp32 grads")
+        return TwinPrecision(), dp, left_out
+    if twin_tp > 1:
+        left_out = [f"{config.params_dtype} params and compute at TP > 1: refgrad's 16-bit model is "
+                    "the TP 1 one, so the twin computes in fp32"]
+        if config.grad_dtype != "fp32":
+            left_out.append(f"{config.grad_dtype} grad buffer and wire dtype at TP > 1: the twin "
+                            "reduces fp32 grads")
+        return TwinPrecision(), dp, left_out
+    precision = TwinPrecision(config.params_dtype, config.grad_dtype)
+    rs_fp32 = config.ddp_reduce_scatter_with_fp32_accumulation and config.use_distributed_optimizer
+    left_out = []
+    if config.gradient_accumulation_fusion:
+        left_out.append("--gradient-accumulation-fusion on the blocks: production's wgrad GEMMs "
+                        f"accumulate into the {config.grad_dtype} main grad in fp32; the twin's "
+                        f"Linear+tanh blocks round each microbatch's wgrad to {config.params_dtype} "
+                        "before the add (its output layer's accumulation is the fused one)")
+    if dp > 2 and not rs_fp32:
+        return precision, 2, left_out + [
+            f"data parallelism DP {dp} scaled to DP 2 for the {config.params_dtype} twin: the backend "
+            f"chooses the order of the {dp}-term {config.grad_dtype} grad sum, and one rounding "
+            f"moved by it flips a {config.params_dtype} param that every later step carries "
+            "(a bound in 16-bit ULPs would hide real bugs); at DP 2 the sum is one rounding, "
+            "bitwise (x 1/2 instead of x 1/DP)"]
+    return precision, dp, left_out
+
+
+def cast_stage_params_(params: Iterable[torch.Tensor], precision: TwinPrecision) -> None:
+    """Round a rank's freshly built fp32 params to the param dtype (before its DDP is built:
+    the buffer groups params by dtype), as production casts its model."""
+    if precision.mixed:
+        from refgrad.pipeline_mixed import cast_params_
+
+        cast_params_(list(params), precision.param_dtype)
+
+
+def mixed_loss_fn(loss_fn: Callable, scale: float) -> Callable:
+    """The last stage's loss: computed in fp32 on the (16-bit) output, times the loss scale."""
+    return lambda out, target: loss_fn(out.float(), target) * scale
+
+
+def cast_inputs(inputs: list[torch.Tensor], precision: TwinPrecision) -> list[torch.Tensor]:
+    """The first stage's inputs in the param dtype (a no-op in fp32)."""
+    return [x.to(precision.param_dtype) for x in inputs]
+
+
+def precision_mapping(config: Any, precision: TwinPrecision) -> tuple[tuple[str, str, str], ...]:
+    """(setting, production, twin) rows for the param and grad dtypes."""
+    twin_params = (f"{precision.params} params and compute, fp32 loss, fp32 master weights"
+                   if precision.mixed else "fp32")
+    production = (f"{config.params_dtype} params and compute, fp32 master weights"
+                  if config.params_dtype != "fp32" else "fp32")
+    return (("params and compute", production, twin_params),
+            ("main-grad buffer and DP wire dtype", config.grad_dtype, precision.grads))
