@@ -15,6 +15,7 @@ from dataclasses import replace
 import pytest
 
 from tests.distributed_utils import run_distributed
+from verify.distributed import DistributedRunError
 from verify.preflight import cli as preflight_cli
 from verify.preflight.cli import build_report
 from verify.preflight.config import resolve
@@ -350,6 +351,31 @@ def _cli(flags: list[str], capsys, candidate: TwinCandidate | None = None, extra
     rc = preflight_cli.main(args, environ={}, candidate=candidate)
     captured = capsys.readouterr()
     return rc, captured.out, captured.err
+
+
+@pytest.mark.parametrize(("raised", "message"), [
+    (DistributedRunError("rank 3 timed out after 240 s"), "the twin's ranks failed: rank 3 timed out"),
+    (KeyError("stage9.head.weight"), "internal error while checking the twin (KeyError"),
+])
+def test_a_twin_that_cannot_finish_is_an_error_that_keeps_the_paper_figures(
+        raised, message, capsys, tmp_path, monkeypatch):
+    """Exit 3 with an ERROR verdict naming why, no traceback on the terminal, and the
+    paper figures and the configuration's hazards still printed and written."""
+    def failing_spawn(*_args, **_kwargs):
+        raise raised
+
+    monkeypatch.setattr("verify.distributed.spawn", failing_spawn)
+    json_path = tmp_path / "t.json"
+    rc, out, err = _cli(["--pipeline-model-parallel-size", "2", "--data-parallel-size", "1",
+                         "--global-batch-size", "4"], capsys, extra=("--json", str(json_path)))
+    assert rc == 3
+    assert out.splitlines()[0].startswith("ERROR: the scaled twin did not finish")
+    flat_out = " ".join(out.split())  # the terminal report wraps long lines
+    assert message in flat_out and message in err and "Traceback" not in out + err
+    report = json.loads(json_path.read_text())
+    assert report["passed"] is False and report["twin"]["run"] is False
+    assert len(report["layout"]) == 2 and report["hazards"] and report["wire"]
+    assert ("Traceback" in report.get("twin_traceback", "")) == isinstance(raised, KeyError)
 
 
 @pytest.mark.dist

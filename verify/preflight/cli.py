@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 from collections.abc import Mapping
 from importlib import metadata
 
@@ -190,20 +191,38 @@ def main(args: argparse.Namespace, environ: Mapping[str, str] | None = None,
                   file=sys.stderr)
             print(f"verify preflight: error: {exc}", file=sys.stderr)
             return EXIT_USAGE
-    try:
-        report = build_report(config, parsed, costs)
-        if args.no_twin:
-            paper_only_hazards(config, report)
-        else:
+    report = build_report(config, parsed, costs)
+    twin_error = None
+    if args.no_twin:
+        paper_only_hazards(config, report)
+    else:
+        try:
             verdict = run_twin_stage(config, options, report, environ=environ, candidate=candidate,
                                      progress=False if args.no_progress else None)
             if verdict is None:  # a torchrun rank other than 0: rank 0 reports
                 return EXIT_OK
+        except TwinRunError as exc:
+            twin_error = str(exc)
+        except Exception as exc:  # noqa: BLE001 - a bug in the twin must not lose the paper figures
+            twin_error = (f"internal error while checking the twin ({type(exc).__name__}: {exc}); "
+                          "this is a gradverify bug: please report it with the --json report")
+            report["twin_traceback"] = traceback.format_exc()
+        if twin_error is not None:
+            # The paper figures and the configuration's hazards still stand: report them.
+            paper_only_hazards(config, report)
+            report["twin"] = {"run": False, "error": twin_error,
+                              "note": f"The scaled twin did not finish: {twin_error}"}
+            report["verdict"] = f"ERROR: the scaled twin did not finish: {twin_error}"
+            report["passed"] = False
+    try:
         print_terminal(report)
         for path in write_outputs(report, args.json, args.markdown):
             print(f"wrote {path}", file=sys.stderr)
-    except (OSError, TwinRunError) as exc:
+    except OSError as exc:
         print("ERROR: verify preflight could not finish", file=sys.stderr)
         print(f"verify preflight: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    if twin_error is not None:
+        print(f"verify preflight: error: {twin_error}", file=sys.stderr)
         return EXIT_ERROR
     return EXIT_OK if report["passed"] else EXIT_FAILED
