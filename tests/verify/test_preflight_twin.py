@@ -457,3 +457,27 @@ def test_a_broken_drain_is_a_fault_of_one_layer_instance_not_a_global_rebinding(
     # Same deferred GEMMs, opposite order: a different fp32 sum; the class kept its drain.
     assert not torch.equal(drained[0], drained[1])
     assert ColumnParallelOutputLayer.drain_deferred_wgrad is production_drain
+
+
+def test_a_twin_whose_every_step_was_skipped_says_no_update_was_checked(monkeypatch):
+    """Both sides skipping every step agree on the update vacuously: the verdict says so,
+    and the per-step table marks the skipped steps."""
+    from verify.preflight import twin_stage
+    from verify.preflight.render import twin_tables
+    from verify.preflight.twin import StepRow
+
+    config, report = _config(UNTIED_ADAMW)
+    plan = plan_twin(config, SMALL)
+
+    def rows(stepped):
+        return [StepRow(step=k, microbatches=4, loss_max_ulp=0, grads_bitwise=1, grads_total=1,
+                        grad_max_ulp=0, params_bitwise=1, params_total=1, param_max_ulp=0,
+                        grad_norm=float("nan"), stepped=s) for k, s in enumerate(stepped)]
+
+    monkeypatch.setattr(twin_stage, "reference_for", lambda plan: None)
+    for stepped, vacuous in (([False, False], True), ([False, True], False)):
+        monkeypatch.setattr(twin_stage, "compare_steps", lambda *_a, s=stepped: rows(s))
+        assert finish_twin_report(config, plan, [], report, where="test", candidate=TwinCandidate())
+        assert ("no update was checked" in report["verdict"]) is vacuous
+        results = [r[-1] for r in twin_tables(report)[0][2]]
+        assert results == ["ok (skipped: NaN/inf grads)" if not s else "ok" for s in stepped]

@@ -108,7 +108,8 @@ def twin_tables(report: dict) -> Tables:
                           + (f" (max {r['state_max_ulp']} ULP)" if r["state_max_ulp"] else ""))
                          if r["state_total"] else "- (SGD)",
                          _norm_cell(r),
-                         "ok" if not r["failures"] else r["failures"][0]]
+                         r["failures"][0] if r["failures"]
+                         else "ok (skipped: NaN/inf grads)" if r.get("stepped") is False else "ok"]
                         for r in twin["steps"]]))
         if any(r.get("mxfp8_total") for r in twin["steps"]):
             tables.append(_mxfp8_table(twin["steps"]))

@@ -296,6 +296,7 @@ class StepRow:
     clip_coefficient: float | None = None
     clipped: bool = False
     loss_scale: float | None = None
+    stepped: bool | None = None  # refgrad's optimizer stepped (False: skipped on NaN/inf; None: SGD)
     failures: list[str] = field(default_factory=list)
 
 

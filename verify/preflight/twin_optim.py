@@ -425,6 +425,7 @@ def compare_optimizer_step(row: Any, reference: Any, ranks: list[Any],
     step = row.step
     stepped, norm, coef, scale = reference.steps[step]
     row.grad_norm, row.clip_coefficient, row.loss_scale = norm, coef, scale
+    row.stepped = stepped
     row.clipped = coef is not None and coef < 1.0
     tolerance = norm_tolerance(reference, step, bound_ulps)
     decided = reference.max_norm is None or abs(norm - reference.max_norm) > tolerance

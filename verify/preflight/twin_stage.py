@@ -145,6 +145,9 @@ def finish_twin_report(config: PreflightConfig, plan: TwinPlan, ranks: list[Any]
     shape = (f"TP={config.tensor_model_parallel_size} PP={pp} VPP={vpp} "
              f"DP={config.data_parallel_size}, {config.num_microbatches} microbatches")
     gaps = f"; {len(plan.not_twinned)} parts not twinned (listed)"
+    if rows and all(row.stepped is False for row in rows):
+        # Both sides skipping every step agree trivially on the update: say so up front.
+        gaps += "; every step was skipped on NaN/inf grads, so no update was checked"
     if passed:
         ranks = f"{plan.world_size} rank{'s' if plan.world_size != 1 else ''}"
         report["verdict"] = (f"PASS: {shape}; twin ({ranks}, "
