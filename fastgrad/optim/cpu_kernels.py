@@ -229,22 +229,27 @@ def _run_rows(kernel, work: np.ndarray, per_row: tuple[np.ndarray, ...], *args) 
     pieces = min(rows, SLICES_PER_THREAD * workers)
     bounds = [rows * i // pieces for i in range(pieces + 1)]
     next_piece = itertools.count()  # next() is atomic under the GIL
+    errors: list[BaseException] = []  # the first one is raised in the caller
 
     def drain() -> None:
-        for i in iter(next_piece.__next__, None):
-            if i >= pieces:
-                return
-            lo, hi = bounds[i], bounds[i + 1]
-            kernel(work[lo:hi], *(a[lo:hi] for a in per_row), *args)
+        try:
+            for i in iter(next_piece.__next__, None):
+                if i >= pieces or errors:
+                    return
+                lo, hi = bounds[i], bounds[i + 1]
+                kernel(work[lo:hi], *(a[lo:hi] for a in per_row), *args)
+        except BaseException as exc:  # noqa: BLE001 - a helper's error must reach the caller,
+            errors.append(exc)  # not vanish with its thread (a half-applied step)
 
     helpers = [threading.Thread(target=drain, daemon=True) for _ in range(workers - 1)]
     for helper in helpers:
         helper.start()
-    try:
-        drain()
-    finally:
-        for helper in helpers:
-            helper.join()
+    drain()
+    # No deadline: a helper only runs the kernel on a bounded slice and waits on nothing.
+    for helper in helpers:
+        helper.join()
+    if errors:
+        raise errors[0]
 
 
 _EMPTY32 = np.zeros(0, dtype=np.float32)

@@ -292,3 +292,31 @@ def test_fused_path_continues_beta_powers_only_for_the_same_betas():
         for t in steps:  # a checkpoint load may change the betas or move the step back
             got = dict(zip(K.ADAMW_COLUMNS, path._scalars(0, cfg, t)))
             assert all(Fraction(got[k]) == v for k, v in fresh[cfg][t - 1].items() if k in got), (cfg, t)
+
+
+@pytest.mark.parametrize("failing", ["helper", "caller"])
+def test_an_error_in_any_row_thread_reaches_the_caller(failing, monkeypatch):
+    """A kernel that raises on a helper thread (or on the calling one) makes _run_rows raise,
+    instead of returning with that thread's rows never updated."""
+    import threading
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    done = []
+    caller_ran = threading.Event()
+    caller = threading.current_thread()
+
+    def kernel(rows, out):
+        on_caller = threading.current_thread() is caller
+        if on_caller:
+            caller_ran.set()
+        elif failing == "caller":  # let the caller take a slice before this thread takes all
+            assert caller_ran.wait(timeout=10)
+        if on_caller == (failing == "caller"):
+            raise MemoryError("out of memory in a row slice")
+        out[:] = rows[:, 0]
+        done.append(len(rows))
+
+    work = np.arange(64, dtype=np.int64).reshape(32, 2)
+    with pytest.raises(MemoryError, match="row slice"):
+        K._run_rows(kernel, work, (np.zeros(32, dtype=np.int64),))
+    assert sum(done) < 32  # the other thread stopped taking slices
