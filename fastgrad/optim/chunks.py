@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from fastgrad.ddp import DistributedDataParallel
@@ -52,6 +53,15 @@ class _ChunkBuffers:
         raise ValueError("param is not in any chunk's buffer")
 
 
+def _dp_ranks(buffer: Any) -> tuple[int, ...]:
+    """The data-parallel group's global ranks, in group order (without torch.distributed:
+    the buffer's size and this rank, all there is to compare)."""
+    if not buffer.distributed:
+        return (buffer.dp_size, buffer.dp_rank)
+    group = buffer.dp_group if buffer.dp_group is not None else dist.group.WORLD
+    return tuple(dist.get_process_group_ranks(group))
+
+
 class ModelChunks:
     """``chunks``: the DDP engines of this rank's model chunks, in chunk order.
 
@@ -68,14 +78,21 @@ class ModelChunks:
             if not isinstance(chunk, DistributedDataParallel):
                 raise TypeError(f"chunks[{i}] must be a fastgrad DistributedDataParallel, "
                                 f"got {type(chunk).__name__}")
+        seen: dict[int, int] = {}
+        for i, chunk in enumerate(chunks):
+            if id(chunk) in seen:
+                raise ValueError(f"chunks[{i}] is chunks[{seen[id(chunk)]}] again: each model "
+                                 "chunk's DistributedDataParallel must be given once")
+            seen[id(chunk)] = i
         first = chunks[0]
         for i, chunk in enumerate(chunks[1:], start=1):
             for setting in ("use_distributed_optimizer", "overlap_param_gather"):
                 if getattr(chunk.config, setting) != getattr(first.config, setting):
                     raise ValueError(f"chunks[{i}].config.{setting} differs from chunks[0]'s: "
                                      "one optimizer needs one setting")
-            if (chunk.buffer.dp_size, chunk.buffer.dp_rank) != (first.buffer.dp_size, first.buffer.dp_rank):
-                raise ValueError(f"chunks[{i}] has another data-parallel group than chunks[0]")
+            if _dp_ranks(chunk.buffer) != _dp_ranks(first.buffer):
+                raise ValueError(f"chunks[{i}] has another data-parallel group than chunks[0] "
+                                 f"(ranks {_dp_ranks(chunk.buffer)} vs {_dp_ranks(first.buffer)})")
         self.chunks = chunks
         self.config = first.config
         self.buffer = _ChunkBuffers([c.buffer for c in chunks])

@@ -132,9 +132,35 @@ def test_model_chunks_refuse_mismatched_chunks():
         ModelChunks([ddps[0], "ddp"])
     with pytest.raises(ValueError, match=r"chunks\[1\].config.overlap_param_gather differs"):
         ModelChunks([ddps[0], overlapped[1]])
+    with pytest.raises(ValueError, match=r"chunks\[1\] is chunks\[0\] again"):
+        ModelChunks([ddps[0], ddps[0]])
     chunks = ModelChunks(ddps)
     assert chunks.name_of(ddps[1].module.layer.bias) == "chunk1.layer.bias"
     assert len(chunks.buffer.buckets) == len(ddps[0].buffer.buckets) + len(ddps[1].buffer.buckets)
+
+
+def _two_groups_worker(rank: int, world_size: int) -> str:
+    """Rank 0 builds its chunks on two DP groups of the same size ({0, 1} and {0, 2}): the
+    same (size, rank) on rank 0, other ranks."""
+    del world_size
+    import torch.distributed as dist
+
+    groups = [dist.new_group([0, 1]), dist.new_group([0, 2])]  # every rank creates both
+    if rank != 0:
+        return "not in both"
+    ddps = [_chunks(False, dp_group=g)[1][0] for g in groups]
+    try:
+        ModelChunks(ddps)
+    except ValueError as exc:
+        return str(exc)
+    return "accepted"
+
+
+@pytest.mark.dist
+def test_model_chunks_refuse_chunks_on_different_groups_of_the_same_size():
+    results = run_distributed(_two_groups_worker, 3, timeout_s=120)
+    assert results[0].startswith("chunks[1] has another data-parallel group than chunks[0] "
+                                 "(ranks (0, 2) vs (0, 1))"), results[0]
 
 
 # --------------------------------------------------------------------------- replicated optimizer

@@ -251,12 +251,13 @@ def run_optimizer_rank(case: Any, groups: Any, overlap: bool,
     optim = optim or AdamWTwin()
     spec, stage, chunks = case.spec, groups.stage, case.virtual_stages
     built = [build_stage_model(case, groups, c) for c in range(chunks)]
-    modules = [module for module, *_ in built]
-    named = {n: p for _, per_chunk, _, _ in built for n, p in per_chunk.items()}
+    # build_stage_model: (module, {name: param}, output head or None, [tied params])
+    modules = [module for module, _, _, _ in built]
+    named = {n: p for _, chunk_params, _, _ in built for n, p in chunk_params.items()}
     cast_stage_params_(named.values(), optim.precision)
     heads = [head for _, _, head, _ in built]
     head = next((h for h in heads if h is not None), None)  # the last virtual stage's
-    tied = [p for *_, per_chunk in built for p in per_chunk]
+    tied = [p for _, _, _, chunk_tied in built for p in chunk_tied]
     if head is not None and spec.tied_embedding:
         head.weight.shared = True  # the second copy: out of the grad norm
     ddps = [DistributedDataParallel(module, config=_ddp_config(case, overlap, optim, stage, c),
