@@ -61,13 +61,20 @@ class Weights(nn.Module):
 
 
 def interleaved(candidates: dict, setups: dict, rounds: int) -> dict[str, list[float]]:
-    """Per round, each candidate once (its setup untimed); all times per candidate."""
+    """Per round, each candidate once (its setup untimed); all times per candidate.
+
+    The order rotates by one each round: a candidate that runs right after torch ops
+    meets torch's OpenMP workers still spinning (about 10 ms) on the cores it needs, so a
+    fixed order would charge that to whichever candidate follows one."""
     times = {name: [] for name in candidates}
     for name, fn in candidates.items():  # warm-up
         setups[name]()
         fn()
-    for _ in range(rounds):
-        for name, fn in candidates.items():
+    names = list(candidates)
+    for round_index in range(rounds):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            fn = candidates[name]
             setups[name]()
             start = time.perf_counter()
             fn()
