@@ -20,8 +20,9 @@ Usage::
    process with an empty numba cache) vs a cached start.
 2. With ``overlap_param_gather`` on 2 gloo ranks: the time the forward waits in the
    pre-hooks for the param all-gathers, as a share of the same all-gathers' own
-   (synchronous) time. CPU/gloo only for now: the NCCL variant needs one GPU per
-   rank (two or more GPUs) and CUDA tensors, and is not written yet.
+   (synchronous) time; ``--backend nccl`` runs it on two GPUs, timing with CUDA
+   events (the forward after the step minus the same forward with nothing in
+   flight), since there a pre-hook's wait only orders streams.
 """
 
 from __future__ import annotations
@@ -212,16 +213,35 @@ class Layer(nn.Module):
         return torch.tanh(x @ self.weight)
 
 
-def _overlap_worker(rank: int, world: int, width: int, layers: int, rounds: int) -> dict:
+def _overlap_worker(rank: int, world: int, width: int, layers: int, rounds: int,
+                    backend: str) -> dict:
     import torch.distributed as dist
 
     from fastgrad.comm import all_gather_into
 
+    device = torch.device("cpu")
+    if backend == "nccl":  # one GPU per rank
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
     g = torch.Generator().manual_seed(1)
-    model = nn.Sequential(*[Layer(width, g) for _ in range(layers)])
+    model = nn.Sequential(*[Layer(width, g) for _ in range(layers)]).to(device)
     ddp = DistributedDataParallel(model, config=DDPConfig(
         use_distributed_optimizer=True, overlap_param_gather=True, bucket_size=width * width))
     opt = DistributedOptimizer(ddp, AdamWConfig(lr=LR))
+    x = torch.randn(64, width, generator=g).to(device)
+
+    def gather_all() -> None:  # the same all-gathers, synchronous
+        for b in ddp.buffer.buckets:
+            all_gather_into(b.param_data, b.local_param_shard, group=b.dp_group)
+
+    def train_step() -> None:
+        ddp.zero_grad_buffer()
+        model(x).sum().backward()
+        ddp.finish_grad_sync()
+        opt.step()  # launches every bucket's param all-gather
+
+    if device.type == "cuda":
+        return _overlap_on_gpu(model, x, train_step, gather_all, rounds)
     waited = [0.0]
     starts = {}
     for layer in model:
@@ -229,42 +249,72 @@ def _overlap_worker(rank: int, world: int, width: int, layers: int, rounds: int)
                                         prepend=True)
         layer.register_forward_pre_hook(
             lambda m, a: waited.__setitem__(0, waited[0] + time.perf_counter() - starts[id(m)]))
-    x = torch.randn(64, width, generator=g)
     waits, gathers = [], []
     for _ in range(rounds + 1):
-        ddp.zero_grad_buffer()
-        model(x).sum().backward()
-        ddp.finish_grad_sync()
-        opt.step()  # launches every bucket's param all-gather
+        train_step()
         waited[0] = 0.0
         with torch.no_grad():
             model(x)  # each layer's pre-hook waits for its bucket
         waits.append(waited[0])
         dist.barrier()
         start = time.perf_counter()
-        for b in ddp.buffer.buckets:  # the same all-gathers, synchronous
-            all_gather_into(b.param_data, b.local_param_shard, group=b.dp_group)
+        gather_all()
         gathers.append(time.perf_counter() - start)
     return {"wait": statistics.median(waits[1:]), "gather": statistics.median(gathers[1:])}
 
 
+def _overlap_on_gpu(model, x, train_step, gather_all, rounds: int) -> dict:
+    """On a GPU the pre-hooks' ``wait()`` only orders the streams, so the host cannot time
+    it: the forward right after the step (gathers in flight) is timed with CUDA events
+    against the same forward with nothing in flight; the difference is the exposed wait."""
+    import torch.distributed as dist
+
+    def timed(fn) -> float:
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        return begin.elapsed_time(end) / 1e3
+
+    def forward() -> None:
+        with torch.no_grad():
+            model(x)
+
+    waits, gathers = [], []
+    for _ in range(rounds + 1):
+        train_step()
+        overlapped = timed(forward)  # each layer's pre-hook makes the stream wait for its bucket
+        alone = timed(forward)
+        waits.append(max(0.0, overlapped - alone))
+        dist.barrier()
+        gathers.append(timed(gather_all))
+    return {"wait": statistics.median(waits[1:]), "gather": statistics.median(gathers[1:])}
+
+
 def overlap_benchmark(width: int, layers: int, rounds: int, backend: str) -> list[str]:
-    per_rank = spawn(_overlap_worker, 2, width, layers, rounds, backend=backend, timeout_s=600)
+    per_rank = spawn(_overlap_worker, 2, width, layers, rounds, backend, backend=backend,
+                     timeout_s=600)
     wait = statistics.mean(r["wait"] for r in per_rank)
     gather = statistics.mean(r["gather"] for r in per_rank)
+    how = ("host time in the pre-hooks" if backend == "gloo" else
+           "CUDA events: forward after the step minus the same forward with nothing in flight")
     return [f"overlap_param_gather, {backend}, DP=2, {layers} buckets of {width}x{width} fp32, "
             f"median of {rounds} rounds:",
-            f"  forward waited in pre-hooks: {1e3 * wait:.2f} ms; the all-gathers alone: "
+            f"  forward waited ({how}): {1e3 * wait:.2f} ms; the all-gathers alone: "
             f"{1e3 * gather:.2f} ms; share {wait / gather:.1%}"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="10^6 params, 3 rounds")
-    parser.add_argument("--backend", default="gloo", choices=("gloo",),
-                        help="collective backend of the overlap part (CPU tensors: gloo)")
+    parser.add_argument("--backend", default="gloo", choices=("gloo", "nccl"),
+                        help="collective backend of the overlap part: gloo (CPU tensors) or "
+                             "nccl (one GPU per rank: needs 2 GPUs)")
     parser.add_argument("--out", help="also write the output to this file")
     args = parser.parse_args()
+    if args.backend == "nccl" and torch.cuda.device_count() < 2:
+        parser.error(f"--backend nccl needs 2 GPUs (one per rank), found {torch.cuda.device_count()}")
     numel, rounds = (10**6, 3) if args.quick else (10**7, 7)
     lines = [f"bench_optim, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}, "
              f"torch {torch.__version__}, {torch.get_num_threads()} threads, "

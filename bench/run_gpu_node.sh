@@ -37,4 +37,7 @@ step bench-reduce-scatter "$python" bench/bench_reduce_scatter.py --json "$out/b
 step bench-mxfp8 "$python" bench/bench_mxfp8.py --json "$out/bench-mxfp8.json"
 step bench-embedding-wgrad "$python" bench/bench_deferred_wgrad.py --json "$out/bench-embedding-wgrad.json"
 step bench-oracle "$python" bench/bench_oracle.py --device cuda
+if [ "${NGPU:-1}" -gt 1 ]; then  # the optimizer step on the CPU, then overlap_param_gather over NCCL
+  step bench-optim-nccl "$python" bench/bench_optim.py --backend nccl --out "$out/bench-optim-nccl.txt"
+fi
 echo "results in $out"
