@@ -103,6 +103,14 @@ def test_mxfp8_params_are_twinned_and_left_out_only_where_not_reproduced():
         plan = plan_twin(_config(DP2, base)[0], STEPS)
         assert plan.mxfp8 is None and plan.rank_optimizer == plan.adamw
         assert any("--check mxfp8" in g for g in plan.not_twinned)
+    # The fp32-accumulating reduce-scatter is not the MXFP8 buffer's: at DP 3 the twin's sum
+    # order is the backend's, so the claim is the bound, not bitwise, and the flag is listed.
+    plan = plan_twin(_config(["--data-parallel-size", "3", "--global-batch-size", "12",
+                              "--ddp-reduce-scatter-with-fp32-accumulation"])[0], STEPS)
+    assert plan.mxfp8 is not None and not plan.case.reduce_scatter_with_fp32_accumulation
+    assert not plan.bitwise
+    assert any(g.startswith("--ddp-reduce-scatter-with-fp32-accumulation with MXFP8 params")
+               for g in plan.not_twinned)
     # fp16's loss scale: the MXFP8 buffer takes no loss scaler, so the twin steps unscaled.
     plan = plan_twin(_config(DP2, [f if f != "--bf16" else "--fp16" for f in MODEL])[0], STEPS)
     assert plan.adamw.loss_scale == 2.0**32 and plan.rank_optimizer.adamw.loss_scale is None

@@ -102,6 +102,7 @@ def plan_twin(config: PreflightConfig, options: TwinOptions) -> TwinPlan:
     """Scale ``config`` down to a twin case; TwinSizeError when it needs too many ranks."""
     from refgrad.pipeline import LinearStackSpec, StepPlan
     from verify.checks.pipeline import PipelineCase
+    from verify.preflight.twin_mxfp8 import twins_mxfp8
     from verify.preflight.twin_precision import precision_for
 
     tp, pp = config.tensor_model_parallel_size, config.pipeline_model_parallel_size
@@ -119,7 +120,7 @@ def plan_twin(config: PreflightConfig, options: TwinOptions) -> TwinPlan:
     layers = options.layers
     # The output layer sits on the last virtual stage (its drain follows the, possibly
     # interleaved, cooldown); its vocabulary, the twin's hidden size, is split over TP.
-    from verify.preflight.twin_mxfp8 import BLOCK, twins_mxfp8
+    from verify.preflight.twin_mxfp8 import BLOCK
 
     # MXFP8 params: blocks of 32 along each weight's last dimension (and the bias).
     multiple = math.lcm(twin_tp, BLOCK) if twins_mxfp8(config) else twin_tp
@@ -151,6 +152,11 @@ def plan_twin(config: PreflightConfig, options: TwinOptions) -> TwinPlan:
     one_bucket = 10 * stage_numel
     bucket = max(h * h + h, stage_numel // 3) if config.overlap_grad_reduce else one_bucket
     rs_fp32 = config.ddp_reduce_scatter_with_fp32_accumulation and config.use_distributed_optimizer
+    if rs_fp32 and twins_mxfp8(config):
+        # fastgrad's MXFP8 buffer reduce-scatters with the backend's own sum order.
+        rs_fp32 = False
+        not_twinned.append("--ddp-reduce-scatter-with-fp32-accumulation with MXFP8 params: the "
+                           "MXFP8 twin's buffer reduce-scatters in the backend's order")
     case = PipelineCase(
         name="twin", pp_size=pp, dp_size=dp, first_rank=0, spec=spec,
         plans=tuple(StepPlan(m) for _ in range(options.steps)),
