@@ -106,7 +106,8 @@ def test_mxfp8_params_are_twinned_and_left_out_only_where_not_reproduced():
     # The fp32-accumulating reduce-scatter is not the MXFP8 buffer's: at DP 3 the twin's sum
     # order is the backend's, so the claim is the bound, not bitwise, and the flag is listed.
     plan = plan_twin(_config(["--data-parallel-size", "3", "--global-batch-size", "12",
-                              "--ddp-reduce-scatter-with-fp32-accumulation"])[0], STEPS)
+                              "--ddp-reduce-scatter-with-fp32-accumulation",
+                              "--grad-reduce-in-bf16"])[0], STEPS)  # (fp32 grads turn it off)
     assert plan.mxfp8 is not None and not plan.case.reduce_scatter_with_fp32_accumulation
     assert not plan.bitwise
     assert any(g.startswith("--ddp-reduce-scatter-with-fp32-accumulation with MXFP8 params")
