@@ -1,7 +1,9 @@
 """Reference for the pipeline model with 16-bit (bf16/fp16) params and a main-grad buffer.
 
-``refgrad.pipeline``'s Linear+tanh stack (tensor parallelism 1) as production
-trains it under ``--bf16`` or ``--fp16``, one process, in this order:
+``refgrad.pipeline``'s Linear+tanh stack as production trains it under
+``--bf16`` or ``--fp16``, one process, in this order (at tensor parallelism 2
+steps 2-4 run per TP rank as ``refgrad.pipeline_tp_mixed`` describes, and
+step 5 adds the sequence-parallel grads' TP sum in the grad dtype):
 
 1. params: the fp32 initial values of ``refgrad.pipeline`` rounded once to the
    param dtype (the model is built in fp32 and cast, as Megatron-Core's
@@ -26,8 +28,9 @@ trains it under ``--bf16`` or ``--fp16``, one process, in this order:
    grad dtype (pre-scaled by ``1/D`` in the grad dtype, then summed in rank
    order with fp32 accumulation and one rounding to the grad dtype: the
    correctly rounded sum for ``D <= 2``, fastgrad's fp32-accumulating
-   reduce-scatter for any ``D``), then the tied-embedding all-reduce of two
-   grad-dtype values (one rounding).
+   reduce-scatter for any ``D``), then (TP 2 under SP) the replicated blocks'
+   grads summed over TP, then the tied-embedding all-reduce of two grad-dtype
+   values (one rounding).
 
 The optimizer step on these grads (fp32 masters, the cast back to 16 bits)
 is ``refgrad.optim``.
@@ -57,9 +60,10 @@ def cast_params_(params: Sequence[torch.Tensor], dtype: torch.dtype) -> None:
 
 
 def _check(spec: LinearStackSpec, param_dtype: torch.dtype, grad_dtype: torch.dtype) -> None:
-    if spec.tensor_parallel != 1:
-        raise ValueError("refgrad.pipeline_mixed models tensor_parallel 1 only, got "
-                         f"{spec.tensor_parallel}")
+    if spec.tensor_parallel > 1:
+        from refgrad.pipeline_tp_mixed import check_tensor_parallel_2
+
+        check_tensor_parallel_2(spec)
     if param_dtype not in SIXTEEN_BIT:
         raise ValueError(f"param_dtype must be bf16 or fp16, got {param_dtype}")
     if grad_dtype not in (torch.float32, param_dtype):
@@ -90,6 +94,11 @@ def mixed_replica_grad_sums(
 
     param_dtype = next(iter(named.values())).dtype
     _check(spec, param_dtype, grad_dtype)
+    if spec.tensor_parallel > 1:
+        from refgrad.pipeline_tp_mixed import mixed_tp_replica_grad_sums
+
+        return mixed_tp_replica_grad_sums(spec, stages, named, head, step, num_microbatches,
+                                          dp_size, grad_dtype=grad_dtype, loss_scale=loss_scale)
     scale = 1.0 if loss_scale is None else float(loss_scale)
     head_name = stage_param_name(spec.num_stages - 1, HEAD_PARAM)
     per_replica: list[dict[str, torch.Tensor]] = []
@@ -137,6 +146,10 @@ def mixed_reduce_and_tie(
 
     reduced = {name: reduce_across_replicas([sums[name] for sums in per_replica], reduction)
                for name in per_replica[0]}
+    if spec.sequence_shards > 1:  # TP 2 under SP: the replicated blocks' grads summed over TP
+        from refgrad.pipeline_tp_mixed import mixed_sum_over_tensor_parallel
+
+        mixed_sum_over_tensor_parallel(spec, reduced)
     if spec.tied_embedding:
         head_name = stage_param_name(spec.num_stages - 1, HEAD_PARAM)
         tied_name = stage_param_name(0, EMBEDDING_PARAM)

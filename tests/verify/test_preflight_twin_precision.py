@@ -4,8 +4,11 @@ Multi-rank twins run in one spawned 8-rank world (grids side by side) and are
 compared with refgrad (``refgrad.pipeline_mixed`` + ``refgrad.optim``) through
 the CLI's own code. The fp16 twin starts from a loss scale at which its fp16
 grads overflow, so the scaler's skip, hysteresis and backoff run on the ranks.
-A deliberately broken fastgrad (grads accumulated through the param dtype into
-the fp32 main-grad buffer) must make the twin FAIL naming step and parameter.
+At TP 2 (``refgrad.pipeline_tp_mixed``) the bf16 twin runs with and without
+sequence parallelism. Deliberately broken fastgrads (grads accumulated through
+the param dtype into the fp32 main-grad buffer; at TP 2 the output layer's
+dgrad summed over TP in fp32, or the sequence-parallel grads rounded to bf16
+before their TP all-reduce) must make the twin FAIL naming step and parameter.
 """
 
 from __future__ import annotations
@@ -33,7 +36,24 @@ FP16_OVERFLOW = ["--pipeline-model-parallel-size", "2", "--data-parallel-size", 
                  "--global-batch-size", "8", "--use-distributed-optimizer", "--fp16",
                  "--initial-loss-scale", str(2**19)]
 
-LAYOUT = {"bf16": (BF16, 0, 0), "bf16_grads": (BF16_GRADS, 4, 0), "fp16_overflow": (FP16_OVERFLOW, 0, 1)}
+# TP2 PP2 DP1 M4, bf16 params, fp32 main grads, deferred output wgrad (limit 2): the output
+# layer's 16-bit partial dgrads all-reduced over TP in bf16.
+TP2_BF16 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+            "--data-parallel-size", "1", "--global-batch-size", "4", "--use-distributed-optimizer",
+            "--bf16", "--defer-embedding-wgrad-compute", "--wgrad-deferral-limit", "2"]
+# TP2 PP2 DP2 M4 under SP, bf16 params and grads, both overlaps: the blocks on sequence shards,
+# the dgrad reduce-scattered in bf16, the blocks' bf16 grads all-reduced over TP after the DP sync.
+TP2_SP_BF16_GRADS = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                     "--pipeline-model-parallel-size", "2", "--data-parallel-size", "2",
+                     "--global-batch-size", "8", "--use-distributed-optimizer", "--bf16",
+                     "--grad-reduce-in-bf16", "--overlap-grad-reduce", "--overlap-param-gather"]
+# TP2 PP2 DP1 M4 under SP, bf16 params, fp32 main grads (for the broken SP all-reduce below).
+TP2_SP_BF16 = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+               "--pipeline-model-parallel-size", "2", "--data-parallel-size", "1",
+               "--global-batch-size", "4", "--use-distributed-optimizer", "--bf16"]
+
+LAYOUT = {"bf16": (BF16, 0, 0), "bf16_grads": (BF16_GRADS, 4, 0), "fp16_overflow": (FP16_OVERFLOW, 0, 1),
+          "tp2_bf16": (TP2_BF16, 4, 1), "tp2_sp_bf16_grads": (TP2_SP_BF16_GRADS, 0, 2)}
 
 
 # --------------------------------------------------------------------------- planning
@@ -57,13 +77,27 @@ def test_the_twin_takes_the_configurations_param_and_grad_dtypes(flags, params, 
     assert rows["main-grad buffer and DP wire dtype"] == (grads, grads)
 
 
+@pytest.mark.parametrize("flags", [TP2_BF16, TP2_SP_BF16_GRADS])
+def test_the_tp2_twin_keeps_16_bit_params_and_the_grad_dtype(flags):
+    plan = plan_twin(_config(flags)[0], STEPS)
+    spec = plan.case.spec
+    assert (spec.tensor_parallel, spec.sequence_parallel) == (2, "--sequence-parallel" in flags)
+    grads = "bf16" if "--grad-reduce-in-bf16" in flags else "fp32"
+    assert plan.adamw.precision == TwinPrecision("bf16", grads) and plan.bitwise
+    assert not any("computes in fp32" in g or "TP > 1: the twin reduces" in g
+                   for g in plan.not_twinned)
+    rows = {m[0]: m[1:] for m in plan.mapping}
+    assert rows["params and compute"][1].startswith("bf16 params and compute")
+
+
 def test_where_the_twin_keeps_fp32_or_scales_dp_it_says_so():
-    tp2, _ = _config(["--tensor-model-parallel-size", "2", "--data-parallel-size", "2",
+    tp4, _ = _config(["--tensor-model-parallel-size", "4", "--data-parallel-size", "2",
                       "--global-batch-size", "2", "--bf16", "--grad-reduce-in-bf16"])
-    precision, dp, left_out = precision_for(tp2, 2)
-    assert precision == TwinPrecision() and dp == 2
-    assert [g.split(":")[0] for g in left_out] == ["bf16 params and compute at TP > 1",
-                                                   "bf16 grad buffer and wire dtype at TP > 1"]
+    precision, dp, left_out = precision_for(tp4, 2)  # TP 4 -> twin TP 2: still 16 bits
+    assert precision == TwinPrecision("bf16", "bf16") and dp == 2
+    assert not any("TP > 1" in g for g in left_out)
+    with pytest.raises(ValueError, match="twin_tp must be 1 or 2"):
+        precision_for(tp4, 4)
     # DP 4 with a backend-ordered 16-bit sum: DP 2, listed; the fp32-accumulating
     # reduce-scatter fixes the order, so DP 4 stays.
     dp4 = ["--data-parallel-size", "4", "--global-batch-size", "8", "--use-distributed-optimizer",
@@ -77,6 +111,29 @@ def test_where_the_twin_keeps_fp32_or_scales_dp_it_says_so():
     assert plan.case.dp_size == 4 and plan.bitwise
     with pytest.raises(ValueError, match="TwinPrecision.grads must be fp32 or the param dtype"):
         TwinPrecision("bf16", "fp16")
+
+
+def test_refgrads_sp_grad_sum_over_tp_is_one_rounding_of_two_grad_dtype_terms():
+    from refgrad.pipeline import LinearStackSpec
+    from refgrad.pipeline_mixed import mixed_replica_grad_sums
+    from refgrad.pipeline_tp_mixed import mixed_sum_over_tensor_parallel
+
+    spec = LinearStackSpec(num_stages=2, layers_per_stage=1, hidden=4, microbatch_size=2,
+                           output_head=True, tensor_parallel=2, sequence_parallel=True)
+    # By hand, bf16 (8 significant bits, ULP 2^-7 at 1): 1 + 2^-8 is a tie -> 1 (even);
+    # 1 + (2^-8 + 2^-15) is above the tie -> 1 + 2^-7. The head is not summed over TP.
+    per_rank = torch.tensor([[1.0, 1.0], [2.0**-8, 2.0**-8 + 2.0**-15]], dtype=torch.bfloat16)
+    head = torch.full((4, 4), 3.0, dtype=torch.bfloat16)
+    reduced = {"stage0.layers.0.weight": per_rank, "stage1.head.weight": head}
+    mixed_sum_over_tensor_parallel(spec, reduced)
+    assert reduced["stage0.layers.0.weight"].tolist() == [1.0, 1.0 + 2.0**-7]
+    assert reduced["stage0.layers.0.weight"].dtype == torch.bfloat16
+    assert reduced["stage1.head.weight"] is head
+    tp4 = LinearStackSpec(num_stages=2, layers_per_stage=1, hidden=8, microbatch_size=4,
+                          output_head=True, tensor_parallel=4)
+    with pytest.raises(ValueError, match="models tensor_parallel 2 only"):
+        mixed_replica_grad_sums(tp4, [], {"w": torch.zeros(1, dtype=torch.bfloat16)}, None, 0, 1, 1,
+                                grad_dtype=torch.float32)
 
 
 # --------------------------------------------------------------------------- multi-rank
@@ -171,3 +228,70 @@ def test_grads_accumulated_in_the_param_dtype_fail_naming_step_and_parameter():
     failures = report["twin"]["failures"]
     assert any(f.startswith("step 0: reduced gradient stage0.layers.0.weight (replica 0) differs")
                for f in failures), failures[:3]
+
+
+def _dgrad_summed_in_fp32() -> None:
+    """Break fastgrad's output layer in this process only: each TP rank's dgrad GEMM keeps its
+    fp32 output and the TP all-reduce sums those in fp32, rounding once to the param dtype
+    (production rounds each rank's partial dgrad to 16 bits and all-reduces the 16-bit values)."""
+    import torch.distributed as dist
+
+    from fastgrad.deferred_wgrad import _OutputLayerFunction
+
+    right = _OutputLayerFunction.backward
+
+    def wrong(ctx, grad_output):
+        grad_input, *rest = right(ctx, grad_output)  # the wgrad and the collective as usual
+        weight = ctx.saved_tensors[1]
+        unrounded = grad_output.float().matmul(weight.float())
+        dist.all_reduce(unrounded, group=ctx.layer.tp_group)
+        return (unrounded.to(grad_input.dtype), *rest)
+
+    _OutputLayerFunction.backward = staticmethod(wrong)
+
+
+def _sequence_parallel_grads_rounded_to_the_param_dtype() -> None:
+    """Break fastgrad's TP all-reduce of sequence-parallel grads in this process only: each
+    fp32 ``main_grad`` is rounded to bf16 before the sum (the sum in the param dtype instead of
+    the grad dtype)."""
+    import fastgrad.pipeline as pipeline
+
+    right = pipeline.allreduce_sequence_parallel_grads
+
+    def wrong(params, tp_group):
+        for p in params:
+            p.main_grad.copy_(p.main_grad.to(torch.bfloat16))
+        right(params, tp_group)
+
+    pipeline.allreduce_sequence_parallel_grads = wrong
+
+
+def _faulty_tp_worker(rank: int, world_size: int, phases: list) -> list:
+    # Ranks 0-3: the TP2 grid with the fp32 dgrad sum; ranks 4-7: the TP2 SP grid.
+    if rank < 4:
+        _dgrad_summed_in_fp32()
+    else:
+        _sequence_parallel_grads_rounded_to_the_param_dtype()
+    return twin_phases_worker(rank, world_size, phases)
+
+
+@pytest.mark.dist
+def test_a_tp2_dgrad_or_sp_grad_sum_in_the_wrong_dtype_fails_naming_step_and_parameter():
+    plans = _plans({"tp2_bf16": (TP2_BF16, 0), "tp2_sp_bf16": (TP2_SP_BF16, 4)})
+    ranks = run_distributed(_faulty_tp_worker, 8, _phases(plans), timeout_s=300)
+    twins = _finish(plans, ranks, TwinCandidate("TP sums in the wrong dtype"))
+    for name in plans:
+        report, _, passed, _ = twins[name]
+        assert not passed and report["verdict"].startswith("FAIL: "), name
+    # The fp32 dgrad reaches the last stage's blocks first: their grads differ at step 0 on
+    # both TP ranks, while the output layer's own wgrad (its input and grad_output) does not.
+    failures = twins["tp2_bf16"][0]["twin"]["failures"]
+    for tp_rank in (0, 1):
+        assert any(f.startswith(f"step 0: reduced gradient stage1.layers.0.weight (replica 0, "
+                                f"TP rank {tp_rank}) differs") for f in failures), failures[:3]
+    assert not any(f.startswith("step 0: reduced gradient stage1.head.weight") for f in failures)
+    # Rounding the SP grads to bf16 before their TP sum moves every block grad at step 0.
+    failures = twins["tp2_sp_bf16"][0]["twin"]["failures"]
+    assert any(f.startswith("step 0: reduced gradient stage0.layers.0.weight (replica 0, TP rank 0)"
+                            " differs") for f in failures), failures[:3]
+    assert not any(f.startswith("step 0: reduced gradient stage1.head.weight") for f in failures)

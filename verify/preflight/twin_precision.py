@@ -10,8 +10,11 @@ all-gather. The twin does the same on its ranks (:func:`cast_stage_params_`,
 :func:`mixed_loss_fn`, the DDP's ``grad_reduce_in_fp32``) and refgrad's model
 (``refgrad.pipeline_mixed``) does it in one process.
 
-Where the twin keeps fp32 instead (:func:`precision_for`): at TP > 1 (refgrad's
-16-bit model is the TP 1 one). Where the reduction order of a 16-bit model's
+At twin TP 2 the same holds per TP rank (``refgrad.pipeline_tp_mixed``): the
+output layer's 16-bit partial dgrads are all-reduced (reduce-scattered under
+SP) over TP in 16 bits and, under SP, the blocks' grad-dtype ``main_grad`` is
+all-reduced over TP after the DP sync; each such sum has two terms, so it is
+bitwise. Where the reduction order of a 16-bit model's
 grads is the backend's (DP > 2 without the fp32-accumulating reduce-scatter),
 the twin runs DP 2: a grad differing by one rounding moves an fp32 master,
 flips its 16-bit param's rounding, and every later 16-bit forward carries that
@@ -62,6 +65,8 @@ def precision_for(config: Any, twin_tp: int) -> tuple[TwinPrecision, int, list[s
     """The twin's precision for ``config``, its DP size, and what it leaves out (with why)."""
     from verify.preflight.twin_mxfp8 import twins_mxfp8
 
+    if twin_tp not in (1, 2):
+        raise ValueError(f"twin_tp must be 1 or 2 (the twin caps TP at 2), got {twin_tp}")
     dp = config.data_parallel_size
     if config.params_dtype == "fp32":
         return TwinPrecision(), dp, []
@@ -72,13 +77,6 @@ def precision_for(config: Any, twin_tp: int) -> tuple[TwinPrecision, int, list[s
         if config.grad_dtype != "fp32":
             left_out.append(f"{config.grad_dtype} grad buffer with MXFP8 params: the MXFP8 twin's "
                             "buffer accumulates and reduces fp32 grads")
-        return TwinPrecision(), dp, left_out
-    if twin_tp > 1:
-        left_out = [f"{config.params_dtype} params and compute at TP > 1: refgrad's 16-bit model is "
-                    "the TP 1 one, so the twin computes in fp32"]
-        if config.grad_dtype != "fp32":
-            left_out.append(f"{config.grad_dtype} grad buffer and wire dtype at TP > 1: the twin "
-                            "reduces fp32 grads")
         return TwinPrecision(), dp, left_out
     precision = TwinPrecision(config.params_dtype, config.grad_dtype)
     rs_fp32 = config.ddp_reduce_scatter_with_fp32_accumulation and config.use_distributed_optimizer
