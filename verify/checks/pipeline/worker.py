@@ -140,6 +140,25 @@ def _vocab_parallel_first_layer(case: PipelineCase, groups: Any, body: StageModu
     body.layers[0] = layer
 
 
+def with_fault_groups(case: PipelineCase, groups: Any) -> Any:
+    """``groups`` as the case's fault has them: with ``"crossed_embedding_group"`` (TP 2) the
+    embedding group of the first stage's TP rank ``t`` is the last stage's TP rank ``1 - t``
+    (only the pair's two ranks create it). Every other case: ``groups`` unchanged."""
+    if (case.fault != "crossed_embedding_group" or groups.pp_size == 1 or groups.tp_size != 2
+            or not (groups.is_first_stage or groups.is_last_stage)):
+        return groups
+    from dataclasses import replace
+
+    from fastgrad.pipeline_groups import global_rank
+
+    peer_stage = groups.pp_size - 1 if groups.is_first_stage else 0
+    peer = global_rank(peer_stage, groups.dp_rank, groups.dp_size, case.first_rank,
+                       groups.tp_size, 1 - groups.tp_rank)
+    ranks = tuple(sorted((groups.rank, peer)))
+    group = dist.new_group(list(ranks), use_local_synchronization=True)
+    return replace(groups, embedding_group=group, embedding_ranks=ranks)
+
+
 def _step_marker(progress: Any, case: PipelineCase, stage: int, overlap: bool, step: int) -> Any:
     """A timeline listener naming case, stage and step, so a stalled rank says where it was."""
     if progress is None:
