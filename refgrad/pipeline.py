@@ -52,7 +52,10 @@ class LinearStackSpec:
     per microbatch ``W_head.main_grad += G_kᵀ · X_k`` (one fp32 GEMM, one fp32
     add, microbatch order). ``tied_embedding`` ties ``W_head`` to the first
     stage's ``layers.0.weight`` (same initial values); after the DP reduction
-    both copies become ``fp32(reduced_first + reduced_head)``.
+    both copies become ``fp32(reduced_first + reduced_head)``. At
+    ``tensor_parallel > 1`` that first layer is a vocab-parallel embedding,
+    ``x · W + b`` with ``W`` split over TP by rows as the head is
+    (``refgrad.pipeline_embedding``), so each TP rank's two copies are tied.
     ``defer_output_wgrad`` and ``wgrad_deferral_limit`` are production's
     ``--defer-embedding-wgrad-compute`` and ``--wgrad-deferral-limit``: with
     ``0 < limit < M`` the first ``limit`` microbatches' head wgrads are added
@@ -117,6 +120,12 @@ class LinearStackSpec:
         return (self.microbatch_size, self.hidden)
 
     @property
+    def vocab_parallel_embedding(self) -> bool:
+        """Tied at TP > 1: the first stage's first layer is a vocab-parallel embedding tied to
+        the head (``refgrad.pipeline_embedding``)."""
+        return self.tied_embedding and self.tensor_parallel > 1
+
+    @property
     def sequence_shards(self) -> int:
         """How many row shards the blocks run on: the TP size under sequence parallelism."""
         return self.tensor_parallel if self.sequence_parallel else 1
@@ -137,17 +146,31 @@ class StageModule(nn.Module):
         self.final_activation = stage != spec.num_stages - 1
         self.layers = nn.ModuleList()
         for layer in range(spec.layers_per_stage):
-            linear = nn.Linear(spec.hidden, spec.hidden)
             weight, bias = _layer_init(spec, stage, layer)
+            if stage == 0 and layer == 0 and spec.vocab_parallel_embedding:
+                from refgrad.pipeline_embedding import VocabParallelFirstLayer
+
+                self.layers.append(VocabParallelFirstLayer(spec, weight, bias))
+                continue
+            linear = nn.Linear(spec.hidden, spec.hidden)
             with torch.no_grad():
                 linear.weight.copy_(weight)
                 linear.bias.copy_(bias)
             self.layers.append(linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._after_first_layer(self.layers[0](x))
+
+    def after_embedding(self, embedded: torch.Tensor) -> torch.Tensor:
+        """The stage given its vocab-parallel first layer's TP-summed product (the rows this
+        sequence shard keeps): the first bias, then the rest of the stage."""
+        return self._after_first_layer(embedded + self.layers[0].bias)
+
+    def _after_first_layer(self, x: torch.Tensor) -> torch.Tensor:
         last = len(self.layers) - 1
         for i, linear in enumerate(self.layers):
-            x = linear(x)
+            if i > 0:
+                x = linear(x)
             if i < last or self.final_activation:
                 x = torch.tanh(x)
         return x

@@ -15,6 +15,11 @@ TP group of ``T`` ranks (bitwise claims hold for ``T <= 2``, see below):
   rows only; after the DP reduction production all-reduces those grads over TP
   (``param.sequence_parallel``, as Megatron-Core does for layernorm params):
   ``R_0 + ... + R_{T-1}``;
+- **tied** (``tied_embedding``), the first stage's first layer is a
+  vocab-parallel embedding tied to the head, row block by row block
+  (``refgrad.pipeline_embedding``): computed once on every row, so under SP
+  each body copy starts from its rows of the TP sum, and its ``[V, H]`` grad
+  is one sum, not one per shard;
 - the **loss** is separable over the split: with a head each TP rank's MSE
   covers its vocab block, with SP and no head its rows; each partial is
   ``sum (out - target)^2 / (R * V) / M`` and the reported loss is the TP sum of
@@ -44,10 +49,6 @@ if TYPE_CHECKING:
 def validate_tensor_parallel(spec: LinearStackSpec) -> None:
     """ValueError unless ``spec``'s shapes split over its TP size."""
     tp = spec.tensor_parallel
-    if spec.tied_embedding:
-        raise ValueError("LinearStackSpec.tied_embedding is not modelled with tensor_parallel > 1 "
-                         "(the first stage's tied weight is a replicated block, not a "
-                         "vocab-parallel embedding)")
     if spec.output_head and spec.hidden % tp:
         raise ValueError(f"LinearStackSpec.hidden ({spec.hidden}) must be divisible by "
                          f"tensor_parallel ({tp}): the head's vocabulary is split over TP")
@@ -121,6 +122,8 @@ def tp_replica_grad_sums(
 
     shards, tp = spec.sequence_shards, spec.tensor_parallel
     head_name = stage_param_name(spec.num_stages - 1, HEAD_PARAM)
+    # TP-split like the head: one grad sum of all of it, never per sequence shard.
+    split = _vocab_split_names(spec)
     copies = [list(stages)] + [copy.deepcopy(list(stages)) for _ in range(1, shards)]
     copy_named = [
         {stage_param_name(s, n): p for s, st in enumerate(body) for n, p in st.named_parameters()}
@@ -131,8 +134,8 @@ def tp_replica_grad_sums(
     step_losses: list[list[float]] = []
     for dp_rank in range(dp_size):
         inputs, targets = microbatch_data(spec, dp_rank, step, num_microbatches)
-        sums = {n: torch.zeros((shards, *named[n].shape)) if shards > 1 else torch.zeros_like(named[n])
-                for n in body_names}
+        sums = {n: torch.zeros((shards, *named[n].shape)) if shards > 1 and n not in split
+                else torch.zeros_like(named[n]) for n in body_names}
         if head is not None:
             sums[head_name] = torch.zeros_like(head)
         records: list[list[list[tuple[torch.Tensor, torch.Tensor]]]] = []
@@ -142,9 +145,16 @@ def tp_replica_grad_sums(
                 for p in params.values():
                     p.grad = None
             outs = []
+            # SP with the vocab-parallel first layer: its product on every row, computed once
+            # (one wgrad GEMM over all rows), each copy starting from its rows of it.
+            embedded = (copies[0][0].layers[0].embed(x) if shards > 1 and spec.vocab_parallel_embedding
+                        else None)
             for k, body in enumerate(copies):
-                out = sequence_shard(spec, x, k)
-                for stage in body:
+                if embedded is None:
+                    out = body[0](sequence_shard(spec, x, k))
+                else:
+                    out = body[0].after_embedding(sequence_shard(spec, embedded, k))
+                for stage in body[1:]:
                     out = stage(out)
                 outs.append(out)
             if head is not None:
@@ -170,7 +180,7 @@ def tp_replica_grad_sums(
                 for n, p in params.items():
                     if p.grad is None:
                         continue
-                    if shards > 1:
+                    if shards > 1 and n not in split:
                         sums[n][k] = sums[n][k] + p.grad
                     else:
                         sums[n] = sums[n] + p.grad
@@ -186,11 +196,9 @@ def tp_replica_grad_sums(
 def sum_over_tensor_parallel(spec: LinearStackSpec, reduced: dict[str, torch.Tensor]) -> None:
     """In place: each block parameter's per-TP-rank DP-reduced grads summed in TP-rank order
     (the all-reduce of sequence-parallel grads after the DP sync; one add at TP 2)."""
-    from refgrad.pipeline import HEAD_PARAM, stage_param_name
-
-    head_name = stage_param_name(spec.num_stages - 1, HEAD_PARAM)
+    split = _vocab_split_names(spec)
     for name, per_rank in reduced.items():
-        if name == head_name:
+        if name in split:
             continue
         total = per_rank[0]
         for k in range(1, spec.sequence_shards):
@@ -200,10 +208,19 @@ def sum_over_tensor_parallel(spec: LinearStackSpec, reduced: dict[str, torch.Ten
 
 def expected_on_rank(spec: LinearStackSpec, name: str, full: torch.Tensor, tp_rank: int) -> torch.Tensor:
     """What TP rank ``tp_rank`` holds of the reference tensor ``full`` named ``name``: its row
-    block of the vocab-parallel head, every other tensor whole (replicated)."""
-    from refgrad.pipeline import HEAD_PARAM, stage_param_name
-
-    if spec.tensor_parallel == 1 or name != stage_param_name(spec.num_stages - 1, HEAD_PARAM):
+    block of the vocab-parallel head (and, tied, of the vocab-parallel first layer), every
+    other tensor whole (replicated)."""
+    if spec.tensor_parallel == 1 or name not in _vocab_split_names(spec):
         return full
     block = spec.hidden // spec.tensor_parallel
     return full[tp_rank * block:(tp_rank + 1) * block]
+
+
+def _vocab_split_names(spec: LinearStackSpec) -> frozenset[str]:
+    """The parameters split over TP by vocabulary rows: the head, and (tied) the first layer."""
+    from refgrad.pipeline import EMBEDDING_PARAM, HEAD_PARAM, stage_param_name
+
+    names = {stage_param_name(spec.num_stages - 1, HEAD_PARAM)}
+    if spec.vocab_parallel_embedding:
+        names.add(stage_param_name(0, EMBEDDING_PARAM))
+    return frozenset(names)

@@ -161,8 +161,9 @@ def test_tensor_parallel_spec_rules_and_hand_checked_tp_sums():
     )
     from refgrad.pipeline_tp import loss_target, sequence_shard, splits_loss, stage_loss
 
-    with pytest.raises(ValueError, match="tied_embedding is not modelled"):
-        LinearStackSpec(num_stages=2, output_head=True, tied_embedding=True, tensor_parallel=2)
+    with pytest.raises(ValueError, match=r"hidden \(5\) must be divisible by tensor_parallel"):
+        LinearStackSpec(num_stages=2, hidden=5, output_head=True, tied_embedding=True,
+                        tensor_parallel=2)
     with pytest.raises(ValueError, match="sequence_parallel needs tensor_parallel > 1"):
         LinearStackSpec(num_stages=2, sequence_parallel=True)
     with pytest.raises(ValueError, match="microbatch_size .3. must be divisible"):
@@ -185,3 +186,55 @@ def test_tensor_parallel_spec_rules_and_hand_checked_tp_sums():
     assert sums[0][name].shape == (2, 4, 4) and len(losses[0]) == 2
     reduced = reduce_and_tie(spec, sums, "sum")
     assert torch.equal(reduced[name], sums[0][name][0] + sums[0][name][1])
+
+
+def test_tied_first_layer_at_tp2_is_a_vocab_parallel_embedding_by_hand():
+    """Tied at TP 2: stage 0's first layer is ``x · W + b`` with W's rows split over TP as the
+    head's; each rank's wgrad is ``x_kᵀ · G`` (small integers: every product and sum exact)."""
+    from refgrad.pipeline_embedding import VocabParallelFirstLayer, vocab_block
+    from refgrad.pipeline_tp import expected_on_rank
+
+    spec = LinearStackSpec(num_stages=2, layers_per_stage=1, hidden=4, microbatch_size=2,
+                           output_head=True, tied_embedding=True, tensor_parallel=2)
+    assert spec.vocab_parallel_embedding
+    first = StageModule(spec, 0).layers[0]
+    assert isinstance(first, VocabParallelFirstLayer)
+    x = torch.tensor([[1.0, -2.0, 0.0, 3.0], [2.0, 1.0, -1.0, 0.0]])
+    assert vocab_block(spec, x, 1).tolist() == [[0.0, 3.0], [-1.0, 0.0]]
+    weight = torch.arange(16.0).reshape(4, 4) - 5
+    bias = torch.tensor([1.0, 0.0, -1.0, 2.0])
+    layer = VocabParallelFirstLayer(spec, weight, bias)
+    out = layer(x)
+    assert torch.equal(out, (x.double() @ weight.double() + bias.double()).float())
+    grad = torch.tensor([[1.0, 0.0, 2.0, -1.0], [0.0, 3.0, 1.0, 1.0]])
+    out.backward(grad)
+    assert torch.equal(layer.weight.grad, (x.double().t() @ grad.double()).float())
+    assert torch.equal(layer.bias.grad, grad.sum(0))
+    # Each TP rank holds its rows of the first layer, as of the head: same shard shape.
+    name = stage_param_name(0, "layers.0.weight")
+    assert torch.equal(expected_on_rank(spec, name, weight, 1), weight[2:])
+    assert torch.equal(expected_on_rank(spec, stage_param_name(0, "layers.0.bias"), bias, 1), bias)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tied_tp2_copies_stay_equal_and_sp_keeps_one_embedding_grad(sequence_parallel):
+    """Tied at TP 2 (SP or not): both copies get reduced_first + reduced_head, and under SP the
+    embedding's grad is one sum over all rows (no per-shard split), unlike the blocks'."""
+    from refgrad.exact import correctly_rounded_sum
+    from refgrad.pipeline import EMBEDDING_PARAM, HEAD_PARAM
+
+    spec = LinearStackSpec(num_stages=2, layers_per_stage=1, hidden=4, microbatch_size=2,
+                           seed=3, output_head=True, tied_embedding=True, tensor_parallel=2,
+                           sequence_parallel=sequence_parallel)
+    ref = reference_training(spec, [StepPlan(3), StepPlan(2)], dp_size=2, reduction="prescale")
+    head, emb = stage_param_name(1, HEAD_PARAM), stage_param_name(0, EMBEDDING_PARAM)
+    for step in range(2):
+        sums = ref.replica_sums[step]
+        assert sums[0][emb].shape == (4, 4)  # not (2, 4, 4): TP-split, not per sequence shard
+        assert sums[0][stage_param_name(0, "layers.0.bias")].dim() == (2 if sequence_parallel else 1)
+        expected = correctly_rounded_sum(
+            [reduce_across_replicas([s[emb] for s in sums], "prescale"),
+             reduce_across_replicas([s[head] for s in sums], "prescale")], torch.float32)
+        assert torch.equal(ref.grads[step][emb], expected)
+        assert torch.equal(ref.grads[step][head], expected)
+        assert torch.equal(ref.params[step][head], ref.params[step][emb])

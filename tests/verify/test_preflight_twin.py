@@ -69,7 +69,8 @@ BUCKETS = ["--pipeline-model-parallel-size", "2", "--data-parallel-size", "2",
 
 # TP2 PP2 DP2 M4, sequence parallel: vocab-parallel output layer (input all-gathered, dgrad
 # reduce-scattered, deferred drain all-gathers), blocks on sequence shards with grads all-reduced
-# over TP; tied (untied by the twin at TP 2, listed), overlap, distributed optimizer (AdamW).
+# over TP; tied (a vocab-parallel first layer reduce-scattered along the sequence, each TP
+# rank's shard tied to its output-layer shard), overlap, distributed optimizer (AdamW).
 TP2_SP = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
           "--data-parallel-size", "2", "--global-batch-size", "8", "--sequence-parallel",
           "--defer-embedding-wgrad-compute", "--overlap-grad-reduce", "--use-distributed-optimizer"]
@@ -88,23 +89,34 @@ INTERLEAVED_DEFERRED = ["--pipeline-model-parallel-size", "2",
                         "--global-batch-size", "8", "--defer-embedding-wgrad-compute",
                         "--overlap-grad-reduce"]
 
+# TP2 PP2 DP2 M4, tied without sequence parallelism: the vocab-parallel first layer's partial
+# products all-reduced over TP; deferred output-layer wgrad, AdamW without the distributed
+# optimizer.
+TP2_TIED = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+            "--data-parallel-size", "2", "--global-batch-size", "8",
+            "--defer-embedding-wgrad-compute"]
+
 # name -> (flags, phase, first rank, twin options)
 LAYOUT = {"tied_deferred": (TIED_DEFERRED, 0, 0, SMALL), "interleaved": (INTERLEAVED, 0, 4, SMALL),
           "untied_adamw": (UNTIED_ADAMW, 0, 6, SMALL),
           "dp3": (DP3, 1, 0, SMALL), "tp2": (TP2, 1, 4, SMALL),
           "buckets": (BUCKETS, 2, 0, replace(SMALL, layers=2)), "tp2_sp_pp1": (TP2_SP_PP1, 2, 4, SMALL),
           "tp2_sp": (TP2_SP, 3, 0, SMALL), "tp2_sp_vpp": (TP2_SP_VPP, 4, 0, SMALL),
-          "interleaved_deferred": (INTERLEAVED_DEFERRED, 4, 4, SMALL)}
+          "interleaved_deferred": (INTERLEAVED_DEFERRED, 4, 4, SMALL),
+          "tp2_tied": (TP2_TIED, 6, 0, SMALL)}
 # Broken fastgrads, trained beside them: name -> (flags, phase, first rank, options, candidate).
 BROKEN = {"interleaved_lifo": (INTERLEAVED_DEFERRED[:5] + ["1", "--global-batch-size", "4",
                                                             "--defer-embedding-wgrad-compute"],
-                               5, 0, SMALL, TwinCandidate("lifo drain", "lifo"))}
+                               5, 0, SMALL, TwinCandidate("lifo drain", "lifo")),
+          # TP2 PP2 DP1, tied: each first-stage shard all-reduced with the other TP rank's head.
+          "tp2_crossed": (TP2_TIED[:5] + ["1", "--global-batch-size", "4"], 5, 4, SMALL,
+                          TwinCandidate("crossed embedding group", embedding_group="other_tp_rank"))}
 
 
 @pytest.fixture(scope="module")
 def twins():
     """Every configuration of LAYOUT trained in one spawned world; plans and results by name."""
-    plans, phases = {}, [[], [], [], [], [], []]
+    plans, phases = {}, [[], [], [], [], [], [], []]
     layout = {name: (*entry, TwinCandidate()) for name, entry in LAYOUT.items()} | BROKEN
     for name, (flags, phase, first, options, candidate) in layout.items():
         config, report = _config(flags)
@@ -183,13 +195,14 @@ def test_twin_claims_and_gaps_follow_the_configuration(twins):
 @pytest.mark.dist
 def test_twin_runs_tensor_parallel_ranks_and_checks_each(twins):
     """TP 2: TP x PP x DP ranks; every TP rank's grads, params (its head rows) and losses held
-    against refgrad.pipeline_tp; sequence parallel where asked; the tied embedding untied."""
-    for name, world in (("tp2", 4), ("tp2_sp", 8), ("tp2_sp_pp1", 4), ("tp2_sp_vpp", 4)):
+    against refgrad.pipeline_tp; sequence parallel where asked."""
+    for name, world in (("tp2", 4), ("tp2_sp", 8), ("tp2_sp_pp1", 4), ("tp2_sp_vpp", 4),
+                        ("tp2_tied", 8)):
         _, report, plan, passed, results = twins[name]
         case = plan.case
         assert passed and plan.world_size == case.world == world, name
         assert case.tp_size == case.spec.tensor_parallel == 2
-        assert case.spec.sequence_parallel == (name != "tp2")
+        assert case.spec.sequence_parallel == (name not in ("tp2", "tp2_tied"))
         ranks = [r for r in results if r is not None]
         assert sorted((r.stage, r.dp_rank, r.tp_rank) for r in ranks) == sorted(
             (s, d, t) for s in range(case.pp_size) for d in range(case.dp_size) for t in range(2))
@@ -208,11 +221,52 @@ def test_twin_runs_tensor_parallel_ranks_and_checks_each(twins):
     # PP 1, TP 2: the vocab-parallel output layer on the only stage.
     pp1 = [r for r in twins["tp2_sp_pp1"][4] if r is not None]
     assert {tuple(r.params[1]["stage0.head.weight"].shape) for r in pp1} == {(4, 8)}
-    tied = twins["tp2_sp"][2]
-    assert not tied.case.spec.tied_embedding and tied.optimizer == "adamw"
-    assert any(g.startswith("tied-embedding all-reduce at TP > 1") for g in tied.not_twinned)
     # Sequence parallel needs rows divisible by TP: micro batch 1 -> 2 rows (2 tokens a sample).
-    assert tied.case.spec.microbatch_size == 2 and twins["tp2"][2].case.spec.microbatch_size == 1
+    assert twins["tp2_sp"][2].case.spec.microbatch_size == 2
+    assert twins["tp2"][2].case.spec.microbatch_size == 1
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", ["tp2_tied", "tp2_sp", "tp2_sp_vpp"])
+def test_tied_twin_at_tp2_ties_each_tp_ranks_shards(twins, name):
+    """Tied at TP 2 (with and without SP, at VPP 2 too): the first stage's first layer is
+    vocab-parallel, and after every step each (replica, TP rank) holds the same rows in its
+    first-stage weight and its output layer, grads and params bitwise; the two TP ranks hold
+    different rows. The report no longer lists the tie as not twinned."""
+    _, report, plan, passed, results = twins[name]
+    spec = plan.case.spec
+    assert passed and spec.tied_embedding and spec.vocab_parallel_embedding
+    assert not any("tied" in g for g in plan.not_twinned), plan.not_twinned
+    assert dict((m[0], m[2]) for m in plan.mapping)["tied embedding all-reduce"].startswith(
+        "True: vocab-parallel first layer")
+    emb, head = "stage0.layers.0.weight", f"stage{spec.num_stages - 1}.head.weight"
+    ranks = [r for r in results if r is not None]
+    first = {(r.dp_rank, r.tp_rank): r for r in ranks if r.stage == 0}
+    last = {(r.dp_rank, r.tp_rank): r for r in ranks if r.stage == plan.case.pp_size - 1}
+    assert sorted(first) == sorted(last) == [(d, t) for d in range(plan.case.dp_size)
+                                              for t in range(2)]
+    for key, rank in first.items():
+        for step in range(len(plan.case.plans)):
+            assert tuple(rank.params[step][emb].shape) == (spec.hidden // 2, spec.hidden)
+            assert rank.grads[step][emb].equal(last[key].grads[step][head]), (key, step)
+            assert rank.params[step][emb].equal(last[key].params[step][head]), (key, step)
+    assert not first[(0, 0)].params[1][emb].equal(first[(0, 1)].params[1][emb])
+
+
+@pytest.mark.dist
+def test_an_embedding_all_reduce_over_the_other_tp_ranks_group_fails(twins):
+    """A fastgrad whose embedding group pairs the first stage of TP rank t with the last stage
+    of TP rank 1 - t (same shard shape, other rows) fails at step 0 on both tied weights."""
+    _, broken, plan, passed, _ = twins["tp2_crossed"]
+    assert plan.case.spec.vocab_parallel_embedding and not passed
+    assert broken["verdict"].startswith("FAIL")
+    failures = broken["twin"]["failures"]
+    for name in ("stage0.layers.0.weight", "stage1.head.weight"):
+        for tp_rank in (0, 1):
+            assert any(f.startswith(f"step 0: reduced gradient {name} (replica 0, TP rank "
+                                    f"{tp_rank}) differs") for f in failures), (name, failures[:4])
+    # Everything not summed through the wrong group still matches at step 0.
+    assert not any(f.startswith("step 0: reduced gradient stage0.layers.0.bias") for f in failures)
 
 
 def test_twin_caps_tensor_parallelism_at_two_and_counts_tp_ranks(capsys):

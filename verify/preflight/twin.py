@@ -7,7 +7,8 @@ shards under sequence parallelism) and microbatch count (capped), production's
 bucket rule, the same reduction (Megatron's default 1/DP pre-scaling before a
 SUM), the same collective (reduce-scatter with the distributed optimizer,
 all-reduce without), fp32-accumulating reduce-scatter, overlap on or off,
-the deferred output-layer wgrad and the tied-embedding all-reduce, with
+the deferred output-layer wgrad and the tied-embedding all-reduce (at TP 2 each TP
+rank's vocab-parallel first-layer shard tied to its output-layer shard), with
 ``--twin-hidden-size`` wide Linear+tanh layers in place of transformer blocks,
 and (``--fp8-recipe mxfp8 --fp8-param-gather``) MXFP8 weights through fastgrad's
 MXFP8 buffer, its param all-gather reusing the grad buffer where the
@@ -129,12 +130,9 @@ def plan_twin(config: PreflightConfig, options: TwinOptions) -> TwinPlan:
     rows = config.micro_batch_size
     if sequence_parallel and rows % twin_tp:
         rows *= twin_tp  # each sample twin_tp tokens long, so the sequence splits over TP
+    # At TP 2 the tied first layer is vocab-parallel (refgrad.pipeline_embedding), so each TP
+    # rank's embedding and output-layer shards are tied over its own embedding group.
     tied = config.tied_embeddings and pp > 1
-    if tied and twin_tp > 1:
-        tied = False
-        not_twinned.append("tied-embedding all-reduce at TP > 1: production's embedding is "
-                           "vocab-parallel, the twin's first-stage weight is a replicated block, "
-                           "so the twin unties the output layer (checked at TP 1)")
     if pp == 1 and config.tied_embeddings:
         not_twinned.append("tied embedding at PP 1: production's embedding and output layer are "
                            "one weight (both grads summed in the backward, no all-reduce); the "
@@ -205,7 +203,8 @@ def plan_twin(config: PreflightConfig, options: TwinOptions) -> TwinPlan:
          f"{bucket} elements on stage 0's first chunk, one bucket elsewhere"
          if config.overlap_grad_reduce else "one bucket per chunk"),
         ("output layer", _output_wgrad(config), _output_wgrad(config)),
-        ("tied embedding all-reduce", str(config.tied_embeddings and pp > 1), str(tied)),
+        ("tied embedding all-reduce", str(config.tied_embeddings and pp > 1),
+         _tied_layout(config, twin_tp, tied)),
         ("optimizer", "distributed optimizer" if config.use_distributed_optimizer
          else "fp32 masters of every param (no distributed optimizer)",
          "fastgrad.optim AdamW (lr 1e-2), " + ("DistributedOptimizer" if config.use_distributed_optimizer
@@ -238,6 +237,18 @@ def _tp_layout(tp: int, sequence_parallel: bool, twin: bool = False) -> str:
                 "reduce-scattered); blocks replicated on sequence shards, grads all-reduced over TP")
     return (f"TP {tp}: vocab-parallel output layer (dgrad all-reduced); blocks replicated "
             "(identical on every TP rank)")
+
+
+def _tied_layout(config: PreflightConfig, twin_tp: int, tied: bool) -> str:
+    """The twin's tied embedding: off, at TP 1, or vocab-parallel at TP 2."""
+    if not tied:
+        return "False"
+    if twin_tp == 1:
+        return "True"
+    how = ("partial products reduce-scattered along the sequence" if config.sequence_parallel
+           else "partial products all-reduced over TP")
+    return (f"True: vocab-parallel first layer ({how}), each TP rank's shard tied to its "
+            "output-layer shard over its own embedding group")
 
 
 def _output_wgrad(config: PreflightConfig) -> str:

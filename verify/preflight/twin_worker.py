@@ -1,10 +1,12 @@
 """The twin's rank side: which fastgrad it runs, and the spawned (or torchrun) entry point.
 
 A :class:`TwinCandidate` names the fastgrad the twin trains with. Production's
-is the default; tests hand in a deliberately broken one (a drain that runs its
-deferred GEMMs last-in first-out) to prove that preflight notices. The broken
-drain is a fault of the case (``PipelineCase.fault = "lifo_drain"``): each rank
-builds its own output layer with the wrong drain; no library class is changed.
+is the default; tests hand in deliberately broken ones (a drain that runs its
+deferred GEMMs last-in first-out, or a tied embedding all-reduced with the
+other TP rank's output layer) to prove that preflight notices. Each is a fault
+of the case (``PipelineCase.fault = "lifo_drain"`` / ``"crossed_embedding_group"``):
+each rank builds its own output layer with the wrong drain, or its own wrong
+embedding group; no library class is changed.
 """
 
 from __future__ import annotations
@@ -13,14 +15,18 @@ from dataclasses import dataclass
 from typing import Any
 
 DRAIN_ORDERS = ("fifo", "lifo")
+EMBEDDING_GROUPS = ("same_tp_rank", "other_tp_rank")
 
 
 @dataclass(frozen=True)
 class TwinCandidate:
-    """The fastgrad under test. ``drain_order="lifo"`` breaks the deferred-wgrad drain on purpose."""
+    """The fastgrad under test. ``drain_order="lifo"`` breaks the deferred-wgrad drain on purpose;
+    ``embedding_group="other_tp_rank"`` all-reduces each tied embedding shard (TP 2) with the
+    other TP rank's output-layer shard."""
 
     name: str = "fastgrad"
     drain_order: str = "fifo"
+    embedding_group: str = "same_tp_rank"
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -28,10 +34,15 @@ class TwinCandidate:
         if self.drain_order not in DRAIN_ORDERS:
             raise ValueError(f"TwinCandidate.drain_order must be one of {DRAIN_ORDERS}, "
                              f"got {self.drain_order!r}")
+        if self.embedding_group not in EMBEDDING_GROUPS:
+            raise ValueError(f"TwinCandidate.embedding_group must be one of {EMBEDDING_GROUPS}, "
+                             f"got {self.embedding_group!r}")
+        if self.drain_order != "fifo" and self.embedding_group != "same_tp_rank":
+            raise ValueError("TwinCandidate: one fault at a time (drain_order or embedding_group)")
 
     @property
     def is_production(self) -> bool:
-        return self.drain_order == "fifo"
+        return self.drain_order == "fifo" and self.embedding_group == "same_tp_rank"
 
 
 def with_candidate(case: Any, candidate: TwinCandidate) -> Any:
@@ -41,14 +52,18 @@ def with_candidate(case: Any, candidate: TwinCandidate) -> Any:
         return case
     from dataclasses import replace
 
-    return replace(case, fault="lifo_drain")
+    fault = "lifo_drain" if candidate.drain_order == "lifo" else "crossed_embedding_group"
+    return replace(case, fault=fault)
 
 
 def run_on_grid(case: Any, groups: Any, overlap: bool, optimizer: Any) -> Any:
     """One rank's training: SGD (``verify.checks.pipeline``), fastgrad.optim's AdamW
-    (``"adamw"`` or an ``AdamWTwin``), or AdamW over MXFP8 params (an ``MXFP8Twin``)."""
+    (``"adamw"`` or an ``AdamWTwin``), or AdamW over MXFP8 params (an ``MXFP8Twin``); a case
+    whose fault is a wrong group gets it here."""
+    from verify.checks.pipeline.worker import with_fault_groups
     from verify.preflight.twin_mxfp8 import MXFP8Twin, run_mxfp8_rank
 
+    groups = with_fault_groups(case, groups)
     if isinstance(optimizer, MXFP8Twin):  # MXFP8 params under fastgrad.optim's AdamW
         return run_mxfp8_rank(case, groups, overlap, optimizer)
     if optimizer != "sgd":  # "adamw", or its AdamWTwin settings (TwinPlan.rank_optimizer)

@@ -17,9 +17,11 @@ from refgrad.pipeline import (
 
 # Deliberately broken candidates: "reversed_microbatches" feeds each replica's microbatches
 # in reverse; "lifo_drain" gives the last stage an output layer whose deferred-wgrad drain
-# runs newest first (a different fp32 sum order). Each is applied by the rank to its own
-# data or layer instance, never by changing a library class.
-FAULTS = (None, "reversed_microbatches", "lifo_drain")
+# runs newest first (a different fp32 sum order); "crossed_embedding_group" (TP 2, tied) pairs
+# the first stage of each TP rank with the last stage of the other TP rank for the embedding
+# all-reduce (same shard shape, wrong rows). Each is applied by the rank to its own data, layer
+# instance or group, never by changing a library class.
+FAULTS = (None, "reversed_microbatches", "lifo_drain", "crossed_embedding_group")
 
 
 @dataclass(frozen=True)

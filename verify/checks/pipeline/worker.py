@@ -16,6 +16,7 @@ from refgrad.pipeline import (
     sgd_update,
     stage_param_name,
 )
+from refgrad.pipeline_embedding import vocab_block
 from refgrad.pipeline_tp import head_shard, loss_target, sequence_shard, splits_loss, stage_loss
 from verify.checks.pipeline.cases import PipelineCase, RankResult
 
@@ -78,7 +79,10 @@ def rank_microbatches(case: PipelineCase, groups: Any, step: int, m: int) -> tup
     inputs, targets = microbatch_data(spec, groups.dp_rank, step, m)
     if case.fault == "reversed_microbatches":
         inputs, targets = inputs[::-1], targets[::-1]
-    inputs = [sequence_shard(spec, x, groups.tp_rank) for x in inputs]
+    if spec.vocab_parallel_embedding:  # every row, this rank's vocabulary columns
+        inputs = [vocab_block(spec, x, groups.tp_rank) for x in inputs]
+    else:
+        inputs = [sequence_shard(spec, x, groups.tp_rank) for x in inputs]
     targets = [loss_target(spec, t, groups.tp_rank) for t in targets]
     return inputs, targets, lambda out, target: stage_loss(spec, out, target, m)
 
@@ -102,6 +106,57 @@ def _mark_replicated(case: PipelineCase, groups: Any, module: torch.nn.Module) -
             p.sequence_parallel = True
         if groups.tp_rank > 0:
             p.shared = True
+
+
+class VocabParallelFirstLayer(torch.nn.Module):
+    """The first stage's first layer when tied at TP > 1, on this rank: fastgrad's
+    vocab-parallel embedding (``weight``: this TP rank's rows, tied to its output-layer shard),
+    then the replicated bias (refgrad: ``refgrad.pipeline_embedding``)."""
+
+    def __init__(self, case: PipelineCase, groups: Any, bias: torch.Tensor) -> None:
+        from fastgrad.vocab_parallel_embedding import VocabParallelEmbedding
+
+        super().__init__()
+        spec = case.spec
+        self.embedding = VocabParallelEmbedding(
+            head_shard(spec, head_weight_init(spec), groups.tp_rank), tp_group=groups.tp_group,
+            sequence_parallel=spec.sequence_parallel)
+        self.weight = self.embedding.weight  # named layers.0.weight, as refgrad's
+        self.bias = torch.nn.Parameter(bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.embedding(x) + self.bias
+
+
+def _vocab_parallel_first_layer(case: PipelineCase, groups: Any, body: StageModule) -> None:
+    """Swap the tied first layer for this rank's vocab-parallel one. Its weight is split over
+    TP, not replicated: no TP sum of its grad, and it counts in the grad norm on every TP rank."""
+    layer = VocabParallelFirstLayer(case, groups, body.layers[0].bias)
+    for p in layer.parameters():  # the bias: replicated, as body.layers[0].bias was
+        p.sequence_parallel = getattr(body.layers[0].bias, "sequence_parallel", False)
+        p.shared = getattr(body.layers[0].bias, "shared", False)
+    layer.weight.sequence_parallel = False
+    layer.weight.shared = False
+    body.layers[0] = layer
+
+
+def with_fault_groups(case: PipelineCase, groups: Any) -> Any:
+    """``groups`` as the case's fault has them: with ``"crossed_embedding_group"`` (TP 2) the
+    embedding group of the first stage's TP rank ``t`` is the last stage's TP rank ``1 - t``
+    (only the pair's two ranks create it). Every other case: ``groups`` unchanged."""
+    if (case.fault != "crossed_embedding_group" or groups.pp_size == 1 or groups.tp_size != 2
+            or not (groups.is_first_stage or groups.is_last_stage)):
+        return groups
+    from dataclasses import replace
+
+    from fastgrad.pipeline_groups import global_rank
+
+    peer_stage = groups.pp_size - 1 if groups.is_first_stage else 0
+    peer = global_rank(peer_stage, groups.dp_rank, groups.dp_size, case.first_rank,
+                       groups.tp_size, 1 - groups.tp_rank)
+    ranks = tuple(sorted((groups.rank, peer)))
+    group = dist.new_group(list(ranks), use_local_synchronization=True)
+    return replace(groups, embedding_group=group, embedding_ranks=ranks)
 
 
 def _step_marker(progress: Any, case: PipelineCase, stage: int, overlap: bool, step: int) -> Any:
@@ -207,6 +262,8 @@ def build_stage_model(case: PipelineCase, groups: Any,
     stage = chunk * case.pp_size + groups.stage  # the virtual stage
     body = StageModule(spec, stage)
     _mark_replicated(case, groups, body)
+    if spec.vocab_parallel_embedding and stage == 0:
+        _vocab_parallel_first_layer(case, groups, body)
     named = {stage_param_name(stage, n): p for n, p in body.named_parameters()}
     module, head, tied = body, None, []
     if spec.output_head and stage == spec.num_stages - 1:
