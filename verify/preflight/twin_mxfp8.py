@@ -197,7 +197,7 @@ def run_mxfp8_rank(case: Any, groups: Any, overlap: bool, mx: MXFP8Twin) -> MXFP
     from fastgrad.pipeline import forward_backward_1f1b
     from fastgrad.pipeline_interleaved import forward_backward_interleaved
     from verify.checks.pipeline.worker import build_stage_model, rank_microbatches, total_losses
-    from verify.preflight.twin_optim import _full_grads, _norm_group
+    from verify.preflight.twin_optim import full_grads, norm_group
 
     spec, stage, chunks = case.spec, groups.stage, case.virtual_stages
     built = [build_stage_model(case, groups, c) for c in range(chunks)]
@@ -223,7 +223,7 @@ def run_mxfp8_rank(case: Any, groups: Any, overlap: bool, mx: MXFP8Twin) -> MXFP
                                  gradient_scaling_factor=1.0 / case.dp_size)
     hooks = _attach(named, front_params, front, head)
     optimizer = DistributedOptimizer(front, AdamWConfig(**ADAMW), max_grad_norm=mx.adamw.max_grad_norm,
-                                     model_parallel_group=_norm_group(case, groups))
+                                     model_parallel_group=norm_group(case, groups))
     optimizer.publish_params()  # the first forward's weights: the masters, quantized
     _refresh(named, front_params)
     result = MXFP8RankResult(stage=stage, dp_rank=groups.dp_rank, tp_rank=groups.tp_rank,
@@ -245,7 +245,7 @@ def run_mxfp8_rank(case: Any, groups: Any, overlap: bool, mx: MXFP8Twin) -> MXFP
         else:
             losses = forward_backward_interleaved(modules, grad_syncs=[sync] * chunks, **common)
         result.losses.append(total_losses(case, groups, losses))
-        result.grads.append(_full_grads([front], name_of, case, groups))
+        result.grads.append(full_grads([front], name_of, case, groups))
         outcome = optimizer.step()  # stage -> all-gather -> quantize -> zero (reuse: grad bytes)
         result.steps.append((outcome.stepped, outcome.grad_norm, outcome.clip_coefficient, None))
         _refresh(named, front_params)

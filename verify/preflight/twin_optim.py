@@ -156,7 +156,7 @@ def _ddp_config(case: Any, overlap: bool, optim: AdamWTwin, stage: int, chunk: i
                                grad_reduce_in_fp32=optim.precision.grads == "fp32")
 
 
-def _full_grads(ddps: list[Any], name_of: dict[int, str], case: Any, groups: Any) -> dict:
+def full_grads(ddps: list[Any], name_of: dict[int, str], case: Any, groups: Any) -> dict:
     """Every param's reduced grad: each rank reduced only its shard, so gather the rest."""
     from fastgrad.comm import all_gather_into
 
@@ -226,10 +226,10 @@ def _optimizer(target: Any, optim: AdamWTwin, case: Any, groups: Any) -> Any:
     cls = DistributedOptimizer if case.use_distributed_optimizer else ReplicatedOptimizer
     return cls(target, AdamWConfig(**ADAMW), max_grad_norm=optim.max_grad_norm,
                loss_scaler=optim.scaler(),
-               model_parallel_group=_norm_group(case, groups))
+               model_parallel_group=norm_group(case, groups))
 
 
-def _norm_group(case: Any, groups: Any) -> Any:
+def norm_group(case: Any, groups: Any) -> Any:
     """The group the grad norm is summed over besides DP: every stage and TP rank of this
     replica (TP duplicates are marked ``shared``), as Megatron-Core's model-parallel group."""
     if case.tp_size > 1:
@@ -289,7 +289,7 @@ def run_optimizer_rank(case: Any, groups: Any, overlap: bool,
             losses = forward_backward_interleaved(modules, grad_syncs=ddps, **common)
         rec.after_backward(step, groups)
         rec.result.launch_sites.append(tuple(s for ddp in ddps for s in ddp.last_launch_sites))
-        rec.step(total_losses(case, groups, losses), _full_grads(ddps, name_of, case, groups), scale)
+        rec.step(total_losses(case, groups, losses), full_grads(ddps, name_of, case, groups), scale)
     for ddp in ddps:
         ddp.remove_hooks()
     return rec.finish()
