@@ -41,8 +41,9 @@ FP16_OVERFLOW = ["--pipeline-model-parallel-size", "2", "--data-parallel-size", 
 TP2_BF16 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
             "--data-parallel-size", "1", "--global-batch-size", "4", "--use-distributed-optimizer",
             "--bf16", "--defer-embedding-wgrad-compute", "--wgrad-deferral-limit", "2"]
-# TP2 PP2 DP2 M4 under SP, bf16 params and grads, both overlaps: the blocks on sequence shards,
-# the dgrad reduce-scattered in bf16, the blocks' bf16 grads all-reduced over TP after the DP sync.
+# TP2 PP2 DP2 M4 under SP, bf16 params and grads, both overlaps, tied: the blocks on sequence
+# shards, the dgrad and the vocab-parallel first layer's partials reduce-scattered in bf16, the
+# blocks' bf16 grads all-reduced over TP after the DP sync.
 TP2_SP_BF16_GRADS = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                      "--pipeline-model-parallel-size", "2", "--data-parallel-size", "2",
                      "--global-batch-size", "8", "--use-distributed-optimizer", "--bf16",
@@ -82,6 +83,9 @@ def test_the_tp2_twin_keeps_16_bit_params_and_the_grad_dtype(flags):
     plan = plan_twin(_config(flags)[0], STEPS)
     spec = plan.case.spec
     assert (spec.tensor_parallel, spec.sequence_parallel) == (2, "--sequence-parallel" in flags)
+    # Tied (Megatron's default): the multi-rank layouts cover the vocab-parallel first layer,
+    # under SP too (its partials reduce-scattered along the sequence in 16 bits).
+    assert spec.tied_embedding and spec.vocab_parallel_embedding
     grads = "bf16" if "--grad-reduce-in-bf16" in flags else "fp32"
     assert plan.adamw.precision == TwinPrecision("bf16", grads) and plan.bitwise
     assert not any("computes in fp32" in g or "TP > 1: the twin reduces" in g
@@ -284,14 +288,70 @@ def test_a_tp2_dgrad_or_sp_grad_sum_in_the_wrong_dtype_fails_naming_step_and_par
         report, _, passed, _ = twins[name]
         assert not passed and report["verdict"].startswith("FAIL: "), name
     # The fp32 dgrad reaches the last stage's blocks first: their grads differ at step 0 on
-    # both TP ranks, while the output layer's own wgrad (its input and grad_output) does not.
+    # both TP ranks. The output layer's own wgrad (its input and grad_output) does not move, but
+    # its reduced grad is the tied sum with the vocab-parallel first layer's, which the changed
+    # dgrad reaches through the pipeline: the head's step-0 difference is exactly that layer's.
     failures = twins["tp2_bf16"][0]["twin"]["failures"]
     for tp_rank in (0, 1):
         assert any(f.startswith(f"step 0: reduced gradient stage1.layers.0.weight (replica 0, "
                                 f"TP rank {tp_rank}) differs") for f in failures), failures[:3]
-    assert not any(f.startswith("step 0: reduced gradient stage1.head.weight") for f in failures)
-    # Rounding the SP grads to bf16 before their TP sum moves every block grad at step 0.
+    step0 = "step 0: reduced gradient "
+    head = [f.removeprefix(step0 + "stage1.head.weight") for f in failures
+            if f.startswith(step0 + "stage1.head.weight")]
+    embedding = [f.removeprefix(step0 + "stage0.layers.0.weight") for f in failures
+                 if f.startswith(step0 + "stage0.layers.0.weight")]
+    assert len(embedding) == 2 and head == embedding, (head, embedding)
+    # Rounding the SP grads to bf16 before their TP sum moves every replicated block grad at
+    # step 0; the tied first layer (split over TP, not summed) and the head do not move.
     failures = twins["tp2_sp_bf16"][0]["twin"]["failures"]
-    assert any(f.startswith("step 0: reduced gradient stage0.layers.0.weight (replica 0, TP rank 0)"
-                            " differs") for f in failures), failures[:3]
-    assert not any(f.startswith("step 0: reduced gradient stage1.head.weight") for f in failures)
+    for name in ("stage0.layers.0.bias", "stage1.layers.0.weight"):
+        assert any(f.startswith(f"{step0}{name} (replica 0, TP rank 0) differs")
+                   for f in failures), failures[:3]
+    for name in ("stage0.layers.0.weight", "stage1.head.weight"):
+        assert not any(f.startswith(step0 + name) for f in failures), name
+
+
+
+def _embedding_wgrad_on_its_own_rows() -> None:
+    """Break fastgrad's vocab-parallel embedding in this process only: under SP the backward
+    skips the all-gather of the output grad, so each TP rank's wgrad ``x_kᵀ · G`` covers only
+    its sequence shard's rows (production gathers ``G`` over every row first)."""
+    import torch.distributed as dist
+
+    from fastgrad.vocab_parallel_embedding import _VocabParallelEmbed
+
+    right = _VocabParallelEmbed.backward
+
+    def wrong(ctx, grad_output):
+        layer = ctx.layer
+        if not layer.sequence_parallel:
+            return right(ctx, grad_output)
+        (x_block,) = ctx.saved_tensors
+        rows = grad_output.shape[0]
+        start = dist.get_rank(layer.tp_group) * rows
+        return None, x_block[start:start + rows].t().mm(grad_output.contiguous()), None
+
+    _VocabParallelEmbed.backward = staticmethod(wrong)
+
+
+def _faulty_embedding_worker(rank: int, world_size: int, phases: list) -> list:
+    _embedding_wgrad_on_its_own_rows()
+    return twin_phases_worker(rank, world_size, phases)
+
+
+@pytest.mark.dist
+def test_a_tied_sp_embedding_wgrad_on_its_own_rows_fails_naming_step_and_parameter():
+    plans = _plans({"tp2_sp_bf16": (TP2_SP_BF16, 0)})
+    ranks = run_distributed(_faulty_embedding_worker, 4, _phases(plans), timeout_s=300)
+    report, _, passed, _ = _finish(plans, ranks, TwinCandidate("SP embedding wgrad"))["tp2_sp_bf16"]
+    assert not passed and report["verdict"].startswith("FAIL: ")
+    failures = report["twin"]["failures"]
+    step0 = "step 0: reduced gradient "
+    # The first layer's wgrad misses the other shard's rows on both TP ranks (and so does the
+    # tied head's reduced grad); nothing before it in the backward moves at step 0.
+    for name in ("stage0.layers.0.weight", "stage1.head.weight"):
+        for tp_rank in (0, 1):
+            assert any(f.startswith(f"{step0}{name} (replica 0, TP rank {tp_rank}) differs")
+                       for f in failures), (name, tp_rank, failures[:3])
+    for name in ("stage0.layers.0.bias", "stage1.layers.0.bias", "stage1.layers.0.weight"):
+        assert not any(f.startswith(step0 + name) for f in failures), name
