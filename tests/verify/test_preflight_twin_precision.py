@@ -140,6 +140,35 @@ def test_refgrads_sp_grad_sum_over_tp_is_one_rounding_of_two_grad_dtype_terms():
                                 grad_dtype=torch.float32)
 
 
+def test_refgrads_16_bit_tied_sp_first_layer_keeps_one_buffer_left_out_of_the_tp_sum():
+    """Tied at TP 2 under SP the 16-bit first layer is split over TP by vocabulary rows: one
+    ``[V, H]`` grad buffer over every row (each rank's wgrad ``x_kᵀ · G`` with ``G`` gathered),
+    not one per sequence shard as the replicated blocks', and not summed over TP."""
+    from refgrad.pipeline import (
+        EMBEDDING_PARAM,
+        LinearStackSpec,
+        StageModule,
+        head_weight_init,
+        stage_param_name,
+    )
+    from refgrad.pipeline_mixed import cast_params_, mixed_reduce_and_tie, mixed_replica_grad_sums
+
+    spec = LinearStackSpec(num_stages=2, layers_per_stage=1, hidden=4, microbatch_size=2, seed=3,
+                           output_head=True, tied_embedding=True, tensor_parallel=2,
+                           sequence_parallel=True)
+    stages = [StageModule(spec, s) for s in range(2)]
+    named = {stage_param_name(s, n): p for s, st in enumerate(stages) for n, p in st.named_parameters()}
+    head = head_weight_init(spec).requires_grad_(True)
+    named[stage_param_name(1, "head.weight")] = head
+    cast_params_(list(named.values()), torch.bfloat16)
+    sums, _ = mixed_replica_grad_sums(spec, stages, named, head, 0, 2, 2, grad_dtype=torch.float32)
+    emb, bias = stage_param_name(0, EMBEDDING_PARAM), stage_param_name(0, "layers.0.bias")
+    assert sums[0][emb].shape == (4, 4) and sums[0][bias].shape == (2, 4)
+    assert bool(sums[0][emb].ne(0).any())
+    reduced = mixed_reduce_and_tie(spec, sums, "sum")
+    assert reduced[emb].shape == (4, 4) and reduced[bias].shape == (4,)
+
+
 # --------------------------------------------------------------------------- multi-rank
 
 
