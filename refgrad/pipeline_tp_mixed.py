@@ -9,6 +9,12 @@ blocks replicated across TP, on sequence shards under SP) trained as
    dtype on the rank's rows, or on every row without SP) and, per vocab block
    ``k``, the head's logits ``X · W_kᵀ`` and input gradient ``G_k · W_k`` as
    their own 16-bit GEMMs (the CPU kernels round identically for equal shapes);
+   tied, the vocab-parallel first layer (``refgrad.pipeline_embedding``) runs
+   each rank's 16-bit partial ``x_k · W_k`` on every row and their 16-bit TP
+   sum (two terms, one rounding: production's all-reduce, or under SP its
+   reduce-scatter, computed once here, each body copy starting from its rows),
+   and each rank's wgrad ``x_kᵀ · G`` over every row (under SP ``G`` is the
+   all-gather of the shards' grads) as its own 16-bit GEMM;
 2. each TP rank's partial loss ``sum (out - target)^2 / (R * V) / M`` computed
    in fp32 on its 16-bit output block, times the loss scale ``S``; the reported
    loss is the fp32 sum of the partials (production all-reduces them);
@@ -17,11 +23,13 @@ blocks replicated across TP, on sequence shards under SP) trained as
    ``G_k · W_k`` over TP; two terms, one rounding, in any order, which is what
    autograd's 16-bit add of the two blocks' gradients computes here;
 4. each TP rank's per-microbatch 16-bit grads added into its grad-dtype buffer
-   (one rounding per add, microbatch order), the head's per-block wgrad as an
+   (one rounding per add, microbatch order; the tied first layer, split over
+   TP by rows, in one buffer even under SP), the head's per-block wgrad as an
    fp32 GEMM on the widened 16-bit values added in ``spec.head_wgrad_order``
    (``refgrad.pipeline_mixed``'s steps 3 and 4, per block);
 5. the DP reduction in the grad dtype (``refgrad.pipeline_mixed``), then,
-   under SP, each replicated block grad summed over the TP ranks in the grad
+   under SP, each replicated block grad (not the head or the tied first
+   layer: they are split over TP) summed over the TP ranks in the grad
    dtype: production's all-reduce of ``main_grad`` after the DP sync, two
    grad-dtype terms correctly rounded once (:func:`mixed_sum_over_tensor_parallel`).
 

@@ -5,10 +5,12 @@ compared with refgrad (``refgrad.pipeline_mixed`` + ``refgrad.optim``) through
 the CLI's own code. The fp16 twin starts from a loss scale at which its fp16
 grads overflow, so the scaler's skip, hysteresis and backoff run on the ranks.
 At TP 2 (``refgrad.pipeline_tp_mixed``) the bf16 twin runs with and without
-sequence parallelism. Deliberately broken fastgrads (grads accumulated through
-the param dtype into the fp32 main-grad buffer; at TP 2 the output layer's
-dgrad summed over TP in fp32, or the sequence-parallel grads rounded to bf16
-before their TP all-reduce) must make the twin FAIL naming step and parameter.
+sequence parallelism, tied (the first layer vocab-parallel). Deliberately
+broken fastgrads (grads accumulated through the param dtype into the fp32
+main-grad buffer; at TP 2 the output layer's dgrad summed over TP in fp32, the
+sequence-parallel grads rounded to bf16 before their TP all-reduce, or under SP
+the tied first layer's wgrad taken on its own sequence shard's rows without the
+all-gather of the output grad) must make the twin FAIL naming step and parameter.
 """
 
 from __future__ import annotations
