@@ -123,7 +123,7 @@ def tp_replica_grad_sums(
     shards, tp = spec.sequence_shards, spec.tensor_parallel
     head_name = stage_param_name(spec.num_stages - 1, HEAD_PARAM)
     # TP-split like the head: one grad sum of all of it, never per sequence shard.
-    split = _vocab_split_names(spec)
+    split = vocab_split_names(spec)
     copies = [list(stages)] + [copy.deepcopy(list(stages)) for _ in range(1, shards)]
     copy_named = [
         {stage_param_name(s, n): p for s, st in enumerate(body) for n, p in st.named_parameters()}
@@ -196,7 +196,7 @@ def tp_replica_grad_sums(
 def sum_over_tensor_parallel(spec: LinearStackSpec, reduced: dict[str, torch.Tensor]) -> None:
     """In place: each block parameter's per-TP-rank DP-reduced grads summed in TP-rank order
     (the all-reduce of sequence-parallel grads after the DP sync; one add at TP 2)."""
-    split = _vocab_split_names(spec)
+    split = vocab_split_names(spec)
     for name, per_rank in reduced.items():
         if name in split:
             continue
@@ -210,13 +210,13 @@ def expected_on_rank(spec: LinearStackSpec, name: str, full: torch.Tensor, tp_ra
     """What TP rank ``tp_rank`` holds of the reference tensor ``full`` named ``name``: its row
     block of the vocab-parallel head (and, tied, of the vocab-parallel first layer), every
     other tensor whole (replicated)."""
-    if spec.tensor_parallel == 1 or name not in _vocab_split_names(spec):
+    if spec.tensor_parallel == 1 or name not in vocab_split_names(spec):
         return full
     block = spec.hidden // spec.tensor_parallel
     return full[tp_rank * block:(tp_rank + 1) * block]
 
 
-def _vocab_split_names(spec: LinearStackSpec) -> frozenset[str]:
+def vocab_split_names(spec: LinearStackSpec) -> frozenset[str]:
     """The parameters split over TP by vocabulary rows: the head, and (tied) the first layer."""
     from refgrad.pipeline import EMBEDDING_PARAM, HEAD_PARAM, stage_param_name
 

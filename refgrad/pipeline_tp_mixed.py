@@ -9,6 +9,12 @@ blocks replicated across TP, on sequence shards under SP) trained as
    dtype on the rank's rows, or on every row without SP) and, per vocab block
    ``k``, the head's logits ``X · W_kᵀ`` and input gradient ``G_k · W_k`` as
    their own 16-bit GEMMs (the CPU kernels round identically for equal shapes);
+   tied, the vocab-parallel first layer (``refgrad.pipeline_embedding``) runs
+   each rank's 16-bit partial ``x_k · W_k`` on every row and their 16-bit TP
+   sum (two terms, one rounding: production's all-reduce, or under SP its
+   reduce-scatter, computed once here, each body copy starting from its rows),
+   and each rank's wgrad ``x_kᵀ · G`` over every row (under SP ``G`` is the
+   all-gather of the shards' grads) as its own 16-bit GEMM;
 2. each TP rank's partial loss ``sum (out - target)^2 / (R * V) / M`` computed
    in fp32 on its 16-bit output block, times the loss scale ``S``; the reported
    loss is the fp32 sum of the partials (production all-reduces them);
@@ -17,11 +23,13 @@ blocks replicated across TP, on sequence shards under SP) trained as
    ``G_k · W_k`` over TP; two terms, one rounding, in any order, which is what
    autograd's 16-bit add of the two blocks' gradients computes here;
 4. each TP rank's per-microbatch 16-bit grads added into its grad-dtype buffer
-   (one rounding per add, microbatch order), the head's per-block wgrad as an
+   (one rounding per add, microbatch order; the tied first layer, split over
+   TP by rows, in one buffer even under SP), the head's per-block wgrad as an
    fp32 GEMM on the widened 16-bit values added in ``spec.head_wgrad_order``
    (``refgrad.pipeline_mixed``'s steps 3 and 4, per block);
 5. the DP reduction in the grad dtype (``refgrad.pipeline_mixed``), then,
-   under SP, each replicated block grad summed over the TP ranks in the grad
+   under SP, each replicated block grad (not the head or the tied first
+   layer: they are split over TP) summed over the TP ranks in the grad
    dtype: production's all-reduce of ``main_grad`` after the DP sync, two
    grad-dtype terms correctly rounded once (:func:`mixed_sum_over_tensor_parallel`).
 
@@ -76,7 +84,13 @@ def mixed_tp_replica_grad_sums(
     unscaled losses. Under SP a block param's buffer has a leading TP dimension (one per TP
     rank's sequence shard); the head's ``[V, H]`` buffer is every TP rank's row block."""
     from refgrad.pipeline import HEAD_PARAM, HeadRecordingWgrad, microbatch_data, stage_param_name
-    from refgrad.pipeline_tp import head_shard, loss_target, sequence_shard, stage_loss
+    from refgrad.pipeline_tp import (
+        head_shard,
+        loss_target,
+        sequence_shard,
+        stage_loss,
+        vocab_split_names,
+    )
 
     check_tensor_parallel_2(spec)
     if head is None:
@@ -86,13 +100,14 @@ def mixed_tp_replica_grad_sums(
     shards, tp = spec.sequence_shards, spec.tensor_parallel
     head_name = stage_param_name(spec.num_stages - 1, HEAD_PARAM)
     copy_named, bodies = _rank_bodies(spec, stages)
+    split = vocab_split_names(spec)  # TP-split by vocabulary rows: one buffer, never per shard
     body_names = [n for n in named if n != head_name]
     per_replica: list[dict[str, torch.Tensor]] = []
     step_losses: list[list[float]] = []
     for dp_rank in range(dp_size):
         inputs, targets = microbatch_data(spec, dp_rank, step, num_microbatches)
-        sums = {n: torch.zeros((shards, *named[n].shape) if shards > 1 else named[n].shape,
-                               dtype=grad_dtype) for n in body_names}
+        sums = {n: torch.zeros((shards, *named[n].shape) if shards > 1 and n not in split
+                               else named[n].shape, dtype=grad_dtype) for n in body_names}
         records: list[list[list[tuple[torch.Tensor, torch.Tensor]]]] = []
         losses: list[float] = []
         for x, target in zip(inputs, targets):
@@ -100,9 +115,18 @@ def mixed_tp_replica_grad_sums(
                 for p in params.values():
                     p.grad = None
             outs = []
+            # SP with the vocab-parallel first layer: each rank's 16-bit partial x_k · W_k on every
+            # row, their 16-bit TP sum computed once (the reduce-scatter: two terms, one rounding),
+            # each body starting from its rows of it; backward, each rank's wgrad x_kᵀ · G over
+            # every row (G: the all-gather of the shards' output grads) as its own 16-bit GEMM.
+            embedded = (bodies[0][0].layers[0].embed(x.to(param_dtype))
+                        if shards > 1 and spec.vocab_parallel_embedding else None)
             for k, body in enumerate(bodies):
-                out = sequence_shard(spec, x, k).to(param_dtype)
-                for stage in body:
+                if embedded is None:
+                    out = body[0](sequence_shard(spec, x, k).to(param_dtype))
+                else:
+                    out = body[0].after_embedding(sequence_shard(spec, embedded, k))
+                for stage in body[1:]:
                     out = stage(out)
                 outs.append(out)
             full = torch.cat(outs) if shards > 1 else outs[0]  # the all-gather (16 bits)
@@ -122,7 +146,7 @@ def mixed_tp_replica_grad_sums(
                     for n, p in params.items():
                         if p.grad is None:
                             continue
-                        if shards > 1:
+                        if shards > 1 and n not in split:
                             sums[n][k] = sums[n][k].add(p.grad).to(grad_dtype)
                         else:
                             sums[n] = sums[n].add(p.grad).to(grad_dtype)
@@ -141,12 +165,12 @@ def mixed_sum_over_tensor_parallel(spec: LinearStackSpec, reduced: dict[str, tor
     """In place: each replicated block's two per-TP-rank DP-reduced grad-dtype buffers summed and
     rounded once to the grad dtype (production's all-reduce of sequence-parallel ``main_grad``
     over TP after the DP sync: two terms, one rounding in any order)."""
-    from refgrad.pipeline import HEAD_PARAM, stage_param_name
+    from refgrad.pipeline_tp import vocab_split_names
 
     check_tensor_parallel_2(spec)
-    head_name = stage_param_name(spec.num_stages - 1, HEAD_PARAM)
+    split = vocab_split_names(spec)
     for name, per_rank in reduced.items():
-        if name == head_name:
+        if name in split:  # the head (and, tied, the first layer): split over TP, not summed
             continue
         pair = [per_rank[0], per_rank[1]]
         if all(bool(t.isfinite().all()) for t in pair):

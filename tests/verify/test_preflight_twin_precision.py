@@ -5,10 +5,12 @@ compared with refgrad (``refgrad.pipeline_mixed`` + ``refgrad.optim``) through
 the CLI's own code. The fp16 twin starts from a loss scale at which its fp16
 grads overflow, so the scaler's skip, hysteresis and backoff run on the ranks.
 At TP 2 (``refgrad.pipeline_tp_mixed``) the bf16 twin runs with and without
-sequence parallelism. Deliberately broken fastgrads (grads accumulated through
-the param dtype into the fp32 main-grad buffer; at TP 2 the output layer's
-dgrad summed over TP in fp32, or the sequence-parallel grads rounded to bf16
-before their TP all-reduce) must make the twin FAIL naming step and parameter.
+sequence parallelism, tied (the first layer vocab-parallel). Deliberately
+broken fastgrads (grads accumulated through the param dtype into the fp32
+main-grad buffer; at TP 2 the output layer's dgrad summed over TP in fp32, the
+sequence-parallel grads rounded to bf16 before their TP all-reduce, or under SP
+the tied first layer's wgrad taken on its own sequence shard's rows without the
+all-gather of the output grad) must make the twin FAIL naming step and parameter.
 """
 
 from __future__ import annotations
@@ -41,8 +43,9 @@ FP16_OVERFLOW = ["--pipeline-model-parallel-size", "2", "--data-parallel-size", 
 TP2_BF16 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
             "--data-parallel-size", "1", "--global-batch-size", "4", "--use-distributed-optimizer",
             "--bf16", "--defer-embedding-wgrad-compute", "--wgrad-deferral-limit", "2"]
-# TP2 PP2 DP2 M4 under SP, bf16 params and grads, both overlaps: the blocks on sequence shards,
-# the dgrad reduce-scattered in bf16, the blocks' bf16 grads all-reduced over TP after the DP sync.
+# TP2 PP2 DP2 M4 under SP, bf16 params and grads, both overlaps, tied: the blocks on sequence
+# shards, the dgrad and the vocab-parallel first layer's partials reduce-scattered in bf16, the
+# blocks' bf16 grads all-reduced over TP after the DP sync.
 TP2_SP_BF16_GRADS = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                      "--pipeline-model-parallel-size", "2", "--data-parallel-size", "2",
                      "--global-batch-size", "8", "--use-distributed-optimizer", "--bf16",
@@ -82,6 +85,9 @@ def test_the_tp2_twin_keeps_16_bit_params_and_the_grad_dtype(flags):
     plan = plan_twin(_config(flags)[0], STEPS)
     spec = plan.case.spec
     assert (spec.tensor_parallel, spec.sequence_parallel) == (2, "--sequence-parallel" in flags)
+    # Tied (Megatron's default): the multi-rank layouts cover the vocab-parallel first layer,
+    # under SP too (its partials reduce-scattered along the sequence in 16 bits).
+    assert spec.tied_embedding and spec.vocab_parallel_embedding
     grads = "bf16" if "--grad-reduce-in-bf16" in flags else "fp32"
     assert plan.adamw.precision == TwinPrecision("bf16", grads) and plan.bitwise
     assert not any("computes in fp32" in g or "TP > 1: the twin reduces" in g
@@ -134,6 +140,35 @@ def test_refgrads_sp_grad_sum_over_tp_is_one_rounding_of_two_grad_dtype_terms():
     with pytest.raises(ValueError, match="models tensor_parallel 2 only"):
         mixed_replica_grad_sums(tp4, [], {"w": torch.zeros(1, dtype=torch.bfloat16)}, None, 0, 1, 1,
                                 grad_dtype=torch.float32)
+
+
+def test_refgrads_16_bit_tied_sp_first_layer_keeps_one_buffer_left_out_of_the_tp_sum():
+    """Tied at TP 2 under SP the 16-bit first layer is split over TP by vocabulary rows: one
+    ``[V, H]`` grad buffer over every row (each rank's wgrad ``x_kᵀ · G`` with ``G`` gathered),
+    not one per sequence shard as the replicated blocks', and not summed over TP."""
+    from refgrad.pipeline import (
+        EMBEDDING_PARAM,
+        LinearStackSpec,
+        StageModule,
+        head_weight_init,
+        stage_param_name,
+    )
+    from refgrad.pipeline_mixed import cast_params_, mixed_reduce_and_tie, mixed_replica_grad_sums
+
+    spec = LinearStackSpec(num_stages=2, layers_per_stage=1, hidden=4, microbatch_size=2, seed=3,
+                           output_head=True, tied_embedding=True, tensor_parallel=2,
+                           sequence_parallel=True)
+    stages = [StageModule(spec, s) for s in range(2)]
+    named = {stage_param_name(s, n): p for s, st in enumerate(stages) for n, p in st.named_parameters()}
+    head = head_weight_init(spec).requires_grad_(True)
+    named[stage_param_name(1, "head.weight")] = head
+    cast_params_(list(named.values()), torch.bfloat16)
+    sums, _ = mixed_replica_grad_sums(spec, stages, named, head, 0, 2, 2, grad_dtype=torch.float32)
+    emb, bias = stage_param_name(0, EMBEDDING_PARAM), stage_param_name(0, "layers.0.bias")
+    assert sums[0][emb].shape == (4, 4) and sums[0][bias].shape == (2, 4)
+    assert bool(sums[0][emb].ne(0).any())
+    reduced = mixed_reduce_and_tie(spec, sums, "sum")
+    assert reduced[emb].shape == (4, 4) and reduced[bias].shape == (4,)
 
 
 # --------------------------------------------------------------------------- multi-rank
@@ -284,14 +319,70 @@ def test_a_tp2_dgrad_or_sp_grad_sum_in_the_wrong_dtype_fails_naming_step_and_par
         report, _, passed, _ = twins[name]
         assert not passed and report["verdict"].startswith("FAIL: "), name
     # The fp32 dgrad reaches the last stage's blocks first: their grads differ at step 0 on
-    # both TP ranks, while the output layer's own wgrad (its input and grad_output) does not.
+    # both TP ranks. The output layer's own wgrad (its input and grad_output) does not move, but
+    # its reduced grad is the tied sum with the vocab-parallel first layer's, which the changed
+    # dgrad reaches through the pipeline: the head's step-0 difference is exactly that layer's.
     failures = twins["tp2_bf16"][0]["twin"]["failures"]
     for tp_rank in (0, 1):
         assert any(f.startswith(f"step 0: reduced gradient stage1.layers.0.weight (replica 0, "
                                 f"TP rank {tp_rank}) differs") for f in failures), failures[:3]
-    assert not any(f.startswith("step 0: reduced gradient stage1.head.weight") for f in failures)
-    # Rounding the SP grads to bf16 before their TP sum moves every block grad at step 0.
+    step0 = "step 0: reduced gradient "
+    head = [f.removeprefix(step0 + "stage1.head.weight") for f in failures
+            if f.startswith(step0 + "stage1.head.weight")]
+    embedding = [f.removeprefix(step0 + "stage0.layers.0.weight") for f in failures
+                 if f.startswith(step0 + "stage0.layers.0.weight")]
+    assert len(embedding) == 2 and head == embedding, (head, embedding)
+    # Rounding the SP grads to bf16 before their TP sum moves every replicated block grad at
+    # step 0; the tied first layer (split over TP, not summed) and the head do not move.
     failures = twins["tp2_sp_bf16"][0]["twin"]["failures"]
-    assert any(f.startswith("step 0: reduced gradient stage0.layers.0.weight (replica 0, TP rank 0)"
-                            " differs") for f in failures), failures[:3]
-    assert not any(f.startswith("step 0: reduced gradient stage1.head.weight") for f in failures)
+    for name in ("stage0.layers.0.bias", "stage1.layers.0.weight"):
+        assert any(f.startswith(f"{step0}{name} (replica 0, TP rank 0) differs")
+                   for f in failures), failures[:3]
+    for name in ("stage0.layers.0.weight", "stage1.head.weight"):
+        assert not any(f.startswith(step0 + name) for f in failures), name
+
+
+
+def _embedding_wgrad_on_its_own_rows() -> None:
+    """Break fastgrad's vocab-parallel embedding in this process only: under SP the backward
+    skips the all-gather of the output grad, so each TP rank's wgrad ``x_kᵀ · G`` covers only
+    its sequence shard's rows (production gathers ``G`` over every row first)."""
+    import torch.distributed as dist
+
+    from fastgrad.vocab_parallel_embedding import _VocabParallelEmbed
+
+    right = _VocabParallelEmbed.backward
+
+    def wrong(ctx, grad_output):
+        layer = ctx.layer
+        if not layer.sequence_parallel:
+            return right(ctx, grad_output)
+        (x_block,) = ctx.saved_tensors
+        rows = grad_output.shape[0]
+        start = dist.get_rank(layer.tp_group) * rows
+        return None, x_block[start:start + rows].t().mm(grad_output.contiguous()), None
+
+    _VocabParallelEmbed.backward = staticmethod(wrong)
+
+
+def _faulty_embedding_worker(rank: int, world_size: int, phases: list) -> list:
+    _embedding_wgrad_on_its_own_rows()
+    return twin_phases_worker(rank, world_size, phases)
+
+
+@pytest.mark.dist
+def test_a_tied_sp_embedding_wgrad_on_its_own_rows_fails_naming_step_and_parameter():
+    plans = _plans({"tp2_sp_bf16": (TP2_SP_BF16, 0)})
+    ranks = run_distributed(_faulty_embedding_worker, 4, _phases(plans), timeout_s=300)
+    report, _, passed, _ = _finish(plans, ranks, TwinCandidate("SP embedding wgrad"))["tp2_sp_bf16"]
+    assert not passed and report["verdict"].startswith("FAIL: ")
+    failures = report["twin"]["failures"]
+    step0 = "step 0: reduced gradient "
+    # The first layer's wgrad misses the other shard's rows on both TP ranks (and so does the
+    # tied head's reduced grad); nothing before it in the backward moves at step 0.
+    for name in ("stage0.layers.0.weight", "stage1.head.weight"):
+        for tp_rank in (0, 1):
+            assert any(f.startswith(f"{step0}{name} (replica 0, TP rank {tp_rank}) differs")
+                       for f in failures), (name, tp_rank, failures[:3])
+    for name in ("stage0.layers.0.bias", "stage1.layers.0.bias", "stage1.layers.0.weight"):
+        assert not any(f.startswith(step0 + name) for f in failures), name

@@ -12,7 +12,8 @@ all-gather. The twin does the same on its ranks (:func:`cast_stage_params_`,
 
 At twin TP 2 the same holds per TP rank (``refgrad.pipeline_tp_mixed``): the
 output layer's 16-bit partial dgrads are all-reduced (reduce-scattered under
-SP) over TP in 16 bits and, under SP, the blocks' grad-dtype ``main_grad`` is
+SP) over TP in 16 bits, as are (tied) the vocab-parallel first layer's 16-bit
+partial products, and, under SP, the blocks' grad-dtype ``main_grad`` is
 all-reduced over TP after the DP sync; each such sum has two terms, so it is
 bitwise. Where the reduction order of a 16-bit model's
 grads is the backend's (DP > 2 without the fp32-accumulating reduce-scatter),
