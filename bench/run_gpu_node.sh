@@ -37,6 +37,16 @@ step bench-reduce-scatter "$python" bench/bench_reduce_scatter.py --json "$out/b
 step bench-mxfp8 "$python" bench/bench_mxfp8.py --json "$out/bench-mxfp8.json"
 step bench-embedding-wgrad "$python" bench/bench_deferred_wgrad.py --json "$out/bench-embedding-wgrad.json"
 step bench-oracle "$python" bench/bench_oracle.py --device cuda
+# The training example on NCCL (CUDA tensors): one GPU, then DP=2 with the distributed
+# optimizer and PP=2 (1F1B, tied embedding) when there are two; and the preflight twin
+# under torchrun (its ranks run gloo on CPU tensors, as the report says).
+tiny="--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --micro-batch-size 2 --global-batch-size 8 --train-iters 20 --log-interval 5"
+step train-gpt-1gpu "$python" -m torch.distributed.run --standalone --nproc-per-node 1 examples/train_gpt.py $tiny --use-distributed-optimizer --overlap-param-gather --overlap-grad-reduce
+if [ "${NGPU:-1}" -gt 1 ]; then
+  step train-gpt-dp2 "$python" -m torch.distributed.run --standalone --nproc-per-node 2 examples/train_gpt.py $tiny --use-distributed-optimizer --overlap-param-gather --overlap-grad-reduce --ddp-reduce-scatter-with-fp32-accumulation
+  step train-gpt-pp2 "$python" -m torch.distributed.run --standalone --nproc-per-node 2 examples/train_gpt.py $tiny --pipeline-model-parallel-size 2
+  step preflight-torchrun "$python" -m torch.distributed.run --standalone --nproc-per-node 2 -m verify preflight --pipeline-model-parallel-size 2 --micro-batch-size 1 --global-batch-size 4 --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --padded-vocab-size 256 --bf16 --json "$out/preflight-torchrun.json"
+fi
 if [ "${NGPU:-1}" -gt 1 ]; then  # the optimizer step on the CPU, then overlap_param_gather over NCCL
   step bench-optim-nccl "$python" bench/bench_optim.py --backend nccl --out "$out/bench-optim-nccl.txt"
 fi
