@@ -137,3 +137,25 @@ def test_cli_end_to_end_writes_json_and_markdown(tmp_path, capsys):
     markdown = md_path.read_text()
     assert markdown.splitlines()[2] == f"**{report['verdict']}**"
     assert "## Environment" in markdown
+
+
+def test_unmodelled_megatron_flags_on_the_command_line_are_listed_not_refused(capsys):
+    """As in --args-file: the flags of a launch line go straight in; --lr and friends are
+    listed under the verdict, with their values, in order."""
+    rc = verify_main(["preflight", *SMALL, "--lr", "1.5e-4", "--world-size", "2",
+                      "--train-iters=100", "--no-twin", "--adam-beta2", "0.95"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert rc == 0
+    assert ("ignored flags (not used by preflight): --lr 1.5e-4, --train-iters=100, "
+            "--adam-beta2 0.95") in out
+
+
+def test_a_misspelled_flag_on_the_command_line_names_the_likely_one(capsys):
+    rc = verify_main(["preflight", *SMALL, "--world-size", "2", "--no-twin",
+                      "--use-distributed-optimiser"])
+    assert rc == 2
+    assert "did you mean --use-distributed-optimizer?" in capsys.readouterr().err
+    # A near-miss of one of preflight's own options is argparse's to refuse.
+    with pytest.raises(SystemExit) as exc:
+        verify_main(["preflight", *SMALL, "--world-size", "2", "--twin-stepz", "2"])
+    assert exc.value.code == 2 and "--twin-stepz" in capsys.readouterr().err

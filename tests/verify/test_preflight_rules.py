@@ -137,6 +137,36 @@ def test_megatron_adjustments_are_reported_not_fatal():
     assert bf16_wire.grad_dtype == "bf16"
 
 
-def test_unwritable_output_is_exit_3(capsys, tmp_path):
-    rc, _, err = _run(BASE + ["--json", str(tmp_path / "missing-dir" / "x.json")], capsys)
-    assert rc == 3 and "error" in err
+@pytest.mark.parametrize(("outputs", "message"), [
+    (["--json", "{tmp}/missing-dir/x.json"], "does not exist"),
+    (["--json", "{tmp}"], "is a directory"),
+    (["--json", "{tmp}/r.txt", "--markdown", "{tmp}/r.txt"], "--markdown and --json name the same file"),
+])
+def test_bad_output_paths_are_refused_before_any_work(outputs, message, capsys, tmp_path, monkeypatch):
+    """Exit 2 naming the option, checked before the paper figures (or a twin) are computed."""
+    monkeypatch.setattr(preflight_cli, "build_report", lambda *a: pytest.fail("work was done"))
+    rc, out, err = _run(BASE + [a.format(tmp=tmp_path) for a in outputs], capsys)
+    assert rc == 2 and message in err and not out
+    assert "a preflight option is invalid" in err
+
+
+def test_preflight_option_errors_do_not_blame_the_configuration(capsys, tmp_path):
+    rc, _, err = _run(BASE + ["--twin-steps", "0"], capsys)
+    assert rc == 2 and "a preflight option is invalid" in err and "--twin-steps" in err
+    rc, _, err = _run(BASE + ["--args-file", str(tmp_path / "missing.txt")], capsys)
+    assert rc == 2 and "the Megatron-Core flags could not be read" in err and "missing.txt" in err
+
+
+def test_a_misspelled_megatron_flag_is_refused_with_the_likely_one(capsys, tmp_path):
+    flags = tmp_path / "flags.txt"
+    flags.write_text("--use-distributed-optimiser\n--lr 1.5e-4\n")
+    rc, _, err = _run(BASE + ["--args-file", str(flags)], capsys)
+    assert rc == 2 and "did you mean --use-distributed-optimizer?" in err
+    # A real Megatron-Core flag that shares words with a modelled one is only listed, right
+    # under the verdict.
+    flags.write_text("--encoder-tensor-model-parallel-size 2\n--lr 1.5e-4\n")
+    rc, out, _ = _run(BASE + ["--args-file", str(flags)], capsys)
+    assert rc == 0
+    lines = " ".join(out.split("gradient buffers laid out on paper", 1)[1].split())
+    assert lines.startswith("ignored flags (not used by preflight): "
+                            "--encoder-tensor-model-parallel-size 2, --lr 1.5e-4")

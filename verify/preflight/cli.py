@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from importlib import metadata
 
 from verify.env import fingerprint
+from verify.outputs import OutputPathError, check_output_paths
 from verify.preflight.config import ConfigError, PreflightConfig, resolve
 from verify.preflight.flags import (
     FLAG_SPECS,
@@ -169,15 +170,23 @@ def main(args: argparse.Namespace, environ: Mapping[str, str] | None = None,
          candidate: TwinCandidate | None = None) -> int:
     """Run the stages; returns the exit code. ``candidate``: the fastgrad the twin runs (tests)."""
     environ = os.environ if environ is None else environ
-    try:
-        parsed = read_flags(args)
-        config = resolve(parsed, environ)
+    try:  # preflight's own options first: a bad one is not the configuration's fault
+        check_output_paths([("--json", args.json), ("--markdown", args.markdown)])
         costs = CostInputs(forward_ms=args.forward_ms, backward_ms=args.backward_ms,
                            grad_sync_ms=args.grad_sync_ms, p2p_ms=args.p2p_ms,
                            assumed_tflops=args.assumed_tflops,
                            assumed_bus_gbps=args.assumed_bus_gbps)
         options = twin_options(args)
-    except (FlagError, ConfigError, ValueError) as exc:
+        parsed = read_flags(args)
+    except (OutputPathError, ValueError) as exc:
+        refused = ("the Megatron-Core flags could not be read" if isinstance(exc, FlagError)
+                   else "a preflight option is invalid")
+        print(f"PREFLIGHT REFUSED: {refused}; nothing was run.", file=sys.stderr)
+        print(f"verify preflight: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        config = resolve(parsed, environ)
+    except (ConfigError, ValueError) as exc:
         print("PREFLIGHT REFUSED: the configuration would not start; nothing was run.",
               file=sys.stderr)
         print(f"verify preflight: error: {exc}", file=sys.stderr)

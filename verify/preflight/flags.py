@@ -9,6 +9,7 @@ both accepted, as Megatron's argparse accepts them.
 
 from __future__ import annotations
 
+import difflib
 import re
 import shlex
 from dataclasses import dataclass, field
@@ -126,7 +127,7 @@ def _is_flag(token: str) -> bool:
     return token.startswith("--") and len(token) > 2
 
 
-def _is_value(token: str) -> bool:
+def is_value(token: str) -> bool:
     """A token that can be a flag's value (negative numbers included)."""
     if not token.startswith("-"):
         return True
@@ -135,6 +136,23 @@ def _is_value(token: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+# How alike an unknown flag and a known one must be to count as a misspelling of it: one or
+# two characters off in a long flag (--use-distributed-optimiser) is; Megatron-Core's real
+# flags that merely share words with a known one (--encoder-tensor-model-parallel-size,
+# 0.875 to --tensor-model-parallel-size) are not.
+NEAR_MISS_RATIO = 0.9
+
+
+def _refuse_near_miss(name: str) -> None:
+    """FlagError when ``name`` is a misspelling of a flag preflight models: Megatron-Core's
+    argument parser would refuse it, and ignoring it would check another configuration."""
+    match = difflib.get_close_matches(name, FLAG_SPECS, n=1, cutoff=NEAR_MISS_RATIO)
+    if match:
+        raise FlagError(f"{name} is not a Megatron-Core flag; did you mean {match[0]}? (flags that "
+                        "preflight does not model, such as --lr, are listed and ignored; a "
+                        "misspelling of one it models is refused, as Megatron-Core refuses it)")
 
 
 def parse_megatron_flags(tokens: list[str]) -> ParsedFlags:
@@ -150,9 +168,10 @@ def parse_megatron_flags(tokens: list[str]) -> ParsedFlags:
         name, has_inline, inline = token.partition("=")
         spec = FLAG_SPECS.get(name)
         if spec is None:
+            _refuse_near_miss(name)
             parsed.unknown.append(token)
             # An unknown flag's values are the tokens up to the next flag.
-            while index < len(tokens) and not has_inline and _is_value(tokens[index]):
+            while index < len(tokens) and not has_inline and is_value(tokens[index]):
                 parsed.unknown[-1] += f" {tokens[index]}"
                 index += 1
             continue
@@ -165,7 +184,7 @@ def parse_megatron_flags(tokens: list[str]) -> ParsedFlags:
             continue
         if has_inline:
             raw = inline
-        elif index < len(tokens) and _is_value(tokens[index]):
+        elif index < len(tokens) and is_value(tokens[index]):
             raw = tokens[index]
             index += 1
         else:

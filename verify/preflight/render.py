@@ -172,8 +172,6 @@ def _notes(report: dict) -> list[str]:
     lines = list(report["config"]["notes"]) + [report["bucket_rules"]]
     lines += [f"assumption: {a}" for a in report["pipeline"]["assumptions"]]
     lines.append(f"simulator: {report['pipeline']['model']}")
-    if report["unknown_flags"]:
-        lines.append("ignored flags (not used by preflight): " + ", ".join(report["unknown_flags"]))
     twin = report["twin"]
     lines.append(twin["note"])
     lines += _clipping_note(twin.get("steps", []))
@@ -183,10 +181,20 @@ def _notes(report: dict) -> list[str]:
     return lines
 
 
+def ignored_flags_line(report: dict) -> str | None:
+    """The flags preflight did not use, for right under the verdict (a misspelled flag would
+    otherwise check another configuration unnoticed)."""
+    if not report["unknown_flags"]:
+        return None
+    return "ignored flags (not used by preflight): " + ", ".join(report["unknown_flags"])
+
+
 def print_terminal(report: dict, console: Console | None = None) -> None:
-    """The verdict line first, then the tables and notes."""
+    """The verdict line first (and the ignored flags), then the tables and notes."""
     console = console or Console(soft_wrap=False)
     console.print(report["verdict"], markup=False, highlight=False)
+    if ignored_flags_line(report):
+        console.print(ignored_flags_line(report), markup=False, highlight=False)
     for title, columns, rows in report_tables(report):
         table = Table(title=title, title_justify="left")
         for column in columns:
@@ -206,6 +214,8 @@ def render_markdown(report: dict) -> str:
     """The whole report as Markdown: verdict, tables, notes, environment."""
     out = [f"# verify preflight (gradverify {report['gradverify_version']})", "",
            f"**{report['verdict']}**", ""]
+    if ignored_flags_line(report):
+        out += [_md_cell(ignored_flags_line(report)), ""]
     for title, columns, rows in report_tables(report):
         out += [f"## {title}", "", "| " + " | ".join(columns) + " |",
                 "|" + "---|" * len(columns)]
