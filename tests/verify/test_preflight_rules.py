@@ -170,3 +170,12 @@ def test_a_misspelled_megatron_flag_is_refused_with_the_likely_one(capsys, tmp_p
     lines = " ".join(out.split("gradient buffers laid out on paper", 1)[1].split())
     assert lines.startswith("ignored flags (not used by preflight): "
                             "--encoder-tensor-model-parallel-size 2, --lr 1.5e-4")
+
+
+def test_piped_output_keeps_table_cells_whole(capsys, monkeypatch):
+    """Not a terminal (piped, CI): tables are laid out wide, not folded at 80 columns."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    rc, out, _ = _run(BASE, capsys)
+    assert rc == 0
+    header = next(line for line in out.splitlines() if "MXFP8 sharing saves" in line)
+    assert "bucket rule" in header and "grad buffer" in header

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+
+from verify.console import terminal_width
+
+NON_TERMINAL_WIDTH = 200  # columns of the text report when stdout is not a terminal
 
 Tables = list[tuple[str, list[str], list[list[str]]]]
 GIB = 2**30
@@ -191,7 +196,12 @@ def ignored_flags_line(report: dict) -> str | None:
 
 def print_terminal(report: dict, console: Console | None = None) -> None:
     """The verdict line first (and the ignored flags), then the tables and notes."""
-    console = console or Console(soft_wrap=False)
+    if console is None:
+        # Piped or redirected, a table folded at 80 columns is unreadable ("shar ing"):
+        # $COLUMNS or a wide page then; a terminal's own width otherwise.
+        tty = sys.stdout.isatty()
+        width = terminal_width() if tty else max(terminal_width(), NON_TERMINAL_WIDTH)
+        console = Console(soft_wrap=False, width=width)
     console.print(report["verdict"], markup=False, highlight=False)
     if ignored_flags_line(report):
         console.print(ignored_flags_line(report), markup=False, highlight=False)

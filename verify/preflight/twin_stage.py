@@ -144,16 +144,18 @@ def finish_twin_report(config: PreflightConfig, plan: TwinPlan, ranks: list[Any]
     pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size
     shape = (f"TP={config.tensor_model_parallel_size} PP={pp} VPP={vpp} "
              f"DP={config.data_parallel_size}, {config.num_microbatches} microbatches")
-    gaps = f"; {len(plan.not_twinned)} parts not twinned (listed)"
+    left_out = len(plan.not_twinned)
+    gaps = f"; {left_out} part{'s' if left_out != 1 else ''} not twinned (listed)"
     if rows and all(row.stepped is False for row in rows):
         # Both sides skipping every step agree trivially on the update: say so up front.
-        gaps += "; every step was skipped on NaN/inf grads, so no update was checked"
+        gaps += ("; every step was skipped on NaN/inf grads, so no update was checked (a "
+                 "smaller --initial-loss-scale or more --twin-steps reach a clean step)")
     if passed:
         ranks = f"{plan.world_size} rank{'s' if plan.world_size != 1 else ''}"
         report["verdict"] = (f"PASS: {shape}; twin ({ranks}, "
                              f"{len(rows)} steps) matches refgrad "
                              f"{'bitwise' if plan.bitwise else 'within the stated bound'}"
-                             f"{gaps}; {findings} hazard finding(s)")
+                             f"{gaps}; {findings} hazard finding{'s' if findings != 1 else ''}")
     else:
         report["verdict"] = f"FAIL: {shape}; twin differs from refgrad: {failures[0]}"
     report["passed"] = passed
