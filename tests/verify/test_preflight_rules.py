@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 import pytest
 
@@ -179,3 +181,18 @@ def test_piped_output_keeps_table_cells_whole(capsys, monkeypatch):
     assert rc == 0
     header = next(line for line in out.splitlines() if "MXFP8 sharing saves" in line)
     assert "bucket rule" in header and "grad buffer" in header
+
+
+def test_a_reader_gone_away_still_gets_the_files_and_the_verdicts_exit_code(tmp_path):
+    """`verify preflight ... | head`: the closed pipe is not an error (rich would exit 1)."""
+    import subprocess
+    import sys
+
+    json_path = tmp_path / "r.json"
+    proc = subprocess.Popen([sys.executable, "-m", "verify", "preflight", *BASE, "--no-twin",
+                             "--json", str(json_path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=str(Path(__file__).resolve().parents[2]))
+    proc.stdout.close()  # before the report is printed: its first write meets a closed pipe
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err.decode()
+    assert json.loads(json_path.read_text())["passed"] is True

@@ -224,7 +224,10 @@ def main(args: argparse.Namespace, environ: Mapping[str, str] | None = None,
             report["verdict"] = f"ERROR: the scaled twin did not finish: {twin_error}"
             report["passed"] = False
     try:
-        print_terminal(report)
+        try:
+            print_terminal(report)
+        except BrokenPipeError:
+            pass  # the reader went away (| head): the files below are still written
         for path in write_outputs(report, args.json, args.markdown):
             print(f"wrote {path}", file=sys.stderr)
     except OSError as exc:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -186,6 +187,18 @@ def _notes(report: dict) -> list[str]:
     return lines
 
 
+class _ReportConsole(Console):
+    """rich's console, except that a reader gone away (``| head``) raises BrokenPipeError
+    instead of exiting with status 1: the caller still writes the --json/--markdown files
+    and exits with the verdict's code."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # nothing more reaches the closed pipe
+        raise BrokenPipeError("stdout's reader went away")
+
+
 def ignored_flags_line(report: dict) -> str | None:
     """The flags preflight did not use, for right under the verdict (a misspelled flag would
     otherwise check another configuration unnoticed)."""
@@ -201,7 +214,7 @@ def print_terminal(report: dict, console: Console | None = None) -> None:
         # $COLUMNS or a wide page then; a terminal's own width otherwise.
         tty = sys.stdout.isatty()
         width = terminal_width() if tty else max(terminal_width(), NON_TERMINAL_WIDTH)
-        console = Console(soft_wrap=False, width=width)
+        console = _ReportConsole(soft_wrap=False, width=width)
     console.print(report["verdict"], markup=False, highlight=False)
     if ignored_flags_line(report):
         console.print(ignored_flags_line(report), markup=False, highlight=False)
