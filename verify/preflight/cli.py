@@ -83,26 +83,25 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     own.add_argument("--grad-sync-ms", type=float, help="grad-sync time of one stage")
     own.add_argument("--p2p-ms", type=float, help="time of one pipeline transfer")
     own.add_argument("--assumed-tflops", type=float, default=400.0,
-                     help="achieved TFLOP/s per GPU for the estimated costs (default 400)")
+                     help="achieved TFLOP/s per GPU for the estimated costs")
     own.add_argument("--assumed-bus-gbps", type=float, default=100.0,
-                     help="collective bus bandwidth in GB/s for the estimated costs (default 100)")
+                     help="collective bus bandwidth in GB/s for the estimated costs")
     twin = parser.add_argument_group("scaled twin")
     twin.add_argument("--no-twin", action="store_true",
                       help="paper figures and hazards only: build no model, run no collective")
+    # The parser's formatter appends each default ("(default: 16)").
     twin.add_argument("--twin-hidden-size", type=int, default=TwinOptions.hidden_size,
-                      metavar="H", help=f"the twin's layer width (default {TwinOptions.hidden_size})")
+                      metavar="H", help="the twin's layer width")
     twin.add_argument("--twin-layers", type=int, default=TwinOptions.layers, metavar="L",
-                      help=f"the twin's layers per virtual stage (default {TwinOptions.layers})")
+                      help="the twin's layers per virtual stage")
     twin.add_argument("--twin-steps", type=int, default=TwinOptions.steps, metavar="N",
-                      help=f"training steps, each compared with refgrad (default {TwinOptions.steps})")
+                      help="training steps, each compared with refgrad")
     twin.add_argument("--twin-max-microbatches", type=int, default=TwinOptions.max_microbatches,
-                      metavar="M", help="cap on the twin's microbatches per step (default "
-                                        f"{TwinOptions.max_microbatches})")
+                      metavar="M", help="cap on the twin's microbatches per step")
     twin.add_argument("--max-world-size", type=int, default=TwinOptions.max_world_size,
-                      metavar="W", help="most ranks the twin may spawn, TP x PP x DP (default "
-                                        f"{TwinOptions.max_world_size})")
+                      metavar="W", help="most ranks the twin may spawn, TP x PP x DP")
     twin.add_argument("--timeout", type=float, default=TwinOptions.timeout_s, metavar="S",
-                      help=f"deadline for the twin's ranks in seconds (default {TwinOptions.timeout_s:g})")
+                      help="deadline for the twin's ranks in seconds")
     twin.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
     parser.epilog = "Megatron-Core flags understood: " + " ".join(FLAG_SPECS)
     megatron = parser.add_argument_group("Megatron-Core flags (same names as Megatron's)")
