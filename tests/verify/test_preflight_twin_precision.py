@@ -56,10 +56,12 @@ TP2_SP_BF16 = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                "--global-batch-size", "4", "--use-distributed-optimizer", "--bf16"]
 
 # PP1 DP2 M4, tied (one weight: the output layer's fp32 wgrad, then the embedding's bf16 grad,
-# into its fp32 main grad per microbatch), bf16 params, distributed optimizer, overlap.
+# each added into its bf16 main grad with one rounding, so the order shows: with an fp32 main
+# grad refgrad's reversed order still matched at these sizes), bf16 params, distributed
+# optimizer, overlap.
 PP1_TIED_BF16 = ["--pipeline-model-parallel-size", "1", "--data-parallel-size", "2",
                  "--global-batch-size", "8", "--use-distributed-optimizer", "--bf16",
-                 "--overlap-grad-reduce"]
+                 "--grad-reduce-in-bf16", "--overlap-grad-reduce"]
 
 LAYOUT = {"pp1_tied_bf16": (PP1_TIED_BF16, 0, 3), "bf16": (BF16, 0, 0), "bf16_grads": (BF16_GRADS, 4, 0), "fp16_overflow": (FP16_OVERFLOW, 0, 1),
           "tp2_bf16": (TP2_BF16, 4, 1), "tp2_sp_bf16_grads": (TP2_SP_BF16_GRADS, 0, 2)}
