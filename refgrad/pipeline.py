@@ -54,7 +54,8 @@ class LinearStackSpec:
     stage's ``layers.0.weight`` (same initial values); after the DP reduction
     both copies become ``fp32(reduced_first + reduced_head)``. On one stage
     (``shares_one_weight``) the two are one parameter: each microbatch adds the
-    head's wgrad, then the first layer's grad, into its one sum. At
+    head's wgrad, then the first layer's grad, into its one sum (at TP > 1 each
+    TP rank's row block, ``refgrad.pipeline_tp``). At
     ``tensor_parallel > 1`` that first layer is a vocab-parallel embedding,
     ``x · W + b`` with ``W`` split over TP by rows as the head is
     (``refgrad.pipeline_embedding``), so each TP rank's two copies are tied.
@@ -94,10 +95,6 @@ class LinearStackSpec:
         if self.output_head and self.num_stages < 2 and self.defer_output_wgrad:
             raise ValueError("LinearStackSpec.output_head with defer_output_wgrad needs "
                              "num_stages >= 2 (the wgrad is deferred to the pipeline flush)")
-        if self.tied_embedding and self.num_stages < 2 and self.tensor_parallel > 1:
-            raise ValueError("LinearStackSpec.tied_embedding on one stage needs tensor_parallel "
-                             "= 1 (one shared weight; a vocab-parallel shared weight is not "
-                             "modelled)")
         limit = self.wgrad_deferral_limit
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
             raise ValueError(f"LinearStackSpec.wgrad_deferral_limit must be an int >= 0 "

@@ -114,6 +114,7 @@ def tp_replica_grad_sums(
     sum per TP rank); the head's ``[V, H]`` sum is the row blocks of every TP rank.
     """
     from refgrad.pipeline import (
+        EMBEDDING_PARAM,
         HEAD_PARAM,
         HeadRecordingWgrad,
         microbatch_data,
@@ -122,6 +123,7 @@ def tp_replica_grad_sums(
 
     shards, tp = spec.sequence_shards, spec.tensor_parallel
     head_name = stage_param_name(spec.num_stages - 1, HEAD_PARAM)
+    tied_name = stage_param_name(0, EMBEDDING_PARAM)
     # TP-split like the head: one grad sum of all of it, never per sequence shard.
     split = vocab_split_names(spec)
     copies = [list(stages)] + [copy.deepcopy(list(stages)) for _ in range(1, shards)]
@@ -176,6 +178,9 @@ def tp_replica_grad_sums(
                 loss = loss + part  # the TP all-reduce of the partial losses
             loss.backward()
             losses.append(float(loss.detach()))
+            if spec.shares_one_weight:  # one weight (one stage): each TP rank's head wgrad first
+                wgrad = torch.cat([torch.mm(g.t(), x) for [(g, x)] in records.pop()])
+                sums[tied_name] = sums[tied_name] + wgrad
             for k, params in enumerate(copy_named):
                 for n, p in params.items():
                     if p.grad is None:
@@ -184,7 +189,9 @@ def tp_replica_grad_sums(
                         sums[n][k] = sums[n][k] + p.grad
                     else:
                         sums[n] = sums[n] + p.grad
-        if head is not None:
+        if spec.shares_one_weight:
+            sums[head_name] = sums[tied_name].clone()  # one parameter, reported under both names
+        elif head is not None:
             for m in spec.head_wgrad_order(num_microbatches):
                 wgrad = torch.cat([torch.mm(g.t(), x) for [(g, x)] in records[m]])
                 sums[head_name] = sums[head_name] + wgrad

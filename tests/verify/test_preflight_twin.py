@@ -81,7 +81,8 @@ BUCKETS = ["--pipeline-model-parallel-size", "2", "--data-parallel-size", "2",
 TP2_SP = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
           "--data-parallel-size", "2", "--global-batch-size", "8", "--sequence-parallel",
           "--defer-embedding-wgrad-compute", "--overlap-grad-reduce", "--use-distributed-optimizer"]
-# TP2 PP1 DP2 M4, sequence parallel, no output layer: the loss split over sequence shards.
+# TP2 PP1 DP2 M4, sequence parallel, tied: each TP rank's vocab-parallel first-layer shard is its
+# output-layer shard (one weight), the blocks on sequence shards.
 TP2_SP_PP1 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1",
               "--data-parallel-size", "2", "--global-batch-size", "8", "--sequence-parallel"]
 # TP2 PP2 VPP2 DP1 M4, sequence parallel, interleaved: the TP all-reduce after the chunks' sync.
@@ -249,18 +250,21 @@ def test_twin_runs_tensor_parallel_ranks_and_checks_each(twins):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("name", ["tp2_tied", "tp2_sp", "tp2_sp_vpp"])
+@pytest.mark.parametrize("name", ["tp2_tied", "tp2_sp", "tp2_sp_vpp", "tp2_sp_pp1"])
 def test_tied_twin_at_tp2_ties_each_tp_ranks_shards(twins, name):
-    """Tied at TP 2 (with and without SP, at VPP 2 too): the first stage's first layer is
-    vocab-parallel, and after every step each (replica, TP rank) holds the same rows in its
-    first-stage weight and its output layer, grads and params bitwise; the two TP ranks hold
-    different rows. The report no longer lists the tie as not twinned."""
+    """Tied at TP 2 (with and without SP, at VPP 2 too, and at PP 1 where each TP rank's shard
+    is one weight shared by both layers): the first stage's first layer is vocab-parallel, and
+    after every step each (replica, TP rank) holds the same rows in its first-stage weight and
+    its output layer, grads and params bitwise; the two TP ranks hold different rows. The
+    report no longer lists the tie as not twinned."""
     _, report, plan, passed, results = twins[name]
     spec = plan.case.spec
     assert passed and spec.tied_embedding and spec.vocab_parallel_embedding
+    assert spec.shares_one_weight == (name == "tp2_sp_pp1")
     assert not any("tied" in g for g in plan.not_twinned), plan.not_twinned
     assert dict((m[0], m[2]) for m in plan.mapping)["tied embedding all-reduce"].startswith(
-        "True: vocab-parallel first layer")
+        "one shared weight (PP 1) (TP 2" if spec.shares_one_weight
+        else "True: vocab-parallel first layer")
     emb, head = "stage0.layers.0.weight", f"stage{spec.num_stages - 1}.head.weight"
     ranks = [r for r in results if r is not None]
     first = {(r.dp_rank, r.tp_rank): r for r in ranks if r.stage == 0}

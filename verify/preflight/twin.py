@@ -132,13 +132,12 @@ def plan_twin(config: PreflightConfig, options: TwinOptions) -> TwinPlan:
         rows *= twin_tp  # each sample twin_tp tokens long, so the sequence splits over TP
     # At TP 2 the tied first layer is vocab-parallel (refgrad.pipeline_embedding), so each TP
     # rank's embedding and output-layer shards are tied over its own embedding group. At PP 1
-    # (TP 1) the two are one weight (LinearStackSpec.shares_one_weight).
-    tied = config.tied_embeddings and (pp > 1 or (twin_tp == 1 and not twins_mxfp8(config)))
+    # the two are one weight (LinearStackSpec.shares_one_weight; at TP 2 one shard per TP rank).
+    tied = config.tied_embeddings and (pp > 1 or not twins_mxfp8(config))
     if pp == 1 and config.tied_embeddings and not tied:
-        not_twinned.append(f"tied embedding at PP 1 with {_untied_because(config, twin_tp)}: "
-                           "production's embedding and output layer are one weight (both grads "
-                           "summed in the backward, no all-reduce); the twin's output layer is "
-                           "untied")
+        not_twinned.append("tied embedding at PP 1 with MXFP8 params: production's embedding and "
+                           "output layer are one weight (both grads summed in the backward, no "
+                           "all-reduce); the twin's output layer is untied")
     m = _twin_microbatches(config, options)
     spec = LinearStackSpec(num_stages=pp * vpp, layers_per_stage=layers, hidden=h,
                            microbatch_size=rows, seed=config.seed % 100_000,
@@ -241,11 +240,6 @@ def _tp_layout(tp: int, sequence_parallel: bool, twin: bool = False) -> str:
             "(identical on every TP rank)")
 
 
-def _untied_because(config: PreflightConfig, twin_tp: int) -> str:
-    """Why the twin unties a PP 1 tied embedding: TP 2 or MXFP8 params."""
-    return f"TP {twin_tp}" if twin_tp > 1 else "MXFP8 params"
-
-
 def _production_tie(config: PreflightConfig) -> str:
     """Production's tie: the all-reduce (PP > 1), one shared weight (PP 1), or none."""
     if not config.tied_embeddings:
@@ -260,8 +254,11 @@ def _tied_layout(config: PreflightConfig, twin_tp: int, tied: bool) -> str:
     if not tied:
         return "False"
     if config.pipeline_model_parallel_size == 1:
-        return ("one shared weight (PP 1): the output layer's wgrad, then the first layer's "
-                "grad, added into its main_grad per microbatch; counted once in the grad norm")
+        shard = (" (TP 2: each TP rank's vocab-parallel first-layer shard is its output-layer "
+                 "shard)" if twin_tp > 1 else "")
+        return ("one shared weight (PP 1)" + shard + ": the output layer's wgrad, then the first "
+                "layer's grad, added into its main_grad per microbatch; counted once in the "
+                "grad norm")
     if twin_tp == 1:
         return "True"
     how = ("partial products reduce-scattered along the sequence" if config.sequence_parallel
