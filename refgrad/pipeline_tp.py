@@ -19,7 +19,9 @@ TP group of ``T`` ranks (bitwise claims hold for ``T <= 2``, see below):
   vocab-parallel embedding tied to the head, row block by row block
   (``refgrad.pipeline_embedding``): computed once on every row, so under SP
   each body copy starts from its rows of the TP sum, and its ``[V, H]`` grad
-  is one sum, not one per shard;
+  is one sum, not one per shard; on one stage (``shares_one_weight``, PP 1)
+  it is the head's weight itself, each microbatch adding every TP rank's head
+  wgrad into that sum before the first layer's grad;
 - the **loss** is separable over the split: with a head each TP rank's MSE
   covers its vocab block, with SP and no head its rows; each partial is
   ``sum (out - target)^2 / (R * V) / M`` and the reported loss is the TP sum of

@@ -8,7 +8,8 @@ bucket rule, the same reduction (Megatron's default 1/DP pre-scaling before a
 SUM), the same collective (reduce-scatter with the distributed optimizer,
 all-reduce without), fp32-accumulating reduce-scatter, overlap on or off,
 the deferred output-layer wgrad and the tied-embedding all-reduce (at TP 2 each TP
-rank's vocab-parallel first-layer shard tied to its output-layer shard), with
+rank's vocab-parallel first-layer shard tied to its output-layer shard; at PP 1
+one weight shared by the first layer and the output layer, as production's), with
 ``--twin-hidden-size`` wide Linear+tanh layers in place of transformer blocks,
 and (``--fp8-recipe mxfp8 --fp8-param-gather``) MXFP8 weights through fastgrad's
 MXFP8 buffer, its param all-gather reusing the grad buffer where the
