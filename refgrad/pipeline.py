@@ -52,7 +52,10 @@ class LinearStackSpec:
     per microbatch ``W_head.main_grad += G_kᵀ · X_k`` (one fp32 GEMM, one fp32
     add, microbatch order). ``tied_embedding`` ties ``W_head`` to the first
     stage's ``layers.0.weight`` (same initial values); after the DP reduction
-    both copies become ``fp32(reduced_first + reduced_head)``. At
+    both copies become ``fp32(reduced_first + reduced_head)``. On one stage
+    (``shares_one_weight``) the two are one parameter: each microbatch adds the
+    head's wgrad, then the first layer's grad, into its one sum (at TP > 1 each
+    TP rank's row block, ``refgrad.pipeline_tp``). At
     ``tensor_parallel > 1`` that first layer is a vocab-parallel embedding,
     ``x · W + b`` with ``W`` split over TP by rows as the head is
     (``refgrad.pipeline_embedding``), so each TP rank's two copies are tied.
@@ -92,9 +95,6 @@ class LinearStackSpec:
         if self.output_head and self.num_stages < 2 and self.defer_output_wgrad:
             raise ValueError("LinearStackSpec.output_head with defer_output_wgrad needs "
                              "num_stages >= 2 (the wgrad is deferred to the pipeline flush)")
-        if self.tied_embedding and self.num_stages < 2:
-            raise ValueError("LinearStackSpec.tied_embedding needs num_stages >= 2 (on one stage "
-                             "the tied weights are one parameter, not an all-reduce)")
         limit = self.wgrad_deferral_limit
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
             raise ValueError(f"LinearStackSpec.wgrad_deferral_limit must be an int >= 0 "
@@ -124,6 +124,13 @@ class LinearStackSpec:
         """Tied at TP > 1: the first stage's first layer is a vocab-parallel embedding tied to
         the head (``refgrad.pipeline_embedding``)."""
         return self.tied_embedding and self.tensor_parallel > 1
+
+    @property
+    def shares_one_weight(self) -> bool:
+        """Tied on one stage (production's PP 1): the first layer and the head are ONE
+        parameter; per microbatch the head's wgrad is added into its grad, then the first
+        layer's (the backward reaches the head first), and there is no embedding all-reduce."""
+        return self.tied_embedding and self.num_stages == 1
 
     @property
     def sequence_shards(self) -> int:
@@ -318,6 +325,7 @@ def replica_grad_sums(
 
         return tp_replica_grad_sums(spec, stages, named, head, step, num_microbatches, dp_size)
     head_name = stage_param_name(spec.num_stages - 1, HEAD_PARAM)
+    tied_name = stage_param_name(0, EMBEDDING_PARAM)
     per_replica_sums: list[dict[str, torch.Tensor]] = []
     step_losses: list[list[float]] = []
     for dp_rank in range(dp_size):
@@ -336,6 +344,9 @@ def replica_grad_sums(
             loss = microbatch_loss(out, target, num_microbatches)
             loss.backward()
             losses.append(float(loss.detach()))
+            if spec.shares_one_weight:  # the head's wgrad first: the backward reaches it first
+                grad_output, head_input = record.pop()
+                sums[tied_name] = sums[tied_name] + torch.mm(grad_output.t(), head_input)
             for name, p in named.items():
                 if p.grad is not None:  # the head's stays None: HeadRecordingWgrad records it
                     sums[name] = sums[name] + p.grad
@@ -343,6 +354,8 @@ def replica_grad_sums(
             for k in spec.head_wgrad_order(num_microbatches):
                 grad_output, head_input = record[k]
                 sums[head_name] = sums[head_name] + torch.mm(grad_output.t(), head_input)
+        if spec.shares_one_weight:
+            sums[head_name] = sums[tied_name].clone()  # one parameter, reported under both names
         step_losses.append(losses)
         per_replica_sums.append(sums)
     return per_replica_sums, step_losses
@@ -361,7 +374,7 @@ def reduce_and_tie(
         from refgrad.pipeline_tp import sum_over_tensor_parallel
 
         sum_over_tensor_parallel(spec, reduced)
-    if spec.tied_embedding:
+    if spec.tied_embedding and not spec.shares_one_weight:
         # The embedding all-reduce over the first and last stage, after the DP sync.
         head_name = stage_param_name(spec.num_stages - 1, HEAD_PARAM)
         tied_name = stage_param_name(0, EMBEDDING_PARAM)

@@ -23,14 +23,17 @@ step 5 adds the sequence-parallel grads' TP sum in the grad dtype):
    output layer computes it: an fp32 GEMM on the exactly widened 16-bit
    ``grad_output`` and input, added in fp32 to the buffer and rounded once
    more when the buffer is 16-bit (``refgrad.deferred_wgrad``'s step 3), in
-   ``spec.head_wgrad_order``;
+   ``spec.head_wgrad_order``; tied on one stage (``spec.shares_one_weight``,
+   production's PP 1) the head and the first layer are one weight, and each
+   microbatch adds the head's wgrad into its buffer before the first layer's
+   grad (the backward reaches the head first);
 5. the DP reduction of ``refgrad.pipeline.reduce_across_replicas`` in the
    grad dtype (pre-scaled by ``1/D`` in the grad dtype, then summed in rank
    order with fp32 accumulation and one rounding to the grad dtype: the
    correctly rounded sum for ``D <= 2``, fastgrad's fp32-accumulating
    reduce-scatter for any ``D``), then (TP 2 under SP) the replicated blocks'
    grads summed over TP, then the tied-embedding all-reduce of two grad-dtype
-   values (one rounding).
+   values (one rounding; none for the one weight of ``shares_one_weight``).
 
 The optimizer step on these grads (fp32 masters, the cast back to 16 bits)
 is ``refgrad.optim``.
@@ -85,6 +88,7 @@ def mixed_replica_grad_sums(
     """Each replica's main-grad buffer after one step's microbatches (steps 2-4 of the module
     doc) and its unscaled losses. ``stages``, ``named`` and ``head`` hold 16-bit params."""
     from refgrad.pipeline import (
+        EMBEDDING_PARAM,
         HEAD_PARAM,
         HeadRecordingWgrad,
         microbatch_data,
@@ -101,6 +105,7 @@ def mixed_replica_grad_sums(
                                           dp_size, grad_dtype=grad_dtype, loss_scale=loss_scale)
     scale = 1.0 if loss_scale is None else float(loss_scale)
     head_name = stage_param_name(spec.num_stages - 1, HEAD_PARAM)
+    tied_name = stage_param_name(0, EMBEDDING_PARAM)
     per_replica: list[dict[str, torch.Tensor]] = []
     step_losses: list[list[float]] = []
     for dp_rank in range(dp_size):
@@ -120,6 +125,10 @@ def mixed_replica_grad_sums(
             (loss * scale).backward()
             losses.append(float(loss.detach()))
             with torch.no_grad():
+                if spec.shares_one_weight:  # the head's wgrad first (step 4), then the first layer's
+                    grad_output, head_input = record.pop()
+                    wgrad = torch.mm(grad_output.t().float(), head_input.float())
+                    sums[tied_name] = (sums[tied_name].float() + wgrad).to(grad_dtype)
                 for name, p in named.items():
                     if p.grad is not None:  # the head's stays None: HeadRecordingWgrad records it
                         sums[name] = sums[name].add(p.grad).to(grad_dtype)
@@ -128,6 +137,8 @@ def mixed_replica_grad_sums(
                 grad_output, head_input = record[k]
                 wgrad = torch.mm(grad_output.t().float(), head_input.float())
                 sums[head_name] = (sums[head_name].float() + wgrad).to(grad_dtype)
+        if spec.shares_one_weight:
+            sums[head_name] = sums[tied_name].clone()  # one parameter, reported under both names
         step_losses.append(losses)
         per_replica.append(sums)
     return per_replica, step_losses
@@ -150,7 +161,7 @@ def mixed_reduce_and_tie(
         from refgrad.pipeline_tp_mixed import mixed_sum_over_tensor_parallel
 
         mixed_sum_over_tensor_parallel(spec, reduced)
-    if spec.tied_embedding:
+    if spec.tied_embedding and not spec.shares_one_weight:  # one stage: one weight, no all-reduce
         head_name = stage_param_name(spec.num_stages - 1, HEAD_PARAM)
         tied_name = stage_param_name(0, EMBEDDING_PARAM)
         pair = [reduced[tied_name], reduced[head_name]]

@@ -19,7 +19,9 @@ TP group of ``T`` ranks (bitwise claims hold for ``T <= 2``, see below):
   vocab-parallel embedding tied to the head, row block by row block
   (``refgrad.pipeline_embedding``): computed once on every row, so under SP
   each body copy starts from its rows of the TP sum, and its ``[V, H]`` grad
-  is one sum, not one per shard;
+  is one sum, not one per shard; on one stage (``shares_one_weight``, PP 1)
+  it is the head's weight itself, each microbatch adding every TP rank's head
+  wgrad into that sum before the first layer's grad;
 - the **loss** is separable over the split: with a head each TP rank's MSE
   covers its vocab block, with SP and no head its rows; each partial is
   ``sum (out - target)^2 / (R * V) / M`` and the reported loss is the TP sum of
@@ -114,6 +116,7 @@ def tp_replica_grad_sums(
     sum per TP rank); the head's ``[V, H]`` sum is the row blocks of every TP rank.
     """
     from refgrad.pipeline import (
+        EMBEDDING_PARAM,
         HEAD_PARAM,
         HeadRecordingWgrad,
         microbatch_data,
@@ -122,6 +125,7 @@ def tp_replica_grad_sums(
 
     shards, tp = spec.sequence_shards, spec.tensor_parallel
     head_name = stage_param_name(spec.num_stages - 1, HEAD_PARAM)
+    tied_name = stage_param_name(0, EMBEDDING_PARAM)
     # TP-split like the head: one grad sum of all of it, never per sequence shard.
     split = vocab_split_names(spec)
     copies = [list(stages)] + [copy.deepcopy(list(stages)) for _ in range(1, shards)]
@@ -176,6 +180,9 @@ def tp_replica_grad_sums(
                 loss = loss + part  # the TP all-reduce of the partial losses
             loss.backward()
             losses.append(float(loss.detach()))
+            if spec.shares_one_weight:  # one weight (one stage): each TP rank's head wgrad first
+                wgrad = torch.cat([torch.mm(g.t(), x) for [(g, x)] in records.pop()])
+                sums[tied_name] = sums[tied_name] + wgrad
             for k, params in enumerate(copy_named):
                 for n, p in params.items():
                     if p.grad is None:
@@ -184,7 +191,9 @@ def tp_replica_grad_sums(
                         sums[n][k] = sums[n][k] + p.grad
                     else:
                         sums[n] = sums[n] + p.grad
-        if head is not None:
+        if spec.shares_one_weight:
+            sums[head_name] = sums[tied_name].clone()  # one parameter, reported under both names
+        elif head is not None:
             for m in spec.head_wgrad_order(num_microbatches):
                 wgrad = torch.cat([torch.mm(g.t(), x) for [(g, x)] in records[m]])
                 sums[head_name] = sums[head_name] + wgrad

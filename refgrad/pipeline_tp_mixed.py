@@ -83,7 +83,13 @@ def mixed_tp_replica_grad_sums(
     """Each replica's grad-dtype buffers after one step (steps 1-4 of the module doc) and its
     unscaled losses. Under SP a block param's buffer has a leading TP dimension (one per TP
     rank's sequence shard); the head's ``[V, H]`` buffer is every TP rank's row block."""
-    from refgrad.pipeline import HEAD_PARAM, HeadRecordingWgrad, microbatch_data, stage_param_name
+    from refgrad.pipeline import (
+        EMBEDDING_PARAM,
+        HEAD_PARAM,
+        HeadRecordingWgrad,
+        microbatch_data,
+        stage_param_name,
+    )
     from refgrad.pipeline_tp import (
         head_shard,
         loss_target,
@@ -99,6 +105,7 @@ def mixed_tp_replica_grad_sums(
     scale = 1.0 if loss_scale is None else float(loss_scale)
     shards, tp = spec.sequence_shards, spec.tensor_parallel
     head_name = stage_param_name(spec.num_stages - 1, HEAD_PARAM)
+    tied_name = stage_param_name(0, EMBEDDING_PARAM)
     copy_named, bodies = _rank_bodies(spec, stages)
     split = vocab_split_names(spec)  # TP-split by vocabulary rows: one buffer, never per shard
     body_names = [n for n in named if n != head_name]
@@ -142,6 +149,9 @@ def mixed_tp_replica_grad_sums(
             (loss * scale).backward()
             losses.append(float(loss.detach()))
             with torch.no_grad():
+                if spec.shares_one_weight:  # one weight (one stage): each TP rank's head wgrad first
+                    wgrad = torch.cat([torch.mm(g.t().float(), x.float()) for [(g, x)] in records.pop()])
+                    sums[tied_name] = (sums[tied_name].float() + wgrad).to(grad_dtype)
                 for k, params in enumerate(copy_named):
                     for n, p in params.items():
                         if p.grad is None:
@@ -152,10 +162,11 @@ def mixed_tp_replica_grad_sums(
                             sums[n] = sums[n].add(p.grad).to(grad_dtype)
         with torch.no_grad():
             head_sum = torch.zeros(head.shape, dtype=grad_dtype)
-            for m in spec.head_wgrad_order(num_microbatches):
+            for m in spec.head_wgrad_order(num_microbatches) if records else ():
                 wgrad = torch.cat([torch.mm(g.t().float(), x.float()) for [(g, x)] in records[m]])
                 head_sum = (head_sum.float() + wgrad).to(grad_dtype)
-            sums[head_name] = head_sum
+            # One weight (one stage): reported under both names.
+            sums[head_name] = sums[tied_name].clone() if spec.shares_one_weight else head_sum
         step_losses.append(losses)
         per_replica.append(sums)
     return per_replica, step_losses

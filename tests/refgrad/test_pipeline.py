@@ -119,6 +119,34 @@ def test_tied_output_head_copies_stay_equal_and_get_the_summed_grad():
     assert torch.count_nonzero(ref.replica_sums[0][0][head]) > 0
 
 
+def test_tied_on_one_stage_is_one_weight_head_wgrad_then_first_layer_grad_per_microbatch():
+    """Production's PP 1: per microbatch ``acc = (acc + Gᵀ·X) + grad_first``, no all-reduce;
+    by hand with the head's use detached, so each contribution is computed on its own."""
+    from refgrad.pipeline import EMBEDDING_PARAM, HEAD_PARAM
+
+    spec = LinearStackSpec(num_stages=1, seed=7, output_head=True, tied_embedding=True,
+                           defer_output_wgrad=False)
+    assert spec.shares_one_weight
+    ref = reference_training(spec, [StepPlan(3)], dp_size=1)
+    head, emb = stage_param_name(0, HEAD_PARAM), stage_param_name(0, EMBEDDING_PARAM)
+    stage = StageModule(spec, 0)
+    weight = stage.layers[0].weight
+    inputs, targets = microbatch_data(spec, 0, 0, 3)
+    expected, other_order = torch.zeros_like(weight), torch.zeros_like(weight)
+    for x, t in zip(inputs, targets):
+        stage.zero_grad()
+        hidden = stage(x)
+        hidden.retain_grad()
+        logits = torch.matmul(hidden, weight.detach().t())
+        logits.retain_grad()
+        microbatch_loss(logits, t, 3).backward()
+        head_wgrad = torch.mm(logits.grad.t(), hidden.detach())
+        expected = (expected + head_wgrad) + weight.grad
+        other_order = (other_order + weight.grad) + head_wgrad
+    assert torch.equal(ref.grads[0][emb], expected) and torch.equal(ref.grads[0][head], expected)
+    assert not torch.equal(expected, other_order)  # the order shows at these values
+
+
 def test_head_wgrad_is_the_microbatch_ordered_sum_of_gemms():
     from refgrad.pipeline import HEAD_PARAM, head_weight_init
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import replace
 
 import pytest
@@ -23,7 +24,13 @@ from verify.preflight.flags import parse_megatron_flags
 from verify.preflight.hazards import FINDING, SAFE, decide_hazards, deferred_entries
 from verify.preflight.render import render_markdown
 from verify.preflight.timing import CostInputs
-from verify.preflight.twin import TwinOptions, TwinSizeError, plan_twin, ulp_bound_factor
+from verify.preflight.twin import (
+    TwinOptions,
+    TwinSizeError,
+    plan_twin,
+    reference_for,
+    ulp_bound_factor,
+)
 from verify.preflight.twin_precision import TwinPrecision
 from verify.preflight.twin_stage import finish_twin_report
 from verify.preflight.twin_worker import TwinCandidate, twin_phases_worker
@@ -74,7 +81,8 @@ BUCKETS = ["--pipeline-model-parallel-size", "2", "--data-parallel-size", "2",
 TP2_SP = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
           "--data-parallel-size", "2", "--global-batch-size", "8", "--sequence-parallel",
           "--defer-embedding-wgrad-compute", "--overlap-grad-reduce", "--use-distributed-optimizer"]
-# TP2 PP1 DP2 M4, sequence parallel, no output layer: the loss split over sequence shards.
+# TP2 PP1 DP2 M4, sequence parallel, tied: each TP rank's vocab-parallel first-layer shard is its
+# output-layer shard (one weight), the blocks on sequence shards.
 TP2_SP_PP1 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1",
               "--data-parallel-size", "2", "--global-batch-size", "8", "--sequence-parallel"]
 # TP2 PP2 VPP2 DP1 M4, sequence parallel, interleaved: the TP all-reduce after the chunks' sync.
@@ -96,6 +104,12 @@ TP2_TIED = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size
             "--data-parallel-size", "2", "--global-batch-size", "8",
             "--defer-embedding-wgrad-compute"]
 
+# PP1 DP2 M4, tied: production's embedding and output layer are one weight (the output layer's
+# wgrad, then the embedding's grad, into its main_grad per microbatch; no all-reduce), with
+# overlap and the distributed optimizer (AdamW, the weight once in the grad norm).
+PP1_TIED = ["--pipeline-model-parallel-size", "1", "--data-parallel-size", "2",
+            "--global-batch-size", "8", "--overlap-grad-reduce", "--use-distributed-optimizer"]
+
 # name -> (flags, phase, first rank, twin options)
 LAYOUT = {"tied_deferred": (TIED_DEFERRED, 0, 0, SMALL), "interleaved": (INTERLEAVED, 0, 4, SMALL),
           "untied_adamw": (UNTIED_ADAMW, 0, 6, SMALL),
@@ -103,20 +117,27 @@ LAYOUT = {"tied_deferred": (TIED_DEFERRED, 0, 0, SMALL), "interleaved": (INTERLE
           "buckets": (BUCKETS, 2, 0, replace(SMALL, layers=2)), "tp2_sp_pp1": (TP2_SP_PP1, 2, 4, SMALL),
           "tp2_sp": (TP2_SP, 3, 0, SMALL), "tp2_sp_vpp": (TP2_SP_VPP, 4, 0, SMALL),
           "interleaved_deferred": (INTERLEAVED_DEFERRED, 4, 4, SMALL),
-          "tp2_tied": (TP2_TIED, 6, 0, SMALL)}
+          "tp2_tied": (TP2_TIED, 6, 0, SMALL), "pp1_tied": (PP1_TIED, 5, 2, SMALL)}
 # Broken fastgrads, trained beside them: name -> (flags, phase, first rank, options, candidate).
 BROKEN = {"interleaved_lifo": (INTERLEAVED_DEFERRED[:5] + ["1", "--global-batch-size", "4",
                                                             "--defer-embedding-wgrad-compute"],
                                5, 0, SMALL, TwinCandidate("lifo drain", "lifo")),
           # TP2 PP2 DP1, tied: each first-stage shard all-reduced with the other TP rank's head.
           "tp2_crossed": (TP2_TIED[:5] + ["1", "--global-batch-size", "4"], 5, 4, SMALL,
-                          TwinCandidate("crossed embedding group", embedding_group="other_tp_rank"))}
+                          TwinCandidate("crossed embedding group", embedding_group="other_tp_rank")),
+          # PP1 DP2, tied (one weight): the embedding's grad added before the output layer's
+          # wgrad in each microbatch, or the output layer's wgrad never added.
+          "pp1_embedding_first": (PP1_TIED, 7, 0, SMALL,
+                                  TwinCandidate("embedding grad first",
+                                                shared_weight_grads="embedding_first")),
+          "pp1_head_dropped": (PP1_TIED, 7, 2, SMALL,
+                               TwinCandidate("output wgrad dropped", shared_weight_grads="head_dropped"))}
 
 
 @pytest.fixture(scope="module")
 def twins():
     """Every configuration of LAYOUT trained in one spawned world; plans and results by name."""
-    plans, phases = {}, [[], [], [], [], [], [], []]
+    plans, phases = {}, [[] for _ in range(8)]
     layout = {name: (*entry, TwinCandidate()) for name, entry in LAYOUT.items()} | BROKEN
     for name, (flags, phase, first, options, candidate) in layout.items():
         config, report = _config(flags)
@@ -158,10 +179,12 @@ def test_twin_claims_and_gaps_follow_the_configuration(twins):
     dp3 = twins["dp3"][2]
     assert not dp3.bitwise and f"{ulp_bound_factor(3)} x (step+1) ULP" in dp3.order_note
     # PP 1: the output layer follows the only stage, computed in the backward; production's
-    # tied embedding is one weight there, so the twin unties it and says so.
-    assert dp3.case.spec.output_head and not dp3.case.spec.tied_embedding
+    # tied embedding is one weight there, and so it is in the twin (not listed as left out).
+    assert dp3.case.spec.output_head and dp3.case.spec.shares_one_weight
     assert not dp3.case.spec.defer_output_wgrad
-    assert any(g.startswith("tied embedding at PP 1") for g in dp3.not_twinned)
+    assert not any("tied embedding" in g for g in dp3.not_twinned)
+    assert dict((s, t) for s, _, t in dp3.mapping)["tied embedding all-reduce"].startswith(
+        "one shared weight (PP 1)")
     assert ulp_bound_factor(3) == 8 * 2 * 3  # 8 (D-1) D, as documented
     tied = twins["tied_deferred"][2].case
     assert tied.spec.output_head and tied.spec.tied_embedding
@@ -227,18 +250,21 @@ def test_twin_runs_tensor_parallel_ranks_and_checks_each(twins):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("name", ["tp2_tied", "tp2_sp", "tp2_sp_vpp"])
+@pytest.mark.parametrize("name", ["tp2_tied", "tp2_sp", "tp2_sp_vpp", "tp2_sp_pp1"])
 def test_tied_twin_at_tp2_ties_each_tp_ranks_shards(twins, name):
-    """Tied at TP 2 (with and without SP, at VPP 2 too): the first stage's first layer is
-    vocab-parallel, and after every step each (replica, TP rank) holds the same rows in its
-    first-stage weight and its output layer, grads and params bitwise; the two TP ranks hold
-    different rows. The report no longer lists the tie as not twinned."""
+    """Tied at TP 2 (with and without SP, at VPP 2 too, and at PP 1 where each TP rank's shard
+    is one weight shared by both layers): the first stage's first layer is vocab-parallel, and
+    after every step each (replica, TP rank) holds the same rows in its first-stage weight and
+    its output layer, grads and params bitwise; the two TP ranks hold different rows. The
+    report no longer lists the tie as not twinned."""
     _, report, plan, passed, results = twins[name]
     spec = plan.case.spec
     assert passed and spec.tied_embedding and spec.vocab_parallel_embedding
+    assert spec.shares_one_weight == (name == "tp2_sp_pp1")
     assert not any("tied" in g for g in plan.not_twinned), plan.not_twinned
     assert dict((m[0], m[2]) for m in plan.mapping)["tied embedding all-reduce"].startswith(
-        "True: vocab-parallel first layer")
+        "one shared weight (PP 1) (TP 2" if spec.shares_one_weight
+        else "True: vocab-parallel first layer")
     emb, head = "stage0.layers.0.weight", f"stage{spec.num_stages - 1}.head.weight"
     ranks = [r for r in results if r is not None]
     first = {(r.dp_rank, r.tp_rank): r for r in ranks if r.stage == 0}
@@ -266,6 +292,63 @@ def test_an_embedding_all_reduce_over_the_other_tp_ranks_group_fails(twins):
             assert any(f.startswith(f"step 0: reduced gradient {name} (replica 0, TP rank "
                                     f"{tp_rank}) differs") for f in failures), (name, failures[:4])
     # Everything not summed through the wrong group still matches at step 0.
+    assert not any(f.startswith("step 0: reduced gradient stage0.layers.0.bias") for f in failures)
+
+
+def test_the_pp1_tied_twin_builds_one_weight_for_the_embedding_and_the_output_layer():
+    """Tied at PP 1 the rank's first layer and output layer hold the same Parameter, so DDP
+    (which takes ``module.parameters()``) sees it once; autograd's hook, not the schedule's
+    ``mark_grad_ready``, makes it ready, and nothing is drained or all-reduced."""
+    from types import SimpleNamespace
+
+    from refgrad.pipeline import EMBEDDING_PARAM, HEAD_PARAM, stage_param_name
+    from verify.checks.pipeline.shared_weight import drained_head, external_grad_params
+    from verify.checks.pipeline.worker import build_stage_model
+
+    case = plan_twin(_config(PP1_TIED)[0], SMALL).case
+    groups = SimpleNamespace(stage=0, tp_rank=0, tp_group=None)
+    module, named, head, tied = build_stage_model(case, groups)
+    emb, out = stage_param_name(0, EMBEDDING_PARAM), stage_param_name(0, HEAD_PARAM)
+    assert named[emb] is named[out] is head.weight
+    assert len(list(module.parameters())) == 2 * SMALL.layers  # weight + bias per layer, no copy
+    assert tied == [] and not getattr(head.weight, "shared_embedding", False)
+    assert external_grad_params(case.spec, head) == [] and drained_head(case.spec, head) is None
+
+
+@pytest.mark.dist
+def test_the_pp1_tied_twin_matches_refgrad_with_one_weight_under_both_names(twins):
+    config, report, plan, passed, results = twins["pp1_tied"]
+    assert plan.case.spec.shares_one_weight and passed, report["twin"]["failures"][:3]
+    emb, out = "stage0.layers.0.weight", "stage0.head.weight"
+    ranks = [res for res in results if res is not None]
+    assert len(ranks) == 2
+    for res in ranks:
+        for step in range(SMALL.steps):
+            assert res.grads[step][emb].equal(res.grads[step][out])
+            assert res.params[step][emb].equal(res.params[step][out])
+    # The weight counts once in the norm: refgrad's norm (its head copy marked shared) is the
+    # ranks' (compared bitwise by the twin) and differs from a norm counting it twice.
+    reference = reference_for(plan)
+    grads = reference.grads[0]
+    once = math.fsum(float(g.double().square().sum()) for n, g in grads.items() if n != out)
+    assert math.isclose(reference.steps[0][1] ** 2, once, rel_tol=1e-12)
+    assert not math.isclose(reference.steps[0][1] ** 2,
+                            once + float(grads[out].double().square().sum()), rel_tol=1e-6)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", ["pp1_embedding_first", "pp1_head_dropped"])
+def test_the_shared_weights_grads_in_the_other_order_or_one_dropped_fail(twins, name):
+    """Tied at PP 1: a fastgrad adding the embedding's grad before the output layer's wgrad
+    (a different fp32 sum per microbatch), or dropping the wgrad, fails at step 0 on the
+    shared weight, on every replica; the biases still match at step 0."""
+    _, broken, plan, passed, _ = twins[name]
+    assert plan.case.spec.shares_one_weight and not passed
+    assert broken["verdict"].startswith("FAIL")
+    failures = broken["twin"]["failures"]
+    for replica in (0, 1):
+        assert any(f.startswith(f"step 0: reduced gradient stage0.layers.0.weight (replica "
+                                f"{replica}) differs") for f in failures), failures[:4]
     assert not any(f.startswith("step 0: reduced gradient stage0.layers.0.bias") for f in failures)
 
 

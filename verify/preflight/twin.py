@@ -8,7 +8,8 @@ bucket rule, the same reduction (Megatron's default 1/DP pre-scaling before a
 SUM), the same collective (reduce-scatter with the distributed optimizer,
 all-reduce without), fp32-accumulating reduce-scatter, overlap on or off,
 the deferred output-layer wgrad and the tied-embedding all-reduce (at TP 2 each TP
-rank's vocab-parallel first-layer shard tied to its output-layer shard), with
+rank's vocab-parallel first-layer shard tied to its output-layer shard; at PP 1
+one weight shared by the first layer and the output layer, as production's), with
 ``--twin-hidden-size`` wide Linear+tanh layers in place of transformer blocks,
 and (``--fp8-recipe mxfp8 --fp8-param-gather``) MXFP8 weights through fastgrad's
 MXFP8 buffer, its param all-gather reusing the grad buffer where the
@@ -131,12 +132,13 @@ def plan_twin(config: PreflightConfig, options: TwinOptions) -> TwinPlan:
     if sequence_parallel and rows % twin_tp:
         rows *= twin_tp  # each sample twin_tp tokens long, so the sequence splits over TP
     # At TP 2 the tied first layer is vocab-parallel (refgrad.pipeline_embedding), so each TP
-    # rank's embedding and output-layer shards are tied over its own embedding group.
-    tied = config.tied_embeddings and pp > 1
-    if pp == 1 and config.tied_embeddings:
-        not_twinned.append("tied embedding at PP 1: production's embedding and output layer are "
-                           "one weight (both grads summed in the backward, no all-reduce); the "
-                           "twin's output layer is untied")
+    # rank's embedding and output-layer shards are tied over its own embedding group. At PP 1
+    # the two are one weight (LinearStackSpec.shares_one_weight; at TP 2 one shard per TP rank).
+    tied = config.tied_embeddings and (pp > 1 or not twins_mxfp8(config))
+    if pp == 1 and config.tied_embeddings and not tied:
+        not_twinned.append("tied embedding at PP 1 with MXFP8 params: production's embedding and "
+                           "output layer are one weight (both grads summed in the backward, no "
+                           "all-reduce); the twin's output layer is untied")
     m = _twin_microbatches(config, options)
     spec = LinearStackSpec(num_stages=pp * vpp, layers_per_stage=layers, hidden=h,
                            microbatch_size=rows, seed=config.seed % 100_000,
@@ -203,7 +205,7 @@ def plan_twin(config: PreflightConfig, options: TwinOptions) -> TwinPlan:
          f"{bucket} elements on stage 0's first chunk, one bucket elsewhere"
          if config.overlap_grad_reduce else "one bucket per chunk"),
         ("output layer", _output_wgrad(config), _output_wgrad(config)),
-        ("tied embedding all-reduce", str(config.tied_embeddings and pp > 1),
+        ("tied embedding all-reduce", _production_tie(config),
          _tied_layout(config, twin_tp, tied)),
         ("optimizer", "distributed optimizer" if config.use_distributed_optimizer
          else "fp32 masters of every param (no distributed optimizer)",
@@ -239,10 +241,25 @@ def _tp_layout(tp: int, sequence_parallel: bool, twin: bool = False) -> str:
             "(identical on every TP rank)")
 
 
+def _production_tie(config: PreflightConfig) -> str:
+    """Production's tie: the all-reduce (PP > 1), one shared weight (PP 1), or none."""
+    if not config.tied_embeddings:
+        return "False"
+    if config.pipeline_model_parallel_size == 1:
+        return "one shared weight (PP 1: no all-reduce)"
+    return "True"
+
+
 def _tied_layout(config: PreflightConfig, twin_tp: int, tied: bool) -> str:
-    """The twin's tied embedding: off, at TP 1, or vocab-parallel at TP 2."""
+    """The twin's tied embedding: off, one shared weight (PP 1), at TP 1, or vocab-parallel."""
     if not tied:
         return "False"
+    if config.pipeline_model_parallel_size == 1:
+        shard = (" (TP 2: each TP rank's vocab-parallel first-layer shard is its output-layer "
+                 "shard)" if twin_tp > 1 else "")
+        return ("one shared weight (PP 1)" + shard + ": the output layer's wgrad, then the first "
+                "layer's grad, added into its main_grad per microbatch; counted once in the "
+                "grad norm")
     if twin_tp == 1:
         return "True"
     how = ("partial products reduce-scattered along the sequence" if config.sequence_parallel

@@ -156,8 +156,9 @@ def _ddp_config(case: Any, overlap: bool, optim: AdamWTwin, stage: int, chunk: i
                                grad_reduce_in_fp32=optim.precision.grads == "fp32")
 
 
-def full_grads(ddps: list[Any], name_of: dict[int, str], case: Any, groups: Any) -> dict:
-    """Every param's reduced grad: each rank reduced only its shard, so gather the rest."""
+def full_grads(ddps: list[Any], name_of: dict[int, Any], case: Any, groups: Any) -> dict:
+    """Every param's reduced grad: each rank reduced only its shard, so gather the rest.
+    ``name_of[id(param)]``: its name, or a list of its names (a shared weight)."""
     from fastgrad.comm import all_gather_into
 
     grads = {}
@@ -168,7 +169,9 @@ def full_grads(ddps: list[Any], name_of: dict[int, str], case: Any, groups: Any)
                 all_gather_into(full, bucket.local_grad_shard.clone(), group=groups.dp_group)
             for p in bucket.params:
                 start, end = bucket.param_to_index[p]
-                grads[name_of[id(p)]] = full[start:end].reshape(p.shape).clone()
+                names = name_of[id(p)]
+                for name in [names] if isinstance(names, str) else names:
+                    grads[name] = full[start:end].reshape(p.shape).clone()
     return grads
 
 
@@ -246,6 +249,7 @@ def run_optimizer_rank(case: Any, groups: Any, overlap: bool,
     from fastgrad.optim import ModelChunks
     from fastgrad.pipeline import forward_backward_1f1b
     from fastgrad.pipeline_interleaved import forward_backward_interleaved
+    from verify.checks.pipeline.shared_weight import drained_head, external_grad_params
     from verify.checks.pipeline.worker import build_stage_model, rank_microbatches, total_losses
 
     optim = optim or AdamWTwin()
@@ -258,15 +262,17 @@ def run_optimizer_rank(case: Any, groups: Any, overlap: bool,
     heads = [head for _, _, head, _ in built]
     head = next((h for h in heads if h is not None), None)  # the last virtual stage's
     tied = [p for _, _, _, chunk_tied in built for p in chunk_tied]
-    if head is not None and spec.tied_embedding:
-        head.weight.shared = True  # the second copy: out of the grad norm
+    if head is not None and spec.tied_embedding and not spec.shares_one_weight:
+        head.weight.shared = True  # the second copy: out of the grad norm (PP 1: one weight, in it)
     ddps = [DistributedDataParallel(module, config=_ddp_config(case, overlap, optim, stage, c),
                                     dp_group=groups.dp_group, average=case.reduction != "sum",
-                                    external_grad_params=[] if heads[c] is None else [heads[c].weight])
+                                    external_grad_params=external_grad_params(spec, heads[c]))
             for c, module in enumerate(modules)]
     target = ddps[0] if chunks == 1 else ModelChunks(ddps)
     optimizer = _optimizer(target, optim, case, groups)
-    name_of = {id(p): n for n, p in named.items()}
+    name_of: dict[int, list[str]] = {}
+    for n, p in named.items():  # the shared weight (tied at PP 1) under both its names
+        name_of.setdefault(id(p), []).append(n)
     rec = _Recorder(OptimRankResult(stage=stage, dp_rank=groups.dp_rank, tp_rank=groups.tp_rank),
                     optimizer, target, named)
     for step, plan in enumerate(case.plans):
@@ -281,7 +287,7 @@ def run_optimizer_rank(case: Any, groups: Any, overlap: bool,
                       dtype=optim.precision.param_dtype, loss_fn=mixed_loss_fn(loss_fn, scale),
                       inputs=cast_inputs(inputs, optim.precision) if groups.is_first_stage else None,
                       targets=targets if groups.is_last_stage else None,
-                      deferred_wgrad=head, embedding_params=tied)
+                      deferred_wgrad=drained_head(spec, head), embedding_params=tied)
         rec.before_forward()
         if chunks == 1:
             losses = forward_backward_1f1b(modules[0], grad_sync=ddps[0], **common)

@@ -2,11 +2,12 @@
 
 A :class:`TwinCandidate` names the fastgrad the twin trains with. Production's
 is the default; tests hand in deliberately broken ones (a drain that runs its
-deferred GEMMs last-in first-out, or a tied embedding all-reduced with the
-other TP rank's output layer) to prove that preflight notices. Each is a fault
-of the case (``PipelineCase.fault = "lifo_drain"`` / ``"crossed_embedding_group"``):
-each rank builds its own output layer with the wrong drain, or its own wrong
-embedding group; no library class is changed.
+deferred GEMMs last-in first-out, a tied embedding all-reduced with the
+other TP rank's output layer, or, tied at PP 1, the shared weight's two grads
+added in the wrong order or one dropped) to prove that preflight notices. Each
+is a fault of the case (``PipelineCase.fault``): each rank builds its own output
+layer with the wrong drain or wgrad, or its own wrong embedding group; no
+library class is changed.
 """
 
 from __future__ import annotations
@@ -16,17 +17,25 @@ from typing import Any
 
 DRAIN_ORDERS = ("fifo", "lifo")
 EMBEDDING_GROUPS = ("same_tp_rank", "other_tp_rank")
+# Tied at PP 1 (one shared weight): per microbatch the output layer's wgrad, then the first
+# layer's grad (production); the other order, or the output layer's wgrad dropped (broken).
+SHARED_WEIGHT_GRADS = ("head_first", "embedding_first", "head_dropped")
+_SHARED_WEIGHT_FAULTS = {"embedding_first": "embedding_grad_first",
+                         "head_dropped": "dropped_head_wgrad"}
 
 
 @dataclass(frozen=True)
 class TwinCandidate:
     """The fastgrad under test. ``drain_order="lifo"`` breaks the deferred-wgrad drain on purpose;
     ``embedding_group="other_tp_rank"`` all-reduces each tied embedding shard (TP 2) with the
-    other TP rank's output-layer shard."""
+    other TP rank's output-layer shard; ``shared_weight_grads`` (tied at PP 1, one weight)
+    ``"embedding_first"`` adds the output layer's wgrad after the first layer's grad,
+    ``"head_dropped"`` never adds it."""
 
     name: str = "fastgrad"
     drain_order: str = "fifo"
     embedding_group: str = "same_tp_rank"
+    shared_weight_grads: str = "head_first"
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -37,12 +46,19 @@ class TwinCandidate:
         if self.embedding_group not in EMBEDDING_GROUPS:
             raise ValueError(f"TwinCandidate.embedding_group must be one of {EMBEDDING_GROUPS}, "
                              f"got {self.embedding_group!r}")
-        if self.drain_order != "fifo" and self.embedding_group != "same_tp_rank":
-            raise ValueError("TwinCandidate: one fault at a time (drain_order or embedding_group)")
+        if self.shared_weight_grads not in SHARED_WEIGHT_GRADS:
+            raise ValueError(f"TwinCandidate.shared_weight_grads must be one of "
+                             f"{SHARED_WEIGHT_GRADS}, got {self.shared_weight_grads!r}")
+        faults = (self.drain_order != "fifo", self.embedding_group != "same_tp_rank",
+                  self.shared_weight_grads != "head_first")
+        if sum(faults) > 1:
+            raise ValueError("TwinCandidate: one fault at a time (drain_order, embedding_group "
+                             "or shared_weight_grads)")
 
     @property
     def is_production(self) -> bool:
-        return self.drain_order == "fifo" and self.embedding_group == "same_tp_rank"
+        return (self.drain_order == "fifo" and self.embedding_group == "same_tp_rank"
+                and self.shared_weight_grads == "head_first")
 
 
 def with_candidate(case: Any, candidate: TwinCandidate) -> Any:
@@ -52,7 +68,10 @@ def with_candidate(case: Any, candidate: TwinCandidate) -> Any:
         return case
     from dataclasses import replace
 
-    fault = "lifo_drain" if candidate.drain_order == "lifo" else "crossed_embedding_group"
+    if candidate.shared_weight_grads != "head_first":
+        fault = _SHARED_WEIGHT_FAULTS[candidate.shared_weight_grads]
+    else:
+        fault = "lifo_drain" if candidate.drain_order == "lifo" else "crossed_embedding_group"
     return replace(case, fault=fault)
 
 

@@ -19,9 +19,12 @@ from refgrad.pipeline import (
 # in reverse; "lifo_drain" gives the last stage an output layer whose deferred-wgrad drain
 # runs newest first (a different fp32 sum order); "crossed_embedding_group" (TP 2, tied) pairs
 # the first stage of each TP rank with the last stage of the other TP rank for the embedding
-# all-reduce (same shard shape, wrong rows). Each is applied by the rank to its own data, layer
+# all-reduce (same shard shape, wrong rows); "embedding_grad_first" and "dropped_head_wgrad"
+# (tied at PP 1: one shared weight) add the output layer's wgrad after the first layer's grad,
+# or never (verify.checks.pipeline.shared_weight). Each is applied by the rank to its own data, layer
 # instance or group, never by changing a library class.
-FAULTS = (None, "reversed_microbatches", "lifo_drain", "crossed_embedding_group")
+FAULTS = (None, "reversed_microbatches", "lifo_drain", "crossed_embedding_group",
+          "embedding_grad_first", "dropped_head_wgrad")
 
 
 @dataclass(frozen=True)

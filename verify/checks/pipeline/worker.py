@@ -19,6 +19,12 @@ from refgrad.pipeline import (
 from refgrad.pipeline_embedding import vocab_block
 from refgrad.pipeline_tp import head_shard, loss_target, sequence_shard, splits_loss, stage_loss
 from verify.checks.pipeline.cases import PipelineCase, RankResult
+from verify.checks.pipeline.shared_weight import (
+    drained_head,
+    external_grad_params,
+    share_head_weight,
+    updated_once,
+)
 
 
 def case_ddp_config(case: PipelineCase, overlap: bool, stage: int, chunk: int = 0):
@@ -186,7 +192,7 @@ def run_interleaved_case_on_rank(case: PipelineCase, groups: Any, overlap: bool,
     tied = [p for *_, per_chunk in built for p in per_chunk]
     ddps = [DistributedDataParallel(chunk, config=case_ddp_config(case, overlap, stage, c),
                                     dp_group=groups.dp_group, average=case.reduction != "sum",
-                                    external_grad_params=[] if heads[c] is None else [heads[c].weight])
+                                    external_grad_params=external_grad_params(case.spec, heads[c]))
             for c, chunk in enumerate(chunks)]
     result = RankResult(stage=stage, dp_rank=groups.dp_rank, tp_rank=groups.tp_rank)
     timeline = Timeline(groups.rank)
@@ -213,7 +219,7 @@ def run_interleaved_case_on_rank(case: PipelineCase, groups: Any, overlap: bool,
             inputs=inputs if groups.is_first_stage else None,
             targets=targets if groups.is_last_stage else None,
             timeline=timeline,
-            deferred_wgrad=head,
+            deferred_wgrad=drained_head(case.spec, head),
             embedding_params=tied,
         )
         result.events.append(list(timeline.events))
@@ -224,9 +230,8 @@ def run_interleaved_case_on_rank(case: PipelineCase, groups: Any, overlap: bool,
         result.launch_sites.append(tuple(s for ddp in ddps for s in ddp.last_launch_sites))
         result.chunk_enables.append(log)
         with torch.no_grad():
-            for name, p in named.items():
-                if name not in plan.frozen:
-                    p.copy_(sgd_update(p, p.main_grad, case.lr))
+            for p in updated_once(named, plan.frozen):
+                p.copy_(sgd_update(p, p.main_grad, case.lr))
         result.params.append({n: p.detach().clone() for n, p in named.items()})
     result.relearn_count = sum(ddp.relearn_count for ddp in ddps)
     for ddp in ddps:
@@ -238,7 +243,10 @@ def output_layer_class(fault: str | None) -> type:
     """fastgrad's output layer, or (fault ``"lifo_drain"``) a subclass whose drain runs the
     deferred GEMMs newest first; the fault lives on this rank's instance only."""
     from fastgrad.deferred_wgrad import ColumnParallelOutputLayer
+    from verify.checks.pipeline.shared_weight import SHARED_WEIGHT_FAULTS, faulty_output_layer
 
+    if fault in SHARED_WEIGHT_FAULTS:
+        return faulty_output_layer(ColumnParallelOutputLayer, fault)
     if fault != "lifo_drain":
         return ColumnParallelOutputLayer
 
@@ -281,12 +289,15 @@ def build_stage_model(case: PipelineCase, groups: Any,
                                  sequence_parallel=spec.sequence_parallel),
             tp_group=groups.tp_group,
         )
+        share_head_weight(spec, body, head)  # tied at PP 1: one Parameter, two uses
         module = BodyWithHead(body, head)
         named[stage_param_name(stage, HEAD_PARAM)] = head.weight
         if spec.tied_embedding:
             tied = [head.weight]
     if spec.tied_embedding and stage == 0:
         tied = [named[stage_param_name(0, EMBEDDING_PARAM)]]
+    if spec.shares_one_weight:
+        tied = []  # one weight: nothing to all-reduce, no own bucket (production at PP 1)
     for param in tied:
         # Own bucket, same bucket-relative offsets on both stages: the DP shards of the
         # two copies line up, so the embedding all-reduce is right on every shard.
@@ -313,7 +324,7 @@ def run_case_on_rank(case: PipelineCase, groups: Any, overlap: bool,
         config=case_ddp_config(case, overlap, stage),
         dp_group=groups.dp_group,
         average=case.reduction != "sum",
-        external_grad_params=[] if head is None else [head.weight],
+        external_grad_params=external_grad_params(case.spec, head),
     )
     result = RankResult(stage=stage, dp_rank=groups.dp_rank, tp_rank=groups.tp_rank)
     timeline = Timeline(groups.rank)
@@ -339,7 +350,7 @@ def run_case_on_rank(case: PipelineCase, groups: Any, overlap: bool,
             inputs=inputs if groups.is_first_stage else None,
             targets=targets if groups.is_last_stage else None,
             timeline=timeline,
-            deferred_wgrad=head,
+            deferred_wgrad=drained_head(case.spec, head),
             embedding_params=tied,
         )
         result.events.append(list(timeline.events))
@@ -348,9 +359,8 @@ def run_case_on_rank(case: PipelineCase, groups: Any, overlap: bool,
         result.grads.append({n: p.main_grad.detach().clone() for n, p in named.items()})
         result.launch_sites.append(ddp.last_launch_sites)
         with torch.no_grad():
-            for name, p in named.items():
-                if name not in plan.frozen:
-                    p.copy_(sgd_update(p, p.main_grad, case.lr))
+            for p in updated_once(named, plan.frozen):
+                p.copy_(sgd_update(p, p.main_grad, case.lr))
         result.params.append({n: p.detach().clone() for n, p in named.items()})
     result.relearn_count = ddp.relearn_count
     ddp.remove_hooks()
