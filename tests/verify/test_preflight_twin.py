@@ -24,13 +24,8 @@ from verify.preflight.flags import parse_megatron_flags
 from verify.preflight.hazards import FINDING, SAFE, decide_hazards, deferred_entries
 from verify.preflight.render import render_markdown
 from verify.preflight.timing import CostInputs
-from verify.preflight.twin import (
-    TwinOptions,
-    TwinSizeError,
-    plan_twin,
-    reference_for,
-    ulp_bound_factor,
-)
+from verify.preflight.twin import TwinOptions, TwinSizeError, plan_twin
+from verify.preflight.twin_compare import reference_for, ulp_bound_factor
 from verify.preflight.twin_precision import TwinPrecision
 from verify.preflight.twin_stage import finish_twin_report
 from verify.preflight.twin_worker import TwinCandidate, twin_phases_worker
@@ -601,7 +596,7 @@ def test_a_twin_whose_every_step_was_skipped_says_no_update_was_checked(monkeypa
     and the per-step table marks the skipped steps."""
     from verify.preflight import twin_stage
     from verify.preflight.render import twin_tables
-    from verify.preflight.twin import StepRow
+    from verify.preflight.twin_compare import StepRow
 
     config, report = _config(UNTIED_ADAMW)
     plan = plan_twin(config, SMALL)

@@ -20,7 +20,8 @@ import torch
 
 from tests.distributed_utils import run_distributed
 from tests.verify.test_preflight_twin_optim import STEPS, _config, _finish, _phases, _plans
-from verify.preflight.twin import plan_twin, reference_for
+from verify.preflight.twin import plan_twin
+from verify.preflight.twin_compare import reference_for
 from verify.preflight.twin_precision import TwinPrecision, precision_for
 from verify.preflight.twin_worker import TwinCandidate, twin_phases_worker
 

@@ -295,7 +295,7 @@ def reference_with_mxfp8(case: Any, mx: MXFP8Twin) -> MXFP8Reference:
 def compare_mxfp8_params(case: Any, row: Any, reference: MXFP8Reference, ranks: list[Any]) -> None:
     """Every rank's MXFP8 scale and element bits after step ``row.step`` vs refgrad's, bitwise."""
     from refgrad.pipeline_tp import expected_on_rank
-    from verify.preflight.twin import replica_label
+    from verify.preflight.twin_compare import replica_label
 
     ref = reference.mxfp8[row.step]
     for res in ranks:

@@ -16,13 +16,8 @@ from typing import Any
 
 from verify.preflight.config import PreflightConfig
 from verify.preflight.hazards import FINDING, decide_hazards
-from verify.preflight.twin import (
-    TwinOptions,
-    TwinPlan,
-    compare_steps,
-    plan_twin,
-    reference_for,
-)
+from verify.preflight.twin import TwinOptions, TwinPlan, plan_twin
+from verify.preflight.twin_compare import compare_steps, reference_for
 from verify.preflight.twin_worker import (
     TwinCandidate,
     run_twin_rank,
