@@ -155,7 +155,7 @@ def compare_steps(plan: TwinPlan, ranks: list[Any], reference: Any) -> list[Step
                                             f"({replica_label(case, replica)}) differs from "
                                             f"refgrad: {detail}")
         if hasattr(reference, "state"):
-            from verify.preflight.twin_optim import compare_optimizer_step
+            from verify.preflight.twin_optim_reference import compare_optimizer_step
 
             _compare_state(case, row, reference.state[step], got["state"][step], bound)
             compare_optimizer_step(row, reference, ranks, bound)
@@ -198,7 +198,7 @@ def reference_for(plan: TwinPlan) -> Any:
 
         return reference_with_mxfp8(case, plan.mxfp8)
     if plan.optimizer == "adamw":
-        from verify.preflight.twin_optim import reference_with_optimizer
+        from verify.preflight.twin_optim_reference import reference_with_optimizer
 
         return reference_with_optimizer(case, plan.adamw)
     return reference_training(case.spec, case.plans, case.dp_size, lr=case.lr,

@@ -34,7 +34,8 @@ from typing import Any
 
 import torch
 
-from verify.preflight.twin_optim import ADAMW, AdamWTwin, OptimRankResult, OptimReference
+from verify.preflight.twin_optim import ADAMW, AdamWTwin, OptimRankResult
+from verify.preflight.twin_optim_reference import OptimReference
 
 BLOCK = 32  # MXFP8 block size (OCP Microscaling v1.0): the twin's hidden size is a multiple
 SCALE_MODE = "floor"  # fastgrad.mxfp8.MXFP8Parameter's default, the OCP spec's rule
@@ -275,7 +276,7 @@ def reference_with_mxfp8(case: Any, mx: MXFP8Twin) -> MXFP8Reference:
     """``reference_with_optimizer`` whose forward weights are the masters quantized with
     ``refgrad.mxfp8`` (exact) and dequantized; the bits of every step kept for the comparison."""
     from refgrad import mxfp8 as RQ
-    from verify.preflight.twin_optim import reference_with_optimizer
+    from verify.preflight.twin_optim_reference import reference_with_optimizer
 
     bits: dict[bytes, tuple[torch.Tensor, torch.Tensor]] = {}
 
