@@ -18,6 +18,7 @@ from dataclasses import replace
 import pytest
 
 from tests.distributed_utils import run_distributed
+from tests.verify.twin_world import finish, phases_of, plan_layout
 from verify.preflight.cli import build_report
 from verify.preflight.config import resolve
 from verify.preflight.flags import parse_megatron_flags
@@ -25,7 +26,6 @@ from verify.preflight.render import render_markdown
 from verify.preflight.timing import CostInputs
 from verify.preflight.twin import TwinOptions, plan_twin
 from verify.preflight.twin_mxfp8 import BLOCK, MXFP8Twin
-from verify.preflight.twin_stage import finish_twin_report
 from verify.preflight.twin_worker import TwinCandidate, twin_phases_worker
 
 MODEL = ["--micro-batch-size", "1", "--num-layers", "8", "--hidden-size", "64",
@@ -49,28 +49,7 @@ def _config(flags: list[str], base: list[str] = MODEL):
 
 
 def _plans(layout: dict, options: TwinOptions = STEPS) -> dict:
-    """name -> (config, report, plan, index in the one phase); ``layout``: name -> (flags, first rank)."""
-    out = {}
-    for index, (name, (flags, first)) in enumerate(layout.items()):
-        config, report = _config(flags)
-        plan = plan_twin(config, options)
-        out[name] = (config, report, replace(plan, case=replace(plan.case, first_rank=first)), index)
-    return out
-
-
-def _phases(plans: dict) -> list:
-    return [[(plan.case, plan.overlap, TwinCandidate(), plan.rank_optimizer)
-             for _, _, plan, _ in plans.values()]]
-
-
-def _finish(plans: dict, ranks: list, candidate: TwinCandidate) -> dict:
-    out = {}
-    for name, (config, report, plan, index) in plans.items():
-        results = [r[0][index] for r in ranks]
-        passed = finish_twin_report(config, plan, results, report, where="test world",
-                                    candidate=candidate)
-        out[name] = (report, plan, passed, [r for r in results if r is not None])
-    return out
+    return plan_layout(layout, _config, options)
 
 
 # --------------------------------------------------------------------------- plan
@@ -128,7 +107,7 @@ LAYOUT = {"dp2": (DP2, 0), "pp2_dp2_reuse": (PP2_DP2_REUSE, 2), "dp2_reuse": (DP
 @pytest.fixture(scope="module")
 def twins():
     plans = _plans(LAYOUT)
-    return _finish(plans, run_distributed(twin_phases_worker, 8, _phases(plans), timeout_s=300),
+    return finish(plans, run_distributed(twin_phases_worker, 8, phases_of(plans), timeout_s=300),
                    TwinCandidate())
 
 
@@ -204,8 +183,8 @@ def test_wrong_scale_rounding_or_a_gather_over_live_grads_fails_naming_step_and_
     plans = _plans({"ceil_scales": (DP2, 0), "gather_over_grads": (PP2_DP2_REUSE, 2),
                     "gather_without_reuse": (DP2, 6)}, replace(STEPS, steps=2))
     faults = {(0, 2): "ceil_scales", (2, 6): "gather_over_grads", (6, 8): "gather_over_grads"}
-    ranks = run_distributed(_faulty_worker, 8, _phases(plans), faults, timeout_s=300)
-    out = _finish(plans, ranks, TwinCandidate("broken MXFP8"))
+    ranks = run_distributed(_faulty_worker, 8, phases_of(plans), faults, timeout_s=300)
+    out = finish(plans, ranks, TwinCandidate("broken MXFP8"))
     for name in ("ceil_scales", "gather_over_grads"):
         report, _, passed, _ = out[name]
         assert not passed and report["verdict"].startswith("FAIL"), name

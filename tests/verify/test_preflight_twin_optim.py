@@ -10,11 +10,10 @@ only, and the twin must fail naming the step and the parameter.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 
 from tests.distributed_utils import run_distributed
+from tests.verify.twin_world import finish, phases_of, plan_layout
 from verify.preflight.cli import build_report
 from verify.preflight.config import ConfigError, resolve
 from verify.preflight.flags import FlagError, parse_megatron_flags
@@ -22,7 +21,6 @@ from verify.preflight.timing import CostInputs
 from verify.preflight.twin import TwinOptions, plan_twin
 from verify.preflight.twin_optim import AdamWTwin, adamw_twin_for
 from verify.preflight.twin_precision import TwinPrecision
-from verify.preflight.twin_stage import finish_twin_report
 from verify.preflight.twin_worker import TwinCandidate, twin_phases_worker
 
 MODEL = ["--micro-batch-size", "1", "--num-layers", "8", "--hidden-size", "64",
@@ -139,39 +137,13 @@ LAYOUT = {"clipped_fp16": (CLIPPED_FP16, 0, 0), "constant_scale": (CONSTANT_SCAL
 
 
 def _plans(layout: dict) -> dict:
-    """name -> (config, report, plan, phase, index in its phase)."""
-    plans, counts = {}, {}
-    for name, (flags, first, *phase) in layout.items():
-        config, report = _config(flags)
-        plan = plan_twin(config, STEPS)
-        phase = phase[0] if phase else 0
-        counts[phase] = counts.get(phase, -1) + 1
-        plans[name] = (config, report, replace(plan, case=replace(plan.case, first_rank=first)),
-                       phase, counts[phase])
-    return plans
-
-
-def _phases(plans: dict) -> list:
-    phases = [[] for _ in range(1 + max(p[3] for p in plans.values()))]
-    for _, _, plan, phase, _ in plans.values():
-        phases[phase].append((plan.case, plan.overlap, TwinCandidate(), plan.rank_optimizer))
-    return phases
-
-
-def _finish(plans: dict, ranks: list, candidate: TwinCandidate) -> dict:
-    out = {}
-    for name, (config, report, plan, phase, index) in plans.items():
-        results = [r[phase][index] for r in ranks]
-        passed = finish_twin_report(config, plan, results, report, where="test world",
-                                    candidate=candidate)
-        out[name] = (report, plan, passed, results)
-    return out
+    return plan_layout(layout, _config, STEPS)
 
 
 @pytest.fixture(scope="module")
 def twins():
     plans = _plans(LAYOUT)
-    return _finish(plans, run_distributed(twin_phases_worker, 8, _phases(plans), timeout_s=300),
+    return finish(plans, run_distributed(twin_phases_worker, 8, phases_of(plans), timeout_s=300),
                    TwinCandidate())
 
 
@@ -259,9 +231,9 @@ def _faulty_worker(rank: int, world_size: int, phases: list, faults: dict) -> li
 @pytest.mark.dist
 def test_a_skipped_clip_or_a_wrong_loss_scale_inverse_fails_naming_step_and_parameter():
     plans = _plans({"skip_clip": (CLIPPED_FP16, 0), "double_unscale": (GROWING_SCALE, 4)})
-    ranks = run_distributed(_faulty_worker, 6, _phases(plans),
+    ranks = run_distributed(_faulty_worker, 6, phases_of(plans),
                             {(0, 4): "skip_clip", (4, 6): "double_unscale"}, timeout_s=300)
-    out = _finish(plans, ranks, TwinCandidate("broken optimizer"))
+    out = finish(plans, ranks, TwinCandidate("broken optimizer"))
     for name in plans:
         report, _, passed, _ = out[name]
         assert not passed and report["verdict"].startswith("FAIL"), name

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from tests.distributed_utils import run_distributed
-from tests.verify.test_preflight_twin_optim import STEPS, _config, _finish, _phases, _plans
+from tests.verify.test_preflight_twin_optim import STEPS, _config, _plans
+from tests.verify.twin_world import finish, phases_of
 from verify.preflight.twin import plan_twin
 from verify.preflight.twin_compare import reference_for
 from verify.preflight.twin_precision import TwinPrecision, precision_for
@@ -193,7 +194,7 @@ def test_refgrads_16_bit_tied_sp_first_layer_keeps_one_buffer_left_out_of_the_tp
 @pytest.fixture(scope="module")
 def twins():
     plans = _plans(LAYOUT)
-    return _finish(plans, run_distributed(twin_phases_worker, 8, _phases(plans), timeout_s=300),
+    return finish(plans, run_distributed(twin_phases_worker, 8, phases_of(plans), timeout_s=300),
                    TwinCandidate())
 
 
@@ -288,8 +289,8 @@ def _faulty_worker(rank: int, world_size: int, phases: list) -> list:
 @pytest.mark.dist
 def test_grads_accumulated_in_the_param_dtype_fail_naming_step_and_parameter():
     plans = _plans({"bf16": (BF16, 0)})
-    ranks = run_distributed(_faulty_worker, 4, _phases(plans), timeout_s=300)
-    report, _, passed, _ = _finish(plans, ranks, TwinCandidate("bf16-accumulating DDP"))["bf16"]
+    ranks = run_distributed(_faulty_worker, 4, phases_of(plans), timeout_s=300)
+    report, _, passed, _ = finish(plans, ranks, TwinCandidate("bf16-accumulating DDP"))["bf16"]
     assert not passed and report["verdict"].startswith("FAIL: ")
     failures = report["twin"]["failures"]
     assert any(f.startswith("step 0: reduced gradient stage0.layers.0.weight (replica 0) differs")
@@ -344,8 +345,8 @@ def _faulty_tp_worker(rank: int, world_size: int, phases: list) -> list:
 @pytest.mark.dist
 def test_a_tp2_dgrad_or_sp_grad_sum_in_the_wrong_dtype_fails_naming_step_and_parameter():
     plans = _plans({"tp2_bf16": (TP2_BF16, 0), "tp2_sp_bf16": (TP2_SP_BF16, 4)})
-    ranks = run_distributed(_faulty_tp_worker, 8, _phases(plans), timeout_s=300)
-    twins = _finish(plans, ranks, TwinCandidate("TP sums in the wrong dtype"))
+    ranks = run_distributed(_faulty_tp_worker, 8, phases_of(plans), timeout_s=300)
+    twins = finish(plans, ranks, TwinCandidate("TP sums in the wrong dtype"))
     for name in plans:
         report, _, passed, _ = twins[name]
         assert not passed and report["verdict"].startswith("FAIL: "), name
@@ -404,8 +405,8 @@ def _faulty_embedding_worker(rank: int, world_size: int, phases: list) -> list:
 @pytest.mark.dist
 def test_a_tied_sp_embedding_wgrad_on_its_own_rows_fails_naming_step_and_parameter():
     plans = _plans({"tp2_sp_bf16": (TP2_SP_BF16, 0)})
-    ranks = run_distributed(_faulty_embedding_worker, 4, _phases(plans), timeout_s=300)
-    report, _, passed, _ = _finish(plans, ranks, TwinCandidate("SP embedding wgrad"))["tp2_sp_bf16"]
+    ranks = run_distributed(_faulty_embedding_worker, 4, phases_of(plans), timeout_s=300)
+    report, _, passed, _ = finish(plans, ranks, TwinCandidate("SP embedding wgrad"))["tp2_sp_bf16"]
     assert not passed and report["verdict"].startswith("FAIL: ")
     failures = report["twin"]["failures"]
     step0 = "step 0: reduced gradient "

@@ -1,0 +1,50 @@
+"""Shared by the preflight twin tests: several twin layouts trained in one spawned world.
+
+A layout maps a name to ``(flags, first rank[, phase])``: each twin's ranks start at
+``first rank`` of the world, and twins of one phase run side by side on disjoint ranks
+(``verify.preflight.twin_worker.twin_phases_worker``); phases run one after another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from verify.preflight.twin import TwinOptions, plan_twin
+from verify.preflight.twin_stage import finish_twin_report
+from verify.preflight.twin_worker import TwinCandidate
+
+
+def plan_layout(layout: dict, config_for: Callable[[list[str]], tuple[Any, dict]],
+                options: TwinOptions) -> dict:
+    """name -> (config, report, plan, phase, index in its phase)."""
+    plans, counts = {}, {}
+    for name, (flags, first, *phase) in layout.items():
+        config, report = config_for(flags)
+        plan = plan_twin(config, options)
+        phase = phase[0] if phase else 0
+        counts[phase] = counts.get(phase, -1) + 1
+        plans[name] = (config, report, replace(plan, case=replace(plan.case, first_rank=first)),
+                       phase, counts[phase])
+    return plans
+
+
+def phases_of(plans: dict, candidate: TwinCandidate | None = None) -> list:
+    """The ``twin_phases_worker`` argument: per phase, each twin's case and rank settings."""
+    phases = [[] for _ in range(1 + max(p[3] for p in plans.values()))]
+    for _, _, plan, phase, _ in plans.values():
+        phases[phase].append((plan.case, plan.overlap, candidate or TwinCandidate(),
+                              plan.rank_optimizer))
+    return phases
+
+
+def finish(plans: dict, ranks: list, candidate: TwinCandidate) -> dict:
+    """name -> (report, plan, passed, results of the twin's ranks): each compared with refgrad."""
+    out = {}
+    for name, (config, report, plan, phase, index) in plans.items():
+        results = [r[phase][index] for r in ranks]
+        passed = finish_twin_report(config, plan, results, report, where="test world",
+                                    candidate=candidate)
+        out[name] = (report, plan, passed, [r for r in results if r is not None])
+    return out
