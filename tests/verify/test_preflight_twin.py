@@ -613,3 +613,20 @@ def test_a_twin_whose_every_step_was_skipped_says_no_update_was_checked(monkeypa
         assert ("no update was checked" in report["verdict"]) is vacuous
         results = [r[-1] for r in twin_tables(report)[0][2]]
         assert results == ["ok (skipped: NaN/inf grads)" if not s else "ok" for s in stepped]
+
+
+@pytest.mark.parametrize(("flags", "listed"), [
+    (["--pipeline-model-parallel-size", "2", "--data-parallel-size", "2", "--global-batch-size", "8",
+      "--bf16"], True),
+    (["--pipeline-model-parallel-size", "1", "--data-parallel-size", "2", "--global-batch-size", "8"],
+     True),  # fp32, but the tied weight's two grads are summed in param.grad first
+    (["--pipeline-model-parallel-size", "2", "--data-parallel-size", "2", "--global-batch-size", "8"],
+     False),  # fp32, untied by PP: fused and unfused adds give the same bits
+])
+def test_the_unfused_output_layer_is_listed_where_it_changes_bits(flags, listed):
+    config, _ = _config(flags + ["--no-gradient-accumulation-fusion"])
+    plan = plan_twin(config, SMALL)
+    assert any(g.startswith("--no-gradient-accumulation-fusion on the output layer")
+               for g in plan.not_twinned) is listed
+    fused, _ = _config(flags)
+    assert not any("--no-gradient-accumulation-fusion" in g for g in plan_twin(fused, SMALL).not_twinned)

@@ -82,13 +82,15 @@ def test_mxfp8_params_are_twinned_and_left_out_only_where_not_reproduced():
         plan = plan_twin(_config(DP2, base)[0], STEPS)
         assert plan.mxfp8 is None and plan.rank_optimizer == plan.adamw
         assert any("--check mxfp8" in g for g in plan.not_twinned)
-    # The fp32-accumulating reduce-scatter is not the MXFP8 buffer's: at DP 3 the twin's sum
-    # order is the backend's, so the claim is the bound, not bitwise, and the flag is listed.
+    # The MXFP8 buffer reduce-scatters in the backend's order: at DP 3 the twin runs DP 2
+    # (bitwise; listed), and fastgrad's fp32-accumulating reduce-scatter is listed too.
     plan = plan_twin(_config(["--data-parallel-size", "3", "--global-batch-size", "12",
                               "--ddp-reduce-scatter-with-fp32-accumulation",
                               "--grad-reduce-in-bf16"])[0], STEPS)  # (fp32 grads turn it off)
     assert plan.mxfp8 is not None and not plan.case.reduce_scatter_with_fp32_accumulation
-    assert not plan.bitwise
+    assert plan.case.dp_size == 2 and plan.bitwise
+    assert any(g.startswith("data parallelism DP 3 scaled to DP 2 for the MXFP8 twin")
+               for g in plan.not_twinned)
     assert any(g.startswith("--ddp-reduce-scatter-with-fp32-accumulation with MXFP8 params")
                for g in plan.not_twinned)
     # fp16's loss scale: the MXFP8 buffer takes no loss scaler, so the twin steps unscaled.

@@ -283,6 +283,13 @@ def _left_out(config: PreflightConfig, m: int, optimizer: str) -> list[str]:
     if tp > MAX_TWIN_TP:
         out.append(f"tensor parallelism TP {tp} scaled to TP {MAX_TWIN_TP}: a sum over more than "
                    "two TP ranks has a backend-chosen order (the collectives are the same)")
+    shared_at_pp1 = config.tied_embeddings and config.pipeline_model_parallel_size == 1
+    if not config.gradient_accumulation_fusion and (config.params_dtype != "fp32" or shared_at_pp1):
+        # fp32 params, untied: the fused and the unfused add give the same bits.
+        out.append("--no-gradient-accumulation-fusion on the output layer: production rounds each "
+                   "microbatch's wgrad to the param dtype and adds it through param.grad (at PP 1 "
+                   "summed first with the tied first layer's grad); the twin's output layer "
+                   "accumulates fused, straight into main_grad")
     if m != config.num_microbatches:
         out.append(f"microbatch count: {config.num_microbatches} capped to {m} "
                    "(--twin-max-microbatches; the schedule's steady state is the same)")

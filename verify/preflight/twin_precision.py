@@ -69,16 +69,27 @@ def precision_for(config: Any, twin_tp: int) -> tuple[TwinPrecision, int, list[s
     if twin_tp not in (1, 2):
         raise ValueError(f"twin_tp must be 1 or 2 (the twin caps TP at 2), got {twin_tp}")
     dp = config.data_parallel_size
-    if config.params_dtype == "fp32":
-        return TwinPrecision(), dp, []
     if twins_mxfp8(config):  # the MXFP8 twin's own path: fp32 compute on dequantized weights
-        left_out = [f"{config.params_dtype} params and compute with MXFP8 params: the MXFP8 twin "
-                    "computes in fp32 on the dequantized weights (its masters go to the gather as "
-                    "bf16, as production's)"]
+        left_out = []
+        if config.params_dtype != "fp32":
+            left_out.append(f"{config.params_dtype} params and compute with MXFP8 params: the MXFP8 "
+                            "twin computes in fp32 on the dequantized weights (its masters go to "
+                            "the gather as bf16, as production's)")
         if config.grad_dtype != "fp32":
             left_out.append(f"{config.grad_dtype} grad buffer with MXFP8 params: the MXFP8 twin's "
                             "buffer accumulates and reduces fp32 grads")
+        if dp > 2:
+            # The MXFP8 buffer reduce-scatters in the backend's order; one rounding moved by it
+            # moves AdamW's update of an element whose moments are near eps far more than any
+            # bound in ULPs of the largest element, and re-quantization carries it on.
+            left_out.append(f"data parallelism DP {dp} scaled to DP 2 for the MXFP8 twin: its "
+                            f"buffer sums the {dp} grads in the backend's order, which AdamW and "
+                            "the re-quantization amplify past any useful ULP bound; at DP 2 the "
+                            "sum is one rounding, bitwise (x 1/2 instead of x 1/DP)")
+            dp = 2
         return TwinPrecision(), dp, left_out
+    if config.params_dtype == "fp32":
+        return TwinPrecision(), dp, []
     precision = TwinPrecision(config.params_dtype, config.grad_dtype)
     rs_fp32 = config.ddp_reduce_scatter_with_fp32_accumulation and config.use_distributed_optimizer
     left_out = []
