@@ -367,16 +367,22 @@ def _megatron_flags_last(argv: list[str], known: set[str], own: set[str]) -> lis
     """``verify preflight`` argv with every flag its parser does not know (a Megatron-Core
     flag preflight does not model, such as ``--lr``) moved, with its values and in order,
     behind ``--``: listed and ignored there, as in ``--args-file``, not an argparse error.
-    Left for argparse: an abbreviation of a known option, and a near-miss of one of
-    preflight's own options (``own``), which argparse then refuses."""
+    Left for argparse: a near-miss of one of preflight's own options (``own``), which
+    argparse then refuses (the subparser allows no abbreviations, as Megatron-Core's).
+    One of ``own`` after ``--`` is a UsageError."""
     head, tail = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    misplaced = [t for t in tail if t.partition("=")[0] in own]
+    if misplaced:
+        raise UsageError(f"{misplaced[0]} is an option of verify preflight, not a Megatron-Core "
+                         "flag: put it before `--` (everything after `--` is read as the launch's "
+                         "flags)")
     kept, moved = [], []
     index = 0
     while index < len(head):
         token = head[index]
         index += 1
         name = token.partition("=")[0]
-        if (not token.startswith("--") or name in known or any(k.startswith(name) for k in known)
+        if (not token.startswith("--") or name in known
                 or difflib.get_close_matches(name, own, n=1, cutoff=0.9)):
             kept.append(token)
             continue
@@ -401,7 +407,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from verify.preflight.flags import FLAG_SPECS
 
         known = set(_subparser(parser, "preflight")._option_string_actions)
-        argv = argv[:1] + _megatron_flags_last(argv[1:], known, known - set(FLAG_SPECS))
+        try:
+            argv = argv[:1] + _megatron_flags_last(argv[1:], known, known - set(FLAG_SPECS))
+        except UsageError as exc:
+            print(f"verify preflight: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
     args = parser.parse_args(argv)
     try:
         if args.command == "run":

@@ -159,3 +159,27 @@ def test_a_misspelled_flag_on_the_command_line_names_the_likely_one(capsys):
     with pytest.raises(SystemExit) as exc:
         verify_main(["preflight", *SMALL, "--world-size", "2", "--twin-stepz", "2"])
     assert exc.value.code == 2 and "--twin-stepz" in capsys.readouterr().err
+
+
+def test_launch_flags_keep_their_values_and_order_and_abbreviations_are_not_flags(capsys):
+    rc = verify_main(["preflight", *SMALL, "--world-size", "2", "--no-twin", "--lr=3e-4",
+                      "--min-lr", "-1e-5", "--data-path", "-", "--tensor-model", "2"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert rc == 0 and "TP=1" in out  # --tensor-model abbreviates nothing, as in Megatron-Core
+    assert ("ignored flags (not used by preflight): --lr=3e-4, --min-lr -1e-5, --data-path -, "
+            "--tensor-model 2") in out
+
+
+def test_flags_differing_in_digits_are_not_misspellings(capsys):
+    # --fp4-param-gather is Megatron-Core's NVFP4 switch, not a misspelled --fp8-param-gather.
+    rc = verify_main(["preflight", *SMALL, "--world-size", "2", "--no-twin", "--fp4-param-gather",
+                      "--fp4-format", "e2m1"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert rc == 0 and "--fp4-param-gather, --fp4-format e2m1" in out
+
+
+def test_a_preflight_option_after_the_double_dash_is_refused(capsys):
+    rc = verify_main(["preflight", *SMALL, "--world-size", "2", "--no-twin", "--", "--lr", "1",
+                      "--json", "x.json"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--json is an option of verify preflight" in err and "before `--`" in err

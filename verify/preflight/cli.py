@@ -68,10 +68,11 @@ class _MegatronFlag(argparse.Action):
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """Preflight's own options, and every Megatron flag it understands."""
+    parser.allow_abbrev = False  # as Megatron-Core's parser: --tensor-model is no flag
     parser.description = ("Validate a Megatron-Core training configuration as production does, "
                           "and compute its buffer layouts, traffic, reduction error and pipeline "
-                          "bubble on paper. Flags preflight does not know go in --args-file or "
-                          "after `--`; they are listed and ignored.")
+                          "bubble on paper. Megatron flags preflight does not model (on the "
+                          "command line, in --args-file or after `--`) are listed and ignored.")
     own = parser.add_argument_group("preflight options")
     own.add_argument("--args-file", action="append", default=[], metavar="PATH",
                      help="a file of Megatron flags (\\ continuations and # comments allowed); "

@@ -128,8 +128,8 @@ def _is_flag(token: str) -> bool:
 
 
 def is_value(token: str) -> bool:
-    """A token that can be a flag's value (negative numbers included)."""
-    if not token.startswith("-"):
+    """A token that can be a flag's value (negative numbers and ``-``, stdin, included)."""
+    if not token.startswith("-") or token == "-":
         return True
     try:
         float(token)
@@ -145,10 +145,17 @@ def is_value(token: str) -> bool:
 NEAR_MISS_RATIO = 0.9
 
 
+def _digits(flag: str) -> str:
+    return "".join(c for c in flag if c.isdigit())
+
+
 def _refuse_near_miss(name: str) -> None:
     """FlagError when ``name`` is a misspelling of a flag preflight models: Megatron-Core's
-    argument parser would refuse it, and ignoring it would check another configuration."""
-    match = difflib.get_close_matches(name, FLAG_SPECS, n=1, cutoff=NEAR_MISS_RATIO)
+    argument parser would refuse it, and ignoring it would check another configuration.
+    Flags that differ in their digits are different flags (``--fp4-param-gather`` is
+    Megatron-Core's NVFP4 switch, not a misspelled ``--fp8-param-gather``)."""
+    match = [m for m in difflib.get_close_matches(name, FLAG_SPECS, n=3, cutoff=NEAR_MISS_RATIO)
+             if _digits(m) == _digits(name)]
     if match:
         raise FlagError(f"{name} is not a Megatron-Core flag; did you mean {match[0]}? (flags that "
                         "preflight does not model, such as --lr, are listed and ignored; a "
