@@ -14,6 +14,7 @@ import math
 from dataclasses import replace
 
 import pytest
+import torch
 
 from tests.distributed_utils import run_distributed
 from verify.distributed import DistributedRunError
@@ -630,3 +631,32 @@ def test_the_unfused_output_layer_is_listed_where_it_changes_bits(flags, listed)
                for g in plan.not_twinned) is listed
     fused, _ = _config(flags)
     assert not any("--no-gradient-accumulation-fusion" in g for g in plan_twin(fused, SMALL).not_twinned)
+
+
+def test_the_bounded_comparison_holds_non_finite_values_to_bitwise():
+    """Within a ULP bound, an inf in refgrad does not make the bound infinite, and a shared inf
+    is no failure (hand-picked values)."""
+    from verify.preflight.twin_compare import _within
+
+    inf = float("inf")
+    ref = torch.tensor([inf, 1.0, 2.0])
+    assert not _within(ref, torch.tensor([3e38, 1.5, 1000.0]), 8)[0]  # inf vs finite
+    assert not _within(ref, torch.tensor([-inf, 1.0, 2.0]), 8)[0]  # the sign of an inf
+    assert _within(ref, torch.tensor([inf, 1.0, 2.0000002]), 8)[0]  # 1 fp32 ULP of 2.0 < 8
+    assert not _within(ref, torch.tensor([inf, 1.0, 2.0001]), 8)[0]  # ~420 ULPs of 2.0
+
+
+def test_a_step_that_compared_nothing_fails(monkeypatch):
+    """Ranks that report no grads (or params) leave nothing to compare: that is no pass."""
+    from verify.preflight import twin_stage
+    from verify.preflight.twin_compare import StepRow
+
+    config, report = _config(UNTIED_ADAMW)
+    plan = plan_twin(config, SMALL)
+    empty = StepRow(step=0, microbatches=4, loss_max_ulp=0, grads_bitwise=0, grads_total=0,
+                    grad_max_ulp=0, params_bitwise=0, params_total=0, param_max_ulp=0)
+    monkeypatch.setattr(twin_stage, "reference_for", lambda plan: None)
+    monkeypatch.setattr(twin_stage, "compare_steps", lambda *_a: [empty])
+    assert not finish_twin_report(config, plan, [], report, where="test", candidate=TwinCandidate())
+    assert report["verdict"].startswith("FAIL") and "no reduced gradient and no updated parameter" \
+        in report["twin"]["failures"][0]

@@ -101,10 +101,17 @@ def _within(ref: torch.Tensor, got: torch.Tensor, bound_ulps: int | None) -> tup
               f"refgrad {float(ref.reshape(-1)[worst])!r}, fastgrad {float(got.reshape(-1)[worst])!r}")
     if bound_ulps is None:
         return False, cmp.max_ulp, detail
-    scale = float(ref.abs().max())
+    # The bound is for finite values; a non-finite one must be bitwise the same.
+    finite = ref.isfinite() & got.isfinite()
+    if not torch.equal(ref[~finite].view(-1).double(), got[~finite].view(-1).double()) or bool(
+            (ref.isfinite() != got.isfinite()).any()):
+        return False, cmp.max_ulp, detail + " (a non-finite value differs)"
+    if not bool(finite.any()):
+        return True, cmp.max_ulp, detail
+    scale = float(ref[finite].abs().max())
     # fp32 ULP of the largest element: float64's ulp x 2^29 (52 - 23 mantissa bits).
     allowed = bound_ulps * (math.ulp(scale) * 2.0**29 if scale > 0 else UNIT_ROUNDOFF_FP32)
-    return bool(diff.max() <= allowed), cmp.max_ulp, detail + f" (bound {allowed:.3g})"
+    return bool(diff[finite].max() <= allowed), cmp.max_ulp, detail + f" (bound {allowed:.3g})"
 
 
 def _same_nans(ref: torch.Tensor, got: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -111,6 +111,14 @@ def finish_twin_report(config: PreflightConfig, plan: TwinPlan, ranks: list[Any]
                        *, where: str, candidate: TwinCandidate) -> bool:
     """Compare the ranks' results with refgrad, decide the hazards, write the verdict."""
     rows = compare_steps(plan, ranks, reference_for(plan))
+    for row in rows:  # a comparison of nothing is no pass (ranks that reported nothing)
+        empty = [kind for kind, total in (("reduced gradient", row.grads_total),
+                                          ("updated parameter", row.params_total),
+                                          ("MXFP8 param bits", row.mxfp8_total if plan.mxfp8 else 1))
+                 if total == 0]
+        if empty:
+            row.failures.append(f"step {row.step}: no {' and no '.join(empty)} was compared: the "
+                                "ranks reported none")
     failures = [f for row in rows for f in row.failures]
     passed = not failures
     hazards = decide_hazards(
