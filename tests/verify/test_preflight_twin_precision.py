@@ -217,17 +217,17 @@ def test_16_bit_twin_matches_refgrad_bitwise(twins, name):
 
 @pytest.mark.dist
 def test_the_16_bit_pp1_twin_keeps_the_tied_weight_as_one(twins):
-    """bf16 at PP 1, tied (at TP 1, and at TP 2 under SP one shard per TP rank): one weight
-    (reported under both names, identical on every rank), matched bitwise above; nothing about
-    the tie is listed as left out."""
+    """bf16 at PP 1, tied (at TP 1, and at TP 2 under SP one shard per TP rank): one weight,
+    its grad matched bitwise against refgrad's (output-layer wgrad, then the first layer's grad,
+    per microbatch) above; nothing about the tie is listed as left out. (The ranks report the
+    one main_grad under both names, so comparing the two names with each other would prove
+    nothing; that the rank holds one Parameter is tested in test_preflight_twin.py.)"""
     for name in ("pp1_tied_bf16", "tp2_sp_pp1_tied_bf16"):
-        report, plan, passed, results = twins[name]
+        report, plan, passed, _ = twins[name]
         assert plan.case.spec.shares_one_weight and passed
         assert not any("tied embedding" in g for g in plan.not_twinned)
-        for res in (r for r in results if r is not None):
-            for step in range(3):
-                assert res.grads[step]["stage0.layers.0.weight"].equal(
-                    res.grads[step]["stage0.head.weight"])
+        steps = report["twin"]["steps"]
+        assert all(s["grads_bitwise"] == s["grads_total"] > 0 for s in steps)
 
 
 @pytest.mark.dist
