@@ -313,6 +313,16 @@ def test_layout_takes_the_users_shapes_file_and_gpt_description(tmp_path, capsys
     assert {r["params"] for r in rows} == {65536 + 2 * 49984 + 128}
 
 
+def test_layout_prints_the_published_examples_only_without_a_model_of_your_own(capsys):
+    examples = "Megatron-Core's published worked examples, recomputed from"
+    assert cli.main(["layout", "--model", "gpt-125m", "--dp", "8"]) == 0
+    assert examples in capsys.readouterr().out
+    assert cli.main(["layout", "--num-layers", "2", "--hidden-size", "64", "--padded-vocab-size",
+                     "256", "--dp", "8"]) == 0
+    out = capsys.readouterr().out
+    assert examples not in out and "without a model of your own, or --json" in out
+
+
 @pytest.mark.parametrize("argv, flag", [
     (["--shapes", "4096xq"], "--shapes"), (["--num-layers", "2"], "--hidden-size"),
     (["--model-file", "/nonexistent-dir/m.json"], "--model-file"),

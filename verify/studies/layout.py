@@ -345,6 +345,10 @@ def main(args: argparse.Namespace) -> int:
     )
     print(format_table(PADDING_COLUMNS, rows))
     print()
+    if own:  # the user's own model: their numbers, not ours (the JSON keeps everything)
+        print("(Megatron-Core's published worked examples, recomputed: `verify layout` without a "
+              "model of your own, or --json)")
+        return 0
     print("Megatron-Core's published worked examples, recomputed from pad(v, lcm(dp, 128[, 2**16]))")
     print(format_table(EXAMPLE_COLUMNS, examples))
     print()
