@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 
 from tests.distributed_utils import run_distributed
 from tests.verify.twin_world import finish, phases_of, plan_layout
@@ -199,3 +200,23 @@ def test_wrong_scale_rounding_or_a_gather_over_live_grads_fails_naming_step_and_
     report, _, passed, results = out["gather_without_reuse"]
     assert passed, report["twin"]["failures"][:3]
     assert not any(r.buffer_shared for r in results)
+
+
+def test_an_mxfp8_param_a_rank_did_not_report_fails():
+    """Names come from refgrad: a replica whose ranks report only some MXFP8 params fails,
+    naming the missing one (matching bits on the reported ones are not enough)."""
+    from types import SimpleNamespace
+
+    from verify.preflight.twin_compare import StepRow
+    from verify.preflight.twin_mxfp8 import compare_mxfp8_params
+
+    bits = (torch.tensor([127], dtype=torch.uint8), torch.tensor([1, 2], dtype=torch.uint8))
+    reference = SimpleNamespace(mxfp8=[{"stage0.layers.0.weight": bits, "stage0.layers.0.bias": bits}])
+    case = SimpleNamespace(tp_size=1, spec=SimpleNamespace(tensor_parallel=1))
+    rank = SimpleNamespace(dp_rank=0, tp_rank=0, mxfp8=[{"stage0.layers.0.weight": bits}])
+    row = StepRow(step=0, microbatches=1, loss_max_ulp=0, grads_bitwise=1, grads_total=1,
+                  grad_max_ulp=0, params_bitwise=1, params_total=1, param_max_ulp=0)
+    compare_mxfp8_params(case, row, reference, [rank])
+    assert row.mxfp8_bitwise == row.mxfp8_total == 2  # the reported param matched
+    assert row.failures == ["step 0: MXFP8 param stage0.layers.0.bias (replica 0) was not "
+                            "reported by its rank"]

@@ -299,10 +299,12 @@ def compare_mxfp8_params(case: Any, row: Any, reference: MXFP8Reference, ranks: 
     from verify.preflight.twin_compare import replica_label
 
     ref = reference.mxfp8[row.step]
+    reported: dict[int, set[str]] = {}  # replica -> the MXFP8 params its ranks reported
     for res in ranks:
         if res is None or not hasattr(res, "mxfp8"):
             continue
         replica = res.dp_rank * case.tp_size + res.tp_rank
+        reported.setdefault(replica, set()).update(res.mxfp8[row.step])
         for name, (scales, elements) in sorted(res.mxfp8[row.step].items()):
             for part, got, want in (("scale", scales, ref[name][0]), ("element", elements, ref[name][1])):
                 want = expected_on_rank(case.spec, name, want, res.tp_rank)
@@ -317,3 +319,7 @@ def compare_mxfp8_params(case: Any, row: Any, reference: MXFP8Reference, ranks: 
                     f"differ from refgrad.mxfp8: {int(diff.sum())}/{diff.numel()} differ; "
                     f"{part} {first}: refgrad {int(want.reshape(-1)[first]):#04x}, "
                     f"fastgrad {int(got.reshape(-1)[first]):#04x}")
+    for replica, names in sorted(reported.items()):  # every refgrad param, on some stage of it
+        for name in sorted(set(ref) - names):
+            row.failures.append(f"step {row.step}: MXFP8 param {name} "
+                                f"({replica_label(case, replica)}) was not reported by its rank")
