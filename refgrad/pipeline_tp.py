@@ -101,6 +101,37 @@ def head_shard(spec: LinearStackSpec, head: torch.Tensor, tp_rank: int) -> torch
     return head.detach()[tp_rank * block:(tp_rank + 1) * block].clone()
 
 
+def sequence_shard_bodies(spec: LinearStackSpec, stages: Sequence[nn.Module]
+                          ) -> tuple[list[list[nn.Module]], list[dict[str, nn.Parameter]]]:
+    """One copy of the stage bodies per sequence shard (the first is ``stages`` itself), and
+    each copy's params by name."""
+    from refgrad.pipeline import stage_param_name
+
+    bodies = [list(stages)] + [copy.deepcopy(list(stages)) for _ in range(1, spec.sequence_shards)]
+    named = [{stage_param_name(s, n): p for s, st in enumerate(body) for n, p in st.named_parameters()}
+             for body in bodies]
+    return bodies, named
+
+
+def forward_shards(spec: LinearStackSpec, bodies: Sequence[Sequence[nn.Module]],
+                   x: torch.Tensor) -> list[torch.Tensor]:
+    """Each sequence shard's body output for the microbatch ``x``. Under SP with the
+    vocab-parallel first layer, that layer's product is computed once on every row (one
+    wgrad GEMM over all rows, as the ranks run it) and each body starts from its rows of it."""
+    embedded = (bodies[0][0].layers[0].embed(x)
+                if spec.sequence_shards > 1 and spec.vocab_parallel_embedding else None)
+    outs = []
+    for k, body in enumerate(bodies):
+        if embedded is None:
+            out = body[0](sequence_shard(spec, x, k))
+        else:
+            out = body[0].after_embedding(sequence_shard(spec, embedded, k))
+        for stage in body[1:]:
+            out = stage(out)
+        outs.append(out)
+    return outs
+
+
 def tp_replica_grad_sums(
     spec: LinearStackSpec,
     stages: Sequence[nn.Module],
@@ -128,11 +159,7 @@ def tp_replica_grad_sums(
     tied_name = stage_param_name(0, EMBEDDING_PARAM)
     # TP-split like the head: one grad sum of all of it, never per sequence shard.
     split = vocab_split_names(spec)
-    copies = [list(stages)] + [copy.deepcopy(list(stages)) for _ in range(1, shards)]
-    copy_named = [
-        {stage_param_name(s, n): p for s, st in enumerate(body) for n, p in st.named_parameters()}
-        for body in copies
-    ]
+    copies, copy_named = sequence_shard_bodies(spec, stages)
     body_names = [n for n in named if n != head_name]
     per_replica_sums: list[dict[str, torch.Tensor]] = []
     step_losses: list[list[float]] = []
@@ -148,19 +175,7 @@ def tp_replica_grad_sums(
             for params in copy_named:
                 for p in params.values():
                     p.grad = None
-            outs = []
-            # SP with the vocab-parallel first layer: its product on every row, computed once
-            # (one wgrad GEMM over all rows), each copy starting from its rows of it.
-            embedded = (copies[0][0].layers[0].embed(x) if shards > 1 and spec.vocab_parallel_embedding
-                        else None)
-            for k, body in enumerate(copies):
-                if embedded is None:
-                    out = body[0](sequence_shard(spec, x, k))
-                else:
-                    out = body[0].after_embedding(sequence_shard(spec, embedded, k))
-                for stage in body[1:]:
-                    out = stage(out)
-                outs.append(out)
+            outs = forward_shards(spec, copies, x)
             if head is not None:
                 full = torch.cat(outs) if shards > 1 else outs[0]  # the all-gather
                 # One record per vocab block: autograd may run the blocks' backwards in any order.

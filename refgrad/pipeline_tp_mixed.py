@@ -38,7 +38,6 @@ Bitwise claims hold for ``tensor_parallel == 2`` only (every TP sum has two term
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -56,16 +55,6 @@ def check_tensor_parallel_2(spec: LinearStackSpec) -> None:
     if spec.tensor_parallel != 2:
         raise ValueError("refgrad.pipeline_tp_mixed models tensor_parallel 2 only (a TP sum of more "
                          f"than two 16-bit terms has a backend-chosen order), got {spec.tensor_parallel}")
-
-
-def _rank_bodies(spec: LinearStackSpec, stages: Sequence[nn.Module]
-                 ) -> tuple[list[dict[str, nn.Parameter]], list[list[nn.Module]]]:
-    """One body per sequence shard (the first is ``stages`` itself) and its named params."""
-    from refgrad.pipeline import stage_param_name
-
-    bodies = [list(stages)] + [copy.deepcopy(list(stages)) for _ in range(1, spec.sequence_shards)]
-    return [{stage_param_name(s, n): p for s, st in enumerate(body) for n, p in st.named_parameters()}
-            for body in bodies], bodies
 
 
 def mixed_tp_replica_grad_sums(
@@ -91,9 +80,10 @@ def mixed_tp_replica_grad_sums(
         stage_param_name,
     )
     from refgrad.pipeline_tp import (
+        forward_shards,
         head_shard,
         loss_target,
-        sequence_shard,
+        sequence_shard_bodies,
         stage_loss,
         vocab_split_names,
     )
@@ -106,7 +96,7 @@ def mixed_tp_replica_grad_sums(
     shards, tp = spec.sequence_shards, spec.tensor_parallel
     head_name = stage_param_name(spec.num_stages - 1, HEAD_PARAM)
     tied_name = stage_param_name(0, EMBEDDING_PARAM)
-    copy_named, bodies = _rank_bodies(spec, stages)
+    bodies, copy_named = sequence_shard_bodies(spec, stages)
     split = vocab_split_names(spec)  # TP-split by vocabulary rows: one buffer, never per shard
     body_names = [n for n in named if n != head_name]
     per_replica: list[dict[str, torch.Tensor]] = []
@@ -121,21 +111,11 @@ def mixed_tp_replica_grad_sums(
             for params in copy_named:
                 for p in params.values():
                     p.grad = None
-            outs = []
             # SP with the vocab-parallel first layer: each rank's 16-bit partial x_k · W_k on every
             # row, their 16-bit TP sum computed once (the reduce-scatter: two terms, one rounding),
             # each body starting from its rows of it; backward, each rank's wgrad x_kᵀ · G over
             # every row (G: the all-gather of the shards' output grads) as its own 16-bit GEMM.
-            embedded = (bodies[0][0].layers[0].embed(x.to(param_dtype))
-                        if shards > 1 and spec.vocab_parallel_embedding else None)
-            for k, body in enumerate(bodies):
-                if embedded is None:
-                    out = body[0](sequence_shard(spec, x, k).to(param_dtype))
-                else:
-                    out = body[0].after_embedding(sequence_shard(spec, embedded, k))
-                for stage in body[1:]:
-                    out = stage(out)
-                outs.append(out)
+            outs = forward_shards(spec, bodies, x.to(param_dtype))  # (a row slice commutes with the cast)
             full = torch.cat(outs) if shards > 1 else outs[0]  # the all-gather (16 bits)
             record: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(tp)]
             partials = [stage_loss(spec, HeadRecordingWgrad.apply(full, head_shard(spec, head, k),
