@@ -18,8 +18,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tests.distributed_utils import run_distributed
-from tests.verify.twin_world import finish, phases_of, plan_layout
+from tests.verify.twin_world import plan_layout, train_and_compare
 from verify.preflight.cli import build_report
 from verify.preflight.config import resolve
 from verify.preflight.flags import parse_megatron_flags
@@ -110,8 +109,7 @@ LAYOUT = {"dp2": (DP2, 0), "pp2_dp2_reuse": (PP2_DP2_REUSE, 2), "dp2_reuse": (DP
 @pytest.fixture(scope="module")
 def twins():
     plans = _plans(LAYOUT)
-    return finish(plans, run_distributed(twin_phases_worker, 8, phases_of(plans), timeout_s=300),
-                   TwinCandidate())
+    return train_and_compare(plans, 8)
 
 
 @pytest.mark.dist
@@ -186,8 +184,7 @@ def test_wrong_scale_rounding_or_a_gather_over_live_grads_fails_naming_step_and_
     plans = _plans({"ceil_scales": (DP2, 0), "gather_over_grads": (PP2_DP2_REUSE, 2),
                     "gather_without_reuse": (DP2, 6)}, replace(STEPS, steps=2))
     faults = {(0, 2): "ceil_scales", (2, 6): "gather_over_grads", (6, 8): "gather_over_grads"}
-    ranks = run_distributed(_faulty_worker, 8, phases_of(plans), faults, timeout_s=300)
-    out = finish(plans, ranks, TwinCandidate("broken MXFP8"))
+    out = train_and_compare(plans, 8, TwinCandidate("broken MXFP8"), _faulty_worker, faults)
     for name in ("ceil_scales", "gather_over_grads"):
         report, _, passed, _ = out[name]
         assert not passed and report["verdict"].startswith("FAIL"), name

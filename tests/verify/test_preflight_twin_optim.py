@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed_utils import run_distributed
-from tests.verify.twin_world import finish, phases_of, plan_layout
+from tests.verify.twin_world import plan_layout, train_and_compare
 from verify.preflight.cli import build_report
 from verify.preflight.config import ConfigError, resolve
 from verify.preflight.flags import FlagError, parse_megatron_flags
@@ -143,8 +142,7 @@ def _plans(layout: dict) -> dict:
 @pytest.fixture(scope="module")
 def twins():
     plans = _plans(LAYOUT)
-    return finish(plans, run_distributed(twin_phases_worker, 8, phases_of(plans), timeout_s=300),
-                   TwinCandidate())
+    return train_and_compare(plans, 8)
 
 
 @pytest.mark.dist
@@ -231,9 +229,8 @@ def _faulty_worker(rank: int, world_size: int, phases: list, faults: dict) -> li
 @pytest.mark.dist
 def test_a_skipped_clip_or_a_wrong_loss_scale_inverse_fails_naming_step_and_parameter():
     plans = _plans({"skip_clip": (CLIPPED_FP16, 0), "double_unscale": (GROWING_SCALE, 4)})
-    ranks = run_distributed(_faulty_worker, 6, phases_of(plans),
-                            {(0, 4): "skip_clip", (4, 6): "double_unscale"}, timeout_s=300)
-    out = finish(plans, ranks, TwinCandidate("broken optimizer"))
+    out = train_and_compare(plans, 6, TwinCandidate("broken optimizer"), _faulty_worker,
+                            {(0, 4): "skip_clip", (4, 6): "double_unscale"})
     for name in plans:
         report, _, passed, _ = out[name]
         assert not passed and report["verdict"].startswith("FAIL"), name

@@ -18,9 +18,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed_utils import run_distributed
 from tests.verify.test_preflight_twin_optim import STEPS, _config, _plans
-from tests.verify.twin_world import finish, phases_of
+from tests.verify.twin_world import train_and_compare
 from verify.preflight.twin import plan_twin
 from verify.preflight.twin_compare import reference_for
 from verify.preflight.twin_precision import TwinPrecision, precision_for
@@ -194,8 +193,7 @@ def test_refgrads_16_bit_tied_sp_first_layer_keeps_one_buffer_left_out_of_the_tp
 @pytest.fixture(scope="module")
 def twins():
     plans = _plans(LAYOUT)
-    return finish(plans, run_distributed(twin_phases_worker, 8, phases_of(plans), timeout_s=300),
-                   TwinCandidate())
+    return train_and_compare(plans, 8)
 
 
 @pytest.mark.dist
@@ -289,8 +287,8 @@ def _faulty_worker(rank: int, world_size: int, phases: list) -> list:
 @pytest.mark.dist
 def test_grads_accumulated_in_the_param_dtype_fail_naming_step_and_parameter():
     plans = _plans({"bf16": (BF16, 0)})
-    ranks = run_distributed(_faulty_worker, 4, phases_of(plans), timeout_s=300)
-    report, _, passed, _ = finish(plans, ranks, TwinCandidate("bf16-accumulating DDP"))["bf16"]
+    report, _, passed, _ = train_and_compare(plans, 4, TwinCandidate("bf16-accumulating DDP"),
+                                             _faulty_worker)["bf16"]
     assert not passed and report["verdict"].startswith("FAIL: ")
     failures = report["twin"]["failures"]
     assert any(f.startswith("step 0: reduced gradient stage0.layers.0.weight (replica 0) differs")
@@ -345,8 +343,7 @@ def _faulty_tp_worker(rank: int, world_size: int, phases: list) -> list:
 @pytest.mark.dist
 def test_a_tp2_dgrad_or_sp_grad_sum_in_the_wrong_dtype_fails_naming_step_and_parameter():
     plans = _plans({"tp2_bf16": (TP2_BF16, 0), "tp2_sp_bf16": (TP2_SP_BF16, 4)})
-    ranks = run_distributed(_faulty_tp_worker, 8, phases_of(plans), timeout_s=300)
-    twins = finish(plans, ranks, TwinCandidate("TP sums in the wrong dtype"))
+    twins = train_and_compare(plans, 8, TwinCandidate("TP sums in the wrong dtype"), _faulty_tp_worker)
     for name in plans:
         report, _, passed, _ = twins[name]
         assert not passed and report["verdict"].startswith("FAIL: "), name
@@ -405,8 +402,8 @@ def _faulty_embedding_worker(rank: int, world_size: int, phases: list) -> list:
 @pytest.mark.dist
 def test_a_tied_sp_embedding_wgrad_on_its_own_rows_fails_naming_step_and_parameter():
     plans = _plans({"tp2_sp_bf16": (TP2_SP_BF16, 0)})
-    ranks = run_distributed(_faulty_embedding_worker, 4, phases_of(plans), timeout_s=300)
-    report, _, passed, _ = finish(plans, ranks, TwinCandidate("SP embedding wgrad"))["tp2_sp_bf16"]
+    report, _, passed, _ = train_and_compare(plans, 4, TwinCandidate("SP embedding wgrad"),
+                                             _faulty_embedding_worker)["tp2_sp_bf16"]
     assert not passed and report["verdict"].startswith("FAIL: ")
     failures = report["twin"]["failures"]
     step0 = "step 0: reduced gradient "

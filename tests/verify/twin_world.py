@@ -11,9 +11,10 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from tests.distributed_utils import run_distributed
 from verify.preflight.twin import TwinOptions, plan_twin
 from verify.preflight.twin_stage import finish_twin_report
-from verify.preflight.twin_worker import TwinCandidate
+from verify.preflight.twin_worker import TwinCandidate, twin_phases_worker
 
 
 def plan_layout(layout: dict, config_for: Callable[[list[str]], tuple[Any, dict]],
@@ -48,3 +49,12 @@ def finish(plans: dict, ranks: list, candidate: TwinCandidate) -> dict:
                                     candidate=candidate)
         out[name] = (report, plan, passed, [r for r in results if r is not None])
     return out
+
+
+def train_and_compare(plans: dict, world_size: int, candidate: TwinCandidate | None = None,
+                      worker: Callable[..., list] = twin_phases_worker, *worker_args: Any) -> dict:
+    """Train every twin of ``plans`` in one spawned world of ``world_size`` gloo ranks
+    (``worker(rank, world_size, phases, *worker_args)``: a faulty one breaks fastgrad inside
+    its ranks), then compare each with refgrad (:func:`finish`; ``candidate`` names it)."""
+    ranks = run_distributed(worker, world_size, phases_of(plans), *worker_args, timeout_s=300)
+    return finish(plans, ranks, candidate or TwinCandidate())
