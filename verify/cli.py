@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import difflib
 import importlib
 import json
 import multiprocessing
@@ -363,53 +362,17 @@ def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentP
     return action.choices[name]
 
 
-def _megatron_flags_last(argv: list[str], known: set[str], own: set[str]) -> list[str]:
-    """``verify preflight`` argv with every flag its parser does not know (a Megatron-Core
-    flag preflight does not model, such as ``--lr``) moved, with its values and in order,
-    behind ``--``: listed and ignored there, as in ``--args-file``, not an argparse error.
-    Left for argparse: a near-miss of one of preflight's own options (``own``), which
-    argparse then refuses (the subparser allows no abbreviations, as Megatron-Core's).
-    One of ``own`` after ``--`` is a UsageError."""
-    head, tail = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    misplaced = [t for t in tail if t.partition("=")[0] in own]
-    if misplaced:
-        raise UsageError(f"{misplaced[0]} is an option of verify preflight, not a Megatron-Core "
-                         "flag: put it before `--` (everything after `--` is read as the launch's "
-                         "flags)")
-    kept, moved = [], []
-    index = 0
-    while index < len(head):
-        token = head[index]
-        index += 1
-        name = token.partition("=")[0]
-        if (not token.startswith("--") or name in known
-                or difflib.get_close_matches(name, own, n=1, cutoff=0.9)):
-            kept.append(token)
-            continue
-        moved.append(token)
-        while "=" not in token and index < len(head) and _is_megatron_value(head[index]):
-            moved.append(head[index])
-            index += 1
-    return kept + (["--", *moved, *tail] if moved or tail else [])
-
-
-def _is_megatron_value(token: str) -> bool:
-    from verify.preflight.flags import is_value
-
-    return is_value(token)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``verify`` console script; returns the exit code."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["preflight"]:
-        from verify.preflight.flags import FLAG_SPECS
+        from verify.preflight.flags import FLAG_SPECS, FlagError, launch_flags_last
 
         known = set(_subparser(parser, "preflight")._option_string_actions)
         try:
-            argv = argv[:1] + _megatron_flags_last(argv[1:], known, known - set(FLAG_SPECS))
-        except UsageError as exc:
+            argv = argv[:1] + launch_flags_last(argv[1:], known, known - set(FLAG_SPECS))
+        except FlagError as exc:
             print(f"verify preflight: error: {exc}", file=sys.stderr)
             return EXIT_USAGE
     args = parser.parse_args(argv)

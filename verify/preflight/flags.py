@@ -209,3 +209,33 @@ def parse_megatron_flags(tokens: list[str]) -> ParsedFlags:
         else:
             parsed.values[attribute] = raw
     return parsed
+
+
+def launch_flags_last(argv: list[str], known: set[str], own: set[str]) -> list[str]:
+    """``verify preflight``'s argv with every flag its parser does not ``known`` (a
+    Megatron-Core flag preflight does not model, such as ``--lr``) moved, with its values
+    and in order, behind ``--``: listed and ignored there, as in ``--args-file``, not an
+    argparse error. Left for argparse: a near-miss of one of preflight's own options
+    (``own``), which argparse then refuses (its parser allows no abbreviations, as
+    Megatron-Core's). One of ``own`` after ``--`` is a FlagError."""
+    head, tail = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    misplaced = [t for t in tail if t.partition("=")[0] in own]
+    if misplaced:
+        raise FlagError(f"{misplaced[0]} is an option of verify preflight, not a Megatron-Core "
+                        "flag: put it before `--` (everything after `--` is read as the launch's "
+                        "flags)")
+    kept, moved = [], []
+    index = 0
+    while index < len(head):
+        token = head[index]
+        index += 1
+        name = token.partition("=")[0]
+        if (not token.startswith("--") or name in known
+                or difflib.get_close_matches(name, own, n=1, cutoff=NEAR_MISS_RATIO)):
+            kept.append(token)
+            continue
+        moved.append(token)
+        while "=" not in token and index < len(head) and is_value(head[index]):
+            moved.append(head[index])
+            index += 1
+    return kept + (["--", *moved, *tail] if moved or tail else [])

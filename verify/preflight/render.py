@@ -216,8 +216,9 @@ def print_terminal(report: dict, console: Console | None = None) -> None:
         width = terminal_width() if tty else max(terminal_width(), NON_TERMINAL_WIDTH)
         console = _ReportConsole(soft_wrap=False, width=width)
     console.print(report["verdict"], markup=False, highlight=False)
-    if ignored_flags_line(report):
-        console.print(ignored_flags_line(report), markup=False, highlight=False)
+    ignored = ignored_flags_line(report)
+    if ignored:
+        console.print(ignored, markup=False, highlight=False)
     for title, columns, rows in report_tables(report):
         table = Table(title=title, title_justify="left")
         for column in columns:
@@ -237,8 +238,9 @@ def render_markdown(report: dict) -> str:
     """The whole report as Markdown: verdict, tables, notes, environment."""
     out = [f"# verify preflight (gradverify {report['gradverify_version']})", "",
            f"**{report['verdict']}**", ""]
-    if ignored_flags_line(report):
-        out += [_md_cell(ignored_flags_line(report)), ""]
+    ignored = ignored_flags_line(report)
+    if ignored:
+        out += [_md_cell(ignored), ""]
     for title, columns, rows in report_tables(report):
         out += [f"## {title}", "", "| " + " | ".join(columns) + " |",
                 "|" + "---|" * len(columns)]
