@@ -49,16 +49,26 @@ class TwinCandidate:
         if self.shared_weight_grads not in SHARED_WEIGHT_GRADS:
             raise ValueError(f"TwinCandidate.shared_weight_grads must be one of "
                              f"{SHARED_WEIGHT_GRADS}, got {self.shared_weight_grads!r}")
-        faults = (self.drain_order != "fifo", self.embedding_group != "same_tp_rank",
-                  self.shared_weight_grads != "head_first")
-        if sum(faults) > 1:
+        if len(self._faults()) > 1:
             raise ValueError("TwinCandidate: one fault at a time (drain_order, embedding_group "
                              "or shared_weight_grads)")
 
+    def _faults(self) -> list[str]:
+        """The ``PipelineCase.fault`` of each setting that departs from production."""
+        faults = ["lifo_drain" if self.drain_order == "lifo" else None,
+                  "crossed_embedding_group" if self.embedding_group == "other_tp_rank" else None,
+                  _SHARED_WEIGHT_FAULTS.get(self.shared_weight_grads)]
+        return [f for f in faults if f is not None]
+
+    @property
+    def fault(self) -> str | None:
+        """The case fault its ranks apply; None: production's fastgrad."""
+        faults = self._faults()
+        return faults[0] if faults else None
+
     @property
     def is_production(self) -> bool:
-        return (self.drain_order == "fifo" and self.embedding_group == "same_tp_rank"
-                and self.shared_weight_grads == "head_first")
+        return self.fault is None
 
 
 def with_candidate(case: Any, candidate: TwinCandidate) -> Any:
@@ -68,11 +78,7 @@ def with_candidate(case: Any, candidate: TwinCandidate) -> Any:
         return case
     from dataclasses import replace
 
-    if candidate.shared_weight_grads != "head_first":
-        fault = _SHARED_WEIGHT_FAULTS[candidate.shared_weight_grads]
-    else:
-        fault = "lifo_drain" if candidate.drain_order == "lifo" else "crossed_embedding_group"
-    return replace(case, fault=fault)
+    return replace(case, fault=candidate.fault)
 
 
 def run_on_grid(case: Any, groups: Any, overlap: bool, optimizer: Any) -> Any:
