@@ -21,7 +21,10 @@ Stages, in Megatron's order (the first that raises is the verdict):
 8. ``model build``: the ``divide()`` calls with which Megatron-Core's modules split their
    weights over TP (``megatron/core/tensor_parallel/layers.py`` Column/RowParallelLinear and
    VocabParallelEmbedding, ``megatron/core/transformer/attention.py Attention.__init__``),
-   restated on the shapes of the GPT layer (building the model needs a GPU).
+   and, under ``--transformer-impl transformer_engine`` (the default), Transformer Engine's
+   ``DotProductAttention`` assert "The number of attention heads must be divisible by the
+   number of GQA groups!", restated on the shapes of the GPT layer (building the model needs
+   a GPU).
 
 The figures of an accepted launch: DP, CP, M, VPP, layers (and first layer index) per
 pipeline rank and virtual stage, and each model chunk's DDP bucket size as
@@ -143,6 +146,9 @@ def megatron_verdict(argv: list[str], world_size: int, env: dict | None = None) 
 def _divide_like_the_model(config, args, divide) -> None:
     """The divide() calls of the GPT layer's modules over TP (see the module docstring)."""
     tp = config.tensor_model_parallel_size
+    if args.transformer_impl == "transformer_engine":
+        assert config.num_attention_heads % config.num_query_groups == 0, (
+            "The number of attention heads must be divisible by the number of GQA groups!")
     q = config.kv_channels * config.num_attention_heads
     kv = config.kv_channels * config.num_query_groups
     divide(q, config.num_attention_heads)  # Attention: hidden_size_per_attention_head

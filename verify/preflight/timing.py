@@ -49,7 +49,7 @@ def pipeline_timing(config: PreflightConfig, chunks: list[ChunkLayout], wire: li
                     inputs: CostInputs) -> dict:
     """Costs used (with their source) and the simulated step."""
     pp, m = config.pipeline_model_parallel_size, config.num_microbatches
-    tokens = config.micro_batch_size * config.seq_length
+    tokens = config.micro_batch_size * config.seq_length // config.context_parallel_size  # a CP rank's
     flops_per_s = inputs.assumed_tflops * 1e12
     bytes_per_ms = inputs.assumed_bus_gbps * 1e9 / 1e3
     assumptions = []

@@ -68,7 +68,7 @@ def precision_for(config: Any, twin_tp: int) -> tuple[TwinPrecision, int, list[s
 
     if twin_tp not in (1, 2):
         raise ValueError(f"twin_tp must be 1 or 2 (the twin caps TP at 2), got {twin_tp}")
-    dp = config.data_parallel_size
+    dp = config.data_context_parallel_size  # the dp_cp group reduces the grads
     if twins_mxfp8(config):  # the MXFP8 twin's own path: fp32 compute on dequantized weights
         left_out = []
         if config.params_dtype != "fp32":
