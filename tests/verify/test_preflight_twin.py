@@ -537,6 +537,31 @@ def test_a_drain_in_the_wrong_order_fails_naming_parameter_and_step(capsys, tmp_
 
 
 @pytest.mark.dist
+def test_an_uneven_context_parallel_twin_trains_its_per_stage_layers(capsys, tmp_path):
+    """PP 2, 3 layers with the embedding counted as one: (3 + 1) / 2 = 2 per stage, stage 0
+    builds 1 (transformer_block.py get_num_layers_to_build); CP 2 x DP 1: the twin's 2 DP
+    replicas stand for the dp_cp group. The twin's stages hold 1 and 2 layers, checked
+    against refgrad bitwise (a sum of two fp32 values)."""
+    flags = ["--world-size", "4", "--pipeline-model-parallel-size", "2", "--num-layers", "3",
+             "--account-for-embedding-in-pipeline-split", "--context-parallel-size", "2",
+             "--global-batch-size", "2", "--use-distributed-optimizer", "--overlap-grad-reduce"]
+    json_path = tmp_path / "t.json"
+    rc, out, err = _cli(flags, capsys, extra=("--json", str(json_path)))
+    assert rc == 0, err
+    assert out.splitlines()[0].startswith("PASS: TP=1 PP=2 VPP=1 CP=2 DP=1, 2 microbatches")
+    report = json.loads(json_path.read_text())
+    assert report["config"]["layers_per_stage_and_chunk"] == [[1], [2]]
+    assert [row["layers"] for row in report["layout"]] == [1, 2]
+    mapping = {row[0]: row[1:] for row in report["twin"]["mapping"]}
+    assert mapping["layers per virtual stage"] == ["[1, 2] (= 3)", "[1, 2] (= 3)"]
+    # (parameter, replica) pairs compared: stage 0's layer (weight, bias), stage 1's two
+    # layers and the output layer = 2 + 4 + 1 = 7 per replica, x 2 replicas (an even twin
+    # would have 2 + 2 + 1 = 5).
+    assert report["twin"]["passed"] and report["twin"]["bitwise"]
+    assert [row["grads_total"] for row in report["twin"]["steps"]] == [14, 14]
+
+
+@pytest.mark.dist
 def test_under_torchrun_the_twin_runs_on_the_launched_world(tmp_path):
     """torchrun (2 processes): DP comes from WORLD_SIZE, rank 0 reports, both exit 0."""
     import os
