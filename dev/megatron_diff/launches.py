@@ -378,14 +378,14 @@ def _grid_world(argv: list[str]) -> int:
 def doc_launches() -> list[dict]:
     """Every ``$ verify preflight`` line of README.md and docs/*.md, as a Megatron launch."""
     sys.path.insert(0, str(REPO))
-    from tests.verify.doc_launches import doc_launch_lines, split_preflight_argv
+    from tests.verify.doc_launches import doc_launch_lines
+    from tests.verify.preflight_launch import split_argv
 
     out = []
     for where, argv in doc_launch_lines(REPO):
-        own, megatron = split_preflight_argv(argv)
-        world = int(own.get("--world-size") or _grid_world(megatron))
-        out.append({"id": f"docs-{where}", "source": "docs", "world_size": world,
-                    "argv": megatron, "preflight_options": own})
+        world, megatron = split_argv(argv)
+        out.append({"id": f"docs-{where}", "source": "docs",
+                    "world_size": world or _grid_world(megatron), "argv": megatron})
     return out
 
 
