@@ -81,6 +81,8 @@ def main() -> None:
     parser.add_argument("--out", default=str(HERE / "results"))
     parser.add_argument("--examples", default="/work/notes/mlm19/examples",
                         help="Megatron-LM's examples/ (branch core_r0.19.0)")
+    parser.add_argument("--random", type=int, default=400, help="how many random launches")
+    parser.add_argument("--seed", type=int, default=22, help="their seed")
     parser.add_argument("--reuse", action="store_true",
                         help="keep launches.jsonl and megatron.jsonl from an earlier run")
     args = parser.parse_args()
@@ -89,7 +91,7 @@ def main() -> None:
     launches_path, megatron_path = out / "launches.jsonl", out / "megatron.jsonl"
     if not (args.reuse and launches_path.exists()):
         subprocess.run([sys.executable, str(HERE / "launches.py"), args.examples,
-                        str(launches_path)], check=True, cwd=REPO)
+                        str(launches_path), str(args.random), str(args.seed)], check=True, cwd=REPO)
     launches = _read(launches_path)
     if not (args.reuse and megatron_path.exists()):
         sys.path.insert(0, str(HERE))

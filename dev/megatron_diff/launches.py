@@ -392,7 +392,9 @@ def doc_launches() -> list[dict]:
 def main() -> None:
     examples = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("/work/notes/mlm19/examples")
     target = Path(sys.argv[2]) if len(sys.argv) > 2 else Path("launches.jsonl")
-    launches = random_launches(400) + example_launches(examples) + doc_launches()
+    count = int(sys.argv[3]) if len(sys.argv) > 3 else 400
+    seed = int(sys.argv[4]) if len(sys.argv) > 4 else 22
+    launches = random_launches(count, seed) + example_launches(examples) + doc_launches()
     with target.open("w", encoding="utf-8") as out:
         for launch in launches:
             out.write(json.dumps(launch) + "\n")

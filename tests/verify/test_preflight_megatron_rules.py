@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests.verify.preflight_launch import preflight_config
+from tests.verify.preflight_launch import parsed_launch, preflight_config
+from verify.preflight.cli import build_report
 from verify.preflight.config import ConfigError
 from verify.preflight.flags import FlagError
 from verify.preflight.paper import activation_bytes, chunk_layouts
+from verify.preflight.timing import CostInputs
 from verify.preflight.twin import MAX_EXTRA_TWIN_LAYERS, TwinOptions, plan_twin
 
 MODEL = ["--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16",
@@ -81,23 +83,31 @@ def test_context_parallel_ranks_reduce_grads_and_set_the_default_bucket_size():
     assert activation_bytes(with_cp) == 8 * 64 * 4
 
 
-@pytest.mark.parametrize(("global_batch", "decrease", "m"), [(8, False, 4), (6, True, 3), (7, True, 3)])
-def test_microbatches_and_the_decreased_batch(global_batch, decrease, m):
-    # ConstantNumMicroBatchesCalculator: M = global // (micro 1 x DP 2); with
-    # --decrease-batch-size-if-needed the global batch is rounded down to a multiple of 2.
-    flags = ["--world-size", "2", "--num-layers", "2", "--global-batch-size", str(global_batch)]
-    config = _config(*flags, *(["--decrease-batch-size-if-needed"] if decrease else []))
-    assert config.num_microbatches == m
+@pytest.mark.parametrize(("flags", "m"), [
+    (["--global-batch-size", "8"], 4),
+    # --decrease-batch-size-if-needed rounds 7 down to 6; validate_args first checks the
+    # evaluation batch (default: the global batch), so a divisible one must be given.
+    (["--global-batch-size", "7", "--decrease-batch-size-if-needed", "--eval-global-batch-size", "8"], 3),
+])
+def test_microbatches_and_the_decreased_batch(flags, m):
+    # ConstantNumMicroBatchesCalculator: M = global // (micro 1 x DP 2).
+    assert _config("--world-size", "2", "--num-layers", "2", *flags).num_microbatches == m
 
 
 def test_microbatch_refusals():
     # 'global batch size (7) is not divisible by micro batch size (1) times data parallel size (2)'.
     assert "--global-batch-size (7)" in _refused("--world-size", "2", "--num-layers", "2",
                                                  "--global-batch-size", "7")
+    # validate_args: 'eval_global_batch_size (7) must be divisible by eval_micro_batch_size (1)
+    # * data_parallel_size (2)', checked before the calculator could round the batch down.
+    assert "the evaluation batch 7" in _refused("--world-size", "2", "--num-layers", "2",
+                                                "--global-batch-size", "7",
+                                                "--decrease-batch-size-if-needed")
     # Rounded down to 0: 'number of microbatches should be at least 1'.
     assert "leaves no microbatch" in _refused("--world-size", "4", "--num-layers", "2",
                                               "--global-batch-size", "3",
-                                              "--decrease-batch-size-if-needed")
+                                              "--decrease-batch-size-if-needed",
+                                              "--eval-global-batch-size", "4")
     # validate_args: 'Cannot specify both --step-batch-size-schedule and --global-batch-size'.
     assert "cannot both be given" in _refused("--world-size", "2", "--num-layers", "2",
                                               "--global-batch-size", "4",
@@ -353,3 +363,16 @@ def test_not_modelled_flags_are_refused_naming_them():
     with pytest.raises(FlagError, match=r"--pipeline-model-parallel-layout .*: not modelled"):
         _config("--world-size", "2", "--num-layers", "2", "--pipeline-model-parallel-layout",
                 "Et|tL")
+
+
+def test_a_microbatch_group_other_than_pp_gets_its_paper_figures():
+    # schedules.py accepts group 3 at PP 2 with M 5 (5 % 3 = 2 >= PP); the bubble simulator
+    # runs groups of PP, so it simulates 4 microbatches and says so; the twin lists the group.
+    argv = [*MODEL, "--world-size", "2", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
+            "--num-virtual-stages-per-pipeline-rank", "2", "--global-batch-size", "5",
+            "--microbatch-group-size-per-virtual-pipeline-stage", "3"]
+    config = preflight_config(argv)
+    report = build_report(config, parsed_launch(argv), CostInputs())
+    assert "M = 5 simulated as 4" in " ".join(report["pipeline"]["assumptions"])
+    plan = plan_twin(config, TwinOptions())
+    assert any("--microbatch-group-size-per-virtual-pipeline-stage 3" in g for g in plan.not_twinned)

@@ -75,12 +75,16 @@ def _batch(v: dict, spelling: Mapping[str, str], dp: int) -> tuple[int, int]:
         raise ConfigError(f"{n('global_batch_size')} must be > 0, got {gbs}")
     eval_mbs = v.get("eval_micro_batch_size", mbs)
     eval_gbs = v.get("eval_global_batch_size", gbs)
-    # Without either eval flag this is the training batch's rule, named by rules.py.
-    given = "eval_micro_batch_size" in v or "eval_global_batch_size" in v
-    if given and (eval_mbs * dp <= 0 or eval_gbs % (eval_mbs * dp)):
+    # Without an eval flag or --decrease-batch-size-if-needed this is the training batch's
+    # rule, which rules.py names; validate_args checks it even when the training batch
+    # would be rounded down.
+    checked = ("eval_micro_batch_size" in v or "eval_global_batch_size" in v
+               or v.get("decrease_batch_size_if_needed"))
+    if checked and (eval_mbs * dp <= 0 or eval_gbs % (eval_mbs * dp)):
         raise ConfigError(f"the evaluation batch {eval_gbs} ({n('eval_global_batch_size')}, default "
                           f"{n('global_batch_size')}) must be divisible by {n('eval_micro_batch_size')}"
-                          f" (default {n('micro_batch_size')}) {eval_mbs} x DP {dp} (validate_args)")
+                          f" (default {n('micro_batch_size')}) {eval_mbs} x DP {dp} (validate_args, "
+                          "before --decrease-batch-size-if-needed rounds the training batch)")
     return mbs, gbs
 
 

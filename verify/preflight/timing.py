@@ -82,6 +82,12 @@ def pipeline_timing(config: PreflightConfig, chunks: list[ChunkLayout], wire: li
                           num_buckets=1, last_stage_grad_sync=last_sync)
     mode = "overlap" if config.overlap_grad_reduce else "after-compute"
     vpp = config.virtual_pipeline_model_parallel_size
+    if vpp > 1 and m % pp:
+        # Valid under a --microbatch-group-size-per-virtual-pipeline-stage other than PP; the
+        # simulator runs each chunk's microbatches in groups of PP.
+        assumptions.append(f"the simulator's interleaved schedule runs microbatches in groups "
+                           f"of PP: M = {m} simulated as {m - m % pp}")
+        m -= m % pp
     result = simulate(pp, m, costs, mode=mode, virtual_stages=vpp)
     return {
         "costs_ms": {"forward": forward, "backward": backward, "p2p": p2p,
