@@ -376,3 +376,20 @@ def test_a_microbatch_group_other_than_pp_gets_its_paper_figures():
     assert "M = 5 simulated as 4" in " ".join(report["pipeline"]["assumptions"])
     plan = plan_twin(config, TwinOptions())
     assert any("--microbatch-group-size-per-virtual-pipeline-stage 3" in g for g in plan.not_twinned)
+
+
+def test_buffers_are_padded_over_the_dp_cp_group():
+    # distributed_data_parallel.py shards the buffer over intra_dp_cp_group (DP x CP ranks);
+    # optimizer/param_layout.py pad_bucket_end: a multiple of lcm(DP x CP, 128). DP 1 x CP 3,
+    # one layer at h 64 (49,984 elements, every size a multiple of 64: no start gaps, as in
+    # test_preflight_paper.py), word embedding 256 x 64 = 16,384, positions 18 x 64 = 1,152,
+    # final LayerNorm 128: 67,648 -> lcm(3, 128) = 384: ceil(67648 / 384) = 177 -> 67,968
+    # (over DP 1 alone it would be 529 x 128 = 67,712).
+    config = preflight_config(["--world-size", "3", "--context-parallel-size", "3",
+                               "--num-layers", "1", "--hidden-size", "64",
+                               "--num-attention-heads", "4", "--seq-length", "18",
+                               "--max-position-embeddings", "18", "--padded-vocab-size", "256",
+                               "--micro-batch-size", "1", "--use-distributed-optimizer"])
+    (chunk,) = chunk_layouts(config)
+    assert chunk.param_elements == 67_648
+    assert chunk.layout.numel == 67_968
