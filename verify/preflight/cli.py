@@ -67,8 +67,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                           "(the flags a launch script hands to pretrain_gpt.py, unchanged).")
     own = parser.add_argument_group("preflight options (none is a Megatron-LM flag)")
     own.add_argument("--world-size", type=int, metavar="N",
-                     help="the launch's world size, which Megatron-LM takes from the launcher "
-                          "(default: WORLD_SIZE under torchrun, or the torchrun line of --args-file)")
+                     help="the launch's world size, which Megatron-LM takes from the launcher; "
+                          "without it WORLD_SIZE under torchrun, or the torchrun line of --args-file")
     own.add_argument("--args-file", action="append", default=[], metavar="PATH",
                      help="a file of Megatron flags (\\ continuations and # comments allowed); "
                           "repeatable, command-line flags win")
