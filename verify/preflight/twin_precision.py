@@ -94,8 +94,8 @@ def precision_for(config: Any, twin_tp: int) -> tuple[TwinPrecision, int, list[s
     rs_fp32 = config.ddp_reduce_scatter_with_fp32_accumulation and config.use_distributed_optimizer
     left_out = []
     if config.gradient_accumulation_fusion:
-        left_out.append("gradient-accumulation fusion (on unless "
-                        "--no-gradient-accumulation-fusion) on the blocks: production's wgrad GEMMs "
+        left_out.append("gradient-accumulation fusion (Megatron's default) on the blocks: "
+                        "production's wgrad GEMMs "
                         f"accumulate into the {config.grad_dtype} main grad in fp32; the twin's "
                         f"Linear+tanh blocks round each microbatch's wgrad to {config.params_dtype} "
                         "before the add (its output layer's accumulation is the fused one)")
