@@ -202,6 +202,10 @@ def resolve(parsed: ParsedFlags, environ: Mapping[str, str],
         # distributed_data_parallel_config.py: "Should be set to True only when fp8_recipe is
         # mxfp8" -- documented, not asserted.
         notes.append("--reuse-grad-buf-for-mxfp8-param-ag is meant for --fp8-recipe mxfp8 only")
+    if v.get("ddp_reduce_scatter_with_fp32_accumulation") and grad_dtype == "fp32":
+        notes.append("--ddp-reduce-scatter-with-fp32-accumulation stays on over fp32 grads in "
+                     "Megatron-LM core_r0.19.0 (Megatron-LM main after it turns it off under "
+                     "--accumulate-allreduce-grads-in-fp32)")
     sequence_parallel = bool(v.get("sequence_parallel"))
     if sequence_parallel and tp == 1:  # validate_args disables it with a warning
         sequence_parallel = False
