@@ -55,8 +55,15 @@ from torch import nn
 from fastgrad.buffer import Bucket, ParamAndGradBuffer
 from fastgrad.config import DDPConfig
 from fastgrad.errors import LifecycleError
-from fastgrad.exposed_grads import drop_exposed_grads, expose_reduced_grads
+from fastgrad.exposed_grads import (
+    UnreducedGradPlaceholder,
+    drop_exposed_grads,
+    expose_reduced_grads,
+    grad_placeholder,
+    settle_unzeroed_grads,
+)
 from fastgrad.mesh import DPMeshInfo
+from fastgrad.param_guard import ParamPlacement
 
 
 @dataclass
@@ -140,7 +147,10 @@ class DistributedDataParallel(nn.Module):
             params, config=config, mesh=self.mesh, gradient_scaling_factor=scaling
         )
         self.dp_size = self.mesh.size
+        self.placement = ParamPlacement(params, self.buffer)
         self._exposed_grads: dict = {}  # param -> what finish_grad_sync put in param.grad
+        self._grads_out = False  # finish_grad_sync ran and nothing zeroed the buffer since
+        self._unreduced_placeholders: dict = {}  # param -> its UnreducedGradPlaceholder (cached)
         self._states = [_BucketState(b, i) for i, b in enumerate(self.buffer.buckets)]
         self._state_of = {p: s for s in self._states for p in s.bucket.params}
         self._sync_enabled = True
@@ -186,10 +196,21 @@ class DistributedDataParallel(nn.Module):
         """The parameter's name in the wrapped module (for error messages)."""
         return self._names.get(param, "<unnamed>")
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad``: zeroes what the optimizers read, i.e. :meth:`zero_grad_buffer`
+        (``set_to_none`` is accepted for torch's signature; ``param.grad`` is reset to None)."""
+        self.zero_grad_buffer()
+
+    def check_param_placement(self) -> None:
+        """Raise LifecycleError if a wrapped param changed dtype, device or storage since
+        wrapping (``model.to(torch.bfloat16)`` after wrapping; see :mod:`fastgrad.param_guard`)."""
+        self.placement.check(self.name_of)
+
     # -- step lifecycle
     def _open_step(self) -> None:
         if self._step_open:
             return
+        self.check_param_placement()
         current = frozenset(p for p in self._state_of if p.requires_grad)
         unfrozen = [p for p in self._frozen_at_build if p.requires_grad]
         if unfrozen:
@@ -215,8 +236,15 @@ class DistributedDataParallel(nn.Module):
                 "finished; call finish_grad_sync first"
             )
         drop_exposed_grads(self._exposed_grads)
+        self._grads_out = False
+        self._drop_unreduced_placeholders()
         self.buffer.zero_grad()
         self._open_step()
+
+    def _drop_unreduced_placeholders(self) -> None:
+        for param, placeholder in self._unreduced_placeholders.items():
+            if param.grad is placeholder:
+                param.grad = None
 
     @property
     def grad_sync_enabled(self) -> bool:
@@ -261,25 +289,34 @@ class DistributedDataParallel(nn.Module):
     def _on_grad_accumulated(self, param: nn.Parameter) -> None:
         if param.grad is None:
             return
+        if self._grads_out:
+            # The first grad since finish_grad_sync, and zero_grad_buffer was not called:
+            # honour torch's zero_grad() habits, or refuse (fastgrad.exposed_grads).
+            settle_unzeroed_grads(self._exposed_grads, param, self.buffer, self.name_of)
+            self._grads_out = False
         self._open_step()
         state = self._state_of[param]
         if self._sync_enabled:
             self._check_can_become_ready(param, state)
         exposed = self._exposed_grads.pop(param, None)
-        if exposed is not None and param.grad is exposed:
-            # The last finish_grad_sync exposed a grad and autograd accumulated into it.
-            if exposed is not param.main_grad:
-                raise LifecycleError(
-                    f"backward accumulated into {self.name_of(param)!r}'s param.grad, a cast copy "
-                    "of the reduced main_grad left by finish_grad_sync; call zero_grad_buffer() "
-                    "(or optimizer.zero_grad()) before the next backward"
-                )
-            # A view of main_grad: autograd already accumulated into main_grad itself.
-        else:
+        if exposed is None or param.grad is not exposed:
             param.main_grad.add_(param.grad)
-        param.grad = None
+        # else: param.grad is main_grad itself (torch's zero_grad(set_to_none=False) zeroed it
+        # in place, settle_unzeroed_grads checked): autograd accumulated into main_grad already.
         if self._sync_enabled:
+            # Until finish_grad_sync reduces it, param.grad refuses to be read (a torch
+            # optimizer would otherwise skip the param: a step that silently does nothing).
+            param.grad = self._unreduced_placeholder(param)
             self._register_ready(param, state)
+        else:
+            param.grad = None
+
+    def _unreduced_placeholder(self, param: nn.Parameter) -> UnreducedGradPlaceholder:
+        placeholder = self._unreduced_placeholders.get(param)
+        if placeholder is None:
+            placeholder = grad_placeholder(UnreducedGradPlaceholder, param)
+            self._unreduced_placeholders[param] = placeholder
+        return placeholder
 
     def _check_can_become_ready(self, param: nn.Parameter, state: _BucketState) -> None:
         if state.launched:
@@ -302,6 +339,12 @@ class DistributedDataParallel(nn.Module):
         """Announce that ``param.main_grad`` was written outside autograd for this microbatch."""
         if param not in self._state_of:
             raise ValueError("param is not a trainable parameter of this DDP module")
+        if self._grads_out:
+            raise LifecycleError(
+                f"mark_grad_ready({self.name_of(param)!r}) after finish_grad_sync without "
+                "zero_grad_buffer(): main_grad still holds the last step's reduced gradient; "
+                "call ddp.zero_grad_buffer() before writing main_grad"
+            )
         self._open_step()
         if not self._sync_enabled:
             return
@@ -394,6 +437,7 @@ class DistributedDataParallel(nn.Module):
         self._exposed_grads = expose_reduced_grads(
             self.buffer.params, sharded=self.config.use_distributed_optimizer
         )
+        self._grads_out = True
 
     def _end_step(self, *, learn: bool) -> None:
         for state in self._states:

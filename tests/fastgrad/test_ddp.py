@@ -13,6 +13,7 @@ from torch import nn
 from fastgrad.config import DDPConfig
 from fastgrad.ddp import DistributedDataParallel
 from fastgrad.errors import LifecycleError
+from fastgrad.exposed_grads import UnreducedGradPlaceholder
 from refgrad.pipeline import reduce_across_replicas
 
 
@@ -77,7 +78,8 @@ def test_main_grad_is_the_microbatch_ordered_sum(overlap):
             _backward(ddp, x)
     _backward(ddp, inputs[-1])
     for p in model.parameters():
-        assert p.grad is None  # moved into main_grad by the hook
+        # moved into main_grad by the hook; unreadable until finish_grad_sync reduces it
+        assert isinstance(p.grad, UnreducedGradPlaceholder)
     ddp.finish_grad_sync()
     for name, p in model.named_parameters():
         acc = torch.zeros_like(p)

@@ -61,7 +61,7 @@ def _worker(rank: int, world_size: int) -> dict:
         out["snapshots"].append({
             "params": {f"chunk{c}.{n}": p.detach().clone()
                        for c, m in enumerate(models) for n, p in m.named_parameters()},
-            "state": opt.state_dict()["params"]})
+            "state": opt.named_state_dict()["params"]})
 
     for step in range(STEPS):
         launched = opt.param_gather_in_flight

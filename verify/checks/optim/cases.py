@@ -125,7 +125,7 @@ def snapshot(model, opt) -> dict:
     opt.finish_param_sync()
     return {
         "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-        "state": opt.state_dict(),
+        "state": opt.named_state_dict(),
     }
 
 

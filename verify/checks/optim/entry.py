@@ -208,7 +208,7 @@ def check_errors(ctx: CheckContext, rec: CheckRecorder, candidate: OptimCandidat
     _expect_raises(rec, "a step before any grad sync finished (LifecycleError 'before the grad sync')",
                    opt.step, LifecycleError, "before the grad sync")
     train_step(model, ddp, opt, 0, 0)
-    state = opt.state_dict()
+    state = opt.named_state_dict()
     renamed = {**state, "params": {("x" + k if k == "layer.bias" else k): v
                                    for k, v in state["params"].items()}}
     _expect_raises(rec, "a checkpoint whose names do not match (ValueError 'names do not match')",
