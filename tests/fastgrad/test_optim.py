@@ -270,3 +270,21 @@ def test_check_nonfinite_must_be_a_bool():
     _, ddp, _ = build(FP32, "adamw")
     with pytest.raises(TypeError, match="check_nonfinite must be a bool"):
         DistributedOptimizer(ddp, AdamWConfig(lr=0.1), check_nonfinite="no")
+
+
+@pytest.mark.parametrize("step", [1, 63, 64, 65, 1000, 3001])
+def test_adamw_bias_corrections_are_refgrads_at_any_step(step):
+    """The running fp32 products beta^t (numba from 64 steps on) round as refgrad's, at every
+    length: a scheduler moving the betas every step (OneCycleLR) restarts them at step 1."""
+    from fastgrad.optim.update import adamw_scalars
+
+    for beta1, beta2 in ((0.9, 0.999), (0.85, 0.95), (0.5, 0.99999)):
+        mine = adamw_scalars(AdamWConfig(lr=0.1, beta1=beta1, beta2=beta2), step)
+        spec = R.adamw_scalars(R.AdamW(lr=0.1, beta1=beta1, beta2=beta2), step)
+        assert (Fraction(mine["bc1"]), Fraction(mine["bc2"])) == (spec["bc1"], spec["bc2"]), (beta1, beta2)
+        # the powers themselves (a bias correction near 1 would hide a last-bit error in them)
+        b1, b2 = R.r32(beta1), R.r32(beta2)
+        p1, p2 = b1, b2
+        for _ in range(step - 1):
+            p1, p2 = R.r32(p1 * b1), R.r32(p2 * b2)
+        assert (Fraction(mine["beta1_power"]), Fraction(mine["beta2_power"])) == (p1, p2), (beta1, beta2)
