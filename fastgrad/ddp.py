@@ -462,3 +462,6 @@ class DistributedDataParallel(nn.Module):
         for handle in self._grad_hooks:
             handle.remove()
         self._grad_hooks.clear()
+
+
+__all__ = ["BucketReadiness", "DistributedDataParallel"]
