@@ -350,3 +350,47 @@ def test_saved_at_dp2_resumes_at_dp1_dp2_and_dp3(tmp_path: Path) -> None:
         assert sorted(digests) == list(range(n)), output
         if n == 2:
             assert set(digests.values()) == final, "resumed at DP 2, the run is not the uninterrupted one"
+
+
+# --------------------------------------------------------------------------- the README's loop
+
+README_STEPS = "for step in range(1, 101):"
+README_FLAGS = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+
+
+def readme_loop(path: Path, heading: str) -> str:
+    """The first ```python block after ``heading`` in ``path``."""
+    text = path.read_text()
+    assert heading in text, f"{path.name} lost its section {heading!r}"
+    match = re.search(r"```python\n(.*?)```", text[text.index(heading):], re.S)
+    assert match, f"{path.name}: no python block under {heading!r}"
+    return match.group(1)
+
+
+@pytest.mark.dist
+def test_the_readme_loop_runs_as_written_and_is_train_gpt_with_its_defaults(tmp_path: Path) -> None:
+    """README.md's loop (the same block as examples/README.md's), run under torchrun at DP 2 for
+    10 steps instead of 100 (the one edit), ends with bitwise the parameters that
+    ``train_gpt.py --train-iters 10`` with the README's three flags and otherwise its defaults
+    ends with: the defaults are the README's settings and the two programs the same training."""
+    loop = readme_loop(REPO / "README.md", "## Train with fastgrad")
+    assert loop == readme_loop(REPO / "examples" / "README.md", "## The training loop"), \
+        "examples/README.md's loop differs from README.md's"
+    assert loop.count(README_STEPS) == 1, "the README's loop no longer runs 100 steps as this test expects"
+    script = tmp_path / "train.py"
+    script.write_text(loop.replace(README_STEPS, "for step in range(1, 11):") + (
+        "from examples.train_gpt import _digest, _sorted_params  # appended by the test\n"
+        "print(f'README rank {rank} params {_digest(_sorted_params(model))}', flush=True)\n"))
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    readme = subprocess.Popen([*torchrun, str(script)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    example = subprocess.Popen([*torchrun, str(SCRIPT), *README_FLAGS, "--train-iters", "10",
+                                "--log-interval", "10"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    readme_out, example_out = _finish(readme), _finish(example)
+    assert re.search(r"step 10 loss [0-9.]+ stepped", readme_out), readme_out
+    mine = set(re.findall(r"README rank \d params ([0-9a-f]+)", readme_out))
+    theirs = {d[2] for d in _rank_digests(example_out).values()}
+    assert len(mine) == 1 and mine == theirs, (readme_out, example_out)
