@@ -31,6 +31,8 @@ from verify.checks.optim.cases import (  # noqa: F401 - re-exported for test_opt
     INF_AT,
     MIXED,
     NAMES,
+    SHARED,
+    TIED,
     Model,
     bits,
     build,
@@ -74,7 +76,8 @@ def test_dp1_grad_norm_is_refgrads_exact_norm():
     model, ddp, opt = build(MIXED, "adamw")
     result = train_step(model, ddp, opt, 0, 0)
     grads = [R.values(g) for g in reduced_grads(1, 0, MIXED, average=True)]
-    assert result.grad_norm == float(R.global_norm(grads))
+    counted = [g for g, shared in zip(grads, SHARED) if not shared]  # the tied copy: once
+    assert result.grad_norm == float(R.global_norm(counted))
 
 
 def _without_nonfinite_check(opt: DistributedOptimizer, torch_ops: bool) -> DistributedOptimizer:
@@ -261,7 +264,7 @@ def test_groups_without_decay_split_by_buffer_group_and_by_rule():
     model, ddp, opt = build(MIXED, "adamw")
     groups = param_groups_without_decay_for(ddp)
     names = [sorted(ddp.name_of(p) for p in g["params"]) for g in groups]
-    assert names == [["embed.weight"], ["norm.weight"], ["layer.weight"], ["layer.bias"]]
+    assert names == [["embed.weight", "head.weight"], ["norm.weight"], ["layer.weight"], ["layer.bias"]]
     assert [g.get("weight_decay") for g in groups] == [None, 0.0, None, 0.0]
     assert [c.weight_decay for c in opt.groups] == [0.1, 0.0, 0.1, 0.0]
 

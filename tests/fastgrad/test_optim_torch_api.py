@@ -26,6 +26,7 @@ from verify.checks.optim.cases import (
     NAMES,
     SGD,
     SHAPES,
+    SHARED,
     bits,
     build,
     initial,
@@ -90,7 +91,7 @@ def _refgrad_scheduled(schedule: list[tuple], algorithm: str) -> list[dict[str, 
     for step, hyper in enumerate(schedule):
         hypers = [_refgrad_hyper(algorithm, hyper, no_decay=len(SHAPES[n]) == 1) for n in NAMES]
         grads = reduced_grads(2, step, FP32, average=True)
-        assert R.optimizer_step(states, grads, hypers, [step + 1] * len(NAMES))[0]
+        assert R.optimizer_step(states, grads, hypers, [step + 1] * len(NAMES), shared=list(SHARED))[0]
         out.append({n: R.to_tensor(s.master, SHAPES[n]) for n, s in zip(NAMES, states)})
     return out
 
@@ -178,13 +179,13 @@ def test_torch_shaped_checkpoint_with_its_scheduler_resumes_at_dp1_and_dp2():
             hypers = [R.AdamW(**{**hyper, "weight_decay": 0.0 if len(SHAPES[n]) == 1 else hyper["weight_decay"]})
                       for n in NAMES]
             assert R.optimizer_step(states, reduced_grads(world, step, FP32, average=True), hypers,
-                                    [step + 1] * len(NAMES))[0]
+                                    [step + 1] * len(NAMES), shared=list(SHARED))[0]
         return {n: R.to_tensor(s.master, SHAPES[n]) for n, s in zip(NAMES, states)}
 
     want = {"DP 1": expected([2, 2, 1]), "DP 2": expected([2, 2, 2])}
     for rank, out in enumerate(per_rank):
         assert out["keys"] == ["fastgrad", "param_groups", "state"]
-        assert out["indices"] == [[0, 1], [2, 3]]  # torch's numbering: group after group
+        assert out["indices"] == [[0, 1, 2], [3, 4]]  # torch's numbering: group after group
         assert out["state_keys"] == ["exp_avg", "exp_avg_sq", "master", "step"]
         assert {"lr", "betas", "eps", "weight_decay", "initial_lr", "params"} <= set(out["group_keys"])
         for label in ("DP 1", "DP 2") if rank == 0 else ("DP 2",):
