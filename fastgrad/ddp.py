@@ -27,8 +27,10 @@ Mechanics (REFERENCE_NOTES section 5, production's DDP with its failure modes fi
   ``ddp.parameters()`` either steps on the reduced gradient (all-reduce:
   ``param.grad`` is ``main_grad``, or a cast copy when dtypes differ) or fails
   at its first step with a LifecycleError (distributed optimizer: only a shard
-  is reduced); see :mod:`fastgrad.exposed_grads`. ``zero_grad_buffer()``
-  resets ``param.grad`` to None.
+  is reduced); until then it refuses to be read; see :mod:`fastgrad.exposed_grads`.
+  ``zero_grad_buffer()`` (also ``zero_grad()``) zeroes the buffer and resets
+  ``param.grad`` to None; torch's ``zero_grad()`` habits work, no zeroing raises.
+- A wrapped param cast or moved after wrapping is refused (:mod:`fastgrad.param_guard`).
 
 Expected counts. On the first batch (and again whenever the set of trainable
 parameters changes) the engine *learns* which parameters of each bucket really
@@ -55,13 +57,7 @@ from torch import nn
 from fastgrad.buffer import Bucket, ParamAndGradBuffer
 from fastgrad.config import DDPConfig
 from fastgrad.errors import LifecycleError
-from fastgrad.exposed_grads import (
-    UnreducedGradPlaceholder,
-    drop_exposed_grads,
-    expose_reduced_grads,
-    grad_placeholder,
-    settle_unzeroed_grads,
-)
+from fastgrad.exposed_grads import ParamGrads
 from fastgrad.mesh import DPMeshInfo
 from fastgrad.param_guard import ParamPlacement
 
@@ -148,9 +144,7 @@ class DistributedDataParallel(nn.Module):
         )
         self.dp_size = self.mesh.size
         self.placement = ParamPlacement(params, self.buffer)
-        self._exposed_grads: dict = {}  # param -> what finish_grad_sync put in param.grad
-        self._grads_out = False  # finish_grad_sync ran and nothing zeroed the buffer since
-        self._unreduced_placeholders: dict = {}  # param -> its UnreducedGradPlaceholder (cached)
+        self._grads = ParamGrads()  # what param.grad holds (fastgrad.exposed_grads)
         self._states = [_BucketState(b, i) for i, b in enumerate(self.buffer.buckets)]
         self._state_of = {p: s for s in self._states for p in s.bucket.params}
         self._sync_enabled = True
@@ -235,16 +229,9 @@ class DistributedDataParallel(nn.Module):
                 f"zero_grad_buffer while bucket {pending[0].index}'s reduce is launched and not "
                 "finished; call finish_grad_sync first"
             )
-        drop_exposed_grads(self._exposed_grads)
-        self._grads_out = False
-        self._drop_unreduced_placeholders()
+        self._grads.drop()
         self.buffer.zero_grad()
         self._open_step()
-
-    def _drop_unreduced_placeholders(self) -> None:
-        for param, placeholder in self._unreduced_placeholders.items():
-            if param.grad is placeholder:
-                param.grad = None
 
     @property
     def grad_sync_enabled(self) -> bool:
@@ -289,16 +276,15 @@ class DistributedDataParallel(nn.Module):
     def _on_grad_accumulated(self, param: nn.Parameter) -> None:
         if param.grad is None:
             return
-        if self._grads_out:
+        if self._grads.out:
             # The first grad since finish_grad_sync, and zero_grad_buffer was not called:
             # honour torch's zero_grad() habits, or refuse (fastgrad.exposed_grads).
-            settle_unzeroed_grads(self._exposed_grads, param, self.buffer, self.name_of)
-            self._grads_out = False
+            self._grads.settle(param, self.buffer, self.name_of)
         self._open_step()
         state = self._state_of[param]
         if self._sync_enabled:
             self._check_can_become_ready(param, state)
-        exposed = self._exposed_grads.pop(param, None)
+        exposed = self._grads.take_exposed(param)
         if exposed is None or param.grad is not exposed:
             param.main_grad.add_(param.grad)
         # else: param.grad is main_grad itself (torch's zero_grad(set_to_none=False) zeroed it
@@ -306,17 +292,10 @@ class DistributedDataParallel(nn.Module):
         if self._sync_enabled:
             # Until finish_grad_sync reduces it, param.grad refuses to be read (a torch
             # optimizer would otherwise skip the param: a step that silently does nothing).
-            param.grad = self._unreduced_placeholder(param)
+            param.grad = self._grads.unreduced(param)
             self._register_ready(param, state)
         else:
             param.grad = None
-
-    def _unreduced_placeholder(self, param: nn.Parameter) -> UnreducedGradPlaceholder:
-        placeholder = self._unreduced_placeholders.get(param)
-        if placeholder is None:
-            placeholder = grad_placeholder(UnreducedGradPlaceholder, param)
-            self._unreduced_placeholders[param] = placeholder
-        return placeholder
 
     def _check_can_become_ready(self, param: nn.Parameter, state: _BucketState) -> None:
         if state.launched:
@@ -339,7 +318,7 @@ class DistributedDataParallel(nn.Module):
         """Announce that ``param.main_grad`` was written outside autograd for this microbatch."""
         if param not in self._state_of:
             raise ValueError("param is not a trainable parameter of this DDP module")
-        if self._grads_out:
+        if self._grads.out:
             raise LifecycleError(
                 f"mark_grad_ready({self.name_of(param)!r}) after finish_grad_sync without "
                 "zero_grad_buffer(): main_grad still holds the last step's reduced gradient; "
@@ -434,10 +413,7 @@ class DistributedDataParallel(nn.Module):
             self._end_step(learn=False)
             raise error
         self._end_step(learn=self._learning)
-        self._exposed_grads = expose_reduced_grads(
-            self.buffer.params, sharded=self.config.use_distributed_optimizer
-        )
-        self._grads_out = True
+        self._grads.expose(self.buffer.params, sharded=self.config.use_distributed_optimizer)
 
     def _end_step(self, *, learn: bool) -> None:
         for state in self._states:

@@ -176,3 +176,45 @@ def _zero_except(buffer: Any, param: torch.Tensor) -> bool:
         elif bool(data.any()):
             return False
     return True
+
+
+class ParamGrads:
+    """What ``param.grad`` holds for one DDP wrapper, from its grad hooks to the next zeroing.
+
+    ``expose`` (at ``finish_grad_sync``): the reduced grads (:func:`expose_reduced_grads`);
+    ``unreduced(param)`` (the hook, last microbatch): the param's cached
+    :class:`UnreducedGradPlaceholder`; ``drop`` (``zero_grad_buffer``): back to None;
+    ``out``: grads were exposed and nothing zeroed the buffer since (``settle`` decides,
+    at the next step's first grad, what the user's zeroing did).
+    """
+
+    def __init__(self) -> None:
+        self._exposed: dict[torch.Tensor, torch.Tensor] = {}
+        self._unreduced: dict[torch.Tensor, UnreducedGradPlaceholder] = {}
+        self.out = False
+
+    def expose(self, params: Iterable[torch.Tensor], *, sharded: bool) -> None:
+        self._exposed = expose_reduced_grads(params, sharded=sharded)
+        self.out = True
+
+    def drop(self) -> None:
+        drop_exposed_grads(self._exposed)
+        self.out = False
+        for param, placeholder in self._unreduced.items():
+            if param.grad is placeholder:
+                param.grad = None
+
+    def settle(self, first: torch.Tensor, buffer: Any, name_of: Callable[[torch.Tensor], str]) -> None:
+        settle_unzeroed_grads(self._exposed, first, buffer, name_of)
+        self.out = False
+
+    def take_exposed(self, param: torch.Tensor) -> torch.Tensor | None:
+        """What ``finish_grad_sync`` exposed for ``param`` (forgotten from now on), or None."""
+        return self._exposed.pop(param, None)
+
+    def unreduced(self, param: torch.Tensor) -> UnreducedGradPlaceholder:
+        placeholder = self._unreduced.get(param)
+        if placeholder is None:
+            placeholder = grad_placeholder(UnreducedGradPlaceholder, param)
+            self._unreduced[param] = placeholder
+        return placeholder
