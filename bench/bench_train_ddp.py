@@ -14,10 +14,13 @@ to 1.0) from the same initial weights on the same data, twice in the same proces
   microbatch), ``clip_grad_norm_(1.0)`` and ``torch.optim.AdamW`` (its default foreach path);
 * ``fastgrad``: ``fastgrad.DistributedDataParallel`` (distributed optimizer, overlapped grad
   reduce-scatter and param all-gather) and ``fastgrad.DistributedOptimizer`` (exact global
-  norm, clipping, AdamW on fp32 master shards).
+  norm, clipping, AdamW on fp32 master shards);
+* ``fastgrad replicated`` (for the profile): the same DDP without the distributed optimizer
+  (one all-reduce, as torch's) and ``fastgrad.ReplicatedOptimizer``.
 
-The two are interleaved step by step (the one going first alternates), so load drift on a
-shared machine hits both alike. A step is timed from the zeroing of the grads to the end of
+The three are interleaved step by step (the one going first rotates), so load drift on a
+shared machine hits them alike. Each collective of the run is also timed alone on the model's
+0.8M fp32 elements (all-reduce, reduce-scatter, all-gather), interleaved. A step is timed from the zeroing of the grads to the end of
 the optimizer step on each rank, and the step's time is the slower rank's; the forward and
 backward and the optimizer phase are timed apart too. The first ``--warmup`` steps (first-call
 allocations, the numba kernels' load) are left out of the statistics. Loss: the mean over the
@@ -56,6 +59,7 @@ from fastgrad import (  # noqa: E402
     DDPConfig,
     DistributedDataParallel,
     DistributedOptimizer,
+    ReplicatedOptimizer,
     param_groups_without_decay_for,
 )
 from verify.distributed import spawn  # noqa: E402
@@ -85,26 +89,52 @@ def _torch_side(vocab: int):
     return ddp, opt.zero_grad, lambda: None, optimizer_step
 
 
-def _fastgrad_side(vocab: int):
+def _fastgrad_side(vocab: int, distributed: bool = True):
     model = _model(vocab)
     ddp = DistributedDataParallel(model, config=DDPConfig(
-        use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True))
-    opt = DistributedOptimizer(ddp, AdamWConfig(lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS,
-                                                weight_decay=WD),
-                               param_groups_without_decay_for(ddp), max_grad_norm=CLIP)
+        use_distributed_optimizer=distributed, overlap_grad_reduce=True,
+        overlap_param_gather=distributed))
+    kind = DistributedOptimizer if distributed else ReplicatedOptimizer
+    opt = kind(ddp, AdamWConfig(lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WD),
+               param_groups_without_decay_for(ddp), max_grad_norm=CLIP)
     return ddp, opt.zero_grad, ddp.finish_grad_sync, opt.step
+
+
+def _collectives(numel: int, world: int, rounds: int = 30) -> dict[str, float]:
+    """Median seconds of each collective the two sides use, on ``numel`` fp32 elements."""
+    full, shard = torch.randn(numel - numel % world), torch.empty(numel // world)
+    calls = {
+        "all-reduce (torch DDP, fastgrad replicated)": lambda: dist.all_reduce(full),
+        "reduce-scatter (fastgrad distributed)": lambda: dist.reduce_scatter_tensor(shard, full),
+        "all-gather (fastgrad distributed)": lambda: dist.all_gather_into_tensor(full, shard),
+        "all-reduce of the norm's 21 int64 (fastgrad distributed)":
+            lambda: dist.all_reduce(torch.zeros(21, dtype=torch.int64)),
+    }
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for r in range(rounds):
+        names = list(calls)[r % len(calls):] + list(calls)[:r % len(calls)]
+        for name in names:
+            dist.barrier()
+            start = time.perf_counter()
+            calls[name]()
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            times[name].append(float(elapsed))
+    return {name: statistics.median(values[3:]) for name, values in times.items()}
 
 
 def _worker(rank: int, world: int, steps: int) -> dict:
     torch.set_num_threads(1)
     corpus = CharCorpus.from_file()
-    sides = {"torch": _torch_side(corpus.vocab_size), "fastgrad": _fastgrad_side(corpus.vocab_size)}
+    sides = {"torch": _torch_side(corpus.vocab_size), "fastgrad": _fastgrad_side(corpus.vocab_size),
+             "fastgrad replicated": _fastgrad_side(corpus.vocab_size, distributed=False)}
     out = {name: {"loss": [], "step": [], "forward_backward": [], "optimizer": []} for name in sides}
     for step in range(1, steps + 1):
         inputs, targets = corpus.sample_microbatches(
             seed=SEED, step=step, dp_rank=rank, dp_size=world, num_microbatches=M,
             micro_batch_size=MICRO, seq_length=SEQ)
-        order = list(sides) if step % 2 else list(reversed(sides))
+        names = list(sides)
+        order = names[step % len(names):] + names[:step % len(names)]
         for name in order:
             ddp, zero, finish, optimizer_step = sides[name]
             dist.barrier()  # both ranks start the step together
@@ -127,15 +157,18 @@ def _worker(rank: int, world: int, steps: int) -> dict:
             record["loss"].append(float(total) / world)
             for key, value in zip(("step", "forward_backward", "optimizer"), times.tolist()):
                 record[key].append(value)
-    return out
+    numel = sum(p.numel() for p in _model(corpus.vocab_size).parameters())
+    return {"runs": out, "collectives": _collectives(numel, world)}
 
 
 def _summary(results: dict, warmup: int) -> dict:
-    stats = {}
+    stats: dict = {}
     for name, record in results.items():
         stats[name] = {key: statistics.median(record[key][warmup:])
                        for key in ("step", "forward_backward", "optimizer")}
     stats["ratio torch/fastgrad (step)"] = stats["torch"]["step"] / stats["fastgrad"]["step"]
+    stats["ratio torch/fastgrad replicated (step)"] = (stats["torch"]["step"]
+                                                       / stats["fastgrad replicated"]["step"])
     paired = [t / f for t, f in zip(results["torch"]["step"][warmup:], results["fastgrad"]["step"][warmup:])]
     stats["median of per-step ratios torch/fastgrad"] = statistics.median(paired)
     losses = zip(results["torch"]["loss"], results["fastgrad"]["loss"])
@@ -160,7 +193,7 @@ def _plot(results: dict, path: Path, title: str) -> None:
     high = max(max(results[n]["loss"]) for n in results)
     for ax in axes[:2]:
         ax.set_ylim(low - 0.05, high + 0.05)
-    for name in ("torch", "fastgrad"):
+    for name in results:
         axes[2].plot(range(1, len(results[name]["step"]) + 1), [t * 1e3 for t in results[name]["step"]],
                      lw=1, label=name)
     axes[2].set_title("step time (slower rank)")
@@ -185,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
     began = time.time()
-    results = spawn(_worker, 2, args.steps, timeout_s=3600)[0]
+    measured = spawn(_worker, 2, args.steps, timeout_s=3600)[0]
+    results, collectives = measured["runs"], measured["collectives"]
     load_after = os.getloadavg()
     stats = _summary(results, args.warmup)
     machine = {
@@ -197,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     stem = args.out_dir / "train_ddp_cpu"
     stem.with_suffix(".json").write_text(json.dumps(
         {"machine": machine, "steps": args.steps, "warmup": args.warmup, "summary": stats,
-         "results": results}, indent=1))
+         "collectives_seconds": collectives, "results": results}, indent=1))
     title = (f"example GPT, DP 2 (gloo, 1 thread per rank), {args.steps} steps, clipping 1.0; "
              f"{machine['when']}, load {load_before[0]:.1f}")
     _plot(results, stem.with_suffix(".png"), title)
@@ -210,17 +244,22 @@ def main(argv: list[str] | None = None) -> int:
         f"load average {load_before[0]:.1f} before / {load_after[0]:.1f} after "
         f"(1 min), torch {torch.__version__}.",
         "",
-        "| | torch | fastgrad |",
-        "|---|---|---|",
+        "| | torch DDP + AdamW | fastgrad + DistributedOptimizer | fastgrad + ReplicatedOptimizer |",
+        "|---|---|---|---|",
     ]
     for key, label in (("step", "step"), ("forward_backward", "zero + forward + backward + grad sync"),
                        ("optimizer", "clip + optimizer step")):
-        lines.append(f"| {label} (ms) | {stats['torch'][key] * 1e3:.1f} | {stats['fastgrad'][key] * 1e3:.1f} |")
+        lines.append(f"| {label} (ms) | " + " | ".join(
+            f"{stats[name][key] * 1e3:.1f}" for name in ("torch", "fastgrad", "fastgrad replicated")) + " |")
     lines += [
         "",
         f"torch / fastgrad step time: {stats['ratio torch/fastgrad (step)']:.3f} (ratio of medians), "
         f"{stats['median of per-step ratios torch/fastgrad']:.3f} (median of the paired per-step "
-        "ratios); >= 1: fastgrad at least as fast.",
+        "ratios); >= 1: fastgrad at least as fast. torch / fastgrad replicated: "
+        f"{stats['ratio torch/fastgrad replicated (step)']:.3f}.",
+        "",
+        "The collectives alone, on the model's elements (median ms, slower rank): "
+        + "; ".join(f"{name} {value * 1e3:.2f}" for name, value in collectives.items()) + ".",
         f"Loss curves: largest relative difference {stats['max relative loss difference']:.2e} "
         "(torch's AdamW and fp32 norm vs fastgrad's refgrad-order AdamW and exact norm).",
         "",

@@ -102,15 +102,22 @@ def sharded_grad_placeholder(param: torch.Tensor) -> ShardedGradPlaceholder:
 
 
 def expose_reduced_grads(
-    params: Iterable[torch.Tensor], *, sharded: bool
+    params: Iterable[torch.Tensor], *, sharded: bool,
+    placeholders: dict[torch.Tensor, ShardedGradPlaceholder] | None = None,
 ) -> dict[torch.Tensor, torch.Tensor]:
-    """Set ``param.grad`` for every trainable param (see the module docstring); return them."""
+    """Set ``param.grad`` for every trainable param (see the module docstring); return them.
+
+    ``placeholders``: a cache of each param's placeholder, reused step after step.
+    """
     exposed: dict[torch.Tensor, torch.Tensor] = {}
+    cache = {} if placeholders is None else placeholders
     for p in params:
         if not p.requires_grad:
             continue
         if sharded:
-            grad = sharded_grad_placeholder(p)
+            grad = cache.get(p)
+            if grad is None:
+                grad = cache[p] = sharded_grad_placeholder(p)
         elif p.main_grad.dtype == p.dtype:
             grad = p.main_grad
         else:
@@ -191,10 +198,11 @@ class ParamGrads:
     def __init__(self) -> None:
         self._exposed: dict[torch.Tensor, torch.Tensor] = {}
         self._unreduced: dict[torch.Tensor, UnreducedGradPlaceholder] = {}
+        self._sharded: dict[torch.Tensor, ShardedGradPlaceholder] = {}
         self.out = False
 
     def expose(self, params: Iterable[torch.Tensor], *, sharded: bool) -> None:
-        self._exposed = expose_reduced_grads(params, sharded=sharded)
+        self._exposed = expose_reduced_grads(params, sharded=sharded, placeholders=self._sharded)
         self.out = True
 
     def drop(self) -> None:
