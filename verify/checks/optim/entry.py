@@ -36,7 +36,9 @@ from verify.distributed import spawn
 @dataclass(frozen=True)
 class OptimCandidate:
     """The optimizer under test: a class with ``DistributedOptimizer``'s constructor,
-    ``step``, ``finish_param_sync``, ``state_dict``/``load_state_dict`` and ``shards``.
+    ``step``, ``finish_param_sync``, ``publish_params``, ``param_gather_in_flight``,
+    ``named_state_dict``/``load_state_dict``, ``loss_scaler`` and ``shards`` (each with
+    ``bucket`` and ``gather_handle``).
 
     It is pickled into the spawned ranks, so it must be importable by name.
     """
