@@ -230,6 +230,16 @@ def test_mark_grad_ready_for_grads_written_outside_autograd():
         assert ddp.last_launch_sites == ("hook",)
 
 
+def test_mark_grad_ready_after_finish_without_zeroing_is_refused():
+    # main_grad still holds the reduced grads: a grad written into it now would be added to them
+    model = TwoLayer()
+    ddp = DistributedDataParallel(model, config=_config(), external_grad_params=[model.second.weight])
+    _run_step(ddp, _data(0, 1))
+    with pytest.raises(LifecycleError, match=r"mark_grad_ready\('second.weight'\) after finish_grad_sync "
+                                             r"without zero_grad_buffer\(\)"):
+        ddp.mark_grad_ready(model.second.weight)
+
+
 def test_constructor_validation():
     with pytest.raises(TypeError, match="module"):
         DistributedDataParallel("x", config=_config())
