@@ -62,6 +62,7 @@ from fastgrad import (  # noqa: E402
     ReplicatedOptimizer,
     param_groups_without_decay_for,
 )
+from fastgrad.comm import all_gather_into, reduce_scatter_into  # noqa: E402
 from verify.distributed import spawn  # noqa: E402
 
 SEED, LR, BETAS, EPS, WD, CLIP = 1234, 1e-3, (0.9, 0.95), 1e-8, 0.1, 1.0
@@ -105,8 +106,8 @@ def _collectives(numel: int, world: int, rounds: int = 30) -> dict[str, float]:
     full, shard = torch.randn(numel - numel % world), torch.empty(numel // world)
     calls = {
         "all-reduce (torch DDP, fastgrad replicated)": lambda: dist.all_reduce(full),
-        "reduce-scatter (fastgrad distributed)": lambda: dist.reduce_scatter_tensor(shard, full),
-        "all-gather (fastgrad distributed)": lambda: dist.all_gather_into_tensor(full, shard),
+        "reduce-scatter (fastgrad distributed)": lambda: reduce_scatter_into(shard, full),
+        "all-gather (fastgrad distributed)": lambda: all_gather_into(full, shard),
         "all-reduce of the norm's 21 int64 (fastgrad distributed)":
             lambda: dist.all_reduce(torch.zeros(21, dtype=torch.int64)),
     }
