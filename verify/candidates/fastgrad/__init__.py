@@ -7,8 +7,12 @@ and is imported by the accessor that returns it, where the technique runs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from verify.candidates.api import Candidate, CandidateInfo, Fault
+
+if TYPE_CHECKING:  # the technique interfaces, for annotations only
+    from verify.candidates.api.pipeline import PipelineTraining
 
 
 @dataclass(frozen=True)
@@ -36,3 +40,9 @@ class FastgradCandidate(Candidate):
             installed = "source tree"
         return CandidateInfo(name=self.name, version=installed,
                              description="gradverify's own implementation (fastgrad)")
+
+    def pipeline(self) -> PipelineTraining:
+        """``fastgrad.ddp`` under ``fastgrad.pipeline``'s 1F1B schedules, with the fault."""
+        from verify.candidates.fastgrad.pipeline import FastgradPipeline
+
+        return FastgradPipeline(fault=self.injected_fault)
