@@ -67,10 +67,10 @@ class _PlainPipeline(FastgradPipeline):
     """fastgrad without the interleaved schedule, timelines or learned bucket readiness: what a
     candidate that lacks them reports."""
 
-    def build_grid(self, dims):
+    def grid(self, dims):
         if dims.vpp_size > 1:
             raise Unsupported(Technique.PIPELINE, "has no interleaved schedule here")
-        return super().build_grid(dims)
+        return super().grid(dims)
 
     def train(self, case, grid, *, overlap, progress=None):
         result = super().train(case, grid, overlap=overlap, progress=progress)
@@ -162,10 +162,10 @@ class _StallingProgress:
 def _pipeline_rank_that_stalls(rank, world_size, case, *, progress):
     """Rank 1 (stage 1 of P2 D1) hangs at the start of step 1's backward of microbatch 1."""
     training = FastgradCandidate().pipeline()
-    grid = training.build_grid(case.dims)
-    if rank == 1:
-        progress = _StallingProgress(progress, "step 1: backward microbatch 1 start")
-    return training.train(case, grid, overlap=True, progress=progress)
+    with training.grid(case.dims) as grid:
+        if rank == 1:
+            progress = _StallingProgress(progress, "step 1: backward microbatch 1 start")
+        return training.train(case, grid, overlap=True, progress=progress)
 
 
 @pytest.mark.dist

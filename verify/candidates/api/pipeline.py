@@ -10,8 +10,9 @@ reports what each rank saw as a :class:`RankResult`; the check holds the results
 ``refgrad.pipeline.reference_training``.
 
 :class:`PipelineTraining` is written so that Megatron-Core can implement it as well as
-fastgrad: :meth:`~PipelineTraining.build_grid` is where a candidate creates its process
-groups (fastgrad: ``ParallelDims.build``; Megatron-Core: its ``parallel_state``, or a
+fastgrad: :meth:`~PipelineTraining.grid` is where a candidate sets up its process groups
+for the case's grid and tears them down after (fastgrad: ``ParallelDims.build``;
+Megatron-Core: its ``parallel_state`` initialised and destroyed again, or a
 ``ProcessGroupCollection`` made from the built dims), and :meth:`~PipelineTraining.train`
 wraps the stage modules in the candidate's DDP (Megatron-Core's
 ``DistributedDataParallel`` over a plain module), runs its schedule
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
@@ -203,18 +205,20 @@ class PipelineTraining(Protocol):
     collective of that case.
     """
 
-    def build_grid(self, dims: ParallelDims) -> ParallelDims | None:
-        """This rank's place in ``dims``' grid with its process groups; None outside the grid.
+    def grid(self, dims: ParallelDims) -> AbstractContextManager[ParallelDims | None]:
+        """Entered: this rank's place in ``dims``' grid with its process groups (None outside
+        the grid), set up for the candidate; exited after the phase's training: torn down.
 
-        Collective over the whole world: every rank calls it for every case of a phase, in
+        Collective over the whole world: every rank enters it for every case of a phase, in
         the same order, before any case trains (several grids may share the world:
-        ``dims.first_rank``).
+        ``dims.first_rank``; a candidate whose groups span the whole world raises
+        :class:`~verify.candidates.api.Unsupported` for a grid that does not).
         """
         ...
 
     def train(self, case: PipelineCase, grid: ParallelDims, *, overlap: bool,
               progress: StepProgress | None = None) -> RankResult:
-        """Train ``case`` on this rank of ``grid`` (from :meth:`build_grid`) with
+        """Train ``case`` on this rank of ``grid`` (entered from :meth:`grid`) with
         ``overlap_grad_reduce`` as given; ``progress`` is told each schedule event."""
         ...
 

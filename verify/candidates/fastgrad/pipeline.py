@@ -16,6 +16,7 @@ The preflight twin reuses the pieces: :func:`run_case_on_rank`, :func:`with_faul
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -52,9 +53,10 @@ class FastgradPipeline:
 
     fault: Fault | None = None
 
-    def build_grid(self, dims: ParallelDims) -> ParallelDims | None:
-        """Every group of the grid, collectively (``ParallelDims.build``)."""
-        return dims.build()
+    def grid(self, dims: ParallelDims) -> AbstractContextManager[ParallelDims | None]:
+        """Every group of the grid, collectively (``ParallelDims.build``); nothing to tear
+        down (torch keeps the groups until the process group is destroyed)."""
+        return nullcontext(dims.build())
 
     def train(self, case: PipelineCase, grid: ParallelDims, *, overlap: bool,
               progress: StepProgress | None = None) -> RankResult:

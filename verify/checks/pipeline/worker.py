@@ -4,6 +4,8 @@ side, then trains each of its cases with overlap on and off."""
 
 from __future__ import annotations
 
+from contextlib import ExitStack
+
 import torch.distributed as dist
 
 from verify.candidates.api import Candidate, Unsupported
@@ -27,21 +29,22 @@ def pipeline_worker(rank: int, world_size: int, candidate: Candidate,
         return {case.name: str(unsupported) for phase in phases for case in phase}
     out: dict[str, CaseOutcome] = {}
     for phase in phases:
-        mine = []
-        for case in phase:  # new_group is collective: every rank builds every grid first
-            try:
-                grid = training.build_grid(case.dims)
-            except Unsupported as unsupported:
-                out[case.name] = str(unsupported)
-                continue
-            if grid is not None:
-                mine.append((case, grid))
-        for case, grid in mine:
-            try:
-                out[case.name] = {overlap: training.train(case, grid, overlap=overlap,
-                                                          progress=progress)
-                                  for overlap in (True, False)}
-            except Unsupported as unsupported:
-                out[case.name] = str(unsupported)
-        dist.barrier()
+        with ExitStack() as grids:  # each grid torn down (candidate's way) after the phase
+            mine = []
+            for case in phase:  # group creation is collective: every rank enters every grid
+                try:
+                    grid = grids.enter_context(training.grid(case.dims))
+                except Unsupported as unsupported:
+                    out[case.name] = str(unsupported)
+                    continue
+                if grid is not None:
+                    mine.append((case, grid))
+            for case, grid in mine:
+                try:
+                    out[case.name] = {overlap: training.train(case, grid, overlap=overlap,
+                                                              progress=progress)
+                                      for overlap in (True, False)}
+                except Unsupported as unsupported:
+                    out[case.name] = str(unsupported)
+            dist.barrier()
     return out
