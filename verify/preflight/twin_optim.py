@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from verify.candidates.api import Fault
 from verify.preflight.twin_precision import (
     TwinPrecision,
     cast_inputs,
@@ -239,7 +240,7 @@ def norm_group(case: Any, groups: Any) -> Any:
 
 
 def run_optimizer_rank(case: Any, groups: Any, overlap: bool,
-                       optim: AdamWTwin | None = None, fault: Any = None) -> OptimRankResult:
+                       optim: AdamWTwin | None = None, fault: Fault | None = None) -> OptimRankResult:
     """Train ``case`` on this rank (1F1B, or interleaved at VPP > 1: one DDP engine per model
     chunk, one AdamW over all of them through ``fastgrad.optim.ModelChunks``, as
     Megatron-Core's optimizer over its model chunks) with fastgrad's AdamW."""
