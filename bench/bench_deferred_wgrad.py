@@ -37,6 +37,7 @@ from fastgrad.deferred_wgrad import (
     EmbeddingWgradConfig,
     accumulate_wgrad_,
 )
+from fastgrad.parallel_dims import ParallelDims
 from verify.distributed import spawn
 
 
@@ -53,7 +54,8 @@ def bench_cpu_drain(m: int, seq: int, batch: int, hidden: int, vocab: int, repea
     w, xs, gos = _data(m, seq, batch, hidden, vocab)
     immediate = ColumnParallelOutputLayer(w, EmbeddingWgradConfig())
     deferred = ColumnParallelOutputLayer(
-        w, EmbeddingWgradConfig(defer_embedding_wgrad_compute=True, pipeline_model_parallel_size=2)
+        w, EmbeddingWgradConfig(defer_embedding_wgrad_compute=True),
+        parallel_dims=ParallelDims(pp_size=2),
     )
 
     def backward_all(layer):
@@ -102,11 +104,10 @@ def _overlap_worker(rank: int, world: int, m, seq, batch, hidden, vocab, repeats
         torch.cuda.set_device(rank)
     w, xs, gos = _data(m, seq, batch, hidden, vocab // world, device, seed=rank)
     sshard = seq // world
-    cfg = EmbeddingWgradConfig(
-        defer_embedding_wgrad_compute=True, pipeline_model_parallel_size=2,
-        tensor_model_parallel_size=world, sequence_parallel=True,
-    )
-    layer = ColumnParallelOutputLayer(w, cfg, tp_group=dist.group.WORLD)
+    cfg = EmbeddingWgradConfig(defer_embedding_wgrad_compute=True)
+    dims = ParallelDims(tp_size=world, pp_size=2, sequence_parallel=True).with_groups(
+        tp_group=dist.group.WORLD)  # the last stage of a PP 2 grid, TP over the whole world
+    layer = ColumnParallelOutputLayer(w, cfg, parallel_dims=dims)
     locals_ = [x[rank * sshard : (rank + 1) * sshard].contiguous() for x in xs]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 

@@ -24,7 +24,9 @@ def main() -> None:
     """Spawn the grid, check overlap on == off bitwise, print step and exposed-sync times."""
     from fastgrad.timeline import summarize_step
     from refgrad.pipeline import LinearStackSpec, StepPlan
-    from verify.checks.pipeline import PipelineCase, pipeline_worker
+    from verify.candidates import FastgradCandidate
+    from verify.candidates.api.pipeline import ParallelDims, PipelineCase
+    from verify.checks.pipeline import pipeline_worker
     from verify.distributed import spawn
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -48,10 +50,10 @@ def main() -> None:
                            hidden=args.hidden, microbatch_size=args.microbatch_size)
     layer_numel = args.hidden * args.hidden + args.hidden
     bucket_size = max(1, args.layers * layer_numel // args.buckets_per_stage)
-    case = PipelineCase("bench", args.stages, args.dp, 0, spec,
+    case = PipelineCase("bench", ParallelDims(pp_size=args.stages, dp_size=args.dp), spec,
                         tuple(StepPlan(args.microbatches) for _ in range(args.steps)),
                         bucket_size=bucket_size, timing=True)
-    ranks = spawn(pipeline_worker, args.stages * args.dp, [[case]])
+    ranks = spawn(pipeline_worker, args.stages * args.dp, FastgradCandidate(), [[case]])
 
     for step in range(args.steps):
         for rank_result in ranks:

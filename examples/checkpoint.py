@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from examples.arguments import TrainArgs
-from fastgrad.pipeline import ParallelGroups
+from fastgrad import ParallelDims
 
 TRACKER = "latest_checkpointed_iteration.txt"
 # Flags a checkpoint fixes: loading it under other values is refused, naming the flag.
@@ -36,13 +36,13 @@ SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                "pipeline_model_parallel_size", "untie_embeddings_and_output_weights")
 
 
-def checkpoint_file(root: Path, iteration: int, groups: ParallelGroups) -> Path:
+def checkpoint_file(root: Path, iteration: int, dims: ParallelDims) -> Path:
     """Megatron's path of this stage's file (TP is 1 here)."""
-    rank_dir = "mp_rank_00" if groups.pp_size == 1 else f"mp_rank_00_{groups.stage:03d}"
+    rank_dir = "mp_rank_00" if dims.pp_size == 1 else f"mp_rank_00_{dims.stage:03d}"
     return root / f"iter_{iteration:07d}" / rank_dir / "model_optim_rng.pt"
 
 
-def save_checkpoint(root: Path, iteration: int, args: TrainArgs, groups: ParallelGroups,
+def save_checkpoint(root: Path, iteration: int, args: TrainArgs, dims: ParallelDims,
                     model: nn.Module, optimizer: Any, scheduler: Any) -> Path:
     """Every rank calls it (the optimizer's state dict is a collective over DP)."""
     state = {
@@ -52,8 +52,8 @@ def save_checkpoint(root: Path, iteration: int, args: TrainArgs, groups: Paralle
         "optimizer": optimizer.state_dict(),
         "opt_param_scheduler": scheduler.state_dict(),
     }
-    path = checkpoint_file(root, iteration, groups)
-    if groups.dp_rank == 0:
+    path = checkpoint_file(root, iteration, dims)
+    if dims.dp_rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(".partial")
         torch.save(state, partial)
@@ -78,14 +78,14 @@ def latest_iteration(root: Path) -> int | None:
     return int(text)
 
 
-def load_checkpoint(root: Path, args: TrainArgs, groups: ParallelGroups, model: nn.Module,
+def load_checkpoint(root: Path, args: TrainArgs, dims: ParallelDims, model: nn.Module,
                     optimizer: Any, scheduler: Any) -> int | None:
     """Load the latest checkpoint under ``root`` (or ``--ckpt-step``'s) into the model,
     optimizer and scheduler; return its iteration (None: no checkpoint there)."""
     iteration = args.ckpt_step if args.ckpt_step is not None else latest_iteration(root)
     if iteration is None:
         return None
-    path = checkpoint_file(root, iteration, groups)
+    path = checkpoint_file(root, iteration, dims)
     if not path.is_file():
         source = "--ckpt-step" if args.ckpt_step is not None else TRACKER
         raise ValueError(f"--load {root}: {source} names iteration {iteration} but {path} is missing")

@@ -65,9 +65,8 @@ from fastgrad import (  # noqa: E402
     DistributedDataParallel,
     DistributedOptimizer,
     DynamicLossScaler,
-    ParallelGroups,
+    ParallelDims,
     ReplicatedOptimizer,
-    build_parallel_groups,
     forward_backward_1f1b,
     param_groups_without_decay_for,
 )
@@ -79,28 +78,28 @@ class Runtime:
 
     backend: str
     device: torch.device
-    groups: ParallelGroups
+    dims: ParallelDims
 
     @property
     def rank(self) -> int:
         """Global rank."""
-        return self.groups.rank
+        return self.dims.rank
 
 
-def mark_shared_copies(stage_module: nn.Module, groups: ParallelGroups) -> None:
+def mark_shared_copies(stage_module: nn.Module, dims: ParallelDims) -> None:
     """Mark a tied embedding's copy on a later stage ``shared`` (fastgrad.optim's marker).
 
     examples/gpt.py marks both copies ``shared_embedding``; the optimizer leaves
     params with ``shared = True`` out of the global norm, so only the first
     stage's copy counts (both hold the same all-reduced gradient).
     """
-    if groups.pp_size > 1 and not groups.is_first_stage:
+    if dims.pp_size > 1 and not dims.is_first_stage:
         for p in shared_embedding_params(stage_module):
             p.shared = True
 
 
 def build_optimizer(ddp: DistributedDataParallel, args: TrainArgs,
-                    groups: ParallelGroups) -> DistributedOptimizer:
+                    dims: ParallelDims) -> DistributedOptimizer:
     """fastgrad's AdamW over this rank's DDP chunk (call ``step()`` after ``finish_grad_sync``).
 
     ``--use-distributed-optimizer``: :class:`fastgrad.DistributedOptimizer` (fp32 master
@@ -111,7 +110,7 @@ def build_optimizer(ddp: DistributedDataParallel, args: TrainArgs,
     ``shared`` and not counted twice) and skip a step whose gradients hold a NaN/inf; fp16
     grads get a ``DynamicLossScaler``.
     """
-    mark_shared_copies(ddp.module, groups)
+    mark_shared_copies(ddp.module, dims)
     fp16_grads = any(g.grad_dtype == torch.float16 for g in ddp.buffer.groups)
     kind = DistributedOptimizer if args.use_distributed_optimizer else ReplicatedOptimizer
     return kind(
@@ -120,7 +119,7 @@ def build_optimizer(ddp: DistributedDataParallel, args: TrainArgs,
         param_groups_without_decay_for(ddp),
         max_grad_norm=args.clip_grad if args.clip_grad > 0 else None,
         loss_scaler=DynamicLossScaler() if fp16_grads else None,
-        model_parallel_group=groups.pp_group if groups.pp_size > 1 else None,
+        model_parallel_group=dims.pp_group if dims.pp_size > 1 else None,
     )
 
 
@@ -165,8 +164,9 @@ def init_distributed(args: TrainArgs) -> Runtime:
     else:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
                                 rank=0, world_size=1, timeout=timeout)
-    groups = build_parallel_groups(args.pipeline_model_parallel_size, args.data_parallel_size)
-    return Runtime(backend=backend, device=device, groups=groups)
+    dims = ParallelDims(pp_size=args.pipeline_model_parallel_size,
+                        dp_size=args.data_parallel_size).build()
+    return Runtime(backend=backend, device=device, dims=dims)
 
 
 def build_model_stage(args: TrainArgs, vocab_size: int, runtime: Runtime) -> nn.Module:
@@ -177,7 +177,7 @@ def build_model_stage(args: TrainArgs, vocab_size: int, runtime: Runtime) -> nn.
         num_layers=args.num_layers, num_attention_heads=args.num_attention_heads,
         tie_embeddings=args.tie_embeddings,
     )
-    stage = build_stage(GPT(config), runtime.groups.stage, runtime.groups.pp_size)
+    stage = build_stage(GPT(config), runtime.dims.stage, runtime.dims.pp_size)
     return stage.to(device=runtime.device, dtype=args.params_dtype)
 
 
@@ -190,7 +190,7 @@ def train_step(ddp: DistributedDataParallel, args: TrainArgs, runtime: Runtime,
     backward. Returns this replica's mean (unscaled) loss over its microbatches
     on the last stage, else None.
     """
-    groups, m = runtime.groups, args.num_microbatches
+    dims, m = runtime.dims, args.num_microbatches
 
     def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         # Divided by M: the microbatch grads accumulate into the mean over the batch.
@@ -198,7 +198,7 @@ def train_step(ddp: DistributedDataParallel, args: TrainArgs, runtime: Runtime,
         return loss * loss_scale if loss_scale != 1.0 else loss
 
     ddp.zero_grad_buffer()
-    if groups.pp_size == 1:
+    if dims.pp_size == 1:
         total = torch.zeros((), device=runtime.device)
         for i in range(m):
             with nullcontext() if i == m - 1 else ddp.no_sync():
@@ -209,30 +209,30 @@ def train_step(ddp: DistributedDataParallel, args: TrainArgs, runtime: Runtime,
         return total / loss_scale
     losses = forward_backward_1f1b(
         ddp,
-        groups=groups,
+        parallel_dims=dims,
         grad_sync=ddp,
         num_microbatches=m,
         activation_shape=(args.micro_batch_size, args.seq_length, args.hidden_size),
         loss_fn=loss_fn,
-        inputs=inputs if groups.is_first_stage else None,
-        targets=targets if groups.is_last_stage else None,
+        inputs=inputs if dims.is_first_stage else None,
+        targets=targets if dims.is_last_stage else None,
         dtype=args.params_dtype,
         embedding_params=shared_embedding_params(ddp.module),
     )
-    return torch.stack(losses).sum() / loss_scale if groups.is_last_stage else None
+    return torch.stack(losses).sum() / loss_scale if dims.is_last_stage else None
 
 
 def global_mean_loss(loss: torch.Tensor | None, runtime: Runtime) -> float:
     """The batch loss averaged over replicas, known on every rank (from the last stages)."""
-    groups = runtime.groups
+    dims = runtime.dims
     value = loss.detach().float().reshape(1) if loss is not None else None
     if value is None:
         value = torch.zeros(1, device=runtime.device)
-    if groups.pp_size > 1:  # only the last stage has a loss: a SUM moves it to every stage
-        dist.all_reduce(value, group=groups.pp_group)
-    if groups.dp_size > 1:
-        dist.all_reduce(value, group=groups.dp_group)
-    return float(value) / groups.dp_size
+    if dims.pp_size > 1:  # only the last stage has a loss: a SUM moves it to every stage
+        dist.all_reduce(value, group=dims.pp_group)
+    if dims.dp_size > 1:
+        dist.all_reduce(value, group=dims.dp_group)
+    return float(value) / dims.dp_size
 
 
 def _digest(tensors: list[torch.Tensor]) -> str:
@@ -247,11 +247,11 @@ def verify_identical_parameters(module: nn.Module, runtime: Runtime, console: Co
 
     Every rank prints its digests; the verdict (gathered from all ranks) is the same everywhere.
     """
-    groups = runtime.groups
+    dims = runtime.dims
     params = _sorted_params(module)
     shared = shared_embedding_params(module)
-    mine = (groups.stage, _digest(params), _digest(shared) if shared else None)
-    line = f"rank {groups.rank} (stage {groups.stage}, dp rank {groups.dp_rank}): params {mine[1]}"
+    mine = (dims.stage, _digest(params), _digest(shared) if shared else None)
+    line = f"rank {dims.rank} (stage {dims.stage}, dp rank {dims.dp_rank}): params {mine[1]}"
     line += f" tied-embedding {mine[2]}" if shared else ""
     # One write, newline included: print() writes the text and the newline separately,
     # and another rank's line on the shared stdout can land between the two.
@@ -260,45 +260,45 @@ def verify_identical_parameters(module: nn.Module, runtime: Runtime, console: Co
     gathered: list[tuple[int, str, str | None]] = [None] * dist.get_world_size()  # type: ignore[list-item]
     dist.all_gather_object(gathered, mine)
     problems = []
-    for stage in range(groups.pp_size):
+    for stage in range(dims.pp_size):
         digests = {d for s, d, _ in gathered if s == stage}
         if len(digests) > 1:
             problems.append(f"stage {stage}: replicas differ ({sorted(digests)})")
     embeddings = {e for _, _, e in gathered if e is not None}
     if len(embeddings) > 1:
         problems.append(f"tied embedding copies differ ({sorted(embeddings)})")
-    if problems and groups.rank == 0:
+    if problems and dims.rank == 0:
         console.print("error: ranks disagree: " + "; ".join(problems), markup=False)
     return not problems
 
 
 def train(args: TrainArgs, runtime: Runtime, console: Console) -> int:
     """The training loop; returns the exit status (0, or 1 when the ranks disagree)."""
-    groups = runtime.groups
+    dims = runtime.dims
     corpus = CharCorpus.from_file()
     ddp = DistributedDataParallel(
         build_model_stage(args, corpus.vocab_size, runtime),
         config=build_ddp_config(args),
-        dp_group=groups.dp_group,
+        parallel_dims=dims,
     )
-    optimizer = build_optimizer(ddp, args, groups)
+    optimizer = build_optimizer(ddp, args, dims)
     scheduler = build_scheduler(optimizer, args)
     rank0 = runtime.rank == 0
     start = 0
     if args.load is not None:
-        loaded = load_checkpoint(Path(args.load), args, groups, ddp, optimizer, scheduler)
+        loaded = load_checkpoint(Path(args.load), args, dims, ddp, optimizer, scheduler)
         start = loaded or 0
         if rank0:
             console.print(f"loaded iteration {loaded} from {args.load} (data-parallel size now "
-                          f"{groups.dp_size}); parameters {_digest(_sorted_params(ddp.module))}"
+                          f"{dims.dp_size}); parameters {_digest(_sorted_params(ddp.module))}"
                           if loaded is not None else
                           f"WARNING: no checkpoint in {args.load}; training from scratch",
                           markup=False, highlight=False)
     if rank0:
         count = sum(p.numel() for p in ddp.module.parameters())
         console.print(
-            f"world {dist.get_world_size()} ({runtime.backend}) = PP {groups.pp_size} x DP "
-            f"{groups.dp_size}; {args.num_microbatches} microbatches of {args.micro_batch_size}"
+            f"world {dist.get_world_size()} ({runtime.backend}) = PP {dims.pp_size} x DP "
+            f"{dims.dp_size}; {args.num_microbatches} microbatches of {args.micro_batch_size}"
             f" per replica; vocabulary {corpus.vocab_size}; stage 0 holds {count} parameters; "
             f"{type(optimizer).__name__}",
             markup=False, highlight=False,
@@ -312,7 +312,7 @@ def train(args: TrainArgs, runtime: Runtime, console: Console) -> int:
         task = progress.add_task("train", total=args.train_iters, completed=start, loss="-")
         for iteration in range(start + 1, args.train_iters + 1):
             inputs, targets = corpus.sample_microbatches(
-                seed=args.seed, step=iteration, dp_rank=groups.dp_rank, dp_size=groups.dp_size,
+                seed=args.seed, step=iteration, dp_rank=dims.dp_rank, dp_size=dims.dp_size,
                 num_microbatches=args.num_microbatches,
                 micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
             )
@@ -338,7 +338,7 @@ def train(args: TrainArgs, runtime: Runtime, console: Console) -> int:
             if args.save is not None and (
                     iteration == args.train_iters
                     or (args.save_interval is not None and iteration % args.save_interval == 0)):
-                path = save_checkpoint(Path(args.save), iteration, args, groups, ddp, optimizer,
+                path = save_checkpoint(Path(args.save), iteration, args, dims, ddp, optimizer,
                                        scheduler)
                 if rank0:
                     progress.console.print(

@@ -11,8 +11,9 @@ exports ``fully_shard`` and its policies, not its internals)::
   subclasses, with :class:`AdamWConfig` / :class:`SGDConfig`,
   :func:`param_groups_without_decay_for`, :class:`DynamicLossScaler` (fp16) and
   :class:`StepResult`; :class:`ModelChunks` puts several model chunks under one optimizer;
-* pipelines: :func:`build_parallel_groups` (:class:`ParallelGroups`),
-  :func:`forward_backward_1f1b`, :func:`forward_backward_interleaved`, :func:`finalize_grads`;
+* the parallel grid: :class:`ParallelDims` (the TP/CP/DP/PP/VPP sizes; ``build()`` gives
+  this rank's coordinates and process groups; ``ParallelDims.data_parallel(dp_group)``);
+* pipelines: :func:`forward_backward_1f1b`, :func:`forward_backward_interleaved`, :func:`finalize_grads`;
 * misuse: :class:`LifecycleError`.
 
 The techniques' building blocks (buffers and buckets, the fp32-accumulating
@@ -34,12 +35,8 @@ from fastgrad.optim import (
     StepResult,
     param_groups_without_decay_for,
 )
-from fastgrad.pipeline import (
-    ParallelGroups,
-    build_parallel_groups,
-    finalize_grads,
-    forward_backward_1f1b,
-)
+from fastgrad.parallel_dims import ParallelDims
+from fastgrad.pipeline import finalize_grads, forward_backward_1f1b
 from fastgrad.pipeline_interleaved import forward_backward_interleaved
 
 __all__ = [
@@ -50,11 +47,10 @@ __all__ = [
     "DynamicLossScaler",
     "LifecycleError",
     "ModelChunks",
-    "ParallelGroups",
+    "ParallelDims",
     "ReplicatedOptimizer",
     "SGDConfig",
     "StepResult",
-    "build_parallel_groups",
     "finalize_grads",
     "forward_backward_1f1b",
     "forward_backward_interleaved",

@@ -5,8 +5,9 @@
     reverse registration), ``.param_to_index`` ({param: (start, end)} relative
     to the bucket start, keyed by the parameter object, as production),
     ``.start``/``.end`` (in the group buffer), ``.numel``, ``.numel_unpadded``,
-    ``.grad_data``, ``.param_data``, ``.mesh`` (:class:`fastgrad.mesh.DPMeshInfo`)
-    with ``.dp_size``/``.dp_rank``/``.dp_group``, ``.shard_numel``,
+    ``.grad_data``, ``.param_data``, ``.parallel_dims``
+    (:class:`fastgrad.parallel_dims.ParallelDims`) with ``.dp_size``/``.dp_rank``/``.dp_group``,
+    ``.averaging`` (:class:`fastgrad.averaging.GradAveraging`), ``.shard_numel``,
     ``.shard_range(rank)``, ``.local_shard_range``, ``.grad_shard(rank)``,
     ``.param_shard(rank)``, ``.local_grad_shard``, ``.local_param_shard``,
     ``.shard_pieces(rank)``, ``.start_grad_sync()``, ``.finish_grad_sync()``,
@@ -24,12 +25,10 @@
     ``fastgrad.reduce_scatter.reduce_scatter_with_fp32_accumulation`` (16-bit
     all-to-all + fp32 local sum).
 
-Averaging: with ``average_in_collective`` the collective uses
-``ReduceOp.AVG`` (torch 2.13's gloo and NCCL both support it; NCCL implements
-float AVG by pre-multiplying by 1/dp, gloo sums then divides). Otherwise the
-collective is a SUM and the bucket's ``gradient_scaling_factor`` is applied in
-the grad dtype before launching, which is what production's DDP does with
-``1/dp`` -- exact only for power-of-two dp.
+Averaging is the bucket's :class:`fastgrad.averaging.GradAveraging` plan, decided once by
+``fastgrad.averaging.grad_averaging``: the collective's op (SUM or AVG) and where the
+``1/dp`` pre-scale, if any, is applied (here in ``grad_data`` before the launch, or inside
+the fp32-accumulating reduce-scatter).
 """
 
 from __future__ import annotations
@@ -37,19 +36,28 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
+from fastgrad.averaging import GradAveraging, PrescaleSite
 from fastgrad.comm import reduce_scatter_into
 from fastgrad.config import DDPConfig
 from fastgrad.errors import LifecycleError
-from fastgrad.mesh import DPMeshInfo, OnMesh
+from fastgrad.parallel_dims import DataParallelView, ParallelDims
 from fastgrad.reduce_scatter import reduce_scatter_with_fp32_accumulation
 
-if TYPE_CHECKING:
-    from fastgrad.buffer_group import BufferGroup
+
+class BucketOwner(Protocol):
+    """What a bucket reads from the buffer group it is a slice of
+    (``fastgrad.buffer_group.BufferGroup``)."""
+
+    key: tuple[torch.dtype, torch.dtype]
+    grad_data: torch.Tensor
+    param_data: torch.Tensor | None
+
+    def param_range(self, param: Any) -> tuple[int, int]: ...
 
 
 # --------------------------------------------------------------------------- strategies
@@ -59,13 +67,11 @@ class GradReduceStrategy(abc.ABC):
     """How one bucket's gradients are reduced across the data-parallel group."""
 
     name: str = "abstract"
-    #: True when ``launch`` applies the bucket's gradient scaling factor itself
-    #: (inside the reduction), so the bucket must not pre-scale ``grad_data``.
-    folds_prescale: bool = False
 
     @abc.abstractmethod
     def launch(self, bucket: Bucket) -> Any:
-        """Start the reduction asynchronously; return a handle with ``wait()`` or None."""
+        """Start the reduction asynchronously (op and in-collective pre-scale from
+        ``bucket.averaging``); return a handle with ``wait()`` or None."""
 
 
 @dataclass(frozen=True)
@@ -82,11 +88,11 @@ class LocalOnlyStrategy(GradReduceStrategy):
 class AllReduceStrategy(GradReduceStrategy):
     """``dist.all_reduce`` of the whole bucket (used without the distributed optimizer)."""
 
-    op: Any = dist.ReduceOp.SUM
     name: str = "all-reduce"
 
     def launch(self, bucket: Bucket) -> Any:
-        return dist.all_reduce(bucket.grad_data, op=self.op, group=bucket.dp_group, async_op=True)
+        return dist.all_reduce(bucket.grad_data, op=bucket.averaging.op, group=bucket.dp_group,
+                               async_op=True)
 
 
 @dataclass(frozen=True)
@@ -94,23 +100,22 @@ class ReduceScatterStrategy(GradReduceStrategy):
     """Reduce-scatter of the bucket into this rank's shard view, through ``collective``.
 
     ``collective(local_shard, full, *, op, group, async_op)`` has the signature
-    of ``fastgrad.comm.reduce_scatter_into``.
+    of ``fastgrad.comm.reduce_scatter_into``; the fp32-accumulating one also takes
+    ``prescale=`` (the plan's :attr:`PrescaleSite.COLLECTIVE` factor).
     """
 
-    op: Any = dist.ReduceOp.SUM
     collective: Callable[..., Any] = reduce_scatter_into
     name: str = "reduce-scatter"
-    folds_prescale: bool = False  # True: ``collective`` takes ``prescale=`` (fp32 accumulation)
 
     def launch(self, bucket: Bucket) -> Any:
+        plan = bucket.averaging
         extra = {}
-        if self.folds_prescale:
-            factor = bucket.gradient_scaling_factor
-            extra["prescale"] = None if factor == 1.0 else factor
+        if plan.site is PrescaleSite.COLLECTIVE:
+            extra["prescale"] = plan.prescale
         return self.collective(
             bucket.local_grad_shard,
             bucket.grad_data,
-            op=self.op,
+            op=plan.op,
             group=bucket.dp_group,
             async_op=True,
             **extra,
@@ -123,17 +128,14 @@ def select_reduce_strategy(config: DDPConfig, *, distributed: bool) -> GradReduc
         raise TypeError(f"config must be a DDPConfig, got {type(config).__name__}")
     if not distributed:
         return LocalOnlyStrategy()
-    op = dist.ReduceOp.AVG if config.average_in_collective else dist.ReduceOp.SUM
     if not config.use_distributed_optimizer:
-        return AllReduceStrategy(op=op)
+        return AllReduceStrategy()
     if config.reduce_scatter_with_fp32_accumulation:
         return ReduceScatterStrategy(
-            op=op,
             collective=reduce_scatter_with_fp32_accumulation,
             name="reduce-scatter-fp32-accumulation",
-            folds_prescale=True,
         )
-    return ReduceScatterStrategy(op=op)
+    return ReduceScatterStrategy()
 
 
 # --------------------------------------------------------------------------- buckets
@@ -153,7 +155,7 @@ class ShardPiece:
     buffer_range: tuple[int, int]
 
 
-class Bucket(OnMesh):
+class Bucket(DataParallelView):
     """A contiguous slice of a group's buffers, reduced as one collective.
 
     ``params`` may be tensors or ``fastgrad.mxfp8_sharing.MXFP8Parameter``
@@ -162,17 +164,17 @@ class Bucket(OnMesh):
 
     def __init__(
         self,
-        group: BufferGroup,
+        group: BucketOwner,
         bucket_id: int,
         start: int,
         end: int,
         numel_unpadded: int,
         params: list[Any],
         *,
-        mesh: DPMeshInfo,
+        parallel_dims: ParallelDims,
         strategy: GradReduceStrategy,
         registration_index: Mapping[Any, int],
-        gradient_scaling_factor: float = 1.0,
+        averaging: GradAveraging,
     ) -> None:
         self.group = group
         self.bucket_id = bucket_id
@@ -181,9 +183,9 @@ class Bucket(OnMesh):
         self.numel = end - start
         self.numel_unpadded = numel_unpadded
         self.params = params
-        self.mesh = mesh
+        self.parallel_dims = parallel_dims
         self.strategy = strategy
-        self.gradient_scaling_factor = gradient_scaling_factor
+        self.averaging = averaging
         self._registration_index = registration_index
         self.param_to_index: dict[Any, tuple[int, int]] = {}
         for p in params:
@@ -272,17 +274,15 @@ class Bucket(OnMesh):
                 f"start_grad_sync on bucket {self.bucket_id} of group {self.group.key}: "
                 "a reduction is already in flight (call finish_grad_sync first)"
             )
-        if self.mesh.size > 1 and not self.mesh.distributed:
+        if self.dp_size > 1 and not self.distributed:
             raise LifecycleError(
-                f"cannot reduce across dp_size={self.mesh.size} ranks: torch.distributed "
+                f"cannot reduce across dp_size={self.dp_size} ranks: torch.distributed "
                 "is not initialized (the buffer was built for layout/shard inspection only)"
             )
-        if self.gradient_scaling_factor != 1.0 and not self.strategy.folds_prescale:
-            # Production pre-scales in the grad dtype before a SUM collective. The
-            # fp32-accumulation reduce-scatter folds that same rounding into its
-            # reduction instead (one pass less; elements outside this rank's
-            # shard then stay unscaled, see docs/reduce_scatter.md).
-            self.grad_data.mul_(self.gradient_scaling_factor)
+        prescale = self.averaging.prescale_at(PrescaleSite.BUCKET)
+        if prescale is not None:
+            # Production pre-scales in the grad dtype before a SUM collective.
+            self.grad_data.mul_(prescale)
         self._handle = self.strategy.launch(self)
         self._in_flight = True
 

@@ -2,14 +2,16 @@
 
 API summary
 -----------
-``ParamAndGradBuffer(params, *, config, dp_group=None, dp_size=None, device=None,
-gradient_scaling_factor=1.0, mesh=None, mxfp8_params=False)``
+``ParamAndGradBuffer(params, *, config, parallel_dims=None, dp_group=None, dp_size=None,
+device=None, average=False, mxfp8_params=False)``
     ``params``: parameters in registration order (a param with attribute
     ``shared_embedding=True`` gets its own bucket under the distributed optimizer).
-    The data-parallel group is resolved once into ``.mesh``
-    (:class:`fastgrad.mesh.DPMeshInfo`; pass ``mesh`` to reuse one, else it is
-    resolved from ``dp_group``/``dp_size``) and handed to every bucket.
-    ``.params``, ``.config``, ``.mesh``, ``.dp_size``, ``.dp_rank``, ``.dp_group``
+    The data-parallel group comes from ``.parallel_dims``
+    (:class:`fastgrad.parallel_dims.ParallelDims` with this rank's place; pass one, else
+    ``ParallelDims.data_parallel(dp_group, dp_size)`` resolves it) and is handed to every
+    bucket, as is ``.averaging`` (:func:`fastgrad.averaging.grad_averaging` of ``config``,
+    the DP size and ``average``: the one decision of SUM, AVG or a ``1/dp`` pre-scale).
+    ``.params``, ``.config``, ``.parallel_dims``, ``.dp_size``, ``.dp_rank``, ``.dp_group``
     ``.groups``: ``list[BufferGroup]``, one per (param dtype, grad dtype), in
     first-seen order; ``.buckets``: every bucket of every group.
     ``.group_of(param)``, ``.bucket_of(param)``, ``.registration_index(param)``
@@ -42,12 +44,12 @@ memory saving is measured from storages), so the 64-element alignment of
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
+from fastgrad.averaging import grad_averaging
 from fastgrad.bucket import (  # noqa: F401  (re-exported: one import site for buffer users)
     AllReduceStrategy,
     Bucket,
@@ -60,11 +62,11 @@ from fastgrad.bucket import (  # noqa: F401  (re-exported: one import site for b
 from fastgrad.buffer_group import ALIGNMENT_ELEMENTS, BufferGroup, aligned_zeros  # noqa: F401
 from fastgrad.config import DDPConfig
 from fastgrad.errors import LifecycleError
-from fastgrad.mesh import DPMeshInfo, OnMesh
 from fastgrad.mxfp8 import PARAM_DTYPE, MXFP8Parameter
+from fastgrad.parallel_dims import DataParallelView, ParallelDims, require_place
 
 
-class ParamAndGradBuffer(OnMesh):
+class ParamAndGradBuffer(DataParallelView):
     """Contiguous padded param/grad buffers for ``params``, bucketed for reduction.
 
     Groups params by (param dtype, grad dtype); grad dtype is fp32 with
@@ -72,7 +74,8 @@ class ParamAndGradBuffer(OnMesh):
     (always) and ``param.data`` (distributed optimizer only) become views into
     the group's buffers, keeping their values. Without torch.distributed the
     buffer can still be built for any ``dp_size`` to inspect layouts and
-    shards; reductions then need ``dp_size == 1``.
+    shards; reductions then need ``dp_size == 1``. ``average``: the reduction averages
+    over the replicas (else it sums); how is ``.averaging``.
     """
 
     def __init__(
@@ -80,11 +83,11 @@ class ParamAndGradBuffer(OnMesh):
         params: Iterable[Any],
         *,
         config: DDPConfig,
+        parallel_dims: ParallelDims | None = None,
         dp_group: Any = None,
         dp_size: int | None = None,
         device: torch.device | str | None = None,
-        gradient_scaling_factor: float = 1.0,
-        mesh: DPMeshInfo | None = None,
+        average: bool = False,
         mxfp8_params: bool = False,
     ) -> None:
         if not isinstance(config, DDPConfig):
@@ -96,34 +99,25 @@ class ParamAndGradBuffer(OnMesh):
             )
         param_list = list(params)
         _validate_params(param_list, mxfp8_params=mxfp8_params)
-        if isinstance(gradient_scaling_factor, bool) or not isinstance(
-            gradient_scaling_factor, (int, float)
-        ):
-            raise TypeError("gradient_scaling_factor must be a float")
-        if not math.isfinite(gradient_scaling_factor) or gradient_scaling_factor <= 0:
-            raise ValueError(
-                f"gradient_scaling_factor must be finite and > 0, got {gradient_scaling_factor}"
-            )
         target = torch.device(device) if device is not None else param_list[0].device
         for i, p in enumerate(param_list):
             if p.device.type != target.type or (
                 target.index is not None and p.device.index != target.index
             ):
                 raise ValueError(f"params[{i}] is on {p.device}, the buffer is on {target}")
-        if mesh is None:
-            mesh = DPMeshInfo.resolve(dp_group, dp_size)
-        elif not isinstance(mesh, DPMeshInfo):
-            raise TypeError(f"mesh must be a DPMeshInfo or None, got {type(mesh).__name__}")
+        if parallel_dims is None:
+            parallel_dims = ParallelDims.data_parallel(dp_group, dp_size)
         elif dp_group is not None or dp_size is not None:
-            raise ValueError("pass either mesh or dp_group/dp_size, not both")
+            raise ValueError("pass either parallel_dims or dp_group/dp_size, not both")
+        require_place(parallel_dims, "ParamAndGradBuffer")
 
         self.config = config
         self.params = param_list
-        self.mesh = mesh
+        self.parallel_dims = parallel_dims
         self.mxfp8_params = mxfp8_params
-        self.gradient_scaling_factor = float(gradient_scaling_factor)
-        self.strategy = select_reduce_strategy(config, distributed=mesh.distributed)
-        self.bucket_size = config.resolved_bucket_size(mesh.size)
+        self.averaging = grad_averaging(config, parallel_dims.dp_size, average=average)
+        self.strategy = select_reduce_strategy(config, distributed=parallel_dims.distributed)
+        self.bucket_size = config.resolved_bucket_size(parallel_dims.dp_size)
         self._registration_index = {p: i for i, p in enumerate(param_list)}
 
         grouped: dict[tuple[torch.dtype, torch.dtype], list[Any]] = {}
@@ -139,10 +133,10 @@ class ParamAndGradBuffer(OnMesh):
                 grad_dtype,
                 members,
                 config=config,
-                mesh=mesh,
+                parallel_dims=parallel_dims,
                 strategy=self.strategy,
                 registration_index=self._registration_index,
-                gradient_scaling_factor=self.gradient_scaling_factor,
+                averaging=self.averaging,
                 device=target,
                 mxfp8_params=mxfp8_params,
             )

@@ -17,11 +17,12 @@ from typing import Any
 
 import torch
 
+from fastgrad.averaging import GradAveraging
 from fastgrad.bucket import Bucket, GradReduceStrategy
 from fastgrad.config import DDPConfig
 from fastgrad.layout import PARAM_START_ALIGNMENT, BufferLayout, compute_layout
-from fastgrad.mesh import DPMeshInfo
 from fastgrad.mxfp8 import MXFP8Parameter
+from fastgrad.parallel_dims import ParallelDims
 
 ALIGNMENT_ELEMENTS = PARAM_START_ALIGNMENT  # storage addresses of param views: 64 elements
 
@@ -59,10 +60,10 @@ class BufferGroup:
         params: list[Any],
         *,
         config: DDPConfig,
-        mesh: DPMeshInfo,
+        parallel_dims: ParallelDims,
         strategy: GradReduceStrategy,
         registration_index: Mapping[Any, int],
-        gradient_scaling_factor: float,
+        averaging: GradAveraging,
         device: torch.device,
         mxfp8_params: bool = False,
     ) -> None:
@@ -77,8 +78,8 @@ class BufferGroup:
         ]
         self.layout: BufferLayout = compute_layout(
             [p.numel() for p in params],
-            dp_size=mesh.size,
-            bucket_size=config.resolved_bucket_size(mesh.size),
+            dp_size=parallel_dims.dp_size,
+            bucket_size=config.resolved_bucket_size(parallel_dims.dp_size),
             use_distributed_optimizer=config.use_distributed_optimizer,
             pad_buckets_for_high_nccl_busbw=config.pad_buckets_for_high_nccl_busbw,
             shared_embedding=shared_embedding,
@@ -117,17 +118,17 @@ class BufferGroup:
                 end,
                 unpadded,
                 bucket_params[b],
-                mesh=mesh,
+                parallel_dims=parallel_dims,
                 strategy=strategy,
                 registration_index=registration_index,
-                gradient_scaling_factor=gradient_scaling_factor,
+                averaging=averaging,
             )
             for b, ((start, end), unpadded) in enumerate(
                 zip(self.layout.bucket_indices, self.layout.per_bucket_numel_unpadded)
             )
         ]
         self._padding_mask: torch.Tensor | None = None
-        self._verify(mesh.size)
+        self._verify(parallel_dims.dp_size)
 
     def _allocate(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(grad_data, param_data)``; param_data only with the distributed optimizer."""

@@ -13,12 +13,14 @@ Mechanics (REFERENCE_NOTES section 5, production's DDP with its failure modes fi
   (``Bucket.start_grad_sync``: all-reduce, or reduce-scatter with the
   distributed optimizer, optionally fp32-accumulating; SUM, or an average via
   ``1/dp`` pre-scaling or ``ReduceOp.AVG``) the moment its last expected
-  parameter is ready. ``finish_grad_sync()`` waits for them all. Without
+  parameter is ready (the op and pre-scale: :mod:`fastgrad.averaging`, decided once).
+  ``finish_grad_sync()`` waits for them all. Without
   overlap, ``finish_grad_sync()`` runs the same reductions synchronously.
   Whether a bucket's reduce was launched is the bucket's own
   ``reduce_in_flight`` (recorded in one place).
-- The data-parallel group is resolved once (:class:`fastgrad.mesh.DPMeshInfo`)
-  and handed to the buffer and its buckets.
+- The data-parallel group comes from one :class:`fastgrad.parallel_dims.ParallelDims`
+  (a built grid, or ``ParallelDims.data_parallel(dp_group)``) handed to the buffer and
+  its buckets.
 - ``DistributedDataParallel`` is a ``torch.nn.Module`` wrapping the user's
   module as submodule ``module``: ``forward`` calls it; ``parameters()``,
   ``named_parameters()``, ``state_dict()`` and ``load_state_dict()`` are the
@@ -58,7 +60,7 @@ from fastgrad.buffer import Bucket, ParamAndGradBuffer
 from fastgrad.config import DDPConfig
 from fastgrad.errors import LifecycleError
 from fastgrad.exposed_grads import ParamGrads
-from fastgrad.mesh import DPMeshInfo
+from fastgrad.parallel_dims import ParallelDims
 from fastgrad.param_guard import ParamPlacement
 
 
@@ -90,16 +92,20 @@ class BucketReadiness:
 
 
 class DistributedDataParallel(nn.Module):
-    """Wrap ``module``; reduce its gradients across ``dp_group`` bucket by bucket.
+    """Wrap ``module``; reduce its gradients across the data-parallel group bucket by bucket.
 
     An ``nn.Module``: ``ddp(x)`` runs ``module``; ``parameters()``,
     ``named_parameters()``, ``state_dict()``/``load_state_dict()`` are the
     wrapped module's (its own names, unpadded tensors); ``train()``/``eval()``
     reach it as submodule ``module``.
 
+    The data-parallel group is ``parallel_dims``' (a :class:`ParallelDims` with this
+    rank's place: ``build()`` of the whole grid, or ``ParallelDims.data_parallel``), or
+    ``dp_group``'s (default: torch's default group).
     ``average=True`` (production's default) averages over the replicas: through
     ``ReduceOp.AVG`` when ``config.average_in_collective`` is set, otherwise by
-    pre-scaling each bucket by ``1/dp`` before a SUM. ``average=False`` sums.
+    pre-scaling each bucket by ``1/dp`` before a SUM (``self.averaging``, decided by
+    :func:`fastgrad.averaging.grad_averaging`). ``average=False`` sums.
     ``external_grad_params`` are parameters whose ``main_grad`` is written
     outside autograd; they count as ready only through :meth:`mark_grad_ready`.
     """
@@ -109,6 +115,7 @@ class DistributedDataParallel(nn.Module):
         module: nn.Module,
         *,
         config: DDPConfig,
+        parallel_dims: ParallelDims | None = None,
         dp_group: Any = None,
         average: bool = True,
         external_grad_params: Iterable[nn.Parameter] = (),
@@ -119,11 +126,8 @@ class DistributedDataParallel(nn.Module):
             raise TypeError(f"config must be a DDPConfig, got {type(config).__name__}")
         if not isinstance(average, bool):
             raise TypeError(f"average must be a bool, got {type(average).__name__}")
-        if config.average_in_collective and not average:
-            raise ValueError(
-                "config.average_in_collective=True averages in the collective; it cannot be "
-                "combined with average=False (sum)"
-            )
+        if parallel_dims is not None and dp_group is not None:
+            raise ValueError("pass either parallel_dims or dp_group, not both")
         super().__init__()
         self.module = module
         self.config = config
@@ -137,12 +141,13 @@ class DistributedDataParallel(nn.Module):
         unknown = [p for p in self.external_grad_params if p not in trainable]
         if unknown:
             raise ValueError("external_grad_params must be trainable parameters of module")
-        self.mesh = DPMeshInfo.resolve(dp_group)
-        scaling = 1.0 / self.mesh.size if (average and not config.average_in_collective) else 1.0
+        self.parallel_dims = (ParallelDims.data_parallel(dp_group) if parallel_dims is None
+                              else parallel_dims)
         self.buffer = ParamAndGradBuffer(
-            params, config=config, mesh=self.mesh, gradient_scaling_factor=scaling
+            params, config=config, parallel_dims=self.parallel_dims, average=average
         )
-        self.dp_size = self.mesh.size
+        self.averaging = self.buffer.averaging
+        self.dp_size = self.parallel_dims.dp_size
         self.placement = ParamPlacement(params, self.buffer)
         self._grads = ParamGrads()  # what param.grad holds (fastgrad.exposed_grads)
         self._states = [_BucketState(b, i) for i, b in enumerate(self.buffer.buckets)]

@@ -2,7 +2,7 @@
 
 How a pipeline schedule (``fastgrad.pipeline``) drives it on the last stage::
 
-    layer = ColumnParallelOutputLayer(weight_shard, config, tp_group=tp_group)
+    layer = ColumnParallelOutputLayer(weight_shard, config, parallel_dims=dims)  # dims: built grid
     layer.start_step()                  # step start: clears BOTH deferral buffers
     for each microbatch (1F1B order):
         logits = layer(hidden)          # forward: may append the local input
@@ -51,6 +51,7 @@ import torch.distributed as dist
 
 from fastgrad.comm import all_gather_into, reduce_scatter_into
 from fastgrad.errors import LifecycleError
+from fastgrad.parallel_dims import ParallelDims
 
 ReduceInFlight = Callable[[torch.nn.Parameter], bool]
 
@@ -62,22 +63,21 @@ MAIN_GRAD_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torc
 def _check_main_grad_dtype(dtype: torch.dtype, name: str) -> None:
     if dtype not in MAIN_GRAD_DTYPES:
         raise TypeError(f"{name} must be one of {MAIN_GRAD_DTYPES}, got {dtype}")
-_BOOL_FIELDS = ("defer_embedding_wgrad_compute", "gradient_accumulation_fusion", "sequence_parallel")
-_INT_FIELDS = ("wgrad_deferral_limit", "pipeline_model_parallel_size", "tensor_model_parallel_size")
+_BOOL_FIELDS = ("defer_embedding_wgrad_compute", "gradient_accumulation_fusion")
 
 
 @dataclass(frozen=True)
 class EmbeddingWgradConfig:
     """Output-layer settings, with production's field names.
 
-    defer_embedding_wgrad_compute: defer the wgrad GEMMs to the pipeline flush.
+    defer_embedding_wgrad_compute: defer the wgrad GEMMs to the pipeline flush (needs
+      pipeline parallelism: checked against the layer's ``ParallelDims``).
     wgrad_deferral_limit: defer only the first N microbatches (0 = all).
     gradient_accumulation_fusion: accumulate the wgrad straight into the fp32
       ``main_grad`` inside the GEMM; without it the wgrad is rounded to the
       weight's dtype first (production: a separate GEMM plus a hook add).
-    pipeline_model_parallel_size / tensor_model_parallel_size: parallel sizes.
-    sequence_parallel: the layer input is split along the sequence (dim 0)
-      across the TP group: gathered before the GEMMs, dgrad reduce-scattered.
+    The parallel sizes (TP, PP) and sequence parallelism are the layer's
+    :class:`fastgrad.parallel_dims.ParallelDims`, not settings of their own.
     cuda_wgrad_method: for fp32 ``main_grad`` with 16-bit inputs on CUDA:
       ``"addmm_out_dtype"`` (cuBLAS, fp32 output into a temporary, copied back),
       ``"addmm_out_dtype_inplace"`` (the same GEMM with ``out=main_grad``; only
@@ -88,9 +88,6 @@ class EmbeddingWgradConfig:
     defer_embedding_wgrad_compute: bool = False
     wgrad_deferral_limit: int = 0
     gradient_accumulation_fusion: bool = True
-    pipeline_model_parallel_size: int = 1
-    tensor_model_parallel_size: int = 1
-    sequence_parallel: bool = False
     cuda_wgrad_method: str = "addmm_out_dtype"
 
     def __post_init__(self) -> None:
@@ -100,29 +97,19 @@ class EmbeddingWgradConfig:
                     f"EmbeddingWgradConfig.{name} must be a bool, got "
                     f"{type(getattr(self, name)).__name__}"
                 )
-        for name in _INT_FIELDS:
-            value = getattr(self, name)
-            if isinstance(value, bool):
-                raise TypeError(f"EmbeddingWgradConfig.{name} must be an int, got bool")
-            try:
-                operator.index(value)
-            except TypeError:
-                raise TypeError(
-                    f"EmbeddingWgradConfig.{name} must be an int, got {type(value).__name__}"
-                ) from None
+        value = self.wgrad_deferral_limit
+        if isinstance(value, bool):
+            raise TypeError("EmbeddingWgradConfig.wgrad_deferral_limit must be an int, got bool")
+        try:
+            operator.index(value)
+        except TypeError:
+            raise TypeError(
+                f"EmbeddingWgradConfig.wgrad_deferral_limit must be an int, got {type(value).__name__}"
+            ) from None
         if self.wgrad_deferral_limit < 0:
             raise ValueError(
                 f"EmbeddingWgradConfig.wgrad_deferral_limit must be >= 0 (0 = defer every "
                 f"microbatch), got {self.wgrad_deferral_limit}"
-            )
-        for name in ("pipeline_model_parallel_size", "tensor_model_parallel_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"EmbeddingWgradConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.defer_embedding_wgrad_compute and self.pipeline_model_parallel_size == 1:
-            raise ValueError(
-                "EmbeddingWgradConfig.defer_embedding_wgrad_compute needs pipeline parallelism "
-                "(pipeline_model_parallel_size > 1): there is no pipeline flush to hide the "
-                "wgrad GEMMs in"
             )
         if self.defer_embedding_wgrad_compute and not self.gradient_accumulation_fusion:
             raise ValueError(
@@ -133,6 +120,14 @@ class EmbeddingWgradConfig:
             raise ValueError(
                 f"EmbeddingWgradConfig.cuda_wgrad_method must be one of {CUDA_WGRAD_METHODS}, "
                 f"got {self.cuda_wgrad_method!r}"
+            )
+
+    def check_parallel_dims(self, parallel_dims: ParallelDims) -> None:
+        """Production's rule across the config and the sizes: deferral needs PP > 1."""
+        if self.defer_embedding_wgrad_compute and parallel_dims.pp_size == 1:
+            raise ValueError(
+                "EmbeddingWgradConfig.defer_embedding_wgrad_compute needs pipeline parallelism "
+                "(ParallelDims.pp_size > 1): there is no pipeline flush to hide the wgrad GEMMs in"
             )
 
     def defers_next(self, buffered: int) -> bool:
@@ -252,7 +247,7 @@ class _OutputLayerFunction(torch.autograd.Function):
         grad_input = grad_output.matmul(weight)
         dgrad_handle = None
         if layer._tp_active:
-            if config.sequence_parallel:
+            if layer._sequence_parallel_active:
                 grad_input, dgrad_handle = _reduce_scatter_sequence(grad_input, layer.tp_group)
             else:
                 dgrad_handle = dist.all_reduce(grad_input, group=layer.tp_group, async_op=True)
@@ -271,10 +266,11 @@ class ColumnParallelOutputLayer(torch.nn.Module):
     """``logits = total_input · W_localᵀ`` with W split along the vocabulary across TP ranks.
 
     weight: this rank's ``[V / tp, H]`` shard (becomes ``self.weight``).
+    parallel_dims: the TP and PP sizes and sequence parallelism; at TP > 1 it must know
+      this rank's tensor-parallel group (``build()``, or ``with_groups(tp_group=...)``).
+      Default: one rank (``ParallelDims()``).
     main_grad: the fp32 (or 16-bit) accumulation buffer, e.g. a view into the DDP
       grad buffer; zeros of ``main_grad_dtype`` are allocated when None.
-    tp_group: the tensor-parallel group (None with tp size 1; the default group
-      when tp size > 1 and it spans exactly tp ranks).
     reduce_in_flight: optional predicate, ``True`` when the bucket holding the
       parameter has a reduce in flight; every wgrad write checks it first.
     """
@@ -284,7 +280,7 @@ class ColumnParallelOutputLayer(torch.nn.Module):
         weight: torch.Tensor,
         config: EmbeddingWgradConfig,
         *,
-        tp_group=None,
+        parallel_dims: ParallelDims | None = None,
         main_grad: torch.Tensor | None = None,
         main_grad_dtype: torch.dtype = torch.float32,
         reduce_in_flight: ReduceInFlight | None = None,
@@ -294,24 +290,23 @@ class ColumnParallelOutputLayer(torch.nn.Module):
             raise TypeError(f"config must be an EmbeddingWgradConfig, got {type(config).__name__}")
         if weight.dim() != 2:
             raise ValueError(f"weight must be 2-D [V/tp, H], got shape {tuple(weight.shape)}")
+        parallel_dims = ParallelDims() if parallel_dims is None else parallel_dims
+        if not isinstance(parallel_dims, ParallelDims):
+            raise TypeError(f"parallel_dims must be a ParallelDims, got {type(parallel_dims).__name__}")
+        config.check_parallel_dims(parallel_dims)
         self.config = config
-        tp = config.tensor_model_parallel_size
+        self.parallel_dims = parallel_dims
+        tp = parallel_dims.tp_size
+        self.tp_group = None
         if tp > 1:
-            if tp_group is None:
-                if not dist.is_initialized() or dist.get_world_size() != tp:
-                    raise ValueError(
-                        f"tp_group is required when tensor_model_parallel_size={tp} and the "
-                        "default process group does not have exactly that many ranks"
-                    )
-                tp_group = dist.group.WORLD
-            elif dist.get_world_size(tp_group) != tp:
+            if not parallel_dims.built or parallel_dims.tp_group is None:
                 raise ValueError(
-                    f"tp_group has {dist.get_world_size(tp_group)} ranks but "
-                    f"tensor_model_parallel_size={tp}"
+                    f"parallel_dims.tp_size={tp} needs this rank's tensor-parallel group: build() "
+                    "the dims, or give ParallelDims.with_groups(tp_group=...)"
                 )
-        self.tp_group = tp_group
+            self.tp_group = parallel_dims.tp_group
         self._tp_active = tp > 1
-        self._sequence_parallel_active = config.sequence_parallel and tp > 1
+        self._sequence_parallel_active = parallel_dims.sequence_parallel
         self.weight = torch.nn.Parameter(weight.detach().clone())
         if main_grad is None:
             _check_main_grad_dtype(main_grad_dtype, "main_grad_dtype")

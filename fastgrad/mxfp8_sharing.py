@@ -55,9 +55,9 @@ from fastgrad.buffer import Bucket, ParamAndGradBuffer
 from fastgrad.comm import all_gather_into
 from fastgrad.config import DDPConfig
 from fastgrad.errors import LifecycleError
-from fastgrad.mesh import DPMeshInfo, OnMesh
 from fastgrad.mxfp8 import PARAM_DTYPE, MXFP8Parameter
 from fastgrad.mxfp8_regions import BucketRegion, ParamRegionGuard, RegionState
+from fastgrad.parallel_dims import DataParallelView, ParallelDims
 
 __all__ = [
     "PARAM_DTYPE",
@@ -80,7 +80,7 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-class MXFP8ParamGradBuffer(OnMesh):
+class MXFP8ParamGradBuffer(DataParallelView):
     """Param all-gather and grad accumulation for a distributed-optimizer model with MXFP8 weights.
 
     ``params``: :class:`MXFP8Parameter` or plain bf16 (non-quantized) tensors, in
@@ -90,8 +90,10 @@ class MXFP8ParamGradBuffer(OnMesh):
     ``config.grad_reduce_in_fp32``, else bf16. A non-quantized param's
     ``data`` becomes a view into ``param_data`` (production's mapping).
     ``.buffer`` is the underlying ``ParamAndGradBuffer``; ``.buckets`` its buckets.
-    ``gradient_scaling_factor``: each grad is multiplied by it before the reduce-scatter's
-    SUM (``1/DP``: Megatron-Core's default averaging, as ``DistributedDataParallel`` does).
+    The data-parallel group is ``parallel_dims``' or ``dp_group``'s, as for the buffer.
+    ``average``: the reduce-scatter averages over the replicas (as ``DistributedDataParallel``
+    does, Megatron-Core's default ``1/DP`` pre-scale unless ``config.average_in_collective``:
+    ``.buffer.averaging``), else it sums.
     """
 
     def __init__(
@@ -99,20 +101,20 @@ class MXFP8ParamGradBuffer(OnMesh):
         params: Sequence[Param],
         *,
         config: DDPConfig,
+        parallel_dims: ParallelDims | None = None,
         dp_group: Any = None,
         device: torch.device | str = "cpu",
-        mesh: DPMeshInfo | None = None,
-        gradient_scaling_factor: float = 1.0,
+        average: bool = False,
     ) -> None:
         self.buffer = ParamAndGradBuffer(
-            params, config=config, dp_group=dp_group, device=device, mesh=mesh, mxfp8_params=True,
-            gradient_scaling_factor=gradient_scaling_factor,
+            params, config=config, parallel_dims=parallel_dims, dp_group=dp_group, device=device,
+            mxfp8_params=True, average=average,
         )
         (group,) = self.buffer.groups  # every param is bf16 in this mode: one group
         self.group = group
         self.params = self.buffer.params
         self.config = config
-        self.mesh = self.buffer.mesh
+        self.parallel_dims = self.buffer.parallel_dims
         self.grad_dtype = group.grad_dtype
         self.sharing = group.shares_param_and_grad_memory
         self.layout = group.layout
@@ -272,9 +274,9 @@ class MXFP8ParamGradBuffer(OnMesh):
                 f"all-gather of bucket {bucket.bucket_id} would overwrite unconsumed grads "
                 "(param and grad share memory)"
             )
-        if self.mesh.distributed and self.mesh.size > 1:
+        if self.distributed and self.dp_size > 1:
             region.gather_handle = all_gather_into(
-                bucket.param_data, bucket.local_param_shard, group=self.mesh.group, async_op=True
+                bucket.param_data, bucket.local_param_shard, group=self.dp_group, async_op=True
             )
         region.state = RegionState.GATHERING
 

@@ -1,11 +1,11 @@
 """1F1B pipeline schedule (no interleaving) over real torch.distributed processes.
 
 ``P`` pipeline stages times ``D`` data-parallel replicas times ``T``
-tensor-parallel ranks make ``P*D*T`` ranks; global rank
-``(stage * D + dp_rank) * T + tp_rank`` (tensor parallel innermost, pipeline
-outermost: production's default ``tp-dp-pp`` order; ``T = 1`` by default).
-Each TP rank has its own DP group (same stage and TP rank) and pipeline (same
-DP and TP rank). Activations and their gradients travel between stages
+tensor-parallel ranks make ``P*D*T`` ranks, laid out and grouped by one built
+:class:`fastgrad.parallel_dims.ParallelDims` (tensor parallel innermost, pipeline
+outermost: production's default order). Each TP rank has its own DP group (same
+stage and TP rank) and pipeline (same DP and TP rank). Activations and their
+gradients travel between stages
 with point-to-point ``isend``/``irecv``; gradients are reduced across the ``D``
 replicas of a stage by :class:`fastgrad.ddp.DistributedDataParallel`.
 
@@ -26,7 +26,7 @@ Gradient sync placement (REFERENCE_NOTES section 5):
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -34,13 +34,7 @@ from torch import nn
 
 from fastgrad.deferred_wgrad import allreduce_tied_embedding_grad
 from fastgrad.errors import LifecycleError
-from fastgrad.pipeline_groups import (
-    ParallelGroups,
-    allreduce_sequence_parallel_grads,
-    build_parallel_groups,
-    global_rank,
-    sequence_parallel_params,
-)
+from fastgrad.parallel_dims import ParallelDims, require_place
 from fastgrad.timeline import Timeline
 
 
@@ -100,17 +94,16 @@ class _P2P:
     """Point-to-point exchange with the neighbouring stages of this rank's pipeline."""
 
     def __init__(
-        self, groups: ParallelGroups, shape: tuple[int, ...], dtype: torch.dtype, timeline: Timeline,
-        device: torch.device,
+        self, parallel_dims: ParallelDims, shape: tuple[int, ...], dtype: torch.dtype,
+        timeline: Timeline, device: torch.device,
     ) -> None:
-        self.groups = groups
         self.shape = shape
         self.dtype = dtype
         self.device = device
         self.timeline = timeline
-        stage = groups.stage
-        self.prev = groups.pp_ranks[stage - 1] if stage > 0 else None
-        self.next = groups.pp_ranks[stage + 1] if stage < groups.pp_size - 1 else None
+        stage, ranks = parallel_dims.stage, parallel_dims.pp_ranks
+        self.prev = ranks[stage - 1] if stage > 0 else None
+        self.next = ranks[stage + 1] if stage < parallel_dims.pp_size - 1 else None
 
     def exchange(
         self,
@@ -141,7 +134,7 @@ class _P2P:
 def forward_backward_1f1b(
     stage_module: nn.Module,
     *,
-    groups: ParallelGroups,
+    parallel_dims: ParallelDims,
     grad_sync: GradSync,
     num_microbatches: int,
     activation_shape: tuple[int, ...],
@@ -156,7 +149,9 @@ def forward_backward_1f1b(
 ) -> list[torch.Tensor]:
     """Run one 1F1B step; return the last stage's per-microbatch losses (else ``[]``).
 
-    ``inputs`` (first stage) and ``targets`` (last stage) hold one tensor per
+    ``parallel_dims``: the built grid (this rank's stage, its pipeline, DP, TP and embedding
+    groups; ``vpp_size`` 1: the interleaved schedule is
+    :func:`fastgrad.pipeline_interleaved.forward_backward_interleaved`). ``inputs`` (first stage) and ``targets`` (last stage) hold one tensor per
     microbatch. ``grad_sync`` is disabled on entry and enabled before the last
     microbatch's backward; on return every bucket's reduction has finished, and
     ``embedding_params`` (tied weights on the first and last stage) have had
@@ -171,31 +166,35 @@ def forward_backward_1f1b(
         raise TypeError(f"num_microbatches must be an int, got {type(num_microbatches).__name__}")
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
-    if groups.is_first_stage and (inputs is None or len(inputs) != num_microbatches):
+    dims = require_place(parallel_dims, "forward_backward_1f1b")
+    if dims.vpp_size != 1:
+        raise ValueError(f"parallel_dims.vpp_size is {dims.vpp_size}: the non-interleaved 1F1B "
+                         "runs one model chunk per stage (use forward_backward_interleaved)")
+    if dims.is_first_stage and (inputs is None or len(inputs) != num_microbatches):
         raise ValueError(f"inputs must hold num_microbatches={num_microbatches} tensors on the first stage")
-    if groups.is_last_stage and (targets is None or len(targets) != num_microbatches):
+    if dims.is_last_stage and (targets is None or len(targets) != num_microbatches):
         raise ValueError(f"targets must hold num_microbatches={num_microbatches} tensors on the last stage")
-    if embedding_params and groups.pp_size > 1 and groups.embedding_group is None:
+    if embedding_params and dims.pp_size > 1 and dims.embedding_group is None:
         raise ValueError("embedding_params were given but this rank has no embedding group")
-    timeline = timeline if timeline is not None else Timeline(groups.rank, enabled=False)
-    p2p = _P2P(groups, tuple(activation_shape), dtype, timeline,
+    timeline = timeline if timeline is not None else Timeline(dims.rank, enabled=False)
+    p2p = _P2P(dims, tuple(activation_shape), dtype, timeline,
                activation_device([stage_module], device))
-    stage = groups.stage
-    warmup = num_warmup_microbatches(groups.pp_size, stage, num_microbatches)
+    stage = dims.stage
+    warmup = num_warmup_microbatches(dims.pp_size, stage, num_microbatches)
     remaining = num_microbatches - warmup
     in_flight: list[tuple[int, torch.Tensor | None, torch.Tensor]] = []
     losses: list[torch.Tensor] = []
 
     def forward(microbatch: int, received: torch.Tensor | None) -> torch.Tensor:
         with timeline.record("forward", microbatch):
-            if groups.is_first_stage:
+            if dims.is_first_stage:
                 x = inputs[microbatch]
                 stage_input = None
             else:
                 x = received.requires_grad_(True)
                 stage_input = x
             y = stage_module(x)
-            if groups.is_last_stage:
+            if dims.is_last_stage:
                 loss = loss_fn(y, targets[microbatch])
                 losses.append(loss.detach())
                 in_flight.append((microbatch, stage_input, loss))
@@ -241,7 +240,7 @@ def forward_backward_1f1b(
     if in_flight:
         raise LifecycleError(f"1F1B left {len(in_flight)} microbatches without a backward")
 
-    if not groups.is_first_stage:
+    if not dims.is_first_stage:
         with timeline.record("grad_sync_launch"):
             grad_sync.start_grad_sync()
     if deferred_wgrad is not None:
@@ -251,14 +250,14 @@ def forward_backward_1f1b(
         with timeline.record("wgrad_drain"):
             deferred_wgrad.drain_deferred_wgrad(grad_sync.reduce_in_flight)
         grad_sync.mark_grad_ready(deferred_wgrad.weight)
-    finalize_grads(grad_sync, groups, embedding_params, timeline,
-                   sequence_parallel_params(stage_module, groups))
+    finalize_grads(grad_sync, dims, embedding_params, timeline,
+                   sequence_parallel_params(stage_module, dims))
     return losses
 
 
 def finalize_grads(
     grad_sync: GradSync,
-    groups: ParallelGroups,
+    parallel_dims: ParallelDims,
     embedding_params: Sequence[nn.Parameter],
     timeline: Timeline | None = None,
     sequence_parallel: Sequence[nn.Parameter] = (),
@@ -270,40 +269,60 @@ def finalize_grads(
     after the DP sync, so each copy is already the DP-reduced gradient:
     ``main_grad = tp_rank_0 + tp_rank_1`` and ``main_grad = first_copy + last_copy``.
     """
-    timeline = timeline if timeline is not None else Timeline(groups.rank, enabled=False)
+    timeline = timeline if timeline is not None else Timeline(parallel_dims.rank, enabled=False)
     with timeline.record("grad_sync_wait"):
         grad_sync.finish_grad_sync()
-    sync_replicated_grads(groups, embedding_params, timeline, sequence_parallel)
+    sync_replicated_grads(parallel_dims, embedding_params, timeline, sequence_parallel)
 
 
 def sync_replicated_grads(
-    groups: ParallelGroups,
+    parallel_dims: ParallelDims,
     embedding_params: Sequence[nn.Parameter],
     timeline: Timeline,
     sequence_parallel: Sequence[nn.Parameter] = (),
 ) -> None:
     """After the DP sync: the ``sequence_parallel`` params' grads summed over TP, then the
     tied embedding grads summed over the embedding group (both schedules end with this)."""
-    if sequence_parallel and groups.tp_size > 1:
-        allreduce_sequence_parallel_grads(sequence_parallel, groups.tp_group)
-    if embedding_params and groups.pp_size > 1 and (groups.is_first_stage or groups.is_last_stage):
+    dims = parallel_dims
+    if sequence_parallel and dims.tp_size > 1:
+        allreduce_sequence_parallel_grads(sequence_parallel, dims.tp_group)
+    if embedding_params and dims.pp_size > 1 and (dims.is_first_stage or dims.is_last_stage):
         with timeline.record("embedding_sync"):
             for param in embedding_params:
                 grad = getattr(param, "main_grad", None)
                 if grad is None:
                     raise LifecycleError("tied embedding parameter has no main_grad to all-reduce")
-                allreduce_tied_embedding_grad(grad, groups.embedding_group)
+                allreduce_tied_embedding_grad(grad, dims.embedding_group)
+
+
+def sequence_parallel_params(module: nn.Module, parallel_dims: ParallelDims) -> list[nn.Parameter]:
+    """Parameters replicated across the TP group whose grads come from sequence shards
+    (marked ``param.sequence_parallel = True``); empty at TP 1."""
+    if parallel_dims.tp_size == 1:
+        return []
+    return [p for p in module.parameters() if getattr(p, "sequence_parallel", False)]
+
+
+def allreduce_sequence_parallel_grads(params: Sequence[nn.Parameter], tp_group: Any) -> None:
+    """Sum the ``main_grad`` of sequence-parallel replicated params over the TP group, coalesced
+    into one collective (Megatron-Core's ``_allreduce_non_tensor_model_parallel_grads``)."""
+    grads = [p.main_grad for p in params if getattr(p, "main_grad", None) is not None]
+    if not grads or tp_group is None:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=tp_group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 __all__ = [
     "GradSync",
     "DeferredWgradDrain",
     "allreduce_sequence_parallel_grads",
-    "ParallelGroups",
-    "build_parallel_groups",
     "forward_backward_1f1b",
     "finalize_grads",
-    "global_rank",
     "num_warmup_microbatches",
     "schedule_1f1b",
     "sequence_parallel_params",

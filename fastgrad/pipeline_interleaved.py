@@ -46,14 +46,14 @@ import torch.distributed as dist
 from torch import nn
 
 from fastgrad.errors import LifecycleError
+from fastgrad.parallel_dims import ParallelDims, require_place
 from fastgrad.pipeline import (
     DeferredWgradDrain,
     GradSync,
-    ParallelGroups,
     activation_device,
+    sequence_parallel_params,
     sync_replicated_grads,
 )
-from fastgrad.pipeline_groups import sequence_parallel_params
 from fastgrad.timeline import Timeline
 
 
@@ -123,17 +123,16 @@ class _InterleavedP2P:
 
     def __init__(
         self,
-        groups: ParallelGroups,
-        virtual_stages: int,
+        parallel_dims: ParallelDims,
         num_microbatches: int,
         shape: tuple[int, ...],
         dtype: torch.dtype,
         timeline: Timeline,
         device: torch.device,
     ) -> None:
-        self.groups = groups
+        self.pp_ranks = parallel_dims.pp_ranks
         self.device = device
-        self.num_virtual = groups.pp_size * virtual_stages
+        self.num_virtual = parallel_dims.num_virtual_stages
         self.num_microbatches = num_microbatches
         self.shape = shape
         self.dtype = dtype
@@ -142,7 +141,7 @@ class _InterleavedP2P:
 
     def rank_of(self, virtual_stage: int) -> int:
         """Global rank holding ``virtual_stage`` in this rank's pipeline (wraps to stage 0)."""
-        return self.groups.pp_ranks[virtual_stage % self.groups.pp_size]
+        return self.pp_ranks[virtual_stage % len(self.pp_ranks)]
 
     def tag(self, receiver_virtual_stage: int, microbatch: int, is_grad: bool) -> int:
         """A tag unique within the step: receiving virtual stage, microbatch, direction."""
@@ -174,7 +173,7 @@ class _InterleavedP2P:
 def forward_backward_interleaved(
     chunk_modules: Sequence[nn.Module],
     *,
-    groups: ParallelGroups,
+    parallel_dims: ParallelDims,
     grad_syncs: Sequence[GradSync],
     num_microbatches: int,
     activation_shape: tuple[int, ...],
@@ -189,6 +188,7 @@ def forward_backward_interleaved(
 ) -> list[torch.Tensor]:
     """Run one interleaved 1F1B step; return the losses of the last virtual stage (else ``[]``).
 
+    ``parallel_dims`` is the built grid (``vpp_size`` = ``V`` = ``len(chunk_modules)``).
     ``chunk_modules[c]`` is virtual stage ``c * P + stage``; ``grad_syncs[c]``
     reduces its gradients. ``inputs`` (first stage: they enter chunk 0) and
     ``targets`` (last stage: the loss follows its last chunk) hold one tensor
@@ -206,20 +206,24 @@ def forward_backward_interleaved(
         raise ValueError(
             f"grad_syncs must hold one engine per model chunk ({virtual_stages}), got {len(grad_syncs)}"
         )
-    validate_interleaving(groups.pp_size, virtual_stages, num_microbatches)
-    if groups.is_first_stage and (inputs is None or len(inputs) != num_microbatches):
+    dims = require_place(parallel_dims, "forward_backward_interleaved")
+    validate_interleaving(dims.pp_size, virtual_stages, num_microbatches)
+    if dims.vpp_size != virtual_stages:
+        raise ValueError(f"chunk_modules holds {virtual_stages} model chunks but "
+                         f"parallel_dims.vpp_size is {dims.vpp_size}")
+    if dims.is_first_stage and (inputs is None or len(inputs) != num_microbatches):
         raise ValueError(f"inputs must hold num_microbatches={num_microbatches} tensors on the first stage")
-    if groups.is_last_stage and (targets is None or len(targets) != num_microbatches):
+    if dims.is_last_stage and (targets is None or len(targets) != num_microbatches):
         raise ValueError(f"targets must hold num_microbatches={num_microbatches} tensors on the last stage")
-    if deferred_wgrad is not None and not groups.is_last_stage:
+    if deferred_wgrad is not None and not dims.is_last_stage:
         raise ValueError("deferred_wgrad belongs to the last virtual stage (the last stage's "
                          "last chunk); this rank is not on the last stage")
-    if embedding_params and groups.embedding_group is None:
+    if embedding_params and dims.embedding_group is None:
         raise ValueError("embedding_params were given but this rank has no embedding group")
-    timeline = timeline if timeline is not None else Timeline(groups.rank, enabled=False)
-    pp_size, stage = groups.pp_size, groups.stage
+    timeline = timeline if timeline is not None else Timeline(dims.rank, enabled=False)
+    pp_size, stage = dims.pp_size, dims.stage
     num_virtual = pp_size * virtual_stages
-    p2p = _InterleavedP2P(groups, virtual_stages, num_microbatches, tuple(activation_shape),
+    p2p = _InterleavedP2P(dims, num_microbatches, tuple(activation_shape),
                           dtype, timeline, activation_device(chunk_modules, device))
     # (chunk, microbatch) -> (stage input that needs its grad, output to backpropagate)
     in_flight: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
@@ -264,7 +268,7 @@ def forward_backward_interleaved(
         raise LifecycleError(f"interleaved 1F1B left {len(in_flight)} forwards without a backward")
     p2p.wait_sends()
 
-    if not groups.is_first_stage:
+    if not dims.is_first_stage:
         with timeline.record("grad_sync_launch"):
             for grad_sync in grad_syncs:
                 grad_sync.start_grad_sync()
@@ -278,8 +282,8 @@ def forward_backward_interleaved(
         for grad_sync in grad_syncs:
             grad_sync.finish_grad_sync()
     sync_replicated_grads(
-        groups, embedding_params, timeline,
-        [p for chunk in chunk_modules for p in sequence_parallel_params(chunk, groups)])
+        dims, embedding_params, timeline,
+        [p for chunk in chunk_modules for p in sequence_parallel_params(chunk, dims)])
     return [losses[m] for m in sorted(losses)]
 
 

@@ -18,13 +18,12 @@ gradient (token ids have none).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from fastgrad.comm import all_gather_into, reduce_scatter_into
+from fastgrad.parallel_dims import ParallelDims
 
 
 class _VocabParallelEmbed(torch.autograd.Function):
@@ -65,20 +64,21 @@ class VocabParallelEmbedding(nn.Module):
 
     ``forward(x_block)`` takes ``[R, V/T]`` (this rank's vocabulary columns, every row) and
     returns the TP-summed ``[R, H]`` embedding, or this rank's ``[R/T, H]`` rows of it with
-    ``sequence_parallel``."""
+    sequence parallelism. ``parallel_dims``: the TP size and sequence parallelism, with this
+    rank's TP group at TP > 1 (default: one rank)."""
 
-    def __init__(self, weight: torch.Tensor, *, tp_group: Any = None,
-                 sequence_parallel: bool = False) -> None:
+    def __init__(self, weight: torch.Tensor, *, parallel_dims: ParallelDims | None = None) -> None:
         super().__init__()
         if weight.dim() != 2:
             raise ValueError(f"VocabParallelEmbedding weight must be 2-D [V/TP, H], got shape "
                              f"{tuple(weight.shape)}")
-        if not isinstance(sequence_parallel, bool):
-            raise TypeError("VocabParallelEmbedding.sequence_parallel must be a bool")
+        parallel_dims = ParallelDims() if parallel_dims is None else parallel_dims
+        if not isinstance(parallel_dims, ParallelDims):
+            raise TypeError(f"parallel_dims must be a ParallelDims, got {type(parallel_dims).__name__}")
         self.weight = nn.Parameter(weight.detach().clone())
-        self.tp_group = tp_group
-        self.tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
-        self.sequence_parallel = sequence_parallel
+        self.tp_size = parallel_dims.tp_size
+        self.tp_group = parallel_dims.tp_group if self.tp_size > 1 else None
+        self.sequence_parallel = parallel_dims.sequence_parallel
 
     def forward(self, x_block: torch.Tensor) -> torch.Tensor:
         if x_block.dim() != 2 or x_block.shape[1] != self.weight.shape[0]:

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from refgrad.pipeline import LinearStackSpec
+    from refgrad.pipeline_spec import LinearStackSpec
 
 
 def vocab_parallel_embedding(spec: LinearStackSpec) -> bool:

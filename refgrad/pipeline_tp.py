@@ -39,24 +39,19 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from refgrad.pipeline import LinearStackSpec
-
-
-def validate_tensor_parallel(spec: LinearStackSpec) -> None:
-    """ValueError unless ``spec``'s shapes split over its TP size."""
-    tp = spec.tensor_parallel
-    if spec.output_head and spec.hidden % tp:
-        raise ValueError(f"LinearStackSpec.hidden ({spec.hidden}) must be divisible by "
-                         f"tensor_parallel ({tp}): the head's vocabulary is split over TP")
-    if spec.sequence_parallel and spec.microbatch_size % tp:
-        raise ValueError(f"LinearStackSpec.microbatch_size ({spec.microbatch_size}) must be "
-                         f"divisible by tensor_parallel ({tp}) with sequence_parallel")
+from refgrad.pipeline_spec import (
+    EMBEDDING_PARAM,
+    HEAD_PARAM,
+    HeadRecordingWgrad,
+    LinearStackSpec,
+    microbatch_data,
+    microbatch_loss,
+    stage_param_name,
+)
 
 
 def splits_loss(spec: LinearStackSpec) -> bool:
@@ -87,7 +82,6 @@ def stage_loss(spec: LinearStackSpec, output: torch.Tensor, target_part: torch.T
                num_microbatches: int) -> torch.Tensor:
     """One rank's loss of one microbatch: the MSE over all of it without a split, else this
     rank's partial ``sum (out - target)^2 / (R * V) / M`` (the partials sum to the MSE)."""
-    from refgrad.pipeline import microbatch_loss
 
     if not splits_loss(spec):
         return microbatch_loss(output, target_part, num_microbatches)
@@ -105,7 +99,6 @@ def sequence_shard_bodies(spec: LinearStackSpec, stages: Sequence[nn.Module]
                           ) -> tuple[list[list[nn.Module]], list[dict[str, nn.Parameter]]]:
     """One copy of the stage bodies per sequence shard (the first is ``stages`` itself), and
     each copy's params by name."""
-    from refgrad.pipeline import stage_param_name
 
     bodies = [list(stages)] + [copy.deepcopy(list(stages)) for _ in range(1, spec.sequence_shards)]
     named = [{stage_param_name(s, n): p for s, st in enumerate(body) for n, p in st.named_parameters()}
@@ -146,13 +139,6 @@ def tp_replica_grad_sums(
     Under SP a block parameter's sum has a leading TP dimension (one microbatch-ordered
     sum per TP rank); the head's ``[V, H]`` sum is the row blocks of every TP rank.
     """
-    from refgrad.pipeline import (
-        EMBEDDING_PARAM,
-        HEAD_PARAM,
-        HeadRecordingWgrad,
-        microbatch_data,
-        stage_param_name,
-    )
 
     shards, tp = spec.sequence_shards, spec.tensor_parallel
     head_name = stage_param_name(spec.num_stages - 1, HEAD_PARAM)
@@ -242,7 +228,6 @@ def expected_on_rank(spec: LinearStackSpec, name: str, full: torch.Tensor, tp_ra
 
 def vocab_split_names(spec: LinearStackSpec) -> frozenset[str]:
     """The parameters split over TP by vocabulary rows: the head, and (tied) the first layer."""
-    from refgrad.pipeline import EMBEDDING_PARAM, HEAD_PARAM, stage_param_name
 
     names = {stage_param_name(spec.num_stages - 1, HEAD_PARAM)}
     if spec.vocab_parallel_embedding:

@@ -1,11 +1,13 @@
 """The shape of a verification check and of what it reports.
 
 A check is a named function that receives a :class:`CheckContext`, a
-:class:`CheckRecorder` and a *candidate*: a small frozen dataclass naming the
-implementation under test (each check defines its own, e.g.
-``verify.checks.layout.LayoutCandidate``, whose ``default()`` points at fastgrad or
-verify). Tests and other implementations of the same technique pass their own
-candidate to :meth:`Check.execute`. It records comparisons (reference vs candidate, with an
+:class:`CheckRecorder` and a *candidate*. For a technique check the candidate is a
+:class:`verify.candidates.Candidate`: the implementation under test (fastgrad by
+default, Megatron-Core, or a deliberately broken one), reached only through its typed
+interface for the check's :class:`verify.candidates.Technique`. The truth-layer checks
+(formats, oracle, metrics) test verify's own arithmetic instead; their candidate is a small
+frozen dataclass naming that component (``technique=None``), the same for every
+implementation under test. Each check records comparisons (reference vs candidate, with an
 explicit ULP bound), boolean expectations, tables and findings. The check passes
 when every comparison is within its bound and every expectation holds; an
 exception inside the check is recorded as a failure, never swallowed silently.
@@ -20,6 +22,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+
+from verify.candidates import Candidate, FastgradCandidate, Technique, Unsupported
 
 _DEVICES = ("cpu", "cuda")
 
@@ -237,10 +241,12 @@ CheckFunction = Callable[[CheckContext, CheckRecorder, Any], None]
 
 @dataclass(frozen=True)
 class Check:
-    """A registered check: a name, a one-line summary, its run function and default candidate.
+    """A registered check: a name, a one-line summary, its run function and what it tests.
 
-    ``default_candidate`` is the implementation the check holds to its references when
-    none is given (fastgrad's, or verify's own for the truth-layer checks).
+    ``technique`` is the technique whose implementation the check holds to its references,
+    reached through the candidate it is given (default: fastgrad); ``None`` marks a
+    truth-layer check, whose ``default_candidate`` is verify's own component under test
+    (the same whichever implementation is verified).
     ``spawns_ranks`` says the check starts torch.distributed processes, so the
     runner can start the rank launcher early (and tests can mark it ``dist``).
     """
@@ -248,31 +254,48 @@ class Check:
     name: str
     summary: str
     run: CheckFunction
-    default_candidate: Any
+    default_candidate: Any = None
     spawns_ranks: bool = False
+    technique: Technique | None = None
 
     def __post_init__(self) -> None:
         if not callable(self.run):
             raise TypeError(f"Check {self.name!r}: run must be callable, got {type(self.run).__name__}")
-        if self.default_candidate is None:
-            raise ValueError(f"Check {self.name!r}: default_candidate must not be None")
+        if self.technique is not None and not isinstance(self.technique, Technique):
+            raise TypeError(f"Check {self.name!r}: technique must be a Technique or None, "
+                            f"got {self.technique!r}")
+        if self.technique is None and self.default_candidate is None:
+            raise ValueError(f"Check {self.name!r}: a truth-layer check (technique=None) needs "
+                             f"its default_candidate")
+        if self.technique is not None and self.default_candidate is not None:
+            raise ValueError(f"Check {self.name!r}: a technique check's candidate is a "
+                             f"verify.candidates.Candidate given to execute(), not a default")
 
     def execute(self, context: CheckContext, candidate: Any = None) -> CheckResult:
-        """Run the check against ``candidate`` (default: ``default_candidate``).
+        """Run the check against ``candidate`` (default: fastgrad, or the truth-layer
+        check's own ``default_candidate``).
 
-        An exception inside the check becomes a failed result carrying the traceback.
-        A candidate of another type than the default's is refused with a TypeError.
+        An exception inside the check becomes a failed result carrying the traceback; an
+        :class:`Unsupported` that escapes it is a SKIP naming the reason. A candidate of the
+        wrong type is refused with a TypeError.
         """
-        chosen = self.default_candidate if candidate is None else candidate
-        if not isinstance(chosen, type(self.default_candidate)):
+        if self.technique is None:
+            chosen = self.default_candidate if candidate is None else candidate
+            expected: type = type(self.default_candidate)
+        else:
+            chosen = FastgradCandidate() if candidate is None else candidate
+            expected = Candidate
+        if not isinstance(chosen, expected):
             raise TypeError(
-                f"check {self.name!r}: candidate must be a {type(self.default_candidate).__name__}, "
+                f"check {self.name!r}: candidate must be a {expected.__name__}, "
                 f"got {type(chosen).__name__}"
             )
         recorder = CheckRecorder(self.name, self.summary)
         start = time.perf_counter()
         try:
             self.run(context, recorder, chosen)
+        except Unsupported as unsupported:
+            recorder.skip(str(unsupported))
         except Exception:  # noqa: BLE001 - reported, never hidden
             return recorder.finish(time.perf_counter() - start, error=traceback.format_exc())
         return recorder.finish(time.perf_counter() - start)

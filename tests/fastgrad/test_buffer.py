@@ -1,7 +1,5 @@
 """ParamAndGradBuffer: views, alignment, padding, lifecycle, and real multi-rank reductions."""
 
-import math
-
 import pytest
 import torch
 
@@ -16,6 +14,7 @@ from fastgrad.buffer import (
 from fastgrad.comm import reduce_scatter_into
 from fastgrad.config import DDPConfig
 from fastgrad.errors import LifecycleError
+from fastgrad.parallel_dims import ParallelDims
 from fastgrad.reduce_scatter import reduce_scatter_with_fp32_accumulation
 from refgrad.layout import compute_layout as reference_layout
 from verify.checks.layout import buffer_violations, default_scenarios, run_reduce_scenarios
@@ -154,17 +153,18 @@ def test_padding_never_leaks():
     assert buf.padding_is_zero() and float(buf.grad_norm_sq()) == 0.0
 
 
-def test_local_only_reduction_applies_scaling_factor():
+def test_local_only_reduction_of_one_replica_leaves_its_grads():
     params = make_params([(3,), (4,)], [torch.bfloat16] * 2)
-    buf = ParamAndGradBuffer(params, config=DIST_OPT, gradient_scaling_factor=0.25)
+    buf = ParamAndGradBuffer(params, config=DIST_OPT, average=True)
     assert isinstance(buf.strategy, LocalOnlyStrategy)
+    assert buf.averaging.prescale is None  # the average of one replica is that replica
     for p in params:
         p.main_grad.fill_(3.0)
     buf.start_grad_sync()
     assert buf.reduce_in_flight and all(b.reduce_in_flight for b in buf.buckets)
     buf.finish_grad_sync()
     assert not buf.reduce_in_flight
-    assert all(torch.equal(p.main_grad, torch.full_like(p.main_grad, 0.75)) for p in params)
+    assert all(torch.equal(p.main_grad, torch.full_like(p.main_grad, 3.0)) for p in params)
 
 
 def test_lifecycle_errors():
@@ -204,8 +204,6 @@ def test_strategy_selection():
     # One reduce-scatter class, parameterised by the collective.
     assert isinstance(fp32_strategy, ReduceScatterStrategy)
     assert fp32_strategy.collective is reduce_scatter_with_fp32_accumulation
-    avg = select_reduce_strategy(DDPConfig(average_in_collective=True), distributed=True)
-    assert avg.op == torch.distributed.ReduceOp.AVG
     with pytest.raises(TypeError, match="DDPConfig"):
         select_reduce_strategy({}, distributed=True)
 
@@ -228,8 +226,12 @@ def test_bad_arguments():
         ParamAndGradBuffer(p, config=DIST_OPT, dp_size=0)
     with pytest.raises(ValueError, match="dp_group was given"):
         ParamAndGradBuffer(p, config=DIST_OPT, dp_group=object())
-    with pytest.raises(ValueError, match="gradient_scaling_factor"):
-        ParamAndGradBuffer(p, config=DIST_OPT, gradient_scaling_factor=math.inf)
+    with pytest.raises(ValueError, match="cannot be combined with average=False"):
+        ParamAndGradBuffer(p, config=DDPConfig(average_in_collective=True))
+    with pytest.raises(ValueError, match="either parallel_dims or dp_group/dp_size"):
+        ParamAndGradBuffer(p, config=DIST_OPT, dp_size=1, parallel_dims=ParallelDims.data_parallel())
+    with pytest.raises(ValueError, match="sizes only"):
+        ParamAndGradBuffer(p, config=DIST_OPT, parallel_dims=ParallelDims(dp_size=2))
     with pytest.raises(ValueError, match="is on cpu"):
         ParamAndGradBuffer(p, config=DIST_OPT, device="meta")
     with pytest.raises(ValueError, match="not in this buffer"):

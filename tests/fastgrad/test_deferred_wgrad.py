@@ -12,6 +12,7 @@ from fastgrad.deferred_wgrad import (
     allreduce_tied_embedding_grad,
 )
 from fastgrad.errors import LifecycleError
+from fastgrad.parallel_dims import ParallelDims
 from refgrad.deferred_wgrad import (
     deferred_accumulation_order,
     reference_main_grad,
@@ -21,10 +22,11 @@ from refgrad.deferred_wgrad import (
 S, B, H, V = 4, 2, 8, 6
 
 
-def deferred(limit=0, **kw):
-    return EmbeddingWgradConfig(
-        defer_embedding_wgrad_compute=True, wgrad_deferral_limit=limit, pipeline_model_parallel_size=2, **kw
-    )
+PP2 = ParallelDims(pp_size=2)  # deferral needs a pipeline flush: the layer is on a last stage
+
+
+def deferred(limit=0):
+    return EmbeddingWgradConfig(defer_embedding_wgrad_compute=True, wgrad_deferral_limit=limit)
 
 
 def grid(shape, gen, exp):
@@ -63,25 +65,22 @@ def run_step(layer, xs, gos, order=None, drain=True):
 def test_config_defaults_and_production_rules():
     cfg = EmbeddingWgradConfig()
     assert not cfg.defer_embedding_wgrad_compute and cfg.wgrad_deferral_limit == 0
+    with pytest.raises(ValueError, match=r"needs pipeline parallelism \(ParallelDims.pp_size > 1\)"):
+        ColumnParallelOutputLayer(weight(), deferred(), parallel_dims=ParallelDims(pp_size=1))
     with pytest.raises(ValueError, match="needs pipeline parallelism"):
-        EmbeddingWgradConfig(defer_embedding_wgrad_compute=True, pipeline_model_parallel_size=1)
+        ColumnParallelOutputLayer(weight(), deferred())  # default: one rank
     with pytest.raises(ValueError, match="needs gradient_accumulation_fusion=True"):
-        EmbeddingWgradConfig(
-            defer_embedding_wgrad_compute=True, pipeline_model_parallel_size=2,
-            gradient_accumulation_fusion=False,
-        )
+        EmbeddingWgradConfig(defer_embedding_wgrad_compute=True, gradient_accumulation_fusion=False)
     with pytest.raises(ValueError, match="wgrad_deferral_limit must be >= 0"):
         deferred(limit=-1)
-    with pytest.raises(ValueError, match="tensor_model_parallel_size must be >= 1"):
-        EmbeddingWgradConfig(tensor_model_parallel_size=0)
     with pytest.raises(ValueError, match="cuda_wgrad_method"):
         EmbeddingWgradConfig(cuda_wgrad_method="magic")
     with pytest.raises(TypeError, match="defer_embedding_wgrad_compute must be a bool"):
         EmbeddingWgradConfig(defer_embedding_wgrad_compute=1)
     with pytest.raises(TypeError, match="wgrad_deferral_limit must be an int"):
         EmbeddingWgradConfig(wgrad_deferral_limit=1.0)
-    with pytest.raises(TypeError, match="must be an int, got bool"):
-        EmbeddingWgradConfig(pipeline_model_parallel_size=True)
+    with pytest.raises(TypeError, match="wgrad_deferral_limit must be an int, got bool"):
+        EmbeddingWgradConfig(wgrad_deferral_limit=True)
 
 
 def test_defers_next_follows_the_limit():
@@ -97,8 +96,11 @@ def test_layer_argument_errors():
         ColumnParallelOutputLayer(torch.zeros(2, 3, 4), EmbeddingWgradConfig())
     with pytest.raises(ValueError, match="main_grad has shape"):
         ColumnParallelOutputLayer(weight(), EmbeddingWgradConfig(), main_grad=torch.zeros(2, 2))
-    with pytest.raises(ValueError, match="tp_group is required"):
-        ColumnParallelOutputLayer(weight(), EmbeddingWgradConfig(tensor_model_parallel_size=2))
+    with pytest.raises(ValueError, match="tp_size=2 needs this rank's tensor-parallel group"):
+        ColumnParallelOutputLayer(weight(), EmbeddingWgradConfig(),
+                                  parallel_dims=ParallelDims(tp_size=2))
+    with pytest.raises(TypeError, match="parallel_dims must be a ParallelDims"):
+        ColumnParallelOutputLayer(weight(), EmbeddingWgradConfig(), parallel_dims={"tp_size": 2})
     with pytest.raises(TypeError, match="main_grad_dtype must be one of"):
         ColumnParallelOutputLayer(weight(), EmbeddingWgradConfig(), main_grad_dtype=torch.float64)
     with pytest.raises(TypeError, match="main_grad's dtype must be one of"):
@@ -171,7 +173,7 @@ def test_deferred_equals_immediate_in_the_drain_order(m, limit):
     run_step(imm, xs, gos)
     reordered = ColumnParallelOutputLayer(w, EmbeddingWgradConfig())
     run_step(reordered, xs, gos, order=deferred_accumulation_order(m, limit))
-    dfr = ColumnParallelOutputLayer(w, deferred(limit))
+    dfr = ColumnParallelOutputLayer(w, deferred(limit), parallel_dims=PP2)
     drained, dgrads = run_step(dfr, xs, gos)
     assert drained == (m if limit == 0 else min(limit, m))
     assert torch.equal(dfr.weight.main_grad, reordered.weight.main_grad)
@@ -183,7 +185,7 @@ def test_deferred_equals_immediate_in_the_drain_order(m, limit):
 
 def test_buffers_hold_the_first_limit_microbatches_fifo():
     xs, gos = microbatches(4, seed=3)
-    layer = ColumnParallelOutputLayer(weight(), deferred(limit=2))
+    layer = ColumnParallelOutputLayer(weight(), deferred(limit=2), parallel_dims=PP2)
     layer.start_step()
     for k in range(4):
         layer(xs[k].clone().requires_grad_(True)).backward(gos[k])
@@ -197,7 +199,7 @@ def test_buffers_hold_the_first_limit_microbatches_fifo():
 
 
 def test_zero_entry_drain_is_a_no_op():
-    layer = ColumnParallelOutputLayer(weight(), deferred())
+    layer = ColumnParallelOutputLayer(weight(), deferred(), parallel_dims=PP2)
     layer.start_step()
     assert layer.drain_deferred_wgrad() == 0  # production: IndexError
     assert torch.count_nonzero(layer.weight.main_grad) == 0
@@ -212,7 +214,7 @@ def test_zero_entry_drain_is_a_no_op():
 def test_one_entry_drain():
     # Production: UnboundLocalError (drain_idx is only bound inside the loop).
     xs, gos = microbatches(1, seed=5)
-    layer = ColumnParallelOutputLayer(weight(), deferred())
+    layer = ColumnParallelOutputLayer(weight(), deferred(), parallel_dims=PP2)
     assert run_step(layer, xs, gos)[0] == 1
     assert torch.equal(layer.weight.main_grad, reference_main_grad(gos, xs))
 
@@ -236,7 +238,7 @@ class EventLogLayer(ColumnParallelOutputLayer):
 @pytest.mark.parametrize("m", [1, 2, 4])
 def test_drain_starts_the_next_gather_before_the_current_gemm(m):
     xs, gos = microbatches(m, seed=12)
-    layer = EventLogLayer(weight(), deferred())
+    layer = EventLogLayer(weight(), deferred(), parallel_dims=PP2)
     run_step(layer, xs, gos, drain=False)
     layer.inputs, layer.grads = list(layer.activation_buffer), list(layer.grad_output_buffer)
     layer.events.clear()
@@ -250,14 +252,14 @@ def test_drain_starts_the_next_gather_before_the_current_gemm(m):
 
 
 def test_forward_without_autograd_defers_nothing():
-    layer = ColumnParallelOutputLayer(weight(), deferred())
+    layer = ColumnParallelOutputLayer(weight(), deferred(), parallel_dims=PP2)
     with torch.no_grad():
         layer(torch.ones(S, B, H, dtype=torch.bfloat16))
     assert layer.activation_buffer == []
 
 
 def test_unequal_buffers_raise_lifecycle_error():
-    layer = ColumnParallelOutputLayer(weight(), deferred())
+    layer = ColumnParallelOutputLayer(weight(), deferred(), parallel_dims=PP2)
     layer.start_step()
     layer(torch.ones(S, B, H, dtype=torch.bfloat16, requires_grad=True))  # no backward yet
     with pytest.raises(LifecycleError, match="1 deferred inputs but 0 deferred grad_outputs"):
@@ -266,9 +268,9 @@ def test_unequal_buffers_raise_lifecycle_error():
 
 def test_start_step_clears_both_buffers_after_an_abandoned_step():
     xs, gos = microbatches(3, seed=6, kind="random")
-    fresh = ColumnParallelOutputLayer(weight(), deferred(limit=2))
+    fresh = ColumnParallelOutputLayer(weight(), deferred(limit=2), parallel_dims=PP2)
     run_step(fresh, xs[1:], gos[1:])
-    reused = ColumnParallelOutputLayer(weight(), deferred(limit=2))
+    reused = ColumnParallelOutputLayer(weight(), deferred(limit=2), parallel_dims=PP2)
     reused.start_step()
     reused(xs[0].clone().requires_grad_(True)).backward(gos[0])  # abandoned, no drain
     reused(xs[0].clone().requires_grad_(True))  # and a forward whose backward never came
@@ -282,7 +284,7 @@ def test_start_step_clears_both_buffers_after_an_abandoned_step():
 
 def test_guard_refuses_to_write_into_an_in_flight_bucket():
     xs, gos = microbatches(2, seed=7)
-    layer = ColumnParallelOutputLayer(weight(), deferred())
+    layer = ColumnParallelOutputLayer(weight(), deferred(), parallel_dims=PP2)
     run_step(layer, xs, gos, drain=False)
     asked = []
 
@@ -318,14 +320,16 @@ def _tp2_worker(rank, world_size, seed):
     steps = [microbatches(3, seed=seed + 100 + it) for it in range(2)]
     out = {}
     for sp in (False, True):
+        # The last stage of a PP 2 grid whose TP group is the whole (2-rank) world.
+        dims = ParallelDims(tp_size=2, pp_size=2, sequence_parallel=sp).with_groups(
+            tp_group=dist.group.WORLD)
         for name, cfg in (
-            ("immediate", EmbeddingWgradConfig(tensor_model_parallel_size=2, sequence_parallel=sp,
-                                               pipeline_model_parallel_size=2)),
-            ("deferred", deferred(limit=0, tensor_model_parallel_size=2, sequence_parallel=sp)),
-            ("deferred_limit1", deferred(limit=1, tensor_model_parallel_size=2, sequence_parallel=sp)),
+            ("immediate", EmbeddingWgradConfig()),
+            ("deferred", deferred(limit=0)),
+            ("deferred_limit1", deferred(limit=1)),
         ):
             layer = ColumnParallelOutputLayer(
-                w_full[rank * vshard : (rank + 1) * vshard], cfg, tp_group=dist.group.WORLD
+                w_full[rank * vshard : (rank + 1) * vshard], cfg, parallel_dims=dims
             )
             grads, dgrads = [], []
             for xs, gos in steps:
@@ -341,7 +345,7 @@ def _tp2_worker(rank, world_size, seed):
     # Tied embeddings: rank 0 plays the first stage, rank 1 the (deferred) last stage.
     tied = []
     mg = torch.zeros(V, H)
-    last = ColumnParallelOutputLayer(w_full, deferred(), main_grad=mg)
+    last = ColumnParallelOutputLayer(w_full, deferred(), parallel_dims=PP2, main_grad=mg)
     for it in range(2):
         mg.zero_()
         xs, gos = microbatches(2, seed=seed + 200 + it + 10 * rank, kind="random")
@@ -437,7 +441,7 @@ def test_cuda_deferred_equals_immediate():
     xs, gos = microbatches(3, seed=9, kind="random")
     xs, gos = [x.cuda() for x in xs], [g.cuda() for g in gos]
     imm = ColumnParallelOutputLayer(weight().cuda(), EmbeddingWgradConfig())
-    dfr = ColumnParallelOutputLayer(weight().cuda(), deferred())
+    dfr = ColumnParallelOutputLayer(weight().cuda(), deferred(), parallel_dims=PP2)
     run_step(imm, xs, gos)
     assert run_step(dfr, xs, gos)[0] == 3
     assert torch.equal(imm.weight.main_grad, dfr.weight.main_grad)

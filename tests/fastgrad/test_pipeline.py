@@ -11,10 +11,8 @@ import torch
 from distributed_utils import run_distributed
 from torch import nn
 
-from fastgrad.errors import LifecycleError
+from fastgrad.parallel_dims import ParallelDims, RankPlace
 from fastgrad.pipeline import (
-    ParallelGroups,
-    build_parallel_groups,
     forward_backward_1f1b,
     num_warmup_microbatches,
     schedule_1f1b,
@@ -47,28 +45,9 @@ def test_schedule_validation():
         num_warmup_microbatches(2, 0, 0)
 
 
-def test_build_groups_validation():
-    with pytest.raises(ValueError, match="pp_size"):
-        build_parallel_groups(0, 1)
-    with pytest.raises(ValueError, match="first_rank"):
-        build_parallel_groups(1, 1, first_rank=-1)
-    with pytest.raises(LifecycleError, match="initialised"):
-        build_parallel_groups(1, 1)
-
-
-def _groups(stage=0, pp=2):
-    return ParallelGroups(0, pp, 1, stage, 0, tuple(range(pp)), (0,), None, None, (), None)
-
-
-def test_parallel_groups_validation():
-    with pytest.raises(ValueError, match="stage"):
-        _groups(stage=2, pp=2)
-    with pytest.raises(ValueError, match="pp_size"):
-        ParallelGroups(0, 0, 1, 0, 0, (), (0,), None, None, (), None)
-    with pytest.raises(ValueError, match="dp_rank"):
-        ParallelGroups(0, 2, 1, 0, 1, (0, 1), (0,), None, None, (), None)
-    with pytest.raises(ValueError, match="pp_ranks"):
-        ParallelGroups(0, 2, 1, 0, 0, (0,), (0,), None, None, (), None)
+def _dims(stage=0, pp=2):
+    return ParallelDims(pp_size=pp, place=RankPlace(rank=stage, stage=stage,
+                                                    pp_ranks=tuple(range(pp))))
 
 
 def test_forward_backward_validation():
@@ -76,13 +55,19 @@ def test_forward_backward_validation():
     module = StageModule(spec, 0)
     common = dict(grad_sync=None, activation_shape=spec.activation_shape, loss_fn=None)
     with pytest.raises(ValueError, match="num_microbatches"):
-        forward_backward_1f1b(module, groups=_groups(), num_microbatches=0, **common)
+        forward_backward_1f1b(module, parallel_dims=_dims(), num_microbatches=0, **common)
     with pytest.raises(TypeError, match="num_microbatches"):
-        forward_backward_1f1b(module, groups=_groups(), num_microbatches=1.0, **common)
+        forward_backward_1f1b(module, parallel_dims=_dims(), num_microbatches=1.0, **common)
     with pytest.raises(ValueError, match="inputs"):
-        forward_backward_1f1b(module, groups=_groups(), num_microbatches=2, inputs=[1], **common)
+        forward_backward_1f1b(module, parallel_dims=_dims(), num_microbatches=2, inputs=[1], **common)
     with pytest.raises(ValueError, match="targets"):
-        forward_backward_1f1b(module, groups=_groups(1), num_microbatches=1, targets=[], **common)
+        forward_backward_1f1b(module, parallel_dims=_dims(1), num_microbatches=1, targets=[], **common)
+    with pytest.raises(ValueError, match="sizes only"):
+        forward_backward_1f1b(module, parallel_dims=ParallelDims(pp_size=2), num_microbatches=1,
+                              **common)
+    interleaved = ParallelDims(pp_size=2, vpp_size=2, place=_dims().place)
+    with pytest.raises(ValueError, match="vpp_size is 2: the non-interleaved 1F1B"):
+        forward_backward_1f1b(module, parallel_dims=interleaved, num_microbatches=2, **common)
 
 
 def test_summarize_step_hand_built_timeline():
@@ -139,10 +124,8 @@ class HeadStage(nn.Module):
         super().__init__()
         self.body = StageModule(SPEC, 1)
         weight = torch.randn(8, 8, generator=torch.Generator().manual_seed(9)) * 0.3
-        config = EmbeddingWgradConfig(
-            defer_embedding_wgrad_compute=defer, pipeline_model_parallel_size=2
-        )
-        self.head = ColumnParallelOutputLayer(weight, config)
+        config = EmbeddingWgradConfig(defer_embedding_wgrad_compute=defer)
+        self.head = ColumnParallelOutputLayer(weight, config, parallel_dims=ParallelDims(pp_size=2))
 
     def forward(self, x):
         return self.head(self.body(x))
@@ -159,7 +142,7 @@ def _head_worker(rank, world_size):
     from fastgrad.ddp import DistributedDataParallel
     from fastgrad.pipeline import finalize_grads
 
-    groups = build_parallel_groups(2, 1)
+    dims = ParallelDims(pp_size=2).build()
     out = {}
     for defer in (True, False):
         for overlap in (True, False):
@@ -168,7 +151,7 @@ def _head_worker(rank, world_size):
             ddp = DistributedDataParallel(
                 module,
                 config=DDPConfig(overlap_grad_reduce=overlap, bucket_size=40),
-                dp_group=groups.dp_group,
+                parallel_dims=dims,
                 average=False,
                 external_grad_params=[] if head is None else [head.weight],
             )
@@ -180,7 +163,7 @@ def _head_worker(rank, world_size):
                 ddp.zero_grad_buffer()
                 losses = forward_backward_1f1b(
                     module,
-                    groups=groups,
+                    parallel_dims=dims,
                     grad_sync=ddp,
                     num_microbatches=m,
                     activation_shape=SPEC.activation_shape,
@@ -201,7 +184,7 @@ def _head_worker(rank, world_size):
             pass
 
     before = tied.main_grad.clone()
-    finalize_grads(_Done(), groups, [tied])
+    finalize_grads(_Done(), dims, [tied])
     out["tied"] = (before, tied.main_grad.clone())
     return out
 
@@ -252,50 +235,6 @@ def test_pipeline_with_deferred_output_layer_wgrad_matches_sequential():
     expected = a_before + b_before
     assert torch.equal(a_after, expected)
     assert torch.equal(b_after, expected)
-
-
-def test_global_rank_puts_tensor_parallel_innermost():
-    """(stage, dp, tp) -> (stage * D + dp) * T + tp; TP 1 is the PP x DP grid unchanged."""
-    from fastgrad.pipeline import global_rank
-
-    assert [global_rank(s, d, 2, 0, 2, t) for s in range(2) for d in range(2) for t in range(2)] \
-        == list(range(8))
-    assert global_rank(1, 1, 2, first_rank=4, tp_size=2, tp_rank=0) == 4 + 6
-    assert [global_rank(s, d, 3) for s in range(2) for d in range(3)] == list(range(6))
-
-
-def _grid_worker(rank, world_size):
-    """Sum rank-specific values over each of this rank's groups, two rounds (TP 2 x PP 2 x DP 2)."""
-    import torch.distributed as dist
-
-    groups = build_parallel_groups(2, 2, tp_size=2)
-    out = {"coords": (groups.stage, groups.dp_rank, groups.tp_rank)}
-    for round_, scale in enumerate((1, 10)):
-        for name in ("dp_group", "pp_group", "tp_group", "model_parallel_group", "embedding_group"):
-            value = torch.tensor([float(rank * scale)])
-            dist.all_reduce(value, group=getattr(groups, name))
-            out[(name, round_)] = float(value)
-    return out
-
-
-@pytest.mark.dist
-def test_tensor_parallel_grid_groups_hold_the_hand_derived_ranks():
-    """rank = (stage * D + dp) * T + tp. DP groups share (stage, tp), pipelines and embedding
-    groups share (dp, tp), TP groups share (stage, dp), model-parallel groups share dp."""
-    results = run_distributed(_grid_worker, 8)
-    for rank, got in enumerate(results):
-        stage, dp, tp = divmod(rank, 4)[0], divmod(rank, 2)[0] % 2, rank % 2
-        assert got["coords"] == (stage, dp, tp)
-        members = {
-            "dp_group": [(stage * 2 + d) * 2 + tp for d in range(2)],
-            "pp_group": [(s * 2 + dp) * 2 + tp for s in range(2)],
-            "tp_group": [(stage * 2 + dp) * 2 + t for t in range(2)],
-            "model_parallel_group": [(s * 2 + dp) * 2 + t for s in range(2) for t in range(2)],
-            "embedding_group": [(s * 2 + dp) * 2 + tp for s in (0, 1)],
-        }
-        for name, ranks in members.items():
-            for round_, scale in enumerate((1, 10)):
-                assert got[(name, round_)] == sum(r * scale for r in ranks), (rank, name)
 
 
 def test_receive_buffers_live_on_the_stage_modules_device():

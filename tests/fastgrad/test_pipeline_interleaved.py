@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from distributed_utils import run_distributed
 
-from fastgrad.pipeline import ParallelGroups
+from fastgrad.parallel_dims import ParallelDims, RankPlace
 from fastgrad.pipeline_interleaved import (
     chunk_and_microbatch,
     forward_backward_interleaved,
@@ -30,7 +30,8 @@ from refgrad.pipeline import (
     stage_param_name,
 )
 from refgrad.pipeline_schedule import interleaved_program_order
-from verify.checks.pipeline import PipelineCase, run_interleaved_case_on_rank
+from verify.candidates.api.pipeline import PipelineCase
+from verify.candidates.fastgrad.pipeline import run_interleaved_case_on_rank
 from verify.studies.pipeline import PipelineCosts, simulate
 
 # ---------------------------------------------------------------- schedule order
@@ -95,8 +96,9 @@ def test_validation_errors():
         schedule_interleaved(4, 0, 2, 6)
 
 
-def _groups(stage=0, pp=2):
-    return ParallelGroups(0, pp, 1, stage, 0, tuple(range(pp)), (0,), None, None, (), None)
+def _dims(stage=0, pp=2, vpp=2):
+    return ParallelDims(pp_size=pp, vpp_size=vpp,
+                        place=RankPlace(rank=stage, stage=stage, pp_ranks=tuple(range(pp))))
 
 
 def test_forward_backward_validation():
@@ -104,20 +106,23 @@ def test_forward_backward_validation():
     chunks = [StageModule(spec, 0), StageModule(spec, 2)]
     common = dict(activation_shape=spec.activation_shape, loss_fn=None)
     with pytest.raises(ValueError, match="virtual_stages >= 1"):
-        forward_backward_interleaved([], groups=_groups(), grad_syncs=[], num_microbatches=2,
+        forward_backward_interleaved([], parallel_dims=_dims(), grad_syncs=[], num_microbatches=2,
                                      **common)
     with pytest.raises(ValueError, match="grad_syncs must hold one engine per model chunk"):
-        forward_backward_interleaved(chunks, groups=_groups(), grad_syncs=[None],
+        forward_backward_interleaved(chunks, parallel_dims=_dims(), grad_syncs=[None],
                                      num_microbatches=2, **common)
     with pytest.raises(ValueError, match="multiple of pp_size"):
-        forward_backward_interleaved(chunks, groups=_groups(), grad_syncs=[None, None],
+        forward_backward_interleaved(chunks, parallel_dims=_dims(), grad_syncs=[None, None],
                                      num_microbatches=3, **common)
     with pytest.raises(ValueError, match="inputs"):
-        forward_backward_interleaved(chunks, groups=_groups(), grad_syncs=[None, None],
+        forward_backward_interleaved(chunks, parallel_dims=_dims(), grad_syncs=[None, None],
                                      num_microbatches=2, inputs=[1], **common)
     with pytest.raises(ValueError, match="targets"):
-        forward_backward_interleaved(chunks, groups=_groups(1), grad_syncs=[None, None],
+        forward_backward_interleaved(chunks, parallel_dims=_dims(1), grad_syncs=[None, None],
                                      num_microbatches=2, targets=[], **common)
+    with pytest.raises(ValueError, match="holds 2 model chunks but parallel_dims.vpp_size is 3"):
+        forward_backward_interleaved(chunks, parallel_dims=_dims(vpp=3), grad_syncs=[None, None],
+                                     num_microbatches=2, **common)
 
 
 # ---------------------------------------------------------------- bubble vs closed form
@@ -159,20 +164,18 @@ def _spec(P, V):
 
 def _case(name, P, D, V, plans):
     # Scaffolding shared with the ``pipeline`` check: one DDP per chunk, SGD, recording syncs.
-    return PipelineCase(name, P, D, 0, _spec(P, V), plans, bucket_size=40, lr=LR,
-                        virtual_stages=V)
+    return PipelineCase(name, ParallelDims(pp_size=P, dp_size=D, vpp_size=V), _spec(P, V), plans,
+                        bucket_size=40, lr=LR)
 
 
 def _interleaved_worker(rank, world_size):
-    from fastgrad.pipeline import build_parallel_groups
-
     results = {}
     for phase in CASES:
         for name, P, D, V, plans in phase:
-            groups = build_parallel_groups(P, D)
+            case = _case(name, P, D, V, plans)
+            grid = case.dims.build()
             for overlap in (True, False):
-                results[(name, overlap)] = run_interleaved_case_on_rank(
-                    _case(name, P, D, V, plans), groups, overlap)
+                results[(name, overlap)] = run_interleaved_case_on_rank(case, grid, overlap)
             dist.barrier()
     return results
 

@@ -15,11 +15,10 @@ HOME = {
     "DynamicLossScaler": "fastgrad.optim.config",
     "LifecycleError": "fastgrad.errors",
     "ModelChunks": "fastgrad.optim.chunks",
-    "ParallelGroups": "fastgrad.pipeline_groups",
+    "ParallelDims": "fastgrad.parallel_dims",
     "ReplicatedOptimizer": "fastgrad.optim.replicated",
     "SGDConfig": "fastgrad.optim.config",
     "StepResult": "fastgrad.optim.config",
-    "build_parallel_groups": "fastgrad.pipeline_groups",
     "finalize_grads": "fastgrad.pipeline",
     "forward_backward_1f1b": "fastgrad.pipeline",
     "forward_backward_interleaved": "fastgrad.pipeline_interleaved",
@@ -39,5 +38,6 @@ def test_all_lists_exactly_the_loop_names_each_the_submodules_object():
 def test_main_modules_declare_their_public_names():
     for module, names in {"fastgrad.ddp": {"DistributedDataParallel"}, "fastgrad.config": {"DDPConfig"},
                           "fastgrad.errors": {"LifecycleError"}, "fastgrad.optim": {"DistributedOptimizer"},
-                          "fastgrad.pipeline": {"forward_backward_1f1b"}}.items():
+                          "fastgrad.pipeline": {"forward_backward_1f1b"},
+                          "fastgrad.parallel_dims": {"ParallelDims"}}.items():
         assert names <= set(importlib.import_module(module).__all__), module

@@ -124,7 +124,7 @@ def _buffer_cases(rank: int, group) -> list[dict]:
                            average_in_collective=average)
         params = [torch.nn.Parameter(torch.zeros(shape, dtype=torch.bfloat16))
                   for shape in [(5,), (7, 3), (11,), (9, 2)]]
-        buf = ParamAndGradBuffer(params, config=config, dp_group=group)
+        buf = ParamAndGradBuffer(params, config=config, dp_group=group, average=average)
         assert buf.strategy.collective is reduce_scatter_with_fp32_accumulation
         for iteration in range(ITERATIONS):
             buf.zero_grad()

@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fastgrad.errors import LifecycleError
+from fastgrad.parallel_dims import ParallelDims
 from fastgrad.vocab_parallel_embedding import VocabParallelEmbedding
 
 
@@ -29,8 +31,10 @@ def test_one_rank_embedding_is_x_times_w_and_its_wgrad_is_xt_g_by_hand():
 def test_bad_weight_or_input_is_refused_naming_the_rule():
     with pytest.raises(ValueError, match=r"weight must be 2-D \[V/TP, H\]"):
         VocabParallelEmbedding(torch.zeros(4))
-    with pytest.raises(TypeError, match="sequence_parallel must be a bool"):
-        VocabParallelEmbedding(torch.zeros(2, 3), sequence_parallel=1)
+    with pytest.raises(TypeError, match="parallel_dims must be a ParallelDims"):
+        VocabParallelEmbedding(torch.zeros(2, 3), parallel_dims={"sequence_parallel": True})
+    with pytest.raises(LifecycleError, match="sizes only"):  # TP 2 without its group
+        VocabParallelEmbedding(torch.zeros(2, 3), parallel_dims=ParallelDims(tp_size=2))
     layer = VocabParallelEmbedding(torch.zeros(2, 3))
     with pytest.raises(ValueError, match=r"input must be \[rows, 2\]"):
         layer(torch.zeros(4, 3))

@@ -99,3 +99,41 @@ def test_context_generator_is_deterministic():
     c = torch.randn(4, generator=ctx.generator(2))
     assert torch.equal(a, b)
     assert not torch.equal(a, c)
+
+
+def test_a_technique_check_runs_fastgrad_by_default_and_refuses_other_candidate_types() -> None:
+    from verify.candidates import FastgradCandidate, Technique
+
+    seen = []
+
+    def run(ctx, rec, candidate):
+        seen.append(candidate)
+        rec.expect("ran", True)
+
+    check = Check("t", "technique", run, technique=Technique.LAYOUT)
+    assert check.execute(CheckContext()).status == "PASS"
+    assert seen == [FastgradCandidate()]
+    with pytest.raises(TypeError, match="candidate must be a Candidate"):
+        check.execute(CheckContext(), object())
+    with pytest.raises(ValueError, match="not a default"):
+        Check("t", "technique", run, default_candidate=object(), technique=Technique.LAYOUT)
+
+
+def test_an_unsupported_technique_is_a_skip_naming_the_candidate_and_the_reason() -> None:
+    from verify.candidates import Technique
+
+    def run(ctx, rec, candidate):
+        candidate.mxfp8()  # fastgrad's adapter does not exist in this test's candidate
+        rec.expect("unreachable", True)
+
+    from verify.candidates import Candidate, CandidateInfo
+
+    class NoMXFP8(Candidate):
+        name = "none"
+
+        def info(self) -> CandidateInfo:
+            return CandidateInfo("none", "0", "implements nothing")
+
+    result = Check("m", "mxfp8", run, technique=Technique.MXFP8).execute(CheckContext(), NoMXFP8())
+    assert result.status == "SKIP"
+    assert result.skipped == ["mxfp8: none does not implement MXFP8"]

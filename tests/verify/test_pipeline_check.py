@@ -1,11 +1,21 @@
 """The ``pipeline`` check passes on fastgrad and fails on deliberately broken candidates."""
 
+from dataclasses import dataclass, replace
+
 import pytest
 
 from refgrad.pipeline import LinearStackSpec, StepPlan
+from verify.candidates import FastgradCandidate, Fault, Technique, Unsupported
+from verify.candidates.api.pipeline import ParallelDims, PipelineCase
+from verify.candidates.fastgrad.pipeline import FastgradPipeline
 from verify.check import CheckContext
 from verify.checks import check_by_name
-from verify.checks.pipeline import CHECK, PipelineCandidate, PipelineCase
+from verify.checks.pipeline import CHECK
+
+
+def _case(pp, dp, first, spec, plans, vpp=1, **kw):
+    return PipelineCase("x", ParallelDims(pp_size=pp, dp_size=dp, first_rank=first, vpp_size=vpp),
+                        spec, plans, **kw)
 
 
 @pytest.mark.dist
@@ -28,7 +38,8 @@ def test_pipeline_check_passes_quick():
 def test_pipeline_check_fails_when_microbatch_accumulation_order_is_wrong():
     # The candidate sums the same microbatches in reverse order: the same math,
     # different fp32 rounding. Only a bitwise comparison catches it.
-    result = CHECK.execute(CheckContext(quick=True), PipelineCandidate(fault="reversed_microbatches"))
+    result = CHECK.execute(CheckContext(quick=True),
+                           FastgradCandidate(injected_fault=Fault.REVERSED_MICROBATCHES))
     assert not result.passed
     assert result.error is None
     failed = [c.label for c in result.comparisons if not c.passed]
@@ -39,39 +50,91 @@ def test_pipeline_check_fails_when_microbatch_accumulation_order_is_wrong():
         assert any(label.startswith(f"{name}, overlap on: reduced grads") for label in failed), failed
 
 
+@pytest.mark.dist
+def test_pipeline_check_fails_when_the_deferred_wgrad_drain_runs_newest_first():
+    # Fault.LIFO_DRAIN: the last stage's output layer drains its deferred GEMMs in reverse,
+    # another fp32 sum order of the same products; only the tied-head case has a head.
+    result = CHECK.execute(CheckContext(quick=True), FastgradCandidate(injected_fault=Fault.LIFO_DRAIN))
+    assert not result.passed and result.error is None
+    failed = [c.label for c in result.comparisons if not c.passed]
+    head = "P2 D2 all-reduce avg-in-collective, tied head"
+    assert f"{head}, overlap on: reduced grads vs refgrad" in failed, failed
+    assert all(label.startswith(head) for label in failed), failed  # the headless cases pass
+
+
+@dataclass(frozen=True)
+class _PlainPipeline(FastgradPipeline):
+    """fastgrad without the interleaved schedule, timelines or learned bucket readiness: what a
+    candidate that lacks them reports."""
+
+    def grid(self, dims):
+        if dims.vpp_size > 1:
+            raise Unsupported(Technique.PIPELINE, "has no interleaved schedule here")
+        return super().grid(dims)
+
+    def train(self, case, grid, *, overlap, progress=None):
+        result = super().train(case, grid, overlap=overlap, progress=progress)
+        return replace(result, events=[], relearn_count=None)
+
+
+@dataclass(frozen=True)
+class _PlainCandidate(FastgradCandidate):
+    def pipeline(self):
+        return _PlainPipeline()
+
+
+@pytest.mark.dist
+def test_what_a_candidate_cannot_run_or_report_is_skipped_and_the_rest_still_runs():
+    result = CHECK.execute(CheckContext(quick=True), _PlainCandidate())
+    assert result.passed, ([c.label for c in result.comparisons if not c.passed],
+                           [e.label for e in result.expectations if not e.passed], result.error)
+    assert "P2 D2 V2 interleaved all-reduce sum: pipeline: has no interleaved schedule here" \
+        in result.skipped
+    assert "timing P2 D2: fastgrad recorded no timelines (no simulator comparison)" in result.skipped
+    assert any("does not learn which params each bucket waits for" in s for s in result.skipped)
+    labels = [c.label for c in result.comparisons]
+    assert "P4 D1 all-reduce sum, overlap on: reduced grads vs refgrad" in labels
+    assert not any("interleaved" in label for label in labels)
+    assert not any(t.title.startswith("simulator vs measured") for t in result.tables)
+
+
 def test_candidate_validation():
-    with pytest.raises(ValueError, match="PipelineCandidate.fault"):
-        PipelineCandidate(fault="gremlins")
+    with pytest.raises(TypeError, match="FastgradCandidate.injected_fault must be a Fault"):
+        FastgradCandidate(injected_fault="gremlins")
 
 
 def test_case_validation():
     spec = LinearStackSpec(num_stages=2)
     with pytest.raises(ValueError, match="reduction"):
-        PipelineCase("x", 2, 1, 0, spec, (StepPlan(1),), reduction="max")
-    with pytest.raises(ValueError, match="fault"):
-        PipelineCase("x", 2, 1, 0, spec, (StepPlan(1),), fault="gremlins")
+        _case(2, 1, 0, spec, (StepPlan(1),), reduction="max")
     with pytest.raises(ValueError, match="dp_size"):
-        PipelineCase("x", 2, 0, 0, spec, (StepPlan(1),))
+        _case(2, 0, 0, spec, (StepPlan(1),))
     with pytest.raises(ValueError, match="first_rank"):
-        PipelineCase("x", 2, 1, -1, spec, (StepPlan(1),))
+        _case(2, 1, -1, spec, (StepPlan(1),))
     with pytest.raises(ValueError, match="num_stages"):
-        PipelineCase("x", 4, 1, 0, spec, (StepPlan(1),))
+        _case(4, 1, 0, spec, (StepPlan(1),))
     with pytest.raises(ValueError, match="plans"):
-        PipelineCase("x", 2, 1, 0, spec, ())
+        _case(2, 1, 0, spec, ())
     with pytest.raises(ValueError, match="lr"):
-        PipelineCase("x", 2, 1, 0, spec, (StepPlan(1),), lr=float("nan"))
+        _case(2, 1, 0, spec, (StepPlan(1),), lr=float("nan"))
     spec4 = LinearStackSpec(num_stages=4)
     with pytest.raises(ValueError, match=r"pp_size \* virtual_stages \(4\)"):
-        PipelineCase("x", 2, 1, 0, spec, (StepPlan(2),), virtual_stages=2)
+        _case(2, 1, 0, spec, (StepPlan(2),), vpp=2)
     with pytest.raises(ValueError, match=r"num_microbatches \[3\] must be multiples of pp_size"):
-        PipelineCase("x", 2, 1, 0, spec4, (StepPlan(2), StepPlan(3)), virtual_stages=2)
-    with pytest.raises(ValueError, match="virtual_stages"):
-        PipelineCase("x", 2, 1, 0, spec, (StepPlan(2),), virtual_stages=0)
+        _case(2, 1, 0, spec4, (StepPlan(2), StepPlan(3)), vpp=2)
+    with pytest.raises(ValueError, match="vpp_size"):
+        _case(2, 1, 0, spec, (StepPlan(2),), vpp=0)
     # The interleaved schedule drains an output head on the last virtual stage; no timing case.
-    PipelineCase("x", 2, 1, 0, LinearStackSpec(num_stages=4, output_head=True),
-                 (StepPlan(2),), virtual_stages=2)
+    _case(2, 1, 0, LinearStackSpec(num_stages=4, output_head=True), (StepPlan(2),), vpp=2)
     with pytest.raises(ValueError, match="no timing"):
-        PipelineCase("x", 2, 1, 0, spec4, (StepPlan(2),), virtual_stages=2, timing=True)
+        _case(2, 1, 0, spec4, (StepPlan(2),), vpp=2, timing=True)
+    # The grid splits the model as its spec does; a case carries sizes, never process groups.
+    with pytest.raises(ValueError, match="must split the model as its spec does"):
+        PipelineCase("x", ParallelDims(tp_size=2, pp_size=2), spec, (StepPlan(1),))
+    with pytest.raises(TypeError, match="dims must be a ParallelDims"):
+        PipelineCase("x", (2, 1, 0), spec, (StepPlan(1),))
+    case = _case(2, 1, 0, spec, (StepPlan(1),))
+    assert case.at(4).dims == ParallelDims(pp_size=2, first_rank=4) and case.at(4).spec is spec
 
 
 class _StallingProgress:
@@ -98,13 +161,11 @@ class _StallingProgress:
 
 def _pipeline_rank_that_stalls(rank, world_size, case, *, progress):
     """Rank 1 (stage 1 of P2 D1) hangs at the start of step 1's backward of microbatch 1."""
-    from fastgrad.pipeline import build_parallel_groups
-    from verify.checks.pipeline import run_case_on_rank
-
-    groups = build_parallel_groups(case.pp_size, case.dp_size)
-    if rank == 1:
-        progress = _StallingProgress(progress, "step 1: backward microbatch 1 start")
-    return run_case_on_rank(case, groups, True, progress)
+    training = FastgradCandidate().pipeline()
+    with training.grid(case.dims) as grid:
+        if rank == 1:
+            progress = _StallingProgress(progress, "step 1: backward microbatch 1 start")
+        return training.train(case, grid, overlap=True, progress=progress)
 
 
 @pytest.mark.dist
@@ -112,7 +173,7 @@ def test_a_stalled_stage_is_reported_with_its_case_stage_and_step():
     from verify.distributed import RankTimeout, spawn
 
     spec = LinearStackSpec(num_stages=2, layers_per_stage=1, hidden=8, seed=5)
-    case = PipelineCase("P2 D1 stall", 2, 1, 0, spec, (StepPlan(3), StepPlan(3)))
+    case = PipelineCase("P2 D1 stall", ParallelDims(pp_size=2), spec, (StepPlan(3), StepPlan(3)))
     with pytest.raises(RankTimeout) as info:
         spawn(_pipeline_rank_that_stalls, 2, case, timeout_s=8)
     state = info.value.states[1]

@@ -137,7 +137,7 @@ def twins():
     for name, (flags, phase, first, options, candidate) in layout.items():
         config, report = _config(flags)
         plan = plan_twin(config, options)
-        plan = replace(plan, case=replace(plan.case, first_rank=first))
+        plan = replace(plan, case=plan.case.at(first))
         plans[name] = (config, report, plan, phase, len(phases[phase]), candidate)
         phases[phase].append((plan.case, plan.overlap, candidate, plan.rank_optimizer))
     ranks = run_distributed(twin_phases_worker, 8, phases, timeout_s=300)
@@ -294,15 +294,17 @@ def test_the_pp1_tied_twin_builds_one_weight_for_the_embedding_and_the_output_la
     """Tied at PP 1 the rank's first layer and output layer hold the same Parameter, so DDP
     (which takes ``module.parameters()``) sees it once; autograd's hook, not the schedule's
     ``mark_grad_ready``, makes it ready, and nothing is drained or all-reduced."""
-    from types import SimpleNamespace
-
+    from fastgrad.parallel_dims import RankPlace
     from refgrad.pipeline import EMBEDDING_PARAM, HEAD_PARAM, stage_param_name
-    from verify.checks.pipeline.shared_weight import drained_head, external_grad_params
-    from verify.checks.pipeline.worker import build_stage_model
+    from verify.candidates.fastgrad.pipeline_model import (
+        build_stage_model,
+        drained_head,
+        external_grad_params,
+    )
 
     case = plan_twin(_config(PP1_TIED)[0], SMALL).case
-    groups = SimpleNamespace(stage=0, tp_rank=0, tp_group=None)
-    module, named, head, tied = build_stage_model(case, groups)
+    grid = replace(case.dims, place=RankPlace(rank=0))  # the one rank of a PP 1 DP 1 grid
+    module, named, head, tied = build_stage_model(case, grid)
     emb, out = stage_param_name(0, EMBEDDING_PARAM), stage_param_name(0, HEAD_PARAM)
     assert named[emb] is named[out] is head.weight
     assert len(list(module.parameters())) == 2 * SMALL.layers  # weight + bias per layer, no copy
@@ -594,23 +596,21 @@ def test_a_broken_drain_is_a_fault_of_one_layer_instance_not_a_global_rebinding(
     import torch
 
     from fastgrad.deferred_wgrad import ColumnParallelOutputLayer, EmbeddingWgradConfig
-    from verify.checks.pipeline.worker import output_layer_class
-    from verify.preflight.twin_worker import with_candidate
+    from fastgrad.parallel_dims import ParallelDims
+    from verify.candidates import Fault
+    from verify.candidates.fastgrad.pipeline_model import output_layer_class
 
     production_drain = ColumnParallelOutputLayer.drain_deferred_wgrad
-    config, _ = _config(["--pipeline-model-parallel-size", "2", "--world-size", "2",
-                         "--global-batch-size", "4", "--defer-embedding-wgrad-compute"])
-    case = plan_twin(config, SMALL).case
-    assert with_candidate(case, TwinCandidate()) is case
-    assert with_candidate(case, TwinCandidate("lifo", "lifo")).fault == "lifo_drain"
+    assert TwinCandidate().fault is None
+    assert TwinCandidate("lifo", "lifo").fault is Fault.LIFO_DRAIN
     assert output_layer_class(None) is ColumnParallelOutputLayer
-    cfg = EmbeddingWgradConfig(defer_embedding_wgrad_compute=True, pipeline_model_parallel_size=2)
+    cfg = EmbeddingWgradConfig(defer_embedding_wgrad_compute=True)
     g = torch.Generator().manual_seed(3)
     weight = torch.randn(8, 8, generator=g)
     xs = [torch.randn(4, 8, generator=g) * 10.0**k for k in range(4)]
     drained = []
-    for cls in (output_layer_class("lifo_drain"), output_layer_class(None)):
-        layer = cls(weight, cfg)
+    for cls in (output_layer_class(Fault.LIFO_DRAIN), output_layer_class(None)):
+        layer = cls(weight, cfg, parallel_dims=ParallelDims(pp_size=2))
         layer.start_step()
         for x in xs:
             layer(x.requires_grad_(True)).sum().backward()

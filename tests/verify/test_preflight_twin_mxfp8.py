@@ -166,7 +166,7 @@ def _install_fault(fault: str) -> None:
             # ordering hazard, unguarded): with the reuse its bytes are the grads' bytes.
             for bucket in self.buckets:
                 all_gather_into(bucket.param_data, bucket.local_param_shard.clone(),
-                                group=self.mesh.group)
+                                group=self.dp_group)
             return reduce_grads(self)
 
         MXFP8ParamGradBuffer.reduce_grads = late_gather_then_reduce

@@ -26,7 +26,7 @@ def plan_layout(layout: dict, config_for: Callable[[list[str]], tuple[Any, dict]
         plan = plan_twin(config, options)
         phase = phase[0] if phase else 0
         counts[phase] = counts.get(phase, -1) + 1
-        plans[name] = (config, report, replace(plan, case=replace(plan.case, first_rank=first)),
+        plans[name] = (config, report, replace(plan, case=plan.case.at(first)),
                        phase, counts[phase])
     return plans
 

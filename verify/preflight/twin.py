@@ -73,7 +73,7 @@ class TwinOptions:
 class TwinPlan:
     """The case the twin runs, how it maps the configuration, and what it leaves out."""
 
-    case: Any  # verify.checks.pipeline.PipelineCase
+    case: Any  # verify.candidates.api.pipeline.PipelineCase
     overlap: bool
     world_size: int
     bitwise: bool
@@ -104,7 +104,7 @@ def _twin_microbatches(config: PreflightConfig, options: TwinOptions) -> int:
 def plan_twin(config: PreflightConfig, options: TwinOptions) -> TwinPlan:
     """Scale ``config`` down to a twin case; TwinSizeError when it needs too many ranks."""
     from refgrad.pipeline import LinearStackSpec, StepPlan
-    from verify.checks.pipeline import PipelineCase
+    from verify.candidates.api.pipeline import ParallelDims, PipelineCase
     from verify.preflight.twin_mxfp8 import twins_mxfp8
     from verify.preflight.twin_precision import precision_for
 
@@ -164,12 +164,12 @@ def plan_twin(config: PreflightConfig, options: TwinOptions) -> TwinPlan:
         not_twinned.append("--ddp-reduce-scatter-with-fp32-accumulation with MXFP8 params: the "
                            "MXFP8 twin's buffer reduce-scatters in the backend's order")
     case = PipelineCase(
-        name="twin", pp_size=pp, dp_size=dp, first_rank=0, spec=spec,
+        name="twin", dims=ParallelDims(tp_size=twin_tp, pp_size=pp, dp_size=dp, vpp_size=vpp,
+                                       sequence_parallel=sequence_parallel), spec=spec,
         plans=tuple(StepPlan(m) for _ in range(options.steps)),
         use_distributed_optimizer=config.use_distributed_optimizer,
         reduce_scatter_with_fp32_accumulation=rs_fp32,
         reduction="prescale", bucket_size=bucket, bucket_size_elsewhere=one_bucket, lr=TWIN_LR,
-        virtual_stages=vpp,
     )
     if dp <= 2:
         bitwise, order_note = True, (f"DP <= 2: a sum of two {precision.grads} values has one "

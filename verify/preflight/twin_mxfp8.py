@@ -197,7 +197,8 @@ def run_mxfp8_rank(case: Any, groups: Any, overlap: bool, mx: MXFP8Twin) -> MXFP
     from fastgrad.optim import AdamWConfig, DistributedOptimizer
     from fastgrad.pipeline import forward_backward_1f1b
     from fastgrad.pipeline_interleaved import forward_backward_interleaved
-    from verify.checks.pipeline.worker import build_stage_model, rank_microbatches, total_losses
+    from verify.candidates.api.pipeline import rank_microbatches, total_losses
+    from verify.candidates.fastgrad.pipeline_model import build_stage_model
     from verify.preflight.twin_optim import full_grads, norm_group
 
     spec, stage, chunks = case.spec, groups.stage, case.virtual_stages
@@ -221,7 +222,7 @@ def run_mxfp8_rank(case: Any, groups: Any, overlap: bool, mx: MXFP8Twin) -> MXFP
                        bucket_size=case.bucket_size_for(stage, 0), fp8_param_gather=True,
                        reuse_grad_buf_for_mxfp8_param_ag=mx.reuse_grad_buffer)
     front = MXFP8ParamGradBuffer(front_params, config=config, dp_group=groups.dp_group,
-                                 gradient_scaling_factor=1.0 / case.dp_size)
+                                 average=True)
     hooks = _attach(named, front_params, front, head)
     optimizer = DistributedOptimizer(front, AdamWConfig(**ADAMW), max_grad_norm=mx.adamw.max_grad_norm,
                                      model_parallel_group=norm_group(case, groups))
@@ -237,7 +238,7 @@ def run_mxfp8_rank(case: Any, groups: Any, overlap: bool, mx: MXFP8Twin) -> MXFP
             head.start_step()
         m = plan.num_microbatches
         inputs, targets, loss_fn = rank_microbatches(case, groups, step, m)
-        common = dict(groups=groups, num_microbatches=m, activation_shape=spec.stage_activation_shape,
+        common = dict(parallel_dims=groups, num_microbatches=m, activation_shape=spec.stage_activation_shape,
                       loss_fn=loss_fn, inputs=inputs if groups.is_first_stage else None,
                       targets=targets if groups.is_last_stage else None,
                       deferred_wgrad=head, embedding_params=tied)

@@ -3,7 +3,7 @@
 Each rank trains its stage (at VPP > 1 its model chunks, one DDP buffer each,
 under one optimizer through ``fastgrad.optim.ModelChunks``) with the same schedule, DDP
 engine, deferred output layer and tied embedding as the SGD twin
-(``verify.checks.pipeline.run_case_on_rank``), then steps
+(``verify.candidates.fastgrad.pipeline.run_case_on_rank``), then steps
 ``fastgrad.optim.DistributedOptimizer`` (AdamW over its reduce-scattered shard,
 or, without ``--use-distributed-optimizer``, ``ReplicatedOptimizer`` over the
 all-reduced grads;
@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from verify.candidates.api import Fault
 from verify.preflight.twin_precision import (
     TwinPrecision,
     cast_inputs,
@@ -147,7 +148,7 @@ def _ddp_config(case: Any, overlap: bool, optim: AdamWTwin, stage: int, chunk: i
     bucket rules), with the optimizer's param all-gather overlap."""
     import dataclasses
 
-    from verify.checks.pipeline.worker import case_ddp_config
+    from verify.candidates.fastgrad.pipeline_model import case_ddp_config
 
     return dataclasses.replace(case_ddp_config(case, overlap, stage, chunk),
                                overlap_param_gather=optim.overlap_param_gather,
@@ -239,7 +240,7 @@ def norm_group(case: Any, groups: Any) -> Any:
 
 
 def run_optimizer_rank(case: Any, groups: Any, overlap: bool,
-                       optim: AdamWTwin | None = None) -> OptimRankResult:
+                       optim: AdamWTwin | None = None, fault: Fault | None = None) -> OptimRankResult:
     """Train ``case`` on this rank (1F1B, or interleaved at VPP > 1: one DDP engine per model
     chunk, one AdamW over all of them through ``fastgrad.optim.ModelChunks``, as
     Megatron-Core's optimizer over its model chunks) with fastgrad's AdamW."""
@@ -247,12 +248,16 @@ def run_optimizer_rank(case: Any, groups: Any, overlap: bool,
     from fastgrad.optim import ModelChunks
     from fastgrad.pipeline import forward_backward_1f1b
     from fastgrad.pipeline_interleaved import forward_backward_interleaved
-    from verify.checks.pipeline.shared_weight import drained_head, external_grad_params
-    from verify.checks.pipeline.worker import build_stage_model, rank_microbatches, total_losses
+    from verify.candidates.api.pipeline import rank_microbatches, total_losses
+    from verify.candidates.fastgrad.pipeline_model import (
+        build_stage_model,
+        drained_head,
+        external_grad_params,
+    )
 
     optim = optim or AdamWTwin()
     spec, stage, chunks = case.spec, groups.stage, case.virtual_stages
-    built = [build_stage_model(case, groups, c) for c in range(chunks)]
+    built = [build_stage_model(case, groups, c, fault) for c in range(chunks)]
     # build_stage_model: (module, {name: param}, output head or None, [tied params])
     modules = [module for module, _, _, _ in built]
     named = {n: p for _, chunk_params, _, _ in built for n, p in chunk_params.items()}
@@ -280,7 +285,7 @@ def run_optimizer_rank(case: Any, groups: Any, overlap: bool,
             head.start_step()
         m, scale = plan.num_microbatches, rec.scale
         inputs, targets, loss_fn = rank_microbatches(case, groups, step, m)
-        common = dict(groups=groups, num_microbatches=m,
+        common = dict(parallel_dims=groups, num_microbatches=m,
                       activation_shape=spec.stage_activation_shape,
                       dtype=optim.precision.param_dtype, loss_fn=mixed_loss_fn(loss_fn, scale),
                       inputs=cast_inputs(inputs, optim.precision) if groups.is_first_stage else None,

@@ -5,7 +5,8 @@ is the default; tests hand in deliberately broken ones (a drain that runs its
 deferred GEMMs last-in first-out, a tied embedding all-reduced with the
 other TP rank's output layer, or, tied at PP 1, the shared weight's two grads
 added in the wrong order or one dropped) to prove that preflight notices. Each
-is a fault of the case (``PipelineCase.fault``): each rank builds its own output
+is a :class:`verify.candidates.api.Fault` its ranks apply (as fastgrad's pipeline adapter,
+``verify.candidates.fastgrad.pipeline``, does): each rank builds its own output
 layer with the wrong drain or wgrad, or its own wrong embedding group; no
 library class is changed.
 """
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from verify.candidates.api import Fault
 
 DRAIN_ORDERS = ("fifo", "lifo")
 EMBEDDING_GROUPS = ("same_tp_rank", "other_tp_rank")
@@ -54,64 +57,52 @@ class TwinCandidate:
                              "or shared_weight_grads)")
 
     def _faults(self) -> list[str]:
-        """The ``PipelineCase.fault`` of each setting that departs from production."""
+        """The fault of each setting that departs from production."""
         faults = ["lifo_drain" if self.drain_order == "lifo" else None,
                   "crossed_embedding_group" if self.embedding_group == "other_tp_rank" else None,
                   _SHARED_WEIGHT_FAULTS.get(self.shared_weight_grads)]
         return [f for f in faults if f is not None]
 
     @property
-    def fault(self) -> str | None:
-        """The case fault its ranks apply; None: production's fastgrad."""
+    def fault(self) -> Fault | None:
+        """The fault its ranks apply; None: production's fastgrad."""
         faults = self._faults()
-        return faults[0] if faults else None
+        return Fault(faults[0]) if faults else None
 
     @property
     def is_production(self) -> bool:
         return self.fault is None
 
 
-def with_candidate(case: Any, candidate: TwinCandidate) -> Any:
-    """``case`` as ``candidate`` runs it: the broken drain is a per-case fault that each rank
-    applies to its own output-layer instance (``verify.checks.pipeline``'s ``"lifo_drain"``)."""
-    if candidate.is_production:
-        return case
-    from dataclasses import replace
-
-    return replace(case, fault=candidate.fault)
-
-
-def run_on_grid(case: Any, groups: Any, overlap: bool, optimizer: Any) -> Any:
-    """One rank's training: SGD (``verify.checks.pipeline``), fastgrad.optim's AdamW
-    (``"adamw"`` or an ``AdamWTwin``), or AdamW over MXFP8 params (an ``MXFP8Twin``); a case
-    whose fault is a wrong group gets it here."""
-    from verify.checks.pipeline.worker import with_fault_groups
+def run_on_grid(case: Any, groups: Any, overlap: bool, optimizer: Any,
+                fault: Fault | None = None) -> Any:
+    """One rank's training: SGD (the ``pipeline`` check's), fastgrad.optim's AdamW
+    (``"adamw"`` or an ``AdamWTwin``), or AdamW over MXFP8 params (an ``MXFP8Twin``), broken
+    as ``fault`` says (a wrong group is applied here)."""
+    from verify.candidates.fastgrad.pipeline import with_fault_groups
     from verify.preflight.twin_mxfp8 import MXFP8Twin, run_mxfp8_rank
 
-    groups = with_fault_groups(case, groups)
+    groups = with_fault_groups(case, groups, fault)
     if isinstance(optimizer, MXFP8Twin):  # MXFP8 params under fastgrad.optim's AdamW
         return run_mxfp8_rank(case, groups, overlap, optimizer)
     if optimizer != "sgd":  # "adamw", or its AdamWTwin settings (TwinPlan.rank_optimizer)
         from verify.preflight.twin_optim import run_optimizer_rank
 
-        return run_optimizer_rank(case, groups, overlap, None if optimizer == "adamw" else optimizer)
-    from verify.checks.pipeline import run_case_on_rank
+        return run_optimizer_rank(case, groups, overlap, None if optimizer == "adamw" else optimizer,
+                                  fault)
+    from verify.candidates.fastgrad.pipeline import run_case_on_rank
 
-    return run_case_on_rank(case, groups, overlap)
+    return run_case_on_rank(case, groups, overlap, fault=fault)
 
 
 def run_twin_rank(case: Any, overlap: bool, optimizer: str = "sgd",
                   candidate: TwinCandidate | None = None) -> Any:
     """Train the twin's case (as ``candidate`` runs it) on this rank of the current world;
     None outside its grid."""
-    from fastgrad.pipeline import build_parallel_groups
-
-    case = with_candidate(case, candidate or TwinCandidate())
-    groups = build_parallel_groups(case.pp_size, case.dp_size, first_rank=case.first_rank,
-                                   tp_size=case.tp_size)
+    groups = case.dims.build()
     if groups is None:
         return None
-    return run_on_grid(case, groups, overlap, optimizer)
+    return run_on_grid(case, groups, overlap, optimizer, (candidate or TwinCandidate()).fault)
 
 
 def twin_phases_worker(rank: int, world_size: int,
@@ -122,20 +113,16 @@ def twin_phases_worker(rank: int, world_size: int,
     del world_size
     import torch.distributed as dist
 
-    from fastgrad.pipeline import build_parallel_groups
-
     out = []
     for phase in phases:
         # new_group is collective over the whole world: every rank builds every grid first.
-        groups = [build_parallel_groups(case.pp_size, case.dp_size, first_rank=case.first_rank,
-                                   tp_size=case.tp_size)
-                  for case, *_ in phase]
+        groups = [case.dims.build() for case, *_ in phase]
         results = []
         for (case, overlap, candidate, optimizer), grid in zip(phase, groups):
             if grid is None:
                 results.append(None)
                 continue
-            results.append(run_on_grid(with_candidate(case, candidate), grid, overlap, optimizer))
+            results.append(run_on_grid(case, grid, overlap, optimizer, candidate.fault))
         out.append(results)
         dist.barrier()
     return out

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from verify.studies.layout import ModelSpec
+from verify.studies.layout_models import ModelSpec
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from fastgrad.deferred_wgrad import (
     EmbeddingWgradConfig,
 )
 from fastgrad.errors import LifecycleError
+from fastgrad.parallel_dims import ParallelDims
 from refgrad.deferred_wgrad import (
     deferred_accumulation_order,
     fastgrad_error_factor,
@@ -192,9 +193,10 @@ def run_deferred_wgrad_check(
 
 def _guard_case(ctx: CheckContext, rec: CheckRecorder, layer_cls) -> None:
     """Draining into a bucket whose reduce is in flight must raise and write nothing."""
-    config = EmbeddingWgradConfig(defer_embedding_wgrad_compute=True, pipeline_model_parallel_size=2)
+    config = EmbeddingWgradConfig(defer_embedding_wgrad_compute=True)
     g = ctx.generator(3)  # seed 0: manual_seed(3)
-    layer = layer_cls(torch.randn(VOCAB, HIDDEN, generator=g).bfloat16(), config)
+    layer = layer_cls(torch.randn(VOCAB, HIDDEN, generator=g).bfloat16(), config,
+                      parallel_dims=ParallelDims(pp_size=2))
     x = torch.randn(SEQ, BATCH, HIDDEN, generator=g).bfloat16().requires_grad_(True)
     layer(x).backward(torch.randn(SEQ, BATCH, VOCAB, generator=g).bfloat16())
     before = layer.weight.main_grad.clone()
@@ -214,9 +216,7 @@ def _stale_step_case(ctx: CheckContext, rec: CheckRecorder, layer_cls) -> None:
     Production clears only the activation buffer at step start, so a stale
     grad_output would be paired with the next step's first input.
     """
-    config = EmbeddingWgradConfig(
-        defer_embedding_wgrad_compute=True, wgrad_deferral_limit=2, pipeline_model_parallel_size=2
-    )
+    config = EmbeddingWgradConfig(defer_embedding_wgrad_compute=True, wgrad_deferral_limit=2)
     g = ctx.generator(11)  # seed 0: manual_seed(11)
     weight = torch.randn(VOCAB, HIDDEN, generator=g).bfloat16()
     xs = [torch.randn(SEQ, BATCH, HIDDEN, generator=g).bfloat16() for _ in range(3)]
@@ -228,9 +228,9 @@ def _stale_step_case(ctx: CheckContext, rec: CheckRecorder, layer_cls) -> None:
             layer(x.clone().requires_grad_(True)).backward(go)
         layer.drain_deferred_wgrad()
 
-    fresh = layer_cls(weight, config)
+    fresh = layer_cls(weight, config, parallel_dims=ParallelDims(pp_size=2))
     full_step(fresh)
-    reused = layer_cls(weight, config)
+    reused = layer_cls(weight, config, parallel_dims=ParallelDims(pp_size=2))
     reused.start_step()
     reused(xs[0].clone().requires_grad_(True)).backward(gos[0])  # abandoned: no drain
     reused.weight.main_grad.zero_()

@@ -10,6 +10,7 @@ from fastgrad.deferred_wgrad import (
     EmbeddingWgradConfig,
     allreduce_tied_embedding_grad,
 )
+from fastgrad.parallel_dims import ParallelDims
 from refgrad.deferred_wgrad import (
     deferred_accumulation_order,
 )
@@ -24,6 +25,12 @@ from verify.checks.deferred_wgrad.cases import (
 )
 
 
+def case_dims(case: WgradCase, tp_group: dist.ProcessGroup | None) -> ParallelDims:
+    """The layer's sizes: the last stage of a PP 2 grid, at TP 2 with ``tp_group``."""
+    dims = ParallelDims(tp_size=case.tp, pp_size=2, sequence_parallel=case.sequence_parallel)
+    return dims if case.tp == 1 else dims.with_groups(tp_group=tp_group)
+
+
 def run_layer(case, layer_cls, config, weight, xs, gos, rank, order_of, tp_group):
     """Run ITERATIONS steps; return main_grad after each, drain counts, dgrads, empty-drain facts."""
     tp = case.tp
@@ -33,7 +40,7 @@ def run_layer(case, layer_cls, config, weight, xs, gos, rank, order_of, tp_group
     layer = layer_cls(
         weight[vrank * vshard : (vrank + 1) * vshard],
         config,
-        tp_group=tp_group,
+        parallel_dims=case_dims(case, tp_group),
         main_grad_dtype=getattr(torch, case.main_grad_dtype),
     )
     grads_after, drained, dgrads, empty_drain_ok = [], [], [], True
@@ -74,15 +81,8 @@ def run_case_on_rank(
     deferred_cfg = EmbeddingWgradConfig(
         defer_embedding_wgrad_compute=True,
         wgrad_deferral_limit=case.limit,
-        pipeline_model_parallel_size=2,
-        tensor_model_parallel_size=case.tp,
-        sequence_parallel=case.sequence_parallel,
     )
-    immediate_cfg = EmbeddingWgradConfig(
-        pipeline_model_parallel_size=2,
-        tensor_model_parallel_size=case.tp,
-        sequence_parallel=case.sequence_parallel,
-    )
+    immediate_cfg = EmbeddingWgradConfig()
     natural = lambda it: range(m)  # noqa: E731
     drain_order = lambda it: deferred_accumulation_order(m, case.limit)  # noqa: E731
     deferred = run_layer(case, layer_cls, deferred_cfg, weight, xs, gos, rank, natural, tp_group)
@@ -113,8 +113,8 @@ def _tied_embedding_on_rank(rank: int, seed: int, main_grad_dtype: str, layer_cl
     if rank == 0:
         main_grad = torch.zeros(VOCAB, HIDDEN, dtype=dtype)
     else:
-        config = EmbeddingWgradConfig(defer_embedding_wgrad_compute=True, pipeline_model_parallel_size=2)
-        layer = layer_cls(weight, config, main_grad_dtype=dtype)
+        config = EmbeddingWgradConfig(defer_embedding_wgrad_compute=True)
+        layer = layer_cls(weight, config, parallel_dims=ParallelDims(pp_size=2), main_grad_dtype=dtype)
         main_grad = layer.weight.main_grad
     for _ in range(ITERATIONS):
         # Every iteration starts from zeros, as after the optimizer step's zero_grad.

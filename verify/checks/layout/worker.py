@@ -115,10 +115,12 @@ def reduce_worker(
             continue
         params = _scenario_params(scenario, "cpu")
         before = [p.detach().clone() for p in params]
+        config = scenario.ddp_config()
         buffer = ParamAndGradBuffer(
             params,
-            config=scenario.ddp_config(),
-            gradient_scaling_factor=scenario.gradient_scaling_factor,
+            config=config,
+            # the scenario's 1/dp pre-scale or AVG in the collective (fastgrad.averaging's plan)
+            average=config.average_in_collective or scenario.gradient_scaling_factor != 1.0,
         )
         out: dict[str, Any] = {
             "params_kept": all(torch.equal(a, p.detach()) for a, p in zip(before, params)),

@@ -1,7 +1,8 @@
 """Check ``pipeline``: grad sync in the 1F1B cooldown bubble, bitwise against refgrad.
 
 Real gloo processes run a ``P``-stage 1F1B pipeline times ``D`` data-parallel
-replicas (``fastgrad.pipeline`` + ``fastgrad.ddp``) for several optimizer
+replicas (the candidate's :class:`~verify.candidates.api.pipeline.PipelineTraining`:
+fastgrad's ``fastgrad.pipeline`` + ``fastgrad.ddp`` by default) for several optimizer
 steps with rank-specific data, microbatch counts ``M`` in ``{1, P-1, P, 2P+1}``
 (so ``M`` changes from step to step) and a parameter frozen for one step. Each
 case runs with ``overlap_grad_reduce`` on and off. Losses, reduced gradients
@@ -15,41 +16,28 @@ All grids share one spawned world: ``(4, 2)`` uses all 8 ranks, ``(2, 2)`` and
 timing phase records per-rank timelines (overlap on vs off) and holds the
 discrete-event simulator (``verify.studies.pipeline``) against them.
 
-One interleaved case (``virtual_stages = 2``: ``fastgrad.pipeline_interleaved``,
-one DDP engine per model chunk, ``M`` a changing multiple of ``P``) runs the
-same comparisons against refgrad on the ``P * V``-stage model, and checks that
-the chunks enable their sync in reverse order with chunk ``V - 1`` already
-reducing (overlap on) when chunk 0 starts its last backward.
+One interleaved case (``vpp_size = 2``: one DDP engine per model chunk, ``M`` a
+changing multiple of ``P``) runs the same comparisons against refgrad on the
+``P * V``-stage model, and checks that the chunks enable their sync in reverse order
+with chunk ``V - 1`` already reducing (overlap on) when chunk 0 starts its last backward.
 
-Package layout: ``cases`` (grids, step plans, faults, phases), ``worker`` (one rank's
-run of every case), ``report`` (collecting results, tables, the simulator comparison),
-``entry`` (the candidate, the run function and the registration).
+A case the candidate cannot run is a SKIP naming the reason; the rest still run.
+
+Package layout: ``cases`` (grids, step plans, phases), ``worker`` (the spawned entry
+point: the candidate's grids and training on each rank), ``report`` (collecting results,
+tables, the simulator comparison), ``entry`` (the run function and the registration).
+The case and result types are the candidate API's (``verify.candidates.api.pipeline``);
+fastgrad's training is ``verify.candidates.fastgrad.pipeline``.
 """
 
-from verify.checks.pipeline.cases import (
-    FAULTS,
-    PipelineCase,
-    RankResult,
-    build_phases,
-    default_plans,
-)
-from verify.checks.pipeline.entry import CHECK, PipelineCandidate, run
-from verify.checks.pipeline.worker import (
-    pipeline_worker,
-    run_case_on_rank,
-    run_interleaved_case_on_rank,
-)
+from verify.checks.pipeline.cases import build_phases, default_plans
+from verify.checks.pipeline.entry import CHECK, run
+from verify.checks.pipeline.worker import pipeline_worker
 
 __all__ = [
     "CHECK",
-    "FAULTS",
-    "PipelineCandidate",
-    "PipelineCase",
-    "RankResult",
     "build_phases",
     "default_plans",
     "pipeline_worker",
     "run",
-    "run_case_on_rank",
-    "run_interleaved_case_on_rank",
 ]

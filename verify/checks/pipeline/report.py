@@ -10,8 +10,9 @@ import torch
 from refgrad.pipeline import (
     reference_training,
 )
+from verify.candidates.api.pipeline import PipelineCase, RankResult
+from verify.candidates.api.timeline import summarize_step
 from verify.check import CheckRecorder
-from verify.checks.pipeline.cases import PipelineCase, RankResult
 
 # ---------------------------------------------------------------- parent side
 
@@ -126,9 +127,16 @@ def large_dp_report(rec: CheckRecorder, case: PipelineCase, ranks: list[dict]) -
               notes=["gloo picks the all-reduce algorithm (and so the summation order) for D > 2"])
 
 
-def timeline_rows(case: PipelineCase, ranks: list[dict], step: int = 2) -> list[list[Any]]:
-    from fastgrad.timeline import summarize_step
+def has_timelines(case: PipelineCase, ranks: list[dict]) -> bool:
+    """Every rank of ``case`` recorded a timeline for every step (a candidate may record none)."""
+    return all(len(res.events) == len(case.plans) and all(res.events)
+               for r in ranks if case.name in r for res in r[case.name].values())
 
+
+def timeline_rows(case: PipelineCase, ranks: list[dict], step: int = 2) -> list[list[Any]]:
+    """Step ``step``'s timeline summary per overlap setting (none without timelines)."""
+    if not has_timelines(case, ranks):
+        return []
     step = min(step, len(case.plans) - 1)  # a case with fewer steps reports its last one
     rows = []
     for overlap in (True, False):
@@ -141,7 +149,6 @@ def timeline_rows(case: PipelineCase, ranks: list[dict], step: int = 2) -> list[
 
 
 def timing_report(rec: CheckRecorder, case: PipelineCase, ranks: list[dict]) -> None:
-    from fastgrad.timeline import summarize_step
     from verify.studies.pipeline import PipelineCosts, simulate
 
     rows = []

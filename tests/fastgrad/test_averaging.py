@@ -1,0 +1,67 @@
+"""fastgrad.averaging: the one decision of how data-parallel grads are averaged.
+
+Expected plans: Megatron-Core's ``DistributedDataParallel.__init__``
+(``megatron/core/distributed/distributed_data_parallel.py``: ``gradient_scaling_factor =
+1.0`` with ``average_in_collective``, else ``1.0 / data_parallel_world_size``) and
+``_ParamAndGradBucketGroup.start_grad_sync`` (``param_and_grad_buffer.py``: ``grad_data *=
+gradient_scaling_factor`` unless it is 1.0, then ``ReduceOp.AVG`` with
+``average_in_collective``, else ``SUM``); fastgrad's own rule on top: with the
+fp32-accumulating reduce-scatter the pre-scale happens inside the collective (same bits,
+tests/fastgrad/test_reduce_scatter.py). The bits of every path are held to refgrad by
+test_ddp.py, test_buffer.py and test_reduce_scatter.py.
+"""
+
+import pytest
+import torch.distributed as dist
+
+from fastgrad.averaging import GradAveraging, PrescaleSite, grad_averaging
+from fastgrad.config import DDPConfig
+
+SUM, AVG = dist.ReduceOp.SUM, dist.ReduceOp.AVG
+DIST_OPT = dict(use_distributed_optimizer=True)
+FP32_RS = dict(use_distributed_optimizer=True, reduce_scatter_with_fp32_accumulation=True)
+
+
+@pytest.mark.parametrize("config, dp, average, op, prescale, site", [
+    (dict(), 4, False, SUM, None, None),                      # a sum: nothing scaled
+    (dict(), 4, True, SUM, 0.25, PrescaleSite.BUCKET),        # Megatron's default: 1/dp first
+    (DIST_OPT, 3, True, SUM, 1 / 3, PrescaleSite.BUCKET),
+    (FP32_RS, 4, True, SUM, 0.25, PrescaleSite.COLLECTIVE),   # folded into the fp32 reduction
+    (FP32_RS, 4, False, SUM, None, None),
+    (dict(average_in_collective=True), 4, True, AVG, None, None),
+    ({**FP32_RS, "average_in_collective": True}, 2, True, AVG, None, None),
+    (dict(), 1, True, SUM, None, None),                       # x * 1.0 is x: no pre-scale
+])
+def test_the_plan_by_hand(config, dp, average, op, prescale, site):
+    plan = grad_averaging(DDPConfig(**config), dp, average=average)
+    assert (plan.average, plan.op, plan.prescale, plan.site) == (average, op, prescale, site)
+    for where in PrescaleSite:
+        assert plan.prescale_at(where) == (prescale if where is site else None)
+
+
+def test_contradictions_and_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="cannot be combined with average=False"):
+        grad_averaging(DDPConfig(average_in_collective=True), 2, average=False)
+    with pytest.raises(TypeError, match="config must be a DDPConfig"):
+        grad_averaging({}, 2, average=True)
+    with pytest.raises(ValueError, match="dp_size must be an int >= 1"):
+        grad_averaging(DDPConfig(), 0, average=True)
+    with pytest.raises(TypeError, match="average must be a bool"):
+        grad_averaging(DDPConfig(), 2, average=1)
+    with pytest.raises(ValueError, match="given together or not at all"):
+        GradAveraging(average=True, op=SUM, prescale=0.5)
+    with pytest.raises(ValueError, match="a pre-scale is followed by a SUM"):
+        GradAveraging(average=True, op=AVG, prescale=0.5, site=PrescaleSite.BUCKET)
+    with pytest.raises(ValueError, match="op must be ReduceOp.SUM or ReduceOp.AVG"):
+        GradAveraging(average=True, op=dist.ReduceOp.MAX)
+
+
+def test_reports_describe_the_plan():
+    assert grad_averaging(DDPConfig(), 4, average=True).describe() == \
+        "x 0.25 (grad dtype, in the bucket) then SUM"
+    assert grad_averaging(DDPConfig(**FP32_RS), 2, average=True).describe() == \
+        "x 0.5 (grad dtype, inside the collective) then SUM"
+    assert grad_averaging(DDPConfig(average_in_collective=True), 2, average=True).describe() == \
+        "AVG in the collective"
+    assert grad_averaging(DDPConfig(), 1, average=True).describe() == \
+        "SUM (one replica: the average is the sum)"

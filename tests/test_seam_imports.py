@@ -1,0 +1,51 @@
+"""The candidate seam, as imports (grimp; imports inside functions count): a migrated check
+reaches fastgrad only through ``verify.candidates``, and the candidate API's vocabulary from
+fastgrad is implementation-free."""
+
+from __future__ import annotations
+
+import grimp
+import pytest
+
+# Checks that reach the implementation under test only through a Candidate.
+MIGRATED_CHECKS = ("verify.checks.pipeline",)
+# What the candidate API may take from fastgrad: records with no fastgrad implementation behind
+# them (the sizes-and-groups carrier, the timeline records), and what those import.
+NEUTRAL_FASTGRAD = frozenset({"fastgrad.parallel_dims", "fastgrad.timeline", "fastgrad.errors"})
+
+
+@pytest.fixture(scope="module")
+def graph() -> grimp.ImportGraph:
+    return grimp.build_graph("refgrad", "fastgrad", "verify", include_external_packages=False)
+
+
+def _fastgrad_imports(graph: grimp.ImportGraph, package: str) -> dict[str, set[str]]:
+    modules = {package} | graph.find_descendants(package)
+    found = {}
+    for module in sorted(modules):
+        imported = {m for m in graph.find_modules_directly_imported_by(module)
+                    if m == "fastgrad" or m.startswith("fastgrad.")}
+        if imported:
+            found[module] = imported
+    return found
+
+
+@pytest.mark.parametrize("check", MIGRATED_CHECKS)
+def test_a_migrated_check_imports_no_fastgrad(graph, check):
+    assert _fastgrad_imports(graph, check) == {}
+
+
+def test_the_candidate_api_takes_only_implementation_free_records_from_fastgrad(graph):
+    used = set().union(*_fastgrad_imports(graph, "verify.candidates.api").values())
+    assert used <= NEUTRAL_FASTGRAD, used - NEUTRAL_FASTGRAD
+    for module in used:  # and those records import nothing else of fastgrad
+        assert set(_fastgrad_imports(graph, module).get(module, ())) <= NEUTRAL_FASTGRAD, module
+
+
+def test_the_rule_sees_a_late_import_of_fastgrad():
+    toy = grimp.ImportGraph()
+    for module in ("verify.checks.pipeline", "verify.checks.pipeline.entry", "fastgrad.ddp"):
+        toy.add_module(module)
+    toy.add_import(importer="verify.checks.pipeline.entry", imported="fastgrad.ddp")  # in a function
+    assert _fastgrad_imports(toy, "verify.checks.pipeline") == {
+        "verify.checks.pipeline.entry": {"fastgrad.ddp"}}

@@ -1,0 +1,20 @@
+"""What ``verify`` holds to refgrad: the candidates, reached only through this package.
+
+See :mod:`verify.candidates.api` for the seam and ``docs/candidates.md`` for how to add one.
+"""
+
+from verify.candidates.api import Candidate, CandidateInfo, Fault, Technique, Unsupported
+from verify.candidates.fastgrad import FastgradCandidate
+from verify.candidates.registry import CANDIDATES, DEFAULT_CANDIDATE, candidate_named
+
+__all__ = [
+    "CANDIDATES",
+    "DEFAULT_CANDIDATE",
+    "Candidate",
+    "CandidateInfo",
+    "FastgradCandidate",
+    "Fault",
+    "Technique",
+    "Unsupported",
+    "candidate_named",
+]

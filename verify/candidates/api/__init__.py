@@ -1,0 +1,157 @@
+"""The seam between verify and the implementation under test.
+
+A *candidate* is one implementation of the techniques gradverify verifies: fastgrad (ours,
+the default) or Megatron-Core (the code most users train with). Every check and the
+preflight twin reach the implementation only through a :class:`Candidate`, one typed
+interface per technique (a :class:`typing.Protocol` in ``verify.candidates.api.<technique>``),
+never by importing it. A candidate that cannot run a technique here (its installed version
+lacks the feature, or it needs a GPU) raises :class:`Unsupported` with the reason, and the
+check records a SKIP naming it: nothing is dropped silently.
+
+A candidate is a frozen dataclass: it is pickled into the spawned rank processes, which
+ask it for the technique they run (``candidate.pipeline()`` inside the rank), so an
+implementation is imported only where it runs.
+
+Deliberately broken candidates, which prove that each check can fail, are the same
+candidates with a :class:`Fault` (``FastgradCandidate(fault=Fault.LIFO_DRAIN)``): they go
+through the same seam as production.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:  # the technique interfaces, for annotations only
+    from verify.candidates.api.deferred_wgrad import DeferredWgrad
+    from verify.candidates.api.grad_reduction import GradReduction
+    from verify.candidates.api.layout import BucketLayout
+    from verify.candidates.api.mxfp8 import MXFP8
+    from verify.candidates.api.optimizer import DistributedOptimizerStep
+    from verify.candidates.api.pipeline import PipelineTraining
+
+
+class Technique(str, enum.Enum):
+    """A technique a candidate implements; the value is its check's name."""
+
+    LAYOUT = "layout"
+    GRAD_REDUCTION = "reduce_scatter"
+    DEFERRED_WGRAD = "deferred_wgrad"
+    PIPELINE = "pipeline"
+    OPTIMIZER = "optim"
+    MXFP8 = "mxfp8"
+
+
+class Unsupported(Exception):  # noqa: N818 - it is a verdict, not an error
+    """This candidate cannot run ``technique`` (or a part of it) here; ``reason`` says why.
+
+    Checks turn it into a SKIP that names the candidate and the reason.
+    """
+
+    def __init__(self, technique: Technique, reason: str) -> None:
+        super().__init__(f"{technique.value}: {reason}")
+        self.technique = technique
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class CandidateInfo:
+    """What a report says about a candidate: its name, its installed version and how it ran.
+
+    ``redirects`` lists what had to be redirected for it to run on this device (empty when
+    it runs as published), ``unsupported`` the techniques it cannot run here with the reason.
+    """
+
+    name: str
+    version: str
+    description: str
+    redirects: tuple[str, ...] = ()
+    unsupported: tuple[tuple[str, str], ...] = ()
+    details: tuple[tuple[str, str], ...] = field(default=())
+
+    def to_dict(self) -> dict:
+        """Plain values for the JSON report."""
+        return {
+            "name": self.name,
+            "version": self.version,
+            "description": self.description,
+            "redirects": list(self.redirects),
+            "unsupported": {t: r for t, r in self.unsupported},
+            "details": dict(self.details),
+        }
+
+
+class Fault(str, enum.Enum):
+    """A deliberate bug a broken candidate carries, to prove a check can fail.
+
+    Each names the technique whose check must catch it; the candidate applies it to its own
+    objects (a subclass on one instance, a wrong group on one rank), never by changing a
+    library class or module.
+    """
+
+    # pipeline: each replica's microbatches fed in reverse
+    REVERSED_MICROBATCHES = "reversed_microbatches"
+    # deferred wgrad: the drain runs the deferred GEMMs newest first (another fp32 sum order)
+    LIFO_DRAIN = "lifo_drain"
+    # tied embedding at TP 2: all-reduced with the other TP rank's output-layer shard
+    CROSSED_EMBEDDING_GROUP = "crossed_embedding_group"
+    # tied at PP 1 (one weight): the first layer's grad added before the head's wgrad
+    EMBEDDING_GRAD_FIRST = "embedding_grad_first"
+    # tied at PP 1 (one weight): the head's wgrad never added
+    DROPPED_HEAD_WGRAD = "dropped_head_wgrad"
+
+
+class Candidate(ABC):
+    """One implementation of the verified techniques (subclasses are frozen dataclasses).
+
+    Each technique accessor returns that technique's typed interface, or raises
+    :class:`Unsupported` with the reason. The accessors are called where the technique runs
+    (inside a rank process for the multi-rank techniques), so they may import the
+    implementation and set up what it needs there.
+    """
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def info(self) -> CandidateInfo:
+        """Name, installed version, redirects and unsupported techniques, for the report."""
+
+    @property
+    def fault(self) -> Fault | None:
+        """The deliberate bug this candidate carries (None: as published)."""
+        return None
+
+    @property
+    def label(self) -> str:
+        """How reports name it: the candidate's name, and its fault if it carries one."""
+        return self.name if self.fault is None else f"{self.name} (fault: {self.fault.value})"
+
+    def unsupported(self, technique: Technique, reason: str) -> Unsupported:
+        """The :class:`Unsupported` to raise for ``technique``, naming this candidate."""
+        return Unsupported(technique, f"{self.label} {reason}")
+
+    def layout(self) -> BucketLayout:
+        """Bucket layout and the padded grad buffer."""
+        raise self.unsupported(Technique.LAYOUT, "does not implement the bucket layout")
+
+    def grad_reduction(self) -> GradReduction:
+        """The data-parallel gradient reduction (reduce-scatter / all-reduce)."""
+        raise self.unsupported(Technique.GRAD_REDUCTION, "does not implement the grad reduction")
+
+    def deferred_wgrad(self) -> DeferredWgrad:
+        """The output layer with deferred embedding wgrad, and its drain."""
+        raise self.unsupported(Technique.DEFERRED_WGRAD, "does not implement deferred wgrad")
+
+    def pipeline(self) -> PipelineTraining:
+        """DDP grad sync with the 1F1B schedules, plain and interleaved."""
+        raise self.unsupported(Technique.PIPELINE, "does not implement the pipeline schedules")
+
+    def optimizer(self) -> DistributedOptimizerStep:
+        """The distributed optimizer step with the param all-gather."""
+        raise self.unsupported(Technique.OPTIMIZER, "does not implement the distributed optimizer")
+
+    def mxfp8(self) -> MXFP8:
+        """MXFP8 quantization and param/grad buffer sharing."""
+        raise self.unsupported(Technique.MXFP8, "does not implement MXFP8")

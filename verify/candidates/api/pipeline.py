@@ -1,0 +1,262 @@
+"""DDP grad sync with the 1F1B schedules, plain and interleaved, as a candidate runs it.
+
+The ``pipeline`` check (and the preflight twin) hand a candidate a :class:`PipelineCase`:
+refgrad's Linear+tanh model (:class:`refgrad.pipeline.LinearStackSpec`, optionally with a
+vocab-parallel output layer whose wgrad is deferred to the pipeline flush, tied to the first
+layer) on a TP x DP x PP (x VPP) grid (:class:`fastgrad.parallel_dims.ParallelDims`, the one
+carrier of sizes and groups), trained for the case's step plans with SGD. The candidate
+trains it on every rank with its own data-parallel engine, schedules and output layer and
+reports what each rank saw as a :class:`RankResult`; the check holds the results to
+``refgrad.pipeline.reference_training``.
+
+:class:`PipelineTraining` is written so that Megatron-Core can implement it as well as
+fastgrad: :meth:`~PipelineTraining.grid` is where a candidate sets up its process groups
+for the case's grid and tears them down after (fastgrad: ``ParallelDims.build``;
+Megatron-Core: its ``parallel_state`` initialised and destroyed again, or a
+``ProcessGroupCollection`` made from the built dims), and :meth:`~PipelineTraining.train`
+wraps the stage modules in the candidate's DDP (Megatron-Core's
+``DistributedDataParallel`` over a plain module), runs its schedule
+(``forward_backward_pipelining_without_interleaving`` / ``_with_interleaving``, with
+``config.no_sync_func`` / ``grad_sync_func`` / ``finalize_model_grads_func`` and
+``defer_embedding_wgrad_compute``) and records the observables below.
+
+What the check compares, per case, per overlap setting, per rank and step: the losses
+(the TP sum of the partial losses: :func:`total_losses`), every parameter's reduced
+gradient (the whole gradient: with the distributed optimizer the other shards gathered),
+the parameters after ``refgrad.pipeline.sgd_update`` (frozen ones and the second name of a
+shared weight not stepped), and where each bucket's reduction was launched. Observables a
+candidate has no notion of are left at ``None`` / empty and the check skips what needs them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field, replace
+from typing import Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+
+from fastgrad.parallel_dims import ParallelDims
+from fastgrad.timeline import TimelineEvent
+from refgrad.pipeline import LinearStackSpec, StepPlan, microbatch_data
+from refgrad.pipeline_embedding import vocab_block
+from refgrad.pipeline_tp import loss_target, sequence_shard, splits_loss, stage_loss
+
+REDUCTIONS = ("sum", "avg", "prescale")  # refgrad.pipeline.reduce_across_replicas' names
+
+# Where a bucket's reduction was launched (RankResult.launch_sites): by the hook of its last
+# ready parameter, by the schedule's dispatch in the cooldown, by finish_grad_sync, or never.
+LAUNCH_SITES = ("hook", "dispatch", "finish", "never")
+
+
+@dataclass(frozen=True)
+class PipelineCase:
+    """One model on one grid, trained for ``plans`` (one entry per optimizer step).
+
+    ``dims``: the grid's sizes (sizes only: the case is pickled into the ranks); its
+    ``tp_size``/``sequence_parallel`` are the spec's, ``pp_size * vpp_size`` its stages
+    (``vpp_size > 1``: the interleaved schedule, one DDP per model chunk). ``reduction``:
+    ``"sum"``, ``"avg"`` (averaged in the collective) or ``"prescale"`` (``1/dp`` before a
+    SUM, production's default). ``bucket_size`` buckets pipeline rank 0's first chunk;
+    every other (stage, chunk) uses ``bucket_size_elsewhere`` (production's rule; None: the
+    same). ``timing``: the dedicated timing case (its timelines are compared with the
+    simulator).
+    """
+
+    name: str
+    dims: ParallelDims
+    spec: LinearStackSpec
+    plans: tuple[StepPlan, ...]
+    use_distributed_optimizer: bool = False
+    reduce_scatter_with_fp32_accumulation: bool = False
+    reduction: str = "sum"
+    bucket_size: int = 80
+    lr: float = 0.05
+    timing: bool = False
+    bucket_size_elsewhere: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dims, ParallelDims):
+            raise TypeError(f"PipelineCase.dims must be a ParallelDims, got {type(self.dims).__name__}")
+        if self.dims.built:
+            raise ValueError("PipelineCase.dims must be sizes only (the case is pickled into "
+                             "the ranks; each builds its own groups)")
+        if self.dims.cp_size != 1:
+            raise ValueError("PipelineCase.dims.cp_size must be 1: the pipeline model has no "
+                             "context-parallel split")
+        if not isinstance(self.spec, LinearStackSpec):
+            raise TypeError("PipelineCase.spec must be a refgrad.pipeline.LinearStackSpec")
+        if (self.dims.tp_size, self.dims.sequence_parallel) != (self.spec.tensor_parallel,
+                                                                self.spec.sequence_parallel):
+            raise ValueError(
+                f"PipelineCase.dims (tp_size={self.dims.tp_size}, sequence_parallel="
+                f"{self.dims.sequence_parallel}) must split the model as its spec does "
+                f"(tensor_parallel={self.spec.tensor_parallel}, sequence_parallel="
+                f"{self.spec.sequence_parallel})")
+        for name in ("bucket_size",):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"PipelineCase.{name} must be an int >= 1, got {value!r}")
+        if self.bucket_size_elsewhere is not None and (
+                isinstance(self.bucket_size_elsewhere, bool)
+                or not isinstance(self.bucket_size_elsewhere, int) or self.bucket_size_elsewhere < 1):
+            raise ValueError(f"PipelineCase.bucket_size_elsewhere must be None or an int >= 1, "
+                             f"got {self.bucket_size_elsewhere!r}")
+        if self.spec.num_stages != self.dims.num_virtual_stages:
+            raise ValueError(f"PipelineCase.spec.num_stages ({self.spec.num_stages}) must equal "
+                             f"pp_size * virtual_stages ({self.dims.num_virtual_stages})")
+        if not self.plans or not all(isinstance(p, StepPlan) for p in self.plans):
+            raise ValueError("PipelineCase.plans must be a non-empty tuple of StepPlan")
+        if self.virtual_stages > 1:
+            if self.timing:
+                raise ValueError("PipelineCase.virtual_stages > 1 needs pp_size >= 2 and no timing "
+                                 "(the interleaved schedule has no simulator comparison)")
+            bad = [p.num_microbatches for p in self.plans if p.num_microbatches % self.pp_size]
+            if bad:
+                raise ValueError(f"PipelineCase.plans: num_microbatches {bad} must be multiples "
+                                 f"of pp_size ({self.pp_size}) when virtual_stages > 1")
+        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) \
+                or not math.isfinite(self.lr) or self.lr <= 0:
+            raise ValueError(f"PipelineCase.lr must be a finite number > 0, got {self.lr!r}")
+        if self.reduction not in REDUCTIONS:
+            raise ValueError(f"PipelineCase.reduction must be sum/avg/prescale, got {self.reduction!r}")
+
+    def at(self, first_rank: int) -> PipelineCase:
+        """The same case on the ranks from ``first_rank`` (grids side by side in one world)."""
+        return replace(self, dims=replace(self.dims, first_rank=first_rank))
+
+    def bucket_size_for(self, stage: int, chunk: int) -> int:
+        """The DDP bucket size of model chunk ``chunk`` on pipeline stage ``stage``."""
+        if (stage, chunk) == (0, 0) or self.bucket_size_elsewhere is None:
+            return self.bucket_size
+        return self.bucket_size_elsewhere
+
+    # Read-only views of ``dims`` under the names the report and the preflight twin use.
+    @property
+    def pp_size(self) -> int:
+        return self.dims.pp_size
+
+    @property
+    def dp_size(self) -> int:
+        return self.dims.dp_size
+
+    @property
+    def tp_size(self) -> int:
+        return self.dims.tp_size
+
+    @property
+    def first_rank(self) -> int:
+        return self.dims.first_rank
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.dims.vpp_size
+
+    @property
+    def world(self) -> int:
+        """Ranks the grid occupies."""
+        return self.dims.world_size
+
+
+@dataclass
+class RankResult:
+    """What one rank observed for one case and overlap setting (lists: one entry per step).
+
+    ``grads``/``params``: this rank's parameters by global name
+    (``refgrad.pipeline.stage_param_name``). ``launch_sites``: per bucket, one of
+    :data:`LAUNCH_SITES`. ``relearn_count``: how often the DDP relearned which params each
+    bucket waits for (freezing and unfreezing a param; None: the candidate does not learn
+    them). ``events``: the timeline (``fastgrad.timeline.TimelineEvent``; empty: not
+    recorded). ``chunk_enables`` (interleaved): at each chunk's grad-sync enable, the chunk
+    and which chunks had a reduction in flight.
+    """
+
+    stage: int
+    dp_rank: int
+    tp_rank: int = 0
+    losses: list[list[float]] = field(default_factory=list)
+    grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    params: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    launch_sites: list[tuple[str, ...]] = field(default_factory=list)
+    relearn_count: int | None = 0
+    events: list[list[TimelineEvent]] = field(default_factory=list)
+    chunk_enables: list[list[tuple[int, tuple[bool, ...]]]] = field(default_factory=list)
+
+
+class StepProgress(Protocol):
+    """Where a rank is, for a harness that reports a stalled rank
+    (``verify.distributed.RankProgress``)."""
+
+    def timeline_listener(self, prefix: str = "") -> Callable[[str, int, str], None]:
+        """A listener called with ``(kind, microbatch, "start" | "end")`` around each event."""
+        ...
+
+
+@runtime_checkable
+class PipelineTraining(Protocol):
+    """A candidate's DDP grad sync under the 1F1B schedules.
+
+    Both methods run inside the rank processes. :class:`~verify.candidates.api.Unsupported`
+    may be raised for a case the candidate cannot run; it must then be raised on every rank
+    of the world (decide from the case, never from a rank's coordinates) and before any
+    collective of that case.
+    """
+
+    def grid(self, dims: ParallelDims) -> AbstractContextManager[ParallelDims | None]:
+        """Entered: this rank's place in ``dims``' grid with its process groups (None outside
+        the grid), set up for the candidate; exited after the phase's training: torn down.
+
+        Collective over the whole world: every rank enters it for every case of a phase, in
+        the same order, before any case trains (several grids may share the world:
+        ``dims.first_rank``; a candidate whose groups span the whole world raises
+        :class:`~verify.candidates.api.Unsupported` for a grid that does not).
+        """
+        ...
+
+    def train(self, case: PipelineCase, grid: ParallelDims, *, overlap: bool,
+              progress: StepProgress | None = None) -> RankResult:
+        """Train ``case`` on this rank of ``grid`` (entered from :meth:`grid`) with
+        ``overlap_grad_reduce`` as given; ``progress`` is told each schedule event."""
+        ...
+
+
+def rank_microbatches(case: PipelineCase, grid: ParallelDims, step: int, m: int
+                      ) -> tuple[list[torch.Tensor], list[torch.Tensor],
+                                 Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
+    """This rank's ``(inputs, targets, loss_fn)`` for one step: its replica's data
+    (``refgrad.pipeline.microbatch_data``), its sequence shard of the inputs under SP (its
+    vocabulary columns for the vocab-parallel first layer), and the part of each target its
+    (partial) loss covers."""
+    spec = case.spec
+    inputs, targets = microbatch_data(spec, grid.dp_rank, step, m)
+    if spec.vocab_parallel_embedding:  # every row, this rank's vocabulary columns
+        inputs = [vocab_block(spec, x, grid.tp_rank) for x in inputs]
+    else:
+        inputs = [sequence_shard(spec, x, grid.tp_rank) for x in inputs]
+    targets = [loss_target(spec, t, grid.tp_rank) for t in targets]
+    return inputs, targets, lambda out, target: stage_loss(spec, out, target, m)
+
+
+def total_losses(case: PipelineCase, grid: ParallelDims, losses: Sequence[torch.Tensor]) -> list[float]:
+    """The step's losses: partial losses summed over the TP group (production's all-reduce)."""
+    if losses and splits_loss(case.spec):
+        stacked = torch.stack(list(losses))
+        dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=grid.tp_group)
+        losses = list(stacked)
+    return [float(v) for v in losses]
+
+
+__all__ = [
+    "LAUNCH_SITES",
+    "REDUCTIONS",
+    "ParallelDims",
+    "PipelineCase",
+    "PipelineTraining",
+    "RankResult",
+    "StepProgress",
+    "rank_microbatches",
+    "total_losses",
+]

@@ -1,0 +1,48 @@
+"""fastgrad, gradverify's own implementation, as the default candidate.
+
+Each technique's adapter lives in a module of its own here (``verify.candidates.fastgrad.<technique>``)
+and is imported by the accessor that returns it, where the technique runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from verify.candidates.api import Candidate, CandidateInfo, Fault
+
+if TYPE_CHECKING:  # the technique interfaces, for annotations only
+    from verify.candidates.api.pipeline import PipelineTraining
+
+
+@dataclass(frozen=True)
+class FastgradCandidate(Candidate):
+    """fastgrad as published (``fault=None``), or with one deliberate :class:`Fault`."""
+
+    name = "fastgrad"
+    injected_fault: Fault | None = None
+
+    def __post_init__(self) -> None:
+        if self.injected_fault is not None and not isinstance(self.injected_fault, Fault):
+            raise TypeError(f"FastgradCandidate.injected_fault must be a Fault or None, "
+                            f"got {self.injected_fault!r}")
+
+    @property
+    def fault(self) -> Fault | None:
+        return self.injected_fault
+
+    def info(self) -> CandidateInfo:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            installed = version("gradverify")
+        except PackageNotFoundError:  # run from a source tree that is not installed
+            installed = "source tree"
+        return CandidateInfo(name=self.name, version=installed,
+                             description="gradverify's own implementation (fastgrad)")
+
+    def pipeline(self) -> PipelineTraining:
+        """``fastgrad.ddp`` under ``fastgrad.pipeline``'s 1F1B schedules, with the fault."""
+        from verify.candidates.fastgrad.pipeline import FastgradPipeline
+
+        return FastgradPipeline(fault=self.injected_fault)

@@ -1,0 +1,216 @@
+"""fastgrad's pipeline model for a :class:`~verify.candidates.api.pipeline.PipelineCase`: the
+stage modules, fastgrad's output layer and vocab-parallel embedding, the DDP settings, and the
+faults that break one rank's own layer instance.
+
+The tied embedding on one pipeline stage (production's PP 1) is one weight with two uses:
+Megatron-Core gives the output layer the word embedding's own parameter
+(``shared_embedding_or_output_weight()``); per microbatch the backward reaches the output
+layer first, whose wgrad GEMM adds into the weight's ``main_grad`` (gradient-accumulation
+fusion), then the embedding's grad arrives in ``param.grad`` and the DDP hook adds it; no
+embedding-group all-reduce, the param counted once in the grad norm. Here the first layer's
+weight is the output layer's (:func:`share_head_weight`), DDP holds it once, readiness comes
+from its autograd hook (not ``mark_grad_ready``), and nothing is drained (deferral needs
+PP > 1). The reference is ``refgrad.pipeline``'s ``LinearStackSpec.shares_one_weight``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fastgrad.config import DDPConfig
+from fastgrad.deferred_wgrad import ColumnParallelOutputLayer, EmbeddingWgradConfig
+from fastgrad.parallel_dims import ParallelDims
+from fastgrad.vocab_parallel_embedding import VocabParallelEmbedding
+from refgrad.pipeline import (
+    EMBEDDING_PARAM,
+    HEAD_PARAM,
+    LinearStackSpec,
+    StageModule,
+    head_weight_init,
+    stage_param_name,
+)
+from refgrad.pipeline_tp import head_shard
+from verify.candidates.api import Fault
+from verify.candidates.api.pipeline import PipelineCase
+
+
+def case_ddp_config(case: PipelineCase, overlap: bool, stage: int, chunk: int = 0) -> DDPConfig:
+    """The DDP config of one model chunk of ``case`` on ``stage`` (production's bucket rule)."""
+    return DDPConfig(
+        use_distributed_optimizer=case.use_distributed_optimizer,
+        reduce_scatter_with_fp32_accumulation=case.reduce_scatter_with_fp32_accumulation,
+        average_in_collective=case.reduction == "avg",
+        overlap_grad_reduce=overlap,
+        bucket_size=case.bucket_size_for(stage, chunk),
+    )
+
+
+class BodyWithHead(torch.nn.Module):
+    """The last stage with an output head: ``head(body(x))``."""
+
+    def __init__(self, body: torch.nn.Module, head: torch.nn.Module) -> None:
+        super().__init__()
+        self.body = body
+        self.head = head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+class VocabParallelFirstLayer(torch.nn.Module):
+    """The first stage's first layer when tied at TP > 1, on this rank: fastgrad's
+    vocab-parallel embedding (``weight``: this TP rank's rows, tied to its output-layer shard),
+    then the replicated bias (refgrad: ``refgrad.pipeline_embedding``)."""
+
+    def __init__(self, spec: LinearStackSpec, grid: ParallelDims, bias: torch.Tensor) -> None:
+        super().__init__()
+        self.embedding = VocabParallelEmbedding(
+            head_shard(spec, head_weight_init(spec), grid.tp_rank), parallel_dims=grid)
+        self.weight = self.embedding.weight  # named layers.0.weight, as refgrad's
+        self.bias = torch.nn.Parameter(bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.embedding(x) + self.bias
+
+
+def _mark_replicated(spec: LinearStackSpec, grid: ParallelDims, module: torch.nn.Module) -> None:
+    """The blocks are replicated across TP. Under SP their grads are summed over TP after the
+    DP sync (``sequence_parallel``); on TP ranks > 0 they are duplicates, left out of a grad
+    norm summed over the model-parallel group (``shared``, as Megatron-Core's
+    ``param_is_not_tensor_parallel_duplicate``)."""
+    for p in module.parameters():
+        if spec.sequence_shards > 1:
+            p.sequence_parallel = True
+        if grid.tp_rank > 0:
+            p.shared = True
+
+
+def _vocab_parallel_first_layer(spec: LinearStackSpec, grid: ParallelDims, body: StageModule) -> None:
+    """Swap the tied first layer for this rank's vocab-parallel one. Its weight is split over
+    TP, not replicated: no TP sum of its grad, and it counts in the grad norm on every TP rank."""
+    layer = VocabParallelFirstLayer(spec, grid, body.layers[0].bias)
+    for p in layer.parameters():  # the bias: replicated, as body.layers[0].bias was
+        p.sequence_parallel = getattr(body.layers[0].bias, "sequence_parallel", False)
+        p.shared = getattr(body.layers[0].bias, "shared", False)
+    layer.weight.sequence_parallel = False
+    layer.weight.shared = False
+    body.layers[0] = layer
+
+
+class LifoDrainOutputLayer(ColumnParallelOutputLayer):
+    """A wrong drain (:attr:`Fault.LIFO_DRAIN`): newest deferred (input, grad_output) first."""
+
+    def drain_deferred_wgrad(self, reduce_in_flight: Any = None) -> int:
+        self.activation_buffer.reverse()
+        self.grad_output_buffer.reverse()
+        return super().drain_deferred_wgrad(reduce_in_flight)
+
+
+class DroppedWgradOutputLayer(ColumnParallelOutputLayer):
+    """A wrong output layer (:attr:`Fault.DROPPED_HEAD_WGRAD`): its wgrad never reaches
+    ``main_grad``."""
+
+    def _accumulate(self, grad_output: Any, total_input: Any, guard: Any) -> None:
+        del grad_output, total_input, guard
+
+
+class EmbeddingFirstOutputLayer(ColumnParallelOutputLayer):
+    """A wrong order (:attr:`Fault.EMBEDDING_GRAD_FIRST`): each microbatch's wgrad is held
+    back and added by a post-accumulate hook registered at the first forward, i.e. after
+    DDP's, so after the first layer's grad."""
+
+    def forward(self, local_input: Any) -> Any:
+        if not hasattr(self, "_late_hook"):
+            self._pending: list[tuple[Any, Any, Any]] = []
+            self._late_hook = self.weight.register_post_accumulate_grad_hook(self._add_pending)
+        return super().forward(local_input)
+
+    def _accumulate(self, grad_output: Any, total_input: Any, guard: Any) -> None:
+        self._pending.append((grad_output, total_input, guard))
+
+    def _add_pending(self, param: Any) -> None:
+        del param
+        while self._pending:
+            super()._accumulate(*self._pending.pop(0))
+
+
+def output_layer_class(fault: Fault | None) -> type[ColumnParallelOutputLayer]:
+    """fastgrad's output layer, or the subclass that carries ``fault``; the fault lives on
+    this rank's instance only, never on the library class."""
+    return {Fault.LIFO_DRAIN: LifoDrainOutputLayer,
+            Fault.DROPPED_HEAD_WGRAD: DroppedWgradOutputLayer,
+            Fault.EMBEDDING_GRAD_FIRST: EmbeddingFirstOutputLayer}.get(fault, ColumnParallelOutputLayer)
+
+
+def share_head_weight(spec: LinearStackSpec, body: StageModule, head: ColumnParallelOutputLayer) -> None:
+    """Tied on one stage: make the output layer compute with the first layer's weight (one
+    Parameter, its ``main_grad`` the DDP buffer's view); otherwise leave both alone."""
+    if spec.shares_one_weight:
+        head.weight = body.layers[0].weight
+
+
+def external_grad_params(spec: LinearStackSpec, head: ColumnParallelOutputLayer | None) -> list[Any]:
+    """The params whose ``main_grad`` only the output layer writes (made ready by the schedule's
+    ``mark_grad_ready``): its weight, unless the first layer shares it (then autograd's hook
+    makes it ready, after the output layer's wgrad)."""
+    return [] if head is None or spec.shares_one_weight else [head.weight]
+
+
+def drained_head(spec: LinearStackSpec, head: ColumnParallelOutputLayer | None
+                 ) -> ColumnParallelOutputLayer | None:
+    """What the schedule drains and marks ready: the output layer, or None when its weight is
+    the first layer's (PP 1: nothing is deferred; the first layer's hook marks it ready)."""
+    return None if spec.shares_one_weight else head
+
+
+def updated_once(named: dict[str, Any], frozen: Any) -> list[Any]:
+    """The params to step, each once (the shared weight has two names), none frozen."""
+    out: list[Any] = []
+    for name, param in named.items():
+        if name not in frozen and all(param is not seen for seen in out):
+            out.append(param)
+    return out
+
+
+def build_stage_model(case: PipelineCase, grid: ParallelDims, chunk: int = 0,
+                      fault: Fault | None = None
+                      ) -> tuple[torch.nn.Module, dict[str, Any], ColumnParallelOutputLayer | None,
+                                 list[Any]]:
+    """This rank's model chunk ``chunk`` (virtual stage ``chunk * P + stage``) of ``case``:
+    ``(module, named params, deferred-wgrad head or None, tied-embedding params)``; the head
+    is the last virtual stage's output layer (``output_head``), broken as ``fault`` says."""
+    spec = case.spec
+    stage = chunk * case.pp_size + grid.stage  # the virtual stage
+    body = StageModule(spec, stage)
+    _mark_replicated(spec, grid, body)
+    if spec.vocab_parallel_embedding and stage == 0:
+        _vocab_parallel_first_layer(spec, grid, body)
+    named = {stage_param_name(stage, n): p for n, p in body.named_parameters()}
+    module: torch.nn.Module = body
+    head, tied = None, []
+    if spec.output_head and stage == spec.num_stages - 1:
+        tp = spec.tensor_parallel  # vocab-parallel: this TP rank's rows of the head
+        weight = head_weight_init(spec) if tp == 1 else head_shard(spec, head_weight_init(spec),
+                                                                   grid.tp_rank)
+        head = output_layer_class(fault)(
+            weight,
+            EmbeddingWgradConfig(defer_embedding_wgrad_compute=spec.defer_output_wgrad,
+                                 wgrad_deferral_limit=spec.wgrad_deferral_limit),
+            parallel_dims=grid,
+        )
+        share_head_weight(spec, body, head)  # tied at PP 1: one Parameter, two uses
+        module = BodyWithHead(body, head)
+        named[stage_param_name(stage, HEAD_PARAM)] = head.weight
+        if spec.tied_embedding:
+            tied = [head.weight]
+    if spec.tied_embedding and stage == 0:
+        tied = [named[stage_param_name(0, EMBEDDING_PARAM)]]
+    if spec.shares_one_weight:
+        tied = []  # one weight: nothing to all-reduce, no own bucket (production at PP 1)
+    for param in tied:
+        # Own bucket, same bucket-relative offsets on both stages: the DP shards of the
+        # two copies line up, so the embedding all-reduce is right on every shard.
+        param.shared_embedding = True
+    return module, named, head, tied
