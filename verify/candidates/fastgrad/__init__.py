@@ -7,8 +7,14 @@ and is imported by the accessor that returns it, where the technique runs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from verify.candidates.api import Candidate, CandidateInfo, Fault
+
+if TYPE_CHECKING:  # the technique interfaces, for annotations only
+    from verify.candidates.api.deferred_wgrad import DeferredWgrad
+    from verify.candidates.api.layout import BucketLayout
+    from verify.candidates.api.mxfp8 import MXFP8
 
 
 @dataclass(frozen=True)
@@ -36,3 +42,22 @@ class FastgradCandidate(Candidate):
             installed = "source tree"
         return CandidateInfo(name=self.name, version=installed,
                              description="gradverify's own implementation (fastgrad)")
+
+    def layout(self) -> BucketLayout:
+        """``fastgrad.layout.compute_layout`` and ``fastgrad.buffer.ParamAndGradBuffer``."""
+        from verify.candidates.fastgrad.layout import FastgradLayout
+
+        return FastgradLayout()
+
+    def deferred_wgrad(self) -> DeferredWgrad:
+        """``fastgrad.deferred_wgrad.ColumnParallelOutputLayer`` and its wgrad GEMM
+        (``Fault.LIFO_DRAIN``: the drain runs newest first)."""
+        from verify.candidates.fastgrad.deferred_wgrad import FastgradDeferredWgrad
+
+        return FastgradDeferredWgrad(lifo_drain=self.injected_fault is Fault.LIFO_DRAIN)
+
+    def mxfp8(self) -> MXFP8:
+        """``fastgrad.mxfp8`` (the Triton kernel on CUDA) and ``fastgrad.mxfp8_sharing``."""
+        from verify.candidates.fastgrad.mxfp8 import FastgradMXFP8
+
+        return FastgradMXFP8()

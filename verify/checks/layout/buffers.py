@@ -4,27 +4,32 @@ from __future__ import annotations
 
 import torch
 
+from refgrad.layout import Layout
 from refgrad.layout import compute_layout as reference_layout
+from verify.candidates.api.layout import BucketLayout, BufferConfig
 from verify.checks.layout.cases import compare_layouts
 
 # --------------------------------------------------------------------------- local buffer checks
 
 
-def buffer_violations(device: str, buffer_cls: type | None = None, seed: int = 0) -> list[str]:
-    """Single-process buffer properties on ``device`` (views, alignment, padding).
+def padding_mask(layout: Layout, device: torch.device | str) -> torch.Tensor:
+    """True over the buffer where ``layout`` puts no parameter (padding and start gaps)."""
+    mask = torch.ones(layout.numel, dtype=torch.bool, device=device)
+    for start, end, _ in layout.param_index_map:
+        mask[start:end] = False
+    return mask
 
-    ``buffer_cls`` replaces ``fastgrad.buffer.ParamAndGradBuffer`` (a candidate's class);
-    parameter values come from ``seed`` (seed 0: the generators ``manual_seed(i)`` of param i).
+
+def buffer_violations(device: str, layout: BucketLayout, seed: int = 0) -> list[str]:
+    """Single-process properties of the candidate's buffers on ``device`` (views, alignment,
+    padding), each group held to refgrad's layout of its params.
+
+    Parameter values come from ``seed`` (seed 0: the generators ``manual_seed(i)`` of param i).
     """
-    from fastgrad.buffer import ParamAndGradBuffer
-    from fastgrad.config import DDPConfig
-
-    ParamAndGradBuffer = buffer_cls or ParamAndGradBuffer  # noqa: N806 - the candidate's class
-
     bad: list[str] = []
     for dp in (1, 3, 8):
         for dist_opt in (True, False):
-            config = DDPConfig(
+            config = BufferConfig(
                 use_distributed_optimizer=dist_opt, overlap_grad_reduce=True, bucket_size=150
             )
             shapes = [(7, 3), (100,), (5,), (2, 64), (33,)]
@@ -35,8 +40,9 @@ def buffer_violations(device: str, buffer_cls: type | None = None, seed: int = 0
             ]
             params[0].shared_embedding = True
             before = [p.detach().clone() for p in params]
-            buf = ParamAndGradBuffer(params, config=config, dp_size=dp)
+            buf = layout.build_buffer(params, config, dp_size=dp)
             tag = f"dp={dp} dist_opt={dist_opt}"
+            masks = []
             for group in buf.groups:
                 members = group.params
                 ref = reference_layout(
@@ -47,8 +53,9 @@ def buffer_violations(device: str, buffer_cls: type | None = None, seed: int = 0
                     pad_buckets_for_high_nccl_busbw=False,
                     shared_embedding=[k for k, p in enumerate(members) if k == 0 and p is params[0]],
                 )
-                if compare_layouts(ref, group.layout):
-                    bad.append(f"{tag}: group {group.key} layout differs from refgrad")
+                masks.append(padding_mask(ref, device))
+                if compare_layouts(ref, group.layout()):
+                    bad.append(f"{tag}: group {(group.param_dtype, group.grad_dtype)} layout differs from refgrad")
                 esize = group.grad_data.element_size()
                 base = group.grad_data.data_ptr()
                 for k, p in enumerate(members):
@@ -78,27 +85,31 @@ def buffer_violations(device: str, buffer_cls: type | None = None, seed: int = 0
             if not buf.padding_is_zero():
                 bad.append(f"{tag}: accumulate wrote into padding")
             exact = sum((i + 1) ** 2 * p.numel() for i, p in enumerate(params))
-            for group in buf.groups:
-                group.grad_data[group.padding_mask()] = 1000.0
+            for group, mask in zip(buf.groups, masks):
+                if mask.numel() != group.grad_data.numel():
+                    bad.append(f"{tag}: grad buffer of {group.grad_data.numel()} elements, "
+                               f"refgrad's layout {mask.numel()}")
+                    continue
+                group.grad_data[mask] = 1000.0
             if float(buf.grad_norm_sq()) != exact:
                 bad.append(f"{tag}: grad_norm_sq saw padding")
             if dist_opt and sum(float(buf.local_shard_grad_norm_sq(r)) for r in range(dp)) != exact:
                 bad.append(f"{tag}: shard norms saw padding or missed elements")
-            state = buf.checkpoint_state()
-            if any(state[i]["main_grad"].numel() != p.numel() for i, p in enumerate(params)):
+            state = buf.checkpoint_grads()
+            if any(state[i].numel() != p.numel() for i, p in enumerate(params)):
                 bad.append(f"{tag}: checkpoint state includes padding")
             if dist_opt:
                 covered = [0] * len(params)
                 for r in range(dp):
-                    for i, pieces in buf.shard_checkpoint_state(r).items():
+                    for i, pieces in buf.shard_checkpoint_grads(r).items():
                         for piece in pieces:
-                            lo, hi = piece["param_offset"]
+                            lo, hi = piece.param_offset
                             covered[i] += hi - lo
-                            if bool((piece["main_grad"] == 1000.0).any()):
+                            if bool((piece.values == 1000.0).any()):
                                 bad.append(f"{tag}: shard checkpoint holds padding")
                 if covered != [p.numel() for p in params]:
                     bad.append(f"{tag}: shard checkpoints cover {covered}, params {[p.numel() for p in params]}")
-            has_padding = any(bool(g.padding_mask().any()) for g in buf.groups)
+            has_padding = any(bool(mask.any()) for mask in masks)
             if has_padding == buf.padding_is_zero():
                 bad.append(f"{tag}: padding_is_zero missed poisoned padding")
             buf.zero_grad()

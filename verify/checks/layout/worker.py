@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from refgrad.layout import compute_layout as reference_layout
+from verify.candidates import Candidate, Unsupported
+from verify.candidates.api.layout import BufferConfig, GradBufferGroup
 from verify.distributed import DEFAULT_TIMEOUT_S, spawn
 
 # --------------------------------------------------------------------------- multi-rank
@@ -34,54 +37,48 @@ class ReduceScenario:
     name: str
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[str, ...]
-    config: tuple[tuple[str, Any], ...]
+    config: BufferConfig
     shared: tuple[int, ...] = ()
     gradient_scaling_factor: float = 1.0
     iterations: int = 2
     microbatches: int = 2
-    needs: str = ""  # an optional module the strategy imports
-
-    def ddp_config(self) -> Any:
-        from fastgrad.config import DDPConfig
-
-        return DDPConfig(**dict(self.config))
 
 
 def default_scenarios(world_size: int) -> list[ReduceScenario]:
     """Reduce-scatter (plain, averaged, fp32-accumulating), all-reduce, an all-padding shard."""
     shapes = ((3, 5), (40,), (7, 3), (64,), (30, 2), (1,))
     dtypes = ("bfloat16", "float32", "bfloat16", "bfloat16", "float32", "bfloat16")
-    dist_opt = (("use_distributed_optimizer", True), ("overlap_grad_reduce", True), ("bucket_size", 60))
+    dist_opt = BufferConfig(use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=60)
+    fp32_accumulation = replace(dist_opt, reduce_scatter_with_fp32_accumulation=True)
     scenarios = [
         ReduceScenario("reduce-scatter SUM, mixed dtypes, shared embedding", shapes, dtypes, dist_opt, shared=(0,)),
         ReduceScenario(
             "all-reduce SUM (no distributed optimizer)", shapes, dtypes,
-            (("overlap_grad_reduce", True), ("bucket_size", 60)),
+            BufferConfig(overlap_grad_reduce=True, bucket_size=60),
         ),
         ReduceScenario(
             "reduce-scatter with fp32 accumulation", shapes, ("bfloat16",) * len(shapes),
-            dist_opt + (("reduce_scatter_with_fp32_accumulation", True),), needs="fastgrad.reduce_scatter",
+            fp32_accumulation,
         ),
         ReduceScenario(
             "one tiny param: most ranks' shards are all padding", ((5,),), ("bfloat16",),
-            (("use_distributed_optimizer", True),),
+            BufferConfig(use_distributed_optimizer=True),
         ),
     ]
     if world_size & (world_size - 1) == 0:  # averaging is exact only for power-of-two dp
         scenarios += [
             ReduceScenario(
                 "reduce-scatter AVG in the collective", shapes, dtypes,
-                dist_opt + (("average_in_collective", True),),
+                replace(dist_opt, average_in_collective=True),
             ),
             ReduceScenario(
                 "fp32 grads of bf16 params, pre-scaled by 1/dp", shapes, ("bfloat16",) * len(shapes),
-                dist_opt + (("grad_reduce_in_fp32", True),),
+                replace(dist_opt, grad_reduce_in_fp32=True),
                 gradient_scaling_factor=1.0 / world_size,
             ),
             ReduceScenario(  # the scaling folded into the fp32-accumulating reduction
                 "fp32 accumulation, pre-scaled by 1/dp", shapes, ("bfloat16",) * len(shapes),
-                dist_opt + (("reduce_scatter_with_fp32_accumulation", True),),
-                gradient_scaling_factor=1.0 / world_size, needs="fastgrad.reduce_scatter",
+                fp32_accumulation, gradient_scaling_factor=1.0 / world_size,
             ),
         ]
     return scenarios
@@ -99,27 +96,38 @@ def _scenario_params(scenario: ReduceScenario, device: str) -> list[torch.Tensor
     return params
 
 
+def _regions(group: GradBufferGroup, rank: int, sharded: bool) -> list[tuple[int, int]]:
+    """Where this rank's reduced grads are in the group buffer: its shard of each bucket (read
+    from the shard views the candidate hands out), or every whole bucket (all-reduce)."""
+    if not sharded:
+        return [(b.start, b.end) for b in group.buckets]
+    base, size = group.grad_data.data_ptr(), group.grad_data.element_size()
+    regions = []
+    for bucket in group.buckets:
+        shard = bucket.grad_shard(rank)
+        lo = (shard.data_ptr() - base) // size
+        regions.append((lo, lo + shard.numel()))
+    return regions
+
+
 def reduce_worker(
-    rank: int, world_size: int, scenarios: Sequence[ReduceScenario], buffer_cls: type | None = None
+    rank: int, world_size: int, scenarios: Sequence[ReduceScenario], candidate: Candidate
 ) -> list[dict]:
     """Per rank: build each scenario's buffer, accumulate rank-specific grads, reduce, report."""
-    import importlib.util
-
-    from fastgrad.buffer import ParamAndGradBuffer
-
-    ParamAndGradBuffer = buffer_cls or ParamAndGradBuffer  # noqa: N806 - the candidate's class
+    layout = candidate.layout()
     results = []
     for scenario in scenarios:
-        if scenario.needs and importlib.util.find_spec(scenario.needs) is None:
-            results.append({"skipped": f"{scenario.needs} is not available"})
-            continue
         params = _scenario_params(scenario, "cpu")
         before = [p.detach().clone() for p in params]
-        buffer = ParamAndGradBuffer(
-            params,
-            config=scenario.ddp_config(),
-            gradient_scaling_factor=scenario.gradient_scaling_factor,
-        )
+        try:
+            buffer = layout.build_buffer(
+                params, scenario.config, dp_size=world_size, dp_group=dist.group.WORLD,
+                gradient_scaling_factor=scenario.gradient_scaling_factor,
+            )
+        except Unsupported as unsupported:
+            results.append({"skipped": str(unsupported)})
+            continue
+        sharded = scenario.config.use_distributed_optimizer
         out: dict[str, Any] = {
             "params_kept": all(torch.equal(a, p.detach()) for a, p in zip(before, params)),
             "iterations": [],
@@ -140,21 +148,16 @@ def reduce_worker(
                 "in_flight_seen": all(in_flight),
                 "padding_zero": buffer.padding_is_zero(),
                 "groups": [],
-                "local_norm_sq": float(buffer.local_shard_grad_norm_sq())
-                if buffer.config.use_distributed_optimizer
-                else 0.0,
+                "local_norm_sq": float(buffer.local_shard_grad_norm_sq(rank)) if sharded else 0.0,
                 "checkpoint": {
-                    i: [(piece["param_offset"], piece["main_grad"].double().tolist()) for piece in pieces]
-                    for i, pieces in buffer.shard_checkpoint_state().items()
+                    i: [(piece.param_offset, piece.values.double().tolist()) for piece in pieces]
+                    for i, pieces in buffer.shard_checkpoint_grads(rank).items()
                 }
-                if buffer.config.use_distributed_optimizer
+                if sharded
                 else {},
             }
             for group in buffer.groups:
-                if buffer.config.use_distributed_optimizer:
-                    regions = [b.shard_range(rank) for b in group.buckets]
-                else:
-                    regions = [(b.start, b.end) for b in group.buckets]
+                regions = _regions(group, rank, sharded)
                 record["groups"].append(
                     {
                         "key": (str(group.param_dtype), str(group.grad_dtype)),
@@ -173,7 +176,7 @@ def expected_reduction(
     scenario: ReduceScenario, world_size: int, rank: int, iteration: int
 ) -> list[dict[str, Any]]:
     """Per group: this rank's regions and their exact reduced values, laid out by refgrad."""
-    config = scenario.ddp_config()
+    config = scenario.config
     groups: dict[tuple[str, str], list[int]] = {}
     for i, dtype in enumerate(scenario.dtypes):
         grad_dtype = "float32" if config.grad_reduce_in_fp32 else dtype
@@ -252,15 +255,13 @@ def _checkpoint_problems(
 def run_reduce_scenarios(
     world_size: int,
     scenarios: Sequence[ReduceScenario],
+    candidate: Candidate,
     *,
-    buffer_cls: type | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> list[tuple[str, bool, str]]:
-    """Spawn ``world_size`` gloo ranks; (label, passed, detail) per scenario, iteration and rank.
-
-    ``buffer_cls`` replaces ``fastgrad.buffer.ParamAndGradBuffer`` (a candidate's class).
-    """
-    per_rank = spawn(reduce_worker, world_size, list(scenarios), buffer_cls, timeout_s=timeout_s)
+    """Spawn ``world_size`` gloo ranks, each reducing through ``candidate``'s buffers;
+    (label, passed, detail) per scenario, iteration and rank."""
+    per_rank = spawn(reduce_worker, world_size, list(scenarios), candidate, timeout_s=timeout_s)
     outcomes: list[tuple[str, bool, str]] = []
     for s_index, scenario in enumerate(scenarios):
         label = f"dp={world_size}: {scenario.name}"
@@ -298,13 +299,13 @@ def run_reduce_scenarios(
                     expected_norm = sum(
                         float(v) ** 2 for g in want for v in g["all_values"]
                     )
-            if scenario.ddp_config().use_distributed_optimizer:
+            if scenario.config.use_distributed_optimizer:
                 problems += _checkpoint_problems(
                     [per_rank[r][s_index]["iterations"][it]["checkpoint"] for r in range(world_size)],
                     expected_reduction(scenario, world_size, 0, it),
                     [math.prod(shape) for shape in scenario.shapes],
                 )
-            if scenario.ddp_config().use_distributed_optimizer and expected_norm is not None:
+            if scenario.config.use_distributed_optimizer and expected_norm is not None:
                 # Integer/dyadic grads: every square and partial sum is exact in float64.
                 if norm_total != expected_norm:
                     problems.append(f"sum of local shard norms^2 {norm_total} != exact {expected_norm}")
