@@ -52,9 +52,14 @@ class FastgradCandidate(Candidate):
     def deferred_wgrad(self) -> DeferredWgrad:
         """``fastgrad.deferred_wgrad.ColumnParallelOutputLayer`` and its wgrad GEMM
         (``Fault.LIFO_DRAIN``: the drain runs newest first)."""
-        from verify.candidates.fastgrad.deferred_wgrad import FastgradDeferredWgrad
+        from verify.candidates.fastgrad.deferred_wgrad import (
+            FastgradDeferredWgrad,
+            LifoDrainOutputLayer,
+        )
 
-        return FastgradDeferredWgrad(lifo_drain=self.injected_fault is Fault.LIFO_DRAIN)
+        if self.injected_fault is Fault.LIFO_DRAIN:
+            return FastgradDeferredWgrad(layer_cls=LifoDrainOutputLayer)
+        return FastgradDeferredWgrad()
 
     def mxfp8(self) -> MXFP8:
         """``fastgrad.mxfp8`` (the Triton kernel on CUDA) and ``fastgrad.mxfp8_sharing``."""

@@ -5,14 +5,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fastgrad.deferred_wgrad import (
-    ColumnParallelOutputLayer,
-    EmbeddingWgradConfig,
-    allreduce_tied_embedding_grad,
-)
 from refgrad.deferred_wgrad import (
     deferred_accumulation_order,
 )
+from verify.candidates import Candidate
+from verify.candidates.api.deferred_wgrad import DeferredWgrad, OutputLayerConfig
 from verify.checks.deferred_wgrad.cases import (
     BATCH,
     HIDDEN,
@@ -24,13 +21,13 @@ from verify.checks.deferred_wgrad.cases import (
 )
 
 
-def run_layer(case, layer_cls, config, weight, xs, gos, rank, order_of, tp_group):
+def run_layer(case, wgrad: DeferredWgrad, config, weight, xs, gos, rank, order_of, tp_group):
     """Run ITERATIONS steps; return main_grad after each, drain counts, dgrads, empty-drain facts."""
     tp = case.tp
     vshard = VOCAB // tp
     sshard = SEQ // tp if case.sequence_parallel else SEQ
     vrank = rank if tp > 1 else 0
-    layer = layer_cls(
+    layer = wgrad.output_layer(
         weight[vrank * vshard : (vrank + 1) * vshard],
         config,
         tp_group=tp_group,
@@ -47,12 +44,12 @@ def run_layer(case, layer_cls, config, weight, xs, gos, rank, order_of, tp_group
             go = gos[it][k][..., vrank * vshard : (vrank + 1) * vshard].contiguous()
             layer(x).backward(go)
             step_dgrads[k] = x.grad
-        drained.append(layer.drain_deferred_wgrad())
-        snapshot = layer.weight.main_grad.clone()
+        drained.append(layer.drain())
+        snapshot = layer.main_grad.clone()
         # A second drain finds 0 entries: it must return 0 and leave main_grad alone.
-        empty_drain_ok &= layer.drain_deferred_wgrad() == 0
+        empty_drain_ok &= layer.drain() == 0
         empty_drain_ok &= torch.equal(
-            layer.weight.main_grad.view(torch.int16 if snapshot.itemsize == 2 else torch.int32),
+            layer.main_grad.view(torch.int16 if snapshot.itemsize == 2 else torch.int32),
             snapshot.view(torch.int16 if snapshot.itemsize == 2 else torch.int32),
         )
         grads_after.append(snapshot)
@@ -65,29 +62,27 @@ def run_case_on_rank(
     seed: int,
     rank: int,
     tp_group: dist.ProcessGroup | None,
-    layer_cls: type[ColumnParallelOutputLayer],
+    wgrad: DeferredWgrad,
 ) -> dict:
     """Deferred, immediate, and immediate-in-drain-order runs of one case on this rank."""
     data_rank = rank if case.tp == 1 else 0
     weight, xs, gos = case_data(case, seed, data_rank)
     m = case.num_microbatches
-    deferred_cfg = EmbeddingWgradConfig(
+    deferred_cfg = OutputLayerConfig(
         defer_embedding_wgrad_compute=True,
         wgrad_deferral_limit=case.limit,
         pipeline_model_parallel_size=2,
-        tensor_model_parallel_size=case.tp,
         sequence_parallel=case.sequence_parallel,
     )
-    immediate_cfg = EmbeddingWgradConfig(
+    immediate_cfg = OutputLayerConfig(
         pipeline_model_parallel_size=2,
-        tensor_model_parallel_size=case.tp,
         sequence_parallel=case.sequence_parallel,
     )
     natural = lambda it: range(m)  # noqa: E731
     drain_order = lambda it: deferred_accumulation_order(m, case.limit)  # noqa: E731
-    deferred = run_layer(case, layer_cls, deferred_cfg, weight, xs, gos, rank, natural, tp_group)
-    immediate = run_layer(case, ColumnParallelOutputLayer, immediate_cfg, weight, xs, gos, rank, natural, tp_group)
-    reordered = run_layer(case, ColumnParallelOutputLayer, immediate_cfg, weight, xs, gos, rank, drain_order, tp_group)
+    deferred = run_layer(case, wgrad, deferred_cfg, weight, xs, gos, rank, natural, tp_group)
+    immediate = run_layer(case, wgrad, immediate_cfg, weight, xs, gos, rank, natural, tp_group)
+    reordered = run_layer(case, wgrad, immediate_cfg, weight, xs, gos, rank, drain_order, tp_group)
     dgrad_equal = all(
         torch.equal(a, b)
         for it in range(ITERATIONS)
@@ -104,7 +99,7 @@ def run_case_on_rank(
     }
 
 
-def _tied_embedding_on_rank(rank: int, seed: int, main_grad_dtype: str, layer_cls) -> list[dict]:
+def _tied_embedding_on_rank(rank: int, seed: int, main_grad_dtype: str, wgrad: DeferredWgrad) -> list[dict]:
     """Stage 0: word-embedding grads; stage 1: deferred output layer; then the tied all-reduce."""
     dtype = getattr(torch, main_grad_dtype)
     g = torch.Generator().manual_seed(seed * 31 + 5)
@@ -113,9 +108,9 @@ def _tied_embedding_on_rank(rank: int, seed: int, main_grad_dtype: str, layer_cl
     if rank == 0:
         main_grad = torch.zeros(VOCAB, HIDDEN, dtype=dtype)
     else:
-        config = EmbeddingWgradConfig(defer_embedding_wgrad_compute=True, pipeline_model_parallel_size=2)
-        layer = layer_cls(weight, config, main_grad_dtype=dtype)
-        main_grad = layer.weight.main_grad
+        config = OutputLayerConfig(defer_embedding_wgrad_compute=True, pipeline_model_parallel_size=2)
+        layer = wgrad.output_layer(weight, config, main_grad_dtype=dtype)
+        main_grad = layer.main_grad
     for _ in range(ITERATIONS):
         # Every iteration starts from zeros, as after the optimizer step's zero_grad.
         main_grad.zero_()
@@ -131,20 +126,21 @@ def _tied_embedding_on_rank(rank: int, seed: int, main_grad_dtype: str, layer_cl
                 go = torch.randn(SEQ, BATCH, VOCAB, generator=g).bfloat16()
                 layer(x).backward(go)
         if rank == 1:
-            layer.drain_deferred_wgrad()
+            layer.drain()
         before = main_grad.clone()
-        allreduce_tied_embedding_grad(main_grad, dist.group.WORLD)
+        wgrad.allreduce_tied_embedding_grad(main_grad, dist.group.WORLD)
         out.append({"before": before, "after": main_grad.clone()})
     return out
 
 
-def rank_main(rank: int, world_size: int, cases: list[dict], seed: int, layer_cls) -> dict:
+def rank_main(rank: int, world_size: int, cases: list[dict], seed: int, candidate: Candidate) -> dict:
     """Everything that needs processes: the TP cases and the tied-embedding exchange."""
+    wgrad = candidate.deferred_wgrad()
     results = {}
     for spec in cases:
         case = WgradCase(**spec)
         results[case.label] = run_case_on_rank(
-            case, seed, rank, dist.group.WORLD if case.tp > 1 else None, layer_cls
+            case, seed, rank, dist.group.WORLD if case.tp > 1 else None, wgrad
         )
-    tied = {d: _tied_embedding_on_rank(rank, seed, d, layer_cls) for d in ("float32", "bfloat16")}
+    tied = {d: _tied_embedding_on_rank(rank, seed, d, wgrad) for d in ("float32", "bfloat16")}
     return {"cases": results, "tied": tied}
