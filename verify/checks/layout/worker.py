@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any
@@ -11,9 +11,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from refgrad.layout import Layout
 from refgrad.layout import compute_layout as reference_layout
 from verify.candidates import Candidate, Unsupported
-from verify.candidates.api.layout import BufferConfig, GradBufferGroup
+from verify.candidates.api.layout import BufferConfig, GradBuffer, GradBufferGroup, GradPiece
+from verify.checks.layout.buffers import padding_mask
 from verify.distributed import DEFAULT_TIMEOUT_S, spawn
 
 # --------------------------------------------------------------------------- multi-rank
@@ -110,6 +112,35 @@ def _regions(group: GradBufferGroup, rank: int, sharded: bool) -> list[tuple[int
     return regions
 
 
+def _padding_is_zero(buffer: GradBuffer, masks: Sequence[torch.Tensor]) -> bool:
+    """Every element where refgrad's layout puts no parameter is zero, in every group."""
+    groups = buffer.groups
+    if len(groups) != len(masks):
+        return False
+    for group, mask in zip(groups, masks):
+        if group.grad_data.numel() != mask.numel() or bool(group.grad_data[mask].ne(0).any()):
+            return False
+    return True
+
+
+def _unless_unsupported(helper: Callable[..., Any], missing: list[str], *args: Any) -> Any:
+    """``helper(*args)``, or None with the reason noted when the candidate lacks the helper."""
+    try:
+        return helper(*args)
+    except Unsupported as unsupported:
+        if str(unsupported) not in missing:
+            missing.append(str(unsupported))
+        return None
+
+
+def _plain_checkpoint(pieces: dict[int, list[GradPiece]] | None) -> dict | None:
+    """Shard checkpoint pieces as plain lists (spawn results must not hold tensors)."""
+    if pieces is None:
+        return None
+    return {i: [(piece.param_offset, piece.values.double().tolist()) for piece in ps]
+            for i, ps in pieces.items()}
+
+
 def reduce_worker(
     rank: int, world_size: int, scenarios: Sequence[ReduceScenario], candidate: Candidate
 ) -> list[dict]:
@@ -128,9 +159,12 @@ def reduce_worker(
             results.append({"skipped": str(unsupported)})
             continue
         sharded = scenario.config.use_distributed_optimizer
+        masks = [padding_mask(layout, "cpu") for _, _, layout in reference_layouts(scenario, world_size)]
+        missing: list[str] = []
         out: dict[str, Any] = {
             "params_kept": all(torch.equal(a, p.detach()) for a, p in zip(before, params)),
             "iterations": [],
+            "unsupported": missing,
         }
         for it in range(scenario.iterations):
             buffer.zero_grad()
@@ -144,17 +178,15 @@ def reduce_worker(
                 in_flight.append(bucket.reduce_in_flight)
             for bucket in buffer.buckets:
                 bucket.finish_grad_sync()
+            norm_sq = _unless_unsupported(buffer.local_shard_grad_norm_sq, missing, rank) if sharded else 0.0
+            pieces = _unless_unsupported(buffer.shard_checkpoint_grads, missing, rank) if sharded else {}
             record = {
                 "in_flight_seen": all(in_flight),
-                "padding_zero": buffer.padding_is_zero(),
+                "padding_zero": _padding_is_zero(buffer, masks),
+                "padding_helper": _unless_unsupported(buffer.padding_is_zero, missing),
                 "groups": [],
-                "local_norm_sq": float(buffer.local_shard_grad_norm_sq(rank)) if sharded else 0.0,
-                "checkpoint": {
-                    i: [(piece.param_offset, piece.values.double().tolist()) for piece in pieces]
-                    for i, pieces in buffer.shard_checkpoint_grads(rank).items()
-                }
-                if sharded
-                else {},
+                "local_norm_sq": None if norm_sq is None else float(norm_sq),
+                "checkpoint": _plain_checkpoint(pieces),
             }
             for group in buffer.groups:
                 regions = _regions(group, rank, sharded)
@@ -172,26 +204,36 @@ def reduce_worker(
     return results
 
 
-def expected_reduction(
-    scenario: ReduceScenario, world_size: int, rank: int, iteration: int
-) -> list[dict[str, Any]]:
-    """Per group: this rank's regions and their exact reduced values, laid out by refgrad."""
+def reference_layouts(
+    scenario: ReduceScenario, world_size: int
+) -> list[tuple[tuple[str, str], list[int], Layout]]:
+    """Per (param dtype, grad dtype) group in first-seen order: its key, its members'
+    registration indices and refgrad's layout of them."""
     config = scenario.config
     groups: dict[tuple[str, str], list[int]] = {}
     for i, dtype in enumerate(scenario.dtypes):
         grad_dtype = "float32" if config.grad_reduce_in_fp32 else dtype
         groups.setdefault((f"torch.{dtype}", f"torch.{grad_dtype}"), []).append(i)
-    expected = []
-    for key, members in groups.items():
-        numels = [math.prod(scenario.shapes[i]) for i in members]
-        layout = reference_layout(
-            numels,
+    return [
+        (key, members, reference_layout(
+            [math.prod(scenario.shapes[i]) for i in members],
             dp_size=world_size,
             bucket_size=config.resolved_bucket_size(world_size),
             use_distributed_optimizer=config.use_distributed_optimizer,
             pad_buckets_for_high_nccl_busbw=config.pad_buckets_for_high_nccl_busbw,
             shared_embedding=[k for k, i in enumerate(members) if i in scenario.shared],
-        )
+        ))
+        for key, members in groups.items()
+    ]
+
+
+def expected_reduction(
+    scenario: ReduceScenario, world_size: int, rank: int, iteration: int
+) -> list[dict[str, Any]]:
+    """Per group: this rank's regions and their exact reduced values, laid out by refgrad."""
+    config = scenario.config
+    expected = []
+    for key, members, layout in reference_layouts(scenario, world_size):
         values = [Fraction(0)] * layout.numel
         scale = Fraction(scenario.gradient_scaling_factor)
         if config.average_in_collective:
@@ -263,13 +305,14 @@ def run_reduce_scenarios(
     (label, passed, detail) per scenario, iteration and rank."""
     per_rank = spawn(reduce_worker, world_size, list(scenarios), candidate, timeout_s=timeout_s)
     outcomes: list[tuple[str, bool, str]] = []
+    missing: dict[str, None] = {}  # the helpers the candidate lacks, each reason once
     for s_index, scenario in enumerate(scenarios):
         label = f"dp={world_size}: {scenario.name}"
         if "skipped" in per_rank[0][s_index]:
             outcomes.append((label, True, "skipped: " + per_rank[0][s_index]["skipped"]))
             continue
         for it in range(scenario.iterations):
-            norm_total = 0.0
+            norm_total: float | None = 0.0
             problems: list[str] = []
             expected_norm = None
             for rank in range(world_size):
@@ -281,6 +324,9 @@ def run_reduce_scenarios(
                     problems.append(f"rank {rank}: reduce_in_flight was False after start")
                 if not record["padding_zero"]:
                     problems.append(f"rank {rank}: padding became non-zero")
+                if record["padding_helper"] is not None and record["padding_helper"] != record["padding_zero"]:
+                    problems.append(f"rank {rank}: padding_is_zero says {record['padding_helper']}, "
+                                    f"the padding refgrad's layout gives is {'' if record['padding_zero'] else 'not '}zero")
                 want = expected_reduction(scenario, world_size, rank, it)
                 if [g["key"] for g in record["groups"]] != [g["key"] for g in want]:
                     problems.append(f"rank {rank}: groups {[g['key'] for g in record['groups']]}")
@@ -294,20 +340,28 @@ def run_reduce_scenarios(
                         if not torch.equal(v_got, v_want):
                             bad = int((v_got != v_want).sum())
                             problems.append(f"rank {rank} {g_want['key']} bucket {b}: {bad} elements differ")
-                norm_total += record["local_norm_sq"]
+                if record["local_norm_sq"] is None:
+                    norm_total = None
+                elif norm_total is not None:
+                    norm_total += record["local_norm_sq"]
                 if expected_norm is None:
                     expected_norm = sum(
                         float(v) ** 2 for g in want for v in g["all_values"]
                     )
-            if scenario.config.use_distributed_optimizer:
+            checkpoints = [per_rank[r][s_index]["iterations"][it]["checkpoint"] for r in range(world_size)]
+            if scenario.config.use_distributed_optimizer and None not in checkpoints:
                 problems += _checkpoint_problems(
-                    [per_rank[r][s_index]["iterations"][it]["checkpoint"] for r in range(world_size)],
+                    checkpoints,
                     expected_reduction(scenario, world_size, 0, it),
                     [math.prod(shape) for shape in scenario.shapes],
                 )
-            if scenario.config.use_distributed_optimizer and expected_norm is not None:
+            if (scenario.config.use_distributed_optimizer and expected_norm is not None
+                    and norm_total is not None):
                 # Integer/dyadic grads: every square and partial sum is exact in float64.
                 if norm_total != expected_norm:
                     problems.append(f"sum of local shard norms^2 {norm_total} != exact {expected_norm}")
             outcomes.append((f"{label}, iteration {it}", not problems, "; ".join(problems[:5])))
+        missing.update(dict.fromkeys(
+            reason for r in range(world_size) for reason in per_rank[r][s_index]["unsupported"]))
+    outcomes += [(f"dp={world_size}: buffer helpers", True, f"skipped: {reason}") for reason in missing]
     return outcomes
