@@ -5,13 +5,17 @@ from dataclasses import dataclass
 import pytest
 
 from fastgrad.deferred_wgrad import ColumnParallelOutputLayer
-from verify.candidates import FastgradCandidate, Fault
+from verify.candidates import FastgradCandidate, Fault, Technique, Unsupported
 from verify.candidates.api.deferred_wgrad import (
     DeferredWgrad,
     OutputLayerConfig,
     WgradGemm,
 )
-from verify.candidates.fastgrad.deferred_wgrad import FastgradDeferredWgrad, FastgradWgradGemm
+from verify.candidates.fastgrad.deferred_wgrad import (
+    FastgradDeferredWgrad,
+    FastgradOutputLayer,
+    FastgradWgradGemm,
+)
 from verify.check import CheckContext, CheckRecorder
 from verify.checks import CHECK_MODULES
 from verify.checks.deferred_wgrad import CHECK, WgradCase, build_cases
@@ -147,3 +151,49 @@ def test_wgrad_gemm_comparison_catches_a_dropped_microbatch():
     assert not result.passed
     assert result.failed_labels() == ["cpu wgrad fp32_upcast: main_grad float32 (exact grid)",
                                       "cpu wgrad fp32_upcast: main_grad bfloat16 (exact grid)"]
+
+
+class SingleEntryDrainRaises(ColumnParallelOutputLayer):
+    """As Megatron-Core 0.16.1's drain_embedding_wgrad_compute, which raises with exactly
+    one deferred entry (its loop never binds ``drain_idx``)."""
+
+    def drain_deferred_wgrad(self, reduce_in_flight=None):
+        if len(self.grad_output_buffer) == 1:
+            raise UnboundLocalError("cannot access local variable 'drain_idx'")
+        return super().drain_deferred_wgrad(reduce_in_flight)
+
+
+class NoGuardOutputLayer(FastgradOutputLayer):
+    """A drain without an in-flight guard (as Megatron-Core's)."""
+
+    def drain(self, reduce_in_flight=None):
+        if reduce_in_flight is not None:
+            raise Unsupported(Technique.DEFERRED_WGRAD, "this drain has no in-flight guard")
+        return super().drain()
+
+
+class MegatronLikeDeferredWgrad(FastgradDeferredWgrad):
+    def output_layer(self, weight, config, **kwargs):
+        return NoGuardOutputLayer(super().output_layer(weight, config, **kwargs).layer)
+
+
+@dataclass(frozen=True)
+class MegatronLikeCandidate(FastgradCandidate):
+    def deferred_wgrad(self) -> DeferredWgrad:
+        return MegatronLikeDeferredWgrad(layer_cls=SingleEntryDrainRaises)
+
+
+@pytest.mark.dist
+def test_a_case_the_candidate_raises_in_fails_alone_and_a_missing_guard_is_a_skip():
+    result = CHECK.execute(CheckContext(quick=True), MegatronLikeCandidate())
+    assert result.error is None, result.error
+    assert result.status == "FAIL"
+    failed = result.failed_labels()
+    # Exactly the cases that defer one microbatch per step (M = 1, or limit 1), on each rank.
+    single = [c for c in build_cases(quick=True)
+              if min(c.limit or c.num_microbatches, c.num_microbatches) == 1]
+    assert sorted(failed) == sorted(f"{c.label}/rank{r}: runs" for c in single for r in (0, 1))
+    assert all("UnboundLocalError" in e.detail for e in result.expectations if not e.passed)
+    assert "deferred_wgrad: this drain has no in-flight guard" in result.skipped
+    assert not any(e.label.startswith("guard:") for e in result.expectations)
+    assert any(e.label.startswith("stale step") and e.passed for e in result.expectations)

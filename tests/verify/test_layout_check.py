@@ -1,14 +1,14 @@
 """The ``layout`` check and the ``verify layout`` report."""
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import pytest
 
 from fastgrad.buffer import ParamAndGradBuffer
-from verify.candidates import FastgradCandidate
+from verify.candidates import FastgradCandidate, Technique, Unsupported
 from verify.candidates.api.layout import BucketLayout, BufferConfig, LayoutCase
-from verify.candidates.fastgrad.layout import FastgradLayout
+from verify.candidates.fastgrad.layout import FastgradGradBuffer, FastgradLayout
 from verify.check import CheckContext
 from verify.checks import CHECK_MODULES
 from verify.checks.layout import CHECK
@@ -189,3 +189,80 @@ def test_model_spec_validates_itself():
         layout_report.ModelSpec(**{**fields, "hidden": 0})
     with pytest.raises(ValueError, match="ModelSpec.learned_positions must be an int >= 0"):
         layout_report.ModelSpec(**{**fields, "learned_positions": -1})
+
+
+@dataclass(frozen=True)
+class _ScopedLayout(FastgradLayout):
+    """fastgrad's layout that records entering and leaving its scope, and refuses work outside."""
+
+    events: list = field(default_factory=list)
+
+    def __enter__(self):
+        self.events.append("enter")
+        return self
+
+    def __exit__(self, *exc):
+        self.events.append("exit")
+
+    def layouts(self, cases):
+        inside = self.events.count("enter") > self.events.count("exit")
+        assert inside, "layouts() outside the candidate's scope"
+        self.events.append("layouts")
+        return super().layouts(cases)
+
+
+@dataclass(frozen=True)
+class _ScopedCandidate(FastgradCandidate):
+    scoped: _ScopedLayout = field(default_factory=_ScopedLayout)
+
+    def layout(self) -> BucketLayout:
+        return self.scoped
+
+
+def test_layout_check_uses_the_interface_inside_its_scope():
+    candidate = _ScopedCandidate()
+    result = CHECK.execute(CheckContext(quick=True), candidate)
+    assert result.passed, result.error
+    events = candidate.scoped.events
+    assert events.count("enter") == events.count("exit") >= 1
+    assert events[0] == "enter" and events[-1] == "exit" and "layouts" in events
+
+
+class _NoHelpersBuffer(FastgradGradBuffer):
+    """A buffer without the padding, norm and checkpoint helpers (as Megatron-Core's)."""
+
+    def _missing(self, *args):
+        raise Unsupported(Technique.LAYOUT, "this buffer has no padding, norm or checkpoint helper")
+
+    padding_is_zero = grad_norm_sq = local_shard_grad_norm_sq = _missing
+    checkpoint_grads = shard_checkpoint_grads = _missing
+
+
+class _NoHelpersLayout(FastgradLayout):
+    def build_buffer(self, params, config, **kwargs):
+        return _NoHelpersBuffer(super().build_buffer(params, config, **kwargs).buffer)
+
+
+def test_a_buffer_without_helpers_still_has_its_views_checked():
+    result = CHECK.execute(CheckContext(quick=True), BrokenLayoutCandidate(layout_cls=_NoHelpersLayout))
+    assert result.passed, (result.error, result.failed_labels())
+    assert "ParamAndGradBuffer views/alignment/padding on cpu" in [e.label for e in result.expectations]
+    assert result.skipped.count(
+        "buffer helpers: layout: this buffer has no padding, norm or checkpoint helper") == 1
+
+
+class _WritesIntoPaddingNoHelpers(_NoHelpersLayout):
+    """Without the candidate's own padding test, the check still sees a buffer that spills."""
+
+    def build_buffer(self, params, config, **kwargs):
+        buffer = super().build_buffer(params, config, **kwargs)
+        for group in buffer.groups:
+            group.grad_data[-1:].fill_(1.0)  # zero_grad will clear it; accumulate sees it
+        return buffer
+
+
+def test_padding_is_checked_without_the_candidates_padding_test():
+    result = CHECK.execute(CheckContext(quick=True),
+                           BrokenLayoutCandidate(layout_cls=_WritesIntoPaddingNoHelpers))
+    assert result.failed_labels() == ["ParamAndGradBuffer views/alignment/padding on cpu"]
+    assert any("accumulate wrote into padding" in e.detail for e in result.expectations)

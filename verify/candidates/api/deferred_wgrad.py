@@ -33,6 +33,8 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
+from verify.candidates.api.scope import TechniqueScope
+
 ReduceInFlight = Callable[[torch.nn.Parameter], bool]
 """True when the DP grad bucket holding the parameter has its reduction in flight."""
 
@@ -128,7 +130,7 @@ class WgradGemm(ABC):
 
 
 @runtime_checkable
-class DeferredWgrad(Protocol):
+class DeferredWgrad(TechniqueScope, Protocol):
     """The candidate's output layer with deferred wgrad, its tied-embedding sum and wgrad GEMMs."""
 
     def output_layer(self, weight: torch.Tensor, config: OutputLayerConfig, *,

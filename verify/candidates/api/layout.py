@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from refgrad.layout import Layout, positive_int, validate_layout_arguments
+from verify.candidates.api.scope import TechniqueScope
 
 # Megatron-Core's default bucket size (megatron/core/distributed/distributed_data_parallel.py,
 # DistributedDataParallel.__init__): max(40_000_000, 1_000_000 * dp) elements.
@@ -245,7 +246,7 @@ class GradBuffer(Protocol):
 
 
 @runtime_checkable
-class BucketLayout(Protocol):
+class BucketLayout(TechniqueScope, Protocol):
     """The candidate's bucket layout and padded grad buffer."""
 
     def layouts(self, cases: Sequence[LayoutCase]) -> list[Layout]:

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from refgrad.mxfp8 import SCALE_MODES
+from verify.candidates.api.scope import TechniqueScope
 
 BLOCK_SIZE = 32  # elements per MXFP8 block (OCP MX v1.0)
 
@@ -121,7 +122,7 @@ class ParamGatherResult:
 
 
 @runtime_checkable
-class MXFP8(Protocol):
+class MXFP8(TechniqueScope, Protocol):
     """The candidate's MXFP8 quantization and its MXFP8 param all-gather."""
 
     def quantize(self, x: torch.Tensor, *, scale_mode: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,7 +33,7 @@ from verify.checks.deferred_wgrad.cases import (
     case_data,
     compared_with_refgrad,
 )
-from verify.checks.deferred_wgrad.worker import rank_main
+from verify.checks.deferred_wgrad.worker import RankOutcome, rank_main
 from verify.distributed import spawn
 from verify.metrics import compare
 
@@ -69,6 +69,19 @@ def _ulp_row(label: str, ref: torch.Tensor, cand: torch.Tensor, bound_ok: bool) 
     return [label, c.bitwise_equal, c.max_ulp, round(c.mean_ulp, 3), bound_ok]
 
 
+def _values(rec: CheckRecorder, label: str, outcomes: Sequence[RankOutcome]) -> list | None:
+    """Every rank's value of a part, or None after recording a failure for each rank the
+    candidate raised on, or a skip where it cannot run the part."""
+    for r, outcome in enumerate(outcomes):
+        if outcome.raised:
+            rec.expect(f"{label}/rank{r}: runs", False, outcome.raised)
+        elif outcome.unsupported:
+            rec.skip(f"{label}/rank{r}: {outcome.unsupported}")
+    if any(o.raised or o.unsupported for o in outcomes):
+        return None
+    return [o.value for o in outcomes]
+
+
 def run_deferred_wgrad_check(
     ctx: CheckContext, rec: CheckRecorder, candidate: Candidate, wgrad: DeferredWgrad
 ) -> None:
@@ -89,7 +102,9 @@ def run_deferred_wgrad_check(
     deferred_vs_immediate, drain_order_rows, ref_rows = [], [], []
     for case in cases:
         ranks = range(WORLD)
-        results = [per_rank[r]["cases"][case.label] for r in ranks]
+        results = _values(rec, case.label, [per_rank[r]["cases"][case.label] for r in ranks])
+        if results is None:
+            continue
         m, limit = case.num_microbatches, case.limit
         expected_drained = [m if limit == 0 else min(limit, m)] * ITERATIONS
         for r, res in zip(ranks, results):
@@ -178,7 +193,10 @@ def run_deferred_wgrad_check(
 
     # Tied embeddings: both stages equal, and equal to the exact sum rounded once.
     for dtype in ("float32", "bfloat16"):
-        stage0, stage1 = per_rank[0]["tied"][dtype], per_rank[1]["tied"][dtype]
+        stages = _values(rec, f"tied/{dtype}", [per_rank[0]["tied"][dtype], per_rank[1]["tied"][dtype]])
+        if stages is None:
+            continue
+        stage0, stage1 = stages
         for it in range(ITERATIONS):
             tag = f"tied/{dtype}/iter{it}"
             rec.compare(f"{tag}: stage0 vs stage1 after all-reduce", stage0[it]["after"], stage1[it]["after"])

@@ -9,10 +9,11 @@ from verify.checks.deferred_wgrad.comparisons import check_cuda_wgrad, run_defer
 
 def run(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate) -> None:
     """The ``deferred_wgrad`` check against ``candidate``'s output layer and wgrad GEMMs."""
-    wgrad = candidate.deferred_wgrad()  # Unsupported here: nothing can run (SKIP)
-    run_deferred_wgrad_check(ctx, rec, candidate, wgrad)
-    with rec.skip_if_unsupported():
-        check_cuda_wgrad(ctx, rec, wgrad)
+    # Unsupported from the accessor: nothing can run (SKIP). The ranks enter their own.
+    with candidate.deferred_wgrad() as wgrad:
+        run_deferred_wgrad_check(ctx, rec, candidate, wgrad)
+        with rec.skip_if_unsupported():
+            check_cuda_wgrad(ctx, rec, wgrad)
 
 
 CHECK = Check(

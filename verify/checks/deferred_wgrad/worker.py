@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
 from refgrad.deferred_wgrad import (
     deferred_accumulation_order,
 )
-from verify.candidates import Candidate
+from verify.candidates import Candidate, Unsupported
 from verify.candidates.api.deferred_wgrad import DeferredWgrad, OutputLayerConfig
 from verify.checks.deferred_wgrad.cases import (
     BATCH,
@@ -133,14 +137,39 @@ def _tied_embedding_on_rank(rank: int, seed: int, main_grad_dtype: str, wgrad: D
     return out
 
 
+@dataclass(frozen=True)
+class RankOutcome:
+    """One part run on one rank: its ``value``, or what the candidate ``raised`` (the part
+    fails), or why it is ``unsupported`` (the part is skipped)."""
+
+    value: Any = None
+    raised: str = ""
+    unsupported: str = ""
+
+
+def _outcome(run: Callable[..., Any], *args: Any) -> RankOutcome:
+    """``run(*args)`` as a :class:`RankOutcome`: a candidate that raises in one case fails
+    that case, not the whole check.
+
+    Both ranks run the same case, so a candidate that raises does so on both, before or
+    after the same collectives (a rank left waiting ends the run at the deadline).
+    """
+    try:
+        return RankOutcome(value=run(*args))
+    except Unsupported as unsupported:
+        return RankOutcome(unsupported=str(unsupported))
+    except Exception as exc:  # noqa: BLE001 - reported as the case's failure, with its type
+        return RankOutcome(raised=f"{type(exc).__name__}: {exc}")
+
+
 def rank_main(rank: int, world_size: int, cases: list[dict], seed: int, candidate: Candidate) -> dict:
     """Everything that needs processes: the TP cases and the tied-embedding exchange."""
-    wgrad = candidate.deferred_wgrad()
-    results = {}
-    for spec in cases:
-        case = WgradCase(**spec)
-        results[case.label] = run_case_on_rank(
-            case, seed, rank, dist.group.WORLD if case.tp > 1 else None, wgrad
-        )
-    tied = {d: _tied_embedding_on_rank(rank, seed, d, wgrad) for d in ("float32", "bfloat16")}
+    with candidate.deferred_wgrad() as wgrad:
+        results = {}
+        for spec in cases:
+            case = WgradCase(**spec)
+            results[case.label] = _outcome(
+                run_case_on_rank, case, seed, rank, dist.group.WORLD if case.tp > 1 else None, wgrad
+            )
+        tied = {d: _outcome(_tied_embedding_on_rank, rank, seed, d, wgrad) for d in ("float32", "bfloat16")}
     return {"cases": results, "tied": tied}

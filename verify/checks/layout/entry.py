@@ -36,7 +36,29 @@ def run(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate) -> None:
 
 
 def _run(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate, options: _Options) -> None:
-    layout = candidate.layout()  # Unsupported here: nothing of the candidate can run (SKIP)
+    # Unsupported from the accessor: nothing of the candidate can run (SKIP).
+    with candidate.layout() as layout:
+        _single_process_parts(ctx, rec, layout, options)
+    # 5. Real reductions across ranks (each rank enters the candidate's layout itself).
+    if options.spawn_ranks:
+        for world_size in options.spawn_ranks:
+            for label, passed, detail in run_reduce_scenarios(
+                world_size, default_scenarios(world_size), candidate, timeout_s=ctx.timeout_s,
+            ):
+                if detail.startswith("skipped"):
+                    rec.skip(f"{label}: {detail}")
+                else:
+                    rec.expect(label, passed, detail)
+    else:
+        rec.skip("multi-rank reduce-scatter through the buffers runs only without --quick")
+    # 6. The padding report and the published worked examples.
+    with candidate.layout() as layout:
+        _report(ctx, rec, layout)
+
+
+def _single_process_parts(ctx: CheckContext, rec: CheckRecorder, layout: BucketLayout,
+                          options: _Options) -> None:
+    """Parts 1-4: hand-derived, random and large layouts, and the buffers on ``ctx.device``."""
     # 1. Hand-derived layouts.
     _hand_derived(rec, layout)
     # 2. Random layouts: candidate == refgrad, invariants, shard coverage.
@@ -60,20 +82,6 @@ def _run(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate, options: _
                    "; ".join(problems[:5]))
         for reason in dict.fromkeys(missing):
             rec.skip(f"buffer helpers: {reason}")
-    # 5. Real reductions across ranks.
-    if options.spawn_ranks:
-        for world_size in options.spawn_ranks:
-            for label, passed, detail in run_reduce_scenarios(
-                world_size, default_scenarios(world_size), candidate, timeout_s=ctx.timeout_s,
-            ):
-                if detail.startswith("skipped"):
-                    rec.skip(f"{label}: {detail}")
-                else:
-                    rec.expect(label, passed, detail)
-    else:
-        rec.skip("multi-rank reduce-scatter through the buffers runs only without --quick")
-    # 6. The padding report and the published worked examples.
-    _report(ctx, rec, layout)
 
 
 def _hand_derived(rec: CheckRecorder, layout: BucketLayout) -> None:

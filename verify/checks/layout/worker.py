@@ -14,7 +14,13 @@ import torch.distributed as dist
 from refgrad.layout import Layout
 from refgrad.layout import compute_layout as reference_layout
 from verify.candidates import Candidate, Unsupported
-from verify.candidates.api.layout import BufferConfig, GradBuffer, GradBufferGroup, GradPiece
+from verify.candidates.api.layout import (
+    BucketLayout,
+    BufferConfig,
+    GradBuffer,
+    GradBufferGroup,
+    GradPiece,
+)
 from verify.checks.layout.buffers import padding_mask
 from verify.distributed import DEFAULT_TIMEOUT_S, spawn
 
@@ -145,63 +151,65 @@ def reduce_worker(
     rank: int, world_size: int, scenarios: Sequence[ReduceScenario], candidate: Candidate
 ) -> list[dict]:
     """Per rank: build each scenario's buffer, accumulate rank-specific grads, reduce, report."""
-    layout = candidate.layout()
-    results = []
-    for scenario in scenarios:
-        params = _scenario_params(scenario, "cpu")
-        before = [p.detach().clone() for p in params]
-        try:
-            buffer = layout.build_buffer(
-                params, scenario.config, dp_size=world_size, dp_group=dist.group.WORLD,
-                gradient_scaling_factor=scenario.gradient_scaling_factor,
-            )
-        except Unsupported as unsupported:
-            results.append({"skipped": str(unsupported)})
-            continue
-        sharded = scenario.config.use_distributed_optimizer
-        masks = [padding_mask(layout, "cpu") for _, _, layout in reference_layouts(scenario, world_size)]
-        missing: list[str] = []
-        out: dict[str, Any] = {
-            "params_kept": all(torch.equal(a, p.detach()) for a, p in zip(before, params)),
-            "iterations": [],
-            "unsupported": missing,
+    with candidate.layout() as layout:
+        return [_reduce_scenario(rank, world_size, scenario, layout) for scenario in scenarios]
+
+
+def _reduce_scenario(rank: int, world_size: int, scenario: ReduceScenario,
+                     layout: BucketLayout) -> dict[str, Any]:
+    """One scenario on this rank: its iterations' records, or why the candidate skipped it."""
+    params = _scenario_params(scenario, "cpu")
+    before = [p.detach().clone() for p in params]
+    try:
+        buffer = layout.build_buffer(
+            params, scenario.config, dp_size=world_size, dp_group=dist.group.WORLD,
+            gradient_scaling_factor=scenario.gradient_scaling_factor,
+        )
+    except Unsupported as unsupported:
+        return {"skipped": str(unsupported)}
+    sharded = scenario.config.use_distributed_optimizer
+    masks = [padding_mask(ref, "cpu") for _, _, ref in reference_layouts(scenario, world_size)]
+    missing: list[str] = []
+    out: dict[str, Any] = {
+        "params_kept": all(torch.equal(a, p.detach()) for a, p in zip(before, params)),
+        "iterations": [],
+        "unsupported": missing,
+    }
+    for it in range(scenario.iterations):
+        buffer.zero_grad()
+        for mb in range(scenario.microbatches):
+            for i, p in enumerate(params):
+                g = _grad_tensor(rank, it, mb, i, p.numel()).reshape(p.shape)
+                p.main_grad.add_(g.to(p.main_grad.dtype))
+        in_flight = []
+        for bucket in reversed(buffer.buckets):  # backprop order is reverse of layout
+            bucket.start_grad_sync()
+            in_flight.append(bucket.reduce_in_flight)
+        for bucket in buffer.buckets:
+            bucket.finish_grad_sync()
+        norm_sq = _unless_unsupported(buffer.local_shard_grad_norm_sq, missing, rank) if sharded else 0.0
+        pieces = _unless_unsupported(buffer.shard_checkpoint_grads, missing, rank) if sharded else {}
+        record = {
+            "in_flight_seen": all(in_flight),
+            "padding_zero": _padding_is_zero(buffer, masks),
+            "padding_helper": _unless_unsupported(buffer.padding_is_zero, missing),
+            "groups": [],
+            "local_norm_sq": None if norm_sq is None else float(norm_sq),
+            "checkpoint": _plain_checkpoint(pieces),
         }
-        for it in range(scenario.iterations):
-            buffer.zero_grad()
-            for mb in range(scenario.microbatches):
-                for i, p in enumerate(params):
-                    g = _grad_tensor(rank, it, mb, i, p.numel()).reshape(p.shape)
-                    p.main_grad.add_(g.to(p.main_grad.dtype))
-            in_flight = []
-            for bucket in reversed(buffer.buckets):  # backprop order is reverse of layout
-                bucket.start_grad_sync()
-                in_flight.append(bucket.reduce_in_flight)
-            for bucket in buffer.buckets:
-                bucket.finish_grad_sync()
-            norm_sq = _unless_unsupported(buffer.local_shard_grad_norm_sq, missing, rank) if sharded else 0.0
-            pieces = _unless_unsupported(buffer.shard_checkpoint_grads, missing, rank) if sharded else {}
-            record = {
-                "in_flight_seen": all(in_flight),
-                "padding_zero": _padding_is_zero(buffer, masks),
-                "padding_helper": _unless_unsupported(buffer.padding_is_zero, missing),
-                "groups": [],
-                "local_norm_sq": None if norm_sq is None else float(norm_sq),
-                "checkpoint": _plain_checkpoint(pieces),
-            }
-            for group in buffer.groups:
-                regions = _regions(group, rank, sharded)
-                record["groups"].append(
-                    {
-                        "key": (str(group.param_dtype), str(group.grad_dtype)),
-                        "regions": regions,
-                        # Plain lists: tensors in spawn results travel through shared-memory
-                        # file descriptors that vanish when the child exits.
-                        "values": [group.grad_data[lo:hi].double().tolist() for lo, hi in regions],
-                    }
-                )
-            out["iterations"].append(record)
-        results.append(out)
-    return results
+        for group in buffer.groups:
+            regions = _regions(group, rank, sharded)
+            record["groups"].append(
+                {
+                    "key": (str(group.param_dtype), str(group.grad_dtype)),
+                    "regions": regions,
+                    # Plain lists: tensors in spawn results travel through shared-memory
+                    # file descriptors that vanish when the child exits.
+                    "values": [group.grad_data[lo:hi].double().tolist() for lo, hi in regions],
+                }
+            )
+        out["iterations"].append(record)
+    return out
 
 
 def reference_layouts(

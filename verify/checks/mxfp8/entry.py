@@ -19,16 +19,18 @@ from verify.checks.mxfp8.sharing import check_sharing
 
 def run(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate) -> None:
     """The ``mxfp8`` check against ``candidate``'s quantizer and MXFP8 param all-gather."""
-    mxfp8 = candidate.mxfp8()  # Unsupported here: nothing can run (SKIP)
-    results = check_quantizer(ctx, rec, mxfp8)
-    with rec.skip_if_unsupported():
-        check_gpu_kernel(ctx, rec, mxfp8)
-    conformance_table(ctx, rec, results, candidate.name, mxfp8)
-    rceil_versus_fp32_division(ctx, rec, mxfp8)
-    with rec.skip_if_unsupported():
+    # Unsupported from the accessor: nothing can run (SKIP).
+    with candidate.mxfp8() as mxfp8:
+        results = check_quantizer(ctx, rec, mxfp8)
+        with rec.skip_if_unsupported():
+            check_gpu_kernel(ctx, rec, mxfp8)
+        conformance_table(ctx, rec, results, candidate.name, mxfp8)
+        rceil_versus_fp32_division(ctx, rec, mxfp8)
+    with rec.skip_if_unsupported():  # the ranks enter the candidate's mxfp8 themselves
         rank0 = check_sharing(ctx, rec, candidate)
         check_memory(rec, rank0)
-    check_drift(ctx, rec, mxfp8)
+    with candidate.mxfp8() as mxfp8:
+        check_drift(ctx, rec, mxfp8)
 
 
 CHECK = Check(

@@ -33,12 +33,12 @@ def param_gather_runs(iterations: int, seed: int, grad_options: tuple[bool, ...]
 def param_gather_rank(rank: int, world_size: int, candidate: Candidate,
                       runs: list[ParamGatherRun]) -> dict[RunKey, ParamGatherResult]:
     """One DP rank: every run through the candidate's MXFP8 param all-gather."""
-    mxfp8 = candidate.mxfp8()
-    return {
-        (run.reuse_grad_buf_for_mxfp8_param_ag, run.grad_reduce_in_fp32):
-            mxfp8.train_with_param_gather(run, rank, dist.group.WORLD)
-        for run in runs
-    }
+    with candidate.mxfp8() as mxfp8:
+        return {
+            (run.reuse_grad_buf_for_mxfp8_param_ag, run.grad_reduce_in_fp32):
+                mxfp8.train_with_param_gather(run, rank, dist.group.WORLD)
+            for run in runs
+        }
 
 
 def check_sharing(
