@@ -39,6 +39,11 @@ DEFAULT_MIN_BUCKET_SIZE = 40_000_000
 DEFAULT_BUCKET_SIZE_PER_RANK = 1_000_000
 
 
+def default_bucket_size(dp_size: int) -> int:
+    """Megatron-Core's default bucket size in elements: ``max(40_000_000, 1_000_000 * dp)``."""
+    return max(DEFAULT_MIN_BUCKET_SIZE, DEFAULT_BUCKET_SIZE_PER_RANK * positive_int(dp_size, "dp_size"))
+
+
 def _require_bools(instance: object, names: Sequence[str]) -> None:
     for name in names:
         value = getattr(instance, name)
@@ -118,7 +123,7 @@ class BufferConfig:
         if not self.overlap_grad_reduce:
             return None
         if self.bucket_size is None:
-            return max(DEFAULT_MIN_BUCKET_SIZE, DEFAULT_BUCKET_SIZE_PER_RANK * dp)
+            return default_bucket_size(dp)
         return self.bucket_size
 
     def to_dict(self) -> dict[str, object]:
