@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -203,6 +204,15 @@ class CheckRecorder:
     def skip(self, text: str) -> None:
         """Something the check could not run here, and why."""
         self._skipped.append(text)
+
+    @contextmanager
+    def skip_if_unsupported(self) -> Iterator[None]:
+        """Run one independent part of a check: an :class:`Unsupported` the candidate raises
+        in it ends that part as a skip naming the reason, and the check goes on."""
+        try:
+            yield
+        except Unsupported as unsupported:
+            self.skip(str(unsupported))
 
     def absorb(self, part: CheckRecorder) -> None:
         """Append everything ``part`` recorded: a part of this check run elsewhere (in a

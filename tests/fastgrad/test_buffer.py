@@ -17,6 +17,7 @@ from fastgrad.errors import LifecycleError
 from fastgrad.parallel_dims import ParallelDims
 from fastgrad.reduce_scatter import reduce_scatter_with_fp32_accumulation
 from refgrad.layout import compute_layout as reference_layout
+from verify.candidates import FastgradCandidate
 from verify.checks.layout import buffer_violations, default_scenarios, run_reduce_scenarios
 
 DIST_OPT = DDPConfig(use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=100)
@@ -114,12 +115,12 @@ def test_every_param_view_is_64_element_aligned():
 
 def test_local_buffer_properties_on_cpu():
     # Views, alignment, refgrad layout, poisoned padding invisible to helpers, for several dp.
-    assert buffer_violations("cpu") == []
+    assert buffer_violations("cpu", FastgradCandidate().layout()) == []
 
 
 @pytest.mark.gpu
 def test_local_buffer_properties_on_cuda():
-    assert buffer_violations("cuda") == []
+    assert buffer_violations("cuda", FastgradCandidate().layout()) == []
 
 
 def test_padding_never_leaks():
@@ -244,7 +245,7 @@ def test_reduce_through_buffers_matches_exact_sums(world_size):
     # Integer-valued, rank-specific grads over two iterations of two microbatches each:
     # every sum is exact, so each rank's shard must equal the exact sum laid out by refgrad.
     scenarios = default_scenarios(world_size)
-    outcomes = run_reduce_scenarios(world_size, scenarios)
+    outcomes = run_reduce_scenarios(world_size, scenarios, FastgradCandidate())
     assert len(outcomes) >= 2 * len(scenarios) - 2  # a skipped scenario reports once
     failures = [(label, detail) for label, passed, detail in outcomes if not passed]
     assert failures == []

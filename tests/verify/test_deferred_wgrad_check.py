@@ -1,20 +1,24 @@
 """The deferred_wgrad check passes on fastgrad and fails on deliberately broken candidates."""
 
+from dataclasses import dataclass
+
 import pytest
 
 from fastgrad.deferred_wgrad import ColumnParallelOutputLayer
+from verify.candidates import FastgradCandidate, Fault, Technique, Unsupported
+from verify.candidates.api.deferred_wgrad import (
+    DeferredWgrad,
+    OutputLayerConfig,
+    WgradGemm,
+)
+from verify.candidates.fastgrad.deferred_wgrad import (
+    FastgradDeferredWgrad,
+    FastgradOutputLayer,
+    FastgradWgradGemm,
+)
 from verify.check import CheckContext, CheckRecorder
 from verify.checks import CHECK_MODULES
-from verify.checks.deferred_wgrad import CHECK, DeferredWgradCandidate, WgradCase, build_cases
-
-
-class ReversedDrainLayer(ColumnParallelOutputLayer):
-    """Drains LIFO instead of FIFO: right pairs, wrong order of the fp32 adds."""
-
-    def drain_deferred_wgrad(self, reduce_in_flight=None):
-        self.activation_buffer.reverse()
-        self.grad_output_buffer.reverse()
-        return super().drain_deferred_wgrad(reduce_in_flight)
+from verify.checks.deferred_wgrad import CHECK, WgradCase, build_cases
 
 
 class ClearsOnlyActivationsLayer(ColumnParallelOutputLayer):
@@ -23,6 +27,14 @@ class ClearsOnlyActivationsLayer(ColumnParallelOutputLayer):
     def start_step(self):
         self.activation_buffer.clear()
         return 0
+
+
+@dataclass(frozen=True)
+class ClearsOnlyActivationsCandidate(FastgradCandidate):
+    """fastgrad whose output layers clear only the activations at step start (pickles into ranks)."""
+
+    def deferred_wgrad(self) -> DeferredWgrad:
+        return FastgradDeferredWgrad(layer_cls=ClearsOnlyActivationsLayer)
 
 
 
@@ -50,13 +62,18 @@ def test_check_passes_quick():
     assert "tied/bfloat16/iter1" in labels and "tp2-sp-" in labels
 
 
+def test_fastgrad_satisfies_the_interface():
+    assert isinstance(FastgradCandidate().deferred_wgrad(), DeferredWgrad)
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize(
-    "layer_cls, symptom",
-    [(ReversedDrainLayer, "deferred == immediate in drain order"), (ClearsOnlyActivationsLayer, "stale step")],
+    "candidate, symptom",
+    [(FastgradCandidate(injected_fault=Fault.LIFO_DRAIN), "deferred == immediate in drain order"),
+     (ClearsOnlyActivationsCandidate(), "stale step")],
 )
-def test_check_fails_on_a_broken_candidate(layer_cls, symptom):
-    result = CHECK.execute(CheckContext(quick=True), DeferredWgradCandidate(layer_cls=layer_cls))
+def test_check_fails_on_a_broken_candidate(candidate, symptom):
+    result = CHECK.execute(CheckContext(quick=True), candidate)
     assert result.error is None, result.error
     assert not result.passed
     assert any(symptom in label for label in result.failed_labels()), result.failed_labels()
@@ -81,28 +98,102 @@ def test_case_validates_itself(fields, error, match):
         WgradCase(**{**good, **fields})
 
 
-def test_wgrad_method_comparison_logic_on_cpu():
-    # The CUDA section's comparison, run on the CPU path (cuda_method is ignored there).
-    from verify.checks.deferred_wgrad import compare_wgrad_methods_on
+@pytest.mark.parametrize(
+    ("fields", "error", "match"),
+    [
+        ({"defer_embedding_wgrad_compute": 1}, TypeError, "defer_embedding_wgrad_compute must be a bool"),
+        ({"wgrad_deferral_limit": -1}, ValueError, "wgrad_deferral_limit must be >= 0"),
+        ({"wgrad_deferral_limit": 1.5}, TypeError, "wgrad_deferral_limit must be an int"),
+        ({"pipeline_model_parallel_size": 1}, ValueError, "needs pipeline_model_parallel_size > 1"),
+    ],
+)
+def test_output_layer_config_validates_itself(fields, error, match):
+    good = {"defer_embedding_wgrad_compute": True, "wgrad_deferral_limit": 2,
+            "pipeline_model_parallel_size": 2}
+    OutputLayerConfig(**good)
+    with pytest.raises(error, match=match):
+        OutputLayerConfig(**{**good, **fields})
 
+
+def test_wgrad_gemm_comparison_logic_on_cpu():
+    # The CUDA section's comparison, run on the CPU path (fastgrad's one CPU GEMM).
+    from verify.checks.deferred_wgrad import compare_wgrad_gemms_on
+
+    gemms = FastgradCandidate().deferred_wgrad().wgrad_gemms("cpu")
+    assert [g.name for g in gemms] == ["fp32_upcast"]
     rec = CheckRecorder("wgrad")
-    compare_wgrad_methods_on("cpu", rec, 0, ("fp32_upcast",))
+    compare_wgrad_gemms_on("cpu", rec, 0, gemms)
     result = rec.finish(0.0)
     assert result.passed and len(result.comparisons) == 2
 
 
-def test_wgrad_method_comparison_catches_a_dropped_microbatch():
-    from fastgrad.deferred_wgrad import accumulate_wgrad_
-    from verify.checks.deferred_wgrad import compare_wgrad_methods_on
+class DropsFirstMicrobatch(WgradGemm):
+    """fastgrad's GEMM, but every first microbatch of a run (of 3) is lost."""
 
-    calls = []
+    name = "fp32_upcast"
 
-    def drops_first(main_grad, go, x, *, cuda_method):
-        calls.append(1)
-        if len(calls) % 3 != 1:  # every first microbatch of a run is lost
-            accumulate_wgrad_(main_grad, go, x, cuda_method=cuda_method)
+    def __init__(self) -> None:
+        self.calls = 0
+        self.gemm = FastgradWgradGemm(self.name)
+
+    def __call__(self, main_grad, grad_output, total_input) -> None:
+        self.calls += 1
+        if self.calls % 3 != 1:
+            self.gemm(main_grad, grad_output, total_input)
+
+
+def test_wgrad_gemm_comparison_catches_a_dropped_microbatch():
+    from verify.checks.deferred_wgrad import compare_wgrad_gemms_on
 
     rec = CheckRecorder("wgrad")
-    compare_wgrad_methods_on("cpu", rec, 0, ("fp32_upcast",),
-                             DeferredWgradCandidate(accumulate=drops_first))
-    assert not rec.finish(0.0).passed
+    compare_wgrad_gemms_on("cpu", rec, 0, (DropsFirstMicrobatch(),))
+    result = rec.finish(0.0)
+    assert not result.passed
+    assert result.failed_labels() == ["cpu wgrad fp32_upcast: main_grad float32 (exact grid)",
+                                      "cpu wgrad fp32_upcast: main_grad bfloat16 (exact grid)"]
+
+
+class SingleEntryDrainRaises(ColumnParallelOutputLayer):
+    """As Megatron-Core 0.16.1's drain_embedding_wgrad_compute, which raises with exactly
+    one deferred entry (its loop never binds ``drain_idx``)."""
+
+    def drain_deferred_wgrad(self, reduce_in_flight=None):
+        if len(self.grad_output_buffer) == 1:
+            raise UnboundLocalError("cannot access local variable 'drain_idx'")
+        return super().drain_deferred_wgrad(reduce_in_flight)
+
+
+class NoGuardOutputLayer(FastgradOutputLayer):
+    """A drain without an in-flight guard (as Megatron-Core's)."""
+
+    def drain(self, reduce_in_flight=None):
+        if reduce_in_flight is not None:
+            raise Unsupported(Technique.DEFERRED_WGRAD, "this drain has no in-flight guard")
+        return super().drain()
+
+
+class MegatronLikeDeferredWgrad(FastgradDeferredWgrad):
+    def output_layer(self, weight, config, **kwargs):
+        return NoGuardOutputLayer(super().output_layer(weight, config, **kwargs).layer)
+
+
+@dataclass(frozen=True)
+class MegatronLikeCandidate(FastgradCandidate):
+    def deferred_wgrad(self) -> DeferredWgrad:
+        return MegatronLikeDeferredWgrad(layer_cls=SingleEntryDrainRaises)
+
+
+@pytest.mark.dist
+def test_a_case_the_candidate_raises_in_fails_alone_and_a_missing_guard_is_a_skip():
+    result = CHECK.execute(CheckContext(quick=True), MegatronLikeCandidate())
+    assert result.error is None, result.error
+    assert result.status == "FAIL"
+    failed = result.failed_labels()
+    # Exactly the cases that defer one microbatch per step (M = 1, or limit 1), on each rank.
+    single = [c for c in build_cases(quick=True)
+              if min(c.limit or c.num_microbatches, c.num_microbatches) == 1]
+    assert sorted(failed) == sorted(f"{c.label}/rank{r}: runs" for c in single for r in (0, 1))
+    assert all("UnboundLocalError" in e.detail for e in result.expectations if not e.passed)
+    assert "deferred_wgrad: this drain has no in-flight guard" in result.skipped
+    assert not any(e.label.startswith("guard:") for e in result.expectations)
+    assert any(e.label.startswith("stale step") and e.passed for e in result.expectations)

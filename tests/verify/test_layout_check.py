@@ -1,14 +1,17 @@
 """The ``layout`` check and the ``verify layout`` report."""
 
 import json
+from dataclasses import dataclass, field, replace
 
 import pytest
 
 from fastgrad.buffer import ParamAndGradBuffer
-from fastgrad.layout import compute_layout
+from verify.candidates import FastgradCandidate, Technique, Unsupported
+from verify.candidates.api.layout import BucketLayout, BufferConfig, LayoutCase
+from verify.candidates.fastgrad.layout import FastgradGradBuffer, FastgradLayout
 from verify.check import CheckContext
 from verify.checks import CHECK_MODULES
-from verify.checks.layout import CHECK, LayoutCandidate
+from verify.checks.layout import CHECK
 from verify.cli import main as cli_main
 from verify.studies import layout as layout_report
 
@@ -24,27 +27,27 @@ def test_layout_check_passes_quick():
     assert any("4,194,304" in f for f in result.findings)
 
 
-def _ignores_shared_embedding(numels, **kwargs):
-    return compute_layout(numels, **{**kwargs, "shared_embedding": ()})
+def test_fastgrad_layout_satisfies_the_interface():
+    assert isinstance(FastgradCandidate().layout(), BucketLayout)
 
 
-def _forgets_high_busbw(numels, **kwargs):
-    return compute_layout(numels, **{**kwargs, "pad_buckets_for_high_nccl_busbw": False})
+# Broken layouts and buffers: fastgrad's adapter with one plausible bug each, reached
+# through a FastgradCandidate whose layout() returns it (module level, so they pickle).
 
 
-def _pads_without_distributed_optimizer(numels, **kwargs):
-    return compute_layout(numels, **{**kwargs, "use_distributed_optimizer": True})
+class _IgnoresSharedEmbedding(FastgradLayout):
+    def layouts(self, cases):
+        return super().layouts([replace(c, shared_embedding=()) for c in cases])
 
 
-@pytest.mark.parametrize(
-    "broken", [_ignores_shared_embedding, _forgets_high_busbw, _pads_without_distributed_optimizer]
-)
-def test_layout_check_fails_for_a_broken_candidate(broken):
-    result = CHECK.execute(CheckContext(quick=True), LayoutCandidate.default(compute_layout=broken))
-    assert result.error is None
-    assert not result.passed
-    failed = [e.label for e in result.expectations if not e.passed]
-    assert any("candidate == refgrad" in label or "hand-derived (candidate)" in label for label in failed)
+class _ForgetsHighBusbw(FastgradLayout):
+    def layouts(self, cases):
+        return super().layouts([replace(c, pad_buckets_for_high_nccl_busbw=False) for c in cases])
+
+
+class _PadsWithoutDistributedOptimizer(FastgradLayout):
+    def layouts(self, cases):
+        return super().layouts([replace(c, use_distributed_optimizer=True) for c in cases])
 
 
 class _BlindToPaddingBuffer(ParamAndGradBuffer):
@@ -54,19 +57,69 @@ class _BlindToPaddingBuffer(ParamAndGradBuffer):
         return True
 
 
+class _BlindToPaddingLayout(FastgradLayout):
+    buffer_cls = _BlindToPaddingBuffer
+
+
+@dataclass(frozen=True)
+class BrokenLayoutCandidate(FastgradCandidate):
+    """fastgrad with the layout adapter ``layout_cls`` (a broken subclass)."""
+
+    layout_cls: type[FastgradLayout] = FastgradLayout
+
+    def layout(self) -> BucketLayout:
+        return self.layout_cls()
+
+
+@pytest.mark.parametrize(
+    "broken", [_IgnoresSharedEmbedding, _ForgetsHighBusbw, _PadsWithoutDistributedOptimizer]
+)
+def test_layout_check_fails_for_a_broken_candidate(broken):
+    result = CHECK.execute(CheckContext(quick=True), BrokenLayoutCandidate(layout_cls=broken))
+    assert result.error is None
+    assert not result.passed
+    failed = [e.label for e in result.expectations if not e.passed]
+    assert any("candidate == refgrad" in label or "hand-derived (candidate)" in label for label in failed)
+
+
 def test_layout_check_fails_for_a_broken_buffer_class():
     result = CHECK.execute(CheckContext(quick=True),
-                           LayoutCandidate.default(buffer_cls=_BlindToPaddingBuffer))
+                           BrokenLayoutCandidate(layout_cls=_BlindToPaddingLayout))
     assert result.error is None, result.error
     assert result.failed_labels() == ["ParamAndGradBuffer views/alignment/padding on cpu"]
     assert any("padding_is_zero missed poisoned padding" in e.detail for e in result.expectations)
 
 
-def test_layout_candidate_validates_itself():
-    with pytest.raises(TypeError, match="LayoutCandidate.buffer_cls must be a class"):
-        LayoutCandidate.default(buffer_cls=object())
-    with pytest.raises(TypeError, match="LayoutCandidate.compute_layout must be callable"):
-        LayoutCandidate.default(compute_layout=None)
+@pytest.mark.parametrize(
+    ("fields", "error", "match"),
+    [
+        ({"numels": ()}, ValueError, "numels must contain at least one"),
+        ({"dp_size": 0}, ValueError, "dp_size must be positive"),
+        ({"shared_embedding": (3,)}, ValueError, "shared_embedding index 3 is out of range"),
+        ({"use_distributed_optimizer": 1}, TypeError, "LayoutCase.use_distributed_optimizer must be a bool"),
+    ],
+)
+def test_layout_case_validates_itself(fields, error, match):
+    good = {"numels": (3, 5), "dp_size": 2, "bucket_size": None, "use_distributed_optimizer": True,
+            "pad_buckets_for_high_nccl_busbw": False}
+    LayoutCase(**good)
+    with pytest.raises(error, match=match):
+        LayoutCase(**{**good, **fields})
+
+
+def test_buffer_config_validates_itself_and_resolves_the_bucket_size():
+    with pytest.raises(TypeError, match="BufferConfig.overlap_grad_reduce must be a bool"):
+        BufferConfig(overlap_grad_reduce="yes")
+    with pytest.raises(ValueError, match="BufferConfig.bucket_size must be positive"):
+        BufferConfig(bucket_size=0)
+    with pytest.raises(ValueError, match="reduce_scatter_with_fp32_accumulation needs"):
+        BufferConfig(reduce_scatter_with_fp32_accumulation=True)
+    # Megatron-Core's DistributedDataParallel.__init__: one bucket without overlap, else
+    # bucket_size or max(40,000,000, 1,000,000 * dp).
+    assert BufferConfig(bucket_size=60).resolved_bucket_size(8) is None
+    assert BufferConfig(overlap_grad_reduce=True).resolved_bucket_size(8) == 40_000_000
+    assert BufferConfig(overlap_grad_reduce=True).resolved_bucket_size(64) == 64_000_000
+    assert BufferConfig(overlap_grad_reduce=True, bucket_size=60).resolved_bucket_size(64) == 60
 
 
 def test_published_examples_from_the_formula():
@@ -136,3 +189,80 @@ def test_model_spec_validates_itself():
         layout_report.ModelSpec(**{**fields, "hidden": 0})
     with pytest.raises(ValueError, match="ModelSpec.learned_positions must be an int >= 0"):
         layout_report.ModelSpec(**{**fields, "learned_positions": -1})
+
+
+@dataclass(frozen=True)
+class _ScopedLayout(FastgradLayout):
+    """fastgrad's layout that records entering and leaving its scope, and refuses work outside."""
+
+    events: list = field(default_factory=list)
+
+    def __enter__(self):
+        self.events.append("enter")
+        return self
+
+    def __exit__(self, *exc):
+        self.events.append("exit")
+
+    def layouts(self, cases):
+        inside = self.events.count("enter") > self.events.count("exit")
+        assert inside, "layouts() outside the candidate's scope"
+        self.events.append("layouts")
+        return super().layouts(cases)
+
+
+@dataclass(frozen=True)
+class _ScopedCandidate(FastgradCandidate):
+    scoped: _ScopedLayout = field(default_factory=_ScopedLayout)
+
+    def layout(self) -> BucketLayout:
+        return self.scoped
+
+
+def test_layout_check_uses_the_interface_inside_its_scope():
+    candidate = _ScopedCandidate()
+    result = CHECK.execute(CheckContext(quick=True), candidate)
+    assert result.passed, result.error
+    events = candidate.scoped.events
+    assert events.count("enter") == events.count("exit") >= 1
+    assert events[0] == "enter" and events[-1] == "exit" and "layouts" in events
+
+
+class _NoHelpersBuffer(FastgradGradBuffer):
+    """A buffer without the padding, norm and checkpoint helpers (as Megatron-Core's)."""
+
+    def _missing(self, *args):
+        raise Unsupported(Technique.LAYOUT, "this buffer has no padding, norm or checkpoint helper")
+
+    padding_is_zero = grad_norm_sq = local_shard_grad_norm_sq = _missing
+    checkpoint_grads = shard_checkpoint_grads = _missing
+
+
+class _NoHelpersLayout(FastgradLayout):
+    def build_buffer(self, params, config, **kwargs):
+        return _NoHelpersBuffer(super().build_buffer(params, config, **kwargs).buffer)
+
+
+def test_a_buffer_without_helpers_still_has_its_views_checked():
+    result = CHECK.execute(CheckContext(quick=True), BrokenLayoutCandidate(layout_cls=_NoHelpersLayout))
+    assert result.passed, (result.error, result.failed_labels())
+    assert "ParamAndGradBuffer views/alignment/padding on cpu" in [e.label for e in result.expectations]
+    assert result.skipped.count(
+        "buffer helpers: layout: this buffer has no padding, norm or checkpoint helper") == 1
+
+
+class _WritesIntoPaddingNoHelpers(_NoHelpersLayout):
+    """Without the candidate's own padding test, the check still sees a buffer that spills."""
+
+    def build_buffer(self, params, config, **kwargs):
+        buffer = super().build_buffer(params, config, **kwargs)
+        for group in buffer.groups:
+            group.grad_data[-1:].fill_(1.0)  # zero_grad will clear it; accumulate sees it
+        return buffer
+
+
+def test_padding_is_checked_without_the_candidates_padding_test():
+    result = CHECK.execute(CheckContext(quick=True),
+                           BrokenLayoutCandidate(layout_cls=_WritesIntoPaddingNoHelpers))
+    assert result.failed_labels() == ["ParamAndGradBuffer views/alignment/padding on cpu"]
+    assert any("accumulate wrote into padding" in e.detail for e in result.expectations)

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 
 from fastgrad import mxfp8 as fast
+from verify.candidates import FastgradCandidate, Unsupported
+from verify.candidates.api.mxfp8 import MXFP8, ParamGatherResult, ParamGatherRun
+from verify.candidates.fastgrad.mxfp8 import FastgradMXFP8
 from verify.check import CheckContext, CheckRecorder
 from verify.checks import CHECK_MODULES, check_by_name
 from verify.checks import mxfp8 as check_module
@@ -37,47 +42,102 @@ def test_mxfp8_check_passes_quick():
     assert "reference_notes" not in text and "seed" not in text
 
 
-def _ties_away_from_zero(x, *, scale_mode="floor", block_size=32):
+class TiesAwayFromZero(FastgradMXFP8):
     """A plausible bug: element rounding ties away from zero instead of to even."""
-    scales, _ = fast.quantize(x, scale_mode=scale_mode, block_size=block_size)
-    exponent = scales.to(torch.float64).sub(127).repeat_interleave(block_size, dim=-1)
-    scaled = x.double() * torch.exp2(-exponent)
-    nudged = scaled + torch.sign(scaled) * scaled.abs() * 2.0**-30  # break ties upward
-    return scales, nudged.to(torch.float8_e4m3fn).view(torch.uint8)
+
+    def quantize(self, x, *, scale_mode):
+        scales, _ = fast.quantize(x, scale_mode=scale_mode)
+        exponent = scales.to(torch.float64).sub(127).repeat_interleave(32, dim=-1)
+        scaled = x.double() * torch.exp2(-exponent)
+        nudged = scaled + torch.sign(scaled) * scaled.abs() * 2.0**-30  # break ties upward
+        return scales, nudged.to(torch.float8_e4m3fn).view(torch.uint8)
 
 
-def _floor_for_every_mode(x, *, scale_mode="floor", block_size=32):
+class FloorForEveryMode(FastgradMXFP8):
     """A plausible bug: the scale mode is ignored."""
-    return fast.quantize(x, scale_mode="floor", block_size=block_size)
+
+    def quantize(self, x, *, scale_mode):
+        return fast.quantize(x, scale_mode="floor")
+
+
+@dataclass(frozen=True)
+class BrokenMXFP8Candidate(FastgradCandidate):
+    """fastgrad with the MXFP8 adapter ``mxfp8_cls`` (a broken subclass; pickles into ranks)."""
+
+    mxfp8_cls: type[FastgradMXFP8] = FastgradMXFP8
+
+    def mxfp8(self) -> MXFP8:
+        return self.mxfp8_cls()
+
+
+def test_fastgrad_satisfies_the_interface():
+    assert isinstance(FastgradCandidate().mxfp8(), MXFP8)
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("broken", [_ties_away_from_zero, _floor_for_every_mode])
+@pytest.mark.parametrize("broken", [TiesAwayFromZero, FloorForEveryMode])
 def test_check_fails_on_a_broken_quantizer(broken):
     result = check_module.CHECK.execute(CheckContext(quick=True),
-                                        check_module.MXFP8Candidate(quantize=broken))
+                                        BrokenMXFP8Candidate(mxfp8_cls=broken))
     assert result.error is None, result.error
     assert not result.passed
-    assert any(not c.passed for c in result.comparisons)
+    failed = [c.label for c in result.comparisons if not c.passed]
+    assert failed and all(label.startswith("quantize ") for label in failed), failed
 
 
 def test_quantizer_part_passes_on_the_real_candidate():
     rec = CheckRecorder("mxfp8")
-    check_module.check_quantizer(CheckContext(quick=True), rec)
+    check_module.check_quantizer(CheckContext(quick=True), rec, FastgradCandidate().mxfp8())
     result = rec.finish(0.0)
     assert result.passed and len(result.comparisons) == 3 * 4 * 2 + 2 * 3
+
+
+def test_gpu_kernel_is_a_skip_on_the_cpu():
+    rec = CheckRecorder("mxfp8")
+    check_module.check_gpu_kernel(CheckContext(quick=True), rec, FastgradCandidate().mxfp8())
+    assert rec.finish(0.0).skipped == [
+        "GPU quantization kernel: needs ctx.device='cuda' (the quantizer ran on the CPU instead)"]
+    if not torch.cuda.is_available():
+        with pytest.raises(Unsupported, match="Triton kernel needs CUDA"):
+            FastgradCandidate().mxfp8().gpu_kernel()
+
+
+@pytest.mark.parametrize(
+    ("fields", "error", "match"),
+    [
+        ({"shapes": ()}, ValueError, "must name at least one weight"),
+        ({"shapes": ((8, 30),)}, ValueError, "a multiple of 32"),
+        ({"shapes": ((8, 32), (4, 16))}, ValueError, "a multiple of 32"),
+        ({"shapes": ((8, 32), (4, 64))}, ValueError, "takes 64 inputs but layer 0 has 8 outputs"),
+        ({"iterations": 0}, ValueError, "iterations must be an int >= 1"),
+        ({"grad_reduce_in_fp32": 1}, TypeError, "grad_reduce_in_fp32 must be a bool"),
+        ({"scale_mode": "nearest"}, ValueError, "scale_mode must be one of"),
+    ],
+)
+def test_param_gather_run_validates_itself(fields, error, match):
+    good = {"shapes": ((64, 32), (32, 64)), "bucket_size": 1000,
+            "reuse_grad_buf_for_mxfp8_param_ag": True, "grad_reduce_in_fp32": True, "iterations": 2}
+    ParamGatherRun(**good)
+    with pytest.raises(error, match=match):
+        ParamGatherRun(**{**good, **fields})
+
+
+def _measured(allocated_bytes: int, sharing: bool) -> ParamGatherResult:
+    """A run's result with only what the memory part reads: numel, bytes, sharing."""
+    return ParamGatherResult(steps=(), numel=7424, allocated_bytes=allocated_bytes, sharing=sharing,
+                             shard_ranges=(), param_ranges=())
 
 
 def test_memory_part_fails_when_the_allocation_is_not_shared():
     # Toy model at dp=2: numel 7424 (hand-derived in tests/fastgrad/test_mxfp8_sharing.py);
     # fp32 grads + bf16 params = 6 bytes per element without sharing, 4 with.
-    honest_off = {"allocated_bytes": 7424 * 6, "numel": 7424, "sharing": False}
-    honest_on = {"allocated_bytes": 7424 * 4, "numel": 7424, "sharing": True}
+    honest_off = _measured(7424 * 6, sharing=False)
+    honest_on = _measured(7424 * 4, sharing=True)
     rec = CheckRecorder("mxfp8")
     check_module.check_memory(rec, {(False, True): honest_off, (True, True): honest_on})
     assert rec.finish(0.0).passed
     # a "sharing" buffer that silently allocated param_data anyway
-    rank0 = {(False, True): honest_off, (True, True): {**honest_on, "allocated_bytes": 7424 * 6}}
+    rank0 = {(False, True): honest_off, (True, True): _measured(7424 * 6, sharing=True)}
     rec = CheckRecorder("mxfp8")
     check_module.check_memory(rec, rank0)
     failed = [e.label for e in rec.finish(0.0).expectations if not e.passed]

@@ -98,6 +98,49 @@ def test_what_a_candidate_cannot_run_or_report_is_skipped_and_the_rest_still_run
     assert not any(t.title.startswith("simulator vs measured") for t in result.tables)
 
 
+class _ScopedPipeline(FastgradPipeline):
+    """fastgrad's pipeline that refuses grids and training outside its ``with`` scope, as a
+    candidate whose per-process setup (Megatron-Core's CUDA redirects) must hold there."""
+
+    def __enter__(self):
+        object.__setattr__(self, "inside", True)
+        return self
+
+    def __exit__(self, *exc_info):
+        object.__setattr__(self, "inside", False)
+
+    def _require_scope(self, what: str) -> None:
+        if not getattr(self, "inside", False):
+            raise RuntimeError(f"PipelineTraining.{what} used outside 'with candidate.pipeline()'")
+
+    def grid(self, dims):
+        self._require_scope("grid")
+        return super().grid(dims)
+
+    def train(self, case, grid, *, overlap, progress=None):
+        self._require_scope("train")
+        return super().train(case, grid, overlap=overlap, progress=progress)
+
+
+@dataclass(frozen=True)
+class _ScopedCandidate(FastgradCandidate):
+    def pipeline(self):
+        return _ScopedPipeline()
+
+
+@pytest.mark.dist
+def test_the_check_uses_the_pipeline_interface_inside_its_scope():
+    from verify.checks.pipeline.worker import pipeline_worker
+    from verify.distributed import spawn
+
+    spec = LinearStackSpec(num_stages=2, layers_per_stage=1, hidden=8, seed=5)
+    case = PipelineCase("P2 D1 scoped", ParallelDims(pp_size=2), spec, (StepPlan(2), StepPlan(2)))
+    for outcome in spawn(pipeline_worker, 2, _ScopedCandidate(), [[case]]):
+        runs = outcome["P2 D1 scoped"]
+        assert not isinstance(runs, str), runs
+        assert sorted(runs) == [False, True] and all(len(r.losses) == 2 for r in runs.values())
+
+
 def test_candidate_validation():
     with pytest.raises(TypeError, match="FastgradCandidate.injected_fault must be a Fault"):
         FastgradCandidate(injected_fault="gremlins")
@@ -161,8 +204,7 @@ class _StallingProgress:
 
 def _pipeline_rank_that_stalls(rank, world_size, case, *, progress):
     """Rank 1 (stage 1 of P2 D1) hangs at the start of step 1's backward of microbatch 1."""
-    training = FastgradCandidate().pipeline()
-    with training.grid(case.dims) as grid:
+    with FastgradCandidate().pipeline() as training, training.grid(case.dims) as grid:
         if rank == 1:
             progress = _StallingProgress(progress, "step 1: backward microbatch 1 start")
         return training.train(case, grid, overlap=True, progress=progress)

@@ -5,8 +5,8 @@ parameters, at several data-parallel sizes and with high-busbw padding on and
 off, this reports how many elements (and bytes) the padding adds and the
 largest power of two dividing each rank's shard. It also recomputes Megatron-Core's
 published worked examples from the formula and flags where their arithmetic is wrong.
-All layouts come from ``fastgrad.layout.compute_layout``; the ``layout`` check
-confirms they equal ``refgrad.layout`` for the same lists.
+All layouts come from the formula itself, ``refgrad.layout.compute_layout`` (the ``layout``
+check holds every candidate's layout to it), with Megatron-Core's default bucket size.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from fastgrad.config import default_bucket_size
-from fastgrad.layout import compute_layout
+from refgrad.layout import compute_layout
+from verify.candidates.api.layout import default_bucket_size
 from verify.studies.layout_models import MODELS, ModelSpec
 
 DEFAULT_DPS = (8, 64, 512)

@@ -44,6 +44,7 @@ from fastgrad.timeline import TimelineEvent
 from refgrad.pipeline import LinearStackSpec, StepPlan, microbatch_data
 from refgrad.pipeline_embedding import vocab_block
 from refgrad.pipeline_tp import loss_target, sequence_shard, splits_loss, stage_loss
+from verify.candidates.api.scope import TechniqueScope
 
 REDUCTIONS = ("sum", "avg", "prescale")  # refgrad.pipeline.reduce_across_replicas' names
 
@@ -196,8 +197,15 @@ class StepProgress(Protocol):
 
 
 @runtime_checkable
-class PipelineTraining(Protocol):
+class PipelineTraining(TechniqueScope, Protocol):
     """A candidate's DDP grad sync under the 1F1B schedules.
+
+    Two scopes, as every technique interface (:mod:`verify.candidates.api.scope`): a check
+    uses the interface inside ``with candidate.pipeline() as training:`` (the candidate's
+    per-process setup, e.g. Megatron-Core's CUDA redirects on a CPU, holds for everything
+    inside, autograd's backward included), and inside it enters :meth:`grid` once per case
+    (the per-grid process groups, e.g. Megatron-Core's ``parallel_state``, set up and torn
+    down again) before calling :meth:`train`.
 
     Both methods run inside the rank processes. :class:`~verify.candidates.api.Unsupported`
     may be raised for a case the candidate cannot run; it must then be raised on every rank
@@ -206,8 +214,9 @@ class PipelineTraining(Protocol):
     """
 
     def grid(self, dims: ParallelDims) -> AbstractContextManager[ParallelDims | None]:
-        """Entered: this rank's place in ``dims``' grid with its process groups (None outside
-        the grid), set up for the candidate; exited after the phase's training: torn down.
+        """Entered (inside the interface's own ``with``): this rank's place in ``dims``' grid
+        with its process groups (None outside the grid), set up for the candidate; exited
+        after the phase's training: torn down.
 
         Collective over the whole world: every rank enters it for every case of a phase, in
         the same order, before any case trains (several grids may share the world:

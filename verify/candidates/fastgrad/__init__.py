@@ -12,6 +12,9 @@ from typing import TYPE_CHECKING
 from verify.candidates.api import Candidate, CandidateInfo, Fault
 
 if TYPE_CHECKING:  # the technique interfaces, for annotations only
+    from verify.candidates.api.deferred_wgrad import DeferredWgrad
+    from verify.candidates.api.layout import BucketLayout
+    from verify.candidates.api.mxfp8 import MXFP8
     from verify.candidates.api.pipeline import PipelineTraining
 
 
@@ -40,6 +43,30 @@ class FastgradCandidate(Candidate):
             installed = "source tree"
         return CandidateInfo(name=self.name, version=installed,
                              description="gradverify's own implementation (fastgrad)")
+
+    def layout(self) -> BucketLayout:
+        """``fastgrad.layout.compute_layout`` and ``fastgrad.buffer.ParamAndGradBuffer``."""
+        from verify.candidates.fastgrad.layout import FastgradLayout
+
+        return FastgradLayout()
+
+    def deferred_wgrad(self) -> DeferredWgrad:
+        """``fastgrad.deferred_wgrad.ColumnParallelOutputLayer`` and its wgrad GEMM
+        (``Fault.LIFO_DRAIN``: the drain runs newest first)."""
+        from verify.candidates.fastgrad.deferred_wgrad import (
+            FastgradDeferredWgrad,
+            LifoDrainOutputLayer,
+        )
+
+        if self.injected_fault is Fault.LIFO_DRAIN:
+            return FastgradDeferredWgrad(layer_cls=LifoDrainOutputLayer)
+        return FastgradDeferredWgrad()
+
+    def mxfp8(self) -> MXFP8:
+        """``fastgrad.mxfp8`` (the Triton kernel on CUDA) and ``fastgrad.mxfp8_sharing``."""
+        from verify.candidates.fastgrad.mxfp8 import FastgradMXFP8
+
+        return FastgradMXFP8()
 
     def pipeline(self) -> PipelineTraining:
         """``fastgrad.ddp`` under ``fastgrad.pipeline``'s 1F1B schedules, with the fault."""

@@ -33,6 +33,7 @@ from refgrad.pipeline import sgd_update
 from verify.candidates.api import Fault
 from verify.candidates.api.pipeline import (
     PipelineCase,
+    PipelineTraining,
     RankResult,
     StepProgress,
     rank_microbatches,
@@ -48,8 +49,9 @@ from verify.candidates.fastgrad.pipeline_model import (
 
 
 @dataclass(frozen=True)
-class FastgradPipeline:
-    """fastgrad's DDP and 1F1B schedules, as published (``fault=None``) or with ``fault``."""
+class FastgradPipeline(PipelineTraining):
+    """fastgrad's DDP and 1F1B schedules, as published (``fault=None``) or with ``fault``
+    (its ``with`` scope is empty: fastgrad needs no per-process setup)."""
 
     fault: Fault | None = None
 

@@ -13,7 +13,7 @@ What it establishes, on real gloo process groups (2 processes):
    (``limit..M-1, 0..limit-1``) instead, and holds the microbatch-order result
    to the Higham bound, reporting the ULP distances it finds.
    dgrads must be bitwise equal in every case (they always run at once).
-2. fastgrad vs refgrad (``refgrad.deferred_wgrad.reference_main_grad`` in the order
+2. The candidate vs refgrad (``refgrad.deferred_wgrad.reference_main_grad`` in the order
    the adds really happen): bitwise on a small-integer grid where every partial
    sum is exact in the ``main_grad`` format; within
    ``fastgrad_error_factor(T, 2M) * A`` elementwise on random data (the GEMM's
@@ -28,11 +28,11 @@ What it establishes, on real gloo process groups (2 processes):
    leak into the next step: ``start_step`` clears both (production clears one).
 
 Package layout: ``cases`` (the case matrix and its data), ``worker`` (one rank's run),
-``candidate`` (the implementation under test), ``comparisons`` (what the results must
-satisfy), ``entry`` (the run function and the registration).
+``comparisons`` (what the results must satisfy), ``entry`` (the run function and the
+registration). The implementation is reached only through ``candidate.deferred_wgrad()``
+(:mod:`verify.candidates.api.deferred_wgrad`).
 """
 
-from verify.checks.deferred_wgrad.candidate import DeferredWgradCandidate
 from verify.checks.deferred_wgrad.cases import (
     WgradCase,
     build_cases,
@@ -40,7 +40,7 @@ from verify.checks.deferred_wgrad.cases import (
     compared_with_refgrad,
 )
 from verify.checks.deferred_wgrad.comparisons import (
-    compare_wgrad_methods_on,
+    compare_wgrad_gemms_on,
     run_deferred_wgrad_check,
 )
 from verify.checks.deferred_wgrad.entry import CHECK, run
@@ -48,11 +48,10 @@ from verify.checks.deferred_wgrad.worker import run_case_on_rank
 
 __all__ = [
     "CHECK",
-    "DeferredWgradCandidate",
     "WgradCase",
     "build_cases",
     "case_data",
-    "compare_wgrad_methods_on",
+    "compare_wgrad_gemms_on",
     "compared_with_refgrad",
     "run",
     "run_case_on_rank",

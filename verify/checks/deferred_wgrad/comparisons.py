@@ -2,24 +2,25 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict
 
 import torch
 
-from fastgrad.deferred_wgrad import (
-    CUDA_WGRAD_METHODS,
-    EmbeddingWgradConfig,
-)
-from fastgrad.errors import LifecycleError
-from fastgrad.parallel_dims import ParallelDims
 from refgrad.deferred_wgrad import (
     deferred_accumulation_order,
     fastgrad_error_factor,
     reference_main_grad,
     tied_embedding_grad_sum,
 )
+from verify.candidates import Candidate
+from verify.candidates.api.deferred_wgrad import (
+    DeferredWgrad,
+    DrainRefused,
+    OutputLayerConfig,
+    WgradGemm,
+)
 from verify.check import CheckContext, CheckRecorder
-from verify.checks.deferred_wgrad.candidate import DeferredWgradCandidate
 from verify.checks.deferred_wgrad.cases import (
     BATCH,
     HIDDEN,
@@ -32,7 +33,7 @@ from verify.checks.deferred_wgrad.cases import (
     case_data,
     compared_with_refgrad,
 )
-from verify.checks.deferred_wgrad.worker import rank_main
+from verify.checks.deferred_wgrad.worker import RankOutcome, rank_main
 from verify.distributed import spawn
 from verify.metrics import compare
 
@@ -68,24 +69,42 @@ def _ulp_row(label: str, ref: torch.Tensor, cand: torch.Tensor, bound_ok: bool) 
     return [label, c.bitwise_equal, c.max_ulp, round(c.mean_ulp, 3), bound_ok]
 
 
+def _values(rec: CheckRecorder, label: str, outcomes: Sequence[RankOutcome]) -> list | None:
+    """Every rank's value of a part, or None after recording a failure for each rank the
+    candidate raised on, or a skip where it cannot run the part."""
+    for r, outcome in enumerate(outcomes):
+        if outcome.raised:
+            rec.expect(f"{label}/rank{r}: runs", False, outcome.raised)
+        elif outcome.unsupported:
+            rec.skip(f"{label}/rank{r}: {outcome.unsupported}")
+    if any(o.raised or o.unsupported for o in outcomes):
+        return None
+    return [o.value for o in outcomes]
+
+
 def run_deferred_wgrad_check(
-    ctx: CheckContext, rec: CheckRecorder, candidate: DeferredWgradCandidate
+    ctx: CheckContext, rec: CheckRecorder, candidate: Candidate, wgrad: DeferredWgrad
 ) -> None:
-    """The multi-rank cases, the tied embedding, the guard and the stale step."""
-    layer_cls = candidate.layer_cls
+    """The multi-rank cases, the tied embedding, the guard and the stale step.
+
+    ``wgrad`` is ``candidate.deferred_wgrad()`` in this process (the guard and the stale
+    step); the ranks ask the candidate for their own.
+    """
     cases = build_cases(ctx.quick)
     multi = [c for c in cases if c.tp > 1]
     single = [c for c in cases if c.tp == 1]
     # TP-1 cases run on every process with that process's own data (rank-specific).
     per_rank = [
-        r for r in spawn(rank_main, WORLD, [asdict(c) for c in cases], ctx.seed, layer_cls,
+        r for r in spawn(rank_main, WORLD, [asdict(c) for c in cases], ctx.seed, candidate,
                    timeout_s=ctx.timeout_s)
     ]
 
     deferred_vs_immediate, drain_order_rows, ref_rows = [], [], []
     for case in cases:
         ranks = range(WORLD)
-        results = [per_rank[r]["cases"][case.label] for r in ranks]
+        results = _values(rec, case.label, [per_rank[r]["cases"][case.label] for r in ranks])
+        if results is None:
+            continue
         m, limit = case.num_microbatches, case.limit
         expected_drained = [m if limit == 0 else min(limit, m)] * ITERATIONS
         for r, res in zip(ranks, results):
@@ -123,7 +142,7 @@ def run_deferred_wgrad_check(
             ref = _reference(case, xs, gos, order)
             tag = f"{case.label}/data{dr}"
             if case.lane == "grid":
-                rec.compare(f"{tag}: fastgrad vs refgrad (exact grid)", ref, final, max_ulp=0)
+                rec.compare(f"{tag}: {candidate.name} vs refgrad (exact grid)", ref, final, max_ulp=0)
             else:
                 factor = fastgrad_error_factor(
                     SEQ * BATCH, ITERATIONS * m, main_grad_dtype=getattr(torch, case.main_grad_dtype)
@@ -132,7 +151,7 @@ def run_deferred_wgrad_check(
                 err = (final.double() - ref.double()).abs()
                 ok = bool((err <= a * float(factor)).all())
                 rec.expect(
-                    f"{tag}: |fastgrad - refgrad| <= {float(factor):.3g}·A",
+                    f"{tag}: |{candidate.name} - refgrad| <= {float(factor):.3g}·A",
                     ok,
                     f"max err/A = {float((err / a.clamp_min(1e-300)).max()):.3g}",
                 )
@@ -166,7 +185,7 @@ def run_deferred_wgrad_check(
         ],
     )
     rec.table(
-        "fastgrad vs refgrad, random bf16 data (refgrad in the real order of adds)",
+        f"{candidate.name} vs refgrad, random bf16 data (refgrad in the real order of adds)",
         ["case", "bitwise", "max ulp", "mean ulp", "within bound"],
         ref_rows,
         notes=["The GEMM's fp32 summation order (BLAS/cuBLAS) is the only unfixed rounding."],
@@ -174,15 +193,20 @@ def run_deferred_wgrad_check(
 
     # Tied embeddings: both stages equal, and equal to the exact sum rounded once.
     for dtype in ("float32", "bfloat16"):
-        stage0, stage1 = per_rank[0]["tied"][dtype], per_rank[1]["tied"][dtype]
+        stages = _values(rec, f"tied/{dtype}", [per_rank[0]["tied"][dtype], per_rank[1]["tied"][dtype]])
+        if stages is None:
+            continue
+        stage0, stage1 = stages
         for it in range(ITERATIONS):
             tag = f"tied/{dtype}/iter{it}"
             rec.compare(f"{tag}: stage0 vs stage1 after all-reduce", stage0[it]["after"], stage1[it]["after"])
             expected = tied_embedding_grad_sum([stage0[it]["before"], stage1[it]["before"]])
             rec.compare(f"{tag}: vs refgrad tied sum", expected, stage1[it]["after"])
 
-    _guard_case(ctx, rec, layer_cls)
-    _stale_step_case(ctx, rec, layer_cls)
+    with rec.skip_if_unsupported():
+        _guard_case(ctx, rec, wgrad)
+    with rec.skip_if_unsupported():
+        _stale_step_case(ctx, rec, wgrad)
     rec.finding(
         f"{len(cases)} cases ({len(single)} at TP 1 on each of {WORLD} processes, {len(multi)} at TP 2), "
         f"{ITERATIONS} iterations each; {len(drain_order_rows)} (case, rank, iteration) results "
@@ -191,32 +215,33 @@ def run_deferred_wgrad_check(
     )
 
 
-def _guard_case(ctx: CheckContext, rec: CheckRecorder, layer_cls) -> None:
+def _guard_case(ctx: CheckContext, rec: CheckRecorder, wgrad: DeferredWgrad) -> None:
     """Draining into a bucket whose reduce is in flight must raise and write nothing."""
-    config = EmbeddingWgradConfig(defer_embedding_wgrad_compute=True)
+    config = OutputLayerConfig(defer_embedding_wgrad_compute=True, pipeline_model_parallel_size=2)
     g = ctx.generator(3)  # seed 0: manual_seed(3)
-    layer = layer_cls(torch.randn(VOCAB, HIDDEN, generator=g).bfloat16(), config,
-                      parallel_dims=ParallelDims(pp_size=2))
+    layer = wgrad.output_layer(torch.randn(VOCAB, HIDDEN, generator=g).bfloat16(), config)
     x = torch.randn(SEQ, BATCH, HIDDEN, generator=g).bfloat16().requires_grad_(True)
     layer(x).backward(torch.randn(SEQ, BATCH, VOCAB, generator=g).bfloat16())
-    before = layer.weight.main_grad.clone()
+    before = layer.main_grad.clone()
     raised = False
     try:
-        layer.drain_deferred_wgrad(reduce_in_flight=lambda p: p is layer.weight)
-    except LifecycleError:
+        layer.drain(reduce_in_flight=lambda p: p is layer.weight)
+    except DrainRefused:
         raised = True
     rec.expect("guard: drain into an in-flight bucket raises LifecycleError", raised)
-    rec.expect("guard: main_grad untouched after the refusal", torch.equal(before, layer.weight.main_grad))
+    rec.expect("guard: main_grad untouched after the refusal", torch.equal(before, layer.main_grad))
     rec.expect("guard: the deferred entry is still there to drain later", layer.num_deferred == 1)
 
 
-def _stale_step_case(ctx: CheckContext, rec: CheckRecorder, layer_cls) -> None:
+def _stale_step_case(ctx: CheckContext, rec: CheckRecorder, wgrad: DeferredWgrad) -> None:
     """A step abandoned after a backward leaves entries in both buffers; the next step must not see them.
 
     Production clears only the activation buffer at step start, so a stale
     grad_output would be paired with the next step's first input.
     """
-    config = EmbeddingWgradConfig(defer_embedding_wgrad_compute=True, wgrad_deferral_limit=2)
+    config = OutputLayerConfig(
+        defer_embedding_wgrad_compute=True, wgrad_deferral_limit=2, pipeline_model_parallel_size=2
+    )
     g = ctx.generator(11)  # seed 0: manual_seed(11)
     weight = torch.randn(VOCAB, HIDDEN, generator=g).bfloat16()
     xs = [torch.randn(SEQ, BATCH, HIDDEN, generator=g).bfloat16() for _ in range(3)]
@@ -226,59 +251,52 @@ def _stale_step_case(ctx: CheckContext, rec: CheckRecorder, layer_cls) -> None:
         layer.start_step()
         for x, go in zip(xs[1:], gos[1:]):
             layer(x.clone().requires_grad_(True)).backward(go)
-        layer.drain_deferred_wgrad()
+        layer.drain()
 
-    fresh = layer_cls(weight, config, parallel_dims=ParallelDims(pp_size=2))
+    fresh = wgrad.output_layer(weight, config)
     full_step(fresh)
-    reused = layer_cls(weight, config, parallel_dims=ParallelDims(pp_size=2))
+    reused = wgrad.output_layer(weight, config)
     reused.start_step()
     reused(xs[0].clone().requires_grad_(True)).backward(gos[0])  # abandoned: no drain
-    reused.weight.main_grad.zero_()
+    reused.main_grad.zero_()
     try:
         full_step(reused)
-        same = torch.equal(
-            fresh.weight.main_grad.view(torch.int32), reused.weight.main_grad.view(torch.int32)
-        )
+        same = torch.equal(fresh.main_grad.view(torch.int32), reused.main_grad.view(torch.int32))
         detail = "main_grad differs from a fresh layer's"
-    except LifecycleError as exc:
-        same, detail = False, f"LifecycleError: {exc}"
+    except DrainRefused as refusal:
+        same, detail = False, str(refusal)
     rec.expect("stale step: start_step clears both buffers (bitwise equal to a fresh layer)", same, detail)
 
 
-def compare_wgrad_methods_on(
-    device: str,
-    rec: CheckRecorder,
-    seed: int,
-    methods,
-    candidate: DeferredWgradCandidate = DeferredWgradCandidate(),  # noqa: B008 - frozen
+def compare_wgrad_gemms_on(
+    device: str, rec: CheckRecorder, seed: int, gemms: Sequence[WgradGemm]
 ) -> None:
-    """``main_grad += goᵀ·x`` on ``device`` with each wgrad method of the candidate's
-    ``accumulate`` vs refgrad, on the exact grid.
+    """``main_grad += goᵀ·x`` on ``device`` with each of a candidate's wgrad GEMMs vs
+    refgrad, on the exact grid.
 
     On the grid lane every product and partial sum is exact, so any summation
     order inside the GEMM must give refgrad's bits.
     """
-    accumulate = candidate.accumulate
     for dtype in ("float32", "bfloat16"):
         case = WgradCase(1, False, 3, 0, dtype, "grid")
         _, xs, gos = case_data(case, seed, data_rank=0)
         expected = reference_main_grad(gos[0], xs[0], main_grad_dtype=getattr(torch, dtype))
-        for method in methods:
+        for gemm in gemms:
             main_grad = torch.zeros(VOCAB, HIDDEN, dtype=getattr(torch, dtype), device=device)
             try:
                 for x, go in zip(xs[0], gos[0]):
-                    accumulate(main_grad, go.to(device), x.to(device), cuda_method=method)
+                    gemm(main_grad, go.to(device), x.to(device))
             except (RuntimeError, NotImplementedError) as exc:
                 # addmm with both out_dtype and out= has been broken in some torch releases.
-                rec.finding(f"{device} wgrad method {method!r} is unavailable on this torch: {exc}")
+                rec.finding(f"{device} wgrad method {gemm.name!r} is unavailable on this torch: {exc}")
                 continue
-            rec.compare(f"{device} wgrad {method}: main_grad {dtype} (exact grid)",
+            rec.compare(f"{device} wgrad {gemm.name}: main_grad {dtype} (exact grid)",
                         expected, main_grad.cpu())
 
 
-def check_cuda_wgrad(ctx: CheckContext, rec: CheckRecorder, candidate: DeferredWgradCandidate) -> None:
-    """With ``--device cuda``: the fp32-accumulating wgrad GEMM (cuBLAS) vs refgrad."""
+def check_cuda_wgrad(ctx: CheckContext, rec: CheckRecorder, wgrad: DeferredWgrad) -> None:
+    """With ``--device cuda``: the candidate's fp32-accumulating wgrad GEMMs (cuBLAS) vs refgrad."""
     if ctx.device != "cuda":
         rec.skip("CUDA wgrad GEMM (cuBLAS, fp32 output) vs refgrad: run `verify run --device cuda`")
         return
-    compare_wgrad_methods_on("cuda", rec, ctx.seed, CUDA_WGRAD_METHODS, candidate)
+    compare_wgrad_gemms_on("cuda", rec, ctx.seed, wgrad.wgrad_gemms("cuda"))

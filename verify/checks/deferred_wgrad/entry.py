@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+from verify.candidates import Candidate, Technique
 from verify.check import Check, CheckContext, CheckRecorder
-from verify.checks.deferred_wgrad.candidate import DeferredWgradCandidate
 from verify.checks.deferred_wgrad.comparisons import check_cuda_wgrad, run_deferred_wgrad_check
 
 
-def run(ctx: CheckContext, rec: CheckRecorder, candidate: DeferredWgradCandidate) -> None:
-    """The ``deferred_wgrad`` check against ``candidate`` (default: fastgrad's layer)."""
-    run_deferred_wgrad_check(ctx, rec, candidate)
-    check_cuda_wgrad(ctx, rec, candidate)
+def run(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate) -> None:
+    """The ``deferred_wgrad`` check against ``candidate``'s output layer and wgrad GEMMs."""
+    # Unsupported from the accessor: nothing can run (SKIP). The ranks enter their own.
+    with candidate.deferred_wgrad() as wgrad:
+        run_deferred_wgrad_check(ctx, rec, candidate, wgrad)
+        with rec.skip_if_unsupported():
+            check_cuda_wgrad(ctx, rec, wgrad)
 
 
 CHECK = Check(
     name="deferred_wgrad",
     summary="Deferred embedding wgrad: bitwise vs immediate (or the drain order), vs refgrad, tied grads",
     run=run,
-    default_candidate=DeferredWgradCandidate.default(),
     spawns_ranks=True,
+    technique=Technique.DEFERRED_WGRAD,
 )

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
-from fastgrad.deferred_wgrad import (
-    ColumnParallelOutputLayer,
-    EmbeddingWgradConfig,
-    allreduce_tied_embedding_grad,
-)
-from fastgrad.parallel_dims import ParallelDims
 from refgrad.deferred_wgrad import (
     deferred_accumulation_order,
 )
+from verify.candidates import Candidate, Unsupported
+from verify.candidates.api.deferred_wgrad import DeferredWgrad, OutputLayerConfig
 from verify.checks.deferred_wgrad.cases import (
     BATCH,
     HIDDEN,
@@ -25,22 +25,16 @@ from verify.checks.deferred_wgrad.cases import (
 )
 
 
-def case_dims(case: WgradCase, tp_group: dist.ProcessGroup | None) -> ParallelDims:
-    """The layer's sizes: the last stage of a PP 2 grid, at TP 2 with ``tp_group``."""
-    dims = ParallelDims(tp_size=case.tp, pp_size=2, sequence_parallel=case.sequence_parallel)
-    return dims if case.tp == 1 else dims.with_groups(tp_group=tp_group)
-
-
-def run_layer(case, layer_cls, config, weight, xs, gos, rank, order_of, tp_group):
+def run_layer(case, wgrad: DeferredWgrad, config, weight, xs, gos, rank, order_of, tp_group):
     """Run ITERATIONS steps; return main_grad after each, drain counts, dgrads, empty-drain facts."""
     tp = case.tp
     vshard = VOCAB // tp
     sshard = SEQ // tp if case.sequence_parallel else SEQ
     vrank = rank if tp > 1 else 0
-    layer = layer_cls(
+    layer = wgrad.output_layer(
         weight[vrank * vshard : (vrank + 1) * vshard],
         config,
-        parallel_dims=case_dims(case, tp_group),
+        tp_group=tp_group,
         main_grad_dtype=getattr(torch, case.main_grad_dtype),
     )
     grads_after, drained, dgrads, empty_drain_ok = [], [], [], True
@@ -54,12 +48,12 @@ def run_layer(case, layer_cls, config, weight, xs, gos, rank, order_of, tp_group
             go = gos[it][k][..., vrank * vshard : (vrank + 1) * vshard].contiguous()
             layer(x).backward(go)
             step_dgrads[k] = x.grad
-        drained.append(layer.drain_deferred_wgrad())
-        snapshot = layer.weight.main_grad.clone()
+        drained.append(layer.drain())
+        snapshot = layer.main_grad.clone()
         # A second drain finds 0 entries: it must return 0 and leave main_grad alone.
-        empty_drain_ok &= layer.drain_deferred_wgrad() == 0
+        empty_drain_ok &= layer.drain() == 0
         empty_drain_ok &= torch.equal(
-            layer.weight.main_grad.view(torch.int16 if snapshot.itemsize == 2 else torch.int32),
+            layer.main_grad.view(torch.int16 if snapshot.itemsize == 2 else torch.int32),
             snapshot.view(torch.int16 if snapshot.itemsize == 2 else torch.int32),
         )
         grads_after.append(snapshot)
@@ -72,22 +66,27 @@ def run_case_on_rank(
     seed: int,
     rank: int,
     tp_group: dist.ProcessGroup | None,
-    layer_cls: type[ColumnParallelOutputLayer],
+    wgrad: DeferredWgrad,
 ) -> dict:
     """Deferred, immediate, and immediate-in-drain-order runs of one case on this rank."""
     data_rank = rank if case.tp == 1 else 0
     weight, xs, gos = case_data(case, seed, data_rank)
     m = case.num_microbatches
-    deferred_cfg = EmbeddingWgradConfig(
+    deferred_cfg = OutputLayerConfig(
         defer_embedding_wgrad_compute=True,
         wgrad_deferral_limit=case.limit,
+        pipeline_model_parallel_size=2,
+        sequence_parallel=case.sequence_parallel,
     )
-    immediate_cfg = EmbeddingWgradConfig()
+    immediate_cfg = OutputLayerConfig(
+        pipeline_model_parallel_size=2,
+        sequence_parallel=case.sequence_parallel,
+    )
     natural = lambda it: range(m)  # noqa: E731
     drain_order = lambda it: deferred_accumulation_order(m, case.limit)  # noqa: E731
-    deferred = run_layer(case, layer_cls, deferred_cfg, weight, xs, gos, rank, natural, tp_group)
-    immediate = run_layer(case, ColumnParallelOutputLayer, immediate_cfg, weight, xs, gos, rank, natural, tp_group)
-    reordered = run_layer(case, ColumnParallelOutputLayer, immediate_cfg, weight, xs, gos, rank, drain_order, tp_group)
+    deferred = run_layer(case, wgrad, deferred_cfg, weight, xs, gos, rank, natural, tp_group)
+    immediate = run_layer(case, wgrad, immediate_cfg, weight, xs, gos, rank, natural, tp_group)
+    reordered = run_layer(case, wgrad, immediate_cfg, weight, xs, gos, rank, drain_order, tp_group)
     dgrad_equal = all(
         torch.equal(a, b)
         for it in range(ITERATIONS)
@@ -104,7 +103,7 @@ def run_case_on_rank(
     }
 
 
-def _tied_embedding_on_rank(rank: int, seed: int, main_grad_dtype: str, layer_cls) -> list[dict]:
+def _tied_embedding_on_rank(rank: int, seed: int, main_grad_dtype: str, wgrad: DeferredWgrad) -> list[dict]:
     """Stage 0: word-embedding grads; stage 1: deferred output layer; then the tied all-reduce."""
     dtype = getattr(torch, main_grad_dtype)
     g = torch.Generator().manual_seed(seed * 31 + 5)
@@ -113,9 +112,9 @@ def _tied_embedding_on_rank(rank: int, seed: int, main_grad_dtype: str, layer_cl
     if rank == 0:
         main_grad = torch.zeros(VOCAB, HIDDEN, dtype=dtype)
     else:
-        config = EmbeddingWgradConfig(defer_embedding_wgrad_compute=True)
-        layer = layer_cls(weight, config, parallel_dims=ParallelDims(pp_size=2), main_grad_dtype=dtype)
-        main_grad = layer.weight.main_grad
+        config = OutputLayerConfig(defer_embedding_wgrad_compute=True, pipeline_model_parallel_size=2)
+        layer = wgrad.output_layer(weight, config, main_grad_dtype=dtype)
+        main_grad = layer.main_grad
     for _ in range(ITERATIONS):
         # Every iteration starts from zeros, as after the optimizer step's zero_grad.
         main_grad.zero_()
@@ -131,20 +130,46 @@ def _tied_embedding_on_rank(rank: int, seed: int, main_grad_dtype: str, layer_cl
                 go = torch.randn(SEQ, BATCH, VOCAB, generator=g).bfloat16()
                 layer(x).backward(go)
         if rank == 1:
-            layer.drain_deferred_wgrad()
+            layer.drain()
         before = main_grad.clone()
-        allreduce_tied_embedding_grad(main_grad, dist.group.WORLD)
+        wgrad.allreduce_tied_embedding_grad(main_grad, dist.group.WORLD)
         out.append({"before": before, "after": main_grad.clone()})
     return out
 
 
-def rank_main(rank: int, world_size: int, cases: list[dict], seed: int, layer_cls) -> dict:
+@dataclass(frozen=True)
+class RankOutcome:
+    """One part run on one rank: its ``value``, or what the candidate ``raised`` (the part
+    fails), or why it is ``unsupported`` (the part is skipped)."""
+
+    value: Any = None
+    raised: str = ""
+    unsupported: str = ""
+
+
+def _outcome(run: Callable[..., Any], *args: Any) -> RankOutcome:
+    """``run(*args)`` as a :class:`RankOutcome`: a candidate that raises in one case fails
+    that case, not the whole check.
+
+    Both ranks run the same case, so a candidate that raises does so on both, before or
+    after the same collectives (a rank left waiting ends the run at the deadline).
+    """
+    try:
+        return RankOutcome(value=run(*args))
+    except Unsupported as unsupported:
+        return RankOutcome(unsupported=str(unsupported))
+    except Exception as exc:  # noqa: BLE001 - reported as the case's failure, with its type
+        return RankOutcome(raised=f"{type(exc).__name__}: {exc}")
+
+
+def rank_main(rank: int, world_size: int, cases: list[dict], seed: int, candidate: Candidate) -> dict:
     """Everything that needs processes: the TP cases and the tied-embedding exchange."""
-    results = {}
-    for spec in cases:
-        case = WgradCase(**spec)
-        results[case.label] = run_case_on_rank(
-            case, seed, rank, dist.group.WORLD if case.tp > 1 else None, layer_cls
-        )
-    tied = {d: _tied_embedding_on_rank(rank, seed, d, layer_cls) for d in ("float32", "bfloat16")}
+    with candidate.deferred_wgrad() as wgrad:
+        results = {}
+        for spec in cases:
+            case = WgradCase(**spec)
+            results[case.label] = _outcome(
+                run_case_on_rank, case, seed, rank, dist.group.WORLD if case.tp > 1 else None, wgrad
+            )
+        tied = {d: _outcome(_tied_embedding_on_rank, rank, seed, d, wgrad) for d in ("float32", "bfloat16")}
     return {"cases": results, "tied": tied}

@@ -1,4 +1,4 @@
-"""Check ``layout``: fastgrad's bucketed, padded buffers against refgrad's layout.
+"""Check ``layout``: a candidate's bucketed, padded buffers against refgrad's layout.
 
 What it verifies (REFERENCE_NOTES section 1):
   * hand-derived small layouts, computed by both refgrad and the candidate;
@@ -7,28 +7,29 @@ What it verifies (REFERENCE_NOTES section 1):
     exactly, and every invariant of the notes holds, with shards of all
     ranks covering every element exactly once;
   * a 10^5-parameter list: candidate == refgrad;
-  * ``fastgrad.buffer.ParamAndGradBuffer`` on ``ctx.device``: views where the
-    layout says, 64-element aligned, values kept, padding zero and invisible
-    to the norm/checkpoint helpers;
+  * the candidate's buffer (fastgrad: ``fastgrad.buffer.ParamAndGradBuffer``) on
+    ``ctx.device``: views where the layout says, 64-element aligned, values kept,
+    padding zero and invisible to the norm/checkpoint helpers;
   * (non-quick) real gloo reduce-scatter / all-reduce at dp 2 and 3 through
     the buffers, each rank's shard against an exact sum laid out by refgrad;
   * the padding-overhead report and the published worked examples.
 
 Package layout: ``invariants`` (what every layout must satisfy), ``cases`` (hand-derived
 and random cases), ``worker`` (the multi-rank reductions), ``buffers`` (single-process
-buffer properties), ``entry`` (the candidate, the run function and the report glue).
+buffer properties), ``entry`` (the run function and the report glue). The implementation
+is reached only through ``candidate.layout()`` (:mod:`verify.candidates.api.layout`).
 """
 
+from verify.candidates.api.layout import LayoutCase
 from verify.checks.layout.buffers import buffer_violations
 from verify.checks.layout.cases import (
     HAND_CASES,
     HandCase,
-    LayoutCase,
     compare_layouts,
     hand_case_mismatch,
     random_case,
 )
-from verify.checks.layout.entry import CHECK, LayoutCandidate, run
+from verify.checks.layout.entry import CHECK, run
 from verify.checks.layout.invariants import layout_violations, shard_coverage_violations
 from verify.checks.layout.worker import (
     ReduceScenario,
@@ -42,7 +43,6 @@ __all__ = [
     "CHECK",
     "HAND_CASES",
     "HandCase",
-    "LayoutCandidate",
     "LayoutCase",
     "ReduceScenario",
     "buffer_violations",

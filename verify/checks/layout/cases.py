@@ -6,6 +6,9 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+from refgrad.layout import Layout
+from verify.candidates.api.layout import LayoutCase
+
 # --------------------------------------------------------------------------- hand-derived cases
 
 
@@ -33,6 +36,11 @@ class HandCase:
             "pad_buckets_for_high_nccl_busbw": self.high_busbw,
             "shared_embedding": self.shared_embedding,
         }
+
+    def case(self) -> LayoutCase:
+        """The same problem as the candidate is asked it."""
+        return LayoutCase(self.numels, self.dp_size, self.bucket_size,
+                          self.use_distributed_optimizer, self.high_busbw, self.shared_embedding)
 
 
 HAND_CASES: tuple[HandCase, ...] = (
@@ -95,7 +103,7 @@ HAND_CASES: tuple[HandCase, ...] = (
 )
 
 
-def hand_case_mismatch(case: HandCase, layout: Any) -> str:
+def hand_case_mismatch(case: HandCase, layout: Layout) -> str:
     """'' when ``layout`` matches the hand-derived values, else what differs."""
     got = (
         tuple(tuple(int(v) for v in t) for t in layout.param_index_map),
@@ -107,25 +115,6 @@ def hand_case_mismatch(case: HandCase, layout: Any) -> str:
 
 
 # --------------------------------------------------------------------------- random cases
-
-
-@dataclass(frozen=True)
-class LayoutCase:
-    numels: tuple[int, ...]
-    dp_size: int
-    bucket_size: int | None
-    use_distributed_optimizer: bool
-    pad_buckets_for_high_nccl_busbw: bool
-    shared_embedding: tuple[int, ...] = ()
-
-    def kwargs(self) -> dict[str, Any]:
-        return {
-            "dp_size": self.dp_size,
-            "bucket_size": self.bucket_size,
-            "use_distributed_optimizer": self.use_distributed_optimizer,
-            "pad_buckets_for_high_nccl_busbw": self.pad_buckets_for_high_nccl_busbw,
-            "shared_embedding": self.shared_embedding,
-        }
 
 
 def random_case(rng: random.Random) -> LayoutCase:
@@ -143,7 +132,7 @@ def random_case(rng: random.Random) -> LayoutCase:
     return LayoutCase(tuple(numels), dp, bucket_size, rng.random() < 0.75, rng.random() < 0.5, shared)
 
 
-def compare_layouts(reference: Any, candidate: Any) -> str:
+def compare_layouts(reference: Layout, candidate: Layout) -> str:
     """'' when identical, else the first differing field."""
     ref, cand = reference.to_dict(), candidate.to_dict()
     for key in ref:

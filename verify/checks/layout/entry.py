@@ -1,44 +1,21 @@
-"""The layout check's candidate, its run function and the report glue."""
+"""The layout check's run function and the report glue."""
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from refgrad.layout import compute_layout as reference_layout
+from verify.candidates import Candidate, Technique, Unsupported
+from verify.candidates.api.layout import BucketLayout, LayoutCase
 from verify.check import Check, CheckContext, CheckRecorder
 from verify.checks.layout.buffers import buffer_violations
 from verify.checks.layout.cases import HAND_CASES, compare_layouts, hand_case_mismatch, random_case
 from verify.checks.layout.invariants import layout_violations
 from verify.checks.layout.worker import default_scenarios, run_reduce_scenarios
-
-LayoutFunction = Callable[..., Any]
+from verify.studies import layout as layout_report
 
 # --------------------------------------------------------------------------- the check
-
-
-@dataclass(frozen=True)
-class LayoutCandidate:
-    """The layout implementation under test: the layout function and the buffer class."""
-
-    compute_layout: LayoutFunction
-    buffer_cls: type
-
-    def __post_init__(self) -> None:
-        if not callable(self.compute_layout):
-            raise TypeError("LayoutCandidate.compute_layout must be callable")
-        if not isinstance(self.buffer_cls, type):
-            raise TypeError("LayoutCandidate.buffer_cls must be a class")
-
-    @classmethod
-    def default(cls, **overrides: Any) -> LayoutCandidate:
-        """fastgrad's ``compute_layout`` and ``ParamAndGradBuffer`` (``overrides`` replace fields)."""
-        from fastgrad.buffer import ParamAndGradBuffer
-        from fastgrad.layout import compute_layout
-
-        return cls(**{"compute_layout": compute_layout, "buffer_cls": ParamAndGradBuffer, **overrides})
 
 
 @dataclass(frozen=True)
@@ -48,8 +25,8 @@ class _Options:
     spawn_ranks: tuple[int, ...] = field(default=())
 
 
-def run(ctx: CheckContext, rec: CheckRecorder, candidate: LayoutCandidate) -> None:
-    """The ``layout`` check against ``candidate`` (default: fastgrad's layout and buffers)."""
+def run(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate) -> None:
+    """The ``layout`` check against ``candidate``'s bucket layout and buffers."""
     options = _Options(
         random_cases=300 if ctx.quick else 3000,
         big_params=10_000 if ctx.quick else 100_000,
@@ -58,62 +35,15 @@ def run(ctx: CheckContext, rec: CheckRecorder, candidate: LayoutCandidate) -> No
     _run(ctx, rec, candidate, options)
 
 
-def _run(ctx: CheckContext, rec: CheckRecorder, layout_candidate: LayoutCandidate, options: _Options) -> None:
-    from verify.studies import layout as layout_report
-
-    candidate = layout_candidate.compute_layout
-    # 1. Hand-derived layouts.
-    for case in HAND_CASES:
-        for label, fn in (("refgrad", reference_layout), ("candidate", candidate)):
-            mismatch = hand_case_mismatch(case, fn(list(case.numels), **case.kwargs()))
-            rec.expect(f"hand-derived ({label}): {case.name}", not mismatch, mismatch)
-    # 2. Random layouts: candidate == refgrad, invariants, shard coverage.
-    rng = random.Random(ctx.seed * 7919 + 4)
-    mismatches: list[str] = []
-    violations: list[str] = []
-    for _ in range(options.random_cases):
-        case = random_case(rng)
-        ref = reference_layout(list(case.numels), **case.kwargs())
-        cand = candidate(list(case.numels), **case.kwargs())
-        diff = compare_layouts(ref, cand)
-        if diff:
-            mismatches.append(f"{case}: {diff}")
-        broken = layout_violations(
-            cand, case.numels, **case.kwargs(), check_shards=case.dp_size <= 256
-        )
-        if broken:
-            violations.append(f"{case}: {broken[0]}")
-    rec.expect(
-        f"{options.random_cases} random layouts: candidate == refgrad",
-        not mismatches,
-        "; ".join(mismatches[:3]),
-    )
-    rec.expect(
-        f"{options.random_cases} random layouts: all invariants hold, shards tile every bucket",
-        not violations,
-        "; ".join(violations[:3]),
-    )
-    # 3. A large model: many params, exact agreement.
-    big_rng = random.Random(ctx.seed + 17)
-    big = [big_rng.choice((64, 4096, big_rng.randint(1, 10**6))) for _ in range(options.big_params)]
-    big_kwargs = {
-        "dp_size": 48,
-        "bucket_size": 40_000_000,
-        "use_distributed_optimizer": True,
-        "pad_buckets_for_high_nccl_busbw": True,
-        "shared_embedding": (0, options.big_params - 1),
-    }
-    diff = compare_layouts(reference_layout(big, **big_kwargs), candidate(big, **big_kwargs))
-    rec.expect(f"{options.big_params} params: candidate == refgrad", not diff, diff)
-    # 4. The buffers on the context's device.
-    problems = buffer_violations(ctx.device, layout_candidate.buffer_cls, ctx.seed)
-    rec.expect(f"ParamAndGradBuffer views/alignment/padding on {ctx.device}", not problems, "; ".join(problems[:5]))
-    # 5. Real reductions across ranks.
+def _run(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate, options: _Options) -> None:
+    # Unsupported from the accessor: nothing of the candidate can run (SKIP).
+    with candidate.layout() as layout:
+        _single_process_parts(ctx, rec, layout, options)
+    # 5. Real reductions across ranks (each rank enters the candidate's layout itself).
     if options.spawn_ranks:
         for world_size in options.spawn_ranks:
             for label, passed, detail in run_reduce_scenarios(
-                world_size, default_scenarios(world_size), buffer_cls=layout_candidate.buffer_cls,
-                timeout_s=ctx.timeout_s,
+                world_size, default_scenarios(world_size), candidate, timeout_s=ctx.timeout_s,
             ):
                 if detail.startswith("skipped"):
                     rec.skip(f"{label}: {detail}")
@@ -122,6 +52,82 @@ def _run(ctx: CheckContext, rec: CheckRecorder, layout_candidate: LayoutCandidat
     else:
         rec.skip("multi-rank reduce-scatter through the buffers runs only without --quick")
     # 6. The padding report and the published worked examples.
+    with candidate.layout() as layout:
+        _report(ctx, rec, layout)
+
+
+def _single_process_parts(ctx: CheckContext, rec: CheckRecorder, layout: BucketLayout,
+                          options: _Options) -> None:
+    """Parts 1-4: hand-derived, random and large layouts, and the buffers on ``ctx.device``."""
+    # 1. Hand-derived layouts.
+    _hand_derived(rec, layout)
+    # 2. Random layouts: candidate == refgrad, invariants, shard coverage.
+    with rec.skip_if_unsupported():
+        _random_layouts(ctx, rec, layout, options.random_cases)
+    # 3. A large model: many params, exact agreement.
+    with rec.skip_if_unsupported():
+        big_rng = random.Random(ctx.seed + 17)
+        big = [big_rng.choice((64, 4096, big_rng.randint(1, 10**6))) for _ in range(options.big_params)]
+        case = LayoutCase(tuple(big), dp_size=48, bucket_size=40_000_000,
+                          use_distributed_optimizer=True, pad_buckets_for_high_nccl_busbw=True,
+                          shared_embedding=(0, options.big_params - 1))
+        (cand,) = layout.layouts([case])
+        diff = compare_layouts(reference_layout(big, **case.refgrad_kwargs()), cand)
+        rec.expect(f"{options.big_params} params: candidate == refgrad", not diff, diff)
+    # 4. The buffers on the context's device.
+    with rec.skip_if_unsupported():
+        missing: list[str] = []
+        problems = buffer_violations(ctx.device, layout, ctx.seed, unsupported=missing)
+        rec.expect(f"ParamAndGradBuffer views/alignment/padding on {ctx.device}", not problems,
+                   "; ".join(problems[:5]))
+        for reason in dict.fromkeys(missing):
+            rec.skip(f"buffer helpers: {reason}")
+
+
+def _hand_derived(rec: CheckRecorder, layout: BucketLayout) -> None:
+    """Each hand-derived case laid out by refgrad and by the candidate."""
+    try:
+        candidate_layouts = layout.layouts([case.case() for case in HAND_CASES])
+    except Unsupported as unsupported:
+        rec.skip(str(unsupported))
+        candidate_layouts = None
+    for k, case in enumerate(HAND_CASES):
+        mismatch = hand_case_mismatch(case, reference_layout(list(case.numels), **case.kwargs()))
+        rec.expect(f"hand-derived (refgrad): {case.name}", not mismatch, mismatch)
+        if candidate_layouts is not None:
+            mismatch = hand_case_mismatch(case, candidate_layouts[k])
+            rec.expect(f"hand-derived (candidate): {case.name}", not mismatch, mismatch)
+
+
+def _random_layouts(ctx: CheckContext, rec: CheckRecorder, layout: BucketLayout, count: int) -> None:
+    rng = random.Random(ctx.seed * 7919 + 4)
+    cases = [random_case(rng) for _ in range(count)]
+    mismatches: list[str] = []
+    violations: list[str] = []
+    for case, cand in zip(cases, layout.layouts(cases), strict=True):
+        diff = compare_layouts(reference_layout(list(case.numels), **case.refgrad_kwargs()), cand)
+        if diff:
+            mismatches.append(f"{case}: {diff}")
+        broken = layout_violations(
+            cand, case.numels, **case.refgrad_kwargs(), check_shards=case.dp_size <= 256
+        )
+        if broken:
+            violations.append(f"{case}: {broken[0]}")
+    rec.expect(
+        f"{count} random layouts: candidate == refgrad",
+        not mismatches,
+        "; ".join(mismatches[:3]),
+    )
+    rec.expect(
+        f"{count} random layouts: all invariants hold, shards tile every bucket",
+        not violations,
+        "; ".join(violations[:3]),
+    )
+
+
+def _report(ctx: CheckContext, rec: CheckRecorder, layout: BucketLayout) -> None:
+    """The padding-overhead report (``verify layout``'s rows), the candidate's layout of its
+    models against refgrad, and Megatron-Core's published worked examples."""
     models = ["gpt-125m"] if ctx.quick else list(layout_report.MODELS)
     rows = layout_report.padding_rows(models, layout_report.DEFAULT_DPS)
     for row in rows:
@@ -131,18 +137,19 @@ def _run(ctx: CheckContext, rec: CheckRecorder, layout_candidate: LayoutCandidat
                 row["min_shard_pow2"] >= 2**16 // row["dp"],
                 f"min 2-adic factor {row['min_shard_pow2']}",
             )
-    for model in models:
-        numels, shared, _ = layout_report.MODELS[model].param_numels()
-        for dp in layout_report.DEFAULT_DPS:
-            kwargs = {
-                "dp_size": dp,
-                "bucket_size": max(40_000_000, 1_000_000 * dp),
-                "use_distributed_optimizer": True,
-                "pad_buckets_for_high_nccl_busbw": True,
-                "shared_embedding": shared,
-            }
-            diff = compare_layouts(reference_layout(numels, **kwargs), candidate(numels, **kwargs))
-            rec.expect(f"{model} dp={dp}: report layout == refgrad", not diff, diff)
+    with rec.skip_if_unsupported():
+        labelled = []
+        for model in models:
+            numels, shared, _ = layout_report.MODELS[model].param_numels()
+            for dp in layout_report.DEFAULT_DPS:
+                labelled.append((f"{model} dp={dp}", LayoutCase(
+                    tuple(numels), dp_size=dp, bucket_size=max(40_000_000, 1_000_000 * dp),
+                    use_distributed_optimizer=True, pad_buckets_for_high_nccl_busbw=True,
+                    shared_embedding=tuple(shared))))
+        candidate_layouts = layout.layouts([case for _, case in labelled])
+        for (label, case), cand in zip(labelled, candidate_layouts, strict=True):
+            diff = compare_layouts(reference_layout(list(case.numels), **case.refgrad_kwargs()), cand)
+            rec.expect(f"{label}: report layout == refgrad", not diff, diff)
     rec.table(
         "Padding overhead (distributed optimizer, default bucket size, fp32 grads + bf16 params)",
         layout_report.PADDING_COLUMNS,
@@ -173,12 +180,10 @@ def _run(ctx: CheckContext, rec: CheckRecorder, layout_candidate: LayoutCandidat
         rec.finding(text)
 
 
-
-
 CHECK = Check(
     name="layout",
-    summary="bucketed padded grad buffers: fastgrad layout/buffers vs refgrad, padding report",
+    summary="bucketed padded grad buffers: the candidate's layout/buffers vs refgrad, padding report",
     run=run,
-    default_candidate=LayoutCandidate.default(),
     spawns_ranks=True,
+    technique=Technique.LAYOUT,
 )

@@ -3,14 +3,25 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from refgrad.layout import Layout
 from refgrad.layout import compute_layout as reference_layout
+from verify.candidates import Candidate, Unsupported
+from verify.candidates.api.layout import (
+    BucketLayout,
+    BufferConfig,
+    GradBuffer,
+    GradBufferGroup,
+    GradPiece,
+)
+from verify.checks.layout.buffers import padding_mask
 from verify.distributed import DEFAULT_TIMEOUT_S, spawn
 
 # --------------------------------------------------------------------------- multi-rank
@@ -34,54 +45,48 @@ class ReduceScenario:
     name: str
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[str, ...]
-    config: tuple[tuple[str, Any], ...]
+    config: BufferConfig
     shared: tuple[int, ...] = ()
-    gradient_scaling_factor: float = 1.0
+    # average over the replicas (a 1/dp pre-scale, or AVG with config.average_in_collective)
+    average: bool = False
     iterations: int = 2
     microbatches: int = 2
-    needs: str = ""  # an optional module the strategy imports
-
-    def ddp_config(self) -> Any:
-        from fastgrad.config import DDPConfig
-
-        return DDPConfig(**dict(self.config))
 
 
 def default_scenarios(world_size: int) -> list[ReduceScenario]:
     """Reduce-scatter (plain, averaged, fp32-accumulating), all-reduce, an all-padding shard."""
     shapes = ((3, 5), (40,), (7, 3), (64,), (30, 2), (1,))
     dtypes = ("bfloat16", "float32", "bfloat16", "bfloat16", "float32", "bfloat16")
-    dist_opt = (("use_distributed_optimizer", True), ("overlap_grad_reduce", True), ("bucket_size", 60))
+    dist_opt = BufferConfig(use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=60)
+    fp32_accumulation = replace(dist_opt, reduce_scatter_with_fp32_accumulation=True)
     scenarios = [
         ReduceScenario("reduce-scatter SUM, mixed dtypes, shared embedding", shapes, dtypes, dist_opt, shared=(0,)),
         ReduceScenario(
             "all-reduce SUM (no distributed optimizer)", shapes, dtypes,
-            (("overlap_grad_reduce", True), ("bucket_size", 60)),
+            BufferConfig(overlap_grad_reduce=True, bucket_size=60),
         ),
         ReduceScenario(
             "reduce-scatter with fp32 accumulation", shapes, ("bfloat16",) * len(shapes),
-            dist_opt + (("reduce_scatter_with_fp32_accumulation", True),), needs="fastgrad.reduce_scatter",
+            fp32_accumulation,
         ),
         ReduceScenario(
             "one tiny param: most ranks' shards are all padding", ((5,),), ("bfloat16",),
-            (("use_distributed_optimizer", True),),
+            BufferConfig(use_distributed_optimizer=True),
         ),
     ]
     if world_size & (world_size - 1) == 0:  # averaging is exact only for power-of-two dp
         scenarios += [
             ReduceScenario(
                 "reduce-scatter AVG in the collective", shapes, dtypes,
-                dist_opt + (("average_in_collective", True),),
+                replace(dist_opt, average_in_collective=True), average=True,
             ),
             ReduceScenario(
                 "fp32 grads of bf16 params, pre-scaled by 1/dp", shapes, ("bfloat16",) * len(shapes),
-                dist_opt + (("grad_reduce_in_fp32", True),),
-                gradient_scaling_factor=1.0 / world_size,
+                replace(dist_opt, grad_reduce_in_fp32=True), average=True,
             ),
             ReduceScenario(  # the scaling folded into the fp32-accumulating reduction
                 "fp32 accumulation, pre-scaled by 1/dp", shapes, ("bfloat16",) * len(shapes),
-                dist_opt + (("reduce_scatter_with_fp32_accumulation", True),),
-                gradient_scaling_factor=1.0 / world_size, needs="fastgrad.reduce_scatter",
+                fp32_accumulation, average=True,
             ),
         ]
     return scenarios
@@ -99,102 +104,146 @@ def _scenario_params(scenario: ReduceScenario, device: str) -> list[torch.Tensor
     return params
 
 
+def _regions(group: GradBufferGroup, rank: int, sharded: bool) -> list[tuple[int, int]]:
+    """Where this rank's reduced grads are in the group buffer: its shard of each bucket (read
+    from the shard views the candidate hands out), or every whole bucket (all-reduce)."""
+    if not sharded:
+        return [(b.start, b.end) for b in group.buckets]
+    base, size = group.grad_data.data_ptr(), group.grad_data.element_size()
+    regions = []
+    for bucket in group.buckets:
+        shard = bucket.grad_shard(rank)
+        lo = (shard.data_ptr() - base) // size
+        regions.append((lo, lo + shard.numel()))
+    return regions
+
+
+def _padding_is_zero(buffer: GradBuffer, masks: Sequence[torch.Tensor]) -> bool:
+    """Every element where refgrad's layout puts no parameter is zero, in every group."""
+    groups = buffer.groups
+    if len(groups) != len(masks):
+        return False
+    for group, mask in zip(groups, masks):
+        if group.grad_data.numel() != mask.numel() or bool(group.grad_data[mask].ne(0).any()):
+            return False
+    return True
+
+
+def _unless_unsupported(helper: Callable[..., Any], missing: list[str], *args: Any) -> Any:
+    """``helper(*args)``, or None with the reason noted when the candidate lacks the helper."""
+    try:
+        return helper(*args)
+    except Unsupported as unsupported:
+        if str(unsupported) not in missing:
+            missing.append(str(unsupported))
+        return None
+
+
+def _plain_checkpoint(pieces: dict[int, list[GradPiece]] | None) -> dict | None:
+    """Shard checkpoint pieces as plain lists (spawn results must not hold tensors)."""
+    if pieces is None:
+        return None
+    return {i: [(piece.param_offset, piece.values.double().tolist()) for piece in ps]
+            for i, ps in pieces.items()}
+
+
 def reduce_worker(
-    rank: int, world_size: int, scenarios: Sequence[ReduceScenario], buffer_cls: type | None = None
+    rank: int, world_size: int, scenarios: Sequence[ReduceScenario], candidate: Candidate
 ) -> list[dict]:
     """Per rank: build each scenario's buffer, accumulate rank-specific grads, reduce, report."""
-    import importlib.util
+    with candidate.layout() as layout:
+        return [_reduce_scenario(rank, world_size, scenario, layout) for scenario in scenarios]
 
-    from fastgrad.buffer import ParamAndGradBuffer
 
-    ParamAndGradBuffer = buffer_cls or ParamAndGradBuffer  # noqa: N806 - the candidate's class
-    results = []
-    for scenario in scenarios:
-        if scenario.needs and importlib.util.find_spec(scenario.needs) is None:
-            results.append({"skipped": f"{scenario.needs} is not available"})
-            continue
-        params = _scenario_params(scenario, "cpu")
-        before = [p.detach().clone() for p in params]
-        config = scenario.ddp_config()
-        buffer = ParamAndGradBuffer(
-            params,
-            config=config,
-            # the scenario's 1/dp pre-scale or AVG in the collective (fastgrad.averaging's plan)
-            average=config.average_in_collective or scenario.gradient_scaling_factor != 1.0,
+def _reduce_scenario(rank: int, world_size: int, scenario: ReduceScenario,
+                     layout: BucketLayout) -> dict[str, Any]:
+    """One scenario on this rank: its iterations' records, or why the candidate skipped it."""
+    params = _scenario_params(scenario, "cpu")
+    before = [p.detach().clone() for p in params]
+    try:
+        buffer = layout.build_buffer(
+            params, scenario.config, dp_size=world_size, dp_group=dist.group.WORLD,
+            average=scenario.average,
         )
-        out: dict[str, Any] = {
-            "params_kept": all(torch.equal(a, p.detach()) for a, p in zip(before, params)),
-            "iterations": [],
+    except Unsupported as unsupported:
+        return {"skipped": str(unsupported)}
+    sharded = scenario.config.use_distributed_optimizer
+    masks = [padding_mask(ref, "cpu") for _, _, ref in reference_layouts(scenario, world_size)]
+    missing: list[str] = []
+    out: dict[str, Any] = {
+        "params_kept": all(torch.equal(a, p.detach()) for a, p in zip(before, params)),
+        "iterations": [],
+        "unsupported": missing,
+    }
+    for it in range(scenario.iterations):
+        buffer.zero_grad()
+        for mb in range(scenario.microbatches):
+            for i, p in enumerate(params):
+                g = _grad_tensor(rank, it, mb, i, p.numel()).reshape(p.shape)
+                p.main_grad.add_(g.to(p.main_grad.dtype))
+        in_flight = []
+        for bucket in reversed(buffer.buckets):  # backprop order is reverse of layout
+            bucket.start_grad_sync()
+            in_flight.append(bucket.reduce_in_flight)
+        for bucket in buffer.buckets:
+            bucket.finish_grad_sync()
+        norm_sq = _unless_unsupported(buffer.local_shard_grad_norm_sq, missing, rank) if sharded else 0.0
+        pieces = _unless_unsupported(buffer.shard_checkpoint_grads, missing, rank) if sharded else {}
+        record = {
+            "in_flight_seen": all(in_flight),
+            "padding_zero": _padding_is_zero(buffer, masks),
+            "padding_helper": _unless_unsupported(buffer.padding_is_zero, missing),
+            "groups": [],
+            "local_norm_sq": None if norm_sq is None else float(norm_sq),
+            "checkpoint": _plain_checkpoint(pieces),
         }
-        for it in range(scenario.iterations):
-            buffer.zero_grad()
-            for mb in range(scenario.microbatches):
-                for i, p in enumerate(params):
-                    g = _grad_tensor(rank, it, mb, i, p.numel()).reshape(p.shape)
-                    p.main_grad.add_(g.to(p.main_grad.dtype))
-            in_flight = []
-            for bucket in reversed(buffer.buckets):  # backprop order is reverse of layout
-                bucket.start_grad_sync()
-                in_flight.append(bucket.reduce_in_flight)
-            for bucket in buffer.buckets:
-                bucket.finish_grad_sync()
-            record = {
-                "in_flight_seen": all(in_flight),
-                "padding_zero": buffer.padding_is_zero(),
-                "groups": [],
-                "local_norm_sq": float(buffer.local_shard_grad_norm_sq())
-                if buffer.config.use_distributed_optimizer
-                else 0.0,
-                "checkpoint": {
-                    i: [(piece["param_offset"], piece["main_grad"].double().tolist()) for piece in pieces]
-                    for i, pieces in buffer.shard_checkpoint_state().items()
+        for group in buffer.groups:
+            regions = _regions(group, rank, sharded)
+            record["groups"].append(
+                {
+                    "key": (str(group.param_dtype), str(group.grad_dtype)),
+                    "regions": regions,
+                    # Plain lists: tensors in spawn results travel through shared-memory
+                    # file descriptors that vanish when the child exits.
+                    "values": [group.grad_data[lo:hi].double().tolist() for lo, hi in regions],
                 }
-                if buffer.config.use_distributed_optimizer
-                else {},
-            }
-            for group in buffer.groups:
-                if buffer.config.use_distributed_optimizer:
-                    regions = [b.shard_range(rank) for b in group.buckets]
-                else:
-                    regions = [(b.start, b.end) for b in group.buckets]
-                record["groups"].append(
-                    {
-                        "key": (str(group.param_dtype), str(group.grad_dtype)),
-                        "regions": regions,
-                        # Plain lists: tensors in spawn results travel through shared-memory
-                        # file descriptors that vanish when the child exits.
-                        "values": [group.grad_data[lo:hi].double().tolist() for lo, hi in regions],
-                    }
-                )
-            out["iterations"].append(record)
-        results.append(out)
-    return results
+            )
+        out["iterations"].append(record)
+    return out
+
+
+def reference_layouts(
+    scenario: ReduceScenario, world_size: int
+) -> list[tuple[tuple[str, str], list[int], Layout]]:
+    """Per (param dtype, grad dtype) group in first-seen order: its key, its members'
+    registration indices and refgrad's layout of them."""
+    config = scenario.config
+    groups: dict[tuple[str, str], list[int]] = {}
+    for i, dtype in enumerate(scenario.dtypes):
+        grad_dtype = "float32" if config.grad_reduce_in_fp32 else dtype
+        groups.setdefault((f"torch.{dtype}", f"torch.{grad_dtype}"), []).append(i)
+    return [
+        (key, members, reference_layout(
+            [math.prod(scenario.shapes[i]) for i in members],
+            dp_size=world_size,
+            bucket_size=config.resolved_bucket_size(world_size),
+            use_distributed_optimizer=config.use_distributed_optimizer,
+            pad_buckets_for_high_nccl_busbw=config.pad_buckets_for_high_nccl_busbw,
+            shared_embedding=[k for k, i in enumerate(members) if i in scenario.shared],
+        ))
+        for key, members in groups.items()
+    ]
 
 
 def expected_reduction(
     scenario: ReduceScenario, world_size: int, rank: int, iteration: int
 ) -> list[dict[str, Any]]:
     """Per group: this rank's regions and their exact reduced values, laid out by refgrad."""
-    config = scenario.ddp_config()
-    groups: dict[tuple[str, str], list[int]] = {}
-    for i, dtype in enumerate(scenario.dtypes):
-        grad_dtype = "float32" if config.grad_reduce_in_fp32 else dtype
-        groups.setdefault((f"torch.{dtype}", f"torch.{grad_dtype}"), []).append(i)
+    config = scenario.config
     expected = []
-    for key, members in groups.items():
-        numels = [math.prod(scenario.shapes[i]) for i in members]
-        layout = reference_layout(
-            numels,
-            dp_size=world_size,
-            bucket_size=config.resolved_bucket_size(world_size),
-            use_distributed_optimizer=config.use_distributed_optimizer,
-            pad_buckets_for_high_nccl_busbw=config.pad_buckets_for_high_nccl_busbw,
-            shared_embedding=[k for k, i in enumerate(members) if i in scenario.shared],
-        )
+    for key, members, layout in reference_layouts(scenario, world_size):
         values = [Fraction(0)] * layout.numel
-        scale = Fraction(scenario.gradient_scaling_factor)
-        if config.average_in_collective:
-            scale /= world_size
+        scale = Fraction(1, world_size) if scenario.average else Fraction(1)
         for k, i in enumerate(members):
             start, end, _ = layout.param_index_map[k]
             for flat in range(end - start):
@@ -254,23 +303,22 @@ def _checkpoint_problems(
 def run_reduce_scenarios(
     world_size: int,
     scenarios: Sequence[ReduceScenario],
+    candidate: Candidate,
     *,
-    buffer_cls: type | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> list[tuple[str, bool, str]]:
-    """Spawn ``world_size`` gloo ranks; (label, passed, detail) per scenario, iteration and rank.
-
-    ``buffer_cls`` replaces ``fastgrad.buffer.ParamAndGradBuffer`` (a candidate's class).
-    """
-    per_rank = spawn(reduce_worker, world_size, list(scenarios), buffer_cls, timeout_s=timeout_s)
+    """Spawn ``world_size`` gloo ranks, each reducing through ``candidate``'s buffers;
+    (label, passed, detail) per scenario, iteration and rank."""
+    per_rank = spawn(reduce_worker, world_size, list(scenarios), candidate, timeout_s=timeout_s)
     outcomes: list[tuple[str, bool, str]] = []
+    missing: dict[str, None] = {}  # the helpers the candidate lacks, each reason once
     for s_index, scenario in enumerate(scenarios):
         label = f"dp={world_size}: {scenario.name}"
         if "skipped" in per_rank[0][s_index]:
             outcomes.append((label, True, "skipped: " + per_rank[0][s_index]["skipped"]))
             continue
         for it in range(scenario.iterations):
-            norm_total = 0.0
+            norm_total: float | None = 0.0
             problems: list[str] = []
             expected_norm = None
             for rank in range(world_size):
@@ -282,6 +330,9 @@ def run_reduce_scenarios(
                     problems.append(f"rank {rank}: reduce_in_flight was False after start")
                 if not record["padding_zero"]:
                     problems.append(f"rank {rank}: padding became non-zero")
+                if record["padding_helper"] is not None and record["padding_helper"] != record["padding_zero"]:
+                    problems.append(f"rank {rank}: padding_is_zero says {record['padding_helper']}, "
+                                    f"the padding refgrad's layout gives is {'' if record['padding_zero'] else 'not '}zero")
                 want = expected_reduction(scenario, world_size, rank, it)
                 if [g["key"] for g in record["groups"]] != [g["key"] for g in want]:
                     problems.append(f"rank {rank}: groups {[g['key'] for g in record['groups']]}")
@@ -295,20 +346,28 @@ def run_reduce_scenarios(
                         if not torch.equal(v_got, v_want):
                             bad = int((v_got != v_want).sum())
                             problems.append(f"rank {rank} {g_want['key']} bucket {b}: {bad} elements differ")
-                norm_total += record["local_norm_sq"]
+                if record["local_norm_sq"] is None:
+                    norm_total = None
+                elif norm_total is not None:
+                    norm_total += record["local_norm_sq"]
                 if expected_norm is None:
                     expected_norm = sum(
                         float(v) ** 2 for g in want for v in g["all_values"]
                     )
-            if scenario.ddp_config().use_distributed_optimizer:
+            checkpoints = [per_rank[r][s_index]["iterations"][it]["checkpoint"] for r in range(world_size)]
+            if scenario.config.use_distributed_optimizer and None not in checkpoints:
                 problems += _checkpoint_problems(
-                    [per_rank[r][s_index]["iterations"][it]["checkpoint"] for r in range(world_size)],
+                    checkpoints,
                     expected_reduction(scenario, world_size, 0, it),
                     [math.prod(shape) for shape in scenario.shapes],
                 )
-            if scenario.ddp_config().use_distributed_optimizer and expected_norm is not None:
+            if (scenario.config.use_distributed_optimizer and expected_norm is not None
+                    and norm_total is not None):
                 # Integer/dyadic grads: every square and partial sum is exact in float64.
                 if norm_total != expected_norm:
                     problems.append(f"sum of local shard norms^2 {norm_total} != exact {expected_norm}")
             outcomes.append((f"{label}, iteration {it}", not problems, "; ".join(problems[:5])))
+        missing.update(dict.fromkeys(
+            reason for r in range(world_size) for reason in per_rank[r][s_index]["unsupported"]))
+    outcomes += [(f"dp={world_size}: buffer helpers", True, f"skipped: {reason}") for reason in missing]
     return outcomes

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from fastgrad import mxfp8 as fast
 from refgrad import mxfp8 as ref
+from verify.candidates.api.mxfp8 import MXFP8
 from verify.check import CheckContext, CheckRecorder
 
 # ----------------------------------------------------------------------------- drift
 
 
-def check_drift(ctx: CheckContext, rec: CheckRecorder) -> None:
-    """MXFP8 -> bf16 -> MXFP8: fraction of scales that move, per mode and distribution."""
+def check_drift(ctx: CheckContext, rec: CheckRecorder, mxfp8: MXFP8) -> None:
+    """MXFP8 -> bf16 -> MXFP8 through the candidate: fraction of scales that move, per mode
+    and distribution."""
     n_blocks = 512 if ctx.quick else 8192
     g = ctx.generator(4242)
     inputs = {
@@ -25,13 +26,13 @@ def check_drift(ctx: CheckContext, rec: CheckRecorder) -> None:
     for name, x in inputs.items():
         cells = [name]
         for mode in ref.SCALE_MODES:
-            s1, e1 = fast.quantize(x, scale_mode=mode)
-            y = fast.dequantize(s1, e1, dtype=torch.bfloat16)
-            s2, e2 = fast.quantize(y, scale_mode=mode)
+            s1, e1 = mxfp8.quantize(x, scale_mode=mode)
+            y = mxfp8.dequantize(s1, e1, dtype=torch.bfloat16)
+            s2, e2 = mxfp8.quantize(y, scale_mode=mode)
             moved = s2.to(torch.int32) - s1.to(torch.int32)
             fraction = moved.ne(0).double().mean().item()
             cells.append(f"{100 * fraction:.2f}%")
-            y2 = fast.dequantize(s2, e2, dtype=torch.bfloat16)
+            y2 = mxfp8.dequantize(s2, e2, dtype=torch.bfloat16)
             rec.expect(
                 f"requantization keeps every value ({mode}, {name})",
                 torch.equal(y.view(torch.int16), y2.view(torch.int16)),

@@ -1,17 +1,14 @@
-"""The mxfp8 check's candidate, its run function and its registration."""
+"""The mxfp8 check's run function and its registration."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from fastgrad import mxfp8 as fast
+from verify.candidates import Candidate, Technique
 from verify.check import Check, CheckContext, CheckRecorder
 from verify.checks.mxfp8.drift import check_drift
 from verify.checks.mxfp8.memory import check_memory
 from verify.checks.mxfp8.quantizer import (
-    QuantizeFn,
+    check_gpu_kernel,
     check_quantizer,
-    check_triton,
     conformance_table,
     rceil_versus_fp32_division,
 )
@@ -20,37 +17,26 @@ from verify.checks.mxfp8.sharing import check_sharing
 # ----------------------------------------------------------------------------- entry
 
 
-@dataclass(frozen=True)
-class MXFP8Candidate:
-    """The MXFP8 quantizer under test: ``quantize(x, *, scale_mode, block_size) -> (scales, bits)``."""
-
-    quantize: QuantizeFn = fast.quantize
-
-    def __post_init__(self) -> None:
-        if not callable(self.quantize):
-            raise TypeError("MXFP8Candidate.quantize must be callable")
-
-    @classmethod
-    def default(cls) -> MXFP8Candidate:
-        """``fastgrad.mxfp8.quantize``."""
-        return cls()
-
-
-def run(ctx: CheckContext, rec: CheckRecorder, candidate: MXFP8Candidate) -> None:
-    """The ``mxfp8`` check against ``candidate`` (default: fastgrad's quantizer)."""
-    results = check_quantizer(ctx, rec, candidate.quantize)
-    check_triton(ctx, rec)
-    conformance_table(ctx, rec, results)
-    rceil_versus_fp32_division(ctx, rec)
-    rank0 = check_sharing(ctx, rec)
-    check_memory(rec, rank0)
-    check_drift(ctx, rec)
+def run(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate) -> None:
+    """The ``mxfp8`` check against ``candidate``'s quantizer and MXFP8 param all-gather."""
+    # Unsupported from the accessor: nothing can run (SKIP).
+    with candidate.mxfp8() as mxfp8:
+        results = check_quantizer(ctx, rec, mxfp8)
+        with rec.skip_if_unsupported():
+            check_gpu_kernel(ctx, rec, mxfp8)
+        conformance_table(ctx, rec, results, candidate.name, mxfp8)
+        rceil_versus_fp32_division(ctx, rec, mxfp8)
+    with rec.skip_if_unsupported():  # the ranks enter the candidate's mxfp8 themselves
+        rank0 = check_sharing(ctx, rec, candidate)
+        check_memory(rec, rank0)
+    with candidate.mxfp8() as mxfp8:
+        check_drift(ctx, rec, mxfp8)
 
 
 CHECK = Check(
     name="mxfp8",
     summary="MXFP8 quantization (4 scale modes) vs the exact spec, and grad-buffer sharing for MXFP8 param all-gather",
     run=run,
-    default_candidate=MXFP8Candidate.default(),
     spawns_ranks=True,
+    technique=Technique.MXFP8,
 )

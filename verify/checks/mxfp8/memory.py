@@ -4,12 +4,10 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-import numpy as np
-
-from fastgrad.layout import compute_layout
 from refgrad.layout import compute_layout as reference_layout
+from verify.candidates.api.mxfp8 import ParamGatherResult
 from verify.check import CheckRecorder
-from verify.fixtures import mxfp8 as support
+from verify.fixtures import mxfp8_inputs as support
 
 GB = 10**9
 
@@ -40,8 +38,11 @@ def toy_reference_numel(dp_size: int) -> int:
     return layout.numel
 
 
-def check_memory(rec: CheckRecorder, rank0: dict, dp_size: int = 2) -> None:
-    """Measured param+grad bytes, sharing on vs off, against refgrad's layout (rank 0's runs).
+def check_memory(
+    rec: CheckRecorder, rank0: dict[tuple[bool, bool], ParamGatherResult], dp_size: int = 2
+) -> None:
+    """Measured param+grad bytes, sharing on vs off, against refgrad's layout (rank 0's runs,
+    keyed by ``(sharing, grad_fp32)``).
 
     Expected: ``numel * grad_bytes`` with sharing, plus ``numel * 2`` (the bf16
     param buffer) without; ``numel`` comes from ``refgrad.layout``, not the buffer.
@@ -53,25 +54,26 @@ def check_memory(rec: CheckRecorder, rank0: dict, dp_size: int = 2) -> None:
         grad_name = "fp32" if grad_fp32 else "bf16"
         grad_bytes = 4 if grad_fp32 else 2
         for run in (off, on):
-            expected = numel * (grad_bytes if run["sharing"] else grad_bytes + 2)
+            expected = numel * (grad_bytes if run.sharing else grad_bytes + 2)
             rec.expect(
-                f"buffer numel equals refgrad's layout ({grad_name} grads, sharing={run['sharing']})",
-                run["numel"] == numel,
-                f"buffer {run['numel']}, refgrad.layout {numel}",
+                f"buffer numel equals refgrad's layout ({grad_name} grads, sharing={run.sharing})",
+                run.numel == numel,
+                f"buffer {run.numel}, refgrad.layout {numel}",
             )
             rec.expect(
-                f"measured bytes equal the expected allocation ({grad_name} grads, sharing={run['sharing']})",
-                run["allocated_bytes"] == expected,
-                f"measured {run['allocated_bytes']}, expected {expected}",
+                f"measured bytes equal the expected allocation ({grad_name} grads, sharing={run.sharing})",
+                run.allocated_bytes == expected,
+                f"measured {run.allocated_bytes}, expected {expected}",
             )
-        saving = off["allocated_bytes"] - on["allocated_bytes"]
+        saving = off.allocated_bytes - on.allocated_bytes
         expected_saving = 2 * numel  # the bf16 param_data that sharing removes
         rec.expect(
             f"saving equals the bf16 param buffer ({grad_name} grads)",
             saving == expected_saving,
             f"saving {saving} bytes, expected 2 * numel = {expected_saving}",
         )
-        rows.append([grad_name, off["numel"], off["allocated_bytes"], on["allocated_bytes"], saving, f"{100 * saving / off['allocated_bytes']:.1f}%"])
+        rows.append([grad_name, off.numel, off.allocated_bytes, on.allocated_bytes, saving,
+                     f"{100 * saving / off.allocated_bytes:.1f}%"])
     rec.table(
         "Toy model (dp=2): bytes of param+grad allocations, measured from untyped_storage().nbytes()",
         ["grads", "numel (padded)", "sharing off", "sharing on", "saving", "saving %"],
@@ -80,12 +82,11 @@ def check_memory(rec: CheckRecorder, rank0: dict, dp_size: int = 2) -> None:
     _published_table(rec)
 
 
-def _synthetic_numels(total: int) -> np.ndarray:
+def _synthetic_numels(total: int) -> list[int]:
     """A model of ``total`` parameters: 50M-element matrices plus a remainder (odd sizes pad)."""
     chunk = 50_000_017
     count, remainder = divmod(total, chunk)
-    sizes = [chunk] * count + ([remainder] if remainder else [])
-    return np.asarray(sizes, dtype=np.int64)
+    return [chunk] * count + ([remainder] if remainder else [])
 
 
 def _percent(part: int, whole: int) -> str:
@@ -100,7 +101,7 @@ def _published_table(rec: CheckRecorder) -> None:
     dp = 8
     rows = []
     for model, (params, p_gb, g_gb, std_gb, share_gb, save_gb) in PUBLISHED_TABLE.items():
-        layout = compute_layout(
+        layout = reference_layout(
             _synthetic_numels(params),
             dp_size=dp,
             bucket_size=max(40_000_000, 1_000_000 * dp),
@@ -120,7 +121,7 @@ def _published_table(rec: CheckRecorder) -> None:
         )
         rec.expect(f"published table row {model}: P + 2P = 3P and a 1/3 saving, exactly", ok)
     rec.table(
-        "Per-rank param+grad buffer bytes (GB = 1e9 B), dp=8, layout by fastgrad.layout.compute_layout",
+        "Per-rank param+grad buffer bytes (GB = 1e9 B), dp=8, layout by refgrad.layout.compute_layout",
         ["model", "params", "padded numel", "saving = bf16 param_data", "bf16 grads: off = 4N", "bf16 grads: on = 2N", "saving %", "fp32 grads: off = 6N", "fp32 grads: on = 4N", "saving %"],
         rows,
         notes=[

@@ -7,12 +7,11 @@ from typing import Any
 
 import torch
 
-from fastgrad import mxfp8 as fast
 from refgrad import mxfp8 as ref
+from verify.candidates.api.mxfp8 import MXFP8
 from verify.check import CheckContext, CheckRecorder
-from verify.fixtures import mxfp8 as support
+from verify.fixtures import mxfp8_inputs as support
 
-QuantizeFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -38,9 +37,10 @@ def _inputs(ctx: CheckContext, dtype: torch.dtype) -> tuple[list[str], torch.Ten
 
 
 def check_quantizer(
-    ctx: CheckContext, rec: CheckRecorder, quantize: QuantizeFn = fast.quantize
+    ctx: CheckContext, rec: CheckRecorder, mxfp8: MXFP8
 ) -> dict[tuple[str, torch.dtype], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """fastgrad vs refgrad, bitwise; returns {(mode, dtype): (x, ref scales, ref elements)}."""
+    """The candidate's quantizer and dequantizer vs refgrad, bitwise; returns
+    {(mode, dtype): (x, ref scales, ref elements)}."""
     results = {}
     for dtype in DTYPES:
         _, x = _inputs(ctx, dtype)
@@ -48,7 +48,7 @@ def check_quantizer(
             x = x.cuda()
         for mode in ref.SCALE_MODES:
             ref_scales, ref_elements = ref.quantize(x.cpu(), scale_mode=mode)
-            scales, elements = quantize(x, scale_mode=mode)
+            scales, elements = mxfp8.quantize(x, scale_mode=mode)
             label = f"quantize {mode} {DTYPE_NAMES[dtype]}"
             rec.compare(f"{label}: E8M0 scales", as_e8m0(ref_scales), as_e8m0(scales.cpu()))
             rec.compare(f"{label}: E4M3 elements", as_e4m3(ref_elements), as_e4m3(elements.cpu()))
@@ -58,27 +58,24 @@ def check_quantizer(
         _, ref_scales, ref_elements = results[(mode, torch.float32)]
         for out_dtype in DTYPES:
             expected = ref.dequantize(ref_scales, ref_elements, dtype=out_dtype)
-            got = fast.dequantize(ref_scales, ref_elements, dtype=out_dtype)
+            got = mxfp8.dequantize(ref_scales, ref_elements, dtype=out_dtype)
             rec.compare(f"dequantize {mode} codes -> {DTYPE_NAMES[out_dtype]}", expected, got)
     return results
 
 
-def check_triton(ctx: CheckContext, rec: CheckRecorder) -> None:
-    """The Triton quantizer vs refgrad, bitwise, per mode (CUDA with Triton only; else a skip)."""
+def check_gpu_kernel(ctx: CheckContext, rec: CheckRecorder, mxfp8: MXFP8) -> None:
+    """The candidate's GPU kernel (fastgrad: Triton) vs refgrad, bitwise, per mode (CUDA only;
+    else a skip, as when the candidate has no kernel here)."""
     if ctx.device != "cuda":
-        rec.skip("Triton kernel: needs ctx.device='cuda' (the torch path ran instead)")
+        rec.skip("GPU quantization kernel: needs ctx.device='cuda' (the quantizer ran on the CPU instead)")
         return
-    if not fast.triton_usable(torch.empty(1, device="cuda"), support.BLOCK):
-        rec.skip("Triton kernel: triton is not installed")
-        return
-    from fastgrad.kernels.mxfp8 import quantize_triton
-
+    kernel = mxfp8.gpu_kernel()
     for dtype in DTYPES:
         _, x = _inputs(ctx, dtype)
         for mode in ref.SCALE_MODES:
             ref_scales, ref_elements = ref.quantize(x, scale_mode=mode)
-            scales, elements = quantize_triton(x.cuda(), scale_mode=mode)
-            label = f"triton {mode} {DTYPE_NAMES[dtype]}"
+            scales, elements = kernel(x.cuda(), scale_mode=mode)
+            label = f"{kernel.name} {mode} {DTYPE_NAMES[dtype]}"
             rec.compare(f"{label}: scales", as_e8m0(ref_scales), as_e8m0(scales.cpu()))
             rec.compare(f"{label}: elements", as_e4m3(ref_elements), as_e4m3(elements.cpu()))
 
@@ -91,10 +88,13 @@ def conformance_table(
     ctx: CheckContext,
     rec: CheckRecorder,
     results: dict[tuple[str, torch.dtype], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    candidate_name: str,
+    mxfp8: MXFP8,
 ) -> None:
-    """Peers beside the spec on the same fp32/bf16 inputs; disagreements become findings."""
+    """The candidate and peers beside the spec on the same fp32/bf16 inputs; the peers'
+    disagreements become findings."""
     peers: dict[str, Callable[[torch.Tensor, str], Any]] = {
-        "fastgrad": lambda x, mode: fast.quantize(x, scale_mode=mode),
+        candidate_name: lambda x, mode: mxfp8.quantize(x, scale_mode=mode),
         "torch casts (naive)": support.torch_cast_quantize,
         "spec scale + torch e4m3 cast": support.torch_cast_elements,
     }
@@ -116,7 +116,7 @@ def conformance_table(
                 if peer == "spec scale + torch e4m3 cast":
                     finite = (ref_scales != 0xFF).repeat_interleave(support.BLOCK, dim=-1)
                     cast_finite_mismatches.append(int((ref_elements.ne(elements) & finite).sum()))
-                if dtype == torch.float32 and peer != "fastgrad":
+                if dtype == torch.float32 and peer != candidate_name:
                     _disagreement_findings(rec, peer, mode, (ref_scales, ref_elements), (scales, elements))
             rows.append(cells)
     if "torchao to_mx" in peers:
@@ -178,10 +178,12 @@ def _disagreement_findings(
         rec.finding(f"{peer}, mode {mode}: differs from the spec on special blocks: " + "; ".join(bad))
 
 
-def rceil_versus_fp32_division(ctx: CheckContext, rec: CheckRecorder) -> None:
-    """Exact rceil vs Transformer Engine's recipe: ``amax / 448`` in fp32, then ceil(log2) of it.
+def rceil_versus_fp32_division(ctx: CheckContext, rec: CheckRecorder, mxfp8: MXFP8) -> None:
+    """The candidate's rceil vs Transformer Engine's recipe: ``amax / 448`` in fp32, then
+    ceil(log2) of it.
 
-    Random positive fp32 amax values plus the neighbours of 1.75 * 2^k for every k.
+    Random positive fp32 amax values plus the neighbours of 1.75 * 2^k for every k, each the
+    amax of a block of its own (the rest zeros), whose scale code the candidate computes.
     """
     count = 1 << (14 if ctx.quick else 18)
     random_bits = torch.randint(0, 0x7F800000, (count,), generator=ctx.generator(99), dtype=torch.int64)
@@ -191,7 +193,10 @@ def rceil_versus_fp32_division(ctx: CheckContext, rec: CheckRecorder) -> None:
     quotient = (bits.view(torch.float32) / 448.0).view(torch.int32)
     field, fraction = quotient >> 23, quotient & 0x7FFFFF
     divided = torch.where(field == 0, -127, field - 127 + (fraction != 0).to(torch.int32))
-    exact = fast.scale_exponents_from_amax_bits(bits.reshape(-1, 1), "rceil").reshape(-1)
+    blocks = torch.zeros(bits.numel(), support.BLOCK, dtype=torch.float32)
+    blocks[:, 0] = bits.view(torch.float32)
+    scale_bits, _ = mxfp8.quantize(blocks, scale_mode="rceil")
+    exact = scale_bits.reshape(-1).to(torch.int32) - 127
     differ = divided.clamp(-127, 127) != exact
     outside = int((differ & (field != 0)).sum())
     rec.expect(

@@ -1,6 +1,7 @@
 """The pipeline check's spawned entry point: every rank asks the candidate for its
-:class:`~verify.candidates.api.pipeline.PipelineTraining`, builds each phase's grids side by
-side, then trains each of its cases with overlap on and off."""
+:class:`~verify.candidates.api.pipeline.PipelineTraining` and, inside its ``with`` scope,
+builds each phase's grids side by side, then trains each of its cases with overlap on and
+off."""
 
 from __future__ import annotations
 
@@ -9,7 +10,12 @@ from contextlib import ExitStack
 import torch.distributed as dist
 
 from verify.candidates.api import Candidate, Unsupported
-from verify.candidates.api.pipeline import PipelineCase, RankResult, StepProgress
+from verify.candidates.api.pipeline import (
+    PipelineCase,
+    PipelineTraining,
+    RankResult,
+    StepProgress,
+)
 
 CaseOutcome = dict[bool, RankResult] | str
 """One case on one rank: its results by overlap setting, or why the candidate cannot run it."""
@@ -27,6 +33,12 @@ def pipeline_worker(rank: int, world_size: int, candidate: Candidate,
         training = candidate.pipeline()
     except Unsupported as unsupported:
         return {case.name: str(unsupported) for phase in phases for case in phase}
+    with training:  # the candidate's per-process setup holds for every phase
+        return _run_phases(training, phases, progress)
+
+
+def _run_phases(training: PipelineTraining, phases: list[list[PipelineCase]],
+                progress: StepProgress | None) -> dict[str, CaseOutcome]:
     out: dict[str, CaseOutcome] = {}
     for phase in phases:
         with ExitStack() as grids:  # each grid torn down (candidate's way) after the phase
