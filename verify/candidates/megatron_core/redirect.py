@@ -142,8 +142,9 @@ def _wgrad_gemm_fp32(log: RedirectLog):
         log.hit("wgrad_gemm_accum_fp32")
         if main_grad.dtype != torch.float32:
             raise TypeError(f"wgrad_gemm_accum_fp32 needs an fp32 main_grad, got {main_grad.dtype}")
-        wgrad = torch.mm(grad_output.float().t(), total_input.float())
-        main_grad.add_(wgrad)
+        with torch.no_grad():  # an extension op: it writes the buffer, autograd never sees it
+            wgrad = torch.mm(grad_output.float().t(), total_input.float())
+            main_grad.add_(wgrad)
 
     return wgrad_gemm_accum_fp32
 
@@ -155,8 +156,9 @@ def _wgrad_gemm_fp16(log: RedirectLog):
         log.hit("wgrad_gemm_accum_fp16")
         if main_grad.dtype not in (torch.float16, torch.bfloat16):
             raise TypeError(f"wgrad_gemm_accum_fp16 needs a 16-bit main_grad, got {main_grad.dtype}")
-        wgrad = torch.mm(grad_output.float().t(), total_input.float())
-        main_grad.copy_(main_grad.float() + wgrad)
+        with torch.no_grad():
+            wgrad = torch.mm(grad_output.float().t(), total_input.float())
+            main_grad.copy_(main_grad.float() + wgrad)
 
     return wgrad_gemm_accum_fp16
 
