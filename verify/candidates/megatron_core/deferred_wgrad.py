@@ -22,6 +22,7 @@ documented stand-in (``redirect.REDIRECTS``).
 from __future__ import annotations
 
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +50,9 @@ class DeferredWgradCase:
     steps: int = 2
     inputs: str = "integers"
     seed: int = 0
+    # The drain to call (None: megatron.core.utils.drain_embedding_wgrad_compute), with its
+    # signature. Tests pass a deliberately broken copy to prove the comparison can fail.
+    drain: Callable | None = None
 
     def __post_init__(self) -> None:
         if self.num_microbatches < 0 or self.wgrad_deferral_limit < 0:
@@ -63,8 +67,9 @@ class DeferredWgradCase:
     def label(self) -> str:
         mode = f"defer limit={self.wgrad_deferral_limit}" if self.defer else "immediate"
         sp = " SP" if self.sequence_parallel else ""
+        drain = f" drain={self.drain.__name__}" if self.drain is not None else ""
         return (f"TP={self.tensor_parallel}{sp} M={self.num_microbatches} {mode} "
-                f"{self.inputs} inputs")
+                f"{self.inputs} inputs{drain}")
 
 
 def _values(case: DeferredWgradCase, shape: tuple[int, ...], g: torch.Generator,
@@ -117,8 +122,9 @@ def _step(case, layer, config, act_buf, grad_buf, rank, step) -> dict:
     record = {"inputs": inputs, "grads": grads, "deferred": len(grad_buf)}
     if case.defer:
         try:
-            drain_embedding_wgrad_compute(config, act_buf, grad_buf, layer.weight,
-                                          parallel_state.get_tensor_model_parallel_group())
+            (case.drain or drain_embedding_wgrad_compute)(
+                config, act_buf, grad_buf, layer.weight,
+                parallel_state.get_tensor_model_parallel_group())
         except (IndexError, UnboundLocalError, AssertionError) as error:
             where = traceback.extract_tb(error.__traceback__)[-1]
             record["error"] = f"{type(error).__name__}: {error}"

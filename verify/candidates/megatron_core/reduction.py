@@ -54,6 +54,9 @@ class ReductionCase:
     bucket_size: int | None = None
     iterations: int = 2
     seed: int = 0
+    # The DDP class to wrap the module in (None: Megatron-Core's DistributedDataParallel).
+    # Tests pass a deliberately broken subclass to prove the comparison can fail.
+    ddp_class: type | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.dp_size, bool) or not isinstance(self.dp_size, int) or self.dp_size < 1:
@@ -75,6 +78,8 @@ class ReductionCase:
                  "fp32-grads" if self.grad_reduce_in_fp32 else "grad=param dtype"]
         if self.reduce_scatter_with_fp32_accumulation:
             parts.append("fp32-accumulating RS")
+        if self.ddp_class is not None:
+            parts.append(f"ddp_class={self.ddp_class.__name__}")
         return " ".join(parts)
 
 
@@ -115,7 +120,7 @@ def _run(case: ReductionCase, rank: int) -> dict:
         average_in_collective=case.average_in_collective,
         reduce_scatter_with_fp32_accumulation=case.reduce_scatter_with_fp32_accumulation)
     module = _Coefficients(case)
-    ddp = DistributedDataParallel(transformer_config(), ddp_config, module)
+    ddp = (case.ddp_class or DistributedDataParallel)(transformer_config(), ddp_config, module)
     params = list(module.weights)
     (buffer,) = ddp.buffers
     size = buffer.data_parallel_world_size

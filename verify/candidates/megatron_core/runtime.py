@@ -13,6 +13,7 @@ here once per rank body, never left behind.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -64,6 +65,18 @@ def megatron_world(grid: ParallelGrid) -> Iterator[tuple[RankPlace, RedirectLog]
     if dist.get_world_size() != grid.world_size:
         raise ValueError(f"the grid {grid} needs {grid.world_size} ranks, the world has "
                          f"{dist.get_world_size()}")
+    with warnings.catch_warnings():
+        # Megatron's import-time notice that it falls back to torch's optimizers (recorded in
+        # the feature table) and torch's deprecation notices about the collectives Megatron
+        # calls: noise in every rank's stderr, not findings.
+        warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+        warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+        with _megatron_world(grid) as world:
+            yield world
+
+
+@contextmanager
+def _megatron_world(grid: ParallelGrid) -> Iterator[tuple[RankPlace, RedirectLog]]:
     from megatron.core import parallel_state
 
     with cpu_redirects() as log:
