@@ -20,10 +20,11 @@ rounded once to fp32 (``f32(x)`` below). Per element (``r32``: one rounding to f
     m = r32(g + f32(w - 1) * r32(g - m))   else    (ATen's vectorized lerp, AVX2/AVX512)
     v = r32(v * f32(beta2))                        exp_avg_sq.mul_
     v = r32(v + r32(f32(1 - beta2) * g) * g)       .addcmul_(g, g, value=1 - beta2): ONE rounding
-    d = r32(r32(sqrt(v) / f32(bc2_sqrt)) + f32(eps))  (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps)
+    d = r32(r32(sqrt32(v) / f32(bc2_sqrt)) + f32(eps)) (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps)
     p = r32(p + r32(r32(f32(-step_size) * m) / d))    param.addcdiv_(m, d, value=-step_size)
 
-``addcdiv`` evaluates ``value * t1 / t2`` left to right with a rounding per operation;
+``sqrt32`` is the platform's fp32 square root (IEEE's correctly rounded one by default; see
+:func:`torch_adamw_element`). ``addcdiv`` evaluates ``value * t1 / t2`` left to right with a rounding per operation;
 ``addcmul`` rounds ``value * t1`` and then adds ``· t2`` to ``self`` in one fused
 multiply-add, and so does the lerp: measured on this machine's AVX512 build of ATen's
 vectorized CPU kernels (tails included, position-independent). On other CPU builds the
