@@ -44,6 +44,7 @@ and :attr:`RedirectLog.active` is False.
 
 from __future__ import annotations
 
+import importlib
 import sys
 import types
 from collections import Counter
@@ -233,10 +234,11 @@ def cpu_redirects(*, force: bool = False) -> Iterator[RedirectLog]:
         stack.enter_context(_swapped(torch.cuda, "synchronize", synchronize))
         if not _fused_wgrad_installed():
             standin = fused_wgrad_standin(log)
+            # Import the layers module (Megatron-Core is this redirect's optional dependency)
+            # BEFORE the stand-in is importable: imported inside the block it would bind the
+            # stand-in for good, and the swap below would "restore" the stand-in.
+            layers = importlib.import_module(LAYERS_MODULE)
             stack.enter_context(_sys_module(FUSED_WGRAD_MODULE, standin))
-            layers = sys.modules.get(LAYERS_MODULE)
-            if layers is None:
-                import megatron.core.tensor_parallel.layers as layers  # bind its globals now
             stack.enter_context(_swapped(layers, FUSED_WGRAD_MODULE, standin))
             stack.enter_context(_swapped(layers, "_grad_accum_fusion_available", True))
         stack.enter_context(_CudaToCpuMode(log))
