@@ -116,6 +116,15 @@ def _rank_ownership(buffer, params: Sequence[torch.nn.Parameter], rank: int) -> 
 
 
 def _build_buffer(case: LayoutCase, params, dp_rank: int):
+    """Megatron's ``_ParamAndGradBuffer`` as the installed version builds it.
+
+    Up to 0.16 the buffer lays itself out from ``params``; later versions take
+    ``params_with_names`` and, with the distributed optimizer, the padded layout computed
+    by ``DistributedOptimizer._compute_per_buffer_param_layout`` (what
+    ``compute_full_param_layout`` does per buffer). Picked by the constructor's signature.
+    """
+    import inspect
+
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -131,10 +140,20 @@ def _build_buffer(case: LayoutCase, params, dp_rank: int):
     groups.tp = FakeProcessGroup._create_internal(0, 1)
     groups.dp_cp = dp_group
     grad_dtype = torch.float32 if case.grad_reduce_in_fp32 else case.param_dtype
-    return _ParamAndGradBuffer(
-        ddp_config, case.param_dtype, grad_dtype, params, dp_group, case.bucket_size,
-        {p: f"param{i}" for i, p in enumerate(params)}, 1.0 / case.dp_size,
-        list(range(len(params))), False, groups)
+    names = {p: f"param{i}" for i, p in enumerate(params)}
+    indices = list(range(len(params)))
+    rest = (dp_group, case.bucket_size, names, 1.0 / case.dp_size, indices, False, groups)
+    signature = inspect.signature(_ParamAndGradBuffer.__init__).parameters
+    if "params_with_names" not in signature:
+        return _ParamAndGradBuffer(ddp_config, case.param_dtype, grad_dtype, params, *rest)
+    layout = None
+    if case.use_distributed_optimizer:
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        layout = DistributedOptimizer._compute_per_buffer_param_layout(
+            params, case.bucket_size, case.dp_size, ddp_config, indices)
+    return _ParamAndGradBuffer(ddp_config, case.param_dtype, grad_dtype,
+                               [(p, names[p]) for p in params], *rest, param_layout=layout)
 
 
 def buffer_layout(case: LayoutCase) -> dict:

@@ -100,7 +100,7 @@ def default_cases(quick: bool = False) -> list[LayoutCase]:
              for dp in (1, 3, 64, 1000) for bucket in (None, 700)
              for opt, busbw in ((True, False), (True, True), (False, False))
              for shared in ((), (0,), (7,))]
-    return cases[::5] if quick else cases
+    return cases[::11] if quick else cases
 
 
 def run(quick: bool = False, *, timeout_s: float = 240.0) -> list[Finding]:
