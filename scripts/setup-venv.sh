@@ -4,7 +4,7 @@
 #   VENV               where the environment lives (default: .venv in the repository)
 #   GRADVERIFY_TORCH   the torch requirement to install when no torch is importable
 #                      (default: torch==2.13.0, the CPU build, no CUDA downloads)
-#   GRADVERIFY_EXTRAS  extras to install (default: none; scripts/test.sh asks for test,plot,lint,gpu)
+#   GRADVERIFY_EXTRAS  extras to install (default: none; scripts/test.sh asks for test,plot,lint,gpu,megatron)
 #
 # If the python3 on PATH can already import torch (a GPU node's CUDA build), the
 # environment is created with --system-site-packages and that torch is reused.

@@ -1,4 +1,8 @@
-"""The candidates ``verify`` knows by name (``--candidate NAME``), as a fixed table."""
+"""The candidates ``verify`` knows by name (``--candidate NAME``), as a fixed table.
+
+Listing a candidate imports its adapter's entry module only, never the implementation:
+``MegatronCoreCandidate`` imports megatron-core where a technique runs, and without it
+installed every technique is Unsupported with the install hint."""
 
 from __future__ import annotations
 
@@ -7,11 +11,13 @@ from types import MappingProxyType
 
 from verify.candidates.api import Candidate
 from verify.candidates.fastgrad import FastgradCandidate
+from verify.candidates.megatron_core.candidate import MegatronCoreCandidate
 
 DEFAULT_CANDIDATE = "fastgrad"
 
 CANDIDATES: Mapping[str, Callable[[], Candidate]] = MappingProxyType({
     "fastgrad": FastgradCandidate,
+    "megatron-core": MegatronCoreCandidate,
 })
 
 

@@ -1,0 +1,65 @@
+"""MegatronCoreCandidate behind the seam (``verify.candidates.api``, the lead's branch).
+
+Skips on a branch without the seam, and where megatron-core is not installed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from verify.candidates.megatron_core.version import missing_reason
+
+pytestmark = pytest.mark.skipif(missing_reason() is not None, reason=str(missing_reason()))
+api = pytest.importorskip("verify.candidates.api",
+                          reason="the seam (verify.candidates.api) is not on this branch")
+
+
+def _candidate():
+    from verify.candidates.megatron_core.candidate import MegatronCoreCandidate
+
+    return MegatronCoreCandidate()
+
+
+def test_info_names_the_version_redirects_and_what_cannot_run():
+    from verify.candidates.megatron_core.version import installed
+
+    info = _candidate().info()
+    assert info.name == "megatron-core" and info.version == installed().version
+    assert bool(info.redirects) == (not torch.cuda.is_available())
+    if not torch.cuda.is_available():
+        assert dict(info.unsupported)["mxfp8"].startswith("Megatron-Core's MXFP8 params")
+        with pytest.raises(api.Unsupported, match="Transformer Engine"):
+            _candidate().mxfp8()
+    with pytest.raises(api.Unsupported, match="megatron_core.pipeline"):
+        _candidate().pipeline()
+
+
+def _rs_rank(rank: int, world: int, reduce_scatter) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    import torch.distributed as dist
+
+    inputs, outputs = [], []
+    for it in range(2):
+        g = torch.Generator().manual_seed(rank * 31 + it)
+        x = (torch.randn(world * 64, generator=g) * 2.0 ** torch.randint(-8, 8, (world * 64,),
+                                                                          generator=g)).bfloat16()
+        out = torch.empty(64, dtype=torch.bfloat16)
+        reduce_scatter(out, x, group=None, op=dist.ReduceOp.SUM)
+        inputs.append(x)
+        outputs.append(out)
+    return inputs, outputs
+
+
+@pytest.mark.dist
+def test_grad_reduction_is_megatrons_fp32_reduce_scatter_in_rank_order():
+    from refgrad.reduce_scatter import reduce_scatter
+    from tests.distributed_utils import run_distributed
+
+    rs = _candidate().grad_reduction().reduce_scatter()
+    assert isinstance(rs, api.grad_reduction.ReduceScatter)
+    world = 3
+    per_rank = run_distributed(_rs_rank, world, rs, timeout_s=120)
+    for it in range(2):
+        expected = reduce_scatter([r[0][it] for r in per_rank], accumulate="fp32", order="rank")
+        for r in range(world):
+            assert torch.equal(per_rank[r][1][it].view(torch.int16), expected[r].view(torch.int16))

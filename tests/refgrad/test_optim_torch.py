@@ -1,0 +1,110 @@
+"""refgrad.optim_torch (AdamW in torch.optim.AdamW's CPU order) against hand-derived values and
+against torch.optim.AdamW itself on this CPU."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+import torch
+
+from refgrad import optim as R
+from refgrad.optim_torch import torch_adamw_element, torch_adamw_scalars, torch_order_step
+
+U = Fraction(1, 2**23)  # one fp32 ulp in [1, 2)
+
+
+def torch_cpu_sqrt(v: Fraction) -> Fraction:
+    return Fraction(float(torch.tensor(float(v), dtype=torch.float32).sqrt()))
+
+
+def test_lerp_is_one_fused_rounding_by_hand():
+    # beta1 = 0.75: w = 0.25 (< 0.5, so m + w*(g - m)); m = 1 + u, g = 1.5 + 2u.
+    # torch: g - m = 0.5 + u; w*(g - m) = 0.125 + u/4; m + that = 1.125 + 1.25u, rounded once
+    #   -> 1.125 + u.
+    # refgrad.optim: r32(0.75*(1 + u)) = r32(0.75 + 0.75u): a tie between 0.75 + u/2 (odd) and
+    #   0.75 + u (even) -> 0.75 + u; r32(0.25*g) = 0.375 + u/2 (exact); the sum 1.125 + 1.5u is a
+    #   tie between 1.125 + u (odd) and 1.125 + 2u (even) -> 1.125 + 2u.
+    h = R.AdamW(lr=0.5, beta1=0.75, beta2=0.5, eps=0.5)
+    g, m = Fraction(3, 2) + 2 * U, 1 + U
+    _, m_torch, _ = torch_adamw_element(Fraction(0), g, m, Fraction(0), torch_adamw_scalars(h, 1))
+    _, m_ref, _ = R.adamw_element(Fraction(0), g, m, Fraction(0), R.adamw_scalars(h, 1))
+    assert m_torch == Fraction(9, 8) + U
+    assert m_ref == Fraction(9, 8) + 2 * U
+    got = torch.tensor([float(m)]).lerp_(torch.tensor([float(g)]), 1 - 0.75)
+    assert Fraction(float(got)) == m_torch  # this CPU's lerp is the fused one
+
+
+def test_lerp_large_weight_branch_by_hand():
+    # beta1 = 0.5: w = 0.5 (not < 0.5): g + (w - 1)*(g - m) = g - 0.5*(3u) with m = 1, g = 1 + 3u:
+    # 1 + 1.5u exactly, a tie between 1 + u (odd) and 1 + 2u (even) -> 1 + 2u.
+    h = R.AdamW(lr=0.5, beta1=0.5, beta2=0.5, eps=0.5)
+    _, m, _ = torch_adamw_element(Fraction(0), 1 + 3 * U, Fraction(1), Fraction(0),
+                                  torch_adamw_scalars(h, 1))
+    assert m == 1 + 2 * U
+    got = torch.tensor([1.0]).lerp_(torch.tensor([float(1 + 3 * U)]), 0.5)
+    assert Fraction(float(got)) == m
+
+
+def test_addcmul_is_one_fused_rounding_by_hand():
+    # beta2 = 0.5, v = 1 + u, g = 1 + 2^-12:
+    #   v*beta2 = 0.5 + u/2 (exact); (0.5*g)*g = 0.5 + 2^-12 + 2^-25 exactly;
+    #   torch adds that exact product: 1 + 2^-12 + u/2 + 2^-25 -> above the tie -> 1 + 2^-12 + u.
+    #   refgrad.optim rounds g*g = 1 + 2^-11 + 2^-24 (a tie) to 1 + 2^-11, halves it, adds:
+    #   1 + 2^-12 + u/2, a tie -> 1 + 2^-12 (even).
+    h = R.AdamW(lr=0.5, beta1=0.5, beta2=0.5, eps=0.5)
+    g, v = 1 + Fraction(1, 2**12), 1 + U
+    _, _, v_torch = torch_adamw_element(Fraction(0), g, Fraction(0), v, torch_adamw_scalars(h, 1))
+    _, _, v_ref = R.adamw_element(Fraction(0), g, Fraction(0), v, R.adamw_scalars(h, 1))
+    assert v_torch == 1 + Fraction(1, 2**12) + U
+    assert v_ref == 1 + Fraction(1, 2**12)
+    t = torch.tensor([float(v)]).mul_(0.5).addcmul_(torch.tensor([float(g)]),
+                                                   torch.tensor([float(g)]), value=0.5)
+    assert Fraction(float(t)) == v_torch
+
+
+@pytest.mark.parametrize("hyper", [
+    R.AdamW(lr=1e-3, weight_decay=0.1),
+    R.AdamW(lr=0.05, beta1=0.3, beta2=0.9, eps=1e-6, weight_decay=0.01),
+    R.AdamW(lr=0.01, beta1=0.6),
+])
+def test_matches_torch_adamw_bitwise_on_this_cpu(hyper):
+    """Five steps on 257 elements (a vector tail included) against torch.optim.AdamW,
+    with torch's own fp32 square root, and refgrad.optim's order differs on the same inputs."""
+    g = torch.Generator().manual_seed(7)
+    p0 = torch.randn(257, generator=g)
+    param = torch.nn.Parameter(p0.clone())
+    opt = torch.optim.AdamW([param], lr=hyper.lr, betas=(hyper.beta1, hyper.beta2), eps=hyper.eps,
+                            weight_decay=hyper.weight_decay)
+    model = R.ParamState(master=R.values(p0))
+    spec = R.ParamState(master=R.values(p0))
+    differs = False
+    for step in range(1, 6):
+        grad = torch.randn(257, generator=g) * torch.pow(2.0, torch.randint(-10, 3, (257,), generator=g).float())
+        param.grad = grad.clone()
+        opt.step()
+        torch_order_step([model], [grad], [hyper], [step], norm=None, sqrt32=torch_cpu_sqrt)
+        R.optimizer_step([spec], [grad], [hyper], [step])
+        assert torch.equal(R.to_tensor(model.master, (257,)), param.detach()), f"step {step}"
+        differs |= not torch.equal(R.to_tensor(spec.master, (257,)), param.detach())
+    assert differs, "refgrad.optim's order should give other bits somewhere on these inputs"
+
+
+def test_clipping_uses_the_given_norm_and_refuses_none():
+    h = R.AdamW(lr=0.5, beta1=0.5, beta2=0.5, eps=0.5)
+    state = R.ParamState(master=[Fraction(1)])
+    with pytest.raises(ValueError, match="norm"):
+        torch_order_step([state], [torch.tensor([4.0])], [h], [1], norm=None, max_norm=1.0)
+    # norm 4 with max_norm 1: coefficient 1/(4 + 1e-6) < 1 scales the grad before the update.
+    clipped = R.ParamState(master=[Fraction(1)])
+    plain = R.ParamState(master=[Fraction(1)])
+    torch_order_step([clipped], [torch.tensor([4.0])], [h], [1], norm=Fraction(4), max_norm=1.0)
+    torch_order_step([plain], [torch.tensor([4.0])], [h], [1], norm=Fraction(4), max_norm=100.0)
+    assert clipped.exp_avg != plain.exp_avg
+
+
+def test_non_finite_grad_skips_the_step():
+    h = R.AdamW(lr=0.5)
+    state = R.ParamState(master=[Fraction(1)])
+    assert not torch_order_step([state], [torch.tensor([float("inf")])], [h], [1], norm=None)
+    assert state.master == [Fraction(1)] and state.exp_avg is None

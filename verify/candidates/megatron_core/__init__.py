@@ -1,0 +1,1 @@
+"""Megatron-Core as a verified candidate (see redirect, runtime, version and the drivers)."""
