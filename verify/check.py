@@ -24,7 +24,13 @@ from typing import Any
 
 import torch
 
-from verify.candidates import Candidate, FastgradCandidate, Technique, Unsupported
+from verify.candidates import (
+    Candidate,
+    DocumentedBehaviour,
+    FastgradCandidate,
+    Technique,
+    Unsupported,
+)
 
 _DEVICES = ("cpu", "cuda")
 
@@ -87,6 +93,18 @@ class ComparisonRecord:
 
 
 @dataclass
+class DifferenceRecord:
+    """A candidate result that differs from refgrad's spec as the candidate documents it: it
+    matched refgrad's model of ``behaviour`` (a passing comparison of its own) and lands
+    ``metrics`` (ULP distance and the rest) away from the spec."""
+
+    label: str
+    behaviour: str
+    where: str
+    metrics: dict[str, Any]
+
+
+@dataclass
 class ExpectationRecord:
     """A named boolean fact the check requires."""
 
@@ -114,6 +132,7 @@ class CheckResult:
     tables: list[Table] = field(default_factory=list)
     findings: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    differences: list[DifferenceRecord] = field(default_factory=list)
     error: str | None = None
     status: str = ""  # one of STATUSES; derived from the fields above when left empty
 
@@ -152,6 +171,7 @@ class CheckRecorder:
         self._tables: list[Table] = []
         self._findings: list[str] = []
         self._skipped: list[str] = []
+        self._differences: list[DifferenceRecord] = []
 
     def compare(
         self,
@@ -181,6 +201,40 @@ class CheckRecorder:
             ComparisonRecord(label, max_ulp, bool(ok), result.to_dict(), reason)
         )
         return bool(ok)
+
+    def compare_documented(
+        self,
+        label: str,
+        spec_reference: torch.Tensor,
+        candidate: torch.Tensor,
+        *,
+        documented: DocumentedBehaviour | None,
+        documented_reference: torch.Tensor | None = None,
+        max_ulp: int = 0,
+        reason: str = "",
+    ) -> bool:
+        """Compare ``candidate`` with refgrad, classifying a difference the candidate documents.
+
+        Without ``documented`` this is :meth:`compare` against ``spec_reference``. With it,
+        the candidate is held (within ``max_ulp``) to ``documented_reference``, refgrad's model
+        of the documented behaviour: a mismatch there is a FAIL (a bug, or a behaviour that
+        changed). Where the candidate then differs from the spec, the distance is recorded
+        as a documented difference naming the behaviour and where it lives.
+        """
+        if documented is None:
+            return self.compare(label, spec_reference, candidate, max_ulp=max_ulp, reason=reason)
+        if documented_reference is None:
+            raise ValueError(f"comparison {label!r}: a documented behaviour needs refgrad's "
+                             f"model of it (documented_reference)")
+        from verify.metrics import compare
+
+        ok = self.compare(f"{label} (documented: {documented.summary})", documented_reference,
+                          candidate, max_ulp=max_ulp, reason=reason)
+        from_spec = compare(spec_reference, candidate)
+        if not from_spec.bitwise_equal:
+            self._differences.append(DifferenceRecord(label, documented.summary, documented.where,
+                                                      from_spec.to_dict()))
+        return ok
 
     def expect(self, label: str, condition: bool, detail: str = "") -> bool:
         """Record a boolean fact; the check fails if it is False."""
@@ -222,6 +276,7 @@ class CheckRecorder:
         self._tables.extend(part._tables)
         self._findings.extend(part._findings)
         self._skipped.extend(part._skipped)
+        self._differences.extend(part._differences)
 
     def finish(self, seconds: float, error: str | None = None) -> CheckResult:
         """Close the check: it passes only with no error, at least one comparison or expectation, and all of them passing."""
@@ -241,6 +296,7 @@ class CheckRecorder:
             tables=self._tables,
             findings=self._findings,
             skipped=self._skipped,
+            differences=self._differences,
             error=error,
         )
 

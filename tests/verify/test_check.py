@@ -137,3 +137,27 @@ def test_an_unsupported_technique_is_a_skip_naming_the_candidate_and_the_reason(
     result = Check("m", "mxfp8", run, technique=Technique.MXFP8).execute(CheckContext(), NoMXFP8())
     assert result.status == "SKIP"
     assert result.skipped == ["mxfp8: none does not implement MXFP8"]
+
+
+def test_a_documented_difference_passes_only_when_the_candidate_matches_its_model() -> None:
+    from verify.candidates import DocumentedBehaviour
+
+    prescale = DocumentedBehaviour("pre-scales by 1/3 in bf16, then sums",
+                                   "megatron.core.distributed.param_and_grad_buffer."
+                                   "_ParamAndGradBucketGroup.start_grad_sync")
+    spec = torch.tensor([1.0, 2.0, 3.0])
+    model = torch.tensor([1.0, 2.0, 3.0000002])  # the documented behaviour lands one ULP off
+    rec = CheckRecorder("c")
+    assert rec.compare_documented("grads", spec, model.clone(), documented=prescale,
+                                  documented_reference=model)
+    assert not rec.compare_documented("grads again", spec, spec.clone(), documented=prescale,
+                                      documented_reference=model)  # not what it documents
+    assert rec.compare_documented("plain", spec, spec.clone(), documented=None)
+    result = rec.finish(0.0)
+    assert result.status == "FAIL"
+    assert [c.passed for c in result.comparisons] == [True, False, True]
+    assert result.comparisons[0].label == "grads (documented: pre-scales by 1/3 in bf16, then sums)"
+    assert [(d.label, d.where.endswith("start_grad_sync"), d.metrics["max_ulp"])
+            for d in result.differences] == [("grads", True, 1)]
+    with pytest.raises(ValueError, match="documented_reference"):
+        CheckRecorder("c").compare_documented("x", spec, spec, documented=prescale)

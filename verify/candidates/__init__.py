@@ -3,7 +3,14 @@
 See :mod:`verify.candidates.api` for the seam and ``docs/candidates.md`` for how to add one.
 """
 
-from verify.candidates.api import Candidate, CandidateInfo, Fault, Technique, Unsupported
+from verify.candidates.api import (
+    Candidate,
+    CandidateInfo,
+    DocumentedBehaviour,
+    Fault,
+    Technique,
+    Unsupported,
+)
 from verify.candidates.fastgrad import FastgradCandidate
 from verify.candidates.registry import CANDIDATES, DEFAULT_CANDIDATE, candidate_named
 
@@ -12,6 +19,7 @@ __all__ = [
     "DEFAULT_CANDIDATE",
     "Candidate",
     "CandidateInfo",
+    "DocumentedBehaviour",
     "FastgradCandidate",
     "Fault",
     "Technique",

@@ -57,6 +57,26 @@ class Unsupported(Exception):  # noqa: N818 - it is a verdict, not an error
 
 
 @dataclass(frozen=True)
+class DocumentedBehaviour:
+    """A way a candidate departs from refgrad's spec by design, and where that lives.
+
+    A check that meets it compares the candidate with refgrad's model of the behaviour (which
+    must match within the comparison's bound, or the check FAILs) and reports how far that
+    lands from the spec: a *documented difference*, not a failure. ``where`` names the module
+    and function of the candidate that does it (for Megatron-Core, for example
+    ``megatron.core.distributed.param_and_grad_buffer._ParamAndGradBucketGroup.start_grad_sync``).
+    """
+
+    summary: str
+    where: str
+
+    def __post_init__(self) -> None:
+        for name in ("summary", "where"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"DocumentedBehaviour.{name} must be a non-empty string")
+
+
+@dataclass(frozen=True)
 class CandidateInfo:
     """What a report says about a candidate: its name, its installed version and how it ran.
 
