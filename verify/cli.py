@@ -118,7 +118,11 @@ def _add_run_parser(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--quick", action="store_true", help="smaller problem sizes")
     run.add_argument("--timeout", type=_positive_seconds, default=DEFAULT_TIMEOUT_S,
                      metavar="SECONDS", action=SetOnce,
-                     help="deadline of each multi-rank phase: a stalled rank becomes an ERROR")
+                     help="stall timeout of each multi-rank phase: when none of its ranks made "
+                          "progress (a progress marker, or 2%% of a core of CPU time) for SECONDS, "
+                          "it is an ERROR naming each rank and where it waits; a rank that "
+                          "computes is never stopped for being slow (a phase still running "
+                          "after 20 x SECONDS is ended)")
     run.add_argument("--jobs", type=_positive_int, default=DEFAULT_JOBS, metavar="N", action=SetOnce,
                      help="checks run at the same time (each check's ranks stay its own "
                           "processes); 1 runs them one after another")

@@ -102,7 +102,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     twin.add_argument("--max-world-size", type=int, default=TwinOptions.max_world_size,
                       metavar="W", help="most ranks the twin may spawn, TP x PP x DP")
     twin.add_argument("--timeout", type=float, default=TwinOptions.timeout_s, metavar="S",
-                      help="deadline for the twin's ranks in seconds")
+                      help="stall timeout of the twin's ranks in seconds: an error when none "
+                           "made progress (marker or CPU time) for that long")
     twin.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
     parser.epilog = "Megatron-Core flags understood: " + " ".join(FLAG_SPECS)
     megatron = parser.add_argument_group("Megatron-Core flags (same names as Megatron's)")
