@@ -197,10 +197,15 @@ def _sample(config: SweepConfig, distribution: str, dp: int,
 
 
 def run_sweep(
-    config: SweepConfig, progress: Callable[[int, int, str], None] | None = None
+    config: SweepConfig, progress: Callable[[int, int, str], None] | None = None,
+    into: list[Point] | None = None,
 ) -> list[Point]:
-    """Measure every (dtype, distribution, N, method) point of ``config``."""
-    points: list[Point] = []
+    """Measure every (dtype, distribution, N, method) point of ``config``.
+
+    Points are appended to ``into`` (a new list by default, returned) as each
+    (distribution, N) finishes, so a caller interrupted midway keeps those measured.
+    """
+    points: list[Point] = [] if into is None else into
     total = len(config.distributions) * len(config.dp_sizes)
     done = 0
     for distribution in config.distributions:
