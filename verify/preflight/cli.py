@@ -146,7 +146,7 @@ def build_report(config: PreflightConfig, parsed: ParsedFlags, costs: CostInputs
         "verdict": (f"PREFLIGHT PASSED: valid under Megatron-Core's rules; TP={config.tensor_model_parallel_size}"
                     f" PP={pp} VPP={vpp} DP={config.data_parallel_size} "
                     f"({config.data_parallel_source}), {config.num_microbatches} microbatches; "
-                    f"{pp * vpp} gradient buffers laid out on paper"),
+                    f"{pp * vpp} gradient buffer{'s' if pp * vpp != 1 else ''} laid out on paper"),
         "config": config.to_dict(),
         "unknown_flags": list(parsed.unknown),
         "ignored_positionals": list(parsed.positional),
