@@ -7,9 +7,10 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from verify.options import SetOnce
 from verify.studies.reduce_scatter.models import (
@@ -41,6 +42,8 @@ FLAG_OF_FIELD = {"dp_sizes": "--dp", "dtypes": "--dtype", "distributions": "--di
 # (float32 samples and noise, the 16-bit copy, fp32 partial sums, float64 sums).
 BYTES_PER_KEPT_ULP = 8
 BYTES_PER_BLOCK_ELEMENT = 32
+# Within a long (distribution, N) group, a progress line at most this often (no terminal).
+BLOCK_LINE_S = 15.0
 
 
 # ----------------------------------------------------------------------------
@@ -198,7 +201,7 @@ def main(args: argparse.Namespace) -> int:
     incomplete = None
     with StepProgress(total, "accumulation", enabled=not args.no_progress) as progress:
         try:
-            run_sweep(config, lambda done, _total, label: progress.advance(1, label), into=points)
+            run_sweep(config, _progress_reporter(progress), into=points)
         except KeyboardInterrupt:
             # Ctrl-C: what was measured is still reported and written, marked incomplete.
             groups = len(points) // max(1, len(config.dtypes) * len(config.methods))
@@ -232,6 +235,24 @@ def main(args: argparse.Namespace) -> int:
         outputs.append(Output("--plot", Path(args.plot), lambda p: write_points_plot(points, p)))
     failures = write_outputs(outputs, prog="verify accumulation")
     return EXIT_ERROR if failures or incomplete else EXIT_OK
+
+
+def _progress_reporter(progress: Any) -> Callable[[float, int, str, bool], None]:
+    """``run_sweep``'s progress onto ``progress`` (a ``StepProgress``): a line per finished
+    (distribution, N) group, and within a long group (DP 65,536: minutes) one per
+    compute block at most every ``BLOCK_LINE_S`` seconds; the bar moves every block."""
+    state = {"done": 0.0, "line_at": time.monotonic()}
+
+    def report(done: float, _total: int, label: str, group_finished: bool) -> None:
+        amount, state["done"] = done - state["done"], done
+        now = time.monotonic()
+        if group_finished or now - state["line_at"] >= BLOCK_LINE_S:
+            state["line_at"] = now
+            progress.advance(amount, label)
+        else:
+            progress.advance(amount)
+
+    return report
 
 
 def _matplotlib_available() -> bool:

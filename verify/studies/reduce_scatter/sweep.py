@@ -2,18 +2,19 @@
 
 For every DP size N, wire dtype (fp16, bf16) and input distribution, N per-rank
 gradient tensors are reduced three ways, the way real collectives do it
-(``models``), and each result is compared with the correctly rounded exact sum
-(``reference``): normwise relative error against the exact sum, max and median
+(``models`` is the readable spec; the sweep runs ``kernels``, the same reductions
+compiled, bitwise equal), and each result is compared with the correctly rounded
+exact sum (``reference``): normwise relative error against the exact sum, max and median
 ULP distance, and the fraction of elements correctly rounded. Per method the
 growth exponent (the log-log slope of the error against N) is fitted and printed
 beside the theory (``sqrt(N)·u`` typical, ``(N-1)·u`` worst case) and beside
 Megatron-Core's published error figures, which are printed, never tuned to.
 
 Inputs are generated in column blocks of ``block_elements`` (each block from its
-own seed, so a point's data does not depend on how it is computed); the models
-run on compute blocks of whole generation blocks (``COMPUTE_ELEMENTS``), so a
-model's O(W) torch calls each cover many columns even at large N. Memory is a
-few compute blocks plus O(numel) per point, whatever N is.
+own seed, so a point's data does not depend on how it is computed, and blocks are
+generated in parallel threads); the reductions run on compute blocks of whole
+generation blocks (``COMPUTE_ELEMENTS``). Memory is a few compute blocks plus
+O(numel) per point, whatever N is.
 
 ``--backend dist`` (under torchrun, ``dist``) measures the process group's real
 reduce-scatter and all-reduce instead, and reports which model they match.
@@ -23,20 +24,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from verify.studies.reduce_scatter.kernels import reduce_block
 from verify.studies.reduce_scatter.models import (
     DISTRIBUTIONS,
     DTYPES,
     METHODS,
     UNIT_ROUNDOFF,
-    fp32_reduce,
     generate,
-    ring_reduce,
-    tree_reduce,
 )
 from verify.studies.reduce_scatter.reference import exact_references
 
@@ -183,22 +183,53 @@ def _compute_blocks(config: SweepConfig, dp: int) -> list[list[tuple[int, int, i
 
 def _sample(config: SweepConfig, distribution: str, dp: int,
             blocks: Sequence[tuple[int, int, int]]) -> torch.Tensor:
-    """The float32 inputs of consecutive generation blocks, side by side."""
-    if len(blocks) == 1:
-        index, _, columns = blocks[0]
+    """The float32 inputs of consecutive generation blocks, side by side.
+
+    Each block has its own generator, so blocks are generated in parallel threads
+    (torch's random fill runs on one core and releases the interpreter lock)."""
+    def one(block: tuple[int, int, int]) -> torch.Tensor:
+        index, _, columns = block
         gen = torch.Generator().manual_seed(_seed_for(config, distribution, dp, index))
         return generate(distribution, dp, columns, gen)
+
+    if len(blocks) == 1:
+        return one(blocks[0])
     first = blocks[0][1]
     sample = torch.empty(dp, sum(columns for _, _, columns in blocks))
-    for index, start, columns in blocks:
-        gen = torch.Generator().manual_seed(_seed_for(config, distribution, dp, index))
-        sample[:, start - first : start - first + columns] = generate(distribution, dp, columns, gen)
+    workers = min(len(blocks), torch.get_num_threads())
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sample") as pool:
+        for (_, start, columns), values in zip(blocks, pool.map(one, blocks)):
+            sample[:, start - first : start - first + columns] = values
     return sample
 
 
+def _reduce(stacked: torch.Tensor, chunk_numel: int, first_chunk: int,
+            methods: Sequence[str]) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor | None]],
+                                             torch.Tensor, torch.Tensor]:
+    """Every method's result (and fp32's accumulator), then the exact references, of one
+    block: the compiled kernels (``kernels``), bitwise the torch ``models``."""
+    block = reduce_block(stacked, chunk_numel, first_chunk, tuple(methods))
+    dtype = stacked.dtype
+    results: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    for method in methods:
+        if method == "ring":
+            results[method] = (block.ring.to(dtype), None)
+        elif method == "tree":
+            results[method] = (block.tree.to(dtype), None)
+        else:
+            results[method] = (block.fp32_accumulator.to(dtype), block.fp32_accumulator)
+    exact64, rounded = exact_references(stacked, block.group_sums, block.group_exact)
+    return results, exact64, rounded
+
+
+Progress = Callable[[float, int, str, bool], None]
+"""``progress(groups_done, groups_total, label, group_finished)``: after every compute
+block (``groups_done`` then counts the fraction of the (distribution, N) group done)
+and after every group."""
+
+
 def run_sweep(
-    config: SweepConfig, progress: Callable[[int, int, str], None] | None = None,
-    into: list[Point] | None = None,
+    config: SweepConfig, progress: Progress | None = None, into: list[Point] | None = None,
 ) -> list[Point]:
     """Measure every (dtype, distribution, N, method) point of ``config``.
 
@@ -212,34 +243,30 @@ def run_sweep(
         for dp in config.dp_sizes:
             chunk_numel = config.numel_for(dp) // dp
             accs = {(d, m): _Accumulator() for d in config.dtypes for m in config.methods}
-            for blocks in _compute_blocks(config, dp):
+            compute_blocks = _compute_blocks(config, dp)
+            for number, blocks in enumerate(compute_blocks, start=1):
                 sample = _sample(config, distribution, dp, blocks)
                 first = blocks[0][1]
                 for dtype in config.dtypes:
                     stacked = sample.to(DTYPES[dtype])
-                    results = {}
-                    for method in config.methods:
-                        if method == "ring":
-                            results[method] = (ring_reduce(stacked, chunk_numel,
-                                                           first // chunk_numel), None)
-                        elif method == "tree":
-                            results[method] = (tree_reduce(stacked), None)
-                        else:
-                            results[method] = fp32_reduce(stacked)
-                    # Exact references are per column, so one call covers the compute block;
-                    # the metric sums still run per generation block, as they always have.
-                    exact64, rounded = exact_references(stacked)
+                    results, exact64, rounded = _reduce(stacked, chunk_numel,
+                                                        first // chunk_numel, config.methods)
+                    # The metric sums run per generation block, as they always have.
                     for _, start, columns in blocks:
                         cols = slice(start - first, start - first + columns)
                         for method, (result, fp32_acc) in results.items():
                             accs[(dtype, method)].add(
                                 result[cols], exact64[cols], rounded[cols],
                                 None if fp32_acc is None else fp32_acc[cols])
+                if progress is not None and number < len(compute_blocks):
+                    progress(done + number / len(compute_blocks), total,
+                             f"{distribution} N={dp}: block {number}/{len(compute_blocks)}",
+                             False)
             for (dtype, method), acc in accs.items():
                 points.append(_finish(acc, dtype, distribution, dp, method))
             done += 1
             if progress is not None:
-                progress(done, total, f"{distribution} N={dp}")
+                progress(done, total, f"{distribution} N={dp}", True)
     return points
 
 
