@@ -46,8 +46,10 @@ from verify.studies.reduce_scatter.reference import EXACT_GROUP_ROWS
 
 _JIT = {"nogil": True, "cache": True, "fastmath": False, "error_model": "numpy",
         "boundscheck": False}
-# Columns per tile: the tree's scratch is (W/2 + 1) x TILE fp32 values per thread.
+# Columns per tile.
 TILE = 128
+# Rows the tree reduces in cache before the levels above (a power of two).
+TREE_BLOCK_ROWS = 256
 NO_EXPONENT = 255  # above every finite bf16 exponent field: "no nonzero element"
 
 
@@ -162,25 +164,8 @@ def _ring(bits, is_bf16, j0, j1, chunk_numel, first_chunk, out):
 
 
 @njit(**_JIT)
-def _tree(bits, is_bf16, j0, j1, scratch, out):
-    """Columns [j0, j1) (at most TILE): adjacent pairs per level, an odd one passed up."""
-    world = bits.shape[0]
-    width = j1 - j0
-    if world == 1:
-        source = bits[0, j0:j1]
-        for k in range(width):
-            out[j0 + k] = _widen(source[k], is_bf16)
-        return
-    n = world // 2
-    for p in range(n):
-        left, right, target = bits[2 * p, j0:j1], bits[2 * p + 1, j0:j1], scratch[p]
-        for k in range(width):
-            target[k] = _round16(_widen(left[k], is_bf16) + _widen(right[k], is_bf16), is_bf16)
-    if world % 2:
-        source, target = bits[world - 1, j0:j1], scratch[n]
-        for k in range(width):
-            target[k] = _widen(source[k], is_bf16)
-        n += 1
+def _tree_levels(scratch, n, width, is_bf16):
+    """Pairwise levels over scratch[0:n] in place until one row is left (in scratch[0])."""
     while n > 1:
         pairs = n // 2
         for p in range(pairs):
@@ -192,8 +177,48 @@ def _tree(bits, is_bf16, j0, j1, scratch, out):
             for k in range(width):
                 target[k] = source[k]
         n = pairs + n % 2
-    for k in range(width):
-        out[j0 + k] = scratch[0, k]
+
+
+@njit(**_JIT)
+def _tree_of_rows(bits, is_bf16, r0, r1, j0, j1, scratch):
+    """The pairwise tree of rows [r0, r1) (at most 2 x len(scratch)), into scratch[0]."""
+    width = j1 - j0
+    n = (r1 - r0) // 2
+    for p in range(n):
+        left, right, target = bits[r0 + 2 * p, j0:j1], bits[r0 + 2 * p + 1, j0:j1], scratch[p]
+        for k in range(width):
+            target[k] = _round16(_widen(left[k], is_bf16) + _widen(right[k], is_bf16), is_bf16)
+    if (r1 - r0) % 2:
+        source, target = bits[r1 - 1, j0:j1], scratch[n]
+        for k in range(width):
+            target[k] = _widen(source[k], is_bf16)
+        n += 1
+    _tree_levels(scratch, n, width, is_bf16)
+
+
+@njit(**_JIT)
+def _tree(bits, is_bf16, j0, j1, scratch, upper, out):
+    """Columns [j0, j1) (at most TILE): adjacent pairs per level, an odd one passed up.
+
+    Level by level over all W rows would stream W/2 partial sums through memory per
+    level. The first log2(TREE_BLOCK_ROWS) levels never pair rows of different aligned
+    blocks of TREE_BLOCK_ROWS rows, and the tail block (fewer rows) reduces to one value
+    with its odd ones passed up, as they are in the whole level; so each block is reduced
+    in cache, then the levels above run over the block values (``upper``)."""
+    world = bits.shape[0]
+    width = j1 - j0
+    blocks = world // TREE_BLOCK_ROWS
+    for b in range(blocks):
+        _tree_of_rows(bits, is_bf16, b * TREE_BLOCK_ROWS, (b + 1) * TREE_BLOCK_ROWS, j0, j1,
+                      scratch)
+        upper[b, :width] = scratch[0, :width]
+    n = blocks
+    if world % TREE_BLOCK_ROWS:
+        _tree_of_rows(bits, is_bf16, blocks * TREE_BLOCK_ROWS, world, j0, j1, scratch)
+        upper[n, :width] = scratch[0, :width]
+        n += 1
+    _tree_levels(upper, n, width, is_bf16)
+    out[j0:j1] = upper[0, :width]
 
 
 @njit(**_JIT)
@@ -270,12 +295,12 @@ def reduce_block(stacked: torch.Tensor, chunk_numel: int, first_chunk: int,
     is_bf16 = stacked.dtype == torch.bfloat16
     tiles = _split_columns(columns, chunk_numel)
 
-    def tile_work(scratch: np.ndarray, j0: int, j1: int) -> None:
+    def tile_work(scratch: np.ndarray, upper: np.ndarray, j0: int, j1: int) -> None:
         _rank_order(bits, is_bf16, j0, j1, fp32, sums, low, high)
         if ring is not None:
             _ring(bits, is_bf16, j0, j1, chunk_numel, first_chunk, ring)
         if tree is not None:
-            _tree(bits, is_bf16, j0, j1, scratch, tree)
+            _tree(bits, is_bf16, j0, j1, scratch, upper, tree)
 
     _run_tiles(tile_work, tiles, world)
     group_sums = torch.from_numpy(sums)
@@ -298,19 +323,20 @@ def reduce_block(stacked: torch.Tensor, chunk_numel: int, first_chunk: int,
 
 
 def _run_tiles(work, tiles: list[tuple[int, int]], world: int) -> None:
-    """``work(scratch, j0, j1)`` for every tile, on this thread and helpers (one per
+    """``work(scratch, upper, j0, j1)`` for every tile, on this thread and helpers (one per
     intra-op thread torch uses) taking the next tile when done; the first error is raised."""
     workers = max(1, min(torch.get_num_threads(), len(tiles)))
     next_tile = itertools.count()  # next() is atomic under the GIL
     errors: list[BaseException] = []
 
     def drain() -> None:
-        scratch = np.empty((world // 2 + 1, TILE), np.float32)
+        scratch = (np.empty((TREE_BLOCK_ROWS // 2, TILE), np.float32),
+                   np.empty((world // TREE_BLOCK_ROWS + 1, TILE), np.float32))
         try:
             for i in iter(next_tile.__next__, None):
                 if i >= len(tiles) or errors:
                     return
-                work(scratch, *tiles[i])
+                work(*scratch, *tiles[i])
         except BaseException as exc:  # noqa: BLE001 - must reach the caller
             errors.append(exc)
 
