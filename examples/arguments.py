@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from examples.lr_schedule import DECAY_STYLES
+
 
 @dataclass(frozen=True)
 class TrainArgs:
@@ -26,14 +28,19 @@ class TrainArgs:
     world_size: int
     pipeline_model_parallel_size: int = 1
     micro_batch_size: int = 4
-    global_batch_size: int = 16
+    global_batch_size: int = 32
     num_layers: int = 4
     hidden_size: int = 128
     num_attention_heads: int = 4
     seq_length: int = 64
-    train_iters: int = 200
+    train_iters: int = 100
     lr: float = 1e-3
-    weight_decay: float = 0.01
+    min_lr: float = 0.0
+    lr_decay_style: str = "constant"
+    lr_decay_iters: int | None = None
+    lr_warmup_iters: int = 0
+    lr_warmup_init: float = 0.0
+    weight_decay: float = 0.1
     clip_grad: float = 1.0
     bf16: bool = False
     fp16: bool = False
@@ -46,6 +53,10 @@ class TrainArgs:
     untie_embeddings_and_output_weights: bool = False
     seed: int = 1234
     log_interval: int = 10
+    save: str | None = None
+    save_interval: int | None = None
+    load: str | None = None
+    ckpt_step: int | None = None
     distributed_timeout_minutes: float = 10.0
 
     def __post_init__(self) -> None:
@@ -57,15 +68,36 @@ class TrainArgs:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{_flag(name)} must be an integer >= 1, got {value!r}")
+        for name in ("save_interval", "lr_decay_iters", "ckpt_step"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{_flag(name)} must be an integer >= 1, got {value!r}")
+        if self.ckpt_step is not None and self.load is None:
+            raise ValueError("--ckpt-step needs --load (the directory to load it from)")
+        if self.save_interval is not None and self.save is None:
+            raise ValueError("--save-interval needs --save (the directory to write checkpoints to)")
+        if isinstance(self.lr_warmup_iters, bool) or not isinstance(self.lr_warmup_iters, int) \
+                or self.lr_warmup_iters < 0:
+            raise ValueError(f"--lr-warmup-iters must be an integer >= 0, got {self.lr_warmup_iters!r}")
         if self.ddp_bucket_size is not None and self.ddp_bucket_size < 1:
             raise ValueError(f"--ddp-bucket-size must be >= 1, got {self.ddp_bucket_size}")
-        for name in ("lr", "weight_decay", "clip_grad", "distributed_timeout_minutes"):
+        for name in ("lr", "min_lr", "lr_warmup_init", "weight_decay", "clip_grad",
+                     "distributed_timeout_minutes"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{_flag(name)} must be a finite number >= 0, got {value!r}")
         if self.lr == 0 or self.distributed_timeout_minutes == 0:
             name = "--lr" if self.lr == 0 else "--distributed-timeout-minutes"
             raise ValueError(f"{name} must be > 0")
+        if self.min_lr > self.lr or self.lr_warmup_init > self.lr:
+            name = "--min-lr" if self.min_lr > self.lr else "--lr-warmup-init"
+            raise ValueError(f"{name} must be <= --lr ({self.lr})")
+        if self.lr_decay_style != "constant" and self.resolved_lr_decay_iters <= self.lr_warmup_iters:
+            raise ValueError(
+                f"--lr-decay-iters ({self.resolved_lr_decay_iters}, default --train-iters) must "
+                f"exceed --lr-warmup-iters ({self.lr_warmup_iters}) for --lr-decay-style "
+                f"{self.lr_decay_style}"
+            )
         pp = self.pipeline_model_parallel_size
         if self.world_size % pp:
             raise ValueError(
@@ -104,6 +136,11 @@ class TrainArgs:
                 "--ddp-reduce-scatter-with-fp32-accumulation requires "
                 "--use-distributed-optimizer (without it gradients are all-reduced)"
             )
+
+    @property
+    def resolved_lr_decay_iters(self) -> int:
+        """``--lr-decay-iters``, or ``--train-iters`` when not given (Megatron's default)."""
+        return self.train_iters if self.lr_decay_iters is None else self.lr_decay_iters
 
     @property
     def data_parallel_size(self) -> int:
@@ -156,7 +193,19 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--global-batch-size", type=int, default=defaults.global_batch_size,
                        help="sequences per optimizer step over all replicas")
     train.add_argument("--train-iters", type=int, default=defaults.train_iters)
-    train.add_argument("--lr", type=float, default=defaults.lr, help="constant AdamW learning rate")
+    train.add_argument("--lr", type=float, default=defaults.lr,
+                       help="AdamW's (peak) learning rate")
+    train.add_argument("--min-lr", type=float, default=defaults.min_lr,
+                       help="the learning rate after --lr-decay-iters")
+    train.add_argument("--lr-decay-style", choices=DECAY_STYLES, default=defaults.lr_decay_style,
+                       help="after the warmup: constant (default here; Megatron's is linear), "
+                       "linear or cosine decay to --min-lr")
+    train.add_argument("--lr-decay-iters", type=int, default=None,
+                       help="iterations over which the learning rate decays (default: --train-iters)")
+    train.add_argument("--lr-warmup-iters", type=int, default=defaults.lr_warmup_iters,
+                       help="linear warmup from --lr-warmup-init to --lr over this many iterations")
+    train.add_argument("--lr-warmup-init", type=float, default=defaults.lr_warmup_init,
+                       help="the learning rate of the first iteration of the warmup")
     train.add_argument("--weight-decay", type=float, default=defaults.weight_decay,
                        help="decoupled weight decay (not on biases and norms)")
     train.add_argument("--clip-grad", type=float, default=defaults.clip_grad,
@@ -165,11 +214,21 @@ def build_parser() -> argparse.ArgumentParser:
                        help="initial weights and data order")
     train.add_argument("--log-interval", type=int, default=defaults.log_interval,
                        help="print the loss every this many iterations")
+    ckpt = parser.add_argument_group("checkpointing (Megatron-LM's layout)")
+    ckpt.add_argument("--save", default=None,
+                      help="directory to write checkpoints to (at the end, and every --save-interval)")
+    ckpt.add_argument("--save-interval", type=int, default=None,
+                      help="write a checkpoint every this many iterations")
+    ckpt.add_argument("--load", default=None,
+                      help="resume from the latest checkpoint in this directory (none there: start "
+                      "from scratch, so --save X --load X resumes automatically); any DP size")
+    ckpt.add_argument("--ckpt-step", type=int, default=None,
+                      help="load this iteration's checkpoint instead of the latest")
     precision = parser.add_argument_group("precision")
     precision.add_argument("--bf16", action="store_true", help="bf16 params and activations")
     precision.add_argument("--fp16", action="store_true",
                            help="fp16 params and activations (dynamic loss scaling with "
-                           "--use-distributed-optimizer; none with the fallback optimizer)")
+                           "either optimizer)")
     precision.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
                            help="main_grad buffers in fp32 whatever the param dtype")
     ddp = parser.add_argument_group("data parallelism (fastgrad.ddp)")

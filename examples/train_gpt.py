@@ -2,7 +2,12 @@
 
 Run from the repository root::
 
-    torchrun --nproc-per-node 2 examples/train_gpt.py --train-iters 50
+    torchrun --nproc-per-node 2 examples/train_gpt.py --use-distributed-optimizer \
+        --overlap-grad-reduce --overlap-param-gather        # the README's loop
+    torchrun --nproc-per-node 2 examples/train_gpt.py --global-batch-size 48 --save ckpt \
+        --save-interval 50 --lr-decay-style cosine --lr-warmup-iters 10
+    torchrun --nproc-per-node 3 examples/train_gpt.py --global-batch-size 48 --load ckpt \
+        --lr-decay-style cosine --lr-warmup-iters 10      # resumes at DP 3
     torchrun --nproc-per-node 2 examples/train_gpt.py --pipeline-model-parallel-size 2
     python -m examples.train_gpt --train-iters 20          # one process
 
@@ -13,18 +18,21 @@ over the replicas, in ``param.main_grad``); PP = 1 accumulates gradients over
 the microbatches with ``no_sync()``, PP > 1 runs
 ``fastgrad.pipeline.forward_backward_1f1b`` (grad sync in the cooldown bubble,
 then the tied-embedding all-reduce). The optimizer is built by
-:func:`build_optimizer`: ``fastgrad.optim.DistributedOptimizer`` with
+:func:`build_optimizer`: ``fastgrad.DistributedOptimizer`` with
 ``--use-distributed-optimizer`` (fp32 master shards, reduce-scattered grads,
-param all-gather; fp16 with ``DynamicLossScaler``), else a torch AdamW on the
-all-reduced ``main_grad``. At the end every rank's parameters are hashed and
-compared: replicas of a stage, and the two copies of a tied embedding, must be
-bitwise identical, else the exit status is 1.
+param all-gather), else ``fastgrad.ReplicatedOptimizer`` (the same AdamW step
+over the all-reduced grads); fp16 with a ``DynamicLossScaler``. The learning
+rate follows Megatron's schedule (``--lr-decay-style``, ``--lr-warmup-iters``;
+``examples/lr_schedule.py``) through a torch LR scheduler. ``--save`` and
+``--load`` write and resume checkpoints in Megatron-LM's layout, at any
+data-parallel size (``examples/checkpoint.py``). At the end every rank's
+parameters are hashed and compared: replicas of a stage, and the two copies of
+a tied embedding, must be bitwise identical, else the exit status is 1.
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 import socket
 import sys
@@ -33,7 +41,6 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Protocol
 
 if __package__ in (None, ""):
     # Run as a file (torchrun examples/train_gpt.py): make `examples` and the
@@ -48,17 +55,22 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from torch import nn  # noqa: E402
 
 from examples.arguments import TrainArgs, parse_args  # noqa: E402
+from examples.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from examples.data import CharCorpus  # noqa: E402
 from examples.gpt import GPT, GPTConfig, build_stage, shared_embedding_params  # noqa: E402
-from fastgrad.config import DDPConfig  # noqa: E402
-from fastgrad.ddp import DistributedDataParallel  # noqa: E402
-from fastgrad.optim import (  # noqa: E402
+from examples.lr_schedule import LRSchedule, MegatronLR  # noqa: E402
+from fastgrad import (  # noqa: E402
     AdamWConfig,
+    DDPConfig,
+    DistributedDataParallel,
     DistributedOptimizer,
     DynamicLossScaler,
+    ParallelGroups,
+    ReplicatedOptimizer,
+    build_parallel_groups,
+    forward_backward_1f1b,
     param_groups_without_decay_for,
 )
-from fastgrad.pipeline import ParallelGroups, build_parallel_groups, forward_backward_1f1b  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -75,21 +87,6 @@ class Runtime:
         return self.groups.rank
 
 
-class TrainOptimizer(Protocol):
-    """What the training loop needs from :func:`build_optimizer`'s result."""
-
-    skipped: int  # updates skipped so far (non-finite gradients)
-    loss_scale: float  # multiply the loss by this before backward (1.0 without fp16 scaling)
-
-    def step(self) -> float:
-        """Update the params from the reduced ``main_grad``; return the global grad norm."""
-        ...
-
-    def finish_param_sync(self) -> None:
-        """Wait for any param all-gather still in flight (before reading the params)."""
-        ...
-
-
 def mark_shared_copies(stage_module: nn.Module, groups: ParallelGroups) -> None:
     """Mark a tied embedding's copy on a later stage ``shared`` (fastgrad.optim's marker).
 
@@ -102,127 +99,38 @@ def mark_shared_copies(stage_module: nn.Module, groups: ParallelGroups) -> None:
             p.shared = True
 
 
-class ShardedAdamW:
-    """``fastgrad.optim.DistributedOptimizer`` (AdamW) over this rank's one DDP chunk.
+def build_optimizer(ddp: DistributedDataParallel, args: TrainArgs,
+                    groups: ParallelGroups) -> DistributedOptimizer:
+    """fastgrad's AdamW over this rank's DDP chunk (call ``step()`` after ``finish_grad_sync``).
 
-    The global norm is summed over the pipeline group; the last stage's copy of
-    a tied embedding is marked ``shared`` (the optimizer leaves it out of the
-    norm: the first stage's copy holds the same all-reduced gradient). fp16
-    grads get a ``DynamicLossScaler``; a skipped step is counted in ``skipped``.
+    ``--use-distributed-optimizer``: :class:`fastgrad.DistributedOptimizer` (fp32 master
+    shards of the reduce-scattered grads, params all-gathered); otherwise
+    :class:`fastgrad.ReplicatedOptimizer` (the same step on every rank over the all-reduced
+    grads, as Megatron-Core without the distributed optimizer). Both clip by the exact global
+    norm over all pipeline stages (the last stage's copy of a tied embedding is marked
+    ``shared`` and not counted twice) and skip a step whose gradients hold a NaN/inf; fp16
+    grads get a ``DynamicLossScaler``.
     """
-
-    def __init__(self, ddp: DistributedDataParallel, args: TrainArgs, groups: ParallelGroups) -> None:
-        mark_shared_copies(ddp.module, groups)
-        fp16_grads = any(g.grad_dtype == torch.float16 for g in ddp.buffer.groups)
-        self.optimizer = DistributedOptimizer(
-            ddp,
-            AdamWConfig(lr=args.lr, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=args.weight_decay),
-            param_groups_without_decay_for(ddp),
-            max_grad_norm=args.clip_grad if args.clip_grad > 0 else None,
-            loss_scaler=DynamicLossScaler() if fp16_grads else None,
-            model_parallel_group=groups.pp_group if groups.pp_size > 1 else None,
-        )
-        self.skipped = 0
-
-    @property
-    def loss_scale(self) -> float:
-        scaler = self.optimizer.loss_scaler
-        return 1.0 if scaler is None else scaler.scale
-
-    def step(self) -> float:
-        """One distributed-optimizer step; return the global grad norm (unscaled)."""
-        result = self.optimizer.step()
-        self.skipped += not result.stepped
-        return result.grad_norm
-
-    def finish_param_sync(self) -> None:
-        self.optimizer.finish_param_sync()
+    mark_shared_copies(ddp.module, groups)
+    fp16_grads = any(g.grad_dtype == torch.float16 for g in ddp.buffer.groups)
+    kind = DistributedOptimizer if args.use_distributed_optimizer else ReplicatedOptimizer
+    return kind(
+        ddp,
+        AdamWConfig(lr=args.lr, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=args.weight_decay),
+        param_groups_without_decay_for(ddp),
+        max_grad_norm=args.clip_grad if args.clip_grad > 0 else None,
+        loss_scaler=DynamicLossScaler() if fp16_grads else None,
+        model_parallel_group=groups.pp_group if groups.pp_size > 1 else None,
+    )
 
 
-class AdamWOnMainGrad:
-    """Fallback optimizer: ``torch.optim.AdamW`` fed from the DP-averaged ``main_grad``.
-
-    Valid only when every rank holds the whole reduced gradient (all-reduce,
-    no distributed optimizer). 16-bit params are updated through fp32 master
-    copies (as Megatron-Core's mixed-precision optimizer: AdamW's state and
-    ``eps`` do not survive fp16). ``step`` clips by the global norm over all
-    pipeline stages (the last stage's copy of a tied embedding is not counted
-    twice) and skips the update when that norm is not finite; the norm is the
-    same on every rank, so all ranks skip together.
-    """
-
-    def __init__(self, ddp_modules: Sequence[DistributedDataParallel], args: TrainArgs,
-                 groups: ParallelGroups) -> None:
-        self.args = args
-        self.groups = groups
-        self.params = [p for d in ddp_modules for p in d.module.parameters() if p.requires_grad]
-        self.masters = [
-            p if p.dtype == torch.float32 else p.detach().float().requires_grad_(True)
-            for p in self.params
-        ]
-        decay = [m for p, m in zip(self.params, self.masters) if p.ndim >= 2]
-        no_decay = [m for p, m in zip(self.params, self.masters) if p.ndim < 2]  # biases, norms
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": args.weight_decay},
-             {"params": no_decay, "weight_decay": 0.0}],
-            lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
-        )
-        # The first stage owns the tied embedding for the norm; the last stage's copy
-        # holds the same (all-reduced) gradient.
-        self.norm_params = [
-            p for p in self.params
-            if not (getattr(p, "shared_embedding", False) and not groups.is_first_stage)
-        ]
-        self.skipped = 0
-        self.loss_scale = 1.0  # fp16 runs unscaled with this fallback
-
-    def finish_param_sync(self) -> None:
-        """Nothing in flight: the update writes the params directly."""
-
-    def global_grad_norm(self) -> float:
-        """L2 norm of the reduced gradient of the whole model (all stages)."""
-        squares = torch.zeros((), dtype=torch.float32, device=self.params[0].device)
-        for p in self.norm_params:
-            squares += p.main_grad.float().pow(2).sum()
-        if self.groups.pp_size > 1:
-            dist.all_reduce(squares, group=self.groups.pp_group)
-        return float(squares.sqrt())
-
-    def step(self) -> float:
-        """Clip and update the parameters; return the gradient norm before clipping."""
-        norm = self.global_grad_norm()
-        if not math.isfinite(norm):
-            self.skipped += 1
-            return norm
-        scale = 1.0
-        if self.args.clip_grad > 0 and norm > self.args.clip_grad:
-            scale = self.args.clip_grad / (norm + 1e-6)
-        for master, p in zip(self.masters, self.params):
-            master.grad = p.main_grad.to(master.dtype) * scale
-        self.optimizer.step()
-        with torch.no_grad():
-            for master, p in zip(self.masters, self.params):
-                master.grad = None  # a .grad left on p would be added to by the next backward
-                if master is not p:
-                    p.copy_(master)
-        return norm
-
-
-def build_optimizer(ddp_modules: Sequence[DistributedDataParallel], args: TrainArgs,
-                    groups: ParallelGroups) -> TrainOptimizer:
-    """The optimizer of the wrapped modules (call ``step()`` after ``finish_grad_sync``).
-
-    ``--use-distributed-optimizer``: :class:`ShardedAdamW` (one DDP chunk per
-    stage, as this example builds); otherwise :class:`AdamWOnMainGrad`.
-    """
-    if not args.use_distributed_optimizer:
-        return AdamWOnMainGrad(ddp_modules, args, groups)
-    if len(ddp_modules) != 1:
-        raise ValueError(
-            f"--use-distributed-optimizer drives one DDP chunk per stage, got {len(ddp_modules)} "
-            "(several chunks would each compute their own grad norm)"
-        )
-    return ShardedAdamW(ddp_modules[0], args, groups)
+def build_scheduler(optimizer: DistributedOptimizer, args: TrainArgs) -> MegatronLR:
+    """Megatron's LR schedule from the flags (``examples.lr_schedule``)."""
+    return MegatronLR(optimizer, LRSchedule(
+        max_lr=args.lr, min_lr=args.min_lr, warmup_init=args.lr_warmup_init,
+        warmup_iters=args.lr_warmup_iters, decay_iters=args.resolved_lr_decay_iters,
+        decay_style=args.lr_decay_style,
+    ))
 
 
 def build_ddp_config(args: TrainArgs) -> DDPConfig:
@@ -340,7 +248,7 @@ def verify_identical_parameters(module: nn.Module, runtime: Runtime, console: Co
     Every rank prints its digests; the verdict (gathered from all ranks) is the same everywhere.
     """
     groups = runtime.groups
-    params = [p for _, p in sorted(module.named_parameters())]
+    params = _sorted_params(module)
     shared = shared_embedding_params(module)
     mine = (groups.stage, _digest(params), _digest(shared) if shared else None)
     line = f"rank {groups.rank} (stage {groups.stage}, dp rank {groups.dp_rank}): params {mine[1]}"
@@ -373,23 +281,36 @@ def train(args: TrainArgs, runtime: Runtime, console: Console) -> int:
         config=build_ddp_config(args),
         dp_group=groups.dp_group,
     )
-    optimizer = build_optimizer([ddp], args, groups)
+    optimizer = build_optimizer(ddp, args, groups)
+    scheduler = build_scheduler(optimizer, args)
     rank0 = runtime.rank == 0
+    start = 0
+    if args.load is not None:
+        loaded = load_checkpoint(Path(args.load), args, groups, ddp, optimizer, scheduler)
+        start = loaded or 0
+        if rank0:
+            console.print(f"loaded iteration {loaded} from {args.load} (data-parallel size now "
+                          f"{groups.dp_size}); parameters {_digest(_sorted_params(ddp.module))}"
+                          if loaded is not None else
+                          f"WARNING: no checkpoint in {args.load}; training from scratch",
+                          markup=False, highlight=False)
     if rank0:
         count = sum(p.numel() for p in ddp.module.parameters())
         console.print(
             f"world {dist.get_world_size()} ({runtime.backend}) = PP {groups.pp_size} x DP "
             f"{groups.dp_size}; {args.num_microbatches} microbatches of {args.micro_batch_size}"
-            f" per replica; vocabulary {corpus.vocab_size}; stage 0 holds {count} parameters",
+            f" per replica; vocabulary {corpus.vocab_size}; stage 0 holds {count} parameters; "
+            f"{type(optimizer).__name__}",
             markup=False, highlight=False,
         )
     losses: list[float] = []
+    skipped = 0  # updates skipped for NaN/inf gradients in this run
     progress = Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(),
                         console=console, disable=not rank0)
     with progress:
-        task = progress.add_task("train", total=args.train_iters, loss="-")
-        for iteration in range(1, args.train_iters + 1):
+        task = progress.add_task("train", total=args.train_iters, completed=start, loss="-")
+        for iteration in range(start + 1, args.train_iters + 1):
             inputs, targets = corpus.sample_microbatches(
                 seed=args.seed, step=iteration, dp_rank=groups.dp_rank, dp_size=groups.dp_size,
                 num_microbatches=args.num_microbatches,
@@ -397,30 +318,49 @@ def train(args: TrainArgs, runtime: Runtime, console: Console) -> int:
             )
             inputs = [t.to(runtime.device) for t in inputs]
             targets = [t.to(runtime.device) for t in targets]
-            local = train_step(ddp, args, runtime, inputs, targets, optimizer.loss_scale)
-            grad_norm = optimizer.step()
+            loss_scale = 1.0 if optimizer.loss_scaler is None else optimizer.loss_scaler.scale
+            local = train_step(ddp, args, runtime, inputs, targets, loss_scale)
+            lr = optimizer.param_groups[0]["lr"]
+            result = optimizer.step()
+            skipped += not result.stepped
+            if result.stepped:  # Megatron: the schedule advances on successful updates only
+                scheduler.step()
             losses.append(global_mean_loss(local, runtime))
             progress.update(task, advance=1, loss=f"{losses[-1]:.4f}")
-            if rank0 and (iteration % args.log_interval == 0 or iteration == 1):
+            if rank0 and (iteration % args.log_interval == 0 or iteration == start + 1):
                 progress.console.print(
                     f"iteration {iteration:>6}/{args.train_iters} | loss {losses[-1]:.6f} | "
-                    f"grad norm {grad_norm:.4f} | lr {args.lr:.3e}"
-                    + (f" | loss scale {optimizer.loss_scale:g}" if optimizer.loss_scale != 1.0 else ""),
+                    f"grad norm {result.grad_norm:.4f} | lr {lr:.6e}"
+                    + (f" | loss scale {loss_scale:g}" if loss_scale != 1.0 else "")
+                    + ("" if result.stepped else " | skipped"),
                     markup=False, highlight=False,
                 )
+            if args.save is not None and (
+                    iteration == args.train_iters
+                    or (args.save_interval is not None and iteration % args.save_interval == 0)):
+                path = save_checkpoint(Path(args.save), iteration, args, groups, ddp, optimizer,
+                                       scheduler)
+                if rank0:
+                    progress.console.print(
+                        f"saved iteration {iteration} to {path.parent.parent}; parameters "
+                        f"{_digest(_sorted_params(ddp.module))}", markup=False, highlight=False)
     optimizer.finish_param_sync()  # --overlap-param-gather: the last gather may be in flight
     agree = verify_identical_parameters(ddp.module, runtime, console)
     world = dist.get_world_size()
-    if rank0:
+    if rank0 and losses:
         console.print(
             f"summary: first loss {losses[0]:.6f} last loss {losses[-1]:.6f} after "
-            f"{args.train_iters} iterations ({optimizer.skipped} skipped for non-finite gradients); "
-            "parameters "
+            f"iterations {start + 1}-{args.train_iters} ({skipped} skipped for "
+            "non-finite gradients); parameters "
             + ("identical on" if agree else "DIFFER across")
             + (f" all {world} ranks" if world > 1 else " the one rank"),
             markup=False, highlight=False,
         )
     return 0 if agree else 1
+
+
+def _sorted_params(module: nn.Module) -> list[torch.Tensor]:
+    return [p for _, p in sorted(module.named_parameters())]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

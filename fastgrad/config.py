@@ -131,3 +131,6 @@ class DDPConfig:
     def to_dict(self) -> dict[str, object]:
         """The fields as a plain dict (for reports)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+__all__ = ["DDPConfig", "default_bucket_size"]

@@ -27,8 +27,10 @@ Mechanics (REFERENCE_NOTES section 5, production's DDP with its failure modes fi
   ``ddp.parameters()`` either steps on the reduced gradient (all-reduce:
   ``param.grad`` is ``main_grad``, or a cast copy when dtypes differ) or fails
   at its first step with a LifecycleError (distributed optimizer: only a shard
-  is reduced); see :mod:`fastgrad.exposed_grads`. ``zero_grad_buffer()``
-  resets ``param.grad`` to None.
+  is reduced); until then it refuses to be read; see :mod:`fastgrad.exposed_grads`.
+  ``zero_grad_buffer()`` (also ``zero_grad()``) zeroes the buffer and resets
+  ``param.grad`` to None; torch's ``zero_grad()`` habits work, no zeroing raises.
+- A wrapped param cast or moved after wrapping is refused (:mod:`fastgrad.param_guard`).
 
 Expected counts. On the first batch (and again whenever the set of trainable
 parameters changes) the engine *learns* which parameters of each bucket really
@@ -55,8 +57,9 @@ from torch import nn
 from fastgrad.buffer import Bucket, ParamAndGradBuffer
 from fastgrad.config import DDPConfig
 from fastgrad.errors import LifecycleError
-from fastgrad.exposed_grads import drop_exposed_grads, expose_reduced_grads
+from fastgrad.exposed_grads import ParamGrads
 from fastgrad.mesh import DPMeshInfo
+from fastgrad.param_guard import ParamPlacement
 
 
 @dataclass
@@ -140,7 +143,8 @@ class DistributedDataParallel(nn.Module):
             params, config=config, mesh=self.mesh, gradient_scaling_factor=scaling
         )
         self.dp_size = self.mesh.size
-        self._exposed_grads: dict = {}  # param -> what finish_grad_sync put in param.grad
+        self.placement = ParamPlacement(params, self.buffer)
+        self._grads = ParamGrads()  # what param.grad holds (fastgrad.exposed_grads)
         self._states = [_BucketState(b, i) for i, b in enumerate(self.buffer.buckets)]
         self._state_of = {p: s for s in self._states for p in s.bucket.params}
         self._sync_enabled = True
@@ -186,10 +190,21 @@ class DistributedDataParallel(nn.Module):
         """The parameter's name in the wrapped module (for error messages)."""
         return self._names.get(param, "<unnamed>")
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad``: zeroes what the optimizers read, i.e. :meth:`zero_grad_buffer`
+        (``set_to_none`` is accepted for torch's signature; ``param.grad`` is reset to None)."""
+        self.zero_grad_buffer()
+
+    def check_param_placement(self) -> None:
+        """Raise LifecycleError if a wrapped param changed dtype, device or storage since
+        wrapping (``model.to(torch.bfloat16)`` after wrapping; see :mod:`fastgrad.param_guard`)."""
+        self.placement.check(self.name_of)
+
     # -- step lifecycle
     def _open_step(self) -> None:
         if self._step_open:
             return
+        self.check_param_placement()
         current = frozenset(p for p in self._state_of if p.requires_grad)
         unfrozen = [p for p in self._frozen_at_build if p.requires_grad]
         if unfrozen:
@@ -214,7 +229,7 @@ class DistributedDataParallel(nn.Module):
                 f"zero_grad_buffer while bucket {pending[0].index}'s reduce is launched and not "
                 "finished; call finish_grad_sync first"
             )
-        drop_exposed_grads(self._exposed_grads)
+        self._grads.drop()
         self.buffer.zero_grad()
         self._open_step()
 
@@ -261,25 +276,26 @@ class DistributedDataParallel(nn.Module):
     def _on_grad_accumulated(self, param: nn.Parameter) -> None:
         if param.grad is None:
             return
+        if self._grads.out:
+            # The first grad since finish_grad_sync, and zero_grad_buffer was not called:
+            # honour torch's zero_grad() habits, or refuse (fastgrad.exposed_grads).
+            self._grads.settle(param, self.buffer, self.name_of)
         self._open_step()
         state = self._state_of[param]
         if self._sync_enabled:
             self._check_can_become_ready(param, state)
-        exposed = self._exposed_grads.pop(param, None)
-        if exposed is not None and param.grad is exposed:
-            # The last finish_grad_sync exposed a grad and autograd accumulated into it.
-            if exposed is not param.main_grad:
-                raise LifecycleError(
-                    f"backward accumulated into {self.name_of(param)!r}'s param.grad, a cast copy "
-                    "of the reduced main_grad left by finish_grad_sync; call zero_grad_buffer() "
-                    "(or optimizer.zero_grad()) before the next backward"
-                )
-            # A view of main_grad: autograd already accumulated into main_grad itself.
-        else:
+        exposed = self._grads.take_exposed(param)
+        if exposed is None or param.grad is not exposed:
             param.main_grad.add_(param.grad)
-        param.grad = None
+        # else: param.grad is main_grad itself (torch's zero_grad(set_to_none=False) zeroed it
+        # in place, settle_unzeroed_grads checked): autograd accumulated into main_grad already.
         if self._sync_enabled:
+            # Until finish_grad_sync reduces it, param.grad refuses to be read (a torch
+            # optimizer would otherwise skip the param: a step that silently does nothing).
+            param.grad = self._grads.unreduced(param)
             self._register_ready(param, state)
+        else:
+            param.grad = None
 
     def _check_can_become_ready(self, param: nn.Parameter, state: _BucketState) -> None:
         if state.launched:
@@ -302,6 +318,12 @@ class DistributedDataParallel(nn.Module):
         """Announce that ``param.main_grad`` was written outside autograd for this microbatch."""
         if param not in self._state_of:
             raise ValueError("param is not a trainable parameter of this DDP module")
+        if self._grads.out:
+            raise LifecycleError(
+                f"mark_grad_ready({self.name_of(param)!r}) after finish_grad_sync without "
+                "zero_grad_buffer(): main_grad still holds the last step's reduced gradient; "
+                "call ddp.zero_grad_buffer() before writing main_grad"
+            )
         self._open_step()
         if not self._sync_enabled:
             return
@@ -391,9 +413,7 @@ class DistributedDataParallel(nn.Module):
             self._end_step(learn=False)
             raise error
         self._end_step(learn=self._learning)
-        self._exposed_grads = expose_reduced_grads(
-            self.buffer.params, sharded=self.config.use_distributed_optimizer
-        )
+        self._grads.expose(self.buffer.params, sharded=self.config.use_distributed_optimizer)
 
     def _end_step(self, *, learn: bool) -> None:
         for state in self._states:
@@ -418,3 +438,6 @@ class DistributedDataParallel(nn.Module):
         for handle in self._grad_hooks:
             handle.remove()
         self._grad_hooks.clear()
+
+
+__all__ = ["BucketReadiness", "DistributedDataParallel"]

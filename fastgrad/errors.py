@@ -3,3 +3,6 @@
 
 class LifecycleError(RuntimeError):
     """A buffer or schedule was used out of order (e.g. reading params after their bucket was zeroed)."""
+
+
+__all__ = ["LifecycleError"]

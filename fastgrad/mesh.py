@@ -52,6 +52,13 @@ class DPMeshInfo:
         if dp_size is not None and dp_size < 1:
             raise ValueError(f"dp_size must be >= 1, got {dp_size}")
         if dist.is_available() and dist.is_initialized():
+            if dp_group is not None and dist.get_rank(dp_group) < 0:
+                # torch answers size -1 and rank -1 for a group this process is not in
+                raise ValueError(
+                    f"dp_group does not contain this process (global rank {dist.get_rank()}): pass "
+                    "the data-parallel group this rank belongs to (dist.new_group is called by "
+                    "every rank with the same ranks; each rank then uses the group holding it)"
+                )
             world = dist.get_world_size(dp_group)
             if dp_size is not None and dp_size != world:
                 raise ValueError(

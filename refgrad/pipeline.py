@@ -69,6 +69,9 @@ class LinearStackSpec:
     production does; their model is ``refgrad.pipeline_tp`` (the output head
     vocab-parallel over TP, the Linear+tanh blocks replicated, run on sequence
     shards under sequence parallelism).
+    ``stage_layers``, when given, is the number of layers on each stage (one entry per
+    stage, each >= 1), as production's uneven pipeline splits give different stages
+    different layer counts; empty: ``layers_per_stage`` on every stage.
     """
 
     num_stages: int
@@ -82,11 +85,20 @@ class LinearStackSpec:
     wgrad_deferral_limit: int = 0
     tensor_parallel: int = 1
     sequence_parallel: bool = False
+    stage_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("num_stages", "layers_per_stage", "hidden", "microbatch_size",
                      "tensor_parallel"):
             _positive_int("LinearStackSpec", name, getattr(self, name))
+        if not isinstance(self.stage_layers, tuple):
+            raise TypeError("LinearStackSpec.stage_layers must be a tuple of ints")
+        if self.stage_layers:
+            if len(self.stage_layers) != self.num_stages:
+                raise ValueError(f"LinearStackSpec.stage_layers needs one count per stage "
+                                 f"({self.num_stages}), got {len(self.stage_layers)}")
+            for count in self.stage_layers:
+                _positive_int("LinearStackSpec", "stage_layers[...]", count)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"LinearStackSpec.seed must be an int >= 0, got {self.seed!r}")
         for name in ("output_head", "tied_embedding", "defer_output_wgrad", "sequence_parallel"):
@@ -107,6 +119,10 @@ class LinearStackSpec:
             validate_tensor_parallel(self)
         elif self.sequence_parallel:
             raise ValueError("LinearStackSpec.sequence_parallel needs tensor_parallel > 1")
+
+    def layers_on(self, stage: int) -> int:
+        """How many Linear layers ``stage`` has."""
+        return self.stage_layers[stage] if self.stage_layers else self.layers_per_stage
 
     def head_wgrad_order(self, num_microbatches: int) -> list[int]:
         """The microbatch order in which the head's wgrads are added into its ``main_grad``."""
@@ -144,7 +160,7 @@ class LinearStackSpec:
 
 
 class StageModule(nn.Module):
-    """One pipeline stage: ``layers_per_stage`` Linear layers, tanh between them."""
+    """One pipeline stage: ``spec.layers_on(stage)`` Linear layers, tanh between them."""
 
     def __init__(self, spec: LinearStackSpec, stage: int) -> None:
         super().__init__()
@@ -152,7 +168,7 @@ class StageModule(nn.Module):
             raise ValueError(f"stage must be in [0, {spec.num_stages}), got {stage}")
         self.final_activation = stage != spec.num_stages - 1
         self.layers = nn.ModuleList()
-        for layer in range(spec.layers_per_stage):
+        for layer in range(spec.layers_on(stage)):
             weight, bias = _layer_init(spec, stage, layer)
             if stage == 0 and layer == 0 and spec.vocab_parallel_embedding:
                 from refgrad.pipeline_embedding import VocabParallelFirstLayer

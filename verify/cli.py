@@ -269,21 +269,18 @@ def _env(args: argparse.Namespace) -> int:
     return EXIT_ERROR if failures else EXIT_OK
 
 
-def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
-    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return action.choices[name]
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``verify`` console script; returns the exit code."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["preflight"]:
-        from verify.preflight.flags import FLAG_SPECS, FlagError, launch_flags_last
+        from verify.preflight.cli import own_options
+        from verify.preflight.flags import FlagError, split_preflight_argv
 
-        known = set(_subparser(parser, "preflight")._option_string_actions)
         try:
-            argv = argv[:1] + launch_flags_last(argv[1:], known, known - set(FLAG_SPECS))
+            # Preflight's options for argparse; every other token is the launch's, behind `--`.
+            own, launch = split_preflight_argv(argv[1:], own_options() | {"-h": False, "--help": False})
+            argv = ["preflight", *own, *(["--", *launch] if launch else [])]
         except FlagError as exc:
             print(f"verify preflight: error: {exc}", file=sys.stderr)
             return EXIT_USAGE

@@ -110,3 +110,8 @@ class ModelChunks:
         """Wait for every chunk's grad reductions."""
         for chunk in self.chunks:
             chunk.finish_grad_sync()
+
+    def zero_grad_buffer(self) -> None:
+        """Zero every chunk's grad buffer (the optimizer's ``zero_grad()``)."""
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()

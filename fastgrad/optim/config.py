@@ -38,7 +38,8 @@ class AdamWConfig:
     weight_decay: float = 0.0
 
     def __post_init__(self) -> None:
-        _positive_finite("AdamWConfig", "lr", self.lr)
+        # lr 0 is allowed, as torch's: a warmup (Megatron's, LambdaLR's) starts there
+        _positive_finite("AdamWConfig", "lr", self.lr, allow_zero=True)
         _positive_finite("AdamWConfig", "eps", self.eps)
         _positive_finite("AdamWConfig", "weight_decay", self.weight_decay, allow_zero=True)
         for name in ("beta1", "beta2"):
@@ -57,7 +58,7 @@ class SGDConfig:
     weight_decay: float = 0.0
 
     def __post_init__(self) -> None:
-        _positive_finite("SGDConfig", "lr", self.lr)
+        _positive_finite("SGDConfig", "lr", self.lr, allow_zero=True)
         _positive_finite("SGDConfig", "momentum", self.momentum, allow_zero=True)
         _positive_finite("SGDConfig", "weight_decay", self.weight_decay, allow_zero=True)
 

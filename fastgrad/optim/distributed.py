@@ -23,9 +23,8 @@ the gathered slices into the MXFP8 params, zero that bucket's ``param_data``
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,10 +32,8 @@ import torch
 import torch.distributed as dist
 
 from fastgrad.buffer import Bucket
-from fastgrad.comm import all_gather_into
 from fastgrad.ddp import DistributedDataParallel
 from fastgrad.errors import LifecycleError
-from fastgrad.mxfp8 import MXFP8Parameter
 from fastgrad.mxfp8_sharing import MXFP8ParamGradBuffer
 from fastgrad.optim.checkpoint import CheckpointMixin
 from fastgrad.optim.chunks import ModelChunks
@@ -48,31 +45,19 @@ from fastgrad.optim.config import (
     StepResult,
     fp32,
 )
+from fastgrad.optim.groups import (  # noqa: F401  (re-exported: their historical home)
+    GroupConfigs,
+    default_no_decay,
+    group_overrides,
+    param_groups_without_decay_for,
+    torch_hyper,
+)
+from fastgrad.optim.guards import ParamVersions, check_model_parallel_group, resync_masters
 from fastgrad.optim.norm import NUM_LIMBS, limbs_to_fraction
+from fastgrad.optim.publication import ParamPublication, flat_fp32
 from fastgrad.optim.step_paths import choose_path
 
 CLIP_EPS = 1e-6  # Megatron-Core: clip_coeff = max_norm / (total_norm + 1e-6)
-
-
-def default_no_decay(name: str, param: torch.Tensor) -> bool:
-    """Biases and norm weights (1-D params) get no weight decay, as Megatron-Core's default."""
-    return param.ndim <= 1 or name.endswith(".bias")
-
-
-def param_groups_without_decay_for(
-    ddp: DistributedDataParallel,
-    skip: Callable[[str, torch.Tensor], bool] = default_no_decay,
-) -> list[dict[str, Any]]:
-    """Param groups: per buffer group, the decayed params and (``weight_decay=0``) the skipped ones."""
-    groups: list[dict[str, Any]] = []
-    for buffer_group in ddp.buffer.groups:
-        decay = [p for p in buffer_group.params if not skip(ddp.name_of(p), p)]
-        no_decay = [p for p in buffer_group.params if skip(ddp.name_of(p), p)]
-        if decay:
-            groups.append({"params": decay})
-        if no_decay:
-            groups.append({"params": no_decay, "weight_decay": 0.0})
-    return groups
 
 
 @dataclass
@@ -98,8 +83,16 @@ class _BucketShard:
     versions: dict[torch.Tensor, int] | None = None
 
 
-class DistributedOptimizer(CheckpointMixin):
+class DistributedOptimizer(ParamPublication, CheckpointMixin, torch.optim.Optimizer):
     """AdamW or SGD over the shards of ``ddp``'s buffer (``use_distributed_optimizer=True``).
+
+    A ``torch.optim.Optimizer``: ``param_groups`` are dicts in torch's shape
+    (``lr``, ``betas``, ``eps``, ``weight_decay`` for AdamW; ``lr``, ``momentum``,
+    ``weight_decay`` for SGD) that every ``step()`` reads, so torch's LR schedulers
+    drive it; ``zero_grad()`` zeroes the grad buffer the step reads;
+    ``state_dict()``/``load_state_dict()`` are torch-shaped (full tensors per param
+    index, any DP size) beside the by-name :meth:`named_state_dict`.
+    ``step()`` returns a :class:`StepResult` (torch's return the closure's loss).
 
     ``ddp``: a fastgrad ``DistributedDataParallel``, the ``ModelChunks`` of several
     (interleaved pipeline stages: one norm and one step over every chunk), or an
@@ -108,22 +101,28 @@ class DistributedOptimizer(CheckpointMixin):
     gather before the first wait, at the end of the step: there is no module
     to hook). Params of an MXFP8 buffer are named ``params[i]`` in checkpoints.
 
+    ``config``: the defaults of every group (:class:`AdamWConfig` or :class:`SGDConfig`).
     ``param_groups``: None (every trainable param, one group) or a list of
-    ``{"params": [...], **overrides}`` whose overrides replace fields of
-    ``config``. Every param of one param group must live in the same buffer
-    group (the same param dtype and grad dtype, i.e. ``ddp.buffer.group_of``);
-    every trainable param must be in exactly one param group.
+    ``{"params": [...], **overrides}`` (torch's keys, or the config's field names).
+    Every param of one param group must live in the same buffer group (the same
+    param dtype and grad dtype, i.e. ``ddp.buffer.group_of``); every trainable
+    param must be in exactly one param group.
     ``max_grad_norm``: clip to this global norm (None: no clipping).
     ``loss_scaler``: required for fp16 grads, optional for a DDP wrapper's fp32 grads,
     refused for bf16 grads and for an MXFP8 buffer.
     ``model_parallel_group``: the norm and the found-inf flag are also summed
-    over it (pipeline stages); params marked ``shared=True`` (a tied
-    embedding's second copy) are left out of the norm.
+    over it (pipeline stages; it may share no rank but this one with the DP
+    group); params marked ``shared=True`` (a tied embedding's second copy) are
+    left out of the norm.
     ``check_nonfinite``: True (default): every step takes the global norm, and a
     NaN/inf in it skips the step. False: when neither clipping nor a loss scaler
     needs the norm, the step makes no pass over the grads before the update, as
     Megatron-Core does with ``--clip-grad 0`` and no loss scaling; a NaN/inf
     gradient then reaches the master weights, and ``StepResult.grad_norm`` is None.
+
+    Params written outside the optimizer (``ddp.load_state_dict`` after building
+    it) become the masters at the next step (:mod:`fastgrad.optim.guards`); a
+    wrapped param whose dtype or device changed is refused (``LifecycleError``).
     """
 
     supports_mxfp8 = True  # accepts an MXFP8ParamGradBuffer in place of a DDP wrapper
@@ -164,8 +163,10 @@ class DistributedOptimizer(CheckpointMixin):
                 raise ValueError("loss_scaler is only for fp16 grads, or the fp32 grads of a "
                                  "DistributedDataParallel; this buffer has "
                                  f"{'bf16 grads' if torch.bfloat16 in grad_dtypes else 'MXFP8 params'}")
+        check_model_parallel_group(model_parallel_group, ddp.buffer)
         self.ddp = ddp
         self.mxfp8 = ddp if isinstance(ddp, MXFP8ParamGradBuffer) else None
+        self._check_param_placement()  # a model cast after wrapping: refused before any state
         self.buffer = ddp.buffer
         self.config = config
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
@@ -173,9 +174,13 @@ class DistributedOptimizer(CheckpointMixin):
         self.check_nonfinite = check_nonfinite
         self.model_parallel_group = model_parallel_group
         self.overlap_param_gather = ddp.config.overlap_param_gather
-        self.groups, self.group_params = self._build_groups(param_groups)
-        self.steps = [0] * len(self.groups)
-        group_index = {p: i for i, params in enumerate(self.group_params) for p in params}
+        self._group_configs = GroupConfigs(type(config))
+        self._building = True
+        torch.optim.Optimizer.__init__(self, self._torch_groups(param_groups), torch_hyper(config))
+        self._building = False
+        self._group_configs.configs(self.param_groups)  # bad values refused now, not at step 1
+        self.steps = [0] * len(self.param_groups)
+        group_index = {p: i for i, g in enumerate(self.param_groups) for p in g["params"]}
         self.shards = [self._build_shard(b, group_index) for b in self.buffer.buckets]
         # fused CPU kernels or torch ops: same bits (fastgrad.optim.step_paths decides)
         self.path = choose_path(self.shards, self.buffer, self.mxfp8 is not None)
@@ -184,6 +189,9 @@ class DistributedOptimizer(CheckpointMixin):
         self._sync_count_at_step = {id(b): b.grad_sync_count for b in self.buffer.buckets}
         hooked = self.overlap_param_gather and self.mxfp8 is None
         self._hooks = self._register_forward_pre_hooks() if hooked else []
+        # the params as the masters last left them (None for MXFP8 params: not torch tensors)
+        self._versions = None if self.mxfp8 is not None else ParamVersions(
+            [p for b in self.buffer.buckets for p in b.params])
         self.last_result: StepResult | None = None
 
     def _check_buffer_kind(self, ddp: Any) -> None:
@@ -204,42 +212,48 @@ class DistributedOptimizer(CheckpointMixin):
             return self.ddp.name_of(param)
         return f"params[{next(i for i, p in enumerate(self.mxfp8.params) if p is param)}]"
 
-    def master_shards(self) -> list[torch.Tensor]:
-        """Per bucket, this rank's fp32 master shard laid out as the bucket shard (padding 0)."""
-        out = []
-        for shard in self.shards:
-            bucket = shard.bucket
-            full = torch.zeros(bucket.shard_numel, dtype=torch.float32, device=shard.master.device)
-            start = bucket.local_shard_range[0]
-            for piece, (lo, hi) in zip(shard.pieces, shard.offsets):
-                a, b = piece.buffer_range
-                full[a - start : b - start] = shard.master[lo:hi]
-            out.append(full)
-        return out
+    @property
+    def groups(self) -> list[OptimizerConfig]:
+        """Every param group's hyper-parameters as they are now, as validated configs."""
+        return self._group_configs.configs(self.param_groups)
 
-    def publish_params(self) -> None:
-        """Cast the masters into the param shards and all-gather now (and quantize MXFP8 params).
+    @property
+    def group_params(self) -> list[list[Any]]:
+        """Every param group's params, in group order."""
+        return [g["params"] for g in self.param_groups]
 
-        ``step()`` does this itself; call it only to (re)publish outside a step,
-        e.g. before the first forward so the params equal the masters' rounding.
-        """
-        self.finish_param_sync()
-        self._publish_all()
+    # -- torch.optim.Optimizer
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Used by the constructor only: the groups must cover the buffer's params from the start."""
+        if not getattr(self, "_building", False):
+            raise NotImplementedError(
+                f"{type(self).__name__}'s param groups are fixed at construction (they partition "
+                "the DDP buffer's trainable params, whose shards hold the optimizer state); build "
+                "a new optimizer with the groups you want, or change a group's hyper-parameters "
+                "in optimizer.param_groups[i]"
+            )
+        for key, value in self.defaults.items():
+            param_group.setdefault(key, value)
+        self.param_groups.append(param_group)
 
-    # -- construction
-    def _build_groups(self, param_groups):
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the grad buffer the step reads (``ddp.zero_grad_buffer()``; ``set_to_none`` is
+        accepted for torch's signature: ``param.grad`` is reset to None either way)."""
+        if self.mxfp8 is not None:
+            self.mxfp8.zero_grad()
+        else:
+            self.ddp.zero_grad_buffer()
+
+    def _torch_groups(self, param_groups: Sequence[dict[str, Any]] | None) -> list[dict[str, Any]]:
+        """The user's groups as torch's group dicts, after fastgrad's partition rules."""
         trainable = [p for b in self.buffer.buckets for p in b.params]
         if param_groups is None:
             param_groups = [{"params": trainable}]
-        configs, members, owner = [], [], {}
+        groups, owner = [], {}
         for gi, spec in enumerate(param_groups):
             if not isinstance(spec, dict) or "params" not in spec:
                 raise TypeError(f"param_groups[{gi}] must be a dict with a 'params' list")
-            overrides = {k: v for k, v in spec.items() if k != "params"}
-            try:
-                configs.append(dataclasses.replace(self.config, **overrides))
-            except TypeError as exc:
-                raise ValueError(f"param_groups[{gi}]: unknown hyper-parameter ({exc})") from None
+            overrides = group_overrides(gi, spec, self.config)
             params = list(spec["params"])
             if not params:
                 raise ValueError(f"param_groups[{gi}] has no params")
@@ -265,14 +279,14 @@ class DistributedOptimizer(CheckpointMixin):
                     "param of one param group must share one buffer group -- split the group "
                     "by dtype (param_groups_without_decay_for does)"
                 )
-            members.append(params)
+            groups.append({"params": params, **overrides})
         missing = [p for p in trainable if p not in owner]
         if missing:
             raise ValueError(
                 f"{self.name_of(missing[0])!r} is a trainable param of the DDP buffer but in "
                 "no param group (it would never be updated)"
             )
-        return configs, members
+        return groups
 
     def _build_shard(self, bucket: Bucket, group_index: dict) -> _BucketShard:
         pieces = self._owned_pieces(bucket)
@@ -285,29 +299,13 @@ class DistributedOptimizer(CheckpointMixin):
                 runs[-1].hi = n + hi - lo
             else:
                 runs.append(_Run(n, n + hi - lo, gi))
-            masters.append(_flat_fp32(piece.param)[lo:hi])
+            masters.append(flat_fp32(piece.param)[lo:hi])
             n += hi - lo
         device = bucket.grad_data.device
         master = torch.cat(masters) if masters else torch.zeros(0, dtype=torch.float32, device=device)
         names = ("exp_avg", "exp_avg_sq") if isinstance(self.config, AdamWConfig) else ("momentum_buffer",)
         state = {name: torch.zeros_like(master) for name in names}
         return _BucketShard(bucket, pieces, offsets, runs, master.clone(), state)
-
-    def _register_forward_pre_hooks(self) -> list[Any]:
-        shard_of = {p: s for s in self.shards for p in s.bucket.params}
-        hooks = []
-        for module in self.ddp.module.modules():
-            mine = {id(shard_of[p]): shard_of[p] for p in module.parameters(recurse=False) if p in shard_of}
-            if mine:
-                shards = list(mine.values())
-                hooks.append(module.register_forward_pre_hook(lambda _m, _a, s=shards: self._wait(s)))
-        return hooks
-
-    def remove_hooks(self) -> None:
-        """Detach the forward pre-hooks (overlap_param_gather)."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
 
     # -- step
     def _all_reduce(self, tensor: torch.Tensor) -> None:
@@ -343,11 +341,43 @@ class DistributedOptimizer(CheckpointMixin):
                 "the grad shards are not reduced (call ddp.finish_grad_sync() after backward)"
             )
 
-    def step(self) -> StepResult:
+    def _check_param_placement(self) -> None:
+        """The wrapped params still live in the buffer (fastgrad.param_guard)."""
+        if self.mxfp8 is not None:
+            return
+        chunks = self.ddp.chunks if isinstance(self.ddp, ModelChunks) else [self.ddp]
+        for chunk in chunks:
+            chunk.check_param_placement()
+
+    def _resync_written_params(self) -> list[str]:
+        """Masters take the values of params written outside the optimizer (fastgrad.optim.guards)."""
+        if self._versions is None:
+            return []
+        changed = self._versions.changed()
+        if not changed:
+            return []
+        synced = resync_masters(self.shards, changed)
+        self._versions.record()
+        return sorted(self.name_of(p) for p in synced)
+
+    def _params_published(self) -> None:
+        if self._versions is not None:
+            self._versions.record()
+
+    def step(self, closure: Any = None) -> StepResult:
         """One optimizer step over the local shards; returns what happened."""
+        if closure is not None:
+            raise TypeError(
+                f"{type(self).__name__}.step() takes no closure: run the forward and backward, "
+                "then ddp.finish_grad_sync(), then step()"
+            )
         self.finish_param_sync()
         self._check_ready()
+        self._check_param_placement()
+        configs = self.groups  # as the param groups hold them now (schedulers may have moved them)
         self._sync_count_at_step = {id(b): b.grad_sync_count for b in self.buffer.buckets}
+        synced = self._resync_written_params()
+        note = f"; masters re-synced from params written outside the optimizer: {synced}" if synced else ""
         scale = None if self.loss_scaler is None else self.loss_scaler.scale
         inv_scale = None if scale is None else fp32(1.0 / scale)
         if self.check_nonfinite or self.max_grad_norm is not None or self.loss_scaler is not None:
@@ -361,88 +391,19 @@ class DistributedOptimizer(CheckpointMixin):
             self.loss_scaler.update(found_inf)
         if found_inf or (norm is not None and not math.isfinite(norm)):
             reason = "NaN/inf in the gradients (flag all-reduced over all ranks): step skipped"
-            self.last_result = StepResult(False, reason, norm, scale)
+            if synced:  # the params keep the written values; the masters now hold them too
+                self._params_published()
+            self.last_result = StepResult(False, reason + note, norm, scale)
             return self.last_result
         coef = c32 = None
         if self.max_grad_norm is not None:
             coef = self.max_grad_norm / (norm + CLIP_EPS)
             c32 = fp32(coef) if coef < 1.0 else None
-        for gi in range(len(self.groups)):
+        for gi in range(len(self.steps)):
             self.steps[gi] += 1
-        self.path.update(self.groups, self.steps, inv_scale, c32)
+        self.path.update(configs, self.steps, inv_scale, c32)
         self._publish_all(cast=[not w for w in self.path.writes_params])
+        self._params_published()
         reason = "stepped" + (f" (clipped by {coef:.6g})" if coef is not None and coef < 1.0 else "")
-        self.last_result = StepResult(True, reason, norm, scale, coef)
+        self.last_result = StepResult(True, reason + note, norm, scale, coef)
         return self.last_result
-
-    # -- param publication: cast master shard into the param shard, all-gather
-    def _publish_all(self, cast: Sequence[bool] | None = None) -> None:
-        if self.mxfp8 is not None:
-            # Megatron-Core's MXFP8 order, through the front (its guard refuses misuse):
-            # stage all shards, then per bucket gather -> quantize -> zero param_data.
-            self.mxfp8.stage_master_params(self.master_shards())
-            self.mxfp8.gather_all_params()
-            return
-        for i, shard in enumerate(self.shards):  # cast[i] False: the update wrote the param copy
-            self._publish_bucket(shard, cast=True if cast is None else cast[i])
-        if not self.overlap_param_gather:
-            self.finish_param_sync()
-
-    def _publish_bucket(self, shard: _BucketShard, cast: bool = True) -> None:
-        bucket = shard.bucket
-        if cast:
-            data, values = bucket.group.param_data, shard.master.to(bucket.group.param_dtype)
-            for piece, (lo, hi) in zip(shard.pieces, shard.offsets):
-                a, b = piece.buffer_range
-                data[a:b].copy_(values[lo:hi])
-        if bucket.dp_size > 1:
-            shard.gather_handle = all_gather_into(
-                bucket.param_data, bucket.local_param_shard, group=bucket.dp_group, async_op=True
-            )
-            shard.versions = {p: p._version for p in bucket.params}
-
-    def _wait(self, shards: Iterable[_BucketShard]) -> None:
-        for shard in shards:
-            if shard.gather_handle is None:
-                continue
-            handle, shard.gather_handle = shard.gather_handle, None
-            handle.wait()
-            self._check_unmodified(shard)
-
-    def _check_unmodified(self, shard: _BucketShard) -> None:
-        """Params written between the all-gather's launch and its wait race with it: refuse."""
-        bucket = shard.bucket
-        changed = [p for p, v in (shard.versions or {}).items() if p._version != v]
-        data = bucket.group.param_data
-        cast = shard.master.to(bucket.group.param_dtype)
-        for piece, (lo, hi) in zip(shard.pieces, shard.offsets):
-            a, b = piece.buffer_range
-            if not torch.equal(_bits(data[a:b]), _bits(cast[lo:hi])):
-                changed.append(piece.param)
-        shard.versions = None
-        if changed:
-            raise LifecycleError(
-                f"parameter {self.name_of(changed[0])!r} was modified between the launch of "
-                f"bucket {bucket.bucket_id}'s param all-gather and its wait; the gather overwrites "
-                "it (modify params only through the optimizer, or after finish_param_sync())"
-            )
-
-    def finish_param_sync(self) -> None:
-        """Wait for every bucket's param all-gather still in flight."""
-        self._wait(self.shards)
-
-    @property
-    def param_gather_in_flight(self) -> bool:
-        return any(s.gather_handle is not None for s in self.shards)
-
-
-def _flat_fp32(param: Any) -> torch.Tensor:
-    """A param's values, flat fp32 (an MXFP8 param's dequantized values, exact in fp32)."""
-    if isinstance(param, MXFP8Parameter):
-        return param.dequantize(torch.float32).reshape(-1)
-    return param.detach().reshape(-1).float()
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    widths = {2: torch.int16, 4: torch.int32, 8: torch.int64}
-    return t.contiguous().view(widths[t.element_size()])

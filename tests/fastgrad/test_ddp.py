@@ -13,6 +13,7 @@ from torch import nn
 from fastgrad.config import DDPConfig
 from fastgrad.ddp import DistributedDataParallel
 from fastgrad.errors import LifecycleError
+from fastgrad.exposed_grads import UnreducedGradPlaceholder
 from refgrad.pipeline import reduce_across_replicas
 
 
@@ -77,7 +78,8 @@ def test_main_grad_is_the_microbatch_ordered_sum(overlap):
             _backward(ddp, x)
     _backward(ddp, inputs[-1])
     for p in model.parameters():
-        assert p.grad is None  # moved into main_grad by the hook
+        # moved into main_grad by the hook; unreadable until finish_grad_sync reduces it
+        assert isinstance(p.grad, UnreducedGradPlaceholder)
     ddp.finish_grad_sync()
     for name, p in model.named_parameters():
         acc = torch.zeros_like(p)
@@ -226,6 +228,16 @@ def test_mark_grad_ready_for_grads_written_outside_autograd():
         assert ddp.reduce_in_flight(model.second.weight)
         ddp.finish_grad_sync()
         assert ddp.last_launch_sites == ("hook",)
+
+
+def test_mark_grad_ready_after_finish_without_zeroing_is_refused():
+    # main_grad still holds the reduced grads: a grad written into it now would be added to them
+    model = TwoLayer()
+    ddp = DistributedDataParallel(model, config=_config(), external_grad_params=[model.second.weight])
+    _run_step(ddp, _data(0, 1))
+    with pytest.raises(LifecycleError, match=r"mark_grad_ready\('second.weight'\) after finish_grad_sync "
+                                             r"without zero_grad_buffer\(\)"):
+        ddp.mark_grad_ready(model.second.weight)
 
 
 def test_constructor_validation():

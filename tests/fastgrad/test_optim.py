@@ -31,6 +31,8 @@ from verify.checks.optim.cases import (  # noqa: F401 - re-exported for test_opt
     INF_AT,
     MIXED,
     NAMES,
+    SHARED,
+    TIED,
     Model,
     bits,
     build,
@@ -74,7 +76,8 @@ def test_dp1_grad_norm_is_refgrads_exact_norm():
     model, ddp, opt = build(MIXED, "adamw")
     result = train_step(model, ddp, opt, 0, 0)
     grads = [R.values(g) for g in reduced_grads(1, 0, MIXED, average=True)]
-    assert result.grad_norm == float(R.global_norm(grads))
+    counted = [g for g, shared in zip(grads, SHARED) if not shared]  # the tied copy: once
+    assert result.grad_norm == float(R.global_norm(counted))
 
 
 def _without_nonfinite_check(opt: DistributedOptimizer, torch_ops: bool) -> DistributedOptimizer:
@@ -105,7 +108,7 @@ def test_without_nonfinite_check_an_inf_grad_reaches_the_masters(torch_ops):
     _without_nonfinite_check(opt, torch_ops)
     assert not train_step(*checked, 1, 1, inf_at=INF_AT).stepped
     assert train_step(model, ddp, opt, 1, 1, inf_at=INF_AT).stepped
-    masters = opt.state_dict()["params"]
+    masters = opt.named_state_dict()["params"]
     assert not all(bool(torch.isfinite(masters[n]["master"]).all()) for n in NAMES)
 
 
@@ -120,7 +123,7 @@ def test_checkpoint_round_trip_and_resume_dp1():
     model, ddp, opt = build(MIXED, "sgd")
     for step in range(2):
         train_step(model, ddp, opt, 0, step)
-    state = opt.state_dict()
+    state = opt.named_state_dict()
     model2, ddp2, opt2 = build(MIXED, "sgd")
     opt2.load_state_dict(state)
     for n, p in model2.named_parameters():
@@ -128,7 +131,7 @@ def test_checkpoint_round_trip_and_resume_dp1():
     train_step(model, ddp, opt, 0, 2)
     train_step(model2, ddp2, opt2, 0, 2)
     assert_matches(snapshot(model2, opt2), {"params": dict(model.named_parameters()),
-                                            "state": opt.state_dict()["params"]}, "resume")
+                                            "state": opt.named_state_dict()["params"]}, "resume")
 
 
 # --------------------------------------------------------------------------- input rules
@@ -160,7 +163,7 @@ def test_bad_hyper_parameters_are_refused():
     with pytest.raises(ValueError, match="AdamWConfig.beta1"):
         AdamWConfig(lr=0.1, beta1=1.0)
     with pytest.raises(ValueError, match="SGDConfig.lr"):
-        SGDConfig(lr=0.0)
+        SGDConfig(lr=-1.0)  # lr 0 is allowed, as torch's (a warmup starts there)
     with pytest.raises(ValueError, match="power of two"):
         DynamicLossScaler(initial_scale=3.0)
 
@@ -168,7 +171,7 @@ def test_bad_hyper_parameters_are_refused():
 def test_checkpoint_name_or_shape_mismatch_is_refused():
     model, ddp, opt = build(FP32, "adamw")
     train_step(model, ddp, opt, 0, 0)
-    state = opt.state_dict()
+    state = opt.named_state_dict()
     renamed = {**state, "params": {("x" + k if k == "layer.bias" else k): v for k, v in state["params"].items()}}
     with pytest.raises(ValueError, match="names do not match"):
         opt.load_state_dict(renamed)
@@ -261,7 +264,7 @@ def test_groups_without_decay_split_by_buffer_group_and_by_rule():
     model, ddp, opt = build(MIXED, "adamw")
     groups = param_groups_without_decay_for(ddp)
     names = [sorted(ddp.name_of(p) for p in g["params"]) for g in groups]
-    assert names == [["embed.weight"], ["norm.weight"], ["layer.weight"], ["layer.bias"]]
+    assert names == [["embed.weight", "head.weight"], ["norm.weight"], ["layer.weight"], ["layer.bias"]]
     assert [g.get("weight_decay") for g in groups] == [None, 0.0, None, 0.0]
     assert [c.weight_decay for c in opt.groups] == [0.1, 0.0, 0.1, 0.0]
 
@@ -270,3 +273,21 @@ def test_check_nonfinite_must_be_a_bool():
     _, ddp, _ = build(FP32, "adamw")
     with pytest.raises(TypeError, match="check_nonfinite must be a bool"):
         DistributedOptimizer(ddp, AdamWConfig(lr=0.1), check_nonfinite="no")
+
+
+@pytest.mark.parametrize("step", [1, 63, 64, 65, 1000, 3001])
+def test_adamw_bias_corrections_are_refgrads_at_any_step(step):
+    """The running fp32 products beta^t (numba from 64 steps on) round as refgrad's, at every
+    length: a scheduler moving the betas every step (OneCycleLR) restarts them at step 1."""
+    from fastgrad.optim.update import adamw_scalars
+
+    for beta1, beta2 in ((0.9, 0.999), (0.85, 0.95), (0.5, 0.99999)):
+        mine = adamw_scalars(AdamWConfig(lr=0.1, beta1=beta1, beta2=beta2), step)
+        spec = R.adamw_scalars(R.AdamW(lr=0.1, beta1=beta1, beta2=beta2), step)
+        assert (Fraction(mine["bc1"]), Fraction(mine["bc2"])) == (spec["bc1"], spec["bc2"]), (beta1, beta2)
+        # the powers themselves (a bias correction near 1 would hide a last-bit error in them)
+        b1, b2 = R.r32(beta1), R.r32(beta2)
+        p1, p2 = b1, b2
+        for _ in range(step - 1):
+            p1, p2 = R.r32(p1 * b1), R.r32(p2 * b2)
+        assert (Fraction(mine["beta1_power"]), Fraction(mine["beta2_power"])) == (p1, p2), (beta1, beta2)

@@ -31,6 +31,7 @@ from verify.checks.optim.cases import (
     FP32,
     NAMES,
     SHAPES,
+    TIED,
     Model,
     coefficient,
     initial,
@@ -61,7 +62,7 @@ def _worker(rank: int, world_size: int) -> dict:
         out["snapshots"].append({
             "params": {f"chunk{c}.{n}": p.detach().clone()
                        for c, m in enumerate(models) for n, p in m.named_parameters()},
-            "state": opt.state_dict()["params"]})
+            "state": opt.named_state_dict()["params"]})
 
     for step in range(STEPS):
         launched = opt.param_gather_in_flight
@@ -91,7 +92,8 @@ def _reference() -> list[dict]:
     snapshots = []
     for step in range(STEPS):
         grads = [g for c in (0, 1) for g in reduced_grads(2, step, FP32, average=True, seed=c)]
-        stepped, norm = R.optimizer_step(states, grads, hypers, [step + 1] * len(names), max_norm=CLIP)
+        stepped, norm = R.optimizer_step(states, grads, hypers, [step + 1] * len(names), max_norm=CLIP,
+                                         shared=[n in TIED for _, _, n in names])
         assert stepped
         snapshots.append({
             "coefficient": float(R.clip_coefficient(norm, CLIP)),

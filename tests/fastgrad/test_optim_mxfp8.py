@@ -107,7 +107,7 @@ def test_checkpoint_round_trip_republishes_the_mxfp8_params():
         buffer.accumulate_grad(w, torch.full(w.shape, 0.25 * (k + 1)))
     buffer.reduce_grads()
     opt.step()
-    state = opt.state_dict()
+    state = opt.named_state_dict()
     assert sorted(state["params"]) == [f"params[{i}]" for i in range(len(SHAPES))]
     fresh_weights, _, fresh = _one_rank(sharing=False)  # other init, separate buffers
     fresh.load_state_dict(state)

@@ -310,10 +310,11 @@ def test_ctrl_c_before_any_check_finished_still_writes_the_reports(tmp_path):
     assert "Incomplete" in (tmp_path / "r.md").read_text()
 
 
-PREFLIGHT_FLAGS = ["--pipeline-model-parallel-size", "2", "--data-parallel-size", "2",
+PREFLIGHT_FLAGS = ["--pipeline-model-parallel-size", "2", "--world-size", "4",
                    "--micro-batch-size", "1", "--global-batch-size", "8", "--num-layers", "8",
                    "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16",
-                   "--padded-vocab-size", "128", "--twin-hidden-size", "8", "--twin-steps", "3"]
+                   "--max-position-embeddings", "16", "--padded-vocab-size", "128",
+                   "--twin-hidden-size", "8", "--twin-steps", "3"]
 
 
 @pytest.mark.dist

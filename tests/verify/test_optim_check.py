@@ -6,15 +6,19 @@ import dataclasses
 
 import numpy as np
 import pytest
+import torch.distributed as dist
 
 from fastgrad.mxfp8_sharing import MXFP8ParamGradBuffer
-from fastgrad.optim import DistributedOptimizer
+from fastgrad.optim import DistributedOptimizer, DynamicLossScaler
 from tests.distributed_utils import run_distributed
 from verify.check import FAIL, PASS, CheckContext, CheckRecorder
 from verify.checks import check_by_name
 from verify.checks.optim import OptimCandidate
-from verify.checks.optim.cases import case_matrix
+from verify.checks.optim.cases import OptimCase, case_matrix
+from verify.checks.optim.entry import _check_case
+from verify.checks.optim.expectations import case_trajectory
 from verify.checks.optim.mxfp8 import compare_runs, refgrad_trajectory, train_mxfp8
+from verify.checks.optim.worker import _train
 
 
 class DecaysEverything(DistributedOptimizer):
@@ -78,8 +82,11 @@ def test_norm_without_all_reduce_fails_where_clipping_at_dp_above_1():
     assert result.status == FAIL, result.error
     failed = result.failed_labels()
     assert any(" clip " in label and "DP=1 " not in label for label in failed), failed
-    # DP=1 has nothing to all-reduce, and unclipped cases never use the norm: they still pass.
-    assert not any("DP=1 " in label or " noclip " in label for label in failed), failed
+    # DP=1 has nothing to all-reduce; unclipped cases never use the norm for the update, so
+    # there only the reported norm (compared with refgrad's) is wrong.
+    assert not any("DP=1 " in label for label in failed), failed
+    noclip = [label for label in failed if " noclip " in label]
+    assert noclip and all("global grad norm" in label for label in noclip), noclip
 
 
 def _mxfp8_worker(rank: int, world: int, optimizer_cls) -> dict:
@@ -129,3 +136,170 @@ def test_mxfp8_references_are_shared_only_between_runs_with_the_same_inputs():
     assert _trajectory_inputs(runs(one_ulp)) != base
     assert _trajectory_inputs(runs(dtype=torch.bfloat16)) != base
     assert _trajectory_inputs(runs(buckets=((0, 2), (2, 4)))) != base
+
+
+# --------------------------------------------------------------------------- the check's former blind spots
+# Each broken optimizer is held to one case of the matrix (remapped onto ranks 0..DP-1) through
+# the check's own rank code (worker._train) and comparisons (entry._check_case): a few seconds
+# each instead of the whole check.
+
+
+class CountsTiedCopyInNorm(DistributedOptimizer):
+    """Broken on purpose: ignores the ``shared`` marker, so the tied copy counts twice in the norm."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for shard in self.shards:
+            for piece in shard.pieces:
+                piece.param.shared = False
+
+
+class _BacksOffOneEarly(DynamicLossScaler):
+    """Hysteresis off by one: backs off when the tracker reaches 1 instead of 0."""
+
+    def update(self, found_inf):
+        if found_inf and self.hysteresis_tracker - 1 == 1:
+            self.growth_tracker, self.hysteresis_tracker = 0, 1
+            self.scale = max(self.scale * self.backoff_factor, self.min_scale)
+            return
+        super().update(found_inf)
+
+
+class _BacksOffOneLate(DynamicLossScaler):
+    """Hysteresis off by one: backs off only when the tracker goes below 0."""
+
+    def update(self, found_inf):
+        if found_inf:
+            self.growth_tracker = 0
+            self.hysteresis_tracker -= 1
+            if self.hysteresis_tracker < 0:
+                self.scale = max(self.scale * self.backoff_factor, self.min_scale)
+            return
+        super().update(found_inf)
+
+
+class _ScalerSwapped(DistributedOptimizer):
+    scaler_cls: type = DynamicLossScaler
+
+    def __init__(self, ddp, config, param_groups=None, *, loss_scaler=None, **kwargs):
+        if loss_scaler is not None:
+            loss_scaler = self.scaler_cls(initial_scale=loss_scaler.initial_scale,
+                                          hysteresis=loss_scaler.hysteresis)
+        super().__init__(ddp, config, param_groups, loss_scaler=loss_scaler, **kwargs)
+
+
+class HysteresisOneEarly(_ScalerSwapped):
+    """Broken on purpose: its loss scaler backs off one inf step too early."""
+
+    scaler_cls = _BacksOffOneEarly
+
+
+class HysteresisOneLate(_ScalerSwapped):
+    """Broken on purpose: its loss scaler backs off one inf step too late."""
+
+    scaler_cls = _BacksOffOneLate
+
+
+class SkipDecidedPerRank(DistributedOptimizer):
+    """Broken on purpose: all-reduces the norm limbs but not the NaN/inf count."""
+
+    def _all_reduce(self, tensor):
+        local = tensor[-1:].clone()
+        super()._all_reduce(tensor)
+        tensor[-1:] = local
+
+
+class WaitsAfterTheForward(DistributedOptimizer):
+    """Broken on purpose: waits for a module's param all-gather after its forward, not before."""
+
+    def _register_forward_pre_hooks(self):
+        shard_of = {p: s for s in self.shards for p in s.bucket.params}
+        hooks = []
+        for module in self.ddp.module.modules():
+            mine = {id(shard_of[p]): shard_of[p] for p in module.parameters(recurse=False) if p in shard_of}
+            if mine:
+                shards = list(mine.values())
+                hooks.append(module.register_forward_hook(lambda _m, _a, _o, s=shards: self._wait(s)))
+        return hooks
+
+
+class PublishesStaleShard(DistributedOptimizer):
+    """Broken on purpose: publishes the masters of the step before (a stale shard)."""
+
+    def _publish_bucket(self, shard, cast=True):
+        previous = getattr(shard, "previous_master", None)
+        shard.previous_master = shard.master.clone()
+        if previous is None:
+            return super()._publish_bucket(shard, cast)
+        current, shard.master = shard.master, previous
+        try:
+            return super()._publish_bucket(shard, True)
+        finally:
+            shard.master = current
+
+
+def _case_worker(rank: int, world: int, cases, optimizer_cls) -> list[dict]:
+    """The check's rank code for each case on this world (ranks 0..DP-1, the whole world)."""
+    bookkeeping = dist.new_group(list(range(world)))
+    return [_train(case, None, rank, optimizer_cls, 0,
+                   bookkeeping=bookkeeping if case.overlap and case.dp > 1 else None) for case in cases]
+
+
+def _failed_labels(cases, optimizer_cls) -> list[list[str]]:
+    per_rank = run_distributed(_case_worker, cases[0].dp, cases, optimizer_cls)
+    out = []
+    for index, case in enumerate(cases):
+        rec = CheckRecorder("optim")
+        _check_case(rec, case, [runs[index] for runs in per_rank], case_trajectory(case, 0)[0])
+        out.append(rec.finish(0.0).failed_labels())
+    return out
+
+
+DP2 = (0, 1)
+CLIPPED = OptimCase(DP2, "adamw", "bf16", False, 0.5, True, 3)  # the checkpoint case's settings
+FP16_SYNC = OptimCase(DP2, "sgd", "fp16", False, None, False, 3)  # the matrix's, hysteresis 1
+FP16_OVERLAP = OptimCase(DP2, "adamw", "fp16", False, 0.5, True, 3, hysteresis=2)  # the DP=4 one's
+PARAM_LOSS = OptimCase(DP2, "adamw", "bf16", True, 0.5, True, 3, param_loss=True)
+
+
+@pytest.mark.dist
+def test_the_cases_below_pass_with_fastgrad():
+    failed = _failed_labels([CLIPPED, FP16_SYNC, FP16_OVERLAP, PARAM_LOSS], DistributedOptimizer)
+    assert failed == [[], [], [], []], failed
+
+
+@pytest.mark.dist
+def test_a_norm_counting_the_tied_copy_fails():
+    (failed,) = _failed_labels([CLIPPED], CountsTiedCopyInNorm)
+    assert any("global grad norm" in label for label in failed), failed
+    assert any(label.endswith(" params") for label in failed), failed  # clipped by a wrong norm
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(("broken", "case"), [(HysteresisOneLate, FP16_SYNC), (HysteresisOneEarly, FP16_OVERLAP)],
+                         ids=["hysteresis-1-backs-off-late", "hysteresis-2-backs-off-early"])
+def test_a_hysteresis_off_by_one_fails(broken, case):
+    (failed,) = _failed_labels([case], broken)
+    # unscaling by a power of two is exact: only the scale itself shows the error
+    assert failed and all("loss scale" in label for label in failed), failed
+
+
+@pytest.mark.dist
+def test_a_skip_decided_per_rank_fails_instead_of_hanging():
+    (failed,) = _failed_labels([FP16_OVERLAP], SkipDecidedPerRank)
+    assert any("stepped=False on every rank" in label for label in failed), failed
+    assert any(label.endswith(" params") for label in failed), failed
+
+
+@pytest.mark.dist
+def test_a_param_gather_waited_after_the_forward_fails():
+    (failed,) = _failed_labels([PARAM_LOSS], WaitsAfterTheForward)
+    assert any("read every param after its all-gather arrived" in label for label in failed), failed
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", [CLIPPED, FP16_SYNC], ids=["overlap", "sync"])
+def test_a_stale_published_shard_fails_in_the_numbers(case):
+    (failed,) = _failed_labels([case], PublishesStaleShard)
+    assert any("params after the gather" in label for label in failed), failed
+    assert any("raised nothing" in label for label in failed), failed  # its own guard's error, recorded

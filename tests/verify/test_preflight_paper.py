@@ -8,29 +8,30 @@ import tracemalloc
 import pytest
 import torch
 
+from tests.verify.preflight_launch import parsed_launch, preflight_config
 from verify.preflight.cli import build_report
-from verify.preflight.config import resolve
-from verify.preflight.flags import parse_megatron_flags
 from verify.preflight.paper import chunk_layouts, memory_rows, reduction_error, wire_rows
 from verify.preflight.timing import CostInputs
 
 # Toy GPT: 2 layers, h 64, 4 heads (kv_channels 16), ffn 4h = 256, seq 16 (= max positions),
 # vocab 128, tied embeddings, LayerNorm, biases; PP 2, DP 3 (global batch 6 -> M = 2).
 TOY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-       "--seq-length", "16", "--padded-vocab-size", "128", "--micro-batch-size", "1",
+       "--seq-length", "16", "--max-position-embeddings", "16", "--padded-vocab-size", "128",
+       "--micro-batch-size", "1",
        "--global-batch-size", "6", "--pipeline-model-parallel-size", "2",
-       "--data-parallel-size", "3", "--bf16", "--use-distributed-optimizer",
+       "--world-size", "6", "--bf16", "--use-distributed-optimizer",
        "--overlap-grad-reduce"]
 
 GPT3 = ["--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "16",
-        "--data-parallel-size", "8", "--micro-batch-size", "1", "--global-batch-size", "1536",
+        "--world-size", "1024", "--micro-batch-size", "1", "--global-batch-size", "1536",
         "--num-layers", "96", "--hidden-size", "12288", "--num-attention-heads", "96",
-        "--seq-length", "2048", "--padded-vocab-size", "51200", "--bf16",
+        "--seq-length", "2048", "--max-position-embeddings", "2048", "--padded-vocab-size", "51200",
+        "--bf16",
         "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
 
 
 def _config(tokens, environ=None):
-    return resolve(parse_megatron_flags(tokens), environ or {})
+    return preflight_config(tokens, environ)
 
 
 def test_toy_tp1_layout_by_hand():
@@ -67,7 +68,7 @@ def test_toy_tp1_layout_by_hand():
 
 
 def test_toy_tp2_layout_by_hand():
-    config = _config(TOY + ["--tensor-model-parallel-size", "2", "--data-parallel-size", "3"])
+    config = _config(TOY + ["--tensor-model-parallel-size", "2", "--world-size", "12"])  # DP 3
     first = chunk_layouts(config)[0]
     # TP 2: word embedding 64x64 = 4096; position 16x64 = 1024 (not sharded).
     # Layer: LN 128; proj w 64x32 = 2048 + b 64 (row-parallel bias not sharded);
@@ -116,7 +117,7 @@ def test_reduction_error_models():
                                                 "--ddp-reduce-scatter-with-fp32-accumulation"]))
     assert accumulate["typical_relative_error"] == 2.0**-8  # one rounding
     assert accumulate["worst_case_bound"] == 2.0**-8 + 2 * 2.0**-24 / (1 - 2 * 2.0**-24)
-    huge = reduction_error(_config(TOY + ["--grad-reduce-in-bf16", "--data-parallel-size", "2048",
+    huge = reduction_error(_config(TOY + ["--grad-reduce-in-bf16", "--world-size", "4096",
                                           "--global-batch-size", "2048"]))
     assert huge["basis"].startswith("extrapolated")
 
@@ -124,7 +125,7 @@ def test_reduction_error_models():
 def _gpt3_report():
     config = _config(GPT3)
     costs = CostInputs(forward_ms=1.0, backward_ms=2.0, grad_sync_ms=0.0, p2p_ms=0.0)
-    return config, build_report(config, parse_megatron_flags(GPT3), costs)
+    return config, build_report(config, parsed_launch(GPT3), costs)
 
 
 def test_gpt3_175b_per_stage_parameters_by_hand():
@@ -183,7 +184,7 @@ def test_gpt3_175b_allocates_nothing_large(monkeypatch):
 
 def test_estimated_costs_state_their_assumptions():
     config = _config(GPT3)
-    report = build_report(config, parse_megatron_flags(GPT3),
+    report = build_report(config, parsed_launch(GPT3),
                           CostInputs(assumed_tflops=100.0, assumed_bus_gbps=50.0))
     pipeline = report["pipeline"]
     # forward = 2 x heaviest stage's matmul params x 2048 tokens / 100 TFLOP/s. The heaviest:
@@ -202,7 +203,7 @@ def test_interleaved_chunks_layers_buckets_and_p2p_by_hand():
     # PP 2 x VPP 2 over 4 layers: virtual stage v = chunk x PP + stage holds layer v.
     config = _config(TOY + ["--num-layers", "4", "--num-virtual-stages-per-pipeline-rank", "2",
                             "--global-batch-size", "12", "--sequence-parallel",
-                            "--tensor-model-parallel-size", "2"])
+                            "--tensor-model-parallel-size", "2", "--world-size", "12"])  # DP 3
     chunks = {(c.stage, c.chunk): c for c in chunk_layouts(config)}
     layers = {key: sorted({p.name.split(".")[2] for p in c.params if p.name.startswith("decoder.layers")})
               for key, c in chunks.items()}
@@ -227,7 +228,7 @@ def test_typical_error_never_exceeds_the_worst_case_bound():
     the error is at most u |a + b| <= u (|a| + |b|) <= gamma(1) (|a| + |b|): the worst case
     is gamma(1) = u / (1 - u), and one rounding's typical error is u, not sqrt(2) u
     (the typical model counts the N - 1 roundings, as the bound does)."""
-    dp2 = TOY + ["--data-parallel-size", "2", "--global-batch-size", "4"]
+    dp2 = TOY + ["--world-size", "4", "--global-batch-size", "4"]  # PP 2 x DP 2
     for extra, u in (([], 2.0**-24), (["--grad-reduce-in-bf16"], 2.0**-8)):
         error = reduction_error(_config(dp2 + extra))
         assert error["dp"] == 2
@@ -236,8 +237,8 @@ def test_typical_error_never_exceeds_the_worst_case_bound():
     for dp in (2, 3, 8, 64, 1024, 8192):
         for extra in ([], ["--grad-reduce-in-bf16"],
                       ["--grad-reduce-in-bf16", "--ddp-reduce-scatter-with-fp32-accumulation"]):
-            error = reduction_error(_config(
-                TOY + extra + ["--data-parallel-size", str(dp), "--global-batch-size", str(2 * dp)]))
+            error = reduction_error(_config(  # PP 2 x DP dp
+                TOY + extra + ["--world-size", str(2 * dp), "--global-batch-size", str(2 * dp)]))
             if error["worst_case_bound"] is not None:
                 assert error["typical_relative_error"] <= error["worst_case_bound"], (dp, extra)
 
@@ -245,11 +246,11 @@ def test_typical_error_never_exceeds_the_worst_case_bound():
 def _pp1_timing(extra):
     """PP 1 at DP 3 with given costs: f 1 ms, b 2 ms, grad sync as given; M = 2."""
     flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-             "--seq-length", "16", "--padded-vocab-size", "128", "--micro-batch-size", "1",
-             "--global-batch-size", "6", "--data-parallel-size", "3", "--bf16",
-             "--use-distributed-optimizer", "--overlap-grad-reduce", *extra]
+             "--seq-length", "16", "--max-position-embeddings", "16", "--padded-vocab-size",
+             "128", "--micro-batch-size", "1", "--global-batch-size", "6", "--world-size", "3",
+             "--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce", *extra]
     config = _config(flags)
-    return build_report(config, parse_megatron_flags(flags), CostInputs(
+    return build_report(config, parsed_launch(flags), CostInputs(
         forward_ms=1.0, backward_ms=2.0, grad_sync_ms=1.2, p2p_ms=0.0))
 
 
@@ -295,6 +296,6 @@ def test_units_fit_the_number_and_counts_agree_with_their_nouns():
         "0 B", "512 B", "1.50 KiB", "4.00 KiB", "232.50 KiB", "25.17 GiB"]
     assert [format_ms(v) for v in (0, 3484.93, 135.352, 2.413e-3, 4.664e-6)] == [
         "0", "3.485 s", "135.4 ms", "2.413 µs", "4.664 ns"]
-    config = _config(TOY + ["--pipeline-model-parallel-size", "1"])
-    report = build_report(config, parse_megatron_flags(TOY), CostInputs())
+    flags = TOY + ["--pipeline-model-parallel-size", "1"]
+    report = build_report(_config(flags), parsed_launch(flags), CostInputs())
     assert report["verdict"].endswith("; 1 gradient buffer laid out on paper")

@@ -8,7 +8,6 @@ end to end. Hazard decisions are checked against hand-derived expectations.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from dataclasses import replace
@@ -17,11 +16,10 @@ import pytest
 import torch
 
 from tests.distributed_utils import run_distributed
+from tests.verify.preflight_launch import parsed_launch, preflight_args, preflight_config
 from verify.distributed import DistributedRunError
 from verify.preflight import cli as preflight_cli
 from verify.preflight.cli import build_report
-from verify.preflight.config import resolve
-from verify.preflight.flags import parse_megatron_flags
 from verify.preflight.hazards import FINDING, SAFE, decide_hazards, deferred_entries
 from verify.preflight.render import render_markdown
 from verify.preflight.timing import CostInputs
@@ -32,41 +30,42 @@ from verify.preflight.twin_stage import finish_twin_report
 from verify.preflight.twin_worker import TwinCandidate, twin_phases_worker
 
 MODEL = ["--micro-batch-size", "1", "--num-layers", "8", "--hidden-size", "64",
-         "--num-attention-heads", "4", "--seq-length", "16", "--padded-vocab-size", "128"]
+         "--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings", "16",
+         "--padded-vocab-size", "128"]
 SMALL = TwinOptions(hidden_size=8, layers=1, steps=2)
 
 # PP2 DP2 M4: tied embedding, deferred output-layer wgrad, overlap, distributed optimizer.
-TIED_DEFERRED = ["--pipeline-model-parallel-size", "2", "--data-parallel-size", "2",
+TIED_DEFERRED = ["--pipeline-model-parallel-size", "2", "--world-size", "4",
                  "--global-batch-size", "8", "--defer-embedding-wgrad-compute",
                  "--overlap-grad-reduce", "--use-distributed-optimizer"]
 # PP2 VPP2 DP1 M4: interleaved, distributed optimizer, bf16 grads with fp32-accumulating RS.
-INTERLEAVED = ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size",
-               "2", "--data-parallel-size", "1", "--global-batch-size", "4",
+INTERLEAVED = ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank",
+               "2", "--world-size", "2", "--global-batch-size", "4",
                "--use-distributed-optimizer", "--bf16", "--grad-reduce-in-bf16",
                "--ddp-reduce-scatter-with-fp32-accumulation", "--overlap-grad-reduce"]
 # PP1 DP3 M4: all-reduce at a non-power-of-two DP (gloo picks the order: the ULP bound).
-DP3 = ["--pipeline-model-parallel-size", "1", "--data-parallel-size", "3",
+DP3 = ["--pipeline-model-parallel-size", "1", "--world-size", "3",
        "--global-batch-size", "12"]
 # TP2 PP2 DP1 M8 (TP not twinned: listed), untied, deferral limit 2.
 TP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-       "--data-parallel-size", "1", "--global-batch-size", "8", "--untie-embeddings-and-output-weights",
+       "--world-size", "4", "--global-batch-size", "8", "--untie-embeddings-and-output-weights",
        "--defer-embedding-wgrad-compute", "--wgrad-deferral-limit", "2"]
 
 # PP2 DP1 M4: untied output layer computed in the backward, AdamW through the distributed optimizer.
-UNTIED_ADAMW = ["--pipeline-model-parallel-size", "2", "--data-parallel-size", "1",
+UNTIED_ADAMW = ["--pipeline-model-parallel-size", "2", "--world-size", "2",
                 "--global-batch-size", "4", "--untie-embeddings-and-output-weights",
                 "--use-distributed-optimizer", "--overlap-grad-reduce"]
 
 
 def _config(flags: list[str]):
-    parsed = parse_megatron_flags(MODEL + flags)
-    config = resolve(parsed, {})
+    parsed = parsed_launch(MODEL + flags)
+    config = preflight_config(MODEL + flags)
     return config, build_report(config, parsed, CostInputs())
 
 
 # PP2 DP2 M4 with overlap and 2 layers per stage, SGD: production's bucket rule (stage 0
 # bucketed, stage 1 one bucket).
-BUCKETS = ["--pipeline-model-parallel-size", "2", "--data-parallel-size", "2",
+BUCKETS = ["--pipeline-model-parallel-size", "2", "--world-size", "4",
            "--global-batch-size", "8", "--untie-embeddings-and-output-weights",
            "--overlap-grad-reduce"]
 
@@ -75,21 +74,21 @@ BUCKETS = ["--pipeline-model-parallel-size", "2", "--data-parallel-size", "2",
 # over TP; tied (a vocab-parallel first layer reduce-scattered along the sequence, each TP
 # rank's shard tied to its output-layer shard), overlap, distributed optimizer (AdamW).
 TP2_SP = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-          "--data-parallel-size", "2", "--global-batch-size", "8", "--sequence-parallel",
+          "--world-size", "8", "--global-batch-size", "8", "--sequence-parallel",
           "--defer-embedding-wgrad-compute", "--overlap-grad-reduce", "--use-distributed-optimizer"]
 # TP2 PP1 DP2 M4, sequence parallel, tied: each TP rank's vocab-parallel first-layer shard is its
 # output-layer shard (one weight), the blocks on sequence shards.
 TP2_SP_PP1 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1",
-              "--data-parallel-size", "2", "--global-batch-size", "8", "--sequence-parallel"]
+              "--world-size", "4", "--global-batch-size", "8", "--sequence-parallel"]
 # TP2 PP2 VPP2 DP1 M4, sequence parallel, interleaved: the TP all-reduce after the chunks' sync.
 TP2_SP_VPP = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-              "--virtual-pipeline-model-parallel-size", "2", "--data-parallel-size", "1",
+              "--num-virtual-stages-per-pipeline-rank", "2", "--world-size", "4",
               "--global-batch-size", "4", "--sequence-parallel", "--overlap-grad-reduce"]
 
 # PP2 VPP2 DP2 M4 interleaved with the output layer on the last virtual stage: tied embedding
 # (chunk 0 of stage 0 and the head), every microbatch's wgrad deferred, overlap.
 INTERLEAVED_DEFERRED = ["--pipeline-model-parallel-size", "2",
-                        "--virtual-pipeline-model-parallel-size", "2", "--data-parallel-size", "2",
+                        "--num-virtual-stages-per-pipeline-rank", "2", "--world-size", "4",
                         "--global-batch-size", "8", "--defer-embedding-wgrad-compute",
                         "--overlap-grad-reduce"]
 
@@ -97,13 +96,13 @@ INTERLEAVED_DEFERRED = ["--pipeline-model-parallel-size", "2",
 # products all-reduced over TP; deferred output-layer wgrad, AdamW without the distributed
 # optimizer.
 TP2_TIED = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-            "--data-parallel-size", "2", "--global-batch-size", "8",
+            "--world-size", "8", "--global-batch-size", "8",
             "--defer-embedding-wgrad-compute"]
 
 # PP1 DP2 M4, tied: production's embedding and output layer are one weight (the output layer's
 # wgrad, then the embedding's grad, into its main_grad per microbatch; no all-reduce), with
 # overlap and the distributed optimizer (AdamW, the weight once in the grad norm).
-PP1_TIED = ["--pipeline-model-parallel-size", "1", "--data-parallel-size", "2",
+PP1_TIED = ["--pipeline-model-parallel-size", "1", "--world-size", "2",
             "--global-batch-size", "8", "--overlap-grad-reduce", "--use-distributed-optimizer"]
 
 # name -> (flags, phase, first rank, twin options)
@@ -115,11 +114,11 @@ LAYOUT = {"tied_deferred": (TIED_DEFERRED, 0, 0, SMALL), "interleaved": (INTERLE
           "interleaved_deferred": (INTERLEAVED_DEFERRED, 4, 4, SMALL),
           "tp2_tied": (TP2_TIED, 6, 0, SMALL), "pp1_tied": (PP1_TIED, 5, 2, SMALL)}
 # Broken fastgrads, trained beside them: name -> (flags, phase, first rank, options, candidate).
-BROKEN = {"interleaved_lifo": (INTERLEAVED_DEFERRED[:5] + ["1", "--global-batch-size", "4",
+BROKEN = {"interleaved_lifo": (INTERLEAVED_DEFERRED[:5] + ["2", "--global-batch-size", "4",  # DP 1
                                                             "--defer-embedding-wgrad-compute"],
                                5, 0, SMALL, TwinCandidate("lifo drain", "lifo")),
           # TP2 PP2 DP1, tied: each first-stage shard all-reduced with the other TP rank's head.
-          "tp2_crossed": (TP2_TIED[:5] + ["1", "--global-batch-size", "4"], 5, 4, SMALL,
+          "tp2_crossed": (TP2_TIED[:5] + ["4", "--global-batch-size", "4"], 5, 4, SMALL,  # DP 1
                           TwinCandidate("crossed embedding group", embedding_group="other_tp_rank")),
           # PP1 DP2, tied (one weight): the embedding's grad added before the output layer's
           # wgrad in each microbatch, or the output layer's wgrad never added.
@@ -350,7 +349,7 @@ def test_the_shared_weights_grads_in_the_other_order_or_one_dropped_fail(twins, 
 
 def test_twin_caps_tensor_parallelism_at_two_and_counts_tp_ranks(capsys):
     config, _ = _config(["--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2",
-                         "--data-parallel-size", "1", "--global-batch-size", "4",
+                         "--world-size", "8", "--global-batch-size", "4",
                          "--sequence-parallel"])
     plan = plan_twin(config, TwinOptions())
     assert plan.world_size == 4 and plan.case.tp_size == 2
@@ -358,7 +357,7 @@ def test_twin_caps_tensor_parallelism_at_two_and_counts_tp_ranks(capsys):
     assert dict((m[0], m[2]) for m in plan.mapping)["TP x PP x VPP x DP"] == "2 x 2 x 1 x 1"
     # TP 2 x PP 4 x DP 2 = 16 ranks > 8: refused with the TP factor in the figure.
     flags = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4",
-             "--data-parallel-size", "2", "--global-batch-size", "8"]
+             "--world-size", "16", "--global-batch-size", "8"]
     with pytest.raises(TwinSizeError, match=r"TP \(2\) x PP \(4\) x DP \(2\) = 16 ranks"):
         plan_twin(_config(flags)[0], TwinOptions())
     rc, out, err = _cli(flags, capsys)
@@ -436,8 +435,9 @@ def test_hazards_against_hand_derived_decisions():
     # No overlap: buckets reduce after the drain.
     assert _hazards(single)["drain writes a bucket already reducing"] == SAFE
     # MXFP8 reuse without --overlap-param-gather: NaN at iteration 2; forced sync zeroed.
-    mxfp8 = ["--data-parallel-size", "2", "--global-batch-size", "4", "--use-distributed-optimizer",
-             "--fp8-recipe", "mxfp8", "--fp8-param-gather", "--reuse-grad-buf-for-mxfp8-param-ag",
+    mxfp8 = ["--world-size", "2", "--global-batch-size", "4", "--use-distributed-optimizer",
+             "--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", "--fp8-param-gather",
+             "--reuse-grad-buf-for-mxfp8-param-ag",
              "--overlap-grad-reduce"]
     got = _hazards(mxfp8)
     assert got["MXFP8 buffer reuse without both overlaps"] == FINDING
@@ -446,16 +446,22 @@ def test_hazards_against_hand_derived_decisions():
     assert both["MXFP8 buffer reuse without both overlaps"] == SAFE
     # DP 4 is a power of two (exact 1/4); DP 6 is not; DP 1 averages nothing.
     for dp, status in ((1, SAFE), (4, SAFE), (6, FINDING)):
-        flags = ["--data-parallel-size", str(dp), "--global-batch-size", str(dp)]
+        flags = ["--world-size", str(dp), "--global-batch-size", str(dp)]  # PP 1
         assert _hazards(flags)["pre-scaled averaging at a non-power-of-two DP"] == status, dp
     # Padding exists only with the distributed optimizer.
     assert _hazards(DP3, padding_elements=100)["padding in norms and checkpoints"] == SAFE
     assert _hazards(TIED_DEFERRED, padding_elements=100)["padding in norms and checkpoints"] == FINDING
     assert _hazards(TIED_DEFERRED, padding_elements=0)["padding in norms and checkpoints"] == SAFE
-    # A batch-size ramp changes M from step to step.
-    assert _hazards(DP3, unknown_flags=("--rampup-batch-size 16 16 1000",))[
-        "changing microbatch count"] == FINDING
-    assert _hazards(DP3)["changing microbatch count"] == SAFE
+    # distributed_data_parallel.py: gradient_scaling_factor = 1 / dp_cp_group.size(): with CP 2
+    # the pre-scale is 1/(DP x CP); DP 2 x CP 2 = 4 is exact, DP 3 x CP 2 = 6 is not.
+    for world, status in ((4, SAFE), (6, FINDING)):
+        flags = ["--world-size", str(world), "--context-parallel-size", "2",
+                 "--global-batch-size", str(world // 2)]
+        assert _hazards(flags)["pre-scaled averaging at a non-power-of-two DP"] == status, world
+    # Megatron-LM 0.19 ignores --rampup-batch-size (num_microbatches_calculator.py) and
+    # preflight refuses --step-batch-size-schedule as not modelled: M never changes, so no
+    # hazard is decided for it.
+    assert "changing microbatch count" not in _hazards(DP3)
 
 
 def test_twin_options_and_size_refusals(capsys):
@@ -465,11 +471,11 @@ def test_twin_options_and_size_refusals(capsys):
         TwinOptions(steps=1)
     with pytest.raises(ValueError, match="--timeout"):
         TwinOptions(timeout_s=float("nan"))
-    config, _ = _config(["--pipeline-model-parallel-size", "4", "--data-parallel-size", "3",
+    config, _ = _config(["--pipeline-model-parallel-size", "4", "--world-size", "12",
                          "--global-batch-size", "12"])
     with pytest.raises(TwinSizeError, match=r"PP \(4\) x DP \(3\) = 12 ranks"):
         plan_twin(config, TwinOptions())
-    rc, out, err = _cli(["--pipeline-model-parallel-size", "4", "--data-parallel-size", "3",
+    rc, out, err = _cli(["--pipeline-model-parallel-size", "4", "--world-size", "12",
                          "--global-batch-size", "12"], capsys)
     assert rc == 2 and out == "" and "= 12 ranks, more than --max-world-size (8)" in err
     rc, _, err = _cli(DP3 + ["--twin-layers", "0"], capsys)
@@ -477,10 +483,8 @@ def test_twin_options_and_size_refusals(capsys):
 
 
 def _cli(flags: list[str], capsys, candidate: TwinCandidate | None = None, extra=()):
-    parser = argparse.ArgumentParser(prog="verify preflight")
-    preflight_cli.configure_parser(parser)
-    args = parser.parse_args(MODEL + flags + ["--twin-hidden-size", "8", "--twin-steps", "2",
-                                              "--no-progress", *extra])
+    args = preflight_args(MODEL + flags + ["--twin-hidden-size", "8", "--twin-steps", "2",
+                                           "--no-progress", *extra])
     rc = preflight_cli.main(args, environ={}, candidate=candidate)
     captured = capsys.readouterr()
     return rc, captured.out, captured.err
@@ -499,7 +503,7 @@ def test_a_twin_that_cannot_finish_is_an_error_that_keeps_the_paper_figures(
 
     monkeypatch.setattr("verify.distributed.spawn", failing_spawn)
     json_path = tmp_path / "t.json"
-    rc, out, err = _cli(["--pipeline-model-parallel-size", "2", "--data-parallel-size", "1",
+    rc, out, err = _cli(["--pipeline-model-parallel-size", "2", "--world-size", "2",
                          "--global-batch-size", "4"], capsys, extra=("--json", str(json_path)))
     assert rc == 3
     assert out.splitlines()[0].startswith("ERROR: the scaled twin did not finish")
@@ -514,7 +518,7 @@ def test_a_twin_that_cannot_finish_is_an_error_that_keeps_the_paper_figures(
 @pytest.mark.dist
 def test_a_drain_in_the_wrong_order_fails_naming_parameter_and_step(capsys, tmp_path):
     """A fastgrad whose drain runs the deferred GEMMs newest first: exit 1, FAIL, names."""
-    flags = ["--pipeline-model-parallel-size", "2", "--data-parallel-size", "1",
+    flags = ["--pipeline-model-parallel-size", "2", "--world-size", "2",
              "--global-batch-size", "4", "--defer-embedding-wgrad-compute"]
     json_path, md_path = tmp_path / "t.json", tmp_path / "t.md"
     rc, out, _ = _cli(flags, capsys, TwinCandidate("lifo drain", "lifo"),
@@ -533,6 +537,31 @@ def test_a_drain_in_the_wrong_order_fails_naming_parameter_and_step(capsys, tmp_
 
 
 @pytest.mark.dist
+def test_an_uneven_context_parallel_twin_trains_its_per_stage_layers(capsys, tmp_path):
+    """PP 2, 3 layers with the embedding counted as one: (3 + 1) / 2 = 2 per stage, stage 0
+    builds 1 (transformer_block.py get_num_layers_to_build); CP 2 x DP 1: the twin's 2 DP
+    replicas stand for the dp_cp group. The twin's stages hold 1 and 2 layers, checked
+    against refgrad bitwise (a sum of two fp32 values)."""
+    flags = ["--world-size", "4", "--pipeline-model-parallel-size", "2", "--num-layers", "3",
+             "--account-for-embedding-in-pipeline-split", "--context-parallel-size", "2",
+             "--global-batch-size", "2", "--use-distributed-optimizer", "--overlap-grad-reduce"]
+    json_path = tmp_path / "t.json"
+    rc, out, err = _cli(flags, capsys, extra=("--json", str(json_path)))
+    assert rc == 0, err
+    assert out.splitlines()[0].startswith("PASS: TP=1 PP=2 VPP=1 CP=2 DP=1, 2 microbatches")
+    report = json.loads(json_path.read_text())
+    assert report["config"]["layers_per_stage_and_chunk"] == [[1], [2]]
+    assert [row["layers"] for row in report["layout"]] == [1, 2]
+    mapping = {row[0]: row[1:] for row in report["twin"]["mapping"]}
+    assert mapping["layers per virtual stage"] == ["[1, 2] (= 3)", "[1, 2] (= 3)"]
+    # (parameter, replica) pairs compared: stage 0's layer (weight, bias), stage 1's two
+    # layers and the output layer = 2 + 4 + 1 = 7 per replica, x 2 replicas (an even twin
+    # would have 2 + 2 + 1 = 5).
+    assert report["twin"]["passed"] and report["twin"]["bitwise"]
+    assert [row["grads_total"] for row in report["twin"]["steps"]] == [14, 14]
+
+
+@pytest.mark.dist
 def test_under_torchrun_the_twin_runs_on_the_launched_world(tmp_path):
     """torchrun (2 processes): DP comes from WORLD_SIZE, rank 0 reports, both exit 0."""
     import os
@@ -548,16 +577,16 @@ def test_under_torchrun_the_twin_runs_on_the_launched_world(tmp_path):
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(free_port()), "-m", "verify", "preflight", *MODEL,
-           "--pipeline-model-parallel-size", "2", "--global-batch-size", "4",
-           "--defer-embedding-wgrad-compute", "--twin-hidden-size", "8", "--twin-steps", "2",
-           "--no-progress", "--json", str(json_path)]
+           "--master-port", str(free_port()), "-m", "verify", "preflight",
+           "--twin-hidden-size", "8", "--twin-steps", "2", "--no-progress", "--json",
+           str(json_path), "--", *MODEL, "--pipeline-model-parallel-size", "2",
+           "--global-batch-size", "4", "--defer-embedding-wgrad-compute"]
     done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.count("PASS: TP=1 PP=2 VPP=1 DP=1") == 1  # rank 0 only
     report = json.loads(json_path.read_text())
     assert report["twin"]["where"].startswith("torchrun, 2 ranks")
-    assert report["config"]["data_parallel_source"].startswith("WORLD_SIZE (torchrun)")
+    assert report["config"]["data_parallel_source"] == "world size 2 (WORLD_SIZE (torchrun)) / (TP x PP x CP)"
 
 
 def test_a_broken_drain_is_a_fault_of_one_layer_instance_not_a_global_rebinding():
@@ -569,7 +598,7 @@ def test_a_broken_drain_is_a_fault_of_one_layer_instance_not_a_global_rebinding(
     from verify.preflight.twin_worker import with_candidate
 
     production_drain = ColumnParallelOutputLayer.drain_deferred_wgrad
-    config, _ = _config(["--pipeline-model-parallel-size", "2", "--data-parallel-size", "1",
+    config, _ = _config(["--pipeline-model-parallel-size", "2", "--world-size", "2",
                          "--global-batch-size", "4", "--defer-embedding-wgrad-compute"])
     case = plan_twin(config, SMALL).case
     assert with_candidate(case, TwinCandidate()) is case
@@ -617,11 +646,11 @@ def test_a_twin_whose_every_step_was_skipped_says_no_update_was_checked(monkeypa
 
 
 @pytest.mark.parametrize(("flags", "listed"), [
-    (["--pipeline-model-parallel-size", "2", "--data-parallel-size", "2", "--global-batch-size", "8",
+    (["--pipeline-model-parallel-size", "2", "--world-size", "4", "--global-batch-size", "8",
       "--bf16"], True),
-    (["--pipeline-model-parallel-size", "1", "--data-parallel-size", "2", "--global-batch-size", "8"],
+    (["--pipeline-model-parallel-size", "1", "--world-size", "2", "--global-batch-size", "8"],
      True),  # fp32, but the tied weight's two grads are summed in param.grad first
-    (["--pipeline-model-parallel-size", "2", "--data-parallel-size", "2", "--global-batch-size", "8"],
+    (["--pipeline-model-parallel-size", "2", "--world-size", "4", "--global-batch-size", "8"],
      False),  # fp32, untied by PP: fused and unfused adds give the same bits
 ])
 def test_the_unfused_output_layer_is_listed_where_it_changes_bits(flags, listed):

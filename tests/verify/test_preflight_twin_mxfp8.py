@@ -18,10 +18,9 @@ from dataclasses import replace
 import pytest
 import torch
 
+from tests.verify.preflight_launch import parsed_launch, preflight_config
 from tests.verify.twin_world import plan_layout, train_and_compare
 from verify.preflight.cli import build_report
-from verify.preflight.config import resolve
-from verify.preflight.flags import parse_megatron_flags
 from verify.preflight.render import render_markdown
 from verify.preflight.timing import CostInputs
 from verify.preflight.twin import TwinOptions, plan_twin
@@ -29,22 +28,23 @@ from verify.preflight.twin_mxfp8 import BLOCK, MXFP8Twin
 from verify.preflight.twin_worker import TwinCandidate, twin_phases_worker
 
 MODEL = ["--micro-batch-size", "1", "--num-layers", "8", "--hidden-size", "64",
-         "--num-attention-heads", "4", "--seq-length", "16", "--padded-vocab-size", "128",
-         "--use-distributed-optimizer", "--bf16", "--fp8-recipe", "mxfp8", "--fp8-param-gather"]
+         "--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings", "16",
+         "--padded-vocab-size", "128", "--use-distributed-optimizer", "--bf16",
+         "--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", "--fp8-param-gather"]
 STEPS = TwinOptions(hidden_size=8, layers=1, steps=3)  # hidden 8 -> 32: one MXFP8 block
 
-DP2 = ["--pipeline-model-parallel-size", "1", "--data-parallel-size", "2",
+DP2 = ["--pipeline-model-parallel-size", "1", "--world-size", "2",
        "--global-batch-size", "8"]
 REUSE = ["--overlap-grad-reduce", "--overlap-param-gather", "--reuse-grad-buf-for-mxfp8-param-ag"]
 # PP2 DP2 M4: tied embedding (own bucket in the MXFP8 buffer), stage 0 in three buckets.
-PP2_DP2_REUSE = ["--pipeline-model-parallel-size", "2", "--data-parallel-size", "2",
+PP2_DP2_REUSE = ["--pipeline-model-parallel-size", "2", "--world-size", "4",
                  "--global-batch-size", "8"] + REUSE
 DP2_REUSE = DP2 + REUSE
 
 
 def _config(flags: list[str], base: list[str] = MODEL):
-    parsed = parse_megatron_flags(base + flags)
-    config = resolve(parsed, {})
+    parsed = parsed_launch(base + flags)
+    config = preflight_config(base + flags)
     return config, build_report(config, parsed, CostInputs())
 
 
@@ -84,7 +84,7 @@ def test_mxfp8_params_are_twinned_and_left_out_only_where_not_reproduced():
         assert any("--check mxfp8" in g for g in plan.not_twinned)
     # The MXFP8 buffer reduce-scatters in the backend's order: at DP 3 the twin runs DP 2
     # (bitwise; listed), and fastgrad's fp32-accumulating reduce-scatter is listed too.
-    plan = plan_twin(_config(["--data-parallel-size", "3", "--global-batch-size", "12",
+    plan = plan_twin(_config(["--world-size", "3", "--global-batch-size", "12",
                               "--ddp-reduce-scatter-with-fp32-accumulation",
                               "--grad-reduce-in-bf16"])[0], STEPS)  # (fp32 grads turn it off)
     assert plan.mxfp8 is not None and not plan.case.reduce_scatter_with_fp32_accumulation

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import pytest
 
+from tests.verify.preflight_launch import parsed_launch, preflight_config
 from tests.verify.twin_world import plan_layout, train_and_compare
 from verify.preflight.cli import build_report
-from verify.preflight.config import ConfigError, resolve
+from verify.preflight.config import ConfigError
 from verify.preflight.flags import FlagError, parse_megatron_flags
 from verify.preflight.timing import CostInputs
 from verify.preflight.twin import TwinOptions, plan_twin
@@ -23,41 +24,42 @@ from verify.preflight.twin_precision import TwinPrecision
 from verify.preflight.twin_worker import TwinCandidate, twin_phases_worker
 
 MODEL = ["--micro-batch-size", "1", "--num-layers", "8", "--hidden-size", "64",
-         "--num-attention-heads", "4", "--seq-length", "16", "--padded-vocab-size", "128"]
+         "--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings", "16",
+         "--padded-vocab-size", "128"]
 STEPS = TwinOptions(hidden_size=8, layers=1, steps=3)
 
 # PP2 DP2 M4, tied embedding, both overlaps, fp16 params and grads, dynamic scale from 2^10
 # (the twin's fp16 grads overflow from 2^19 on: refgrad). The twin's global grad norm is
 # 0.34-0.42 over its 3 steps (refgrad), so --clip-grad 0.3 clips every step.
-CLIPPED_FP16 = ["--pipeline-model-parallel-size", "2", "--data-parallel-size", "2",
+CLIPPED_FP16 = ["--pipeline-model-parallel-size", "2", "--world-size", "4",
                 "--global-batch-size", "8", "--use-distributed-optimizer", "--overlap-grad-reduce",
                 "--overlap-param-gather", "--clip-grad", "0.3", "--fp16", "--initial-loss-scale", "1024"]
 # PP2 DP1 M4, bf16 with a constant --loss-scale and clipping off.
-CONSTANT_SCALE = ["--pipeline-model-parallel-size", "2", "--data-parallel-size", "1",
+CONSTANT_SCALE = ["--pipeline-model-parallel-size", "2", "--world-size", "2",
                   "--global-batch-size", "4", "--use-distributed-optimizer", "--bf16",
                   "--loss-scale", "1024", "--clip-grad", "0", "--untie-embeddings-and-output-weights"]
 # PP1 DP2 M4, fp16: the dynamic scale doubles after every clean step (window 1).
-GROWING_SCALE = ["--pipeline-model-parallel-size", "1", "--data-parallel-size", "2",
+GROWING_SCALE = ["--pipeline-model-parallel-size", "1", "--world-size", "2",
                  "--global-batch-size", "8", "--use-distributed-optimizer", "--fp16",
                  "--initial-loss-scale", "256", "--loss-scale-window", "1", "--overlap-grad-reduce",
                  "--overlap-param-gather"]
 
 # PP2 VPP2 DP2 M4, interleaved: one AdamW over both model chunks, both overlaps, clipped
 # (the global grad norm is 0.15-0.25 over its 3 steps (refgrad), so --clip-grad 0.1 clips).
-INTERLEAVED = ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2",
-               "--data-parallel-size", "2", "--global-batch-size", "8", "--use-distributed-optimizer",
+INTERLEAVED = ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
+               "--world-size", "4", "--global-batch-size", "8", "--use-distributed-optimizer",
                "--overlap-grad-reduce", "--overlap-param-gather", "--clip-grad", "0.1"]
 
 # PP2 DP2 M4 without --use-distributed-optimizer: all-reduced grads, ReplicatedOptimizer, tied
 # embedding with the deferred output layer, clipped at 0.3 (the norm is 0.34-0.42).
-REPLICATED = ["--pipeline-model-parallel-size", "2", "--data-parallel-size", "2",
+REPLICATED = ["--pipeline-model-parallel-size", "2", "--world-size", "4",
               "--global-batch-size", "8", "--defer-embedding-wgrad-compute", "--overlap-grad-reduce",
               "--clip-grad", "0.3"]
 
 
 def _config(flags: list[str]):
-    parsed = parse_megatron_flags(MODEL + flags)
-    config = resolve(parsed, {})
+    parsed = parsed_launch(MODEL + flags)
+    config = preflight_config(MODEL + flags)
     return config, build_report(config, parsed, CostInputs())
 
 
@@ -65,16 +67,17 @@ def _config(flags: list[str]):
 
 
 def test_optimizer_flags_default_to_megatrons_and_parse_as_numbers():
-    config, _ = _config(["--data-parallel-size", "1"])
+    config, _ = _config(["--world-size", "1"])
     # arguments.py: --clip-grad 1.0, --loss-scale None, --initial-loss-scale 2**32,
     # --min-loss-scale 1.0, --loss-scale-window 1000, --hysteresis 2.
     assert (config.clip_grad, config.loss_scale, config.initial_loss_scale) == (1.0, None, 2.0**32)
     assert (config.min_loss_scale, config.loss_scale_window, config.hysteresis) == (1.0, 1000, 2)
-    config, _ = _config(["--data-parallel-size", "1", "--clip-grad=0.5", "--loss-scale", "64",
+    config, _ = _config(["--world-size", "1", "--clip-grad=0.5", "--loss-scale", "64",
                          "--loss-scale-window", "500.0", "--hysteresis", "3", "--fp16"])
     assert (config.clip_grad, config.loss_scale, config.loss_scale_window, config.hysteresis) == (
         0.5, 64.0, 500, 3)
-    with pytest.raises(FlagError, match="--clip-grad expects a number, got 'x'"):
+    # Megatron-LM's parse_args: --clip-grad is type=float.
+    with pytest.raises(FlagError, match="argument --clip-grad: invalid float value: 'x'"):
         parse_megatron_flags(["--clip-grad", "x"])
 
 
@@ -91,7 +94,7 @@ def test_optimizer_flags_default_to_megatrons_and_parse_as_numbers():
 ])
 def test_bad_optimizer_flags_are_refused_naming_the_flag(flags, message):
     with pytest.raises(ConfigError, match=message):
-        _config(["--data-parallel-size", "1"] + flags)
+        _config(["--world-size", "1"] + flags)
 
 
 def test_which_grad_scaler_production_builds():
@@ -101,7 +104,7 @@ def test_which_grad_scaler_production_builds():
              (["--bf16", "--loss-scale", "8"], "constant"), (["--loss-scale", "8"], None),
              (["--loss-scale", "8", "--use-distributed-optimizer"], "constant"), (["--bf16"], None)]
     for flags, kind in cases:
-        assert _config(["--data-parallel-size", "1"] + flags)[0].loss_scaling == kind, flags
+        assert _config(["--world-size", "1"] + flags)[0].loss_scaling == kind, flags
 
 
 def test_twin_settings_follow_the_configuration():

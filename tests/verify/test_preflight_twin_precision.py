@@ -27,47 +27,47 @@ from verify.preflight.twin_worker import TwinCandidate, twin_phases_worker
 
 # PP2 DP2 M4, tied embedding, distributed optimizer, both overlaps: bf16 params with
 # Megatron's default fp32 main grads (the usual production setup).
-BF16 = ["--pipeline-model-parallel-size", "2", "--data-parallel-size", "2", "--global-batch-size", "8",
+BF16 = ["--pipeline-model-parallel-size", "2", "--world-size", "4", "--global-batch-size", "8",
         "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather", "--bf16"]
 # PP2 DP2 M4, bf16 grad buffer (--grad-reduce-in-bf16), deferred output wgrad (limit 2).
-BF16_GRADS = ["--pipeline-model-parallel-size", "2", "--data-parallel-size", "2",
+BF16_GRADS = ["--pipeline-model-parallel-size", "2", "--world-size", "4",
               "--global-batch-size", "8", "--use-distributed-optimizer", "--bf16",
               "--grad-reduce-in-bf16", "--defer-embedding-wgrad-compute", "--wgrad-deferral-limit", "2"]
 # PP2 DP2 M4, fp16 params and grads from a loss scale of 2^19: refgrad's fp16 grads overflow at
 # 2^19 on steps 0 and 1 and not at 2^18 on step 2 (see the test below).
-FP16_OVERFLOW = ["--pipeline-model-parallel-size", "2", "--data-parallel-size", "2",
+FP16_OVERFLOW = ["--pipeline-model-parallel-size", "2", "--world-size", "4",
                  "--global-batch-size", "8", "--use-distributed-optimizer", "--fp16",
                  "--initial-loss-scale", str(2**19)]
 
 # TP2 PP2 DP1 M4, bf16 params, fp32 main grads, deferred output wgrad (limit 2): the output
 # layer's 16-bit partial dgrads all-reduced over TP in bf16.
 TP2_BF16 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-            "--data-parallel-size", "1", "--global-batch-size", "4", "--use-distributed-optimizer",
+            "--world-size", "4", "--global-batch-size", "4", "--use-distributed-optimizer",
             "--bf16", "--defer-embedding-wgrad-compute", "--wgrad-deferral-limit", "2"]
 # TP2 PP2 DP2 M4 under SP, bf16 params and grads, both overlaps, tied: the blocks on sequence
 # shards, the dgrad and the vocab-parallel first layer's partials reduce-scattered in bf16, the
 # blocks' bf16 grads all-reduced over TP after the DP sync.
 TP2_SP_BF16_GRADS = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
-                     "--pipeline-model-parallel-size", "2", "--data-parallel-size", "2",
+                     "--pipeline-model-parallel-size", "2", "--world-size", "8",
                      "--global-batch-size", "8", "--use-distributed-optimizer", "--bf16",
                      "--grad-reduce-in-bf16", "--overlap-grad-reduce", "--overlap-param-gather"]
 # TP2 PP2 DP1 M4 under SP, bf16 params, fp32 main grads (for the broken SP all-reduce below).
 TP2_SP_BF16 = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
-               "--pipeline-model-parallel-size", "2", "--data-parallel-size", "1",
+               "--pipeline-model-parallel-size", "2", "--world-size", "4",
                "--global-batch-size", "4", "--use-distributed-optimizer", "--bf16"]
 
 # PP1 DP2 M4, tied (one weight: the output layer's fp32 wgrad, then the embedding's bf16 grad,
 # each added into its bf16 main grad with one rounding, so the order shows: with an fp32 main
 # grad refgrad's reversed order still matched at these sizes), bf16 params, distributed
 # optimizer, overlap.
-PP1_TIED_BF16 = ["--pipeline-model-parallel-size", "1", "--data-parallel-size", "2",
+PP1_TIED_BF16 = ["--pipeline-model-parallel-size", "1", "--world-size", "2",
                  "--global-batch-size", "8", "--use-distributed-optimizer", "--bf16",
                  "--grad-reduce-in-bf16", "--overlap-grad-reduce"]
 
 # TP2 PP1 DP2 M4 under SP, tied: each TP rank's vocab-parallel first-layer shard is its
 # output-layer shard (one weight); bf16 params and grads.
 TP2_SP_PP1_TIED_BF16 = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
-                        "--pipeline-model-parallel-size", "1", "--data-parallel-size", "2",
+                        "--pipeline-model-parallel-size", "1", "--world-size", "4",
                         "--global-batch-size", "8", "--bf16", "--grad-reduce-in-bf16"]
 
 LAYOUT = {"pp1_tied_bf16": (PP1_TIED_BF16, 0, 3), "tp2_sp_pp1_tied_bf16": (TP2_SP_PP1_TIED_BF16, 2, 3),
@@ -86,7 +86,7 @@ LAYOUT = {"pp1_tied_bf16": (PP1_TIED_BF16, 0, 3), "tp2_sp_pp1_tied_bf16": (TP2_S
     ([], "fp32", "fp32"),
 ])
 def test_the_twin_takes_the_configurations_param_and_grad_dtypes(flags, params, grads):
-    config, _ = _config(["--pipeline-model-parallel-size", "2", "--data-parallel-size", "2",
+    config, _ = _config(["--pipeline-model-parallel-size", "2", "--world-size", "4",
                          "--global-batch-size", "8"] + flags)
     plan = plan_twin(config, STEPS)
     assert plan.adamw.precision == TwinPrecision(params, grads)
@@ -113,7 +113,7 @@ def test_the_tp2_twin_keeps_16_bit_params_and_the_grad_dtype(flags):
 
 
 def test_where_the_twin_keeps_fp32_or_scales_dp_it_says_so():
-    tp4, _ = _config(["--tensor-model-parallel-size", "4", "--data-parallel-size", "2",
+    tp4, _ = _config(["--tensor-model-parallel-size", "4", "--world-size", "8",
                       "--global-batch-size", "2", "--bf16", "--grad-reduce-in-bf16"])
     precision, dp, left_out = precision_for(tp4, 2)  # TP 4 -> twin TP 2: still 16 bits
     assert precision == TwinPrecision("bf16", "bf16") and dp == 2
@@ -122,7 +122,7 @@ def test_where_the_twin_keeps_fp32_or_scales_dp_it_says_so():
         precision_for(tp4, 4)
     # DP 4 with a backend-ordered 16-bit sum: DP 2, listed; the fp32-accumulating
     # reduce-scatter fixes the order, so DP 4 stays.
-    dp4 = ["--data-parallel-size", "4", "--global-batch-size", "8", "--use-distributed-optimizer",
+    dp4 = ["--world-size", "4", "--global-batch-size", "8", "--use-distributed-optimizer",
            "--bf16", "--grad-reduce-in-bf16"]
     plan = plan_twin(_config(dp4)[0], STEPS)
     assert plan.case.dp_size == 2 and plan.world_size == 2 and plan.bitwise

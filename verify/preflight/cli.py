@@ -28,11 +28,13 @@ from importlib import metadata
 
 from verify.env import fingerprint
 from verify.outputs import OutputPathError, check_output_paths
-from verify.preflight.config import ConfigError, PreflightConfig, resolve
+from verify.preflight.config import ConfigError, PreflightConfig
 from verify.preflight.flags import (
-    FLAG_SPECS,
+    MEGATRON_LM,
+    MODELLED,
     FlagError,
     ParsedFlags,
+    flag_of,
     parse_megatron_flags,
     read_args_file,
 )
@@ -45,6 +47,7 @@ from verify.preflight.paper import (
     wire_rows,
 )
 from verify.preflight.render import print_terminal, write_outputs
+from verify.preflight.resolve import resolve
 from verify.preflight.timing import CostInputs, pipeline_timing
 from verify.preflight.twin import TwinOptions, TwinSizeError, plan_twin
 from verify.preflight.twin_stage import TwinRunError, paper_only_hazards, run_twin_stage
@@ -57,25 +60,17 @@ TWIN_NOTE = ("The scaled twin run is not part of this output (--no-twin): these 
              "was run.")
 
 
-class _MegatronFlag(argparse.Action):
-    """Collects a Megatron flag, as written, into ``args.megatron_argv`` (order kept)."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        collected = list(getattr(namespace, "megatron_argv", None) or [])
-        collected.append(option_string)
-        if values is not None and not isinstance(values, list):
-            collected.append(values)
-        namespace.megatron_argv = collected
-
-
 def configure_parser(parser: argparse.ArgumentParser) -> None:
-    """Preflight's own options, and every Megatron flag it understands."""
-    parser.allow_abbrev = False  # as Megatron-Core's parser: --tensor-model is no flag
-    parser.description = ("Validate a Megatron-Core training configuration as production does, "
-                          "and compute its buffer layouts, traffic, reduction error and pipeline "
-                          "bubble on paper. Megatron flags preflight does not model (on the "
-                          "command line, in --args-file or after `--`) are listed and ignored.")
-    own = parser.add_argument_group("preflight options")
+    """Preflight's own options; the launch's Megatron-LM flags follow `--`."""
+    parser.allow_abbrev = False  # as Megatron-LM's parser: --tensor-model is no flag
+    parser.description = (f"Validate a Megatron-LM launch as {MEGATRON_LM} does, and compute "
+                          "its buffer layouts, traffic, reduction error and pipeline bubble on "
+                          "paper. Usage: verify preflight [PREFLIGHT OPTIONS] -- MEGATRON FLAGS "
+                          "(the flags a launch script hands to pretrain_gpt.py, unchanged).")
+    own = parser.add_argument_group("preflight options (none is a Megatron-LM flag)")
+    own.add_argument("--world-size", type=int, metavar="N",
+                     help="the launch's world size, which Megatron-LM takes from the launcher; "
+                          "without it WORLD_SIZE under torchrun, or the torchrun line of --args-file")
     own.add_argument("--args-file", action="append", default=[], metavar="PATH",
                      help="a file of Megatron flags (\\ continuations and # comments allowed); "
                           "repeatable, command-line flags win")
@@ -96,35 +91,42 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     twin.add_argument("--twin-hidden-size", type=int, default=TwinOptions.hidden_size,
                       metavar="H", help="the twin's layer width")
     twin.add_argument("--twin-layers", type=int, default=TwinOptions.layers, metavar="L",
-                      help="the twin's layers per virtual stage")
+                      help="the twin's layers per virtual stage (an uneven split keeps "
+                           "production's differences between stages on top)")
     twin.add_argument("--twin-steps", type=int, default=TwinOptions.steps, metavar="N",
                       help="training steps, each compared with refgrad")
     twin.add_argument("--twin-max-microbatches", type=int, default=TwinOptions.max_microbatches,
                       metavar="M", help="cap on the twin's microbatches per step")
     twin.add_argument("--max-world-size", type=int, default=TwinOptions.max_world_size,
-                      metavar="W", help="most ranks the twin may spawn, TP x PP x DP")
+                      metavar="W", help="most ranks the twin may spawn, TP x PP x DP x CP")
     twin.add_argument("--timeout", type=float, default=TwinOptions.timeout_s, metavar="S",
                       help="stall timeout of the twin's ranks in seconds: an error when none "
                            "made progress (marker or CPU time) for that long")
     twin.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
-    parser.epilog = "Megatron-Core flags understood: " + " ".join(FLAG_SPECS)
-    megatron = parser.add_argument_group("Megatron-Core flags (same names as Megatron's)")
-    for flag, (_, kind) in FLAG_SPECS.items():
-        nargs = 0 if kind in ("true", "false") else None
-        megatron.add_argument(flag, action=_MegatronFlag, nargs=nargs, dest="megatron_argv",
-                              default=None, metavar="V", help=argparse.SUPPRESS)
+    modelled = sorted({flag_of(dest, {}) for dest in MODELLED})
+    parser.epilog = (f"Every flag of {MEGATRON_LM}'s parse_args is read as it reads it; these "
+                     "are modelled: " + " ".join(modelled) + ". Flags that would change the "
+                     "layout, gradient path or batch in ways preflight does not model are "
+                     "refused ('not modelled'); the others are listed and ignored.")
     parser.add_argument("extra_megatron_argv", nargs="*", metavar="-- MEGATRON_FLAGS",
-                        help="further Megatron flags after `--` (unknown ones are listed)")
+                        help="the launch's Megatron-LM flags (after `--`)")
 
 
-def read_flags(args: argparse.Namespace) -> ParsedFlags:
+def own_options() -> dict[str, bool]:
+    """Preflight's own options (those of :func:`configure_parser`) and whether each takes a value."""
+    parser = argparse.ArgumentParser(add_help=False)
+    configure_parser(parser)
+    return {flag: action.nargs != 0 for action in parser._actions
+            for flag in action.option_strings}
+
+
+def read_flags(args: argparse.Namespace, own: frozenset[str] = frozenset()) -> ParsedFlags:
     """Args files first, then the command line (later flags win, as with argparse)."""
     tokens: list[str] = []
     for path in args.args_file:
         tokens += read_args_file(path)
-    tokens += list(getattr(args, "megatron_argv", None) or [])
     tokens += list(getattr(args, "extra_megatron_argv", None) or [])
-    return parse_megatron_flags(tokens)
+    return parse_megatron_flags(tokens, own)
 
 
 def gradverify_version() -> str:
@@ -143,10 +145,11 @@ def build_report(config: PreflightConfig, parsed: ParsedFlags, costs: CostInputs
         "tool": "verify preflight",
         "gradverify_version": gradverify_version(),
         "passed": True,
-        "verdict": (f"PREFLIGHT PASSED: valid under Megatron-Core's rules; TP={config.tensor_model_parallel_size}"
-                    f" PP={pp} VPP={vpp} DP={config.data_parallel_size} "
-                    f"({config.data_parallel_source}), {config.num_microbatches} microbatches; "
-                    f"{pp * vpp} gradient buffer{'s' if pp * vpp != 1 else ''} laid out on paper"),
+        "megatron": MEGATRON_LM,
+        "verdict": (f"PREFLIGHT PASSED: valid under the rules of {MEGATRON_LM}; "
+                    f"{config.shape} ({config.data_parallel_source}), "
+                    f"{config.num_microbatches} microbatches; {pp * vpp} gradient "
+                    f"buffer{'s' if pp * vpp != 1 else ''} laid out on paper"),
         "config": config.to_dict(),
         "unknown_flags": list(parsed.unknown),
         "ignored_positionals": list(parsed.positional),
@@ -180,15 +183,15 @@ def main(args: argparse.Namespace, environ: Mapping[str, str] | None = None,
                            assumed_tflops=args.assumed_tflops,
                            assumed_bus_gbps=args.assumed_bus_gbps)
         options = twin_options(args)
-        parsed = read_flags(args)
+        parsed = read_flags(args, frozenset(own_options()))
     except (OutputPathError, ValueError) as exc:
-        refused = ("the Megatron-Core flags could not be read" if isinstance(exc, FlagError)
+        refused = ("the launch's flags are refused" if isinstance(exc, FlagError)
                    else "a preflight option is invalid")
         print(f"PREFLIGHT REFUSED: {refused}; nothing was run.", file=sys.stderr)
         print(f"verify preflight: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     try:
-        config = resolve(parsed, environ)
+        config = resolve(parsed, environ, world_size=args.world_size)
     except (ConfigError, ValueError) as exc:
         print("PREFLIGHT REFUSED: the configuration would not start; nothing was run.",
               file=sys.stderr)

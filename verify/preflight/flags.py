@@ -1,101 +1,194 @@
-"""Megatron-Core's command-line flags, read from argv tokens or from a launcher's args file.
+"""A Megatron-LM launch line, read as Megatron-LM's own ``parse_args`` reads it.
 
-Only the flags that decide the gradient buffers, the collectives and the
-pipeline schedule are understood (:data:`FLAG_SPECS`); every other flag is
-listed in :attr:`ParsedFlags.unknown` and ignored, so a user can hand over the
-exact flags of their launch script. ``--flag value`` and ``--flag=value`` are
-both accepted, as Megatron's argparse accepts them.
+The flags are those of Megatron-LM core_r0.19.0 (megatron-core 0.19.2):
+``megatron_flags.json`` is generated from its parser
+(``megatron/training/arguments.py add_megatron_arguments``, by
+``dev/megatron_diff/dump_flags.py``), and :func:`parse_megatron_flags` builds
+an ``argparse`` parser from it, so a launch line gets Megatron's verdict on
+names, arities, types and choices: an unknown flag, a missing value, an
+unquoted multi-word value, ``--min-lr -1e-5`` (argparse takes ``-1e-5`` for an
+option) are refused as Megatron refuses them.
+
+Of the flags Megatron accepts, preflight reads those in :data:`MODELLED`;
+:data:`NOT_MODELLED` lists the flags that would change the parallel layout,
+the gradient path or the batch in ways preflight does not lay out, which are
+refused naming the flag; every other flag is listed as ignored.
 """
 
 from __future__ import annotations
 
+import argparse
 import difflib
+import json
 import re
 import shlex
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
+
+MEGATRON_LM = "Megatron-LM core_r0.19.0 (megatron-core 0.19.2)"
 
 
 class FlagError(ValueError):
-    """A flag gradverify understands was given a bad value (exit code 2)."""
+    """The launch's flags could not be read as Megatron-LM reads them (exit code 2)."""
 
 
-# flag -> (attribute name, kind). Kinds: "int", "float", "str", "true" (a store_true
-# switch), "false" (a switch that turns the attribute off). Two spellings of one
-# setting share an attribute; ParsedFlags.spelling records which one was used.
-FLAG_SPECS: dict[str, tuple[str, str]] = {
-    "--tensor-model-parallel-size": ("tensor_model_parallel_size", "int"),
-    "--pipeline-model-parallel-size": ("pipeline_model_parallel_size", "int"),
-    "--num-virtual-stages-per-pipeline-rank": ("virtual_pipeline_model_parallel_size", "int"),
-    "--virtual-pipeline-model-parallel-size": ("virtual_pipeline_model_parallel_size", "int"),
-    "--num-layers-per-virtual-pipeline-stage": ("num_layers_per_virtual_pipeline_stage", "int"),
-    "--data-parallel-size": ("data_parallel_size", "int"),
-    "--world-size": ("world_size", "int"),
-    "--micro-batch-size": ("micro_batch_size", "int"),
-    "--global-batch-size": ("global_batch_size", "int"),
-    "--num-layers": ("num_layers", "int"),
-    "--hidden-size": ("hidden_size", "int"),
-    "--ffn-hidden-size": ("ffn_hidden_size", "int"),
-    "--num-attention-heads": ("num_attention_heads", "int"),
-    "--group-query-attention": ("group_query_attention", "true"),
-    "--num-query-groups": ("num_query_groups", "int"),
-    "--kv-channels": ("kv_channels", "int"),
-    "--seq-length": ("seq_length", "int"),
-    "--max-position-embeddings": ("max_position_embeddings", "int"),
-    "--position-embedding-type": ("position_embedding_type", "str"),
-    "--padded-vocab-size": ("padded_vocab_size", "int"),
-    "--vocab-size": ("vocab_size", "int"),
-    "--make-vocab-size-divisible-by": ("make_vocab_size_divisible_by", "int"),
-    "--untie-embeddings-and-output-weights": ("untie_embeddings_and_output_weights", "true"),
-    "--swiglu": ("swiglu", "true"),
-    "--disable-bias-linear": ("add_bias_linear", "false"),
-    "--normalization": ("normalization", "str"),
-    "--bf16": ("bf16", "true"),
-    "--fp16": ("fp16", "true"),
-    "--use-distributed-optimizer": ("use_distributed_optimizer", "true"),
-    "--overlap-grad-reduce": ("overlap_grad_reduce", "true"),
-    "--overlap-param-gather": ("overlap_param_gather", "true"),
-    "--no-overlap-p2p-communication": ("overlap_p2p_comm", "false"),
-    "--ddp-bucket-size": ("ddp_bucket_size", "int"),
-    "--ddp-pad-buckets-for-high-nccl-busbw": ("ddp_pad_buckets_for_high_nccl_busbw", "true"),
-    "--accumulate-allreduce-grads-in-fp32": ("accumulate_allreduce_grads_in_fp32", "true"),
-    "--grad-reduce-in-bf16": ("grad_reduce_in_bf16", "true"),
-    "--ddp-reduce-scatter-with-fp32-accumulation": (
-        "ddp_reduce_scatter_with_fp32_accumulation", "true"),
-    "--defer-embedding-wgrad-compute": ("defer_embedding_wgrad_compute", "true"),
-    "--wgrad-deferral-limit": ("wgrad_deferral_limit", "int"),
-    "--fp8-format": ("fp8_format", "str"),
-    "--fp8-recipe": ("fp8_recipe", "str"),
-    "--fp8-param-gather": ("fp8_param_gather", "true"),
-    "--reuse-grad-buf-for-mxfp8-param-ag": ("reuse_grad_buf_for_mxfp8_param_ag", "true"),
-    "--sequence-parallel": ("sequence_parallel", "true"),
-    "--gradient-accumulation-fusion": ("gradient_accumulation_fusion", "true"),
-    "--no-gradient-accumulation-fusion": ("gradient_accumulation_fusion", "false"),
-    "--seed": ("seed", "int"),
-    # optimizer: megatron/training/arguments.py (--clip-grad default 1.0; 0 turns clipping off)
-    "--clip-grad": ("clip_grad", "float"),
-    "--loss-scale": ("loss_scale", "float"),
-    "--initial-loss-scale": ("initial_loss_scale", "float"),
-    "--min-loss-scale": ("min_loss_scale", "float"),
-    "--loss-scale-window": ("loss_scale_window", "float"),
-    "--hysteresis": ("hysteresis", "int"),
+@dataclass(frozen=True)
+class FlagAction:
+    """One option of Megatron-LM's parser: its spellings, attribute, action and value rules."""
+
+    flags: tuple[str, ...]
+    dest: str
+    action: str  # store, store_true, store_false, boolean_optional
+    nargs: int | str | None
+    type: str  # int, float, str, enum (a name of ``choices``), other (Megatron's converter)
+    choices: tuple[str, ...] | None
+
+
+def _load_actions() -> tuple[FlagAction, ...]:
+    text = resources.files("verify.preflight").joinpath("megatron_flags.json").read_text("utf-8")
+    return tuple(FlagAction(tuple(a["flags"]), a["dest"], a["action"], a["nargs"], a["type"],
+                            None if a["choices"] is None else tuple(a["choices"]))
+                 for a in json.loads(text)["actions"])
+
+
+MEGATRON_ACTIONS = _load_actions()
+MEGATRON_FLAGS: Mapping[str, FlagAction] = {f: a for a in MEGATRON_ACTIONS for f in a.flags}
+_FLAG_OF_DEST = {a.dest: a.flags[0] for a in MEGATRON_ACTIONS}
+
+# The Megatron attributes (argparse dests) preflight reads; every other flag is ignored
+# (listed) or, in NOT_MODELLED, refused.
+MODELLED = frozenset({
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+    "num_virtual_stages_per_pipeline_rank", "num_layers_per_virtual_pipeline_stage",
+    "microbatch_group_size_per_vp_stage", "account_for_embedding_in_pipeline_split",
+    "account_for_loss_in_pipeline_split", "decoder_first_pipeline_num_layers",
+    "decoder_last_pipeline_num_layers", "overlap_p2p_comm",
+    "micro_batch_size", "global_batch_size", "decrease_batch_size_if_needed",
+    "step_batch_size_schedule", "eval_micro_batch_size", "eval_global_batch_size",
+    "num_layers", "encoder_num_layers", "hidden_size", "ffn_hidden_size",
+    "num_attention_heads", "group_query_attention", "num_query_groups", "kv_channels",
+    "seq_length", "encoder_seq_length", "max_position_embeddings", "position_embedding_type",
+    "use_rotary_position_embeddings", "add_position_embedding", "padded_vocab_size",
+    "vocab_size", "make_vocab_size_divisible_by", "untie_embeddings_and_output_weights",
+    "swiglu", "add_bias_linear", "add_qkv_bias", "normalization", "bf16", "fp16",
+    "use_distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather",
+    "ddp_bucket_size", "ddp_pad_buckets_for_high_nccl_busbw",
+    "accumulate_allreduce_grads_in_fp32", "grad_reduce_in_bf16",
+    "ddp_reduce_scatter_with_fp32_accumulation", "defer_embedding_wgrad_compute",
+    "wgrad_deferral_limit", "fp8", "fp8_recipe", "fp8_param_gather",
+    "reuse_grad_buf_for_mxfp8_param_ag", "sequence_parallel", "gradient_accumulation_fusion",
+    "seed", "clip_grad", "loss_scale", "initial_loss_scale", "min_loss_scale",
+    "loss_scale_window", "hysteresis", "batch_size", "model_parallel_size",
+    "checkpoint_activations", "tp_comm_overlap", "mrope_section",
+})
+
+# Given in place of Megatron-LM's spelling, these were preflight's own inventions.
+RENAMED = {
+    "--data-parallel-size": "Megatron-LM derives DP = world size / (TP x PP x "
+                            "CP) from the launcher; give preflight the world size with "
+                            "--world-size N (before `--`), or run it under torchrun (WORLD_SIZE)",
+    "--virtual-pipeline-model-parallel-size": "use "
+                                              "--num-virtual-stages-per-pipeline-rank N (or "
+                                              "--num-layers-per-virtual-pipeline-stage L)",
+    "--gradient-accumulation-fusion": "fusion is on by default, "
+                                      "--no-gradient-accumulation-fusion turns it off",
+}
+
+
+def _given(value: object, values: Mapping[str, object]) -> bool:
+    return True
+
+
+def _above_one(value: object, values: Mapping[str, object]) -> bool:
+    return isinstance(value, int) and value > 1
+
+
+def _positive(value: object, values: Mapping[str, object]) -> bool:
+    return isinstance(value, int) and value > 0
+
+
+def _not(default: str) -> Callable[[object, Mapping[str, object]], bool]:
+    return lambda value, values: value != default
+
+
+def _weight_shards(value: object, values: Mapping[str, object]) -> bool:
+    return value is not None and value != values.get("tensor_model_parallel_size", 1)
+
+
+# dest -> (why preflight does not lay it out, when a given value is not modelled)
+NOT_MODELLED: dict[str, tuple[str, Callable[[object, Mapping[str, object]], bool]]] = {
+    "num_experts": ("mixture-of-experts layers (expert parallel groups and buffers)", _positive),
+    "expert_model_parallel_size": ("expert parallelism", _above_one),
+    "pipeline_model_parallel_layout": ("an explicit pipeline layout", _given),
+    "hybrid_layer_pattern": ("a hybrid (Mamba) layer pattern", _given),
+    "hybrid_override_pattern": ("a hybrid (Mamba) layer pattern", _given),
+    "heterogeneous_layers_config_path": ("heterogeneous layers", _given),
+    "heterogeneous_layers_config_encoded_json": ("heterogeneous layers", _given),
+    "mtp_num_layers": ("multi-token prediction layers on the last stage", _positive),
+    "multi_latent_attention": ("multi-latent attention's parameter shapes", _given),
+    "qk_layernorm": ("the query/key layernorm parameters", _given),
+    "attention_output_gate": ("the gated attention output's wider QKV weight", _given),
+    "quick_geglu": ("a gated (GeGLU) MLP", _given),
+    "hierarchical_context_parallel_sizes": ("hierarchical context parallelism", _given),
+    "hybrid_context_parallel": ("hybrid context parallelism", _given),
+    "tensor_parallel_num_weight_shards": ("GTP weight sharding (it changes DP)", _weight_shards),
+    "use_torch_fsdp2": ("PyTorch FSDP2 in place of Megatron-Core's DDP", _given),
+    "use_megatron_fsdp": ("Megatron-FSDP in place of Megatron-Core's DDP", _given),
+    "num_distributed_optimizer_instances": ("several distributed-optimizer instances",
+                                            _above_one),
+    "ddp_num_buckets": ("a bucket count in place of a bucket size", _given),
+    "ddp_average_in_collective": ("averaging inside the collective (no 1/DP pre-scale)", _given),
+    "ddp_param_name_patterns_for_fp32_local_accumulation": ("fp32 local accumulation by name",
+                                                            _given),
+    "overlap_param_gather_with_optimizer_step": ("param gathers overlapped with the optimizer "
+                                                 "step (every chunk one bucket)", _given),
+    "calculate_per_token_loss": ("per-token loss (grads not pre-scaled by 1/DP)", _given),
+    "delay_wgrad_compute": ("Transformer Engine's delayed wgrad", _given),
+    "fp32_residual_connection": ("an fp32 residual stream (fp32 pipeline transfers)", _given),
+    "fp4": ("FP4 (NVFP4) compute", _given),
+    "fp4_param_gather": ("FP4 params", _given),
+    "te_precision_config_file": ("a quantization recipe file", _given),
+    "main_grads_dtype": ("a main-grad dtype other than fp32", _not("fp32")),
+    "main_params_dtype": ("master params in another dtype than fp32", _not("fp32")),
+    "exp_avg_dtype": ("Adam moments in another dtype than fp32", _not("fp32")),
+    "exp_avg_sq_dtype": ("Adam moments in another dtype than fp32", _not("fp32")),
+    "use_precision_aware_optimizer": ("the precision-aware optimizer", _given),
+    "optimizer": ("an optimizer other than Adam (the twin steps AdamW)", _not("adam")),
+    "optimizer_cpu_offload": ("the CPU-offloaded optimizer", _given),
+    "freeze_all_layers": ("frozen layers (no distributed optimizer, no param gather)", _given),
+    "pad_vocab_size": ("an unpadded vocabulary", _given),
+}
+
+# Megatron-LM 0.19 parses these and then ignores them: preflight lists them with the reason.
+IGNORED_BY_MEGATRON = {
+    "rampup_batch_size": "deprecated and ignored by Megatron-LM 0.19's microbatch calculator "
+                         "(megatron/core/num_microbatches_calculator.py "
+                         "init_num_microbatches_calculator): the batch stays constant",
 }
 
 
 @dataclass
 class ParsedFlags:
-    """What the tokens said: values by attribute, the flag spelled for each, and the rest."""
+    """A launch line, as Megatron-LM reads it: the values preflight models (by Megatron's
+    attribute name), the flag spelled for each, the flags it ignores, the launcher."""
 
-    values: dict[str, int | str | bool] = field(default_factory=dict)
-    spelling: dict[str, str] = field(default_factory=dict)  # attribute -> flag as written
-    unknown: list[str] = field(default_factory=list)  # unknown flags (with their values)
-    positional: list[str] = field(default_factory=list)  # e.g. the launcher and the script
+    values: dict[str, object] = field(default_factory=dict)
+    spelling: dict[str, str] = field(default_factory=dict)  # dest -> flag as written
+    unknown: list[str] = field(default_factory=list)  # Megatron flags preflight ignores (text)
+    positional: list[str] = field(default_factory=list)  # the launcher and the script
+    launcher_world_size: int | None = None  # torchrun's --nproc-per-node x --nnodes
+    notes: list[str] = field(default_factory=list)
 
-    def flag(self, attribute: str) -> str:
-        """The flag the user wrote for ``attribute`` (its first spelling when not given)."""
-        if attribute in self.spelling:
-            return self.spelling[attribute]
-        return next(f for f, (a, _) in FLAG_SPECS.items() if a == attribute)
+    def flag(self, dest: str) -> str:
+        """The flag the user wrote for ``dest`` (Megatron's first spelling when not given)."""
+        return self.spelling.get(dest) or _FLAG_OF_DEST[dest]
+
+
+def flag_of(dest: str, spelling: Mapping[str, str]) -> str:
+    """The flag written for Megatron attribute ``dest``, else Megatron's own spelling."""
+    return spelling.get(dest) or _FLAG_OF_DEST[dest]
 
 
 _CONTINUATION = re.compile(r"\\[ \t]*(#.*)?$")
@@ -123,119 +216,146 @@ def read_args_file(path: str | Path) -> list[str]:
     return tokenize_args_text(text)
 
 
-def _is_flag(token: str) -> bool:
-    return token.startswith("--") and len(token) > 2
+class _MegatronParser(argparse.ArgumentParser):
+    """Megatron-LM's parser rebuilt from its flag table; refuses with FlagError, not exit."""
+
+    def error(self, message: str):
+        raise FlagError(f"{message} (Megatron-LM's parse_args refuses it: {MEGATRON_LM})")
 
 
-def is_value(token: str) -> bool:
-    """A token that can be a flag's value (negative numbers and ``-``, stdin, included)."""
-    if not token.startswith("-") or token == "-":
-        return True
-    try:
-        float(token)
-    except ValueError:
-        return False
-    return True
+_TYPES: dict[str, Callable[[str], object]] = {"int": int, "float": float}
 
 
-# How alike an unknown flag and a known one must be to count as a misspelling of it: one or
-# two characters off in a long flag (--use-distributed-optimiser) is; Megatron-Core's real
-# flags that merely share words with a known one (--encoder-tensor-model-parallel-size,
-# 0.875 to --tensor-model-parallel-size) are not.
-NEAR_MISS_RATIO = 0.9
+def _megatron_parser() -> _MegatronParser:
+    parser = _MegatronParser(prog="pretrain_gpt.py", allow_abbrev=False, add_help=False)
+    for a in MEGATRON_ACTIONS:
+        kwargs: dict = {"dest": a.dest, "default": argparse.SUPPRESS}
+        if a.action == "boolean_optional":
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif a.action != "store":
+            kwargs["action"] = a.action
+        else:
+            kwargs["nargs"] = a.nargs
+            convert = _TYPES.get(a.type)
+            if convert is not None:
+                kwargs["type"] = convert
+            if a.choices is not None:
+                kwargs["choices"] = [convert(c) for c in a.choices] if convert else list(a.choices)
+        parser.add_argument(*a.flags, **kwargs)
+    return parser
 
 
-def _digits(flag: str) -> str:
-    return "".join(c for c in flag if c.isdigit())
+# How alike an unknown flag and a known one must be to be named as the likely meaning.
+NEAR_MISS_RATIO = 0.85
 
 
-def _refuse_near_miss(name: str) -> None:
-    """FlagError when ``name`` is a misspelling of a flag preflight models: Megatron-Core's
-    argument parser would refuse it, and ignoring it would check another configuration.
-    Flags that differ in their digits are different flags (``--fp4-param-gather`` is
-    Megatron-Core's NVFP4 switch, not a misspelled ``--fp8-param-gather``)."""
-    match = [m for m in difflib.get_close_matches(name, FLAG_SPECS, n=3, cutoff=NEAR_MISS_RATIO)
-             if _digits(m) == _digits(name)]
+def _unknown_flag(name: str, own_options: frozenset[str]) -> FlagError:
+    if name in RENAMED:
+        return FlagError(f"{name} is not a flag of {MEGATRON_LM}: {RENAMED[name]}")
+    if name in own_options:
+        return FlagError(f"{name} is an option of verify preflight, not a Megatron-LM flag: put "
+                         "it on the command line before `--` (the launch's flags, in --args-file "
+                         "or after `--`, are Megatron-LM's)")
+    candidates = [*MEGATRON_FLAGS, *own_options]
+    match = difflib.get_close_matches(name, candidates, n=1, cutoff=NEAR_MISS_RATIO)
+    hint = ""
     if match:
-        raise FlagError(f"{name} is not a Megatron-Core flag; did you mean {match[0]}? (flags that "
-                        "preflight does not model, such as --lr, are listed and ignored; a "
-                        "misspelling of one it models is refused, as Megatron-Core refuses it)")
+        hint = f"; did you mean {match[0]}{' (an option of verify preflight)' if match[0] in own_options else ''}?"
+    return FlagError(f"{name} is not a flag of {MEGATRON_LM}, whose parse_args refuses it{hint}")
 
 
-def parse_megatron_flags(tokens: list[str]) -> ParsedFlags:
-    """Parse tokens; later occurrences win, as with argparse. Raises FlagError on bad values."""
-    parsed = ParsedFlags()
-    index = 0
-    while index < len(tokens):
-        token = tokens[index]
-        index += 1
-        if not _is_flag(token):
-            parsed.positional.append(token)
-            continue
-        name, has_inline, inline = token.partition("=")
-        spec = FLAG_SPECS.get(name)
-        if spec is None:
-            _refuse_near_miss(name)
-            parsed.unknown.append(token)
-            # An unknown flag's values are the tokens up to the next flag.
-            while index < len(tokens) and not has_inline and is_value(tokens[index]):
-                parsed.unknown[-1] += f" {tokens[index]}"
-                index += 1
-            continue
-        attribute, kind = spec
-        parsed.spelling[attribute] = name
-        if kind in ("true", "false"):
-            if has_inline:
-                raise FlagError(f"{name} is a switch and takes no value, got {token!r}")
-            parsed.values[attribute] = kind == "true"
-            continue
-        if has_inline:
-            raw = inline
-        elif index < len(tokens) and is_value(tokens[index]):
-            raw = tokens[index]
-            index += 1
-        else:
-            raise FlagError(f"{name} expects a value")
-        if kind == "int":
-            try:
-                parsed.values[attribute] = int(raw)
-            except ValueError:
-                raise FlagError(f"{name} expects an integer, got {raw!r}") from None
-        elif kind == "float":
-            try:
-                parsed.values[attribute] = float(raw)
-            except ValueError:
-                raise FlagError(f"{name} expects a number, got {raw!r}") from None
-        else:
-            parsed.values[attribute] = raw
+def _split_launcher(tokens: list[str]) -> tuple[list[str], list[str]]:
+    """(the launcher and training script, the script's flags): everything up to a ``*.py``
+    script that follows a launcher (``torchrun ... pretrain_gpt.py``) is the launcher's."""
+    if not tokens or tokens[0].startswith("-"):
+        return [], tokens
+    for index, token in enumerate(tokens):
+        if token.endswith(".py") and not token.startswith("-"):
+            return tokens[:index + 1], tokens[index + 1:]
+    return [], tokens
+
+
+def _launcher_world_size(launcher: list[str]) -> int | None:
+    """torchrun's ``--nproc-per-node N [--nnodes M]`` as N x M (None when not both integers)."""
+    found: dict[str, str] = {}
+    for index, token in enumerate(launcher):
+        name, has_value, value = token.partition("=")
+        key = name.replace("_", "-")
+        if key in ("--nproc-per-node", "--nnodes"):
+            if not has_value and index + 1 < len(launcher):
+                value = launcher[index + 1]
+            found[key] = value
+    try:
+        nproc = int(found["--nproc-per-node"])
+        nnodes = int(found.get("--nnodes", "1"))
+    except (KeyError, ValueError):
+        return None
+    return nproc * nnodes
+
+
+def _flag_texts(tokens: list[str]) -> list[tuple[str, str]]:
+    """(flag, the flag with its values as written) for each flag of already-valid tokens."""
+    out: list[tuple[str, str]] = []
+    for token in tokens:
+        name = token.partition("=")[0]
+        if name in MEGATRON_FLAGS:
+            out.append((name, token))
+        elif out:
+            out[-1] = (out[-1][0], f"{out[-1][1]} {token}")
+    return out
+
+
+def parse_megatron_flags(tokens: list[str], own_options: frozenset[str] = frozenset()) -> ParsedFlags:
+    """Read a launch as Megatron-LM's parse_args does (later occurrences win). Raises
+    FlagError naming the flag; ``own_options``: verify preflight's, refused here."""
+    launcher, flags = _split_launcher(list(tokens))
+    for token in flags:
+        name = token.partition("=")[0]
+        if name.startswith("--") and len(name) > 2 and name not in MEGATRON_FLAGS:
+            raise _unknown_flag(name, own_options)
+    namespace = vars(_megatron_parser().parse_args(flags))
+    parsed = ParsedFlags(positional=launcher, launcher_world_size=_launcher_world_size(launcher))
+    texts = _flag_texts(flags)
+    for name, _ in texts:
+        parsed.spelling[MEGATRON_FLAGS[name].dest] = name
+    for name, text in texts:
+        dest = MEGATRON_FLAGS[name].dest
+        if dest in NOT_MODELLED:
+            why, applies = NOT_MODELLED[dest]
+            if applies(namespace[dest], namespace):
+                raise FlagError(f"{text}: not modelled ({why}): preflight does not lay it out, "
+                                "and refuses it rather than check another configuration")
+    for name, text in texts:
+        dest = MEGATRON_FLAGS[name].dest
+        if dest not in MODELLED and text not in parsed.unknown:
+            parsed.unknown.append(text)
+            if dest in IGNORED_BY_MEGATRON:
+                parsed.notes.append(f"{name}: {IGNORED_BY_MEGATRON[dest]}")
+    parsed.values = {dest: value for dest, value in namespace.items() if dest in MODELLED}
     return parsed
 
 
-def launch_flags_last(argv: list[str], known: set[str], own: set[str]) -> list[str]:
-    """``verify preflight``'s argv with every flag its parser does not ``known`` (a
-    Megatron-Core flag preflight does not model, such as ``--lr``) moved, with its values
-    and in order, behind ``--``: listed and ignored there, as in ``--args-file``, not an
-    argparse error. Left for argparse: a near-miss of one of preflight's own options
-    (``own``), which argparse then refuses (its parser allows no abbreviations, as
-    Megatron-Core's). One of ``own`` after ``--`` is a FlagError."""
+def split_preflight_argv(argv: list[str], own: Mapping[str, bool]) -> tuple[list[str], list[str]]:
+    """``verify preflight``'s argv as (its own options with their values, the launch's tokens).
+    ``own``: each own option and whether it takes a value. Before ``--`` a token that is not
+    an own option (or its value) belongs to the launch; after ``--`` every token does, and an
+    own option there is refused."""
     head, tail = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     misplaced = [t for t in tail if t.partition("=")[0] in own]
     if misplaced:
-        raise FlagError(f"{misplaced[0]} is an option of verify preflight, not a Megatron-Core "
-                        "flag: put it before `--` (everything after `--` is read as the launch's "
-                        "flags)")
-    kept, moved = [], []
+        raise FlagError(f"{misplaced[0]} is an option of verify preflight, not a Megatron-LM "
+                        "flag: put it before `--` (everything after `--` is the launch's flags)")
+    kept, launch = [], []
     index = 0
     while index < len(head):
         token = head[index]
         index += 1
-        name = token.partition("=")[0]
-        if (not token.startswith("--") or name in known
-                or difflib.get_close_matches(name, own, n=1, cutoff=NEAR_MISS_RATIO)):
+        name, has_value, _ = token.partition("=")
+        if name in own:
             kept.append(token)
+            if own[name] and not has_value and index < len(head):
+                kept.append(head[index])
+                index += 1
             continue
-        moved.append(token)
-        while "=" not in token and index < len(head) and is_value(head[index]):
-            moved.append(head[index])
-            index += 1
-    return kept + (["--", *moved, *tail] if moved or tail else [])
+        launch.append(token)
+    return kept, launch + tail

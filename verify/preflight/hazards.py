@@ -41,10 +41,16 @@ def _is_power_of_two(n: int) -> bool:
 
 
 def decide_hazards(config: PreflightConfig, *, padding_elements: int = 0,
-                   unknown_flags: tuple[str, ...] = (), twin_ran: bool = False,
-                   twin_passed: bool = False, twin_has_head: bool = False) -> list[Hazard]:
-    """Every hazard for ``config``; ``padding_elements`` from the paper layout (all chunks)."""
-    m, pp, dp = config.num_microbatches, config.pipeline_model_parallel_size, config.data_parallel_size
+                   twin_ran: bool = False, twin_passed: bool = False,
+                   twin_has_head: bool = False) -> list[Hazard]:
+    """Every hazard for ``config``; ``padding_elements`` from the paper layout (all chunks).
+
+    A changing microbatch count (Megatron-Core learns its grad-ready counts on the first
+    batch) is no hazard here: Megatron-LM 0.19 ignores --rampup-batch-size, and preflight
+    refuses --step-batch-size-schedule as not modelled, saying why."""
+    # The grads are pre-scaled by 1/(DP x CP) and summed over the dp_cp group.
+    m, pp, dp = (config.num_microbatches, config.pipeline_model_parallel_size,
+                 config.data_context_parallel_size)
     out: list[Hazard] = []
     observed = ("the twin ran the drain with fastgrad and matched refgrad"
                 if twin_ran and twin_passed and twin_has_head else "")
@@ -101,33 +107,24 @@ def decide_hazards(config: PreflightConfig, *, padding_elements: int = 0,
                           "with the grad buffer reused, each bucket's param_data is zeroed after "
                           "its params are copied out; a forced param sync (checkpoint save, "
                           "evaluation) all-gathers that stale or zeroed data in Megatron-Core"))
-    # 5. A changing microbatch count (Megatron learns grad-ready counts on the first batch).
-    rampup = [f for f in unknown_flags if f.split()[0] == "--rampup-batch-size"]
-    if rampup:
-        out.append(Hazard("changing microbatch count", FINDING,
-                          f"{rampup[0]} changes M from step to step: Megatron-Core's learned "
-                          "grad-ready counts break when M changes"))
-    else:
-        out.append(Hazard("changing microbatch count", SAFE,
-                          f"M = {config.num_microbatches} on every step (fixed global batch, "
-                          "no --rampup-batch-size)"))
-    # 6. Averaging pre-scaled in the grad dtype at a non-power-of-two DP.
+    # 5. Averaging pre-scaled in the grad dtype at a non-power-of-two DP.
+    group = "DP x CP" if config.context_parallel_size > 1 else "DP"
     if dp == 1:
         out.append(Hazard("pre-scaled averaging at a non-power-of-two DP", SAFE,
-                          "DP 1: no averaging"))
+                          f"{group} 1: no averaging"))
     elif _is_power_of_two(dp):
         out.append(Hazard("pre-scaled averaging at a non-power-of-two DP", SAFE,
-                          f"DP {dp} is a power of two: x 1/{dp} is exact in {config.grad_dtype} "
+                          f"{group} {dp} is a power of two: x 1/{dp} is exact in {config.grad_dtype} "
                           "(short of underflow)"))
     else:
         out.append(Hazard("pre-scaled averaging at a non-power-of-two DP", FINDING,
-                          f"DP {dp}: Megatron-Core multiplies each grad by 1/{dp} in "
+                          f"{group} {dp}: Megatron-Core multiplies each grad by 1/{dp} in "
                           f"{config.grad_dtype} before the SUM, one extra rounding per element "
                           f"(relative error up to u of {config.grad_dtype}); averaging after the "
                           "sum (ReduceOp.AVG) or in fp32 rounds once",
                           "the twin pre-scales the same way and matched refgrad's model of it"
                           if twin_ran and twin_passed else ""))
-    # 7. Padding in norms and checkpoints.
+    # 6. Padding in norms and checkpoints.
     if not config.use_distributed_optimizer:
         out.append(Hazard("padding in norms and checkpoints", SAFE,
                           "no padding: without the distributed optimizer the buffer is unpadded"))

@@ -55,11 +55,10 @@ class ParamSpec:
 
 
 def layers_of_chunk(config: PreflightConfig, stage: int, chunk: int) -> range:
-    """Global layer indices of ``chunk`` on pipeline ``stage`` (virtual stage chunk*PP + stage)."""
-    pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size
-    per_chunk = config.num_layers // (pp * vpp)
-    virtual_stage = chunk * pp + stage
-    return range(virtual_stage * per_chunk, (virtual_stage + 1) * per_chunk)
+    """Global layer indices of ``chunk`` on pipeline ``stage``, as Megatron splits them
+    (:mod:`verify.preflight.pipeline_split`: uneven first/last stages, the embedding and the
+    loss counted as layers)."""
+    return config.layer_split.layer_range(stage, chunk)
 
 
 def layer_parameters(config: PreflightConfig, index: int) -> list[ParamSpec]:
@@ -77,16 +76,19 @@ def layer_parameters(config: PreflightConfig, index: int) -> list[ParamSpec]:
             specs.append(ParamSpec(prefix + name + ".bias", (h,)))
         return specs
 
-    def linear(name: str, out_features: int, in_features: int, bias_features: int) -> list[ParamSpec]:
+    def linear(name: str, out_features: int, in_features: int, bias_features: int,
+               with_bias: bool = bias) -> list[ParamSpec]:
         specs = [ParamSpec(prefix + name + ".weight", (out_features, in_features))]
-        if bias:
+        if with_bias:
             specs.append(ParamSpec(prefix + name + ".bias", (bias_features,)))
         return specs
 
     return [
         *norm("input_layernorm"),
         *linear("self_attention.linear_proj", h, q // tp, h),
-        *linear("self_attention.linear_qkv", (q + 2 * kv) // tp, h, (q + 2 * kv) // tp),
+        # attention.py SelfAttention: bias=add_bias_linear or add_qkv_bias.
+        *linear("self_attention.linear_qkv", (q + 2 * kv) // tp, h, (q + 2 * kv) // tp,
+                bias or config.add_qkv_bias),
         *norm("pre_mlp_layernorm"),
         *linear("mlp.linear_fc1", fc1_out // tp, h, fc1_out // tp),
         *linear("mlp.linear_fc2", h, config.ffn_hidden_size // tp, h),

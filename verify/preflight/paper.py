@@ -14,12 +14,12 @@ from dataclasses import dataclass
 
 from fastgrad.layout import BufferLayout, compute_layout
 from verify.preflight.config import DTYPE_BYTES, PreflightConfig
-from verify.preflight.model import ParamSpec, chunk_parameters
+from verify.preflight.model import ParamSpec, chunk_parameters, layers_of_chunk
 from verify.studies.reduce_scatter.models import UNIT_ROUNDOFF
 from verify.studies.reduce_scatter.sweep import DEFAULT_DP
 
 FP32_UNIT_ROUNDOFF = 2.0**-24
-BUCKET_RULES = ("Bucket size: max(40M, 1M x DP) elements or --ddp-bucket-size on pipeline rank 0's "
+BUCKET_RULES = ("Bucket size: max(40M, 1M x DP x CP) elements or --ddp-bucket-size on pipeline rank 0's "
                 "first model chunk only; one bucket on every pipeline rank > 0 "
                 "(megatron/core/distributed/distributed_data_parallel.py: `if disable_bucketing or "
                 "pp_rank > 0: self.bucket_size = None`), on model chunks > 0 (training.py "
@@ -33,9 +33,9 @@ WIRE_FORMULAS = {
                         "b_param = 1 + 1/32 with MXFP8 --fp8-param-gather: E4M3 data + E8M0 scales)",
     "embedding_all_reduce": "2 (2-1)/2 * (vocab/TP * h) * b_grad on the first and last stage "
                             "(tied embeddings, PP > 1, embedding group of 2)",
-    "pipeline_p2p": "M * (mbs * seq/(TP if sequence parallel) * h * b_act) per chunk boundary "
+    "pipeline_p2p": "M * (mbs * seq/CP/(TP if sequence parallel) * h * b_act) per chunk boundary "
                     "and direction: forward activations sent downstream, their grads upstream",
-    "tensor_parallel": "layers * M * 8 (T-1)/T * mbs * seq * h * b_act (per layer and "
+    "tensor_parallel": "layers * M * 8 (T-1)/T * mbs * seq/CP * h * b_act (per layer and "
                        "microbatch: 2 all-gathers + 2 reduce-scatters forward and the mirror "
                        "backward with sequence parallelism; 4 all-reduces without: same bytes)",
 }
@@ -70,12 +70,13 @@ def bucket_size_for(config: PreflightConfig, stage: int, chunk: int) -> tuple[in
         # megatron/training/training.py get_model: disable_bucketing for chunk_idx > 0.
         return None, "one (model chunk > 0)"
     size = config.first_stage_bucket_size
-    source = "--ddp-bucket-size" if config.ddp_bucket_size is not None else "max(40M, 1M x DP)"
+    source = "--ddp-bucket-size" if config.ddp_bucket_size is not None else "max(40M, 1M x DP x CP)"
     return size, f"{size:,} ({source})"
 
 
 def chunk_layouts(config: PreflightConfig) -> list[ChunkLayout]:
-    """Every (stage, chunk)'s buffer, one DDP buffer per model chunk as Megatron wraps them."""
+    """Every (stage, chunk)'s buffer, one DDP buffer per model chunk as Megatron wraps them,
+    sharded and padded over the DP x CP group that reduces the gradients."""
     out = []
     for stage in range(config.pipeline_model_parallel_size):
         for chunk in range(config.virtual_pipeline_model_parallel_size):
@@ -84,7 +85,7 @@ def chunk_layouts(config: PreflightConfig) -> list[ChunkLayout]:
             shared = [i for i, p in enumerate(params) if p.shared_embedding]
             layout = compute_layout(
                 [p.numel for p in params],
-                dp_size=config.data_parallel_size,
+                dp_size=config.data_context_parallel_size,
                 bucket_size=size,
                 use_distributed_optimizer=config.use_distributed_optimizer,
                 pad_buckets_for_high_nccl_busbw=config.ddp_pad_buckets_for_high_nccl_busbw,
@@ -124,6 +125,8 @@ def memory_rows(config: PreflightConfig, chunks: list[ChunkLayout]) -> list[dict
             "param_elements": c.param_elements, "buffer_numel": numel,
             "numel_unpadded": c.layout.numel_unpadded, "padding_elements": padding,
             "padding_fraction": padding / numel, "bucket_rule": c.bucket_rule,
+            "layers": len(layers_of_chunk(config, c.stage, c.chunk)),
+            "bucket_size": c.bucket_size,
             "num_buckets": c.layout.num_buckets,
             "bucket_numels": [end - start for start, end in c.layout.bucket_indices],
             "grad_buffer_bytes": numel * grad_bytes,
@@ -137,8 +140,9 @@ def memory_rows(config: PreflightConfig, chunks: list[ChunkLayout]) -> list[dict
 
 
 def activation_bytes(config: PreflightConfig) -> float:
-    """One microbatch's activation (or its grad) at a pipeline boundary."""
-    seq = config.seq_length
+    """One microbatch's activation (or its grad) at a pipeline boundary (a CP rank's share of
+    the sequence: schedules.py divides the tensor shape's sequence by CP)."""
+    seq = config.seq_length / config.context_parallel_size
     if config.sequence_parallel:
         seq = seq / config.tensor_model_parallel_size
     return config.micro_batch_size * seq * config.hidden_size * DTYPE_BYTES[config.params_dtype]
@@ -146,7 +150,7 @@ def activation_bytes(config: PreflightConfig) -> float:
 
 def wire_rows(config: PreflightConfig, chunks: list[ChunkLayout]) -> list[dict]:
     """Per pipeline stage (one rank of it): bytes each collective sends per step."""
-    n, tp = config.data_parallel_size, config.tensor_model_parallel_size
+    n, tp = config.data_context_parallel_size, config.tensor_model_parallel_size
     pp, vpp, m = (config.pipeline_model_parallel_size,
                   config.virtual_pipeline_model_parallel_size, config.num_microbatches)
     grad_b = DTYPE_BYTES[config.grad_dtype]
@@ -169,7 +173,7 @@ def wire_rows(config: PreflightConfig, chunks: list[ChunkLayout]) -> list[dict]:
         p2p = (sends_forward + sends_backward) * m * boundary
         layers = sum(1 for c in mine for p in c.params if p.name.endswith("input_layernorm.weight"))
         tensor = (layers * m * 8 * (tp - 1) / tp * config.micro_batch_size * config.seq_length
-                  * config.hidden_size * act_b)
+                  / config.context_parallel_size * config.hidden_size * act_b)
         rows.append({
             "stage": stage, "grad_collective": "reduce-scatter" if factor == 1 else "all-reduce",
             "grad_sync_bytes": grad, "param_all_gather_bytes": gather,
@@ -185,8 +189,9 @@ def _gamma(k: int, u: float) -> float | None:
 
 
 def reduction_error(config: PreflightConfig) -> dict:
-    """Predicted relative error of the DP gradient reduction, from the accumulation study's models."""
-    n = config.data_parallel_size
+    """Predicted relative error of the DP gradient reduction (over DP x CP ranks), from the
+    accumulation study's models."""
+    n = config.data_context_parallel_size
     wire = config.grad_dtype
     study_dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(wire)
     u = UNIT_ROUNDOFF[study_dtype] if study_dtype else FP32_UNIT_ROUNDOFF

@@ -49,7 +49,7 @@ def pipeline_timing(config: PreflightConfig, chunks: list[ChunkLayout], wire: li
                     inputs: CostInputs) -> dict:
     """Costs used (with their source) and the simulated step."""
     pp, m = config.pipeline_model_parallel_size, config.num_microbatches
-    tokens = config.micro_batch_size * config.seq_length
+    tokens = config.micro_batch_size * config.seq_length // config.context_parallel_size  # a CP rank's
     flops_per_s = inputs.assumed_tflops * 1e12
     bytes_per_ms = inputs.assumed_bus_gbps * 1e9 / 1e3
     assumptions = []
@@ -88,6 +88,12 @@ def pipeline_timing(config: PreflightConfig, chunks: list[ChunkLayout], wire: li
                           first_chunk_num_buckets=first_chunk_buckets)
     mode = "overlap" if config.overlap_grad_reduce else "after-compute"
     vpp = config.virtual_pipeline_model_parallel_size
+    if vpp > 1 and m % pp:
+        # Valid under a --microbatch-group-size-per-virtual-pipeline-stage other than PP; the
+        # simulator runs each chunk's microbatches in groups of PP.
+        assumptions.append(f"the simulator's interleaved schedule runs microbatches in groups "
+                           f"of PP: M = {m} simulated as {m - m % pp}")
+        m -= m % pp
     result = simulate(pp, m, costs, mode=mode, virtual_stages=vpp)
     busy = m * (forward + backward)  # per stage: V chunks x M x (f + b) / V
     return {

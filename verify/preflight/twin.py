@@ -35,6 +35,8 @@ from verify.preflight.twin_compare import ulp_bound_factor
 TWIN_LR = 0.05
 # TP sums of two fp32 values are one rounding in any order: bitwise. Larger TP is scaled to 2.
 MAX_TWIN_TP = 2
+# An uneven split: the twin keeps each virtual stage's surplus over the lightest one, up to this.
+MAX_EXTRA_TWIN_LAYERS = 3
 
 
 class TwinSizeError(ValueError):
@@ -107,7 +109,9 @@ def plan_twin(config: PreflightConfig, options: TwinOptions) -> TwinPlan:
     from verify.preflight.twin_precision import precision_for
 
     tp, pp = config.tensor_model_parallel_size, config.pipeline_model_parallel_size
-    vpp, config_dp = config.virtual_pipeline_model_parallel_size, config.data_parallel_size
+    # CP ranks reduce grads with the DP ranks (the dp_cp group): the twin's DP replicas stand
+    # for all of them.
+    vpp, config_dp = config.virtual_pipeline_model_parallel_size, config.data_context_parallel_size
     twin_tp = min(tp, MAX_TWIN_TP)
     precision, dp, not_twinned = precision_for(config, twin_tp)
     world = twin_tp * pp * dp
@@ -119,6 +123,8 @@ def plan_twin(config: PreflightConfig, options: TwinOptions) -> TwinPlan:
             f"ranks, more than --max-world-size ({options.max_world_size}); raise "
             f"--max-world-size or run under torchrun")
     layers = options.layers
+    stage_layers, split_left_out = twin_stage_layers(config, layers)
+    not_twinned += split_left_out
     # The output layer sits on the last virtual stage (its drain follows the, possibly
     # interleaved, cooldown); its vocabulary, the twin's hidden size, is split over TP.
     from verify.preflight.twin_mxfp8 import BLOCK
@@ -144,8 +150,9 @@ def plan_twin(config: PreflightConfig, options: TwinOptions) -> TwinPlan:
                            output_head=True, tied_embedding=tied,
                            defer_output_wgrad=config.defer_embedding_wgrad_compute,
                            wgrad_deferral_limit=config.wgrad_deferral_limit,
-                           tensor_parallel=twin_tp, sequence_parallel=sequence_parallel)
-    stage_numel = layers * (h * h + h)
+                           tensor_parallel=twin_tp, sequence_parallel=sequence_parallel,
+                           stage_layers=stage_layers)
+    stage_numel = spec.layers_on(0) * (h * h + h)
     # Production's rule: only pipeline rank 0's first chunk is bucketed (with overlap);
     # every other chunk is one bucket (a size above its element count, head included).
     one_bucket = 10 * stage_numel
@@ -187,13 +194,16 @@ def plan_twin(config: PreflightConfig, options: TwinOptions) -> TwinPlan:
     mxfp8, mxfp8_left_out = mxfp8_twin_for(config, adamw)
     not_twinned += mxfp8_left_out
     mapping = (
-        ("TP x PP x VPP x DP", f"{tp} x {pp} x {vpp} x {config_dp}", f"{twin_tp} x {pp} x {vpp} x {dp}"),
+        ("TP x PP x VPP x DP", f"{tp} x {pp} x {vpp} x {config.data_parallel_size}"
+         + (f" (x CP {config.context_parallel_size})" if config.context_parallel_size > 1 else ""),
+         f"{twin_tp} x {pp} x {vpp} x {dp}"),
+        *_context_parallel_rows(config, dp),
         ("ranks", str(tp * pp * config_dp), str(world)),
         ("microbatches per step", str(config.num_microbatches), str(m)),
         ("micro batch size (rows)", str(config.micro_batch_size), str(rows)),
         ("tensor parallelism", _tp_layout(tp, config.sequence_parallel),
          _tp_layout(twin_tp, sequence_parallel, twin=True)),
-        ("layers", str(config.num_layers), f"{layers} per virtual stage = {layers * pp * vpp}"),
+        _layers_row(config, spec, layers),
         ("hidden size", str(config.hidden_size), str(h)),
         ("grad reduction", f"x 1/DP then SUM ({'reduce-scatter' if config.use_distributed_optimizer else 'all-reduce'})",
          f"x 1/DP then SUM ({'reduce-scatter' if config.use_distributed_optimizer else 'all-reduce'}"
@@ -218,6 +228,55 @@ def plan_twin(config: PreflightConfig, options: TwinOptions) -> TwinPlan:
     return TwinPlan(case=case, overlap=config.overlap_grad_reduce, world_size=world,
                     bitwise=bitwise, order_note=order_note, mapping=mapping,
                     not_twinned=tuple(not_twinned), optimizer=optimizer, adamw=adamw, mxfp8=mxfp8)
+
+
+def twin_stage_layers(config: PreflightConfig, layers: int) -> tuple[tuple[int, ...], list[str]]:
+    """The twin's layers per virtual stage (``()``: ``layers`` on each), and what it leaves out.
+
+    An even split gives every virtual stage ``layers``. An uneven one (uneven first/last
+    stages, the embedding or loss counted as a layer) gives virtual stage ``v`` (chunk x PP +
+    stage) ``layers`` plus its surplus over production's lightest virtual stage, at most
+    ``MAX_EXTRA_TWIN_LAYERS``: the twin's stages differ as production's do, so each stage's
+    buffer, buckets and padding differ too."""
+    pp = config.pipeline_model_parallel_size
+    split = config.layer_split.layers
+    counts = [split[v % pp][v // pp] for v in range(pp * config.virtual_pipeline_model_parallel_size)]
+    if len(set(counts)) == 1:
+        return (), []
+    lightest = min(counts)
+    twin = tuple(layers + min(c - lightest, MAX_EXTRA_TWIN_LAYERS) for c in counts)
+    left_out = []
+    if any(c - lightest > MAX_EXTRA_TWIN_LAYERS for c in counts):
+        left_out.append(f"the uneven split's full differences: production's layers per virtual "
+                        f"stage {counts}, the twin's {list(twin)} (each surplus over the lightest "
+                        f"stage capped at {MAX_EXTRA_TWIN_LAYERS})")
+    if 0 in counts:
+        left_out.append("a virtual stage with no transformer layer (the embedding or loss alone): "
+                        f"the twin's has {layers} Linear+tanh layer(s)")
+    return twin, left_out
+
+
+def _layers_row(config: PreflightConfig, spec: Any, layers: int) -> tuple[str, str, str]:
+    pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size
+    if not spec.stage_layers:
+        return ("layers", str(config.num_layers), f"{layers} per virtual stage = {layers * pp * vpp}")
+    split = config.layer_split.layers
+    production = [split[v % pp][v // pp] for v in range(pp * vpp)]
+    return ("layers per virtual stage", f"{production} (= {config.num_layers})",
+            f"{list(spec.stage_layers)} (= {sum(spec.stage_layers)})")
+
+
+def _context_parallel_rows(config: PreflightConfig, dp: int) -> tuple[tuple[str, str, str], ...]:
+    """How the twin maps context parallelism (no rows without it)."""
+    cp = config.context_parallel_size
+    if cp == 1:
+        return ()
+    group = config.data_context_parallel_size
+    return (("context parallelism",
+             f"CP {cp}: each sample's sequence split over {cp} ranks; grads x 1/{group} then "
+             f"summed over DP x CP = {group} ranks (the dp_cp group)",
+             f"no sequence split: {dp} DP replicas, each with its own rows, stand for the "
+             f"dp_cp group (x 1/{dp} then SUM)"),)
 
 
 def _optimizer_rows(config: PreflightConfig, adamw: Any) -> tuple[tuple[str, str, str], ...]:
@@ -280,6 +339,11 @@ def _left_out(config: PreflightConfig, m: int, optimizer: str) -> list[str]:
     """Every part of the configuration the twin does not reproduce, with the reason."""
     out = []
     tp = config.tensor_model_parallel_size
+    if config.context_parallel_size > 1:
+        cp, group = config.context_parallel_size, config.data_context_parallel_size
+        out.append(f"context parallelism CP {cp} scaled away: the twin splits no sequence and "
+                   f"exchanges no attention keys/values over CP; its DP replicas stand for the "
+                   f"DP x CP = {group} ranks that reduce production's grads")
     if tp > MAX_TWIN_TP:
         out.append(f"tensor parallelism TP {tp} scaled to TP {MAX_TWIN_TP}: a sum over more than "
                    "two TP ranks has a backend-chosen order (the collectives are the same)")
@@ -290,6 +354,10 @@ def _left_out(config: PreflightConfig, m: int, optimizer: str) -> list[str]:
                    "microbatch's wgrad to the param dtype and adds it through param.grad (at PP 1 "
                    "summed first with the tied first layer's grad); the twin's output layer "
                    "accumulates fused, straight into main_grad")
+    group = config.microbatch_group_size_per_vp_stage
+    if group is not None and group != config.pipeline_model_parallel_size:
+        out.append(f"--microbatch-group-size-per-virtual-pipeline-stage {group}: the twin's "
+                   "interleaved schedule runs each virtual stage for PP microbatches in a row")
     if m != config.num_microbatches:
         out.append(f"microbatch count: {config.num_microbatches} capped to {m} "
                    "(--twin-max-microbatches; the schedule's steady state is the same)")

@@ -181,7 +181,7 @@ def _refresh(named: dict[str, Any], front_params: list[Any]) -> None:
 
 def _record(result: MXFP8RankResult, optimizer: Any, named: dict, front_params: list) -> None:
     result.params.append({n: p.detach().clone() for n, p in named.items()})
-    by_index = optimizer.state_dict()["params"]
+    by_index = optimizer.named_state_dict()["params"]
     result.state.append({n: by_index[f"params[{i}]"] for i, n in enumerate(named)})
     result.mxfp8.append({n: (mx.scale_bits.clone(), mx.element_bits.clone())
                          for n, mx in zip(named, front_params)})

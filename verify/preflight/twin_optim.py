@@ -200,7 +200,7 @@ class _Recorder:
     def snapshot(self) -> None:
         # Taken once the params are gathered: state_dict() would otherwise wait in the hooks' place.
         self.result.params.append({n: p.detach().clone() for n, p in self.named.items()})
-        by_target_name = self.optimizer.state_dict()["params"]
+        by_target_name = self.optimizer.named_state_dict()["params"]
         self.result.state.append({n: by_target_name[self.target.name_of(p)]
                                   for n, p in self.named.items()
                                   if self.target.name_of(p) in by_target_name})

@@ -68,7 +68,7 @@ def precision_for(config: Any, twin_tp: int) -> tuple[TwinPrecision, int, list[s
 
     if twin_tp not in (1, 2):
         raise ValueError(f"twin_tp must be 1 or 2 (the twin caps TP at 2), got {twin_tp}")
-    dp = config.data_parallel_size
+    dp = config.data_context_parallel_size  # the dp_cp group reduces the grads
     if twins_mxfp8(config):  # the MXFP8 twin's own path: fp32 compute on dequantized weights
         left_out = []
         if config.params_dtype != "fp32":
@@ -94,7 +94,8 @@ def precision_for(config: Any, twin_tp: int) -> tuple[TwinPrecision, int, list[s
     rs_fp32 = config.ddp_reduce_scatter_with_fp32_accumulation and config.use_distributed_optimizer
     left_out = []
     if config.gradient_accumulation_fusion:
-        left_out.append("--gradient-accumulation-fusion on the blocks: production's wgrad GEMMs "
+        left_out.append("gradient-accumulation fusion (Megatron's default) on the blocks: "
+                        "production's wgrad GEMMs "
                         f"accumulate into the {config.grad_dtype} main grad in fp32; the twin's "
                         f"Linear+tanh blocks round each microbatch's wgrad to {config.params_dtype} "
                         "before the add (its output layer's accumulation is the fused one)")

@@ -140,8 +140,7 @@ def finish_twin_report(config: PreflightConfig, plan: TwinPlan, ranks: list[Any]
     failures = [f for row in rows for f in row.failures]
     passed = not failures
     hazards = decide_hazards(
-        config, padding_elements=_padding_per_rank(report), unknown_flags=tuple(report["unknown_flags"]),
-        twin_ran=True, twin_passed=passed, twin_has_head=plan.case.spec.output_head)
+        config, padding_elements=_padding_per_rank(report), twin_ran=True, twin_passed=passed, twin_has_head=plan.case.spec.output_head)
     report["twin"] = {
         "run": True,
         "passed": passed,
@@ -162,9 +161,7 @@ def finish_twin_report(config: PreflightConfig, plan: TwinPlan, ranks: list[Any]
     }
     report["hazards"] = [h.to_dict() for h in hazards]
     findings = sum(h.status == FINDING for h in hazards)
-    pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size
-    shape = (f"TP={config.tensor_model_parallel_size} PP={pp} VPP={vpp} "
-             f"DP={config.data_parallel_size}, {config.num_microbatches} microbatches")
+    shape = f"{config.shape}, {config.num_microbatches} microbatches"
     left_out = len(plan.not_twinned)
     gaps = f"; {left_out} part{'s' if left_out != 1 else ''} not twinned (listed)"
     if rows and all(row.stepped is False for row in rows):
@@ -193,6 +190,5 @@ def _padding_per_rank(report: dict) -> int:
 
 def paper_only_hazards(config: PreflightConfig, report: dict) -> None:
     """Hazards decided from the configuration alone (the twin did not run)."""
-    hazards = decide_hazards(config, padding_elements=_padding_per_rank(report),
-                             unknown_flags=tuple(report["unknown_flags"]))
+    hazards = decide_hazards(config, padding_elements=_padding_per_rank(report))
     report["hazards"] = [h.to_dict() for h in hazards]

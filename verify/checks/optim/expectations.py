@@ -10,9 +10,10 @@ import functools
 
 import torch
 
+from refgrad import formats
 from refgrad import optim as R
 from refgrad import reduce_scatter as RS
-from verify.checks.optim.cases import ADAMW, INF_AT, NAMES, SGD, SHAPES, coefficient, initial
+from verify.checks.optim.cases import ADAMW, NAMES, SGD, SHAPES, SHARED, coefficient, initial
 
 
 def reduced_grads(world: int, step: int, dtypes, *, average: bool, grad_fp32=False,
@@ -45,13 +46,40 @@ def _reduced_grads(world, step, dtype_items, average, grad_fp32, loss_scale, inf
     return tuple(out)
 
 
+def param_loss_grads(world: int, step: int, dtypes, states, *, grad_fp32=False, seed=0):
+    """Per param: the DDP reduction of ``Leaf``'s ``param_loss`` grads, ``c + p/2`` with ``p``
+    the published param (the master rounded to the param dtype), by refgrad: one fp32 rounding
+    of the sum, then the param dtype's; 1/2 pre-scale (exact) and a two-term sum (one rounding
+    in any order) at DP 2."""
+    if world > 2:
+        raise ValueError("param_loss_grads: DP <= 2 only (see verify.checks.optim.cases)")
+    out = []
+    for i, (name, state) in enumerate(zip(NAMES, states)):
+        fmt = formats.format_of(dtypes[name])
+        gdtype = torch.float32 if grad_fp32 else dtypes[name]
+        published = [formats.value_to_fraction(formats.round_to_value(fmt, m)) for m in state.master]
+        per_rank = []
+        for r in range(world):
+            c = R.values(coefficient(r, step, i, name, seed=seed).float())
+            local = [formats.round_to_value(fmt, R.r32(ci + R.r32(p / 2))) for ci, p in zip(c, published)]
+            per_rank.append(formats.round_values_to_tensor(fmt, local).to(gdtype))
+        if world == 2:
+            per_rank = RS.prescale_like_torch(per_rank, 0.5)
+        out.append(RS.all_reduce(per_rank, accumulate="wire", order="rank")[0])
+    return tuple(out)
+
+
 def reference_trajectory(worlds, dtypes, algorithm, *, clip=None, average=True, grad_fp32=False,
-                         scales=None, inf_at=None, start=None, first_step_id=0, seed=0):
+                         scales=None, inf_at=None, start=None, first_step_id=0, seed=0,
+                         param_loss=False):
     """refgrad.optim fed the reduced grads of each step; a snapshot after every step.
 
     ``worlds[k]``: the DP size of step k (grads differ per DP size).
     ``scales[k]``: the loss scale of step k. ``start``: (states, steps) to resume from
     (updated in place); ``first_step_id``: the data index of the first step.
+    ``param_loss``: the grads depend on the published params (``param_loss_grads``).
+    The tied copy (``cases.SHARED``) is left out of the norm. Each snapshot holds the
+    exact global norm (``grad_norm``, None on a skipped step).
     Returns ``(snapshots, (states, steps))``.
     """
     hyper = R.AdamW(**ADAMW) if algorithm == "adamw" else R.SGD(**SGD)
@@ -67,12 +95,19 @@ def reference_trajectory(worlds, dtypes, algorithm, *, clip=None, average=True, 
     for k, world in enumerate(worlds):
         scale = None if scales is None else scales[k]
         step_id = first_step_id + k
-        grads = reduced_grads(world, step_id, dtypes, average=average, grad_fp32=grad_fp32,
-                              loss_scale=1.0 if scale is None else scale, inf_at=inf_at, seed=seed)
-        stepped, _ = R.optimizer_step(states, grads, hypers, [steps + 1] * len(NAMES),
-                                      max_norm=clip, loss_scale=scale)
+        if param_loss:
+            if scale is not None or inf_at is not None:
+                raise ValueError("param_loss runs without loss scaling and without an inf")
+            grads = param_loss_grads(world, step_id, dtypes, states, grad_fp32=grad_fp32, seed=seed)
+        else:
+            grads = reduced_grads(world, step_id, dtypes, average=average, grad_fp32=grad_fp32,
+                                  loss_scale=1.0 if scale is None else scale, inf_at=inf_at, seed=seed)
+        stepped, norm = R.optimizer_step(states, grads, hypers, [steps + 1] * len(NAMES),
+                                         max_norm=clip, loss_scale=scale, shared=list(SHARED))
         steps += stepped
-        snapshots.append({"stepped": stepped, "steps": steps, **expected_tensors(states, dtypes)})
+        snapshots.append({"stepped": stepped, "steps": steps,
+                          "grad_norm": None if norm is None else float(norm),
+                          **expected_tensors(states, dtypes)})
     return snapshots, (states, steps)
 
 
@@ -101,6 +136,7 @@ def case_trajectory(case, seed: int, start=None, first_step_id: int = 0, worlds=
         worlds, case.dtypes, case.algorithm, clip=case.clip,
         average=all(w & (w - 1) == 0 for w in worlds), grad_fp32=case.main_grads_fp32,
         scales=None if scales is None else scales[first_step_id:first_step_id + steps],
-        inf_at=INF_AT if case.scaled else None, start=start, first_step_id=first_step_id, seed=seed,
+        inf_at=case.inf_at, start=start, first_step_id=first_step_id, seed=seed,
+        param_loss=case.param_loss,
     )
 

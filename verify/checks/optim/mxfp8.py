@@ -55,7 +55,7 @@ def train_mxfp8(rank: int, kind: str, sharing: bool, grad_fp32: bool, *, dp_grou
         out["steps"].append({
             "stepped": result.stepped, "grads": grads, "masters": opt.master_shards(),
             "bits": [(w.scale_bits.clone(), w.element_bits.clone()) for w in weights],
-            "state": opt.state_dict()["params"],
+            "state": opt.named_state_dict()["params"],
         })
     return out
 

@@ -1,0 +1,406 @@
+"""The launches both sides are asked about: random, Megatron-LM's example scripts, our docs.
+
+- ``random``: seeded draws over the flags preflight models (and some it does not), with
+  mistakes made on purpose (a world size TP x PP x CP does not divide, a batch that does
+  not split, a layer count that does not split, a flag spelled as preflight once spelled it,
+  an unquoted multi-word value, ...);
+- ``example``: the flags Megatron-LM's own launch scripts (branch ``core_r0.19.0``,
+  ``examples/``) hand to ``pretrain_*.py``, captured by running each script under bash with
+  ``torchrun``/``python``/``srun`` replaced by a stub that records its arguments; the SC21
+  paper's configurations are expanded from ``academic_paper_scripts/sc21/CONFIG.sh``'s
+  template for every option its ``run_*.sh`` scripts list;
+- ``docs``: every ``$ verify preflight`` line of README.md and docs/*.md
+  (``tests/verify/doc_launches.py``), preflight's own options taken out.
+
+A launch whose vocabulary would come from tokenizer files (absent here) gets
+``--padded-vocab-size`` with the size Megatron pads GPT-2's 50257 tokens to
+(``megatron/core/tokenizers/utils/build_tokenizer.py vocab_size_with_padding``), on both sides.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+GPT2_VOCAB = 50257
+STUBBED = ("torchrun", "python", "python3", "srun", "sbatch", "uv", "nsys", "git", "nvidia-smi")
+
+
+def _padded_vocab(argv: list[str]) -> list[str]:
+    if "--padded-vocab-size" in argv or "--vocab-size" in argv:
+        return argv
+    tp = int(_value(argv, "--tensor-model-parallel-size") or 1)
+    divisible = int(_value(argv, "--make-vocab-size-divisible-by") or 128)
+    multiple = divisible * tp
+    return [*argv, "--padded-vocab-size", str(-(-GPT2_VOCAB // multiple) * multiple)]
+
+
+def _value(argv: list[str], flag: str) -> str | None:
+    value = None
+    for i, token in enumerate(argv):
+        if token == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif token.startswith(flag + "="):
+            value = token.split("=", 1)[1]
+    return value
+
+
+# ----------------------------------------------------------------------------- random
+
+
+def random_launches(count: int, seed: int = 22) -> list[dict]:
+    """``count`` seeded random launches (see the module docstring)."""
+    rng = random.Random(seed)
+    return [_random_launch(rng, i) for i in range(count)]
+
+
+def _random_launch(rng: random.Random, index: int) -> dict:
+    def p(prob: float) -> bool:
+        return rng.random() < prob
+
+    tp = rng.choice([1, 1, 2, 2, 4, 8])
+    pp = rng.choice([1, 1, 2, 2, 3, 4, 4, 5, 8])
+    cp = rng.choice([1, 1, 1, 1, 2, 2, 4])
+    dp = rng.choice([1, 2, 2, 3, 4, 8])
+    world = tp * pp * cp * dp
+    if p(0.06):
+        world = world + tp  # TP x PP x CP no longer divides it (mostly)
+    heads = rng.choice([4, 8, 12, 16, 32, 64])
+    head_dim = rng.choice([32, 64, 128])
+    hidden = heads * head_dim + (rng.choice([8, 16]) if p(0.04) else 0)
+    layers_per_stage = rng.choice([1, 2, 3, 4, 6])
+    vpp = rng.choice([2, 3, 4]) if pp > 1 and p(0.3) else 1
+    num_layers = pp * vpp * layers_per_stage
+    account_embedding, account_loss = p(0.15), p(0.15)
+    num_layers -= int(account_embedding) + int(account_loss)
+    if p(0.08):
+        num_layers += rng.choice([-1, 1, 2])
+    num_layers = max(num_layers, 1)
+    seq = rng.choice([256, 512, 1024, 2048, 4096]) + (rng.choice([2, 6]) if p(0.04) else 0)
+    mbs = rng.choice([1, 1, 2, 4])
+    m = rng.choice([1, 2, 3, 4, 6, 8, 12, 16])
+    gbs = mbs * dp * m + (rng.choice([1, mbs]) if p(0.08) else 0)
+    argv = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+            "--num-layers", str(num_layers), "--hidden-size", str(hidden),
+            "--num-attention-heads", str(heads), "--seq-length", str(seq),
+            "--micro-batch-size", str(mbs)]
+    if cp > 1 or p(0.05):
+        argv += ["--context-parallel-size", str(cp)]
+    if not p(0.08):
+        argv += ["--max-position-embeddings", str(seq if p(0.9) else seq // 2)]
+    if not p(0.1):
+        argv += ["--global-batch-size", str(gbs)]
+    if vpp > 1:
+        if p(0.6):
+            argv += ["--num-virtual-stages-per-pipeline-rank", str(vpp)]
+        else:
+            argv += ["--num-layers-per-virtual-pipeline-stage", str(layers_per_stage)]
+    if account_embedding:
+        argv += ["--account-for-embedding-in-pipeline-split"]
+    if account_loss:
+        argv += ["--account-for-loss-in-pipeline-split"]
+    if pp > 1 and p(0.15):
+        total = num_layers
+        if p(0.5):
+            argv += ["--decoder-first-pipeline-num-layers", str(rng.choice([1, 2, max(1, total // pp - 1)]))]
+        if p(0.6):
+            argv += ["--decoder-last-pipeline-num-layers", str(rng.choice([1, 2, max(1, total // pp - 1)]))]
+    if p(0.3):
+        groups = rng.choice([1, 2, 4, 8])
+        argv += ["--group-query-attention", "--num-query-groups", str(groups)]
+    if p(0.4):
+        argv += ["--swiglu"]
+    if p(0.5):
+        argv += ["--ffn-hidden-size", str(rng.choice([2, 3, 4]) * hidden + (rng.choice([0, 0, 0, 3]) if p(0.2) else 0))]
+    precision = rng.choice(["bf16", "bf16", "bf16", "fp16", "fp32", "both"])
+    argv += {"bf16": ["--bf16"], "fp16": ["--fp16"], "fp32": [], "both": ["--bf16", "--fp16"] if p(0.3) else ["--bf16"]}[precision]
+    if precision == "bf16" and p(0.2):
+        argv += ["--grad-reduce-in-bf16"]
+    if p(0.1):
+        argv += ["--accumulate-allreduce-grads-in-fp32"]
+    dist_opt = p(0.6)
+    if dist_opt:
+        argv += ["--use-distributed-optimizer"]
+    overlap = p(0.5)
+    if overlap:
+        argv += ["--overlap-grad-reduce"]
+    if p(0.3):
+        argv += ["--overlap-param-gather"]
+    if p(0.15):
+        argv += ["--ddp-bucket-size", str(rng.choice([1_000_000, 10_000_000, 50_000_000]))]
+    if p(0.08):
+        argv += ["--ddp-pad-buckets-for-high-nccl-busbw"]
+    if p(0.1):
+        argv += ["--ddp-reduce-scatter-with-fp32-accumulation"]
+    if p(0.15):
+        argv += ["--fp8-format", rng.choice(["e4m3", "hybrid"])]
+    if p(0.15):
+        argv += ["--fp8-recipe", rng.choice(["mxfp8", "delayed", "tensorwise", "blockwise"])]
+    if p(0.12):
+        argv += ["--fp8-param-gather"]
+    if p(0.06):
+        argv += ["--reuse-grad-buf-for-mxfp8-param-ag"]
+    if p(0.1):
+        argv += ["--defer-embedding-wgrad-compute"]
+        if p(0.5):
+            argv += ["--wgrad-deferral-limit", str(rng.choice([-1, 0, 1, 2]))]
+    if p(0.3):
+        argv += ["--sequence-parallel"]
+    if p(0.3):
+        argv += ["--untie-embeddings-and-output-weights"]
+    if p(0.4):
+        argv += ["--position-embedding-type", rng.choice(["rope", "rope", "none", "learned_absolute", "yarn"])]
+    if p(0.3):
+        argv += ["--normalization", "RMSNorm"]
+    if p(0.3):
+        argv += ["--disable-bias-linear"]
+    if p(0.05):
+        argv += ["--no-gradient-accumulation-fusion"]
+    if vpp > 1 and p(0.1):
+        argv += ["--no-overlap-p2p-communication"]
+    if vpp > 1 and p(0.1):
+        argv += ["--microbatch-group-size-per-virtual-pipeline-stage", str(rng.choice([pp, pp + 1, 2 * pp]))]
+    if p(0.05):
+        argv += ["--decrease-batch-size-if-needed"]
+    if p(0.5):
+        argv += ["--padded-vocab-size", str(rng.choice([50304, 51200, 32000, 128256]))]
+    else:
+        argv += ["--vocab-size", str(rng.choice([50257, 32000, 128256])), "--tokenizer-type", "NullTokenizer"]
+    if p(0.2):
+        argv += ["--clip-grad", rng.choice(["1.0", "0.5", "0"])]
+    if precision == "fp16" and p(0.3):
+        argv += ["--loss-scale", rng.choice(["1024", "4096"])]
+    # Flags preflight does not use, harmless and otherwise.
+    argv += ["--lr", "1.5e-4", "--train-iters", "100"]
+    if p(0.05):
+        argv += ["--min-lr", "-1e-5"]  # argparse takes "-1e-5" for an option
+    if p(0.04):
+        argv += ["--split", "969,", "30,", "1"]  # an unquoted multi-word value
+    if p(0.05):
+        schedule = "0:16 1000:32"
+        argv += ["--step-batch-size-schedule", *(schedule.split() if p(0.4) else [schedule])]
+    if p(0.03):
+        argv += ["--rampup-batch-size", "16", "16", "1000"]
+    if p(0.03):
+        argv += [rng.choice(["--data-parallel-size", "--virtual-pipeline-model-parallel-size"]), "2"]
+    if p(0.02):
+        argv += ["--use-distributed-optimiser"]
+    if p(0.06):
+        argv += rng.choice([["--num-experts", "8", "--expert-model-parallel-size", "2"],
+                            ["--calculate-per-token-loss"], ["--qk-layernorm"],
+                            ["--mtp-num-layers", "1"], ["--optimizer", "sgd"],
+                            ["--use-torch-fsdp2"]])
+    return {"id": f"random-{index:03d}", "source": "random", "world_size": world, "argv": argv}
+
+
+# --------------------------------------------------------------------------- examples
+
+
+POSITIONAL = ["/tmp/ckpt", "/tmp/tb", "/tmp/vocab.json", "/tmp/merges.txt", "/tmp/data_text_document"]
+EXAMPLES = {
+    # script under examples/ -> (its command-line arguments, variants as {variable: value}
+    # edits of its assignments); "{work}" is the run's own folder.
+    "gpt3/train_gpt3_175b_distributed.sh": (POSITIONAL, [{}]),
+    "llama/train_llama3_8b_h100_fp8.sh": ([], [{}, {"DTYPE": '"bf16"'}]),
+    "mixtral/train_mixtral_8x7b_distributed.sh": (POSITIONAL, [{}]),
+    "gptoss/02_train.sh": (["--checkpoint-path", "{work}"], [{}]),
+    "mamba/train.sh": (POSITIONAL, [{}, {"MODEL_SCALE": '"8B"'}]),
+    "bert/train_bert_340m_distributed.sh": (POSITIONAL, [{}]),
+    "megatron_fsdp/train_llama3_8b_fsdp_h100_fp8.sh": ([], [{}]),
+}
+
+
+def _stub_dir(root: Path) -> Path:
+    stubs = root / "stubs"
+    stubs.mkdir()
+    for name in STUBBED:
+        path = stubs / name
+        path.write_text('#!/bin/bash\nprintf "ENV:%s\\0" "${CUDA_DEVICE_MAX_CONNECTIONS-unset}" '
+                        '>> "$CAPTURE"\nfor a in "$@"; do printf "%s\\0" "$a" >> "$CAPTURE"; done\n'
+                        'printf "\\n\\0" >> "$CAPTURE"\n')
+        path.chmod(0o755)
+    return stubs
+
+
+def _captured_launch(capture: Path) -> tuple[list[str], int, str] | None:
+    """(flags after the training script, world size, CUDA_DEVICE_MAX_CONNECTIONS or "unset")."""
+    if not capture.exists():
+        return None
+    for call in capture.read_text().split("\n\0"):
+        tokens = [t for t in call.split("\0") if t]
+        connections = tokens.pop(0)[len("ENV:"):] if tokens and tokens[0].startswith("ENV:") else "1"
+        script = next((i for i, t in enumerate(tokens) if re.search(r"pretrain_\w+\.py$", t)), None)
+        if script is None:
+            continue
+        launcher = tokens[:script]
+        nproc = int(_value(launcher, "--nproc_per_node") or _value(launcher, "--nproc-per-node") or 8)
+        nnodes = int(_value(launcher, "--nnodes") or 1)
+        return tokens[script + 1:], nproc * nnodes, connections
+    return None
+
+
+def example_launches(examples: Path) -> list[dict]:
+    """Megatron-LM's example scripts' launches (see the module docstring)."""
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        stubs = _stub_dir(root)
+        for script, (script_args, variants) in EXAMPLES.items():
+            for number, edits in enumerate(variants):
+                work = root / f"run-{Path(script).stem}-{number}"
+                shutil.copytree(examples, work / "examples")
+                path = work / "examples" / script
+                text = path.read_text()
+                for name, value in edits.items():
+                    text = re.sub(rf"^(\s*){name}=.*$", rf"\g<1>{name}={value}", text, count=1,
+                                  flags=re.M)
+                path.write_text(text)
+                for folder in (work, path.parent):  # scripts check that their script exists
+                    for name in ("pretrain_gpt.py", "pretrain_bert.py", "pretrain_hybrid.py",
+                                 "pretrain_mamba.py"):
+                        (folder / name).touch()
+                capture = work / "capture"
+                env = {"PATH": f"{stubs}:/usr/bin:/bin", "HOME": str(work), "CAPTURE": str(capture)}
+                subprocess.run(["bash", path.name, *(a.format(work=work) for a in script_args)],
+                               cwd=path.parent, env=env, timeout=60,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                launch = _captured_launch(capture)
+                if launch is None:
+                    print(f"no launch captured from {script} {edits}", file=sys.stderr)
+                    continue
+                argv, world, connections = launch
+                out.append({"id": f"example-{Path(script).stem}-{number}", "source": "example",
+                            "world_size": world, "argv": _padded_vocab(argv),
+                            "env": {"CUDA_DEVICE_MAX_CONNECTIONS": connections}})
+    return out + sc21_launches(examples)
+
+
+# examples/academic_paper_scripts/sc21: CONFIG.sh's MEGATRON_PARAMS, for the options each
+# run_*.sh lists in its comments (TP, PP, MBS, GBS, NLS, HS, NAH, NNODES x 8 GPUs).
+SC21 = "academic_paper_scripts/sc21"
+SC21_DROPPED = ("--DDP-impl", "--activations-checkpoint-method")  # gone from Megatron-LM 0.19
+
+
+def _sc21(tp, pp, mbs, gbs, nls, hs, nah, nodes, extra=""):
+    return {"TP": tp, "PP": pp, "MBS": mbs, "GBS": gbs, "NLS": nls, "HS": hs, "NAH": nah,
+            "NNODES": nodes, "EXTRA": extra}
+
+
+def _sc21_configs(examples: Path) -> list[dict]:
+    configs = []
+    for pp in (1, 2, 4, 8):  # run_figure_11
+        for gbs in (8, 128):
+            configs.append(_sc21(8, pp, 1, gbs, 3 * pp, 20480, 128, pp))
+    for interleaved in (True, False):  # run_figure_12
+        for gbs in (12, 24, 36, 48, 60):
+            extra = "--num-layers-per-virtual-pipeline-stage 2" if interleaved else ""
+            configs.append(_sc21(8, 12, 1, gbs, 96, 12288, 96, 12, extra))
+    for pp in (2, 4, 8, 16, 32):  # run_figure_13 (TP = 64 / PP) and 14 (DP = 64 / PP)
+        for gbs in (32, 128):
+            configs.append(_sc21(64 // pp, pp, 1, gbs, 32, 20480, 128, 8))
+        for gbs in (32, 512):
+            configs.append(_sc21(1, pp, 1, gbs, 32, 3840, 32, 8))
+    for tp in (2, 4, 8, 16, 32):  # run_figure_15
+        for gbs in (32, 128, 512):
+            configs.append(_sc21(tp, 1, 1, gbs, 32, 3840, 32, 8))
+    for mbs in (1, 2, 4, 8):  # run_figure_16
+        for gbs in (128, 512):
+            configs.append(_sc21(8, 8, mbs, gbs, 32, 15360, 128, 8))
+    for gbs in (1, 2, 4, 8, 16, 32, 64, 128, 256):  # run_figure_17
+        configs.append(_sc21(8, 16, 1, gbs, 80, 12288, 96, 16))
+    configs += _sc21_table_1(examples)
+    return configs
+
+
+def _sc21_table_1(examples: Path) -> list[dict]:
+    """run_table_1.sh's ten model sizes, read from its if/elif blocks."""
+    text = (examples / SC21 / "run_table_1.sh").read_text()
+    blocks = re.split(r'(?:if|elif) \[ \$\{MODEL_SIZE\} == "[^"]+" \]; then', text)[1:]
+    out = []
+    for block in blocks:
+        values = dict(re.findall(r"^\s*(TP|PP|MBS|GBS|NLS|HS|NAH|NNODES)=(\d+)", block, flags=re.M))
+        out.append(_sc21(*(int(values[k]) for k in ("TP", "PP", "MBS", "GBS", "NLS", "HS",
+                                                      "NAH", "NNODES"))))
+    return out
+
+
+def sc21_launches(examples: Path) -> list[dict]:
+    out = []
+    for number, c in enumerate(_sc21_configs(examples)):
+        argv = (c["EXTRA"].split() + [
+            "--tensor-model-parallel-size", str(c["TP"]), "--pipeline-model-parallel-size", str(c["PP"]),
+            "--micro-batch-size", str(c["MBS"]), "--global-batch-size", str(c["GBS"]),
+            "--num-layers", str(c["NLS"]), "--hidden-size", str(c["HS"]),
+            "--num-attention-heads", str(c["NAH"]), "--DDP-impl", "local",
+            "--data-path", "/data/megatron", "--vocab-file", "/data/vocab.json",
+            "--merge-file", "/data/merges.txt", "--log-interval", "5", "--seq-length", "2048",
+            "--max-position-embeddings", "2048", "--train-iters", "500", "--lr-decay-iters", "320",
+            "--lr", "0.0001", "--min-lr", "0.00001", "--lr-decay-style", "cosine",
+            "--lr-warmup-fraction", "0.01", "--split", "969,30,1", "--eval-iters", "100",
+            "--eval-interval", "1000", "--clip-grad", "1.0", "--fp16", "--loss-scale", "8192"])
+        world = c["NNODES"] * 8
+        out.append({"id": f"example-sc21-{number:02d}-asis", "source": "example",
+                    "world_size": world, "argv": _padded_vocab(argv)})
+        # The same configuration without the flags Megatron-LM has since removed.
+        kept, skip = [], False
+        for token in argv:
+            if skip:
+                skip = False
+                continue
+            if token in SC21_DROPPED:
+                skip = True
+                continue
+            kept.append(token)
+        out.append({"id": f"example-sc21-{number:02d}", "source": "example",
+                    "world_size": world, "argv": _padded_vocab(kept)})
+    return out
+
+
+# ------------------------------------------------------------------------------- docs
+
+
+def _grid_world(argv: list[str]) -> int:
+    """TP x PP x CP x DP, for a line that gave its DP (an older spelling) and no world size."""
+    size = 1
+    for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+                 "--context-parallel-size", "--data-parallel-size"):
+        size *= int(_value(argv, flag) or 1)
+    return size
+
+
+def doc_launches() -> list[dict]:
+    """Every ``$ verify preflight`` line of README.md and docs/*.md, as a Megatron launch."""
+    sys.path.insert(0, str(REPO))
+    from tests.verify.doc_launches import doc_launch_lines
+    from tests.verify.preflight_launch import split_argv
+
+    out = []
+    for where, argv in doc_launch_lines(REPO):
+        world, megatron = split_argv(argv)
+        out.append({"id": f"docs-{where}", "source": "docs",
+                    "world_size": world or _grid_world(megatron), "argv": megatron})
+    return out
+
+
+def main() -> None:
+    examples = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("/work/notes/mlm19/examples")
+    target = Path(sys.argv[2]) if len(sys.argv) > 2 else Path("launches.jsonl")
+    count = int(sys.argv[3]) if len(sys.argv) > 3 else 400
+    seed = int(sys.argv[4]) if len(sys.argv) > 4 else 22
+    launches = random_launches(count, seed) + example_launches(examples) + doc_launches()
+    with target.open("w", encoding="utf-8") as out:
+        for launch in launches:
+            out.write(json.dumps(launch) + "\n")
+    counts = {s: sum(1 for x in launches if x["source"] == s) for s in ("random", "example", "docs")}
+    print(f"wrote {len(launches)} launches to {target}: {counts}")
+
+
+if __name__ == "__main__":
+    main()

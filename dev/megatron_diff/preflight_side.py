@@ -1,0 +1,88 @@
+"""``verify preflight``'s answer for the same launches, through its command line.
+
+Run as a script (the harness starts it in its own process so that any checkout of
+gradverify can be measured, ``PYTHONPATH`` naming it)::
+
+    python dev/megatron_diff/preflight_side.py launches.jsonl out.jsonl
+
+Each launch runs ``verify preflight --no-twin --json OUT --world-size W -- FLAGS``;
+the figures come from the JSON report: DP, CP, M, VPP, the layers of every
+(pipeline stage, model chunk) and each chunk's bucket size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+
+def _bucket_size(row: dict) -> int | None:
+    if "bucket_size" in row:
+        return row["bucket_size"]
+    match = re.match(r"([\d,]+) \(", row["bucket_rule"])  # older reports: only the rule's text
+    return int(match.group(1).replace(",", "")) if match else None
+
+
+def _layers(report: dict) -> list[list[int]]:
+    config = report["config"]
+    pp, vpp = config["pipeline_model_parallel_size"], config["virtual_pipeline_model_parallel_size"]
+    grid = [[0] * vpp for _ in range(pp)]
+    for row in report["layout"]:
+        if "layers" in row:
+            grid[row["stage"]][row["chunk"]] = row["layers"]
+        else:  # older reports: an even split, the stage's layers over its chunks
+            stage_layers = report["wire"][row["stage"]]["layers"]
+            grid[row["stage"]][row["chunk"]] = stage_layers // vpp
+    return grid
+
+
+def preflight_verdict(argv: list[str], world_size: int) -> dict:
+    """Preflight's verdict and figures for ``argv`` at ``world_size``."""
+    from verify.cli import main
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "report.json"
+        err = io.StringIO()
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+            try:
+                rc = main(["preflight", "--no-twin", "--json", str(path),
+                           "--world-size", str(world_size), "--", *argv])
+            except SystemExit as exc:  # argparse's own refusal
+                rc = exc.code
+        message = " ".join(err.getvalue().split())
+        if rc != 0 or not path.exists():
+            return {"accepted": False, "rc": rc, "error": message[-400:],
+                    "not_modelled": "not modelled" in message}
+        report = json.loads(path.read_text())
+    config = report["config"]
+    return {"accepted": True, "dp": config["data_parallel_size"],
+            "cp": config.get("context_parallel_size", 1), "m": config["num_microbatches"],
+            "vpp": config["virtual_pipeline_model_parallel_size"], "layers": _layers(report),
+            "bucket_sizes": _bucket_grid(report)}
+
+
+def _bucket_grid(report: dict) -> list[list[int | None]]:
+    config = report["config"]
+    grid = [[None] * config["virtual_pipeline_model_parallel_size"]
+            for _ in range(config["pipeline_model_parallel_size"])]
+    for row in report["layout"]:
+        grid[row["stage"]][row["chunk"]] = _bucket_size(row)
+    return grid
+
+
+def main() -> None:
+    source, target = sys.argv[1], sys.argv[2]
+    with open(source, encoding="utf-8") as launches, open(target, "w", encoding="utf-8") as out:
+        for line in launches:
+            launch = json.loads(line)
+            verdict = preflight_verdict(launch["argv"], launch["world_size"])
+            out.write(json.dumps({"id": launch["id"], **verdict}) + "\n")
+
+
+if __name__ == "__main__":
+    main()
