@@ -25,8 +25,8 @@ scalar bf16 casts give different ones). ``fastmath`` is off, so no operation is 
 Every model is bitwise equal to ``models`` (``tests/verify/test_accumulation.py``),
 whatever the thread split: columns are independent.
 
-Columns are split over this thread and ``torch.get_num_threads() - 1`` helpers
-(the kernels release the interpreter lock), as ``fastgrad.optim.cpu_kernels``.
+Columns are split over this thread and ``threads - 1`` helpers (the kernels
+release the interpreter lock), as ``fastgrad.optim.cpu_kernels``.
 """
 
 from __future__ import annotations
@@ -275,9 +275,10 @@ def _split_columns(columns: int, chunk_numel: int) -> list[tuple[int, int]]:
 
 
 def reduce_block(stacked: torch.Tensor, chunk_numel: int, first_chunk: int,
-                 methods: tuple[str, ...]) -> BlockReduction:
+                 methods: tuple[str, ...], threads: int | None = None) -> BlockReduction:
     """Run ``methods`` (``ring``, ``tree``, ``fp32``) on ``stacked`` ([W, columns], fp16 or
-    bf16, contiguous); the ring's columns are chunks ``first_chunk ..`` of ``chunk_numel``."""
+    bf16, contiguous); the ring's columns are chunks ``first_chunk ..`` of ``chunk_numel``.
+    ``threads``: how many threads split the columns (default: torch's thread count)."""
     if stacked.dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"stacked must be float16 or bfloat16, got {stacked.dtype}")
     world, columns = stacked.shape
@@ -302,7 +303,7 @@ def reduce_block(stacked: torch.Tensor, chunk_numel: int, first_chunk: int,
         if tree is not None:
             _tree(bits, is_bf16, j0, j1, scratch, upper, tree)
 
-    _run_tiles(tile_work, tiles, world)
+    _run_tiles(tile_work, tiles, world, torch.get_num_threads() if threads is None else threads)
     group_sums = torch.from_numpy(sums)
     if is_bf16:
         rows = torch.tensor([min(EXACT_GROUP_ROWS, world - g * EXACT_GROUP_ROWS)
@@ -322,10 +323,10 @@ def reduce_block(stacked: torch.Tensor, chunk_numel: int, first_chunk: int,
                           group_sums, exact)
 
 
-def _run_tiles(work, tiles: list[tuple[int, int]], world: int) -> None:
-    """``work(scratch, upper, j0, j1)`` for every tile, on this thread and helpers (one per
-    intra-op thread torch uses) taking the next tile when done; the first error is raised."""
-    workers = max(1, min(torch.get_num_threads(), len(tiles)))
+def _run_tiles(work, tiles: list[tuple[int, int]], world: int, threads: int) -> None:
+    """``work(scratch, upper, j0, j1)`` for every tile, on this thread and ``threads - 1``
+    helpers, each taking the next tile when done; the first error is raised."""
+    workers = max(1, min(threads, len(tiles)))
     next_tile = itertools.count()  # next() is atomic under the GIL
     errors: list[BaseException] = []
 
