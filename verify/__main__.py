@@ -1,5 +1,5 @@
-import sys
+"""``python -m verify``: the same as the ``verify`` console script."""
 
-from verify.cli import main
+from verify.cli import console_main
 
-sys.exit(main())
+console_main()

@@ -42,8 +42,9 @@ class CheckContext:
     device: str = "cpu"
     seed: int = 0
     quick: bool = False
-    # Deadline for each multi-rank phase a check starts (``verify.distributed.spawn``):
-    # a stalled rank turns into an error naming it instead of a hang.
+    # Stall timeout of each multi-rank phase a check starts (``verify.distributed.spawn``):
+    # a phase none of whose ranks made progress (marker or CPU time) for this long turns
+    # into an error naming them instead of a hang; slow ranks that compute are left alone.
     timeout_s: float = 60.0
 
     def __post_init__(self) -> None:

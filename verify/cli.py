@@ -13,29 +13,26 @@ run was interrupted, or an output could not be written).
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import importlib
 import json
-import multiprocessing
 import os
-import signal
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from verify.check import ERROR, CheckContext, CheckResult
+from verify.check import CheckContext
 from verify.checks import all_checks, check_by_name
 from verify.console import StepProgress, emit, terminal_width
 from verify.distributed import RankLauncher
 from verify.env import fingerprint, format_fingerprint, gradverify_version, provenance
+from verify.interrupt import Interrupts
 from verify.options import SetOnce
 from verify.outputs import Output, OutputPathError, check_output_paths, write_outputs
 from verify.plots import PlotUnavailable, matplotlib_available, report_plots
+from verify.runner import abandoned_check_threads, run_checks
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ERROR = 0, 1, 2, 3
 EXIT_BY_VERDICT = {"PASS": EXIT_OK, "FAIL": EXIT_FAILED, "ERROR": EXIT_ERROR}
@@ -118,7 +115,11 @@ def _add_run_parser(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--quick", action="store_true", help="smaller problem sizes")
     run.add_argument("--timeout", type=_positive_seconds, default=DEFAULT_TIMEOUT_S,
                      metavar="SECONDS", action=SetOnce,
-                     help="deadline of each multi-rank phase: a stalled rank becomes an ERROR")
+                     help="stall timeout of each multi-rank phase: when none of its ranks made "
+                          "progress (a progress marker, or 2%% of a core of CPU time) for SECONDS, "
+                          "it is an ERROR naming each rank and where it waits; a rank that "
+                          "computes is never stopped for being slow (a phase still running "
+                          "after 20 x SECONDS is ended)")
     run.add_argument("--jobs", type=_positive_int, default=DEFAULT_JOBS, metavar="N", action=SetOnce,
                      help="checks run at the same time (each check's ranks stay its own "
                           "processes); 1 runs them one after another")
@@ -157,35 +158,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-@contextmanager
-def interrupt_kills_ranks() -> Iterator[None]:
-    """While active, Ctrl-C first kills this process's multiprocessing children (the ranks of
-    a running check), then raises KeyboardInterrupt here, so nothing waits on dead peers."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def on_interrupt(signum: int, frame: Any) -> None:
-        for child in multiprocessing.active_children():
-            child.kill()
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGINT, on_interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-INTERRUPTED_ERROR = "KeyboardInterrupt: interrupted (Ctrl-C) before the check finished"
-
-
-def _interrupted_result(check: Any, seconds: float) -> CheckResult:
-    return CheckResult(name=check.name, summary=check.summary, passed=False, seconds=seconds,
-                       error=INTERRUPTED_ERROR,
-                       status=ERROR)
-
-
 def _plot_outputs(report: Any, args: argparse.Namespace) -> list[Output]:
     """The figures, beside the Markdown report (else the JSON one); none without a report."""
     anchor = args.markdown or args.json
@@ -208,7 +180,7 @@ def _plot_outputs(report: Any, args: argparse.Namespace) -> list[Output]:
                    announce=False)]
 
 
-def _run_checks(args: argparse.Namespace) -> int:
+def _run_checks(args: argparse.Namespace, interrupts: Interrupts) -> int:
     if args.list:
         for check in all_checks():
             emit(f"{check.name:<16} {check.summary}")
@@ -225,6 +197,14 @@ def _run_checks(args: argparse.Namespace) -> int:
         checks = [check_by_name(n) for n in args.check] if args.check else list(all_checks())
     except ValueError as exc:
         raise UsageError(f"--check: {exc}") from exc
+    with interrupts.deferred() as interrupted:
+        # From here on, a first Ctrl-C never tears through the bookkeeping: the checks not
+        # finished are marked interrupted and every requested output is still written.
+        return _run_and_report(args, checks, interrupted)
+
+
+def _run_and_report(args: argparse.Namespace, checks: Sequence[Any],
+                    interrupted: threading.Event) -> int:
     from verify.report import Report, render_text
 
     context = CheckContext(device=args.device, seed=args.seed, quick=args.quick,
@@ -236,19 +216,19 @@ def _run_checks(args: argparse.Namespace) -> int:
     )
     factor = QUICK_FACTOR if args.quick else 1.0
     weights = [ROUGH_CHECK_SECONDS.get(c.name, DEFAULT_CHECK_SECONDS) * factor for c in checks]
-    if any(check.spawns_ranks for check in checks):
+    if any(check.spawns_ranks for check in checks) and not interrupted.is_set():
         # Start the fork server now: it imports torch while the first checks run.
         RankLauncher().warm_up()
-    with interrupt_kills_ranks(), StepProgress(sum(weights), "verify run",
-                                                          steps=len(checks)) as progress:
-        if args.jobs == 1:
-            _run_one_by_one(checks, weights, context, progress, report)
-        else:
-            _run_concurrently(checks, weights, context, progress, report, args.jobs)
-    if not report.complete:
-        stopped = [c.name for c in report.checks if c.error == INTERRUPTED_ERROR]
-        print(f"verify: interrupted during {', '.join(stopped)}; reporting the "
-              f"{len(report.checks) - len(stopped)} checks that finished (marked incomplete)",
+    with StepProgress(sum(weights), "verify run", steps=len(checks)) as progress:
+        outcome = run_checks(checks, weights, context, progress, args.jobs, interrupted)
+    report.checks.extend(outcome.results)
+    if outcome.interrupted:
+        report.complete = False
+        marked = len(outcome.stopped) + len(outcome.not_started)
+        finished = len(outcome.results) - marked
+        print(f"verify run: interrupted (Ctrl-C) during {', '.join(outcome.stopped) or 'start-up'}"
+              f"; reporting the {finished} check{'s' if finished != 1 else ''} that finished, "
+              f"{marked} marked interrupted (report incomplete; Ctrl-C again quits at once)",
               file=sys.stderr)
     emit(render_text(report, verbose=args.verbose, width=terminal_width()))
     outputs = _plot_outputs(report, args)  # first: the reports show the plots
@@ -258,74 +238,6 @@ def _run_checks(args: argparse.Namespace) -> int:
         outputs.append(Output("--markdown", Path(args.markdown), report.write_markdown))
     failures = _write_all(outputs)
     return EXIT_ERROR if failures else EXIT_BY_VERDICT[report.verdict]
-
-
-def _run_one_by_one(checks: Sequence[Any], weights: Sequence[float], context: CheckContext,
-                    progress: StepProgress, report: Any) -> None:
-    for number, (check, weight) in enumerate(zip(checks, weights), start=1):
-        progress.step(f"{check.name} ({number}/{len(checks)}) ...", expected=weight)
-        start = time.perf_counter()
-        try:
-            result = check.execute(context)
-        except KeyboardInterrupt:
-            report.checks.append(_interrupted_result(check, time.perf_counter() - start))
-            report.complete = False
-            return
-        report.checks.append(result)
-        progress.advance(weight, f"{result.status} {check.name}")
-
-
-def _run_concurrently(checks: Sequence[Any], weights: Sequence[float], context: CheckContext,
-                      progress: StepProgress, report: Any, jobs: int) -> None:
-    """Run ``jobs`` checks at a time; the report keeps registry order.
-
-    On Ctrl-C no further check starts; the ranks of running checks were already
-    killed (``interrupt_kills_ranks``), so they end at once as interrupted errors.
-    """
-    results: dict[int, CheckResult] = {}
-    started: dict[int, float] = {}
-    interrupted = False
-
-    def execute(index: int) -> CheckResult:
-        started[index] = time.perf_counter()
-        return checks[index].execute(context)
-
-    progress.step(f"{len(checks)} checks, {jobs} at a time ...", expected=sum(weights))
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="check")
-    # Longest first, so that no long check starts last and runs alone (the report keeps
-    # registry order whatever the start order).
-    by_length = sorted(range(len(checks)), key=lambda i: -weights[i])
-    futures = {pool.submit(execute, i): i for i in by_length}
-    try:
-        for future in concurrent.futures.as_completed(futures):
-            index = futures[future]
-            try:
-                results[index] = future.result()
-            except KeyboardInterrupt:  # raised inside the check itself
-                interrupted = True
-                break
-            progress.advance(weights[index], f"{results[index].status} {checks[index].name}")
-    except KeyboardInterrupt:
-        interrupted = True
-    if interrupted:
-        for future in futures:
-            future.cancel()
-    pool.shutdown(wait=True)
-    for future, index in futures.items():
-        if index in results or future.cancelled() or index not in started:
-            continue
-        try:
-            results[index] = future.result()
-        except KeyboardInterrupt:
-            pass
-    for index, check in enumerate(checks):
-        if index in results and not (interrupted and results[index].status == ERROR):
-            report.checks.append(results[index])
-        elif index in started:
-            report.checks.append(
-                _interrupted_result(check, time.perf_counter() - started[index]))
-    if interrupted:
-        report.complete = False
 
 
 def _write_all(outputs: Sequence[Output]) -> list[str]:
@@ -374,11 +286,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_USAGE
     args = parser.parse_args(argv)
     try:
-        if args.command == "run":
-            return _run_checks(args)
-        if args.command == "env":
-            return _env(args)
-        return int(_load_subcommand(args._module).main(args))
+        with Interrupts(f"verify {args.command}") as interrupts:
+            if args.command == "run":
+                return _run_checks(args, interrupts)
+            if args.command == "env":
+                return _env(args)
+            return int(_load_subcommand(args._module).main(args))
     except (UsageError, OutputPathError, PlotUnavailable) as exc:
         print(f"verify {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -390,5 +303,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_OK
 
 
+def console_main() -> None:
+    """The ``verify`` console script: :func:`main`, then exit with its code.
+
+    After Ctrl-C, checks still busy in abandoned worker threads (``verify.runner``)
+    must not see the interpreter shut down around them, so the process then ends
+    at once, once its output is flushed.
+    """
+    code = main()
+    if abandoned_check_threads():
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

@@ -152,6 +152,6 @@ class StepProgress:
             eta = f", about {_duration(left)} left" if left and self.done < self.total else ""
             # Finished, not announced, steps: concurrent checks are announced once together.
             count = (f"{self.finished}/{self.step_count}" if self.step_count
-                     else f"{self.done:g}/{self.total:g}")
+                     else f"{self.done:.4g}/{self.total:g}")
             print(f"[{self.description}] {label} ({count}, {_duration(elapsed)} elapsed{eta})",
                   file=self.stream, flush=True)

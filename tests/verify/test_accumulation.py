@@ -310,3 +310,92 @@ def test_beyond_8192_ranks_models_and_references_follow_refgrad_and_the_oracle(d
 def test_sweep_accepts_dp_up_to_65536():
     config = sweep.SweepConfig(dp_sizes=(8192, 65536), numel=10)
     assert config.numel_for(65536) == 65536  # one element per rank's chunk
+
+
+# ------------------------------------------------ the compiled kernels the sweep runs
+def _nan_aware_equal(got, expected):
+    """Bitwise equal, except that two NaNs match whatever their payloads (torch's own
+    vectorised and scalar bf16 casts give different ones)."""
+    def bits(t):  # float64 too, which tensor_bit_patterns does not take
+        return t.view(torch.int64) if t.dtype == torch.float64 else tensor_bit_patterns(t)
+
+    both_nan = got.isnan() & expected.isnan()
+    return got.dtype == expected.dtype and torch.equal(got.isnan(), expected.isnan()) and \
+        torch.equal(torch.where(both_nan, 0, bits(got)), torch.where(both_nan, 0, bits(expected)))
+
+
+def _with_specials(stacked):
+    """Signed zeros, a subnormal, a column that overflows fp16, one that turns NaN and one
+    whose partial sums sit in fp16's top binade."""
+    stacked = stacked.clone()
+    stacked[:, 0] = -0.0
+    stacked[0, 1], stacked[1, 1] = 0.0, -0.0
+    stacked[0, 2], stacked[1, 2] = 2.0**-24, -(2.0**-24)
+    stacked[0, 3] = 2.0**-20
+    stacked[0, 4], stacked[1, 4] = 65504.0, 16.0  # fp16: 65520 is the first overflow
+    stacked[0, 5], stacked[1, 5] = float("inf"), float("-inf")
+    stacked[0, 6] = float("nan")
+    # Partial sums in fp16's top binade [2^15, 2^16), where its ULP is 32: 32768 + 16 is a
+    # tie that stays 32768, so adding 16 again stays there too (fp32 keeps 32800).
+    stacked[:, 7] = 0.0
+    stacked[: min(3, stacked.shape[0]), 7] = torch.tensor([32768.0, 16.0, 16.0])[: stacked.shape[0]]
+    return stacked
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("world_size", "columns", "chunk", "first_chunk"), [
+    (1, 8, 8, 0), (2, 8, 4, 1), (3, 12, 4, 0), (7, 14, 2, 3), (8, 256, 32, 2),
+    (64, 640, 10, 1), (130, 260, 2, 127),  # chunks of a block past rank W-1 wrap
+    (300, 512, 512, 0),  # one chunk wider than a tile
+])
+def test_kernels_equal_the_torch_models(dtype, world_size, columns, chunk, first_chunk):
+    """The sweep's compiled ring, tree and fp32 reductions give the torch models' bits (the
+    models equal refgrad: test_models_equal_refgrad), and its group sums and exactness flags
+    those of the reference, on random and special values."""
+    from verify.studies.reduce_scatter import kernels
+
+    sample = models.generate("gradient", world_size, columns, torch.Generator().manual_seed(columns))
+    for stacked in ([sample] + ([_with_specials(sample)] if world_size >= 2 else [])):
+        wire = stacked.to(dtype)
+        got = kernels.reduce_block(wire, chunk, first_chunk, ("ring", "tree", "fp32"))
+        assert _nan_aware_equal(got.ring.to(dtype), models.ring_reduce(wire, chunk, first_chunk))
+        assert _nan_aware_equal(got.tree.to(dtype), models.tree_reduce(wire))
+        result, accumulator = models.fp32_reduce(wire)
+        assert _nan_aware_equal(got.fp32_accumulator, accumulator)
+        assert _nan_aware_equal(got.fp32_accumulator.to(dtype), result)
+        total, fast, groups = reference._exact_parts(wire)
+        assert torch.equal(got.group_exact.all(dim=0), fast)
+        exact_groups = torch.stack(groups)[:, fast]
+        assert _nan_aware_equal(got.group_sums[:, fast], exact_groups)
+        exact64, rounded = reference.exact_references(wire, got.group_sums, got.group_exact)
+        expected64, expected_rounded = reference.exact_references(wire)
+        assert _nan_aware_equal(rounded, expected_rounded)
+        assert _nan_aware_equal(exact64, expected64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernels_beyond_8192_ranks_and_on_any_thread_split(dtype, monkeypatch):
+    """Several float64 groups (W > 2^13), bf16 columns whose sum is not exact in float64, and
+    the same bits on one thread as on two (columns are independent)."""
+    from verify.studies.reduce_scatter import kernels
+
+    world_size = 2 * reference.EXACT_GROUP_ROWS + 3
+    sample = models.generate("gradient", world_size, 256, torch.Generator().manual_seed(4))
+    sample[0, 7], sample[1, 7] = 2.0**100, 2.0**-100
+    wire = sample.to(dtype)
+    runs = []
+    for threads in (1, 2):
+        monkeypatch.setattr(torch, "get_num_threads", lambda threads=threads: threads)
+        runs.append(kernels.reduce_block(wire, 1, 11, ("ring", "tree", "fp32")))
+    for got in runs:
+        assert _nan_aware_equal(got.ring.to(dtype), models.ring_reduce(wire, 1, 11))
+        assert _nan_aware_equal(got.tree.to(dtype), models.tree_reduce(wire))
+        assert _nan_aware_equal(got.fp32_accumulator, models.fp32_reduce(wire)[1])
+        exact64, rounded = reference.exact_references(wire, got.group_sums, got.group_exact)
+        expected64, expected_rounded = reference.exact_references(wire)
+        assert _nan_aware_equal(rounded, expected_rounded) and _nan_aware_equal(exact64, expected64)
+    assert not runs[0].group_exact[:, 7].all() if dtype == torch.bfloat16 else True
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        kernels.reduce_block(sample, 1, 0, ("ring",))
+    with pytest.raises(ValueError, match="whole number of chunks"):
+        kernels.reduce_block(wire[:, :7].contiguous(), 2, 0, ("ring",))

@@ -18,6 +18,7 @@ from verify.distributed import (
 )
 from verify.distributed.diagnosis import rank_frames, summarize_frames
 from verify.distributed.progress import MAX_LABEL_BYTES, ProgressBoard
+from verify.distributed.stall import CPU_SHARE
 
 
 def _sum_of_ranks(rank, world_size, scale):
@@ -69,6 +70,8 @@ def test_spawn_rejects_bad_arguments():
         spawn(_sum_of_ranks, 2, 1.0, timeout_s=0)
     with pytest.raises(ValueError, match="timeout_s must be > 0"):
         spawn(_sum_of_ranks, 2, 1.0, timeout_s=float("nan"))
+    with pytest.raises(ValueError, match=r"ceiling_s must be >= timeout_s \(10\), got 5"):
+        spawn(_sum_of_ranks, 2, 1.0, timeout_s=10, ceiling_s=5)
 
 
 def _rank_one_dies(rank, world_size):
@@ -170,9 +173,14 @@ def _timeout_of(launcher, fn, world_size):
     start = time.monotonic()
     with pytest.raises(RankTimeout) as info:
         launcher.spawn(fn, world_size, timeout_s=SHORT_TIMEOUT_S)
-    elapsed = time.monotonic() - start
-    assert SHORT_TIMEOUT_S <= elapsed < SHORT_TIMEOUT_S + SLACK_S, elapsed
+    assert time.monotonic() - start >= SHORT_TIMEOUT_S
+    assert info.value.stalled and "made no progress for 8 s" in str(info.value)
+    # Stalled on time: no rank marked progress for the timeout, and the last marker of the
+    # run is not much older than that (start-up under load delays it, not the stall).
+    newest_marker_age = min(s.marker_age_s for s in info.value.states.values())
+    assert SHORT_TIMEOUT_S <= newest_marker_age < SHORT_TIMEOUT_S + SLACK_S, newest_marker_age
     for state in info.value.states.values():  # killed and reaped, not left behind
+        assert state.recent_cpu_s is not None and state.recent_cpu_s < CPU_SHARE * SHORT_TIMEOUT_S
         with pytest.raises(ProcessLookupError):
             os.kill(state.pid, 0)
     return info.value
@@ -211,6 +219,74 @@ def test_a_rank_skipping_a_collective_is_a_timeout_pointing_at_it(warm_launcher)
     for peer in (0, 2):
         assert error.states[peer].marker == "step 1: grad all-reduce"
         assert "in torch.distributed.all_reduce" in error.states[peer].location
+
+
+def _compute_for(seconds):
+    """Busy Python arithmetic for ``seconds`` of wall time (as refgrad's exact sums are)."""
+    end, total = time.monotonic() + seconds, 0
+    while time.monotonic() < end:
+        total += sum(range(1000))
+    return total
+
+
+def _rank_one_computes_without_markers(rank, world_size, seconds, *, progress):
+    progress.mark("before the long computation")
+    if rank == world_size - 1:
+        _compute_for(seconds)
+    dist.all_reduce(torch.ones(2))  # the other ranks wait here, burning no CPU
+    return rank
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_rank_computing_past_the_timeout_is_not_stalled(warm_launcher, world_size):
+    """Slow is not stuck: 3 x the timeout of computing without a marker passes, alone
+    (the issue's one-rank local process in refgrad) or with a peer waiting for it."""
+    timeout_s = 2.0
+    assert warm_launcher.spawn(_rank_one_computes_without_markers, world_size, 3 * timeout_s,
+                               timeout_s=timeout_s) == list(range(world_size))
+
+
+def _rank_zero_waits_for_a_sleeping_peer(rank, world_size, seconds):
+    if rank == 1:
+        time.sleep(seconds)
+    start_cpu, start = time.process_time(), time.monotonic()
+    dist.all_reduce(torch.ones(2))
+    return time.process_time() - start_cpu, time.monotonic() - start
+
+
+@pytest.mark.dist
+def test_a_rank_blocked_in_a_collective_burns_under_the_cpu_share(warm_launcher):
+    """What the stall rule relies on: gloo does not busy-poll while a peer is absent
+    (its transport thread wakes every 10 ms: about 0.3% of a core, measured)."""
+    cpu_s, waited_s = warm_launcher.spawn(_rank_zero_waits_for_a_sleeping_peer, 2, 6.0)[0]
+    assert waited_s >= 4.0
+    assert cpu_s < CPU_SHARE * waited_s / 2, (cpu_s, waited_s)
+
+
+def _rank_one_loops_forever(rank, world_size, *, progress):
+    progress.mark("step 0")
+    if rank == 1:
+        while True:
+            _compute_for(1.0)
+    dist.all_reduce(torch.ones(2))
+    return rank
+
+
+@pytest.mark.dist
+def test_a_rank_computing_forever_ends_at_the_ceiling(warm_launcher):
+    start = time.monotonic()
+    with pytest.raises(RankTimeout) as info:
+        warm_launcher.spawn(_rank_one_loops_forever, 2, timeout_s=1.0, ceiling_s=5.0)
+    elapsed = time.monotonic() - start
+    assert 5.0 <= elapsed < 5.0 + SLACK_S, elapsed
+    error = info.value
+    assert not error.stalled and error.ceiling_s == 5.0
+    assert "still running after 5 s, the ceiling of a run (5 x the 1 s stall timeout)" in str(error)
+    assert "_rank_one_loops_forever" in error.states[1].location or \
+        "_compute_for" in error.states[1].location
+    assert error.states[1].recent_cpu_s > CPU_SHARE * error.states[1].window_s
+    assert "in torch.distributed.all_reduce" in error.states[0].location
 
 
 def _progress_rank(rank, world_size, *, progress):
@@ -308,3 +384,63 @@ def test_stack_dumps_are_summarised_at_the_collective_and_its_caller():
     )
     assert summarize_frames(frames[2:]) == "at /src/fastgrad/pipeline.py:340 (finalize_grads)"
     assert summarize_frames([]) is None
+
+
+# ------------------------------------------------ the stall rule on synthetic readings
+def _watch(timeout_s=10.0, ceiling_s=200.0):
+    from verify.distributed.stall import StallWatch
+
+    return StallWatch(timeout_s, ceiling_s, started_at=0.0)
+
+
+def _feed(watch, rank, seconds, cpu_per_s, sequence=1, cpu_tick_s=0.01, start=0.0):
+    """Samples every 0.5 s; CPU time counted in whole ticks, as /proc counts it."""
+    from verify.distributed.stall import Sample
+
+    for step in range(int(seconds / 0.5) + 1):
+        at = start + 0.5 * step
+        cpu = None if cpu_per_s is None else (at * cpu_per_s) // cpu_tick_s * cpu_tick_s
+        watch.observe(rank, Sample(at, sequence, cpu))
+    return start + 0.5 * int(seconds / 0.5)
+
+
+def test_stall_rule_a_waiting_rank_is_idle_and_a_computing_one_is_not():
+    watch = _watch()
+    end = _feed(watch, 0, 30.0, cpu_per_s=0.004)  # gloo's 10 ms wake-ups: 0.3-0.4% of a core
+    _feed(watch, 1, 30.0, cpu_per_s=0.05)  # a rank computing on a heavily loaded machine
+    assert watch.idle_s(0, end) >= 10.0
+    assert watch.idle_s(1, end) <= 2.0
+    assert not watch.stalled([0, 1], end)  # the peer computes: the run progresses
+    assert watch.stalled([0], end)  # alone, the waiting rank is stalled
+
+
+def test_stall_rule_a_marker_is_progress_and_a_frozen_rank_is_idle():
+    from verify.distributed.stall import Sample
+
+    watch = _watch()
+    _feed(watch, 0, 20.0, cpu_per_s=0.0, sequence=4)
+    watch.observe(0, Sample(20.5, 6, 0.0))  # marked twice since the last reading
+    assert watch.idle_s(0, 20.5) == 0.0
+    assert not watch.stalled([0], 29.0)
+    _feed(watch, 0, 10.0, cpu_per_s=0.0, sequence=6, start=21.0)  # then frozen (SIGSTOP)
+    assert watch.idle_s(0, 31.0) >= 10.0  # as far back as kept: the timeout
+    assert watch.stalled([0], 31.0)
+
+
+def test_stall_rule_unknown_cpu_counts_only_markers_and_the_ceiling_is_wall_time():
+    watch = _watch(ceiling_s=40.0)
+    end = _feed(watch, 0, 12.0, cpu_per_s=None)
+    assert watch.stalled([0], end)
+    assert not watch.over_ceiling(39.9) and watch.over_ceiling(40.0)
+    with pytest.raises(ValueError, match="ceiling_s must be >= timeout_s"):
+        _watch(timeout_s=10.0, ceiling_s=5.0)
+
+
+def test_cpu_seconds_of_this_process_grow_while_it_computes():
+    from verify.distributed.stall import cpu_seconds
+
+    before, start = cpu_seconds(os.getpid()), time.process_time()
+    while time.process_time() - start < 0.3:  # CPU time, not wall: a loaded machine is slow
+        sum(range(1000))
+    assert cpu_seconds(os.getpid()) - before >= 0.25  # /proc counts 10 ms ticks
+    assert cpu_seconds(None) is None

@@ -102,14 +102,15 @@ def test_toy_wire_bytes_by_hand():
 
 
 def test_reduction_error_models():
-    # bf16 params: fp32 grads, fp32 ring: sqrt(3) x 2^-24 typical, gamma(2) worst.
+    # bf16 params: fp32 grads, fp32 ring over DP 3: 3 addends, 2 roundings: sqrt(2) x 2^-24
+    # typical (Higham & Mary's probabilistic bound for 2 roundings), gamma(2) worst.
     fp32 = reduction_error(_config(TOY))
-    assert fp32["typical_relative_error"] == math.sqrt(3) * 2.0**-24
+    assert fp32["typical_relative_error"] == math.sqrt(2) * 2.0**-24
     assert fp32["worst_case_bound"] == 2 * 2.0**-24 / (1 - 2 * 2.0**-24)
     assert fp32["basis"].startswith("model only")
     ring = reduction_error(_config(TOY + ["--grad-reduce-in-bf16"]))
     assert ring["method"] == "ring reduce-scatter in bf16"
-    assert ring["typical_relative_error"] == math.sqrt(3) * 2.0**-8
+    assert ring["typical_relative_error"] == math.sqrt(2) * 2.0**-8
     assert ring["worst_case_bound"] == 2 * 2.0**-8 / (1 - 2 * 2.0**-8)
     assert ring["basis"].startswith("within the measured range")
     accumulate = reduction_error(_config(TOY + ["--grad-reduce-in-bf16",
@@ -218,3 +219,83 @@ def test_interleaved_chunks_layers_buckets_and_p2p_by_hand():
     assert rows[0]["pipeline_p2p_sent_bytes"] == 3 * 4 * 1024
     # TP 2: 2 layers on the stage x 4 microbatches x 8 x 1/2 x 16 x 64 x 2 bytes.
     assert rows[0]["tensor_parallel_bytes"] == 2 * 4 * 4 * 16 * 64 * 2
+
+
+def test_typical_error_never_exceeds_the_worst_case_bound():
+    """The issue's DP 2 report: typical 8.43e-08 (sqrt(2) u) above the bound 5.96e-08.
+
+    By hand, DP 2: two addends and one rounding, fl(a + b) = (a + b)(1 + d), |d| <= u, so
+    the error is at most u |a + b| <= u (|a| + |b|) <= gamma(1) (|a| + |b|): the worst case
+    is gamma(1) = u / (1 - u), and one rounding's typical error is u, not sqrt(2) u
+    (the typical model counts the N - 1 roundings, as the bound does)."""
+    dp2 = TOY + ["--world-size", "4", "--global-batch-size", "4"]  # PP 2 x DP 2
+    for extra, u in (([], 2.0**-24), (["--grad-reduce-in-bf16"], 2.0**-8)):
+        error = reduction_error(_config(dp2 + extra))
+        assert error["dp"] == 2
+        assert error["typical_relative_error"] == u
+        assert error["worst_case_bound"] == u / (1 - u)
+    for dp in (2, 3, 8, 64, 1024, 8192):
+        for extra in ([], ["--grad-reduce-in-bf16"],
+                      ["--grad-reduce-in-bf16", "--ddp-reduce-scatter-with-fp32-accumulation"]):
+            error = reduction_error(_config(  # PP 2 x DP dp
+                TOY + extra + ["--world-size", str(2 * dp), "--global-batch-size", str(2 * dp)]))
+            if error["worst_case_bound"] is not None:
+                assert error["typical_relative_error"] <= error["worst_case_bound"], (dp, extra)
+
+
+def _pp1_timing(extra):
+    """PP 1 at DP 3 with given costs: f 1 ms, b 2 ms, grad sync as given; M = 2."""
+    flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+             "--seq-length", "16", "--max-position-embeddings", "16", "--padded-vocab-size",
+             "128", "--micro-batch-size", "1", "--global-batch-size", "6", "--world-size", "3",
+             "--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce", *extra]
+    config = _config(flags)
+    return build_report(config, parsed_launch(flags), CostInputs(
+        forward_ms=1.0, backward_ms=2.0, grad_sync_ms=1.2, p2p_ms=0.0))
+
+
+def test_pp1_overlapped_buckets_expose_only_the_last_one():
+    """The issue's Llama-2 7B case in small: at PP 1 the K buckets are reduced while the last
+    microbatch's backward produces the next ones, so only the last bucket's sync is exposed,
+    and there is no pipeline bubble (closed form (P-1)/(M+P-1) = 0)."""
+    report = _pp1_timing(["--ddp-bucket-size", "4096"])
+    (chunk,) = report["layout"]
+    k = chunk["num_buckets"]
+    assert k > 4
+    pipe = report["pipeline"]
+    assert pipe["first_chunk_buckets"] == k
+    # By hand: the last backward starts at M(f+b) - b = 4 ms; bucket i is ready at
+    # 4 + 2 (i+1)/K and takes 1.2/K < 2/K, so the channel keeps up: the sync ends at
+    # 4 + 2 + 1.2/K = 6 + 1.2/K ms, exposing 1.2/K ms after the compute's 6 ms.
+    assert pipe["compute_end_ms"] == pytest.approx(6.0)
+    assert pipe["exposed_grad_sync_ms"] == pytest.approx(1.2 / k)
+    assert pipe["step_time_ms"] == pytest.approx(6.0 + 1.2 / k)
+    assert pipe["pipeline_bubble_fraction"] == pytest.approx(0.0)
+    assert pipe["closed_form_bubble_fraction"] == 0.0
+    # The default 40M bucket holds the whole toy model: one bucket, ready when the last
+    # backward ends (6 ms), then 1.2 ms on the channel, all of it exposed.
+    one = _pp1_timing([])["pipeline"]
+    assert one["first_chunk_buckets"] == 1
+    assert one["exposed_grad_sync_ms"] == pytest.approx(1.2)
+
+
+def test_a_shared_embedding_bucket_is_explained_next_to_the_rule():
+    """'buckets 2' beside 'one (pipeline rank > 0)': the tied copy's own bucket says so."""
+    chunks = chunk_layouts(_config(TOY))
+    assert chunks[1].layout.num_buckets == 2
+    assert chunks[1].bucket_rule == ("one (pipeline rank > 0) + 1 for the shared embedding "
+                                     "(own bucket, distributed optimizer)")
+    untied = chunk_layouts(_config(TOY + ["--untie-embeddings-and-output-weights"]))
+    assert untied[1].layout.num_buckets == 1 and untied[1].bucket_rule == "one (pipeline rank > 0)"
+
+
+def test_units_fit_the_number_and_counts_agree_with_their_nouns():
+    from verify.preflight.render import format_bytes, format_ms
+
+    assert [format_bytes(v) for v in (0, 512, 1536, 4096, 59520 * 4, 25.171 * 2**30)] == [
+        "0 B", "512 B", "1.50 KiB", "4.00 KiB", "232.50 KiB", "25.17 GiB"]
+    assert [format_ms(v) for v in (0, 3484.93, 135.352, 2.413e-3, 4.664e-6)] == [
+        "0", "3.485 s", "135.4 ms", "2.413 µs", "4.664 ns"]
+    flags = TOY + ["--pipeline-model-parallel-size", "1"]
+    report = build_report(_config(flags), parsed_launch(flags), CostInputs())
+    assert report["verdict"].endswith("; 1 gradient buffer laid out on paper")

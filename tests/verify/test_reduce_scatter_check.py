@@ -9,7 +9,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fastgrad.reduce_scatter import AVG, SUM, reduce_shards_fp32
+from fastgrad.reduce_scatter import (
+    AVG,
+    SUM,
+    reduce_scatter_with_fp32_accumulation,
+    reduce_shards_fp32,
+)
 from verify.check import CheckContext, CheckRecorder
 from verify.checks import CHECK_MODULES, check_by_name
 from verify.checks.reduce_scatter import CHECK, ReduceScatterCandidate, compare_local_reduction_on
@@ -48,6 +53,20 @@ def all_to_all_then(local_reduction, output, input, *, group=None, async_op=Fals
     return _Done() if async_op else None
 
 
+def prescaled_average(output, input, *, group=None, async_op=False, scratch=None,  # noqa: A002
+                      op=SUM):
+    """Production's AVG: every grad *= 1/W in its 16-bit dtype, then the fp32-accumulating sum."""
+    prescale = 1.0 / dist.get_world_size(group) if op == AVG else None
+    return reduce_scatter_with_fp32_accumulation(output, input, group=group, async_op=async_op,
+                                                 scratch=scratch, op=SUM, prescale=prescale)
+
+
+def prescaled_local_average(shards, out, *, average):
+    """The same pre-scale in the local reduction."""
+    reduce_shards_fp32(shards, out, average=False,
+                       prescale=1.0 / shards.shape[0] if average else None)
+
+
 def broken_candidate(local_reduction) -> ReduceScatterCandidate:
     return ReduceScatterCandidate(reduce_scatter=functools.partial(all_to_all_then, local_reduction),
                                   local_reduction=local_reduction)
@@ -69,6 +88,9 @@ def test_check_passes_on_fastgrad():
                    for label in labels)
     assert any(label.startswith("order-sensitive reduce-scatter") and "W=3 " in label
                for label in labels)
+    averaged = {label.split(": ")[1].split(" ")[0] for label in labels
+                if label.startswith("average-sensitive AVG")}
+    assert averaged == {"W=3", "W=5"}  # quick mode; W=6 too in the full check
 
 
 @pytest.mark.dist
@@ -113,3 +135,26 @@ def test_local_reduction_comparison_catches_wire_accumulation():
     compare_local_reduction_on("cpu", rec, torch.Generator().manual_seed(1), ((8, 257),),
                                ReduceScatterCandidate(local_reduction=wire_sum))
     assert not rec.finish(0.0).passed
+
+
+@pytest.mark.dist
+def test_check_fails_on_an_average_prescaled_in_the_grad_dtype():
+    """Production's way of averaging (grad *= 1/W in bf16/fp16 before an fp32 sum) differs
+    from one rounding of the fp32 sum / W: the average-sensitive inputs at W = 3 and 5
+    (1/W inexact) make it differ on most elements, not on one in a few hundred."""
+    candidate = ReduceScatterCandidate(reduce_scatter=prescaled_average,
+                                       local_reduction=prescaled_local_average)
+    result = CHECK.execute(CheckContext(quick=True), candidate)
+    assert result.error is None, result.error
+    assert not result.passed
+    failed = {c.label: c for c in result.comparisons if not c.passed}
+    assert not any(e.label.startswith("average-sensitive inputs") and not e.passed
+                   for e in result.expectations)
+    for size in (3, 5):
+        for dtype in ("float16", "bfloat16"):
+            hits = [c for label, c in failed.items()
+                    if label.startswith(f"average-sensitive AVG vs refgrad fp32 sum / W: W={size} "
+                                        f"{dtype}")]
+            assert len(hits) == 4, (size, dtype, sorted(failed))  # 2 iterations x sync/async
+            for comparison in hits:  # most elements, not one
+                assert 2 * comparison.metrics["n_mismatch"] > comparison.metrics["n"], comparison

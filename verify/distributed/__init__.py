@@ -6,11 +6,14 @@ hosts), runs ``fn(rank, world_size, *args)``, and sends back the (picklable)
 return value by value. Ranks are forked from a fork server that has already
 imported torch (see :mod:`verify.distributed.launcher`).
 
-Nothing hangs: a rank that raises or dies ends the run with :class:`RankCrashed`
-(its traceback or exit status); a run that passes ``timeout_s`` ends with
-:class:`RankTimeout`, every rank killed at once, naming the ranks that had not
-finished with their last progress marker and, where they could answer, the
-torch.distributed call they were blocked in. A rank function that declares a
+Nothing hangs, and slow is not stuck: a rank that raises or dies ends the run
+with :class:`RankCrashed` (its traceback or exit status); a run whose unfinished
+ranks all made no progress (no progress marker, no CPU time) for ``timeout_s``
+is stalled, and one still running after ``ceiling_s`` (default 20 x
+``timeout_s``) is ended: both end with :class:`RankTimeout`, every rank killed
+at once, naming the ranks that had not finished with their last progress marker,
+their recent CPU time and, where they could answer, the torch.distributed call
+they were blocked in (:mod:`verify.distributed.stall` has the rule). A rank function that declares a
 keyword-only ``progress`` parameter receives a :class:`RankProgress` to mark its
 steps with (``progress.mark("stage 1: backward microbatch 3")``).
 """
@@ -24,8 +27,10 @@ from typing import Any
 from verify.distributed.errors import DistributedRunError, RankCrashed, RankState, RankTimeout
 from verify.distributed.launcher import DEFAULT_TIMEOUT_S, RankLauncher
 from verify.distributed.progress import RankProgress
+from verify.distributed.stall import CEILING_FACTOR
 
 __all__ = [
+    "CEILING_FACTOR",
     "DEFAULT_TIMEOUT_S",
     "DistributedRunError",
     "RankCrashed",
@@ -51,14 +56,17 @@ def spawn(
     *args: Any,
     backend: str = "gloo",
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    ceiling_s: float | None = None,
     launcher: RankLauncher | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes; results by rank.
 
     ``fn`` must be a module-level function (it is pickled into the ranks). Return
-    values may hold tensors; they are copied back by value. ``launcher`` picks the
-    start method (default: a fork server preloading torch). Raises
-    :class:`RankCrashed` or :class:`RankTimeout` (both :class:`DistributedRunError`).
+    values may hold tensors; they are copied back by value. ``timeout_s``: the stall
+    timeout; ``ceiling_s``: the most a run may last (default ``CEILING_FACTOR`` x
+    ``timeout_s``). ``launcher`` picks the start method (default: a fork server
+    preloading torch). Raises :class:`RankCrashed` or :class:`RankTimeout` (both
+    :class:`DistributedRunError`).
     """
     return (launcher or RankLauncher()).spawn(fn, world_size, *args, backend=backend,
-                                              timeout_s=timeout_s)
+                                              timeout_s=timeout_s, ceiling_s=ceiling_s)

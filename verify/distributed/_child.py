@@ -36,7 +36,9 @@ class RankJob:
     progress: RankProgress
     stack_path: str
     environment: dict[str, str]
-    timeout_s: float
+    # Bound on every wait inside the rank (rendezvous store, collectives): the run's
+    # ceiling; stalls are decided by the parent from progress (verify.distributed.stall).
+    ceiling_s: float
     # The process that called spawn; the rank exits when it is gone (see _exit_with_parent).
     parent_pid: int
 
@@ -92,10 +94,10 @@ def _connect_store(job: RankJob) -> Any:
     """Connect to the parent's rendezvous store in short attempts while the parent lives.
 
     One long connect blocks in C++ with the GIL held, so a rank whose parent was
-    interrupted or died would wait out the whole deadline (and keep the terminal's
+    interrupted or died would wait out the whole ceiling (and keep the terminal's
     output open); short attempts let it notice and exit.
     """
-    deadline = time.monotonic() + job.timeout_s
+    deadline = time.monotonic() + job.ceiling_s
     while True:
         attempt = min(_CONNECT_ATTEMPT_S, max(0.1, deadline - time.monotonic()))
         try:
@@ -107,7 +109,7 @@ def _connect_store(job: RankJob) -> Any:
             if time.monotonic() >= deadline:
                 raise
             continue
-        store.set_timeout(timedelta(seconds=job.timeout_s))
+        store.set_timeout(timedelta(seconds=job.ceiling_s))
         return store
 
 
@@ -135,7 +137,8 @@ def rank_main(job: RankJob, result_conn: Any) -> None:
     try:
         progress.mark("init_process_group")
         store = _connect_store(job)
-        dist.init_process_group(job.backend, store=store, rank=job.rank, world_size=job.world_size)
+        dist.init_process_group(job.backend, store=store, rank=job.rank, world_size=job.world_size,
+                                timeout=timedelta(seconds=job.ceiling_s))
         progress.mark("running the rank function")
         kwargs = {"progress": progress} if job.pass_progress else {}
         result = job.fn(job.rank, job.world_size, *job.args, **kwargs)

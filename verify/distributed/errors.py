@@ -1,7 +1,8 @@
 """Why a multi-rank run did not return: typed, so callers can tell it from a numerical failure.
 
 :class:`DistributedRunError` is the base; :class:`RankCrashed` means a rank raised
-or died, :class:`RankTimeout` means the deadline passed with ranks still running.
+or died, :class:`RankTimeout` means the run stalled (no rank made progress for the
+stall timeout) or outlasted its ceiling.
 Both carry a :class:`RankState` for every rank that had not finished, with its
 last progress marker and, where the harness could get one, its Python stack.
 """
@@ -9,6 +10,8 @@ last progress marker and, where the harness could get one, its Python stack.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from verify.distributed.stall import CPU_SHARE
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,9 @@ class RankState:
     location: str | None = None
     # The innermost frames of that stack, most recent call first.
     stack: tuple[str, ...] = ()
+    # CPU seconds the process used over the last ``window_s`` seconds (None: unknown).
+    recent_cpu_s: float | None = None
+    window_s: float | None = None
 
     def describe(self) -> str:
         """Several lines for an error message."""
@@ -34,7 +40,10 @@ class RankState:
         if self.marker is not None:
             age = f", {self.marker_age_s:.1f} s ago" if self.marker_age_s is not None else ""
             marker = f"last marker {self.marker!r}{age}"
-        lines = [f"  rank {self.rank} (pid {self.pid}): {self.process}; {marker}"]
+        cpu = ""
+        if self.recent_cpu_s is not None and self.window_s:
+            cpu = f"; {self.recent_cpu_s:.2f} s of CPU in the last {self.window_s:.0f} s"
+        lines = [f"  rank {self.rank} (pid {self.pid}): {self.process}; {marker}{cpu}"]
         if self.location:
             lines.append(f"    {self.location}")
         lines.extend(f"      {frame}" for frame in self.stack)
@@ -64,18 +73,33 @@ class RankCrashed(DistributedRunError):
 
 
 class RankTimeout(DistributedRunError):
-    """The deadline passed; ``states`` describes each rank that had not finished."""
+    """The run stalled, or outlasted its ceiling; ``states`` describes each unfinished rank.
 
-    def __init__(self, timeout_s: float, world_size: int, states: dict[int, RankState]) -> None:
+    ``ceiling_s`` is None for a stall (no unfinished rank made progress for
+    ``timeout_s``: see :mod:`verify.distributed.stall`), else the ceiling the run
+    reached while some rank still computed.
+    """
+
+    def __init__(self, timeout_s: float, world_size: int, states: dict[int, RankState],
+                 ceiling_s: float | None = None) -> None:
         self.timeout_s = timeout_s
+        self.ceiling_s = ceiling_s
         self.world_size = world_size
         self.states = dict(sorted(states.items()))
-        stalled = ", ".join(str(r) for r in self.states)
-        text = (
-            f"ranks {stalled} of {world_size} had not finished after {timeout_s:g} s "
-            "(every rank was killed):\n"
-        )
+        unfinished = ", ".join(str(r) for r in self.states)
+        if ceiling_s is None:
+            why = (f"made no progress for {timeout_s:g} s (no progress marker, and under "
+                   f"{CPU_SHARE:.0%} of a core of CPU time)")
+        else:
+            why = (f"were still running after {ceiling_s:g} s, the ceiling of a run "
+                   f"({ceiling_s / timeout_s:g} x the {timeout_s:g} s stall timeout)")
+        text = f"ranks {unfinished} of {world_size} {why} (every rank was killed):\n"
         super().__init__(text + "\n".join(s.describe() for s in self.states.values()))
+
+    @property
+    def stalled(self) -> bool:
+        """True for a stall, False for a run that reached its ceiling."""
+        return self.ceiling_s is None
 
     @property
     def ranks(self) -> tuple[int, ...]:

@@ -1,4 +1,4 @@
-"""Start W rank processes, wait for them with a deadline, and explain what went wrong.
+"""Start W rank processes, wait for them until they finish or stall, and explain what went wrong.
 
 Start-up: importing torch costs a fresh process about 1.5 s, which used to be
 ~43% of a ``verify run``. With the ``forkserver`` start method, one server
@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from multiprocessing import forkserver
 from multiprocessing.connection import wait
@@ -42,13 +42,12 @@ from verify.distributed._child import RankJob, rank_main
 from verify.distributed.diagnosis import diagnose, process_state, request_stack_dumps
 from verify.distributed.errors import RankCrashed, RankTimeout
 from verify.distributed.progress import ProgressBoard
+from verify.distributed.stall import CEILING_FACTOR, Sample, StallWatch, cpu_seconds
 
-# Deadline for one spawn when the caller gives none (checks pass CheckContext.timeout_s).
-# The slowest legitimate spawn is the pipeline check's 8 ranks: 15 s idle and 36-47 s on a
-# loaded 2-core box when every rank imported torch (~1.5 s of CPU each, ~12 s of that phase
-# on 2 cores). Forked from the preloaded server, that import is gone, which leaves the phase
-# well under 40 s even loaded; 60 s keeps it clear of the deadline on a busy CI box while a
-# hung run on a laptop still reports within a minute. Checks pass CheckContext.timeout_s.
+# Stall timeout of one spawn when the caller gives none (checks pass CheckContext.timeout_s):
+# a run whose unfinished ranks all made no progress (no marker, no CPU) for this long is
+# stalled (verify.distributed.stall). Slow is not stalled, so the figure need not cover a
+# loaded machine: a hung run on a laptop still reports within about a minute.
 DEFAULT_TIMEOUT_S = 60.0
 # Modules the fork server imports once; ImportErrors among them are ignored by CPython.
 # torch imports torch.fx.experimental.symbolic_shapes (and with it sympy) lazily, on a
@@ -120,7 +119,7 @@ class RankLauncher:
         """Start the fork server now; it imports ``preload`` in the background.
 
         With ``wait_s > 0``, wait up to that long for the imports to finish (a no-op
-        process is forked once they have), e.g. before timing or short deadlines.
+        process is forked once they have), e.g. before timing or short stall timeouts.
         """
         if self.start_method != "forkserver":
             return
@@ -140,13 +139,16 @@ class RankLauncher:
         *args: Any,
         backend: str = "gloo",
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        ceiling_s: float | None = None,
     ) -> list[Any]:
         """See :func:`verify.distributed.spawn`."""
-        _validate(fn, world_size, timeout_s)
-        return _Run(self.context(), fn, world_size, args, backend, timeout_s).wait()
+        ceiling_s = CEILING_FACTOR * timeout_s if ceiling_s is None else ceiling_s
+        _validate(fn, world_size, timeout_s, ceiling_s)
+        return _Run(self.context(), fn, world_size, args, backend, timeout_s, ceiling_s).wait()
 
 
-def _validate(fn: Callable[..., Any], world_size: int, timeout_s: float) -> None:
+def _validate(fn: Callable[..., Any], world_size: int, timeout_s: float,
+              ceiling_s: float) -> None:
     if not callable(fn):
         raise TypeError(f"fn must be a callable, got {type(fn).__name__}")
     if isinstance(world_size, bool) or not isinstance(world_size, int):
@@ -155,6 +157,8 @@ def _validate(fn: Callable[..., Any], world_size: int, timeout_s: float) -> None
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if not timeout_s > 0:  # also refuses NaN
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    if not ceiling_s >= timeout_s:
+        raise ValueError(f"ceiling_s must be >= timeout_s ({timeout_s}), got {ceiling_s}")
 
 
 def _wants_progress(fn: Callable[..., Any]) -> bool:
@@ -169,16 +173,18 @@ class _Run:
     """One spawn: its processes, their result pipes and everything needed to diagnose them."""
 
     def __init__(self, context: Any, fn: Callable[..., Any], world_size: int,
-                 args: tuple[Any, ...], backend: str, timeout_s: float) -> None:
+                 args: tuple[Any, ...], backend: str, timeout_s: float, ceiling_s: float) -> None:
         self.world_size = world_size
         self.timeout_s = timeout_s
-        self.deadline = time.monotonic() + timeout_s
+        self.ceiling_s = ceiling_s
+        self.watch = StallWatch(timeout_s, ceiling_s, started_at=time.monotonic())
         self.board = ProgressBoard(context, world_size)
         self.stack_dir = Path(tempfile.mkdtemp(prefix="verify-ranks-"))
         self.stack_files = {r: self.stack_dir / f"rank{r}.stack" for r in range(world_size)}
-        # The parent hosts the rendezvous store on a port the OS picks and holds.
+        # The parent hosts the rendezvous store on a port the OS picks and holds. Its waits
+        # (and the ranks', see RankJob) are bounded by the ceiling: the parent decides stalls.
         self.store = dist.TCPStore("127.0.0.1", 0, None, is_master=True,
-                                   timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+                                   timeout=timedelta(seconds=ceiling_s), wait_for_workers=False)
         self.results: dict[int, Any] = {}
         self.failures: dict[int, str] = {}
         self.failures_seen_at = float("inf")
@@ -191,7 +197,7 @@ class _Run:
                 reader, writer = context.Pipe(duplex=False)
                 job = RankJob(rank, world_size, self.store.port, backend, fn, args, wants_progress,
                               self.board.for_rank(rank), str(self.stack_files[rank]), environment,
-                              timeout_s, os.getpid())
+                              ceiling_s, os.getpid())
                 proc = context.Process(target=rank_main, args=(job, writer))
                 proc.start()
                 # Only the child may hold the write end, so its death reads as EOF here.
@@ -205,31 +211,48 @@ class _Run:
     def wait(self) -> list[Any]:
         """Collect every rank's result; raise RankCrashed or RankTimeout instead of hanging."""
         try:
-            stop_at = self.deadline
-            while len(self.results) < self.world_size and time.monotonic() < stop_at:
-                stop_at = min(stop_at, self.failures_seen_at + FAILURE_GRACE_S)
+            stalled = over_ceiling = False
+            while len(self.results) < self.world_size:
+                now = time.monotonic()
+                if now >= self.failures_seen_at + FAILURE_GRACE_S:
+                    break
+                self._sample(now)
+                stalled = self.watch.stalled(self._unfinished(), now)
+                over_ceiling = self.watch.over_ceiling(now)
+                if stalled or over_ceiling:
+                    break
+                stop_at = min(now + _POLL_S, self.failures_seen_at + FAILURE_GRACE_S)
                 pending = [c for c, r in self.readers.items()
                            if r not in self.results and r not in self.failures]
-                ready = wait(pending, timeout=max(0.0, min(_POLL_S, stop_at - time.monotonic())))
+                ready = wait(pending, timeout=max(0.0, stop_at - time.monotonic()))
                 for conn in ready:
                     self._receive(conn)
             if len(self.results) == self.world_size:
                 return [self.results[r] for r in range(self.world_size)]
-            unfinished = [r for r in range(self.world_size)
-                          if r not in self.results and r not in self.failures]
+            unfinished = self._unfinished()
             if self.failures:
                 states = self._diagnose(unfinished, with_stacks=False)
                 self._stop_all()
                 raise RankCrashed(self.failures, states)
             states = self._diagnose(unfinished, with_stacks=True)
             self._stop_all()
-            raise RankTimeout(self.timeout_s, self.world_size, states)
+            raise RankTimeout(self.timeout_s, self.world_size, states,
+                              ceiling_s=None if stalled else self.ceiling_s)
         finally:
             self._stop_all()
             for conn in self.readers:
                 conn.close()
             shutil.rmtree(self.stack_dir, ignore_errors=True)
             self.store = None  # closes the rendezvous port now, not at garbage collection
+
+    def _unfinished(self) -> list[int]:
+        return [r for r in range(self.world_size) if r not in self.results and r not in self.failures]
+
+    def _sample(self, now: float) -> None:
+        """One reading of every unfinished rank's progress for the stall watch."""
+        for rank in self._unfinished():
+            self.watch.observe(rank, Sample(now, self.board.sequence(rank),
+                                            cpu_seconds(self.procs[rank].pid)))
 
     def _receive(self, conn: Any) -> None:
         rank = self.readers[conn]
@@ -254,7 +277,10 @@ class _Run:
                        if self.board.read(r) is not None and _state(self.procs[r]) == "running"}
             dumps = request_stack_dumps(running, self.stack_files)
         exitcodes = {r: self.procs[r].exitcode for r in ranks}
-        return diagnose(ranks, pids, exitcodes, self.board, dumps)
+        states = diagnose(ranks, pids, exitcodes, self.board, dumps)
+        return {r: replace(state, recent_cpu_s=self.watch.recent_cpu_s(r),
+                           window_s=self.watch.window_s(r))
+                for r, state in states.items()}
 
     def _stop_all(self) -> None:
         """SIGTERM every live rank at once, SIGKILL the rest after a grace, join with a deadline."""

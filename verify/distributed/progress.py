@@ -1,13 +1,15 @@
 """Where each rank last said it was: one shared-memory slot per rank, read by the parent.
 
 A rank writes ``(label, time)`` into its slot with :meth:`RankProgress.mark`; the
-parent reads every slot when the deadline passes, so the timeout report can say
+parent reads every slot when a run stalls, so the stall report can say
 "rank 1: 'backward microbatch 3 start', 8.2 s ago" even for a rank that was
 frozen with SIGSTOP and can no longer answer anything.
 
 The slot is lock-free (a rank stopped while holding a lock would block the
 parent's read); a sequence counter (even = stable) lets the reader retry a torn
 read. The marker is a diagnosis aid, so a read that stays torn is returned as is.
+The counter itself is also the parent's sign that the rank progresses
+(:mod:`verify.distributed.stall`).
 
 The harness hands a :class:`RankProgress` to a rank function that declares a
 keyword-only ``progress`` parameter; nothing is stored in module state.
@@ -39,6 +41,11 @@ class ProgressBoard:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank must be in [0, {self.world_size}), got {rank}")
         return RankProgress(self._shared, rank)
+
+    def sequence(self, rank: int) -> int:
+        """A counter that moves whenever ``rank`` marks progress (0 before its first marker)."""
+        view = memoryview(self._shared).cast("B")
+        return struct.unpack_from("<Q", view, rank * SLOT_BYTES)[0]
 
     def read(self, rank: int) -> tuple[str, float] | None:
         """``(label, seconds since it was written)``, or None if the rank never marked."""

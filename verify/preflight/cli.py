@@ -13,7 +13,8 @@ Stages of :func:`main` (each returns or raises):
 
 Exit codes: 0 pass, 1 numerical failure (the twin differs from refgrad), 2
 usage (a refused configuration, or a twin larger than ``--max-world-size``),
-3 error (a rank failed or timed out, a file could not be written).
+3 error (a rank failed or stalled, Ctrl-C stopped the twin, a file could not be written).
+After Ctrl-C the paper figures and hazards are still printed and written.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from verify.preflight.twin_stage import TwinRunError, paper_only_hazards, run_tw
 from verify.preflight.twin_worker import TwinCandidate
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ERROR = 0, 1, 2, 3
+INTERRUPTED_NOTE = "interrupted (Ctrl-C)"
 TWIN_NOTE = ("The scaled twin run is not part of this output (--no-twin): these figures are "
              "computed on paper from the configuration; no model was built and no collective "
              "was run.")
@@ -98,7 +100,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     twin.add_argument("--max-world-size", type=int, default=TwinOptions.max_world_size,
                       metavar="W", help="most ranks the twin may spawn, TP x PP x DP x CP")
     twin.add_argument("--timeout", type=float, default=TwinOptions.timeout_s, metavar="S",
-                      help="deadline for the twin's ranks in seconds")
+                      help="stall timeout of the twin's ranks in seconds: an error when none "
+                           "made progress (marker or CPU time) for that long")
     twin.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
     modelled = sorted({flag_of(dest, {}) for dest in MODELLED})
     parser.epilog = (f"Every flag of {MEGATRON_LM}'s parse_args is read as it reads it; these "
@@ -145,8 +148,8 @@ def build_report(config: PreflightConfig, parsed: ParsedFlags, costs: CostInputs
         "megatron": MEGATRON_LM,
         "verdict": (f"PREFLIGHT PASSED: valid under the rules of {MEGATRON_LM}; "
                     f"{config.shape} ({config.data_parallel_source}), "
-                    f"{config.num_microbatches} microbatches; {pp * vpp} gradient buffers laid "
-                    "out on paper"),
+                    f"{config.num_microbatches} microbatches; {pp * vpp} gradient "
+                    f"buffer{'s' if pp * vpp != 1 else ''} laid out on paper"),
         "config": config.to_dict(),
         "unknown_flags": list(parsed.unknown),
         "ignored_positionals": list(parsed.positional),
@@ -215,6 +218,10 @@ def main(args: argparse.Namespace, environ: Mapping[str, str] | None = None,
                 return EXIT_OK
         except TwinRunError as exc:
             twin_error = str(exc)
+        except KeyboardInterrupt:
+            # Ctrl-C: the ranks are gone (spawn kills them); what was computed on paper stands.
+            twin_error = INTERRUPTED_NOTE
+            report["interrupted"] = True
         except Exception as exc:  # noqa: BLE001 - a bug in the twin must not lose the paper figures
             twin_error = (f"internal error while checking the twin ({type(exc).__name__}: {exc}); "
                           "this is a gradverify bug: please report it with the --json report")

@@ -82,14 +82,20 @@ def chunk_layouts(config: PreflightConfig) -> list[ChunkLayout]:
         for chunk in range(config.virtual_pipeline_model_parallel_size):
             params = chunk_parameters(config, stage, chunk)
             size, rule = bucket_size_for(config, stage, chunk)
+            shared = [i for i, p in enumerate(params) if p.shared_embedding]
             layout = compute_layout(
                 [p.numel for p in params],
                 dp_size=config.data_context_parallel_size,
                 bucket_size=size,
                 use_distributed_optimizer=config.use_distributed_optimizer,
                 pad_buckets_for_high_nccl_busbw=config.ddp_pad_buckets_for_high_nccl_busbw,
-                shared_embedding=[i for i, p in enumerate(params) if p.shared_embedding],
+                shared_embedding=shared,
             )
+            if shared and config.use_distributed_optimizer:
+                # Megatron-Core's param_and_grad_buffer._does_param_require_new_bucket: with the
+                # distributed optimizer a shared embedding gets a bucket of its own, whatever
+                # the size rule (so "one" bucket by the rule can read 2 in the layout).
+                rule += " + 1 for the shared embedding (own bucket, distributed optimizer)"
             out.append(ChunkLayout(stage, chunk, tuple(params), size, rule, layout))
     return out
 
@@ -198,8 +204,11 @@ def reduction_error(config: PreflightConfig) -> dict:
         model = "one rounding: u (independent of N); worst u + gamma_fp32(N-1)"
     else:
         method = f"ring {'reduce-scatter' if config.use_distributed_optimizer else 'all-reduce'} in {wire}"
-        typical, worst = math.sqrt(n) * u, _gamma(n - 1, u)
-        model = "typical sqrt(N) u; worst gamma(N-1) = (N-1)u/(1-(N-1)u), relative to sum |g|"
+        # N addends, N-1 roundings: Higham & Mary's probabilistic bound is ~sqrt(N-1) u and
+        # the deterministic one gamma(N-1), both relative to sum |g|, so typical <= worst.
+        typical, worst = math.sqrt(n - 1) * u, _gamma(n - 1, u)
+        model = ("typical sqrt(N-1) u (N-1 roundings, Higham & Mary); worst gamma(N-1) = "
+                 "(N-1)u/(1-(N-1)u); both relative to sum |g|")
     if n == 1:
         typical = worst = 0.0
     low, high = min(DEFAULT_DP), max(DEFAULT_DP)

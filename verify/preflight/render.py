@@ -17,11 +17,33 @@ from verify.console import terminal_width
 NON_TERMINAL_WIDTH = 200  # columns of the text report when stdout is not a terminal
 
 Tables = list[tuple[str, list[str], list[list[str]]]]
-GIB = 2**30
+BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+# (factor from milliseconds, unit), largest first: a time is shown in the first that fits.
+TIME_UNITS = ((1e3, "s"), (1.0, "ms"), (1e-3, "µs"), (1e-6, "ns"))
 
 
-def _bytes(value: float) -> str:
-    return f"{value / GIB:,.3f} GiB"
+def format_bytes(value: float) -> str:
+    """Bytes in the binary unit that keeps the number in [1, 1024): "512 B", "25.17 GiB"."""
+    if value == 0:
+        return "0 B"
+    exponent = 0
+    while exponent < len(BYTE_UNITS) - 1 and abs(value) >= 1024 ** (exponent + 1):
+        exponent += 1
+    if exponent == 0:
+        return f"{value:,.0f} B"
+    return f"{value / 1024 ** exponent:,.2f} {BYTE_UNITS[exponent]}"
+
+
+def format_ms(value: float) -> str:
+    """A time given in milliseconds, in the unit that keeps it >= 1: "3.48 s", "12.5 µs"."""
+    if value == 0:
+        return "0"
+    for factor, unit in TIME_UNITS:
+        if abs(value) >= factor:
+            return f"{value / factor:,.4g} {unit}"
+    return f"{value / TIME_UNITS[-1][0]:.3g} {TIME_UNITS[-1][1]}"
+
+
 
 
 def _sci(value: float | None) -> str:
@@ -54,9 +76,9 @@ def report_tables(report: dict) -> Tables:
          "bucket rule", "grad buffer", "param buffer", "MXFP8 sharing saves"],
         collapse_stages([[str(r["stage"]), str(r["chunk"]), str(r["num_params"]), f"{r['param_elements']:,}",
           f"{r['buffer_numel']:,}", f"{r['padding_elements']:,} ({100 * r['padding_fraction']:.4f}%)",
-          str(r["num_buckets"]), r["bucket_rule"], _bytes(r["grad_buffer_bytes"]),
-          _bytes(r["param_buffer_bytes"]),
-          _bytes(r["mxfp8_sharing_saving_bytes"])
+          str(r["num_buckets"]), r["bucket_rule"], format_bytes(r["grad_buffer_bytes"]),
+          format_bytes(r["param_buffer_bytes"]),
+          format_bytes(r["mxfp8_sharing_saving_bytes"])
           + (" (on)" if r["mxfp8_sharing_enabled"] else " (if enabled)")]
          for r in report["layout"]]),
     ))
@@ -64,9 +86,9 @@ def report_tables(report: dict) -> Tables:
         "Bytes sent per step by one rank of each stage",
         ["stage", "grad sync", "param all-gather", "embedding all-reduce", "pipeline p2p",
          "tensor parallel"],
-        collapse_stages([[str(r["stage"]), f"{_bytes(r['grad_sync_bytes'])} ({r['grad_collective']})",
-          _bytes(r["param_all_gather_bytes"]), _bytes(r["embedding_all_reduce_bytes"]),
-          _bytes(r["pipeline_p2p_sent_bytes"]), _bytes(r["tensor_parallel_bytes"])]
+        collapse_stages([[str(r["stage"]), f"{format_bytes(r['grad_sync_bytes'])} ({r['grad_collective']})",
+          format_bytes(r["param_all_gather_bytes"]), format_bytes(r["embedding_all_reduce_bytes"]),
+          format_bytes(r["pipeline_p2p_sent_bytes"]), format_bytes(r["tensor_parallel_bytes"])]
          for r in report["wire"]]),
     ))
     tables.append(("Formulas (N = DP size, S = bucket numel, b = bytes per element, "
@@ -80,15 +102,17 @@ def report_tables(report: dict) -> Tables:
                      err["model"], err["basis"]]]))
     pipe = report["pipeline"]
     costs = pipe["costs_ms"]
-    tables.append(("Pipeline step (verify simulate-pipeline's simulator; ms per microbatch and stage)",
+    tables.append(("Pipeline step (verify simulate-pipeline's simulator; costs per microbatch "
+                   "and stage, grad sync per stage)",
                    ["forward", "backward", "p2p", "grad sync", "last-stage sync", "mode",
-                    "step", "bubble", "closed-form bubble", "exposed sync"],
-                   [[f"{costs['forward']:.3f}", f"{costs['backward']:.3f}", f"{costs['p2p']:.4f}",
-                     f"{costs['grad_sync']:.3f}", f"{costs['last_stage_grad_sync']:.3f}",
-                     pipe["sync_mode"], f"{pipe['step_time_ms']:.2f}",
-                     f"{100 * pipe['bubble_fraction']:.2f}%",
+                    "stage 0 buckets", "step", "bubble", "closed-form bubble", "exposed sync"],
+                   [[format_ms(costs["forward"]), format_ms(costs["backward"]),
+                     format_ms(costs["p2p"]), format_ms(costs["grad_sync"]),
+                     format_ms(costs["last_stage_grad_sync"]), pipe["sync_mode"],
+                     str(pipe["first_chunk_buckets"]), format_ms(pipe["step_time_ms"]),
+                     f"{100 * pipe['pipeline_bubble_fraction']:.2f}%",
                      f"{100 * pipe['closed_form_bubble_fraction']:.2f}%",
-                     f"{pipe['exposed_grad_sync_ms']:.3f}"]]))
+                     format_ms(pipe["exposed_grad_sync_ms"])]]))
     if report.get("hazards"):
         tables.append(("Production's known hazards for this configuration",
                        ["hazard", "status", "why", "twin"],

@@ -78,8 +78,14 @@ def pipeline_timing(config: PreflightConfig, chunks: list[ChunkLayout], wire: li
         assumptions.append(f"p2p = one boundary activation / {inputs.assumed_bus_gbps:g} GB/s")
     else:
         p2p = inputs.p2p_ms
+    # Production's buckets (paper.bucket_size_for): pipeline rank 0's first chunk in its
+    # layout's buckets, each reduced as soon as the last backward has produced it; every
+    # other chunk in one. Without --overlap-grad-reduce the sync follows the compute.
+    first_chunk_buckets = next(c.layout.num_buckets for c in chunks
+                               if c.stage == 0 and c.chunk == 0)
     costs = PipelineCosts(forward=forward, backward=backward, p2p=p2p, grad_sync=grad_sync,
-                          num_buckets=1, last_stage_grad_sync=last_sync)
+                          num_buckets=1, last_stage_grad_sync=last_sync,
+                          first_chunk_num_buckets=first_chunk_buckets)
     mode = "overlap" if config.overlap_grad_reduce else "after-compute"
     vpp = config.virtual_pipeline_model_parallel_size
     if vpp > 1 and m % pp:
@@ -89,17 +95,27 @@ def pipeline_timing(config: PreflightConfig, chunks: list[ChunkLayout], wire: li
                            f"of PP: M = {m} simulated as {m - m % pp}")
         m -= m % pp
     result = simulate(pp, m, costs, mode=mode, virtual_stages=vpp)
+    busy = m * (forward + backward)  # per stage: V chunks x M x (f + b) / V
     return {
         "costs_ms": {"forward": forward, "backward": backward, "p2p": p2p,
                      "grad_sync": grad_sync, "last_stage_grad_sync": last_sync},
         "assumptions": assumptions,
         "sync_mode": mode,
+        "first_chunk_buckets": first_chunk_buckets,
         "step_time_ms": result.step_time,
         "compute_end_ms": result.compute_end,
+        # The pipeline bubble: compute idle until the last stage finishes its compute, the
+        # figure (P-1)/(VM+P-1) gives for equal costs (0 at PP 1). The simulator's own
+        # bubble_fraction also counts the exposed sync as idle time.
+        "pipeline_bubble_fraction": 1.0 - busy / result.compute_end,
         "bubble_fraction": result.bubble_fraction,
         "closed_form_bubble_fraction": closed_form_bubble_fraction(pp, m, vpp),
         "exposed_grad_sync_ms": result.exposed_grad_sync,
         "hidden_grad_sync_fraction": result.hidden_fraction,
-        "model": ("one bucket per stage in the simulator (production buckets only pipeline "
-                  "rank 0's first chunk); equal costs on every stage (the heaviest one)"),
+        "model": (f"production's buckets: pipeline rank 0's first chunk in "
+                  f"{first_chunk_buckets} bucket{'s' if first_chunk_buckets != 1 else ''}, each "
+                  "reduced once the last microbatch's backward has produced it "
+                  "(--overlap-grad-reduce), every other chunk in one; equal costs on every "
+                  "stage (the heaviest one); bubble: compute idle time before the last compute "
+                  "ends, exposed sync: what the grad sync adds after it"),
     }

@@ -62,9 +62,25 @@ def _run_in_torchrun(plan: TwinPlan, candidate: TwinCandidate) -> tuple[list[Any
     return (gathered if rank == 0 else None), f"torchrun, {world} ranks, {backend}"
 
 
-def _progress(enabled: bool):
-    if not enabled:
+class _PlainStatus:
+    """One line per twin stage on stderr, where it is not a terminal (CI logs, pipes)."""
+
+    def __enter__(self) -> _PlainStatus:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def update(self, text: str) -> None:
+        print(f"[verify preflight] {text}", file=sys.stderr, flush=True)
+
+
+def _progress(enabled: bool | None):
+    """A spinner on a terminal, plain lines elsewhere; nothing with ``enabled=False``."""
+    if enabled is False:
         return nullcontext(None)
+    if not sys.stderr.isatty():
+        return _PlainStatus()
     from rich.console import Console
 
     return Console(stderr=True).status("twin: starting", spinner="dots")
@@ -74,12 +90,11 @@ def run_twin_stage(config: PreflightConfig, options: TwinOptions, report: dict, 
                    environ: Mapping[str, str], candidate: TwinCandidate | None = None,
                    progress: bool | None = None) -> bool | None:
     """Fill ``report["twin"]`` and ``report["hazards"]``; the verdict (None: not rank 0)."""
-    from verify.distributed import DistributedRunError, spawn
+    from verify.distributed import DistributedRunError, RankLauncher, spawn
 
     candidate = candidate or TwinCandidate()
     plan = plan_twin(config, options)  # TwinSizeError -> exit 2, raised before anything runs
-    show = sys.stderr.isatty() if progress is None else progress
-    with _progress(show) as status:
+    with _progress(progress) as status:
         def say(text: str) -> None:
             if status is not None:
                 status.update(f"twin: {text}")
@@ -97,6 +112,9 @@ def run_twin_stage(config: PreflightConfig, options: TwinOptions, report: dict, 
                 if ranks is None:
                     return None
             else:
+                # The fork server starts (with Ctrl-C ignored for a moment, see
+                # verify.distributed.launcher) before the line a user would interrupt at.
+                RankLauncher().warm_up()
                 say(f"training {len(plan.case.plans)} steps on {plan.world_size} gloo ranks")
                 ranks = spawn(twin_worker, plan.world_size, plan.case, plan.overlap, candidate, plan.rank_optimizer,
                               timeout_s=options.timeout_s)

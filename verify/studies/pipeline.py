@@ -11,7 +11,8 @@ Model (one pipeline; the ``D`` replicas run the same timeline in parallel):
   runs concurrently with compute; the stage's total sync cost ``grad_sync``
   (``last_stage_grad_sync`` for the last stage when given: it often holds the
   large output layer) is split over ``num_buckets`` equal buckets, reduced one
-  after the other.
+  after the other (``first_chunk_num_buckets``, when given, for stage 0's first
+  model chunk alone: the only one Megatron-Core splits into buckets).
 - Sync modes:
   * ``overlap``: bucket ``k`` becomes ready ``(k+1)/K`` of the way through the
     stage's last backward and launches then (production with
@@ -72,6 +73,14 @@ class PipelineCosts:
     grad_sync: float = 0.0
     num_buckets: int = 1
     last_stage_grad_sync: float | None = None
+    # Buckets of stage 0's first chunk (virtual stage 0); None: num_buckets, as every chunk.
+    first_chunk_num_buckets: int | None = None
+
+    def chunk_buckets(self, stage: int, chunk: int) -> int:
+        """Buckets the grads of ``chunk`` on ``stage`` are reduced in."""
+        if stage == 0 and chunk == 0 and self.first_chunk_num_buckets is not None:
+            return self.first_chunk_num_buckets
+        return self.num_buckets
 
     def stage_grad_sync(self, stage: int, num_stages: int) -> float:
         """Sync cost of ``stage`` (the last stage may differ: it holds the output layer)."""
@@ -86,10 +95,14 @@ class PipelineCosts:
             _check_cost("last_stage_grad_sync", self.last_stage_grad_sync)
         if self.forward + self.backward <= 0:
             raise ValueError("PipelineCosts.forward + backward must be > 0")
-        if isinstance(self.num_buckets, bool) or not isinstance(self.num_buckets, int):
-            raise TypeError("PipelineCosts.num_buckets must be an int")
-        if self.num_buckets < 1:
-            raise ValueError(f"PipelineCosts.num_buckets must be >= 1, got {self.num_buckets}")
+        for name in ("num_buckets", "first_chunk_num_buckets"):
+            value = getattr(self, name)
+            if value is None and name == "first_chunk_num_buckets":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"PipelineCosts.{name} must be an int")
+            if value < 1:
+                raise ValueError(f"PipelineCosts.{name} must be >= 1, got {value}")
 
 
 @dataclass(frozen=True)
@@ -200,18 +213,19 @@ def simulate(
     sync_end = []
     for s in range(P):
         stage_cost = costs.stage_grad_sync(s, P)
-        # Each chunk holds 1/V of the stage's grads, in its own buckets.
-        bucket_cost = stage_cost / V / costs.num_buckets
         if stage_cost == 0:
             sync_end.append(compute_end_per_stage[s])
             continue
         channel = 0.0
         # Chunks finish their last backward in reverse order (V - 1 first).
         for c in reversed(range(V)):
-            for k in range(costs.num_buckets):
+            buckets = costs.chunk_buckets(s, c)
+            # Each chunk holds 1/V of the stage's grads, in its own buckets.
+            bucket_cost = stage_cost / V / buckets
+            for k in range(buckets):
                 if mode == "overlap":
                     ready = (chunk_last_backward_start[s][c]
-                             + (k + 1) / costs.num_buckets * backward_cost)
+                             + (k + 1) / buckets * backward_cost)
                 elif mode == "after-compute":
                     ready = compute_end_per_stage[s]
                 else:

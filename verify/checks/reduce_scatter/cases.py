@@ -15,6 +15,10 @@ DTYPE_NAMES = ("float16", "bfloat16")
 ITERATIONS = 2
 # W at which the local reduction sees order-sensitive inputs (W=2 is commutative: a+b == b+a).
 ORDER_SENSITIVE_LOCAL_SIZES = (3, 4, 5, 8)
+# W at which the multi-rank part also averages (AVG) inputs made to tell the two averages
+# apart: 1/W is inexact in every binary format, so production's pre-scale rounds (see
+# average_sensitive_input); quick mode keeps the first two.
+AVERAGE_SIZES = (3, 5, 6)
 # Per dtype: exponents of the cancelling pair (+B on one rank, -B on another) and of the
 # small values on the other ranks. The gap is at least 2^25, more than fp32's 24 bits, so
 # a small value added while the fp32 partial sum holds B is lost, and one added after B
@@ -61,3 +65,26 @@ def order_sensitive_input(
     matrix[holders[0], columns] = big[0]
     matrix[holders[1], columns] = -big[0]
     return matrix[rank].to(dtype)
+
+
+def average_sensitive_input(
+    rank: int, world_size: int, numel: int, dtype: torch.dtype, it: int, seed: int
+) -> torch.Tensor:
+    """Rank ``rank``'s values of a [W, numel] matrix on which AVG's two roundings differ.
+
+    Ranks 0..W-2 hold random values (random signs, full mantissas, exponents -2..2); the
+    last rank holds minus their sum rounded to ``dtype``, so the exact column sum is
+    that rounding's residual, far below every addend (often 0). Averaging the fp32 sum
+    (one rounding of sum / W) keeps it; production's pre-scale ``grad *= 1/W`` in the
+    16-bit dtype rounds every addend first, by up to half an ULP of x/W, which swamps the
+    residual whenever 1/W is inexact (W not a power of two): most elements differ.
+    """
+    g = torch.Generator().manual_seed(seed * 7919 + 90_000 + 1000 * world_size + 100 * it)
+    shape = (world_size - 1, numel)
+    exponents = torch.randint(-2, 3, shape, generator=g).to(torch.float64)
+    mantissas = 1 + torch.rand(shape, generator=g, dtype=torch.float64)
+    signs = torch.where(torch.rand(shape, generator=g) < 0.5, -1.0, 1.0).to(torch.float64)
+    others = (signs * mantissas * torch.exp2(exponents)).to(dtype)
+    # The float64 sum of at most a few 16-bit values in [2^-2, 2^3) is exact.
+    last = -others.double().sum(dim=0).to(dtype)
+    return torch.cat([others, last.unsqueeze(0)])[rank]

@@ -7,9 +7,10 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from verify.options import SetOnce
 from verify.studies.reduce_scatter.models import (
@@ -32,7 +33,7 @@ from verify.studies.reduce_scatter.sweep import (
     run_sweep,
 )
 
-EXIT_ERROR = 3  # an output could not be written (as `verify run`)
+EXIT_ERROR = 3  # interrupted, or an output could not be written (as `verify run`)
 # The flag behind each SweepConfig field, for error messages that name what the user typed.
 FLAG_OF_FIELD = {"dp_sizes": "--dp", "dtypes": "--dtype", "distributions": "--distribution",
                  "methods": "--method", "numel": "--numel", "seed": "--seed"}
@@ -41,6 +42,8 @@ FLAG_OF_FIELD = {"dp_sizes": "--dp", "dtypes": "--dtype", "distributions": "--di
 # (float32 samples and noise, the 16-bit copy, fp32 partial sums, float64 sums).
 BYTES_PER_KEPT_ULP = 8
 BYTES_PER_BLOCK_ELEMENT = 32
+# Within a long (distribution, N) group, a progress line at most this often (no terminal).
+BLOCK_LINE_S = 15.0
 
 
 # ----------------------------------------------------------------------------
@@ -194,15 +197,27 @@ def main(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     start = time.perf_counter()
     total = len(config.distributions) * len(config.dp_sizes)
+    points: list[Point] = []
+    incomplete = None
     with StepProgress(total, "accumulation", enabled=not args.no_progress) as progress:
-        points = run_sweep(config, lambda done, _total, label: progress.advance(1, label))
+        try:
+            run_sweep(config, _progress_reporter(progress), into=points)
+        except KeyboardInterrupt:
+            # Ctrl-C: what was measured is still reported and written, marked incomplete.
+            groups = len(points) // max(1, len(config.dtypes) * len(config.methods))
+            incomplete = (f"INCOMPLETE: interrupted (Ctrl-C) after {groups} of {total} "
+                          "(distribution, N) groups; only those are below")
     seconds = time.perf_counter() - start
-    emit(render_text(points, config))  # a closed pipe must not cost the files below
+    if incomplete:
+        print(f"verify accumulation: {incomplete} (Ctrl-C again quits at once)", file=sys.stderr)
+    # A closed pipe must not cost the files below.
+    emit("\n\n".join(filter(None, [incomplete, render_text(points, config)])))
     print(f"measured {len(points)} points in {seconds:.1f}s", file=sys.stderr)
     outputs = []
     if args.json:
         payload = {
             "config": asdict(config),
+            "complete": incomplete is None,
             "seconds": seconds,
             "points": [asdict(p) for p in points],
             "growth": growth_table(points),
@@ -211,11 +226,33 @@ def main(args: argparse.Namespace) -> int:
         outputs.append(Output("--json", Path(args.json),
                               lambda p: p.write_text(json.dumps(payload, indent=2))))
     if args.markdown:
-        outputs.append(Output("--markdown", Path(args.markdown),
-                              lambda p: p.write_text(render_markdown(points, config))))
+        markdown = render_markdown(points, config)
+        if incomplete:
+            title, _, rest = markdown.partition("\n")
+            markdown = f"{title}\n\n**{incomplete}.**\n{rest}"
+        outputs.append(Output("--markdown", Path(args.markdown), lambda p: p.write_text(markdown)))
     if args.plot:
         outputs.append(Output("--plot", Path(args.plot), lambda p: write_points_plot(points, p)))
-    return EXIT_ERROR if write_outputs(outputs, prog="verify accumulation") else EXIT_OK
+    failures = write_outputs(outputs, prog="verify accumulation")
+    return EXIT_ERROR if failures or incomplete else EXIT_OK
+
+
+def _progress_reporter(progress: Any) -> Callable[[float, int, str, bool], None]:
+    """``run_sweep``'s progress onto ``progress`` (a ``StepProgress``): a line per finished
+    (distribution, N) group, and within a long group (DP 65,536: minutes) one per
+    compute block at most every ``BLOCK_LINE_S`` seconds; the bar moves every block."""
+    state = {"done": 0.0, "line_at": time.monotonic()}
+
+    def report(done: float, _total: int, label: str, group_finished: bool) -> None:
+        amount, state["done"] = done - state["done"], done
+        now = time.monotonic()
+        if group_finished or now - state["line_at"] >= BLOCK_LINE_S:
+            state["line_at"] = now
+            progress.advance(amount, label)
+        else:
+            progress.advance(amount)
+
+    return report
 
 
 def _matplotlib_available() -> bool:

@@ -122,6 +122,7 @@ def generate(
         scale = torch.exp2(-16.0 * torch.rand(columns, generator=generator))
         shared = 0.5 * torch.randn(columns, generator=generator)
         noise = torch.randn(world_size, columns, generator=generator)
-        noise.mul_(torch.exp(0.75 * torch.randn(world_size, columns, generator=generator)))
+        # In place (the same kernels and bits as exp(0.75 * x)): no block-sized temporaries.
+        noise.mul_(torch.randn(world_size, columns, generator=generator).mul_(0.75).exp_())
         return noise.add_(shared).mul_(scale)
     raise ValueError(f"distribution must be one of {DISTRIBUTIONS}, got {distribution!r}")

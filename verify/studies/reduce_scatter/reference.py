@@ -89,18 +89,42 @@ def _exact_parts(stacked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, lis
     return total, fast, group_sums
 
 
-def exact_references(stacked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _parts_from_group_sums(stacked: torch.Tensor, group_sums: torch.Tensor,
+                           group_exact: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """:func:`_exact_parts` from group sums computed elsewhere (the sweep's kernels): the
+    same bits. Where a group's sum is exact its order does not matter; elsewhere the
+    columns are summed again here, in torch's order, as :func:`_exact_parts` sums them."""
+    fast = group_exact.all(dim=0)
+    sums = group_sums
+    slow = ~fast
+    if bool(slow.any()):
+        sums = group_sums.clone()
+        for g, start in enumerate(range(0, stacked.shape[0], EXACT_GROUP_ROWS)):
+            sums[g, slow] = _float64_column_sum(stacked[start : start + EXACT_GROUP_ROWS, slow])
+    total = sums[0].clone()
+    for group in sums[1:]:
+        total.add_(group)
+    return total, fast, list(sums)
+
+
+def exact_references(stacked: torch.Tensor, group_sums: torch.Tensor | None = None,
+                     group_exact: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum as float64, correctly rounded sum in the wire dtype), per column.
 
     The correctly rounded value is always exact. With at most ``EXACT_GROUP_ROWS``
     rows the float64 sum is exact wherever :func:`float64_sum_is_exact` holds;
     beyond that it is the float64 sum of exact group sums. Elsewhere (used only
     for the normwise error) it has error at most (W-1)·2^-53·sum|x|, ~10^10 below
-    the errors measured here.
+    the errors measured here. ``group_sums`` and ``group_exact`` ([groups, columns]:
+    each group's float64 sum and whether it is exact, as ``kernels.reduce_block``
+    gives them) save summing the block again.
     """
     from verify.oracle import correctly_rounded_sum
 
-    exact64, fast, group_sums = _exact_parts(stacked)
+    if group_sums is None or group_exact is None:
+        exact64, fast, group_sums = _exact_parts(stacked)
+    else:
+        exact64, fast, group_sums = _parts_from_group_sums(stacked, group_sums, group_exact)
     if bool(fast.all()):
         parts = torch.cat([_split_into_three_float32(s) for s in group_sums])
         return exact64, correctly_rounded_sum(parts, stacked.dtype)

@@ -2,18 +2,19 @@
 
 For every DP size N, wire dtype (fp16, bf16) and input distribution, N per-rank
 gradient tensors are reduced three ways, the way real collectives do it
-(``models``), and each result is compared with the correctly rounded exact sum
-(``reference``): normwise relative error against the exact sum, max and median
+(``models`` is the readable spec; the sweep runs ``kernels``, the same reductions
+compiled, bitwise equal), and each result is compared with the correctly rounded
+exact sum (``reference``): normwise relative error against the exact sum, max and median
 ULP distance, and the fraction of elements correctly rounded. Per method the
 growth exponent (the log-log slope of the error against N) is fitted and printed
 beside the theory (``sqrt(N)·u`` typical, ``(N-1)·u`` worst case) and beside
 Megatron-Core's published error figures, which are printed, never tuned to.
 
 Inputs are generated in column blocks of ``block_elements`` (each block from its
-own seed, so a point's data does not depend on how it is computed); the models
-run on compute blocks of whole generation blocks (``COMPUTE_ELEMENTS``), so a
-model's O(W) torch calls each cover many columns even at large N. Memory is a
-few compute blocks plus O(numel) per point, whatever N is.
+own seed, so a point's data does not depend on how it is computed); each block is
+drawn, cast and reduced by a worker thread, and its figures are added to the
+point's in block order. Memory is a block per thread plus O(numel) per point,
+whatever N is.
 
 ``--backend dist`` (under torchrun, ``dist``) measures the process group's real
 reduce-scatter and all-reduce instead, and reports which model they match.
@@ -21,22 +22,22 @@ reduce-scatter and all-reduce instead, and reports which model they match.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from verify.studies.reduce_scatter.kernels import reduce_block
 from verify.studies.reduce_scatter.models import (
     DISTRIBUTIONS,
     DTYPES,
     METHODS,
     UNIT_ROUNDOFF,
-    fp32_reduce,
     generate,
-    ring_reduce,
-    tree_reduce,
 )
 from verify.studies.reduce_scatter.reference import exact_references
 
@@ -45,8 +46,6 @@ MAX_DP = 2**16  # the oracle takes up to 2^23 rows; the sweep's cost grows with 
 DEFAULT_NUMEL = 98 * 1024  # 100352: >= 10^5 elements per point, divisible by every default N
 # Elements of one generation block of [N, columns] (fixes the data: never change it).
 BLOCK_ELEMENTS = 2**23
-# Elements of [N, columns] the models reduce per call sequence (a whole number of blocks).
-COMPUTE_ELEMENTS = 2**25
 
 # Megatron-Core's published "gradient error" figures (no metric or distribution given),
 # printed beside our measurements of fp16 data for ring (wire) and fp32 accumulation.
@@ -169,72 +168,96 @@ def _seed_for(config: SweepConfig, distribution: str, dp: int, block: int) -> in
     )
 
 
-def _compute_blocks(config: SweepConfig, dp: int) -> list[list[tuple[int, int, int]]]:
-    """Generation blocks ``(index, first column, columns)`` grouped into compute blocks."""
+def _generation_blocks(config: SweepConfig, dp: int) -> list[tuple[int, int, int]]:
+    """The generation blocks ``(index, first column, columns)`` of a point at DP ``dp``."""
     numel = config.numel_for(dp)
     chunk_numel = numel // dp
     chunks_per_block = max(1, config.block_elements // (dp * chunk_numel))
     block_columns = chunks_per_block * chunk_numel
-    blocks = [(index, start, min(block_columns, numel - start))
-              for index, start in enumerate(range(0, numel, block_columns))]
-    per_compute = max(1, COMPUTE_ELEMENTS // (dp * block_columns))
-    return [blocks[i : i + per_compute] for i in range(0, len(blocks), per_compute)]
+    return [(index, start, min(block_columns, numel - start))
+            for index, start in enumerate(range(0, numel, block_columns))]
 
 
-def _sample(config: SweepConfig, distribution: str, dp: int,
-            blocks: Sequence[tuple[int, int, int]]) -> torch.Tensor:
-    """The float32 inputs of consecutive generation blocks, side by side."""
-    if len(blocks) == 1:
-        index, _, columns = blocks[0]
-        gen = torch.Generator().manual_seed(_seed_for(config, distribution, dp, index))
-        return generate(distribution, dp, columns, gen)
-    first = blocks[0][1]
-    sample = torch.empty(dp, sum(columns for _, _, columns in blocks))
-    for index, start, columns in blocks:
-        gen = torch.Generator().manual_seed(_seed_for(config, distribution, dp, index))
-        sample[:, start - first : start - first + columns] = generate(distribution, dp, columns, gen)
-    return sample
+Reduced = tuple[dict[str, tuple[torch.Tensor, torch.Tensor | None]], torch.Tensor, torch.Tensor]
+
+
+def _reduce(stacked: torch.Tensor, chunk_numel: int, first_chunk: int, methods: Sequence[str],
+            threads: int | None = None) -> Reduced:
+    """Every method's result (and fp32's accumulator), then the exact references, of one
+    block: the compiled kernels (``kernels``), bitwise the torch ``models``."""
+    block = reduce_block(stacked, chunk_numel, first_chunk, tuple(methods), threads=threads)
+    dtype = stacked.dtype
+    results: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    for method in methods:
+        if method == "ring":
+            results[method] = (block.ring.to(dtype), None)
+        elif method == "tree":
+            results[method] = (block.tree.to(dtype), None)
+        else:
+            results[method] = (block.fp32_accumulator.to(dtype), block.fp32_accumulator)
+    exact64, rounded = exact_references(stacked, block.group_sums, block.group_exact)
+    return results, exact64, rounded
+
+
+def _measure_block(config: SweepConfig, distribution: str, dp: int,
+                   block: tuple[int, int, int], *, threads: int | None) -> dict[str, Reduced]:
+    """One generation block's inputs, drawn from its own seed, reduced in every dtype."""
+    index, start, columns = block
+    gen = torch.Generator().manual_seed(_seed_for(config, distribution, dp, index))
+    sample = generate(distribution, dp, columns, gen)
+    chunk_numel = config.numel_for(dp) // dp
+    return {dtype: _reduce(sample.to(DTYPES[dtype]), chunk_numel, start // chunk_numel,
+                           config.methods, threads)
+            for dtype in config.dtypes}
+
+
+Progress = Callable[[float, int, str, bool], None]
+"""``progress(groups_done, groups_total, label, group_finished)``: after every generation
+block (``groups_done`` then counts the fraction of the (distribution, N) group done)
+and after every group."""
 
 
 def run_sweep(
-    config: SweepConfig, progress: Callable[[int, int, str], None] | None = None
+    config: SweepConfig, progress: Progress | None = None, into: list[Point] | None = None,
 ) -> list[Point]:
-    """Measure every (dtype, distribution, N, method) point of ``config``."""
-    points: list[Point] = []
+    """Measure every (dtype, distribution, N, method) point of ``config``.
+
+    Points are appended to ``into`` (a new list by default, returned) as each
+    (distribution, N) finishes, so a caller interrupted midway keeps those measured.
+    Generation blocks are measured in parallel worker threads (one per torch thread;
+    drawing random numbers and the kernels release the interpreter lock) and added to
+    the point's sums in block order, so the figures do not depend on the threads.
+    """
+    points: list[Point] = [] if into is None else into
     total = len(config.distributions) * len(config.dp_sizes)
     done = 0
     for distribution in config.distributions:
         for dp in config.dp_sizes:
-            chunk_numel = config.numel_for(dp) // dp
             accs = {(d, m): _Accumulator() for d in config.dtypes for m in config.methods}
-            for blocks in _compute_blocks(config, dp):
-                sample = _sample(config, distribution, dp, blocks)
-                first = blocks[0][1]
-                for dtype in config.dtypes:
-                    stacked = sample.to(DTYPES[dtype])
-                    results = {}
-                    for method in config.methods:
-                        if method == "ring":
-                            results[method] = (ring_reduce(stacked, chunk_numel,
-                                                           first // chunk_numel), None)
-                        elif method == "tree":
-                            results[method] = (tree_reduce(stacked), None)
-                        else:
-                            results[method] = fp32_reduce(stacked)
-                    # Exact references are per column, so one call covers the compute block;
-                    # the metric sums still run per generation block, as they always have.
-                    exact64, rounded = exact_references(stacked)
-                    for _, start, columns in blocks:
-                        cols = slice(start - first, start - first + columns)
+            blocks = _generation_blocks(config, dp)
+            workers = min(len(blocks), torch.get_num_threads())
+            # One block alone (small N) splits its columns over the threads instead.
+            threads = None if workers == 1 else 1
+            pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="accumulation")
+            try:
+                measured_blocks = pool.map(
+                    functools.partial(_measure_block, config, distribution, dp, threads=threads),
+                    blocks)
+                for number, measured in enumerate(measured_blocks, start=1):
+                    for dtype, (results, exact64, rounded) in measured.items():
                         for method, (result, fp32_acc) in results.items():
-                            accs[(dtype, method)].add(
-                                result[cols], exact64[cols], rounded[cols],
-                                None if fp32_acc is None else fp32_acc[cols])
+                            accs[(dtype, method)].add(result, exact64, rounded, fp32_acc)
+                    if progress is not None and number < len(blocks):
+                        progress(done + number / len(blocks), total,
+                                 f"{distribution} N={dp}: block {number}/{len(blocks)}", False)
+            finally:
+                # Ctrl-C (or an error): the blocks not started are dropped, not run.
+                pool.shutdown(wait=True, cancel_futures=True)
             for (dtype, method), acc in accs.items():
                 points.append(_finish(acc, dtype, distribution, dp, method))
             done += 1
             if progress is not None:
-                progress(done, total, f"{distribution} N={dp}")
+                progress(done, total, f"{distribution} N={dp}", True)
     return points
 
 
