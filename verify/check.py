@@ -136,6 +136,9 @@ class CheckResult:
     differences: list[DifferenceRecord] = field(default_factory=list)
     error: str | None = None
     status: str = ""  # one of STATUSES; derived from the fields above when left empty
+    # The candidate's label (``Candidate.label``) for a technique check; None for a
+    # truth-layer check, whose result is the same whichever implementation is verified.
+    candidate: str | None = None
 
     def __post_init__(self) -> None:
         if not self.status:
@@ -154,6 +157,11 @@ class CheckResult:
         """The result as plain dicts and lists (for the JSON report)."""
         return asdict(self)
 
+    @property
+    def key(self) -> str:
+        """How reports name this result: the check, and the candidate it ran against."""
+        return self.name if self.candidate is None else f"{self.name} [{self.candidate}]"
+
     def failed_labels(self) -> list[str]:
         """Labels of the comparisons, then the expectations, that did not pass."""
         return [c.label for c in self.comparisons if not c.passed] + [
@@ -164,9 +172,10 @@ class CheckResult:
 class CheckRecorder:
     """Collects what a check observes; :meth:`finish` turns it into a result."""
 
-    def __init__(self, name: str, summary: str = "") -> None:
+    def __init__(self, name: str, summary: str = "", candidate: str | None = None) -> None:
         self.name = name
         self.summary = summary
+        self.candidate = candidate
         self._comparisons: list[ComparisonRecord] = []
         self._expectations: list[ExpectationRecord] = []
         self._tables: list[Table] = []
@@ -299,6 +308,7 @@ class CheckRecorder:
             skipped=self._skipped,
             differences=self._differences,
             error=error,
+            candidate=self.candidate,
         )
 
 
@@ -357,7 +367,8 @@ class Check:
                 f"check {self.name!r}: candidate must be a {expected.__name__}, "
                 f"got {type(chosen).__name__}"
             )
-        recorder = CheckRecorder(self.name, self.summary)
+        recorder = CheckRecorder(self.name, self.summary,
+                                 None if self.technique is None else chosen.label)
         start = time.perf_counter()
         try:
             self.run(context, recorder, chosen)

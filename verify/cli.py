@@ -23,6 +23,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from verify.candidates import CANDIDATES, DEFAULT_CANDIDATE, Candidate, candidate_named
 from verify.check import CheckContext
 from verify.checks import all_checks, check_by_name
 from verify.console import StepProgress, emit, terminal_width
@@ -32,7 +33,7 @@ from verify.interrupt import Interrupts
 from verify.options import SetOnce
 from verify.outputs import Output, OutputPathError, check_output_paths, write_outputs
 from verify.plots import PlotUnavailable, matplotlib_available, report_plots
-from verify.runner import abandoned_check_threads, run_checks
+from verify.runner import RunItem, abandoned_check_threads, run_checks
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ERROR = 0, 1, 2, 3
 EXIT_BY_VERDICT = {"PASS": EXIT_OK, "FAIL": EXIT_FAILED, "ERROR": EXIT_ERROR}
@@ -109,7 +110,13 @@ def _add_run_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     run.add_argument("--check", action="append", metavar="NAME",
                      help="run only this check (repeatable); see --list")
-    run.add_argument("--list", action="store_true", help="list the registered checks and exit")
+    run.add_argument("--candidate", action="append", metavar="NAME", choices=tuple(CANDIDATES),
+                     help=f"the implementation the technique checks verify (repeatable: one "
+                          f"report, a column per candidate; {', '.join(CANDIDATES)}; default "
+                          f"{DEFAULT_CANDIDATE}); the truth-layer checks run once")
+    run.add_argument("--list", action="store_true",
+                     help="list the registered checks and the candidates (with their installed "
+                          "versions) and exit")
     run.add_argument("--device", choices=("cpu", "cuda"), default="cpu", action=SetOnce)
     run.add_argument("--seed", type=int, default=0, action=SetOnce)
     run.add_argument("--quick", action="store_true", help="smaller problem sizes")
@@ -182,8 +189,7 @@ def _plot_outputs(report: Any, args: argparse.Namespace) -> list[Output]:
 
 def _run_checks(args: argparse.Namespace, interrupts: Interrupts) -> int:
     if args.list:
-        for check in all_checks():
-            emit(f"{check.name:<16} {check.summary}")
+        emit(_listing())
         return EXIT_OK
     if args.device == "cuda":
         import torch
@@ -197,14 +203,47 @@ def _run_checks(args: argparse.Namespace, interrupts: Interrupts) -> int:
         checks = [check_by_name(n) for n in args.check] if args.check else list(all_checks())
     except ValueError as exc:
         raise UsageError(f"--check: {exc}") from exc
+    candidates = _candidates(args.candidate)
+    items = [RunItem(check, None) for check in checks if check.technique is None] + [
+        RunItem(check, candidate) for check in checks if check.technique is not None
+        for candidate in candidates]
+    items.sort(key=lambda item: checks.index(item.check))  # registry order, candidates side by side
     with interrupts.deferred() as interrupted:
         # From here on, a first Ctrl-C never tears through the bookkeeping: the checks not
         # finished are marked interrupted and every requested output is still written.
-        return _run_and_report(args, checks, interrupted)
+        return _run_and_report(args, items, candidates, interrupted)
 
 
-def _run_and_report(args: argparse.Namespace, checks: Sequence[Any],
-                    interrupted: threading.Event) -> int:
+def _candidates(names: Sequence[str] | None) -> list[Candidate]:
+    """The ``--candidate`` names as candidates, in the order given (default: fastgrad)."""
+    names = list(names or [DEFAULT_CANDIDATE])
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise UsageError(f"--candidate {repeated[0]} was given more than once")
+    return [candidate_named(n) for n in names]
+
+
+def _listing() -> str:
+    """``verify run --list``: the checks, then the candidates with their installed versions."""
+    lines = ["checks (technique checks run against each --candidate; the truth layer once):"]
+    for check in all_checks():
+        kind = "truth layer" if check.technique is None else "technique"
+        lines.append(f"  {check.name:<16} {kind:<11}  {check.summary}")
+    lines += ["", "candidates (--candidate NAME):"]
+    for name in CANDIDATES:
+        info = candidate_named(name).info()
+        default = " (default)" if name == DEFAULT_CANDIDATE else ""
+        lines.append(f"  {name:<16} {info.version:<12} {info.description}{default}")
+        for technique, reason in info.unsupported:
+            lines.append(f"  {'':<16} {'':<12} cannot run {technique}: {reason}")
+        if info.redirects:
+            lines.append(f"  {'':<16} {'':<12} on this machine, redirected: "
+                         + "; ".join(r.split(":")[0] for r in info.redirects))
+    return "\n".join(lines)
+
+
+def _run_and_report(args: argparse.Namespace, items: Sequence[RunItem],
+                    candidates: Sequence[Candidate], interrupted: threading.Event) -> int:
     from verify.report import Report, render_text
 
     context = CheckContext(device=args.device, seed=args.seed, quick=args.quick,
@@ -212,15 +251,19 @@ def _run_and_report(args: argparse.Namespace, checks: Sequence[Any],
     report = Report(
         env=fingerprint(), provenance=provenance(),
         options={"device": args.device, "seed": args.seed, "quick": args.quick,
-                 "timeout_s": args.timeout, "checks": [c.name for c in checks]},
+                 "timeout_s": args.timeout,
+                 "checks": list(dict.fromkeys(item.check.name for item in items)),
+                 "candidates": [c.name for c in candidates]},
+        candidates=[c.info().to_dict() for c in candidates],
     )
     factor = QUICK_FACTOR if args.quick else 1.0
-    weights = [ROUGH_CHECK_SECONDS.get(c.name, DEFAULT_CHECK_SECONDS) * factor for c in checks]
-    if any(check.spawns_ranks for check in checks) and not interrupted.is_set():
+    weights = [ROUGH_CHECK_SECONDS.get(item.check.name, DEFAULT_CHECK_SECONDS) * factor
+               for item in items]
+    if any(item.check.spawns_ranks for item in items) and not interrupted.is_set():
         # Start the fork server now: it imports torch while the first checks run.
         RankLauncher().warm_up()
-    with StepProgress(sum(weights), "verify run", steps=len(checks)) as progress:
-        outcome = run_checks(checks, weights, context, progress, args.jobs, interrupted)
+    with StepProgress(sum(weights), "verify run", steps=len(items)) as progress:
+        outcome = run_checks(items, weights, context, progress, args.jobs, interrupted)
     report.checks.extend(outcome.results)
     if outcome.interrupted:
         report.complete = False

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from verify.candidates import DEFAULT_CANDIDATE
 from verify.check import CheckResult, Table
 
 INSTALL_HINT = "pip install 'gradverify[plot]' (or: pip install matplotlib)"
@@ -160,6 +161,11 @@ def _rows(table: Table) -> list[dict[str, Any]]:
     return [dict(zip(table.columns, row)) for row in table.rows]
 
 
+def _slug(text: str) -> str:
+    """``text`` as a file-name part: letters, digits and '-' only."""
+    return "".join(c if c.isalnum() else "-" for c in text).strip("-")
+
+
 def report_plots(results: Iterable[CheckResult], directory: Path, stem: str) -> list[tuple[str, Path]]:
     """Draw every figure the results' tables support into ``directory``; ``(title, path)``
     per figure. Tables are recognised by their columns (see the module constants)."""
@@ -167,14 +173,17 @@ def report_plots(results: Iterable[CheckResult], directory: Path, stem: str) -> 
     for result in results:
         for k, table in enumerate(result.tables):
             columns = set(table.columns)
-            suffix = f"{result.name}-{k}" if k else result.name
+            # The default candidate keeps the short names; another one is named in the file.
+            base = result.name if result.candidate in (None, DEFAULT_CANDIDATE) else (
+                f"{result.name}-{_slug(result.candidate)}")
+            suffix = f"{base}-{k}" if k else base
             if ERROR_GROWTH_COLUMNS <= columns and table.rows:
                 path = directory / f"{stem}-error-growth-{suffix}.png"
-                title = f"{result.name}: {table.title}"
+                title = f"{result.key}: {table.title}"
                 written.append((title, plot_error_growth(growth_series_from_table(table), path,
                                                          title)))
             elif TIMELINE_COLUMNS <= columns and table.rows:
                 path = directory / f"{stem}-timeline-{suffix}.png"
-                title = f"{result.name}: {table.title}"
+                title = f"{result.key}: {table.title}"
                 written.append((title, plot_timelines(_rows(table), path, title)))
     return written

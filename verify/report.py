@@ -9,10 +9,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from verify.check import ERROR, FAIL, PASS, SKIP, CheckResult, ComparisonRecord, Table
+from verify.check import (
+    ERROR,
+    FAIL,
+    PASS,
+    SKIP,
+    CheckResult,
+    ComparisonRecord,
+    DifferenceRecord,
+    Table,
+)
 from verify.console import render_rich
 
-REPORT_SCHEMA_VERSION = 2  # 2: verdict/status/complete, timings apart from results
+REPORT_SCHEMA_VERSION = 3  # 2: verdict/status/complete, timings apart from results;
+# 3: candidates (name, version, redirects) and each result's candidate and documented differences
 
 
 def _json_safe(value: Any) -> Any:
@@ -31,7 +41,8 @@ VERDICTS = (PASS, FAIL, ERROR, SKIP)
 
 @dataclass
 class Report:
-    """The outcome of one ``verify run``: the environment and every check's result.
+    """The outcome of one ``verify run``: the environment, the candidates and every result
+    (a technique check's once per candidate, a truth-layer check's once).
 
     ``complete`` is False when the run stopped early (Ctrl-C): the report then holds
     what finished. ``plots`` are ``(title, path)`` pairs, paths relative to the report.
@@ -40,6 +51,8 @@ class Report:
     env: dict[str, Any]
     checks: list[CheckResult] = field(default_factory=list)
     options: dict[str, Any] = field(default_factory=dict)
+    # ``CandidateInfo.to_dict()`` of each implementation the technique checks ran against.
+    candidates: list[dict[str, Any]] = field(default_factory=list)
     provenance: dict[str, Any] = field(default_factory=dict)
     complete: bool = True
     plots: list[tuple[str, str]] = field(default_factory=list)
@@ -80,10 +93,11 @@ class Report:
                 "complete": self.complete,
                 "gradverify": self.provenance,
                 "options": self.options,
+                "candidates": self.candidates,
                 "checks": results,
                 "timings": {
                     "total_seconds": sum(c.seconds for c in self.checks),
-                    "checks": {c.name: c.seconds for c in self.checks},
+                    "checks": {c.key: c.seconds for c in self.checks},
                 },
                 "plots": [path for _, path in self.plots],
                 "env": self.env,
@@ -163,43 +177,126 @@ def verdict_line(report: Report) -> str:
     """``8 checks: 7 PASS, 1 FAIL -> FAIL`` (and the interruption, if any)."""
     counts = report.counts()
     parts = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
-    line = f"{len(report.checks)} checks: {parts or 'none ran'} -> {report.verdict}"
+    noun = "checks" if len({r.candidate for r in report.checks} - {None}) <= 1 else "results"
+    line = f"{len(report.checks)} {noun}: {parts or 'none ran'} -> {report.verdict}"
     if not report.complete:
         line += " (interrupted: report incomplete)"
     return line
 
 
-def render_text(report: Report, verbose: bool = False, width: int = 100) -> str:
-    """The terminal summary, at most ``width`` columns: one line per check, what went wrong
-    under failing ones; every comparison, expectation, finding and table with ``verbose``."""
+def _candidate_names(report: Report) -> list[str]:
+    """The candidates' labels in the order they ran (results first, then the listed ones)."""
+    names = [r.candidate for r in report.checks if r.candidate is not None]
+    names += [c["name"] for c in report.candidates]
+    return list(dict.fromkeys(names))
+
+
+def candidates_line(report: Report) -> str:
+    """``candidate: fastgrad 0.1.0`` (``candidates: ...`` for several), with redirects counted."""
+    if not report.candidates:
+        return ""
+    parts = []
+    for info in report.candidates:
+        part = f"{info['name']} {info['version']}"
+        if info.get("redirects"):
+            part += f" ({len(info['redirects'])} CUDA assumptions redirected to the CPU)"
+        parts.append(part)
+    noun = "candidate" if len(parts) == 1 else "candidates"
+    return f"{noun}: " + "; ".join(parts)
+
+
+def _difference_line(d: DifferenceRecord) -> str:
+    m = d.metrics
+    return (f"[documented] {d.label}: {m.get('n_mismatch')} of {m.get('n')} elements differ from "
+            f"refgrad's spec, max_ulp={m.get('max_ulp')}: {d.behaviour} ({d.where})")
+
+
+def _result_details(result: CheckResult, verbose: bool, width: int) -> list[str]:
+    """What went wrong under a failing result; everything with ``verbose``."""
     lines = []
-    name_width = max((len(r.name) for r in report.checks), default=8)
-    for result in report.checks:
-        lines.append(_fit(
-            f"{result.status:<5} {result.name:<{name_width}} {result.seconds:6.1f}s  "
-            f"{result.summary}", width))
-        failing = result.status in (FAIL, ERROR)
-        details = [_comparison_line(c) for c in result.comparisons if verbose or not c.passed]
-        details += [
-            f"[{'ok  ' if e.passed else 'FAIL'}] {e.label}" + (f": {e.detail}" if e.detail else "")
-            for e in result.expectations if verbose or not e.passed
-        ]
-        if failing or verbose:
-            lines.extend(_fit(d, width, "  ") for d in details)
-        if result.error:
-            if verbose:
-                lines.append("  error:")
-                lines.extend("    " + line for line in result.error.strip().splitlines())
-            else:
-                lines.append(_fit(f"error: {_error_headline(result.error)}", width, "  "))
+    details = [_comparison_line(c) for c in result.comparisons if verbose or not c.passed]
+    details += [
+        f"[{'ok  ' if e.passed else 'FAIL'}] {e.label}" + (f": {e.detail}" if e.detail else "")
+        for e in result.expectations if verbose or not e.passed
+    ]
+    if result.status in (FAIL, ERROR) or verbose:
+        lines.extend(_fit(d, width, "  ") for d in details)
+    if result.error:
         if verbose:
-            lines.extend(_fit(f"skipped: {t}", width, "  ") for t in result.skipped)
-            lines.extend(_fit(f"info: {t}", width, "  ") for t in result.findings)
-            for table in result.tables:
-                lines.append("")
-                lines.append(render_table_text(table, width - 2).replace("\n", "\n  "))
+            lines.append("  error:")
+            lines.extend("    " + line for line in result.error.strip().splitlines())
+        else:
+            lines.append(_fit(f"error: {_error_headline(result.error)}", width, "  "))
+    if verbose:
+        lines.extend(_fit(_difference_line(d), width, "  ") for d in result.differences)
+        lines.extend(_fit(f"skipped: {t}", width, "  ") for t in result.skipped)
+        lines.extend(_fit(f"info: {t}", width, "  ") for t in result.findings)
+        for table in result.tables:
+            lines.append("")
+            lines.append(render_table_text(table, width - 2).replace("\n", "\n  "))
+    return lines
+
+
+def _side_by_side_text(report: Report, names: list[str], width: int) -> str:
+    """One row per check, one column per candidate: status, seconds, documented differences."""
+    from rich import box
+    from rich.table import Table as RichTable
+
+    grid = RichTable(box=box.SIMPLE_HEAD, pad_edge=False, expand=False)
+    grid.add_column("check")
+    for name in names:
+        grid.add_column(name, overflow="fold")
+    for check in dict.fromkeys(r.name for r in report.checks):
+        results = [r for r in report.checks if r.name == check]
+        if len(results) == 1 and results[0].candidate is None:
+            r = results[0]
+            grid.add_row(check, f"{r.status} {r.seconds:.1f}s (truth layer, for all)",
+                         *([""] * (len(names) - 1)))
+            continue
+        cells = []
+        for name in names:
+            r = next((r for r in results if r.candidate == name), None)
+            if r is None:
+                cells.append("-")
+                continue
+            cell = f"{r.status} {r.seconds:.1f}s"
+            if r.differences:
+                cell += f", {len(r.differences)} documented"
+            cells.append(cell)
+        grid.add_row(check, *cells)
+    return render_rich(grid, width)
+
+
+def render_text(report: Report, verbose: bool = False, width: int = 100) -> str:
+    """The terminal summary, at most ``width`` columns: one line per check (a column per
+    candidate when there are several), what went wrong under failing ones; every comparison,
+    expectation, documented difference, finding and table with ``verbose``."""
+    lines = []
+    header = candidates_line(report)
+    if header:
+        lines.append(_fit(header, width))
+    names = _candidate_names(report)
+    if len(names) > 1:
+        lines.append(_side_by_side_text(report, names, width))
+        for result in report.checks:
+            details = _result_details(result, verbose, width)
+            if details:
+                lines.append(_fit(f"{result.status} {result.key}:", width))
+                lines.extend(details)
+    else:
+        name_width = max((len(r.name) for r in report.checks), default=8)
+        for result in report.checks:
+            lines.append(_fit(
+                f"{result.status:<5} {result.name:<{name_width}} {result.seconds:6.1f}s  "
+                f"{result.summary}", width))
+            lines.extend(_result_details(result, verbose, width))
     lines.append("")
     lines.append(verdict_line(report))
+    differences = sum(len(r.differences) for r in report.checks)
+    if differences:
+        lines.append(_fit(f"{differences} documented difference{'s' if differences != 1 else ''} "
+                          "from refgrad's spec (production behaviour, each matching refgrad's "
+                          "model of it): see -v or the reports", width))
     hidden = sum(len(r.findings) + len(r.skipped) for r in report.checks)
     if not verbose and hidden:
         lines.append(_fit(f"({hidden} findings and skipped items: see -v or the reports)", width))
@@ -246,7 +343,7 @@ def _failures_markdown(report: Report) -> list[str]:
     for r in report.checks:
         if r.status not in (FAIL, ERROR):
             continue
-        lines.extend(["", f"### {r.name}: {r.status}", ""])
+        lines.extend(["", f"### {r.key}: {r.status}", ""])
         if r.error:
             lines.append(f"Error: `{_error_headline(r.error)}` (traceback under Details)")
         for c in r.comparisons:
@@ -264,19 +361,41 @@ def render_markdown(report: Report) -> str:
     details of each check, and the environment last."""
     lines = ["# gradverify report", "", f"**Result: {report.verdict}** ({verdict_line(report)})"]
     if not report.complete:
-        lines += ["", "**Incomplete:** the run was interrupted. The checks below finished, "
-                      "except the last one, which was stopped and is listed as ERROR; the "
-                      "checks after it did not run."]
+        lines += ["", "**Incomplete:** the run was interrupted (Ctrl-C). Each check that had not "
+                      "finished is listed as ERROR, saying whether it was running or had not "
+                      "started."]
     prov = report.provenance
     if prov:
         lines += ["", f"gradverify {prov.get('gradverify', 'unknown')}"
                       + (f", commit `{prov['git_commit']}`" if prov.get("git_commit") else "")
                       + (f"; options: `{json.dumps(report.options)}`" if report.options else "")]
-    lines += ["", "## Summary", "", "| check | result | seconds | comparisons | expectations |",
-              "|---|---|---|---|---|"]
+    if report.candidates:
+        lines += ["", "## Candidates", "", "| candidate | version | what | redirected on this "
+                  "machine | cannot run here |", "|---|---|---|---|---|"]
+        for info in report.candidates:
+            redirects = "; ".join(info.get("redirects", [])) or "nothing"
+            unsupported = "; ".join(f"{t}: {r}" for t, r in info.get("unsupported", {}).items())
+            lines.append(f"| {info['name']} | {info['version']} | {info['description']} | "
+                         f"{redirects} | {unsupported or '-'} |")
+    names = _candidate_names(report)
+    if len(names) > 1:
+        lines += ["", "## Side by side", "", "| check | " + " | ".join(names) + " |",
+                  "|---|" + "---|" * len(names)]
+        for check in dict.fromkeys(r.name for r in report.checks):
+            results = {r.candidate: r for r in report.checks if r.name == check}
+            if None in results:
+                cells = [f"{results[None].status} (truth layer, for all)"] + [""] * (len(names) - 1)
+            else:
+                cells = [(f"{results[n].status}"
+                          + (f", {len(results[n].differences)} documented" if results[n].differences
+                             else "")) if n in results else "-" for n in names]
+            lines.append(f"| {check} | " + " | ".join(cells) + " |")
+    lines += ["", "## Summary", "", "| check | candidate | result | seconds | comparisons | "
+              "expectations | documented differences |", "|---|---|---|---|---|---|---|"]
     for r in report.checks:
-        lines.append(f"| {r.name} | {r.status} | {r.seconds:.1f} | {len(r.comparisons)} | "
-                     f"{len(r.expectations)} |")
+        lines.append(f"| {r.name} | {r.candidate or '(truth layer)'} | {r.status} | "
+                     f"{r.seconds:.1f} | {len(r.comparisons)} | {len(r.expectations)} | "
+                     f"{len(r.differences)} |")
     failures = _failures_markdown(report)
     if failures:
         lines += ["", "## Failures and errors", *failures]
@@ -286,7 +405,7 @@ def render_markdown(report: Report) -> str:
             lines += ["", f"![{title}]({path})"]
     lines += ["", "## Details"]
     for r in report.checks:
-        lines += ["", f"### {r.name}: {r.status}", "", r.summary]
+        lines += ["", f"### {r.key}: {r.status}", "", r.summary]
         if r.error:
             lines.extend(["", "```", r.error.strip(), "```"])
         if r.comparisons:
@@ -296,6 +415,14 @@ def render_markdown(report: Report) -> str:
             lines.append("")
             lines.append(f"{len(r.expectations) - len(failed)}/{len(r.expectations)} expectations hold.")
             lines.extend(f"- FAILED: {e.label}: {e.detail}" for e in failed)
+        if r.differences:
+            lines += ["", "Documented differences from refgrad's spec (each matched refgrad's "
+                      "model of the behaviour; the distance is from the spec):", "",
+                      "| comparison | behaviour | where | elements differing | max ULP |",
+                      "|---|---|---|---|---|"]
+            lines.extend(f"| {d.label} | {d.behaviour} | `{d.where}` | "
+                         f"{d.metrics.get('n_mismatch')} of {d.metrics.get('n')} | "
+                         f"{d.metrics.get('max_ulp')} |" for d in r.differences)
         for table in r.tables:
             lines.extend(["", render_table_markdown(table)])
         if r.findings:

@@ -20,9 +20,9 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-from verify.check import ERROR, CheckContext, CheckResult
+from verify.candidates import Candidate
+from verify.check import ERROR, Check, CheckContext, CheckResult
 from verify.console import StepProgress
 
 INTERRUPTED_ERROR = "KeyboardInterrupt: interrupted (Ctrl-C) before the check finished"
@@ -37,6 +37,23 @@ def abandoned_check_threads() -> list[threading.Thread]:
             if t.name.startswith(CHECK_THREAD_PREFIX) and t.is_alive()]
 
 
+@dataclass(frozen=True)
+class RunItem:
+    """One check against one candidate (``None``: a truth-layer check, run once)."""
+
+    check: Check
+    candidate: Candidate | None = None
+
+    @property
+    def key(self) -> str:
+        """The check's name, and the candidate's label when it has one."""
+        return self.check.name if self.candidate is None else (
+            f"{self.check.name} [{self.candidate.label}]")
+
+    def execute(self, context: CheckContext) -> CheckResult:
+        return self.check.execute(context, self.candidate)
+
+
 @dataclass
 class RunOutcome:
     """Every check's result in registry order, and whether the run was interrupted."""
@@ -46,25 +63,28 @@ class RunOutcome:
 
     @property
     def stopped(self) -> list[str]:
-        """Names of the checks that were running when the run was interrupted."""
-        return [r.name for r in self.results if r.error == INTERRUPTED_ERROR]
+        """The checks (and candidates) that were running when the run was interrupted."""
+        return [r.key for r in self.results if r.error == INTERRUPTED_ERROR]
 
     @property
     def not_started(self) -> list[str]:
-        """Names of the checks the interruption kept from starting."""
-        return [r.name for r in self.results if r.error == NOT_STARTED_ERROR]
+        """The checks (and candidates) the interruption kept from starting."""
+        return [r.key for r in self.results if r.error == NOT_STARTED_ERROR]
 
 
-def interrupted_result(check: Any, seconds: float, started: bool = True) -> CheckResult:
+def interrupted_result(item: RunItem, seconds: float, started: bool = True) -> CheckResult:
     """The ERROR result of a check the user interrupted (Ctrl-C)."""
-    return CheckResult(name=check.name, summary=check.summary, passed=False, seconds=seconds,
-                       error=INTERRUPTED_ERROR if started else NOT_STARTED_ERROR, status=ERROR)
+    return CheckResult(name=item.check.name, summary=item.check.summary, passed=False,
+                       seconds=seconds, error=INTERRUPTED_ERROR if started else NOT_STARTED_ERROR,
+                       status=ERROR,
+                       candidate=None if item.candidate is None else item.candidate.label)
 
 
-def run_checks(checks: Sequence[Any], weights: Sequence[float], context: CheckContext,
+def run_checks(checks: Sequence[RunItem], weights: Sequence[float], context: CheckContext,
                progress: StepProgress, jobs: int, interrupted: threading.Event) -> RunOutcome:
-    """Run ``checks`` (``jobs`` at a time, longest first when ``jobs > 1``) until done or
-    until ``interrupted`` is set (a check raising KeyboardInterrupt sets it too)."""
+    """Run ``checks`` (each a check against a candidate; ``jobs`` at a time, longest first
+    when ``jobs > 1``) until done or until ``interrupted`` is set (a check raising
+    KeyboardInterrupt sets it too)."""
     done: queue.Queue[tuple[int, CheckResult | BaseException]] = queue.Queue()
     order = list(range(len(checks)))
     if jobs > 1:
@@ -89,16 +109,16 @@ def run_checks(checks: Sequence[Any], weights: Sequence[float], context: CheckCo
         if isinstance(outcome, BaseException):
             raise outcome
         results[index] = outcome
-        progress.advance(weights[index], f"{outcome.status} {checks[index].name}")
+        progress.advance(weights[index], f"{outcome.status} {checks[index].key}")
 
     while not interrupted.is_set() and (waiting or len(results) < len(started)):
         while waiting and len(started) - len(results) < jobs and not interrupted.is_set():
             index = waiting.pop()
             if jobs == 1:
-                progress.step(f"{checks[index].name} ({index + 1}/{len(checks)}) ...",
+                progress.step(f"{checks[index].key} ({index + 1}/{len(checks)}) ...",
                               expected=weights[index])
             started[index] = time.perf_counter()
-            threading.Thread(target=work, args=(index,), name=f"{CHECK_THREAD_PREFIX}{checks[index].name}",
+            threading.Thread(target=work, args=(index,), name=f"{CHECK_THREAD_PREFIX}{checks[index].key}",
                              daemon=True).start()
         try:
             collect(*done.get(timeout=_POLL_S))

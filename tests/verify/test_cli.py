@@ -272,7 +272,7 @@ def test_ctrl_c_one_check_at_a_time_keeps_the_report(tmp_path):
     """SIGINT to the whole process group (as a terminal sends it) while a check runs."""
     rc, out, err = interrupt_after_line(
         ["run", "--quick", "--jobs", "1", "--check", "metrics", "--check", "pipeline",
-         *_reports(tmp_path)], lambda line: "pipeline (2/2)" in line, REPO, _env_subprocess())
+         *_reports(tmp_path)], lambda line: "pipeline [fastgrad] (2/2)" in line, REPO, _env_subprocess())
     _assert_one_clean_interruption_line(rc, out, err)
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["complete"] is False
@@ -288,7 +288,8 @@ def test_ctrl_c_under_jobs_2_keeps_what_finished_and_writes_every_report(tmp_pat
         ["run", "--quick", "--jobs", "2", "--check", "metrics", "--check", "pipeline",
          *_reports(tmp_path)], lambda line: "PASS metrics" in line, REPO, _env_subprocess())
     _assert_one_clean_interruption_line(rc, out, err)
-    assert "interrupted (Ctrl-C) during pipeline; reporting the 1 check that finished" in err
+    assert ("interrupted (Ctrl-C) during pipeline [fastgrad]; reporting the 1 check that "
+            "finished") in err
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["complete"] is False and report["verdict"] == "ERROR"
     assert [(c["name"], c["status"]) for c in report["checks"]] == [
@@ -565,3 +566,70 @@ def test_jobs_must_be_positive(capsys):
         cli.main(["run", "--jobs", "0"])
     assert info.value.code == 2
     assert "--jobs" in capsys.readouterr().err
+
+
+def _per_candidate(ctx, rec, candidate):
+    """fastgrad matches the spec; the other candidate differs from it as it documents."""
+    import torch
+
+    from verify.candidates import DocumentedBehaviour
+
+    spec = torch.tensor([1.0, 3.0])
+    if candidate.name == "fastgrad":
+        rec.compare("grads", spec, spec.clone())
+        return
+    documented = torch.tensor([1.0, 3.0000002])
+    rec.compare_documented("grads", spec, documented.clone(), documented_reference=documented,
+                           documented=DocumentedBehaviour("pre-scales in bf16", "pkg.mod.func"))
+
+
+def test_two_candidates_give_one_report_with_a_column_each(monkeypatch, tmp_path, capsys):
+    from verify.candidates import Technique
+
+    checks = {"truth": Check("truth", "a truth-layer check", _passing, default_candidate=object()),
+              "tech": Check("tech", "a technique check", _per_candidate,
+                            technique=Technique.LAYOUT)}
+    monkeypatch.setattr(cli, "check_by_name", lambda name: checks[name])
+    monkeypatch.setattr(cli, "all_checks", lambda: tuple(checks.values()))
+    out_json, out_md = tmp_path / "r.json", tmp_path / "r.md"
+    assert cli.main(["run", "--jobs", "1", "--candidate", "fastgrad", "--candidate",
+                     "megatron-core", "--json", str(out_json), "--markdown", str(out_md)]) == 0
+    report = json.loads(out_json.read_text())
+    assert report["schema_version"] == 3
+    assert [c["name"] for c in report["candidates"]] == ["fastgrad", "megatron-core"]
+    assert all(c["version"] for c in report["candidates"])
+    assert [(c["name"], c["candidate"], c["status"]) for c in report["checks"]] == [
+        ("truth", None, "PASS"), ("tech", "fastgrad", "PASS"), ("tech", "megatron-core", "PASS")]
+    difference = report["checks"][2]["differences"]
+    assert [(d["label"], d["where"], d["metrics"]["max_ulp"]) for d in difference] == [
+        ("grads", "pkg.mod.func", 1)]
+    out = capsys.readouterr().out
+    assert "candidates: fastgrad" in out and "megatron-core" in out
+    assert "1 documented difference from refgrad's spec" in out
+    md = out_md.read_text()
+    assert "| check | fastgrad | megatron-core |" in md
+    assert "| tech | PASS | PASS, 1 documented |" in md
+    assert "| grads | pre-scales in bf16 | `pkg.mod.func` | 1 of 2 | 1 |" in md
+
+
+def test_a_candidate_named_twice_or_unknown_is_a_usage_error(monkeypatch, capsys):
+    _use(monkeypatch, _passing)
+    assert cli.main(["run", "--candidate", "fastgrad", "--candidate", "fastgrad"]) == 2
+    assert "--candidate fastgrad was given more than once" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["run", "--candidate", "deepspeed"])
+    assert exc.value.code == 2
+
+
+def test_list_names_the_checks_and_the_candidates_with_their_versions(capsys):
+    from importlib.metadata import PackageNotFoundError, version
+
+    assert cli.main(["run", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert "layout           technique" in out and "formats          truth layer" in out
+    assert f"fastgrad         {version('gradverify')}" in out
+    try:
+        megatron = version("megatron-core")
+    except PackageNotFoundError:
+        megatron = "not installed"
+    assert f"megatron-core    {megatron}" in out

@@ -57,7 +57,7 @@ def test_markdown_opens_with_the_verdict_and_ends_with_the_environment():
     order = [md.index(s) for s in ("**Result: FAIL**", "## Summary", "## Failures and errors",
                                    "## Details", "## Environment")]
     assert order == sorted(order)
-    assert md.index("| many | FAIL |") < md.index("## Failures and errors")
+    assert md.index("| many | (truth layer) | FAIL |") < md.index("## Failures and errors")
     assert "comparison broken: 2 mismatches" in md.split("## Details")[0]
     assert md.rstrip().endswith("```") and '"NCCL_ALGO": null' in md.split("## Environment")[1]
     assert "gradverify 9.9" in md.split("## Summary")[0]
