@@ -116,7 +116,8 @@ def test_ctrl_c_of_preflight_keeps_the_paper_part_and_the_hazards(tmp_path):
 def test_ctrl_c_of_accumulation_writes_the_points_measured(tmp_path):
     out_json, out_md = tmp_path / "a.json", tmp_path / "a.md"
     rc, out, err = interrupt_after_line(
-        ["accumulation", "--dp", "2,16384", "--numel", "65536", "--distribution", "normal",
+        # After N=2, DP 65,536 is a minute of work, far longer than the signal takes.
+        ["accumulation", "--dp", "2,65536", "--numel", "65536", "--distribution", "normal",
          "--json", str(out_json), "--markdown", str(out_md)],
         lambda line: "[accumulation]" in line and "N=2 " in line, REPO, _env_subprocess())
     assert rc == 3, (out, err)
