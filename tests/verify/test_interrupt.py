@@ -228,3 +228,26 @@ def test_interrupt_with_concurrent_checks_starts_nothing_more(monkeypatch, tmp_p
     assert not ran
     assert ("interrupted (Ctrl-C) during check0, check1; reporting the 0 checks that finished, "
             "3 marked interrupted") in capsys.readouterr().err
+
+
+def test_an_interrupted_run_still_draws_the_figures_of_what_finished(monkeypatch, tmp_path):
+    """Every requested output: the JSON, the Markdown and the figures (PNG) of the checks
+    that finished before the Ctrl-C."""
+    pytest.importorskip("matplotlib")
+
+    def growth(ctx, rec, candidate):
+        rec.expect("ok", True)
+        rec.table("error growth", ["dtype", "distribution", "N", "method", "rel.err"],
+                  [["float16", "normal", n, "ring", f"{1e-4 * n:.2e}"] for n in (2, 4, 8)])
+
+    def interrupted(ctx, rec, candidate):
+        raise KeyboardInterrupt
+
+    _use(monkeypatch, growth, interrupted)
+    out_json, out_md = tmp_path / "r.json", tmp_path / "r.md"
+    assert cli.main(["run", "--jobs", "1", "--json", str(out_json),
+                     "--markdown", str(out_md)]) == 3
+    figure = tmp_path / "r-error-growth-check0.png"
+    assert figure.stat().st_size > 0
+    assert json.loads(out_json.read_text())["complete"] is False
+    assert figure.name in out_md.read_text()
