@@ -444,3 +444,18 @@ def test_cpu_seconds_of_this_process_grow_while_it_computes():
         sum(range(1000))
     assert cpu_seconds(os.getpid()) - before >= 0.25  # /proc counts 10 ms ticks
     assert cpu_seconds(None) is None
+
+
+@pytest.mark.dist
+def test_on_started_runs_once_the_ranks_started_and_its_error_stops_them(warm_launcher):
+    started = []
+    assert warm_launcher.spawn(_sum_of_ranks, 2, 1.0, on_started=lambda: started.append(1)) \
+        == [(0, 1.0), (1, 1.0)]
+    assert started == [1]
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        warm_launcher.spawn(_rank_one_sleeps, 2, on_started=interrupted)
+    assert not multiprocessing.active_children()  # every rank stopped, none left waiting

@@ -58,6 +58,7 @@ def spawn(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     ceiling_s: float | None = None,
     launcher: RankLauncher | None = None,
+    on_started: Callable[[], None] | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes; results by rank.
 
@@ -65,8 +66,11 @@ def spawn(
     values may hold tensors; they are copied back by value. ``timeout_s``: the stall
     timeout; ``ceiling_s``: the most a run may last (default ``CEILING_FACTOR`` x
     ``timeout_s``). ``launcher`` picks the start method (default: a fork server
-    preloading torch). Raises :class:`RankCrashed` or :class:`RankTimeout` (both
-    :class:`DistributedRunError`).
+    preloading torch). ``on_started`` is called once every rank has started, e.g. to
+    show progress: the fork server ignores Ctrl-C while it starts, and from then on a
+    Ctrl-C reaches the caller. Raises :class:`RankCrashed` or :class:`RankTimeout`
+    (both :class:`DistributedRunError`).
     """
     return (launcher or RankLauncher()).spawn(fn, world_size, *args, backend=backend,
-                                              timeout_s=timeout_s, ceiling_s=ceiling_s)
+                                              timeout_s=timeout_s, ceiling_s=ceiling_s,
+                                              on_started=on_started)

@@ -140,11 +140,13 @@ class RankLauncher:
         backend: str = "gloo",
         timeout_s: float = DEFAULT_TIMEOUT_S,
         ceiling_s: float | None = None,
+        on_started: Callable[[], None] | None = None,
     ) -> list[Any]:
         """See :func:`verify.distributed.spawn`."""
         ceiling_s = CEILING_FACTOR * timeout_s if ceiling_s is None else ceiling_s
         _validate(fn, world_size, timeout_s, ceiling_s)
-        return _Run(self.context(), fn, world_size, args, backend, timeout_s, ceiling_s).wait()
+        run = _Run(self.context(), fn, world_size, args, backend, timeout_s, ceiling_s)
+        return run.wait(on_started)
 
 
 def _validate(fn: Callable[..., Any], world_size: int, timeout_s: float,
@@ -208,9 +210,12 @@ class _Run:
             self._stop_all()
             raise
 
-    def wait(self) -> list[Any]:
-        """Collect every rank's result; raise RankCrashed or RankTimeout instead of hanging."""
+    def wait(self, on_started: Callable[[], None] | None = None) -> list[Any]:
+        """Collect every rank's result; raise RankCrashed or RankTimeout instead of hanging.
+        ``on_started`` runs first (its error, Ctrl-C included, still stops the ranks)."""
         try:
+            if on_started is not None:
+                on_started()
             stalled = over_ceiling = False
             while len(self.results) < self.world_size:
                 now = time.monotonic()

@@ -90,7 +90,7 @@ def run_twin_stage(config: PreflightConfig, options: TwinOptions, report: dict, 
                    environ: Mapping[str, str], candidate: TwinCandidate | None = None,
                    progress: bool | None = None) -> bool | None:
     """Fill ``report["twin"]`` and ``report["hazards"]``; the verdict (None: not rank 0)."""
-    from verify.distributed import DistributedRunError, RankLauncher, spawn
+    from verify.distributed import DistributedRunError, spawn
 
     candidate = candidate or TwinCandidate()
     plan = plan_twin(config, options)  # TwinSizeError -> exit 2, raised before anything runs
@@ -112,12 +112,12 @@ def run_twin_stage(config: PreflightConfig, options: TwinOptions, report: dict, 
                 if ranks is None:
                     return None
             else:
-                # The fork server starts (with Ctrl-C ignored for a moment, see
-                # verify.distributed.launcher) before the line a user would interrupt at.
-                RankLauncher().warm_up()
-                say(f"training {len(plan.case.plans)} steps on {plan.world_size} gloo ranks")
+                # The line a user would interrupt at comes once the ranks have started:
+                # the fork server ignores Ctrl-C while it starts (verify.distributed.launcher).
                 ranks = spawn(twin_worker, plan.world_size, plan.case, plan.overlap, candidate, plan.rank_optimizer,
-                              timeout_s=options.timeout_s)
+                              timeout_s=options.timeout_s,
+                              on_started=lambda: say(f"training {len(plan.case.plans)} steps on "
+                                                     f"{plan.world_size} gloo ranks"))
                 where = f"spawned, {plan.world_size} gloo ranks on the CPU"
         except DistributedRunError as exc:
             raise TwinRunError(f"the twin's ranks failed: {exc}") from None
