@@ -26,14 +26,41 @@ Megatron-Core (``verify.candidates.registry`` imports it to list the candidate).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from verify.candidates.api import Candidate, CandidateInfo, Technique, Unsupported
+from verify.candidates.api import (
+    Behaviour,
+    Candidate,
+    CandidateInfo,
+    DocumentedBehaviour,
+    Technique,
+    Unsupported,
+)
 from verify.candidates.api.grad_reduction import ReduceScatter
 from verify.candidates.megatron_core.redirect import REDIRECTS
 from verify.candidates.megatron_core.version import installed, missing_reason
+
+if TYPE_CHECKING:
+    from verify.candidates.megatron_core.bucket_layout import MegatronLayout
+
+
+DOCUMENTED: dict[Behaviour, DocumentedBehaviour] = {
+    Behaviour.BUFFER_ALIGNMENT_FROM_ALLOCATOR: DocumentedBehaviour(
+        "leaves its buffers' memory alignment to the allocator: each param view sits at a "
+        "64-element offset from its buffer's start, the start is where torch.zeros put it "
+        "(CUDA's caching allocator: 512-byte blocks; torch's CPU allocator: 64 bytes)",
+        "megatron.core.distributed.param_and_grad_buffer._ParamAndGradBuffer.__init__ "
+        "(_pad_start_of_param_if_needed; grad_data and param_data from torch.zeros)"),
+    Behaviour.ONE_BUCKET_AFTER_FIRST_STAGE: DocumentedBehaviour(
+        "one bucket on every pipeline stage after the first and in every model chunk after "
+        "the first, whatever bucket size was asked",
+        "megatron.core.distributed.distributed_data_parallel.DistributedDataParallel.__init__ "
+        "(bucket_size = None when disable_bucketing or pp_rank > 0; Megatron-LM's get_model "
+        "passes disable_bucketing for model chunks after the first)"),
+}
 
 
 @dataclass(frozen=True)
@@ -84,6 +111,10 @@ class MegatronCoreCandidate(Candidate):
             details=tuple((k, ("yes: " if f.present else "no: ") + f.reason)
                           for k, f in found.features.items()))
 
+    def documented(self, behaviour: Behaviour) -> DocumentedBehaviour | None:
+        """Where Megatron-Core departs from refgrad's spec by design (``docs/megatron_core.md``)."""
+        return DOCUMENTED.get(behaviour)
+
     @staticmethod
     def _require_installed(technique: Technique) -> None:
         """Unsupported for ``technique`` with the install hint when megatron-core is missing."""
@@ -103,8 +134,12 @@ class MegatronCoreCandidate(Candidate):
         return self.unsupported(technique, f"runs through {driver}, which is not yet wired to the "
                                 "seam's interface for this technique")
 
-    def layout(self):
-        raise self._not_wired(Technique.LAYOUT, "verify.candidates.megatron_core.layout")
+    def layout(self) -> MegatronLayout:
+        """Megatron's ``_ParamAndGradBuffer`` / ``DistributedDataParallel`` (``bucket_layout``)."""
+        from verify.candidates.megatron_core.bucket_layout import MegatronLayout
+
+        self._require_installed(Technique.LAYOUT)
+        return MegatronLayout()
 
     def deferred_wgrad(self):
         raise self._not_wired(Technique.DEFERRED_WGRAD, "verify.candidates.megatron_core.deferred_wgrad")
