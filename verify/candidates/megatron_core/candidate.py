@@ -45,6 +45,7 @@ from verify.candidates.megatron_core.version import installed, missing_reason
 
 if TYPE_CHECKING:
     from verify.candidates.megatron_core.bucket_layout import MegatronLayout
+    from verify.candidates.megatron_core.output_layer import MegatronDeferredWgrad
 
 
 DOCUMENTED: dict[Behaviour, DocumentedBehaviour] = {
@@ -141,8 +142,17 @@ class MegatronCoreCandidate(Candidate):
         self._require_installed(Technique.LAYOUT)
         return MegatronLayout()
 
-    def deferred_wgrad(self):
-        raise self._not_wired(Technique.DEFERRED_WGRAD, "verify.candidates.megatron_core.deferred_wgrad")
+    def deferred_wgrad(self) -> MegatronDeferredWgrad:
+        """Megatron's ``ColumnParallelLinear`` with deferred wgrad and the schedules' drain
+        (``output_layer``)."""
+        from verify.candidates.megatron_core.output_layer import MegatronDeferredWgrad
+
+        self._require_installed(Technique.DEFERRED_WGRAD)
+        reason = installed().skip_reason("defer_embedding_wgrad_compute",
+                                         "drain_embedding_wgrad_compute", "fused_wgrad_gemm")
+        if reason is not None:
+            raise self.unsupported(Technique.DEFERRED_WGRAD, reason)
+        return MegatronDeferredWgrad()
 
     def pipeline(self):
         raise self._not_wired(Technique.PIPELINE, "verify.candidates.megatron_core.pipeline")
