@@ -46,6 +46,7 @@ from verify.candidates.megatron_core.version import installed, missing_reason
 if TYPE_CHECKING:
     from verify.candidates.megatron_core.bucket_layout import MegatronLayout
     from verify.candidates.megatron_core.output_layer import MegatronDeferredWgrad
+    from verify.candidates.megatron_core.pipeline_training import MegatronPipeline
 
 
 DOCUMENTED: dict[Behaviour, DocumentedBehaviour] = {
@@ -154,8 +155,12 @@ class MegatronCoreCandidate(Candidate):
             raise self.unsupported(Technique.DEFERRED_WGRAD, reason)
         return MegatronDeferredWgrad()
 
-    def pipeline(self):
-        raise self._not_wired(Technique.PIPELINE, "verify.candidates.megatron_core.pipeline")
+    def pipeline(self) -> MegatronPipeline:
+        """Megatron's DDP under its 1F1B schedules (``pipeline_training``)."""
+        from verify.candidates.megatron_core.pipeline_training import MegatronPipeline
+
+        self._require_installed(Technique.PIPELINE)
+        return MegatronPipeline()
 
     def optimizer(self):
         raise self._not_wired(Technique.OPTIMIZER, "verify.candidates.megatron_core.optim")
