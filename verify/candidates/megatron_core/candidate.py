@@ -1,20 +1,26 @@
 """Megatron-Core behind the seam (``verify.candidates.api``): ``MegatronCoreCandidate``.
 
-The seam defines one typed interface per technique; this adapter implements those that
-exist so far and names, per technique, the driver in this package that runs Megatron-Core's
-own code for it (the checks reach them through the candidate once their interfaces land):
+Each accessor returns the technique's interface, running Megatron-Core's own code:
 
 =================  ==================================================================
-technique          Megatron-Core, run by
+technique          interface (module in this package), and the driver of its findings
 =================  ==================================================================
-layout             ``layout.buffer_layouts`` / ``layout.ddp_layouts``
+layout             ``bucket_layout.MegatronLayout``: ``_ParamAndGradBuffer`` and
+                   ``DistributedDataParallel`` (driver: ``layout``)
 reduce_scatter     :meth:`MegatronCoreCandidate.grad_reduction` (its fp32-accumulating
                    reduce-scatter); the whole DDP reduction: ``reduction.run_reductions``
-deferred_wgrad     ``deferred_wgrad.run_deferred_wgrad``
-pipeline           ``pipeline.run_pipeline``
-optim              ``optim.run_optim``
-mxfp8              ``mxfp8.unavailable_reason`` (Transformer Engine and CUDA only)
+deferred_wgrad     ``output_layer.MegatronDeferredWgrad``: ``ColumnParallelLinear`` and the
+                   schedules' drain (driver: ``deferred_wgrad``)
+pipeline           ``pipeline_training.MegatronPipeline``: DDP under the 1F1B schedules
+                   (driver: ``pipeline``)
+optim              not behind the seam yet: ``optim.run_optim``
+mxfp8              Unsupported with the reason (``mxfp8``: Transformer Engine, CUDA only)
 =================  ==================================================================
+
+Each interface is used inside ``with``: the scope (``scope.MegatronScope``) holds the CPU
+redirects and what else Megatron assumes of the process. Where Megatron-Core departs from
+refgrad's spec by design, :meth:`MegatronCoreCandidate.documented` names the behaviour and
+where it lives, and the checks hold it to refgrad's model of it.
 
 What cannot run here (the installed version lacks it, or it needs CUDA) raises
 :class:`~verify.candidates.api.Unsupported` with the reason read from the installed code
@@ -26,7 +32,7 @@ Megatron-Core (``verify.candidates.registry`` imports it to list the candidate).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -165,9 +171,11 @@ class MegatronCoreCandidate(Candidate):
     def optimizer(self):
         raise self._not_wired(Technique.OPTIMIZER, "verify.candidates.megatron_core.optim")
 
-    def mxfp8(self):
-        from verify.candidates.megatron_core.mxfp8 import unavailable_reason
+    def mxfp8(self) -> NoReturn:
+        """Unsupported with the reason: Transformer Engine's MXFP8 needs CUDA (on a CPU
+        machine), or, where it could run, what would run and that it is not wired yet."""
+        from verify.candidates.megatron_core.mxfp8 import NOT_WIRED, unavailable_reason
 
         self._require_installed(Technique.MXFP8)
         reason = unavailable_reason()
-        raise self.unsupported(Technique.MXFP8, reason or "has no MXFP8 driver yet")
+        raise self.unsupported(Technique.MXFP8, NOT_WIRED if reason is None else reason)

@@ -233,7 +233,7 @@ class MegatronPipeline(MegatronScope, PipelineTraining):
                 average_in_collective=case.reduction == "avg")
             ddp = self.ddp_class()(config, ddp_config, chunk, disable_bucketing=v > 0,
                                    pg_collection=groups)
-            if chunk.output_layer is not None:
+            if chunk.output_layer is not None and case.dp_size > 1:  # DP 1: nothing to race
                 chunk.embedding_activation_buffer.bucket_group = ddp.param_to_bucket_group[
                     chunk.output_layer.weight]
             ddps.append(ddp)
@@ -391,7 +391,7 @@ def _train_steps(case: PipelineCase, grid: ParallelDims, config: Any, groups: An
         result.launch_sites.append(sites.step_sites())
         result.drained_in_flight.append(next(
             (c.embedding_activation_buffer.in_flight_at_drain for c in chunks
-             if c.output_layer is not None), None))
+             if c.embedding_activation_buffer.bucket_group is not None), None))
         _gather_reduced_grads(ddps, case, groups.dp)
         result.losses.append(store if grid.is_last_stage else [])
         result.grads.append({n: p.main_grad.detach().clone() for n, p in named.items()})

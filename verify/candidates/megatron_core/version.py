@@ -13,6 +13,7 @@ import dataclasses
 import importlib
 import importlib.util
 import inspect
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -132,8 +133,10 @@ def installed() -> MegatronCoreInfo:
         raise ImportError(reason)
     from importlib.metadata import version
 
-    from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.model_parallel_config import ModelParallelConfig
+    with warnings.catch_warnings():  # its notice that it falls back to torch's optimizers
+        warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+        from megatron.core.distributed import DistributedDataParallelConfig
+        from megatron.core.model_parallel_config import ModelParallelConfig
 
     fp32_rs, fp32_rs_scratch = _fp32_rs_feature(DistributedDataParallelConfig)
     optimizer = _module("megatron.core.optimizer")
