@@ -282,6 +282,7 @@ def test_mxfp8_check_is_a_skip_with_the_reason():
     assert result.status == "SKIP" and not result.comparisons and not result.expectations
     if not torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is None:
         assert result.skipped == [
-            "mxfp8: megatron-core Megatron-Core's MXFP8 params are Transformer Engine's "
+            "mxfp8: megatron-core cannot run MXFP8 here: Megatron-Core's MXFP8 params are "
+            "Transformer Engine's "
             "MXFP8Tensor (megatron.core.fp8_utils.HAVE_TE_MXFP8TENSOR is False: "
             "transformer_engine is not importable); Transformer Engine needs CUDA"]

@@ -178,4 +178,5 @@ class MegatronCoreCandidate(Candidate):
 
         self._require_installed(Technique.MXFP8)
         reason = unavailable_reason()
-        raise self.unsupported(Technique.MXFP8, NOT_WIRED if reason is None else reason)
+        raise self.unsupported(Technique.MXFP8, NOT_WIRED if reason is None
+                               else f"cannot run MXFP8 here: {reason}")
