@@ -279,7 +279,7 @@ def _process_groups(grid: ParallelDims) -> Any:
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     groups = ProcessGroupCollection()
-    groups.dp = grid.dp_group if grid.dp_group is not None else dist.group.WORLD
+    groups.dp = grid.dp_group  # ParallelDims.build makes one on every rank of the grid
     groups.dp_cp = groups.dp
     groups.pp = grid.pp_group
     groups.tp, groups.cp, groups.ep, groups.expt_dp = (fake_group(0, 1) for _ in range(4))
