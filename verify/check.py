@@ -246,6 +246,33 @@ class CheckRecorder:
                                                       from_spec.to_dict()))
         return ok
 
+    def expect_documented(
+        self,
+        label: str,
+        spec_holds: bool,
+        *,
+        documented: DocumentedBehaviour | None,
+        documented_holds: bool | None = None,
+        detail: str = "",
+    ) -> bool:
+        """:meth:`compare_documented` for facts that are not tensors (layouts, counts, addresses).
+
+        Without ``documented`` this is :meth:`expect` of ``spec_holds``. With it, the
+        candidate is held to refgrad's model of the documented behaviour
+        (``documented_holds``; False is a FAIL); where the spec does not hold, a documented
+        difference naming the behaviour and where it lives is recorded with ``detail``.
+        """
+        if documented is None:
+            return self.expect(label, spec_holds, detail)
+        if documented_holds is None:
+            raise ValueError(f"expectation {label!r}: a documented behaviour needs refgrad's "
+                             f"model of it (documented_holds)")
+        ok = self.expect(f"{label} (documented: {documented.summary})", documented_holds, detail)
+        if not spec_holds:
+            self._differences.append(DifferenceRecord(label, documented.summary, documented.where,
+                                                      {"detail": detail}))
+        return ok
+
     def expect(self, label: str, condition: bool, detail: str = "") -> bool:
         """Record a boolean fact; the check fails if it is False."""
         self._expectations.append(ExpectationRecord(label, bool(condition), detail))

@@ -161,3 +161,34 @@ def test_a_documented_difference_passes_only_when_the_candidate_matches_its_mode
             for d in result.differences] == [("grads", True, 1)]
     with pytest.raises(ValueError, match="documented_reference"):
         CheckRecorder("c").compare_documented("x", spec, spec, documented=prescale)
+
+
+def test_a_documented_fact_passes_only_when_the_candidate_keeps_its_model() -> None:
+    from verify.candidates import DocumentedBehaviour
+
+    one_bucket = DocumentedBehaviour("one bucket on every pipeline stage after the first",
+                                     "megatron.core.distributed.distributed_data_parallel."
+                                     "DistributedDataParallel.__init__")
+    rec = CheckRecorder("c")
+    # Refgrad's layout gives 3 buckets, the documented model 1, the candidate has 1.
+    assert rec.expect_documented("stage 1 buckets", 1 == 3, documented=one_bucket,
+                                 documented_holds=1 == 1, detail="1 bucket, refgrad's layout 3")
+    # The candidate has 2: neither the spec nor the model.
+    assert not rec.expect_documented("stage 2 buckets", 2 == 3, documented=one_bucket,
+                                     documented_holds=2 == 1, detail="2 buckets")
+    # Spec holds: no difference recorded; without a documented behaviour: a plain expectation.
+    assert rec.expect_documented("stage 0 buckets", True, documented=one_bucket, documented_holds=False
+                                 ) is False
+    assert rec.expect_documented("plain", True, documented=None)
+    result = rec.finish(0.0)
+    assert result.status == "FAIL"
+    assert [(e.label, e.passed) for e in result.expectations] == [
+        ("stage 1 buckets (documented: one bucket on every pipeline stage after the first)", True),
+        ("stage 2 buckets (documented: one bucket on every pipeline stage after the first)", False),
+        ("stage 0 buckets (documented: one bucket on every pipeline stage after the first)", False),
+        ("plain", True)]
+    assert [(d.label, d.metrics) for d in result.differences] == [
+        ("stage 1 buckets", {"detail": "1 bucket, refgrad's layout 3"}),
+        ("stage 2 buckets", {"detail": "2 buckets"})]
+    with pytest.raises(ValueError, match="documented_holds"):
+        CheckRecorder("c").expect_documented("x", False, documented=one_bucket)

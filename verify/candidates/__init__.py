@@ -4,6 +4,7 @@ See :mod:`verify.candidates.api` for the seam and ``docs/candidates.md`` for how
 """
 
 from verify.candidates.api import (
+    Behaviour,
     Candidate,
     CandidateInfo,
     DocumentedBehaviour,
@@ -16,6 +17,7 @@ from verify.candidates.registry import CANDIDATES, DEFAULT_CANDIDATE, candidate_
 
 __all__ = [
     "CANDIDATES",
+    "Behaviour",
     "DEFAULT_CANDIDATE",
     "Candidate",
     "CandidateInfo",

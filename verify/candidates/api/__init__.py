@@ -76,6 +76,19 @@ class DocumentedBehaviour:
                 raise ValueError(f"DocumentedBehaviour.{name} must be a non-empty string")
 
 
+class Behaviour(str, enum.Enum):
+    """A departure from refgrad's spec that a check knows how to model. A candidate says
+    whether it departs that way, and where in its code (:meth:`Candidate.documented`); the
+    check then holds it to refgrad's model of the behaviour instead of the spec."""
+
+    # Buffer views sit at 64-element offsets from the buffer's start; the start's own address
+    # is whatever the allocator returned (layout check: "views 64-element aligned in memory").
+    BUFFER_ALIGNMENT_FROM_ALLOCATOR = "buffer_alignment_from_allocator"
+    # Every pipeline stage after the first, and every model chunk after the first, puts its
+    # params in one bucket whatever bucket size was asked (pipeline check: the bucket count).
+    ONE_BUCKET_AFTER_FIRST_STAGE = "one_bucket_after_first_stage"
+
+
 @dataclass(frozen=True)
 class CandidateInfo:
     """What a report says about a candidate: its name, its installed version and how it ran.
@@ -147,6 +160,11 @@ class Candidate(ABC):
     def label(self) -> str:
         """How reports name it: the candidate's name, and its fault if it carries one."""
         return self.name if self.fault is None else f"{self.name} (fault: {self.fault.value})"
+
+    def documented(self, behaviour: Behaviour) -> DocumentedBehaviour | None:
+        """How this candidate documents ``behaviour`` (None: it follows refgrad's spec there)."""
+        del behaviour
+        return None
 
     def unsupported(self, technique: Technique, reason: str) -> Unsupported:
         """The :class:`Unsupported` to raise for ``technique``, naming this candidate."""

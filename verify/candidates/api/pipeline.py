@@ -31,7 +31,7 @@ candidate has no notion of are left at ``None`` / empty and the check skips what
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
@@ -172,7 +172,12 @@ class RankResult:
     bucket waits for (freezing and unfreezing a param; None: the candidate does not learn
     them). ``events``: the timeline (``fastgrad.timeline.TimelineEvent``; empty: not
     recorded). ``chunk_enables`` (interleaved): at each chunk's grad-sync enable, the chunk
-    and which chunks had a reduction in flight.
+    and which chunks had a reduction in flight (empty: not recorded). ``errors``: what the
+    candidate raised in a step it then finished anyway (``"step N: ..."``; that step's
+    losses are NaN), so that its peers were not left waiting and the later steps still ran.
+    ``drained_in_flight`` (per step; empty: not observed): whether this rank's deferred
+    output-layer wgrads were drained while their bucket's DP reduction was already in flight
+    (None: no drain on this rank).
     """
 
     stage: int
@@ -185,6 +190,8 @@ class RankResult:
     relearn_count: int | None = 0
     events: list[list[TimelineEvent]] = field(default_factory=list)
     chunk_enables: list[list[tuple[int, tuple[bool, ...]]]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    drained_in_flight: list[bool | None] = field(default_factory=list)
 
 
 class StepProgress(Protocol):
@@ -258,6 +265,18 @@ def total_losses(case: PipelineCase, grid: ParallelDims, losses: Sequence[torch.
     return [float(v) for v in losses]
 
 
+def updated_once(named: dict[str, torch.nn.Parameter], frozen: Iterable[str]
+                 ) -> list[torch.nn.Parameter]:
+    """The params to step after a step of ``named`` (refgrad's names): each once (a shared
+    weight has two names), none of the ``frozen`` names."""
+    frozen = set(frozen)
+    out: list[torch.nn.Parameter] = []
+    for name, param in named.items():
+        if name not in frozen and all(param is not seen for seen in out):
+            out.append(param)
+    return out
+
+
 __all__ = [
     "LAUNCH_SITES",
     "REDUCTIONS",
@@ -268,4 +287,5 @@ __all__ = [
     "StepProgress",
     "rank_microbatches",
     "total_losses",
+    "updated_once",
 ]

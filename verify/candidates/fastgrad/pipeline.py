@@ -38,13 +38,13 @@ from verify.candidates.api.pipeline import (
     StepProgress,
     rank_microbatches,
     total_losses,
+    updated_once,
 )
 from verify.candidates.fastgrad.pipeline_model import (
     build_stage_model,
     case_ddp_config,
     drained_head,
     external_grad_params,
-    updated_once,
 )
 
 

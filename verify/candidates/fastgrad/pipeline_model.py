@@ -165,15 +165,6 @@ def drained_head(spec: LinearStackSpec, head: ColumnParallelOutputLayer | None
     return None if spec.shares_one_weight else head
 
 
-def updated_once(named: dict[str, Any], frozen: Any) -> list[Any]:
-    """The params to step, each once (the shared weight has two names), none frozen."""
-    out: list[Any] = []
-    for name, param in named.items():
-        if name not in frozen and all(param is not seen for seen in out):
-            out.append(param)
-    return out
-
-
 def build_stage_model(case: PipelineCase, grid: ParallelDims, chunk: int = 0,
                       fault: Fault | None = None
                       ) -> tuple[torch.nn.Module, dict[str, Any], ColumnParallelOutputLayer | None,

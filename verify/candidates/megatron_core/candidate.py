@@ -1,20 +1,26 @@
 """Megatron-Core behind the seam (``verify.candidates.api``): ``MegatronCoreCandidate``.
 
-The seam defines one typed interface per technique; this adapter implements those that
-exist so far and names, per technique, the driver in this package that runs Megatron-Core's
-own code for it (the checks reach them through the candidate once their interfaces land):
+Each accessor returns the technique's interface, running Megatron-Core's own code:
 
 =================  ==================================================================
-technique          Megatron-Core, run by
+technique          interface (module in this package), and the driver of its findings
 =================  ==================================================================
-layout             ``layout.buffer_layouts`` / ``layout.ddp_layouts``
+layout             ``bucket_layout.MegatronLayout``: ``_ParamAndGradBuffer`` and
+                   ``DistributedDataParallel`` (driver: ``layout``)
 reduce_scatter     :meth:`MegatronCoreCandidate.grad_reduction` (its fp32-accumulating
                    reduce-scatter); the whole DDP reduction: ``reduction.run_reductions``
-deferred_wgrad     ``deferred_wgrad.run_deferred_wgrad``
-pipeline           ``pipeline.run_pipeline``
-optim              ``optim.run_optim``
-mxfp8              ``mxfp8.unavailable_reason`` (Transformer Engine and CUDA only)
+deferred_wgrad     ``output_layer.MegatronDeferredWgrad``: ``ColumnParallelLinear`` and the
+                   schedules' drain (driver: ``deferred_wgrad``)
+pipeline           ``pipeline_training.MegatronPipeline``: DDP under the 1F1B schedules
+                   (driver: ``pipeline``)
+optim              not behind the seam yet: ``optim.run_optim``
+mxfp8              Unsupported with the reason (``mxfp8``: Transformer Engine, CUDA only)
 =================  ==================================================================
+
+Each interface is used inside ``with``: the scope (``scope.MegatronScope``) holds the CPU
+redirects and what else Megatron assumes of the process. Where Megatron-Core departs from
+refgrad's spec by design, :meth:`MegatronCoreCandidate.documented` names the behaviour and
+where it lives, and the checks hold it to refgrad's model of it.
 
 What cannot run here (the installed version lacks it, or it needs CUDA) raises
 :class:`~verify.candidates.api.Unsupported` with the reason read from the installed code
@@ -26,14 +32,43 @@ Megatron-Core (``verify.candidates.registry`` imports it to list the candidate).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 import torch.distributed as dist
 
-from verify.candidates.api import Candidate, CandidateInfo, Technique, Unsupported
+from verify.candidates.api import (
+    Behaviour,
+    Candidate,
+    CandidateInfo,
+    DocumentedBehaviour,
+    Technique,
+    Unsupported,
+)
 from verify.candidates.api.grad_reduction import ReduceScatter
 from verify.candidates.megatron_core.redirect import REDIRECTS
 from verify.candidates.megatron_core.version import installed, missing_reason
+
+if TYPE_CHECKING:
+    from verify.candidates.megatron_core.bucket_layout import MegatronLayout
+    from verify.candidates.megatron_core.output_layer import MegatronDeferredWgrad
+    from verify.candidates.megatron_core.pipeline_training import MegatronPipeline
+
+
+DOCUMENTED: dict[Behaviour, DocumentedBehaviour] = {
+    Behaviour.BUFFER_ALIGNMENT_FROM_ALLOCATOR: DocumentedBehaviour(
+        "leaves its buffers' memory alignment to the allocator: each param view sits at a "
+        "64-element offset from its buffer's start, the start is where torch.zeros put it "
+        "(CUDA's caching allocator: 512-byte blocks; torch's CPU allocator: 64 bytes)",
+        "megatron.core.distributed.param_and_grad_buffer._ParamAndGradBuffer.__init__ "
+        "(_pad_start_of_param_if_needed; grad_data and param_data from torch.zeros)"),
+    Behaviour.ONE_BUCKET_AFTER_FIRST_STAGE: DocumentedBehaviour(
+        "one bucket on every pipeline stage after the first and in every model chunk after "
+        "the first, whatever bucket size was asked",
+        "megatron.core.distributed.distributed_data_parallel.DistributedDataParallel.__init__ "
+        "(bucket_size = None when disable_bucketing or pp_rank > 0; Megatron-LM's get_model "
+        "passes disable_bucketing for model chunks after the first)"),
+}
 
 
 @dataclass(frozen=True)
@@ -84,6 +119,10 @@ class MegatronCoreCandidate(Candidate):
             details=tuple((k, ("yes: " if f.present else "no: ") + f.reason)
                           for k, f in found.features.items()))
 
+    def documented(self, behaviour: Behaviour) -> DocumentedBehaviour | None:
+        """Where Megatron-Core departs from refgrad's spec by design (``docs/megatron_core.md``)."""
+        return DOCUMENTED.get(behaviour)
+
     @staticmethod
     def _require_installed(technique: Technique) -> None:
         """Unsupported for ``technique`` with the install hint when megatron-core is missing."""
@@ -103,21 +142,41 @@ class MegatronCoreCandidate(Candidate):
         return self.unsupported(technique, f"runs through {driver}, which is not yet wired to the "
                                 "seam's interface for this technique")
 
-    def layout(self):
-        raise self._not_wired(Technique.LAYOUT, "verify.candidates.megatron_core.layout")
+    def layout(self) -> MegatronLayout:
+        """Megatron's ``_ParamAndGradBuffer`` / ``DistributedDataParallel`` (``bucket_layout``)."""
+        from verify.candidates.megatron_core.bucket_layout import MegatronLayout
 
-    def deferred_wgrad(self):
-        raise self._not_wired(Technique.DEFERRED_WGRAD, "verify.candidates.megatron_core.deferred_wgrad")
+        self._require_installed(Technique.LAYOUT)
+        return MegatronLayout()
 
-    def pipeline(self):
-        raise self._not_wired(Technique.PIPELINE, "verify.candidates.megatron_core.pipeline")
+    def deferred_wgrad(self) -> MegatronDeferredWgrad:
+        """Megatron's ``ColumnParallelLinear`` with deferred wgrad and the schedules' drain
+        (``output_layer``)."""
+        from verify.candidates.megatron_core.output_layer import MegatronDeferredWgrad
+
+        self._require_installed(Technique.DEFERRED_WGRAD)
+        reason = installed().skip_reason("defer_embedding_wgrad_compute",
+                                         "drain_embedding_wgrad_compute", "fused_wgrad_gemm")
+        if reason is not None:
+            raise self.unsupported(Technique.DEFERRED_WGRAD, reason)
+        return MegatronDeferredWgrad()
+
+    def pipeline(self) -> MegatronPipeline:
+        """Megatron's DDP under its 1F1B schedules (``pipeline_training``)."""
+        from verify.candidates.megatron_core.pipeline_training import MegatronPipeline
+
+        self._require_installed(Technique.PIPELINE)
+        return MegatronPipeline()
 
     def optimizer(self):
         raise self._not_wired(Technique.OPTIMIZER, "verify.candidates.megatron_core.optim")
 
-    def mxfp8(self):
-        from verify.candidates.megatron_core.mxfp8 import unavailable_reason
+    def mxfp8(self) -> NoReturn:
+        """Unsupported with the reason: Transformer Engine's MXFP8 needs CUDA (on a CPU
+        machine), or, where it could run, what would run and that it is not wired yet."""
+        from verify.candidates.megatron_core.mxfp8 import NOT_WIRED, unavailable_reason
 
         self._require_installed(Technique.MXFP8)
         reason = unavailable_reason()
-        raise self.unsupported(Technique.MXFP8, reason or "has no MXFP8 driver yet")
+        raise self.unsupported(Technique.MXFP8, NOT_WIRED if reason is None
+                               else f"cannot run MXFP8 here: {reason}")

@@ -115,7 +115,7 @@ def _rank_ownership(buffer, params: Sequence[torch.nn.Parameter], rank: int) -> 
     return shards, pieces
 
 
-def _build_buffer(case: LayoutCase, params, dp_rank: int):
+def build_megatron_buffer(case: LayoutCase, params, dp_rank: int):
     """Megatron's ``_ParamAndGradBuffer`` as the installed version builds it.
 
     Up to 0.16 the buffer lays itself out from ``params``; later versions take
@@ -162,7 +162,7 @@ def buffer_layout(case: LayoutCase) -> dict:
     with cpu_redirects() as log:
         for rank in case.ranks_to_read():
             params = _params(case.numels, case.param_dtype, case.shared_embedding)
-            buffer = _build_buffer(case, params, rank)
+            buffer = build_megatron_buffer(case, params, rank)
             if not layout:
                 layout = read_buffer(buffer, params)
                 layout["shards"], layout["param_pieces"] = {}, {}

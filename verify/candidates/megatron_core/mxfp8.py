@@ -18,6 +18,16 @@ from verify.candidates.megatron_core.version import MegatronCoreInfo, installed
 FEATURE = "mxfp8_param_buffer_sharing"
 
 
+NOT_WIRED = (
+    "has Transformer Engine's MXFP8 on CUDA here, but its MXFP8 path is not wired to the "
+    "seam yet and has never been run by gradverify (no GPU where the adapter was written). "
+    "What would run: Transformer Engine's MXFP8Quantizer for quantize/dequantize (held to "
+    "refgrad.mxfp8 in the scale mode it implements), and DistributedDataParallel with "
+    "DistributedDataParallelConfig(fp8_param_gather=True, reuse_grad_buf_for_mxfp8_param_ag="
+    "True) and its DistributedOptimizer for the MXFP8 param all-gather through the grad buffer "
+    "(_ParamAndGradBuffer's shared_buffer)")
+
+
 def unavailable_reason(info: MegatronCoreInfo | None = None) -> str | None:
     """Why Megatron-Core's MXFP8 path cannot run here (None: it can)."""
     info = info or installed()

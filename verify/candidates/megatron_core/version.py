@@ -13,6 +13,7 @@ import dataclasses
 import importlib
 import importlib.util
 import inspect
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -111,7 +112,11 @@ def _mxfp8_feature(ddp_config_cls: type) -> Feature:
 
 
 def _fused_wgrad_feature() -> Feature:
-    if importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None:
+    try:
+        spec = importlib.util.find_spec("fused_weight_gradient_mlp_cuda")
+    except ValueError:  # inside cpu_redirects: the stand-in (no __spec__) is in sys.modules
+        spec = None
+    if spec is not None:
         return Feature(True, "apex's fused_weight_gradient_mlp_cuda is installed")
     if torch.cuda.is_available():
         return Feature(False, "defer_embedding_wgrad_compute needs gradient_accumulation_fusion, "
@@ -128,8 +133,10 @@ def installed() -> MegatronCoreInfo:
         raise ImportError(reason)
     from importlib.metadata import version
 
-    from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.model_parallel_config import ModelParallelConfig
+    with warnings.catch_warnings():  # its notice that it falls back to torch's optimizers
+        warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+        from megatron.core.distributed import DistributedDataParallelConfig
+        from megatron.core.model_parallel_config import ModelParallelConfig
 
     fp32_rs, fp32_rs_scratch = _fp32_rs_feature(DistributedDataParallelConfig)
     optimizer = _module("megatron.core.optimizer")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,8 +26,26 @@ from verify.checks.deferred_wgrad.cases import (
 )
 
 
-def run_layer(case, wgrad: DeferredWgrad, config, weight, xs, gos, rank, order_of, tp_group):
-    """Run ITERATIONS steps; return main_grad after each, drain counts, dgrads, empty-drain facts."""
+def _drain(layer, errors: list[str], iteration: int) -> int | None:
+    """``layer.drain()``; what the candidate raises instead (not a skip) is noted in ``errors``
+    and the run goes on, so that the ``main_grad`` it left is compared too."""
+    try:
+        return layer.drain()
+    except Unsupported:
+        raise
+    except Exception as exc:  # noqa: BLE001 - reported as the case's failure, with its type
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        errors.append(f"iteration {iteration}: {type(exc).__name__}: {exc} (raised at "
+                      f"{where.filename.split('site-packages/')[-1]}:{where.lineno} {where.name})")
+        return None
+
+
+def run_layer(case, wgrad: DeferredWgrad, config, weight, xs, gos, rank, order_of, tp_group,
+              errors: list[str] | None = None):
+    """Run ITERATIONS steps; return main_grad after each, drain counts, dgrads, empty-drain facts.
+
+    A drain that raises is noted in ``errors`` (its count is None) and the steps go on."""
+    errors = [] if errors is None else errors
     tp = case.tp
     vshard = VOCAB // tp
     sshard = SEQ // tp if case.sequence_parallel else SEQ
@@ -48,10 +67,10 @@ def run_layer(case, wgrad: DeferredWgrad, config, weight, xs, gos, rank, order_o
             go = gos[it][k][..., vrank * vshard : (vrank + 1) * vshard].contiguous()
             layer(x).backward(go)
             step_dgrads[k] = x.grad
-        drained.append(layer.drain())
+        drained.append(_drain(layer, errors, it))
         snapshot = layer.main_grad.clone()
         # A second drain finds 0 entries: it must return 0 and leave main_grad alone.
-        empty_drain_ok &= layer.drain() == 0
+        empty_drain_ok &= _drain(layer, errors, it) == 0
         empty_drain_ok &= torch.equal(
             layer.main_grad.view(torch.int16 if snapshot.itemsize == 2 else torch.int32),
             snapshot.view(torch.int16 if snapshot.itemsize == 2 else torch.int32),
@@ -84,9 +103,11 @@ def run_case_on_rank(
     )
     natural = lambda it: range(m)  # noqa: E731
     drain_order = lambda it: deferred_accumulation_order(m, case.limit)  # noqa: E731
-    deferred = run_layer(case, wgrad, deferred_cfg, weight, xs, gos, rank, natural, tp_group)
-    immediate = run_layer(case, wgrad, immediate_cfg, weight, xs, gos, rank, natural, tp_group)
-    reordered = run_layer(case, wgrad, immediate_cfg, weight, xs, gos, rank, drain_order, tp_group)
+    errors: list[str] = []
+    deferred = run_layer(case, wgrad, deferred_cfg, weight, xs, gos, rank, natural, tp_group, errors)
+    immediate = run_layer(case, wgrad, immediate_cfg, weight, xs, gos, rank, natural, tp_group, errors)
+    reordered = run_layer(case, wgrad, immediate_cfg, weight, xs, gos, rank, drain_order, tp_group,
+                          errors)
     dgrad_equal = all(
         torch.equal(a, b)
         for it in range(ITERATIONS)
@@ -100,6 +121,7 @@ def run_case_on_rank(
         "immediate_drained": immediate[1],
         "empty_drain_ok": deferred[3] and immediate[3],
         "dgrad_equal": dgrad_equal,
+        "drain_errors": errors,
     }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -44,9 +45,11 @@ def _params(device: str, seed: int) -> list[torch.nn.Parameter]:
 
 
 def _view_violations(tag: str, buf: GradBuffer, params: Sequence[torch.nn.Parameter], dp: int,
-                     dist_opt: bool, device: str) -> tuple[list[str], list[torch.Tensor]]:
+                     dist_opt: bool, device: str, alignment: list[AlignmentFact] | None = None
+                     ) -> tuple[list[str], list[torch.Tensor]]:
     """Each group against refgrad's layout of its params: views, alignment, buckets, shards;
-    also the padding masks refgrad's layouts give."""
+    also the padding masks refgrad's layouts give. With ``alignment`` a list, each view's
+    memory alignment goes there instead of into the violations (see :func:`buffer_violations`)."""
     bad: list[str] = []
     masks = []
     for group in buf.groups:
@@ -71,8 +74,12 @@ def _view_violations(tag: str, buf: GradBuffer, params: Sequence[torch.nn.Parame
             if dist_opt:
                 if p.data_ptr() != group.param_data.data_ptr() + start * p.element_size():
                     bad.append(f"{tag}: param {k} data is not a view into param_data")
-                for view in (p.main_grad, p.detach()):
-                    if view.data_ptr() % (64 * view.element_size()):
+                for view, data in ((p.main_grad, group.grad_data), (p.detach(), group.param_data)):
+                    aligned = view.data_ptr() % (64 * view.element_size()) == 0
+                    if alignment is not None:
+                        offset = (view.data_ptr() - data.data_ptr()) // view.element_size()
+                        alignment.append(AlignmentFact(f"{tag}: param {k}", aligned, offset % 64 == 0))
+                    elif not aligned:
                         bad.append(f"{tag}: param {k} view not 64-element aligned")
         for b, bucket in enumerate(group.buckets):
             if (bucket.start, bucket.end) != ref.bucket_indices[b]:
@@ -123,15 +130,29 @@ def _padding_helper_violations(tag: str, buf: GradBuffer, after: str) -> list[st
     return [f"{tag}: padding_is_zero reported non-zero padding after {after}"]
 
 
+@dataclass(frozen=True)
+class AlignmentFact:
+    """One param view of a distributed-optimizer buffer: is it 64-element aligned in memory
+    (the spec), and is it at a 64-element offset from its buffer's start (a candidate that
+    leaves the buffer's own address to the allocator keeps only that)."""
+
+    view: str
+    in_memory: bool
+    from_buffer_start: bool
+
+
 def buffer_violations(
-    device: str, layout: BucketLayout, seed: int = 0, unsupported: list[str] | None = None
+    device: str, layout: BucketLayout, seed: int = 0, unsupported: list[str] | None = None,
+    alignment: list[AlignmentFact] | None = None,
 ) -> list[str]:
     """Single-process properties of the candidate's buffers on ``device`` (views, alignment,
     padding), each group held to refgrad's layout of its params.
 
     Parameter values come from ``seed`` (seed 0: the generators ``manual_seed(i)`` of param i).
     With ``unsupported`` a list, a helper the candidate lacks (its ``Unsupported``) is noted
-    there and the rest still runs; without, the ``Unsupported`` propagates.
+    there and the rest still runs; without, the ``Unsupported`` propagates. With
+    ``alignment`` a list, the views' memory alignment is reported there (one
+    :class:`AlignmentFact` per view) instead of among the violations.
     """
     bad: list[str] = []
 
@@ -152,7 +173,7 @@ def buffer_violations(
             before = [p.detach().clone() for p in params]
             buf = layout.build_buffer(params, config, dp_size=dp)
             tag = f"dp={dp} dist_opt={dist_opt}"
-            views, masks = _view_violations(tag, buf, params, dp, dist_opt, device)
+            views, masks = _view_violations(tag, buf, params, dp, dist_opt, device, alignment)
             bad += views
             if not all(torch.equal(a, p.detach()) for a, p in zip(before, params)):
                 bad.append(f"{tag}: param values changed when remapped")

@@ -6,10 +6,10 @@ import random
 from dataclasses import dataclass, field
 
 from refgrad.layout import compute_layout as reference_layout
-from verify.candidates import Candidate, Technique, Unsupported
+from verify.candidates import Behaviour, Candidate, Technique, Unsupported
 from verify.candidates.api.layout import BucketLayout, LayoutCase
 from verify.check import Check, CheckContext, CheckRecorder
-from verify.checks.layout.buffers import buffer_violations
+from verify.checks.layout.buffers import AlignmentFact, buffer_violations
 from verify.checks.layout.cases import HAND_CASES, compare_layouts, hand_case_mismatch, random_case
 from verify.checks.layout.invariants import layout_violations
 from verify.checks.layout.worker import default_scenarios, run_reduce_scenarios
@@ -38,7 +38,7 @@ def run(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate) -> None:
 def _run(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate, options: _Options) -> None:
     # Unsupported from the accessor: nothing of the candidate can run (SKIP).
     with candidate.layout() as layout:
-        _single_process_parts(ctx, rec, layout, options)
+        _single_process_parts(ctx, rec, candidate, layout, options)
     # 5. Real reductions across ranks (each rank enters the candidate's layout itself).
     if options.spawn_ranks:
         for world_size in options.spawn_ranks:
@@ -56,8 +56,8 @@ def _run(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate, options: _
         _report(ctx, rec, layout)
 
 
-def _single_process_parts(ctx: CheckContext, rec: CheckRecorder, layout: BucketLayout,
-                          options: _Options) -> None:
+def _single_process_parts(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate,
+                          layout: BucketLayout, options: _Options) -> None:
     """Parts 1-4: hand-derived, random and large layouts, and the buffers on ``ctx.device``."""
     # 1. Hand-derived layouts.
     _hand_derived(rec, layout)
@@ -77,9 +77,23 @@ def _single_process_parts(ctx: CheckContext, rec: CheckRecorder, layout: BucketL
     # 4. The buffers on the context's device.
     with rec.skip_if_unsupported():
         missing: list[str] = []
-        problems = buffer_violations(ctx.device, layout, ctx.seed, unsupported=missing)
+        # A candidate that leaves its buffers' addresses to the allocator is held to 64-element
+        # offsets from each buffer's start (its model); the memory alignment is reported apart.
+        documented = candidate.documented(Behaviour.BUFFER_ALIGNMENT_FROM_ALLOCATOR)
+        alignment: list[AlignmentFact] | None = [] if documented is not None else None
+        problems = buffer_violations(ctx.device, layout, ctx.seed, unsupported=missing,
+                                     alignment=alignment)
         rec.expect(f"ParamAndGradBuffer views/alignment/padding on {ctx.device}", not problems,
                    "; ".join(problems[:5]))
+        if alignment is not None:
+            unaligned = [f.view for f in alignment if not f.in_memory]
+            off_grid = [f.view for f in alignment if not f.from_buffer_start]
+            rec.expect_documented(
+                f"ParamAndGradBuffer param views 64-element aligned in memory on {ctx.device}",
+                not unaligned, documented=documented, documented_holds=not off_grid,
+                detail=(f"{len(unaligned)} of {len(alignment)} views not aligned in memory "
+                        f"({'; '.join(unaligned[:3])}); {len(off_grid)} not at a 64-element "
+                        f"offset from their buffer's start"))
         for reason in dict.fromkeys(missing):
             rec.skip(f"buffer helpers: {reason}")
 

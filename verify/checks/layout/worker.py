@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from fractions import Fraction
@@ -152,7 +153,20 @@ def reduce_worker(
 ) -> list[dict]:
     """Per rank: build each scenario's buffer, accumulate rank-specific grads, reduce, report."""
     with candidate.layout() as layout:
-        return [_reduce_scenario(rank, world_size, scenario, layout) for scenario in scenarios]
+        return [_scenario_outcome(rank, world_size, scenario, layout) for scenario in scenarios]
+
+
+def _scenario_outcome(rank: int, world_size: int, scenario: ReduceScenario,
+                      layout: BucketLayout) -> dict[str, Any]:
+    """:func:`_reduce_scenario`, or what the candidate raised in it: a candidate that raises in
+    one scenario fails that scenario, not the whole check (every rank runs the same scenario,
+    so they raise alike; one left waiting in a collective ends the run at the deadline)."""
+    try:
+        return _reduce_scenario(rank, world_size, scenario, layout)
+    except Exception as exc:  # noqa: BLE001 - reported as the scenario's failure, with its type
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        return {"raised": f"{type(exc).__name__}: {exc} (raised at "
+                          f"{where.filename.split('site-packages/')[-1]}:{where.lineno} {where.name})"}
 
 
 def _reduce_scenario(rank: int, world_size: int, scenario: ReduceScenario,
@@ -316,6 +330,11 @@ def run_reduce_scenarios(
         label = f"dp={world_size}: {scenario.name}"
         if "skipped" in per_rank[0][s_index]:
             outcomes.append((label, True, "skipped: " + per_rank[0][s_index]["skipped"]))
+            continue
+        raised = [f"rank {r}: {per_rank[r][s_index]['raised']}" for r in range(world_size)
+                  if "raised" in per_rank[r][s_index]]
+        if raised:
+            outcomes.append((f"{label}: runs", False, "; ".join(raised)))
             continue
         for it in range(scenario.iterations):
             norm_total: float | None = 0.0

@@ -7,12 +7,14 @@ from typing import Any
 from refgrad.pipeline import (
     reference_training,
 )
-from verify.candidates.api import Candidate, Technique
+from verify.candidates.api import Behaviour, Candidate, Technique
 from verify.check import Check, CheckContext, CheckRecorder
 from verify.checks.pipeline.cases import build_phases
 from verify.checks.pipeline.report import (
+    bucket_count_expectation,
     collect,
     concat,
+    differing_steps,
     flatten_losses,
     flatten_named,
     has_timelines,
@@ -22,13 +24,37 @@ from verify.checks.pipeline.report import (
     timeline_rows,
     timing_report,
 )
-from verify.checks.pipeline.worker import pipeline_worker
+from verify.checks.pipeline.worker import Raised, pipeline_worker
 
 
 def _unsupported(case_name: str, ranks: list[dict]) -> str | None:
     """Why the candidate could not run the case (every rank says the same), or None."""
     reasons = {r[case_name] for r in ranks if isinstance(r.get(case_name), str)}
     return " / ".join(sorted(reasons)) if reasons else None
+
+
+def _raised(case_name: str, ranks: list[dict]) -> str | None:
+    """What the candidate raised in the case, per rank, or None."""
+    raised = [f"rank {k}: {r[case_name].detail}" for k, r in enumerate(ranks)
+              if isinstance(r.get(case_name), Raised)]
+    return "; ".join(raised) if raised else None
+
+
+def _step_errors(rec: CheckRecorder, tag: str, results: list) -> None:
+    """What a candidate reports beyond the numbers. A step it raised in and finished anyway
+    fails the case here (its other comparisons still run: what the failed step left is
+    compared too); where it observes when the deferred output layer was drained, a drain
+    into a bucket whose reduction was already in flight fails (the wgrads race the reduction)."""
+    errors = [f"stage {res.stage} DP rank {res.dp_rank}: {error}"
+              for res in results for error in res.errors]
+    if errors:
+        rec.expect(f"{tag}: every step runs", False, "; ".join(errors[:4]))
+    if any(seen is not None for res in results for seen in res.drained_in_flight):
+        late = [f"stage {res.stage} DP rank {res.dp_rank} step {step}" for res in results
+                for step, in_flight in enumerate(res.drained_in_flight) if in_flight]
+        rec.expect(f"{tag}: the deferred output-layer wgrads were drained before their bucket's "
+                   "reduction was launched", not late,
+                   f"drained into a bucket with its reduction in flight: {', '.join(late[:6])}")
 
 
 def run(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate) -> None:
@@ -45,8 +71,15 @@ def run(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate) -> None:
             if why is not None:
                 rec.skip(f"{case.name}: {why}")
                 continue
+            raised = _raised(case.name, ranks)
+            if raised is not None:
+                rec.expect(f"{case.name}: runs", False, raised)
+                continue
             if case.timing:
                 on, off = collect(case, ranks, True), collect(case, ranks, False)
+                for overlap, got in ((True, on), (False, off)):
+                    _step_errors(rec, f"{case.name}, overlap {'on' if overlap else 'off'}",
+                                 got["ranks"])
                 rec.compare(f"{case.name}: grads overlap on vs off",
                             flatten_named(off["grads"], sorted(off["grads"][0][0])),
                             flatten_named(on["grads"], sorted(on["grads"][0][0])))
@@ -58,6 +91,9 @@ def run(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate) -> None:
                 continue
             reduction = case.reduction
             if case.dp_size > 2 and not case.reduce_scatter_with_fp32_accumulation:
+                for overlap in (True, False):
+                    _step_errors(rec, f"{case.name}, overlap {'on' if overlap else 'off'}",
+                                 collect(case, ranks, overlap)["ranks"])
                 large_dp_report(rec, case, ranks)
                 table.append([case.name, case.pp_size, case.dp_size,
                               ",".join(str(p.num_microbatches) for p in case.plans),
@@ -74,13 +110,18 @@ def run(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate) -> None:
             for overlap in (True, False):
                 got = collect(case, ranks, overlap)
                 tag = f"{case.name}, overlap {'on' if overlap else 'off'}"
+                _step_errors(rec, tag, got["ranks"])
                 rec.compare(f"{tag}: losses vs refgrad", ref_losses, flatten_losses(got["losses"]))
-                rec.compare(f"{tag}: reduced grads vs refgrad", ref_grads,
-                            flatten_named(got["grads"], names))
+                if not rec.compare(f"{tag}: reduced grads vs refgrad", ref_grads,
+                                   flatten_named(got["grads"], names)):
+                    rec.finding(f"{tag}: {differing_steps(ref.grads, got)}")
                 rec.compare(f"{tag}: params after SGD vs refgrad", ref_params,
                             flatten_named(got["params"], names))
                 _launch_expectations(rec, tag, got["ranks"], overlap)
                 _relearn_expectation(rec, tag, case.pp_size, got["ranks"], candidate)
+                documented = candidate.documented(Behaviour.ONE_BUCKET_AFTER_FIRST_STAGE)
+                if documented is not None:  # where production's bucket rule departs from refgrad
+                    bucket_count_expectation(rec, tag, case, got["ranks"], overlap, documented)
                 if case.virtual_stages > 1:
                     interleaved_enable_report(rec, tag, case, got["ranks"], overlap)
             table.append([case.name, case.pp_size, case.dp_size,
@@ -113,8 +154,8 @@ def _relearn_expectation(rec: CheckRecorder, tag: str, pp_size: int, results: li
                          candidate: Candidate) -> None:
     """Only the last stage owns the frozen parameter: it relearns on freeze and unfreeze."""
     if any(res.relearn_count is None for res in results):
-        rec.skip(f"{tag}: {candidate.label} does not learn which params each bucket waits for "
-                 "(no relearn count to check)")
+        rec.skip(f"{tag}: {candidate.label} reports no count of relearning which params each "
+                 "bucket waits for")
         return
     relearns = sorted((res.stage, res.relearn_count) for res in results)
     expected = sorted((res.stage, 2 if res.stage == pp_size - 1 else 0) for res in results)

@@ -7,9 +7,12 @@ from typing import Any
 
 import torch
 
+from refgrad.layout import compute_layout as reference_layout
 from refgrad.pipeline import (
+    StageModule,
     reference_training,
 )
+from verify.candidates.api import DocumentedBehaviour
 from verify.candidates.api.pipeline import PipelineCase, RankResult
 from verify.candidates.api.timeline import summarize_step
 from verify.check import CheckRecorder
@@ -223,6 +226,9 @@ def interleaved_enable_report(rec: CheckRecorder, tag: str, case: PipelineCase,
     already reducing when chunk 0 starts its last backward (its sync hides behind it)."""
     V = case.virtual_stages
     logs = [log for res in results for log in res.chunk_enables]
+    if not logs:
+        rec.skip(f"{tag}: the candidate recorded no per-chunk grad-sync enables")
+        return
     order_ok = all([c for c, _ in log] == list(range(V - 1, -1, -1)) for log in logs)
     rec.expect(f"{tag}: chunks enabled their grad sync once each, last chunk first", order_ok,
                f"enable orders: {sorted({tuple(c for c, _ in log) for log in logs})}")
@@ -230,3 +236,69 @@ def interleaved_enable_report(rec: CheckRecorder, tag: str, case: PipelineCase,
     rec.expect(f"{tag}: chunk {V - 1} {'was' if overlap else 'was not'} reducing when chunk 0 "
                "started its last backward", in_flight == {overlap},
                f"chunk {V - 1} in flight at chunk 0's enable: {sorted(in_flight)}")
+
+
+def differing_steps(reference_grads: list[dict[str, torch.Tensor]], got: dict[str, Any]) -> str:
+    """Which steps' reduced grads differ from refgrad, and in which params (for the report
+    of a failed comparison: a step that raised, or one wrong param, shows here)."""
+    from verify.metrics import compare
+
+    parts = []
+    for step, reference in enumerate(reference_grads):
+        names = sorted(n for n, value in reference.items()
+                       if any(not compare(value, replica[n]).bitwise_equal
+                              for replica in got["grads"][step]))
+        if names:
+            parts.append(f"step {step}: {', '.join(names)}")
+    return "reduced grads differ from refgrad at " + ("; ".join(parts) or "no step")
+
+
+def chunk_param_numels(case: PipelineCase, stage: int, chunk: int) -> tuple[list[int], list[int]]:
+    """One model chunk's param sizes in registration order (refgrad's stage module, then the
+    output head) and the registration indices of the tied embedding's copy (TP 1)."""
+    spec = case.spec
+    virtual = chunk * case.pp_size + stage
+    numels = [p.numel() for p in StageModule(spec, virtual).parameters()]
+    shared = [0] if spec.tied_embedding and virtual == 0 else []  # layers.0.weight comes first
+    if spec.output_head and virtual == spec.num_stages - 1:
+        numels.append(spec.hidden * spec.hidden)
+        if spec.tied_embedding:
+            shared.append(len(numels) - 1)
+    return numels, shared
+
+
+def _bucket_count(case: PipelineCase, stage: int, overlap: bool, one_after_first: bool) -> int:
+    """Buckets refgrad's layout gives one pipeline rank (all its chunks): each chunk at the
+    case's bucket size (with ``one_after_first``: only pipeline rank 0's first chunk; every
+    other chunk one bucket), without overlap one bucket (DDP's rule)."""
+    count = 0
+    for chunk in range(case.virtual_stages):
+        numels, shared = chunk_param_numels(case, stage, chunk)
+        bucket_size = case.bucket_size_for(stage, chunk) if overlap else None
+        if one_after_first and (stage, chunk) != (0, 0):
+            bucket_size = None
+        count += len(reference_layout(numels, dp_size=case.dp_size, bucket_size=bucket_size,
+                                      use_distributed_optimizer=case.use_distributed_optimizer,
+                                      pad_buckets_for_high_nccl_busbw=False,
+                                      shared_embedding=shared).bucket_indices)
+    return count
+
+
+def bucket_count_expectation(rec: CheckRecorder, tag: str, case: PipelineCase,
+                             results: list[RankResult], overlap: bool,
+                             documented: DocumentedBehaviour) -> None:
+    """Each rank's bucket count (one launch site per bucket) against refgrad's layout of its
+    chunks, for a candidate that documents one bucket on every stage and chunk after the
+    first: held to that model, the departure from the case's bucket size recorded."""
+    if case.tp_size > 1 or any(not res.launch_sites for res in results):
+        rec.skip(f"{tag}: no bucket count to hold to refgrad's layout (TP > 1, or no launch sites)")
+        return
+    rows = [(res.stage, res.dp_rank, len(res.launch_sites[0]),
+             _bucket_count(case, res.stage, overlap, False),
+             _bucket_count(case, res.stage, overlap, True)) for res in results]
+    rec.expect_documented(
+        f"{tag}: buckets per rank vs refgrad's layout", all(r[2] == r[3] for r in rows),
+        documented=documented, documented_holds=all(r[2] == r[4] for r in rows),
+        detail="(stage, DP rank): buckets, refgrad at the case's bucket size, one bucket after "
+               "the first stage: " + ", ".join(f"({s}, {d}): {n}, {spec}, {model}"
+                                               for s, d, n, spec, model in sorted(rows)))

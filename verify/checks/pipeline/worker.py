@@ -5,7 +5,9 @@ off."""
 
 from __future__ import annotations
 
+import traceback
 from contextlib import ExitStack
+from dataclasses import dataclass
 
 import torch.distributed as dist
 
@@ -17,8 +19,17 @@ from verify.candidates.api.pipeline import (
     StepProgress,
 )
 
-CaseOutcome = dict[bool, RankResult] | str
-"""One case on one rank: its results by overlap setting, or why the candidate cannot run it."""
+
+@dataclass(frozen=True)
+class Raised:
+    """What the candidate raised in a case on this rank (the case fails; the others run)."""
+
+    detail: str
+
+
+CaseOutcome = dict[bool, RankResult] | str | Raised
+"""One case on one rank: its results by overlap setting, why the candidate cannot run it, or
+what it raised."""
 
 
 def pipeline_worker(rank: int, world_size: int, candidate: Candidate,
@@ -58,5 +69,12 @@ def _run_phases(training: PipelineTraining, phases: list[list[PipelineCase]],
                                       for overlap in (True, False)}
                 except Unsupported as unsupported:
                     out[case.name] = str(unsupported)
+                except Exception as exc:  # noqa: BLE001 - the case's failure, with its type
+                    # Every rank of a grid runs the same case, so a candidate that raises does
+                    # so on every rank alike; one left waiting ends the run at the deadline.
+                    where = traceback.extract_tb(exc.__traceback__)[-1]
+                    out[case.name] = Raised(
+                        f"{type(exc).__name__}: {exc} (raised at "
+                        f"{where.filename.split('site-packages/')[-1]}:{where.lineno} {where.name})")
             dist.barrier()
     return out

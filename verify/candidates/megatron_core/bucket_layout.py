@@ -1,0 +1,300 @@
+"""Megatron-Core's bucket layout and grad buffers behind :mod:`verify.candidates.api.layout`.
+
+* :meth:`MegatronLayout.layouts`: Megatron's ``param_and_grad_buffer._ParamAndGradBuffer``
+  built for each case (``layout.build_megatron_buffer``: the DP group is torch's
+  ``FakeProcessGroup`` of the case's size, so DP 1000 needs no 1000 processes) and read back
+  (``param_index_map``, ``bucket_indices``, each bucket's ``numel_unpadded``). The buffer
+  lays itself out in Python and then allocates its padded storage; for these inspections
+  the storage is allocated on the ``meta`` device (:class:`MetaAllocation`), so a layout of
+  tens of millions of padded elements costs no memory. The layout is computed before the
+  allocation and does not depend on it.
+* :meth:`MegatronLayout.build_buffer`: Megatron's ``DistributedDataParallel`` over the given
+  parameters (one ``_ParamAndGradBuffer`` per (param dtype, grad dtype), its bucket groups
+  from ``partition_buckets``), with its groups given as a ``ProcessGroupCollection`` (the DP
+  group, or a ``FakeProcessGroup`` of ``dp_size`` for inspection; size-1 fake TP, PP and EP
+  groups). ``average`` is decided the way Megatron decides it
+  (``DistributedDataParallel.__init__``): ``average_in_collective`` gives ``ReduceOp.AVG``,
+  otherwise a ``gradient_scaling_factor`` of ``1/dp`` before a SUM; a plain SUM
+  (``average=False``) is Megatron's per-token-loss mode (``calculate_per_token_loss``:
+  factor 1.0).
+
+A bucket's sync is its bucket group's (``_ParamAndGradBucketGroup.start_grad_sync`` /
+``finish_grad_sync``; without fp8 params every bucket is a group of its own). With
+``overlap_grad_reduce`` the reduction is in flight while the group's ``grad_reduce_handle``
+is set. Without it Megatron reduces synchronously inside ``finish_grad_sync`` (its
+``start_grad_sync`` is then a blocking call that ``finish_grad_sync`` repeats), so
+:meth:`MegatronBucket.start_grad_sync` only marks the bucket pending and
+``finish_grad_sync`` runs Megatron's.
+
+The buffer's norm, padding and non-sharded checkpoint helpers do not exist in Megatron-Core
+(its ``DistributedOptimizer`` computes the norm with ``clip_grads.get_grad_norm_fp32`` and
+checkpoints parameters and optimizer state, never grads): they raise
+:class:`~verify.candidates.api.Unsupported`. The pieces a DP rank owns come from the
+distributed optimizer's own map (``DistributedOptimizer._build_model_gbuf_range``), for the
+rank's own DP rank (Megatron maps no other rank's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+from refgrad.layout import Layout
+from verify.candidates.api import Technique, Unsupported
+from verify.candidates.api.layout import (
+    BucketLayout,
+    BufferConfig,
+    GradBucket,
+    GradBuffer,
+    GradBufferGroup,
+    GradPiece,
+    LayoutCase,
+)
+from verify.candidates.megatron_core.layout import LayoutCase as DriverLayoutCase
+from verify.candidates.megatron_core.layout import build_megatron_buffer, read_buffer
+from verify.candidates.megatron_core.scope import MegatronScope
+from verify.candidates.megatron_core.version import installed
+
+CANDIDATE = "megatron-core"
+
+
+def unsupported(reason: str) -> Unsupported:
+    """:class:`Unsupported` for the layout technique, naming this candidate."""
+    return Unsupported(Technique.LAYOUT, f"{CANDIDATE} {reason}")
+
+
+class MetaAllocation(TorchFunctionMode):
+    """Inside the block, every torch function given a ``device`` allocates on ``meta``: no
+    memory, only shapes (Megatron's buffer allocates with ``device=current_device()``)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs:
+            kwargs["device"] = "meta"
+        return func(*args, **kwargs)
+
+
+def fake_group(rank: int, size: int) -> Any:
+    """torch's ``FakeProcessGroup``: a size and a rank, no communication."""
+    from torch._C._distributed_c10d import FakeProcessGroup
+
+    return FakeProcessGroup._create_internal(rank, size)
+
+
+def as_layout(record: dict) -> Layout:
+    """``read_buffer``'s dict as refgrad's record."""
+    return Layout(
+        param_index_map=tuple(tuple(t) for t in record["param_index_map"]),
+        bucket_indices=tuple(tuple(b) for b in record["bucket_indices"]),
+        per_bucket_numel_unpadded=tuple(record["per_bucket_numel_unpadded"]),
+        numel=record["numel"], numel_unpadded=record["numel_unpadded"],
+        dp_size=record["dp_size"])
+
+
+class MegatronBucket(GradBucket):
+    """One ``_ParamAndGradBucket`` and its bucket group (which holds only it)."""
+
+    def __init__(self, bucket: Any, group: Any, dp_size: int, overlap: bool) -> None:
+        if len(group.buckets) != 1:
+            raise ValueError("a Megatron bucket group of several buckets (fp8 params) has no "
+                             "per-bucket sync")
+        self.bucket, self.group, self.dp_size, self.overlap = bucket, group, dp_size, overlap
+        self._pending = False
+
+    @property
+    def start(self) -> int:
+        return self.bucket.offset
+
+    @property
+    def end(self) -> int:
+        return self.bucket.offset + self.bucket.grad_data.numel()
+
+    def grad_shard(self, rank: int) -> torch.Tensor:
+        from megatron.core.distributed.param_and_grad_buffer import shard_buffer
+
+        return shard_buffer(self.bucket.grad_data, self.dp_size)[rank]
+
+    def start_grad_sync(self) -> None:
+        if self.overlap:
+            self.group.start_grad_sync()
+        else:  # Megatron reduces in finish_grad_sync (see the module docstring)
+            self._pending = True
+
+    def finish_grad_sync(self) -> None:
+        self._pending = False
+        self.group.finish_grad_sync()
+
+    @property
+    def reduce_in_flight(self) -> bool:
+        if self.overlap:
+            return self.group.grad_reduce_handle is not None
+        return self._pending
+
+
+class MegatronBufferGroup(GradBufferGroup):
+    """One ``_ParamAndGradBuffer`` and its buckets."""
+
+    def __init__(self, buffer: Any, buckets: Sequence[GradBucket]) -> None:
+        self.buffer, self._buckets = buffer, list(buckets)
+
+    @property
+    def buckets(self) -> Sequence[GradBucket]:
+        return self._buckets
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return self.buffer.param_dtype
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        return self.buffer.grad_dtype
+
+    @property
+    def params(self) -> Sequence[torch.nn.Parameter]:
+        return self.buffer.params
+
+    @property
+    def grad_data(self) -> torch.Tensor:
+        return self.buffer.grad_data
+
+    @property
+    def param_data(self) -> torch.Tensor | None:
+        return self.buffer.param_data
+
+    def layout(self) -> Layout:
+        return as_layout(read_buffer(self.buffer, self.buffer.params))
+
+
+class MegatronGradBuffer(GradBuffer):
+    """Megatron's ``DistributedDataParallel``'s buffers over the check's parameters."""
+
+    def __init__(self, ddp: Any, params: Sequence[torch.nn.Parameter], dp_size: int,
+                 overlap: bool) -> None:
+        self.ddp, self.index = ddp, {p: i for i, p in enumerate(params)}
+        self.dp_size = dp_size
+        group_of = {bucket: group for group in ddp.bucket_groups for bucket in group.buckets}
+        self._groups = [
+            MegatronBufferGroup(buffer, [MegatronBucket(b, group_of[b], dp_size, overlap)
+                                         for b in buffer.buckets])
+            for buffer in ddp.buffers]
+
+    @property
+    def groups(self) -> Sequence[GradBufferGroup]:
+        return self._groups
+
+    @property
+    def buckets(self) -> Sequence[GradBucket]:
+        return [bucket for group in self._groups for bucket in group.buckets]
+
+    def zero_grad(self) -> None:
+        self.ddp.zero_grad_buffer()
+
+    def padding_is_zero(self) -> bool:
+        raise unsupported("has no padding test on its grad buffer")
+
+    def grad_norm_sq(self) -> torch.Tensor:
+        raise unsupported("computes the grad norm in its optimizer "
+                          "(megatron.core.optimizer.clip_grads.get_grad_norm_fp32), not its buffer")
+
+    def local_shard_grad_norm_sq(self, rank: int) -> torch.Tensor:
+        raise unsupported("computes the grad norm in its optimizer "
+                          "(megatron.core.optimizer.clip_grads.get_grad_norm_fp32), not its buffer")
+
+    def checkpoint_grads(self) -> dict[int, torch.Tensor]:
+        raise unsupported("saves no grads in its checkpoints")
+
+    def shard_checkpoint_grads(self, rank: int) -> dict[int, list[GradPiece]]:
+        """The param pieces DP rank ``rank`` owns, from the distributed optimizer's map."""
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        pieces: dict[int, list[GradPiece]] = {}
+        for group in self._groups:
+            buffer = group.buffer
+            if buffer.data_parallel_group.rank() != rank:
+                raise unsupported("maps only its own DP rank's pieces "
+                                  "(DistributedOptimizer._build_model_gbuf_range)")
+            for bucket_id in range(len(buffer.buckets)):
+                ranges = DistributedOptimizer._build_model_gbuf_range(buffer, bucket_id)
+                for param, r in ranges["param_map"].items():
+                    lo, hi = r["param"].start, r["param"].end
+                    pieces.setdefault(self.index[param], []).append(
+                        GradPiece((lo, hi), param.main_grad.detach().view(-1)[lo:hi].clone()))
+        return pieces
+
+
+class _ParamHolder(torch.nn.Module):
+    """The check's parameters as a module, in registration order (what DDP wraps)."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter]) -> None:
+        super().__init__()
+        self.weights = torch.nn.ParameterList(params)
+
+
+@dataclass(frozen=True)
+class MegatronLayout(MegatronScope, BucketLayout):
+    """Megatron-Core's ``_ParamAndGradBuffer`` and ``DistributedDataParallel`` (a test's
+    broken variant overrides :meth:`ddp_class`)."""
+
+    needs_default_group = True  # the buffer's logging asserts an initialised default group
+
+    def ddp_class(self) -> type:
+        """The DDP class :meth:`build_buffer` wraps the parameters in."""
+        from megatron.core.distributed import DistributedDataParallel
+
+        return DistributedDataParallel
+
+    def layouts(self, cases: Sequence[LayoutCase]) -> list[Layout]:
+        found = installed()
+        if any(c.pad_buckets_for_high_nccl_busbw for c in cases):
+            reason = found.skip_reason("pad_buckets_for_high_nccl_busbw")
+            if reason is not None:
+                raise unsupported(reason)
+        out = []
+        for case in cases:
+            params = []
+            for i, n in enumerate(case.numels):
+                p = torch.nn.Parameter(torch.zeros(n, dtype=torch.bfloat16, device="meta"))
+                if i in case.shared_embedding:
+                    p.shared_embedding = True  # what GPTModel sets on its tied word embeddings
+                params.append(p)
+            driver_case = DriverLayoutCase(
+                case.numels, case.dp_size, case.bucket_size, case.use_distributed_optimizer,
+                case.pad_buckets_for_high_nccl_busbw, case.shared_embedding)
+            with MetaAllocation():
+                buffer = build_megatron_buffer(driver_case, params, dp_rank=0)
+            out.append(as_layout(read_buffer(buffer, params)))
+        return out
+
+    def build_buffer(self, params: Sequence[torch.nn.Parameter], config: BufferConfig, *,
+                     dp_size: int, dp_group: dist.ProcessGroup | None = None,
+                     average: bool = False) -> GradBuffer:
+        from megatron.core.distributed import DistributedDataParallelConfig
+        from megatron.core.process_groups_config import ProcessGroupCollection
+        from megatron.core.transformer import TransformerConfig
+
+        if dp_group is not None and dist.get_world_size(dp_group) != dp_size:
+            raise ValueError(f"dp_size={dp_size} but dp_group has {dist.get_world_size(dp_group)} ranks")
+        if config.average_in_collective and not average:
+            raise ValueError("BufferConfig.average_in_collective needs average=True "
+                             "(Megatron-Core averages in the collective or not at all)")
+        found = installed()
+        for name in ("reduce_scatter_with_fp32_accumulation", "average_in_collective",
+                     "pad_buckets_for_high_nccl_busbw"):
+            if getattr(config, name) and not found.has(name):
+                raise unsupported(found.features[name].reason)
+        groups = ProcessGroupCollection()
+        groups.dp = dp_group if dp_group is not None else fake_group(0, dp_size)
+        groups.dp_cp = groups.dp
+        groups.tp, groups.pp, groups.ep, groups.expt_dp = (fake_group(0, 1) for _ in range(4))
+        # The per-token-loss mode is Megatron's only plain SUM over DP (factor 1.0).
+        transformer = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1,
+                                        use_cpu_initialization=True,
+                                        calculate_per_token_loss=not average)
+        ddp = self.ddp_class()(transformer, DistributedDataParallelConfig(**config.to_dict()),
+                               _ParamHolder(params), pg_collection=groups)
+        return MegatronGradBuffer(ddp, params, dp_size, config.overlap_grad_reduce)

@@ -1,0 +1,402 @@
+"""Megatron-Core's DDP grad sync under its 1F1B schedules behind
+:class:`~verify.candidates.api.pipeline.PipelineTraining`.
+
+Each rank builds its model chunks of the case's ``refgrad.pipeline`` model (global stage
+``chunk * P + stage``, Megatron's interleaving), the last stage's output head as Megatron's
+``ColumnParallelLinear`` with ``defer_embedding_wgrad_compute``, wraps each chunk in
+``DistributedDataParallel`` (``disable_bucketing`` for chunks after the first, as
+Megatron-LM's ``get_model``) and trains with ``get_forward_backward_func(P, V)``
+(``forward_backward_pipelining_without_interleaving`` / ``_with_interleaving``), wired as
+Megatron-LM's ``megatron/training/training.py`` wires it: ``config.no_sync_func`` and (with
+``align_grad_reduce``, its default) ``config.grad_sync_func`` from the chunks when
+``overlap_grad_reduce``, ``config.finalize_model_grads_func = finalize_model_grads``; with
+VPP ``overlap_p2p_comm`` and so ``batch_p2p_comm=False`` (Megatron-LM's defaults). The SGD
+step is refgrad's (``sgd_update``): the check verifies the gradients, not an optimizer.
+
+Megatron's process groups: :meth:`MegatronPipeline.grid` builds the grid's groups
+(``ParallelDims.build``) and hands them to Megatron as a ``ProcessGroupCollection`` (DDP,
+``P2PCommunicator``, the schedules and ``finalize_model_grads`` take one in 0.16), so
+several grids side by side in one world run as they do for any candidate; size-1 TP, CP and
+EP groups are torch's ``FakeProcessGroup``. Megatron's global ``parallel_state`` is not used.
+
+The check's reductions map onto Megatron's: ``"prescale"`` is its default (a
+``gradient_scaling_factor`` of ``1/dp``, then SUM), ``"avg"`` is ``average_in_collective``
+(``ReduceOp.AVG``), and ``"sum"`` is its per-token-loss mode (``calculate_per_token_loss``:
+factor 1.0, SUM; the check's loss is already normalised per microbatch, so the loss
+function reports 0 tokens and ``finalize_model_grads`` does not divide by a token count).
+Without per-token loss Megatron divides each microbatch's loss by the microbatch count
+itself (``forward_step_calc_loss``), so the loss function returns refgrad's
+``stage_loss(..., 1)``: the same operations, the same bits.
+
+What each rank reports (:class:`~verify.candidates.api.pipeline.RankResult`): losses,
+every parameter's reduced ``main_grad`` (with the distributed optimizer the other DP ranks'
+shards all-gathered, for the comparison only), the params after the step, and where each
+bucket group's reduction was launched, read from Megatron's own state
+(``grad_reduce_handle``) at the two hooks the schedule calls: ``grad_sync_func`` (set
+before: ``hook``, set by it: ``dispatch``) and ``finalize_model_grads_func`` (set before:
+``hook``, else ``finish``). Megatron has no timeline, no per-chunk enable log and no
+relearn count: those stay empty / None and the check skips what needs them.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from refgrad.pipeline import HEAD_PARAM, StageModule, head_weight_init, sgd_update, stage_param_name
+from refgrad.pipeline_tp import stage_loss
+from verify.candidates.api import Technique, Unsupported
+from verify.candidates.api.pipeline import (
+    ParallelDims,
+    PipelineCase,
+    PipelineTraining,
+    RankResult,
+    StepProgress,
+    rank_microbatches,
+    updated_once,
+)
+from verify.candidates.megatron_core.bucket_layout import fake_group
+from verify.candidates.megatron_core.scope import MegatronScope
+from verify.candidates.megatron_core.version import installed
+
+CANDIDATE = "megatron-core"
+
+
+def unsupported(reason: str) -> Unsupported:
+    """:class:`Unsupported` for the pipeline technique, naming this candidate."""
+    return Unsupported(Technique.PIPELINE, f"{CANDIDATE} {reason}")
+
+
+class DrainObserver(list):
+    """The output layer's activation buffer (the model's own list, given to Megatron's
+    ``ColumnParallelLinear``): at the drain's first ``pop`` it notes whether the weight's bucket
+    group had its reduction in flight (``grad_reduce_handle`` set): the drain then races it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bucket_group: Any = None
+        self.in_flight_at_drain: bool | None = None
+
+    def pop(self, index: Any = -1) -> Any:
+        if self.bucket_group is not None and self.in_flight_at_drain is None:
+            self.in_flight_at_drain = self.bucket_group.grad_reduce_handle is not None
+        return super().pop(index)
+
+
+class StageChunk(torch.nn.Module):
+    """One global stage of refgrad's stack as a Megatron model chunk: ``set_input_tensor``,
+    ``pre_process`` / ``post_process``, and on the last stage the output head (Megatron's
+    ``ColumnParallelLinear`` with deferred wgrad), tied to the first layer when the spec
+    ties them (``shared_embedding_or_output_weight``)."""
+
+    def __init__(self, case: PipelineCase, config: Any, stage: int, vp_stage: int | None) -> None:
+        from megatron.core.enums import ModelType
+        from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+        super().__init__()
+        spec = case.spec
+        self.stage, self.vp_stage = stage, vp_stage
+        self.model_type = ModelType.encoder_or_decoder
+        self.pre_process, self.post_process = stage == 0, stage == spec.num_stages - 1
+        self.share_embeddings_and_output_weights = spec.tied_embedding
+        self.body = StageModule(spec, stage)
+        self.input_tensor: torch.Tensor | None = None
+        self.embedding_activation_buffer = DrainObserver()
+        self.grad_output_buffer: list = []
+        self.output_layer = None
+        if self.post_process and spec.output_head:
+            self.output_layer = ColumnParallelLinear(
+                spec.hidden, spec.hidden, config=config, init_method=torch.nn.init.zeros_,
+                bias=False, gather_output=False, tp_group=fake_group(0, 1),
+                embedding_activation_buffer=self.embedding_activation_buffer,
+                grad_output_buffer=self.grad_output_buffer)
+            with torch.no_grad():
+                self.output_layer.weight.copy_(head_weight_init(spec))
+        if spec.tied_embedding and (self.pre_process or self.output_layer is not None):
+            # What Megatron's LanguageModule sets on the two copies: their own bucket.
+            self.shared_embedding_or_output_weight().shared_embedding = True
+
+    def shared_embedding_or_output_weight(self) -> torch.nn.Parameter:
+        if self.pre_process:
+            return self.body.layers[0].weight
+        return self.output_layer.weight
+
+    def set_input_tensor(self, input_tensor: Any) -> None:
+        self.input_tensor = input_tensor[0] if isinstance(input_tensor, list) else input_tensor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x if self.pre_process else self.input_tensor
+        rows, batch, hidden = h.shape
+        out = self.body(h.reshape(rows * batch, hidden)).view(rows, batch, hidden)
+        if self.output_layer is not None:
+            out, _ = self.output_layer(out)
+        return out
+
+    def named_for_refgrad(self) -> dict[str, torch.nn.Parameter]:
+        named = {stage_param_name(self.stage, n): p for n, p in self.body.named_parameters()}
+        if self.output_layer is not None:
+            named[stage_param_name(self.stage, HEAD_PARAM)] = self.output_layer.weight
+        return named
+
+
+class LaunchSites:
+    """Where each bucket group's reduction was launched in the current step, read from
+    ``grad_reduce_handle`` at the schedule's ``grad_sync_func`` and ``finalize_model_grads_func``."""
+
+    def __init__(self, ddps: Sequence[Any]) -> None:
+        self.groups = [group for ddp in ddps for group in ddp.bucket_groups]
+        self.sites: dict[int, str] = {}
+
+    def _note(self, site_if_launched: str, site_otherwise: str | None = None) -> None:
+        for k, group in enumerate(self.groups):
+            if k in self.sites:
+                continue
+            if group.grad_reduce_handle is not None:
+                self.sites[k] = site_if_launched
+            elif site_otherwise is not None:
+                self.sites[k] = site_otherwise
+
+    def grad_sync_func(self, ddp: Any) -> Callable[..., None]:
+        """``ddp.start_grad_sync`` as Megatron-LM sets it, noting what it launched."""
+        def grad_sync(*args: Any) -> None:
+            self._note("hook")  # launched during the backward by the DDP's hooks
+            ddp.start_grad_sync(*args)
+            self._note("dispatch")
+        return grad_sync
+
+    def finalize_model_grads_func(self, model: list, num_tokens: Any = None, *,
+                                  pg_collection: Any = None, force_all_reduce: bool = False) -> None:
+        """Megatron's ``finalize_model_grads``; what is not launched yet is launched in it."""
+        from megatron.core.distributed import finalize_model_grads
+
+        self._note("hook", "finish")
+        finalize_model_grads(model, num_tokens, pg_collection=pg_collection,
+                             force_all_reduce=force_all_reduce)
+
+    def step_sites(self) -> tuple[str, ...]:
+        sites = tuple(self.sites.get(k, "never") for k in range(len(self.groups)))
+        self.sites = {}
+        return sites
+
+
+@dataclass(frozen=True)
+class MegatronPipeline(MegatronScope, PipelineTraining):
+    """Megatron-Core's DDP and 1F1B schedules (a test's broken variant overrides
+    :meth:`ddp_class`)."""
+
+    def ddp_class(self) -> type:
+        """The DDP class each model chunk is wrapped in."""
+        from megatron.core.distributed import DistributedDataParallel
+
+        return DistributedDataParallel
+
+    @contextmanager
+    def grid(self, dims: ParallelDims) -> Iterator[ParallelDims | None]:
+        """The grid's groups (collective over the world; nothing to tear down: torch keeps
+        them, and Megatron is given them per object, never through ``parallel_state``)."""
+        if dims.tp_size > 1:
+            raise unsupported("runs the pipeline check's TP 1 grids here; the TP > 1 model "
+                              "(vocab-parallel head, replicated blocks) is not wired to Megatron")
+        if dims.pp_size < 2:
+            raise unsupported("is wired for its pipelined schedules (PP >= 2) only")
+        yield dims.build()
+
+    def train(self, case: PipelineCase, grid: ParallelDims, *, overlap: bool,
+              progress: StepProgress | None = None) -> RankResult:
+        del progress  # Megatron's schedules report no events to a listener
+        _require_features(case)
+        config = _transformer_config(case)
+        groups = _process_groups(grid)
+        chunks, ddps = self._build(case, config, grid, groups, overlap)
+        sites = LaunchSites(ddps)
+        _wire(config, ddps, sites, overlap)
+        return _train_steps(case, grid, config, groups, chunks, ddps, sites)
+
+    def _build(self, case: PipelineCase, config: Any, grid: ParallelDims, groups: Any,
+               overlap: bool) -> tuple[list[StageChunk], list[Any]]:
+        from megatron.core.distributed import DistributedDataParallelConfig
+
+        chunks, ddps = [], []
+        for v in range(case.virtual_stages):
+            vp_stage = v if case.virtual_stages > 1 else None
+            chunk = StageChunk(case, config, v * case.pp_size + grid.stage, vp_stage)
+            ddp_config = DistributedDataParallelConfig(
+                use_distributed_optimizer=case.use_distributed_optimizer,
+                overlap_grad_reduce=overlap, bucket_size=case.bucket_size,
+                reduce_scatter_with_fp32_accumulation=case.reduce_scatter_with_fp32_accumulation,
+                average_in_collective=case.reduction == "avg")
+            ddp = self.ddp_class()(config, ddp_config, chunk, disable_bucketing=v > 0,
+                                   pg_collection=groups)
+            if chunk.output_layer is not None and case.dp_size > 1:  # DP 1: nothing to race
+                chunk.embedding_activation_buffer.bucket_group = ddp.param_to_bucket_group[
+                    chunk.output_layer.weight]
+            ddps.append(ddp)
+            chunks.append(chunk)
+        return chunks, ddps
+
+
+def _require_features(case: PipelineCase) -> None:
+    """Unsupported (on every rank alike: decided from the case) where this version lacks it."""
+    found = installed()
+    needed = ["schedule_1f1b" if case.virtual_stages == 1 else "schedule_interleaved"]
+    if case.reduce_scatter_with_fp32_accumulation:
+        needed.append("reduce_scatter_with_fp32_accumulation")
+    if case.reduction == "avg":
+        needed.append("average_in_collective")
+    if case.spec.output_head:
+        needed += ["defer_embedding_wgrad_compute", "fused_wgrad_gemm"]
+    reason = found.skip_reason(*needed)
+    if reason is not None:
+        raise unsupported(reason)
+
+
+def _transformer_config(case: PipelineCase) -> Any:
+    from megatron.core.transformer import TransformerConfig
+
+    spec = case.spec
+    interleaved = case.virtual_stages > 1
+    return TransformerConfig(
+        num_layers=spec.num_stages, hidden_size=spec.hidden, num_attention_heads=1,
+        use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        pipeline_model_parallel_size=case.pp_size,
+        virtual_pipeline_model_parallel_size=case.virtual_stages if interleaved else None,
+        gradient_accumulation_fusion=spec.output_head,
+        defer_embedding_wgrad_compute=spec.output_head and spec.defer_output_wgrad,
+        wgrad_deferral_limit=spec.wgrad_deferral_limit,
+        calculate_per_token_loss=case.reduction == "sum",
+        # Megatron-LM: overlap_p2p_comm with VPP, and batch_p2p_comm = not overlap_p2p_comm.
+        overlap_p2p_comm=interleaved, batch_p2p_comm=not interleaved)
+
+
+def _process_groups(grid: ParallelDims) -> Any:
+    """The grid's groups as Megatron's ``ProcessGroupCollection`` (size-1 ones fake)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    groups = ProcessGroupCollection()
+    groups.dp = grid.dp_group  # ParallelDims.build makes one on every rank of the grid
+    groups.dp_cp = groups.dp
+    groups.pp = grid.pp_group
+    groups.tp, groups.cp, groups.ep, groups.expt_dp = (fake_group(0, 1) for _ in range(4))
+    # A middle stage holds no embedding group (torch's NON_GROUP_MEMBER marker): None, which
+    # Megatron reads as size 1 and skips.
+    embedding = grid.embedding_group
+    groups.embd = embedding if isinstance(embedding, dist.ProcessGroup) else None
+    groups.pos_embd = None
+    return groups
+
+
+def _wire(config: Any, ddps: Sequence[Any], sites: LaunchSites, overlap: bool) -> None:
+    """Megatron-LM training.py's ``train()`` setup of the schedule's hooks (launches noted)."""
+    if overlap:
+        config.no_sync_func = [ddp.no_sync for ddp in ddps]
+        config.grad_sync_func = [sites.grad_sync_func(ddp) for ddp in ddps]
+        if len(ddps) == 1:
+            config.no_sync_func, config.grad_sync_func = config.no_sync_func[0], config.grad_sync_func[0]
+    config.finalize_model_grads_func = sites.finalize_model_grads_func
+
+
+def _forward_step(case: PipelineCase, num_microbatches: int) -> Callable[..., Any]:
+    """Megatron's ``forward_step_func``: the chunk's output and refgrad's loss of it."""
+    spec = case.spec
+    per_token = case.reduction == "sum"
+
+    def forward_step(data_iterator: Iterator, model: Any) -> tuple[torch.Tensor, Callable]:
+        x, target = next(data_iterator)
+        output = model(x)
+
+        def loss_func(output_tensor: torch.Tensor) -> tuple:
+            out = output_tensor.view(target.shape)
+            reported = stage_loss(spec, out.detach(), target, num_microbatches)
+            if per_token:  # no division by Megatron: the loss as refgrad has it, 0 tokens
+                return (stage_loss(spec, out, target, num_microbatches),
+                        torch.zeros((), dtype=torch.int), reported)
+            return stage_loss(spec, out, target, 1), reported  # Megatron divides by M
+
+        return output, loss_func
+
+    return forward_step
+
+
+def _gather_reduced_grads(ddps: Sequence[Any], case: PipelineCase, dp_group: Any) -> None:
+    """With the distributed optimizer each rank holds only its shard reduced: gather the
+    others into every bucket (for the comparison)."""
+    from megatron.core.distributed.param_and_grad_buffer import shard_buffer
+
+    if not case.use_distributed_optimizer or case.dp_size == 1:
+        return
+    for ddp in ddps:
+        for buffer in ddp.buffers:
+            for bucket in buffer.buckets:
+                own = shard_buffer(bucket.grad_data, case.dp_size)[dist.get_rank(dp_group)]
+                dist.all_gather_into_tensor(bucket.grad_data, own.clone(), group=dp_group)
+
+
+def _finish_after_failed_drain(exc: Exception, config: Any, ddps: Sequence[Any], groups: Any,
+                               interleaved: bool) -> str:
+    """What the drain raised (re-raising anything else), after finishing the step as the
+    schedule would have: its next call after ``finish_embedding_wgrad_compute`` is
+    ``finalize_model_grads_func``, whose collectives (the DP reduction, the embedding
+    all-reduce, the token count in per-token-loss mode) the other stages are waiting in."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not any(f.name == "finish_embedding_wgrad_compute" for f in frames):
+        raise exc
+    num_tokens = torch.zeros((), dtype=torch.int) if config.calculate_per_token_loss else None
+    config.finalize_model_grads_func(list(ddps) if interleaved else [ddps[0]], num_tokens,
+                                     pg_collection=groups)
+    where = frames[-1]
+    return (f"{type(exc).__name__}: {exc} (raised at "
+            f"{where.filename.split('site-packages/')[-1]}:{where.lineno} {where.name})")
+
+
+def _train_steps(case: PipelineCase, grid: ParallelDims, config: Any, groups: Any,
+                 chunks: list[StageChunk], ddps: list[Any], sites: LaunchSites) -> RankResult:
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    spec = case.spec
+    interleaved = case.virtual_stages > 1
+    forward_backward = get_forward_backward_func(case.pp_size,
+                                                 case.virtual_stages if interleaved else None)
+    named = {n: p for chunk in chunks for n, p in chunk.named_for_refgrad().items()}
+    result = RankResult(stage=grid.stage, dp_rank=grid.dp_rank, tp_rank=0, relearn_count=None)
+    for step, plan in enumerate(case.plans):
+        for name, p in named.items():
+            p.requires_grad_(name not in plan.frozen)
+        for ddp in ddps:
+            ddp.zero_grad_buffer()
+        m = plan.num_microbatches
+        inputs, targets, _ = rank_microbatches(case, grid, step, m)
+        data = [(x.view(spec.microbatch_size, 1, spec.hidden), t) for x, t in zip(inputs, targets)]
+        iterators = [iter(data) for _ in ddps]
+        for chunk in chunks:
+            chunk.embedding_activation_buffer.in_flight_at_drain = None
+        try:
+            store = [float(loss) for loss in forward_backward(
+                forward_step_func=_forward_step(case, m),
+                data_iterator=iterators if interleaved else iterators[0],
+                model=ddps if interleaved else ddps[0], num_microbatches=m,
+                seq_length=spec.microbatch_size, micro_batch_size=1, forward_only=False,
+                p2p_communicator=P2PCommunicator(pp_group=grid.pp_group, config=config),
+                pg_collection=groups)]
+        except Exception as exc:  # noqa: BLE001 - re-raised unless it is the drain's
+            result.errors.append(f"step {step}: " + _finish_after_failed_drain(exc, config, ddps,
+                                                                               groups, interleaved))
+            store = [float("nan")] * m
+        result.launch_sites.append(sites.step_sites())
+        result.drained_in_flight.append(next(
+            (c.embedding_activation_buffer.in_flight_at_drain for c in chunks
+             if c.embedding_activation_buffer.bucket_group is not None), None))
+        _gather_reduced_grads(ddps, case, groups.dp)
+        result.losses.append(store if grid.is_last_stage else [])
+        result.grads.append({n: p.main_grad.detach().clone() for n, p in named.items()})
+        with torch.no_grad():
+            for p in updated_once(named, plan.frozen):
+                p.copy_(sgd_update(p, p.main_grad, case.lr))
+        result.params.append({n: p.detach().clone() for n, p in named.items()})
+    return result
