@@ -11,8 +11,10 @@ layout             ``layout.buffer_layouts`` / ``layout.ddp_layouts``
 reduce_scatter     :meth:`MegatronCoreCandidate.grad_reduction` (its fp32-accumulating
                    reduce-scatter); the whole DDP reduction: ``reduction.run_reductions``
 deferred_wgrad     ``deferred_wgrad.run_deferred_wgrad``
-pipeline           ``pipeline.run_pipeline``
-optim              ``optim.run_optim``
+pipeline           ``pipeline.run_pipeline``; :meth:`MegatronCoreCandidate.pipeline` (the
+                   preflight twin's stages: ``twin_pipeline``, ``stages``)
+optim              ``optim.run_optim``; :meth:`MegatronCoreCandidate.optimizer` (the
+                   twin's: ``optimizer``)
 mxfp8              ``mxfp8.unavailable_reason`` (Transformer Engine and CUDA only)
 =================  ==================================================================
 
@@ -26,6 +28,7 @@ Megatron-Core (``verify.candidates.registry`` imports it to list the candidate).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -34,6 +37,10 @@ from verify.candidates.api import Candidate, CandidateInfo, Technique, Unsupport
 from verify.candidates.api.grad_reduction import ReduceScatter
 from verify.candidates.megatron_core.redirect import REDIRECTS
 from verify.candidates.megatron_core.version import installed, missing_reason
+
+if TYPE_CHECKING:  # the adapters, for annotations only (imported where a technique runs)
+    from verify.candidates.megatron_core.optimizer import MegatronOptimizer
+    from verify.candidates.megatron_core.twin_pipeline import MegatronTwinPipeline
 
 
 @dataclass(frozen=True)
@@ -109,11 +116,20 @@ class MegatronCoreCandidate(Candidate):
     def deferred_wgrad(self):
         raise self._not_wired(Technique.DEFERRED_WGRAD, "verify.candidates.megatron_core.deferred_wgrad")
 
-    def pipeline(self):
-        raise self._not_wired(Technique.PIPELINE, "verify.candidates.megatron_core.pipeline")
+    def pipeline(self) -> MegatronTwinPipeline:
+        """Its DDP and 1F1B schedules over the twin's stages
+        (``verify.candidates.megatron_core.twin_pipeline``)."""
+        from verify.candidates.megatron_core.twin_pipeline import MegatronTwinPipeline
 
-    def optimizer(self):
-        raise self._not_wired(Technique.OPTIMIZER, "verify.candidates.megatron_core.optim")
+        self._require_installed(Technique.PIPELINE)
+        return MegatronTwinPipeline()
+
+    def optimizer(self) -> MegatronOptimizer:
+        """``get_megatron_optimizer`` over its DDP chunks (``verify.candidates.megatron_core.optimizer``)."""
+        from verify.candidates.megatron_core.optimizer import MegatronOptimizer
+
+        self._require_installed(Technique.OPTIMIZER)
+        return MegatronOptimizer()
 
     def mxfp8(self):
         from verify.candidates.megatron_core.mxfp8 import unavailable_reason

@@ -175,13 +175,13 @@ class StepComparison:
 
     def _compare_state(self, row: StepRow, bound: int | None) -> None:
         """Master weights and AdamW moments per parameter and replica vs refgrad (its model of
-        the candidate's documented optimizer, if any; then the spec's distance is recorded)."""
-        reference, case = self.reference, self.case
+        the candidate's documented optimizer, if any; then the distance each documented
+        behaviour puts between the candidate and the spec is recorded)."""
+        reference, case, behaviour = self.reference, self.case, self.behaviour
         ref_state = reference.state[row.step]
-        spec_state = reference.spec_state[row.step] if reference.spec_state else None
-        documented = self.behaviour.torch_adamw_order or self.behaviour.no_decay_on_1d_params
-        model = (f" (refgrad's model of {self.candidate}'s documented AdamW: {documented.summary})"
-                 if documented is not None and spec_state is not None else "")
+        documented = reference.spec_state and (behaviour.torch_adamw_order
+                                               or behaviour.no_decay_on_1d_params)
+        model = (f" (refgrad's model of {self.candidate}'s documented AdamW)" if documented else "")
         for name in sorted(ref_state):
             for replica, per_name in enumerate(self.got["state"][row.step]):
                 for key, ref in ref_state[name].items():
@@ -199,9 +199,21 @@ class StepComparison:
                         row.failures.append(f"step {row.step}: optimizer {key} of {name} "
                                             f"({replica_label(case, replica)}) differs from "
                                             f"refgrad.optim{model}: {detail}")
-                    elif spec_state is not None and documented is not None:
-                        self._note_spec_distance(documented, spec_state[name][key], cand, name,
-                                                 replica)
+                    elif documented:
+                        self._note_documented(row.step, name, key, replica, cand)
+
+    def _note_documented(self, step: int, name: str, key: str, replica: int,
+                         cand: torch.Tensor) -> None:
+        """The candidate's distance from the spec (under its AdamW order) and, for a 1-D
+        param, from the same model had it been decayed (under no decay on 1-D params)."""
+        reference, behaviour = self.reference, self.behaviour
+        order = behaviour.torch_adamw_order or behaviour.no_decay_on_1d_params
+        self._note_spec_distance(order, reference.spec_state[step][name][key], cand, name,
+                                 replica)
+        no_decay = behaviour.no_decay_on_1d_params
+        if no_decay is not None and reference.decayed_state and cand.dim() == 1:
+            self._note_spec_distance(no_decay, reference.decayed_state[step][name][key], cand,
+                                     name, replica)
 
     def _note_spec_distance(self, behaviour: DocumentedBehaviour, spec: torch.Tensor,
                             cand: torch.Tensor, name: str, replica: int) -> None:

@@ -109,7 +109,9 @@ class OptimReference:
     """refgrad's run: per step losses [replica][microbatch], reduced grads, params, state.
 
     ``spec_state``: with a non-spec :class:`ReferenceRule`, per step what ``refgrad.optim``
-    would have made of the same state and grads (empty under the spec)."""
+    would have made of the same state and grads (empty under the spec); ``decayed_state``:
+    with a rule that leaves 1-D params undecayed, what the same rule would have made of them
+    had it decayed them (the distance that behaviour alone puts between the two)."""
 
     losses: list[list[list[float]]] = field(default_factory=list)
     grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
@@ -119,6 +121,7 @@ class OptimReference:
     steps: list[tuple[bool, float, float | None, float | None]] = field(default_factory=list)
     max_norm: float | None = None
     spec_state: list[dict[str, dict[str, torch.Tensor]]] = field(default_factory=list)
+    decayed_state: list[dict[str, dict[str, torch.Tensor]]] = field(default_factory=list)
     mxfp8: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
 
 
@@ -199,6 +202,12 @@ def reference_with_optimizer(case: PipelineCase, optim: AdamWTwin | None = None,
                                            max_norm=optim.max_grad_norm, loss_scale=scale)
             out.spec_state.append({n: _state_tensors(st, named[n].shape)
                                    for n, st in zip(names, spec_states)})
+            if not rule.decay_1d_params:
+                decayed = copy.deepcopy(ordered)
+                _production_step(rule, step, decayed, grads, spec_hypers, steps, norm,
+                                 optim.max_grad_norm, scale)
+                out.decayed_state.append({n: _state_tensors(st, named[n].shape)
+                                          for n, st in zip(names, decayed)})
             stepped = _production_step(rule, step, ordered, grads, hypers, steps, norm,
                                        optim.max_grad_norm, scale)
         coef = None

@@ -30,8 +30,8 @@ from verify.candidates.api.optimizer import (
 from verify.candidates.api.pipeline import MXFP8Params, StageSettings
 from verify.preflight.config import PreflightConfig
 
-# The twin's AdamW (every candidate's): Megatron-LM's betas and eps, lr 1e-2, no weight decay.
-TWIN_ADAMW = AdamWHyperparameters(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+# The twin's AdamW (every candidate's): Megatron-LM's betas, eps and default --weight-decay (0.01), lr 1e-2.
+TWIN_ADAMW = AdamWHyperparameters(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 
 
 class Dtype(str, enum.Enum):
