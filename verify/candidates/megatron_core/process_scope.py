@@ -24,6 +24,7 @@ class CpuRedirectScope:
         # the feature table) and torch's deprecation notices about the collectives Megatron
         # calls: noise in every rank's stderr, not findings.
         warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+        warnings.filterwarnings("ignore", message="Apex is not installed")
         warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
         # TransformerConfig's notice about its own default cuda_graph_scope (no CUDA graphs here)
         warnings.filterwarnings("ignore", message="full scope is deprecated")
