@@ -26,10 +26,10 @@ single-process model: bitwise where the reduction order is fixed, else within a 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from refgrad.pipeline import LinearStackSpec, StepPlan
-from verify.candidates.api.pipeline import ModelSupport, ParallelDims, PipelineCase
+from verify.candidates.api.pipeline import ModelSupport, PipelineCase
 from verify.preflight.config import PreflightConfig
 from verify.preflight.twin.adamw import adamw_twin_for, optimizer_mapping
 from verify.preflight.twin.bounds import ulp_bound_factor
@@ -209,8 +209,9 @@ def plan_twin(config: PreflightConfig, options: TwinOptions, support: ModelSuppo
         not_twinned.append("--ddp-reduce-scatter-with-fp32-accumulation with MXFP8 params: the "
                            "MXFP8 twin's buffer reduce-scatters in the backend's order")
     case = PipelineCase(
-        name="twin", dims=ParallelDims(tp_size=twin_tp, pp_size=pp, dp_size=dp, vpp_size=vpp,
-                                       sequence_parallel=sequence_parallel), spec=spec,
+        # the configuration's grid, scaled: TP capped, CP folded into the DP replicas
+        name="twin", dims=replace(config.dims, tp_size=twin_tp, cp_size=1, dp_size=dp,
+                                  sequence_parallel=sequence_parallel), spec=spec,
         plans=tuple(StepPlan(m) for _ in range(options.steps)),
         use_distributed_optimizer=config.use_distributed_optimizer or not limits.replicated_optimizer,
         reduce_scatter_with_fp32_accumulation=rs_fp32,
