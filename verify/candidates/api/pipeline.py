@@ -20,6 +20,14 @@ wraps the stage modules in the candidate's DDP (Megatron-Core's
 ``config.no_sync_func`` / ``grad_sync_func`` / ``finalize_model_grads_func`` and
 ``defer_embedding_wgrad_compute``) and records the observables below.
 
+The preflight twin trains the same cases step by step under the candidate's own optimizer
+(:mod:`verify.candidates.api.optimizer`): :meth:`~PipelineTraining.model` builds this rank's
+stages as :class:`StageSettings` says (16-bit params and compute, the grad buffer's dtype,
+both overlaps, MXFP8 params) and returns a :class:`PipelineModel`
+(:meth:`~PipelineModel.train_step`, :meth:`~PipelineModel.reduced_grads`);
+:meth:`~PipelineTraining.model_support` says beforehand what it cannot build here
+(:class:`ModelSupport`), so the twin scales that part away and lists it.
+
 What the check compares, per case, per overlap setting, per rank and step: the losses
 (the TP sum of the partial losses: :func:`total_losses`), every parameter's reduced
 gradient (the whole gradient: with the distributed optimizer the other shards gathered),

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,9 @@ from verify.candidates.api.optimizer import (
 from verify.candidates.megatron_core.process_scope import CpuRedirectScope
 from verify.candidates.megatron_core.stages import MegatronStages, owned_pieces
 from verify.candidates.megatron_core.version import installed
+
+if TYPE_CHECKING:  # megatron-core is optional: imported where a technique runs
+    from megatron.core.optimizer import OptimizerConfig
 
 CLIP_EPS = 1.0e-6  # megatron/core/optimizer/clip_grads.py clip_grad_by_total_norm_fp32
 
@@ -81,13 +84,13 @@ class MegatronOptimizer(CpuRedirectScope, DistributedOptimizerStep):
                                   partial_sum_grad_norm=PARTIAL_SUM_NORM)
 
 
-def _optimizer_config(stages: MegatronStages, settings: OptimizerSettings) -> Any:
+def _optimizer_config(stages: MegatronStages, settings: OptimizerSettings) -> OptimizerConfig:
     from megatron.core.optimizer import OptimizerConfig
 
     dtype = stages.settings.param_dtype
     fp16, bf16 = dtype is torch.float16, dtype is torch.bfloat16
     hyper, scaling = settings.adamw, settings.loss_scaling
-    scale: dict[str, Any] = {}
+    scale: dict[str, float | int] = {}
     if scaling is not None and not scaling.dynamic:
         scale = {"loss_scale": scaling.initial_scale}
     elif scaling is not None:

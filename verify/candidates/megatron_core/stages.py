@@ -41,7 +41,7 @@ Losses: Megatron divides each microbatch's loss by the microbatch count itself
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -55,15 +55,21 @@ from verify.candidates.api.pipeline import (
     rank_microbatches,
 )
 
+if TYPE_CHECKING:  # megatron-core is optional: imported where a technique runs
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer import TransformerConfig
 
-def fake_group(rank: int, size: int) -> Any:
+
+def fake_group(rank: int, size: int) -> dist.ProcessGroup:
     """torch's ``FakeProcessGroup``: a size and a rank, no communication."""
     from torch._C._distributed_c10d import FakeProcessGroup
 
     return FakeProcessGroup._create_internal(rank, size)
 
 
-def process_groups(grid: ParallelDims) -> Any:
+def process_groups(grid: ParallelDims) -> ProcessGroupCollection:
     """The built grid's groups as Megatron's ``ProcessGroupCollection`` (TP 1, no CP, no
     experts: those groups size 1). ``mp``: every stage of this DP replica, the pipeline group
     at TP 1. Collective over the grid's ranks (its distributed-optimizer group)."""
@@ -96,7 +102,8 @@ class TwinChunk(torch.nn.Module):
     ``ColumnParallelLinear``, its wgrad deferred as the config says), tied to the first
     layer when the spec ties them (``shared_embedding_or_output_weight``)."""
 
-    def __init__(self, case: PipelineCase, config: Any, stage: int, vp_stage: int | None) -> None:
+    def __init__(self, case: PipelineCase, config: TransformerConfig, stage: int,
+                 vp_stage: int | None) -> None:
         from megatron.core.enums import ModelType
         from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
@@ -131,7 +138,7 @@ class TwinChunk(torch.nn.Module):
             return self.body.layers[0].weight
         return self.output_layer.weight
 
-    def set_input_tensor(self, input_tensor: Any) -> None:
+    def set_input_tensor(self, input_tensor: torch.Tensor | list[torch.Tensor] | None) -> None:
         self.input_tensor = input_tensor[0] if isinstance(input_tensor, list) else input_tensor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -149,7 +156,7 @@ class TwinChunk(torch.nn.Module):
         return named
 
 
-def transformer_config(case: PipelineCase, settings: StageSettings) -> Any:
+def transformer_config(case: PipelineCase, settings: StageSettings) -> TransformerConfig:
     """The ``TransformerConfig`` Megatron-LM would build for the twin's model and precision."""
     from megatron.core.transformer import TransformerConfig
 
@@ -173,7 +180,7 @@ def _forward_step(case: PipelineCase, num_microbatches: int) -> Callable[..., An
     """Megatron's ``forward_step_func``: the chunk's output and refgrad's loss of it."""
     spec = case.spec
 
-    def forward_step(data_iterator: Iterator, model: Any) -> tuple[torch.Tensor, Callable]:
+    def forward_step(data_iterator: Iterator, model: torch.nn.Module) -> tuple[torch.Tensor, Callable]:
         x, target = next(data_iterator)
         output = model(x)
 
@@ -200,7 +207,7 @@ class MegatronStages:
         self.groups = process_groups(grid)
         ddp_class = ddp_class or DistributedDataParallel
         self.chunks: list[TwinChunk] = []
-        self.ddps: list[Any] = []
+        self.ddps: list[DistributedDataParallel] = []
         for v in range(case.virtual_stages):
             vp_stage = v if case.virtual_stages > 1 else None
             chunk = TwinChunk(case, self.config, v * case.pp_size + grid.stage, vp_stage)
@@ -325,7 +332,8 @@ class MegatronStages:
         self.on_zero_grad.clear()
 
 
-def owned_pieces(optimizer: Any, params: Sequence[torch.nn.Parameter]) -> dict[int, dict]:
+def owned_pieces(optimizer: MegatronOptimizer, params: Sequence[torch.nn.Parameter]
+                 ) -> dict[int, dict]:
     """The fp32 main params and Adam state this rank owns, per index into ``params``
     (``DistributedOptimizer``'s ``model_param_group_index_map`` and param ranges)."""
     inner = getattr(optimizer, "chained_optimizers", [optimizer])

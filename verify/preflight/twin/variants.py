@@ -18,6 +18,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -93,7 +94,7 @@ def power_of_two(value: float) -> bool:
 class SGDTwin:
     """SGD with the case's ``lr`` (the ``pipeline`` check's update, ``refgrad.pipeline.sgd_update``)."""
 
-    name = "sgd"
+    name: ClassVar[str] = "sgd"
 
     def stage_settings(self, overlap: bool) -> StageSettings | None:
         return None  # the candidate's own PipelineTraining.train builds and steps
@@ -119,7 +120,7 @@ class AdamWTwin:
     hysteresis: int = 2
     overlap_param_gather: bool = False  # gather launched by step(), waited in forward pre-hooks
     precision: TwinPrecision = TwinPrecision()  # 16-bit params/compute and the grad buffer dtype
-    name = "adamw"
+    name: ClassVar[str] = "adamw"
 
     def __post_init__(self) -> None:
         if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm)
@@ -161,7 +162,7 @@ class MXFP8Twin:
 
     adamw: AdamWTwin
     reuse_grad_buffer: bool = False
-    name = "adamw over MXFP8 params"
+    name: ClassVar[str] = "adamw over MXFP8 params"
 
     def __post_init__(self) -> None:
         if not isinstance(self.adamw, AdamWTwin):
