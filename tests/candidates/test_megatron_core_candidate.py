@@ -31,9 +31,13 @@ def test_info_names_the_version_redirects_and_what_cannot_run():
         assert dict(info.unsupported)["mxfp8"].startswith("Megatron-Core's MXFP8 params")
         with pytest.raises(api.Unsupported, match="Transformer Engine"):
             _candidate().mxfp8()
-    # The optimizer step is not behind the seam yet (another helper's task): its driver is named.
-    with pytest.raises(api.Unsupported, match="megatron_core.optim"):
-        _candidate().optimizer()
+    # pipeline(): one interface for the pipeline check's training and the twin's stages;
+    # optimizer(): the distributed optimizer step over its own DDP chunks
+    from verify.candidates.api.optimizer import DistributedOptimizerStep
+    from verify.candidates.api.pipeline import PipelineTraining
+
+    assert isinstance(_candidate().pipeline(), PipelineTraining)
+    assert isinstance(_candidate().optimizer(), DistributedOptimizerStep)
 
 
 def _rs_rank(rank: int, world: int, reduce_scatter) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

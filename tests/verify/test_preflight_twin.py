@@ -17,17 +17,24 @@ import torch
 
 from tests.distributed_utils import run_distributed
 from tests.verify.preflight_launch import parsed_launch, preflight_args, preflight_config
+from verify.candidates import FastgradCandidate, Fault
 from verify.distributed import DistributedRunError
 from verify.preflight import cli as preflight_cli
 from verify.preflight.cli import build_report
 from verify.preflight.hazards import FINDING, SAFE, decide_hazards, deferred_entries
 from verify.preflight.render import render_markdown
 from verify.preflight.timing import CostInputs
-from verify.preflight.twin import TwinOptions, TwinSizeError, plan_twin
-from verify.preflight.twin_compare import reference_for, ulp_bound_factor
-from verify.preflight.twin_precision import TwinPrecision
-from verify.preflight.twin_stage import finish_twin_report
-from verify.preflight.twin_worker import TwinCandidate, twin_phases_worker
+from verify.preflight.twin import (
+    AdamWTwin,
+    TwinOptions,
+    TwinPrecision,
+    TwinSizeError,
+    finish_twin_report,
+    plan_twin,
+)
+from verify.preflight.twin.bounds import ulp_bound_factor
+from verify.preflight.twin.rank import TwinRun, twin_phases_worker
+from verify.preflight.twin.reference import reference_for
 
 MODEL = ["--micro-batch-size", "1", "--num-layers", "8", "--hidden-size", "64",
          "--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings", "16",
@@ -116,30 +123,29 @@ LAYOUT = {"tied_deferred": (TIED_DEFERRED, 0, 0, SMALL), "interleaved": (INTERLE
 # Broken fastgrads, trained beside them: name -> (flags, phase, first rank, options, candidate).
 BROKEN = {"interleaved_lifo": (INTERLEAVED_DEFERRED[:5] + ["2", "--global-batch-size", "4",  # DP 1
                                                             "--defer-embedding-wgrad-compute"],
-                               5, 0, SMALL, TwinCandidate("lifo drain", "lifo")),
+                               5, 0, SMALL, FastgradCandidate(injected_fault=Fault.LIFO_DRAIN)),
           # TP2 PP2 DP1, tied: each first-stage shard all-reduced with the other TP rank's head.
           "tp2_crossed": (TP2_TIED[:5] + ["4", "--global-batch-size", "4"], 5, 4, SMALL,  # DP 1
-                          TwinCandidate("crossed embedding group", embedding_group="other_tp_rank")),
+                          FastgradCandidate(injected_fault=Fault.CROSSED_EMBEDDING_GROUP)),
           # PP1 DP2, tied (one weight): the embedding's grad added before the output layer's
           # wgrad in each microbatch, or the output layer's wgrad never added.
           "pp1_embedding_first": (PP1_TIED, 7, 0, SMALL,
-                                  TwinCandidate("embedding grad first",
-                                                shared_weight_grads="embedding_first")),
+                                  FastgradCandidate(injected_fault=Fault.EMBEDDING_GRAD_FIRST)),
           "pp1_head_dropped": (PP1_TIED, 7, 2, SMALL,
-                               TwinCandidate("output wgrad dropped", shared_weight_grads="head_dropped"))}
+                               FastgradCandidate(injected_fault=Fault.DROPPED_HEAD_WGRAD))}
 
 
 @pytest.fixture(scope="module")
 def twins():
     """Every configuration of LAYOUT trained in one spawned world; plans and results by name."""
     plans, phases = {}, [[] for _ in range(8)]
-    layout = {name: (*entry, TwinCandidate()) for name, entry in LAYOUT.items()} | BROKEN
+    layout = {name: (*entry, FastgradCandidate()) for name, entry in LAYOUT.items()} | BROKEN
     for name, (flags, phase, first, options, candidate) in layout.items():
         config, report = _config(flags)
         plan = plan_twin(config, options)
         plan = replace(plan, case=plan.case.at(first))
         plans[name] = (config, report, plan, phase, len(phases[phase]), candidate)
-        phases[phase].append((plan.case, plan.overlap, candidate, plan.rank_optimizer))
+        phases[phase].append(TwinRun(plan.case, plan.overlap, plan.training, candidate))
     ranks = run_distributed(twin_phases_worker, 8, phases, timeout_s=300)
     out = {}
     for name, (config, report, plan, phase, index, candidate) in plans.items():
@@ -163,7 +169,7 @@ def test_twin_passes_against_refgrad(twins, name):
                    for s in steps)
         assert all(s["grads_bitwise"] == s["grads_total"] > 0 for s in steps)
         assert all(s["state_bitwise"] == s["state_total"] for s in steps)
-    if plan.optimizer == "adamw":  # master, exp_avg, exp_avg_sq of every (param, replica)
+    if isinstance(plan.training, AdamWTwin):  # master, exp_avg, exp_avg_sq of every (param, replica)
         assert all(s["state_total"] == 3 * s["params_total"] > 0 for s in steps)
 
 
@@ -185,16 +191,17 @@ def test_twin_claims_and_gaps_follow_the_configuration(twins):
     assert tied.spec.output_head and tied.spec.tied_embedding
     assert tied.use_distributed_optimizer and tied.reduction == "prescale"
     # The distributed optimizer is twinned (AdamW vs refgrad.optim), at VPP 2 over both chunks.
-    assert twins["tied_deferred"][2].optimizer == "adamw"
-    assert twins["untied_adamw"][2].optimizer == "adamw"
+    assert isinstance(twins["tied_deferred"][2].training, AdamWTwin)
+    assert isinstance(twins["untied_adamw"][2].training, AdamWTwin)
     assert not twins["untied_adamw"][2].case.spec.tied_embedding
     # Without it, ReplicatedOptimizer's AdamW over the all-reduced grads.
-    assert twins["interleaved"][2].optimizer == "adamw" and twins["dp3"][2].optimizer == "adamw"
+    assert isinstance(twins["interleaved"][2].training, AdamWTwin)
+    assert isinstance(twins["dp3"][2].training, AdamWTwin)
     assert [p.num_microbatches for p in tied.plans] == [4, 4]
     inter = twins["interleaved"][2]
     assert inter.case.virtual_stages == 2 and inter.case.reduce_scatter_with_fp32_accumulation
     # --bf16 --grad-reduce-in-bf16: bf16 params and a bf16 grad buffer on the ranks, twinned.
-    assert inter.adamw.precision == TwinPrecision("bf16", "bf16")
+    assert inter.training.precision == TwinPrecision("bf16", "bf16")
     assert not any("bf16 grad buffer" in g or "computes in fp32" in g for g in inter.not_twinned)
     tp2 = twins["tp2"][2]
     assert not any("tensor parallel" in g or "sequence parallel" in g for g in tp2.not_twinned)
@@ -325,7 +332,7 @@ def test_the_pp1_tied_twin_matches_refgrad_with_one_weight_under_both_names(twin
             assert res.params[step][emb].equal(res.params[step][out])
     # The weight counts once in the norm: refgrad's norm (its head copy marked shared) is the
     # ranks' (compared bitwise by the twin) and differs from a norm counting it twice.
-    reference = reference_for(plan)
+    reference = reference_for(plan.case, plan.training)
     grads = reference.grads[0]
     once = math.fsum(float(g.double().square().sum()) for n, g in grads.items() if n != out)
     assert math.isclose(reference.steps[0][1] ** 2, once, rel_tol=1e-12)
@@ -484,10 +491,10 @@ def test_twin_options_and_size_refusals(capsys):
     assert rc == 2 and "--twin-layers must be a positive integer" in err
 
 
-def _cli(flags: list[str], capsys, candidate: TwinCandidate | None = None, extra=()):
+def _cli(flags: list[str], capsys, candidate: FastgradCandidate | None = None, extra=()):
     args = preflight_args(MODEL + flags + ["--twin-hidden-size", "8", "--twin-steps", "2",
                                            "--no-progress", *extra])
-    rc = preflight_cli.main(args, environ={}, candidate=candidate)
+    rc = preflight_cli.main(args, environ={}, candidates=None if candidate is None else [candidate])
     captured = capsys.readouterr()
     return rc, captured.out, captured.err
 
@@ -503,7 +510,7 @@ def test_a_twin_that_cannot_finish_is_an_error_that_keeps_the_paper_figures(
     def failing_spawn(*_args, **_kwargs):
         raise raised
 
-    monkeypatch.setattr("verify.distributed.spawn", failing_spawn)
+    monkeypatch.setattr("verify.preflight.twin.stage.spawn", failing_spawn)
     json_path = tmp_path / "t.json"
     rc, out, err = _cli(["--pipeline-model-parallel-size", "2", "--world-size", "2",
                          "--global-batch-size", "4"], capsys, extra=("--json", str(json_path)))
@@ -523,13 +530,15 @@ def test_a_drain_in_the_wrong_order_fails_naming_parameter_and_step(capsys, tmp_
     flags = ["--pipeline-model-parallel-size", "2", "--world-size", "2",
              "--global-batch-size", "4", "--defer-embedding-wgrad-compute"]
     json_path, md_path = tmp_path / "t.json", tmp_path / "t.md"
-    rc, out, _ = _cli(flags, capsys, TwinCandidate("lifo drain", "lifo"),
+    rc, out, _ = _cli(flags, capsys, FastgradCandidate(injected_fault=Fault.LIFO_DRAIN),
                       extra=("--json", str(json_path), "--markdown", str(md_path)))
     assert rc == 1
     first = out.splitlines()[0]
     assert first.startswith("FAIL")
     report = json.loads(json_path.read_text())
-    assert report["passed"] is False and report["twin"]["candidate"] == "lifo drain"
+    assert report["passed"] is False
+    assert report["twin"]["candidate"] == "fastgrad (fault: lifo_drain)"
+    assert report["twin"]["candidate_info"]["name"] == "fastgrad"
     # The head's gradient is the drain's sum: wrong in step 0, on the only replica.
     assert any(f.startswith("step 0: reduced gradient stage1.head.weight (replica 0)")
                for f in report["twin"]["failures"])
@@ -597,12 +606,11 @@ def test_a_broken_drain_is_a_fault_of_one_layer_instance_not_a_global_rebinding(
 
     from fastgrad.deferred_wgrad import ColumnParallelOutputLayer, EmbeddingWgradConfig
     from fastgrad.parallel_dims import ParallelDims
-    from verify.candidates import Fault
     from verify.candidates.fastgrad.pipeline_model import output_layer_class
 
     production_drain = ColumnParallelOutputLayer.drain_deferred_wgrad
-    assert TwinCandidate().fault is None
-    assert TwinCandidate("lifo", "lifo").fault is Fault.LIFO_DRAIN
+    assert FastgradCandidate().fault is None
+    assert FastgradCandidate(injected_fault=Fault.LIFO_DRAIN).fault is Fault.LIFO_DRAIN
     assert output_layer_class(None) is ColumnParallelOutputLayer
     cfg = EmbeddingWgradConfig(defer_embedding_wgrad_compute=True)
     g = torch.Generator().manual_seed(3)
@@ -624,9 +632,9 @@ def test_a_broken_drain_is_a_fault_of_one_layer_instance_not_a_global_rebinding(
 def test_a_twin_whose_every_step_was_skipped_says_no_update_was_checked(monkeypatch):
     """Both sides skipping every step agree on the update vacuously: the verdict says so,
     and the per-step table marks the skipped steps."""
-    from verify.preflight import twin_stage
     from verify.preflight.render import twin_tables
-    from verify.preflight.twin_compare import StepRow
+    from verify.preflight.twin import verdict
+    from verify.preflight.twin.compare import StepRow
 
     config, report = _config(UNTIED_ADAMW)
     plan = plan_twin(config, SMALL)
@@ -636,12 +644,14 @@ def test_a_twin_whose_every_step_was_skipped_says_no_update_was_checked(monkeypa
                         grad_max_ulp=0, params_bitwise=1, params_total=1, param_max_ulp=0,
                         grad_norm=float("nan"), stepped=s) for k, s in enumerate(stepped)]
 
-    monkeypatch.setattr(twin_stage, "reference_for", lambda plan: None)
+    monkeypatch.setattr(verdict, "reference_for", lambda *_a: None)
     for stepped, vacuous in (([False, False], True), ([False, True], False)):
-        monkeypatch.setattr(twin_stage, "compare_steps", lambda *_a, s=stepped: rows(s))
-        assert finish_twin_report(config, plan, [], report, where="test", candidate=TwinCandidate())
+        monkeypatch.setattr(verdict, "compare_steps", lambda *_a, s=stepped, **_k: (rows(s), []))
+        assert finish_twin_report(config, plan, [], report, where="test",
+                                  candidate=FastgradCandidate())
         assert ("no update was checked" in report["verdict"]) is vacuous
-        results = [r[-1] for r in twin_tables(report)[0][2]]
+        steps_table = next(t for t in twin_tables(report) if t[0].startswith("Twin vs refgrad"))
+        results = [r[-1] for r in steps_table[2]]
         assert results == ["ok (skipped: NaN/inf grads)" if not s else "ok" for s in stepped]
 
 
@@ -665,7 +675,7 @@ def test_the_unfused_output_layer_is_listed_where_it_changes_bits(flags, listed)
 def test_the_bounded_comparison_holds_non_finite_values_to_bitwise():
     """Within a ULP bound, an inf in refgrad does not make the bound infinite, and a shared inf
     is no failure (hand-picked values)."""
-    from verify.preflight.twin_compare import _within
+    from verify.preflight.twin.bounds import within as _within
 
     inf = float("inf")
     ref = torch.tensor([inf, 1.0, 2.0])
@@ -677,15 +687,16 @@ def test_the_bounded_comparison_holds_non_finite_values_to_bitwise():
 
 def test_a_step_that_compared_nothing_fails(monkeypatch):
     """Ranks that report no grads (or params) leave nothing to compare: that is no pass."""
-    from verify.preflight import twin_stage
-    from verify.preflight.twin_compare import StepRow
+    from verify.preflight.twin import verdict
+    from verify.preflight.twin.compare import StepRow
 
     config, report = _config(UNTIED_ADAMW)
     plan = plan_twin(config, SMALL)
     empty = StepRow(step=0, microbatches=4, loss_max_ulp=0, grads_bitwise=0, grads_total=0,
                     grad_max_ulp=0, params_bitwise=0, params_total=0, param_max_ulp=0)
-    monkeypatch.setattr(twin_stage, "reference_for", lambda plan: None)
-    monkeypatch.setattr(twin_stage, "compare_steps", lambda *_a: [empty])
-    assert not finish_twin_report(config, plan, [], report, where="test", candidate=TwinCandidate())
+    monkeypatch.setattr(verdict, "reference_for", lambda *_a: None)
+    monkeypatch.setattr(verdict, "compare_steps", lambda *_a, **_k: ([empty], []))
+    assert not finish_twin_report(config, plan, [], report, where="test",
+                                  candidate=FastgradCandidate())
     assert report["verdict"].startswith("FAIL") and "no reduced gradient and no updated parameter" \
         in report["twin"]["failures"][0]

@@ -1,31 +1,38 @@
 """``verify preflight``'s twin with MXFP8 params (``--fp8-recipe mxfp8 --fp8-param-gather``).
 
 The twin's weights are fastgrad MXFP8 params in one ``MXFP8ParamGradBuffer`` per rank
-under ``DistributedOptimizer`` (``verify.preflight.twin_mxfp8``); refgrad quantizes its
+under ``DistributedOptimizer`` (``verify.candidates.fastgrad.stages``); refgrad quantizes its
 exact masters with ``refgrad.mxfp8``. Three grids share one spawned world: DP 2, and
 PP 2 x DP 2 and DP 2 with the grad buffer reused for the param all-gather. Two
 deliberately broken fastgrads, installed in their ranks' processes only, must make the
 twin FAIL naming the step and the parameter: scales rounded up (``ceil``) instead of the
 spec's floor, and a param all-gather that runs over the shared bytes while the grads are
 still there (before their reduce-scatter). The same late all-gather on a twin without
-the reuse is harmless, which shows the reusing twin really shares the buffer.
+the reuse is harmless, which shows the reusing twin really shares the buffer. Each is a
+fastgrad candidate whose stages build a broken subclass of its MXFP8 param or buffer.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
 
+from fastgrad.comm import all_gather_into
+from fastgrad.mxfp8 import MXFP8Parameter, quantize
+from fastgrad.mxfp8_sharing import MXFP8ParamGradBuffer
 from tests.verify.preflight_launch import parsed_launch, preflight_config
 from tests.verify.twin_world import plan_layout, train_and_compare
+from verify.candidates import FastgradCandidate
+from verify.candidates.fastgrad.pipeline import FastgradPipeline, with_fault_groups
+from verify.candidates.fastgrad.stages import FastgradStages
 from verify.preflight.cli import build_report
 from verify.preflight.render import render_markdown
 from verify.preflight.timing import CostInputs
-from verify.preflight.twin import TwinOptions, plan_twin
-from verify.preflight.twin_mxfp8 import BLOCK, MXFP8Twin
-from verify.preflight.twin_worker import TwinCandidate, twin_phases_worker
+from verify.preflight.twin import AdamWTwin, MXFP8Twin, TwinOptions, plan_twin
+from verify.preflight.twin.adamw import adamw_twin_for
+from verify.preflight.twin.mxfp8 import BLOCK
 
 MODEL = ["--micro-batch-size", "1", "--num-layers", "8", "--hidden-size", "64",
          "--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings", "16",
@@ -57,13 +64,13 @@ def _plans(layout: dict, options: TwinOptions = STEPS) -> dict:
 
 def test_mxfp8_params_are_twinned_and_left_out_only_where_not_reproduced():
     plan = plan_twin(_config(PP2_DP2_REUSE)[0], STEPS)
-    assert isinstance(plan.rank_optimizer, MXFP8Twin) and plan.rank_optimizer.reuse_grad_buffer
+    assert isinstance(plan.training, MXFP8Twin) and plan.training.reuse_grad_buffer
     assert plan.case.spec.hidden % BLOCK == 0  # every weight row is whole MXFP8 blocks
     assert not any("checked by `verify run --check mxfp8`" in g or "see the hazards" in g
                    for g in plan.not_twinned)
     assert any(g.startswith("FP8 compute") for g in plan.not_twinned)
     # --bf16 beside MXFP8: the MXFP8 twin's own fp32 compute, not the 16-bit twin's.
-    assert not plan.rank_optimizer.adamw.precision.mixed
+    assert not plan.training.adamw.precision.mixed
     assert any(g.startswith("bf16 params and compute with MXFP8 params") for g in plan.not_twinned)
     rows = {m[0]: m[1:] for m in plan.mapping}
     assert rows["param all-gather buffer"] == ("the grad buffer's bytes",) * 2
@@ -72,7 +79,7 @@ def test_mxfp8_params_are_twinned_and_left_out_only_where_not_reproduced():
     # twin gathers into its own buffer and says so.
     config = _config(DP2 + ["--reuse-grad-buf-for-mxfp8-param-ag"])[0]
     plan = plan_twin(config, STEPS)
-    assert not plan.rank_optimizer.reuse_grad_buffer
+    assert not plan.training.reuse_grad_buffer
     assert any("without both overlaps" in g for g in plan.not_twinned)
     assert dict((m[0], m[2]) for m in plan.mapping)["param all-gather buffer"] == "its own buffer"
     # Another FP8 recipe, or MXFP8 compute without --fp8-param-gather: not twinned, listed.
@@ -80,22 +87,24 @@ def test_mxfp8_params_are_twinned_and_left_out_only_where_not_reproduced():
     no_param_gather = [f for f in MODEL if f != "--fp8-param-gather"]
     for base in (other_recipe, no_param_gather):
         plan = plan_twin(_config(DP2, base)[0], STEPS)
-        assert plan.mxfp8 is None and plan.rank_optimizer == plan.adamw
+        assert isinstance(plan.training, AdamWTwin)
         assert any("--check mxfp8" in g for g in plan.not_twinned)
     # The MXFP8 buffer reduce-scatters in the backend's order: at DP 3 the twin runs DP 2
     # (bitwise; listed), and fastgrad's fp32-accumulating reduce-scatter is listed too.
     plan = plan_twin(_config(["--world-size", "3", "--global-batch-size", "12",
                               "--ddp-reduce-scatter-with-fp32-accumulation",
                               "--grad-reduce-in-bf16"])[0], STEPS)  # (fp32 grads turn it off)
-    assert plan.mxfp8 is not None and not plan.case.reduce_scatter_with_fp32_accumulation
+    assert isinstance(plan.training, MXFP8Twin)
+    assert not plan.case.reduce_scatter_with_fp32_accumulation
     assert plan.case.dp_size == 2 and plan.bitwise
     assert any(g.startswith("data parallelism DP 3 scaled to DP 2 for the MXFP8 twin")
                for g in plan.not_twinned)
     assert any(g.startswith("--ddp-reduce-scatter-with-fp32-accumulation with MXFP8 params")
                for g in plan.not_twinned)
     # fp16's loss scale: the MXFP8 buffer takes no loss scaler, so the twin steps unscaled.
-    plan = plan_twin(_config(DP2, [f if f != "--bf16" else "--fp16" for f in MODEL])[0], STEPS)
-    assert plan.adamw.loss_scale == 2.0**32 and plan.rank_optimizer.adamw.loss_scale is None
+    fp16 = _config(DP2, [f if f != "--bf16" else "--fp16" for f in MODEL])[0]
+    plan = plan_twin(fp16, STEPS)
+    assert adamw_twin_for(fp16)[0].loss_scale == 2.0**32 and plan.training.adamw.loss_scale is None
     assert any(g.startswith("loss scale 4.29497e+09: fastgrad's MXFP8 buffer takes no loss scaler")
                for g in plan.not_twinned)
 
@@ -146,45 +155,58 @@ def test_the_forward_runs_on_quantized_weights(twins):
 # --------------------------------------------------------------------------- broken fastgrads
 
 
-def _install_fault(fault: str) -> None:
-    """Break fastgrad's MXFP8 path in this process only."""
-    from fastgrad.comm import all_gather_into
-    from fastgrad.mxfp8 import MXFP8Parameter, quantize
-    from fastgrad.mxfp8_sharing import MXFP8ParamGradBuffer
+class _CeilScales(MXFP8Parameter):
+    """An MXFP8 param whose scales round up (``ceil``) instead of the spec's floor."""
 
-    if fault == "ceil_scales":
-        def ceil_copy(self, values):
-            quantize(values.reshape(self.shape), scale_mode="ceil", block_size=self.block_size,
-                     out=(self.scale_bits, self.element_bits))
-
-        MXFP8Parameter.copy_from = ceil_copy
-    elif fault == "gather_over_grads":
-        reduce_grads = MXFP8ParamGradBuffer.reduce_grads
-
-        def late_gather_then_reduce(self):
-            # A param all-gather that lands before the grads' reduce-scatter (production's
-            # ordering hazard, unguarded): with the reuse its bytes are the grads' bytes.
-            for bucket in self.buckets:
-                all_gather_into(bucket.param_data, bucket.local_param_shard.clone(),
-                                group=self.dp_group)
-            return reduce_grads(self)
-
-        MXFP8ParamGradBuffer.reduce_grads = late_gather_then_reduce
+    def copy_from(self, values):
+        quantize(values.reshape(self.shape), scale_mode="ceil", block_size=self.block_size,
+                 out=(self.scale_bits, self.element_bits))
 
 
-def _faulty_worker(rank: int, world_size: int, phases: list, faults: dict) -> list:
-    for (lo, hi), fault in faults.items():
-        if lo <= rank < hi:
-            _install_fault(fault)
-    return twin_phases_worker(rank, world_size, phases)
+class _GatherOverGrads(MXFP8ParamGradBuffer):
+    """A param all-gather that lands before the grads' reduce-scatter (production's ordering
+    hazard, unguarded): with the reuse its bytes are the grads' bytes."""
+
+    def reduce_grads(self):
+        for bucket in self.buckets:
+            all_gather_into(bucket.param_data, bucket.local_param_shard.clone(), group=self.dp_group)
+        return super().reduce_grads()
+
+
+class _CeilStages(FastgradStages):
+    mxfp8_param_class = _CeilScales
+
+
+class _LateGatherStages(FastgradStages):
+    mxfp8_buffer_class = _GatherOverGrads
+
+
+@dataclass(frozen=True)
+class _BrokenPipeline(FastgradPipeline):
+    stages: type[FastgradStages] = FastgradStages
+
+    def model(self, case, grid, settings):
+        return self.stages(case, with_fault_groups(case, grid, self.fault), settings, self.fault)
+
+
+@dataclass(frozen=True)
+class _BrokenMXFP8Candidate(FastgradCandidate):
+    """fastgrad whose stages build a broken MXFP8 param or buffer class."""
+
+    name = "fastgrad (broken MXFP8)"
+    stages: type[FastgradStages] = FastgradStages
+
+    def pipeline(self):
+        return _BrokenPipeline(fault=self.injected_fault, stages=self.stages)
 
 
 @pytest.mark.dist
 def test_wrong_scale_rounding_or_a_gather_over_live_grads_fails_naming_step_and_parameter():
     plans = _plans({"ceil_scales": (DP2, 0), "gather_over_grads": (PP2_DP2_REUSE, 2),
                     "gather_without_reuse": (DP2, 6)}, replace(STEPS, steps=2))
-    faults = {(0, 2): "ceil_scales", (2, 6): "gather_over_grads", (6, 8): "gather_over_grads"}
-    out = train_and_compare(plans, 8, TwinCandidate("broken MXFP8"), _faulty_worker, faults)
+    late = _BrokenMXFP8Candidate(stages=_LateGatherStages)
+    out = train_and_compare(plans, 8, {"ceil_scales": _BrokenMXFP8Candidate(stages=_CeilStages),
+                                       "gather_over_grads": late, "gather_without_reuse": late})
     for name in ("ceil_scales", "gather_over_grads"):
         report, _, passed, _ = out[name]
         assert not passed and report["verdict"].startswith("FAIL"), name
@@ -204,13 +226,13 @@ def test_an_mxfp8_param_a_rank_did_not_report_fails():
     naming the missing one (matching bits on the reported ones are not enough)."""
     from types import SimpleNamespace
 
-    from verify.preflight.twin_compare import StepRow
-    from verify.preflight.twin_mxfp8 import compare_mxfp8_params
+    from verify.preflight.twin.compare import StepRow, compare_mxfp8_params
+    from verify.preflight.twin.results import OptimRankResult
 
     bits = (torch.tensor([127], dtype=torch.uint8), torch.tensor([1, 2], dtype=torch.uint8))
     reference = SimpleNamespace(mxfp8=[{"stage0.layers.0.weight": bits, "stage0.layers.0.bias": bits}])
     case = SimpleNamespace(tp_size=1, spec=SimpleNamespace(tensor_parallel=1))
-    rank = SimpleNamespace(dp_rank=0, tp_rank=0, mxfp8=[{"stage0.layers.0.weight": bits}])
+    rank = OptimRankResult(stage=0, dp_rank=0, mxfp8=[{"stage0.layers.0.weight": bits}])
     row = StepRow(step=0, microbatches=1, loss_max_ulp=0, grads_bitwise=1, grads_total=1,
                   grad_max_ulp=0, params_bitwise=1, params_total=1, param_max_ulp=0)
     compare_mxfp8_params(case, row, reference, [rank])

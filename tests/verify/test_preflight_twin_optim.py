@@ -4,24 +4,28 @@ The optimizer flags are parsed and validated as Megatron does (defaults from
 megatron/training/arguments.py). Multi-rank twins run in one spawned world
 (grids side by side) and are compared with refgrad.optim through the CLI's own
 code (:func:`finish_twin_report`). Deliberately broken optimizers (clipping
-skipped, the wrong loss-scale inverse) are installed in the ranks' processes
-only, and the twin must fail naming the step and the parameter.
+skipped, the wrong loss-scale inverse) are fastgrad candidates whose optimizer adapter
+builds a broken subclass of fastgrad's ``DistributedOptimizer`` (through the same seam as
+production), and the twin must fail naming the step and the parameter.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 
+from fastgrad.optim import DistributedOptimizer
 from tests.verify.preflight_launch import parsed_launch, preflight_config
 from tests.verify.twin_world import plan_layout, train_and_compare
+from verify.candidates import FastgradCandidate
+from verify.candidates.fastgrad.optimizer import FastgradOptimizer
 from verify.preflight.cli import build_report
 from verify.preflight.config import ConfigError
 from verify.preflight.flags import FlagError, parse_megatron_flags
 from verify.preflight.timing import CostInputs
-from verify.preflight.twin import TwinOptions, plan_twin
-from verify.preflight.twin_optim import AdamWTwin, adamw_twin_for
-from verify.preflight.twin_precision import TwinPrecision
-from verify.preflight.twin_worker import TwinCandidate, twin_phases_worker
+from verify.preflight.twin import AdamWTwin, TwinOptions, TwinPrecision, plan_twin
+from verify.preflight.twin.adamw import adamw_twin_for
 
 MODEL = ["--micro-batch-size", "1", "--num-layers", "8", "--hidden-size", "64",
          "--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings", "16",
@@ -117,12 +121,13 @@ def test_twin_settings_follow_the_configuration():
     assert twin.precision == TwinPrecision("fp16", "fp16") and twin.loss_scale == 1024 and gaps == []
     twin, _ = adamw_twin_for(_config(CONSTANT_SCALE)[0])
     assert twin.max_grad_norm is None and twin.loss_scale == 1024 and not twin.dynamic
-    assert twin.scaler().min_scale == 1024  # a constant scale never backs off
+    assert twin.loss_scaling.min_scale == 1024 and not twin.loss_scaling.dynamic  # never backs off
     # A scale that is not a power of two would round when unscaled: listed, twin unscaled.
     twin, gaps = adamw_twin_for(_config(CONSTANT_SCALE + ["--loss-scale", "1000"])[0])
     assert twin.loss_scale is None and "not a power of two" in gaps[0]
     plan = plan_twin(_config(CLIPPED_FP16)[0], STEPS)
-    assert plan.rank_optimizer is plan.adamw
+    # the ranks step the AdamW settings of the configuration at its precision (fp16)
+    assert plan.training == adamw_twin_for(_config(CLIPPED_FP16)[0], TwinPrecision("fp16", "fp16"))[0]
     assert not any("clipping" in g or "param-gather" in g or "SGD" in g for g in plan.not_twinned)
     rows = {m[0]: m[1:] for m in plan.mapping}
     assert rows["gradient clipping"][0] == "global norm <= 0.3"
@@ -172,12 +177,13 @@ def test_clipping_triggered_and_the_scale_followed_megatrons_scaler(twins):
     assert [s["loss_scale"] for s in constant] == [1024.0] * 3
     # VPP 2: one norm over both chunks (one optimizer), clipped every step at 0.1.
     inter = twins["interleaved"]
-    assert inter[1].optimizer == "adamw" and inter[1].case.virtual_stages == 2
+    assert isinstance(inter[1].training, AdamWTwin) and inter[1].case.virtual_stages == 2
     assert all(s["clipped"] for s in inter[0]["twin"]["steps"])
     # No distributed optimizer: every rank steps every param over the all-reduced grads.
     replicated = twins["replicated"]
-    assert not replicated[1].case.use_distributed_optimizer and replicated[1].optimizer == "adamw"
-    assert "ReplicatedOptimizer" in dict((m[0], m[2]) for m in replicated[1].mapping)["optimizer"]
+    assert not replicated[1].case.use_distributed_optimizer
+    assert isinstance(replicated[1].training, AdamWTwin)
+    assert "replicated optimizer" in dict((m[0], m[2]) for m in replicated[1].mapping)["optimizer"]
     assert all(s["clipped"] for s in replicated[0]["twin"]["steps"])
     assert not any("SGD" in g for name in twins for g in twins[name][1].not_twinned)
     # window 1: x2 after each clean step, from 256.
@@ -197,44 +203,66 @@ def test_overlapped_param_gather_is_waited_in_the_forward_pre_hooks(twins):
 # --------------------------------------------------------------------------- broken optimizers
 
 
-def _install_fault(fault: str) -> None:
-    """Break fastgrad's DistributedOptimizer in this process only."""
-    from fastgrad.optim.distributed import DistributedOptimizer
+class _UnclippedOptimizer(DistributedOptimizer):
+    """fastgrad's DistributedOptimizer with its clip dropped at every step."""
 
-    if fault == "skip_clip":
-        step = DistributedOptimizer.step
-
-        def unclipped(self):
-            self.max_grad_norm = None
-            return step(self)
-
-        DistributedOptimizer.step = unclipped
-    elif fault == "double_unscale":
-        from fastgrad.optim.step_paths import FusedCpuPath, TorchOpsPath
-
-        for path in (FusedCpuPath, TorchOpsPath):  # whichever this rank's optimizer takes
-            def wrong_inverse(self, configs, steps, inv_scale, clip, update=path.update):
-                return update(self, configs, steps, None if inv_scale is None else inv_scale * 2, clip)
-
-            def wrong_norm(self, inv_scale, local_norm=path.local_norm):
-                return local_norm(self, None if inv_scale is None else inv_scale * 2)
-
-            path.update, path.local_norm = wrong_inverse, wrong_norm
+    def step(self, closure=None):
+        self.max_grad_norm = None
+        return super().step(closure)
 
 
-def _faulty_worker(rank: int, world_size: int, phases: list, faults: dict) -> list:
-    for (lo, hi), fault in faults.items():
-        if lo <= rank < hi:
-            _install_fault(fault)
-    return twin_phases_worker(rank, world_size, phases)
+class _DoubledInverse:
+    """A step path (fused CPU kernels or torch ops) unscaling by 2/S instead of 1/S, in the
+    update and in the norm."""
+
+    def __init__(self, path) -> None:
+        self._path = path
+
+    def update(self, configs, steps, inv_scale, clip):
+        return self._path.update(configs, steps, None if inv_scale is None else inv_scale * 2, clip)
+
+    def local_norm(self, inv_scale):
+        return self._path.local_norm(None if inv_scale is None else inv_scale * 2)
+
+    def __getattr__(self, name):
+        return getattr(self._path, name)
+
+
+class _WrongInverseOptimizer(DistributedOptimizer):
+    """fastgrad's DistributedOptimizer over a path with the wrong loss-scale inverse."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.path = _DoubledInverse(self.path)
+
+
+@dataclass(frozen=True)
+class _BrokenOptimizer(FastgradOptimizer):
+    broken: type[DistributedOptimizer] = _UnclippedOptimizer
+
+    def optimizer_class(self, stages):
+        return self.broken
+
+
+@dataclass(frozen=True)
+class _BrokenOptimizerCandidate(FastgradCandidate):
+    """fastgrad whose optimizer is ``broken`` (a subclass of its DistributedOptimizer)."""
+
+    name = "fastgrad (broken optimizer)"
+    broken: type[DistributedOptimizer] = _UnclippedOptimizer
+
+    def optimizer(self):
+        return _BrokenOptimizer(self.broken)
 
 
 @pytest.mark.dist
 def test_a_skipped_clip_or_a_wrong_loss_scale_inverse_fails_naming_step_and_parameter():
-    plans = _plans({"skip_clip": (CLIPPED_FP16, 0), "double_unscale": (GROWING_SCALE, 4)})
-    out = train_and_compare(plans, 6, TwinCandidate("broken optimizer"), _faulty_worker,
-                            {(0, 4): "skip_clip", (4, 6): "double_unscale"})
-    for name in plans:
+    out = {}
+    for name, flags, broken in (("skip_clip", CLIPPED_FP16, _UnclippedOptimizer),
+                                ("double_unscale", GROWING_SCALE, _WrongInverseOptimizer)):
+        out |= train_and_compare(_plans({name: (flags, 0)}), 4 if name == "skip_clip" else 2,
+                                 _BrokenOptimizerCandidate(broken=broken))
+    for name in out:
         report, _, passed, _ = out[name]
         assert not passed and report["verdict"].startswith("FAIL"), name
     skip = out["skip_clip"][0]["twin"]["failures"]

@@ -7,23 +7,31 @@ grads overflow, so the scaler's skip, hysteresis and backoff run on the ranks.
 At TP 2 (``refgrad.pipeline_tp_mixed``) the bf16 twin runs with and without
 sequence parallelism, tied (the first layer vocab-parallel). Deliberately
 broken fastgrads (grads accumulated through the param dtype into the fp32
-main-grad buffer; at TP 2 the output layer's dgrad summed over TP in fp32, the
-sequence-parallel grads rounded to bf16 before their TP all-reduce, or under SP
-the tied first layer's wgrad taken on its own sequence shard's rows without the
-all-gather of the output grad) must make the twin FAIL naming step and parameter.
+main-grad buffer: a candidate whose stages build a broken DDP subclass; at TP 2 the
+output layer's dgrad summed over TP in fp32, the sequence-parallel grads rounded to bf16
+before their TP all-reduce, or under SP the tied first layer's wgrad taken on its own
+sequence shard's rows without the all-gather of the output grad: fastgrad's autograd
+functions and module function replaced in those ranks' processes, which no adapter class
+exposes) must make the twin FAIL naming step and parameter.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 
+from fastgrad.ddp import DistributedDataParallel
 from tests.verify.test_preflight_twin_optim import STEPS, _config, _plans
 from tests.verify.twin_world import train_and_compare
-from verify.preflight.twin import plan_twin
-from verify.preflight.twin_compare import reference_for
-from verify.preflight.twin_precision import TwinPrecision, precision_for
-from verify.preflight.twin_worker import TwinCandidate, twin_phases_worker
+from verify.candidates import FastgradCandidate
+from verify.candidates.fastgrad.pipeline import FastgradPipeline, with_fault_groups
+from verify.candidates.fastgrad.stages import FastgradStages
+from verify.preflight.twin import TwinPrecision, plan_twin
+from verify.preflight.twin.precision import precision_for
+from verify.preflight.twin.rank import twin_phases_worker
+from verify.preflight.twin.reference import reference_for
 
 # PP2 DP2 M4, tied embedding, distributed optimizer, both overlaps: bf16 params with
 # Megatron's default fp32 main grads (the usual production setup).
@@ -89,7 +97,7 @@ def test_the_twin_takes_the_configurations_param_and_grad_dtypes(flags, params, 
     config, _ = _config(["--pipeline-model-parallel-size", "2", "--world-size", "4",
                          "--global-batch-size", "8"] + flags)
     plan = plan_twin(config, STEPS)
-    assert plan.adamw.precision == TwinPrecision(params, grads)
+    assert plan.training.precision == TwinPrecision(params, grads)
     assert plan.case.dp_size == 2 and plan.bitwise
     assert not any("computes in fp32" in g or "reduces fp32 grads" in g for g in plan.not_twinned)
     rows = {m[0]: m[1:] for m in plan.mapping}
@@ -105,7 +113,7 @@ def test_the_tp2_twin_keeps_16_bit_params_and_the_grad_dtype(flags):
     # under SP too (its partials reduce-scattered along the sequence in 16 bits).
     assert spec.tied_embedding and spec.vocab_parallel_embedding
     grads = "bf16" if "--grad-reduce-in-bf16" in flags else "fp32"
-    assert plan.adamw.precision == TwinPrecision("bf16", grads) and plan.bitwise
+    assert plan.training.precision == TwinPrecision("bf16", grads) and plan.bitwise
     assert not any("computes in fp32" in g or "TP > 1: the twin reduces" in g
                    for g in plan.not_twinned)
     rows = {m[0]: m[1:] for m in plan.mapping}
@@ -207,7 +215,7 @@ def test_16_bit_twin_matches_refgrad_bitwise(twins, name):
         assert s["grads_bitwise"] == s["grads_total"] > 0
         assert s["params_bitwise"] == s["params_total"]
         assert s["state_bitwise"] == s["state_total"] == 3 * s["params_total"]
-    precision = plan.adamw.precision
+    precision = plan.training.precision
     for res in (r for r in results if r is not None):  # the ranks really ran 16 bits
         assert {p.dtype for p in res.params[0].values()} == {precision.param_dtype}
         assert {g.dtype for g in res.grads[0].values()} == {precision.grad_dtype}
@@ -232,7 +240,7 @@ def test_the_16_bit_pp1_twin_keeps_the_tied_weight_as_one(twins):
 def test_fp16_overflow_skips_the_step_backs_off_after_the_hysteresis_and_keeps_the_params(twins):
     report, plan, passed, results = twins["fp16_overflow"]
     assert passed, report["twin"]["failures"][:3]
-    reference = reference_for(plan)
+    reference = reference_for(plan.case, plan.training)
     # refgrad's fp16 grads: non-finite at 2^19 (steps 0 and 1), finite at 2^18 (step 2).
     finite = [all(bool(g.isfinite().all()) for g in step.values()) for step in reference.grads]
     assert finite == [False, False, True]
@@ -264,31 +272,38 @@ def _initial_params(plan) -> dict:
 # --------------------------------------------------------------------------- broken fastgrad
 
 
-def _accumulate_through_the_param_dtype() -> None:
-    """Break fastgrad's DDP in this process only: before each add, the fp32 main grad is
-    rounded to the (16-bit) grad's dtype, i.e. grads accumulate in the wrong dtype."""
-    from fastgrad.ddp import DistributedDataParallel
+class _AccumulatingInTheParamDtype(DistributedDataParallel):
+    """fastgrad's DDP, except that before each add the fp32 main grad is rounded to the
+    (16-bit) grad's dtype, i.e. grads accumulate in the wrong dtype."""
 
-    add = DistributedDataParallel._on_grad_accumulated
-
-    def wrong(self, param):
+    def _on_grad_accumulated(self, param):
         if param.grad is not None and param.main_grad.dtype != param.grad.dtype:
             param.main_grad.copy_(param.main_grad.to(param.grad.dtype))
-        return add(self, param)
-
-    DistributedDataParallel._on_grad_accumulated = wrong
+        return super()._on_grad_accumulated(param)
 
 
-def _faulty_worker(rank: int, world_size: int, phases: list) -> list:
-    _accumulate_through_the_param_dtype()
-    return twin_phases_worker(rank, world_size, phases)
+class _WrongDtypeStages(FastgradStages):
+    ddp_class = _AccumulatingInTheParamDtype
+
+
+@dataclass(frozen=True)
+class _WrongDtypePipeline(FastgradPipeline):
+    def model(self, case, grid, settings):
+        return _WrongDtypeStages(case, with_fault_groups(case, grid, self.fault), settings, self.fault)
+
+
+@dataclass(frozen=True)
+class _WrongDtypeCandidate(FastgradCandidate):
+    name = "fastgrad (bf16-accumulating DDP)"
+
+    def pipeline(self):
+        return _WrongDtypePipeline(fault=self.injected_fault)
 
 
 @pytest.mark.dist
 def test_grads_accumulated_in_the_param_dtype_fail_naming_step_and_parameter():
     plans = _plans({"bf16": (BF16, 0)})
-    report, _, passed, _ = train_and_compare(plans, 4, TwinCandidate("bf16-accumulating DDP"),
-                                             _faulty_worker)["bf16"]
+    report, _, passed, _ = train_and_compare(plans, 4, _WrongDtypeCandidate())["bf16"]
     assert not passed and report["verdict"].startswith("FAIL: ")
     failures = report["twin"]["failures"]
     assert any(f.startswith("step 0: reduced gradient stage0.layers.0.weight (replica 0) differs")
@@ -343,7 +358,7 @@ def _faulty_tp_worker(rank: int, world_size: int, phases: list) -> list:
 @pytest.mark.dist
 def test_a_tp2_dgrad_or_sp_grad_sum_in_the_wrong_dtype_fails_naming_step_and_parameter():
     plans = _plans({"tp2_bf16": (TP2_BF16, 0), "tp2_sp_bf16": (TP2_SP_BF16, 4)})
-    twins = train_and_compare(plans, 8, TwinCandidate("TP sums in the wrong dtype"), _faulty_tp_worker)
+    twins = train_and_compare(plans, 8, None, _faulty_tp_worker)
     for name in plans:
         report, _, passed, _ = twins[name]
         assert not passed and report["verdict"].startswith("FAIL: "), name
@@ -402,7 +417,7 @@ def _faulty_embedding_worker(rank: int, world_size: int, phases: list) -> list:
 @pytest.mark.dist
 def test_a_tied_sp_embedding_wgrad_on_its_own_rows_fails_naming_step_and_parameter():
     plans = _plans({"tp2_sp_bf16": (TP2_SP_BF16, 0)})
-    report, _, passed, _ = train_and_compare(plans, 4, TwinCandidate("SP embedding wgrad"),
+    report, _, passed, _ = train_and_compare(plans, 4, None,
                                              _faulty_embedding_worker)["tp2_sp_bf16"]
     assert not passed and report["verdict"].startswith("FAIL: ")
     failures = report["twin"]["failures"]

@@ -2,7 +2,7 @@
 
 A layout maps a name to ``(flags, first rank[, phase])``: each twin's ranks start at
 ``first rank`` of the world, and twins of one phase run side by side on disjoint ranks
-(``verify.preflight.twin_worker.twin_phases_worker``); phases run one after another.
+(``verify.preflight.twin.rank.twin_phases_worker``); phases run one after another.
 """
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ from dataclasses import replace
 from typing import Any
 
 from tests.distributed_utils import run_distributed
-from verify.preflight.twin import TwinOptions, plan_twin
-from verify.preflight.twin_stage import finish_twin_report
-from verify.preflight.twin_worker import TwinCandidate, twin_phases_worker
+from verify.candidates import FastgradCandidate
+from verify.candidates.api import Candidate
+from verify.preflight.twin import TwinOptions, finish_twin_report, plan_twin
+from verify.preflight.twin.rank import TwinRun, twin_phases_worker
 
 
 def plan_layout(layout: dict, config_for: Callable[[list[str]], tuple[Any, dict]],
@@ -31,30 +32,34 @@ def plan_layout(layout: dict, config_for: Callable[[list[str]], tuple[Any, dict]
     return plans
 
 
-def phases_of(plans: dict, candidate: TwinCandidate | None = None) -> list:
-    """The ``twin_phases_worker`` argument: per phase, each twin's case and rank settings."""
-    phases = [[] for _ in range(1 + max(p[3] for p in plans.values()))]
-    for _, _, plan, phase, _ in plans.values():
-        phases[phase].append((plan.case, plan.overlap, candidate or TwinCandidate(),
-                              plan.rank_optimizer))
+def phases_of(plans: dict, candidates: dict[str, Candidate]) -> list[list[TwinRun]]:
+    """The ``twin_phases_worker`` argument: per phase, each twin's run by its candidate."""
+    phases: list[list[TwinRun]] = [[] for _ in range(1 + max(p[3] for p in plans.values()))]
+    for name, (_, _, plan, phase, _) in plans.items():
+        phases[phase].append(TwinRun(plan.case, plan.overlap, plan.training, candidates[name]))
     return phases
 
 
-def finish(plans: dict, ranks: list, candidate: TwinCandidate) -> dict:
+def finish(plans: dict, ranks: list, candidates: dict[str, Candidate]) -> dict:
     """name -> (report, plan, passed, results of the twin's ranks): each compared with refgrad."""
     out = {}
     for name, (config, report, plan, phase, index) in plans.items():
         results = [r[phase][index] for r in ranks]
         passed = finish_twin_report(config, plan, results, report, where="test world",
-                                    candidate=candidate)
+                                    candidate=candidates[name])
         out[name] = (report, plan, passed, [r for r in results if r is not None])
     return out
 
 
-def train_and_compare(plans: dict, world_size: int, candidate: TwinCandidate | None = None,
+def train_and_compare(plans: dict, world_size: int,
+                      candidate: Candidate | dict[str, Candidate] | None = None,
                       worker: Callable[..., list] = twin_phases_worker, *worker_args: Any) -> dict:
-    """Train every twin of ``plans`` in one spawned world of ``world_size`` gloo ranks
-    (``worker(rank, world_size, phases, *worker_args)``: a faulty one breaks fastgrad inside
-    its ranks), then compare each with refgrad (:func:`finish`; ``candidate`` names it)."""
-    ranks = run_distributed(worker, world_size, phases_of(plans), *worker_args, timeout_s=300)
-    return finish(plans, ranks, candidate or TwinCandidate())
+    """Train every twin of ``plans`` by ``candidate`` (one for all, or one per name; fastgrad's
+    by default; a deliberately broken one goes through the same seam) in one spawned world of
+    ``world_size`` gloo ranks (``worker(rank, world_size, phases, *worker_args)``), then
+    compare each with refgrad (:func:`finish`)."""
+    if not isinstance(candidate, dict):
+        candidate = {name: candidate or FastgradCandidate() for name in plans}
+    ranks = run_distributed(worker, world_size, phases_of(plans, candidate), *worker_args,
+                            timeout_s=300)
+    return finish(plans, ranks, candidate)

@@ -6,9 +6,10 @@ Stages of :func:`main` (each returns or raises):
    validated :class:`~verify.preflight.config.PreflightConfig` (exit 2 on a rule
    production enforces, nothing run);
 2. the paper figures (:func:`build_report`);
-3. the scaled twin (:mod:`verify.preflight.twin_stage`): trained with fastgrad
-   on real ranks and compared with refgrad after every step, then production's
-   hazards for the configuration (``--no-twin``: paper figures and hazards only);
+3. the scaled twin (:mod:`verify.preflight.twin`): trained by each ``--candidate``
+   (fastgrad by default, Megatron-Core with ``--candidate megatron-core``) on real ranks
+   and compared with refgrad after every step, then production's hazards for the
+   configuration (``--no-twin``: paper figures and hazards only);
 4. output: verdict line, tables, ``--json``/``--markdown``.
 
 Exit codes: 0 pass, 1 numerical failure (the twin differs from refgrad), 2
@@ -23,9 +24,11 @@ import argparse
 import os
 import sys
 import traceback
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from importlib import metadata
 
+from verify.candidates.api import Candidate
+from verify.candidates.registry import CANDIDATES, DEFAULT_CANDIDATE, candidate_named
 from verify.env import fingerprint
 from verify.outputs import OutputPathError, check_output_paths
 from verify.preflight.config import ConfigError, PreflightConfig
@@ -49,9 +52,14 @@ from verify.preflight.paper import (
 from verify.preflight.render import print_terminal, write_outputs
 from verify.preflight.resolve import resolve
 from verify.preflight.timing import CostInputs, pipeline_timing
-from verify.preflight.twin import TwinOptions, TwinSizeError, plan_twin
-from verify.preflight.twin_stage import TwinRunError, paper_only_hazards, run_twin_stage
-from verify.preflight.twin_worker import TwinCandidate
+from verify.preflight.twin import (
+    TwinOptions,
+    TwinRunError,
+    TwinSizeError,
+    paper_only_hazards,
+    plan_twin,
+    run_twin_stage,
+)
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ERROR = 0, 1, 2, 3
 INTERRUPTED_NOTE = "interrupted (Ctrl-C)"
@@ -103,6 +111,10 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                       help="stall timeout of the twin's ranks in seconds: an error when none "
                            "made progress (marker or CPU time) for that long")
     twin.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
+    twin.add_argument("--candidate", action="append", choices=sorted(CANDIDATES), metavar="NAME",
+                      help=f"the implementation that trains the twin ({', '.join(CANDIDATES)}; "
+                           f"default {DEFAULT_CANDIDATE}); repeat it for one report with a "
+                           "section per candidate")
     modelled = sorted({flag_of(dest, {}) for dest in MODELLED})
     parser.epilog = (f"Every flag of {MEGATRON_LM}'s parse_args is read as it reads it; these "
                      "are modelled: " + " ".join(modelled) + ". Flags that would change the "
@@ -172,9 +184,20 @@ def twin_options(args: argparse.Namespace) -> TwinOptions:
                        max_world_size=args.max_world_size, timeout_s=args.timeout)
 
 
+def twin_candidates(args: argparse.Namespace) -> tuple[Candidate, ...]:
+    """The ``--candidate`` flags in order (fastgrad without one); ValueError on a repeat."""
+    names = list(getattr(args, "candidate", None) or [DEFAULT_CANDIDATE])
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"--candidate {repeated[0]} is given more than once (one section per "
+                         "candidate)")
+    return tuple(candidate_named(n) for n in names)
+
+
 def main(args: argparse.Namespace, environ: Mapping[str, str] | None = None,
-         candidate: TwinCandidate | None = None) -> int:
-    """Run the stages; returns the exit code. ``candidate``: the fastgrad the twin runs (tests)."""
+         candidates: Sequence[Candidate] | None = None) -> int:
+    """Run the stages; returns the exit code. ``candidates``: the implementations the twin runs
+    (tests' deliberately broken ones; default: the ``--candidate`` flags)."""
     environ = os.environ if environ is None else environ
     try:  # preflight's own options first: a bad one is not the configuration's fault
         check_output_paths([("--json", args.json), ("--markdown", args.markdown)])
@@ -183,6 +206,7 @@ def main(args: argparse.Namespace, environ: Mapping[str, str] | None = None,
                            assumed_tflops=args.assumed_tflops,
                            assumed_bus_gbps=args.assumed_bus_gbps)
         options = twin_options(args)
+        chosen = tuple(candidates) if candidates is not None else twin_candidates(args)
         parsed = read_flags(args, frozenset(own_options()))
     except (OutputPathError, ValueError) as exc:
         refused = ("the launch's flags are refused" if isinstance(exc, FlagError)
@@ -207,15 +231,17 @@ def main(args: argparse.Namespace, environ: Mapping[str, str] | None = None,
             print(f"verify preflight: error: {exc}", file=sys.stderr)
             return EXIT_USAGE
     report = build_report(config, parsed, costs)
-    twin_error = None
+    twin_error = partial_error = None
     if args.no_twin:
         paper_only_hazards(config, report)
     else:
         try:
-            verdict = run_twin_stage(config, options, report, environ=environ, candidate=candidate,
+            verdict = run_twin_stage(config, options, report, environ=environ, candidates=chosen,
                                      progress=False if args.no_progress else None)
             if verdict is None:  # a torchrun rank other than 0: rank 0 reports
                 return EXIT_OK
+            # One candidate's ranks failed beside others that finished: their sections stand.
+            partial_error = report.pop("twin_error", None)
         except TwinRunError as exc:
             twin_error = str(exc)
         except KeyboardInterrupt:
@@ -244,7 +270,7 @@ def main(args: argparse.Namespace, environ: Mapping[str, str] | None = None,
         print("ERROR: verify preflight could not finish", file=sys.stderr)
         print(f"verify preflight: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
-    if twin_error is not None:
-        print(f"verify preflight: error: {twin_error}", file=sys.stderr)
+    if twin_error is not None or partial_error is not None:
+        print(f"verify preflight: error: {twin_error or partial_error}", file=sys.stderr)
         return EXIT_ERROR
     return EXIT_OK if report["passed"] else EXIT_FAILED

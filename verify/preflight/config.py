@@ -19,6 +19,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from fastgrad.parallel_dims import ParallelDims
 from verify.preflight.flags import MEGATRON_LM, flag_of
 from verify.preflight.pipeline_split import (
     PipelineSplit,
@@ -58,14 +59,37 @@ def flag_name(attribute: str, spelling: Mapping[str, str]) -> str:
     return flag_of(_DEST.get(attribute, attribute), spelling)
 
 
+def parallel_dims(tp: int, pp: int, vpp: int, dp: int, cp: int, sequence_parallel: bool,
+                  spelling: Mapping[str, str]) -> ParallelDims:
+    """The grid's sizes as one :class:`ParallelDims`, each size checked first under the flag
+    that set it (ConfigError names the flag and Megatron's rule)."""
+    sizes = (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
+             ("virtual_pipeline_model_parallel_size", vpp), ("data_parallel_size", dp),
+             ("context_parallel_size", cp))
+    for attribute, value in sizes:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{flag_name(attribute, spelling)} must be a positive integer, "
+                              f"got {value!r}")
+    if vpp > 1 and pp < 2:  # validate_args: interleaving needs PP > 1 (> 2 without p2p overlap)
+        raise ConfigError(f"{flag_name('virtual_pipeline_model_parallel_size', spelling)} (VPP "
+                          f"{vpp}, interleaved schedule) requires "
+                          f"{flag_name('pipeline_model_parallel_size', spelling)} >= 2, got {pp}")
+    if sequence_parallel and tp == 1:
+        raise ConfigError(f"{flag_name('sequence_parallel', spelling)} needs "
+                          f"{flag_name('tensor_model_parallel_size', spelling)} > 1")
+    return ParallelDims(tp_size=tp, cp_size=cp, dp_size=dp, pp_size=pp, vpp_size=vpp,
+                        sequence_parallel=sequence_parallel)
+
+
 @dataclass(frozen=True)
 class PreflightConfig:
-    """Resolved Megatron settings (Megatron's attribute names); validates itself."""
+    """Resolved Megatron settings (Megatron's attribute names); validates itself.
 
-    tensor_model_parallel_size: int
-    pipeline_model_parallel_size: int
-    virtual_pipeline_model_parallel_size: int  # 1 = no interleaving
-    data_parallel_size: int  # world / (TP x PP x CP)
+    ``dims`` is the one carrier of the grid's sizes (TP, CP, DP = world / (TP x PP x CP),
+    PP, VPP model chunks per pipeline rank with 1 = no interleaving, and sequence
+    parallelism); the Megatron-named sizes below are read-only views of it."""
+
+    dims: ParallelDims
     data_parallel_source: str  # how the DP size was derived
     micro_batch_size: int
     global_batch_size: int
@@ -98,7 +122,6 @@ class PreflightConfig:
     fp8_recipe: str | None  # None without FP8
     fp8_param_gather: bool
     reuse_grad_buf_for_mxfp8_param_ag: bool
-    sequence_parallel: bool
     gradient_accumulation_fusion: bool
     seed: int
     world_size: int | None = None
@@ -109,7 +132,6 @@ class PreflightConfig:
     min_loss_scale: float = DEFAULT_MIN_LOSS_SCALE
     loss_scale_window: int = DEFAULT_LOSS_SCALE_WINDOW
     hysteresis: int = DEFAULT_HYSTERESIS
-    context_parallel_size: int = 1
     account_for_embedding_in_pipeline_split: bool = False
     account_for_loss_in_pipeline_split: bool = False
     decoder_first_pipeline_num_layers: int | None = None
@@ -125,7 +147,39 @@ class PreflightConfig:
         return flag_name(attribute, self.spelling)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.dims, ParallelDims):
+            raise TypeError(f"PreflightConfig.dims must be a ParallelDims, got "
+                            f"{type(self.dims).__name__}")
+        if self.dims.built:
+            raise ValueError("PreflightConfig.dims must be sizes only (a configuration on paper)")
         check_config(self)
+
+    # Megatron's names for the sizes of ``dims`` (read-only).
+    @property
+    def tensor_model_parallel_size(self) -> int:
+        return self.dims.tp_size
+
+    @property
+    def pipeline_model_parallel_size(self) -> int:
+        return self.dims.pp_size
+
+    @property
+    def virtual_pipeline_model_parallel_size(self) -> int:
+        """Model chunks per pipeline rank (1 = no interleaving)."""
+        return self.dims.vpp_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        """world / (TP x PP x CP)."""
+        return self.dims.dp_size
+
+    @property
+    def context_parallel_size(self) -> int:
+        return self.dims.cp_size
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.dims.sequence_parallel
 
     @property
     def shape(self) -> str:
@@ -208,7 +262,12 @@ class PreflightConfig:
 
     def to_dict(self) -> dict:
         """JSON-ready settings, with the derived microbatch count and layers per stage and chunk."""
-        out = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in ("spelling",)}
+        sizes = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                 "virtual_pipeline_model_parallel_size", "data_parallel_size",
+                 "context_parallel_size", "sequence_parallel")
+        out = {k: getattr(self, k) for k in sizes}
+        out |= {k: getattr(self, k) for k in self.__dataclass_fields__
+                if k not in ("spelling", "dims")}
         out["notes"] = list(self.notes)
         out["num_microbatches"] = self.num_microbatches
         out["data_context_parallel_size"] = self.data_context_parallel_size
@@ -422,4 +481,5 @@ def _check_optimizer(c: PreflightConfig) -> None:
             raise ConfigError(f"{n(attribute)} must be a positive integer, got {value!r}")
 
 
-__all__ = ["ConfigError", "DTYPE_BYTES", "PreflightConfig", "flag_name", "pad_vocab_size"]
+__all__ = ["ConfigError", "DTYPE_BYTES", "PreflightConfig", "flag_name", "pad_vocab_size",
+           "parallel_dims"]

@@ -42,7 +42,7 @@ def _is_power_of_two(n: int) -> bool:
 
 def decide_hazards(config: PreflightConfig, *, padding_elements: int = 0,
                    twin_ran: bool = False, twin_passed: bool = False,
-                   twin_has_head: bool = False) -> list[Hazard]:
+                   twin_has_head: bool = False, twin_candidates: str = "fastgrad") -> list[Hazard]:
     """Every hazard for ``config``; ``padding_elements`` from the paper layout (all chunks).
 
     A changing microbatch count (Megatron-Core learns its grad-ready counts on the first
@@ -52,7 +52,7 @@ def decide_hazards(config: PreflightConfig, *, padding_elements: int = 0,
     m, pp, dp = (config.num_microbatches, config.pipeline_model_parallel_size,
                  config.data_context_parallel_size)
     out: list[Hazard] = []
-    observed = ("the twin ran the drain with fastgrad and matched refgrad"
+    observed = (f"the twin ran the drain with {twin_candidates} and matched refgrad"
                 if twin_ran and twin_passed and twin_has_head else "")
     # 1. Drain with 0 or 1 entries (Megatron: one entry -> UnboundLocalError, zero -> IndexError).
     n = deferred_entries(config, m)

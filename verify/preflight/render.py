@@ -121,13 +121,30 @@ def report_tables(report: dict) -> Tables:
     return tables
 
 
+def twin_sections(report: dict) -> list[dict]:
+    """Every candidate's twin section (one without ``--candidate``, or in an older report)."""
+    return report.get("twins") or [report["twin"]]
+
+
 def twin_tables(report: dict) -> Tables:
-    """The twin's per-step parity table and how it maps the configuration (if it ran)."""
+    """The candidates, then per candidate the twin's per-step parity table, its documented
+    differences from refgrad's spec and how it maps the configuration (where it ran)."""
     tables: Tables = []
-    twin = report["twin"]
-    if twin.get("run"):
+    sections = twin_sections(report)
+    named = [t for t in sections if "candidate" in t]
+    if named:
+        tables.append(("Twin candidates (the implementation each twin trained with)",
+                       ["candidate", "version", "redirected on this device", "twin"],
+                       [[t["candidate"], t["candidate_info"]["version"],
+                         "; ".join(r.split(":")[0] for r in t["candidate_info"]["redirects"])
+                         or "nothing",
+                         _twin_result(t)] for t in named]))
+    for twin in sections:
+        if not twin.get("run"):
+            continue
+        tag = f"{twin['candidate']}: " if len(sections) > 1 else ""
         claim = "bitwise" if twin["bitwise"] else "bound"
-        tables.append((f"Twin vs refgrad after every step ({claim}: {twin['order_note']})",
+        tables.append((f"{tag}Twin vs refgrad after every step ({claim}: {twin['order_note']})",
                        ["step", "M", "loss max ULP", "grads bitwise", "grad max ULP",
                         "params bitwise", "param max ULP", "opt. state bitwise", "grad norm (clip)",
                         "result"],
@@ -143,9 +160,34 @@ def twin_tables(report: dict) -> Tables:
                         for r in twin["steps"]]))
         if any(r.get("mxfp8_total") for r in twin["steps"]):
             tables.append(_mxfp8_table(twin["steps"]))
-        tables.append(("Scaled twin: production vs twin", ["setting", "production", "twin"],
+        if twin.get("documented"):
+            tables.append((f"{tag}Documented behaviour of {twin['candidate']} (held to refgrad's "
+                           "model of it; its distance from refgrad's spec)",
+                           ["behaviour", "where", "distance from the spec"],
+                           [[d["summary"], d["where"], _distance(d)] for d in twin["documented"]]))
+        tables.append((f"{tag}Scaled twin: production vs twin", ["setting", "production", "twin"],
                        twin["mapping"]))
     return tables
+
+
+def _twin_result(twin: dict) -> str:
+    if not twin.get("run"):
+        return ("did not finish: " + twin["error"]) if "error" in twin else "not run: " + twin["skipped"]
+    return "matches refgrad" if twin["passed"] else "differs from refgrad"
+
+
+def _distance(documented: dict) -> str:
+    """How far the documented behaviour put the candidate from refgrad's spec."""
+    if not documented["compared"]:
+        return "not exercised by the twin"
+    text = f"{documented['differing']}/{documented['compared']} differ from the spec"
+    if documented["max_ulp"]:
+        text += f", max {documented['max_ulp']} ULP"
+    if documented["max_relative"]:
+        text += f", max relative {documented['max_relative']:.3g}"
+    if documented["bound"]:
+        text += f" (bound: {documented['bound']})"
+    return text
 
 
 def _mxfp8_table(steps: list[dict]) -> tuple[str, list[str], list[list[str]]]:
@@ -202,12 +244,15 @@ def _notes(report: dict) -> list[str]:
     lines = list(report["config"]["notes"]) + [report["bucket_rules"]]
     lines += [f"assumption: {a}" for a in report["pipeline"]["assumptions"]]
     lines.append(f"simulator: {report['pipeline']['model']}")
-    twin = report["twin"]
-    lines.append(twin["note"])
-    lines += _clipping_note(twin.get("steps", []))
-    lines += _overflow_note(twin.get("steps", []), report["config"].get("params_dtype", "fp32"))
-    lines += [f"not twinned: {item}" for item in twin.get("not_twinned", [])]
-    lines += [f"twin failure: {item}" for item in twin.get("failures", [])[:20]]
+    sections = twin_sections(report)
+    for twin in sections:
+        tag = f"{twin['candidate']}: " if len(sections) > 1 and "candidate" in twin else ""
+        lines.append(twin["note"])
+        lines += [tag + n for n in _clipping_note(twin.get("steps", []))]
+        lines += [tag + n for n in _overflow_note(twin.get("steps", []),
+                                                  report["config"].get("params_dtype", "fp32"))]
+        lines += [f"{tag}not twinned: {item}" for item in twin.get("not_twinned", [])]
+        lines += [f"{tag}twin failure: {item}" for item in twin.get("failures", [])[:20]]
     return lines
 
 

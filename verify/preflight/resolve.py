@@ -22,6 +22,7 @@ from verify.preflight.config import (
     PreflightConfig,
     flag_name,
     pad_vocab_size,
+    parallel_dims,
 )
 from verify.preflight.flags import ParsedFlags
 from verify.preflight.pipeline_split import SplitError, virtual_pipeline_size
@@ -223,8 +224,7 @@ def resolve(parsed: ParsedFlags, environ: Mapping[str, str],
     groups = v.get("num_query_groups", 1) if v.get("group_query_attention") else heads
     kv_channels = v.get("kv_channels", hidden // heads if heads > 0 else 0)
     return PreflightConfig(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp, data_parallel_size=dp,
+        dims=parallel_dims(tp, pp, vpp, dp, cp, sequence_parallel, spelling),
         data_parallel_source=f"world size {world} ({world_source}) / (TP x PP x CP)",
         micro_batch_size=mbs, global_batch_size=gbs,
         num_layers=num_layers, hidden_size=hidden, ffn_hidden_size=ffn,
@@ -250,10 +250,8 @@ def resolve(parsed: ParsedFlags, environ: Mapping[str, str],
         fp8_format=fp8_format, fp8_recipe=fp8_recipe,
         fp8_param_gather=bool(v.get("fp8_param_gather")),
         reuse_grad_buf_for_mxfp8_param_ag=bool(v.get("reuse_grad_buf_for_mxfp8_param_ag")),
-        sequence_parallel=sequence_parallel,
         gradient_accumulation_fusion=v.get("gradient_accumulation_fusion", True),
         seed=v.get("seed", 1234), world_size=world, world_size_source=world_source,
-        context_parallel_size=cp,
         account_for_embedding_in_pipeline_split=bool(v.get("account_for_embedding_in_pipeline_split")),
         account_for_loss_in_pipeline_split=bool(v.get("account_for_loss_in_pipeline_split")),
         decoder_first_pipeline_num_layers=first, decoder_last_pipeline_num_layers=last,

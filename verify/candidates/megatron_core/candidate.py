@@ -12,8 +12,10 @@ reduce_scatter     :meth:`MegatronCoreCandidate.grad_reduction` (its fp32-accumu
 deferred_wgrad     ``output_layer.MegatronDeferredWgrad``: ``ColumnParallelLinear`` and the
                    schedules' drain (driver: ``deferred_wgrad``)
 pipeline           ``pipeline_training.MegatronPipeline``: DDP under the 1F1B schedules
-                   (driver: ``pipeline``)
-optim              not behind the seam yet: ``optim.run_optim``
+                   (driver: ``pipeline``); the preflight twin's stages step by step
+                   (``twin_pipeline``, ``stages``)
+optim              ``optimizer.MegatronOptimizer``: ``get_megatron_optimizer`` over its DDP
+                   chunks (driver: ``optim``)
 mxfp8              Unsupported with the reason (``mxfp8``: Transformer Engine, CUDA only)
 =================  ==================================================================
 
@@ -51,6 +53,7 @@ from verify.candidates.megatron_core.version import installed, missing_reason
 
 if TYPE_CHECKING:
     from verify.candidates.megatron_core.bucket_layout import MegatronLayout
+    from verify.candidates.megatron_core.optimizer import MegatronOptimizer
     from verify.candidates.megatron_core.output_layer import MegatronDeferredWgrad
     from verify.candidates.megatron_core.pipeline_training import MegatronPipeline
 
@@ -162,14 +165,19 @@ class MegatronCoreCandidate(Candidate):
         return MegatronDeferredWgrad()
 
     def pipeline(self) -> MegatronPipeline:
-        """Megatron's DDP under its 1F1B schedules (``pipeline_training``)."""
+        """Megatron's DDP under its 1F1B schedules (``pipeline_training``): the pipeline
+        check's SGD training, and the preflight twin's stages under its own optimizer."""
         from verify.candidates.megatron_core.pipeline_training import MegatronPipeline
 
         self._require_installed(Technique.PIPELINE)
         return MegatronPipeline()
 
-    def optimizer(self):
-        raise self._not_wired(Technique.OPTIMIZER, "verify.candidates.megatron_core.optim")
+    def optimizer(self) -> MegatronOptimizer:
+        """``get_megatron_optimizer`` over its DDP chunks (``verify.candidates.megatron_core.optimizer``)."""
+        from verify.candidates.megatron_core.optimizer import MegatronOptimizer
+
+        self._require_installed(Technique.OPTIMIZER)
+        return MegatronOptimizer()
 
     def mxfp8(self) -> NoReturn:
         """Unsupported with the reason: Transformer Engine's MXFP8 needs CUDA (on a CPU

@@ -51,7 +51,6 @@ import torch.distributed as dist
 
 from refgrad.pipeline import HEAD_PARAM, StageModule, head_weight_init, sgd_update, stage_param_name
 from refgrad.pipeline_tp import stage_loss
-from verify.candidates.api import Technique, Unsupported
 from verify.candidates.api.pipeline import (
     ParallelDims,
     PipelineCase,
@@ -63,14 +62,8 @@ from verify.candidates.api.pipeline import (
 )
 from verify.candidates.megatron_core.bucket_layout import fake_group
 from verify.candidates.megatron_core.scope import MegatronScope
+from verify.candidates.megatron_core.twin_pipeline import StagesForOptimizer, unsupported
 from verify.candidates.megatron_core.version import installed
-
-CANDIDATE = "megatron-core"
-
-
-def unsupported(reason: str) -> Unsupported:
-    """:class:`Unsupported` for the pipeline technique, naming this candidate."""
-    return Unsupported(Technique.PIPELINE, f"{CANDIDATE} {reason}")
 
 
 class DrainObserver(list):
@@ -186,30 +179,26 @@ class LaunchSites:
 
 
 @dataclass(frozen=True)
-class MegatronPipeline(MegatronScope, PipelineTraining):
-    """Megatron-Core's DDP and 1F1B schedules (a test's broken variant overrides
-    :meth:`ddp_class`)."""
-
-    def ddp_class(self) -> type:
-        """The DDP class each model chunk is wrapped in."""
-        from megatron.core.distributed import DistributedDataParallel
-
-        return DistributedDataParallel
+class MegatronPipeline(MegatronScope, StagesForOptimizer, PipelineTraining):
+    """Megatron-Core's DDP and 1F1B schedules: :meth:`train` is the pipeline check's SGD
+    training, :meth:`model` the preflight twin's stages under Megatron's own optimizer
+    (:class:`~verify.candidates.megatron_core.twin_pipeline.StagesForOptimizer`). A test's
+    broken variant overrides :meth:`ddp_class`."""
 
     @contextmanager
     def grid(self, dims: ParallelDims) -> Iterator[ParallelDims | None]:
         """The grid's groups (collective over the world; nothing to tear down: torch keeps
         them, and Megatron is given them per object, never through ``parallel_state``)."""
         if dims.tp_size > 1:
-            raise unsupported("runs the pipeline check's TP 1 grids here; the TP > 1 model "
-                              "(vocab-parallel head, replicated blocks) is not wired to Megatron")
-        if dims.pp_size < 2:
-            raise unsupported("is wired for its pipelined schedules (PP >= 2) only")
+            raise unsupported("runs TP 1 grids here; the TP > 1 model (vocab-parallel head, "
+                              "replicated blocks) is not wired to Megatron's tensor-parallel layers")
         yield dims.build()
 
     def train(self, case: PipelineCase, grid: ParallelDims, *, overlap: bool,
               progress: StepProgress | None = None) -> RankResult:
         del progress  # Megatron's schedules report no events to a listener
+        if case.pp_size < 2:
+            raise unsupported("is wired for the pipeline check's pipelined schedules (PP >= 2) only")
         _require_features(case)
         config = _transformer_config(case)
         groups = _process_groups(grid)

@@ -78,7 +78,10 @@ def process_setup(*, needs_default_group: bool = False,
     """Everything the module docstring lists, for one block; yields the redirect log."""
     with _PROCESS_SETUP_LOCK, warnings.catch_warnings(), ExitStack() as stack:
         warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+        warnings.filterwarnings("ignore", message="Apex is not installed")
         warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+        # TransformerConfig's notice about its own default cuda_graph_scope (no CUDA graphs here)
+        warnings.filterwarnings("ignore", message="full scope is deprecated")
         log = stack.enter_context(cpu_redirects())
         if needs_default_group:
             stack.enter_context(default_process_group())

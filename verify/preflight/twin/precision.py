@@ -6,9 +6,11 @@ DDP main-grad buffer of ``config.grad_dtype`` (fp32 with
 ``--accumulate-allreduce-grads-in-fp32``, the default under ``--bf16``, else
 the param dtype), reduced over DP in that dtype, and the optimizer steps fp32
 master copies and casts them back into the 16-bit params before the param
-all-gather. The twin does the same on its ranks (:func:`cast_stage_params_`,
-:func:`mixed_loss_fn`, the DDP's ``grad_reduce_in_fp32``) and refgrad's model
-(``refgrad.pipeline_mixed``) does it in one process.
+all-gather. The candidate does the same on the twin's ranks
+(:class:`verify.candidates.api.pipeline.StageSettings`: the param dtype, the loss in fp32
+on the 16-bit output, the grad buffer's dtype) and refgrad's model
+(``refgrad.pipeline_mixed``, its params cast by :func:`cast_stage_params_`) does it in one
+process.
 
 At twin TP 2 the same holds per TP rank (``refgrad.pipeline_tp_mixed``): the
 output layer's 16-bit partial dgrads are all-reduced (reduce-scattered under
@@ -25,51 +27,25 @@ DP 2 a sum of two values is one rounding in any order, so the check is bitwise.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Iterable
 
 import torch
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from refgrad.pipeline_mixed import cast_params_
+from verify.preflight.config import PreflightConfig
+from verify.preflight.twin.variants import Dtype, TwinPrecision, twins_mxfp8
 
 
-@dataclass(frozen=True)
-class TwinPrecision:
-    """The twin's param (and compute) dtype and its main-grad buffer dtype, by name."""
-
-    params: str = "fp32"
-    grads: str = "fp32"
-
-    def __post_init__(self) -> None:
-        if self.params not in DTYPES:
-            raise ValueError(f"TwinPrecision.params must be one of {tuple(DTYPES)}, got {self.params!r}")
-        if self.grads not in ("fp32", self.params):
-            raise ValueError(f"TwinPrecision.grads must be fp32 or the param dtype "
-                             f"{self.params!r}, got {self.grads!r}")
-
-    @property
-    def param_dtype(self) -> torch.dtype:
-        return DTYPES[self.params]
-
-    @property
-    def grad_dtype(self) -> torch.dtype:
-        return DTYPES[self.grads]
-
-    @property
-    def mixed(self) -> bool:
-        """16-bit params: the path of ``refgrad.pipeline_mixed``."""
-        return self.params != "fp32"
-
-
-def precision_for(config: Any, twin_tp: int) -> tuple[TwinPrecision, int, list[str]]:
-    """The twin's precision for ``config``, its DP size, and what it leaves out (with why)."""
-    from verify.preflight.twin_mxfp8 import twins_mxfp8
-
+def precision_for(config: PreflightConfig, twin_tp: int, *, mxfp8: bool | None = None
+                  ) -> tuple[TwinPrecision, int, list[str]]:
+    """The twin's precision for ``config``, its DP size, and what it leaves out (with why).
+    ``mxfp8``: whether the twin has MXFP8 params (None: as the configuration asks)."""
+    if mxfp8 is None:
+        mxfp8 = twins_mxfp8(config)
     if twin_tp not in (1, 2):
         raise ValueError(f"twin_tp must be 1 or 2 (the twin caps TP at 2), got {twin_tp}")
     dp = config.data_context_parallel_size  # the dp_cp group reduces the grads
-    if twins_mxfp8(config):  # the MXFP8 twin's own path: fp32 compute on dequantized weights
+    if mxfp8:  # the MXFP8 twin's own path: fp32 compute on dequantized weights
         left_out = []
         if config.params_dtype != "fp32":
             left_out.append(f"{config.params_dtype} params and compute with MXFP8 params: the MXFP8 "
@@ -90,7 +66,7 @@ def precision_for(config: Any, twin_tp: int) -> tuple[TwinPrecision, int, list[s
         return TwinPrecision(), dp, left_out
     if config.params_dtype == "fp32":
         return TwinPrecision(), dp, []
-    precision = TwinPrecision(config.params_dtype, config.grad_dtype)
+    precision = TwinPrecision(Dtype(config.params_dtype), Dtype(config.grad_dtype))
     rs_fp32 = config.ddp_reduce_scatter_with_fp32_accumulation and config.use_distributed_optimizer
     left_out = []
     if config.gradient_accumulation_fusion:
@@ -110,25 +86,12 @@ def precision_for(config: Any, twin_tp: int) -> tuple[TwinPrecision, int, list[s
 
 
 def cast_stage_params_(params: Iterable[torch.Tensor], precision: TwinPrecision) -> None:
-    """Round a rank's freshly built fp32 params to the param dtype (before its DDP is built:
-    the buffer groups params by dtype), as production casts its model."""
+    """Round freshly built fp32 params to the param dtype, as production casts its model."""
     if precision.mixed:
-        from refgrad.pipeline_mixed import cast_params_
-
         cast_params_(list(params), precision.param_dtype)
 
 
-def mixed_loss_fn(loss_fn: Callable, scale: float) -> Callable:
-    """The last stage's loss: computed in fp32 on the (16-bit) output, times the loss scale."""
-    return lambda out, target: loss_fn(out.float(), target) * scale
-
-
-def cast_inputs(inputs: list[torch.Tensor], precision: TwinPrecision) -> list[torch.Tensor]:
-    """The first stage's inputs in the param dtype (a no-op in fp32)."""
-    return [x.to(precision.param_dtype) for x in inputs]
-
-
-def precision_mapping(config: Any, precision: TwinPrecision) -> tuple[tuple[str, str, str], ...]:
+def precision_mapping(config: PreflightConfig, precision: TwinPrecision) -> tuple[tuple[str, str, str], ...]:
     """(setting, production, twin) rows for the param and grad dtypes."""
     twin_params = (f"{precision.params} params and compute, fp32 loss, fp32 master weights"
                    if precision.mixed else "fp32")

@@ -1,0 +1,184 @@
+"""Megatron-Core's :class:`~verify.candidates.api.optimizer.DistributedOptimizerStep`: its
+``get_megatron_optimizer`` over the DDP chunks of :class:`~verify.candidates.megatron_core.stages.MegatronStages`.
+
+As Megatron-LM's ``setup_model_and_optimizer`` and ``train`` wire it: an ``OptimizerConfig``
+(Adam with decoupled weight decay, ``clip_grad``, bf16/fp16, the distributed optimizer,
+``overlap_param_gather``, the loss scale: a ``ConstantGradScaler`` for a constant one, fp16's
+``DynamicGradScaler`` otherwise), ``OptimizerParamScheduler`` setting each group's lr and
+weight decay (constant schedules; it applies ``wd_mult``), ``config.grad_scale_func =
+optimizer.scale_loss``, and each step ``optimizer.zero_grad()`` after the buffers are zeroed,
+then ``optimizer.step()`` and ``scheduler.step(1)``.
+
+How it departs from ``refgrad.optim`` by design (:meth:`MegatronOptimizer.behaviour`), each
+modelled by refgrad and named where it lives:
+
+* its inner optimizer is ``torch.optim.AdamW`` when neither Transformer Engine nor apex is
+  installed (``megatron/core/optimizer/__init__.py``): ``refgrad.optim_torch``'s order (a
+  fused Adam has no refgrad model: the optimizer is then Unsupported, saying so);
+* ``get_standard_config_overrides``: 1-D params and biases get ``wd_mult = 0``
+  (``OptimizerParamScheduler.step`` applies it);
+* its global norm is an fp32 partial-sum norm (``clip_grads.get_grad_norm_fp32`` with
+  ``utils.local_multi_tensor_l2_norm``), judged against refgrad's exact norm within a bound,
+  and it clips with that norm (``clip_grad_by_total_norm_fp32``: ``max_norm / (norm + 1e-6)``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from verify.candidates.api.core import DocumentedBehaviour, Technique, Unsupported
+from verify.candidates.api.optimizer import (
+    AdamWState,
+    DataParallelModel,
+    DistributedOptimizerStep,
+    OptimizerBehaviour,
+    OptimizerSettings,
+    StepOutcome,
+)
+from verify.candidates.megatron_core.scope import MegatronScope
+from verify.candidates.megatron_core.stages import MegatronStages, owned_pieces
+from verify.candidates.megatron_core.version import installed
+
+if TYPE_CHECKING:  # megatron-core is optional: imported where a technique runs
+    from megatron.core.optimizer import OptimizerConfig
+
+CLIP_EPS = 1.0e-6  # megatron/core/optimizer/clip_grads.py clip_grad_by_total_norm_fp32
+
+TORCH_ADAMW = DocumentedBehaviour(
+    "AdamW in torch.optim.AdamW's order of operations (Megatron-Core falls back to it without "
+    "Transformer Engine or apex)",
+    "megatron/core/optimizer/__init__.py (torch.optim.AdamW as Adam); refgrad model: "
+    "refgrad/optim_torch.py torch_order_step, with torch's CPU fp32 sqrt")
+NO_DECAY_ON_1D = DocumentedBehaviour(
+    "no weight decay on 1-D params and biases",
+    "megatron/core/optimizer/__init__.py get_standard_config_overrides (wd_mult 0), applied by "
+    "megatron/core/optimizer_param_scheduler.py OptimizerParamScheduler.step")
+PARTIAL_SUM_NORM = DocumentedBehaviour(
+    "global grad norm from fp32 partial sums (per-param fp32 norms, their norm, squared and "
+    "summed over ranks in fp32), clipped with max_norm / (norm + 1e-6)",
+    "megatron/core/optimizer/clip_grads.py get_grad_norm_fp32 with "
+    "megatron/core/utils.py local_multi_tensor_l2_norm; clip_grad_by_total_norm_fp32")
+
+
+@dataclass(frozen=True)
+class MegatronOptimizer(MegatronScope, DistributedOptimizerStep):
+    """Megatron-Core's optimizer over Megatron-Core's stages (in the candidate's scope)."""
+
+    def build(self, model: DataParallelModel, settings: OptimizerSettings) -> MegatronTrainingOptimizer:
+        if not isinstance(model, MegatronStages):
+            raise TypeError(f"Megatron-Core's optimizer steps Megatron-Core's stages, got "
+                            f"{type(model).__name__}")
+        return MegatronTrainingOptimizer(model, settings)
+
+    def behaviour(self) -> OptimizerBehaviour:
+        reason = installed().skip_reason("distributed_optimizer", "torch_adam_fallback")
+        if reason is not None:
+            raise Unsupported(Technique.OPTIMIZER, f"megatron-core {reason}: refgrad models "
+                              "torch.optim.AdamW's order only")
+        return OptimizerBehaviour(torch_adamw_order=TORCH_ADAMW, no_decay_on_1d_params=NO_DECAY_ON_1D,
+                                  partial_sum_grad_norm=PARTIAL_SUM_NORM)
+
+
+def _optimizer_config(stages: MegatronStages, settings: OptimizerSettings) -> OptimizerConfig:
+    from megatron.core.optimizer import OptimizerConfig
+
+    dtype = stages.settings.param_dtype
+    fp16, bf16 = dtype is torch.float16, dtype is torch.bfloat16
+    hyper, scaling = settings.adamw, settings.loss_scaling
+    scale: dict[str, float | int] = {}
+    if scaling is not None and not scaling.dynamic:
+        scale = {"loss_scale": scaling.initial_scale}
+    elif scaling is not None:
+        if not fp16:
+            raise ValueError("Megatron-Core's dynamic loss scaler is fp16's (OptimizerConfig.fp16)")
+        scale = {"initial_loss_scale": scaling.initial_scale, "min_loss_scale": scaling.min_scale,
+                 "loss_scale_window": scaling.growth_interval, "hysteresis": scaling.hysteresis}
+    return OptimizerConfig(
+        optimizer="adam", lr=hyper.lr, min_lr=hyper.lr, weight_decay=hyper.weight_decay,
+        adam_beta1=hyper.beta1, adam_beta2=hyper.beta2, adam_eps=hyper.eps,
+        clip_grad=settings.max_grad_norm or 0.0, fp16=fp16, bf16=bf16, params_dtype=dtype,
+        use_distributed_optimizer=stages.case.use_distributed_optimizer,
+        overlap_param_gather=stages.settings.overlap_param_gather, **scale)
+
+
+class MegatronTrainingOptimizer:
+    """One rank's Megatron optimizer and scheduler over its :class:`MegatronStages`."""
+
+    def __init__(self, stages: MegatronStages, settings: OptimizerSettings) -> None:
+        from megatron.core.optimizer import get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        if not stages.case.use_distributed_optimizer:
+            raise ValueError("the twin reads Megatron-Core's masters from its distributed "
+                             "optimizer only")
+        self.stages, self.settings = stages, settings
+        self.optimizer = get_megatron_optimizer(
+            _optimizer_config(stages, settings), stages.ddps, use_gloo_process_groups=False,
+            pg_collection=stages.groups)
+        wd, lr = settings.adamw.weight_decay, settings.adamw.lr
+        steps = len(stages.case.plans)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=lr, max_lr=lr, min_lr=lr, lr_warmup_steps=0,
+            lr_decay_steps=steps, lr_decay_style="constant", start_wd=wd, end_wd=wd,
+            wd_incr_steps=steps, wd_incr_style="constant")
+        stages.config.grad_scale_func = self.optimizer.scale_loss
+        stages.on_zero_grad.append(self.optimizer.zero_grad)
+
+    @property
+    def loss_scale(self) -> float | None:
+        if self.settings.loss_scaling is None:
+            return None
+        return float(self.optimizer.get_loss_scale())
+
+    @property
+    def param_gather_in_flight(self) -> bool:
+        return self.stages.param_gather_in_flight()
+
+    def step(self) -> StepOutcome:
+        scale = self.loss_scale
+        stepped, norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        max_norm = self.settings.max_grad_norm
+        grad_norm = float(norm) if stepped and max_norm is not None and norm is not None else None
+        coefficient = None
+        if grad_norm is not None and math.isfinite(grad_norm):
+            coefficient = max_norm / (grad_norm + CLIP_EPS)  # what clip_grad_by_total_norm_fp32 uses
+        return StepOutcome(stepped=bool(stepped), grad_norm=grad_norm,
+                           clip_coefficient=coefficient, loss_scale=scale)
+
+    def state(self) -> dict[str, AdamWState]:
+        """Every param's whole master and moments: each DP rank's owned pieces, gathered
+        over the DP group (as objects: the pieces differ in size)."""
+        names = list(self.stages.named)
+        params = [self.stages.named[n] for n in names]
+        mine = owned_pieces(self.optimizer, params)
+        dp_group = self.stages.groups.dp
+        pieces: list[dict[int, dict] | None] = [None] * dist.get_world_size(dp_group)
+        dist.all_gather_object(pieces, mine, group=dp_group)
+        out = {}
+        for i, (name, param) in enumerate(zip(names, params)):
+            full = {key: torch.full((param.numel(),), float("nan")) for key in
+                    ("master", "exp_avg", "exp_avg_sq")}
+            for rank_pieces in pieces:
+                piece = rank_pieces.get(i) if rank_pieces else None
+                if piece is None:
+                    continue
+                lo, hi = piece["range"]
+                for key, tensor in full.items():
+                    tensor[lo:hi] = piece[key].reshape(-1)
+            out[name] = AdamWState(*(full[k].view(param.shape)
+                                     for k in ("master", "exp_avg", "exp_avg_sq")))
+        return out
+
+    def finish_param_sync(self) -> None:
+        self.stages.force_param_sync()
+
+    def close(self) -> None:
+        if self.optimizer.zero_grad in self.stages.on_zero_grad:
+            self.stages.on_zero_grad.remove(self.optimizer.zero_grad)
+

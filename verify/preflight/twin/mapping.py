@@ -1,0 +1,124 @@
+"""The twin's mapping of a configuration: the (setting, production, twin) rows and the parts
+it does not reproduce (``not_twinned``), each with the reason."""
+
+from __future__ import annotations
+
+from refgrad.pipeline import LinearStackSpec
+from verify.preflight.config import PreflightConfig
+from verify.preflight.twin.variants import twins_mxfp8
+
+# TP sums of two fp32 values are one rounding in any order: bitwise. Larger TP is scaled to 2.
+MAX_TWIN_TP = 2
+
+
+def layers_row(config: PreflightConfig, spec: LinearStackSpec, layers: int) -> tuple[str, str, str]:
+    pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size
+    if not spec.stage_layers:
+        return ("layers", str(config.num_layers), f"{layers} per virtual stage = {layers * pp * vpp}")
+    split = config.layer_split.layers
+    production = [split[v % pp][v // pp] for v in range(pp * vpp)]
+    return ("layers per virtual stage", f"{production} (= {config.num_layers})",
+            f"{list(spec.stage_layers)} (= {sum(spec.stage_layers)})")
+
+
+def context_parallel_rows(config: PreflightConfig, dp: int) -> tuple[tuple[str, str, str], ...]:
+    """How the twin maps context parallelism (no rows without it)."""
+    cp = config.context_parallel_size
+    if cp == 1:
+        return ()
+    group = config.data_context_parallel_size
+    return (("context parallelism",
+             f"CP {cp}: each sample's sequence split over {cp} ranks; grads x 1/{group} then "
+             f"summed over DP x CP = {group} ranks (the dp_cp group)",
+             f"no sequence split: {dp} DP replicas, each with its own rows, stand for the "
+             f"dp_cp group (x 1/{dp} then SUM)"),)
+
+
+def tp_layout(tp: int, sequence_parallel: bool, twin: bool = False) -> str:
+    """How the model is split over TP: production's or the twin's."""
+    if tp == 1:
+        return "none"
+    if not twin:
+        return f"TP {tp}{', sequence parallel' if sequence_parallel else ''}"
+    if sequence_parallel:
+        return (f"TP {tp}: vocab-parallel output layer (input all-gathered, dgrad "
+                "reduce-scattered); blocks replicated on sequence shards, grads all-reduced over TP")
+    return (f"TP {tp}: vocab-parallel output layer (dgrad all-reduced); blocks replicated "
+            "(identical on every TP rank)")
+
+
+def production_tie(config: PreflightConfig) -> str:
+    """Production's tie: the all-reduce (PP > 1), one shared weight (PP 1), or none."""
+    if not config.tied_embeddings:
+        return "False"
+    if config.pipeline_model_parallel_size == 1:
+        return "one shared weight (PP 1: no all-reduce)"
+    return "True"
+
+
+def tied_layout(config: PreflightConfig, twin_tp: int, tied: bool) -> str:
+    """The twin's tied embedding: off, one shared weight (PP 1), at TP 1, or vocab-parallel."""
+    if not tied:
+        return "False"
+    if config.pipeline_model_parallel_size == 1:
+        shard = (" (TP 2: each TP rank's vocab-parallel first-layer shard is its output-layer "
+                 "shard)" if twin_tp > 1 else "")
+        return ("one shared weight (PP 1)" + shard + ": the output layer's wgrad, then the first "
+                "layer's grad, added into its main_grad per microbatch; counted once in the "
+                "grad norm")
+    if twin_tp == 1:
+        return "True"
+    how = ("partial products reduce-scattered along the sequence" if config.sequence_parallel
+           else "partial products all-reduced over TP")
+    return (f"True: vocab-parallel first layer ({how}), each TP rank's shard tied to its "
+            "output-layer shard over its own embedding group")
+
+
+def output_wgrad(config: PreflightConfig) -> str:
+    """How the output layer's wgrad is accumulated (the same in production and the twin)."""
+    if not config.defer_embedding_wgrad_compute:
+        return "wgrad in the backward"
+    limit = config.wgrad_deferral_limit
+    return ("deferred wgrad, drained after the cooldown" if limit == 0 else
+            f"first {limit} microbatches' wgrad deferred to the drain, the rest in the backward")
+
+
+def left_out(config: PreflightConfig, m: int) -> list[str]:
+    """Every part of the configuration the twin does not reproduce, with the reason."""
+    out = []
+    tp = config.tensor_model_parallel_size
+    if config.context_parallel_size > 1:
+        cp, group = config.context_parallel_size, config.data_context_parallel_size
+        out.append(f"context parallelism CP {cp} scaled away: the twin splits no sequence and "
+                   f"exchanges no attention keys/values over CP; its DP replicas stand for the "
+                   f"DP x CP = {group} ranks that reduce production's grads")
+    if tp > MAX_TWIN_TP:
+        out.append(f"tensor parallelism TP {tp} scaled to TP {MAX_TWIN_TP}: a sum over more than "
+                   "two TP ranks has a backend-chosen order (the collectives are the same)")
+    shared_at_pp1 = config.tied_embeddings and config.pipeline_model_parallel_size == 1
+    if not config.gradient_accumulation_fusion and (config.params_dtype != "fp32" or shared_at_pp1):
+        # fp32 params, untied: the fused and the unfused add give the same bits.
+        out.append("--no-gradient-accumulation-fusion on the output layer: production rounds each "
+                   "microbatch's wgrad to the param dtype and adds it through param.grad (at PP 1 "
+                   "summed first with the tied first layer's grad); the twin's output layer "
+                   "accumulates fused, straight into main_grad")
+    group = config.microbatch_group_size_per_vp_stage
+    if group is not None and group != config.pipeline_model_parallel_size:
+        out.append(f"--microbatch-group-size-per-virtual-pipeline-stage {group}: the twin's "
+                   "interleaved schedule runs each virtual stage for PP microbatches in a row")
+    if m != config.num_microbatches:
+        out.append(f"microbatch count: {config.num_microbatches} capped to {m} "
+                   "(--twin-max-microbatches; the schedule's steady state is the same)")
+    if config.ddp_pad_buckets_for_high_nccl_busbw:
+        out.append("--ddp-pad-buckets-for-high-nccl-busbw: padding is laid out on paper only")
+    # MXFP8 params (--fp8-recipe mxfp8 --fp8-param-gather) are twinned where ``mxfp8``
+    # (verify.preflight.twin.mxfp8); a candidate that cannot build them has its reason listed.
+    if (config.fp8_recipe or config.fp8_param_gather) and not twins_mxfp8(config):
+        out.append(f"FP8 ({config.fp8_recipe or config.fp8_format}) "
+                   f"{'params' if config.fp8_param_gather else 'compute'}: the twin reproduces "
+                   "only --fp8-recipe mxfp8 with --fp8-param-gather; checked by "
+                   "`verify run --check mxfp8`")
+        if config.reuse_grad_buf_for_mxfp8_param_ag:
+            out.append("grad-buffer reuse for the MXFP8 param all-gather: see the hazards")
+    out.append("transformer blocks (attention, MLP, norms, embeddings) are Linear+tanh layers")
+    return out

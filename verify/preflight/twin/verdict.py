@@ -1,0 +1,179 @@
+"""The twin's part of the preflight report: one section per candidate, the hazards, the verdict.
+
+Each candidate's section (:func:`twin_section`) names the candidate (its label, and its
+``CandidateInfo``: version, the redirects it needed on this device, what it cannot run),
+holds its per-step comparison with refgrad, what its twin left out and why, and every
+documented behaviour of the candidate that the twin met, with its distance from refgrad's
+spec. ``report["twins"]`` lists the sections in the order the candidates were given;
+``report["twin"]`` is the first's (the one a single-candidate run has).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict
+
+from verify.candidates.api import Candidate
+from verify.candidates.api.optimizer import OptimizerBehaviour
+from verify.preflight.config import PreflightConfig
+from verify.preflight.hazards import FINDING, decide_hazards
+from verify.preflight.twin.compare import AS_SPECIFIED, TwinRankResult, compare_steps
+from verify.preflight.twin.plan import TwinPlan
+from verify.preflight.twin.reference import SPEC, ReferenceRule, reference_for
+from verify.preflight.twin.results import OptimRankResult
+from verify.preflight.twin.variants import MXFP8Twin, adamw_of
+
+MXFP8_NOTE = (" and the MXFP8 params' scale and element bits (vs refgrad.mxfp8 of the masters "
+              "staged as bf16),")
+
+
+def _clip_norms(ranks: Sequence[TwinRankResult | None], steps: int) -> tuple[float | None, ...]:
+    """The global grad norm the candidate clipped with at each step (every rank's is the same
+    all-reduced value; the first rank that reported one)."""
+    for res in ranks:
+        if isinstance(res, OptimRankResult) and len(res.steps) == steps:
+            return tuple(norm for _, norm, _, _ in res.steps)
+    return ()
+
+
+def twin_section(config: PreflightConfig, plan: TwinPlan, ranks: Sequence[TwinRankResult | None],
+                 *, where: str, candidate: Candidate,
+                 behaviour: OptimizerBehaviour = AS_SPECIFIED) -> dict:
+    """Compare one candidate's ranks with refgrad (its documented behaviour modelled): the
+    report section of that candidate."""
+    case, training = plan.case, plan.training
+    rule = SPEC
+    if adamw_of(training) is not None and behaviour.documented():
+        rule = ReferenceRule.for_behaviour(behaviour, _clip_norms(ranks, len(case.plans)))
+    rows, documented = compare_steps(case, training, plan.bitwise, list(ranks),
+                                     reference_for(case, training, rule),
+                                     candidate=candidate.label, behaviour=behaviour)
+    for row in rows:  # a comparison of nothing is no pass (ranks that reported nothing)
+        empty = [kind for kind, total in (("reduced gradient", row.grads_total),
+                                          ("updated parameter", row.params_total),
+                                          ("MXFP8 param bits", row.mxfp8_total
+                                           if isinstance(training, MXFP8Twin) else 1))
+                 if total == 0]
+        if empty:
+            row.failures.append(f"step {row.step}: no {' and no '.join(empty)} was compared: the "
+                                "ranks reported none")
+    failures = [f for row in rows for f in row.failures]
+    claim = "bitwise" if plan.bitwise else "within the stated bound"
+    optimizer = ""
+    if adamw_of(training) is not None:
+        model = (" (refgrad's model of its documented AdamW where it departs: see 'documented')"
+                 if rule is not SPEC else " (vs refgrad.optim, exact arithmetic)")
+        optimizer = f", and {candidate.label}'s AdamW master weights and state{model},"
+    return {
+        "run": True,
+        "passed": not failures,
+        "candidate": candidate.label,
+        "candidate_info": candidate.info().to_dict(),
+        "optimizer": training.name,
+        "where": where,
+        "world_size": plan.world_size,
+        "bitwise": plan.bitwise,
+        "order_note": plan.order_note,
+        "mapping": [list(m) for m in plan.mapping],
+        "not_twinned": list(plan.not_twinned),
+        "steps": [asdict(row) for row in rows],
+        "failures": failures,
+        "documented": [d.to_dict() for d in documented],
+        "note": (f"Scaled twin of {candidate.label} ({where}): losses, every reduced gradient "
+                 f"and every updated parameter{optimizer}"
+                 f"{MXFP8_NOTE if isinstance(training, MXFP8Twin) else ''} compared with "
+                 f"refgrad after each step, {claim}."),
+    }
+
+
+def not_run_section(candidate: Candidate, reason: str, *, error: bool) -> dict:
+    """A candidate whose twin did not run: it cannot run here (``error`` False: a skip,
+    with the reason) or its ranks failed (``error`` True)."""
+    key = "error" if error else "skipped"
+    what = "did not finish" if error else "was not run"
+    return {"run": False, key: reason, "candidate": candidate.label,
+            "candidate_info": candidate.info().to_dict(),
+            "note": f"The scaled twin of {candidate.label} {what}: {reason}"}
+
+
+def _padding_per_rank(report: dict) -> int:
+    """Largest padding a rank holds (all its chunks), from the paper layout."""
+    per_stage: dict[int, int] = {}
+    for row in report.get("layout", []):
+        per_stage[row["stage"]] = per_stage.get(row["stage"], 0) + row["padding_elements"]
+    return max(per_stage.values(), default=0)
+
+
+def paper_only_hazards(config: PreflightConfig, report: dict) -> None:
+    """Hazards decided from the configuration alone (the twin did not run)."""
+    hazards = decide_hazards(config, padding_elements=_padding_per_rank(report))
+    report["hazards"] = [h.to_dict() for h in hazards]
+
+
+def _gaps(section: dict) -> str:
+    left_out = len(section["not_twinned"])
+    gaps = f"; {left_out} part{'s' if left_out != 1 else ''} not twinned (listed)"
+    steps = section["steps"]
+    if steps and all(row["stepped"] is False for row in steps):
+        # Both sides skipping every step agree trivially on the update: say so up front.
+        gaps += ("; every step was skipped on NaN/inf grads, so no update was checked (a "
+                 "smaller --initial-loss-scale or more --twin-steps reach a clean step)")
+    return gaps
+
+
+def _ranks(section: dict) -> str:
+    n = section["world_size"]
+    return f"{n} rank{'s' if n != 1 else ''}"
+
+
+def write_sections(config: PreflightConfig, report: dict, sections: list[dict],
+                   has_head: bool) -> bool:
+    """Put the candidates' sections into ``report`` with the hazards and the verdict; whether
+    every twin that ran matched refgrad (and at least one ran)."""
+    ran = [s for s in sections if s["run"]]
+    passed = bool(ran) and all(s["passed"] for s in ran)
+    names = ", ".join(s["candidate"] for s in ran) or "no candidate"
+    hazards = decide_hazards(config, padding_elements=_padding_per_rank(report), twin_ran=bool(ran),
+                             twin_passed=passed, twin_has_head=has_head, twin_candidates=names)
+    report["twins"] = sections
+    report["twin"] = sections[0]
+    report["hazards"] = [h.to_dict() for h in hazards]
+    findings = sum(h.status == FINDING for h in hazards)
+    shape = f"{config.shape}, {config.num_microbatches} microbatches"
+    tail = f"; {findings} hazard finding{'s' if findings != 1 else ''}"
+    failed = [s for s in ran if not s["passed"]]
+    not_run = "".join(f"; {s['candidate']}: twin {'did not finish' if 'error' in s else 'not run'}"
+                      f" ({s.get('error') or s.get('skipped')})" for s in sections if not s["run"])
+    if len(sections) == 1 and ran:
+        section = ran[0]
+        claim = "bitwise" if section["bitwise"] else "within the stated bound"
+        if section["passed"]:
+            report["verdict"] = (f"PASS: {shape}; twin ({_ranks(section)}, {len(section['steps'])} "
+                                 f"steps) matches refgrad {claim}{_gaps(section)}{tail}")
+        else:
+            report["verdict"] = f"FAIL: {shape}; twin differs from refgrad: {section['failures'][0]}"
+    elif failed:
+        first = failed[0]
+        report["verdict"] = (f"FAIL: {shape}; {first['candidate']}'s twin differs from refgrad: "
+                             f"{first['failures'][0]}"
+                             + "".join(f"; {s['candidate']}'s twin "
+                                       f"{'matches' if s['passed'] else 'differs too'}"
+                                       for s in ran if s is not first) + not_run)
+    elif ran:
+        each = ", ".join(f"{s['candidate']} ({_ranks(s)}, {len(s['steps'])} steps, "
+                         f"{'bitwise' if s['bitwise'] else 'within the stated bound'}"
+                         f"{_gaps(s)})" for s in ran)
+        report["verdict"] = f"PASS: {shape}; the twin of every candidate matches refgrad: {each}{not_run}{tail}"
+    else:
+        report["verdict"] = f"SKIP: {shape}; no twin ran{not_run}{tail}"
+    report["passed"] = passed or not ran
+    return report["passed"]
+
+
+def finish_twin_report(config: PreflightConfig, plan: TwinPlan,
+                       ranks: Sequence[TwinRankResult | None], report: dict, *, where: str,
+                       candidate: Candidate, behaviour: OptimizerBehaviour = AS_SPECIFIED) -> bool:
+    """Compare one candidate's ranks with refgrad, decide the hazards, write the verdict."""
+    section = twin_section(config, plan, ranks, where=where, candidate=candidate,
+                           behaviour=behaviour)
+    return write_sections(config, report, [section], plan.case.spec.output_head)
