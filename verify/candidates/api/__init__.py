@@ -24,6 +24,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
+from verify.candidates.api.core import DocumentedBehaviour, Technique, Unsupported
+
 if TYPE_CHECKING:  # the technique interfaces, for annotations only
     from verify.candidates.api.deferred_wgrad import DeferredWgrad
     from verify.candidates.api.grad_reduction import GradReduction
@@ -31,49 +33,6 @@ if TYPE_CHECKING:  # the technique interfaces, for annotations only
     from verify.candidates.api.mxfp8 import MXFP8
     from verify.candidates.api.optimizer import DistributedOptimizerStep
     from verify.candidates.api.pipeline import PipelineTraining
-
-
-class Technique(str, enum.Enum):
-    """A technique a candidate implements; the value is its check's name."""
-
-    LAYOUT = "layout"
-    GRAD_REDUCTION = "reduce_scatter"
-    DEFERRED_WGRAD = "deferred_wgrad"
-    PIPELINE = "pipeline"
-    OPTIMIZER = "optim"
-    MXFP8 = "mxfp8"
-
-
-class Unsupported(Exception):  # noqa: N818 - it is a verdict, not an error
-    """This candidate cannot run ``technique`` (or a part of it) here; ``reason`` says why.
-
-    Checks turn it into a SKIP that names the candidate and the reason.
-    """
-
-    def __init__(self, technique: Technique, reason: str) -> None:
-        super().__init__(f"{technique.value}: {reason}")
-        self.technique = technique
-        self.reason = reason
-
-
-@dataclass(frozen=True)
-class DocumentedBehaviour:
-    """A way a candidate departs from refgrad's spec by design, and where that lives.
-
-    A check that meets it compares the candidate with refgrad's model of the behaviour (which
-    must match within the comparison's bound, or the check FAILs) and reports how far that
-    lands from the spec: a *documented difference*, not a failure. ``where`` names the module
-    and function of the candidate that does it (for Megatron-Core, for example
-    ``megatron.core.distributed.param_and_grad_buffer._ParamAndGradBucketGroup.start_grad_sync``).
-    """
-
-    summary: str
-    where: str
-
-    def __post_init__(self) -> None:
-        for name in ("summary", "where"):
-            if not isinstance(getattr(self, name), str) or not getattr(self, name):
-                raise ValueError(f"DocumentedBehaviour.{name} must be a non-empty string")
 
 
 @dataclass(frozen=True)
@@ -175,3 +134,13 @@ class Candidate(ABC):
     def mxfp8(self) -> MXFP8:
         """MXFP8 quantization and param/grad buffer sharing."""
         raise self.unsupported(Technique.MXFP8, "does not implement MXFP8")
+
+
+__all__ = [
+    "Candidate",
+    "CandidateInfo",
+    "DocumentedBehaviour",
+    "Fault",
+    "Technique",
+    "Unsupported",
+]

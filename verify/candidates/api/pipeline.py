@@ -44,6 +44,8 @@ from fastgrad.timeline import TimelineEvent
 from refgrad.pipeline import LinearStackSpec, StepPlan, microbatch_data
 from refgrad.pipeline_embedding import vocab_block
 from refgrad.pipeline_tp import loss_target, sequence_shard, splits_loss, stage_loss
+from verify.candidates.api.core import Technique, Unsupported
+from verify.candidates.api.optimizer import DataParallelModel
 from verify.candidates.api.scope import TechniqueScope
 
 REDUCTIONS = ("sum", "avg", "prescale")  # refgrad.pipeline.reduce_across_replicas' names
@@ -196,6 +198,108 @@ class StepProgress(Protocol):
         ...
 
 
+MXFP8_BLOCK = 32  # elements per MXFP8 block along a weight's last dimension (OCP MX v1.0)
+PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class MXFP8Params:
+    """Every weight of the model an MXFP8 param (E8M0 scales, E4M3 elements, blocks of
+    :data:`MXFP8_BLOCK` along the last dimension, floor scales), the fp32 masters staged as
+    bf16 for the param all-gather; ``reuse_grad_buffer``: that all-gather goes through the
+    grad buffer's bytes (Megatron-Core's ``reuse_grad_buf_for_mxfp8_param_ag``)."""
+
+    reuse_grad_buffer: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.reuse_grad_buffer, bool):
+            raise TypeError("MXFP8Params.reuse_grad_buffer must be a bool")
+
+
+@dataclass(frozen=True)
+class StageSettings:
+    """How :meth:`PipelineTraining.model` builds a case's stages beyond the case itself.
+
+    ``param_dtype``: the params and the compute (fp32, or 16-bit as production's
+    ``Float16Module``: the first stage's input cast to it, the last stage's output and the
+    loss in fp32); ``grad_dtype``: the main-grad buffer and the DP wire (fp32 or the param
+    dtype); ``overlap_grad_reduce`` / ``overlap_param_gather``: the DDP's overlaps (the
+    param all-gather waited for in the forward pre-hooks); ``mxfp8``: MXFP8 params (fp32
+    compute on their dequantized values).
+    """
+
+    param_dtype: torch.dtype = torch.float32
+    grad_dtype: torch.dtype = torch.float32
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    mxfp8: MXFP8Params | None = None
+
+    def __post_init__(self) -> None:
+        if self.param_dtype not in PARAM_DTYPES:
+            raise ValueError(f"StageSettings.param_dtype must be one of {PARAM_DTYPES}, "
+                             f"got {self.param_dtype!r}")
+        if self.grad_dtype not in (torch.float32, self.param_dtype):
+            raise ValueError(f"StageSettings.grad_dtype must be fp32 or the param dtype, "
+                             f"got {self.grad_dtype!r}")
+        for name in ("overlap_grad_reduce", "overlap_param_gather"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"StageSettings.{name} must be a bool")
+        if self.mxfp8 is not None and (self.param_dtype, self.grad_dtype) != (torch.float32,) * 2:
+            raise ValueError("StageSettings.mxfp8 computes in fp32 with fp32 grads: param_dtype "
+                             "and grad_dtype must be torch.float32")
+
+
+@dataclass(frozen=True)
+class ModelSupport:
+    """The parts of a pipeline model a candidate's :meth:`PipelineTraining.model` cannot build
+    here, each with the reason (None: it can)."""
+
+    tensor_parallel: str | None = None  # TP > 1: the vocab-parallel output layer, SP
+    mxfp8_params: str | None = None  # StageSettings.mxfp8
+    shared_weight_at_pp1: str | None = None  # one weight for the first and the output layer
+    replicated_optimizer: str | None = None  # DDP without the distributed optimizer
+
+
+class PipelineModel(DataParallelModel, Protocol):
+    """One rank's model chunks of a :class:`PipelineCase`, wrapped in the candidate's DDP,
+    trained step by step by its schedule; the optimizer is the caller's
+    (:class:`verify.candidates.api.optimizer.DistributedOptimizerStep`, the same candidate's).
+
+    Names are refgrad's (``refgrad.pipeline.stage_param_name``).
+    """
+
+    def train_step(self, step: int, *, loss_scale: float = 1.0) -> list[float]:
+        """Zero the grad buffers and run step ``step`` of the case (its ``plans[step]``
+        microbatches, this rank's data from :func:`rank_microbatches`) through the
+        schedule, the loss multiplied by ``loss_scale`` before the backward; the grads are
+        reduced when it returns. The step's losses (:func:`total_losses`, unscaled; the
+        last stage, else empty)."""
+        ...
+
+    def reduced_grads(self) -> dict[str, torch.Tensor]:
+        """Every parameter's reduced ``main_grad`` after :meth:`train_step`, whole (the
+        shards other DP ranks reduced gathered), under each of its names."""
+        ...
+
+    def launch_sites(self) -> tuple[str, ...]:
+        """Where each bucket's reduction was launched in the last step (:data:`LAUNCH_SITES`;
+        empty: the candidate has no notion of it)."""
+        ...
+
+    def mxfp8_bits(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Each MXFP8 param's ``(scale_bits, element_bits)`` by name (empty without MXFP8)."""
+        ...
+
+    @property
+    def mxfp8_grad_buffer_shared(self) -> bool:
+        """Whether the MXFP8 param all-gather goes through the grad buffer's bytes."""
+        ...
+
+    def close(self) -> None:
+        """Remove the hooks the DDP and the model registered."""
+        ...
+
+
 @runtime_checkable
 class PipelineTraining(TechniqueScope, Protocol):
     """A candidate's DDP grad sync under the 1F1B schedules.
@@ -231,6 +335,20 @@ class PipelineTraining(TechniqueScope, Protocol):
         ``overlap_grad_reduce`` as given; ``progress`` is told each schedule event."""
         ...
 
+    def model(self, case: PipelineCase, grid: ParallelDims, settings: StageSettings) -> PipelineModel:
+        """This rank's stages of ``case`` on ``grid`` (entered from :meth:`grid`), built as
+        ``settings`` says, for the caller to train step by step under the same candidate's
+        optimizer (the preflight twin). Raises
+        :class:`~verify.candidates.api.Unsupported` (on every rank, before any collective)
+        for what :meth:`model_support` names."""
+        raise Unsupported(Technique.PIPELINE, "builds no pipeline model for an optimizer")
+
+    def model_support(self) -> ModelSupport:
+        """What :meth:`model` cannot build here, with why (asked before any rank starts)."""
+        reason = "builds no pipeline model for an optimizer"
+        return ModelSupport(tensor_parallel=reason, mxfp8_params=reason,
+                            shared_weight_at_pp1=reason, replicated_optimizer=reason)
+
 
 def rank_microbatches(case: PipelineCase, grid: ParallelDims, step: int, m: int
                       ) -> tuple[list[torch.Tensor], list[torch.Tensor],
@@ -260,10 +378,15 @@ def total_losses(case: PipelineCase, grid: ParallelDims, losses: Sequence[torch.
 
 __all__ = [
     "LAUNCH_SITES",
+    "MXFP8_BLOCK",
     "REDUCTIONS",
+    "MXFP8Params",
+    "ModelSupport",
     "ParallelDims",
     "PipelineCase",
+    "PipelineModel",
     "PipelineTraining",
+    "StageSettings",
     "RankResult",
     "StepProgress",
     "rank_microbatches",

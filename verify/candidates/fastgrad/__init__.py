@@ -15,6 +15,7 @@ if TYPE_CHECKING:  # the technique interfaces, for annotations only
     from verify.candidates.api.deferred_wgrad import DeferredWgrad
     from verify.candidates.api.layout import BucketLayout
     from verify.candidates.api.mxfp8 import MXFP8
+    from verify.candidates.api.optimizer import DistributedOptimizerStep
     from verify.candidates.api.pipeline import PipelineTraining
 
 
@@ -73,3 +74,9 @@ class FastgradCandidate(Candidate):
         from verify.candidates.fastgrad.pipeline import FastgradPipeline
 
         return FastgradPipeline(fault=self.injected_fault)
+
+    def optimizer(self) -> DistributedOptimizerStep:
+        """``fastgrad.optim``'s DistributedOptimizer / ReplicatedOptimizer over fastgrad's stages."""
+        from verify.candidates.fastgrad.optimizer import FastgradOptimizer
+
+        return FastgradOptimizer()

@@ -10,8 +10,8 @@ give the last stage a broken output layer (``verify.candidates.fastgrad.pipeline
 :attr:`Fault.CROSSED_EMBEDDING_GROUP` (TP 2, tied) pairs each first-stage TP rank with the
 other TP rank's last stage for the embedding all-reduce (same shard shape, wrong rows).
 
-The preflight twin reuses the pieces: :func:`run_case_on_rank`, :func:`with_fault_groups` and
-``pipeline_model.build_stage_model`` / ``case_ddp_config``.
+The preflight twin trains the same stages step by step under fastgrad's optimizer
+(:meth:`FastgradPipeline.model`: ``verify.candidates.fastgrad.stages``).
 """
 
 from __future__ import annotations
@@ -32,9 +32,12 @@ from fastgrad.timeline import Timeline
 from refgrad.pipeline import sgd_update
 from verify.candidates.api import Fault
 from verify.candidates.api.pipeline import (
+    ModelSupport,
     PipelineCase,
+    PipelineModel,
     PipelineTraining,
     RankResult,
+    StageSettings,
     StepProgress,
     rank_microbatches,
     total_losses,
@@ -46,6 +49,7 @@ from verify.candidates.fastgrad.pipeline_model import (
     external_grad_params,
     updated_once,
 )
+from verify.candidates.fastgrad.stages import FastgradStages
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,14 @@ class FastgradPipeline(PipelineTraining):
         """Train ``case`` on this rank (see :func:`run_case_on_rank`)."""
         return run_case_on_rank(case, with_fault_groups(case, grid, self.fault), overlap,
                                 progress, self.fault)
+
+    def model(self, case: PipelineCase, grid: ParallelDims, settings: StageSettings) -> PipelineModel:
+        """``verify.candidates.fastgrad.stages.FastgradStages`` on ``grid`` as the fault has it."""
+        return FastgradStages(case, with_fault_groups(case, grid, self.fault), settings, self.fault)
+
+    def model_support(self) -> ModelSupport:
+        """fastgrad builds every part of the model here."""
+        return ModelSupport()
 
 
 def with_fault_groups(case: PipelineCase, grid: ParallelDims, fault: Fault | None) -> ParallelDims:

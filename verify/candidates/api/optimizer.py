@@ -1,0 +1,247 @@
+"""The distributed optimizer step with the param all-gather, as a typed interface.
+
+A candidate's optimizer is built over the data-parallel model its own pipeline built
+(:class:`DataParallelModel`: the candidate's DDP-wrapped chunks; Megatron-Core's
+``get_megatron_optimizer`` over its ``DistributedDataParallel`` chunks, fastgrad's
+``DistributedOptimizer`` / ``ReplicatedOptimizer`` over its ``DistributedDataParallel`` or
+``ModelChunks``), with AdamW, global-norm clipping and a loss scaler
+(:class:`OptimizerSettings`). Which of the two optimizers is built follows the model's DDP
+(``use_distributed_optimizer``: shards of a reduce-scattered buffer, or every param over
+all-reduced grads). Each :meth:`TrainingOptimizer.step` reports what it did
+(:class:`StepOutcome`); :meth:`TrainingOptimizer.state` gives the fp32 master params and the
+AdamW moments by the model's parameter names, whole (the shards other ranks own gathered).
+
+A candidate whose optimizer departs from ``refgrad.optim`` by design says how in
+:meth:`DistributedOptimizerStep.behaviour` (:class:`OptimizerBehaviour`): the comparison
+then holds it to refgrad's model of that behaviour, and reports its distance from the spec
+as a documented difference naming where the behaviour lives.
+
+The ``optim`` check (and the preflight twin) use the interface inside ``with
+candidate.optimizer() as optimizer:`` (:mod:`verify.candidates.api.scope`), in the rank
+processes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from fastgrad.parallel_dims import ParallelDims
+from verify.candidates.api.core import DocumentedBehaviour
+from verify.candidates.api.scope import TechniqueScope
+
+# A constant loss scale is a dynamic one that never grows: a growth interval no run reaches.
+CONSTANT_SCALE_WINDOW = 2**31
+
+
+def _power_of_two(value: float) -> bool:
+    return value > 0 and math.isfinite(value) and math.frexp(value)[0] == 0.5
+
+
+@dataclass(frozen=True)
+class AdamWHyperparameters:
+    """AdamW's hyperparameters (decoupled weight decay), the same for every parameter."""
+
+    lr: float = 1e-2
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("lr", "beta1", "beta2", "eps", "weight_decay"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"AdamWHyperparameters.{name} must be a finite number, got {value!r}")
+        if self.lr <= 0 or self.eps <= 0 or self.weight_decay < 0:
+            raise ValueError("AdamWHyperparameters: lr and eps must be > 0, weight_decay >= 0")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ValueError("AdamWHyperparameters: beta1 and beta2 must be in [0, 1)")
+
+
+@dataclass(frozen=True)
+class LossScaling:
+    """A loss scaler as Megatron-Core's (``megatron/core/optimizer/grad_scaler.py``): the loss
+    is multiplied by ``initial_scale`` before the backward; a step whose grads hold a NaN/inf
+    is skipped and, after ``hysteresis`` such steps, halves the scale (not below
+    ``min_scale``); ``growth_interval`` clean steps in a row double it. A constant scale is
+    :meth:`constant` (it never moves). Scales are powers of two, so scaling and unscaling are
+    exact."""
+
+    initial_scale: float
+    min_scale: float
+    growth_interval: int
+    hysteresis: int
+
+    def __post_init__(self) -> None:
+        for name in ("initial_scale", "min_scale"):
+            if not _power_of_two(getattr(self, name)):
+                raise ValueError(f"LossScaling.{name} must be a power of two, got {getattr(self, name)!r}")
+        if self.min_scale > self.initial_scale:
+            raise ValueError(f"LossScaling.min_scale ({self.min_scale}) must be <= initial_scale "
+                             f"({self.initial_scale})")
+        for name in ("growth_interval", "hysteresis"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"LossScaling.{name} must be an int >= 1, got {value!r}")
+
+    @classmethod
+    def constant(cls, scale: float) -> LossScaling:
+        """Megatron's ``ConstantGradScaler``: a scale that never moves."""
+        return cls(initial_scale=scale, min_scale=scale, growth_interval=CONSTANT_SCALE_WINDOW,
+                   hysteresis=1)
+
+    @property
+    def dynamic(self) -> bool:
+        return self.min_scale != self.initial_scale or self.growth_interval != CONSTANT_SCALE_WINDOW
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """AdamW, the global-norm clip (``max_grad_norm``; None: none) and the loss scaler (None:
+    unscaled). The norm is taken over the data-parallel and model-parallel (pipeline and
+    tensor) groups, a tied embedding's second copy (``param.shared``) once."""
+
+    adamw: AdamWHyperparameters = AdamWHyperparameters()
+    max_grad_norm: float | None = None
+    loss_scaling: LossScaling | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.adamw, AdamWHyperparameters):
+            raise TypeError("OptimizerSettings.adamw must be an AdamWHyperparameters")
+        if self.max_grad_norm is not None and (
+                isinstance(self.max_grad_norm, bool) or not isinstance(self.max_grad_norm, (int, float))
+                or not math.isfinite(self.max_grad_norm) or self.max_grad_norm <= 0):
+            raise ValueError(f"OptimizerSettings.max_grad_norm must be None or a finite number > 0, "
+                             f"got {self.max_grad_norm!r}")
+        if self.loss_scaling is not None and not isinstance(self.loss_scaling, LossScaling):
+            raise TypeError("OptimizerSettings.loss_scaling must be a LossScaling or None")
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one optimizer step did: ``stepped`` (False: skipped on NaN/inf grads), the global
+    grad norm it clipped with (None: the candidate took none), the clip coefficient (None:
+    no clipping configured), and the loss scale the step's grads carried (None: unscaled)."""
+
+    stepped: bool
+    grad_norm: float | None
+    clip_coefficient: float | None
+    loss_scale: float | None
+
+
+@dataclass(frozen=True)
+class AdamWState:
+    """One parameter's fp32 master and AdamW moments, whole (every DP rank's shard)."""
+
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+
+    def as_dict(self) -> dict[str, torch.Tensor]:
+        return {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+
+
+@runtime_checkable
+class DataParallelModel(Protocol):
+    """What a candidate's optimizer is built over: the model chunks its own DDP wraps, on
+    this rank of ``grid``. Each candidate's optimizer accepts only its own candidate's model
+    (the DDP buffers it shards are that candidate's)."""
+
+    @property
+    def grid(self) -> ParallelDims:
+        """This rank's place in the grid, with its process groups."""
+        ...
+
+    def named_parameters(self) -> Mapping[str, torch.nn.Parameter]:
+        """The model's parameters by name as the forward uses them (a weight shared by two
+        layers under both names)."""
+        ...
+
+
+@runtime_checkable
+class TrainingOptimizer(Protocol):
+    """One rank's optimizer, built by :meth:`DistributedOptimizerStep.build`."""
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The scale the next step's loss is to be multiplied by (None: no loss scaling)."""
+        ...
+
+    @property
+    def param_gather_in_flight(self) -> bool:
+        """Whether a param all-gather launched by a step is still unfinished
+        (``overlap_param_gather``: the next forward's pre-hooks wait for it)."""
+        ...
+
+    def step(self) -> StepOutcome:
+        """Unscale, take the norm, clip, step AdamW on the masters, publish the params (their
+        all-gather, overlapped or not) and update the loss scale."""
+        ...
+
+    def state(self) -> dict[str, AdamWState]:
+        """Every parameter's master and moments by the model's names (collective over the DP
+        group; call it once the params are gathered)."""
+        ...
+
+    def finish_param_sync(self) -> None:
+        """Wait for the last step's param all-gather (no forward follows it)."""
+        ...
+
+    def close(self) -> None:
+        """Remove what the optimizer hooked into the model."""
+        ...
+
+
+@dataclass(frozen=True)
+class OptimizerBehaviour:
+    """How a candidate's optimizer departs from ``refgrad.optim`` by design (None: it does not).
+
+    ``torch_adamw_order``: AdamW in ``torch.optim.AdamW``'s order of operations
+    (``refgrad.optim_torch``, with the platform's fp32 square root).
+    ``no_decay_on_1d_params``: weight decay only on params with more than one dimension.
+    ``partial_sum_grad_norm``: the global norm is an fp32 partial-sum norm, judged against the
+    exact norm within ``γ(n + k + R + 8)`` (``n`` the largest param, ``k`` the params, ``R``
+    the ranks); the candidate then clips with its own norm.
+    """
+
+    torch_adamw_order: DocumentedBehaviour | None = None
+    no_decay_on_1d_params: DocumentedBehaviour | None = None
+    partial_sum_grad_norm: DocumentedBehaviour | None = None
+
+    def documented(self) -> tuple[DocumentedBehaviour, ...]:
+        """Every documented behaviour, in this order."""
+        return tuple(b for b in (self.torch_adamw_order, self.no_decay_on_1d_params,
+                                 self.partial_sum_grad_norm) if b is not None)
+
+
+@runtime_checkable
+class DistributedOptimizerStep(TechniqueScope, Protocol):
+    """The candidate's optimizer over its data-parallel model."""
+
+    def build(self, model: DataParallelModel, settings: OptimizerSettings) -> TrainingOptimizer:
+        """This rank's optimizer over ``model`` (built by the same candidate): the distributed
+        optimizer when the model's DDP shards its grads, else the replicated one."""
+        ...
+
+    def behaviour(self) -> OptimizerBehaviour:
+        """How this optimizer departs from ``refgrad.optim`` by design."""
+        ...
+
+
+__all__ = [
+    "CONSTANT_SCALE_WINDOW",
+    "AdamWHyperparameters",
+    "AdamWState",
+    "DataParallelModel",
+    "DistributedOptimizerStep",
+    "LossScaling",
+    "OptimizerBehaviour",
+    "OptimizerSettings",
+    "StepOutcome",
+    "TrainingOptimizer",
+]

@@ -1,0 +1,108 @@
+"""fastgrad's :class:`~verify.candidates.api.optimizer.DistributedOptimizerStep`:
+``fastgrad.optim.DistributedOptimizer`` (AdamW over the shards of the reduce-scattered
+buffer; over an MXFP8 buffer it re-quantizes the params at the end of the step) or, without
+the distributed optimizer, ``ReplicatedOptimizer`` over the all-reduced grads: Megatron's two
+optimizers. The norm is summed over the pipeline (and TP) group, the tied copy on the last
+stage left out; the loss is scaled as Megatron's grad scaler does
+(``fastgrad.optim.DynamicLossScaler``). fastgrad's AdamW is ``refgrad.optim``'s order, its
+norm refgrad's: :meth:`FastgradOptimizer.behaviour` documents no departure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastgrad.optim import (
+    AdamWConfig,
+    DistributedOptimizer,
+    DynamicLossScaler,
+    ReplicatedOptimizer,
+)
+from verify.candidates.api.optimizer import (
+    AdamWState,
+    DataParallelModel,
+    DistributedOptimizerStep,
+    OptimizerBehaviour,
+    OptimizerSettings,
+    StepOutcome,
+)
+from verify.candidates.fastgrad.stages import FastgradStages, norm_group
+
+
+@dataclass(frozen=True)
+class FastgradOptimizer(DistributedOptimizerStep):
+    """fastgrad's optimizers over fastgrad's stages (its ``with`` scope is empty)."""
+
+    def optimizer_class(self, stages: FastgradStages) -> type[DistributedOptimizer]:
+        """``DistributedOptimizer`` for a sharding DDP (or an MXFP8 buffer), else
+        ``ReplicatedOptimizer`` (a test's broken candidate returns a subclass)."""
+        if stages.front is not None or stages.case.use_distributed_optimizer:
+            return DistributedOptimizer
+        return ReplicatedOptimizer
+
+    def build(self, model: DataParallelModel, settings: OptimizerSettings) -> FastgradTrainingOptimizer:
+        if not isinstance(model, FastgradStages):
+            raise TypeError(f"fastgrad's optimizer steps fastgrad's stages, got {type(model).__name__}")
+        return FastgradTrainingOptimizer(model, settings, self.optimizer_class(model))
+
+    def behaviour(self) -> OptimizerBehaviour:
+        return OptimizerBehaviour()
+
+
+class FastgradTrainingOptimizer:
+    """One rank's fastgrad optimizer over its :class:`FastgradStages`."""
+
+    def __init__(self, stages: FastgradStages, settings: OptimizerSettings,
+                 cls: type[DistributedOptimizer]) -> None:
+        self.stages, self.settings = stages, settings
+        hyper = settings.adamw
+        scaling = settings.loss_scaling
+        scaler = None if scaling is None else DynamicLossScaler(
+            initial_scale=scaling.initial_scale, min_scale=scaling.min_scale,
+            growth_interval=scaling.growth_interval, hysteresis=scaling.hysteresis)
+        if stages.front is not None and scaler is not None:
+            raise ValueError("fastgrad's MXFP8 buffer takes no loss scaler (its grads are fp32)")
+        self.optimizer = cls(
+            stages.optimizer_target,
+            AdamWConfig(lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, eps=hyper.eps,
+                        weight_decay=hyper.weight_decay),
+            max_grad_norm=settings.max_grad_norm, loss_scaler=scaler,
+            model_parallel_group=norm_group(stages.case, stages.grid))
+        if stages.front is not None:
+            self.optimizer.publish_params()  # the first forward's weights: the masters, quantized
+            stages.refresh_from_mxfp8()
+
+    @property
+    def loss_scale(self) -> float | None:
+        scaler = self.optimizer.loss_scaler
+        return None if scaler is None else scaler.scale
+
+    @property
+    def param_gather_in_flight(self) -> bool:
+        return self.optimizer.param_gather_in_flight
+
+    def step(self) -> StepOutcome:
+        outcome = self.optimizer.step()  # MXFP8: stage -> all-gather -> quantize -> zero
+        if self.stages.front is not None:
+            self.stages.refresh_from_mxfp8()
+        return StepOutcome(stepped=outcome.stepped, grad_norm=outcome.grad_norm,
+                           clip_coefficient=outcome.clip_coefficient, loss_scale=outcome.loss_scale)
+
+    def state(self) -> dict[str, AdamWState]:
+        by_name = self.optimizer.named_state_dict()["params"]
+        if self.stages.front is not None:
+            params = dict(zip(self.stages.named, self.stages.front_params))
+        else:
+            params = self.stages.named
+        out = {}
+        for name, param in params.items():
+            entry = by_name.get(self.optimizer.name_of(param))
+            if entry is not None:
+                out[name] = AdamWState(entry["master"], entry["exp_avg"], entry["exp_avg_sq"])
+        return out
+
+    def finish_param_sync(self) -> None:
+        self.optimizer.finish_param_sync()
+
+    def close(self) -> None:
+        self.optimizer.remove_hooks()
