@@ -8,8 +8,9 @@ own code for it (the checks reach them through the candidate once their interfac
 technique          Megatron-Core, run by
 =================  ==================================================================
 layout             ``layout.buffer_layouts`` / ``layout.ddp_layouts``
-reduce_scatter     :meth:`MegatronCoreCandidate.grad_reduction` (its fp32-accumulating
-                   reduce-scatter); the whole DDP reduction: ``reduction.run_reductions``
+reduce_scatter     :meth:`MegatronCoreCandidate.grad_reduction` (``grad_reduction``: its
+                   fp32-accumulating reduce-scatter and DDP's bucket reduction); the
+                   findings' driver: ``reduction.run_reductions``
 deferred_wgrad     ``deferred_wgrad.run_deferred_wgrad``
 pipeline           ``pipeline.run_pipeline``
 optim              ``optim.run_optim``
@@ -26,37 +27,16 @@ Megatron-Core (``verify.candidates.registry`` imports it to list the candidate).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from verify.candidates.api import Candidate, CandidateInfo, Technique, Unsupported
-from verify.candidates.api.grad_reduction import ReduceScatter
 from verify.candidates.megatron_core.redirect import REDIRECTS
 from verify.candidates.megatron_core.version import installed, missing_reason
 
-
-@dataclass(frozen=True)
-class MegatronFP32ReduceScatter(ReduceScatter):
-    """Megatron-Core's ``reduce_scatter_with_fp32_accumulation``, called as published (SUM only:
-    Megatron asserts it; DDP averages by pre-scaling the bucket instead)."""
-
-    def __call__(self, output: torch.Tensor, input: torch.Tensor, *, group: dist.ProcessGroup,
-                 op: dist.ReduceOp.RedOpType, async_op: bool = False) -> dist.Work | None:
-        from megatron.core.distributed.reduce_scatter_with_fp32_accumulation import (
-            reduce_scatter_with_fp32_accumulation,
-        )
-
-        return reduce_scatter_with_fp32_accumulation(output, input, op=op, group=group,
-                                                     async_op=async_op)
-
-
-@dataclass(frozen=True)
-class MegatronGradReduction:
-    """The seam's ``GradReduction`` for Megatron-Core."""
-
-    def reduce_scatter(self) -> ReduceScatter:
-        return MegatronFP32ReduceScatter()
+if TYPE_CHECKING:  # the adapters import Megatron-Core's modules where a technique runs
+    from verify.candidates.megatron_core.grad_reduction import MegatronGradReduction
 
 
 @dataclass(frozen=True)
@@ -92,10 +72,11 @@ class MegatronCoreCandidate(Candidate):
             raise Unsupported(technique, reason)
 
     def grad_reduction(self) -> MegatronGradReduction:
+        """``reduce_scatter_with_fp32_accumulation`` and ``DistributedDataParallel``'s bucket
+        reduction (``grad_reduction``)."""
+        from verify.candidates.megatron_core.grad_reduction import MegatronGradReduction
+
         self._require_installed(Technique.GRAD_REDUCTION)
-        reason = installed().skip_reason("reduce_scatter_with_fp32_accumulation")
-        if reason is not None:
-            raise self.unsupported(Technique.GRAD_REDUCTION, reason)
         return MegatronGradReduction()
 
     def _not_wired(self, technique: Technique, driver: str) -> Unsupported:

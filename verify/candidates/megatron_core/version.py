@@ -111,7 +111,11 @@ def _mxfp8_feature(ddp_config_cls: type) -> Feature:
 
 
 def _fused_wgrad_feature() -> Feature:
-    if importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None:
+    try:
+        spec = importlib.util.find_spec("fused_weight_gradient_mlp_cuda")
+    except ValueError:  # inside cpu_redirects: the stand-in (no __spec__) is in sys.modules
+        spec = None
+    if spec is not None:
         return Feature(True, "apex's fused_weight_gradient_mlp_cuda is installed")
     if torch.cuda.is_available():
         return Feature(False, "defer_embedding_wgrad_compute needs gradient_accumulation_fusion, "

@@ -68,7 +68,8 @@ def run_bucket_cases(reduction: GradReduction, rank: int, groups: dict, cases: l
             out.append({"skip": str(unsupported)})
             continue
         except Exception as error:  # noqa: BLE001 - the case fails with it; the others go on
-            out.append({"error": f"{type(error).__name__}: {error}".strip(),
+            message = str(error) or "(no message)"
+            out.append({"error": f"{type(error).__name__}: {message}",
                         "raised_at": _raised_at(error)})
             continue
         out.append({"held": held})
@@ -148,7 +149,7 @@ def check_bucket_cases(rec: CheckRecorder, per_rank: list[dict], cases: list[Buc
         if "skip" in runs[0]:
             rec.skip(f"{case.label}: {runs[0]['skip']}")
             continue
-        errors = sorted({f"{run['error'] or 'no message'} (raised at {run['raised_at']})"
+        errors = sorted({f"{run['error']} (raised at {run['raised_at']})"
                          for run in runs if "error" in run})
         if errors:
             rec.expect(f"{case.label}: runs", False, "; ".join(errors)[:400])
