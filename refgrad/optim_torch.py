@@ -1,4 +1,5 @@
-"""A named variant of ``refgrad.optim``: the AdamW step in ``torch.optim.AdamW``'s operation order.
+"""A named variant of ``refgrad.optim``: the AdamW step in ``torch.optim.AdamW``'s operation order
+(and the SGD step in ``torch.optim.SGD``'s: :func:`torch_sgd_element`).
 
 Why: Megatron-Core without Transformer Engine or apex steps its fp32 main params with
 ``torch.optim.AdamW`` (``megatron/core/optimizer/__init__.py`` falls back to it), whose
@@ -38,7 +39,15 @@ from collections.abc import Callable, Sequence
 from fractions import Fraction
 
 from refgrad import formats
-from refgrad.optim import AdamW, ParamState, clip_coefficient, prepare_grads, r32, sqrt_rounded
+from refgrad.optim import (
+    SGD,
+    AdamW,
+    ParamState,
+    clip_coefficient,
+    prepare_grads,
+    r32,
+    sqrt_rounded,
+)
 
 
 def f32(x: float) -> Fraction:
@@ -91,10 +100,39 @@ def torch_adamw_element(p: Fraction, g: Fraction, m: Fraction, v: Fraction,
     return p, m, v
 
 
+def torch_sgd_scalars(h: SGD) -> dict[str, Fraction]:
+    """``torch.optim.SGD``'s scalars as its kernels see them: Python floats rounded to fp32."""
+    return {"wd": Fraction(h.weight_decay), "wd32": f32(h.weight_decay),
+            "momentum": Fraction(h.momentum), "momentum32": f32(h.momentum),
+            "neg_lr": f32(-h.lr)}
+
+
+def torch_sgd_element(p: Fraction, g: Fraction, buf: Fraction | None, s: dict[str, Fraction]
+                      ) -> tuple[Fraction, Fraction | None]:
+    """One element of one ``torch.optim.SGD`` step (``dampening=0``, ``nesterov=False``, the
+    CPU single-tensor path); ``buf`` None on the first step. Returns ``(p, buf)``::
+
+        g = r32(g + wd32 * p)              grad.add(param, alpha=wd): ONE rounding (fused)
+        buf = g                            first step: a copy of the grad
+        buf = r32(r32(buf * mu32) + g)     later: buf.mul_(momentum).add_(grad) (alpha 1: exact)
+        p = r32(p + neg_lr * buf)          param.add_(buf, alpha=-lr): ONE rounding (fused)
+
+    ``add`` with ``alpha`` is a fused multiply-add in ATen's vectorized CPU kernel (measured on
+    this machine's build, tails included: ``tests/refgrad/test_optim_torch.py``); refgrad.optim's
+    SGD rounds the product first.
+    """
+    if s["wd"] != 0:
+        g = r32(g + s["wd32"] * p)
+    if s["momentum"] != 0:
+        buf = g if buf is None else r32(r32(buf * s["momentum32"]) + g)
+        g = buf
+    return r32(p + s["neg_lr"] * g), buf
+
+
 def torch_order_step(
     states: Sequence[ParamState],
     grads: Sequence,
-    hypers: Sequence[AdamW],
+    hypers: Sequence[AdamW | SGD],
     steps: Sequence[int],
     *,
     norm: Fraction | None,
@@ -102,7 +140,8 @@ def torch_order_step(
     loss_scale: float | None = None,
     sqrt32: Callable[[Fraction], Fraction] = correctly_rounded_sqrt,
 ) -> bool:
-    """One step over whole params in torch's AdamW order, given the grad ``norm`` to clip with.
+    """One step over whole params in torch's order (``torch.optim.AdamW`` for :class:`AdamW`
+    hypers, ``torch.optim.SGD`` for :class:`SGD` ones), given the grad ``norm`` to clip with.
 
     The grads are prepared (fp32, unscaled by ``r32(g * r32(1/S))``) and clipped with
     ``refgrad.optim.clip_coefficient`` exactly as ``refgrad.optim.optimizer_step`` does;
@@ -120,6 +159,17 @@ def torch_order_step(
             c32 = r32(coef)
             g_all = [[r32(g * c32) for g in grad] for grad in g_all]
     for state, g, h, t in zip(states, g_all, hypers, steps):
+        if isinstance(h, SGD):
+            sgd = torch_sgd_scalars(h)
+            first = state.momentum is None
+            buffers = []
+            for i, gi in enumerate(g):
+                state.master[i], b = torch_sgd_element(state.master[i], gi,
+                                                       None if first else state.momentum[i], sgd)
+                buffers.append(b)
+            if sgd["momentum"] != 0:
+                state.momentum = buffers
+            continue
         s = torch_adamw_scalars(h, t)
         if state.exp_avg is None:
             state.exp_avg = [Fraction(0)] * len(g)

@@ -8,8 +8,8 @@ import grimp
 import pytest
 
 # Checks that reach the implementation under test only through a Candidate.
-MIGRATED_CHECKS = ("verify.checks.layout", "verify.checks.deferred_wgrad", "verify.checks.mxfp8",
-                   "verify.checks.pipeline")
+MIGRATED_CHECKS = ("verify.checks.layout", "verify.checks.reduce_scatter",
+                   "verify.checks.deferred_wgrad", "verify.checks.mxfp8", "verify.checks.pipeline")
 # What the candidate API may take from fastgrad: records with no fastgrad implementation behind
 # them (the sizes-and-groups carrier, the timeline records), and what those import.
 NEUTRAL_FASTGRAD = frozenset({"fastgrad.parallel_dims", "fastgrad.timeline", "fastgrad.errors"})

@@ -6,8 +6,15 @@ Megatron-Core itself is never modified. Module-level, so the spawned ranks can u
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.utils import drain_embedding_wgrad_compute
+
+from verify.candidates.api import Technique
+from verify.candidates.megatron_core.candidate import MegatronCoreCandidate
+from verify.candidates.megatron_core.grad_reduction import MegatronGradReduction
 
 
 class WronglyScaledBucketDDP(DistributedDataParallel):
@@ -24,3 +31,24 @@ def drain_dropping_first(config, embedding_activation_buffer, grad_output_buffer
     grad_output_buffer.pop(0)
     return drain_embedding_wgrad_compute(config, embedding_activation_buffer, grad_output_buffer,
                                          weight, tp_group)
+
+
+class PrescaleFactorInBf16DDP(DistributedDataParallel):
+    """Megatron's DDP whose buckets pre-scale by 1/W rounded to bf16 (a plausible bug: the
+    factor computed in the grad dtype); exact at W = 2 and 4, wrong at W = 3 and 5."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        for bucket_group in self.bucket_groups:
+            for bucket in bucket_group.buckets:
+                bucket.gradient_scaling_factor = float(
+                    torch.tensor(bucket.gradient_scaling_factor, dtype=torch.bfloat16))
+
+
+@dataclass(frozen=True)
+class MegatronWithPrescaleInBf16(MegatronCoreCandidate):
+    """A copy of the Megatron-Core candidate whose DDP buckets are :class:`PrescaleFactorInBf16DDP`."""
+
+    def grad_reduction(self) -> MegatronGradReduction:
+        self._require_installed(Technique.GRAD_REDUCTION)
+        return MegatronGradReduction(ddp_class=PrescaleFactorInBf16DDP)

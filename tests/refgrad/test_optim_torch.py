@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from refgrad import optim as R
-from refgrad.optim_torch import torch_adamw_element, torch_adamw_scalars, torch_order_step
+from refgrad.optim_torch import (
+    torch_adamw_element,
+    torch_adamw_scalars,
+    torch_order_step,
+    torch_sgd_element,
+    torch_sgd_scalars,
+)
 
 U = Fraction(1, 2**23)  # one fp32 ulp in [1, 2)
 
@@ -108,3 +114,53 @@ def test_non_finite_grad_skips_the_step():
     state = R.ParamState(master=[Fraction(1)])
     assert not torch_order_step([state], [torch.tensor([float("inf")])], [h], [1], norm=None)
     assert state.master == [Fraction(1)] and state.exp_avg is None
+
+
+def test_sgd_update_is_one_fused_rounding_by_hand():
+    # p = 1, g = 1 + u, lr = 1 - 2^-24 (an fp32 value), no momentum, no weight decay:
+    #   torch: p + (-lr)*g = 1 - (1 + u - 2^-24 - 2^-47) = -2^-24 + 2^-47 exactly, which fp32
+    #   holds (24 significant bits): one rounding changes nothing.
+    #   refgrad.optim: r32(lr*g) = r32(1 + 2^-24 - 2^-47) = 1 (below the tie at 1 + 2^-24),
+    #   and p - 1 = 0.
+    lr = float(1 - Fraction(1, 2**24))
+    h = R.SGD(lr=lr, momentum=0.0, weight_decay=0.0)
+    p, g = Fraction(1), 1 + U
+    assert Fraction(lr) == 1 - Fraction(1, 2**24)  # an fp32 value: f32(-lr) is exact
+    p_torch, _ = torch_sgd_element(p, g, None, torch_sgd_scalars(h))
+    p_ref, _ = R.sgd_element(p, g, None, R.sgd_scalars(h))
+    assert p_torch == -Fraction(1, 2**24) + Fraction(1, 2**47)
+    assert p_ref == 0
+    param = torch.nn.Parameter(torch.tensor([1.0]))
+    param.grad = torch.tensor([float(g)])
+    torch.optim.SGD([param], lr=lr).step()
+    assert Fraction(float(param.detach())) == p_torch  # this CPU's add(alpha=) is the fused one
+
+
+@pytest.mark.parametrize("hyper", [
+    R.SGD(lr=0.05, momentum=0.9, weight_decay=0.01),
+    R.SGD(lr=0.3, momentum=0.0, weight_decay=0.1),
+    R.SGD(lr=1e-3, momentum=0.5),
+])
+def test_matches_torch_sgd_bitwise_on_this_cpu(hyper):
+    """Five steps on 257 elements (a vector tail included) against torch.optim.SGD; refgrad.optim's
+    order gives other bits on the same inputs."""
+    g = torch.Generator().manual_seed(11)
+    p0 = torch.randn(257, generator=g)
+    param = torch.nn.Parameter(p0.clone())
+    opt = torch.optim.SGD([param], lr=hyper.lr, momentum=hyper.momentum,
+                          weight_decay=hyper.weight_decay)
+    model = R.ParamState(master=R.values(p0))
+    spec = R.ParamState(master=R.values(p0))
+    differs = False
+    for step in range(1, 6):
+        grad = torch.randn(257, generator=g) * torch.pow(2.0, torch.randint(-10, 3, (257,), generator=g).float())
+        param.grad = grad.clone()
+        opt.step()
+        torch_order_step([model], [grad], [hyper], [step], norm=None)
+        R.optimizer_step([spec], [grad], [hyper], [step])
+        assert torch.equal(R.to_tensor(model.master, (257,)), param.detach()), f"step {step}"
+        if hyper.momentum:
+            assert torch.equal(R.to_tensor(model.momentum, (257,)),
+                               opt.state[param]["momentum_buffer"]), f"step {step}"
+        differs |= not torch.equal(R.to_tensor(spec.master, (257,)), param.detach())
+    assert differs, "refgrad.optim's order should give other bits somewhere on these inputs"

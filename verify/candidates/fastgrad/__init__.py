@@ -13,6 +13,7 @@ from verify.candidates.api import Candidate, CandidateInfo, Fault
 
 if TYPE_CHECKING:  # the technique interfaces, for annotations only
     from verify.candidates.api.deferred_wgrad import DeferredWgrad
+    from verify.candidates.api.grad_reduction import GradReduction
     from verify.candidates.api.layout import BucketLayout
     from verify.candidates.api.mxfp8 import MXFP8
     from verify.candidates.api.optimizer import DistributedOptimizerStep
@@ -50,6 +51,12 @@ class FastgradCandidate(Candidate):
         from verify.candidates.fastgrad.layout import FastgradLayout
 
         return FastgradLayout()
+
+    def grad_reduction(self) -> GradReduction:
+        """``fastgrad.reduce_scatter`` and ``fastgrad.buffer``'s buckets."""
+        from verify.candidates.fastgrad.grad_reduction import FastgradGradReduction
+
+        return FastgradGradReduction()
 
     def deferred_wgrad(self) -> DeferredWgrad:
         """``fastgrad.deferred_wgrad.ColumnParallelOutputLayer`` and its wgrad GEMM

@@ -7,8 +7,8 @@ technique          interface (module in this package), and the driver of its fin
 =================  ==================================================================
 layout             ``bucket_layout.MegatronLayout``: ``_ParamAndGradBuffer`` and
                    ``DistributedDataParallel`` (driver: ``layout``)
-reduce_scatter     :meth:`MegatronCoreCandidate.grad_reduction` (its fp32-accumulating
-                   reduce-scatter); the whole DDP reduction: ``reduction.run_reductions``
+reduce_scatter     ``grad_reduction.MegatronGradReduction``: its fp32-accumulating
+                   reduce-scatter and DDP's bucket reduction (driver: ``reduction``)
 deferred_wgrad     ``output_layer.MegatronDeferredWgrad``: ``ColumnParallelLinear`` and the
                    schedules' drain (driver: ``deferred_wgrad``)
 pipeline           ``pipeline_training.MegatronPipeline``: DDP under the 1F1B schedules
@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NoReturn
 
 import torch
-import torch.distributed as dist
 
 from verify.candidates.api import (
     Behaviour,
@@ -47,12 +46,12 @@ from verify.candidates.api import (
     Technique,
     Unsupported,
 )
-from verify.candidates.api.grad_reduction import ReduceScatter
 from verify.candidates.megatron_core.redirect import REDIRECTS
 from verify.candidates.megatron_core.version import installed, missing_reason
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the adapters import Megatron-Core's modules where a technique runs
     from verify.candidates.megatron_core.bucket_layout import MegatronLayout
+    from verify.candidates.megatron_core.grad_reduction import MegatronGradReduction
     from verify.candidates.megatron_core.optimizer import MegatronOptimizer
     from verify.candidates.megatron_core.output_layer import MegatronDeferredWgrad
     from verify.candidates.megatron_core.pipeline_training import MegatronPipeline
@@ -72,29 +71,6 @@ DOCUMENTED: dict[Behaviour, DocumentedBehaviour] = {
         "(bucket_size = None when disable_bucketing or pp_rank > 0; Megatron-LM's get_model "
         "passes disable_bucketing for model chunks after the first)"),
 }
-
-
-@dataclass(frozen=True)
-class MegatronFP32ReduceScatter(ReduceScatter):
-    """Megatron-Core's ``reduce_scatter_with_fp32_accumulation``, called as published (SUM only:
-    Megatron asserts it; DDP averages by pre-scaling the bucket instead)."""
-
-    def __call__(self, output: torch.Tensor, input: torch.Tensor, *, group: dist.ProcessGroup,
-                 op: dist.ReduceOp.RedOpType, async_op: bool = False) -> dist.Work | None:
-        from megatron.core.distributed.reduce_scatter_with_fp32_accumulation import (
-            reduce_scatter_with_fp32_accumulation,
-        )
-
-        return reduce_scatter_with_fp32_accumulation(output, input, op=op, group=group,
-                                                     async_op=async_op)
-
-
-@dataclass(frozen=True)
-class MegatronGradReduction:
-    """The seam's ``GradReduction`` for Megatron-Core."""
-
-    def reduce_scatter(self) -> ReduceScatter:
-        return MegatronFP32ReduceScatter()
 
 
 @dataclass(frozen=True)
@@ -134,16 +110,12 @@ class MegatronCoreCandidate(Candidate):
             raise Unsupported(technique, reason)
 
     def grad_reduction(self) -> MegatronGradReduction:
-        self._require_installed(Technique.GRAD_REDUCTION)
-        reason = installed().skip_reason("reduce_scatter_with_fp32_accumulation")
-        if reason is not None:
-            raise self.unsupported(Technique.GRAD_REDUCTION, reason)
-        return MegatronGradReduction()
+        """``reduce_scatter_with_fp32_accumulation`` and ``DistributedDataParallel``'s bucket
+        reduction (``grad_reduction``)."""
+        from verify.candidates.megatron_core.grad_reduction import MegatronGradReduction
 
-    def _not_wired(self, technique: Technique, driver: str) -> Unsupported:
-        self._require_installed(technique)
-        return self.unsupported(technique, f"runs through {driver}, which is not yet wired to the "
-                                "seam's interface for this technique")
+        self._require_installed(Technique.GRAD_REDUCTION)
+        return MegatronGradReduction()
 
     def layout(self) -> MegatronLayout:
         """Megatron's ``_ParamAndGradBuffer`` / ``DistributedDataParallel`` (``bucket_layout``)."""

@@ -1,15 +1,14 @@
-"""The reduce_scatter check's inputs: rank-specific data with wire-dtype ties, and order-sensitive data."""
+"""The reduce_scatter check's inputs: rank-specific data with wire-dtype ties, order-sensitive
+data, average-sensitive data, and the DDP bucket cases."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from fastgrad.reduce_scatter import (
-    AVG,
-    SUM,
-)
+from verify.candidates.api.grad_reduction import ReductionConfig
 
-OPS = {"sum": SUM, "avg": AVG}
 MODES = ("sync", "async", "scratch", "in_place")
 DTYPE_NAMES = ("float16", "bfloat16")
 ITERATIONS = 2
@@ -88,3 +87,63 @@ def average_sensitive_input(
     # The float64 sum of at most a few 16-bit values in [2^-2, 2^3) is exact.
     last = -others.double().sum(dim=0).to(dtype)
     return torch.cat([others, last.unsqueeze(0)])[rank]
+
+
+INPUTS = {"rank": rank_input, "order_sensitive": order_sensitive_input,
+          "average_sensitive": average_sensitive_input}
+BUCKET_SHARD = 128  # elements per rank in a DDP bucket case: no candidate pads W * 128
+
+
+@dataclass(frozen=True)
+class BucketCase:
+    """One DDP bucket reduction of the check: ``size`` ranks, the candidate's DDP under
+    ``config``, inputs by name (``INPUTS``). ``after_fp32``: built after a DDP with the
+    fp32-accumulating reduce-scatter in the same process (a process-wide setting leaking
+    from one DDP into the next shows here)."""
+
+    size: int
+    config: ReductionConfig
+    inputs: str = "rank"
+    after_fp32: bool = False
+
+    def __post_init__(self) -> None:
+        if self.inputs not in INPUTS:
+            raise ValueError(f"BucketCase.inputs must be one of {sorted(INPUTS)}, got {self.inputs!r}")
+        if self.size < 2:
+            raise ValueError(f"BucketCase.size must be >= 2, got {self.size}")
+
+    @property
+    def label(self) -> str:
+        inputs = "" if self.inputs == "rank" else f" {self.inputs.replace('_', '-')} inputs"
+        after = (" (built after an fp32-accumulating DDP in the same process)"
+                 if self.after_fp32 else "")
+        return f"DDP bucket reduction W={self.size} {self.config.label}{inputs}{after}"
+
+
+PRESCALED = ReductionConfig()
+AVG_IN_COLLECTIVE = ReductionConfig(average_in_collective=True)
+ALL_REDUCE = ReductionConfig(use_distributed_optimizer=False)
+FP32_PRESCALED = ReductionConfig(reduce_scatter_with_fp32_accumulation=True)
+FP32_AVG_IN_COLLECTIVE = ReductionConfig(reduce_scatter_with_fp32_accumulation=True,
+                                         average_in_collective=True)
+FP32_SUM = ReductionConfig(average=False, reduce_scatter_with_fp32_accumulation=True)
+
+
+BUCKET_SIZES = (2, 3)  # W = 2: 1/2 exact, one addition; W = 3: neither
+
+
+def bucket_cases(average_sizes: tuple[int, ...]) -> list[BucketCase]:
+    """The DDP bucket cases in run order: the plain collectives first, then the
+    fp32-accumulating ones (rank-specific, order-sensitive at W = 3, average-sensitive at
+    ``average_sizes``), then a plain reduce-scatter once more at W = 3."""
+    sizes = BUCKET_SIZES
+    cases = [BucketCase(w, config) for config in (PRESCALED, AVG_IN_COLLECTIVE, ALL_REDUCE)
+             for w in sizes]
+    cases += [BucketCase(w, config) for config in (FP32_PRESCALED, FP32_AVG_IN_COLLECTIVE, FP32_SUM)
+              for w in sizes]
+    cases += [BucketCase(w, FP32_SUM, "order_sensitive") for w in sizes if w >= 3]
+    cases += [BucketCase(w, config, "average_sensitive") for config in (FP32_PRESCALED,
+                                                                       FP32_AVG_IN_COLLECTIVE)
+              for w in average_sizes]
+    cases.append(BucketCase(3, PRESCALED, after_fp32=True))
+    return cases

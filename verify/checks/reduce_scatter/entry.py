@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import concurrent.futures
 
+from verify.candidates import Candidate, Technique
 from verify.check import Check, CheckContext, CheckRecorder
-from verify.checks.reduce_scatter.candidate import ReduceScatterCandidate
 from verify.checks.reduce_scatter.local import (
     check_cuda_local_reduction,
     check_local_order_sensitive,
@@ -22,25 +22,28 @@ from verify.distributed import spawn
 CHECK_NAME = "reduce_scatter"
 
 
-def _local_parts(ctx: CheckContext, rec: CheckRecorder, candidate: ReduceScatterCandidate) -> None:
+def _local_parts(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate) -> None:
     """Everything but the multi-rank part and the measurement of torch's own sum order."""
-    check_local_order_sensitive(ctx, rec, candidate)
-    check_cuda_local_reduction(ctx, rec, candidate)
+    with candidate.grad_reduction() as reduction:
+        check_local_order_sensitive(ctx, rec, reduction)
+        check_cuda_local_reduction(ctx, rec, reduction)
     check_models(ctx, rec)
     check_error_growth(ctx, rec)
     check_average(ctx, rec)
 
 
 def _local_parts_process(rank: int, world: int, ctx: CheckContext,
-                         candidate: ReduceScatterCandidate) -> CheckRecorder:
+                         candidate: Candidate) -> CheckRecorder:
     """:func:`_local_parts` in a process of its own (``spawn`` with one rank)."""
     rec = CheckRecorder(CHECK_NAME)
     _local_parts(ctx, rec, candidate)
     return rec
 
 
-def run(ctx: CheckContext, rec: CheckRecorder, candidate: ReduceScatterCandidate) -> None:
-    """The ``reduce_scatter`` check against ``candidate`` (default: fastgrad's)."""
+def run(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate) -> None:
+    """The ``reduce_scatter`` check against ``candidate``'s grad reduction (default: fastgrad's)."""
+    with candidate.grad_reduction():  # a candidate without the technique: SKIP, nothing run
+        pass
     # The local parts are seconds of Python-bound refgrad arithmetic: in a process of
     # their own they run beside the multi-rank part instead of holding this process's
     # interpreter lock (``verify run`` runs two checks in threads of one process).
@@ -54,8 +57,9 @@ def run(ctx: CheckContext, rec: CheckRecorder, candidate: ReduceScatterCandidate
 
 CHECK = Check(
     name=CHECK_NAME,
-    summary="fp32-accumulating reduce-scatter vs refgrad (bitwise, gloo W=2..4); error growth with N",
+    summary="fp32-accumulating reduce-scatter and the DDP bucket reduction vs refgrad (bitwise, "
+            "gloo W=2..6); error growth with N",
     run=run,
-    default_candidate=ReduceScatterCandidate.default(),
     spawns_ranks=True,
+    technique=Technique.GRAD_REDUCTION,
 )

@@ -6,8 +6,9 @@ import torch
 
 from refgrad import reduce_scatter as refc
 from refgrad.formats import tensor_bit_patterns
+from verify.candidates.api.core import Unsupported
+from verify.candidates.api.grad_reduction import OPS, GradReduction, LocalReduction
 from verify.check import CheckContext, CheckRecorder
-from verify.checks.reduce_scatter.candidate import ReduceScatterCandidate
 from verify.checks.reduce_scatter.cases import (
     DTYPE_NAMES,
     ORDER_SENSITIVE_LOCAL_SIZES,
@@ -15,15 +16,27 @@ from verify.checks.reduce_scatter.cases import (
 )
 
 
-def check_local_order_sensitive(
-    ctx: CheckContext, rec: CheckRecorder, candidate: ReduceScatterCandidate
-) -> None:
+def local_reductions(reduction: GradReduction, rec: CheckRecorder, part: str
+                     ) -> dict[str, LocalReduction]:
+    """The candidate's local reduction per op (refgrad's names); an op it lacks is a skip of ``part``."""
+    found = {}
+    for name, op in OPS.items():
+        try:
+            found[name] = reduction.local_reduction(op)
+        except Unsupported as unsupported:
+            rec.skip(f"{part}, op={name}: {unsupported}")
+    return found
+
+
+def check_local_order_sensitive(ctx: CheckContext, rec: CheckRecorder,
+                                reduction: GradReduction) -> None:
     """The candidate's local reduction on order-sensitive inputs vs refgrad fp32/rank, bitwise.
 
     First proves with refgrad that the inputs are order-sensitive: summing the same rows
     rotated by one rank, or reversed, gives other bits somewhere.
     """
     numel = 64 if ctx.quick else 512
+    reductions = local_reductions(reduction, rec, "order-sensitive local reduction")
     for world_size in ORDER_SENSITIVE_LOCAL_SIZES:
         for dtype_name in DTYPE_NAMES:
             dtype = getattr(torch, dtype_name)
@@ -43,42 +56,36 @@ def check_local_order_sensitive(
                 f"elements that differ (of {numel}): {differs}",
             )
             shards = torch.stack(rows)
-            for op in ("sum", "avg"):
+            for op, local in reductions.items():
                 out = torch.empty(numel, dtype=dtype)
-                candidate.local_reduction(shards, out, average=op == "avg")
+                local(shards, out, op=OPS[op])
                 expected = refc.all_reduce(rows, accumulate="fp32", order="rank", op=op)[0]
                 rec.compare(f"order-sensitive local reduction vs refgrad fp32/rank: {tag} {op}",
                             expected, out)
 
 
-def compare_local_reduction_on(
-    device: str,
-    rec: CheckRecorder,
-    g: torch.Generator,
-    sizes,
-    candidate: ReduceScatterCandidate = ReduceScatterCandidate(),  # noqa: B008 - frozen
-) -> None:
+def compare_local_reduction_on(device: str, rec: CheckRecorder, g: torch.Generator, sizes,
+                               reduction: GradReduction) -> None:
     """The candidate's local fp32 reduction run on ``device`` vs refgrad, bitwise, fp16 and
-    bf16, SUM and AVG.
+    bf16, SUM and AVG (the ops it has).
 
     Values span 2^12 so fp32 accumulation and the single rounding both matter.
     """
-    reduce = candidate.local_reduction
+    reductions = local_reductions(reduction, rec, f"{device} local reduction")
     for dtype in (torch.float16, torch.bfloat16):
         for world_size, numel in sizes:
             values = torch.randn(world_size, numel, generator=g)
             shards = (values * torch.exp2(-12 * torch.rand(world_size, numel, generator=g))).to(dtype)
-            for op in ("sum", "avg"):
+            for op, local in reductions.items():
                 out = torch.empty(numel, dtype=dtype, device=device)
-                reduce(shards.to(device), out, average=op == "avg")
+                local(shards.to(device), out, op=OPS[op])
                 expected = refc.all_reduce(list(shards), accumulate="fp32", order="rank", op=op)[0]
                 rec.compare(f"{device} local reduction {dtype} W={world_size} n={numel} {op}",
                             expected, out.cpu())
 
 
-def check_cuda_local_reduction(
-    ctx: CheckContext, rec: CheckRecorder, candidate: ReduceScatterCandidate
-) -> None:
+def check_cuda_local_reduction(ctx: CheckContext, rec: CheckRecorder,
+                               reduction: GradReduction) -> None:
     """With ``--device cuda``: the GPU local reduction (Triton kernel when available) vs refgrad.
 
     Shard lengths cover several kernel blocks and a ragged tail.
@@ -87,4 +94,4 @@ def check_cuda_local_reduction(
         rec.skip("CUDA local reduction (Triton kernel) vs refgrad: run `verify run --device cuda`")
         return
     sizes = ((3, 257),) if ctx.quick else ((2, 2053), (3, 2053), (8, 1029), (64, 257))
-    compare_local_reduction_on("cuda", rec, ctx.generator(404), sizes, candidate)
+    compare_local_reduction_on("cuda", rec, ctx.generator(404), sizes, reduction)

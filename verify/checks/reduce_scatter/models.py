@@ -6,9 +6,6 @@ from fractions import Fraction
 
 import torch
 
-from fastgrad.reduce_scatter import (
-    reduce_shards_fp32,
-)
 from refgrad import formats
 from refgrad import reduce_scatter as refc
 from refgrad.exact import exact_sum
@@ -135,8 +132,17 @@ def _exact_average(inputs: list[torch.Tensor], dtype: torch.dtype) -> torch.Tens
     return formats.round_values_to_tensor(fmt, values, (numel,))
 
 
+def fp32_average(stacked: torch.Tensor) -> torch.Tensor:
+    """The spec's AVG: the rank-order fp32 sum (the sweep's model, held to refgrad bitwise by
+    :func:`check_models`), one IEEE fp32 division by W, one rounding to the wire dtype."""
+    total = study_models.fp32_reduce(stacked)[1]
+    # A 0-dim tensor divisor: a Python-scalar divisor may become a multiplication by the
+    # reciprocal, which is not IEEE division.
+    return (total / torch.tensor(float(stacked.shape[0]), dtype=torch.float32)).to(stacked.dtype)
+
+
 def check_average(ctx: CheckContext, rec: CheckRecorder) -> None:
-    """Our AVG (fp32 sum / W, one rounding) vs production's 16-bit pre-scale, vs the exact mean."""
+    """The spec's AVG (fp32 sum / W, one rounding) vs production's 16-bit pre-scale, vs the exact mean."""
     from verify.metrics import ulp_distance
 
     numel = 256 if ctx.quick else 2048
@@ -148,11 +154,9 @@ def check_average(ctx: CheckContext, rec: CheckRecorder) -> None:
             stacked = study_models.generate("gradient", world_size, numel, g).to(dtype)
             inputs = list(stacked)
             exact = _exact_average(inputs, dtype)
-            ours = torch.empty(numel, dtype=dtype)
-            reduce_shards_fp32(stacked, ours, average=True)
+            ours = fp32_average(stacked)
             prescaled = torch.stack([x * (1.0 / world_size) for x in inputs])
-            production = torch.empty(numel, dtype=dtype)
-            reduce_shards_fp32(prescaled, production, average=False)
+            production = study_models.fp32_reduce(prescaled)[0]
             row = [dtype_name, world_size]
             for result in (ours, production):
                 ulps = ulp_distance(exact, result).ulps
@@ -186,8 +190,7 @@ def check_production_sum_order(ctx: CheckContext, rec: CheckRecorder) -> None:
     for world_size in (8, 64):
         g = ctx.generator(700 + world_size)
         stacked = study_models.generate("normal", world_size, 4096, g).to(torch.bfloat16)
-        ours = torch.empty(4096, dtype=torch.bfloat16)
-        reduce_shards_fp32(stacked, ours, average=False)
+        ours = study_models.fp32_reduce(stacked)[0]
         production = torch.sum(stacked, dim=0, dtype=torch.float32).to(torch.bfloat16)
         fp32_sum = torch.sum(stacked, dim=0, dtype=torch.float32)
         sequential = study_models.fp32_reduce(stacked)[1]

@@ -1,151 +1,223 @@
-"""The reduce_scatter check's multi-rank part: the candidate on real gloo groups vs refgrad, bitwise."""
+"""The reduce_scatter check's multi-rank part: the candidate's collectives on real gloo groups vs refgrad.
+
+One spawn of ``max(sizes, average_sizes)`` ranks; every rank creates the groups of ranks
+``0..W-1`` and, inside ``with candidate.grad_reduction()``, runs the candidate's
+fp32-accumulating reduce-scatter in every mode the check's :class:`CollectivePlan` holds
+(those the candidate takes), then the DDP bucket cases (:mod:`verify.checks.reduce_scatter.buckets`),
+whose refgrad references are computed meanwhile in a process of their own.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from fastgrad.reduce_scatter import AVG
 from refgrad import reduce_scatter as refc
 from refgrad.formats import tensor_bit_patterns
+from verify.candidates import Candidate, Unsupported
+from verify.candidates.api.grad_reduction import OPS, GradReduction
 from verify.check import CheckContext, CheckRecorder
-from verify.checks.reduce_scatter.candidate import ReduceScatterCandidate
+from verify.checks.reduce_scatter.buckets import (
+    bucket_references_process,
+    check_bucket_cases,
+    run_bucket_cases,
+)
 from verify.checks.reduce_scatter.cases import (
     AVERAGE_SIZES,
     DTYPE_NAMES,
     ITERATIONS,
     MODES,
-    OPS,
+    BucketCase,
     average_sensitive_input,
+    bucket_cases,
     order_sensitive_input,
     rank_input,
 )
 from verify.distributed import spawn
 
 
-def run_modes(candidate: Callable, rank: int, size: int, group, shard: int, seed: int):
-    """Every (dtype, iteration, op, mode) of ``candidate`` on this rank of ``group``:
-    sync, async, caller scratch and in place (the output a view of the input buffer)."""
+@dataclass(frozen=True)
+class CollectivePlan:
+    """The ops (refgrad's names) the candidate's fp32-accumulating reduce-scatter takes, plain
+    and through a caller's scratch: decided in the check's process, where an op the candidate
+    lacks is recorded as a skip."""
+
+    ops: tuple[str, ...]
+    scratch_ops: tuple[str, ...]
+
+    def modes(self, op_name: str) -> tuple[str, ...]:
+        """The modes ``op_name`` runs in (``MODES`` without ``scratch`` where it has none)."""
+        return tuple(m for m in MODES if m != "scratch" or op_name in self.scratch_ops)
+
+
+def collective_plan(reduction: GradReduction, rec: CheckRecorder) -> CollectivePlan:
+    """Ask the candidate for each op's collectives; each it lacks is a skip naming the parts."""
+    ops, scratch_ops = [], []
+    for name, op in OPS.items():
+        try:
+            reduction.reduce_scatter(op)
+        except Unsupported as unsupported:
+            rec.skip(f"fp32-accumulating reduce-scatter with op={name} (every mode, the "
+                     f"order-sensitive and average-sensitive inputs): {unsupported}")
+            continue
+        ops.append(name)
+        try:
+            reduction.scratch_reduce_scatter(op)
+        except Unsupported as unsupported:
+            rec.skip(f"fp32-accumulating reduce-scatter with op={name} through a caller's "
+                     f"scratch: {unsupported}")
+            continue
+        scratch_ops.append(name)
+    return CollectivePlan(tuple(ops), tuple(scratch_ops))
+
+
+def run_modes(reduction: GradReduction, plan: CollectivePlan, rank: int, size: int, group,
+              shard: int, seed: int) -> list[dict]:
+    """Every (dtype, iteration, op, mode) of the candidate's reduce-scatter on this rank of
+    ``group``: sync, async, caller scratch and in place (the output a view of the input)."""
     records = []
     for dtype_name in DTYPE_NAMES:
         dtype = getattr(torch, dtype_name)
         for it in range(ITERATIONS):
             x = rank_input(rank, size, size * shard, dtype, it, seed)
             record = {"dtype": dtype_name, "it": it, "input": x.clone()}
-            for op_name, op in OPS.items():
+            for op_name in plan.ops:
+                op, reduce_scatter = OPS[op_name], reduction.reduce_scatter(OPS[op_name])
                 out = torch.empty(shard, dtype=dtype)
-                candidate(out, x, group=group, op=op)
+                reduce_scatter(out, x, group=group, op=op)
                 record[(op_name, "sync")] = out
                 out = torch.empty(shard, dtype=dtype)
-                candidate(out, x, group=group, op=op, async_op=True).wait()
+                reduce_scatter(out, x, group=group, op=op, async_op=True).wait()
                 record[(op_name, "async")] = out
-                out = torch.empty(shard, dtype=dtype)
-                scratch = torch.empty(x.numel(), dtype=dtype)
-                candidate(out, x, group=group, op=op, scratch=scratch)
-                record[(op_name, "scratch")] = out
+                if op_name in plan.scratch_ops:
+                    out = torch.empty(shard, dtype=dtype)
+                    scratch = torch.empty(x.numel(), dtype=dtype)
+                    reduction.scratch_reduce_scatter(op)(out, x, scratch, group=group, op=op)
+                    record[(op_name, "scratch")] = out
                 buffer = x.clone()
                 view = buffer[rank * shard : (rank + 1) * shard]
-                candidate(view, buffer, group=group, op=op, async_op=True).wait()
+                reduce_scatter(view, buffer, group=group, op=op, async_op=True).wait()
                 record[(op_name, "in_place")] = view.clone()
             records.append(record)
     return records
 
 
-def _run_order_sensitive(candidate: Callable, rank: int, size: int, group, shard: int, seed: int):
-    """Order-sensitive inputs through the candidate (sync, SUM and AVG) on one group."""
+def _run_order_sensitive(reduction: GradReduction, plan: CollectivePlan, rank: int, size: int,
+                         group, shard: int, seed: int) -> list[dict]:
+    """Order-sensitive inputs through the candidate (sync, every op it takes) on one group."""
     records = []
     for dtype_name in DTYPE_NAMES:
         dtype = getattr(torch, dtype_name)
         for it in range(ITERATIONS):
             x = order_sensitive_input(rank, size, size * shard, dtype, it, seed)
             record = {"dtype": dtype_name, "it": it, "input": x.clone()}
-            for op_name, op in OPS.items():
+            for op_name in plan.ops:
                 out = torch.empty(shard, dtype=dtype)
-                candidate(out, x, group=group, op=op)
+                reduction.reduce_scatter(OPS[op_name])(out, x, group=group, op=OPS[op_name])
                 record[op_name] = out
             records.append(record)
     return records
 
 
-def _run_average_sensitive(candidate: Callable, rank: int, size: int, group, shard: int,
-                           seed: int):
+def _run_average_sensitive(reduction: GradReduction, rank: int, size: int, group, shard: int,
+                           seed: int) -> list[dict]:
     """AVG (sync and async) of inputs on which production's pre-scale differs from fp32 sum / W."""
     records = []
+    avg = OPS["avg"]
     for dtype_name in DTYPE_NAMES:
         dtype = getattr(torch, dtype_name)
         for it in range(ITERATIONS):
             x = average_sensitive_input(rank, size, size * shard, dtype, it, seed)
             record = {"dtype": dtype_name, "it": it, "input": x.clone()}
             out = torch.empty(shard, dtype=dtype)
-            candidate(out, x, group=group, op=AVG)
+            reduction.reduce_scatter(avg)(out, x, group=group, op=avg)
             record["sync"] = out
             out = torch.empty(shard, dtype=dtype)
-            candidate(out, x, group=group, op=AVG, async_op=True).wait()
+            reduction.reduce_scatter(avg)(out, x, group=group, op=avg, async_op=True).wait()
             record["async"] = out
             records.append(record)
     return records
 
 
 def _rank_worker(rank: int, world_size: int, sizes, average_sizes, shard: int, seed: int,
-                 candidate) -> dict:
+                 candidate: Candidate, plan: CollectivePlan, cases: list[BucketCase]) -> dict:
     """One spawned rank: every mode on groups of ranks 0..size-1 for each size, the
-    order-sensitive inputs on groups of 3 or more ranks, then AVG of average-sensitive
-    inputs on groups of each of ``average_sizes``."""
+    order-sensitive inputs on groups of 3 or more ranks, AVG of average-sensitive inputs on
+    groups of each of ``average_sizes`` (where the candidate's collective takes AVG), then
+    the DDP bucket cases."""
     results, ordered, averaged = {}, {}, {}
     # Every rank creates every group, in the same order (torch.distributed's rule).
     groups = {size: dist.new_group(list(range(size))) if size < world_size else None
-              for size in sorted({*sizes, *average_sizes})}
-    for size in sizes:
-        if rank < size:
-            results[size] = run_modes(candidate, rank, size, groups[size], shard, seed)
-            if size >= 3:
-                ordered[size] = _run_order_sensitive(candidate, rank, size, groups[size], shard,
-                                                     seed)
-    for size in average_sizes:
-        if rank < size:
-            averaged[size] = _run_average_sensitive(candidate, rank, size, groups[size], shard,
-                                                    seed)
-    return {"modes": results, "order_sensitive": ordered, "average_sensitive": averaged}
+              for size in sorted({*sizes, *average_sizes, *(c.size for c in cases)})}
+    with candidate.grad_reduction() as reduction:
+        for size in sizes:
+            if rank < size:
+                results[size] = run_modes(reduction, plan, rank, size, groups[size], shard, seed)
+                if size >= 3:
+                    ordered[size] = _run_order_sensitive(reduction, plan, rank, size, groups[size],
+                                                         shard, seed)
+        for size in average_sizes if "avg" in plan.ops else ():
+            if rank < size:
+                averaged[size] = _run_average_sensitive(reduction, rank, size, groups[size], shard,
+                                                        seed)
+        buckets = run_bucket_cases(reduction, rank, groups, cases, seed)
+    return {"modes": results, "order_sensitive": ordered, "average_sensitive": averaged,
+            "buckets": buckets}
 
 
-def check_multi_rank(
-    ctx: CheckContext, rec: CheckRecorder, candidate: ReduceScatterCandidate
-) -> None:
+def check_multi_rank(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate) -> None:
     """The candidate's reduce-scatter on real gloo groups (every mode, SUM and AVG) vs
-    refgrad fp32/rank, bitwise; at W >= 3 also on order-sensitive inputs."""
+    refgrad fp32/rank, bitwise; at W >= 3 also on order-sensitive inputs; then its DDP
+    bucket reduction vs refgrad's DP mean (or sum), documented departures classified."""
     sizes = (2, 3) if ctx.quick else (2, 3, 4)
     average_sizes = AVERAGE_SIZES[:2] if ctx.quick else AVERAGE_SIZES
     shard = 16 if ctx.quick else 96
-    per_rank = spawn(_rank_worker, max(*sizes, *average_sizes), sizes, average_sizes, shard,
-                     ctx.seed, candidate.reduce_scatter, timeout_s=ctx.timeout_s)
+    with candidate.grad_reduction() as reduction:
+        plan = collective_plan(reduction, rec)
+        behaviour = reduction.behaviour()
+    cases = bucket_cases(average_sizes)
+    world = max(*sizes, *average_sizes, *(c.size for c in cases))
+    # refgrad's bucket references (seconds of exact arithmetic) in a process of their own,
+    # while the ranks run
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        references = pool.submit(spawn, bucket_references_process, 1, cases, behaviour, ctx.seed,
+                                 timeout_s=ctx.timeout_s)
+        per_rank = spawn(_rank_worker, world, sizes, average_sizes, shard, ctx.seed, candidate,
+                         plan, cases, timeout_s=ctx.timeout_s)
+        expected = references.result()[0]
     for size in sizes:
         records = [per_rank[r]["modes"][size] for r in range(size)]
         for i, first in enumerate(records[0]):
             inputs = [records[r][i]["input"] for r in range(size)]
-            for op_name in OPS:
-                expected = refc.reduce_scatter(inputs, accumulate="fp32", order="rank", op=op_name)
-                for mode in MODES:
+            for op_name in plan.ops:
+                expected_rs = refc.reduce_scatter(inputs, accumulate="fp32", order="rank",
+                                                  op=op_name)
+                for mode in plan.modes(op_name):
                     got = torch.cat([records[r][i][(op_name, mode)] for r in range(size)])
                     rec.compare(
-                        f"fastgrad vs refgrad fp32/rank: W={size} {first['dtype']} "
+                        f"{candidate.name} vs refgrad fp32/rank: W={size} {first['dtype']} "
                         f"it={first['it']} op={op_name} {mode}",
-                        torch.cat(expected), got,
+                        torch.cat(expected_rs), got,
                     )
     for size in (s for s in sizes if s >= 3):
         records = [per_rank[r]["order_sensitive"][size] for r in range(size)]
         for i, first in enumerate(records[0]):
             inputs = [records[r][i]["input"] for r in range(size)]
-            for op_name in OPS:
-                expected = refc.reduce_scatter(inputs, accumulate="fp32", order="rank", op=op_name)
+            for op_name in plan.ops:
+                expected_rs = refc.reduce_scatter(inputs, accumulate="fp32", order="rank",
+                                                  op=op_name)
                 got = torch.cat([records[r][i][op_name] for r in range(size)])
                 rec.compare(
                     f"order-sensitive reduce-scatter vs refgrad fp32/rank: W={size} "
                     f"{first['dtype']} it={first['it']} op={op_name}",
-                    torch.cat(expected), got,
+                    torch.cat(expected_rs), got,
                 )
-    check_average_sensitive(rec, per_rank, average_sizes)
+    if "avg" in plan.ops:
+        check_average_sensitive(rec, per_rank, average_sizes)
+    check_bucket_cases(rec, per_rank, cases, behaviour, expected)
 
 
 def check_average_sensitive(rec: CheckRecorder, per_rank: list[dict], average_sizes) -> None:
