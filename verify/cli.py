@@ -23,7 +23,13 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from verify.candidates import CANDIDATES, DEFAULT_CANDIDATE, Candidate, candidate_named
+from verify.candidates import (
+    CANDIDATES,
+    DEFAULT_CANDIDATE,
+    Candidate,
+    candidate_named,
+    candidate_names,
+)
 from verify.check import CheckContext
 from verify.checks import all_checks, check_by_name
 from verify.console import StepProgress, emit, terminal_width
@@ -110,9 +116,10 @@ def _add_run_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     run.add_argument("--check", action="append", metavar="NAME",
                      help="run only this check (repeatable); see --list")
-    run.add_argument("--candidate", action="append", metavar="NAME", choices=tuple(CANDIDATES),
+    run.add_argument("--candidate", action="append", metavar="NAME",
                      help=f"the implementation the technique checks verify (repeatable: one "
-                          f"report, a column per candidate; {', '.join(CANDIDATES)}; default "
+                          f"report, a column per candidate; built in: {', '.join(CANDIDATES)}, "
+                          f"others from installed plugins, see --list; default "
                           f"{DEFAULT_CANDIDATE}); the truth-layer checks run once")
     run.add_argument("--list", action="store_true",
                      help="list the registered checks and the candidates (with their installed "
@@ -220,7 +227,10 @@ def _candidates(names: Sequence[str] | None) -> list[Candidate]:
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
         raise UsageError(f"--candidate {repeated[0]} was given more than once")
-    return [candidate_named(n) for n in names]
+    try:
+        return [candidate_named(n) for n in names]
+    except ValueError as exc:  # unknown name, or a plugin that cannot be used
+        raise UsageError(f"--candidate: {exc}") from exc
 
 
 def _listing() -> str:
@@ -230,8 +240,17 @@ def _listing() -> str:
         kind = "truth layer" if check.technique is None else "technique"
         lines.append(f"  {check.name:<16} {kind:<11}  {check.summary}")
     lines += ["", "candidates (--candidate NAME):"]
-    for name in CANDIDATES:
-        info = candidate_named(name).info()
+    try:
+        names = candidate_names()
+    except ValueError as exc:  # an installed plugin takes a built-in name: say so, list the rest
+        names = tuple(CANDIDATES)
+        lines.append(f"  plugins not listed: {exc}")
+    for name in names:
+        try:
+            info = candidate_named(name).info()
+        except ValueError as exc:  # a broken plugin is listed with why, the rest still are
+            lines.append(f"  {name:<16} {'unusable':<12} {exc}")
+            continue
         default = " (default)" if name == DEFAULT_CANDIDATE else ""
         lines.append(f"  {name:<16} {info.version:<12} {info.description}{default}")
         for technique, reason in info.unsupported:

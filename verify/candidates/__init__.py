@@ -13,10 +13,17 @@ from verify.candidates.api import (
     Unsupported,
 )
 from verify.candidates.fastgrad import FastgradCandidate
-from verify.candidates.registry import CANDIDATES, DEFAULT_CANDIDATE, candidate_named
+from verify.candidates.registry import (
+    CANDIDATES,
+    DEFAULT_CANDIDATE,
+    ENTRY_POINT_GROUP,
+    candidate_named,
+    candidate_names,
+)
 
 __all__ = [
     "CANDIDATES",
+    "ENTRY_POINT_GROUP",
     "Behaviour",
     "DEFAULT_CANDIDATE",
     "Candidate",
@@ -27,4 +34,5 @@ __all__ = [
     "Technique",
     "Unsupported",
     "candidate_named",
+    "candidate_names",
 ]

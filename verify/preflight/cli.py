@@ -111,8 +111,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                       help="stall timeout of the twin's ranks in seconds: an error when none "
                            "made progress (marker or CPU time) for that long")
     twin.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
-    twin.add_argument("--candidate", action="append", choices=sorted(CANDIDATES), metavar="NAME",
-                      help=f"the implementation that trains the twin ({', '.join(CANDIDATES)}; "
+    twin.add_argument("--candidate", action="append", metavar="NAME",
+                      help=f"the implementation that trains the twin (built in: "
+                           f"{', '.join(CANDIDATES)}, others from installed plugins; "
                            f"default {DEFAULT_CANDIDATE}); repeat it for one report with a "
                            "section per candidate")
     modelled = sorted({flag_of(dest, {}) for dest in MODELLED})
