@@ -102,7 +102,8 @@ def test_ctrl_c_of_preflight_keeps_the_paper_part_and_the_hazards(tmp_path):
     the paper figures and the configuration's hazards printed and written."""
     rc, out, err = interrupt_after_line(
         ["preflight", *PREFLIGHT_FLAGS, *_reports(tmp_path)],
-        lambda line: "[verify preflight] twin: training" in line, REPO, _env_subprocess())
+        lambda line: line.startswith("[verify preflight] twin: ") and ": training " in line,
+        REPO, _env_subprocess())
     assert rc == 3, (out, err)
     assert "Traceback" not in err + out and "KeyboardInterrupt" not in err
     assert out.splitlines()[0] == "ERROR: the scaled twin did not finish: interrupted (Ctrl-C)"
