@@ -205,6 +205,11 @@ def candidates_line(report: Report) -> str:
     return f"{noun}: " + "; ".join(parts)
 
 
+# Without -v, a failing check lists this many failed comparisons and expectations: a
+# candidate with one bug can fail hundreds of cases, and the reports keep every one.
+MAX_FAILURES_SHOWN = 12
+
+
 def _difference_line(d: DifferenceRecord) -> str:
     m = d.metrics
     return (f"[documented] {d.label}: {m.get('n_mismatch')} of {m.get('n')} elements differ from "
@@ -220,7 +225,10 @@ def _result_details(result: CheckResult, verbose: bool, width: int) -> list[str]
         for e in result.expectations if verbose or not e.passed
     ]
     if result.status in (FAIL, ERROR) or verbose:
-        lines.extend(_fit(d, width, "  ") for d in details)
+        shown = details if verbose else details[:MAX_FAILURES_SHOWN]
+        lines.extend(_fit(d, width, "  ") for d in shown)
+        if len(details) > len(shown):
+            lines.append(f"  ... and {len(details) - len(shown)} more failing (see -v or the reports)")
     if result.error:
         if verbose:
             lines.append("  error:")

@@ -83,3 +83,16 @@ def test_json_keeps_timings_apart_from_results():
     assert "seconds" not in data["checks"][0]
     assert data["timings"]["checks"] == {"many": 0.1}
     assert data["checks"][0]["status"] == "FAIL" and data["verdict"] == "FAIL"
+
+
+def test_text_lists_a_dozen_failures_per_check_and_counts_the_rest():
+    rec = CheckRecorder("many", "many failures")
+    a = torch.tensor([1.0])
+    for i in range(20):
+        rec.compare(f"broken {i}", a, a + 1)
+    result = rec.finish(0.1)
+    text = render_text(Report(env={}, checks=[result]))
+    assert "[FAIL] broken 11" in text and "[FAIL] broken 12" not in text
+    assert "  ... and 8 more failing (see -v or the reports)" in text
+    verbose = render_text(Report(env={}, checks=[result]), verbose=True)
+    assert "[FAIL] broken 19" in verbose and "more failing" not in verbose
