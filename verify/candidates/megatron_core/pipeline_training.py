@@ -49,8 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from refgrad.pipeline import HEAD_PARAM, StageModule, head_weight_init, sgd_update, stage_param_name
-from refgrad.pipeline_tp import stage_loss
+from refgrad.pipeline import sgd_update
 from verify.candidates.api.pipeline import (
     ParallelDims,
     PipelineCase,
@@ -62,6 +61,7 @@ from verify.candidates.api.pipeline import (
 )
 from verify.candidates.megatron_core.bucket_layout import fake_group
 from verify.candidates.megatron_core.scope import MegatronScope
+from verify.candidates.megatron_core.stages import StageChunk, forward_step_func
 from verify.candidates.megatron_core.twin_pipeline import StagesForOptimizer, unsupported
 from verify.candidates.megatron_core.version import installed
 
@@ -80,62 +80,6 @@ class DrainObserver(list):
         if self.bucket_group is not None and self.in_flight_at_drain is None:
             self.in_flight_at_drain = self.bucket_group.grad_reduce_handle is not None
         return super().pop(index)
-
-
-class StageChunk(torch.nn.Module):
-    """One global stage of refgrad's stack as a Megatron model chunk: ``set_input_tensor``,
-    ``pre_process`` / ``post_process``, and on the last stage the output head (Megatron's
-    ``ColumnParallelLinear`` with deferred wgrad), tied to the first layer when the spec
-    ties them (``shared_embedding_or_output_weight``)."""
-
-    def __init__(self, case: PipelineCase, config: Any, stage: int, vp_stage: int | None) -> None:
-        from megatron.core.enums import ModelType
-        from megatron.core.tensor_parallel.layers import ColumnParallelLinear
-
-        super().__init__()
-        spec = case.spec
-        self.stage, self.vp_stage = stage, vp_stage
-        self.model_type = ModelType.encoder_or_decoder
-        self.pre_process, self.post_process = stage == 0, stage == spec.num_stages - 1
-        self.share_embeddings_and_output_weights = spec.tied_embedding
-        self.body = StageModule(spec, stage)
-        self.input_tensor: torch.Tensor | None = None
-        self.embedding_activation_buffer = DrainObserver()
-        self.grad_output_buffer: list = []
-        self.output_layer = None
-        if self.post_process and spec.output_head:
-            self.output_layer = ColumnParallelLinear(
-                spec.hidden, spec.hidden, config=config, init_method=torch.nn.init.zeros_,
-                bias=False, gather_output=False, tp_group=fake_group(0, 1),
-                embedding_activation_buffer=self.embedding_activation_buffer,
-                grad_output_buffer=self.grad_output_buffer)
-            with torch.no_grad():
-                self.output_layer.weight.copy_(head_weight_init(spec))
-        if spec.tied_embedding and (self.pre_process or self.output_layer is not None):
-            # What Megatron's LanguageModule sets on the two copies: their own bucket.
-            self.shared_embedding_or_output_weight().shared_embedding = True
-
-    def shared_embedding_or_output_weight(self) -> torch.nn.Parameter:
-        if self.pre_process:
-            return self.body.layers[0].weight
-        return self.output_layer.weight
-
-    def set_input_tensor(self, input_tensor: Any) -> None:
-        self.input_tensor = input_tensor[0] if isinstance(input_tensor, list) else input_tensor
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x if self.pre_process else self.input_tensor
-        rows, batch, hidden = h.shape
-        out = self.body(h.reshape(rows * batch, hidden)).view(rows, batch, hidden)
-        if self.output_layer is not None:
-            out, _ = self.output_layer(out)
-        return out
-
-    def named_for_refgrad(self) -> dict[str, torch.nn.Parameter]:
-        named = {stage_param_name(self.stage, n): p for n, p in self.body.named_parameters()}
-        if self.output_layer is not None:
-            named[stage_param_name(self.stage, HEAD_PARAM)] = self.output_layer.weight
-        return named
 
 
 class LaunchSites:
@@ -214,7 +158,8 @@ class MegatronPipeline(MegatronScope, StagesForOptimizer, PipelineTraining):
         chunks, ddps = [], []
         for v in range(case.virtual_stages):
             vp_stage = v if case.virtual_stages > 1 else None
-            chunk = StageChunk(case, config, v * case.pp_size + grid.stage, vp_stage)
+            chunk = StageChunk(case, config, v * case.pp_size + grid.stage, vp_stage,
+                               activation_buffer=DrainObserver())
             ddp_config = DistributedDataParallelConfig(
                 use_distributed_optimizer=case.use_distributed_optimizer,
                 overlap_grad_reduce=overlap, bucket_size=case.bucket_size,
@@ -290,28 +235,6 @@ def _wire(config: Any, ddps: Sequence[Any], sites: LaunchSites, overlap: bool) -
     config.finalize_model_grads_func = sites.finalize_model_grads_func
 
 
-def _forward_step(case: PipelineCase, num_microbatches: int) -> Callable[..., Any]:
-    """Megatron's ``forward_step_func``: the chunk's output and refgrad's loss of it."""
-    spec = case.spec
-    per_token = case.reduction == "sum"
-
-    def forward_step(data_iterator: Iterator, model: Any) -> tuple[torch.Tensor, Callable]:
-        x, target = next(data_iterator)
-        output = model(x)
-
-        def loss_func(output_tensor: torch.Tensor) -> tuple:
-            out = output_tensor.view(target.shape)
-            reported = stage_loss(spec, out.detach(), target, num_microbatches)
-            if per_token:  # no division by Megatron: the loss as refgrad has it, 0 tokens
-                return (stage_loss(spec, out, target, num_microbatches),
-                        torch.zeros((), dtype=torch.int), reported)
-            return stage_loss(spec, out, target, 1), reported  # Megatron divides by M
-
-        return output, loss_func
-
-    return forward_step
-
-
 def _gather_reduced_grads(ddps: Sequence[Any], case: PipelineCase, dp_group: Any) -> None:
     """With the distributed optimizer each rank holds only its shard reduced: gather the
     others into every bucket (for the comparison)."""
@@ -367,7 +290,7 @@ def _train_steps(case: PipelineCase, grid: ParallelDims, config: Any, groups: An
             chunk.embedding_activation_buffer.in_flight_at_drain = None
         try:
             store = [float(loss) for loss in forward_backward(
-                forward_step_func=_forward_step(case, m),
+                forward_step_func=forward_step_func(case, m),
                 data_iterator=iterators if interleaved else iterators[0],
                 model=ddps if interleaved else ddps[0], num_microbatches=m,
                 seq_length=spec.microbatch_size, micro_batch_size=1, forward_only=False,

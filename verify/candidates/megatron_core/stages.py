@@ -96,14 +96,14 @@ def process_groups(grid: ParallelDims) -> ProcessGroupCollection:
     return groups
 
 
-class TwinChunk(torch.nn.Module):
+class StageChunk(torch.nn.Module):
     """One global stage of refgrad's stack as a Megatron model chunk: ``set_input_tensor``,
     ``pre_process`` / ``post_process``, and on the last stage the output head (Megatron's
     ``ColumnParallelLinear``, its wgrad deferred as the config says), tied to the first
     layer when the spec ties them (``shared_embedding_or_output_weight``)."""
 
     def __init__(self, case: PipelineCase, config: TransformerConfig, stage: int,
-                 vp_stage: int | None) -> None:
+                 vp_stage: int | None, activation_buffer: list | None = None) -> None:
         from megatron.core.enums import ModelType
         from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
@@ -115,7 +115,9 @@ class TwinChunk(torch.nn.Module):
         self.share_embeddings_and_output_weights = spec.tied_embedding
         self.body = StageModule(spec, stage)
         self.input_tensor: torch.Tensor | None = None
-        self.embedding_activation_buffer: list = []
+        # The head's deferred inputs (Megatron's embedding_activation_buffer); a caller may
+        # pass a list of its own to observe the drain.
+        self.embedding_activation_buffer = [] if activation_buffer is None else activation_buffer
         self.grad_output_buffer: list = []
         self.output_layer = None
         if self.post_process and spec.output_head:
@@ -176,9 +178,15 @@ def transformer_config(case: PipelineCase, settings: StageSettings) -> Transform
         overlap_p2p_comm=interleaved, batch_p2p_comm=not interleaved)
 
 
-def _forward_step(case: PipelineCase, num_microbatches: int) -> Callable[..., Any]:
-    """Megatron's ``forward_step_func``: the chunk's output and refgrad's loss of it."""
+def forward_step_func(case: PipelineCase, num_microbatches: int) -> Callable[..., Any]:
+    """Megatron's ``forward_step_func``: the chunk's output and refgrad's loss of it.
+
+    Without per-token loss Megatron divides each microbatch's loss by M itself
+    (``forward_step_calc_loss``), so the loss is refgrad's ``stage_loss(..., 1)``: the same
+    operations, the same bits. The ``"sum"`` reduction is its per-token-loss mode: the loss
+    as refgrad has it and 0 tokens, so nothing divides it."""
     spec = case.spec
+    per_token = case.reduction == "sum"
 
     def forward_step(data_iterator: Iterator, model: torch.nn.Module) -> tuple[torch.Tensor, Callable]:
         x, target = next(data_iterator)
@@ -187,7 +195,10 @@ def _forward_step(case: PipelineCase, num_microbatches: int) -> Callable[..., An
         def loss_func(output_tensor: torch.Tensor) -> tuple:
             out = output_tensor.view(target.shape)
             reported = stage_loss(spec, out.detach(), target, num_microbatches)
-            return stage_loss(spec, out, target, 1), reported  # Megatron divides by M
+            if per_token:
+                return (stage_loss(spec, out, target, num_microbatches),
+                        torch.zeros((), dtype=torch.int), reported)
+            return stage_loss(spec, out, target, 1), reported
 
         return output, loss_func
 
@@ -206,11 +217,11 @@ class MegatronStages:
         self.config = transformer_config(case, settings)
         self.groups = process_groups(grid)
         ddp_class = ddp_class or DistributedDataParallel
-        self.chunks: list[TwinChunk] = []
+        self.chunks: list[StageChunk] = []
         self.ddps: list[DistributedDataParallel] = []
         for v in range(case.virtual_stages):
             vp_stage = v if case.virtual_stages > 1 else None
-            chunk = TwinChunk(case, self.config, v * case.pp_size + grid.stage, vp_stage)
+            chunk = StageChunk(case, self.config, v * case.pp_size + grid.stage, vp_stage)
             chunk.pg_collection = self.groups  # where Float16Module finds the pipeline group
             module: torch.nn.Module = chunk
             if settings.param_dtype != torch.float32:
@@ -277,7 +288,7 @@ class MegatronStages:
         forward_backward = get_forward_backward_func(case.pp_size,
                                                      case.virtual_stages if interleaved else None)
         store = forward_backward(
-            forward_step_func=_forward_step(case, m),
+            forward_step_func=forward_step_func(case, m),
             data_iterator=iterators if interleaved else iterators[0],
             model=self.ddps if interleaved else self.ddps[0], num_microbatches=m,
             seq_length=spec.microbatch_size, micro_batch_size=1, forward_only=False,
