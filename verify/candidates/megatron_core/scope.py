@@ -15,8 +15,9 @@ For Megatron-Core the block holds what its own code assumes of the process:
   (``parallel_state._set_global_memory_buffer``, which ``initialize_model_parallel``
   would make), into which the sequence-parallel drain all-gathers its inputs; destroyed
   on exit when the scope made it;
-* Megatron's import-time notice that it falls back to torch's optimizers and torch's
-  deprecation notices about the collectives Megatron calls, filtered (noise, not findings).
+* Megatron's import-time notice that it falls back to torch's optimizers (the candidate's
+  feature table records it), torch's deprecation notices about the collectives Megatron
+  calls, and Megatron's CUDA performance hints, filtered (noise, not findings).
 
 All of this is process-wide state (``torch.cuda``'s functions, ``sys.modules``, torch's
 default group, a Megatron module global), so scopes in one process take turns on one lock:
@@ -82,6 +83,11 @@ def process_setup(*, needs_default_group: bool = False,
         warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
         # TransformerConfig's notice about its own default cuda_graph_scope (no CUDA graphs here)
         warnings.filterwarnings("ignore", message="full scope is deprecated")
+        # Performance hints, not numerical findings: CUDA_DEVICE_MAX_CONNECTIONS (a CUDA stream
+        # setting) for the async TP all-reduce, and the param all-gather's dispatch order over
+        # a test model's few buckets (overlap, which the checks do not measure).
+        warnings.filterwarnings("ignore", message="When using async grad allreduce it is recommended")
+        warnings.filterwarnings("ignore", message="The next bucket's parameter all-gather operation")
         log = stack.enter_context(cpu_redirects())
         if needs_default_group:
             stack.enter_context(default_process_group())
