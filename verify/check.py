@@ -27,9 +27,9 @@ import torch
 from verify.candidates import (
     Candidate,
     DocumentedBehaviour,
-    FastgradCandidate,
     Technique,
     Unsupported,
+    default_candidate,
 )
 
 _DEVICES = ("cpu", "cuda")
@@ -387,7 +387,7 @@ class Check:
             chosen = self.default_candidate if candidate is None else candidate
             expected: type = type(self.default_candidate)
         else:
-            chosen = FastgradCandidate() if candidate is None else candidate
+            chosen = default_candidate() if candidate is None else candidate
             expected = Candidate
         if not isinstance(chosen, expected):
             raise TypeError(

@@ -211,6 +211,11 @@ def _run_checks(args: argparse.Namespace, interrupts: Interrupts) -> int:
     except ValueError as exc:
         raise UsageError(f"--check: {exc}") from exc
     candidates = _candidates(args.candidate)
+    if args.candidate and all(check.technique is None for check in checks):
+        raise UsageError(f"--candidate {args.candidate[0]}: the checks selected "
+                         f"({', '.join(c.name for c in checks)}) are truth-layer checks, which run "
+                         "once and verify gradverify itself, not a candidate; add a technique "
+                         "check (see --list)")
     items = [RunItem(check, None) for check in checks if check.technique is None] + [
         RunItem(check, candidate) for check in checks if check.technique is not None
         for candidate in candidates]

@@ -414,3 +414,20 @@ def test_list_names_the_checks_and_the_candidates_with_their_versions(capsys):
     except PackageNotFoundError:
         megatron = "not installed"
     assert f"megatron-core    {megatron}" in out
+
+
+def test_a_candidate_with_only_truth_layer_checks_is_a_usage_error(capsys):
+    """The truth layer verifies gradverify itself: a --candidate it would ignore is refused."""
+    assert cli.main(["run", "--candidate", "megatron-core", "--check", "formats"]) == 2
+    assert ("--candidate megatron-core: the checks selected (formats) are truth-layer checks"
+            in capsys.readouterr().err)
+
+
+def test_preflight_refuses_a_candidate_with_no_twin(capsys):
+    argv = ["preflight", "--no-twin", "--candidate", "megatron-core", "--world-size", "2", "--",
+            "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "1",
+            "--global-batch-size", "2", "--padded-vocab-size", "256"]
+    assert cli.main(argv) == 2
+    assert "--candidate chooses the implementation that trains the twin, and --no-twin trains none" \
+        in capsys.readouterr().err

@@ -117,6 +117,9 @@ def test_megatron_cores_twin_matches_refgrad_bitwise(twins, name):
     section = report["twin"]
     assert section["candidate"] == "megatron-core"
     assert section["candidate_info"]["version"] == "0.16.1"
+    # a twin other than the default candidate's is named in the verdict
+    assert report["verdict"].split("; ")[1].startswith("megatron-core's twin (4 ranks, 3 steps) "
+                                                       "matches refgrad bitwise")
     steps = section["steps"]
     assert len(steps) == 3
     for s in steps:

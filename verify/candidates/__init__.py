@@ -19,6 +19,7 @@ from verify.candidates.registry import (
     ENTRY_POINT_GROUP,
     candidate_named,
     candidate_names,
+    default_candidate,
 )
 
 __all__ = [
@@ -35,4 +36,5 @@ __all__ = [
     "Unsupported",
     "candidate_named",
     "candidate_names",
+    "default_candidate",
 ]

@@ -51,6 +51,11 @@ def candidate_names() -> tuple[str, ...]:
     return (*CANDIDATES, *sorted(_plugins()))
 
 
+def default_candidate() -> Candidate:
+    """The candidate a check or twin verifies when none is named (fastgrad)."""
+    return CANDIDATES[DEFAULT_CANDIDATE]()
+
+
 def candidate_named(name: str) -> Candidate:
     """The candidate registered as ``name``; a ValueError lists the valid names otherwise."""
     factory = CANDIDATES.get(name)
@@ -75,4 +80,4 @@ def candidate_named(name: str) -> Candidate:
 
 
 __all__ = ["CANDIDATES", "DEFAULT_CANDIDATE", "ENTRY_POINT_GROUP", "CandidatePluginError",
-           "candidate_named", "candidate_names"]
+           "candidate_named", "candidate_names", "default_candidate"]

@@ -207,6 +207,9 @@ def main(args: argparse.Namespace, environ: Mapping[str, str] | None = None,
                            assumed_tflops=args.assumed_tflops,
                            assumed_bus_gbps=args.assumed_bus_gbps)
         options = twin_options(args)
+        if args.no_twin and getattr(args, "candidate", None):
+            raise ValueError("--candidate chooses the implementation that trains the twin, and "
+                             "--no-twin trains none: give one of them")
         chosen = tuple(candidates) if candidates is not None else twin_candidates(args)
         parsed = read_flags(args, frozenset(own_options()))
     except (OutputPathError, ValueError) as exc:

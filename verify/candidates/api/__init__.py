@@ -13,7 +13,7 @@ ask it for the technique they run (``candidate.pipeline()`` inside the rank), so
 implementation is imported only where it runs.
 
 Deliberately broken candidates, which prove that each check can fail, are the same
-candidates with a :class:`Fault` (``FastgradCandidate(fault=Fault.LIFO_DRAIN)``): they go
+candidates with a :class:`Fault` (``FastgradCandidate(injected_fault=Fault.LIFO_DRAIN)``): they go
 through the same seam as production.
 """
 

@@ -12,7 +12,7 @@ the AdamW variants, ``candidate.optimizer()`` built over those chunks.
 from __future__ import annotations
 
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
@@ -26,7 +26,7 @@ from verify.candidates.api.pipeline import (
     RankResult,
     StageSettings,
 )
-from verify.candidates.fastgrad import FastgradCandidate
+from verify.candidates.registry import default_candidate
 from verify.preflight.twin.results import OptimRankResult
 from verify.preflight.twin.variants import TWIN_TRAININGS, TwinTraining
 
@@ -39,7 +39,7 @@ class TwinRun:
     case: PipelineCase
     overlap: bool
     training: TwinTraining
-    candidate: Candidate = FastgradCandidate()
+    candidate: Candidate = field(default_factory=default_candidate)
 
     def __post_init__(self) -> None:
         if not isinstance(self.case, PipelineCase):

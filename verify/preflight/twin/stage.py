@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from verify.candidates.api import Candidate, Unsupported
 from verify.candidates.api.optimizer import OptimizerBehaviour
-from verify.candidates.fastgrad import FastgradCandidate
+from verify.candidates.registry import default_candidate
 from verify.distributed import DistributedRunError, spawn
 from verify.preflight.config import PreflightConfig
 from verify.preflight.twin.compare import AS_SPECIFIED, TwinRankResult
@@ -122,16 +122,15 @@ def _progress(enabled: bool | None):
     return Console(stderr=True).status("twin: starting", spinner="dots")
 
 
-DEFAULT_CANDIDATES: tuple[Candidate, ...] = (FastgradCandidate(),)
-
-
 def run_twin_stage(config: PreflightConfig, options: TwinOptions, report: dict, *,
                    environ: Mapping[str, str],
-                   candidates: Sequence[Candidate] = DEFAULT_CANDIDATES,
+                   candidates: Sequence[Candidate] | None = None,
                    progress: bool | None = None) -> bool | None:
     """Fill ``report["twins"]`` (``report["twin"]``: the first candidate's) and
     ``report["hazards"]``; the verdict (None: not rank 0). A single candidate whose ranks
     fail raises TwinRunError; with several, that candidate's section holds the error."""
+    if candidates is None:
+        candidates = (default_candidate(),)
     if not candidates:
         raise ValueError("run_twin_stage needs at least one candidate")
     # TwinSizeError -> exit 2, raised before anything runs

@@ -15,6 +15,7 @@ from dataclasses import asdict
 
 from verify.candidates.api import Candidate
 from verify.candidates.api.optimizer import OptimizerBehaviour
+from verify.candidates.registry import DEFAULT_CANDIDATE
 from verify.preflight.config import PreflightConfig
 from verify.preflight.hazards import FINDING, decide_hazards
 from verify.preflight.twin.compare import AS_SPECIFIED, TwinRankResult, compare_steps
@@ -147,11 +148,14 @@ def write_sections(config: PreflightConfig, report: dict, sections: list[dict],
     if len(sections) == 1 and ran:
         section = ran[0]
         claim = "bitwise" if section["bitwise"] else "within the stated bound"
+        # The default candidate's twin is "twin"; any other is named, so a verdict never
+        # leaves open which implementation was checked.
+        who = "twin" if section["candidate"] == DEFAULT_CANDIDATE else f"{section['candidate']}'s twin"
         if section["passed"]:
-            report["verdict"] = (f"PASS: {shape}; twin ({_ranks(section)}, {len(section['steps'])} "
+            report["verdict"] = (f"PASS: {shape}; {who} ({_ranks(section)}, {len(section['steps'])} "
                                  f"steps) matches refgrad {claim}{_gaps(section)}{tail}")
         else:
-            report["verdict"] = f"FAIL: {shape}; twin differs from refgrad: {section['failures'][0]}"
+            report["verdict"] = f"FAIL: {shape}; {who} differs from refgrad: {section['failures'][0]}"
     elif failed:
         first = failed[0]
         report["verdict"] = (f"FAIL: {shape}; {first['candidate']}'s twin differs from refgrad: "
