@@ -162,8 +162,9 @@ def twin_tables(report: dict) -> Tables:
             tables.append(_mxfp8_table(twin["steps"]))
         if twin.get("documented"):
             tables.append((f"{tag}Documented behaviour of {twin['candidate']} (held to refgrad's "
-                           "model of it; its distance from refgrad's spec)",
-                           ["behaviour", "where", "distance from the spec"],
+                           "model of it; the distance from refgrad's spec of the values each "
+                           "behaviour affects, with every documented behaviour applied)",
+                           ["behaviour", "where", "distance from the spec (values it affects)"],
                            [[d["summary"], d["where"], _distance(d)] for d in twin["documented"]]))
         tables.append((f"{tag}Scaled twin: production vs twin", ["setting", "production", "twin"],
                        twin["mapping"]))
