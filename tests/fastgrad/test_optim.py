@@ -35,11 +35,9 @@ from verify.checks.optim.cases import (  # noqa: F401 - re-exported for test_opt
     TIED,
     Model,
     bits,
-    build,
     coefficient,
-    snapshot,
-    train_step,
 )
+from tests.fastgrad.optim_model import build, snapshot, train_step  # noqa: F401 - re-exported
 from verify.checks.optim.expectations import reduced_grads, reference_trajectory  # noqa: F401
 
 

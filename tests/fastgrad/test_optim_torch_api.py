@@ -28,10 +28,9 @@ from verify.checks.optim.cases import (
     SHAPES,
     SHARED,
     bits,
-    build,
     initial,
-    train_step,
 )
+from tests.fastgrad.optim_model import build, train_step
 from verify.checks.optim.expectations import reduced_grads
 
 STEPS = 4
