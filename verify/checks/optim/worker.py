@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from verify.candidates import Candidate
+from verify.candidates import Candidate, Unsupported
 from verify.candidates.api.optimizer import DistributedOptimizerStep, OptimizerCheckpoint
 from verify.checks.optim.cases import CHECKPOINT_CASE, OptimCase, coefficients
 from verify.checks.optim.mxfp8 import train_mxfp8
@@ -128,8 +128,11 @@ def _train(case: OptimCase, group, local_rank: int, optimizer: DistributedOptimi
     step k-1 is taken once that forward has run; a forward after the last step checks its
     gathers too. ``snapshots[k]`` is None where an error left no state to compare."""
     model = case.model(seed)
-    ddp = optimizer.data_parallel(model, case.data_parallel_settings(), group)
-    opt = optimizer.build(ddp, case.optimizer_settings())
+    try:
+        ddp = optimizer.data_parallel(model, case.data_parallel_settings(), group)
+        opt = optimizer.build(ddp, case.optimizer_settings())
+    except Unsupported as unsupported:  # the same on every rank of the case: a SKIP
+        return {"unsupported": unsupported.reason}
     out: dict = {"results": [], "errors": []}
     if load is not None:
         opt.load_checkpoint(load)
@@ -139,7 +142,10 @@ def _train(case: OptimCase, group, local_rank: int, optimizer: DistributedOptimi
     def take(step: int) -> None:
         snaps[step] = snapshot(model, opt)
         if keep_checkpoint_after is not None and step + 1 == keep_checkpoint_after:
-            out["checkpoint"] = opt.checkpoint()
+            try:
+                out["checkpoint"] = opt.checkpoint()
+            except Unsupported as unsupported:  # the resumes become a SKIP
+                out["checkpoint_unsupported"] = unsupported.reason
 
     seen: list[bool] = []
     model.set_probe(_leaf_probe(opt, seen))
@@ -177,7 +183,9 @@ def _train(case: OptimCase, group, local_rank: int, optimizer: DistributedOptimi
     else:
         seen.clear()
         try:
-            with torch.no_grad():  # a forward after the last step: its gathers awaited too
+            # the next iteration's start: its forward awaits the last step's gathers too
+            ddp.zero_grad_buffer()
+            with torch.no_grad():
                 model(coefficients(local_rank, 0, None, seed, 0.0))
             out["final_read_in_flight"] = any(seen)
             take(case.steps - 1)
@@ -212,11 +220,10 @@ def rank_worker(rank: int, world: int, plan: WorldPlan, candidate: Candidate, se
                                              optimizer, seed, bookkeeping=book(case),
                                              keep_checkpoint_after=keep)
         if plan.dp2_resume_ranks or plan.dp3_resume_ranks:
-            if checkpoint is None:  # this world's checkpoint case took it on its first rank
-                mine = [out["cases"][i].get("checkpoint") for i, c in plan.cases
-                        if c.label == CHECKPOINT_CASE.label and rank == c.ranks[0]]
-                box = [mine[0] if mine else None]
-                holder = next(c.ranks[0] for _, c in plan.cases if c.label == CHECKPOINT_CASE.label)
+            holders = [(i, c.ranks[0]) for i, c in plan.cases if c.label == CHECKPOINT_CASE.label]
+            if checkpoint is None and holders:  # this world's checkpoint case took it
+                index, holder = holders[0]
+                box = [out["cases"][index].get("checkpoint") if rank == holder else None]
                 dist.broadcast_object_list(box, src=holder)
                 checkpoint = box[0]
             out["checkpoint"] = checkpoint
