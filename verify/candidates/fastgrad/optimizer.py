@@ -54,6 +54,10 @@ class FastgradOptimizer(DistributedOptimizerStep):
     shares_a_world: ClassVar[bool] = True
     sharded_cls: type[DistributedOptimizer] = DistributedOptimizer
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.sharded_cls, type):
+            raise TypeError(f"FastgradOptimizer.sharded_cls must be a class, got {self.sharded_cls!r}")
+
     def optimizer_class(self, stages: FastgradStages) -> type[DistributedOptimizer]:
         """``DistributedOptimizer`` for a sharding DDP (or an MXFP8 buffer), else
         ``ReplicatedOptimizer`` (a test's broken candidate returns a subclass)."""
