@@ -213,7 +213,16 @@ class MegatronShardedOptimizer(ShardedOptimizer):
                 for name, entry in self.named_state().items()}
 
     def finish_param_sync(self) -> None:
+        """Gather every param now, leaving Megatron's own bookkeeping as it was: a forced sync
+        marks each bucket group dispatched, and the next forward's pre-hooks would then skip
+        the all-gather of the next step's update (``finish_grad_sync`` clears the mark, the
+        forward's ``finish_param_sync`` dispatches only unmarked groups). The check observes
+        between the backward and the step; its observation must not change what comes next."""
+        groups = self.model.ddp.bucket_groups
+        dispatched = [group.param_gather_dispatched for group in groups]
         self.model.ddp.start_param_sync(force_sync=True)
+        for group, was in zip(groups, dispatched):
+            group.param_gather_dispatched = was
 
     def close(self) -> None:
         if self.optimizer.zero_grad in self.model.on_zero_grad:
