@@ -10,7 +10,7 @@ norm refgrad's: :meth:`FastgradOptimizer.behaviour` documents no departure.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch.distributed as dist
@@ -52,7 +52,8 @@ class FastgradOptimizer(DistributedOptimizerStep):
     gives a subclass)."""
 
     shares_a_world: ClassVar[bool] = True
-    sharded_cls: type[DistributedOptimizer] = DistributedOptimizer
+    # keyword-only: subclasses add positional fields (tests' broken optimizers)
+    sharded_cls: type[DistributedOptimizer] = field(default=DistributedOptimizer, kw_only=True)
 
     def __post_init__(self) -> None:
         if not isinstance(self.sharded_cls, type):

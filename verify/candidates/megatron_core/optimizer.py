@@ -25,7 +25,7 @@ modelled by refgrad and named where it lives:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, NoReturn
 
 import torch
@@ -94,8 +94,8 @@ class MegatronOptimizer(MegatronScope, DistributedOptimizerStep):
     # get_megatron_optimizer all-gathers its param-group keys over the default group
     # (megatron/core/optimizer/__init__.py _get_param_groups): one DP group per world.
     shares_a_world: ClassVar[bool] = False
-    ddp_class: type | None = None
-    sharded_cls: type[MegatronShardedOptimizer] = MegatronShardedOptimizer
+    ddp_class: type | None = field(default=None, kw_only=True)
+    sharded_cls: type[MegatronShardedOptimizer] = field(default=MegatronShardedOptimizer, kw_only=True)
 
     def build(self, model: DataParallelModel, settings: OptimizerSettings) -> TrainingOptimizer:
         if isinstance(model, MegatronDataParallel):
