@@ -25,6 +25,7 @@ from fastgrad.optim import (
 )
 from fastgrad.optim.step_paths import TorchOpsPath
 from refgrad import optim as R
+from tests.fastgrad.optim_model import build, snapshot, train_step  # noqa: F401 - re-exported
 from verify.checks.optim.cases import (  # noqa: F401 - re-exported for test_optim_dist
     FP16,
     FP32,
@@ -35,10 +36,7 @@ from verify.checks.optim.cases import (  # noqa: F401 - re-exported for test_opt
     TIED,
     Model,
     bits,
-    build,
     coefficient,
-    snapshot,
-    train_step,
 )
 from verify.checks.optim.expectations import reduced_grads, reference_trajectory  # noqa: F401
 

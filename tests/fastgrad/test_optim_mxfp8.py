@@ -18,6 +18,7 @@ import torch
 from fastgrad.mxfp8_sharing import MXFP8Parameter, MXFP8ParamGradBuffer
 from fastgrad.optim import AdamWConfig, DistributedOptimizer
 from tests.distributed_utils import run_distributed
+from verify.candidates.fastgrad.optimizer import FastgradOptimizer
 from verify.checks.optim.mxfp8 import CONFIGS, SHAPES, STEPS, joined_masters, refgrad_trajectory
 from verify.checks.optim.mxfp8 import same_bits as _same
 from verify.checks.optim.mxfp8 import train_mxfp8 as _train
@@ -25,7 +26,8 @@ from verify.fixtures.mxfp8 import toy_config
 
 
 def worker(rank: int, world: int) -> dict:
-    return {(kind, sharing, grad_fp32): _train(rank, kind, sharing, grad_fp32)
+    mxfp8 = FastgradOptimizer().mxfp8()
+    return {(kind, sharing, grad_fp32): _train(mxfp8, rank, kind, sharing, grad_fp32)
             for kind in CONFIGS for sharing in (False, True) for grad_fp32 in (True, False)}
 
 

@@ -20,6 +20,7 @@ from fastgrad.errors import LifecycleError
 from fastgrad.optim import AdamWConfig, DistributedOptimizer
 from refgrad import optim as R
 from tests.distributed_utils import run_distributed
+from tests.fastgrad.optim_model import build, train_step
 from verify.checks.optim.cases import (
     ADAMW,
     FP32,
@@ -28,9 +29,7 @@ from verify.checks.optim.cases import (
     SHAPES,
     SHARED,
     bits,
-    build,
     initial,
-    train_step,
 )
 from verify.checks.optim.expectations import reduced_grads
 

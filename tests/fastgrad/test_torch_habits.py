@@ -27,7 +27,8 @@ from fastgrad.optim import (
 from fastgrad.param_guard import ParamPlacement
 from refgrad import optim as R
 from tests.distributed_utils import run_distributed
-from verify.checks.optim.cases import ADAMW, FP32, NAMES, Model, bits, build, coefficient, initial
+from tests.fastgrad.optim_model import build
+from verify.checks.optim.cases import ADAMW, FP32, NAMES, Model, bits, coefficient, initial
 from verify.checks.optim.expectations import reference_trajectory
 
 STEPS = 2  # the second step shows a grad buffer that was not zeroed

@@ -11,14 +11,25 @@ import torch.distributed as dist
 from fastgrad.mxfp8_sharing import MXFP8ParamGradBuffer
 from fastgrad.optim import DistributedOptimizer, DynamicLossScaler
 from tests.distributed_utils import run_distributed
+from verify.candidates import FastgradCandidate
+from verify.candidates.fastgrad.optimizer import FastgradOptimizer
 from verify.check import FAIL, PASS, CheckContext, CheckRecorder
 from verify.checks import check_by_name
-from verify.checks.optim import OptimCandidate
 from verify.checks.optim.cases import OptimCase, case_matrix
-from verify.checks.optim.entry import _check_case
+from verify.checks.optim.compare import check_case
 from verify.checks.optim.expectations import case_trajectory
 from verify.checks.optim.mxfp8 import compare_runs, refgrad_trajectory, train_mxfp8
 from verify.checks.optim.worker import _train
+
+
+@dataclasses.dataclass(frozen=True)
+class BrokenOptimizerCandidate(FastgradCandidate):
+    """fastgrad with a broken ``DistributedOptimizer`` subclass behind the same seam."""
+
+    optimizer_cls: type = DistributedOptimizer
+
+    def optimizer(self) -> FastgradOptimizer:
+        return FastgradOptimizer(sharded_cls=self.optimizer_cls)
 
 
 class DecaysEverything(DistributedOptimizer):
@@ -68,7 +79,7 @@ def test_fastgrad_passes_quick():
 
 @pytest.mark.dist
 def test_weight_decay_on_biases_fails():
-    result = _quick(OptimCandidate(DecaysEverything))
+    result = _quick(BrokenOptimizerCandidate(optimizer_cls=DecaysEverything))
     assert result.status == FAIL, result.error
     failed = result.failed_labels()
     # Every case decays the 2-D weights only; the broken one decays the 1-D params too.
@@ -78,7 +89,7 @@ def test_weight_decay_on_biases_fails():
 
 @pytest.mark.dist
 def test_norm_without_all_reduce_fails_where_clipping_at_dp_above_1():
-    result = _quick(OptimCandidate(LocalNorm))
+    result = _quick(BrokenOptimizerCandidate(optimizer_cls=LocalNorm))
     assert result.status == FAIL, result.error
     failed = result.failed_labels()
     assert any(" clip " in label and "DP=1 " not in label for label in failed), failed
@@ -90,7 +101,8 @@ def test_norm_without_all_reduce_fails_where_clipping_at_dp_above_1():
 
 
 def _mxfp8_worker(rank: int, world: int, optimizer_cls) -> dict:
-    return train_mxfp8(rank, "adamw", True, True, seed=5, optimizer_cls=optimizer_cls)
+    return train_mxfp8(FastgradOptimizer(sharded_cls=optimizer_cls).mxfp8(), rank, "adamw", True, True,
+                       seed=5)
 
 
 @pytest.mark.dist
@@ -102,9 +114,9 @@ def test_mxfp8_comparisons_catch_lr_one_ulp_off():
     assert "optim MXFP8 DP=2 adamw sharing on grads fp32 step 1 masters param 0" in failed, failed
 
 
-def test_candidate_must_be_a_class():
-    with pytest.raises(TypeError, match="optimizer_cls must be a class"):
-        OptimCandidate("x")
+def test_the_optimizer_class_must_be_a_class():
+    with pytest.raises(TypeError, match="sharded_cls must be a class"):
+        FastgradOptimizer(sharded_cls="x")
 
 
 def test_matrix_covers_every_dimension_in_quick_and_default():
@@ -241,7 +253,7 @@ class PublishesStaleShard(DistributedOptimizer):
 def _case_worker(rank: int, world: int, cases, optimizer_cls) -> list[dict]:
     """The check's rank code for each case on this world (ranks 0..DP-1, the whole world)."""
     bookkeeping = dist.new_group(list(range(world)))
-    return [_train(case, None, rank, optimizer_cls, 0,
+    return [_train(case, None, rank, FastgradOptimizer(sharded_cls=optimizer_cls), 0,
                    bookkeeping=bookkeeping if case.overlap and case.dp > 1 else None) for case in cases]
 
 
@@ -250,7 +262,7 @@ def _failed_labels(cases, optimizer_cls) -> list[list[str]]:
     out = []
     for index, case in enumerate(cases):
         rec = CheckRecorder("optim")
-        _check_case(rec, case, [runs[index] for runs in per_rank], case_trajectory(case, 0)[0])
+        check_case(rec, case, [runs[index] for runs in per_rank], case_trajectory(case, 0)[0])
         out.append(rec.finish(0.0).failed_labels())
     return out
 

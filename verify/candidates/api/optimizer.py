@@ -24,14 +24,16 @@ processes.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
+import torch.distributed as dist
 
 from fastgrad.parallel_dims import ParallelDims
 from verify.candidates.api.core import DocumentedBehaviour
+from verify.candidates.api.optimizer_parts import MXFP8Training, OptimizerGuards
 from verify.candidates.api.scope import TechniqueScope
 
 # A constant loss scale is a dynamic one that never grows: a growth interval no run reaches.
@@ -61,6 +63,23 @@ class AdamWHyperparameters:
             raise ValueError("AdamWHyperparameters: lr and eps must be > 0, weight_decay >= 0")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
             raise ValueError("AdamWHyperparameters: beta1 and beta2 must be in [0, 1)")
+
+
+@dataclass(frozen=True)
+class SGDHyperparameters:
+    """SGD with momentum (``dampening=0``, not Nesterov) and coupled weight decay."""
+
+    lr: float
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("lr", "momentum", "weight_decay"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"SGDHyperparameters.{name} must be a finite number, got {value!r}")
+        if self.lr <= 0 or self.momentum < 0 or self.weight_decay < 0:
+            raise ValueError("SGDHyperparameters: lr must be > 0, momentum and weight_decay >= 0")
 
 
 @dataclass(frozen=True)
@@ -104,15 +123,26 @@ class LossScaling:
 class OptimizerSettings:
     """AdamW, the global-norm clip (``max_grad_norm``; None: none) and the loss scaler (None:
     unscaled). The norm is taken over the data-parallel and model-parallel (pipeline and
-    tensor) groups, a tied embedding's second copy (``param.shared``) once."""
+    tensor) groups, a tied embedding's second copy (``param.shared``) once.
+
+    ``sgd``: set, the step is SGD with momentum instead (``adamw`` is then not used).
+    ``decay_1d_params``: False puts no weight decay on params of one dimension (biases, norm
+    weights), Megatron-Core's default grouping; True decays every param.
+    """
 
     adamw: AdamWHyperparameters = AdamWHyperparameters()
     max_grad_norm: float | None = None
     loss_scaling: LossScaling | None = None
+    sgd: SGDHyperparameters | None = None
+    decay_1d_params: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.adamw, AdamWHyperparameters):
             raise TypeError("OptimizerSettings.adamw must be an AdamWHyperparameters")
+        if self.sgd is not None and not isinstance(self.sgd, SGDHyperparameters):
+            raise TypeError("OptimizerSettings.sgd must be an SGDHyperparameters or None")
+        if not isinstance(self.decay_1d_params, bool):
+            raise TypeError("OptimizerSettings.decay_1d_params must be a bool")
         if self.max_grad_norm is not None and (
                 isinstance(self.max_grad_norm, bool) or not isinstance(self.max_grad_norm, (int, float))
                 or not math.isfinite(self.max_grad_norm) or self.max_grad_norm <= 0):
@@ -126,12 +156,14 @@ class OptimizerSettings:
 class StepOutcome:
     """What one optimizer step did: ``stepped`` (False: skipped on NaN/inf grads), the global
     grad norm it clipped with (None: the candidate took none), the clip coefficient (None:
-    no clipping configured), and the loss scale the step's grads carried (None: unscaled)."""
+    no clipping configured), the loss scale the step's grads carried (None: unscaled), and
+    why it skipped (``reason``; empty when it stepped or the candidate does not say)."""
 
     stepped: bool
     grad_norm: float | None
     clip_coefficient: float | None
     loss_scale: float | None
+    reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -207,29 +239,166 @@ class OptimizerBehaviour:
     ``partial_sum_grad_norm``: the global norm is an fp32 partial-sum norm, judged against the
     exact norm within ``γ(n + k + R + 8)`` (``n`` the largest param, ``k`` the params, ``R``
     the ranks); the candidate then clips with its own norm.
+    ``torch_sgd_order``: SGD in ``torch.optim.SGD``'s order (``refgrad.optim_torch``).
+    ``param_gather_in_forward``: with ``overlap_param_gather`` the step launches no param
+    all-gather; each module's forward pre-hook launches (and waits for) its bucket's.
     """
 
     torch_adamw_order: DocumentedBehaviour | None = None
     no_decay_on_1d_params: DocumentedBehaviour | None = None
     partial_sum_grad_norm: DocumentedBehaviour | None = None
+    torch_sgd_order: DocumentedBehaviour | None = None
+    param_gather_in_forward: DocumentedBehaviour | None = None
 
     def documented(self) -> tuple[DocumentedBehaviour, ...]:
         """Every documented behaviour, in this order."""
         return tuple(b for b in (self.torch_adamw_order, self.no_decay_on_1d_params,
-                                 self.partial_sum_grad_norm) if b is not None)
+                                 self.partial_sum_grad_norm, self.torch_sgd_order,
+                                 self.param_gather_in_forward) if b is not None)
+
+
+@dataclass(frozen=True)
+class DataParallelSettings:
+    """The DDP a module is wrapped in for the optimizer (``DistributedDataParallelConfig``'s
+    names; always the distributed optimizer with ``overlap_grad_reduce``, as the ``optim``
+    check runs it): ``bucket_size`` elements per bucket, ``overlap_param_gather``,
+    ``grad_reduce_in_fp32`` and ``average`` (the DP mean; False: the sum)."""
+
+    bucket_size: int
+    overlap_param_gather: bool = False
+    grad_reduce_in_fp32: bool = False
+    average: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.bucket_size, bool) or not isinstance(self.bucket_size, int) or self.bucket_size < 1:
+            raise ValueError(f"DataParallelSettings.bucket_size must be an int >= 1, got {self.bucket_size!r}")
+        for name in ("overlap_param_gather", "grad_reduce_in_fp32", "average"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"DataParallelSettings.{name} must be a bool")
+
+
+@runtime_checkable
+class DataParallelModule(DataParallelModel, Protocol):
+    """A module wrapped in the candidate's DDP by :meth:`DistributedOptimizerStep.data_parallel`
+    (a :class:`DataParallelModel` the same candidate's :meth:`~DistributedOptimizerStep.build`
+    accepts). The caller runs the module itself (``module(...)``, then ``backward``): the DDP's
+    hooks accumulate and reduce the grads, its forward pre-hooks wait for param all-gathers."""
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The wrapped module."""
+        ...
+
+    def zero_grad_buffer(self) -> None:
+        """Start an iteration: zero the grad buffer (and what the training loop resets with it)."""
+        ...
+
+    def finish_grad_sync(self) -> None:
+        """Finish every bucket's grad reduction after the backward."""
+        ...
+
+
+@dataclass(frozen=True)
+class LossScalerState:
+    """A dynamic loss scaler's state after a step (Megatron-Core's ``DynamicGradScaler``)."""
+
+    scale: float
+    growth_tracker: int
+    hysteresis_tracker: int
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {"scale": self.scale, "growth_tracker": self.growth_tracker,
+                "hysteresis_tracker": self.hysteresis_tracker}
+
+
+@dataclass(frozen=True)
+class OptimizerCheckpoint:
+    """A whole optimizer checkpoint, reshardable across DP sizes: ``params`` by the model's
+    names (fp32 ``master`` and the state: ``exp_avg``/``exp_avg_sq`` or
+    ``momentum_buffer``, whole), ``native`` the candidate's own form of it (what it loads;
+    picklable, opaque to the check)."""
+
+    params: Mapping[str, Mapping[str, torch.Tensor]]
+    native: object
+
+
+@runtime_checkable
+class ShardedOptimizer(TrainingOptimizer, Protocol):
+    """The optimizer :meth:`DistributedOptimizerStep.build` returns over a
+    :class:`DataParallelModule`: :class:`TrainingOptimizer` and what the ``optim`` check reads."""
+
+    def loss_scaler_state(self) -> LossScalerState | None:
+        """The loss scaler's state after the last step (None: no loss scaling)."""
+        ...
+
+    def publish_params(self) -> None:
+        """Launch the param all-gather of the current masters without a step (what a rank whose
+        step was skipped does to pair the others' gathers)."""
+        ...
+
+    def gather_in_flight(self, params: Iterable[torch.nn.Parameter]) -> bool:
+        """Whether a param all-gather covering one of ``params`` is launched and not waited for."""
+        ...
+
+    def named_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Every param's fp32 ``master`` and state (``exp_avg``/``exp_avg_sq`` or
+        ``momentum_buffer``) by the model's names, whole (collective over the DP group)."""
+        ...
+
+    def checkpoint(self) -> OptimizerCheckpoint:
+        """The whole optimizer state (collective over the DP group)."""
+        ...
+
+    def load_checkpoint(self, checkpoint: OptimizerCheckpoint) -> None:
+        """Resume from ``checkpoint``, taken at any DP size (collective)."""
+        ...
+
+
+@runtime_checkable
+class MXFP8ParamOptimizer(Protocol):
+    """Builds :class:`~verify.candidates.api.optimizer_parts.MXFP8Training` runs."""
+
+    def build(self, values: Sequence[torch.Tensor], settings: OptimizerSettings, *,
+              sharing: bool, grad_fp32: bool, bucket_size: int,
+              dp_group: dist.ProcessGroup | None) -> MXFP8Training:
+        """MXFP8 params quantized from ``values``, their buffer over ``dp_group`` (buffer
+        sharing on or off, fp32 or bf16 grads, ``bucket_size``) and the optimizer of
+        ``settings`` (its decay on every param), its first publication done."""
+        ...
 
 
 @runtime_checkable
 class DistributedOptimizerStep(TechniqueScope, Protocol):
-    """The candidate's optimizer over its data-parallel model."""
+    """The candidate's optimizer over its data-parallel model.
+
+    ``shares_a_world``: False when building the optimizer runs collectives over the whole
+    default group (Megatron-Core's ``get_megatron_optimizer``), so every DP group a check
+    builds one on needs a world of its own.
+    """
+
+    shares_a_world: bool
 
     def build(self, model: DataParallelModel, settings: OptimizerSettings) -> TrainingOptimizer:
         """This rank's optimizer over ``model`` (built by the same candidate): the distributed
-        optimizer when the model's DDP shards its grads, else the replicated one."""
+        optimizer when the model's DDP shards its grads, else the replicated one; over a
+        :class:`DataParallelModule`, a :class:`ShardedOptimizer`."""
         ...
 
     def behaviour(self) -> OptimizerBehaviour:
         """How this optimizer departs from ``refgrad.optim`` by design."""
+        ...
+
+    def data_parallel(self, module: torch.nn.Module, settings: DataParallelSettings,
+                      dp_group: dist.ProcessGroup | None) -> DataParallelModule:
+        """``module`` wrapped in the candidate's DDP over ``dp_group`` (None: the world)."""
+        ...
+
+    def guards(self) -> OptimizerGuards:
+        """The misuses the candidate's optimizer refuses (Unsupported: it has no such guards)."""
+        ...
+
+    def mxfp8(self) -> MXFP8ParamOptimizer:
+        """The optimizer over MXFP8 params (Unsupported where the candidate has none here)."""
         ...
 
 
@@ -238,9 +407,18 @@ __all__ = [
     "AdamWHyperparameters",
     "AdamWState",
     "DataParallelModel",
+    "DataParallelModule",
+    "DataParallelSettings",
     "DistributedOptimizerStep",
+    "LossScalerState",
     "LossScaling",
+    "MXFP8ParamOptimizer",
+    "MXFP8Training",
     "OptimizerBehaviour",
+    "OptimizerCheckpoint",
+    "OptimizerGuards",
+    "SGDHyperparameters",
+    "ShardedOptimizer",
     "OptimizerSettings",
     "StepOutcome",
     "TrainingOptimizer",

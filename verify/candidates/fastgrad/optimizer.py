@@ -10,7 +10,11 @@ norm refgrad's: :meth:`FastgradOptimizer.behaviour` documents no departure.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch.distributed as dist
+from torch import nn
 
 from fastgrad.optim import (
     AdamWConfig,
@@ -18,20 +22,42 @@ from fastgrad.optim import (
     DynamicLossScaler,
     ReplicatedOptimizer,
 )
+from verify.candidates.api.core import Technique, Unsupported
 from verify.candidates.api.optimizer import (
     AdamWState,
     DataParallelModel,
+    DataParallelSettings,
     DistributedOptimizerStep,
+    MXFP8ParamOptimizer,
     OptimizerBehaviour,
     OptimizerSettings,
     StepOutcome,
+    TrainingOptimizer,
+)
+from verify.candidates.api.optimizer_parts import OptimizerGuards
+from verify.candidates.fastgrad.sharded_optimizer import (
+    FastgradDataParallel,
+    FastgradGuards,
+    FastgradMXFP8Optimizer,
+    FastgradShardedOptimizer,
 )
 from verify.candidates.fastgrad.stages import FastgradStages, norm_group
 
 
 @dataclass(frozen=True)
 class FastgradOptimizer(DistributedOptimizerStep):
-    """fastgrad's optimizers over fastgrad's stages (its ``with`` scope is empty)."""
+    """fastgrad's optimizers over fastgrad's stages, or over a module its DDP wraps
+    (:meth:`data_parallel`; its ``with`` scope is empty). ``sharded_cls``: the distributed
+    optimizer class for those, its guards and its MXFP8 params (a test's broken candidate
+    gives a subclass)."""
+
+    shares_a_world: ClassVar[bool] = True
+    # keyword-only: subclasses add positional fields (tests' broken optimizers)
+    sharded_cls: type[DistributedOptimizer] = field(default=DistributedOptimizer, kw_only=True)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sharded_cls, type):
+            raise TypeError(f"FastgradOptimizer.sharded_cls must be a class, got {self.sharded_cls!r}")
 
     def optimizer_class(self, stages: FastgradStages) -> type[DistributedOptimizer]:
         """``DistributedOptimizer`` for a sharding DDP (or an MXFP8 buffer), else
@@ -40,13 +66,29 @@ class FastgradOptimizer(DistributedOptimizerStep):
             return DistributedOptimizer
         return ReplicatedOptimizer
 
-    def build(self, model: DataParallelModel, settings: OptimizerSettings) -> FastgradTrainingOptimizer:
+    def build(self, model: DataParallelModel, settings: OptimizerSettings) -> TrainingOptimizer:
+        if isinstance(model, FastgradDataParallel):
+            return FastgradShardedOptimizer(model, settings, self.sharded_cls)
         if not isinstance(model, FastgradStages):
-            raise TypeError(f"fastgrad's optimizer steps fastgrad's stages, got {type(model).__name__}")
+            raise TypeError(f"fastgrad's optimizer steps fastgrad's stages or a module its "
+                            f"data_parallel() wrapped, got {type(model).__name__}")
         return FastgradTrainingOptimizer(model, settings, self.optimizer_class(model))
 
     def behaviour(self) -> OptimizerBehaviour:
         return OptimizerBehaviour()
+
+    def data_parallel(self, module: nn.Module, settings: DataParallelSettings,
+                      dp_group: dist.ProcessGroup | None) -> FastgradDataParallel:
+        return FastgradDataParallel(module, settings, dp_group)
+
+    def guards(self) -> OptimizerGuards:
+        return FastgradGuards(self.sharded_cls)
+
+    def mxfp8(self) -> MXFP8ParamOptimizer:
+        if not getattr(self.sharded_cls, "supports_mxfp8", False):
+            raise Unsupported(Technique.OPTIMIZER, f"{self.sharded_cls.__name__}.supports_mxfp8 is "
+                              "absent or False: the optimizer has no MXFP8 parameter support")
+        return FastgradMXFP8Optimizer(self.sharded_cls)
 
 
 class FastgradTrainingOptimizer:

@@ -25,8 +25,8 @@ modelled by refgrad and named where it lives:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -35,12 +35,18 @@ from verify.candidates.api.core import DocumentedBehaviour, Technique, Unsupport
 from verify.candidates.api.optimizer import (
     AdamWState,
     DataParallelModel,
+    DataParallelSettings,
     DistributedOptimizerStep,
     OptimizerBehaviour,
     OptimizerSettings,
     StepOutcome,
+    TrainingOptimizer,
 )
 from verify.candidates.megatron_core.scope import MegatronScope
+from verify.candidates.megatron_core.sharded_optimizer import (
+    MegatronDataParallel,
+    MegatronShardedOptimizer,
+)
 from verify.candidates.megatron_core.stages import MegatronStages, owned_pieces
 from verify.candidates.megatron_core.version import installed
 
@@ -63,16 +69,41 @@ PARTIAL_SUM_NORM = DocumentedBehaviour(
     "summed over ranks in fp32), clipped with max_norm / (norm + 1e-6)",
     "megatron/core/optimizer/clip_grads.py get_grad_norm_fp32 with "
     "megatron/core/utils.py local_multi_tensor_l2_norm; clip_grad_by_total_norm_fp32")
+PARAM_GATHER_IN_FORWARD = DocumentedBehaviour(
+    "with overlap_param_gather the step launches no param all-gather: the next forward's first "
+    "pre-hook launches its bucket group's (after zero_grad_buffer resets them), each pre-hook "
+    "waits for its own and launches the next",
+    "megatron/core/optimizer/distrib_optimizer.py DistributedOptimizer.step_with_ready_grads "
+    "(start_param_sync only without overlap_param_gather); "
+    "megatron/core/distributed/param_and_grad_buffer.py _ParamAndGradBucketGroup.finish_param_sync")
+NO_GUARDS = ("the misuse guards (a param group mixing buffers, a non-positive max norm, a step "
+             "before the grad sync, a mismatched checkpoint, a param written while its all-gather "
+             "is in flight) are fastgrad's API; Megatron-Core's optimizer is built by "
+             "get_megatron_optimizer from an OptimizerConfig, with no such refusals to hold it to")
+NO_MXFP8 = ("MXFP8 params need Transformer Engine's MXFP8 tensors (CUDA); Megatron-Core's "
+            "optimizer over them is the mxfp8 check's subject where it can run")
 
 
 @dataclass(frozen=True)
 class MegatronOptimizer(MegatronScope, DistributedOptimizerStep):
-    """Megatron-Core's optimizer over Megatron-Core's stages (in the candidate's scope)."""
+    """Megatron-Core's optimizer over Megatron-Core's stages or over a module its DDP wraps
+    (:meth:`data_parallel`), in the candidate's scope. ``ddp_class``: the DDP class
+    :meth:`data_parallel` wraps with (a test's broken copy of Megatron's);
+    ``sharded_cls``: the optimizer adapter over it (a test's broken copy)."""
 
-    def build(self, model: DataParallelModel, settings: OptimizerSettings) -> MegatronTrainingOptimizer:
+    # get_megatron_optimizer all-gathers its param-group keys over the default group
+    # (megatron/core/optimizer/__init__.py _get_param_groups): one DP group per world.
+    shares_a_world: ClassVar[bool] = False
+    ddp_class: type | None = field(default=None, kw_only=True)
+    sharded_cls: type[MegatronShardedOptimizer] = field(default=MegatronShardedOptimizer, kw_only=True)
+
+    def build(self, model: DataParallelModel, settings: OptimizerSettings) -> TrainingOptimizer:
+        if isinstance(model, MegatronDataParallel):
+            self.behaviour()  # Unsupported where refgrad has no model of its inner optimizer
+            return self.sharded_cls(model, settings)
         if not isinstance(model, MegatronStages):
-            raise TypeError(f"Megatron-Core's optimizer steps Megatron-Core's stages, got "
-                            f"{type(model).__name__}")
+            raise TypeError(f"Megatron-Core's optimizer steps Megatron-Core's stages or a module "
+                            f"its data_parallel() wrapped, got {type(model).__name__}")
         return MegatronTrainingOptimizer(model, settings)
 
     def behaviour(self) -> OptimizerBehaviour:
@@ -81,7 +112,18 @@ class MegatronOptimizer(MegatronScope, DistributedOptimizerStep):
             raise Unsupported(Technique.OPTIMIZER, f"megatron-core {reason}: refgrad models "
                               "torch.optim.AdamW's order only")
         return OptimizerBehaviour(torch_adamw_order=TORCH_ADAMW, no_decay_on_1d_params=NO_DECAY_ON_1D,
-                                  partial_sum_grad_norm=PARTIAL_SUM_NORM)
+                                  partial_sum_grad_norm=PARTIAL_SUM_NORM,
+                                  param_gather_in_forward=PARAM_GATHER_IN_FORWARD)
+
+    def data_parallel(self, module: torch.nn.Module, settings: DataParallelSettings,
+                      dp_group: dist.ProcessGroup | None) -> MegatronDataParallel:
+        return MegatronDataParallel(module, settings, dp_group, self.ddp_class)
+
+    def guards(self) -> NoReturn:
+        raise Unsupported(Technique.OPTIMIZER, NO_GUARDS)
+
+    def mxfp8(self) -> NoReturn:
+        raise Unsupported(Technique.OPTIMIZER, NO_MXFP8)
 
 
 def _optimizer_config(stages: MegatronStages, settings: OptimizerSettings) -> OptimizerConfig:

@@ -1,4 +1,17 @@
-"""Check ``optim``: fastgrad's distributed optimizer (Megatron-Core's) bitwise equal to refgrad.
+"""Check ``optim``: a candidate's distributed optimizer bitwise equal to refgrad.
+
+The candidate (fastgrad by default, Megatron-Core, or a broken one) is reached only through
+its optimizer interface (``candidate.optimizer()``,
+:class:`~verify.candidates.api.optimizer.DistributedOptimizerStep`): ``data_parallel`` wraps
+the check's model in the candidate's DDP on the check's DP group, ``build`` makes its
+distributed optimizer, ``guards`` and ``mxfp8`` are the misuse refusals and MXFP8 params
+(a candidate without them: a SKIP naming why). A candidate that documents departures from
+``refgrad.optim`` (Megatron-Core: torch.optim.AdamW's order, an fp32 partial-sum grad norm,
+the param all-gather launched by the next forward) is held to refgrad's model of each and
+the distance from the spec is a documented difference naming where it lives (``compare``);
+a candidate whose optimizer cannot share a world (Megatron-Core's ``get_megatron_optimizer``
+all-gathers over the default group) gets a world per DP size, the same cases on ranks
+``0..DP-1``; what it cannot run (Megatron-Core: SGD, the checkpoint) is a SKIP with the reason.
 
 One spawn of 4 gloo ranks with sub-groups DP=1 (one rank), DP=2 (ranks 0-1 and
 2-3), DP=3 (ranks 0-2, padding and uneven ownership) and DP=4 (the world); every
@@ -61,20 +74,12 @@ do not hold the interpreter lock against the check ``verify run --jobs`` runs be
 this one; MXFP8 runs with bitwise the same inputs (sharing on and off) share one.
 
 Package layout: ``cases`` (the model, data and matrix, shared with the tests),
-``expectations`` (refgrad's trajectories), ``mxfp8`` (the MXFP8 runs and their
-refgrad expectations, shared with the tests), ``worker`` (the 4 ranks), ``entry``
-(the candidate, the run function and the report glue).
+``expectations`` (refgrad's trajectories and its model of a documented optimizer),
+``mxfp8`` (the MXFP8 runs and their refgrad expectations, shared with the tests),
+``worker`` (the ranks), ``compare`` (the comparisons and their classification), ``entry``
+(the run function, the registration and the report glue).
 """
 
-from verify.check import Check
-from verify.checks.optim.entry import OptimCandidate, run
+from verify.checks.optim.entry import CHECK, run
 
-CHECK = Check(
-    name="optim",
-    summary="distributed optimizer (AdamW/SGD, clipping, loss scaling, checkpoints) vs refgrad, "
-            "bitwise, gloo DP=1..4",
-    run=run,
-    default_candidate=OptimCandidate.default(),
-)
-
-__all__ = ["CHECK", "OptimCandidate"]
+__all__ = ["CHECK", "run"]

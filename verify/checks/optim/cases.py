@@ -1,6 +1,7 @@
 """The model, the rank-specific data and the case matrix of the ``optim`` check.
 
-Shared with the tests (tests/fastgrad/test_optim*.py import from here): a small
+Shared with the tests (tests/fastgrad/test_optim*.py import from here, and wrap the model in
+fastgrad themselves: ``tests/fastgrad/optim_model.py``): a small
 model of five params (a 2-D embedding, a 2-D weight, a bias, a norm weight, and
 ``head.weight``, the embedding's tied copy as a pipeline's last stage holds it:
 marked ``shared``, so the global norm leaves it out, and given the embedding's
@@ -25,14 +26,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fastgrad.config import DDPConfig
-from fastgrad.ddp import DistributedDataParallel
-from fastgrad.optim import (
-    AdamWConfig,
-    DistributedOptimizer,
-    DynamicLossScaler,
-    SGDConfig,
-    param_groups_without_decay_for,
+from verify.candidates.api.optimizer import (
+    AdamWHyperparameters,
+    DataParallelSettings,
+    LossScaling,
+    OptimizerSettings,
+    SGDHyperparameters,
 )
 
 NAMES = ("embed.weight", "layer.weight", "layer.bias", "norm.weight", "head.weight")
@@ -133,44 +132,26 @@ class Model(nn.Module):
             leaf.probe = probe
 
 
-def build(dtypes, algorithm, *, clip=None, overlap_param_gather=False, average=True,
-          scaler=None, grad_fp32=False, dp_group=None, model_parallel_group=None, seed=0,
-          optimizer_cls=DistributedOptimizer, param_loss=False):
-    """Model + DDP (distributed optimizer, several buckets) + ``optimizer_cls``."""
-    model = Model(dtypes, seed, param_loss)
-    config = DDPConfig(
-        use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=BUCKET_SIZE,
-        overlap_param_gather=overlap_param_gather, grad_reduce_in_fp32=grad_fp32,
-    )
-    ddp = DistributedDataParallel(model, config=config, average=average, dp_group=dp_group)
-    cfg = AdamWConfig(**ADAMW) if algorithm == "adamw" else SGDConfig(**SGD)
-    opt = optimizer_cls(
-        ddp, cfg, param_groups_without_decay_for(ddp), max_grad_norm=clip, loss_scaler=scaler,
-        model_parallel_group=model_parallel_group,
-    )
-    return model, ddp, opt
+def optimizer_settings(algorithm: str, *, clip: float | None = None,
+                       scaling: LossScaling | None = None) -> OptimizerSettings:
+    """The check's optimizer: AdamW (``ADAMW``) or SGD (``SGD``), weight decay on 2-D params only
+    (biases and norm weights take none), the clip and the loss scaler."""
+    if algorithm not in ("adamw", "sgd"):
+        raise ValueError(f"algorithm must be 'adamw' or 'sgd', got {algorithm!r}")
+    return OptimizerSettings(adamw=AdamWHyperparameters(**ADAMW), max_grad_norm=clip,
+                             loss_scaling=scaling, decay_1d_params=False,
+                             sgd=SGDHyperparameters(**SGD) if algorithm == "sgd" else None)
+
+
+def loss_scaling(hysteresis: int) -> LossScaling:
+    """The fp16 cases' dynamic loss scaler (Megatron-Core's defaults but the initial scale)."""
+    return LossScaling(initial_scale=SCALER_INITIAL, min_scale=1.0, growth_interval=1000,
+                       hysteresis=hysteresis)
 
 
 def coefficients(rank: int, step: int, inf_at=None, seed: int = 0, loss_scale: float = 1.0):
     """The model's input: every param's (scaled) coefficient, fp32."""
     return {n: coefficient(rank, step, i, n, inf_at, seed).float() * loss_scale for i, n in enumerate(NAMES)}
-
-
-def train_step(model, ddp, opt, rank, step, *, loss_scale=1.0, inf_at=None, seed=0):
-    """zero, forward, backward (DDP hooks reduce), step; returns the StepResult."""
-    ddp.zero_grad_buffer()
-    model(coefficients(rank, step, inf_at, seed, loss_scale)).backward()
-    ddp.finish_grad_sync()
-    return opt.step()
-
-
-def snapshot(model, opt) -> dict:
-    """Full params (after the gather) and the optimizer's full state_dict."""
-    opt.finish_param_sync()
-    return {
-        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-        "state": opt.named_state_dict(),
-    }
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -275,12 +256,17 @@ class OptimCase:
             return None
         return [SCALER_INITIAL] + [s["scale"] for s in states[:-1]]
 
-    def build(self, group, optimizer_cls, seed: int):
-        scaler = (DynamicLossScaler(initial_scale=SCALER_INITIAL, hysteresis=self.hysteresis)
-                  if self.scaled else None)
-        return build(self.dtypes, self.algorithm, clip=self.clip, overlap_param_gather=self.overlap,
-                     average=self.average, scaler=scaler, grad_fp32=self.main_grads_fp32,
-                     dp_group=group, seed=seed, optimizer_cls=optimizer_cls, param_loss=self.param_loss)
+    def data_parallel_settings(self) -> DataParallelSettings:
+        """The DDP the case's model is wrapped in (several buckets, distributed optimizer)."""
+        return DataParallelSettings(bucket_size=BUCKET_SIZE, overlap_param_gather=self.overlap,
+                                    grad_reduce_in_fp32=self.main_grads_fp32, average=self.average)
+
+    def optimizer_settings(self) -> OptimizerSettings:
+        return optimizer_settings(self.algorithm, clip=self.clip,
+                                  scaling=loss_scaling(self.hysteresis) if self.scaled else None)
+
+    def model(self, seed: int) -> Model:
+        return Model(self.dtypes, seed, self.param_loss)
 
 
 CHECKPOINT_CASE = OptimCase((0, 1), "adamw", "bf16", False, 0.5, True, 3)

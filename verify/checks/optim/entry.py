@@ -1,265 +1,205 @@
-"""The ``optim`` check's candidate, run function and report glue (see the package docstring)."""
+"""The ``optim`` check's run function and report glue (see the package docstring)."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
 import pickle
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import torch
 
-from fastgrad.errors import LifecycleError
-from fastgrad.optim import AdamWConfig, DistributedOptimizer
 from refgrad import optim as R
 from refgrad.formats import tensor_bit_patterns
-from verify.check import CheckContext, CheckRecorder
-from verify.checks.optim.cases import (
-    CHECKPOINT_CASE,
-    FP32,
-    MIXED,
-    NAMES,
-    OptimCase,
-    bits,
-    build,
-    case_matrix,
-    train_step,
+from verify.candidates import Candidate, Technique, Unsupported
+from verify.candidates.api.optimizer import DistributedOptimizerStep, OptimizerBehaviour
+from verify.candidates.api.optimizer_parts import OptimizerGuards
+from verify.check import Check, CheckContext, CheckRecorder
+from verify.checks.optim.cases import CHECKPOINT_CASE, MIXED, NAMES, OptimCase, case_matrix
+from verify.checks.optim.compare import (
+    Documented,
+    check_case,
+    compare_snapshot,
+    flat,
+    same_on_every_rank,
 )
-from verify.checks.optim.expectations import case_trajectory
+from verify.checks.optim.expectations import ProductionModel, case_trajectory
 from verify.checks.optim.mxfp8 import compare_runs, refgrad_trajectory, same_bits
-from verify.checks.optim.worker import RESUME_AFTER, WORLD, rank_worker
+from verify.checks.optim.worker import RESUME_AFTER, as_four_ranks, rank_worker, world_plans
 from verify.distributed import spawn
 
-
-@dataclass(frozen=True)
-class OptimCandidate:
-    """The optimizer under test: a class with ``DistributedOptimizer``'s constructor,
-    ``step``, ``finish_param_sync``, ``publish_params``, ``param_gather_in_flight``,
-    ``named_state_dict``/``load_state_dict``, ``loss_scaler`` and ``shards`` (each with
-    ``bucket`` and ``gather_handle``).
-
-    It is pickled into the spawned ranks, so it must be importable by name.
-    """
-
-    optimizer_cls: type = DistributedOptimizer
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.optimizer_cls, type):
-            raise TypeError(f"OptimCandidate.optimizer_cls must be a class, got {self.optimizer_cls!r}")
-
-    @classmethod
-    def default(cls) -> OptimCandidate:
-        """fastgrad's ``DistributedOptimizer``."""
-        return cls()
+CHECK_NAME = "optim"
 
 
-def _flat(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Params of mixed dtypes as one fp32 tensor (the upcast is exact and injective)."""
-    return torch.cat([tensors[n].detach().float().reshape(-1) for n in NAMES])
+def _reported_norms(runs: list[dict] | None) -> tuple[float | None, ...] | None:
+    """The grad norm of each step as the first rank reported it (None: no run)."""
+    if not runs or "results" not in runs[0]:
+        return None
+    return tuple(r.get("grad_norm") for r in runs[0]["results"])
 
 
-def _compare_snapshot(rec: CheckRecorder, label: str, want: dict, got: dict) -> None:
-    """Params, masters and every state tensor refgrad has, bitwise."""
-    rec.compare(f"{label} params", _flat(want["params"]), _flat(got["params"]))
-    for key in want["state"][NAMES[0]]:
-        rec.compare(f"{label} {key}", _flat({n: want["state"][n][key] for n in NAMES}),
-                    _flat({n: got["state"]["params"][n][key] for n in NAMES}))
+def _references(cases: list[OptimCase], seed: int, norms: dict | None = None) -> dict:
+    """refgrad's trajectory of every case, and of the DP=3 run resumed from the DP=2 checkpoint.
 
-
-def _same_on_every_rank(snaps: list[dict]) -> bool:
-    first = snaps[0]
-    for other in snaps[1:]:
-        for n in NAMES:
-            if not torch.equal(bits(first["params"][n]), bits(other["params"][n])):
-                return False
-            for key, tensor in first["state"]["params"][n].items():
-                if not torch.equal(bits(tensor), bits(other["state"]["params"][n][key])):
-                    return False
-    return True
-
-
-def _check_case(rec: CheckRecorder, case: OptimCase, runs: list[dict], want: list[dict]) -> None:
-    for rank, run in enumerate(runs):
-        errors = run["errors"]
-        rec.expect(f"{case.label}: the optimizer raised nothing (rank {rank})", not errors,
-                   "; ".join(f"step {s + 1}: {e}" for s, e in errors)[:400])
-        taken = sum(snap is not None for snap in run["snapshots"])
-        rec.expect(f"{case.label}: every step ran to its snapshot (rank {rank})", taken == len(want),
-                   f"{taken} of {len(want)}")
-    scaler_states, scales = case.scaler_states(), case.scales()
-    overlapped = case.overlap and case.dp > 1
-    for step, expected in enumerate(want):
-        label = f"{case.label} step {step + 1}"
-        snaps = [run["snapshots"][step] for run in runs]
-        if all(snap is not None for snap in snaps):
-            _compare_snapshot(rec, label, expected, snaps[0])
-            for rank, snap in enumerate(snaps[1:], start=1):  # every rank's params after the gather
-                rec.compare(f"{label} params after the gather (rank {rank})", _flat(expected["params"]),
-                            _flat(snap["params"]))
-            rec.expect(f"{label}: every rank holds the same params and state bitwise",
-                       _same_on_every_rank(snaps))
-        results = [run["results"][step] if step < len(run["results"]) else {} for run in runs]
-        stepped = [r.get("stepped") for r in results]
-        rec.expect(f"{label}: stepped={expected['stepped']} on every rank (as refgrad)",
-                   all(s == expected["stepped"] for s in stepped),
-                   f"ranks: {stepped}" + ("" if all(r.get("agreed", True) for r in results)
-                                          else " (the ranks decided differently)"))
-        if expected["stepped"]:
-            norms = [r.get("grad_norm") for r in results]
-            rec.expect(f"{label}: the global grad norm is refgrad's exact one on every rank "
-                       f"(the tied copy counted once)", all(n == expected["grad_norm"] for n in norms),
-                       f"refgrad {expected['grad_norm']!r}, ranks {norms}")
-        if scaler_states is not None:
-            used = [r.get("loss_scale") for r in results]
-            rec.expect(f"{label}: loss scale {scales[step]:g} used on every rank (Megatron's rule)",
-                       all(u == scales[step] for u in used), f"ranks: {used}")
-            after = [r.get("scaler") for r in results]
-            rec.expect(f"{label}: loss scaler after the step {scaler_states[step]} on every rank "
-                       f"(hysteresis {case.hysteresis})", all(a == scaler_states[step] for a in after),
-                       f"ranks: {after}")
-        if overlapped:
-            # A stepped step launches the param all-gather; a skipped step (NaN/inf) launches none.
-            launched = [r.get("launched") for r in results]
-            rec.expect(f"{label}: a param all-gather in flight after the step iff it stepped",
-                       all(x == expected["stepped"] for x in launched), f"ranks: {launched}")
-            # the next forward (the next step's, or one after the last) reads the gathered params
-            reads = [run["results"][step + 1].get("read_in_flight") if step + 1 < len(run["results"])
-                     else run.get("final_read_in_flight") for run in runs]
-            rec.expect(f"{label}: the next forward read every param after its all-gather arrived "
-                       "(its modules' forward pre-hooks waited)", reads == [False] * len(runs),
-                       f"ranks (True: read while in flight): {reads}")
-
-
-def _references(cases: list[OptimCase], seed: int) -> dict:
-    """refgrad's trajectory of every case, and of the DP=3 run resumed from the DP=2 checkpoint."""
+    ``norms`` (``{"cases": [each case's reported norms], "dp3": the resumed run's}``): the
+    trajectories of refgrad's model of the candidate's documented optimizer instead, clipped
+    with the norms it reported."""
     out: dict = {"cases": []}
-    for case in cases:
+    for index, case in enumerate(cases):
+        model = None if norms is None else ProductionModel(norms["cases"][index])
         if case == CHECKPOINT_CASE:
-            first, after = case_trajectory(case, seed, worlds=[case.dp] * RESUME_AFTER)
+            head = None if model is None else ProductionModel(model.norms and model.norms[:RESUME_AFTER])
+            tail = None if model is None else ProductionModel(model.norms and model.norms[RESUME_AFTER:])
+            first, after = case_trajectory(case, seed, worlds=[case.dp] * RESUME_AFTER, production=head)
             after = copy.deepcopy(after)
-            rest, _ = case_trajectory(case, seed, start=copy.deepcopy(after), first_step_id=RESUME_AFTER)
+            rest, _ = case_trajectory(case, seed, start=copy.deepcopy(after), first_step_id=RESUME_AFTER,
+                                      production=tail)
             out["cases"].append(first + rest)
             dp3_case = dataclasses.replace(CHECKPOINT_CASE, ranks=(0, 1, 2))
+            dp3_model = None if norms is None else ProductionModel(norms["dp3"])
             out["dp3"] = (dp3_case, case_trajectory(dp3_case, seed, start=copy.deepcopy(after),
-                                                    first_step_id=RESUME_AFTER)[0])
+                                                    first_step_id=RESUME_AFTER, production=dp3_model)[0])
         else:
-            out["cases"].append(case_trajectory(case, seed)[0])
+            out["cases"].append(case_trajectory(case, seed, production=model)[0])
     return out
 
 
-def _references_process(rank: int, world: int, cases: list[OptimCase], seed: int) -> dict:
+def _references_process(rank: int, world: int, cases: list[OptimCase], seed: int,
+                        norms: dict | None = None) -> dict:
     """:func:`_references` in a process of its own (``spawn`` with one rank, no candidate code)."""
-    return _references(cases, seed)
+    return _references(cases, seed, norms)
 
 
-def _check_resumes(rec: CheckRecorder, per_rank: list[dict], cases: list[OptimCase], expected: dict) -> None:
+def _check_resumes(rec: CheckRecorder, per_rank: list[dict], cases: list[OptimCase], expected: dict,
+                   documented: Documented) -> None:
     """The DP=2 checkpoint resumed at DP=2 (== the uninterrupted run) and at DP=3 (== refgrad)."""
-    uninterrupted = per_rank[0]["cases"][cases.index(CHECKPOINT_CASE)]["snapshots"]
-    checkpoint = per_rank[0]["cases"][cases.index(CHECKPOINT_CASE)].get("checkpoint")
+    taken = per_rank[0]["cases"][cases.index(CHECKPOINT_CASE)]
+    if "unsupported" in taken:
+        return  # the case itself is a SKIP
+    if "checkpoint_unsupported" in taken:
+        rec.skip(f"{CHECKPOINT_CASE.label}: resuming its checkpoint at DP=2 and DP=3: "
+                 f"{taken['checkpoint_unsupported']}")
+        return
+    uninterrupted, checkpoint = taken["snapshots"], taken.get("checkpoint")
     rec.expect(f"{CHECKPOINT_CASE.label}: a checkpoint after step {RESUME_AFTER}", checkpoint is not None)
     for rank in (2, 3):
-        for k, snap in enumerate(per_rank[rank]["dp2_resumed"]["snapshots"]):
+        for k, snap in enumerate(per_rank[rank].get("dp2_resumed", {}).get("snapshots", [None])):
             step = RESUME_AFTER + k + 1
             label = f"{CHECKPOINT_CASE.label} resumed after step {RESUME_AFTER} (rank {rank}) step {step}"
             before = uninterrupted[step - 1]
             if not rec.expect(f"{label}: both runs reached it", snap is not None and before is not None):
                 continue
-            rec.compare(f"{label} params == uninterrupted", _flat(before["params"]), _flat(snap["params"]))
+            rec.compare(f"{label} params == uninterrupted", flat(before["params"]), flat(snap["params"]))
             for key in before["state"]["params"][NAMES[0]]:
                 rec.compare(f"{label} {key} == uninterrupted",
-                            _flat({n: before["state"]["params"][n][key] for n in NAMES}),
-                            _flat({n: snap["state"]["params"][n][key] for n in NAMES}))
-    resharded = [per_rank[r]["dp3_resumed"] for r in range(3)]
+                            flat({n: before["state"]["params"][n][key] for n in NAMES}),
+                            flat({n: snap["state"]["params"][n][key] for n in NAMES}))
+    resharded = [per_rank[r].get("dp3_resumed", {}) for r in range(3)]
     if checkpoint is None or not all("loaded" in run for run in resharded):
+        rec.expect(f"{CHECKPOINT_CASE.label}: its checkpoint loaded at DP=3 on every rank",
+                   checkpoint is not None and all("loaded" in run for run in resharded))
         return
+    whole = checkpoint.params
     for rank, run in enumerate(resharded):
         loaded = run["loaded"]["state"]["params"]
-        for key in checkpoint["params"][NAMES[0]]:
+        for key in whole[NAMES[0]]:
             rec.compare(f"optim DP=2 checkpoint loaded at DP=3 (rank {rank}) full {key}",
-                        _flat({n: checkpoint["params"][n][key] for n in NAMES}),
-                        _flat({n: loaded[n][key] for n in NAMES}))
+                        flat({n: whole[n][key] for n in NAMES}), flat({n: loaded[n][key] for n in NAMES}))
         rec.compare(f"optim DP=2 checkpoint loaded at DP=3 (rank {rank}) params == master cast",
-                    _flat({n: checkpoint["params"][n]["master"].to(MIXED[n]) for n in NAMES}),
-                    _flat(run["loaded"]["params"]))
+                    flat({n: whole[n]["master"].to(MIXED[n]) for n in NAMES}), flat(run["loaded"]["params"]))
     dp3_case, want3 = expected["dp3"]
+    modelled3 = documented.model
     for k, step_expected in enumerate(want3):
         step = RESUME_AFTER + k + 1
         label = f"{dp3_case.label} resumed from DP=2 step {step}"
         snaps = [r["snapshots"][k] for r in resharded]
         if not rec.expect(f"{label}: every rank reached it", all(snap is not None for snap in snaps)):
             continue
-        _compare_snapshot(rec, label, step_expected, snaps[0])
-        rec.expect(f"{label}: every rank holds the same params and state bitwise", _same_on_every_rank(snaps))
+        order = documented.order(dp3_case)
+        compare_snapshot(rec, label, step_expected, snaps[0], documented=order,
+                         model=None if order is None or modelled3 is None else modelled3[k])
+        rec.expect(f"{label}: every rank holds the same params and state bitwise", same_on_every_rank(snaps))
 
 
-def check_multi_rank(ctx: CheckContext, rec: CheckRecorder, candidate: OptimCandidate) -> None:
-    """The case matrix, the DP=2 resume and the DP=2 -> DP=3 reshard on one 4-rank spawn."""
+def _spawn_plans(ctx: CheckContext, candidate: Candidate, cases: list[OptimCase], seed: int,
+                 shares_a_world: bool, mxfp8_runs: list, guarded: bool) -> list[dict]:
+    """Every world plan's spawn, in order (a later world resumes an earlier one's checkpoint),
+    laid out as the 4-rank plan."""
+    plans = world_plans(cases, shares_a_world)
+    results, checkpoint = [], None
+    for plan in plans:
+        ranks = spawn(rank_worker, plan.world, plan, candidate, seed, mxfp8_runs, guarded, checkpoint,
+                      timeout_s=ctx.timeout_s)
+        checkpoint = checkpoint or ranks[0].get("checkpoint")
+        results.append(ranks)
+    return as_four_ranks(cases, plans, results)
+
+
+def check_multi_rank(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate,
+                     behaviour: OptimizerBehaviour, shares_a_world: bool, *, guarded: bool,
+                     mxfp8: bool) -> None:
+    """The case matrix, the DP=2 resume and the DP=2 -> DP=3 reshard (one 4-rank spawn, or a
+    world per DP size for a candidate whose optimizer cannot share one)."""
     cases = case_matrix(ctx.quick)
     seed = ctx.seed % 391  # 391 = 17 * 23: the data patterns' periods
-    mxfp8_runs = mxfp8_matrix(ctx.quick) if _supports_mxfp8(rec, candidate) else []
+    mxfp8_runs = mxfp8_matrix(ctx.quick) if mxfp8 else []
     # refgrad's (slow, exact) references are computed while the ranks start and train, in a
     # process of their own: pure Python, they would hold this process's interpreter lock
     # against the check that `verify run --jobs` runs beside this one.
     with ThreadPoolExecutor(max_workers=1) as pool:
         references = pool.submit(spawn, _references_process, 1, cases, seed, timeout_s=ctx.timeout_s)
-        per_rank = spawn(rank_worker, WORLD, cases, candidate.optimizer_cls, seed, mxfp8_runs,
-                         timeout_s=ctx.timeout_s)
+        per_rank = _spawn_plans(ctx, candidate, cases, seed, shares_a_world, mxfp8_runs, guarded)
         expected = references.result()[0]
+    models: dict = {"cases": [None] * len(cases), "dp3": (None, None)}
+    if behaviour.documented():  # refgrad's model of its documented optimizer, clipped with its norms
+        norms = {"cases": [_reported_norms([per_rank[r]["cases"][i] for r in case.ranks])
+                           for i, case in enumerate(cases)],
+                 "dp3": _reported_norms([per_rank[r]["dp3_resumed"] for r in range(3)
+                                         if "dp3_resumed" in per_rank[r]])}
+        models = spawn(_references_process, 1, cases, seed, norms, timeout_s=ctx.timeout_s)[0]
     for index, case in enumerate(cases):
         runs = [per_rank[r]["cases"][index] for r in case.ranks]
-        _check_case(rec, case, runs, expected["cases"][index])
+        if "unsupported" in runs[0]:
+            rec.skip(f"{case.label}: {runs[0]['unsupported']}")
+            continue
+        check_case(rec, case, runs, expected["cases"][index], Documented(behaviour, models["cases"][index]))
+    _check_resumes(rec, per_rank, cases, expected, Documented(behaviour, models["dp3"][1]))
+    if guarded:
+        for rank in (0, 1):
+            outcome = per_rank[rank].get("modified") or "no error"
+            rec.expect(
+                f"optim error: a param modified between all-gather launch and wait is refused "
+                f"(LifecycleError naming the rule, DP=2 rank {rank})",
+                outcome.startswith("LifecycleError") and "modified between the launch" in outcome,
+                outcome[:300])
+    if mxfp8_runs:
+        check_mxfp8(rec, mxfp8_runs, [per_rank[0]["mxfp8"], per_rank[1]["mxfp8"]], ctx.timeout_s)
 
-    _check_resumes(rec, per_rank, cases, expected)
-    for rank in (0, 1):
-        outcome = per_rank[rank]["modified"]
-        rec.expect(
-            f"optim error: a param modified between all-gather launch and wait is refused "
-            f"(LifecycleError naming the rule, DP=2 rank {rank})",
-            outcome.startswith("LifecycleError") and "modified between the launch" in outcome,
-            outcome[:300],
-        )
-    check_mxfp8(rec, mxfp8_runs, [per_rank[0]["mxfp8"], per_rank[1]["mxfp8"]], ctx.timeout_s)
 
-
-def _expect_raises(rec: CheckRecorder, label: str, fn: Callable[[], object],
-                   error: type[BaseException], rule: str) -> None:
-    try:
-        fn()
-    except error as exc:
-        rec.expect(f"optim error: {label}", rule in str(exc), f"{type(exc).__name__}: {exc}"[:300])
-    except Exception as exc:  # noqa: BLE001 - a wrong type is a failure, recorded
-        rec.expect(f"optim error: {label}", False,
-                   f"expected {error.__name__}, got {type(exc).__name__}: {exc}"[:300])
+def _expect_refused(rec: CheckRecorder, label: str, outcome: str | None, error: str, rule: str) -> None:
+    """``outcome`` (``"<Type>: <message>"``, None: accepted) is ``error`` naming ``rule``."""
+    if outcome is None:
+        rec.expect(f"optim error: {label}", False, f"no {error} raised")
+    elif not outcome.startswith(f"{error}:"):
+        rec.expect(f"optim error: {label}", False, f"expected {error}, got {outcome}"[:300])
     else:
-        rec.expect(f"optim error: {label}", False, f"no {error.__name__} raised")
+        rec.expect(f"optim error: {label}", rule in outcome, outcome[:300])
 
 
-def check_errors(ctx: CheckContext, rec: CheckRecorder, candidate: OptimCandidate) -> None:
+def check_errors(rec: CheckRecorder, guards: OptimizerGuards) -> None:
     """Bad input (DP=1, this process): the right error type with the rule in the message."""
-    cls = candidate.optimizer_cls
-    model, ddp, _ = build(MIXED, "adamw", optimizer_cls=cls)
-    _expect_raises(rec, "a param group mixing buffers (ValueError 'mixes buffers')",
-                   lambda: cls(ddp, AdamWConfig(lr=0.1), [{"params": list(model.parameters())}]),
-                   ValueError, "mixes buffers")
+    _expect_refused(rec, "a param group mixing buffers (ValueError 'mixes buffers')",
+                    guards.mixed_buffer_param_group(), "ValueError", "mixes buffers")
     for bad in (0.0, -1.0):
-        _expect_raises(rec, f"max_grad_norm={bad} (ValueError 'must be finite and > 0')",
-                       lambda bad=bad: cls(ddp, AdamWConfig(lr=0.1), max_grad_norm=bad),
-                       ValueError, "max_grad_norm must be finite and > 0")
-    model, ddp, opt = build(FP32, "adamw", optimizer_cls=cls)
-    _expect_raises(rec, "a step before any grad sync finished (LifecycleError 'before the grad sync')",
-                   opt.step, LifecycleError, "before the grad sync")
-    train_step(model, ddp, opt, 0, 0)
-    state = opt.named_state_dict()
-    renamed = {**state, "params": {("x" + k if k == "layer.bias" else k): v
-                                   for k, v in state["params"].items()}}
-    _expect_raises(rec, "a checkpoint whose names do not match (ValueError 'names do not match')",
-                   lambda: opt.load_state_dict(renamed), ValueError, "names do not match")
-    reshaped = {**state, "params": {**state["params"], "layer.bias": {
-        k: v.reshape(1, -1) for k, v in state["params"]["layer.bias"].items()}}}
-    _expect_raises(rec, "a checkpoint whose shapes do not match (ValueError 'has shape')",
-                   lambda: opt.load_state_dict(reshaped), ValueError, "has shape")
+        _expect_refused(rec, f"max_grad_norm={bad} (ValueError 'must be finite and > 0')",
+                        guards.non_positive_max_grad_norm(bad), "ValueError",
+                        "max_grad_norm must be finite and > 0")
+    _expect_refused(rec, "a step before any grad sync finished (LifecycleError 'before the grad sync')",
+                    guards.step_before_grad_sync(), "LifecycleError", "before the grad sync")
+    _expect_refused(rec, "a checkpoint whose names do not match (ValueError 'names do not match')",
+                    guards.checkpoint_with_renamed_param(), "ValueError", "names do not match")
+    _expect_refused(rec, "a checkpoint whose shapes do not match (ValueError 'has shape')",
+                    guards.checkpoint_with_reshaped_param(), "ValueError", "has shape")
 
 
 def check_torch_adamw(ctx: CheckContext, rec: CheckRecorder) -> None:
@@ -292,14 +232,6 @@ def mxfp8_matrix(quick: bool) -> list[tuple[str, bool, bool]]:
     """(algorithm, sharing, fp32 grads) of the MXFP8 runs: both algorithms, sharing on and off."""
     return [(kind, sharing, grad_fp32) for kind in ("adamw", "sgd") for sharing in (False, True)
             for grad_fp32 in ((True,) if quick else (True, False))]
-
-
-def _supports_mxfp8(rec: CheckRecorder, candidate: OptimCandidate) -> bool:
-    if getattr(candidate.optimizer_cls, "supports_mxfp8", False):
-        return True
-    rec.skip("MXFP8 params: the optimizer has no MXFP8 parameter support "
-             f"({candidate.optimizer_cls.__name__}.supports_mxfp8 is absent or False)")
-    return False
 
 
 def _mxfp8_references_process(rank: int, world: int, pickled_inputs: bytes) -> list[dict]:
@@ -357,8 +289,42 @@ def check_mxfp8(rec: CheckRecorder, mxfp8_runs: list[tuple[str, bool, bool]],
                                        for x, y in zip(p, q)) for a, b in zip(off, on)))
 
 
-def run(ctx: CheckContext, rec: CheckRecorder, candidate: OptimCandidate) -> None:
-    """The ``optim`` check against ``candidate`` (default: fastgrad's DistributedOptimizer)."""
-    check_errors(ctx, rec, candidate)
-    check_multi_rank(ctx, rec, candidate)  # with the MXFP8 runs (check_mxfp8) on the same spawn
+def run(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate) -> None:
+    """The ``optim`` check against ``candidate``'s optimizer (default: fastgrad's)."""
+    with candidate.optimizer() as optimizer:  # a candidate without the technique: SKIP
+        behaviour = optimizer.behaviour()
+        shares_a_world = optimizer.shares_a_world
+        guarded = _guards(rec, optimizer)
+        mxfp8 = _has_mxfp8(rec, optimizer)
+    check_multi_rank(ctx, rec, candidate, behaviour, shares_a_world, guarded=guarded, mxfp8=mxfp8)
     check_torch_adamw(ctx, rec)
+
+
+def _guards(rec: CheckRecorder, optimizer: DistributedOptimizerStep) -> bool:
+    """The misuse guards in this process; False (a SKIP with the reason) when it has none."""
+    try:
+        guards = optimizer.guards()
+    except Unsupported as unsupported:
+        rec.skip(f"optim errors: {unsupported.reason}")
+        return False
+    check_errors(rec, guards)
+    return True
+
+
+def _has_mxfp8(rec: CheckRecorder, optimizer: DistributedOptimizerStep) -> bool:
+    try:
+        optimizer.mxfp8()
+    except Unsupported as unsupported:
+        rec.skip(f"MXFP8 params: {unsupported.reason}")
+        return False
+    return True
+
+
+CHECK = Check(
+    name=CHECK_NAME,
+    summary="distributed optimizer (AdamW/SGD, clipping, loss scaling, checkpoints) vs refgrad, "
+            "bitwise, gloo DP=1..4",
+    run=run,
+    spawns_ranks=True,
+    technique=Technique.OPTIMIZER,
+)

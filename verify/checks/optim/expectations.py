@@ -7,12 +7,15 @@ is ``refgrad.optim.optimizer_step`` (exact arithmetic, one rounding per op).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 
 from refgrad import formats
 from refgrad import optim as R
 from refgrad import reduce_scatter as RS
+from refgrad.optim_torch import torch_order_step
 from verify.checks.optim.cases import ADAMW, NAMES, SGD, SHAPES, SHARED, coefficient, initial
 
 
@@ -69,9 +72,42 @@ def param_loss_grads(world: int, step: int, dtypes, states, *, grad_fp32=False, 
     return tuple(out)
 
 
+def torch_cpu_sqrt(v: Fraction) -> Fraction:
+    """torch's CPU fp32 square root of one value (the platform's; not always correctly rounded)."""
+    return Fraction(float(torch.tensor(float(v), dtype=torch.float32).sqrt()))
+
+
+@dataclass(frozen=True)
+class ProductionModel:
+    """refgrad's model of a candidate's documented optimizer: the step in torch.optim's order
+    (``refgrad.optim_torch``, torch's CPU square root), clipped with the candidate's own grad
+    norm of each step (``norms``; None: refgrad's exact one)."""
+
+    norms: tuple[float | None, ...] | None = None
+
+    def norm(self, k: int) -> float | None:
+        return None if self.norms is None or k >= len(self.norms) else self.norms[k]
+
+
+def _model_step(states, grads, hypers, steps, *, clip, scale, production: ProductionModel, k: int):
+    """One step of ``production``'s model: returns ``(stepped, the norm it clipped with)``."""
+    norm = None
+    if clip is not None:
+        observed = production.norm(k)
+        if observed is not None:
+            norm = Fraction(observed)
+        else:
+            prepared = R.prepare_grads(grads, loss_scale=scale)
+            norm = None if prepared is None else R.global_norm(
+                [g for g, s in zip(prepared, SHARED) if not s])
+    stepped = torch_order_step(states, grads, hypers, steps, norm=norm, max_norm=clip,
+                               loss_scale=scale, sqrt32=torch_cpu_sqrt)
+    return stepped, norm
+
+
 def reference_trajectory(worlds, dtypes, algorithm, *, clip=None, average=True, grad_fp32=False,
                          scales=None, inf_at=None, start=None, first_step_id=0, seed=0,
-                         param_loss=False):
+                         param_loss=False, production: ProductionModel | None = None):
     """refgrad.optim fed the reduced grads of each step; a snapshot after every step.
 
     ``worlds[k]``: the DP size of step k (grads differ per DP size).
@@ -80,6 +116,8 @@ def reference_trajectory(worlds, dtypes, algorithm, *, clip=None, average=True, 
     ``param_loss``: the grads depend on the published params (``param_loss_grads``).
     The tied copy (``cases.SHARED``) is left out of the norm. Each snapshot holds the
     exact global norm (``grad_norm``, None on a skipped step).
+    ``production``: the trajectory of refgrad's model of a candidate's documented optimizer
+    instead of the spec's (``grad_norm`` is then the norm it clipped with).
     Returns ``(snapshots, (states, steps))``.
     """
     hyper = R.AdamW(**ADAMW) if algorithm == "adamw" else R.SGD(**SGD)
@@ -102,8 +140,12 @@ def reference_trajectory(worlds, dtypes, algorithm, *, clip=None, average=True, 
         else:
             grads = reduced_grads(world, step_id, dtypes, average=average, grad_fp32=grad_fp32,
                                   loss_scale=1.0 if scale is None else scale, inf_at=inf_at, seed=seed)
-        stepped, norm = R.optimizer_step(states, grads, hypers, [steps + 1] * len(NAMES),
-                                         max_norm=clip, loss_scale=scale, shared=list(SHARED))
+        if production is None:
+            stepped, norm = R.optimizer_step(states, grads, hypers, [steps + 1] * len(NAMES),
+                                             max_norm=clip, loss_scale=scale, shared=list(SHARED))
+        else:
+            stepped, norm = _model_step(states, grads, hypers, [steps + 1] * len(NAMES), clip=clip,
+                                        scale=scale, production=production, k=k)
         steps += stepped
         snapshots.append({"stepped": stepped, "steps": steps,
                           "grad_norm": None if norm is None else float(norm),
@@ -127,8 +169,10 @@ def expected_tensors(states, dtypes) -> dict:
     return out
 
 
-def case_trajectory(case, seed: int, start=None, first_step_id: int = 0, worlds=None):
-    """refgrad's trajectory for an ``OptimCase`` (optionally resumed / at other DP sizes)."""
+def case_trajectory(case, seed: int, start=None, first_step_id: int = 0, worlds=None,
+                    production: ProductionModel | None = None):
+    """refgrad's trajectory for an ``OptimCase`` (optionally resumed / at other DP sizes;
+    ``production``: of refgrad's model of the candidate's documented optimizer)."""
     steps = case.steps - first_step_id if worlds is None else len(worlds)
     worlds = [case.dp] * steps if worlds is None else worlds
     scales = case.scales()
@@ -137,6 +181,6 @@ def case_trajectory(case, seed: int, start=None, first_step_id: int = 0, worlds=
         average=all(w & (w - 1) == 0 for w in worlds), grad_fp32=case.main_grads_fp32,
         scales=None if scales is None else scales[first_step_id:first_step_id + steps],
         inf_at=case.inf_at, start=start, first_step_id=first_step_id, seed=seed,
-        param_loss=case.param_loss,
+        param_loss=case.param_loss, production=production,
     )
 

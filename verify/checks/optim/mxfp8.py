@@ -1,6 +1,8 @@
 """MXFP8 params under the distributed optimizer, shared by the ``optim`` check and the tests.
 
-Each rank feeds rank-specific grads through ``MXFP8ParamGradBuffer.accumulate_grad``
+Each rank asks the candidate's optimizer for an MXFP8 training run
+(:class:`~verify.candidates.api.optimizer_parts.MXFP8Training`; fastgrad: an
+``MXFP8ParamGradBuffer`` under its ``DistributedOptimizer``), feeds it rank-specific grads
 (MXFP8 params are not autograd leaves), reduces and steps; the optimizer stages the
 masters as bf16, all-gathers and quantizes them into the MXFP8 params. Expected
 values: ``refgrad.optim.optimizer_step`` on the reduced grads (every rank's shard,
@@ -11,53 +13,57 @@ The reduction itself is the ``mxfp8`` check's subject; here it is the input.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
-from fastgrad.mxfp8_sharing import MXFP8Parameter, MXFP8ParamGradBuffer
-from fastgrad.optim import AdamWConfig, DistributedOptimizer, SGDConfig
 from refgrad import mxfp8 as RQ
 from refgrad import optim as R
 from refgrad.formats import tensor_bit_patterns
-from verify.fixtures.mxfp8 import toy_config
+from verify.candidates.api.optimizer import (
+    AdamWHyperparameters,
+    MXFP8ParamOptimizer,
+    OptimizerSettings,
+    SGDHyperparameters,
+)
 
-SHAPES = [(8, 64), (4, 32), (16, 32)]  # 1152 elements: two buckets of bucket_size 1000
+SHAPES = [(8, 64), (4, 32), (16, 32)]  # 1152 elements: two buckets of BUCKET_SIZE
+BUCKET_SIZE = 1000
 STEPS = 3
-CONFIGS = {
-    "adamw": (AdamWConfig(lr=1e-2, weight_decay=0.1), 0.5),  # (config, max_grad_norm)
-    "sgd": (SGDConfig(lr=0.5, momentum=0.9, weight_decay=0.01), None),
+CONFIGS = {  # decay on every param; AdamW clipped
+    "adamw": OptimizerSettings(adamw=AdamWHyperparameters(lr=1e-2, weight_decay=0.1), max_grad_norm=0.5),
+    "sgd": OptimizerSettings(sgd=SGDHyperparameters(lr=0.5, momentum=0.9, weight_decay=0.01)),
 }
 # refgrad.optim.ParamState's state fields -> the optimizer's state_dict keys
 STATE_KEYS = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "momentum": "momentum_buffer"}
 
 
-def train_mxfp8(rank: int, kind: str, sharing: bool, grad_fp32: bool, *, dp_group=None,
-                seed: int = 0, optimizer_cls: type = DistributedOptimizer) -> dict:
-    """STEPS steps of ``optimizer_cls`` on MXFP8 params; grads depend on rank, step and seed."""
+def train_mxfp8(mxfp8: MXFP8ParamOptimizer, rank: int, kind: str, sharing: bool, grad_fp32: bool, *,
+                dp_group: dist.ProcessGroup | None = None, seed: int = 0) -> dict:
+    """STEPS steps of the candidate's optimizer on MXFP8 params; grads depend on rank, step and seed."""
     init = torch.Generator().manual_seed(11 + seed)
-    weights = [MXFP8Parameter(torch.randn(s, generator=init) * 0.5) for s in SHAPES]
-    initial = [w.dequantize(torch.float32) for w in weights]
-    buffer = MXFP8ParamGradBuffer(weights, config=toy_config(sharing=sharing, grad_fp32=grad_fp32),
-                                  dp_group=dp_group)
-    config, clip = CONFIGS[kind]
-    opt = optimizer_cls(buffer, config, max_grad_norm=clip)
-    opt.publish_params()
-    out = {"initial": initial, "sharing": buffer.sharing, "steps": [],
-           "param_ranges": [buffer.param_range(w) for w in weights],
-           "buckets": [(b.start, b.end) for b in buffer.buckets],
-           "bits0": [(w.scale_bits.clone(), w.element_bits.clone()) for w in weights]}
+    values = [torch.randn(s, generator=init) * 0.5 for s in SHAPES]
+    run = mxfp8.build(values, CONFIGS[kind], sharing=sharing, grad_fp32=grad_fp32,
+                      bucket_size=BUCKET_SIZE, dp_group=dp_group)
+    out = {"initial": run.initial(), "sharing": run.sharing, "steps": [],
+           "param_ranges": run.param_ranges, "buckets": run.buckets, "bits0": run.bits()}
     for step in range(STEPS):
-        buffer.zero_grad()
-        for k, w in enumerate(weights):
+        run.zero_grad()
+        for k, shape in enumerate(SHAPES):
             data = torch.Generator().manual_seed(1000 * step + 10 * rank + k + 100_000 * seed)
-            buffer.accumulate_grad(w, torch.randn(w.shape, generator=data) * (k + 1))
-        buffer.reduce_grads()
-        grads = [b.local_grad_shard.clone() for b in buffer.buckets]
-        result = opt.step()
-        out["steps"].append({
-            "stepped": result.stepped, "grads": grads, "masters": opt.master_shards(),
-            "bits": [(w.scale_bits.clone(), w.element_bits.clone()) for w in weights],
-            "state": opt.named_state_dict()["params"],
-        })
+            run.accumulate_grad(k, torch.randn(shape, generator=data) * (k + 1))
+        run.reduce_grads()
+        grads = run.local_grad_shards()
+        stepped = run.step()
+        out["steps"].append({"stepped": stepped, "grads": grads, "masters": run.master_shards(),
+                             "bits": run.bits(), "state": run.named_state()})
     return out
+
+
+def hyperparameters(kind: str) -> tuple[R.AdamW | R.SGD, float | None]:
+    """refgrad's hyperparameters of the run ``kind`` and its max grad norm."""
+    settings = CONFIGS[kind]
+    if settings.sgd is not None:
+        return R.SGD(**vars(settings.sgd)), settings.max_grad_norm
+    return R.AdamW(**vars(settings.adamw)), settings.max_grad_norm
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -74,8 +80,7 @@ def expected_bits(masters: list, shape) -> tuple[torch.Tensor, torch.Tensor]:
 def refgrad_trajectory(runs: list[dict], kind: str) -> dict:
     """refgrad's initial bits and, per step, masters (flat, buffer order), bits and state."""
     run0 = runs[0]
-    config, clip = CONFIGS[kind]
-    hyper = R.AdamW(**vars(config)) if kind == "adamw" else R.SGD(**vars(config))
+    hyper, clip = hyperparameters(kind)
     states = [R.ParamState(master=R.values(t)) for t in run0["initial"]]
     out: dict = {"bits0": [expected_bits(s.master, shape) for s, shape in zip(states, SHAPES)],
                  "steps": []}

@@ -1,51 +1,85 @@
-"""The multi-rank part of the ``optim`` check: one spawn of 4 gloo ranks.
+"""The multi-rank part of the ``optim`` check: the case matrix on gloo ranks, through the candidate.
 
-Every rank creates the same sub-groups (DP=1 on one rank, DP=2 on two pairs, DP=3,
-DP=4 = the world), then runs, in matrix order, the cases whose ranks include it.
-Phase 2 resumes the DP=2 checkpoint (broadcast from rank 0) at DP=2 (uninterrupted
-training must be reproduced bitwise) and at DP=3 (resharding), and provokes the
-"param modified while its all-gather is in flight" error.
+Every rank asks the candidate for its optimizer (``with candidate.optimizer() as optimizer``),
+wraps each case's model in the candidate's DDP (:meth:`DistributedOptimizerStep.data_parallel`)
+and builds the optimizer over it. Where a candidate's optimizer can share a world
+(``shares_a_world``: fastgrad), one spawn of 4 ranks runs every case on its sub-group (DP=1 on
+one rank, DP=2 on two pairs, DP=3, DP=4 = the world); otherwise (Megatron-Core builds its
+optimizer with collectives over the whole default group) each DP size runs in a world of its
+own, its cases on ranks ``0..DP-1`` (:func:`world_plans`). Either way the results come back
+laid out by the 4-rank plan, so the comparisons are the same. Phase 2 resumes the DP=2
+checkpoint (taken after step 2) at DP=2 on other ranks (uninterrupted training must be
+reproduced bitwise) and at DP=3 (resharding); then, where the candidate has them, its guards'
+"param modified while its all-gather is in flight" and the MXFP8 runs on ranks 0-1.
 
-Per step a rank records what the check compares: the step's outcome, global norm
-and loss scale, the loss scaler's state after it, whether a leaf's forward read
-params whose all-gather was still in flight (``Leaf.probe``), and any error the
-optimizer raised (recorded, and the run goes on: a stale published shard must show
-in the numbers, not only as a crash). With ``overlap_param_gather`` the ranks also
-exchange their step outcomes over a bookkeeping group of their own: when they
-disagree (a skip decided per rank), the ranks that skipped pair the others'
-in-flight param all-gathers with ``publish_params()``, so the run ends with
-numbers (and a FAIL) instead of ranks blocked in unmatched collectives.
+Per step a rank records what the check compares: the step's outcome, global norm and loss
+scale, the loss scaler's state after it, whether a leaf's forward read params whose all-gather
+was still in flight (``Leaf.probe``), and any error the optimizer raised (recorded, and the
+run goes on: a stale published shard must show in the numbers, not only as a crash). With
+``overlap_param_gather`` the ranks also exchange their step outcomes over a bookkeeping group
+of their own: when they disagree (a skip decided per rank), the ranks that skipped pair the
+others' in-flight param all-gathers with ``publish_params()``, so the run ends with numbers
+(and a FAIL) instead of ranks blocked in unmatched collectives.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from verify.checks.optim.cases import (
-    CHECKPOINT_CASE,
-    FP32,
-    OptimCase,
-    build,
-    coefficients,
-    snapshot,
-    train_step,
-)
+from verify.candidates import Candidate, Unsupported
+from verify.candidates.api.optimizer import DistributedOptimizerStep, OptimizerCheckpoint
+from verify.checks.optim.cases import CHECKPOINT_CASE, OptimCase, coefficients
 from verify.checks.optim.mxfp8 import train_mxfp8
 
 WORLD = 4
 RESUME_AFTER = 2  # the checkpoint is taken after this many steps of CHECKPOINT_CASE
+DP2_RESUMED_ON = (2, 3)  # the ranks (of the 4-rank plan) that resume at DP=2
+DP3_RESUMED_ON = (0, 1, 2)  # ... and at DP=3
+EXTRAS_ON = (0, 1)  # the guards' in-flight write and the MXFP8 runs
 
 
-def _groups(world: int) -> tuple[dict[tuple[int, ...], object], dict[tuple[int, ...], object]]:
-    """The sub-groups of every rank set the matrix uses, and a bookkeeping group per
-    multi-rank set (created in the same order on all ranks)."""
-    multi = [(0, 1), (2, 3), (0, 1, 2)]
-    groups = {ranks: dist.new_group(list(ranks)) for ranks in [(r,) for r in range(world)] + multi}
-    groups[tuple(range(world))] = dist.group.WORLD
-    books = {ranks: dist.new_group(list(ranks)) for ranks in [*multi, tuple(range(world))]}
+@dataclass(frozen=True)
+class WorldPlan:
+    """What one spawn runs: ``cases`` as ``(index in the matrix, the case on this world's
+    ranks)``, the resumes (on these ranks; empty: not here), and whether the guards' in-flight
+    write and the MXFP8 runs run here (on ranks 0-1)."""
+
+    world: int
+    cases: tuple[tuple[int, OptimCase], ...]
+    dp2_resume_ranks: tuple[int, ...] = ()
+    dp3_resume_ranks: tuple[int, ...] = ()
+    extras: bool = False
+
+
+def world_plans(cases: list[OptimCase], shares_a_world: bool) -> list[WorldPlan]:
+    """One 4-rank plan, or one plan per DP size (cases on ranks ``0..DP-1``), in an order in
+    which the DP=2 checkpoint exists before the DP=3 resume."""
+    if shares_a_world:
+        return [WorldPlan(WORLD, tuple(enumerate(cases)), DP2_RESUMED_ON, DP3_RESUMED_ON, True)]
+    plans = []
+    for dp in sorted({c.dp for c in cases} | {2, 3}, key=lambda d: (d != 2, d)):
+        mine = tuple((i, dataclasses.replace(c, ranks=tuple(range(dp))))
+                     for i, c in enumerate(cases) if c.dp == dp)
+        plans.append(WorldPlan(dp, mine, (0, 1) if dp == 2 else (), (0, 1, 2) if dp == 3 else (),
+                               extras=dp == 2))
+    return plans
+
+
+def _groups(world: int, plan: WorldPlan) -> tuple[dict, dict]:
+    """The group of every rank set the plan uses, and a bookkeeping group per multi-rank set
+    (created in the same order on all ranks)."""
+    sets = sorted({c.ranks for _, c in plan.cases} | {r for r in (plan.dp2_resume_ranks,
+                                                                   plan.dp3_resume_ranks,
+                                                                   EXTRAS_ON if plan.extras else ())
+                                                      if r}, key=lambda r: (len(r), r))
+    whole = tuple(range(world))
+    groups = {ranks: dist.group.WORLD if ranks == whole else dist.new_group(list(ranks))
+              for ranks in sets}
+    books = {ranks: dist.new_group(list(ranks)) for ranks in sets if len(ranks) > 1}
     return groups, books
 
 
@@ -53,9 +87,7 @@ def _leaf_probe(opt, seen: list[bool]):
     """``Leaf.probe``: record whether a bucket holding one of the leaf's params is still being
     all-gathered when the leaf's forward starts (its pre-hook should have waited)."""
     def probe(leaf) -> None:
-        mine = {id(p) for p in leaf.parameters()}
-        seen.append(any(s.gather_handle is not None for s in opt.shards
-                        if any(id(p) in mine for p in s.bucket.params)))
+        seen.append(opt.gather_in_flight(leaf.parameters()))
     return probe
 
 
@@ -72,31 +104,48 @@ def _agree(opt, result, bookkeeping, dp: int) -> bool:
 
 def _drain(opt) -> None:
     """Wait for every param all-gather still in flight, whatever the optimizer raises."""
-    for _ in range(len(opt.shards) + 1):
+    for _ in range(64):
         try:
             opt.finish_param_sync()
             return
         except Exception:  # noqa: BLE001 - the first error is already recorded
-            continue
+            if not opt.param_gather_in_flight:
+                return
 
 
-def _train(case: OptimCase, group, local_rank: int, optimizer_cls, seed: int, *, bookkeeping=None,
-           start: int = 0, load: dict | None = None, keep_checkpoint_after: int | None = None) -> dict:
+def snapshot(model, opt) -> dict:
+    """Full params (after the gather) and the optimizer's full state by name."""
+    opt.finish_param_sync()
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "state": {"params": opt.named_state()}}
+
+
+def _train(case: OptimCase, group, local_rank: int, optimizer: DistributedOptimizerStep, seed: int,
+           *, bookkeeping=None, start: int = 0, load: OptimizerCheckpoint | None = None,
+           keep_checkpoint_after: int | None = None) -> dict:
     """Train ``case`` as a training loop does: step k's forward reads the params step k-1
     published (their all-gathers in flight with ``overlap_param_gather``), and the snapshot of
     step k-1 is taken once that forward has run; a forward after the last step checks its
     gathers too. ``snapshots[k]`` is None where an error left no state to compare."""
-    model, ddp, opt = case.build(group, optimizer_cls, seed)
+    model = case.model(seed)
+    try:
+        ddp = optimizer.data_parallel(model, case.data_parallel_settings(), group)
+        opt = optimizer.build(ddp, case.optimizer_settings())
+    except Unsupported as unsupported:  # the same on every rank of the case: a SKIP
+        return {"unsupported": unsupported.reason}
     out: dict = {"results": [], "errors": []}
     if load is not None:
-        opt.load_state_dict(load)
+        opt.load_checkpoint(load)
         out["loaded"] = snapshot(model, opt)
     snaps: dict[int, dict] = {}
 
     def take(step: int) -> None:
         snaps[step] = snapshot(model, opt)
         if keep_checkpoint_after is not None and step + 1 == keep_checkpoint_after:
-            out["checkpoint"] = snaps[step]["state"]
+            try:
+                out["checkpoint"] = opt.checkpoint()
+            except Unsupported as unsupported:  # the resumes become a SKIP
+                out["checkpoint_unsupported"] = unsupported.reason
 
     seen: list[bool] = []
     model.set_probe(_leaf_probe(opt, seen))
@@ -107,7 +156,7 @@ def _train(case: OptimCase, group, local_rank: int, optimizer_cls, seed: int, *,
         seen.clear()
         stepping = False
         try:
-            scale = opt.loss_scaler.scale if opt.loss_scaler is not None else 1.0
+            scale = opt.loss_scale if opt.loss_scale is not None else 1.0
             ddp.zero_grad_buffer()
             model(coefficients(local_rank, step, case.inf_at, seed, scale)).backward()
             record["read_in_flight"] = any(seen)  # the forward pre-hooks waited, or not
@@ -120,8 +169,9 @@ def _train(case: OptimCase, group, local_rank: int, optimizer_cls, seed: int, *,
                           grad_norm=result.grad_norm, launched=opt.param_gather_in_flight)
             if bookkeeping is not None:
                 record["agreed"] = _agree(opt, result, bookkeeping, case.dp)
-            if opt.loss_scaler is not None:
-                record["scaler"] = dict(opt.loss_scaler.state_dict())
+            scaler = opt.loss_scaler_state()
+            if scaler is not None:
+                record["scaler"] = scaler.as_dict()
         except Exception as exc:  # noqa: BLE001 - recorded; the numbers must still be compared
             out["errors"].append((step, f"{type(exc).__name__}: {exc}"[:300]))
             _drain(opt)
@@ -133,7 +183,9 @@ def _train(case: OptimCase, group, local_rank: int, optimizer_cls, seed: int, *,
     else:
         seen.clear()
         try:
-            with torch.no_grad():  # a forward after the last step: its gathers awaited too
+            # the next iteration's start: its forward awaits the last step's gathers too
+            ddp.zero_grad_buffer()
+            with torch.no_grad():
                 model(coefficients(local_rank, 0, None, seed, 0.0))
             out["final_read_in_flight"] = any(seen)
             take(case.steps - 1)
@@ -142,62 +194,73 @@ def _train(case: OptimCase, group, local_rank: int, optimizer_cls, seed: int, *,
             _drain(opt)
             take(case.steps - 1)
     model.set_probe(None)
+    opt.close()
     out["snapshots"] = [snaps.get(step) for step in range(start, case.steps)]
     return out
 
 
-def _modified_during_gather(group, local_rank: int, optimizer_cls, seed: int) -> str:
-    """Write a param while its bucket's all-gather is in flight; the forward's wait must refuse."""
-    model, ddp, opt = build(FP32, "adamw", overlap_param_gather=True, dp_group=group, seed=seed,
-                            optimizer_cls=optimizer_cls)
-    train_step(model, ddp, opt, local_rank, 0, seed=seed)
-    with torch.no_grad():
-        model.layer.weight.add_(1.0)
-    try:
-        model.layer({"layer.weight": torch.zeros(1), "layer.bias": torch.zeros(1)})
-    except Exception as exc:  # noqa: BLE001 - the type and message are the result
-        outcome = f"{type(exc).__name__}: {exc}"
-    else:
-        outcome = "no error"
-    try:  # leave the group usable: drain whatever is still in flight
-        opt.finish_param_sync()
-    except Exception:  # noqa: BLE001 - already reported above
-        pass
-    return outcome
-
-
-def rank_worker(rank: int, world: int, cases: list[OptimCase], optimizer_cls, seed: int,
-                mxfp8_runs: list[tuple[str, bool, bool]]) -> dict:
-    """One rank: phase 1 (the matrix), phase 2 (resume at DP=2 and DP=3, the race), then
-    the MXFP8 runs ``(algorithm, sharing, grad_fp32)`` at DP=2 on ranks 0-1."""
-    groups, books = _groups(world)
+def rank_worker(rank: int, world: int, plan: WorldPlan, candidate: Candidate, seed: int,
+                mxfp8_runs: list[tuple[str, bool, bool]], guarded: bool,
+                checkpoint: OptimizerCheckpoint | None) -> dict:
+    """One rank of ``plan``: phase 1 (its cases), phase 2 (the resumes: the checkpoint is the
+    one this world's checkpoint case took, or ``checkpoint`` given from another world), then,
+    where ``plan.extras``, the guards' in-flight write (``guarded``) and the MXFP8 runs
+    ``(algorithm, sharing, grad_fp32)`` at DP=2 on ranks 0-1."""
+    groups, books = _groups(world, plan)
 
     def book(case: OptimCase):
-        return books[case.ranks] if case.overlap and case.dp > 1 else None
+        return books.get(case.ranks) if case.overlap and case.dp > 1 else None
 
     out: dict = {"cases": {}}
-    for index, case in enumerate(cases):
-        if rank in case.ranks:
-            keep = RESUME_AFTER if case == CHECKPOINT_CASE else None
-            out["cases"][index] = _train(case, groups[case.ranks], case.ranks.index(rank),
-                                         optimizer_cls, seed, bookkeeping=book(case),
-                                         keep_checkpoint_after=keep)
-    checkpoint_index = cases.index(CHECKPOINT_CASE)
-    box = [out["cases"][checkpoint_index].get("checkpoint") if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    checkpoint = box[0]
-    resharded = dataclasses.replace(CHECKPOINT_CASE, ranks=(0, 1, 2))
-    if rank in resharded.ranks:
-        out["dp3_resumed"] = _train(resharded, groups[resharded.ranks], rank, optimizer_cls, seed,
-                                    bookkeeping=book(resharded), start=RESUME_AFTER, load=checkpoint)
-    resumed = dataclasses.replace(CHECKPOINT_CASE, ranks=(2, 3))
-    if rank in resumed.ranks:
-        out["dp2_resumed"] = _train(resumed, groups[resumed.ranks], resumed.ranks.index(rank),
-                                    optimizer_cls, seed, bookkeeping=book(resumed),
-                                    start=RESUME_AFTER, load=checkpoint)
-    if rank in (0, 1):
-        out["modified"] = _modified_during_gather(groups[(0, 1)], rank, optimizer_cls, seed)
-        out["mxfp8"] = [train_mxfp8(rank, kind, sharing, grad_fp32, dp_group=groups[(0, 1)],
-                                    seed=seed, optimizer_cls=optimizer_cls)
-                        for kind, sharing, grad_fp32 in mxfp8_runs]
+    with candidate.optimizer() as optimizer:
+        for index, case in plan.cases:
+            if rank in case.ranks:
+                keep = RESUME_AFTER if case.label == CHECKPOINT_CASE.label else None
+                out["cases"][index] = _train(case, groups[case.ranks], case.ranks.index(rank),
+                                             optimizer, seed, bookkeeping=book(case),
+                                             keep_checkpoint_after=keep)
+        if plan.dp2_resume_ranks or plan.dp3_resume_ranks:
+            holders = [(i, c.ranks[0]) for i, c in plan.cases if c.label == CHECKPOINT_CASE.label]
+            if checkpoint is None and holders:  # this world's checkpoint case took it
+                index, holder = holders[0]
+                box = [out["cases"][index].get("checkpoint") if rank == holder else None]
+                dist.broadcast_object_list(box, src=holder)
+                checkpoint = box[0]
+            out["checkpoint"] = checkpoint
+        for key, ranks in (("dp3_resumed", plan.dp3_resume_ranks), ("dp2_resumed", plan.dp2_resume_ranks)):
+            resumed = dataclasses.replace(CHECKPOINT_CASE, ranks=ranks) if ranks else None
+            if resumed is not None and rank in ranks and checkpoint is not None:
+                out[key] = _train(resumed, groups[ranks], ranks.index(rank), optimizer, seed,
+                                  bookkeeping=book(resumed), start=RESUME_AFTER, load=checkpoint)
+        if plan.extras and rank in EXTRAS_ON:
+            pair = groups[EXTRAS_ON]
+            if guarded:
+                out["modified"] = optimizer.guards().param_modified_during_gather(pair)
+            if mxfp8_runs:
+                mxfp8 = optimizer.mxfp8()
+                out["mxfp8"] = [train_mxfp8(mxfp8, rank, kind, sharing, grad_fp32, dp_group=pair,
+                                            seed=seed) for kind, sharing, grad_fp32 in mxfp8_runs]
     return out
+
+
+def as_four_ranks(cases: list[OptimCase], plans: list[WorldPlan], results: list[list[dict]]
+                  ) -> list[dict]:
+    """The per-rank results of every plan laid out as the 4-rank plan lays them out (the
+    matrix ``cases`` say which ranks each case has there)."""
+    if len(plans) == 1 and plans[0].world == WORLD:
+        return results[0]
+    per_rank: list[dict] = [{"cases": {}} for _ in range(WORLD)]
+    for plan, ranks in zip(plans, results):
+        for index, case in plan.cases:
+            for local, result in enumerate(ranks[:case.dp]):
+                per_rank[cases[index].ranks[local]]["cases"][index] = result["cases"][index]
+        for key, on in (("dp2_resumed", DP2_RESUMED_ON), ("dp3_resumed", DP3_RESUMED_ON)):
+            for local, result in enumerate(ranks):
+                if key in result:
+                    per_rank[on[local]][key] = result[key]
+        if plan.extras:
+            for local in EXTRAS_ON:
+                for key in ("modified", "mxfp8"):
+                    if key in ranks[local]:
+                        per_rank[local][key] = ranks[local][key]
+    return per_rank

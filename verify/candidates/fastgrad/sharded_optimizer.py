@@ -1,0 +1,316 @@
+"""fastgrad's distributed optimizer as the ``optim`` check drives it (:mod:`verify.candidates.api.optimizer`).
+
+``fastgrad.ddp.DistributedDataParallel`` (distributed optimizer, ``overlap_grad_reduce``) wraps
+the check's module (:class:`FastgradDataParallel`); ``fastgrad.optim.DistributedOptimizer`` (or
+a test's subclass) steps it (:class:`FastgradShardedOptimizer`), with
+``param_groups_without_decay_for`` when 1-D params take no decay, the global-norm clip and
+``DynamicLossScaler``. Its guards (:class:`FastgradGuards`) and its MXFP8 params
+(:class:`FastgradMXFP8Training`, ``fastgrad.mxfp8_sharing``) are the same optimizer class.
+fastgrad follows ``refgrad.optim``'s order and exact norm: it documents no departure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fastgrad.config import DDPConfig
+from fastgrad.ddp import DistributedDataParallel
+from fastgrad.mxfp8_sharing import MXFP8Parameter, MXFP8ParamGradBuffer
+from fastgrad.optim import (
+    AdamWConfig,
+    DistributedOptimizer,
+    DynamicLossScaler,
+    SGDConfig,
+    param_groups_without_decay_for,
+)
+from fastgrad.parallel_dims import ParallelDims
+from verify.candidates.api.optimizer import (
+    AdamWState,
+    DataParallelModule,
+    DataParallelSettings,
+    LossScalerState,
+    MXFP8ParamOptimizer,
+    OptimizerCheckpoint,
+    OptimizerSettings,
+    ShardedOptimizer,
+    StepOutcome,
+)
+from verify.candidates.api.optimizer_parts import MXFP8Training, OptimizerGuards
+
+
+def fastgrad_config(settings: OptimizerSettings) -> AdamWConfig | SGDConfig:
+    """fastgrad's optimizer config for the seam's hyperparameters."""
+    if settings.sgd is not None:
+        h = settings.sgd
+        return SGDConfig(lr=h.lr, momentum=h.momentum, weight_decay=h.weight_decay)
+    h = settings.adamw
+    return AdamWConfig(lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
+                       weight_decay=h.weight_decay)
+
+
+class FastgradDataParallel(DataParallelModule):
+    """A module in fastgrad's ``DistributedDataParallel``."""
+
+    def __init__(self, module: nn.Module, settings: DataParallelSettings,
+                 dp_group: dist.ProcessGroup | None) -> None:
+        config = DDPConfig(use_distributed_optimizer=True, overlap_grad_reduce=True,
+                           bucket_size=settings.bucket_size,
+                           overlap_param_gather=settings.overlap_param_gather,
+                           grad_reduce_in_fp32=settings.grad_reduce_in_fp32)
+        self.ddp = DistributedDataParallel(module, config=config, average=settings.average,
+                                           dp_group=dp_group)
+
+    @property
+    def grid(self) -> ParallelDims:
+        return self.ddp.parallel_dims
+
+    @property
+    def module(self) -> nn.Module:
+        return self.ddp.module
+
+    def named_parameters(self) -> Mapping[str, nn.Parameter]:
+        return dict(self.ddp.module.named_parameters())
+
+    def zero_grad_buffer(self) -> None:
+        self.ddp.zero_grad_buffer()
+
+    def finish_grad_sync(self) -> None:
+        self.ddp.finish_grad_sync()
+
+
+class FastgradShardedOptimizer(ShardedOptimizer):
+    """``optimizer_cls`` (``DistributedOptimizer`` or a subclass) over a :class:`FastgradDataParallel`."""
+
+    def __init__(self, model: FastgradDataParallel, settings: OptimizerSettings,
+                 optimizer_cls: type[DistributedOptimizer]) -> None:
+        scaling = settings.loss_scaling
+        scaler = None if scaling is None else DynamicLossScaler(
+            initial_scale=scaling.initial_scale, min_scale=scaling.min_scale,
+            growth_interval=scaling.growth_interval, hysteresis=scaling.hysteresis)
+        ddp = model.ddp
+        groups = None if settings.decay_1d_params else param_groups_without_decay_for(ddp)
+        self.optimizer = optimizer_cls(ddp, fastgrad_config(settings), groups,
+                                       max_grad_norm=settings.max_grad_norm, loss_scaler=scaler)
+        self.names = {p: n for n, p in model.named_parameters().items()}
+
+    @property
+    def loss_scale(self) -> float | None:
+        scaler = self.optimizer.loss_scaler
+        return None if scaler is None else scaler.scale
+
+    @property
+    def param_gather_in_flight(self) -> bool:
+        return self.optimizer.param_gather_in_flight
+
+    def step(self) -> StepOutcome:
+        result = self.optimizer.step()
+        return StepOutcome(stepped=result.stepped, grad_norm=result.grad_norm,
+                           clip_coefficient=result.clip_coefficient,
+                           loss_scale=result.loss_scale, reason=result.reason or "")
+
+    def state(self) -> dict[str, AdamWState]:
+        return {name: AdamWState(entry["master"], entry["exp_avg"], entry["exp_avg_sq"])
+                for name, entry in self.named_state().items() if "exp_avg" in entry}
+
+    def finish_param_sync(self) -> None:
+        self.optimizer.finish_param_sync()
+
+    def close(self) -> None:
+        self.optimizer.remove_hooks()
+
+    def loss_scaler_state(self) -> LossScalerState | None:
+        scaler = self.optimizer.loss_scaler
+        if scaler is None:
+            return None
+        return LossScalerState(scale=float(scaler.scale), growth_tracker=int(scaler.growth_tracker),
+                               hysteresis_tracker=int(scaler.hysteresis_tracker))
+
+    def publish_params(self) -> None:
+        self.optimizer.publish_params()
+
+    def gather_in_flight(self, params: Iterable[nn.Parameter]) -> bool:
+        mine = {id(p) for p in params}
+        return any(s.gather_handle is not None for s in self.optimizer.shards
+                   if any(id(p) in mine for p in s.bucket.params))
+
+    def named_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        return dict(self.optimizer.named_state_dict()["params"])
+
+    def checkpoint(self) -> OptimizerCheckpoint:
+        native = self.optimizer.named_state_dict()
+        return OptimizerCheckpoint(params=native["params"], native=native)
+
+    def load_checkpoint(self, checkpoint: OptimizerCheckpoint) -> None:
+        self.optimizer.load_state_dict(checkpoint.native)
+
+
+class _Leaf(nn.Module):
+    """``sum(param * coefficient)`` over its params (the guards' model)."""
+
+    def __init__(self, **params: torch.Tensor) -> None:
+        super().__init__()
+        for key, value in params.items():
+            self.register_parameter(key, nn.Parameter(value))
+
+    def forward(self, scale: float) -> torch.Tensor:
+        return sum((p.float() * scale).sum() for p in self.parameters())
+
+
+class _Pair(nn.Module):
+    """Two leaves: a bf16 weight (``mixed``) or an fp32 one, and an fp32 weight and bias."""
+
+    def __init__(self, mixed: bool) -> None:
+        super().__init__()
+        first = torch.linspace(-1, 1, 24).reshape(4, 6)
+        self.a = _Leaf(weight=first.to(torch.bfloat16) if mixed else first)
+        self.b = _Leaf(weight=torch.linspace(-0.5, 0.5, 12).reshape(3, 4), bias=torch.ones(4) / 8)
+
+    def forward(self, scale: float) -> torch.Tensor:
+        return self.a(scale) + self.b(scale)
+
+
+def _raised(action) -> str | None:
+    try:
+        action()
+    except Exception as error:  # noqa: BLE001 - the type and message are the result
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+class FastgradGuards(OptimizerGuards):
+    """fastgrad's refusals, made with ``optimizer_cls`` over small models of its own."""
+
+    def __init__(self, optimizer_cls: type[DistributedOptimizer]) -> None:
+        self.optimizer_cls = optimizer_cls
+
+    def _wrapped(self, *, mixed: bool = False, overlap: bool = False,
+                 dp_group: dist.ProcessGroup | None = None) -> tuple[_Pair, DistributedDataParallel]:
+        model = _Pair(mixed)
+        config = DDPConfig(use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=40,
+                           overlap_param_gather=overlap)
+        return model, DistributedDataParallel(model, config=config, dp_group=dp_group)
+
+    def _trained(self) -> DistributedOptimizer:
+        model, ddp = self._wrapped()
+        optimizer = self.optimizer_cls(ddp, AdamWConfig(lr=0.1))
+        ddp.zero_grad_buffer()
+        model(0.5).backward()
+        ddp.finish_grad_sync()
+        optimizer.step()
+        return optimizer
+
+    def mixed_buffer_param_group(self) -> str | None:
+        model, ddp = self._wrapped(mixed=True)
+        return _raised(lambda: self.optimizer_cls(ddp, AdamWConfig(lr=0.1),
+                                                  [{"params": list(model.parameters())}]))
+
+    def non_positive_max_grad_norm(self, value: float) -> str | None:
+        _, ddp = self._wrapped(mixed=True)
+        return _raised(lambda: self.optimizer_cls(ddp, AdamWConfig(lr=0.1), max_grad_norm=value))
+
+    def step_before_grad_sync(self) -> str | None:
+        _, ddp = self._wrapped()
+        return _raised(self.optimizer_cls(ddp, AdamWConfig(lr=0.1)).step)
+
+    def checkpoint_with_renamed_param(self) -> str | None:
+        optimizer = self._trained()
+        state = optimizer.named_state_dict()
+        renamed = {**state, "params": {("x" + k if k == "b.bias" else k): v
+                                       for k, v in state["params"].items()}}
+        return _raised(lambda: optimizer.load_state_dict(renamed))
+
+    def checkpoint_with_reshaped_param(self) -> str | None:
+        optimizer = self._trained()
+        state = optimizer.named_state_dict()
+        reshaped = {**state, "params": {**state["params"], "b.bias": {
+            k: v.reshape(1, -1) for k, v in state["params"]["b.bias"].items()}}}
+        return _raised(lambda: optimizer.load_state_dict(reshaped))
+
+    def param_modified_during_gather(self, dp_group: dist.ProcessGroup | None) -> str | None:
+        model, ddp = self._wrapped(overlap=True, dp_group=dp_group)
+        optimizer = self.optimizer_cls(ddp, AdamWConfig(lr=0.1))
+        ddp.zero_grad_buffer()
+        model(0.5).backward()
+        ddp.finish_grad_sync()
+        optimizer.step()  # launches the param all-gathers
+        with torch.no_grad():
+            model.b.weight.add_(1.0)
+        outcome = _raised(lambda: model.b(0.5))  # its forward pre-hook waits, and must refuse
+        _raised(optimizer.finish_param_sync)  # leave nothing in flight (already reported above)
+        return outcome
+
+
+class FastgradMXFP8Training(MXFP8Training):
+    """``MXFP8Parameter``s in an ``MXFP8ParamGradBuffer`` under ``optimizer_cls``."""
+
+    def __init__(self, values: Sequence[torch.Tensor], settings: OptimizerSettings, *,
+                 sharing: bool, grad_fp32: bool, bucket_size: int,
+                 dp_group: dist.ProcessGroup | None,
+                 optimizer_cls: type[DistributedOptimizer]) -> None:
+        self.weights = [MXFP8Parameter(v) for v in values]
+        self._initial = [w.dequantize(torch.float32) for w in self.weights]
+        config = DDPConfig(use_distributed_optimizer=True, overlap_grad_reduce=True,
+                           overlap_param_gather=True, fp8_param_gather=True,
+                           reuse_grad_buf_for_mxfp8_param_ag=sharing, grad_reduce_in_fp32=grad_fp32,
+                           bucket_size=bucket_size)
+        self.buffer = MXFP8ParamGradBuffer(self.weights, config=config, dp_group=dp_group)
+        self.optimizer = optimizer_cls(self.buffer, fastgrad_config(settings),
+                                       max_grad_norm=settings.max_grad_norm)
+        self.optimizer.publish_params()
+
+    @property
+    def sharing(self) -> bool:
+        return self.buffer.sharing
+
+    @property
+    def param_ranges(self) -> list[tuple[int, int]]:
+        return [self.buffer.param_range(w) for w in self.weights]
+
+    @property
+    def buckets(self) -> list[tuple[int, int]]:
+        return [(b.start, b.end) for b in self.buffer.buckets]
+
+    def initial(self) -> list[torch.Tensor]:
+        return list(self._initial)
+
+    def bits(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(w.scale_bits.clone(), w.element_bits.clone()) for w in self.weights]
+
+    def zero_grad(self) -> None:
+        self.buffer.zero_grad()
+
+    def accumulate_grad(self, index: int, grad: torch.Tensor) -> None:
+        self.buffer.accumulate_grad(self.weights[index], grad)
+
+    def reduce_grads(self) -> None:
+        self.buffer.reduce_grads()
+
+    def local_grad_shards(self) -> list[torch.Tensor]:
+        return [b.local_grad_shard.clone() for b in self.buffer.buckets]
+
+    def step(self) -> bool:
+        return self.optimizer.step().stepped
+
+    def master_shards(self) -> list[torch.Tensor]:
+        return self.optimizer.master_shards()
+
+    def named_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        return dict(self.optimizer.named_state_dict()["params"])
+
+
+class FastgradMXFP8Optimizer(MXFP8ParamOptimizer):
+    """Builds :class:`FastgradMXFP8Training` runs with ``optimizer_cls``."""
+
+    def __init__(self, optimizer_cls: type[DistributedOptimizer]) -> None:
+        self.optimizer_cls = optimizer_cls
+
+    def build(self, values: Sequence[torch.Tensor], settings: OptimizerSettings, *,
+              sharing: bool, grad_fp32: bool, bucket_size: int,
+              dp_group: dist.ProcessGroup | None) -> MXFP8Training:
+        return FastgradMXFP8Training(values, settings, sharing=sharing, grad_fp32=grad_fp32,
+                                     bucket_size=bucket_size, dp_group=dp_group,
+                                     optimizer_cls=self.optimizer_cls)

@@ -1,0 +1,271 @@
+"""Megatron-Core's distributed optimizer as the ``optim`` check drives it (:mod:`verify.candidates.api.optimizer`).
+
+Megatron's ``DistributedDataParallel`` (distributed optimizer, ``overlap_grad_reduce``) wraps the
+check's module on the check's DP group, given as a ``ProcessGroupCollection``
+(:class:`MegatronDataParallel`); ``get_megatron_optimizer`` steps it
+(:class:`MegatronShardedOptimizer`) as Megatron-LM's ``setup_model_and_optimizer`` and ``train``
+wire it: an ``OptimizerConfig`` (Adam with decoupled weight decay, ``clip_grad``, bf16 / fp16
+with fp32 main params, ``overlap_param_gather``, fp16's ``DynamicGradScaler``; a
+``ConstantGradScaler`` of 1 for fp16 without loss scaling), ``OptimizerParamScheduler`` with
+constant schedules (it applies ``wd_mult``: no decay on 1-D params), and each iteration the
+buffers' ``zero_grad_buffer`` then the optimizer's ``zero_grad``. The DP sum instead of the mean
+is ``TransformerConfig.calculate_per_token_loss`` (DDP's ``gradient_scaling_factor`` 1).
+
+What it cannot do here is :class:`~verify.candidates.api.core.Unsupported`, naming where:
+SGD (``DistributedOptimizer`` steps Adam only), weight decay on 1-D params, and a reshardable
+checkpoint (not wired: its ``get_parameter_state_dp_zero`` format is not yet adapted).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fastgrad.parallel_dims import ParallelDims
+from verify.candidates.api.core import Technique, Unsupported
+from verify.candidates.api.optimizer import (
+    AdamWState,
+    DataParallelModule,
+    DataParallelSettings,
+    LossScalerState,
+    OptimizerCheckpoint,
+    OptimizerSettings,
+    ShardedOptimizer,
+    StepOutcome,
+)
+from verify.candidates.megatron_core.grad_reduction import data_parallel_groups, model_config
+
+SGD_UNSUPPORTED = ("SGD: Megatron-Core's DistributedOptimizer steps Adam only "
+                   "(megatron/core/optimizer/distrib_optimizer.py DistributedOptimizer.__init__ "
+                   "asserts Adam, torch.optim.AdamW or HybridDeviceOptimizer)")
+DECAY_1D_UNSUPPORTED = ("weight decay on 1-D params: Megatron-Core gives 1-D params and biases "
+                        "wd_mult 0 (megatron/core/optimizer/__init__.py get_standard_config_overrides)")
+CHECKPOINT_UNSUPPORTED = ("a reshardable optimizer checkpoint: Megatron-Core's "
+                          "DistributedOptimizer.get_parameter_state_dp_zero / "
+                          "load_parameter_state_from_dp_zero are not wired into this adapter yet")
+CLIP_EPS = 1.0e-6  # megatron/core/optimizer/clip_grads.py clip_grad_by_total_norm_fp32
+
+
+def _unsupported(reason: str) -> Unsupported:
+    return Unsupported(Technique.OPTIMIZER, reason)
+
+
+def _distributed_optimizers(optimizer) -> list:
+    """The ``DistributedOptimizer``s inside what ``get_megatron_optimizer`` returned."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def owned_state(optimizer, params: list[nn.Parameter]) -> dict[int, dict]:
+    """The fp32 main params and Adam state this rank owns, per index into ``params``.
+
+    Each main param is found beside its model param in the group lists Megatron steps
+    (``model_float16_groups`` / ``shard_fp32_from_float16_groups``, ``model_fp32_groups`` /
+    ``shard_fp32_groups``), not through ``model_param_group_index_map``: for a param group
+    holding fp32 and 16-bit params that map indexes the group's params in model order while
+    ``optimizer.param_groups`` lists the fp32 shards first (``_build_model_and_main_param_groups``),
+    so it names another param's main (see docs/megatron_core.md)."""
+    index = {p: i for i, p in enumerate(params)}
+    owned = {}
+    for dist_opt in _distributed_optimizers(optimizer):
+        pairs = [*zip(dist_opt.model_float16_groups, dist_opt.shard_fp32_from_float16_groups),
+                 *zip(dist_opt.model_fp32_groups, dist_opt.shard_fp32_groups)]
+        for models, mains in pairs:
+            for param, main in zip(models, mains):
+                if param not in index:
+                    continue
+                param_range = dist_opt._get_model_param_range_map(param)["param"]
+                state = dist_opt.optimizer.state.get(main, {})
+                zeros = torch.zeros_like(main.detach())
+                owned[index[param]] = {
+                    "range": (param_range.start, param_range.end), "master": main.detach().clone(),
+                    "exp_avg": state.get("exp_avg", zeros).detach().clone(),
+                    "exp_avg_sq": state.get("exp_avg_sq", zeros).detach().clone()}
+    return owned
+
+
+class MegatronDataParallel(DataParallelModule):
+    """A module in Megatron-Core's ``DistributedDataParallel`` on ``dp_group``. ``ddp_class``: the
+    DDP class (a test's broken copy of Megatron's)."""
+
+    def __init__(self, module: nn.Module, settings: DataParallelSettings,
+                 dp_group: dist.ProcessGroup | None, ddp_class: type | None = None) -> None:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        dtypes = {p.dtype for p in module.parameters()}
+        self.fp16, self.bf16 = torch.float16 in dtypes, torch.bfloat16 in dtypes
+        if self.fp16 and self.bf16:
+            raise ValueError("Megatron-Core's optimizer takes fp16 or bf16 params, not both")
+        self.param_dtype = (torch.float16 if self.fp16 else torch.bfloat16 if self.bf16
+                            else torch.float32)
+        self._module, self._settings = module, settings
+        self.groups = data_parallel_groups(dp_group, {})
+        self.config = model_config(fp16=self.fp16, bf16=self.bf16, params_dtype=self.param_dtype,
+                                   calculate_per_token_loss=not settings.average)
+        ddp_config = DistributedDataParallelConfig(
+            use_distributed_optimizer=True, overlap_grad_reduce=True,
+            overlap_param_gather=settings.overlap_param_gather,
+            grad_reduce_in_fp32=settings.grad_reduce_in_fp32, bucket_size=settings.bucket_size)
+        self.ddp = (ddp_class or DistributedDataParallel)(self.config, ddp_config, module,
+                                                          pg_collection=self.groups)
+        self._grid = ParallelDims.data_parallel(dp_group)
+        # The optimizer's zero_grad, after the buffers are zeroed (Megatron-LM's train_step).
+        self.on_zero_grad: list = []
+
+    @property
+    def grid(self) -> ParallelDims:
+        return self._grid
+
+    @property
+    def module(self) -> nn.Module:
+        return self._module
+
+    @property
+    def settings(self) -> DataParallelSettings:
+        return self._settings
+
+    def named_parameters(self) -> Mapping[str, nn.Parameter]:
+        return dict(self._module.named_parameters())
+
+    def zero_grad_buffer(self) -> None:
+        self.ddp.zero_grad_buffer()
+        for zero_grad in self.on_zero_grad:
+            zero_grad()
+
+    def finish_grad_sync(self) -> None:
+        self.ddp.finish_grad_sync()
+
+
+def _optimizer_config(model: MegatronDataParallel, settings: OptimizerSettings):
+    from megatron.core.optimizer import OptimizerConfig
+
+    hyper, scaling = settings.adamw, settings.loss_scaling
+    scale: dict[str, float | int] = {}
+    if scaling is None and model.fp16:
+        scale = {"loss_scale": 1.0}  # fp16 unscaled: Megatron's ConstantGradScaler of 1
+    elif scaling is not None and not scaling.dynamic:
+        scale = {"loss_scale": scaling.initial_scale}
+    elif scaling is not None:
+        if not model.fp16:
+            raise ValueError("Megatron-Core's dynamic loss scaler is fp16's (OptimizerConfig.fp16)")
+        scale = {"initial_loss_scale": scaling.initial_scale, "min_loss_scale": scaling.min_scale,
+                 "loss_scale_window": scaling.growth_interval, "hysteresis": scaling.hysteresis}
+    return OptimizerConfig(
+        optimizer="adam", lr=hyper.lr, min_lr=hyper.lr, weight_decay=hyper.weight_decay,
+        adam_beta1=hyper.beta1, adam_beta2=hyper.beta2, adam_eps=hyper.eps,
+        clip_grad=settings.max_grad_norm or 0.0, fp16=model.fp16, bf16=model.bf16,
+        params_dtype=model.param_dtype, use_distributed_optimizer=True,
+        overlap_param_gather=model.settings.overlap_param_gather, **scale)
+
+
+class MegatronShardedOptimizer(ShardedOptimizer):
+    """``get_megatron_optimizer`` and ``OptimizerParamScheduler`` over a :class:`MegatronDataParallel`."""
+
+    def __init__(self, model: MegatronDataParallel, settings: OptimizerSettings) -> None:
+        from megatron.core.optimizer import get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        if settings.sgd is not None:
+            raise _unsupported(SGD_UNSUPPORTED)
+        if settings.decay_1d_params and settings.adamw.weight_decay > 0 and any(
+                p.dim() == 1 for p in model.named_parameters().values()):
+            raise _unsupported(DECAY_1D_UNSUPPORTED)
+        self.model, self.settings = model, settings
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="full scope is deprecated")
+            self.optimizer = get_megatron_optimizer(
+                _optimizer_config(model, settings), [model.ddp], use_gloo_process_groups=False,
+                pg_collection=model.groups)
+        wd, lr = settings.adamw.weight_decay, settings.adamw.lr
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=lr, max_lr=lr, min_lr=lr, lr_warmup_steps=0,
+            lr_decay_steps=1, lr_decay_style="constant", start_wd=wd, end_wd=wd,
+            wd_incr_steps=1, wd_incr_style="constant")
+        model.on_zero_grad.append(self.optimizer.zero_grad)
+        self.names = list(model.named_parameters())
+        self.params = [model.named_parameters()[n] for n in self.names]
+
+    @property
+    def loss_scale(self) -> float | None:
+        if self.settings.loss_scaling is None:
+            return None
+        return float(self.optimizer.get_loss_scale())
+
+    @property
+    def param_gather_in_flight(self) -> bool:
+        return any(group.param_gather_handle is not None for group in self.model.ddp.bucket_groups)
+
+    def step(self) -> StepOutcome:
+        scale = self.loss_scale
+        stepped, norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        max_norm = self.settings.max_grad_norm
+        grad_norm = float(norm) if stepped and max_norm is not None and norm is not None else None
+        coefficient = None if grad_norm is None else max_norm / (grad_norm + CLIP_EPS)
+        return StepOutcome(stepped=bool(stepped), grad_norm=grad_norm, clip_coefficient=coefficient,
+                           loss_scale=scale, reason="" if stepped else "found NaN/inf in the grads")
+
+    def state(self) -> dict[str, AdamWState]:
+        return {name: AdamWState(entry["master"], entry["exp_avg"], entry["exp_avg_sq"])
+                for name, entry in self.named_state().items()}
+
+    def finish_param_sync(self) -> None:
+        """Gather every param now, leaving Megatron's own bookkeeping as it was: a forced sync
+        marks each bucket group dispatched, and the next forward's pre-hooks would then skip
+        the all-gather of the next step's update (``finish_grad_sync`` clears the mark, the
+        forward's ``finish_param_sync`` dispatches only unmarked groups). The check observes
+        between the backward and the step; its observation must not change what comes next."""
+        groups = self.model.ddp.bucket_groups
+        dispatched = [group.param_gather_dispatched for group in groups]
+        self.model.ddp.start_param_sync(force_sync=True)
+        for group, was in zip(groups, dispatched):
+            group.param_gather_dispatched = was
+
+    def close(self) -> None:
+        if self.optimizer.zero_grad in self.model.on_zero_grad:
+            self.model.on_zero_grad.remove(self.optimizer.zero_grad)
+
+    def loss_scaler_state(self) -> LossScalerState | None:
+        scaler = _distributed_optimizers(self.optimizer)[0].grad_scaler
+        if self.settings.loss_scaling is None or scaler is None:
+            return None
+        return LossScalerState(scale=float(scaler.scale),
+                               growth_tracker=int(getattr(scaler, "_growth_tracker", 0)),
+                               hysteresis_tracker=int(getattr(scaler, "_hysteresis_tracker", 1)))
+
+    def publish_params(self) -> None:
+        self.model.ddp.start_param_sync()
+
+    def gather_in_flight(self, params: Iterable[nn.Parameter]) -> bool:
+        owner = self.model.ddp.param_to_bucket_group
+        return any(owner[p].param_gather_handle is not None for p in params if p in owner)
+
+    def named_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Every param's whole master and moments: each DP rank's owned pieces, gathered over
+        the DP group (as objects: the pieces differ in size)."""
+        mine = owned_state(self.optimizer, self.params)
+        dp_group = self.model.groups.dp
+        pieces: list[dict[int, dict] | None] = [None] * dist.get_world_size(dp_group)
+        dist.all_gather_object(pieces, mine, group=dp_group)
+        out = {}
+        for i, (name, param) in enumerate(zip(self.names, self.params)):
+            full = {key: torch.full((param.numel(),), float("nan"))
+                    for key in ("master", "exp_avg", "exp_avg_sq")}
+            for rank_pieces in pieces:
+                piece = rank_pieces.get(i) if rank_pieces else None
+                if piece is None:
+                    continue
+                lo, hi = piece["range"]
+                for key, tensor in full.items():
+                    tensor[lo:hi] = piece[key].reshape(-1)
+            out[name] = {key: tensor.view(param.shape) for key, tensor in full.items()}
+        return out
+
+    def checkpoint(self) -> OptimizerCheckpoint:
+        raise _unsupported(CHECKPOINT_UNSUPPORTED)
+
+    def load_checkpoint(self, checkpoint: OptimizerCheckpoint) -> None:
+        raise _unsupported(CHECKPOINT_UNSUPPORTED)
