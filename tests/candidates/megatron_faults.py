@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 import torch
 from megatron.core.distributed import DistributedDataParallel
-from megatron.core.utils import drain_embedding_wgrad_compute
 
 from verify.candidates.api import Technique
 from verify.candidates.megatron_core.candidate import MegatronCoreCandidate
@@ -23,14 +22,6 @@ class WronglyScaledBucketDDP(DistributedDataParallel):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.buffers[0].buckets[-1].gradient_scaling_factor *= 2
-
-
-def drain_dropping_first(config, embedding_activation_buffer, grad_output_buffer, weight, tp_group):
-    """Megatron's drain after losing the first deferred microbatch (its wgrad never lands)."""
-    embedding_activation_buffer.pop(0)
-    grad_output_buffer.pop(0)
-    return drain_embedding_wgrad_compute(config, embedding_activation_buffer, grad_output_buffer,
-                                         weight, tp_group)
 
 
 class PrescaleFactorInBf16DDP(DistributedDataParallel):

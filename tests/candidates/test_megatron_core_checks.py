@@ -126,17 +126,20 @@ def test_layout_reductions_show_the_fp32_reduce_scatter_rebinding_a_module_globa
     # handle, so the fp32 function's wait() (which sums) never runs. Synchronous (no overlap)
     # and fp32-accumulating scenarios are unaffected; nothing before scenario 3 is.
     assert [s.name for s in scenarios][2] == "reduce-scatter with fp32 accumulation"
+    after = " (built after an fp32-accumulating DDP in the same process)"
     assert failed == [
-        "dp=2: fp32 grads of bf16 params, pre-scaled by 1/dp, iteration 0",
-        "dp=2: fp32 grads of bf16 params, pre-scaled by 1/dp, iteration 1",
-        "dp=2: reduce-scatter AVG in the collective: runs",
+        f"dp=2: fp32 grads of bf16 params, pre-scaled by 1/dp{after}, iteration 0",
+        f"dp=2: fp32 grads of bf16 params, pre-scaled by 1/dp{after}, iteration 1",
+        f"dp=2: reduce-scatter AVG in the collective{after}: runs",
     ]
-    detail = dict((label, d) for label, _, d in outcomes)["dp=2: reduce-scatter AVG in the collective: runs"]
+    detail = dict((label, d) for label, _, d in outcomes)[
+        f"dp=2: reduce-scatter AVG in the collective{after}: runs"]
     assert "AssertionError" in detail and "reduce_scatter_with_fp32_accumulation.py:63" in detail
     # The same two scenarios in processes of their own are right: the rebinding is the cause.
     alone = [s for s in scenarios if s.name in ("reduce-scatter AVG in the collective",
                                                  "fp32 grads of bf16 params, pre-scaled by 1/dp")]
     outcomes = run_reduce_scenarios(2, alone, MegatronCoreCandidate(), timeout_s=300.0)
+    assert not any(after in label for label, _, _ in outcomes)
     assert [passed for _, passed, d in outcomes if not d.startswith("skipped")] == [True] * 4
     # The copy whose last bucket is scaled twice over fails the averaged scenarios.
     outcomes = run_reduce_scenarios(2, alone, ScaledBucketCandidate(), timeout_s=300.0)

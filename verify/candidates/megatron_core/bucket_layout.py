@@ -1,7 +1,7 @@
 """Megatron-Core's bucket layout and grad buffers behind :mod:`verify.candidates.api.layout`.
 
 * :meth:`MegatronLayout.layouts`: Megatron's ``param_and_grad_buffer._ParamAndGradBuffer``
-  built for each case (``layout.build_megatron_buffer``: the DP group is torch's
+  built for each case (:func:`build_megatron_buffer`: the DP group is torch's
   ``FakeProcessGroup`` of the case's size, so DP 1000 needs no 1000 processes) and read back
   (``param_index_map``, ``bucket_indices``, each bucket's ``numel_unpadded``). The buffer
   lays itself out in Python and then allocates its padded storage; for these inspections
@@ -55,8 +55,6 @@ from verify.candidates.api.layout import (
     GradPiece,
     LayoutCase,
 )
-from verify.candidates.megatron_core.layout import LayoutCase as DriverLayoutCase
-from verify.candidates.megatron_core.layout import build_megatron_buffer, read_buffer
 from verify.candidates.megatron_core.scope import MegatronScope
 from verify.candidates.megatron_core.version import installed
 
@@ -86,14 +84,57 @@ def fake_group(rank: int, size: int) -> Any:
     return FakeProcessGroup._create_internal(rank, size)
 
 
-def as_layout(record: dict) -> Layout:
-    """``read_buffer``'s dict as refgrad's record."""
+def read_layout(buffer: Any, params: Sequence[torch.nn.Parameter]) -> Layout:
+    """A ``_ParamAndGradBuffer``'s bookkeeping as refgrad's record (params by registration order)."""
+    index = {p: i for i, p in enumerate(params)}
+    index_map: list[tuple[int, int, int]] = [(0, 0, 0)] * len(params)
+    for param, (start, end, bucket_id) in buffer.param_index_map.items():
+        index_map[index[param]] = (start, end, bucket_id)
     return Layout(
-        param_index_map=tuple(tuple(t) for t in record["param_index_map"]),
-        bucket_indices=tuple(tuple(b) for b in record["bucket_indices"]),
-        per_bucket_numel_unpadded=tuple(record["per_bucket_numel_unpadded"]),
-        numel=record["numel"], numel_unpadded=record["numel_unpadded"],
-        dp_size=record["dp_size"])
+        param_index_map=tuple(index_map),
+        bucket_indices=tuple(tuple(b) for b in buffer.bucket_indices),
+        per_bucket_numel_unpadded=tuple(b.numel_unpadded for b in buffer.buckets),
+        numel=buffer.numel, numel_unpadded=buffer.numel_unpadded,
+        dp_size=buffer.data_parallel_world_size)
+
+
+def build_megatron_buffer(case: LayoutCase, params: Sequence[torch.nn.Parameter], dp_rank: int) -> Any:
+    """Megatron's ``_ParamAndGradBuffer`` for ``case`` (bf16 params, fp32 grads) as the
+    installed version builds it, over a ``FakeProcessGroup`` of ``case.dp_size``.
+
+    Up to 0.16 the buffer lays itself out from ``params``; later versions take
+    ``params_with_names`` and, with the distributed optimizer, the padded layout computed
+    by ``DistributedOptimizer._compute_per_buffer_param_layout`` (what
+    ``compute_full_param_layout`` does per buffer). Picked by the constructor's signature.
+    """
+    import inspect
+
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=case.use_distributed_optimizer,
+        pad_buckets_for_high_nccl_busbw=case.pad_buckets_for_high_nccl_busbw,
+        grad_reduce_in_fp32=True, overlap_grad_reduce=True, bucket_size=case.bucket_size)
+    dp_group = fake_group(dp_rank, case.dp_size)
+    groups = ProcessGroupCollection()
+    groups.tp = fake_group(0, 1)
+    groups.dp_cp = dp_group
+    names = {p: f"param{i}" for i, p in enumerate(params)}
+    indices = list(range(len(params)))
+    rest = (dp_group, case.bucket_size, names, 1.0 / case.dp_size, indices, False, groups)
+    signature = inspect.signature(_ParamAndGradBuffer.__init__).parameters
+    if "params_with_names" not in signature:
+        return _ParamAndGradBuffer(ddp_config, torch.bfloat16, torch.float32, params, *rest)
+    layout = None
+    if case.use_distributed_optimizer:
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        layout = DistributedOptimizer._compute_per_buffer_param_layout(
+            params, case.bucket_size, case.dp_size, ddp_config, indices)
+    return _ParamAndGradBuffer(ddp_config, torch.bfloat16, torch.float32,
+                               [(p, names[p]) for p in params], *rest, param_layout=layout)
 
 
 class MegatronBucket(GradBucket):
@@ -167,7 +208,7 @@ class MegatronBufferGroup(GradBufferGroup):
         return self.buffer.param_data
 
     def layout(self) -> Layout:
-        return as_layout(read_buffer(self.buffer, self.buffer.params))
+        return read_layout(self.buffer, self.buffer.params)
 
 
 class MegatronGradBuffer(GradBuffer):
@@ -262,12 +303,9 @@ class MegatronLayout(MegatronScope, BucketLayout):
                 if i in case.shared_embedding:
                     p.shared_embedding = True  # what GPTModel sets on its tied word embeddings
                 params.append(p)
-            driver_case = DriverLayoutCase(
-                case.numels, case.dp_size, case.bucket_size, case.use_distributed_optimizer,
-                case.pad_buckets_for_high_nccl_busbw, case.shared_embedding)
             with MetaAllocation():
-                buffer = build_megatron_buffer(driver_case, params, dp_rank=0)
-            out.append(as_layout(read_buffer(buffer, params)))
+                buffer = build_megatron_buffer(case, params, dp_rank=0)
+            out.append(read_layout(buffer, params))
         return out
 
     def build_buffer(self, params: Sequence[torch.nn.Parameter], config: BufferConfig, *,

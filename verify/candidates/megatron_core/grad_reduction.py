@@ -43,7 +43,6 @@ from verify.candidates.api.grad_reduction import (
     ScratchReduceScatter,
     op_name,
 )
-from verify.candidates.megatron_core.layout import transformer_config
 from verify.candidates.megatron_core.scope import MegatronScope
 from verify.candidates.megatron_core.version import installed
 
@@ -136,11 +135,15 @@ class _OneParameter(torch.nn.Module):
 
 
 def model_config(**kwargs):
-    """``layout.transformer_config`` without its construction-time deprecation notice (a
-    default of TransformerConfig's CUDA-graph settings: noise in every rank's stderr)."""
+    """A minimal ``TransformerConfig`` for wrapping non-transformer modules in Megatron's DDP
+    (CPU initialisation), without its construction-time deprecation notice (a default of
+    TransformerConfig's CUDA-graph settings: noise in every rank's stderr)."""
+    from megatron.core.transformer import TransformerConfig
+
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="full scope is deprecated")
-        return transformer_config(**kwargs)
+        return TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1,
+                                 use_cpu_initialization=True, **kwargs)
 
 
 def own_rank_group(cache: dict) -> dist.ProcessGroup:

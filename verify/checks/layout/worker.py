@@ -54,6 +54,9 @@ class ReduceScenario:
     microbatches: int = 2
 
 
+AFTER_FP32 = " (built after an fp32-accumulating DDP in the same process)"
+
+
 def default_scenarios(world_size: int) -> list[ReduceScenario]:
     """Reduce-scatter (plain, averaged, fp32-accumulating), all-reduce, an all-padding shard."""
     shapes = ((3, 5), (40,), (7, 3), (64,), (30, 2), (1,))
@@ -326,8 +329,13 @@ def run_reduce_scenarios(
     per_rank = spawn(reduce_worker, world_size, list(scenarios), candidate, timeout_s=timeout_s)
     outcomes: list[tuple[str, bool, str]] = []
     missing: dict[str, None] = {}  # the helpers the candidate lacks, each reason once
+    after_fp32 = False
     for s_index, scenario in enumerate(scenarios):
-        label = f"dp={world_size}: {scenario.name}"
+        fp32_accumulating = scenario.config.reduce_scatter_with_fp32_accumulation
+        # Said in the label because a process-wide setting leaking from an earlier buffer into
+        # this one (Megatron-Core's rebound dist_reduce_scatter_func) fails exactly these.
+        label = f"dp={world_size}: {scenario.name}{AFTER_FP32 if after_fp32 and not fp32_accumulating else ''}"
+        after_fp32 = after_fp32 or fp32_accumulating
         if "skipped" in per_rank[0][s_index]:
             outcomes.append((label, True, "skipped: " + per_rank[0][s_index]["skipped"]))
             continue
