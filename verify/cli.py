@@ -238,6 +238,15 @@ def _candidates(names: Sequence[str] | None) -> list[Candidate]:
         raise UsageError(f"--candidate: {exc}") from exc
 
 
+def _text_width(verbose: bool) -> int:
+    """The summary's width: the terminal's; off a terminal (CI logs, files) at least 200
+    columns, and with ``-v`` lines are never cut there (the detail is what was asked for)."""
+    width = terminal_width()
+    if sys.stdout.isatty():
+        return width
+    return 1_000_000 if verbose else max(width, 200)
+
+
 def _listing() -> str:
     """``verify run --list``: the checks, then the candidates with their installed versions."""
     lines = ["checks (technique checks run against each --candidate; the truth layer once):"]
@@ -297,7 +306,7 @@ def _run_and_report(args: argparse.Namespace, items: Sequence[RunItem],
               f"; reporting the {finished} check{'s' if finished != 1 else ''} that finished, "
               f"{marked} marked interrupted (report incomplete; Ctrl-C again quits at once)",
               file=sys.stderr)
-    emit(render_text(report, verbose=args.verbose, width=terminal_width()))
+    emit(render_text(report, verbose=args.verbose, width=_text_width(args.verbose)))
     outputs = _plot_outputs(report, args)  # first: the reports show the plots
     if args.json:
         outputs.append(Output("--json", Path(args.json), report.write_json))

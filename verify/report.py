@@ -177,8 +177,11 @@ def verdict_line(report: Report) -> str:
     """``8 checks: 7 PASS, 1 FAIL -> FAIL`` (and the interruption, if any)."""
     counts = report.counts()
     parts = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
-    noun = "checks" if len({r.candidate for r in report.checks} - {None}) <= 1 else "results"
-    line = f"{len(report.checks)} {noun}: {parts or 'none ran'} -> {report.verdict}"
+    noun = "check" if len({r.candidate for r in report.checks} - {None}) <= 1 else "result"
+    n = len(report.checks)
+    line = f"{n} {noun}{'s' if n != 1 else ''}: {parts or 'none ran'} -> {report.verdict}"
+    if report.verdict == FAIL and not counts[FAIL] and not counts[PASS]:
+        line += " (nothing verified: every check was skipped)"
     if not report.complete:
         line += " (interrupted: report incomplete)"
     return line

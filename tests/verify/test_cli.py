@@ -99,6 +99,25 @@ def test_skip_only_check_is_skip_not_pass(monkeypatch, capsys):
     assert "SKIP  check1" in out and "1 PASS, 1 SKIP -> PASS" in out
     _use(monkeypatch, _skipping)
     assert cli.main(["run"]) == 1  # nothing was verified
+    assert "1 check: 1 SKIP -> FAIL (nothing verified: every check was skipped)" in \
+        capsys.readouterr().out
+
+
+def test_off_a_terminal_the_summary_is_wide_and_verbose_lines_are_never_cut(monkeypatch, capsys):
+    wide = "x" * 150 + " fits in 200 columns"
+    very_wide = "y" * 300 + " the end of a very long label"
+
+    def failing_long(ctx, rec, candidate):
+        rec.expect(wide, False)
+        rec.expect(very_wide, False)
+
+    _use(monkeypatch, failing_long)
+    monkeypatch.setenv("COLUMNS", "80")
+    assert cli.main(["run"]) == 1
+    out = capsys.readouterr().out
+    assert wide in out and very_wide not in out  # 200 columns off a terminal
+    assert cli.main(["run", "-v"]) == 1
+    assert very_wide in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("path, why", [("/nonexistent-dir/a.json", "does not exist"),

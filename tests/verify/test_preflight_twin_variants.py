@@ -160,3 +160,13 @@ def test_the_sizes_are_checked_under_their_flags_before_the_dims_are_built():
     config = preflight_config(MODEL + ["--world-size", "1", "--sequence-parallel"])
     assert not config.dims.sequence_parallel
     assert any("--sequence-parallel ignored" in n for n in config.notes)
+
+
+def test_a_twin_scaled_below_the_launchs_tp_says_so_in_the_verdict():
+    """A TP 2 launch whose twin ran at TP 1 has not had its tensor parallelism checked: the
+    verdict's first line says so, not only the list of what was not twinned."""
+    from verify.preflight.twin.verdict import _ranks
+
+    assert _ranks({"world_size": 2, "tp_size": 1}, launch_tp=2) == \
+        "2 ranks at TP 1, the launch's TP 2 scaled"
+    assert _ranks({"world_size": 4, "tp_size": 2}, launch_tp=2) == "4 ranks"

@@ -48,7 +48,7 @@ def test_text_summary_shows_failures():
     text = render_text(Report(env={}, checks=[_result_with(4)]))
     assert "FAIL  many" in text
     assert "[FAIL] broken" in text
-    assert "1 checks: 1 FAIL -> FAIL" in text
+    assert "1 check: 1 FAIL -> FAIL" in text
 
 
 def test_markdown_opens_with_the_verdict_and_ends_with_the_environment():

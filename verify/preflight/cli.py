@@ -192,7 +192,10 @@ def twin_candidates(args: argparse.Namespace) -> tuple[Candidate, ...]:
     if repeated:
         raise ValueError(f"--candidate {repeated[0]} is given more than once (one section per "
                          "candidate)")
-    return tuple(candidate_named(n) for n in names)
+    try:
+        return tuple(candidate_named(n) for n in names)
+    except ValueError as exc:  # unknown name, or a plugin that cannot be used
+        raise ValueError(f"--candidate: {exc}") from exc
 
 
 def main(args: argparse.Namespace, environ: Mapping[str, str] | None = None,

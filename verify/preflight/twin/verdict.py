@@ -73,6 +73,7 @@ def twin_section(config: PreflightConfig, plan: TwinPlan, ranks: Sequence[TwinRa
         "optimizer": training.name,
         "where": where,
         "world_size": plan.world_size,
+        "tp_size": plan.case.tp_size,
         "bitwise": plan.bitwise,
         "order_note": plan.order_note,
         "mapping": [list(m) for m in plan.mapping],
@@ -122,9 +123,13 @@ def _gaps(section: dict) -> str:
     return gaps
 
 
-def _ranks(section: dict) -> str:
+def _ranks(section: dict, launch_tp: int) -> str:
+    """``4 ranks``, and the twin's TP where it is scaled below the launch's (said up front: a
+    TP 2 launch whose twin ran at TP 1 has not had its tensor parallelism checked)."""
     n = section["world_size"]
-    return f"{n} rank{'s' if n != 1 else ''}"
+    ranks = f"{n} rank{'s' if n != 1 else ''}"
+    tp = section.get("tp_size", launch_tp)
+    return ranks if tp == launch_tp else f"{ranks} at TP {tp}, the launch's TP {launch_tp} scaled"
 
 
 def write_sections(config: PreflightConfig, report: dict, sections: list[dict],
@@ -152,7 +157,8 @@ def write_sections(config: PreflightConfig, report: dict, sections: list[dict],
         # leaves open which implementation was checked.
         who = "twin" if section["candidate"] == DEFAULT_CANDIDATE else f"{section['candidate']}'s twin"
         if section["passed"]:
-            report["verdict"] = (f"PASS: {shape}; {who} ({_ranks(section)}, {len(section['steps'])} "
+            ranks = _ranks(section, config.tensor_model_parallel_size)
+            report["verdict"] = (f"PASS: {shape}; {who} ({ranks}, {len(section['steps'])} "
                                  f"steps) matches refgrad {claim}{_gaps(section)}{tail}")
         else:
             report["verdict"] = f"FAIL: {shape}; {who} differs from refgrad: {section['failures'][0]}"
@@ -164,7 +170,8 @@ def write_sections(config: PreflightConfig, report: dict, sections: list[dict],
                                        f"{'matches' if s['passed'] else 'differs too'}"
                                        for s in ran if s is not first) + not_run)
     elif ran:
-        each = ", ".join(f"{s['candidate']} ({_ranks(s)}, {len(s['steps'])} steps, "
+        tp = config.tensor_model_parallel_size
+        each = ", ".join(f"{s['candidate']} ({_ranks(s, tp)}, {len(s['steps'])} steps, "
                          f"{'bitwise' if s['bitwise'] else 'within the stated bound'}"
                          f"{_gaps(s)})" for s in ran)
         report["verdict"] = f"PASS: {shape}; the twin of every candidate matches refgrad: {each}{not_run}{tail}"
