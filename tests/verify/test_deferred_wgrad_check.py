@@ -9,6 +9,7 @@ from verify.candidates import FastgradCandidate, Fault, Technique, Unsupported
 from verify.candidates.api.deferred_wgrad import (
     DeferredWgrad,
     OutputLayerConfig,
+    ParallelDims,
     WgradGemm,
 )
 from verify.candidates.fastgrad.deferred_wgrad import (
@@ -104,12 +105,14 @@ def test_case_validates_itself(fields, error, match):
         ({"defer_embedding_wgrad_compute": 1}, TypeError, "defer_embedding_wgrad_compute must be a bool"),
         ({"wgrad_deferral_limit": -1}, ValueError, "wgrad_deferral_limit must be >= 0"),
         ({"wgrad_deferral_limit": 1.5}, TypeError, "wgrad_deferral_limit must be an int"),
-        ({"pipeline_model_parallel_size": 1}, ValueError, "needs pipeline_model_parallel_size > 1"),
+        ({"dims": ParallelDims(pp_size=1)}, ValueError, "needs dims.pp_size > 1"),
+        ({"dims": (2, 2)}, TypeError, "dims must be a ParallelDims"),
+        ({"dims": ParallelDims(tp_size=2, pp_size=2)}, ValueError, "must carry the layer's TP group"),
     ],
 )
 def test_output_layer_config_validates_itself(fields, error, match):
     good = {"defer_embedding_wgrad_compute": True, "wgrad_deferral_limit": 2,
-            "pipeline_model_parallel_size": 2}
+            "dims": ParallelDims(pp_size=2)}
     OutputLayerConfig(**good)
     with pytest.raises(error, match=match):
         OutputLayerConfig(**{**good, **fields})

@@ -33,6 +33,7 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
+from fastgrad.parallel_dims import ParallelDims  # the neutral sizes-and-groups type
 from verify.candidates.api.scope import TechniqueScope
 
 ReduceInFlight = Callable[[torch.nn.Parameter], bool]
@@ -46,37 +47,48 @@ class DrainRefused(RuntimeError):
 
 @dataclass(frozen=True)
 class OutputLayerConfig:
-    """The output layer's settings (Megatron-Core's ``TransformerConfig`` field names).
+    """The output layer's settings (Megatron-Core's ``TransformerConfig`` field names) and its
+    grid.
 
     ``wgrad_deferral_limit``: defer only the first N microbatches of a step (0 = all).
-    Deferral needs pipeline parallelism: the drain runs in the pipeline flush. The TP size
-    is the size of the group the layer is built with.
+    ``dims``: the layer's parallel sizes as one :class:`ParallelDims` (its TP size, PP size
+    and sequence parallelism); with TP > 1 it carries the TP group the layer is built with
+    (``dims.with_groups(tp_group=...)``). Deferral needs pipeline parallelism: the drain runs
+    in the pipeline flush.
     """
 
     defer_embedding_wgrad_compute: bool = False
     wgrad_deferral_limit: int = 0
-    sequence_parallel: bool = False
-    pipeline_model_parallel_size: int = 1
+    dims: ParallelDims = ParallelDims()
 
     def __post_init__(self) -> None:
-        for name in ("defer_embedding_wgrad_compute", "sequence_parallel"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"OutputLayerConfig.{name} must be a bool, "
-                                f"got {type(getattr(self, name)).__name__}")
-        for name, least in (("wgrad_deferral_limit", 0), ("pipeline_model_parallel_size", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool):
-                raise TypeError(f"OutputLayerConfig.{name} must be an int, got bool")
-            try:
-                value = operator.index(value)
-            except TypeError:
-                raise TypeError(f"OutputLayerConfig.{name} must be an int, "
-                                f"got {type(value).__name__}") from None
-            if value < least:
-                raise ValueError(f"OutputLayerConfig.{name} must be >= {least}, got {value}")
-        if self.defer_embedding_wgrad_compute and self.pipeline_model_parallel_size == 1:
+        if not isinstance(self.defer_embedding_wgrad_compute, bool):
+            raise TypeError(f"OutputLayerConfig.defer_embedding_wgrad_compute must be a bool, "
+                            f"got {type(self.defer_embedding_wgrad_compute).__name__}")
+        value = self.wgrad_deferral_limit
+        if isinstance(value, bool):
+            raise TypeError("OutputLayerConfig.wgrad_deferral_limit must be an int, got bool")
+        try:
+            value = operator.index(value)
+        except TypeError:
+            raise TypeError(f"OutputLayerConfig.wgrad_deferral_limit must be an int, "
+                            f"got {type(value).__name__}") from None
+        if value < 0:
+            raise ValueError(f"OutputLayerConfig.wgrad_deferral_limit must be >= 0, got {value}")
+        if not isinstance(self.dims, ParallelDims):
+            raise TypeError(f"OutputLayerConfig.dims must be a ParallelDims, "
+                            f"got {type(self.dims).__name__}")
+        if self.defer_embedding_wgrad_compute and self.dims.pp_size == 1:
             raise ValueError("OutputLayerConfig.defer_embedding_wgrad_compute needs "
-                             "pipeline_model_parallel_size > 1 (the drain runs in the pipeline flush)")
+                             "dims.pp_size > 1 (the drain runs in the pipeline flush)")
+        if self.dims.tp_size > 1 and self.dims.place is None:
+            raise ValueError("OutputLayerConfig.dims with tp_size > 1 must carry the layer's TP "
+                             "group: dims.with_groups(tp_group=...)")
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup | None:
+        """The layer's TP group (None at TP 1)."""
+        return None if self.dims.tp_size == 1 else self.dims.tp_group
 
 
 @runtime_checkable
@@ -134,10 +146,9 @@ class DeferredWgrad(TechniqueScope, Protocol):
     """The candidate's output layer with deferred wgrad, its tied-embedding sum and wgrad GEMMs."""
 
     def output_layer(self, weight: torch.Tensor, config: OutputLayerConfig, *,
-                     tp_group: dist.ProcessGroup | None = None,
                      main_grad_dtype: torch.dtype = torch.float32) -> OutputLayer:
         """A layer holding a copy of ``weight`` (this rank's shard) and a zero ``main_grad`` of
-        ``main_grad_dtype``; TP over ``tp_group`` (None: TP 1)."""
+        ``main_grad_dtype``; TP over ``config.tp_group`` (None: TP 1)."""
         ...
 
     def allreduce_tied_embedding_grad(self, main_grad: torch.Tensor,

@@ -23,7 +23,6 @@ from fastgrad.deferred_wgrad import (
     allreduce_tied_embedding_grad,
 )
 from fastgrad.errors import LifecycleError
-from fastgrad.parallel_dims import ParallelDims
 from verify.candidates.api.deferred_wgrad import (
     DeferredWgrad,
     DrainRefused,
@@ -101,15 +100,10 @@ class FastgradDeferredWgrad(DeferredWgrad):
     layer_cls: type[ColumnParallelOutputLayer] = ColumnParallelOutputLayer
 
     def output_layer(self, weight: torch.Tensor, config: OutputLayerConfig, *,
-                     tp_group: dist.ProcessGroup | None = None,
                      main_grad_dtype: torch.dtype = torch.float32) -> OutputLayer:
-        tp = 1 if tp_group is None else dist.get_world_size(tp_group)
-        # fastgrad's layer takes its sizes and TP group as one ParallelDims (the last stage of
-        # the config's pipeline), its own settings as an EmbeddingWgradConfig
-        dims = ParallelDims(tp_size=tp, pp_size=config.pipeline_model_parallel_size,
-                            sequence_parallel=config.sequence_parallel)
-        if tp > 1:
-            dims = dims.with_groups(tp_group=tp_group)
+        # fastgrad's layer takes the config's ParallelDims as they are, its own settings as
+        # an EmbeddingWgradConfig
+        dims = config.dims
         fastgrad_config = EmbeddingWgradConfig(
             defer_embedding_wgrad_compute=config.defer_embedding_wgrad_compute,
             wgrad_deferral_limit=config.wgrad_deferral_limit,

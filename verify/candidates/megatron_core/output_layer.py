@@ -160,18 +160,17 @@ class MegatronDeferredWgrad(MegatronScope, DeferredWgrad):
     needs_default_group = True
 
     def output_layer(self, weight: torch.Tensor, config: OutputLayerConfig, *,
-                     tp_group: dist.ProcessGroup | None = None,
                      main_grad_dtype: torch.dtype = torch.float32) -> OutputLayer:
         from megatron.core.model_parallel_config import ModelParallelConfig
         from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
-        tp = 1 if tp_group is None else dist.get_world_size(tp_group)
-        group = fake_group(0, 1) if tp_group is None else tp_group
+        tp, group = config.dims.tp_size, config.tp_group
+        group = fake_group(0, 1) if group is None else group
         megatron_config = ModelParallelConfig(
             tensor_model_parallel_size=tp,
-            pipeline_model_parallel_size=config.pipeline_model_parallel_size,
+            pipeline_model_parallel_size=config.dims.pp_size,
             pipeline_dtype=weight.dtype, params_dtype=weight.dtype,
-            sequence_parallel=config.sequence_parallel, gradient_accumulation_fusion=True,
+            sequence_parallel=config.dims.sequence_parallel, gradient_accumulation_fusion=True,
             defer_embedding_wgrad_compute=config.defer_embedding_wgrad_compute,
             wgrad_deferral_limit=config.wgrad_deferral_limit, use_cpu_initialization=True)
         activations: list = []

@@ -18,6 +18,7 @@ from verify.candidates.api.deferred_wgrad import (
     DeferredWgrad,
     DrainRefused,
     OutputLayerConfig,
+    ParallelDims,
     WgradGemm,
 )
 from verify.check import CheckContext, CheckRecorder
@@ -219,7 +220,7 @@ def run_deferred_wgrad_check(
 
 def _guard_case(ctx: CheckContext, rec: CheckRecorder, wgrad: DeferredWgrad) -> None:
     """Draining into a bucket whose reduce is in flight must raise and write nothing."""
-    config = OutputLayerConfig(defer_embedding_wgrad_compute=True, pipeline_model_parallel_size=2)
+    config = OutputLayerConfig(defer_embedding_wgrad_compute=True, dims=ParallelDims(pp_size=2))
     g = ctx.generator(3)  # seed 0: manual_seed(3)
     layer = wgrad.output_layer(torch.randn(VOCAB, HIDDEN, generator=g).bfloat16(), config)
     x = torch.randn(SEQ, BATCH, HIDDEN, generator=g).bfloat16().requires_grad_(True)
@@ -242,7 +243,7 @@ def _stale_step_case(ctx: CheckContext, rec: CheckRecorder, wgrad: DeferredWgrad
     grad_output would be paired with the next step's first input.
     """
     config = OutputLayerConfig(
-        defer_embedding_wgrad_compute=True, wgrad_deferral_limit=2, pipeline_model_parallel_size=2
+        defer_embedding_wgrad_compute=True, wgrad_deferral_limit=2, dims=ParallelDims(pp_size=2)
     )
     g = ctx.generator(11)  # seed 0: manual_seed(11)
     weight = torch.randn(VOCAB, HIDDEN, generator=g).bfloat16()

@@ -14,7 +14,7 @@ from refgrad.deferred_wgrad import (
     deferred_accumulation_order,
 )
 from verify.candidates import Candidate, Unsupported
-from verify.candidates.api.deferred_wgrad import DeferredWgrad, OutputLayerConfig
+from verify.candidates.api.deferred_wgrad import DeferredWgrad, OutputLayerConfig, ParallelDims
 from verify.checks.deferred_wgrad.cases import (
     BATCH,
     HIDDEN,
@@ -40,7 +40,7 @@ def _drain(layer, errors: list[str], iteration: int) -> int | None:
         return None
 
 
-def run_layer(case, wgrad: DeferredWgrad, config, weight, xs, gos, rank, order_of, tp_group,
+def run_layer(case, wgrad: DeferredWgrad, config, weight, xs, gos, rank, order_of,
               errors: list[str] | None = None):
     """Run ITERATIONS steps; return main_grad after each, drain counts, dgrads, empty-drain facts.
 
@@ -53,7 +53,6 @@ def run_layer(case, wgrad: DeferredWgrad, config, weight, xs, gos, rank, order_o
     layer = wgrad.output_layer(
         weight[vrank * vshard : (vrank + 1) * vshard],
         config,
-        tp_group=tp_group,
         main_grad_dtype=getattr(torch, case.main_grad_dtype),
     )
     grads_after, drained, dgrads, empty_drain_ok = [], [], [], True
@@ -91,22 +90,19 @@ def run_case_on_rank(
     data_rank = rank if case.tp == 1 else 0
     weight, xs, gos = case_data(case, seed, data_rank)
     m = case.num_microbatches
-    deferred_cfg = OutputLayerConfig(
-        defer_embedding_wgrad_compute=True,
-        wgrad_deferral_limit=case.limit,
-        pipeline_model_parallel_size=2,
-        sequence_parallel=case.sequence_parallel,
-    )
-    immediate_cfg = OutputLayerConfig(
-        pipeline_model_parallel_size=2,
-        sequence_parallel=case.sequence_parallel,
-    )
+    # The last stage of a PP 2 pipeline (the drain runs in its flush), TP over the case's group.
+    dims = ParallelDims(tp_size=case.tp, pp_size=2, sequence_parallel=case.sequence_parallel)
+    if case.tp > 1:
+        dims = dims.with_groups(tp_group=tp_group)
+    deferred_cfg = OutputLayerConfig(defer_embedding_wgrad_compute=True,
+                                     wgrad_deferral_limit=case.limit, dims=dims)
+    immediate_cfg = OutputLayerConfig(dims=dims)
     natural = lambda it: range(m)  # noqa: E731
     drain_order = lambda it: deferred_accumulation_order(m, case.limit)  # noqa: E731
     errors: list[str] = []
-    deferred = run_layer(case, wgrad, deferred_cfg, weight, xs, gos, rank, natural, tp_group, errors)
-    immediate = run_layer(case, wgrad, immediate_cfg, weight, xs, gos, rank, natural, tp_group, errors)
-    reordered = run_layer(case, wgrad, immediate_cfg, weight, xs, gos, rank, drain_order, tp_group,
+    deferred = run_layer(case, wgrad, deferred_cfg, weight, xs, gos, rank, natural, errors)
+    immediate = run_layer(case, wgrad, immediate_cfg, weight, xs, gos, rank, natural, errors)
+    reordered = run_layer(case, wgrad, immediate_cfg, weight, xs, gos, rank, drain_order,
                           errors)
     dgrad_equal = all(
         torch.equal(a, b)
@@ -134,7 +130,7 @@ def _tied_embedding_on_rank(rank: int, seed: int, main_grad_dtype: str, wgrad: D
     if rank == 0:
         main_grad = torch.zeros(VOCAB, HIDDEN, dtype=dtype)
     else:
-        config = OutputLayerConfig(defer_embedding_wgrad_compute=True, pipeline_model_parallel_size=2)
+        config = OutputLayerConfig(defer_embedding_wgrad_compute=True, dims=ParallelDims(pp_size=2))
         layer = wgrad.output_layer(weight, config, main_grad_dtype=dtype)
         main_grad = layer.main_grad
     for _ in range(ITERATIONS):
