@@ -32,7 +32,7 @@ from verify.candidates import (
 )
 from verify.check import CheckContext
 from verify.checks import all_checks, check_by_name
-from verify.console import StepProgress, emit, terminal_width
+from verify.console import StepProgress, emit, report_width
 from verify.distributed import RankLauncher
 from verify.env import fingerprint, format_fingerprint, gradverify_version, provenance
 from verify.interrupt import Interrupts
@@ -179,7 +179,7 @@ def _plot_outputs(report: Any, args: argparse.Namespace) -> list[Output]:
         return []
     if not matplotlib_available():
         print("verify: note: no plots drawn (matplotlib is not installed: "
-              "pip install 'gradverify[plot]')", file=sys.stderr)
+              "pip install -e '.[plot]' in the gradverify checkout)", file=sys.stderr)
         return []
     anchor_path = Path(anchor)
 
@@ -236,15 +236,6 @@ def _candidates(names: Sequence[str] | None) -> list[Candidate]:
         return [candidate_named(n) for n in names]
     except ValueError as exc:  # unknown name, or a plugin that cannot be used
         raise UsageError(f"--candidate: {exc}") from exc
-
-
-def _text_width(verbose: bool) -> int:
-    """The summary's width: the terminal's; off a terminal (CI logs, files) at least 200
-    columns, and with ``-v`` lines are never cut there (the detail is what was asked for)."""
-    width = terminal_width()
-    if sys.stdout.isatty():
-        return width
-    return 1_000_000 if verbose else max(width, 200)
 
 
 def _listing() -> str:
@@ -306,7 +297,7 @@ def _run_and_report(args: argparse.Namespace, items: Sequence[RunItem],
               f"; reporting the {finished} check{'s' if finished != 1 else ''} that finished, "
               f"{marked} marked interrupted (report incomplete; Ctrl-C again quits at once)",
               file=sys.stderr)
-    emit(render_text(report, verbose=args.verbose, width=_text_width(args.verbose)))
+    emit(render_text(report, verbose=args.verbose, width=report_width(unlimited_off_terminal=args.verbose)))
     outputs = _plot_outputs(report, args)  # first: the reports show the plots
     if args.json:
         outputs.append(Output("--json", Path(args.json), report.write_json))

@@ -26,6 +26,9 @@ from rich.progress import (
 )
 
 DEFAULT_WIDTH = 100
+# Columns of a text report written off a terminal (CI logs, files, pipes): folded at 80 or
+# 100 columns its tables and labels lose their ends.
+NON_TERMINAL_WIDTH = 200
 
 
 def terminal_width(stream: TextIO | None = None) -> int:
@@ -40,6 +43,22 @@ def terminal_width(stream: TextIO | None = None) -> int:
         return max(40, int(os.environ.get("COLUMNS", DEFAULT_WIDTH)))
     except ValueError:
         return DEFAULT_WIDTH
+
+
+def _is_terminal(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # a closed or unusual stream
+        return False
+
+
+def report_width(stream: TextIO | None = None, *, unlimited_off_terminal: bool = False) -> int:
+    """The width of a text report: the terminal's; off a terminal at least
+    :data:`NON_TERMINAL_WIDTH` columns, or no limit with ``unlimited_off_terminal``."""
+    stream = stream if stream is not None else sys.stdout
+    if _is_terminal(stream):
+        return terminal_width(stream)
+    return 1_000_000 if unlimited_off_terminal else max(terminal_width(stream), NON_TERMINAL_WIDTH)
 
 
 def emit(text: str) -> None:

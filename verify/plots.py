@@ -18,7 +18,7 @@ from typing import Any
 from verify.candidates import DEFAULT_CANDIDATE
 from verify.check import CheckResult, Table
 
-INSTALL_HINT = "pip install 'gradverify[plot]' (or: pip install matplotlib)"
+INSTALL_HINT = "pip install -e '.[plot]' (in the gradverify checkout; or: pip install matplotlib)"
 # Unit roundoff of the 16-bit wire dtypes, under both spellings the tables use.
 UNIT_ROUNDOFF = {"fp16": 2.0**-11, "float16": 2.0**-11, "bf16": 2.0**-8, "bfloat16": 2.0**-8}
 ERROR_GROWTH_COLUMNS = {"dtype", "distribution", "N", "method", "rel.err"}

@@ -180,7 +180,7 @@ def verdict_line(report: Report) -> str:
     noun = "check" if len({r.candidate for r in report.checks} - {None}) <= 1 else "result"
     n = len(report.checks)
     line = f"{n} {noun}{'s' if n != 1 else ''}: {parts or 'none ran'} -> {report.verdict}"
-    if report.verdict == FAIL and not counts[FAIL] and not counts[PASS]:
+    if report.verdict == FAIL and counts[SKIP] and not counts[FAIL] and not counts[PASS]:
         line += " (nothing verified: every check was skipped)"
     if not report.complete:
         line += " (interrupted: report incomplete)"

@@ -13,7 +13,7 @@ from verify.candidates import CANDIDATES, Technique, Unsupported, candidate_name
 from verify.candidates.megatron_core.candidate import MegatronCoreCandidate
 
 ROOT = Path(__file__).resolve().parents[2]
-NOT_INSTALLED = "megatron-core is not installed: pip install 'gradverify[megatron]'"
+NOT_INSTALLED = "megatron-core is not installed: pip install -e '.[megatron]' (in the gradverify checkout)"
 # Technique -> its accessor on a Candidate
 ACCESSORS = {Technique.LAYOUT: "layout", Technique.GRAD_REDUCTION: "grad_reduction",
              Technique.DEFERRED_WGRAD: "deferred_wgrad", Technique.PIPELINE: "pipeline",

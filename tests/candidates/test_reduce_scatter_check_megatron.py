@@ -124,7 +124,7 @@ def test_without_megatron_core_the_check_is_a_skip_naming_the_install(monkeypatc
     from verify.check import CheckContext
     from verify.checks import check_by_name
 
-    reason = "megatron-core is not installed: pip install 'gradverify[megatron]'"
+    reason = "megatron-core is not installed: pip install -e '.[megatron]' (in the gradverify checkout)"
     monkeypatch.setattr(module, "missing_reason", lambda: reason)
     result = check_by_name("reduce_scatter").execute(CheckContext(quick=True),
                                                      module.MegatronCoreCandidate())

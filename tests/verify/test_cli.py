@@ -226,7 +226,7 @@ def test_without_matplotlib_default_plots_are_a_note(monkeypatch, tmp_path, caps
     _use(monkeypatch, _passing)
     monkeypatch.setattr(cli, "matplotlib_available", lambda: False)
     assert cli.main(["run", "--markdown", str(tmp_path / "r.md")]) == 0
-    assert "gradverify[plot]" in capsys.readouterr().err
+    assert "pip install -e '.[plot]'" in capsys.readouterr().err
 
 
 def test_every_listed_subcommand_module_exists():
@@ -450,3 +450,25 @@ def test_preflight_refuses_a_candidate_with_no_twin(capsys):
     assert cli.main(argv) == 2
     assert "--candidate chooses the implementation that trains the twin, and --no-twin trains none" \
         in capsys.readouterr().err
+
+
+def test_preflight_names_the_flag_of_an_unknown_candidate(capsys):
+    argv = ["preflight", "--candidate", "deepspeed", "--world-size", "2", "--",
+            "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "1",
+            "--global-batch-size", "2", "--padded-vocab-size", "256"]
+    assert cli.main(argv) == 2
+    assert "--candidate: unknown candidate 'deepspeed'; valid names: fastgrad, megatron-core" \
+        in capsys.readouterr().err
+
+
+@pytest.mark.dist
+def test_a_twin_scaled_below_the_launchs_tp_says_so_in_the_verdicts_first_line(capsys):
+    """TP 4 is twinned at TP 2: the verdict says so up front, not only the not-twinned list."""
+    argv = ["preflight", "--no-progress", "--world-size", "4", "--twin-steps", "2", "--",
+            "--tensor-model-parallel-size", "4", "--num-layers", "2", "--hidden-size", "64",
+            "--num-attention-heads", "4", "--seq-length", "64", "--max-position-embeddings", "64",
+            "--micro-batch-size", "1", "--global-batch-size", "1", "--padded-vocab-size", "256"]
+    assert cli.main(argv) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "; twin (2 ranks, TP 4 scaled to TP 2, 2 steps) matches refgrad" in first, first

@@ -207,3 +207,17 @@ def test_a_case_the_candidate_raises_in_fails_alone_and_a_missing_guard_is_a_ski
     assert "deferred_wgrad: this drain has no in-flight guard" in result.skipped
     assert not any(e.label.startswith("guard:") for e in result.expectations)
     assert any(e.label.startswith("stale step") and e.passed for e in result.expectations)
+
+
+def test_output_layer_config_at_tp_2_needs_the_tp_group_itself():
+    """Dims given groups, but not the TP one, are refused: the layer would be built at TP 2
+    over no group (Megatron's adapter then fails with a shape error instead)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        without_tp = ParallelDims(tp_size=2, pp_size=2).with_groups()
+        with pytest.raises(ValueError, match="must carry the layer's TP group"):
+            OutputLayerConfig(dims=without_tp)
+    finally:
+        dist.destroy_process_group()

@@ -221,7 +221,7 @@ def test_without_megatron_core_the_twin_is_a_skip_naming_the_install(monkeypatch
     part stands and the report names the candidate and how to install it."""
     import verify.candidates.megatron_core.candidate as candidate_module
 
-    hint = "megatron-core is not installed: pip install 'gradverify[megatron]'"
+    hint = "megatron-core is not installed: pip install -e '.[megatron]' (in the gradverify checkout)"
     monkeypatch.setattr(candidate_module, "missing_reason", lambda: hint)
     json_path = tmp_path / "t.json"
     args = preflight_args(MODEL + PP2_DP2 + ["--candidate", "megatron-core", "--no-progress",

@@ -167,6 +167,5 @@ def test_a_twin_scaled_below_the_launchs_tp_says_so_in_the_verdict():
     verdict's first line says so, not only the list of what was not twinned."""
     from verify.preflight.twin.verdict import _ranks
 
-    assert _ranks({"world_size": 2, "tp_size": 1}, launch_tp=2) == \
-        "2 ranks at TP 1, the launch's TP 2 scaled"
+    assert _ranks({"world_size": 2, "tp_size": 1}, launch_tp=2) == "2 ranks, TP 2 scaled to TP 1"
     assert _ranks({"world_size": 4, "tp_size": 2}, launch_tp=2) == "4 ranks"

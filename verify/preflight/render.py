@@ -12,9 +12,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from verify.console import terminal_width
-
-NON_TERMINAL_WIDTH = 200  # columns of the text report when stdout is not a terminal
+from verify.console import report_width
 
 Tables = list[tuple[str, list[str], list[list[str]]]]
 BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
@@ -282,8 +280,7 @@ def print_terminal(report: dict, console: Console | None = None) -> None:
     if console is None:
         # Piped or redirected, a table folded at 80 columns is unreadable ("shar ing"):
         # $COLUMNS or a wide page then; a terminal's own width otherwise.
-        tty = sys.stdout.isatty()
-        width = terminal_width() if tty else max(terminal_width(), NON_TERMINAL_WIDTH)
+        width = report_width()
         console = _ReportConsole(soft_wrap=False, width=width)
     console.print(report["verdict"], markup=False, highlight=False)
     ignored = ignored_flags_line(report)

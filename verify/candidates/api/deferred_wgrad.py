@@ -81,7 +81,7 @@ class OutputLayerConfig:
         if self.defer_embedding_wgrad_compute and self.dims.pp_size == 1:
             raise ValueError("OutputLayerConfig.defer_embedding_wgrad_compute needs "
                              "dims.pp_size > 1 (the drain runs in the pipeline flush)")
-        if self.dims.tp_size > 1 and self.dims.place is None:
+        if self.dims.tp_size > 1 and (self.dims.place is None or self.dims.place.tp_group is None):
             raise ValueError("OutputLayerConfig.dims with tp_size > 1 must carry the layer's TP "
                              "group: dims.with_groups(tp_group=...)")
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 DISTRIBUTION = "megatron-core"
-INSTALL_HINT = "pip install 'gradverify[megatron]'"
+INSTALL_HINT = "pip install -e '.[megatron]' (in the gradverify checkout)"
 
 
 @dataclass(frozen=True)

@@ -128,8 +128,8 @@ def _ranks(section: dict, launch_tp: int) -> str:
     TP 2 launch whose twin ran at TP 1 has not had its tensor parallelism checked)."""
     n = section["world_size"]
     ranks = f"{n} rank{'s' if n != 1 else ''}"
-    tp = section.get("tp_size", launch_tp)
-    return ranks if tp == launch_tp else f"{ranks} at TP {tp}, the launch's TP {launch_tp} scaled"
+    tp = section["tp_size"]
+    return ranks if tp == launch_tp else f"{ranks}, TP {launch_tp} scaled to TP {tp}"
 
 
 def write_sections(config: PreflightConfig, report: dict, sections: list[dict],

@@ -106,7 +106,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--markdown", metavar="PATH", action=SetOnce,
                         help="write the tables as Markdown")
     parser.add_argument("--plot", metavar="PNG", action=SetOnce,
-                        help="plot error vs N (needs matplotlib: pip install 'gradverify[plot]')")
+                        help="plot error vs N (needs matplotlib: pip install -e '.[plot]' in the gradverify checkout)")
     parser.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
 
 
