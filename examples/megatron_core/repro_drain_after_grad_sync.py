@@ -186,6 +186,9 @@ def rank_main(rank: int, results) -> None:
         with on_this_device():
             ok = run(rank)
         results.put((rank, ok))
+        # Every rank's collectives finish before any tears its group down: a gloo peer that
+        # is torn down under a collective still in flight aborts the other (SIGABRT).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
