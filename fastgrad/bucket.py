@@ -274,6 +274,8 @@ class Bucket(DataParallelView):
         :mod:`fastgrad.comm`), the fp32-accumulating one receives its all-to-all in it.
         gloo's CPU tensors come from malloc, so a fresh bucket-sized copy per step costs
         page faults; GPU backends draw it from the caching allocator and get None here.
+        Memory: one more ``grad_data``-sized buffer per bucket, held instead of allocated
+        at each reduction (the peak is the same).
         """
         if self._scratch is None and self.grad_data.device.type == "cpu" and self.distributed \
                 and dist.get_backend(self.dp_group) == "gloo":
