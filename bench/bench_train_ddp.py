@@ -104,9 +104,11 @@ def _fastgrad_side(vocab: int, distributed: bool = True):
 def _collectives(numel: int, world: int, rounds: int = 30) -> dict[str, float]:
     """Median seconds of each collective the two sides use, on ``numel`` fp32 elements."""
     full, shard = torch.randn(numel - numel % world), torch.empty(numel // world)
+    scratch = torch.empty_like(full)  # as a fastgrad bucket keeps one on gloo (fastgrad.comm)
     calls = {
         "all-reduce (torch DDP, fastgrad replicated)": lambda: dist.all_reduce(full),
-        "reduce-scatter (fastgrad distributed)": lambda: reduce_scatter_into(shard, full),
+        "reduce-scatter (fastgrad distributed)": lambda: reduce_scatter_into(shard, full,
+                                                                             scratch=scratch),
         "all-gather (fastgrad distributed)": lambda: all_gather_into(full, shard),
         "all-reduce of the norm's 21 int64 (fastgrad distributed)":
             lambda: dist.all_reduce(torch.zeros(21, dtype=torch.int64)),

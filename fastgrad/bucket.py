@@ -99,9 +99,10 @@ class AllReduceStrategy(GradReduceStrategy):
 class ReduceScatterStrategy(GradReduceStrategy):
     """Reduce-scatter of the bucket into this rank's shard view, through ``collective``.
 
-    ``collective(local_shard, full, *, op, group, async_op)`` has the signature
-    of ``fastgrad.comm.reduce_scatter_into``; the fp32-accumulating one also takes
-    ``prescale=`` (the plan's :attr:`PrescaleSite.COLLECTIVE` factor).
+    ``collective(local_shard, full, *, op, group, async_op, scratch=None)`` has the
+    signature of ``fastgrad.comm.reduce_scatter_into``; the fp32-accumulating one also
+    takes ``prescale=`` (the plan's :attr:`PrescaleSite.COLLECTIVE` factor). ``scratch``
+    is the bucket's :meth:`Bucket.collective_scratch` (gloo only).
     """
 
     collective: Callable[..., Any] = reduce_scatter_into
@@ -112,6 +113,9 @@ class ReduceScatterStrategy(GradReduceStrategy):
         extra = {}
         if plan.site is PrescaleSite.COLLECTIVE:
             extra["prescale"] = plan.prescale
+        scratch = bucket.collective_scratch()
+        if scratch is not None:
+            extra["scratch"] = scratch
         return self.collective(
             bucket.local_grad_shard,
             bucket.grad_data,
@@ -195,6 +199,7 @@ class Bucket(DataParallelView):
         self.param_data = None if group.param_data is None else group.param_data[start:end]
         self._handle: Any = None
         self._in_flight = False
+        self._scratch: torch.Tensor | None = None
         # Completed reductions since construction: consumers (the distributed
         # optimizer) compare it with the count they saw to know the shard is fresh.
         self.grad_sync_count = 0
@@ -260,6 +265,22 @@ class Bucket(DataParallelView):
                 )
         pieces.sort(key=lambda piece: piece.buffer_range)
         return pieces
+
+    def collective_scratch(self) -> torch.Tensor | None:
+        """A buffer like ``grad_data`` that the reduce-scatter may use as its working copy,
+        kept for the bucket's life; only on gloo (CPU), else None.
+
+        Both reduce-scatters need one: gloo's clones the bucket on every call (see
+        :mod:`fastgrad.comm`), the fp32-accumulating one receives its all-to-all in it.
+        gloo's CPU tensors come from malloc, so a fresh bucket-sized copy per step costs
+        page faults; GPU backends draw it from the caching allocator and get None here.
+        Memory: one more ``grad_data``-sized buffer per bucket, held instead of allocated
+        at each reduction (the peak is the same).
+        """
+        if self._scratch is None and self.grad_data.device.type == "cpu" and self.distributed \
+                and dist.get_backend(self.dp_group) == "gloo":
+            self._scratch = torch.empty_like(self.grad_data)
+        return self._scratch
 
     # -- reduction lifecycle
     @property

@@ -279,25 +279,31 @@ class DistributedDataParallel(nn.Module):
         return self._expected(state) <= state.ready
 
     def _on_grad_accumulated(self, param: nn.Parameter) -> None:
-        if param.grad is None:
+        # Runs once per parameter per microbatch: kept to plain attribute reads on the
+        # common path (torch's DDP does this part in C++).
+        grad = param.grad
+        if grad is None:
             return
-        if self._grads.out:
+        grads = self._grads
+        if grads.out:
             # The first grad since finish_grad_sync, and zero_grad_buffer was not called:
             # honour torch's zero_grad() habits, or refuse (fastgrad.exposed_grads).
-            self._grads.settle(param, self.buffer, self.name_of)
-        self._open_step()
-        state = self._state_of[param]
-        if self._sync_enabled:
+            grads.settle(param, self.buffer, self.name_of)
+        if not self._step_open:
+            self._open_step()
+        sync = self._sync_enabled
+        if sync:
+            state = self._state_of[param]
             self._check_can_become_ready(param, state)
-        exposed = self._grads.take_exposed(param)
-        if exposed is None or param.grad is not exposed:
-            param.main_grad.add_(param.grad)
+        exposed = grads.take_exposed(param)
+        if exposed is None or grad is not exposed:
+            param.main_grad.add_(grad)
         # else: param.grad is main_grad itself (torch's zero_grad(set_to_none=False) zeroed it
         # in place, settle_unzeroed_grads checked): autograd accumulated into main_grad already.
-        if self._sync_enabled:
+        if sync:
             # Until finish_grad_sync reduces it, param.grad refuses to be read (a torch
             # optimizer would otherwise skip the param: a step that silently does nothing).
-            param.grad = self._grads.unreduced(param)
+            param.grad = grads.unreduced(param)
             self._register_ready(param, state)
         else:
             param.grad = None

@@ -218,6 +218,8 @@ class ParamGrads:
 
     def take_exposed(self, param: torch.Tensor) -> torch.Tensor | None:
         """What ``finish_grad_sync`` exposed for ``param`` (forgotten from now on), or None."""
+        if not self._exposed:  # the usual case (zeroed since): no per-grad hashing
+            return None
         return self._exposed.pop(param, None)
 
     def unreduced(self, param: torch.Tensor) -> UnreducedGradPlaceholder:

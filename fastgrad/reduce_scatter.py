@@ -37,6 +37,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from fastgrad.comm import memory_overlaps
 from fastgrad.kernels import triton_available
 
 SUM = dist.ReduceOp.SUM
@@ -155,15 +156,6 @@ def _check_tensor(name: str, tensor: object) -> torch.Tensor:
     return tensor
 
 
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
-        return False
-    a_start, b_start = a.data_ptr(), b.data_ptr()
-    a_end = a_start + a.numel() * a.element_size()
-    b_end = b_start + b.numel() * b.element_size()
-    return a_start < b_end and b_start < a_end
-
-
 def reduce_scatter_with_fp32_accumulation(
     output: torch.Tensor,
     input: torch.Tensor,  # noqa: A002 - production's parameter name
@@ -235,7 +227,7 @@ def reduce_scatter_with_fp32_accumulation(
                 f"got {scratch.numel()}"
             )
         for name, other in (("input", input), ("output", output)):
-            if _overlaps(scratch, other):
+            if memory_overlaps(scratch, other):
                 raise ValueError(f"scratch must not overlap {name}'s memory")
     shards = scratch.view(world_size, shard_numel)
     work = dist.all_to_all_single(

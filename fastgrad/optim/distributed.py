@@ -80,7 +80,8 @@ class _BucketShard:
     master: torch.Tensor
     state: dict[str, torch.Tensor]
     gather_handle: Any = None
-    versions: dict[torch.Tensor, int] | None = None
+    versions: list[tuple[torch.Tensor, int]] | None = None  # each param's version at the gather's launch
+    published_bits: list[tuple[Any, torch.Tensor, torch.Tensor]] | None = None  # publication.py
 
 
 class DistributedOptimizer(ParamPublication, CheckpointMixin, torch.optim.Optimizer):

@@ -92,7 +92,7 @@ class ParamPublication:
             shard.gather_handle = all_gather_into(
                 bucket.param_data, bucket.local_param_shard, group=bucket.dp_group, async_op=True
             )
-            shard.versions = {p: p._version for p in bucket.params}
+            shard.versions = [(p, p._version) for p in bucket.params]  # no per-param hashing
 
     def _wait(self, shards: Iterable[Any]) -> None:
         for shard in shards:
@@ -105,13 +105,10 @@ class ParamPublication:
     def _check_unmodified(self, shard: Any) -> None:
         """Params written between the all-gather's launch and its wait race with it: refuse."""
         bucket = shard.bucket
-        changed = [p for p, v in (shard.versions or {}).items() if p._version != v]
-        data = bucket.group.param_data
-        cast = shard.master.to(bucket.group.param_dtype)
-        for piece, (lo, hi) in zip(shard.pieces, shard.offsets):
-            a, b = piece.buffer_range
-            if not torch.equal(bits(data[a:b]), bits(cast[lo:hi])):
-                changed.append(piece.param)
+        changed = [p for p, v in shard.versions or () if p._version != v]
+        for param, published, master in self._published_and_master_bits(shard):
+            if not torch.equal(published, master):
+                changed.append(param)
         shard.versions = None
         if changed:
             raise LifecycleError(
@@ -119,6 +116,26 @@ class ParamPublication:
                 f"bucket {bucket.bucket_id}'s param all-gather and its wait; the gather overwrites "
                 "it (modify params only through the optimizer, or after finish_param_sync())"
             )
+
+    def _published_and_master_bits(self, shard: Any) -> list[tuple[Any, torch.Tensor, torch.Tensor]]:
+        """Per piece of ``shard``: its param, the bits of its elements in the param buffer, and
+        the bits of its master cast to the param dtype.
+
+        With fp32 params the cast is the master itself, so the views are built once and
+        kept (``param_data`` and the masters are only ever written in place): every wait
+        then costs one ``torch.equal`` per piece and no view-building.
+        """
+        if shard.published_bits is not None:
+            return shard.published_bits
+        data = shard.bucket.group.param_data
+        cast = shard.master.to(shard.bucket.group.param_dtype)
+        views = []
+        for piece, (lo, hi) in zip(shard.pieces, shard.offsets):
+            a, b = piece.buffer_range
+            views.append((piece.param, bits(data[a:b]), bits(cast[lo:hi])))
+        if cast is shard.master:
+            shard.published_bits = views
+        return views
 
     def finish_param_sync(self) -> None:
         """Wait for every bucket's param all-gather still in flight."""

@@ -4,7 +4,8 @@ One spawn of 3 ranks. DP=2 (ranks 0 and 1, a sub-group): AdamW (bf16+fp32 params
 and SGD with momentum (fp32, synchronous gather). DP=3 (padding, uneven
 ownership, a rank owning only padding in some buckets): the DP=2 checkpoint
 loaded and trained on, SGD with overlap, fp16 with the loss scaler and an inf
-grad on one rank, and a param modified while its all-gather is in flight.
+grad on one rank, and a param modified while its all-gather is in flight (in place, and
+through .data, which no version counter sees).
 Every rank gets its own grads; refgrad is fed their reduction.
 """
 
@@ -103,6 +104,21 @@ def worker_dp3(rank: int, world: int, checkpoint: dict) -> dict:
         out["modified"] = "not detected"
     except LifecycleError as exc:
         out["modified"] = str(exc)
+    # The same through .data, which moves no version counter: the published bits catch it.
+    model, ddp, opt = build(FP32, "adamw", overlap_param_gather=True, average=False)
+    train_step(model, ddp, opt, rank, 0)
+    for shard in opt.shards:
+        if shard.gather_handle is not None:
+            shard.gather_handle.wait()  # the gather is done: no race with the write below
+    piece = next((s.pieces[0] for s in opt.shards if s.pieces), None)
+    out["modified_data"] = None  # this rank owns only padding: nothing of its own to write
+    if piece is not None:
+        piece.param.data.view(-1)[piece.param_offset[0]] += 1.0
+        try:
+            opt.finish_param_sync()
+            out["modified_data"] = "not detected"
+        except LifecycleError as exc:
+            out["modified_data"] = str(exc)
     return out
 
 
@@ -152,6 +168,9 @@ def test_dp2_then_dp3_bitwise_equal_to_refgrad():
         for step, snap in enumerate(out["fp16"]["snapshots"]):
             assert_matches(snap, want16[step], f"dp3 fp16 rank {rank} step {step}")
         assert "modified between the launch" in out["modified"], out["modified"]
+        if out["modified_data"] is not None:
+            assert "modified between the launch" in out["modified_data"], out["modified_data"]
+    assert any(out["modified_data"] is not None for out in dp3)
 
     stage_grads = [
         R.values(coefficient(r, 0, i, n).to(MIXED[n]).float())
