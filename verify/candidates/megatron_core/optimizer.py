@@ -24,9 +24,8 @@ modelled by refgrad and named where it lives:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, NoReturn
+from typing import ClassVar, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -46,14 +45,13 @@ from verify.candidates.megatron_core.scope import MegatronScope
 from verify.candidates.megatron_core.sharded_optimizer import (
     MegatronDataParallel,
     MegatronShardedOptimizer,
+    constant_schedule,
+    loss_scale,
+    optimizer_config,
+    step_and_report,
 )
 from verify.candidates.megatron_core.stages import MegatronStages, owned_pieces
 from verify.candidates.megatron_core.version import installed
-
-if TYPE_CHECKING:  # megatron-core is optional: imported where a technique runs
-    from megatron.core.optimizer import OptimizerConfig
-
-CLIP_EPS = 1.0e-6  # megatron/core/optimizer/clip_grads.py clip_grad_by_total_norm_fp32
 
 TORCH_ADAMW = DocumentedBehaviour(
     "AdamW in torch.optim.AdamW's order of operations (Megatron-Core falls back to it without "
@@ -126,72 +124,34 @@ class MegatronOptimizer(MegatronScope, DistributedOptimizerStep):
         raise Unsupported(Technique.OPTIMIZER, NO_MXFP8)
 
 
-def _optimizer_config(stages: MegatronStages, settings: OptimizerSettings) -> OptimizerConfig:
-    from megatron.core.optimizer import OptimizerConfig
-
-    dtype = stages.settings.param_dtype
-    fp16, bf16 = dtype is torch.float16, dtype is torch.bfloat16
-    hyper, scaling = settings.adamw, settings.loss_scaling
-    scale: dict[str, float | int] = {}
-    if scaling is not None and not scaling.dynamic:
-        scale = {"loss_scale": scaling.initial_scale}
-    elif scaling is not None:
-        if not fp16:
-            raise ValueError("Megatron-Core's dynamic loss scaler is fp16's (OptimizerConfig.fp16)")
-        scale = {"initial_loss_scale": scaling.initial_scale, "min_loss_scale": scaling.min_scale,
-                 "loss_scale_window": scaling.growth_interval, "hysteresis": scaling.hysteresis}
-    return OptimizerConfig(
-        optimizer="adam", lr=hyper.lr, min_lr=hyper.lr, weight_decay=hyper.weight_decay,
-        adam_beta1=hyper.beta1, adam_beta2=hyper.beta2, adam_eps=hyper.eps,
-        clip_grad=settings.max_grad_norm or 0.0, fp16=fp16, bf16=bf16, params_dtype=dtype,
-        use_distributed_optimizer=stages.case.use_distributed_optimizer,
-        overlap_param_gather=stages.settings.overlap_param_gather, **scale)
-
-
 class MegatronTrainingOptimizer:
     """One rank's Megatron optimizer and scheduler over its :class:`MegatronStages`."""
 
     def __init__(self, stages: MegatronStages, settings: OptimizerSettings) -> None:
         from megatron.core.optimizer import get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         if not stages.case.use_distributed_optimizer:
             raise ValueError("the twin reads Megatron-Core's masters from its distributed "
                              "optimizer only")
         self.stages, self.settings = stages, settings
         self.optimizer = get_megatron_optimizer(
-            _optimizer_config(stages, settings), stages.ddps, use_gloo_process_groups=False,
-            pg_collection=stages.groups)
-        wd, lr = settings.adamw.weight_decay, settings.adamw.lr
-        steps = len(stages.case.plans)
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=lr, max_lr=lr, min_lr=lr, lr_warmup_steps=0,
-            lr_decay_steps=steps, lr_decay_style="constant", start_wd=wd, end_wd=wd,
-            wd_incr_steps=steps, wd_incr_style="constant")
+            optimizer_config(settings, dtype=stages.settings.param_dtype,
+                             overlap_param_gather=stages.settings.overlap_param_gather),
+            stages.ddps, use_gloo_process_groups=False, pg_collection=stages.groups)
+        self.scheduler = constant_schedule(self.optimizer, settings)
         stages.config.grad_scale_func = self.optimizer.scale_loss
         stages.on_zero_grad.append(self.optimizer.zero_grad)
 
     @property
     def loss_scale(self) -> float | None:
-        if self.settings.loss_scaling is None:
-            return None
-        return float(self.optimizer.get_loss_scale())
+        return loss_scale(self.optimizer, self.settings)
 
     @property
     def param_gather_in_flight(self) -> bool:
         return self.stages.param_gather_in_flight()
 
     def step(self) -> StepOutcome:
-        scale = self.loss_scale
-        stepped, norm, _ = self.optimizer.step()
-        self.scheduler.step(increment=1)
-        max_norm = self.settings.max_grad_norm
-        grad_norm = float(norm) if stepped and max_norm is not None and norm is not None else None
-        coefficient = None
-        if grad_norm is not None and math.isfinite(grad_norm):
-            coefficient = max_norm / (grad_norm + CLIP_EPS)  # what clip_grad_by_total_norm_fp32 uses
-        return StepOutcome(stepped=bool(stepped), grad_norm=grad_norm,
-                           clip_coefficient=coefficient, loss_scale=scale)
+        return step_and_report(self.optimizer, self.scheduler, self.settings)
 
     def state(self) -> dict[str, AdamWState]:
         """Every param's whole master and moments: each DP rank's owned pieces, gathered

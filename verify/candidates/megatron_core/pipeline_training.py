@@ -61,9 +61,12 @@ from verify.candidates.api.pipeline import (
 )
 from verify.candidates.megatron_core.bucket_layout import fake_group
 from verify.candidates.megatron_core.scope import MegatronScope
-from verify.candidates.megatron_core.stages import StageChunk, forward_step_func
-from verify.candidates.megatron_core.twin_pipeline import StagesForOptimizer, unsupported
-from verify.candidates.megatron_core.version import installed
+from verify.candidates.megatron_core.stages import StageChunk, forward_step_func, transformer_config
+from verify.candidates.megatron_core.twin_pipeline import (
+    StagesForOptimizer,
+    require_features,
+    unsupported,
+)
 
 
 class DrainObserver(list):
@@ -143,8 +146,8 @@ class MegatronPipeline(MegatronScope, StagesForOptimizer, PipelineTraining):
         del progress  # Megatron's schedules report no events to a listener
         if case.pp_size < 2:
             raise unsupported("is wired for the pipeline check's pipelined schedules (PP >= 2) only")
-        _require_features(case)
-        config = _transformer_config(case)
+        require_features(case)
+        config = transformer_config(case)
         groups = _process_groups(grid)
         chunks, ddps = self._build(case, config, grid, groups, overlap)
         sites = LaunchSites(ddps)
@@ -173,39 +176,6 @@ class MegatronPipeline(MegatronScope, StagesForOptimizer, PipelineTraining):
             ddps.append(ddp)
             chunks.append(chunk)
         return chunks, ddps
-
-
-def _require_features(case: PipelineCase) -> None:
-    """Unsupported (on every rank alike: decided from the case) where this version lacks it."""
-    found = installed()
-    needed = ["schedule_1f1b" if case.virtual_stages == 1 else "schedule_interleaved"]
-    if case.reduce_scatter_with_fp32_accumulation:
-        needed.append("reduce_scatter_with_fp32_accumulation")
-    if case.reduction == "avg":
-        needed.append("average_in_collective")
-    if case.spec.output_head:
-        needed += ["defer_embedding_wgrad_compute", "fused_wgrad_gemm"]
-    reason = found.skip_reason(*needed)
-    if reason is not None:
-        raise unsupported(reason)
-
-
-def _transformer_config(case: PipelineCase) -> Any:
-    from megatron.core.transformer import TransformerConfig
-
-    spec = case.spec
-    interleaved = case.virtual_stages > 1
-    return TransformerConfig(
-        num_layers=spec.num_stages, hidden_size=spec.hidden, num_attention_heads=1,
-        use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
-        pipeline_model_parallel_size=case.pp_size,
-        virtual_pipeline_model_parallel_size=case.virtual_stages if interleaved else None,
-        gradient_accumulation_fusion=spec.output_head,
-        defer_embedding_wgrad_compute=spec.output_head and spec.defer_output_wgrad,
-        wgrad_deferral_limit=spec.wgrad_deferral_limit,
-        calculate_per_token_loss=case.reduction == "sum",
-        # Megatron-LM: overlap_p2p_comm with VPP, and batch_p2p_comm = not overlap_p2p_comm.
-        overlap_p2p_comm=interleaved, batch_p2p_comm=not interleaved)
 
 
 def _process_groups(grid: ParallelDims) -> Any:

@@ -18,6 +18,7 @@ checkpoint (not wired: its ``get_parameter_state_dp_zero`` format is not yet ada
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Iterable, Mapping
 
@@ -139,26 +140,62 @@ class MegatronDataParallel(DataParallelModule):
         self.ddp.finish_grad_sync()
 
 
-def _optimizer_config(model: MegatronDataParallel, settings: OptimizerSettings):
+def optimizer_config(settings: OptimizerSettings, *, dtype: torch.dtype,
+                     overlap_param_gather: bool):
+    """The ``OptimizerConfig`` Megatron-LM would build: Adam with decoupled weight decay over
+    ``dtype`` params and fp32 masters, the distributed optimizer, the settings' clipping and
+    loss scaling (fp16 without one: a constant scale of 1)."""
     from megatron.core.optimizer import OptimizerConfig
 
+    fp16, bf16 = dtype is torch.float16, dtype is torch.bfloat16
     hyper, scaling = settings.adamw, settings.loss_scaling
     scale: dict[str, float | int] = {}
-    if scaling is None and model.fp16:
+    if scaling is None and fp16:
         scale = {"loss_scale": 1.0}  # fp16 unscaled: Megatron's ConstantGradScaler of 1
     elif scaling is not None and not scaling.dynamic:
         scale = {"loss_scale": scaling.initial_scale}
     elif scaling is not None:
-        if not model.fp16:
+        if not fp16:
             raise ValueError("Megatron-Core's dynamic loss scaler is fp16's (OptimizerConfig.fp16)")
         scale = {"initial_loss_scale": scaling.initial_scale, "min_loss_scale": scaling.min_scale,
                  "loss_scale_window": scaling.growth_interval, "hysteresis": scaling.hysteresis}
     return OptimizerConfig(
         optimizer="adam", lr=hyper.lr, min_lr=hyper.lr, weight_decay=hyper.weight_decay,
         adam_beta1=hyper.beta1, adam_beta2=hyper.beta2, adam_eps=hyper.eps,
-        clip_grad=settings.max_grad_norm or 0.0, fp16=model.fp16, bf16=model.bf16,
-        params_dtype=model.param_dtype, use_distributed_optimizer=True,
-        overlap_param_gather=model.settings.overlap_param_gather, **scale)
+        clip_grad=settings.max_grad_norm or 0.0, fp16=fp16, bf16=bf16, params_dtype=dtype,
+        use_distributed_optimizer=True, overlap_param_gather=overlap_param_gather, **scale)
+
+
+def constant_schedule(optimizer, settings: OptimizerSettings):
+    """Megatron-LM's ``OptimizerParamScheduler`` holding the settings' lr and weight decay
+    (constant styles ignore the step counts). Its ``step`` applies each group's ``wd_mult``:
+    no decay on 1-D params."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    wd, lr = settings.adamw.weight_decay, settings.adamw.lr
+    return OptimizerParamScheduler(
+        optimizer, init_lr=lr, max_lr=lr, min_lr=lr, lr_warmup_steps=0, lr_decay_steps=1,
+        lr_decay_style="constant", start_wd=wd, end_wd=wd, wd_incr_steps=1,
+        wd_incr_style="constant")
+
+
+def loss_scale(optimizer, settings: OptimizerSettings) -> float | None:
+    """The scale the next step's grads carry (None: the settings scale nothing)."""
+    return None if settings.loss_scaling is None else float(optimizer.get_loss_scale())
+
+
+def step_and_report(optimizer, scheduler, settings: OptimizerSettings) -> StepOutcome:
+    """One ``optimizer.step()`` and the scheduler's, as the seam's :class:`StepOutcome`."""
+    scale = loss_scale(optimizer, settings)
+    stepped, norm, _ = optimizer.step()
+    scheduler.step(increment=1)
+    max_norm = settings.max_grad_norm
+    grad_norm = float(norm) if stepped and max_norm is not None and norm is not None else None
+    coefficient = None
+    if grad_norm is not None and math.isfinite(grad_norm):
+        coefficient = max_norm / (grad_norm + CLIP_EPS)  # what clip_grad_by_total_norm_fp32 uses
+    return StepOutcome(stepped=bool(stepped), grad_norm=grad_norm, clip_coefficient=coefficient,
+                       loss_scale=scale, reason="" if stepped else "found NaN/inf in the grads")
 
 
 class MegatronShardedOptimizer(ShardedOptimizer):
@@ -166,7 +203,6 @@ class MegatronShardedOptimizer(ShardedOptimizer):
 
     def __init__(self, model: MegatronDataParallel, settings: OptimizerSettings) -> None:
         from megatron.core.optimizer import get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         if settings.sgd is not None:
             raise _unsupported(SGD_UNSUPPORTED)
@@ -177,36 +213,24 @@ class MegatronShardedOptimizer(ShardedOptimizer):
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="full scope is deprecated")
             self.optimizer = get_megatron_optimizer(
-                _optimizer_config(model, settings), [model.ddp], use_gloo_process_groups=False,
-                pg_collection=model.groups)
-        wd, lr = settings.adamw.weight_decay, settings.adamw.lr
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=lr, max_lr=lr, min_lr=lr, lr_warmup_steps=0,
-            lr_decay_steps=1, lr_decay_style="constant", start_wd=wd, end_wd=wd,
-            wd_incr_steps=1, wd_incr_style="constant")
+                optimizer_config(settings, dtype=model.param_dtype,
+                                 overlap_param_gather=model.settings.overlap_param_gather),
+                [model.ddp], use_gloo_process_groups=False, pg_collection=model.groups)
+        self.scheduler = constant_schedule(self.optimizer, settings)
         model.on_zero_grad.append(self.optimizer.zero_grad)
         self.names = list(model.named_parameters())
         self.params = [model.named_parameters()[n] for n in self.names]
 
     @property
     def loss_scale(self) -> float | None:
-        if self.settings.loss_scaling is None:
-            return None
-        return float(self.optimizer.get_loss_scale())
+        return loss_scale(self.optimizer, self.settings)
 
     @property
     def param_gather_in_flight(self) -> bool:
         return any(group.param_gather_handle is not None for group in self.model.ddp.bucket_groups)
 
     def step(self) -> StepOutcome:
-        scale = self.loss_scale
-        stepped, norm, _ = self.optimizer.step()
-        self.scheduler.step(increment=1)
-        max_norm = self.settings.max_grad_norm
-        grad_norm = float(norm) if stepped and max_norm is not None and norm is not None else None
-        coefficient = None if grad_norm is None else max_norm / (grad_norm + CLIP_EPS)
-        return StepOutcome(stepped=bool(stepped), grad_norm=grad_norm, clip_coefficient=coefficient,
-                           loss_scale=scale, reason="" if stepped else "found NaN/inf in the grads")
+        return step_and_report(self.optimizer, self.scheduler, self.settings)
 
     def state(self) -> dict[str, AdamWState]:
         return {name: AdamWState(entry["master"], entry["exp_avg"], entry["exp_avg_sq"])

@@ -158,13 +158,14 @@ class StageChunk(torch.nn.Module):
         return named
 
 
-def transformer_config(case: PipelineCase, settings: StageSettings) -> TransformerConfig:
-    """The ``TransformerConfig`` Megatron-LM would build for the twin's model and precision."""
+def transformer_config(case: PipelineCase, dtype: torch.dtype = torch.float32) -> TransformerConfig:
+    """The ``TransformerConfig`` Megatron-LM would build for ``case``'s model with ``dtype``
+    params (the pipeline check's fp32, the twin's precision). The ``"sum"`` reduction is
+    Megatron's per-token-loss mode (:func:`forward_step_func`)."""
     from megatron.core.transformer import TransformerConfig
 
     spec = case.spec
     interleaved = case.virtual_stages > 1
-    dtype = settings.param_dtype
     return TransformerConfig(
         num_layers=spec.num_stages, hidden_size=spec.hidden, num_attention_heads=1,
         use_cpu_initialization=True, params_dtype=dtype, pipeline_dtype=dtype,
@@ -174,6 +175,7 @@ def transformer_config(case: PipelineCase, settings: StageSettings) -> Transform
         gradient_accumulation_fusion=spec.output_head,
         defer_embedding_wgrad_compute=spec.output_head and spec.defer_output_wgrad,
         wgrad_deferral_limit=spec.wgrad_deferral_limit,
+        calculate_per_token_loss=case.reduction == "sum",
         # Megatron-LM: overlap_p2p_comm with VPP, and batch_p2p_comm = not overlap_p2p_comm.
         overlap_p2p_comm=interleaved, batch_p2p_comm=not interleaved)
 
@@ -214,7 +216,7 @@ class MegatronStages:
         from megatron.core.transformer.module import Float16Module
 
         self.case, self._grid, self.settings = case, grid, settings
-        self.config = transformer_config(case, settings)
+        self.config = transformer_config(case, settings.param_dtype)
         self.groups = process_groups(grid)
         ddp_class = ddp_class or DistributedDataParallel
         self.chunks: list[StageChunk] = []

@@ -35,6 +35,21 @@ def unsupported(reason: str) -> Unsupported:
     return Unsupported(Technique.PIPELINE, f"{CANDIDATE} {reason}")
 
 
+def require_features(case: PipelineCase, *also: str) -> None:
+    """Unsupported (decided from the case, so on every rank alike) where the installed
+    version lacks what ``case`` needs: its schedule, reduction and output head (and ``also``)."""
+    needed = ["schedule_1f1b" if case.virtual_stages == 1 else "schedule_interleaved", *also]
+    if case.reduce_scatter_with_fp32_accumulation:
+        needed.append("reduce_scatter_with_fp32_accumulation")
+    if case.reduction == "avg":
+        needed.append("average_in_collective")
+    if case.spec.output_head:
+        needed += ["defer_embedding_wgrad_compute", "fused_wgrad_gemm"]
+    reason = installed().skip_reason(*needed)
+    if reason is not None:
+        raise unsupported(reason)
+
+
 class StagesForOptimizer:
     """``PipelineTraining.model`` and ``model_support`` for Megatron-Core."""
 
@@ -65,20 +80,10 @@ class StagesForOptimizer:
                                (not case.use_distributed_optimizer, support.replicated_optimizer)):
             if needed and reason is not None:
                 raise unsupported(reason)
-        features = ["schedule_1f1b" if case.virtual_stages == 1 else "schedule_interleaved",
-                    "distributed_optimizer"]
-        if case.reduce_scatter_with_fp32_accumulation:
-            features.append("reduce_scatter_with_fp32_accumulation")
-        if case.reduction == "avg":
-            features.append("average_in_collective")
-        if case.spec.output_head:
-            features += ["defer_embedding_wgrad_compute", "fused_wgrad_gemm"]
-        reason = installed().skip_reason(*features)
-        if reason is not None:
-            raise unsupported(reason)
+        require_features(case, "distributed_optimizer")
         if case.reduction == "sum":
             raise unsupported("averages its grads over DP (the twin's reduction is 'prescale')")
         return MegatronStages(case, grid, settings, self.ddp_class())
 
 
-__all__ = ["StagesForOptimizer"]
+__all__ = ["StagesForOptimizer", "require_features", "unsupported"]
