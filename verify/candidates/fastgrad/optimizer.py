@@ -40,6 +40,7 @@ from verify.candidates.fastgrad.sharded_optimizer import (
     FastgradGuards,
     FastgradMXFP8Optimizer,
     FastgradShardedOptimizer,
+    as_step_outcome,
 )
 from verify.candidates.fastgrad.stages import FastgradStages, norm_group
 
@@ -127,8 +128,7 @@ class FastgradTrainingOptimizer:
         outcome = self.optimizer.step()  # MXFP8: stage -> all-gather -> quantize -> zero
         if self.stages.front is not None:
             self.stages.refresh_from_mxfp8()
-        return StepOutcome(stepped=outcome.stepped, grad_norm=outcome.grad_norm,
-                           clip_coefficient=outcome.clip_coefficient, loss_scale=outcome.loss_scale)
+        return as_step_outcome(outcome)
 
     def state(self) -> dict[str, AdamWState]:
         by_name = self.optimizer.named_state_dict()["params"]

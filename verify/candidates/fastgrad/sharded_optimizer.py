@@ -25,6 +25,7 @@ from fastgrad.optim import (
     DistributedOptimizer,
     DynamicLossScaler,
     SGDConfig,
+    StepResult,
     param_groups_without_decay_for,
 )
 from fastgrad.parallel_dims import ParallelDims
@@ -50,6 +51,13 @@ def fastgrad_config(settings: OptimizerSettings) -> AdamWConfig | SGDConfig:
     h = settings.adamw
     return AdamWConfig(lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
                        weight_decay=h.weight_decay)
+
+
+def as_step_outcome(result: StepResult) -> StepOutcome:
+    """fastgrad's :class:`~fastgrad.optim.StepResult` as the seam's :class:`StepOutcome`."""
+    return StepOutcome(stepped=result.stepped, grad_norm=result.grad_norm,
+                       clip_coefficient=result.clip_coefficient, loss_scale=result.loss_scale,
+                       reason=result.reason or "")
 
 
 class FastgradDataParallel(DataParallelModule):
@@ -107,10 +115,7 @@ class FastgradShardedOptimizer(ShardedOptimizer):
         return self.optimizer.param_gather_in_flight
 
     def step(self) -> StepOutcome:
-        result = self.optimizer.step()
-        return StepOutcome(stepped=result.stepped, grad_norm=result.grad_norm,
-                           clip_coefficient=result.clip_coefficient,
-                           loss_scale=result.loss_scale, reason=result.reason or "")
+        return as_step_outcome(self.optimizer.step())
 
     def state(self) -> dict[str, AdamWState]:
         return {name: AdamWState(entry["master"], entry["exp_avg"], entry["exp_avg_sq"])
