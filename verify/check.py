@@ -20,6 +20,7 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from dataclasses import fields as dataclass_fields
 from typing import Any
 
 import torch
@@ -31,6 +32,8 @@ from verify.candidates import (
     Unsupported,
     default_candidate,
 )
+from verify.candidates.api.findings import Finding, LaunchSettings, explaining
+from verify.distributed import RankCrashed
 
 _DEVICES = ("cpu", "cuda")
 
@@ -91,6 +94,47 @@ class ComparisonRecord:
     passed: bool
     metrics: dict[str, Any]
     reason: str = ""
+    case: str | None = None  # the case it belongs to (CaseRecord.label), if any
+
+
+@dataclass
+class CaseRecord:
+    """One configuration a check ran: the Megatron-LM settings it stands for and, once the
+    check has run, whether it passed and which of the candidate's known findings explains
+    its failure (``finding``: a key; None: none, or it passed) or its settings reach."""
+
+    label: str
+    flags: str
+    api_only: str | None
+    settings: dict[str, Any]
+    passed: bool = True
+    finding: str | None = None
+    reaches: list[str] = field(default_factory=list)
+
+
+@dataclass
+class CrashRecord:
+    """A configuration whose run the candidate ended by raising (or dying) on some ranks:
+    a crash with its root cause, never a numerical distance. ``traceback`` once, for every
+    rank that raised the same."""
+
+    label: str
+    exception: str
+    message: str
+    where: str
+    ranks: list[int]
+    traceback: str
+    case: str | None = None
+
+    @property
+    def function(self) -> str | None:
+        """The function the root cause was raised in (the last word of ``where``)."""
+        return self.where.rsplit(" ", 1)[-1] if self.where else None
+
+    def summary(self) -> str:
+        ranks = ", ".join(map(str, self.ranks))
+        where = f" (raised at {self.where})" if self.where else ""
+        return f"crashed on rank{'s' if len(self.ranks) > 1 else ''} {ranks}: {self.exception}: {self.message}{where}"
 
 
 @dataclass
@@ -112,6 +156,7 @@ class ExpectationRecord:
     label: str
     passed: bool
     detail: str = ""
+    case: str | None = None
 
 
 PASS, FAIL, ERROR, SKIP = "PASS", "FAIL", "ERROR", "SKIP"
@@ -131,7 +176,7 @@ class CheckResult:
     comparisons: list[ComparisonRecord] = field(default_factory=list)
     expectations: list[ExpectationRecord] = field(default_factory=list)
     tables: list[Table] = field(default_factory=list)
-    findings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     differences: list[DifferenceRecord] = field(default_factory=list)
     error: str | None = None
@@ -139,6 +184,13 @@ class CheckResult:
     # The candidate's label (``Candidate.label``) for a technique check; None for a
     # truth-layer check, whose result is the same whichever implementation is verified.
     candidate: str | None = None
+    # The candidate's installed version, which every result of a technique check came from.
+    candidate_version: str | None = None
+    cases: list[CaseRecord] = field(default_factory=list)
+    crashes: list[CrashRecord] = field(default_factory=list)
+    # The candidate's known findings that a failing case here was attributed to, by key
+    # (``Finding.to_dict()``); the cases name which.
+    known_findings: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.status:
@@ -146,7 +198,7 @@ class CheckResult:
                 self.status = ERROR
             elif self.passed:
                 self.status = PASS
-            elif self.skipped and not (self.comparisons or self.expectations):
+            elif self.skipped and not (self.comparisons or self.expectations or self.crashes):
                 self.status = SKIP
             else:
                 self.status = FAIL
@@ -163,10 +215,17 @@ class CheckResult:
         return self.name if self.candidate is None else f"{self.name} [{self.candidate}]"
 
     def failed_labels(self) -> list[str]:
-        """Labels of the comparisons, then the expectations, that did not pass."""
-        return [c.label for c in self.comparisons if not c.passed] + [
-            e.label for e in self.expectations if not e.passed
-        ]
+        """Labels of the crashes, then the comparisons and the expectations, that did not pass."""
+        return ([f"{c.label}: {c.summary()}" for c in self.crashes]
+                + [c.label for c in self.comparisons if not c.passed]
+                + [e.label for e in self.expectations if not e.passed])
+
+    @property
+    def hazards(self) -> list[CaseRecord]:
+        """Failing cases a known finding reachable only by direct API use explains: reported,
+        never a FAIL."""
+        return [c for c in self.cases if not c.passed and c.finding is not None
+                and not self.known_findings[c.finding]["reachable"]]
 
 
 class CheckRecorder:
@@ -179,9 +238,49 @@ class CheckRecorder:
         self._comparisons: list[ComparisonRecord] = []
         self._expectations: list[ExpectationRecord] = []
         self._tables: list[Table] = []
-        self._findings: list[str] = []
+        self._notes: list[str] = []
         self._skipped: list[str] = []
         self._differences: list[DifferenceRecord] = []
+        self._cases: dict[str, CaseRecord] = {}
+        self._settings: dict[str, LaunchSettings] = {}
+        self._crashes: list[CrashRecord] = []
+        self._case: str | None = None
+
+    @contextmanager
+    def case(self, label: str, settings: LaunchSettings) -> Iterator[None]:
+        """Record what the block records as the case ``label``, which stands for
+        ``settings``: the report spells it as those Megatron-LM flags, and a failure in it is
+        attributed to the candidate's known finding whose rule reaches them, if any. A label
+        entered again adds to the same case (its settings must not change)."""
+        if not isinstance(settings, LaunchSettings):
+            raise TypeError(f"case {label!r}: settings must be a LaunchSettings, "
+                            f"got {type(settings).__name__}")
+        known = self._settings.get(label)
+        if known is not None and known != settings:
+            raise ValueError(f"case {label!r} was recorded before with other settings")
+        if known is None:
+            self._settings[label] = settings
+            self._cases[label] = CaseRecord(label, settings.flags(), settings.api_only,
+                                            _plain_settings(settings))
+        outer, self._case = self._case, label
+        try:
+            yield
+        finally:
+            self._case = outer
+
+    def crash(self, label: str, crash: RankCrashed, candidate: Candidate) -> None:
+        """A configuration ``candidate`` crashed in: recorded with its root cause (the ranks
+        that raised it, the exception, where), a failure of the current case; the numbers
+        such a run left are never compared. A crash whose root cause lies outside the
+        candidate's code (:attr:`Candidate.own_modules`) is the harness's own: it is raised,
+        and the check ends in ERROR naming it."""
+        first = crash.first
+        if not first.raised_in(candidate.own_modules):
+            raise crash
+        self._crashes.append(CrashRecord(
+            label, first.exception, first.message, first.root.short() if first.root else "",
+            sorted(r for r, f in crash.failures.items() if f.summary() == first.summary()),
+            first.traceback, self._case))
 
     def compare(
         self,
@@ -208,7 +307,7 @@ class CheckRecorder:
         else:
             ok = result.nan_mismatch == 0 and result.inf_mismatch == 0 and result.max_ulp <= max_ulp
         self._comparisons.append(
-            ComparisonRecord(label, max_ulp, bool(ok), result.to_dict(), reason)
+            ComparisonRecord(label, max_ulp, bool(ok), result.to_dict(), reason, self._case)
         )
         return bool(ok)
 
@@ -275,7 +374,7 @@ class CheckRecorder:
 
     def expect(self, label: str, condition: bool, detail: str = "") -> bool:
         """Record a boolean fact; the check fails if it is False."""
-        self._expectations.append(ExpectationRecord(label, bool(condition), detail))
+        self._expectations.append(ExpectationRecord(label, bool(condition), detail, self._case))
         return bool(condition)
 
     def table(
@@ -288,9 +387,9 @@ class CheckRecorder:
         """A table for the report (rows of plain values; notes printed beneath it)."""
         self._tables.append(Table(title, list(columns), [list(r) for r in rows], list(notes)))
 
-    def finding(self, text: str) -> None:
+    def note(self, text: str) -> None:
         """A noteworthy fact that is not a failure (e.g. a peer disagreeing with the spec)."""
-        self._findings.append(text)
+        self._notes.append(text)
 
     def skip(self, text: str) -> None:
         """Something the check could not run here, and why."""
@@ -311,17 +410,53 @@ class CheckRecorder:
         self._comparisons.extend(part._comparisons)
         self._expectations.extend(part._expectations)
         self._tables.extend(part._tables)
-        self._findings.extend(part._findings)
+        self._notes.extend(part._notes)
         self._skipped.extend(part._skipped)
         self._differences.extend(part._differences)
+        self._crashes.extend(part._crashes)
+        for label, settings in part._settings.items():
+            if label not in self._settings:
+                self._settings[label] = settings
+                self._cases[label] = part._cases[label]
 
-    def finish(self, seconds: float, error: str | None = None) -> CheckResult:
-        """Close the check: it passes only with no error, at least one comparison or expectation, and all of them passing."""
+    def finish(self, seconds: float, error: str | None = None,
+               findings: tuple[Finding, ...] = (), candidate_version: str | None = None
+               ) -> CheckResult:
+        """Close the check. Each case's failures are attributed to the first of ``findings``
+        (the candidate's known root causes) that explains them; failures of a finding only
+        direct API use reaches are reported as hazards and do not fail the check. It passes
+        only with no error, at least one comparison, expectation or crash recorded, and every
+        other failure absent."""
+        failing: dict[str | None, list[bool]] = {}
+        for record in (*self._comparisons, *self._expectations):
+            if not record.passed:
+                failing.setdefault(record.case, []).append(True)
+        crashes_by_case: dict[str | None, list[CrashRecord]] = {}
+        for crash in self._crashes:
+            crashes_by_case.setdefault(crash.case, []).append(crash)
+        known: dict[str, dict[str, Any]] = {}
+        excused: set[str] = set()
+        for label, case in self._cases.items():
+            settings = self._settings[label]
+            case.reaches = [f.key for f in findings if f.reaches(settings)]
+            crashes = crashes_by_case.get(label, [])
+            case.passed = label not in failing and not crashes
+            if case.passed:
+                continue
+            signature = (crashes[0].exception, crashes[0].function) if crashes else None
+            finding = explaining(findings, settings, signature)
+            if finding is None:
+                continue
+            case.finding = finding.key
+            known[finding.key] = finding.to_dict()
+            if not finding.reachable:
+                excused.add(label)
+        counted = [r for r in (*self._comparisons, *self._expectations) if r.case not in excused]
         passed = (
             error is None
-            and all(c.passed for c in self._comparisons)
-            and all(e.passed for e in self._expectations)
-            and (self._comparisons or self._expectations)
+            and all(r.passed for r in counted)
+            and not any(c.case not in excused for c in self._crashes)
+            and bool(self._comparisons or self._expectations or self._crashes)
         )
         return CheckResult(
             name=self.name,
@@ -331,12 +466,25 @@ class CheckRecorder:
             comparisons=self._comparisons,
             expectations=self._expectations,
             tables=self._tables,
-            findings=self._findings,
+            notes=self._notes,
             skipped=self._skipped,
             differences=self._differences,
             error=error,
             candidate=self.candidate,
+            candidate_version=candidate_version,
+            cases=list(self._cases.values()),
+            crashes=self._crashes,
+            known_findings=known,
         )
+
+
+def _plain_settings(settings: LaunchSettings) -> dict[str, Any]:
+    """``settings`` as plain values for the JSON report (the grid's sizes spelled out)."""
+    plain = {f.name: getattr(settings, f.name) for f in dataclass_fields(settings) if f.name != "dims"}
+    d = settings.dims
+    plain.update(tp=d.tp_size, pp=d.pp_size, vpp=d.vpp_size, dp=d.dp_size, cp=d.cp_size,
+                 sequence_parallel=d.sequence_parallel)
+    return plain
 
 
 CheckFunction = Callable[[CheckContext, CheckRecorder, Any], None]
@@ -396,11 +544,15 @@ class Check:
             )
         recorder = CheckRecorder(self.name, self.summary,
                                  None if self.technique is None else chosen.label)
+        findings: tuple[Finding, ...] = () if self.technique is None else chosen.findings()
+        version = None if self.technique is None else chosen.info().version
         start = time.perf_counter()
         try:
             self.run(context, recorder, chosen)
         except Unsupported as unsupported:
             recorder.skip(str(unsupported))
         except Exception:  # noqa: BLE001 - reported, never hidden
-            return recorder.finish(time.perf_counter() - start, error=traceback.format_exc())
-        return recorder.finish(time.perf_counter() - start)
+            return recorder.finish(time.perf_counter() - start, error=traceback.format_exc(),
+                                   findings=findings, candidate_version=version)
+        return recorder.finish(time.perf_counter() - start, findings=findings,
+                               candidate_version=version)

@@ -241,7 +241,7 @@ def _result_details(result: CheckResult, verbose: bool, width: int) -> list[str]
     if verbose:
         lines.extend(_fit(_difference_line(d), width, "  ") for d in result.differences)
         lines.extend(_fit(f"skipped: {t}", width, "  ") for t in result.skipped)
-        lines.extend(_fit(f"info: {t}", width, "  ") for t in result.findings)
+        lines.extend(_fit(f"info: {t}", width, "  ") for t in result.notes)
         for table in result.tables:
             lines.append("")
             lines.append(render_table_text(table, width - 2).replace("\n", "\n  "))
@@ -308,7 +308,7 @@ def render_text(report: Report, verbose: bool = False, width: int = 100) -> str:
         lines.append(_fit(f"{differences} documented difference{'s' if differences != 1 else ''} "
                           "from refgrad's spec (production behaviour, each matching refgrad's "
                           "model of it): see -v or the reports", width))
-    hidden = sum(len(r.findings) + len(r.skipped) for r in report.checks)
+    hidden = sum(len(r.notes) + len(r.skipped) for r in report.checks)
     if not verbose and hidden:
         lines.append(_fit(f"({hidden} findings and skipped items: see -v or the reports)", width))
     return "\n".join(lines)
@@ -436,9 +436,9 @@ def render_markdown(report: Report) -> str:
                          f"{d.metrics.get('max_ulp')} |" for d in r.differences)
         for table in r.tables:
             lines.extend(["", render_table_markdown(table)])
-        if r.findings:
+        if r.notes:
             lines.extend(["", "Findings (informational):"])
-            lines.extend(f"- {f}" for f in r.findings)
+            lines.extend(f"- {f}" for f in r.notes)
         if r.skipped:
             lines.extend(["", "Skipped:"])
             lines.extend(f"- {s}" for s in r.skipped)

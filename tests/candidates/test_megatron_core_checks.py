@@ -242,7 +242,7 @@ def test_pipeline_check_classifies_every_megatron_difference():
     # Without overlap the head is drained before the reduction: step 0 (M = 5) is right; the
     # first M = 1 step loses its wgrad.
     assert f"{TIED}, overlap off: reduced grads differ from refgrad at step 1: " \
-           "stage0.layers.0.weight, stage1.head.weight; step 2" in " ".join(result.findings)
+           "stage0.layers.0.weight, stage1.head.weight; step 2" in " ".join(result.notes)
     # One bucket on every stage after the first (DistributedDataParallel.__init__). Hand-
     # derived with refgrad.layout at bucket_size 80: a stage of two 8x8 Linear layers, reversed
     # (bias 8, weight 64, bias 8: 80 >= 80 closes), is 2 buckets; the last tied stage with its

@@ -24,8 +24,8 @@ def test_formats_check_passes_quick():
     assert result.passed, result.failed_labels()
     assert result.comparisons and result.expectations
     # Every known torch behaviour is reported as a finding with its example.
-    assert len(result.findings) >= 9
-    assert any("float64->bfloat16" in f and "0x3f80" in f for f in result.findings)
+    assert len(result.notes) >= 9
+    assert any("float64->bfloat16" in f and "0x3f80" in f for f in result.notes)
 
 
 def test_metrics_check_passes_quick():

@@ -23,8 +23,8 @@ def test_layout_check_passes_quick():
     titles = [t.title for t in result.tables]
     assert any("Padding overhead" in t for t in titles)
     assert any("published worked examples" in t for t in titles)
-    assert not any("seed" in text.lower() for text in titles + result.findings)
-    assert any("4,194,304" in f for f in result.findings)
+    assert not any("seed" in text.lower() for text in titles + result.notes)
+    assert any("4,194,304" in f for f in result.notes)
 
 
 def test_fastgrad_layout_satisfies_the_interface():

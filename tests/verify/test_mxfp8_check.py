@@ -36,9 +36,9 @@ def test_mxfp8_check_passes_quick():
     labels = [c.label for c in result.comparisons]
     assert sum("iteration 2" in label and "grad buffer" in label for label in labels) == 2
     # torch's naive casts disagree with the spec somewhere: reported, not failed
-    assert any(f.startswith("torch casts (naive)") for f in result.findings)
+    assert any(f.startswith("torch casts (naive)") for f in result.notes)
     # internal note and description names never reach the report
-    text = " ".join(titles + result.findings).lower()
+    text = " ".join(titles + result.notes).lower()
     assert "reference_notes" not in text and "seed" not in text
 
 

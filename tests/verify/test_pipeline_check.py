@@ -131,15 +131,56 @@ class _ScopedCandidate(FastgradCandidate):
 
 @pytest.mark.dist
 def test_the_check_uses_the_pipeline_interface_inside_its_scope():
-    from verify.checks.pipeline.worker import pipeline_worker
-    from verify.distributed import spawn
+    from verify.checks.pipeline.worker import PipelineRun, pipeline_worker
+    from verify.distributed import spawn_each
 
     spec = LinearStackSpec(num_stages=2, layers_per_stage=1, hidden=8, seed=5)
     case = PipelineCase("P2 D1 scoped", ParallelDims(pp_size=2), spec, (StepPlan(2), StepPlan(2)))
-    for outcome in spawn(pipeline_worker, 2, _ScopedCandidate(), [[case]]):
-        runs = outcome["P2 D1 scoped"]
-        assert not isinstance(runs, str), runs
-        assert sorted(runs) == [False, True] and all(len(r.losses) == 2 for r in runs.values())
+    runs = [PipelineRun(case, overlap) for overlap in (True, False)]
+    for outcome in spawn_each(pipeline_worker, 2, runs, _ScopedCandidate(), isolate=False):
+        assert outcome.crash is None, outcome.crash
+        assert all(not isinstance(r, str) and len(r.losses) == 2 for r in outcome.results)
+
+
+@dataclass(frozen=True)
+class _RaisingPipeline(FastgradPipeline):
+    """fastgrad's pipeline whose rank 1 raises in its second step while its peer waits in a
+    collective of the schedule."""
+
+    def train(self, case, grid, *, overlap, progress=None):
+        if grid.rank == 1 and case.name.startswith("P2 D2 all-reduce avg-in-collective, tied head"):
+            raise ValueError("planted fault on rank 1")
+        return super().train(case, grid, overlap=overlap, progress=progress)
+
+
+@dataclass(frozen=True)
+class _RaisingCandidate(FastgradCandidate):
+    def pipeline(self):
+        return _RaisingPipeline()
+
+
+@pytest.mark.dist
+def test_a_rank_raising_ends_its_case_in_seconds_as_a_crash_and_the_other_cases_run():
+    import time
+
+    started = time.monotonic()
+    result = CHECK.execute(CheckContext(quick=True, timeout_s=60), _RaisingCandidate())
+    elapsed = time.monotonic() - started
+    assert result.status == "FAIL" and result.error is None
+    crashed = {c.label for c in result.crashes}
+    head = "P2 D2 all-reduce avg-in-collective, tied head"
+    assert crashed == {f"{head}, overlap {o}" for o in ("on", "off")} | {
+        f"{head}, M >= 2, overlap {o}" for o in ("on", "off")}
+    for crash in result.crashes:
+        assert (crash.exception, crash.message, crash.ranks) == (
+            "ValueError", "planted fault on rank 1", [1])
+        assert crash.where.endswith("train")
+    # Nothing of a crashed run is compared; the other cases ran and passed.
+    assert not any(c.label.startswith(head) for c in result.comparisons)
+    assert "P4 D1 all-reduce sum, overlap on: reduced grads vs refgrad" in [
+        c.label for c in result.comparisons if c.passed]
+    # Each crash ended its world within FAILURE_GRACE_S, never at the 60 s stall timeout.
+    assert elapsed < 60 * 2, elapsed
 
 
 def test_candidate_validation():

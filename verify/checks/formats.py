@@ -418,7 +418,7 @@ def run(ctx: CheckContext, rec: CheckRecorder, candidate: FormatsCandidate) -> N
             f"CHANGED: torch now gives {torch_bits:#04x} (recorded {known.torch_bits:#04x})"
         )
         correct = "no encoding" if known.correct_bits is None else f"{known.correct_bits:#04x}"
-        rec.finding(
+        rec.note(
             f"torch {known.source_dtype}->{known.target_dtype} of {known.example!r}: "
             f"torch {torch_bits:#04x}, correct {correct}"
             f"{'' if known.overflow is None else f' (overflow={known.overflow})'} [{status}]. "

@@ -21,11 +21,18 @@ steps with (``progress.mark("stage 1: backward microbatch 3")``).
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from verify.distributed.errors import DistributedRunError, RankCrashed, RankState, RankTimeout
-from verify.distributed.launcher import DEFAULT_TIMEOUT_S, RankLauncher
+from verify.distributed.errors import (
+    DistributedRunError,
+    Frame,
+    RankCrashed,
+    RankFailure,
+    RankState,
+    RankTimeout,
+)
+from verify.distributed.launcher import DEFAULT_TIMEOUT_S, ItemOutcome, RankLauncher
 from verify.distributed.progress import RankProgress
 from verify.distributed.stall import CEILING_FACTOR
 
@@ -33,13 +40,17 @@ __all__ = [
     "CEILING_FACTOR",
     "DEFAULT_TIMEOUT_S",
     "DistributedRunError",
+    "Frame",
+    "ItemOutcome",
     "RankCrashed",
+    "RankFailure",
     "RankLauncher",
     "RankProgress",
     "RankState",
     "RankTimeout",
     "free_port",
     "spawn",
+    "spawn_each",
 ]
 
 
@@ -74,3 +85,32 @@ def spawn(
     return (launcher or RankLauncher()).spawn(fn, world_size, *args, backend=backend,
                                               timeout_s=timeout_s, ceiling_s=ceiling_s,
                                               on_started=on_started)
+
+
+def spawn_each(
+    fn: Callable[..., Any],
+    world_size: int,
+    items: Sequence[Any],
+    *args: Any,
+    isolate: bool,
+    backend: str = "gloo",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    ceiling_s: float | None = None,
+    launcher: RankLauncher | None = None,
+    on_started: Callable[[], None] | None = None,
+) -> list[ItemOutcome]:
+    """Run ``fn(rank, world_size, item, *args)`` for each of ``items`` on ``world_size`` fresh
+    processes; one :class:`ItemOutcome` per item, in order.
+
+    A rank that raises (or dies) while running an item ends its world within
+    ``FAILURE_GRACE_S``: its peers, which may be waiting for it in a collective, are stopped,
+    and that item's outcome is the :class:`RankCrashed` naming every failed rank's root cause.
+    The items after it run in a fresh world. With ``isolate=True`` every item runs in a world
+    of its own (fresh processes forked from the launcher's warm server), so no process-wide
+    state one item leaves reaches the next; with ``isolate=False`` items share a world until
+    one crashes. A stall still raises :class:`RankTimeout` (no verdict on any item), and a
+    failure in the harness's own start or teardown raises :class:`RankCrashed`.
+    """
+    return (launcher or RankLauncher()).spawn_each(
+        fn, world_size, items, *args, isolate=isolate, backend=backend, timeout_s=timeout_s,
+        ceiling_s=ceiling_s, on_started=on_started)

@@ -10,7 +10,6 @@ import signal
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -19,7 +18,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from verify.distributed.errors import RankFailure
 from verify.distributed.progress import RankProgress
+
+# What a rank sends its parent, one message per event, in order:
+#   (ITEM_DONE, index, pickled result)   an item (a plain spawn's one call: index 0) returned
+#   (RANK_DONE, None, None)              every item returned and the final barrier passed
+#   (RANK_FAILED, index or None, RankFailure)  it raised (in that item; None: start/teardown)
+ITEM_DONE, RANK_DONE, RANK_FAILED = "item", "done", "failed"
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,12 @@ class RankJob:
     ceiling_s: float
     # The process that called spawn; the rank exits when it is gone (see _exit_with_parent).
     parent_pid: int
+    # spawn_each: ``fn(rank, world_size, item, *args)`` for each item in turn, each result
+    # sent as it is ready; None: one call ``fn(rank, world_size, *args)`` (spawn).
+    items: tuple[Any, ...] | None = None
+    # Index of ``items[0]`` in the caller's whole list (a world restarted after a crash
+    # runs the rest of the list).
+    first_item: int = 0
 
 
 _PARENT_POLL_S = 0.5
@@ -114,7 +126,7 @@ def _connect_store(job: RankJob) -> Any:
 
 
 def rank_main(job: RankJob, result_conn: Any) -> None:
-    """Run ``job.fn`` in a process group; send ``(True, pickled result)`` or ``(False, traceback)``.
+    """Run ``job.fn`` in a process group; send what it returned, or why it failed (above).
 
     The name is what :mod:`verify.distributed.diagnosis` looks for in stack dumps.
     """
@@ -134,6 +146,7 @@ def rank_main(job: RankJob, result_conn: Any) -> None:
     progress.mark("starting")
     # One intra-op thread per rank: W ranks share 2 cores in CI.
     torch.set_num_threads(1)
+    item: int | None = None
     try:
         progress.mark("init_process_group")
         store = _connect_store(job)
@@ -141,19 +154,30 @@ def rank_main(job: RankJob, result_conn: Any) -> None:
                                 timeout=timedelta(seconds=job.ceiling_s))
         progress.mark("running the rank function")
         kwargs = {"progress": progress} if job.pass_progress else {}
-        result = job.fn(job.rank, job.world_size, *job.args, **kwargs)
-    except BaseException:  # noqa: BLE001 - forwarded to the parent
-        # Report at once and skip the barrier: peers may be blocked in a collective
-        # waiting for this rank, and the parent kills them once it sees this failure.
-        result_conn.send((False, traceback.format_exc()))
-        return
-    try:
+        if job.items is None:
+            item = 0
+            result = job.fn(job.rank, job.world_size, *job.args, **kwargs)
+            # A plain spawn's result travels after the final barrier: a rank that returned
+            # while a peer raised must not count as done.
+            pending = [(0, result)]
+        else:
+            pending = []
+            for offset, value in enumerate(job.items):
+                item = job.first_item + offset
+                progress.mark(f"item {item}")
+                result = job.fn(job.rank, job.world_size, value, *job.args, **kwargs)
+                # Plain pickle copies tensor data by value; the connection's own pickler
+                # would send shared-memory handles that vanish when this process exits.
+                result_conn.send((ITEM_DONE, item, pickle.dumps(result)))
+        item = None
         progress.mark("returned; in the harness's final barrier")
         dist.barrier()
         dist.destroy_process_group()
         progress.mark("sending the result")
-        # Plain pickle copies tensor data by value; the connection's own pickler would
-        # send shared-memory handles that vanish when this process exits.
-        result_conn.send((True, pickle.dumps(result)))
-    except BaseException:  # noqa: BLE001 - forwarded to the parent
-        result_conn.send((False, traceback.format_exc()))
+        for index, result in pending:
+            result_conn.send((ITEM_DONE, index, pickle.dumps(result)))
+        result_conn.send((RANK_DONE, None, None))
+    except BaseException as error:  # noqa: BLE001 - forwarded to the parent
+        # Report at once and skip the barrier: peers may be blocked in a collective
+        # waiting for this rank, and the parent stops them once it sees this failure.
+        result_conn.send((RANK_FAILED, item, RankFailure.from_exception(error, item)))

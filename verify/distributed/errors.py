@@ -9,9 +9,116 @@ last progress marker and, where the harness could get one, its Python stack.
 
 from __future__ import annotations
 
+import sys
+import traceback as traceback_module
+from collections.abc import Iterable
 from dataclasses import dataclass
+from types import TracebackType
 
 from verify.distributed.stall import CPU_SHARE
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One frame of a rank's traceback: the module it ran in, its file, line and function."""
+
+    module: str
+    filename: str
+    lineno: int
+    function: str
+
+    def short(self) -> str:
+        """``path:line function`` with the path from its package root (after site-packages)."""
+        path = self.filename.split("site-packages/")[-1]
+        return f"{path}:{self.lineno} {self.function}"
+
+
+def _frames(tb: TracebackType | None) -> tuple[Frame, ...]:
+    frames = []
+    while tb is not None:
+        frame = tb.tb_frame
+        frames.append(Frame(str(frame.f_globals.get("__name__", "?")), frame.f_code.co_filename,
+                            tb.tb_lineno, frame.f_code.co_name))
+        tb = tb.tb_next
+    return tuple(frames)
+
+
+def _root_cause(error: BaseException) -> BaseException:
+    """The first exception of ``error``'s chain: what was raised before anything handled it
+    (``raise ... from``, or an exception raised while handling another)."""
+    seen = {id(error)}
+    while True:
+        earlier = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
+        if earlier is None or id(earlier) in seen:
+            return error
+        seen.add(id(earlier))
+        error = earlier
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """Why one rank failed: the exception it raised (its root cause first) or how it died.
+
+    ``frames`` run outermost first to the frame that raised the root cause; ``item`` is the
+    index of the item of :func:`verify.distributed.spawn_each` the rank was running (None:
+    a plain ``spawn``, or the harness's own start or teardown).
+    """
+
+    exception: str
+    message: str
+    traceback: str = ""
+    frames: tuple[Frame, ...] = ()
+    item: int | None = None
+
+    @classmethod
+    def from_exception(cls, error: BaseException, item: int | None = None) -> RankFailure:
+        """The failure of a rank that raised ``error`` (while running ``item``)."""
+        root = _root_cause(error)
+        text = "".join(traceback_module.format_exception(error))
+        return cls(type(root).__name__, str(root) or "(no message)", text,
+                   _frames(root.__traceback__), item)
+
+    @classmethod
+    def died(cls, how: str, item: int | None = None) -> RankFailure:
+        """The failure of a rank whose process ended without reporting (``how``: its state)."""
+        return cls("ProcessDied", f"the process {how} before reporting", "", (), item)
+
+    @property
+    def root(self) -> Frame | None:
+        """The frame that raised the root cause (None for a process that died)."""
+        return self.frames[-1] if self.frames else None
+
+    def summary(self) -> str:
+        """One line: the root cause and where it was raised."""
+        where = f" (raised at {self.root.short()})" if self.root is not None else ""
+        return f"{self.exception}: {self.message}{where}"
+
+    def raised_in(self, modules: Iterable[str]) -> bool:
+        """True when the root cause comes from code of one of ``modules`` (a package name
+        matches its submodules): the innermost frame that is not torch's or the standard
+        library's (what such code calls and fails in) belongs to one of them."""
+        prefixes = tuple(modules)
+        for frame in reversed(self.frames):
+            top = frame.module.split(".")[0]
+            if top == "torch" or top in sys.stdlib_module_names:
+                continue
+            return any(frame.module == p or frame.module.startswith(p + ".") for p in prefixes)
+        return False
+
+    @property
+    def in_collective(self) -> bool:
+        """True when the root cause is the communication layer's: raised inside
+        torch.distributed's Python, a ``torch.distributed.Dist*Error``, or a backend's
+        transport error raised from a collective's ``wait()`` (gloo's messages name their
+        transport source file; NCCL's name NCCL). These are what a rank meets when a failed
+        peer has gone."""
+        if self.root is not None and self.root.module.startswith("torch.distributed"):
+            return True
+        return (self.exception.startswith("Dist") or "/gloo/transport/" in self.message
+                or "NCCL" in self.message)
+
+    def __str__(self) -> str:
+        return self.summary() + (f"\n{self.traceback}" if self.traceback else "")
 
 
 @dataclass(frozen=True)
@@ -55,21 +162,67 @@ class DistributedRunError(RuntimeError):
 
 
 class RankCrashed(DistributedRunError):
-    """One or more ranks raised or died; ``failures`` maps rank -> traceback or exit status."""
+    """One or more ranks raised or died; ``failures`` maps rank -> :class:`RankFailure`.
 
-    def __init__(self, failures: dict[int, str], others: dict[int, RankState]) -> None:
+    ``failures`` are the root causes: the first rank(s) to fail. A rank whose collective
+    failed afterwards because a failed peer had gone (its error raised inside
+    torch.distributed) is a consequence, kept apart in ``consequences``. The message leads
+    with each distinct root cause (the ranks that raised it, the exception and where), then
+    each distinct traceback once, then the ranks stopped because of it: W ranks raising the
+    same error print it once, not W times.
+    """
+
+    def __init__(self, failures: dict[int, RankFailure], others: dict[int, RankState],
+                 consequences: dict[int, RankFailure] | None = None) -> None:
         self.failures = dict(sorted(failures.items()))
         self.others = dict(sorted(others.items()))
-        text = "".join(f"\n--- rank {r} failed ---\n{tb}" for r, tb in self.failures.items())
-        if self.others:
-            text += "\n--- ranks stopped because of that failure ---\n"
-            text += "\n".join(state.describe() for state in self.others.values())
-        super().__init__(text)
+        self.consequences = dict(sorted((consequences or {}).items()))
+        groups: dict[tuple[str, str], list[int]] = {}
+        for rank, failure in self.failures.items():
+            groups.setdefault((failure.summary(), failure.traceback), []).append(rank)
+        lines = [f"{_ranks_text(ranks)} failed: {summary}" for (summary, _), ranks in groups.items()]
+        for (_, text), ranks in groups.items():
+            if text:
+                lines.append(f"--- traceback of {_ranks_text(ranks)} ---\n{text.rstrip()}")
+        if self.others or self.consequences:
+            lines.append("--- ranks stopped because of that failure ---")
+            lines.extend(f"  rank {rank}: its collective failed once the failed rank had gone: "
+                         f"{failure.summary()}" for rank, failure in self.consequences.items())
+            lines.extend(state.describe() for state in self.others.values())
+        super().__init__("\n".join(lines))
+
+    @classmethod
+    def from_arrivals(cls, arrivals: list[tuple[int, RankFailure]],
+                      others: dict[int, RankState]) -> RankCrashed:
+        """The crash of these failures: where some rank failed outside torch.distributed (its
+        own error), a failure raised inside a collective is a consequence of it, whatever
+        order they arrived in (a peer's gloo error can be read first); where every rank
+        failed inside a collective, each is a root cause."""
+        causes = {rank: f for rank, f in arrivals if not f.in_collective}
+        if not causes:
+            return cls(dict(arrivals), others)
+        return cls(causes, others, {rank: f for rank, f in arrivals if f.in_collective})
 
     @property
     def ranks(self) -> tuple[int, ...]:
-        """The ranks that failed, ascending."""
+        """The ranks that failed first (the root causes), ascending."""
         return tuple(self.failures)
+
+    @property
+    def first(self) -> RankFailure:
+        """The root cause of the lowest failed rank."""
+        return next(iter(self.failures.values()))
+
+    def summary(self) -> str:
+        """One line per distinct root cause, with the ranks that raised it."""
+        groups: dict[str, list[int]] = {}
+        for rank, failure in self.failures.items():
+            groups.setdefault(failure.summary(), []).append(rank)
+        return "; ".join(f"{_ranks_text(ranks)}: {text}" for text, ranks in groups.items())
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
 class RankTimeout(DistributedRunError):

@@ -26,7 +26,7 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
@@ -38,9 +38,9 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from verify.distributed._child import RankJob, rank_main
+from verify.distributed._child import ITEM_DONE, RANK_DONE, RANK_FAILED, RankJob, rank_main
 from verify.distributed.diagnosis import diagnose, process_state, request_stack_dumps
-from verify.distributed.errors import RankCrashed, RankTimeout
+from verify.distributed.errors import RankCrashed, RankFailure, RankTimeout
 from verify.distributed.progress import ProgressBoard
 from verify.distributed.stall import CEILING_FACTOR, Sample, StallWatch, cpu_seconds
 
@@ -104,6 +104,12 @@ class RankLauncher:
         if not all(isinstance(m, str) and m for m in self.preload):
             raise TypeError(f"preload must be a tuple of module names, got {self.preload!r}")
 
+    def preloading(self, *modules: str) -> RankLauncher:
+        """This launcher with ``modules`` added to its fork server's preload (a candidate's
+        ``preload_modules``). A fork server already running keeps its own preload: the
+        first launcher to start it decides (``verify run`` starts it with every candidate's)."""
+        return replace(self, preload=tuple(dict.fromkeys((*self.preload, *modules))))
+
     def context(self) -> Any:
         """The multiprocessing context every rank is started from (the test guard patches this)."""
         context = mp.get_context(self.start_method)
@@ -145,8 +151,69 @@ class RankLauncher:
         """See :func:`verify.distributed.spawn`."""
         ceiling_s = CEILING_FACTOR * timeout_s if ceiling_s is None else ceiling_s
         _validate(fn, world_size, timeout_s, ceiling_s)
-        run = _Run(self.context(), fn, world_size, args, backend, timeout_s, ceiling_s)
-        return run.wait(on_started)
+        world = _Run(self.context(), fn, world_size, args, backend, timeout_s, ceiling_s,
+                     None, 0).wait(on_started)
+        if world.crash is not None:
+            raise world.crash
+        return [world.results[r][0] for r in range(world_size)]
+
+    def spawn_each(
+        self,
+        fn: Callable[..., Any],
+        world_size: int,
+        items: Sequence[Any],
+        *args: Any,
+        isolate: bool,
+        backend: str = "gloo",
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        ceiling_s: float | None = None,
+        on_started: Callable[[], None] | None = None,
+    ) -> list[ItemOutcome]:
+        """See :func:`verify.distributed.spawn_each`."""
+        ceiling_s = CEILING_FACTOR * timeout_s if ceiling_s is None else ceiling_s
+        _validate(fn, world_size, timeout_s, ceiling_s)
+        items = list(items)
+        outcomes: list[ItemOutcome] = []
+        while len(outcomes) < len(items):
+            start = len(outcomes)
+            batch = items[start:start + 1] if isolate else items[start:]
+            world = _Run(self.context(), fn, world_size, args, backend, timeout_s, ceiling_s,
+                         tuple(batch), start).wait(on_started)
+            for index in range(start, start + len(batch)):
+                if all(index in world.results[r] for r in range(world_size)):
+                    outcomes.append(ItemOutcome([world.results[r][index] for r in range(world_size)]))
+                    continue
+                if world.crash is None:  # cannot happen: a world ends complete or crashed
+                    raise RuntimeError(f"spawn_each: item {index} has no result and no failure")
+                if world.crash_item != index:
+                    # The failure was in the harness's own start or teardown, not an item.
+                    raise world.crash
+                outcomes.append(ItemOutcome(None, world.crash))
+                break
+        return outcomes
+
+
+@dataclass(frozen=True)
+class ItemOutcome:
+    """One item of :func:`verify.distributed.spawn_each`: every rank's result (by rank), or
+    the :class:`RankCrashed` that ended its world while it ran."""
+
+    results: list[Any] | None
+    crash: RankCrashed | None = None
+
+    def __post_init__(self) -> None:
+        if (self.results is None) == (self.crash is None):
+            raise ValueError("ItemOutcome holds either results or a crash")
+
+
+@dataclass
+class _WorldOutcome:
+    """What one world returned: results by rank and item index, and the crash that ended
+    it early (None: every rank finished) with the item the first failure happened in."""
+
+    results: dict[int, dict[int, Any]]
+    crash: RankCrashed | None
+    crash_item: int | None
 
 
 def _validate(fn: Callable[..., Any], world_size: int, timeout_s: float,
@@ -172,10 +239,11 @@ def _wants_progress(fn: Callable[..., Any]) -> bool:
 
 
 class _Run:
-    """One spawn: its processes, their result pipes and everything needed to diagnose them."""
+    """One world: its processes, their result pipes and everything needed to diagnose them."""
 
     def __init__(self, context: Any, fn: Callable[..., Any], world_size: int,
-                 args: tuple[Any, ...], backend: str, timeout_s: float, ceiling_s: float) -> None:
+                 args: tuple[Any, ...], backend: str, timeout_s: float, ceiling_s: float,
+                 items: tuple[Any, ...] | None, first_item: int) -> None:
         self.world_size = world_size
         self.timeout_s = timeout_s
         self.ceiling_s = ceiling_s
@@ -187,8 +255,12 @@ class _Run:
         # (and the ranks', see RankJob) are bounded by the ceiling: the parent decides stalls.
         self.store = dist.TCPStore("127.0.0.1", 0, None, is_master=True,
                                    timeout=timedelta(seconds=ceiling_s), wait_for_workers=False)
-        self.results: dict[int, Any] = {}
-        self.failures: dict[int, str] = {}
+        self.results: dict[int, dict[int, Any]] = {r: {} for r in range(world_size)}
+        self.items_count = None if items is None else len(items)
+        self.first_item = first_item
+        self.done: set[int] = set()
+        self.failures: dict[int, RankFailure] = {}
+        self.arrivals: list[tuple[int, RankFailure]] = []  # failures in the order they came
         self.failures_seen_at = float("inf")
         self.readers: dict[Any, int] = {}
         self.procs: list[Any] = []
@@ -199,7 +271,7 @@ class _Run:
                 reader, writer = context.Pipe(duplex=False)
                 job = RankJob(rank, world_size, self.store.port, backend, fn, args, wants_progress,
                               self.board.for_rank(rank), str(self.stack_files[rank]), environment,
-                              ceiling_s, os.getpid())
+                              ceiling_s, os.getpid(), items, first_item)
                 proc = context.Process(target=rank_main, args=(job, writer))
                 proc.start()
                 # Only the child may hold the write end, so its death reads as EOF here.
@@ -210,14 +282,16 @@ class _Run:
             self._stop_all()
             raise
 
-    def wait(self, on_started: Callable[[], None] | None = None) -> list[Any]:
-        """Collect every rank's result; raise RankCrashed or RankTimeout instead of hanging.
-        ``on_started`` runs first (its error, Ctrl-C included, still stops the ranks)."""
+    def wait(self, on_started: Callable[[], None] | None = None) -> _WorldOutcome:
+        """Collect every rank's results until all are done or one fails (its peers get
+        ``FAILURE_GRACE_S`` to report theirs, then every rank is stopped); raise
+        RankTimeout instead of hanging. ``on_started`` runs first (its error, Ctrl-C
+        included, still stops the ranks)."""
         try:
             if on_started is not None:
                 on_started()
             stalled = over_ceiling = False
-            while len(self.results) < self.world_size:
+            while len(self.done) < self.world_size:
                 now = time.monotonic()
                 if now >= self.failures_seen_at + FAILURE_GRACE_S:
                     break
@@ -228,17 +302,19 @@ class _Run:
                     break
                 stop_at = min(now + _POLL_S, self.failures_seen_at + FAILURE_GRACE_S)
                 pending = [c for c, r in self.readers.items()
-                           if r not in self.results and r not in self.failures]
+                           if r not in self.done and r not in self.failures]
                 ready = wait(pending, timeout=max(0.0, stop_at - time.monotonic()))
                 for conn in ready:
                     self._receive(conn)
-            if len(self.results) == self.world_size:
-                return [self.results[r] for r in range(self.world_size)]
+            if len(self.done) == self.world_size:
+                return _WorldOutcome(self.results, None, None)
             unfinished = self._unfinished()
             if self.failures:
                 states = self._diagnose(unfinished, with_stacks=False)
                 self._stop_all()
-                raise RankCrashed(self.failures, states)
+                crash = RankCrashed.from_arrivals(self.arrivals, states)
+                first = min(crash.failures.values(), key=lambda f: (f.item is None, f.item or 0))
+                return _WorldOutcome(self.results, crash, first.item)
             states = self._diagnose(unfinished, with_stacks=True)
             self._stop_all()
             raise RankTimeout(self.timeout_s, self.world_size, states,
@@ -251,7 +327,7 @@ class _Run:
             self.store = None  # closes the rendezvous port now, not at garbage collection
 
     def _unfinished(self) -> list[int]:
-        return [r for r in range(self.world_size) if r not in self.results and r not in self.failures]
+        return [r for r in range(self.world_size) if r not in self.done and r not in self.failures]
 
     def _sample(self, now: float) -> None:
         """One reading of every unfinished rank's progress for the stall watch."""
@@ -262,17 +338,32 @@ class _Run:
     def _receive(self, conn: Any) -> None:
         rank = self.readers[conn]
         try:
-            ok, payload = conn.recv()
+            kind, index, payload = conn.recv()
         except (EOFError, OSError):
             # The write end closed without a message: the process died before reporting.
             proc = self.procs[rank]
             proc.join(timeout=1.0)
-            ok, payload = False, f"process {process_state(proc.pid, proc.exitcode)} before reporting"
-        if ok:
-            self.results[rank] = pickle.loads(payload)
-            return
-        self.failures_seen_at = min(self.failures_seen_at, time.monotonic())
-        self.failures[rank] = payload
+            kind, index, payload = RANK_FAILED, None, RankFailure.died(
+                process_state(proc.pid, proc.exitcode), self._item_running(rank))
+        if kind == ITEM_DONE:
+            self.results[rank][index] = pickle.loads(payload)
+        elif kind == RANK_DONE:
+            self.done.add(rank)
+        else:
+            self.failures_seen_at = min(self.failures_seen_at, time.monotonic())
+            self.failures[rank] = payload
+            self.arrivals.append((rank, payload))
+
+    def _item_running(self, rank: int) -> int | None:
+        """The item a rank that died without a word was running: the first it had not
+        reported (None when it had reported them all: it died in the teardown)."""
+        reported = self.results[rank]
+        if self.items_count is None:
+            return 0 if not reported else None
+        for index in range(self.first_item, self.first_item + self.items_count):
+            if index not in reported:
+                return index
+        return None
 
     def _diagnose(self, ranks: list[int], with_stacks: bool) -> dict:
         pids = {r: self.procs[r].pid for r in ranks}

@@ -25,6 +25,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 from verify.candidates.api.core import Behaviour, DocumentedBehaviour, Technique, Unsupported
+from verify.candidates.api.findings import (
+    CrashSignature,
+    Effect,
+    Finding,
+    LaunchSettings,
+    explaining,
+)
 
 if TYPE_CHECKING:  # the technique interfaces, for annotations only
     from verify.candidates.api.deferred_wgrad import DeferredWgrad
@@ -92,6 +99,17 @@ class Candidate(ABC):
     """
 
     name: ClassVar[str]
+    # The packages its code lives in: a rank's crash whose root cause lies in them (or in a
+    # library they call) is the candidate's; elsewhere it is the harness's own error. The
+    # module defining the candidate's class counts too (a test's broken subclass).
+    code_modules: ClassVar[tuple[str, ...]] = ()
+    # Modules its ranks import, which the rank launcher's fork server imports once so that
+    # every fresh rank process starts with them (e.g. Megatron-Core: ~3 s of CPU a rank).
+    preload_modules: ClassVar[tuple[str, ...]] = ()
+    # True: a configuration may leave process-wide state behind (a module global, a
+    # process-wide group), so each configuration a check builds runs in fresh processes.
+    # False only for a candidate that by design keeps none (fastgrad).
+    isolates_configurations: ClassVar[bool] = True
 
     @abstractmethod
     def info(self) -> CandidateInfo:
@@ -111,6 +129,17 @@ class Candidate(ABC):
         """How this candidate documents ``behaviour`` (None: it follows refgrad's spec there)."""
         del behaviour
         return None
+
+    def findings(self) -> tuple[Finding, ...]:
+        """The root causes this candidate is known to have, each with its rule (none: every
+        failure is a FAIL of its own)."""
+        return ()
+
+    @property
+    def own_modules(self) -> tuple[str, ...]:
+        """The packages whose crashes are this candidate's: :attr:`code_modules` and the
+        module of its own class."""
+        return (*self.code_modules, type(self).__module__)
 
     def unsupported(self, technique: Technique, reason: str) -> Unsupported:
         """The :class:`Unsupported` to raise for ``technique``, naming this candidate."""
@@ -145,8 +174,13 @@ __all__ = [
     "Behaviour",
     "Candidate",
     "CandidateInfo",
+    "CrashSignature",
     "DocumentedBehaviour",
+    "Effect",
     "Fault",
+    "Finding",
+    "LaunchSettings",
     "Technique",
     "Unsupported",
+    "explaining",
 ]

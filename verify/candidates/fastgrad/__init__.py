@@ -25,6 +25,10 @@ class FastgradCandidate(Candidate):
     """fastgrad as published (``fault=None``), or with one deliberate :class:`Fault`."""
 
     name = "fastgrad"
+    code_modules = ("fastgrad", "verify.candidates.fastgrad")
+    # fastgrad keeps no process-wide state (DESIGN.md's ground rules): its configurations
+    # may share rank processes, which keeps the checks fast.
+    isolates_configurations = False
     injected_fault: Fault | None = None
 
     def __post_init__(self) -> None:

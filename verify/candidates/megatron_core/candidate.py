@@ -43,9 +43,11 @@ from verify.candidates.api import (
     Candidate,
     CandidateInfo,
     DocumentedBehaviour,
+    Finding,
     Technique,
     Unsupported,
 )
+from verify.candidates.megatron_core.findings import FINDINGS
 from verify.candidates.megatron_core.redirect import REDIRECTS
 from verify.candidates.megatron_core.version import installed, missing_reason
 
@@ -78,6 +80,10 @@ class MegatronCoreCandidate(Candidate):
     """The installed megatron-core, run unmodified (CUDA assumptions redirected on a CPU)."""
 
     name = "megatron-core"
+    code_modules = ("megatron", "verify.candidates.megatron_core")
+    # Imported once by the rank launcher's fork server (Megatron's import costs each rank
+    # ~3 s of CPU); every configuration still runs in fresh processes forked from it.
+    preload_modules = ("verify.candidates.megatron_core.preload",)
 
     def info(self) -> CandidateInfo:
         reason = missing_reason()
@@ -97,6 +103,10 @@ class MegatronCoreCandidate(Candidate):
             redirects=redirects, unsupported=tuple(unsupported),
             details=tuple((k, ("yes: " if f.present else "no: ") + f.reason)
                           for k, f in found.features.items()))
+
+    def findings(self) -> tuple[Finding, ...]:
+        """Megatron-Core's known root causes (``verify.candidates.megatron_core.findings``)."""
+        return FINDINGS
 
     def documented(self, behaviour: Behaviour) -> DocumentedBehaviour | None:
         """Where Megatron-Core departs from refgrad's spec by design (``docs/megatron_core.md``)."""

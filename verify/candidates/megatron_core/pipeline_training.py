@@ -11,7 +11,8 @@ Megatron-LM's ``megatron/training/training.py`` wires it: ``config.no_sync_func`
 ``align_grad_reduce``, its default) ``config.grad_sync_func`` from the chunks when
 ``overlap_grad_reduce``, ``config.finalize_model_grads_func = finalize_model_grads``; with
 VPP ``overlap_p2p_comm`` and so ``batch_p2p_comm=False`` (Megatron-LM's defaults). The SGD
-step is refgrad's (``sgd_update``): the check verifies the gradients, not an optimizer.
+step is refgrad's (``sgd_update``): the check verifies the gradients, not an optimizer. What
+Megatron raises is not caught: the harness ends the case's world and reports the crash.
 
 Megatron's process groups: :meth:`MegatronPipeline.grid` builds the grid's groups
 (``ParallelDims.build``) and hands them to Megatron as a ``ProcessGroupCollection`` (DDP,
@@ -40,7 +41,6 @@ relearn count: those stay empty / None and the check skips what needs them.
 
 from __future__ import annotations
 
-import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -219,23 +219,6 @@ def _gather_reduced_grads(ddps: Sequence[Any], case: PipelineCase, dp_group: Any
                 dist.all_gather_into_tensor(bucket.grad_data, own.clone(), group=dp_group)
 
 
-def _finish_after_failed_drain(exc: Exception, config: Any, ddps: Sequence[Any], groups: Any,
-                               interleaved: bool) -> str:
-    """What the drain raised (re-raising anything else), after finishing the step as the
-    schedule would have: its next call after ``finish_embedding_wgrad_compute`` is
-    ``finalize_model_grads_func``, whose collectives (the DP reduction, the embedding
-    all-reduce, the token count in per-token-loss mode) the other stages are waiting in."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    if not any(f.name == "finish_embedding_wgrad_compute" for f in frames):
-        raise exc
-    num_tokens = torch.zeros((), dtype=torch.int) if config.calculate_per_token_loss else None
-    config.finalize_model_grads_func(list(ddps) if interleaved else [ddps[0]], num_tokens,
-                                     pg_collection=groups)
-    where = frames[-1]
-    return (f"{type(exc).__name__}: {exc} (raised at "
-            f"{where.filename.split('site-packages/')[-1]}:{where.lineno} {where.name})")
-
-
 def _train_steps(case: PipelineCase, grid: ParallelDims, config: Any, groups: Any,
                  chunks: list[StageChunk], ddps: list[Any], sites: LaunchSites) -> RankResult:
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -258,18 +241,15 @@ def _train_steps(case: PipelineCase, grid: ParallelDims, config: Any, groups: An
         iterators = [iter(data) for _ in ddps]
         for chunk in chunks:
             chunk.embedding_activation_buffer.in_flight_at_drain = None
-        try:
-            store = [float(loss) for loss in forward_backward(
-                forward_step_func=forward_step_func(case, m),
-                data_iterator=iterators if interleaved else iterators[0],
-                model=ddps if interleaved else ddps[0], num_microbatches=m,
-                seq_length=spec.microbatch_size, micro_batch_size=1, forward_only=False,
-                p2p_communicator=P2PCommunicator(pp_group=grid.pp_group, config=config),
-                pg_collection=groups)]
-        except Exception as exc:  # noqa: BLE001 - re-raised unless it is the drain's
-            result.errors.append(f"step {step}: " + _finish_after_failed_drain(exc, config, ddps,
-                                                                               groups, interleaved))
-            store = [float("nan")] * m
+        # What Megatron raises ends the run (the harness stops the other ranks at once and
+        # reports it as the case's crash): nothing is finished on its behalf.
+        store = [float(loss) for loss in forward_backward(
+            forward_step_func=forward_step_func(case, m),
+            data_iterator=iterators if interleaved else iterators[0],
+            model=ddps if interleaved else ddps[0], num_microbatches=m,
+            seq_length=spec.microbatch_size, micro_batch_size=1, forward_only=False,
+            p2p_communicator=P2PCommunicator(pp_group=grid.pp_group, config=config),
+            pg_collection=groups)]
         result.launch_sites.append(sites.step_sites())
         result.drained_in_flight.append(next(
             (c.embedding_activation_buffer.in_flight_at_drain for c in chunks

@@ -210,7 +210,7 @@ def run_deferred_wgrad_check(
         _guard_case(ctx, rec, wgrad)
     with rec.skip_if_unsupported():
         _stale_step_case(ctx, rec, wgrad)
-    rec.finding(
+    rec.note(
         f"{len(cases)} cases ({len(single)} at TP 1 on each of {WORLD} processes, {len(multi)} at TP 2), "
         f"{ITERATIONS} iterations each; {len(drain_order_rows)} (case, rank, iteration) results "
         "reorder the fp32 adds under deferral and are not bitwise equal to microbatch order "
@@ -291,7 +291,7 @@ def compare_wgrad_gemms_on(
                     gemm(main_grad, go.to(device), x.to(device))
             except (RuntimeError, NotImplementedError) as exc:
                 # addmm with both out_dtype and out= has been broken in some torch releases.
-                rec.finding(f"{device} wgrad method {gemm.name!r} is unavailable on this torch: {exc}")
+                rec.note(f"{device} wgrad method {gemm.name!r} is unavailable on this torch: {exc}")
                 continue
             rec.compare(f"{device} wgrad {gemm.name}: main_grad {dtype} (exact grid)",
                         expected, main_grad.cpu())

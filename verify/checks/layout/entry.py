@@ -191,7 +191,7 @@ def _report(ctx: CheckContext, rec: CheckRecorder, layout: BucketLayout) -> None
               layout_report.EXAMPLE_COLUMNS,
               [[r[c] for c in layout_report.EXAMPLE_COLUMNS] for r in examples])
     for text in layout_report.published_example_findings(examples):
-        rec.finding(text)
+        rec.note(text)
 
 
 CHECK = Check(

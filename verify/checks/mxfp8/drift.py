@@ -57,7 +57,7 @@ def check_drift(ctx: CheckContext, rec: CheckRecorder, mxfp8: MXFP8) -> None:
             "of two (ceil) or to 224 (rceil)",
         ],
     )
-    rec.finding(
+    rec.note(
         "Megatron-Core's MXFP8 round trip is reported to move about 5% of scales on MXFP8->bf16->MXFP8; measured it "
         "depends on the mode: 0 for floor/even, " + ", ".join(f"{c} ({m})" for m, c in zip(ref.SCALE_MODES, rows[0][1:]) if m in ("ceil", "rceil")) + " on randn"
     )

@@ -120,7 +120,7 @@ def conformance_table(
                     _disagreement_findings(rec, peer, mode, (ref_scales, ref_elements), (scales, elements))
             rows.append(cells)
     if "torchao to_mx" in peers:
-        rec.finding(
+        rec.note(
             "torchao to_mx, why it differs: (1) a block holding +-inf gets a finite scale in "
             "floor/ceil/even (inf's exponent field read as a number: code 247) and 0xFE in "
             "rceil (Transformer Engine's convention), where the spec says NaN (0xFF); "
@@ -134,7 +134,7 @@ def conformance_table(
             "(a definitional difference: the NaN scale makes every value NaN either way)."
         )
     finite_mismatch = sum(cast_finite_mismatches)
-    rec.finding(
+    rec.note(
         f"torch {torch.__version__} .to(float8_e4m3fn) of exactly scaled values (spec scale, "
         f"x*2^-e in float64): {finite_mismatch} element(s) differ from the spec inside finite "
         "blocks, over every mode and input dtype"
@@ -175,7 +175,7 @@ def _disagreement_findings(
         else:
             bad.append(f"{name} (scale {int(got_s[i])} vs spec {int(ref_s[i])})")
     if bad:
-        rec.finding(f"{peer}, mode {mode}: differs from the spec on special blocks: " + "; ".join(bad))
+        rec.note(f"{peer}, mode {mode}: differs from the spec on special blocks: " + "; ".join(bad))
 
 
 def rceil_versus_fp32_division(ctx: CheckContext, rec: CheckRecorder, mxfp8: MXFP8) -> None:
@@ -204,7 +204,7 @@ def rceil_versus_fp32_division(ctx: CheckContext, rec: CheckRecorder, mxfp8: MXF
         outside == 0,
         f"{outside} disagreement(s) outside the subnormal-quotient range",
     )
-    rec.finding(
+    rec.note(
         f"rceil, exact vs Transformer Engine's fp32 division: over {bits.numel():,} fp32 amax "
         f"values they differ on {int(differ.sum())}, all where amax/448 is an fp32 subnormal "
         "(amax < 448 * 2^-126): the rounded quotient loses the bits that decide the ceiling"

@@ -13,9 +13,12 @@ from refgrad.pipeline import (
 from verify.candidates.api.pipeline import ParallelDims, PipelineCase
 
 
-def default_plans(pp_size: int, frozen: str) -> tuple[StepPlan, ...]:
-    """M in {1, P-1, P, 2P+1} over four steps; ``frozen`` is frozen during the third."""
-    counts = (2 * pp_size + 1, 1, pp_size, max(pp_size - 1, 1))
+def default_plans(pp_size: int, frozen: str, *, at_least_two: bool = False
+                  ) -> tuple[StepPlan, ...]:
+    """M in {1, P-1, P, 2P+1} over four steps (``at_least_two``: {P+1, P, P, 2P+1}, no step
+    of one microbatch); ``frozen`` is frozen during the third."""
+    counts = ((2 * pp_size + 1, pp_size + 1, pp_size, max(pp_size, 2)) if at_least_two
+              else (2 * pp_size + 1, 1, pp_size, max(pp_size - 1, 1)))
     return tuple(
         StepPlan(m, frozenset({frozen}) if step == 2 else frozenset())
         for step, m in enumerate(counts)
@@ -25,12 +28,18 @@ def default_plans(pp_size: int, frozen: str) -> tuple[StepPlan, ...]:
 def build_phases(quick: bool, seed: int) -> tuple[int, list[list[PipelineCase]]]:
     """(world size, phases of side-by-side cases) for a quick or full run."""
 
-    def case(name: str, pp: int, dp: int, first: int, head: bool = False, **kw: Any) -> PipelineCase:
+    def case(name: str, pp: int, dp: int, first: int, head: bool = False,
+             at_least_two: bool = False, **kw: Any) -> PipelineCase:
         spec = LinearStackSpec(num_stages=pp, layers_per_stage=2, hidden=8, microbatch_size=4,
                                seed=seed, output_head=head, tied_embedding=head)
         frozen = stage_param_name(pp - 1, "layers.0.weight")
         return PipelineCase(name, ParallelDims(pp_size=pp, dp_size=dp, first_rank=first), spec,
-                            default_plans(pp, frozen), **kw)
+                            default_plans(pp, frozen, at_least_two=at_least_two), **kw)
+
+    # The deferred head with at least two microbatches in every step: a drain never holds a
+    # single wgrad, so a candidate whose drain fails on one entry still shows its reduction.
+    head_every_step = case("P2 D2 all-reduce avg-in-collective, tied head, M >= 2", 2, 2, 0,
+                           head=True, at_least_two=True, reduction="avg")
 
     # Interleaved P=2, V=2: M in {2P, P, 3P}, the last virtual stage's weight frozen in step 2.
     interleaved_spec = LinearStackSpec(num_stages=4, layers_per_stage=1, hidden=8,
@@ -50,6 +59,7 @@ def build_phases(quick: bool, seed: int) -> tuple[int, list[list[PipelineCase]]]
         return 4, [
             [case("P2 D2 all-reduce avg-in-collective, tied head", 2, 2, 0, head=True,
                   reduction="avg")],
+            [head_every_step],
             [case("P4 D1 all-reduce sum", 4, 1, 0)],
             [interleaved],
             [replace(timing, plans=timing.plans[:3])],
@@ -57,6 +67,7 @@ def build_phases(quick: bool, seed: int) -> tuple[int, list[list[PipelineCase]]]
     return 8, [
         [case("P4 D2 reduce-scatter prescale, tied head", 4, 2, 0, head=True,
               use_distributed_optimizer=True, reduction="prescale")],
+        [head_every_step],
         [
             case("P2 D2 reduce-scatter fp32-accumulation avg", 2, 2, 0, use_distributed_optimizer=True,
                  reduce_scatter_with_fp32_accumulation=True, reduction="avg"),

@@ -102,7 +102,7 @@ def check_error_growth(ctx: CheckContext, rec: CheckRecorder) -> None:
                 f"fitted log-log slopes: ring {ring_slope:+.2f} (theory ~+0.5), "
                 f"fp32 {fp32_slope:+.2f} (theory ~0 while (N-1)*2^-24 << u)",
             )
-            rec.finding(
+            rec.note(
                 f"{dtype} {distribution}: relative error at N={dps[-1]}: ring "
                 f"{ring[-1].rel_error:.2e}, fp32-accumulate {fp32[-1].rel_error:.2e} "
                 f"(slopes {ring_slope:+.2f} vs {fp32_slope:+.2f})"
@@ -178,7 +178,7 @@ def check_average(ctx: CheckContext, rec: CheckRecorder) -> None:
          "subnormals for small grads"],
     )
     for row in rows:
-        rec.finding(
+        rec.note(
             f"AVG {row[0]} W={row[1]}: correctly rounded {row[2]} (ours) vs {row[4]} "
             f"(production pre-scale); max ULP {row[3]} vs {row[5]}"
         )
@@ -203,5 +203,5 @@ def check_production_sum_order(ctx: CheckContext, rec: CheckRecorder) -> None:
         ["torch does not specify its reduction order; the rank-order loop is what refgrad models"],
     )
     for w, fp32_diff, bf16_diff in rows:
-        rec.finding(f"torch.sum(dim=0, dtype=float32) at W={w}: {fp32_diff} fp32 sums and "
+        rec.note(f"torch.sum(dim=0, dtype=float32) at W={w}: {fp32_diff} fp32 sums and "
                     f"{bf16_diff} bf16 results differ from rank order on this machine")
