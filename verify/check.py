@@ -392,8 +392,9 @@ class CheckRecorder:
         self._notes.append(text)
 
     def skip(self, text: str) -> None:
-        """Something the check could not run here, and why."""
-        self._skipped.append(text)
+        """Something the check could not run here, and why (each text once)."""
+        if text not in self._skipped:
+            self._skipped.append(text)
 
     @contextmanager
     def skip_if_unsupported(self) -> Iterator[None]:

@@ -245,7 +245,10 @@ def test_reduce_through_buffers_matches_exact_sums(world_size):
     # Integer-valued, rank-specific grads over two iterations of two microbatches each:
     # every sum is exact, so each rank's shard must equal the exact sum laid out by refgrad.
     scenarios = default_scenarios(world_size)
-    outcomes = run_reduce_scenarios(world_size, scenarios, FastgradCandidate())
-    assert len(outcomes) >= 2 * len(scenarios) - 2  # a skipped scenario reports once
+    results = run_reduce_scenarios(world_size, scenarios, FastgradCandidate())
+    assert [r.label for r in results] == [f"dp={world_size}: {s.name}" for s in scenarios]
+    assert all(r.crash is None and r.skipped is None for r in results)
+    outcomes = [check for r in results for check in r.checks]
+    assert len(outcomes) == 2 * len(scenarios)  # two iterations each
     failures = [(label, detail) for label, passed, detail in outcomes if not passed]
     assert failures == []

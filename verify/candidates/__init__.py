@@ -9,6 +9,8 @@ from verify.candidates.api import (
     CandidateInfo,
     DocumentedBehaviour,
     Fault,
+    Finding,
+    LaunchSettings,
     Technique,
     Unsupported,
 )
@@ -32,6 +34,8 @@ __all__ = [
     "DocumentedBehaviour",
     "FastgradCandidate",
     "Fault",
+    "Finding",
+    "LaunchSettings",
     "Technique",
     "Unsupported",
     "candidate_named",

@@ -33,10 +33,12 @@ from verify.checks.layout.entry import CHECK, run
 from verify.checks.layout.invariants import layout_violations, shard_coverage_violations
 from verify.checks.layout.worker import (
     ReduceScenario,
+    ScenarioResult,
     default_scenarios,
     expected_reduction,
     reduce_worker,
     run_reduce_scenarios,
+    scenario_settings,
 )
 
 __all__ = [
@@ -45,6 +47,7 @@ __all__ = [
     "HandCase",
     "LayoutCase",
     "ReduceScenario",
+    "ScenarioResult",
     "buffer_violations",
     "compare_layouts",
     "default_scenarios",
@@ -55,5 +58,6 @@ __all__ = [
     "reduce_worker",
     "run",
     "run_reduce_scenarios",
+    "scenario_settings",
     "shard_coverage_violations",
 ]

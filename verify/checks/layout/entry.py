@@ -12,7 +12,7 @@ from verify.check import Check, CheckContext, CheckRecorder
 from verify.checks.layout.buffers import AlignmentFact, buffer_violations
 from verify.checks.layout.cases import HAND_CASES, compare_layouts, hand_case_mismatch, random_case
 from verify.checks.layout.invariants import layout_violations
-from verify.checks.layout.worker import default_scenarios, run_reduce_scenarios
+from verify.checks.layout.worker import ScenarioResult, default_scenarios, run_reduce_scenarios
 from verify.studies import layout as layout_report
 
 # --------------------------------------------------------------------------- the check
@@ -42,18 +42,33 @@ def _run(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate, options: _
     # 5. Real reductions across ranks (each rank enters the candidate's layout itself).
     if options.spawn_ranks:
         for world_size in options.spawn_ranks:
-            for label, passed, detail in run_reduce_scenarios(
-                world_size, default_scenarios(world_size), candidate, timeout_s=ctx.timeout_s,
-            ):
-                if detail.startswith("skipped"):
-                    rec.skip(f"{label}: {detail}")
-                else:
-                    rec.expect(label, passed, detail)
+            record_reduce_scenarios(rec, run_reduce_scenarios(
+                world_size, default_scenarios(world_size), candidate, timeout_s=ctx.timeout_s),
+                candidate)
     else:
         rec.skip("multi-rank reduce-scatter through the buffers runs only without --quick")
     # 6. The padding report and the published worked examples.
     with candidate.layout() as layout:
         _report(ctx, rec, layout)
+
+
+def record_reduce_scenarios(rec: CheckRecorder, results: list[ScenarioResult],
+                            candidate: Candidate) -> None:
+    """Each scenario as a case: its crash, its skip, or its iterations' expectations."""
+    missing: dict[str, None] = {}
+    for result in results:
+        if result.skipped is not None:
+            rec.skip(f"{result.label}: skipped: {result.skipped}")
+            continue
+        with rec.case(result.label, result.settings):
+            if result.crash is not None:
+                rec.crash(result.label, result.crash, candidate)
+                continue
+            for label, passed, detail in result.checks:
+                rec.expect(label, passed, detail)
+        missing.update(dict.fromkeys(result.missing))
+    for reason in missing:
+        rec.skip(f"buffer helpers: {reason}")
 
 
 def _single_process_parts(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate,

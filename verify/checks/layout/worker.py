@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from fractions import Fraction
@@ -14,7 +13,7 @@ import torch.distributed as dist
 
 from refgrad.layout import Layout
 from refgrad.layout import compute_layout as reference_layout
-from verify.candidates import Candidate, Unsupported
+from verify.candidates import Candidate, LaunchSettings, Unsupported
 from verify.candidates.api.layout import (
     BucketLayout,
     BufferConfig,
@@ -22,8 +21,9 @@ from verify.candidates.api.layout import (
     GradBufferGroup,
     GradPiece,
 )
+from verify.candidates.api.pipeline import ParallelDims
 from verify.checks.layout.buffers import padding_mask
-from verify.distributed import DEFAULT_TIMEOUT_S, spawn
+from verify.distributed import DEFAULT_TIMEOUT_S, RankCrashed, RankLauncher, spawn_each
 
 # --------------------------------------------------------------------------- multi-rank
 
@@ -54,7 +54,6 @@ class ReduceScenario:
     microbatches: int = 2
 
 
-AFTER_FP32 = " (built after an fp32-accumulating DDP in the same process)"
 
 
 def default_scenarios(world_size: int) -> list[ReduceScenario]:
@@ -151,25 +150,13 @@ def _plain_checkpoint(pieces: dict[int, list[GradPiece]] | None) -> dict | None:
             for i, ps in pieces.items()}
 
 
-def reduce_worker(
-    rank: int, world_size: int, scenarios: Sequence[ReduceScenario], candidate: Candidate
-) -> list[dict]:
-    """Per rank: build each scenario's buffer, accumulate rank-specific grads, reduce, report."""
+def reduce_worker(rank: int, world_size: int, scenario: ReduceScenario,
+                  candidate: Candidate) -> dict[str, Any]:
+    """Per rank: build one scenario's buffer, accumulate rank-specific grads, reduce, report.
+    One scenario is one item of ``spawn_each``: what the candidate raises ends the world at
+    once and is the scenario's crash (nothing is caught here)."""
     with candidate.layout() as layout:
-        return [_scenario_outcome(rank, world_size, scenario, layout) for scenario in scenarios]
-
-
-def _scenario_outcome(rank: int, world_size: int, scenario: ReduceScenario,
-                      layout: BucketLayout) -> dict[str, Any]:
-    """:func:`_reduce_scenario`, or what the candidate raised in it: a candidate that raises in
-    one scenario fails that scenario, not the whole check (every rank runs the same scenario,
-    so they raise alike; one left waiting in a collective ends the run at the deadline)."""
-    try:
         return _reduce_scenario(rank, world_size, scenario, layout)
-    except Exception as exc:  # noqa: BLE001 - reported as the scenario's failure, with its type
-        where = traceback.extract_tb(exc.__traceback__)[-1]
-        return {"raised": f"{type(exc).__name__}: {exc} (raised at "
-                          f"{where.filename.split('site-packages/')[-1]}:{where.lineno} {where.name})"}
 
 
 def _reduce_scenario(rank: int, world_size: int, scenario: ReduceScenario,
@@ -317,84 +304,117 @@ def _checkpoint_problems(
     return problems
 
 
+def scenario_settings(scenario: ReduceScenario, world_size: int) -> LaunchSettings:
+    """The Megatron-LM settings a reduction scenario stands for."""
+    config = scenario.config
+    params = "bfloat16" if "bfloat16" in scenario.dtypes else "float32"
+    return LaunchSettings(
+        dims=ParallelDims(dp_size=world_size), params_dtype=params,
+        grad_dtype="float32" if config.grad_reduce_in_fp32 else params,
+        use_distributed_optimizer=config.use_distributed_optimizer,
+        overlap_grad_reduce=config.overlap_grad_reduce,
+        ddp_reduce_scatter_with_fp32_accumulation=config.reduce_scatter_with_fp32_accumulation,
+        ddp_average_in_collective=config.average_in_collective,
+        calculate_per_token_loss=not scenario.average,
+        has_output_layer=False,
+        microbatches=(scenario.microbatches,) * scenario.iterations)
+
+
+@dataclass(frozen=True)
+class ScenarioResult:
+    """One scenario across the ranks: its (label, passed, detail) checks, or the crash that
+    ended its world, or why the candidate skipped it."""
+
+    label: str
+    settings: LaunchSettings
+    checks: tuple[tuple[str, bool, str], ...] = ()
+    crash: RankCrashed | None = None
+    skipped: str | None = None
+    missing: tuple[str, ...] = ()  # the buffer helpers the candidate lacks (reasons)
+
+
 def run_reduce_scenarios(
     world_size: int,
     scenarios: Sequence[ReduceScenario],
     candidate: Candidate,
     *,
     timeout_s: float = DEFAULT_TIMEOUT_S,
-) -> list[tuple[str, bool, str]]:
-    """Spawn ``world_size`` gloo ranks, each reducing through ``candidate``'s buffers;
-    (label, passed, detail) per scenario, iteration and rank."""
-    per_rank = spawn(reduce_worker, world_size, list(scenarios), candidate, timeout_s=timeout_s)
-    outcomes: list[tuple[str, bool, str]] = []
-    missing: dict[str, None] = {}  # the helpers the candidate lacks, each reason once
-    after_fp32 = False
-    for s_index, scenario in enumerate(scenarios):
-        fp32_accumulating = scenario.config.reduce_scatter_with_fp32_accumulation
-        # Said in the label because a process-wide setting leaking from an earlier buffer into
-        # this one (Megatron-Core's rebound dist_reduce_scatter_func) fails exactly these.
-        label = f"dp={world_size}: {scenario.name}{AFTER_FP32 if after_fp32 and not fp32_accumulating else ''}"
-        after_fp32 = after_fp32 or fp32_accumulating
-        if "skipped" in per_rank[0][s_index]:
-            outcomes.append((label, True, "skipped: " + per_rank[0][s_index]["skipped"]))
+) -> list[ScenarioResult]:
+    """Each scenario on ``world_size`` gloo ranks reducing through ``candidate``'s buffers:
+    fresh processes per scenario for a candidate that keeps process-wide state (so none
+    reaches the next), else one world until a crash."""
+    outcomes = spawn_each(reduce_worker, world_size, list(scenarios), candidate,
+                          isolate=candidate.isolates_configurations, timeout_s=timeout_s,
+                          launcher=RankLauncher().preloading(*candidate.preload_modules))
+    results = []
+    for scenario, outcome in zip(scenarios, outcomes, strict=True):
+        label = f"dp={world_size}: {scenario.name}"
+        settings = scenario_settings(scenario, world_size)
+        if outcome.crash is not None:
+            results.append(ScenarioResult(label, settings, crash=outcome.crash))
             continue
-        raised = [f"rank {r}: {per_rank[r][s_index]['raised']}" for r in range(world_size)
-                  if "raised" in per_rank[r][s_index]]
-        if raised:
-            outcomes.append((f"{label}: runs", False, "; ".join(raised)))
+        per_rank = outcome.results
+        if "skipped" in per_rank[0]:
+            results.append(ScenarioResult(label, settings, skipped=per_rank[0]["skipped"]))
             continue
-        for it in range(scenario.iterations):
-            norm_total: float | None = 0.0
-            problems: list[str] = []
-            expected_norm = None
-            for rank in range(world_size):
-                got = per_rank[rank][s_index]
-                record = got["iterations"][it]
-                if not got["params_kept"]:
-                    problems.append(f"rank {rank}: param values changed when remapped")
-                if not record["in_flight_seen"]:
-                    problems.append(f"rank {rank}: reduce_in_flight was False after start")
-                if not record["padding_zero"]:
-                    problems.append(f"rank {rank}: padding became non-zero")
-                if record["padding_helper"] is not None and record["padding_helper"] != record["padding_zero"]:
-                    problems.append(f"rank {rank}: padding_is_zero says {record['padding_helper']}, "
-                                    f"the padding refgrad's layout gives is {'' if record['padding_zero'] else 'not '}zero")
-                want = expected_reduction(scenario, world_size, rank, it)
-                if [g["key"] for g in record["groups"]] != [g["key"] for g in want]:
-                    problems.append(f"rank {rank}: groups {[g['key'] for g in record['groups']]}")
+        missing = tuple(dict.fromkeys(reason for r in range(world_size)
+                                      for reason in per_rank[r]["unsupported"]))
+        results.append(ScenarioResult(label, settings, tuple(
+            _iteration_checks(label, scenario, world_size, per_rank)), missing=missing))
+    return results
+
+
+def _iteration_checks(label: str, scenario: ReduceScenario, world_size: int,
+                      per_rank: list[dict]) -> list[tuple[str, bool, str]]:
+    """(label, passed, detail) for each iteration of one scenario, every rank's record held
+    to refgrad's layout and the exact reduced values."""
+    checks = []
+    for it in range(scenario.iterations):
+        norm_total: float | None = 0.0
+        problems: list[str] = []
+        expected_norm = None
+        for rank in range(world_size):
+            got = per_rank[rank]
+            record = got["iterations"][it]
+            if not got["params_kept"]:
+                problems.append(f"rank {rank}: param values changed when remapped")
+            if not record["in_flight_seen"]:
+                problems.append(f"rank {rank}: reduce_in_flight was False after start")
+            if not record["padding_zero"]:
+                problems.append(f"rank {rank}: padding became non-zero")
+            if record["padding_helper"] is not None and record["padding_helper"] != record["padding_zero"]:
+                problems.append(f"rank {rank}: padding_is_zero says {record['padding_helper']}, "
+                                f"the padding refgrad's layout gives is {'' if record['padding_zero'] else 'not '}zero")
+            want = expected_reduction(scenario, world_size, rank, it)
+            if [g["key"] for g in record["groups"]] != [g["key"] for g in want]:
+                problems.append(f"rank {rank}: groups {[g['key'] for g in record['groups']]}")
+                continue
+            for g_got, g_want in zip(record["groups"], want):
+                if [tuple(r) for r in g_got["regions"]] != [tuple(r) for r in g_want["regions"]]:
+                    problems.append(f"rank {rank} {g_want['key']}: shard ranges differ from refgrad")
                     continue
-                for g_got, g_want in zip(record["groups"], want):
-                    if [tuple(r) for r in g_got["regions"]] != [tuple(r) for r in g_want["regions"]]:
-                        problems.append(f"rank {rank} {g_want['key']}: shard ranges differ from refgrad")
-                        continue
-                    for b, (v_got, v_want) in enumerate(zip(g_got["values"], g_want["values"])):
-                        v_got = torch.tensor(v_got, dtype=torch.float64)
-                        if not torch.equal(v_got, v_want):
-                            bad = int((v_got != v_want).sum())
-                            problems.append(f"rank {rank} {g_want['key']} bucket {b}: {bad} elements differ")
-                if record["local_norm_sq"] is None:
-                    norm_total = None
-                elif norm_total is not None:
-                    norm_total += record["local_norm_sq"]
-                if expected_norm is None:
-                    expected_norm = sum(
-                        float(v) ** 2 for g in want for v in g["all_values"]
-                    )
-            checkpoints = [per_rank[r][s_index]["iterations"][it]["checkpoint"] for r in range(world_size)]
-            if scenario.config.use_distributed_optimizer and None not in checkpoints:
-                problems += _checkpoint_problems(
-                    checkpoints,
-                    expected_reduction(scenario, world_size, 0, it),
-                    [math.prod(shape) for shape in scenario.shapes],
-                )
-            if (scenario.config.use_distributed_optimizer and expected_norm is not None
-                    and norm_total is not None):
-                # Integer/dyadic grads: every square and partial sum is exact in float64.
-                if norm_total != expected_norm:
-                    problems.append(f"sum of local shard norms^2 {norm_total} != exact {expected_norm}")
-            outcomes.append((f"{label}, iteration {it}", not problems, "; ".join(problems[:5])))
-        missing.update(dict.fromkeys(
-            reason for r in range(world_size) for reason in per_rank[r][s_index]["unsupported"]))
-    outcomes += [(f"dp={world_size}: buffer helpers", True, f"skipped: {reason}") for reason in missing]
-    return outcomes
+                for b, (v_got, v_want) in enumerate(zip(g_got["values"], g_want["values"])):
+                    v_got = torch.tensor(v_got, dtype=torch.float64)
+                    if not torch.equal(v_got, v_want):
+                        bad = int((v_got != v_want).sum())
+                        problems.append(f"rank {rank} {g_want['key']} bucket {b}: {bad} elements differ")
+            if record["local_norm_sq"] is None:
+                norm_total = None
+            elif norm_total is not None:
+                norm_total += record["local_norm_sq"]
+            if expected_norm is None:
+                expected_norm = sum(float(v) ** 2 for g in want for v in g["all_values"])
+        checkpoints = [per_rank[r]["iterations"][it]["checkpoint"] for r in range(world_size)]
+        if scenario.config.use_distributed_optimizer and None not in checkpoints:
+            problems += _checkpoint_problems(
+                checkpoints,
+                expected_reduction(scenario, world_size, 0, it),
+                [math.prod(shape) for shape in scenario.shapes],
+            )
+        if (scenario.config.use_distributed_optimizer and expected_norm is not None
+                and norm_total is not None):
+            # Integer/dyadic grads: every square and partial sum is exact in float64.
+            if norm_total != expected_norm:
+                problems.append(f"sum of local shard norms^2 {norm_total} != exact {expected_norm}")
+        checks.append((f"{label}, iteration {it}", not problems, "; ".join(problems[:5])))
+    return checks
