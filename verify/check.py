@@ -33,7 +33,7 @@ from verify.candidates import (
     default_candidate,
 )
 from verify.candidates.api.findings import Finding, LaunchSettings, explaining
-from verify.distributed import RankCrashed
+from verify.distributed import RankCrashed, RankLauncher
 
 _DEVICES = ("cpu", "cuda")
 
@@ -547,6 +547,10 @@ class Check:
                                  None if self.technique is None else chosen.label)
         findings: tuple[Finding, ...] = () if self.technique is None else chosen.findings()
         version = None if self.technique is None else chosen.info().version
+        if self.spawns_ranks and self.technique is not None:
+            # Start the rank launcher's fork server with the candidate's modules (a no-op
+            # when it runs: ``verify run`` starts it with every candidate's).
+            RankLauncher().preloading(*chosen.preload_modules).warm_up()
         start = time.perf_counter()
         try:
             self.run(context, recorder, chosen)

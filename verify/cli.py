@@ -284,8 +284,9 @@ def _run_and_report(args: argparse.Namespace, items: Sequence[RunItem],
     weights = [ROUGH_CHECK_SECONDS.get(item.check.name, DEFAULT_CHECK_SECONDS) * factor
                for item in items]
     if any(item.check.spawns_ranks for item in items) and not interrupted.is_set():
-        # Start the fork server now: it imports torch while the first checks run.
-        RankLauncher().warm_up()
+        # Start the fork server now: it imports torch (and each candidate's modules) while
+        # the first checks run; every rank of the run is forked from it.
+        RankLauncher().preloading(*(m for c in candidates for m in c.preload_modules)).warm_up()
     with StepProgress(sum(weights), "verify run", steps=len(items)) as progress:
         outcome = run_checks(items, weights, context, progress, args.jobs, interrupted)
     report.checks.extend(outcome.results)

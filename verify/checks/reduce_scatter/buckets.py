@@ -16,64 +16,74 @@ the spec as a documented difference naming where the behaviour lives:
   ring order (``accumulate="wire"``, ``order="ring_reverse"``; at W <= 2 one addition, in any
   order), ``ReduceOp.AVG`` divides that sum by W.
 
-A case the candidate raises in (on every rank alike) fails as ``<case>: runs`` with the
-error and where it was raised; one it refuses up front (Unsupported) is a skip; the other
-cases go on.
+Each case runs in a world of its own size (fresh processes for a candidate that keeps
+process-wide state, so no case sees what an earlier one left). A case the candidate raises in
+is the case's crash, with the root cause and where it was raised; one it refuses up front
+(Unsupported) is a skip; the other cases go on. One case deliberately reduces after a DDP with
+the fp32-accumulating reduce-scatter in the same process (``after_fp32``): a direct use of the
+API that no Megatron-LM launch makes, where a process-wide setting leaking from one DDP into
+the next shows.
 """
 
 from __future__ import annotations
 
-import traceback
-
 import torch
 
 from refgrad import reduce_scatter as refc
+from verify.candidates import Candidate, LaunchSettings
 from verify.candidates.api.core import DocumentedBehaviour, Unsupported
-from verify.candidates.api.grad_reduction import GradReduction, ReductionBehaviour
+from verify.candidates.api.grad_reduction import ReductionBehaviour
+from verify.candidates.api.pipeline import ParallelDims
 from verify.check import CheckRecorder
 from verify.checks.reduce_scatter.cases import (
     BUCKET_SHARD,
     DTYPE_NAMES,
+    FP32_PRESCALED,
     INPUTS,
     ITERATIONS,
     BucketCase,
 )
+from verify.distributed import ItemOutcome
 
 
-def _raised_at(error: BaseException) -> str:
-    """Where ``error`` was raised: the innermost frame, its path from the package root."""
-    frame = traceback.extract_tb(error.__traceback__)[-1]
-    path = frame.filename.split("site-packages/")[-1]
-    return f"{path}:{frame.lineno} {frame.name}"
+def case_settings(case: BucketCase) -> LaunchSettings:
+    """The Megatron-LM settings a bucket case stands for (its grads are 16-bit, reduced in
+    their own dtype)."""
+    config = case.config
+    return LaunchSettings(
+        dims=ParallelDims(dp_size=case.size), params_dtype="bfloat16", grad_dtype="bfloat16",
+        use_distributed_optimizer=config.use_distributed_optimizer,
+        overlap_grad_reduce=config.overlap_grad_reduce,
+        ddp_reduce_scatter_with_fp32_accumulation=config.reduce_scatter_with_fp32_accumulation,
+        ddp_average_in_collective=config.average_in_collective,
+        calculate_per_token_loss=not config.average,
+        has_output_layer=False, after_fp32_accumulating_ddp=case.after_fp32)
 
 
-def run_bucket_cases(reduction: GradReduction, rank: int, groups: dict, cases: list[BucketCase],
-                     seed: int) -> list[dict | None]:
-    """In a rank: each case this rank takes part in, in order; per case the reduced values
-    this rank holds per (dtype, iteration), or the error it raised (None: not a member)."""
-    out: list[dict | None] = []
-    for case in cases:
-        if rank >= case.size:
-            out.append(None)
-            continue
-        held: dict = {}
+def bucket_worker(rank: int, world_size: int, case: BucketCase, candidate: Candidate,
+                  seed: int) -> dict:
+    """In a rank of a world of ``case.size`` ranks: the reduced values this rank holds per
+    (dtype, iteration), or why the candidate refuses the case up front. A case ``after_fp32``
+    first reduces once through a DDP with the fp32-accumulating reduce-scatter in this same
+    process (a direct use of the API no launch makes). What the candidate raises is not
+    caught: it ends the world and is the case's crash."""
+    del world_size
+    held: dict = {}
+    with candidate.grad_reduction() as reduction:
         try:
-            reduce = reduction.bucket_reduction(case.config)  # built now: after the cases before it
-            for dtype_name in DTYPE_NAMES:
-                for it in range(ITERATIONS):
-                    grads = INPUTS[case.inputs](rank, case.size, case.size * BUCKET_SHARD,
-                                                getattr(torch, dtype_name), it, seed)
-                    held[(dtype_name, it)] = reduce(grads, group=groups[case.size])
+            if case.after_fp32:
+                grads = INPUTS["rank"](rank, case.size, case.size * BUCKET_SHARD, torch.bfloat16,
+                                       0, seed)
+                reduction.bucket_reduction(FP32_PRESCALED)(grads, group=None)
+            reduce = reduction.bucket_reduction(case.config)
         except Unsupported as unsupported:  # refused up front: a skip, not a failure
-            out.append({"skip": str(unsupported)})
-            continue
-        except Exception as error:  # noqa: BLE001 - the case fails with it; the others go on
-            message = str(error) or "(no message)"
-            out.append({"error": f"{type(error).__name__}: {message}",
-                        "raised_at": _raised_at(error)})
-            continue
-        out.append({"held": held})
-    return out
+            return {"skip": str(unsupported)}
+        for dtype_name in DTYPE_NAMES:
+            for it in range(ITERATIONS):
+                grads = INPUTS[case.inputs](rank, case.size, case.size * BUCKET_SHARD,
+                                            getattr(torch, dtype_name), it, seed)
+                held[(dtype_name, it)] = reduce(grads, group=None)
+    return {"held": held}
 
 
 def _documented(behaviour: ReductionBehaviour, case: BucketCase
@@ -140,25 +150,24 @@ def bucket_references_process(rank: int, world: int, cases: list[BucketCase],
     return bucket_references(cases, behaviour, seed)
 
 
-def check_bucket_cases(rec: CheckRecorder, per_rank: list[dict], cases: list[BucketCase],
-                       behaviour: ReductionBehaviour, expected: dict) -> None:
+def check_bucket_cases(rec: CheckRecorder, outcomes: list[ItemOutcome], cases: list[BucketCase],
+                       behaviour: ReductionBehaviour, expected: dict, candidate: Candidate) -> None:
     """Every bucket case vs refgrad (``expected``: :func:`bucket_references`), documented
-    behaviours classified (module docstring)."""
-    for index, case in enumerate(cases):
-        runs = [per_rank[r]["buckets"][index] for r in range(case.size)]
-        if "skip" in runs[0]:
-            rec.skip(f"{case.label}: {runs[0]['skip']}")
+    behaviours classified (module docstring); each case is one case of the report, a crash
+    of its world its crash."""
+    for index, (case, outcome) in enumerate(zip(cases, outcomes, strict=True)):
+        if outcome.crash is None and "skip" in outcome.results[0]:
+            rec.skip(f"{case.label}: {outcome.results[0]['skip']}")
             continue
-        errors = sorted({f"{run['error']} (raised at {run['raised_at']})"
-                         for run in runs if "error" in run})
-        if errors:
-            rec.expect(f"{case.label}: runs", False, "; ".join(errors)[:400])
-            continue
-        documented = _documented(behaviour, case)[0]
-        for dtype_name in DTYPE_NAMES:
-            for it in range(ITERATIONS):
-                spec, model = expected[(index, dtype_name, it)]
-                got = torch.cat([run["held"][(dtype_name, it)] for run in runs])
-                rec.compare_documented(
-                    f"{case.label} vs refgrad's DP {case.config.op}: {dtype_name} it={it}",
-                    spec, got, documented=documented, documented_reference=model)
+        with rec.case(case.label, case_settings(case)):
+            if outcome.crash is not None:
+                rec.crash(case.label, outcome.crash, candidate)
+                continue
+            documented = _documented(behaviour, case)[0]
+            for dtype_name in DTYPE_NAMES:
+                for it in range(ITERATIONS):
+                    spec, model = expected[(index, dtype_name, it)]
+                    got = torch.cat([run["held"][(dtype_name, it)] for run in outcome.results])
+                    rec.compare_documented(
+                        f"{case.label} vs refgrad's DP {case.config.op}: {dtype_name} it={it}",
+                        spec, got, documented=documented, documented_reference=model)

@@ -98,8 +98,8 @@ BUCKET_SHARD = 128  # elements per rank in a DDP bucket case: no candidate pads 
 class BucketCase:
     """One DDP bucket reduction of the check: ``size`` ranks, the candidate's DDP under
     ``config``, inputs by name (``INPUTS``). ``after_fp32``: built after a DDP with the
-    fp32-accumulating reduce-scatter in the same process (a process-wide setting leaking
-    from one DDP into the next shows here)."""
+    fp32-accumulating reduce-scatter reduced once in the same process (a direct use of the
+    API: a process-wide setting leaking from one DDP into the next shows here)."""
 
     size: int
     config: ReductionConfig
@@ -135,7 +135,8 @@ BUCKET_SIZES = (2, 3)  # W = 2: 1/2 exact, one addition; W = 3: neither
 def bucket_cases(average_sizes: tuple[int, ...]) -> list[BucketCase]:
     """The DDP bucket cases in run order: the plain collectives first, then the
     fp32-accumulating ones (rank-specific, order-sensitive at W = 3, average-sensitive at
-    ``average_sizes``), then a plain reduce-scatter once more at W = 3."""
+    ``average_sizes``), then a plain reduce-scatter at W = 3 built after an fp32-accumulating
+    one in its own process."""
     sizes = BUCKET_SIZES
     cases = [BucketCase(w, config) for config in (PRESCALED, AVG_IN_COLLECTIVE, ALL_REDUCE)
              for w in sizes]

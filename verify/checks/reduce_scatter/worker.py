@@ -1,10 +1,11 @@
 """The reduce_scatter check's multi-rank part: the candidate's collectives on real gloo groups vs refgrad.
 
-One spawn of ``max(sizes, average_sizes)`` ranks; every rank creates the groups of ranks
+One world of ``max(sizes, average_sizes)`` ranks; every rank creates the groups of ranks
 ``0..W-1`` and, inside ``with candidate.grad_reduction()``, runs the candidate's
 fp32-accumulating reduce-scatter in every mode the check's :class:`CollectivePlan` holds
-(those the candidate takes), then the DDP bucket cases (:mod:`verify.checks.reduce_scatter.buckets`),
-whose refgrad references are computed meanwhile in a process of their own.
+(those the candidate takes). Then each DDP bucket case (:mod:`verify.checks.reduce_scatter.buckets`)
+in a world of its own size; their refgrad references are computed meanwhile in a process of
+their own.
 """
 
 from __future__ import annotations
@@ -17,26 +18,26 @@ import torch.distributed as dist
 
 from refgrad import reduce_scatter as refc
 from refgrad.formats import tensor_bit_patterns
-from verify.candidates import Candidate, Unsupported
+from verify.candidates import Candidate, LaunchSettings, Unsupported
 from verify.candidates.api.grad_reduction import OPS, GradReduction
+from verify.candidates.api.pipeline import ParallelDims
 from verify.check import CheckContext, CheckRecorder
 from verify.checks.reduce_scatter.buckets import (
     bucket_references_process,
+    bucket_worker,
     check_bucket_cases,
-    run_bucket_cases,
 )
 from verify.checks.reduce_scatter.cases import (
     AVERAGE_SIZES,
     DTYPE_NAMES,
     ITERATIONS,
     MODES,
-    BucketCase,
     average_sensitive_input,
     bucket_cases,
     order_sensitive_input,
     rank_input,
 )
-from verify.distributed import spawn
+from verify.distributed import RankLauncher, spawn, spawn_each
 
 
 @dataclass(frozen=True)
@@ -142,16 +143,16 @@ def _run_average_sensitive(reduction: GradReduction, rank: int, size: int, group
     return records
 
 
-def _rank_worker(rank: int, world_size: int, sizes, average_sizes, shard: int, seed: int,
-                 candidate: Candidate, plan: CollectivePlan, cases: list[BucketCase]) -> dict:
+def _rank_worker(rank: int, world_size: int, item: str, sizes, average_sizes, shard: int,
+                 seed: int, candidate: Candidate, plan: CollectivePlan) -> dict:
     """One spawned rank: every mode on groups of ranks 0..size-1 for each size, the
     order-sensitive inputs on groups of 3 or more ranks, AVG of average-sensitive inputs on
-    groups of each of ``average_sizes`` (where the candidate's collective takes AVG), then
-    the DDP bucket cases."""
+    groups of each of ``average_sizes`` (where the candidate's collective takes AVG)."""
+    del item  # the one item of the collectives' world
     results, ordered, averaged = {}, {}, {}
     # Every rank creates every group, in the same order (torch.distributed's rule).
     groups = {size: dist.new_group(list(range(size))) if size < world_size else None
-              for size in sorted({*sizes, *average_sizes, *(c.size for c in cases)})}
+              for size in sorted({*sizes, *average_sizes})}
     with candidate.grad_reduction() as reduction:
         for size in sizes:
             if rank < size:
@@ -163,15 +164,25 @@ def _rank_worker(rank: int, world_size: int, sizes, average_sizes, shard: int, s
             if rank < size:
                 averaged[size] = _run_average_sensitive(reduction, rank, size, groups[size], shard,
                                                         seed)
-        buckets = run_bucket_cases(reduction, rank, groups, cases, seed)
-    return {"modes": results, "order_sensitive": ordered, "average_sensitive": averaged,
-            "buckets": buckets}
+    return {"modes": results, "order_sensitive": ordered, "average_sensitive": averaged}
+
+
+COLLECTIVES = "the fp32-accumulating reduce-scatter called directly"
+
+
+def collectives_settings(world: int) -> LaunchSettings:
+    """The collectives part is a direct call of the candidate's reduce-scatter function."""
+    return LaunchSettings(dims=ParallelDims(dp_size=world), params_dtype="bfloat16",
+                          grad_dtype="bfloat16", use_distributed_optimizer=True,
+                          ddp_reduce_scatter_with_fp32_accumulation=True, has_output_layer=False,
+                          direct_call=f"{COLLECTIVES} on process groups of 2 to {world} ranks")
 
 
 def check_multi_rank(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate) -> None:
     """The candidate's reduce-scatter on real gloo groups (every mode, SUM and AVG) vs
     refgrad fp32/rank, bitwise; at W >= 3 also on order-sensitive inputs; then its DDP
-    bucket reduction vs refgrad's DP mean (or sum), documented departures classified."""
+    bucket reduction vs refgrad's DP mean (or sum), each case in a world of its own size,
+    documented departures classified."""
     sizes = (2, 3) if ctx.quick else (2, 3, 4)
     average_sizes = AVERAGE_SIZES[:2] if ctx.quick else AVERAGE_SIZES
     shard = 16 if ctx.quick else 96
@@ -179,15 +190,35 @@ def check_multi_rank(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate
         plan = collective_plan(reduction, rec)
         behaviour = reduction.behaviour()
     cases = bucket_cases(average_sizes)
-    world = max(*sizes, *average_sizes, *(c.size for c in cases))
+    world = max(*sizes, *average_sizes)
+    launcher = RankLauncher().preloading(*candidate.preload_modules)
     # refgrad's bucket references (seconds of exact arithmetic) in a process of their own,
     # while the ranks run
     with ThreadPoolExecutor(max_workers=1) as pool:
         references = pool.submit(spawn, bucket_references_process, 1, cases, behaviour, ctx.seed,
                                  timeout_s=ctx.timeout_s)
-        per_rank = spawn(_rank_worker, world, sizes, average_sizes, shard, ctx.seed, candidate,
-                         plan, cases, timeout_s=ctx.timeout_s)
+        (collectives,) = spawn_each(_rank_worker, world, [COLLECTIVES], sizes, average_sizes,
+                                    shard, ctx.seed, candidate, plan, isolate=True,
+                                    timeout_s=ctx.timeout_s, launcher=launcher)
+        bucket_outcomes = {}
+        for size in dict.fromkeys(case.size for case in cases):
+            group = [case for case in cases if case.size == size]
+            bucket_outcomes.update(zip(group, spawn_each(
+                bucket_worker, size, group, candidate, ctx.seed,
+                isolate=candidate.isolates_configurations, timeout_s=ctx.timeout_s,
+                launcher=launcher), strict=True))
         expected = references.result()[0]
+    with rec.case(COLLECTIVES, collectives_settings(world)):
+        if collectives.crash is not None:
+            rec.crash(COLLECTIVES, collectives.crash, candidate)
+        else:
+            _check_collectives(rec, candidate, collectives.results, plan, sizes, average_sizes)
+    check_bucket_cases(rec, [bucket_outcomes[case] for case in cases], cases, behaviour,
+                       expected, candidate)
+
+
+def _check_collectives(rec: CheckRecorder, candidate: Candidate, per_rank: list[dict],
+                       plan: CollectivePlan, sizes, average_sizes) -> None:
     for size in sizes:
         records = [per_rank[r]["modes"][size] for r in range(size)]
         for i, first in enumerate(records[0]):
@@ -217,7 +248,6 @@ def check_multi_rank(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate
                 )
     if "avg" in plan.ops:
         check_average_sensitive(rec, per_rank, average_sizes)
-    check_bucket_cases(rec, per_rank, cases, behaviour, expected)
 
 
 def check_average_sensitive(rec: CheckRecorder, per_rank: list[dict], average_sizes) -> None:
