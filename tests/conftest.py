@@ -23,14 +23,15 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _rank_launcher_preloads_megatron_core():
+def _rank_launcher_preloads_megatron_core(request):
     """Where megatron-core is installed, the rank launcher's fork server (one per test
     process, started by the first multi-rank test) imports it once, as ``verify run`` does
     for a run with the megatron-core candidate: its tests fork every configuration's ranks
     from there instead of importing Megatron in each rank (~3 s of CPU a rank)."""
     import importlib.util
 
-    if importlib.util.find_spec("megatron") is not None:
+    starts_ranks = any("dist" in item.keywords for item in request.session.items)
+    if starts_ranks and importlib.util.find_spec("megatron") is not None:
         from verify.candidates.megatron_core.candidate import MegatronCoreCandidate
         from verify.distributed import RankLauncher
 
