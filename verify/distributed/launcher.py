@@ -293,6 +293,8 @@ class _Run:
             stalled = over_ceiling = False
             while len(self.done) < self.world_size:
                 now = time.monotonic()
+                if self.failures and not self._unfinished():
+                    break  # every rank has finished or failed: nothing left to wait for
                 if now >= self.failures_seen_at + FAILURE_GRACE_S:
                     break
                 self._sample(now)

@@ -87,6 +87,7 @@ def process_setup(*, needs_default_group: bool = False,
         # setting) for the async TP all-reduce, and the param all-gather's dispatch order over
         # a test model's few buckets (overlap, which the checks do not measure).
         warnings.filterwarnings("ignore", message="When using async grad allreduce it is recommended")
+        warnings.filterwarnings("ignore", message="When using sequence parallelism it is recommended")
         warnings.filterwarnings("ignore", message="The next bucket's parameter all-gather operation")
         # schedules.backward_step reads ``x.grad`` of each input tensor, and torch notes when
         # one is not a leaf (its .grad is None). Reported from redirect.py because the CPU

@@ -13,11 +13,9 @@ from refgrad.deferred_wgrad import (
     reference_main_grad,
     tied_embedding_grad_sum,
 )
-from verify.candidates import Candidate
+from verify.candidates import Candidate, LaunchSettings
 from verify.candidates.api.deferred_wgrad import (
     DeferredWgrad,
-    DrainRefused,
-    OutputLayerConfig,
     ParallelDims,
     WgradGemm,
 )
@@ -34,8 +32,9 @@ from verify.checks.deferred_wgrad.cases import (
     case_data,
     compared_with_refgrad,
 )
-from verify.checks.deferred_wgrad.worker import RankOutcome, rank_main
-from verify.distributed import spawn
+from verify.checks.deferred_wgrad.single import STALE_LIMIT
+from verify.checks.deferred_wgrad.worker import WorldItem, item_worker
+from verify.distributed import ItemOutcome, RankLauncher, spawn_each
 from verify.metrics import compare
 
 
@@ -70,95 +69,135 @@ def _ulp_row(label: str, ref: torch.Tensor, cand: torch.Tensor, bound_ok: bool) 
     return [label, c.bitwise_equal, c.max_ulp, round(c.mean_ulp, 3), bound_ok]
 
 
-def _values(rec: CheckRecorder, label: str, outcomes: Sequence[RankOutcome]) -> list | None:
-    """Every rank's value of a part, or None after recording a failure for each rank the
-    candidate raised on, or a skip where it cannot run the part."""
-    for r, outcome in enumerate(outcomes):
-        if outcome.raised:
-            rec.expect(f"{label}/rank{r}: runs", False, outcome.raised)
-        elif outcome.unsupported:
-            rec.skip(f"{label}/rank{r}: {outcome.unsupported}")
-    if any(o.raised or o.unsupported for o in outcomes):
+def case_settings(case: WgradCase) -> LaunchSettings:
+    """The Megatron-LM settings a case stands for: the last stage of PP 2 (where the drain
+    runs), its TP layout, deferral, and M microbatches in each of its steps."""
+    return LaunchSettings(
+        dims=ParallelDims(tp_size=case.tp, pp_size=2, sequence_parallel=case.sequence_parallel),
+        params_dtype="bfloat16", grad_dtype=case.main_grad_dtype,
+        defer_embedding_wgrad_compute=True, wgrad_deferral_limit=case.limit,
+        microbatches=(case.num_microbatches,) * ITERATIONS)
+
+
+TIED_SETTINGS = LaunchSettings(dims=ParallelDims(pp_size=2), params_dtype="bfloat16",
+                               defer_embedding_wgrad_compute=True, microbatches=(3,) * ITERATIONS)
+STALE_SETTINGS = LaunchSettings(dims=ParallelDims(pp_size=2), params_dtype="bfloat16",
+                                defer_embedding_wgrad_compute=True,
+                                wgrad_deferral_limit=STALE_LIMIT, microbatches=(2,),
+                                after_abandoned_step=True)
+GUARD_SETTINGS = LaunchSettings(dims=ParallelDims(pp_size=2), params_dtype="bfloat16",
+                                defer_embedding_wgrad_compute=True, microbatches=(1,),
+                                direct_call="a drain told that the weight's bucket is reducing")
+
+
+def _values(rec: CheckRecorder, item: WorldItem, outcome: ItemOutcome, candidate: Candidate,
+            settings: LaunchSettings) -> list | None:
+    """Every rank's value of an item, or None after recording its crash (as the case
+    ``item.label``) or a skip where the candidate cannot run it."""
+    if outcome.crash is not None:
+        with rec.case(item.label, settings):
+            rec.crash(item.label, outcome.crash, candidate)
         return None
-    return [o.value for o in outcomes]
+    reasons = {v["unsupported"] for v in outcome.results
+               if isinstance(v, dict) and "unsupported" in v}
+    if reasons:
+        rec.skip(f"{item.label}: {' / '.join(sorted(reasons))}")
+        return None
+    return outcome.results
 
 
-def run_deferred_wgrad_check(
-    ctx: CheckContext, rec: CheckRecorder, candidate: Candidate, wgrad: DeferredWgrad
-) -> None:
-    """The multi-rank cases, the tied embedding, the guard and the stale step.
+def _run_items(ctx: CheckContext, candidate: Candidate, items: list[WorldItem]
+               ) -> list[ItemOutcome]:
+    """Every item on 2-rank worlds, one world until an item crashes. The items are the
+    output layer's per-layer settings (microbatches, deferral limit, main-grad dtype) on the
+    check's two layouts: nothing of one lives on after it (each builds its own layers, and
+    the candidate's process-wide setup is made and undone around each), so they share a
+    world whatever the candidate; a crash still ends its world at once and the next item
+    starts a fresh one."""
+    return spawn_each(item_worker, WORLD, items, ctx.seed, candidate, isolate=False,
+                      timeout_s=ctx.timeout_s,
+                      launcher=RankLauncher().preloading(*candidate.preload_modules))
 
-    ``wgrad`` is ``candidate.deferred_wgrad()`` in this process (the guard and the stale
-    step); the ranks ask the candidate for their own.
-    """
+
+def _case_expectations(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate,
+                       case: WgradCase, results: list, expected_drained: list[int],
+                       deferred_vs_immediate: list, ref_rows: list) -> None:
+    """One case's expectations and comparisons on every rank: drain counts, deferred vs
+    immediate (bitwise, or in the drain order), and refgrad where the case is compared."""
+    m, limit = case.num_microbatches, case.limit
+    ranks = range(WORLD)
+    for r, res in zip(ranks, results):
+        tag = f"{case.label}/rank{r}"
+        rec.expect(f"{tag}: drain count", res["drained"] == expected_drained,
+                   f"drained {res['drained']}, expected {expected_drained}")
+        rec.expect(f"{tag}: immediate drain is empty", res["immediate_drained"] == [0] * ITERATIONS,
+                   f"immediate mode drained {res['immediate_drained']}")
+        rec.expect(f"{tag}: 0-entry drain leaves main_grad unchanged", res["empty_drain_ok"])
+        rec.expect(f"{tag}: dgrads deferred == immediate (bitwise)", res["dgrad_equal"])
+        for it in range(ITERATIONS):
+            d, i, o = res["deferred"][it], res["immediate"][it], res["reordered"][it]
+            rec.expect(
+                f"{tag}/iter{it}: deferred == immediate in drain order (bitwise)",
+                bits_equal(d, o),
+                "the deferred run must equal the immediate path that adds in order "
+                f"{deferred_accumulation_order(m, limit)}",
+            )
+            if not case.reorders or case.lane == "grid":
+                # Same order of adds, or every partial sum exact: must be bitwise.
+                rec.compare(f"{tag}/iter{it}: deferred vs immediate", i, d, max_ulp=0)
+            else:
+                deferred_vs_immediate.append((case, r, it, i, d))
+
+    # refgrad: gather the TP shards into the full [V, H] gradient per data rank.
+    data_ranks = list(ranks) if case.tp == 1 else [0]
+    for dr in data_ranks if compared_with_refgrad(case, ctx.quick) else []:
+        _, xs, gos = case_data(case, ctx.seed, dr)
+        order = deferred_accumulation_order(m, limit)
+        final = (
+            results[dr]["deferred"][-1]
+            if case.tp == 1
+            else torch.cat([res["deferred"][-1] for res in results], dim=0)
+        )
+        ref = _reference(case, xs, gos, order)
+        tag = f"{case.label}/data{dr}"
+        if case.lane == "grid":
+            rec.compare(f"{tag}: {candidate.name} vs refgrad (exact grid)", ref, final, max_ulp=0)
+        else:
+            factor = fastgrad_error_factor(
+                SEQ * BATCH, ITERATIONS * m, main_grad_dtype=getattr(torch, case.main_grad_dtype)
+            )
+            a = abs_products(xs, gos)
+            err = (final.double() - ref.double()).abs()
+            ok = bool((err <= a * float(factor)).all())
+            rec.expect(
+                f"{tag}: |{candidate.name} - refgrad| <= {float(factor):.3g}·A",
+                ok,
+                f"max err/A = {float((err / a.clamp_min(1e-300)).max()):.3g}",
+            )
+            ref_rows.append(_ulp_row(tag, ref, final, ok))
+
+
+def run_deferred_wgrad_check(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate) -> None:
+    """The multi-rank cases, the tied embedding, the guard and the stale step, each an item
+    of the check's 2-rank worlds (the ranks ask the candidate for their own interface)."""
     cases = build_cases(ctx.quick)
     multi = [c for c in cases if c.tp > 1]
     single = [c for c in cases if c.tp == 1]
-    # TP-1 cases run on every process with that process's own data (rank-specific).
-    per_rank = [
-        r for r in spawn(rank_main, WORLD, [asdict(c) for c in cases], ctx.seed, candidate,
-                   timeout_s=ctx.timeout_s)
-    ]
+    items = ([WorldItem("case", tuple(asdict(c).items())) for c in cases]
+             + [WorldItem("tied", dtype=d) for d in ("float32", "bfloat16")]
+             + [WorldItem("guard"), WorldItem("stale")])
+    outcomes = dict(zip(items, _run_items(ctx, candidate, items), strict=True))
 
     deferred_vs_immediate, drain_order_rows, ref_rows = [], [], []
-    for case in cases:
-        ranks = range(WORLD)
-        results = _values(rec, case.label, [per_rank[r]["cases"][case.label] for r in ranks])
+    for case, item in zip(cases, items):
+        results = _values(rec, item, outcomes[item], candidate, case_settings(case))
         if results is None:
             continue
         m, limit = case.num_microbatches, case.limit
         expected_drained = [m if limit == 0 else min(limit, m)] * ITERATIONS
-        for r, res in zip(ranks, results):
-            tag = f"{case.label}/rank{r}"
-            if res["drain_errors"]:  # the steps went on: main_grad is compared below all the same
-                rec.expect(f"{tag}: drain runs", False, "; ".join(res["drain_errors"]))
-            rec.expect(f"{tag}: drain count", res["drained"] == expected_drained,
-                       f"drained {res['drained']}, expected {expected_drained}")
-            rec.expect(f"{tag}: immediate drain is empty", res["immediate_drained"] == [0] * ITERATIONS,
-                       f"immediate mode drained {res['immediate_drained']}")
-            rec.expect(f"{tag}: 0-entry drain leaves main_grad unchanged", res["empty_drain_ok"])
-            rec.expect(f"{tag}: dgrads deferred == immediate (bitwise)", res["dgrad_equal"])
-            for it in range(ITERATIONS):
-                d, i, o = res["deferred"][it], res["immediate"][it], res["reordered"][it]
-                rec.expect(
-                    f"{tag}/iter{it}: deferred == immediate in drain order (bitwise)",
-                    bits_equal(d, o),
-                    "the deferred run must equal the immediate path that adds in order "
-                    f"{deferred_accumulation_order(m, limit)}",
-                )
-                if not case.reorders or case.lane == "grid":
-                    # Same order of adds, or every partial sum exact: must be bitwise.
-                    rec.compare(f"{tag}/iter{it}: deferred vs immediate", i, d, max_ulp=0)
-                else:
-                    deferred_vs_immediate.append((case, r, it, i, d))
-
-        # refgrad: gather the TP shards into the full [V, H] gradient per data rank.
-        data_ranks = list(ranks) if case.tp == 1 else [0]
-        for dr in data_ranks if compared_with_refgrad(case, ctx.quick) else []:
-            _, xs, gos = case_data(case, ctx.seed, dr)
-            order = deferred_accumulation_order(m, limit)
-            final = (
-                results[dr]["deferred"][-1]
-                if case.tp == 1
-                else torch.cat([res["deferred"][-1] for res in results], dim=0)
-            )
-            ref = _reference(case, xs, gos, order)
-            tag = f"{case.label}/data{dr}"
-            if case.lane == "grid":
-                rec.compare(f"{tag}: {candidate.name} vs refgrad (exact grid)", ref, final, max_ulp=0)
-            else:
-                factor = fastgrad_error_factor(
-                    SEQ * BATCH, ITERATIONS * m, main_grad_dtype=getattr(torch, case.main_grad_dtype)
-                )
-                a = abs_products(xs, gos)
-                err = (final.double() - ref.double()).abs()
-                ok = bool((err <= a * float(factor)).all())
-                rec.expect(
-                    f"{tag}: |{candidate.name} - refgrad| <= {float(factor):.3g}·A",
-                    ok,
-                    f"max err/A = {float((err / a.clamp_min(1e-300)).max()):.3g}",
-                )
-                ref_rows.append(_ulp_row(tag, ref, final, ok))
+        with rec.case(case.label, case_settings(case)):
+            _case_expectations(ctx, rec, candidate, case, results, expected_drained,
+                               deferred_vs_immediate, ref_rows)
 
     # Reordered cases: not bitwise; hold them to the bound and report ULPs.
     for case, r, it, imm, dfr in deferred_vs_immediate:
@@ -196,79 +235,39 @@ def run_deferred_wgrad_check(
 
     # Tied embeddings: both stages equal, and equal to the exact sum rounded once.
     for dtype in ("float32", "bfloat16"):
-        stages = _values(rec, f"tied/{dtype}", [per_rank[0]["tied"][dtype], per_rank[1]["tied"][dtype]])
+        item = WorldItem("tied", dtype=dtype)
+        stages = _values(rec, item, outcomes[item], candidate, TIED_SETTINGS)
         if stages is None:
             continue
         stage0, stage1 = stages
-        for it in range(ITERATIONS):
-            tag = f"tied/{dtype}/iter{it}"
-            rec.compare(f"{tag}: stage0 vs stage1 after all-reduce", stage0[it]["after"], stage1[it]["after"])
-            expected = tied_embedding_grad_sum([stage0[it]["before"], stage1[it]["before"]])
-            rec.compare(f"{tag}: vs refgrad tied sum", expected, stage1[it]["after"])
+        with rec.case(item.label, TIED_SETTINGS):
+            for it in range(ITERATIONS):
+                tag = f"tied/{dtype}/iter{it}"
+                rec.compare(f"{tag}: stage0 vs stage1 after all-reduce", stage0[it]["after"],
+                            stage1[it]["after"])
+                expected = tied_embedding_grad_sum([stage0[it]["before"], stage1[it]["before"]])
+                rec.compare(f"{tag}: vs refgrad tied sum", expected, stage1[it]["after"])
 
-    with rec.skip_if_unsupported():
-        _guard_case(ctx, rec, wgrad)
-    with rec.skip_if_unsupported():
-        _stale_step_case(ctx, rec, wgrad)
+    item = WorldItem("guard")
+    guard = _values(rec, item, outcomes[item], candidate, GUARD_SETTINGS)
+    if guard is not None:
+        with rec.case(item.label, GUARD_SETTINGS):
+            facts = guard[0]
+            rec.expect("guard: drain into an in-flight bucket raises LifecycleError", facts["raised"])
+            rec.expect("guard: main_grad untouched after the refusal", facts["untouched"])
+            rec.expect("guard: the deferred entry is still there to drain later", facts["kept"])
+    item = WorldItem("stale")
+    stale = _values(rec, item, outcomes[item], candidate, STALE_SETTINGS)
+    if stale is not None:
+        with rec.case(item.label, STALE_SETTINGS):
+            rec.expect("stale step: start_step clears both buffers (bitwise equal to a fresh "
+                       "layer)", stale[0]["same"], stale[0]["detail"])
     rec.note(
         f"{len(cases)} cases ({len(single)} at TP 1 on each of {WORLD} processes, {len(multi)} at TP 2), "
         f"{ITERATIONS} iterations each; {len(drain_order_rows)} (case, rank, iteration) results "
         "reorder the fp32 adds under deferral and are not bitwise equal to microbatch order "
         f"({sum(1 for row in drain_order_rows if not row[1])} of them actually differ)."
     )
-
-
-def _guard_case(ctx: CheckContext, rec: CheckRecorder, wgrad: DeferredWgrad) -> None:
-    """Draining into a bucket whose reduce is in flight must raise and write nothing."""
-    config = OutputLayerConfig(defer_embedding_wgrad_compute=True, dims=ParallelDims(pp_size=2))
-    g = ctx.generator(3)  # seed 0: manual_seed(3)
-    layer = wgrad.output_layer(torch.randn(VOCAB, HIDDEN, generator=g).bfloat16(), config)
-    x = torch.randn(SEQ, BATCH, HIDDEN, generator=g).bfloat16().requires_grad_(True)
-    layer(x).backward(torch.randn(SEQ, BATCH, VOCAB, generator=g).bfloat16())
-    before = layer.main_grad.clone()
-    raised = False
-    try:
-        layer.drain(reduce_in_flight=lambda p: p is layer.weight)
-    except DrainRefused:
-        raised = True
-    rec.expect("guard: drain into an in-flight bucket raises LifecycleError", raised)
-    rec.expect("guard: main_grad untouched after the refusal", torch.equal(before, layer.main_grad))
-    rec.expect("guard: the deferred entry is still there to drain later", layer.num_deferred == 1)
-
-
-def _stale_step_case(ctx: CheckContext, rec: CheckRecorder, wgrad: DeferredWgrad) -> None:
-    """A step abandoned after a backward leaves entries in both buffers; the next step must not see them.
-
-    Production clears only the activation buffer at step start, so a stale
-    grad_output would be paired with the next step's first input.
-    """
-    config = OutputLayerConfig(
-        defer_embedding_wgrad_compute=True, wgrad_deferral_limit=2, dims=ParallelDims(pp_size=2)
-    )
-    g = ctx.generator(11)  # seed 0: manual_seed(11)
-    weight = torch.randn(VOCAB, HIDDEN, generator=g).bfloat16()
-    xs = [torch.randn(SEQ, BATCH, HIDDEN, generator=g).bfloat16() for _ in range(3)]
-    gos = [torch.randn(SEQ, BATCH, VOCAB, generator=g).bfloat16() for _ in range(3)]
-
-    def full_step(layer) -> None:
-        layer.start_step()
-        for x, go in zip(xs[1:], gos[1:]):
-            layer(x.clone().requires_grad_(True)).backward(go)
-        layer.drain()
-
-    fresh = wgrad.output_layer(weight, config)
-    full_step(fresh)
-    reused = wgrad.output_layer(weight, config)
-    reused.start_step()
-    reused(xs[0].clone().requires_grad_(True)).backward(gos[0])  # abandoned: no drain
-    reused.main_grad.zero_()
-    try:
-        full_step(reused)
-        same = torch.equal(fresh.main_grad.view(torch.int32), reused.main_grad.view(torch.int32))
-        detail = "main_grad differs from a fresh layer's"
-    except DrainRefused as refusal:
-        same, detail = False, str(refusal)
-    rec.expect("stale step: start_step clears both buffers (bitwise equal to a fresh layer)", same, detail)
 
 
 def compare_wgrad_gemms_on(

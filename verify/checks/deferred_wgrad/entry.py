@@ -10,10 +10,14 @@ from verify.checks.deferred_wgrad.comparisons import check_cuda_wgrad, run_defer
 def run(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate) -> None:
     """The ``deferred_wgrad`` check against ``candidate``'s output layer and wgrad GEMMs."""
     # Unsupported from the accessor: nothing can run (SKIP). The ranks enter their own.
-    with candidate.deferred_wgrad() as wgrad:
-        run_deferred_wgrad_check(ctx, rec, candidate, wgrad)
-        with rec.skip_if_unsupported():
-            check_cuda_wgrad(ctx, rec, wgrad)
+    with candidate.deferred_wgrad():
+        pass
+    run_deferred_wgrad_check(ctx, rec, candidate)
+    if ctx.device != "cuda":
+        rec.skip("CUDA wgrad GEMM (cuBLAS, fp32 output) vs refgrad: run `verify run --device cuda`")
+        return
+    with rec.skip_if_unsupported(), candidate.deferred_wgrad() as wgrad:
+        check_cuda_wgrad(ctx, rec, wgrad)
 
 
 CHECK = Check(

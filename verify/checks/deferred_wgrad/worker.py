@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import traceback
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,28 +22,14 @@ from verify.checks.deferred_wgrad.cases import (
     WgradCase,
     case_data,
 )
+from verify.checks.deferred_wgrad.single import guard_facts, stale_step_facts
 
 
-def _drain(layer, errors: list[str], iteration: int) -> int | None:
-    """``layer.drain()``; what the candidate raises instead (not a skip) is noted in ``errors``
-    and the run goes on, so that the ``main_grad`` it left is compared too."""
-    try:
-        return layer.drain()
-    except Unsupported:
-        raise
-    except Exception as exc:  # noqa: BLE001 - reported as the case's failure, with its type
-        where = traceback.extract_tb(exc.__traceback__)[-1]
-        errors.append(f"iteration {iteration}: {type(exc).__name__}: {exc} (raised at "
-                      f"{where.filename.split('site-packages/')[-1]}:{where.lineno} {where.name})")
-        return None
-
-
-def run_layer(case, wgrad: DeferredWgrad, config, weight, xs, gos, rank, order_of,
-              errors: list[str] | None = None):
+def run_layer(case, wgrad: DeferredWgrad, config, weight, xs, gos, rank, order_of):
     """Run ITERATIONS steps; return main_grad after each, drain counts, dgrads, empty-drain facts.
 
-    A drain that raises is noted in ``errors`` (its count is None) and the steps go on."""
-    errors = [] if errors is None else errors
+    What the candidate raises (a drain that fails) is not caught: it ends the case's world
+    and is the case's crash."""
     tp = case.tp
     vshard = VOCAB // tp
     sshard = SEQ // tp if case.sequence_parallel else SEQ
@@ -66,10 +50,10 @@ def run_layer(case, wgrad: DeferredWgrad, config, weight, xs, gos, rank, order_o
             go = gos[it][k][..., vrank * vshard : (vrank + 1) * vshard].contiguous()
             layer(x).backward(go)
             step_dgrads[k] = x.grad
-        drained.append(_drain(layer, errors, it))
+        drained.append(layer.drain())
         snapshot = layer.main_grad.clone()
         # A second drain finds 0 entries: it must return 0 and leave main_grad alone.
-        empty_drain_ok &= _drain(layer, errors, it) == 0
+        empty_drain_ok &= layer.drain() == 0
         empty_drain_ok &= torch.equal(
             layer.main_grad.view(torch.int16 if snapshot.itemsize == 2 else torch.int32),
             snapshot.view(torch.int16 if snapshot.itemsize == 2 else torch.int32),
@@ -99,11 +83,9 @@ def run_case_on_rank(
     immediate_cfg = OutputLayerConfig(dims=dims)
     natural = lambda it: range(m)  # noqa: E731
     drain_order = lambda it: deferred_accumulation_order(m, case.limit)  # noqa: E731
-    errors: list[str] = []
-    deferred = run_layer(case, wgrad, deferred_cfg, weight, xs, gos, rank, natural, errors)
-    immediate = run_layer(case, wgrad, immediate_cfg, weight, xs, gos, rank, natural, errors)
-    reordered = run_layer(case, wgrad, immediate_cfg, weight, xs, gos, rank, drain_order,
-                          errors)
+    deferred = run_layer(case, wgrad, deferred_cfg, weight, xs, gos, rank, natural)
+    immediate = run_layer(case, wgrad, immediate_cfg, weight, xs, gos, rank, natural)
+    reordered = run_layer(case, wgrad, immediate_cfg, weight, xs, gos, rank, drain_order)
     dgrad_equal = all(
         torch.equal(a, b)
         for it in range(ITERATIONS)
@@ -117,7 +99,6 @@ def run_case_on_rank(
         "immediate_drained": immediate[1],
         "empty_drain_ok": deferred[3] and immediate[3],
         "dgrad_equal": dgrad_equal,
-        "drain_errors": errors,
     }
 
 
@@ -156,38 +137,38 @@ def _tied_embedding_on_rank(rank: int, seed: int, main_grad_dtype: str, wgrad: D
 
 
 @dataclass(frozen=True)
-class RankOutcome:
-    """One part run on one rank: its ``value``, or what the candidate ``raised`` (the part
-    fails), or why it is ``unsupported`` (the part is skipped)."""
+class WorldItem:
+    """One item of the check's 2-rank worlds: a case (``WgradCase`` fields), the tied
+    embedding in one ``main_grad`` dtype, or one of the single-process parts (``guard``,
+    ``stale``), which every rank runs alike (rank 0's result is read)."""
 
-    value: Any = None
-    raised: str = ""
-    unsupported: str = ""
+    kind: str  # "case" | "tied" | "guard" | "stale"
+    case: tuple[tuple[str, Any], ...] = ()
+    dtype: str = ""
+
+    @property
+    def label(self) -> str:
+        if self.kind == "case":
+            return WgradCase(**dict(self.case)).label
+        return {"tied": f"tied/{self.dtype}", "guard": "guard", "stale": "stale step"}[self.kind]
 
 
-def _outcome(run: Callable[..., Any], *args: Any) -> RankOutcome:
-    """``run(*args)`` as a :class:`RankOutcome`: a candidate that raises in one case fails
-    that case, not the whole check.
-
-    Both ranks run the same case, so a candidate that raises does so on both, before or
-    after the same collectives (a rank left waiting ends the run at the deadline).
-    """
+def item_worker(rank: int, world_size: int, item: WorldItem, seed: int,
+                candidate: Candidate) -> Any:
+    """One item on this rank, inside its own ``with candidate.deferred_wgrad()`` (a
+    candidate's process-wide setup, Megatron's global memory buffer, is made and undone
+    around each item); ``{"unsupported": reason}`` where the candidate cannot run it."""
+    del world_size
     try:
-        return RankOutcome(value=run(*args))
+        with candidate.deferred_wgrad() as wgrad:
+            if item.kind == "case":
+                case = WgradCase(**dict(item.case))
+                return run_case_on_rank(case, seed, rank,
+                                        dist.group.WORLD if case.tp > 1 else None, wgrad)
+            if item.kind == "tied":
+                return _tied_embedding_on_rank(rank, seed, item.dtype, wgrad)
+            if item.kind == "guard":
+                return guard_facts(seed, wgrad)
+            return stale_step_facts(seed, wgrad)
     except Unsupported as unsupported:
-        return RankOutcome(unsupported=str(unsupported))
-    except Exception as exc:  # noqa: BLE001 - reported as the case's failure, with its type
-        return RankOutcome(raised=f"{type(exc).__name__}: {exc}")
-
-
-def rank_main(rank: int, world_size: int, cases: list[dict], seed: int, candidate: Candidate) -> dict:
-    """Everything that needs processes: the TP cases and the tied-embedding exchange."""
-    with candidate.deferred_wgrad() as wgrad:
-        results = {}
-        for spec in cases:
-            case = WgradCase(**spec)
-            results[case.label] = _outcome(
-                run_case_on_rank, case, seed, rank, dist.group.WORLD if case.tp > 1 else None, wgrad
-            )
-        tied = {d: _outcome(_tied_embedding_on_rank, rank, seed, d, wgrad) for d in ("float32", "bfloat16")}
-    return {"cases": results, "tied": tied}
+        return {"unsupported": str(unsupported)}
