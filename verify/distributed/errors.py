@@ -69,14 +69,21 @@ class RankFailure:
     traceback: str = ""
     frames: tuple[Frame, ...] = ()
     item: int | None = None
+    # Where the rank function said it was (``exc.add_note``, e.g. "in <case>"), outermost last.
+    notes: tuple[str, ...] = ()
 
     @classmethod
     def from_exception(cls, error: BaseException, item: int | None = None) -> RankFailure:
         """The failure of a rank that raised ``error`` (while running ``item``)."""
         root = _root_cause(error)
         text = "".join(traceback_module.format_exception(error))
+        notes: list[str] = []
+        chained: BaseException | None = error
+        while chained is not None and len(notes) < 16:
+            notes[:0] = [str(n) for n in getattr(chained, "__notes__", ())]
+            chained = chained.__cause__ or chained.__context__
         return cls(type(root).__name__, str(root) or "(no message)", text,
-                   _frames(root.__traceback__), item)
+                   _frames(root.__traceback__), item, tuple(dict.fromkeys(notes)))
 
     @classmethod
     def died(cls, how: str, item: int | None = None) -> RankFailure:
@@ -89,9 +96,10 @@ class RankFailure:
         return self.frames[-1] if self.frames else None
 
     def summary(self) -> str:
-        """One line: the root cause and where it was raised."""
-        where = f" (raised at {self.root.short()})" if self.root is not None else ""
-        return f"{self.exception}: {self.message}{where}"
+        """One line: the root cause, where it was raised, and the rank function's notes."""
+        where = [f"raised at {self.root.short()}"] if self.root is not None else []
+        where += list(self.notes)
+        return f"{self.exception}: {self.message}" + (f" ({'; '.join(where)})" if where else "")
 
     def raised_in(self, modules: Iterable[str]) -> bool:
         """True when the root cause comes from code of one of ``modules`` (a package name

@@ -66,6 +66,9 @@ class LaunchSettings:
     batch_p2p_comm: bool = False
     # a function of the candidate called directly, outside the training loop that wires it.
     direct_call: str | None = None
+    # Launch flags that no finding's rule reads but that the case stands for (the optimizer,
+    # clipping, loss scaling), spelled as Megatron-LM spells them.
+    other_flags: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.dims, ParallelDims):
@@ -143,6 +146,7 @@ class LaunchSettings:
             parts.append(f"--wgrad-deferral-limit {self.wgrad_deferral_limit}")
         if self.untie_embeddings_and_output_weights:
             parts.append("--untie-embeddings-and-output-weights")
+        parts.extend(self.other_flags)
         scale = [f"DP {d.dp_size}"]
         if len(set(self.microbatches)) == 1:
             m = self.microbatches[0]

@@ -115,9 +115,6 @@ def check_case(rec: CheckRecorder, case: OptimCase, runs: list[dict], want: list
                documented: Documented = AS_SPECIFIED) -> None:
     """Every rank's run of ``case`` against refgrad's trajectory ``want`` (the spec's)."""
     for rank, run in enumerate(runs):
-        errors = run["errors"]
-        rec.expect(f"{case.label}: the optimizer raised nothing (rank {rank})", not errors,
-                   "; ".join(f"step {s + 1}: {e}" for s, e in errors)[:400])
         taken = sum(snap is not None for snap in run["snapshots"])
         rec.expect(f"{case.label}: every step ran to its snapshot (rank {rank})", taken == len(want),
                    f"{taken} of {len(want)}")

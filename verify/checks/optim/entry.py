@@ -11,9 +11,10 @@ import torch
 
 from refgrad import optim as R
 from refgrad.formats import tensor_bit_patterns
-from verify.candidates import Candidate, Technique, Unsupported
+from verify.candidates import Candidate, LaunchSettings, Technique, Unsupported
 from verify.candidates.api.optimizer import DistributedOptimizerStep, OptimizerBehaviour
 from verify.candidates.api.optimizer_parts import OptimizerGuards
+from verify.candidates.api.pipeline import ParallelDims
 from verify.check import Check, CheckContext, CheckRecorder
 from verify.checks.optim.cases import CHECKPOINT_CASE, MIXED, NAMES, OptimCase, case_matrix
 from verify.checks.optim.compare import (
@@ -25,8 +26,17 @@ from verify.checks.optim.compare import (
 )
 from verify.checks.optim.expectations import ProductionModel, case_trajectory
 from verify.checks.optim.mxfp8 import compare_runs, refgrad_trajectory, same_bits
-from verify.checks.optim.worker import RESUME_AFTER, as_four_ranks, rank_worker, world_plans
-from verify.distributed import spawn
+from verify.checks.optim.worker import (
+    GUARD_LABEL,
+    MXFP8_LABEL,
+    RESUME_AFTER,
+    WorldPlan,
+    as_four_ranks,
+    rank_worker,
+    resumed_label,
+    world_plans,
+)
+from verify.distributed import RankCrashed, RankLauncher, spawn, spawn_each
 
 CHECK_NAME = "optim"
 
@@ -73,7 +83,9 @@ def _references_process(rank: int, world: int, cases: list[OptimCase], seed: int
 def _check_resumes(rec: CheckRecorder, per_rank: list[dict], cases: list[OptimCase], expected: dict,
                    documented: Documented) -> None:
     """The DP=2 checkpoint resumed at DP=2 (== the uninterrupted run) and at DP=3 (== refgrad)."""
-    taken = per_rank[0]["cases"][cases.index(CHECKPOINT_CASE)]
+    taken = per_rank[0]["cases"].get(cases.index(CHECKPOINT_CASE))
+    if taken is None:
+        return  # its world crashed: recorded as the crash
     if "unsupported" in taken:
         return  # the case itself is a SKIP
     if "checkpoint_unsupported" in taken:
@@ -121,18 +133,69 @@ def _check_resumes(rec: CheckRecorder, per_rank: list[dict], cases: list[OptimCa
         rec.expect(f"{label}: every rank holds the same params and state bitwise", same_on_every_rank(snaps))
 
 
-def _spawn_plans(ctx: CheckContext, candidate: Candidate, cases: list[OptimCase], seed: int,
-                 shares_a_world: bool, mxfp8_runs: list, guarded: bool) -> list[dict]:
-    """Every world plan's spawn, in order (a later world resumes an earlier one's checkpoint),
-    laid out as the 4-rank plan."""
-    plans = world_plans(cases, shares_a_world)
-    results, checkpoint = [], None
+def case_settings(case: OptimCase) -> LaunchSettings:
+    """The Megatron-LM settings an optimizer case stands for."""
+    dtype = "bfloat16" if case.grads == "bf16" else "float16"
+    flags = ["--optimizer sgd"] if case.algorithm == "sgd" else []
+    flags.append(f"--clip-grad {case.clip if case.clip is not None else 0.0}")  # Megatron-LM: 1.0
+    if case.scaled:
+        flags.append(f"--hysteresis {case.hysteresis}")
+    return LaunchSettings(
+        dims=ParallelDims(dp_size=case.dp), params_dtype=dtype,
+        grad_dtype="float32" if case.main_grads_fp32 else dtype, use_distributed_optimizer=True,
+        overlap_grad_reduce=case.overlap, overlap_param_gather=case.overlap,
+        calculate_per_token_loss=not case.average, has_output_layer=False,
+        other_flags=tuple(flags))
+
+
+def _plan_labels(plan: WorldPlan) -> list[str]:
+    """The cases, resumes and extras a world plan runs (how the report names a crash's scope)."""
+    labels = [case.label for _, case in plan.cases]
+    labels += [resumed_label(r) for r in (plan.dp2_resume_ranks, plan.dp3_resume_ranks) if r]
+    return labels + ([GUARD_LABEL, MXFP8_LABEL] if plan.extras else [])
+
+
+def _spawn_plans(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate,
+                 cases: list[OptimCase], seed: int, shares_a_world: bool, mxfp8_runs: list,
+                 guarded: bool) -> list[dict]:
+    """Every world plan in a world of its own, in order (a later world resumes an earlier
+    one's checkpoint), laid out as the 4-rank plan. A plan whose world crashed is recorded as
+    the crash of the case its failing rank was in (named by the worker), and its cases have
+    no results."""
+    plans = world_plans(cases, shares_a_world, extras=guarded or bool(mxfp8_runs))
+    launcher = RankLauncher().preloading(*candidate.preload_modules)
+    results: list[list[dict] | None] = []
+    checkpoint = None
     for plan in plans:
-        ranks = spawn(rank_worker, plan.world, plan, candidate, seed, mxfp8_runs, guarded, checkpoint,
-                      timeout_s=ctx.timeout_s)
-        checkpoint = checkpoint or ranks[0].get("checkpoint")
-        results.append(ranks)
+        resumes = plan.dp2_resume_ranks or plan.dp3_resume_ranks
+        if resumes and not plan.cases and checkpoint is None:
+            results.append(None)  # no checkpoint to resume from (taken nowhere, or refused)
+            continue
+        (outcome,) = spawn_each(rank_worker, plan.world, [plan], candidate, seed, mxfp8_runs,
+                                guarded, checkpoint, isolate=True, timeout_s=ctx.timeout_s,
+                                launcher=launcher)
+        if outcome.crash is not None:
+            _record_crash(rec, candidate, cases, plan, outcome.crash)
+            results.append(None)
+            continue
+        checkpoint = checkpoint or outcome.results[0].get("checkpoint")
+        results.append(outcome.results)
     return as_four_ranks(cases, plans, results)
+
+
+def _record_crash(rec: CheckRecorder, candidate: Candidate, cases: list[OptimCase],
+                  plan: WorldPlan, crash: RankCrashed) -> None:
+    """The crash as the case the failing rank named (its note), else as the plan's first."""
+    labels = _plan_labels(plan)
+    named = [n.removeprefix("in ") for n in crash.first.notes if n.removeprefix("in ") in labels]
+    label = named[0] if named else labels[0]
+    by_label = {case.label: case for case in cases}
+    settings = case_settings(by_label.get(label, CHECKPOINT_CASE))
+    with rec.case(label, settings):
+        rec.crash(label, crash, candidate)
+    others = [other for other in labels if other != label]
+    if others:
+        rec.skip(f"{', '.join(others)}: not run to the end: their world crashed in {label}")
 
 
 def check_multi_rank(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate,
@@ -148,23 +211,31 @@ def check_multi_rank(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate
     # against the check that `verify run --jobs` runs beside this one.
     with ThreadPoolExecutor(max_workers=1) as pool:
         references = pool.submit(spawn, _references_process, 1, cases, seed, timeout_s=ctx.timeout_s)
-        per_rank = _spawn_plans(ctx, candidate, cases, seed, shares_a_world, mxfp8_runs, guarded)
+        # One world for every case only where the candidate keeps no process-wide state.
+        shared = shares_a_world and not candidate.isolates_configurations
+        per_rank = _spawn_plans(ctx, rec, candidate, cases, seed, shared, mxfp8_runs, guarded)
         expected = references.result()[0]
     models: dict = {"cases": [None] * len(cases), "dp3": (None, None)}
     if behaviour.documented():  # refgrad's model of its documented optimizer, clipped with its norms
-        norms = {"cases": [_reported_norms([per_rank[r]["cases"][i] for r in case.ranks])
+        norms = {"cases": [_reported_norms([per_rank[r]["cases"][i] for r in case.ranks
+                                            if i in per_rank[r]["cases"]])
                            for i, case in enumerate(cases)],
                  "dp3": _reported_norms([per_rank[r]["dp3_resumed"] for r in range(3)
                                          if "dp3_resumed" in per_rank[r]])}
         models = spawn(_references_process, 1, cases, seed, norms, timeout_s=ctx.timeout_s)[0]
     for index, case in enumerate(cases):
+        if any(index not in per_rank[r]["cases"] for r in case.ranks):
+            continue  # its world crashed: recorded as the crash
         runs = [per_rank[r]["cases"][index] for r in case.ranks]
         if "unsupported" in runs[0]:
             rec.skip(f"{case.label}: {runs[0]['unsupported']}")
             continue
-        check_case(rec, case, runs, expected["cases"][index], Documented(behaviour, models["cases"][index]))
+        with rec.case(case.label, case_settings(case)):
+            check_case(rec, case, runs, expected["cases"][index],
+                       Documented(behaviour, models["cases"][index]))
     _check_resumes(rec, per_rank, cases, expected, Documented(behaviour, models["dp3"][1]))
-    if guarded:
+    extras_ran = all("modified" in per_rank[r] or "mxfp8" in per_rank[r] for r in (0, 1))
+    if guarded and extras_ran:
         for rank in (0, 1):
             outcome = per_rank[rank].get("modified") or "no error"
             rec.expect(
@@ -172,7 +243,7 @@ def check_multi_rank(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate
                 f"(LifecycleError naming the rule, DP=2 rank {rank})",
                 outcome.startswith("LifecycleError") and "modified between the launch" in outcome,
                 outcome[:300])
-    if mxfp8_runs:
+    if mxfp8_runs and extras_ran:
         check_mxfp8(rec, mxfp8_runs, [per_rank[0]["mxfp8"], per_rank[1]["mxfp8"]], ctx.timeout_s)
 
 

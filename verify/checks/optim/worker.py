@@ -25,6 +25,8 @@ others' in-flight param all-gathers with ``publish_params()``, so the run ends w
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -55,17 +57,20 @@ class WorldPlan:
     extras: bool = False
 
 
-def world_plans(cases: list[OptimCase], shares_a_world: bool) -> list[WorldPlan]:
-    """One 4-rank plan, or one plan per DP size (cases on ranks ``0..DP-1``), in an order in
-    which the DP=2 checkpoint exists before the DP=3 resume."""
+def world_plans(cases: list[OptimCase], shares_a_world: bool, *, extras: bool = True
+                ) -> list[WorldPlan]:
+    """One 4-rank plan (every case on its sub-group), or, for a candidate whose optimizer
+    cannot share a world, one world per case (its ranks ``0..DP-1``) and one per resume and
+    for the extras, so that no configuration runs where an earlier one ran. The checkpoint
+    case comes first: the resumes load its checkpoint."""
     if shares_a_world:
-        return [WorldPlan(WORLD, tuple(enumerate(cases)), DP2_RESUMED_ON, DP3_RESUMED_ON, True)]
-    plans = []
-    for dp in sorted({c.dp for c in cases} | {2, 3}, key=lambda d: (d != 2, d)):
-        mine = tuple((i, dataclasses.replace(c, ranks=tuple(range(dp))))
-                     for i, c in enumerate(cases) if c.dp == dp)
-        plans.append(WorldPlan(dp, mine, (0, 1) if dp == 2 else (), (0, 1, 2) if dp == 3 else (),
-                               extras=dp == 2))
+        return [WorldPlan(WORLD, tuple(enumerate(cases)), DP2_RESUMED_ON, DP3_RESUMED_ON, extras)]
+    order = sorted(range(len(cases)), key=lambda i: cases[i] != CHECKPOINT_CASE)
+    plans = [WorldPlan(cases[i].dp, ((i, dataclasses.replace(cases[i], ranks=tuple(range(cases[i].dp)))),))
+             for i in order]
+    plans += [WorldPlan(2, (), dp2_resume_ranks=(0, 1)), WorldPlan(3, (), dp3_resume_ranks=(0, 1, 2))]
+    if extras:
+        plans.append(WorldPlan(2, (), extras=True))
     return plans
 
 
@@ -102,17 +107,6 @@ def _agree(opt, result, bookkeeping, dp: int) -> bool:
     return False
 
 
-def _drain(opt) -> None:
-    """Wait for every param all-gather still in flight, whatever the optimizer raises."""
-    for _ in range(64):
-        try:
-            opt.finish_param_sync()
-            return
-        except Exception:  # noqa: BLE001 - the first error is already recorded
-            if not opt.param_gather_in_flight:
-                return
-
-
 def snapshot(model, opt) -> dict:
     """Full params (after the gather) and the optimizer's full state by name."""
     opt.finish_param_sync()
@@ -126,14 +120,14 @@ def _train(case: OptimCase, group, local_rank: int, optimizer: DistributedOptimi
     """Train ``case`` as a training loop does: step k's forward reads the params step k-1
     published (their all-gathers in flight with ``overlap_param_gather``), and the snapshot of
     step k-1 is taken once that forward has run; a forward after the last step checks its
-    gathers too. ``snapshots[k]`` is None where an error left no state to compare."""
+    gathers too."""
     model = case.model(seed)
     try:
         ddp = optimizer.data_parallel(model, case.data_parallel_settings(), group)
         opt = optimizer.build(ddp, case.optimizer_settings())
     except Unsupported as unsupported:  # the same on every rank of the case: a SKIP
         return {"unsupported": unsupported.reason}
-    out: dict = {"results": [], "errors": []}
+    out: dict = {"results": []}
     if load is not None:
         opt.load_checkpoint(load)
         out["loaded"] = snapshot(model, opt)
@@ -149,50 +143,35 @@ def _train(case: OptimCase, group, local_rank: int, optimizer: DistributedOptimi
 
     seen: list[bool] = []
     model.set_probe(_leaf_probe(opt, seen))
+    # What the optimizer raises is not caught: it ends the world (its peers waiting in a
+    # collective are stopped at once) and is reported as the case's crash.
     for step in range(start, case.steps):
         record: dict = {"stepped": None, "reason": None, "loss_scale": None, "grad_norm": None,
                         "agreed": True, "scaler": None, "read_in_flight": None, "launched": None}
         out["results"].append(record)
         seen.clear()
-        stepping = False
-        try:
-            scale = opt.loss_scale if opt.loss_scale is not None else 1.0
-            ddp.zero_grad_buffer()
-            model(coefficients(local_rank, step, case.inf_at, seed, scale)).backward()
-            record["read_in_flight"] = any(seen)  # the forward pre-hooks waited, or not
-            ddp.finish_grad_sync()
-            if step > start:
-                take(step - 1)  # the forward has waited for the previous step's gathers
-            stepping = True
-            result = opt.step()
-            record.update(stepped=result.stepped, reason=result.reason, loss_scale=result.loss_scale,
-                          grad_norm=result.grad_norm, launched=opt.param_gather_in_flight)
-            if bookkeeping is not None:
-                record["agreed"] = _agree(opt, result, bookkeeping, case.dp)
-            scaler = opt.loss_scaler_state()
-            if scaler is not None:
-                record["scaler"] = scaler.as_dict()
-        except Exception as exc:  # noqa: BLE001 - recorded; the numbers must still be compared
-            out["errors"].append((step, f"{type(exc).__name__}: {exc}"[:300]))
-            _drain(opt)
-            try:
-                take(step if stepping or step == start else step - 1)
-            except Exception as again:  # noqa: BLE001 - no numbers from here on
-                out["errors"].append((step, f"{type(again).__name__}: {again}"[:300]))
-            break
-    else:
-        seen.clear()
-        try:
-            # the next iteration's start: its forward awaits the last step's gathers too
-            ddp.zero_grad_buffer()
-            with torch.no_grad():
-                model(coefficients(local_rank, 0, None, seed, 0.0))
-            out["final_read_in_flight"] = any(seen)
-            take(case.steps - 1)
-        except Exception as exc:  # noqa: BLE001 - recorded
-            out["errors"].append((case.steps - 1, f"{type(exc).__name__}: {exc}"[:300]))
-            _drain(opt)
-            take(case.steps - 1)
+        scale = opt.loss_scale if opt.loss_scale is not None else 1.0
+        ddp.zero_grad_buffer()
+        model(coefficients(local_rank, step, case.inf_at, seed, scale)).backward()
+        record["read_in_flight"] = any(seen)  # the forward pre-hooks waited, or not
+        ddp.finish_grad_sync()
+        if step > start:
+            take(step - 1)  # the forward has waited for the previous step's gathers
+        result = opt.step()
+        record.update(stepped=result.stepped, reason=result.reason, loss_scale=result.loss_scale,
+                      grad_norm=result.grad_norm, launched=opt.param_gather_in_flight)
+        if bookkeeping is not None:
+            record["agreed"] = _agree(opt, result, bookkeeping, case.dp)
+        scaler = opt.loss_scaler_state()
+        if scaler is not None:
+            record["scaler"] = scaler.as_dict()
+    seen.clear()
+    # the next iteration's start: its forward awaits the last step's gathers too
+    ddp.zero_grad_buffer()
+    with torch.no_grad():
+        model(coefficients(local_rank, 0, None, seed, 0.0))
+    out["final_read_in_flight"] = any(seen)
+    take(case.steps - 1)
     model.set_probe(None)
     opt.close()
     out["snapshots"] = [snaps.get(step) for step in range(start, case.steps)]
@@ -216,9 +195,10 @@ def rank_worker(rank: int, world: int, plan: WorldPlan, candidate: Candidate, se
         for index, case in plan.cases:
             if rank in case.ranks:
                 keep = RESUME_AFTER if case.label == CHECKPOINT_CASE.label else None
-                out["cases"][index] = _train(case, groups[case.ranks], case.ranks.index(rank),
-                                             optimizer, seed, bookkeeping=book(case),
-                                             keep_checkpoint_after=keep)
+                with _naming(case.label):
+                    out["cases"][index] = _train(case, groups[case.ranks], case.ranks.index(rank),
+                                                 optimizer, seed, bookkeeping=book(case),
+                                                 keep_checkpoint_after=keep)
         if plan.dp2_resume_ranks or plan.dp3_resume_ranks:
             holders = [(i, c.ranks[0]) for i, c in plan.cases if c.label == CHECKPOINT_CASE.label]
             if checkpoint is None and holders:  # this world's checkpoint case took it
@@ -230,27 +210,55 @@ def rank_worker(rank: int, world: int, plan: WorldPlan, candidate: Candidate, se
         for key, ranks in (("dp3_resumed", plan.dp3_resume_ranks), ("dp2_resumed", plan.dp2_resume_ranks)):
             resumed = dataclasses.replace(CHECKPOINT_CASE, ranks=ranks) if ranks else None
             if resumed is not None and rank in ranks and checkpoint is not None:
-                out[key] = _train(resumed, groups[ranks], ranks.index(rank), optimizer, seed,
-                                  bookkeeping=book(resumed), start=RESUME_AFTER, load=checkpoint)
+                with _naming(resumed_label(ranks)):
+                    out[key] = _train(resumed, groups[ranks], ranks.index(rank), optimizer, seed,
+                                      bookkeeping=book(resumed), start=RESUME_AFTER,
+                                      load=checkpoint)
         if plan.extras and rank in EXTRAS_ON:
             pair = groups[EXTRAS_ON]
             if guarded:
-                out["modified"] = optimizer.guards().param_modified_during_gather(pair)
+                with _naming(GUARD_LABEL):
+                    out["modified"] = optimizer.guards().param_modified_during_gather(pair)
             if mxfp8_runs:
                 mxfp8 = optimizer.mxfp8()
-                out["mxfp8"] = [train_mxfp8(mxfp8, rank, kind, sharing, grad_fp32, dp_group=pair,
-                                            seed=seed) for kind, sharing, grad_fp32 in mxfp8_runs]
+                with _naming(MXFP8_LABEL):
+                    out["mxfp8"] = [train_mxfp8(mxfp8, rank, kind, sharing, grad_fp32,
+                                                dp_group=pair, seed=seed)
+                                    for kind, sharing, grad_fp32 in mxfp8_runs]
     return out
 
 
-def as_four_ranks(cases: list[OptimCase], plans: list[WorldPlan], results: list[list[dict]]
-                  ) -> list[dict]:
+GUARD_LABEL = "optim DP=2: a param modified while its all-gather is in flight"
+MXFP8_LABEL = "optim MXFP8 DP=2"
+
+
+def resumed_label(ranks: tuple[int, ...]) -> str:
+    """How the report names a resume of the checkpoint case's checkpoint at DP=len(ranks)."""
+    return f"{CHECKPOINT_CASE.label} resumed at DP={len(ranks)}"
+
+
+@contextmanager
+def _naming(label: str) -> Iterator[None]:
+    """What the block raises carries ``in <label>`` (a note): the report names the case a
+    crash of a shared world happened in."""
+    try:
+        yield
+    except BaseException as exc:
+        exc.add_note(f"in {label}")
+        raise
+
+
+def as_four_ranks(cases: list[OptimCase], plans: list[WorldPlan],
+                  results: list[list[dict] | None]) -> list[dict]:
     """The per-rank results of every plan laid out as the 4-rank plan lays them out (the
-    matrix ``cases`` say which ranks each case has there)."""
-    if len(plans) == 1 and plans[0].world == WORLD:
+    matrix ``cases`` say which ranks each case has there); a plan without results (its world
+    crashed, or it did not run) adds nothing."""
+    if len(plans) == 1 and plans[0].world == WORLD and results[0] is not None:
         return results[0]
     per_rank: list[dict] = [{"cases": {}} for _ in range(WORLD)]
     for plan, ranks in zip(plans, results):
+        if ranks is None:
+            continue
         for index, case in plan.cases:
             for local, result in enumerate(ranks[:case.dp]):
                 per_rank[cases[index].ranks[local]]["cases"][index] = result["cases"][index]
