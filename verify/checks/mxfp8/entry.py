@@ -28,7 +28,8 @@ def run(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate) -> None:
         rceil_versus_fp32_division(ctx, rec, mxfp8)
     with rec.skip_if_unsupported():  # the ranks enter the candidate's mxfp8 themselves
         rank0 = check_sharing(ctx, rec, candidate)
-        check_memory(rec, rank0)
+        if rank0 is not None:  # None: the sharing run crashed (recorded as its crash)
+            check_memory(rec, rank0)
     with candidate.mxfp8() as mxfp8:
         check_drift(ctx, rec, mxfp8)
 

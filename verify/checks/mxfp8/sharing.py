@@ -7,11 +7,12 @@ import torch.distributed as dist
 
 from refgrad import mxfp8 as ref
 from refgrad.formats import BFLOAT16, decode_tensor, round_values_to_tensor
-from verify.candidates import Candidate
+from verify.candidates import Candidate, LaunchSettings
 from verify.candidates.api.mxfp8 import ParamGatherResult, ParamGatherRun
+from verify.candidates.api.pipeline import ParallelDims
 from verify.check import CheckContext, CheckRecorder
 from verify.checks.mxfp8.quantizer import as_e4m3, as_e8m0
-from verify.distributed import spawn
+from verify.distributed import RankLauncher, spawn_each
 from verify.fixtures import mxfp8_inputs as support
 
 # ----------------------------------------------------------------------------- sharing
@@ -30,9 +31,10 @@ def param_gather_runs(iterations: int, seed: int, grad_options: tuple[bool, ...]
     ]
 
 
-def param_gather_rank(rank: int, world_size: int, candidate: Candidate,
-                      runs: list[ParamGatherRun]) -> dict[RunKey, ParamGatherResult]:
-    """One DP rank: every run through the candidate's MXFP8 param all-gather."""
+def param_gather_rank(rank: int, world_size: int, runs: list[ParamGatherRun],
+                      candidate: Candidate) -> dict[RunKey, ParamGatherResult]:
+    """One DP rank: every run through the candidate's MXFP8 param all-gather (one item of
+    the check's world: what the candidate raises ends it and is its crash)."""
     with candidate.mxfp8() as mxfp8:
         return {
             (run.reuse_grad_buf_for_mxfp8_param_ag, run.grad_reduce_in_fp32):
@@ -41,18 +43,33 @@ def param_gather_rank(rank: int, world_size: int, candidate: Candidate,
         }
 
 
+SHARING = "MXFP8 params all-gathered through the grad buffer, sharing on and off"
+SHARING_SETTINGS = LaunchSettings(
+    dims=ParallelDims(dp_size=2), params_dtype="bfloat16", use_distributed_optimizer=True,
+    overlap_param_gather=True, overlap_grad_reduce=True, has_output_layer=False,
+    other_flags=("--fp8-recipe mxfp8", "--fp8-param-gather",
+                 "--reuse-grad-buf-for-mxfp8-param-ag (sharing on)"))
+
+
 def check_sharing(
     ctx: CheckContext, rec: CheckRecorder, candidate: Candidate, iterations: int = 3
-) -> dict[RunKey, ParamGatherResult]:
+) -> dict[RunKey, ParamGatherResult] | None:
     """Train on dp=2 gloo ranks with sharing on and off; bitwise equality every iteration.
 
-    Returns rank 0's runs, keyed by ``(sharing, grad_fp32)``.
+    Returns rank 0's runs, keyed by ``(sharing, grad_fp32)`` (None: the candidate crashed).
     """
     # quick: fp32 grads only (the fp32 case is the one whose param bytes overlap other
     # buckets' grads); the full run adds bf16 grads.
     grad_options = (True,) if ctx.quick else (True, False)
-    results = spawn(param_gather_rank, 2, candidate,
-                    param_gather_runs(iterations, ctx.seed, grad_options), timeout_s=ctx.timeout_s)
+    (outcome,) = spawn_each(param_gather_rank, 2, [param_gather_runs(iterations, ctx.seed,
+                                                                     grad_options)],
+                            candidate, isolate=True, timeout_s=ctx.timeout_s,
+                            launcher=RankLauncher().preloading(*candidate.preload_modules))
+    if outcome.crash is not None:
+        with rec.case(SHARING, SHARING_SETTINGS):
+            rec.crash(SHARING, outcome.crash, candidate)
+        return None
+    results = outcome.results
     for rank, per_mode in enumerate(results):
         for grad_fp32 in grad_options:
             off, on = per_mode[(False, grad_fp32)], per_mode[(True, grad_fp32)]
