@@ -336,10 +336,13 @@ def run(device: str, quick: bool, sections: tuple[str, ...]) -> dict[str, Any]:
             results[name], goals = timed
             results["goals"] += [asdict(goal) for goal in goals]
     failed = [c for c in results["checks"] if c["passed"] is False]
+    note = f"{len(failed)} of {len(results['checks'])} differ"
+    if errors:
+        note += "; crashed, so not all checked: " + ", ".join(errors)
     results["goals"].append(asdict(Goal(
         "bitwise checks equal to refgrad (or exact)",
         (len(results["checks"]) - len(failed)) / max(1, len(results["checks"])), 1.0,
-        not failed and not errors, f"{len(failed)} of {len(results['checks'])} differ")))
+        not failed and not errors, note)))
     return results
 
 
