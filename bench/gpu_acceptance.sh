@@ -79,6 +79,11 @@ commit="${GPU_ACCEPTANCE_COMMIT:-$(git -C "$repo" rev-parse --short HEAD 2>/dev/
 } >"$out/status.txt"
 cat "$out/status.txt"
 failures=0
+card_state() {  # the card as found (clocks, memory, temperature), into the logs; no settings touched
+  command -v nvidia-smi >/dev/null && nvidia-smi -q -d CLOCK,MEMORY,TEMPERATURE,PERFORMANCE >>"$logs/nvidia-smi.log" 2>&1
+  return 0
+}
+card_state
 
 bundle() {  # the logs folder as one archive, replaced atomically
   tar -czf "$work/logs.tar.gz" -C "$work" logs 2>/dev/null && mv -f "$work/logs.tar.gz" "$out/logs.tar.gz"
@@ -200,6 +205,7 @@ if [ "$ngpu" -gt 1 ]; then  # users' own nodes: one GPU per rank, NCCL
   step bench-optim-nccl cuda 600 "$python" bench/bench_optim.py --backend nccl --out "$logs/bench-optim-nccl.txt"
 fi
 
+card_state  # after the kernels and the checks: clocks under load
 # Last, with what is left: the rest of the suite; -v so that a run cut short still names each result.
 step pytest-all any 3600 "$python" -m pytest -m "not gpu" -v -p no:cacheprovider --durations=15 "${suite[@]}"
 # Per-test result lines, with or without xdist ("[gw0] [ 5%] PASSED tests/..", "tests/..::t PASSED").
