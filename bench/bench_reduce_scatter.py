@@ -24,7 +24,8 @@ memory-bound kernel can therefore beat production by at most
 measured speedup against that ceiling. On CUDA it also reports the fraction of
 the device's copy bandwidth (``dst.copy_(src)`` of the same bytes, measured in
 the same run) that the fused kernel reaches, counting ``(2W + 2) * shard``
-bytes moved. CPU runs skip that column.
+bytes moved. CPU runs skip that column. ``bench/bench_gpu_kernels.py`` runs this
+measurement at W = 2, 8 and 64 on two shard sizes and judges the GPU goals.
 
 Candidates are timed interleaved (``_timing.interleaved_medians``), on CUDA by
 CUDA events. Finally the wire bytes per rank of this method, a bf16
