@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from importlib import metadata
 
 from verify.candidates.api import Candidate
+from verify.candidates.megatron_core.version import missing_reason
 from verify.candidates.registry import CANDIDATES, DEFAULT_CANDIDATE, candidate_named
 from verify.env import fingerprint
 from verify.outputs import OutputPathError, check_output_paths
@@ -56,12 +57,15 @@ from verify.preflight.twin import (
     TwinOptions,
     TwinRunError,
     TwinSizeError,
+    UnsupportedTwin,
     paper_only_hazards,
     plan_twin,
+    prepare_twin,
     run_twin_stage,
 )
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ERROR = 0, 1, 2, 3
+MEGATRON_CORE = "megatron-core"
 INTERRUPTED_NOTE = "interrupted (Ctrl-C)"
 TWIN_NOTE = ("The scaled twin run is not part of this output (--no-twin): these figures are "
              "computed on paper from the configuration; no model was built and no collective "
@@ -113,9 +117,10 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     twin.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
     twin.add_argument("--candidate", action="append", metavar="NAME",
                       help=f"the implementation that trains the twin (built in: "
-                           f"{', '.join(CANDIDATES)}, others from installed plugins; "
-                           f"default {DEFAULT_CANDIDATE}); repeat it for one report with a "
-                           "section per candidate")
+                           f"{', '.join(CANDIDATES)}, others from installed plugins; default: "
+                           f"{MEGATRON_CORE} where it is installed and can train the launch's "
+                           f"twin here, else {DEFAULT_CANDIDATE}); repeat it for one report "
+                           "with a section per candidate")
     modelled = sorted({flag_of(dest, {}) for dest in MODELLED})
     parser.epilog = (f"Every flag of {MEGATRON_LM}'s parse_args is read as it reads it; these "
                      "are modelled: " + " ".join(modelled) + ". Flags that would change the "
@@ -185,9 +190,26 @@ def twin_options(args: argparse.Namespace) -> TwinOptions:
                        max_world_size=args.max_world_size, timeout_s=args.timeout)
 
 
+def default_twin_candidate(config: PreflightConfig, options: TwinOptions
+                           ) -> tuple[Candidate, str | None]:
+    """The candidate that trains the twin when none is named: the launch is Megatron-LM's, so
+    Megatron-Core where it is installed and can train this launch's twin here; else fastgrad,
+    with the reason Megatron-Core did not (None: it is not installed)."""
+    megatron = candidate_named(MEGATRON_CORE)
+    if missing_reason() is not None:
+        return candidate_named(DEFAULT_CANDIDATE), None
+    prepared = prepare_twin(config, options, megatron)
+    if isinstance(prepared, UnsupportedTwin):
+        return candidate_named(DEFAULT_CANDIDATE), (
+            f"megatron-core cannot train this launch's twin here ({prepared.reason}); "
+            f"{DEFAULT_CANDIDATE}'s twin ran instead")
+    return megatron, None
+
+
 def twin_candidates(args: argparse.Namespace) -> tuple[Candidate, ...]:
-    """The ``--candidate`` flags in order (fastgrad without one); ValueError on a repeat."""
-    names = list(getattr(args, "candidate", None) or [DEFAULT_CANDIDATE])
+    """The ``--candidate`` flags in order (none: decided by :func:`default_twin_candidate`
+    once the configuration is known); ValueError on a repeat."""
+    names = list(getattr(args, "candidate", None) or [])
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
         raise ValueError(f"--candidate {repeated[0]} is given more than once (one section per "
@@ -238,6 +260,11 @@ def main(args: argparse.Namespace, environ: Mapping[str, str] | None = None,
             print(f"verify preflight: error: {exc}", file=sys.stderr)
             return EXIT_USAGE
     report = build_report(config, parsed, costs)
+    if not args.no_twin and not chosen:
+        default, why_not = default_twin_candidate(config, options)
+        chosen = (default,)
+        if why_not is not None:
+            report["twin_candidate_note"] = why_not
     twin_error = partial_error = None
     if args.no_twin:
         paper_only_hazards(config, report)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from verify.console import report_width
 
@@ -64,7 +65,17 @@ def collapse_stages(rows: list[list[str]]) -> list[list[str]]:
 def report_tables(report: dict) -> Tables:
     """(title, columns, rows) for every section of the report."""
     config = report["config"]
-    tables: Tables = twin_tables(report)  # the parity table right after the verdict
+    tables: Tables = []
+    if report.get("findings"):  # what the launch hits comes first
+        tables.append((
+            "Megatron-Core's known findings this launch reaches (and what a twin showed)",
+            ["#", "class", "finding", "fails the launch", "reached by", "measured", "upstream",
+             "reproduction", "to avoid it"],
+            [[str(f["number"]), f["class"], f["title"], "yes" if f["fails_launch"] else "no",
+              f["launch"] if f["reached_by_launch"] else "the twin only",
+              f["twin"] or "not measured here", f["upstream"], f["reproduction"], f["avoid"]]
+             for f in report["findings"]]))
+    tables += twin_tables(report)  # the parity table right after the verdict
     settings = [[k, str(v)] for k, v in config.items() if k != "notes"]
     tables.append(("Configuration (Megatron-Core names, after Megatron's own defaults)",
                    ["setting", "value"], settings))
@@ -241,6 +252,8 @@ def _overflow_note(steps: list[dict], params_dtype: str) -> list[str]:
 
 def _notes(report: dict) -> list[str]:
     lines = list(report["config"]["notes"]) + [report["bucket_rules"]]
+    if report.get("twin_candidate_note"):
+        lines.insert(0, report["twin_candidate_note"])
     lines += [f"assumption: {a}" for a in report["pipeline"]["assumptions"]]
     lines.append(f"simulator: {report['pipeline']['model']}")
     sections = twin_sections(report)
@@ -252,6 +265,8 @@ def _notes(report: dict) -> list[str]:
                                                   report["config"].get("params_dtype", "fp32"))]
         lines += [f"{tag}not twinned: {item}" for item in twin.get("not_twinned", [])]
         lines += [f"{tag}twin failure: {item}" for item in twin.get("failures", [])[:20]]
+        if twin.get("traceback"):  # a crash: the root cause's traceback, once
+            lines.append(f"{tag}traceback of the crash:\n{twin['traceback'].rstrip()}")
     return lines
 
 
@@ -287,11 +302,12 @@ def print_terminal(report: dict, console: Console | None = None) -> None:
     if ignored:
         console.print(ignored, markup=False, highlight=False)
     for title, columns, rows in report_tables(report):
-        table = Table(title=title, title_justify="left")
+        # Cells are plain text: a rank's error (gloo's "[/path/pair.cc:553]") is no markup.
+        table = Table(title=Text(title), title_justify="left")
         for column in columns:
-            table.add_column(column, overflow="fold")
+            table.add_column(Text(column), overflow="fold")
         for row in rows:
-            table.add_row(*row)
+            table.add_row(*(Text(str(cell)) for cell in row))
         console.print(table)
     for line in _notes(report):
         console.print(f"- {line}", markup=False, highlight=False)

@@ -53,6 +53,7 @@ from refgrad.pipeline import LinearStackSpec, StepPlan, microbatch_data
 from refgrad.pipeline_embedding import vocab_block
 from refgrad.pipeline_tp import loss_target, sequence_shard, splits_loss, stage_loss
 from verify.candidates.api.core import Technique, Unsupported
+from verify.candidates.api.findings import LaunchSettings
 from verify.candidates.api.optimizer import DataParallelModel
 from verify.candidates.api.scope import TechniqueScope
 
@@ -138,6 +139,26 @@ class PipelineCase:
     def at(self, first_rank: int) -> PipelineCase:
         """The same case on the ranks from ``first_rank`` (grids side by side in one world)."""
         return replace(self, dims=replace(self.dims, first_rank=first_rank))
+
+    def launch_settings(self, overlap: bool, *, params_dtype: str = "float32",
+                        grad_dtype: str | None = None) -> LaunchSettings:
+        """The Megatron-LM settings the case stands for when trained with ``overlap``: the
+        report spells it so, and a candidate's findings are matched against it."""
+        spec = self.spec
+        return LaunchSettings(
+            dims=replace(self.dims, first_rank=0), params_dtype=params_dtype,
+            grad_dtype=params_dtype if grad_dtype is None else grad_dtype,
+            use_distributed_optimizer=self.use_distributed_optimizer,
+            overlap_grad_reduce=overlap,
+            ddp_reduce_scatter_with_fp32_accumulation=self.reduce_scatter_with_fp32_accumulation,
+            ddp_average_in_collective=self.reduction == "avg",
+            # The case's SUM is Megatron's per-token-loss mode (no 1/DP scaling).
+            calculate_per_token_loss=self.reduction == "sum",
+            defer_embedding_wgrad_compute=spec.output_head and spec.defer_output_wgrad,
+            wgrad_deferral_limit=spec.wgrad_deferral_limit,
+            untie_embeddings_and_output_weights=spec.output_head and not spec.tied_embedding,
+            has_output_layer=spec.output_head,
+            microbatches=tuple(plan.num_microbatches for plan in self.plans))
 
     def bucket_size_for(self, stage: int, chunk: int) -> int:
         """The DDP bucket size of model chunk ``chunk`` on pipeline stage ``stage``."""

@@ -70,8 +70,9 @@ FINDINGS: tuple[Finding, ...] = (
               "then fails a bare assert at the first grad sync",
         effect=Effect.CRASH,
         launch="--use-distributed-optimizer --ddp-reduce-scatter-with-fp32-accumulation "
-               "--ddp-average-in-collective (with 16-bit grads: --bf16 --grad-reduce-in-bf16, "
-               "or --fp16)",
+               "--ddp-average-in-collective (Megatron-LM core_r0.19.0 keeps the fp32 "
+               "reduce-scatter over fp32 grads; Megatron-LM main turns it off there (PR 6624), "
+               "so on main it needs 16-bit grads: --bf16 --grad-reduce-in-bf16, or --fp16)",
         api_only=None,
         upstream="none specific found",
         reproduction="examples/megatron_core/repro_fp32_rs_with_avg.py",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 from refgrad.pipeline import (
@@ -31,22 +30,8 @@ from verify.distributed import ItemOutcome, RankLauncher, spawn_each
 
 
 def case_settings(case: PipelineCase, overlap: bool) -> LaunchSettings:
-    """The Megatron-LM settings a pipeline case stands for (the report spells it so, and the
-    candidate's findings are matched against it)."""
-    spec = case.spec
-    return LaunchSettings(
-        dims=replace(case.dims, first_rank=0),
-        use_distributed_optimizer=case.use_distributed_optimizer,
-        overlap_grad_reduce=overlap,
-        ddp_reduce_scatter_with_fp32_accumulation=case.reduce_scatter_with_fp32_accumulation,
-        ddp_average_in_collective=case.reduction == "avg",
-        # The check's SUM is Megatron's per-token-loss mode (no 1/DP scaling).
-        calculate_per_token_loss=case.reduction == "sum",
-        defer_embedding_wgrad_compute=spec.output_head and spec.defer_output_wgrad,
-        wgrad_deferral_limit=spec.wgrad_deferral_limit,
-        untie_embeddings_and_output_weights=spec.output_head and not spec.tied_embedding,
-        has_output_layer=spec.output_head,
-        microbatches=tuple(plan.num_microbatches for plan in case.plans))
+    """The Megatron-LM settings a pipeline case stands for (fp32 params and grads)."""
+    return case.launch_settings(overlap)
 
 
 def _step_errors(rec: CheckRecorder, tag: str, results: list) -> None:

@@ -24,7 +24,13 @@ from verify.preflight.twin.plan import (
     TwinSizeError,
     plan_twin,
 )
-from verify.preflight.twin.stage import TwinRunError, run_twin_stage
+from verify.preflight.twin.stage import (
+    PreparedTwin,
+    TwinRunError,
+    UnsupportedTwin,
+    prepare_twin,
+    run_twin_stage,
+)
 from verify.preflight.twin.variants import (
     AdamWTwin,
     MXFP8Twin,
@@ -35,6 +41,9 @@ from verify.preflight.twin.variants import (
 from verify.preflight.twin.verdict import finish_twin_report, paper_only_hazards
 
 __all__ = [
+    "PreparedTwin",
+    "UnsupportedTwin",
+    "prepare_twin",
     "MAX_EXTRA_TWIN_LAYERS",
     "AdamWTwin",
     "MXFP8Twin",

@@ -22,13 +22,18 @@ import torch.distributed as dist
 from verify.candidates.api import Candidate, Unsupported
 from verify.candidates.api.optimizer import OptimizerBehaviour
 from verify.candidates.registry import default_candidate
-from verify.distributed import DistributedRunError, spawn
+from verify.distributed import DistributedRunError, RankCrashed, RankLauncher, spawn
 from verify.preflight.config import PreflightConfig
 from verify.preflight.twin.compare import AS_SPECIFIED, TwinRankResult
 from verify.preflight.twin.plan import TwinOptions, TwinPlan, plan_twin
 from verify.preflight.twin.rank import TwinRun, run_twin_rank, twin_worker
 from verify.preflight.twin.variants import adamw_of
-from verify.preflight.twin.verdict import not_run_section, twin_section, write_sections
+from verify.preflight.twin.verdict import (
+    crash_section,
+    not_run_section,
+    twin_section,
+    write_sections,
+)
 
 
 class TwinRunError(RuntimeError):
@@ -148,6 +153,16 @@ def run_twin_stage(config: PreflightConfig, options: TwinOptions, report: dict, 
                 continue
             try:
                 ranks, where, plan = _train(twin, environ, options, say)
+            except RankCrashed as crash:
+                if crash.first.raised_in(twin.candidate.own_modules):
+                    # The candidate's own code raised: a crash of the launch, not the harness's.
+                    sections.append(crash_section(config, twin.plan, twin.candidate, crash))
+                    continue
+                if len(prepared) == 1:
+                    raise TwinRunError(f"the twin's ranks failed: {crash}") from None
+                sections.append(not_run_section(twin.candidate, f"the twin's ranks failed: "
+                                                f"{crash.summary()}", error=True))
+                continue
             except (DistributedRunError, TwinRunError) as exc:
                 reason = (f"the twin's ranks failed: {exc}" if isinstance(exc, DistributedRunError)
                           else str(exc))
@@ -163,8 +178,7 @@ def run_twin_stage(config: PreflightConfig, options: TwinOptions, report: dict, 
                                          candidate=twin.candidate, behaviour=twin.behaviour))
     if not rank_zero:
         return None
-    has_head = any(t.plan.case.spec.output_head for t in prepared if isinstance(t, PreparedTwin))
-    passed = write_sections(config, report, sections, has_head)
+    passed = write_sections(config, report, sections)
     if any("error" in s for s in sections):
         report["twin_error"] = "; ".join(f"{s['candidate']}: {s['error']}" for s in sections
                                          if "error" in s)
@@ -186,6 +200,7 @@ def _train(twin: PreparedTwin, environ: Mapping[str, str], options: TwinOptions,
     # The line a user would interrupt at comes once the ranks have started: the fork server
     # ignores Ctrl-C while it starts (verify.distributed.launcher).
     ranks = spawn(twin_worker, plan.world_size, twin.run(), timeout_s=options.timeout_s,
+                  launcher=RankLauncher().preloading(*twin.candidate.preload_modules),
                   on_started=lambda: say(f"{label}: training {len(plan.case.plans)} steps on "
                                          f"{plan.world_size} gloo ranks"))
     return ranks, f"spawned, {plan.world_size} gloo ranks on the CPU", plan

@@ -13,10 +13,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict
 
-from verify.candidates.api import Candidate
+from verify.candidates.api import Candidate, LaunchSettings, explaining
 from verify.candidates.api.optimizer import OptimizerBehaviour
+from verify.candidates.megatron_core.findings import FINDINGS
 from verify.candidates.registry import DEFAULT_CANDIDATE
+from verify.distributed import RankCrashed
 from verify.preflight.config import PreflightConfig
+from verify.preflight.findings import DTYPES, finding_entry, launch_settings, reached
 from verify.preflight.hazards import FINDING, decide_hazards
 from verify.preflight.twin.compare import AS_SPECIFIED, TwinRankResult, compare_steps
 from verify.preflight.twin.plan import TwinPlan
@@ -59,6 +62,7 @@ def twin_section(config: PreflightConfig, plan: TwinPlan, ranks: Sequence[TwinRa
             row.failures.append(f"step {row.step}: no {' and no '.join(empty)} was compared: the "
                                 "ranks reported none")
     failures = [f for row in rows for f in row.failures]
+    finding = explained_by(candidate, twin_settings(config, plan)) if failures else None
     claim = "bitwise" if plan.bitwise else "within the stated bound"
     optimizer = ""
     if adamw_of(training) is not None:
@@ -80,12 +84,46 @@ def twin_section(config: PreflightConfig, plan: TwinPlan, ranks: Sequence[TwinRa
         "not_twinned": list(plan.not_twinned),
         "steps": [asdict(row) for row in rows],
         "failures": failures,
+        "finding": finding,
         "documented": [d.to_dict() for d in documented],
         "note": (f"Scaled twin of {candidate.label} ({where}): losses, every reduced gradient "
                  f"and every updated parameter{optimizer}"
                  f"{MXFP8_NOTE if isinstance(training, MXFP8Twin) else ''} compared with "
                  f"refgrad after each step, {claim}."),
     }
+
+
+def twin_settings(config: PreflightConfig, plan: TwinPlan) -> LaunchSettings:
+    """The scaled twin's own Megatron-LM settings (a candidate's findings are matched against
+    what the twin ran, not the full-size launch)."""
+    return plan.case.launch_settings(plan.overlap, params_dtype=DTYPES[config.params_dtype],
+                                     grad_dtype=DTYPES[config.grad_dtype])
+
+
+def explained_by(candidate: Candidate, settings: LaunchSettings,
+                 crash: tuple[str, str | None] | None = None) -> str | None:
+    """The key of the candidate's known finding that explains its twin's crash or failure."""
+    finding = explaining(candidate.findings(), settings, crash)
+    return None if finding is None else finding.key
+
+
+def crash_section(config: PreflightConfig, plan: TwinPlan, candidate: Candidate,
+                  crash: RankCrashed) -> dict:
+    """A candidate whose twin crashed in its own code: a crash with its root cause (every
+    rank that raised the same, the exception, where), never numbers; the finding that
+    explains it, if one does."""
+    first = crash.first
+    summary = crash.summary()
+    return {"run": True, "passed": False, "candidate": candidate.label,
+            "candidate_info": candidate.info().to_dict(), "crashed": summary,
+            "traceback": first.traceback,
+            "finding": explained_by(candidate, twin_settings(config, plan),
+                                    (first.exception, first.root.function if first.root else None)),
+            "world_size": plan.world_size, "tp_size": plan.case.tp_size, "steps": [],
+            "failures": [f"crashed: {summary}"], "not_twinned": list(plan.not_twinned),
+            "mapping": [list(m) for m in plan.mapping], "documented": [],
+            "bitwise": plan.bitwise, "order_note": plan.order_note,
+            "note": f"The scaled twin of {candidate.label} crashed: {summary}"}
 
 
 def not_run_section(candidate: Candidate, reason: str, *, error: bool) -> dict:
@@ -107,9 +145,11 @@ def _padding_per_rank(report: dict) -> int:
 
 
 def paper_only_hazards(config: PreflightConfig, report: dict) -> None:
-    """Hazards decided from the configuration alone (the twin did not run)."""
+    """Hazards and the launch's findings decided from the configuration alone (the twin did
+    not run)."""
     hazards = decide_hazards(config, padding_elements=_padding_per_rank(report))
     report["hazards"] = [h.to_dict() for h in hazards]
+    apply_launch_findings(config, report, ())
 
 
 def _gaps(section: dict) -> str:
@@ -132,21 +172,76 @@ def _ranks(section: dict, launch_tp: int) -> str:
     return ranks if tp == launch_tp else f"{ranks}, TP {launch_tp} scaled to TP {tp}"
 
 
-def write_sections(config: PreflightConfig, report: dict, sections: list[dict],
-                   has_head: bool) -> bool:
-    """Put the candidates' sections into ``report`` with the hazards and the verdict; whether
-    every twin that ran matched refgrad (and at least one ran)."""
+def launch_findings(config: PreflightConfig, sections: Sequence[dict]) -> list[dict]:
+    """Megatron-Core's findings the launch reaches by their rule, and those a twin showed,
+    each once, with what the twin showed of it."""
+    entries = {f.key: finding_entry(f, reached_by_launch=True)
+               for f in reached(launch_settings(config))}
+    catalogue = {f.key: f for f in FINDINGS}
+    for section in sections:
+        key = section.get("finding")
+        if key is None or key not in catalogue:
+            continue
+        version = section.get("candidate_info", {}).get("version", "")
+        shown = (f"crashed: {section['crashed']}" if "crashed" in section
+                 else f"differs from refgrad: {section['failures'][0]}")
+        entry = entries.setdefault(key, finding_entry(catalogue[key], reached_by_launch=False))
+        entry["twin"] = f"{section['candidate']} {version}'s twin {shown}".replace("  ", " ")
+    return list(entries.values())
+
+
+def _findings_text(entries: Sequence[dict]) -> str:
+    """The verdict's naming of the findings that fail the launch (empty: none)."""
+    failing = [e for e in entries if e["fails_launch"]]
+    if not failing:
+        return ""
+    parts = []
+    for e in failing:
+        shown = f"; measured: {e['twin']}" if e["twin"] else ("; not measured here (no twin of "
+                                                              "Megatron-Core ran its path)")
+        parts.append(f"the launch reaches Megatron-Core finding {e['number']} ({e['class']}): "
+                     f"{e['title']}{shown}")
+    return "; ".join(parts)
+
+
+def apply_launch_findings(config: PreflightConfig, report: dict, sections: Sequence[dict]) -> bool:
+    """Put the launch's findings into ``report``; a reachable wrong gradient or crash turns
+    the verdict into a FAIL naming it, then each twin's outcome in a few words. True when
+    the launch reaches none."""
+    entries = launch_findings(config, sections)
+    report["findings"] = entries
+    text = _findings_text(entries)
+    if not text:
+        return True
+    numbers = {e["key"]: e["number"] for e in entries}
+    twins = []
+    for section in sections:
+        outcome = ("did not finish" if "error" in section else "was not run" if not section["run"]
+                   else "crashed" if "crashed" in section
+                   else "matches refgrad" if section["passed"] else "differs from refgrad")
+        if section.get("finding") in numbers:
+            outcome += f" (finding {numbers[section['finding']]})"
+        twins.append(f"{section['candidate']}'s twin {outcome}")
+    shape = f"{config.shape}, {config.num_microbatches} microbatches"
+    report["verdict"] = f"FAIL: {shape}; {text}" + "".join(f"; {t}" for t in twins)
+    report["passed"] = False
+    return False
+
+
+def write_sections(config: PreflightConfig, report: dict, sections: list[dict]) -> bool:
+    """Put the candidates' sections into ``report`` with the hazards, the launch's findings
+    and the verdict; whether every twin that ran matched refgrad (and at least one ran) and
+    the launch reaches no wrong gradient or crash."""
     ran = [s for s in sections if s["run"]]
     passed = bool(ran) and all(s["passed"] for s in ran)
-    names = ", ".join(s["candidate"] for s in ran) or "no candidate"
     hazards = decide_hazards(config, padding_elements=_padding_per_rank(report), twin_ran=bool(ran),
-                             twin_passed=passed, twin_has_head=has_head, twin_candidates=names)
+                             twin_passed=passed)
     report["twins"] = sections
     report["twin"] = sections[0]
     report["hazards"] = [h.to_dict() for h in hazards]
-    findings = sum(h.status == FINDING for h in hazards)
+    hazard_count = sum(h.status == FINDING for h in hazards)
     shape = f"{config.shape}, {config.num_microbatches} microbatches"
-    tail = f"; {findings} hazard finding{'s' if findings != 1 else ''}"
+    tail = f"; {hazard_count} hazard{'s' if hazard_count != 1 else ''}"
     failed = [s for s in ran if not s["passed"]]
     not_run = "".join(f"; {s['candidate']}: twin {'did not finish' if 'error' in s else 'not run'}"
                       f" ({s.get('error') or s.get('skipped')})" for s in sections if not s["run"])
@@ -161,13 +256,12 @@ def write_sections(config: PreflightConfig, report: dict, sections: list[dict],
             report["verdict"] = (f"PASS: {shape}; {who} ({ranks}, {len(section['steps'])} "
                                  f"steps) matches refgrad {claim}{_gaps(section)}{tail}")
         else:
-            report["verdict"] = f"FAIL: {shape}; {who} differs from refgrad: {section['failures'][0]}"
+            report["verdict"] = f"FAIL: {shape}; {who} {_failed(section)}"
     elif failed:
         first = failed[0]
-        report["verdict"] = (f"FAIL: {shape}; {first['candidate']}'s twin differs from refgrad: "
-                             f"{first['failures'][0]}"
+        report["verdict"] = (f"FAIL: {shape}; {first['candidate']}'s twin {_failed(first)}"
                              + "".join(f"; {s['candidate']}'s twin "
-                                       f"{'matches' if s['passed'] else 'differs too'}"
+                                       f"{'matches' if s['passed'] else 'fails too'}"
                                        for s in ran if s is not first) + not_run)
     elif ran:
         tp = config.tensor_model_parallel_size
@@ -178,7 +272,15 @@ def write_sections(config: PreflightConfig, report: dict, sections: list[dict],
     else:
         report["verdict"] = f"SKIP: {shape}; no twin ran{not_run}{tail}"
     report["passed"] = passed or not ran
-    return report["passed"]
+    clean = apply_launch_findings(config, report, sections)
+    return report["passed"] and clean
+
+
+def _failed(section: dict) -> str:
+    """How a twin failed: its crash, or its first difference from refgrad."""
+    if "crashed" in section:
+        return f"crashed: {section['crashed']}"
+    return f"differs from refgrad: {section['failures'][0]}"
 
 
 def finish_twin_report(config: PreflightConfig, plan: TwinPlan,
@@ -187,4 +289,4 @@ def finish_twin_report(config: PreflightConfig, plan: TwinPlan,
     """Compare one candidate's ranks with refgrad, decide the hazards, write the verdict."""
     section = twin_section(config, plan, ranks, where=where, candidate=candidate,
                            behaviour=behaviour)
-    return write_sections(config, report, [section], plan.case.spec.output_head)
+    return write_sections(config, report, [section])
