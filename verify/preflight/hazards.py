@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from verify.preflight.config import PreflightConfig
+from verify.preflight.paper import nccl_average_factor
 
 SAFE, FINDING = "safe", "finding"
 
@@ -48,7 +49,7 @@ def decide_hazards(config: PreflightConfig, *, padding_elements: int = 0,
     A changing microbatch count (Megatron-Core learns its grad-ready counts on the first
     batch) is no hazard here: Megatron-LM 0.19 ignores --rampup-batch-size, and preflight
     refuses --step-batch-size-schedule as not modelled, saying why."""
-    # The grads are pre-scaled by 1/(DP x CP) and summed over the dp_cp group.
+    # The grads are averaged over the dp_cp group (hazard 5 says how).
     m, pp, dp = (config.num_microbatches, config.pipeline_model_parallel_size,
                  config.data_context_parallel_size)
     out: list[Hazard] = []
@@ -107,23 +108,8 @@ def decide_hazards(config: PreflightConfig, *, padding_elements: int = 0,
                           "with the grad buffer reused, each bucket's param_data is zeroed after "
                           "its params are copied out; a forced param sync (checkpoint save, "
                           "evaluation) all-gathers that stale or zeroed data in Megatron-Core"))
-    # 5. Averaging pre-scaled in the grad dtype at a non-power-of-two DP.
-    group = "DP x CP" if config.context_parallel_size > 1 else "DP"
-    if dp == 1:
-        out.append(Hazard("pre-scaled averaging at a non-power-of-two DP", SAFE,
-                          f"{group} 1: no averaging"))
-    elif _is_power_of_two(dp):
-        out.append(Hazard("pre-scaled averaging at a non-power-of-two DP", SAFE,
-                          f"{group} {dp} is a power of two: x 1/{dp} is exact in {config.grad_dtype} "
-                          "(short of underflow)"))
-    else:
-        out.append(Hazard("pre-scaled averaging at a non-power-of-two DP", FINDING,
-                          f"{group} {dp}: Megatron-Core multiplies each grad by 1/{dp} in "
-                          f"{config.grad_dtype} before the SUM, one extra rounding per element "
-                          f"(relative error up to u of {config.grad_dtype}); averaging after the "
-                          "sum (ReduceOp.AVG) or in fp32 rounds once",
-                          "the twin pre-scales the same way and matched refgrad's model of it"
-                          if twin_ran and twin_passed else ""))
+    # 5. How the DP x CP average is formed, at a non-power-of-two DP x CP.
+    out.append(_averaging(config, dp, twin_ran and twin_passed))
     # 6. Padding in norms and checkpoints.
     if not config.use_distributed_optimizer:
         out.append(Hazard("padding in norms and checkpoints", SAFE,
@@ -138,4 +124,64 @@ def decide_hazards(config: PreflightConfig, *, padding_elements: int = 0,
                           "or checkpoint that reads the buffer instead of per-parameter views "
                           "includes them; Megatron-Core skips padding per parameter, custom code "
                           "must too"))
+    # 7. Finding 2: the fp32-accumulating reduce-scatter asserts ReduceOp.SUM.
+    out.append(_fp32_reduce_scatter_with_average(config))
     return out
+
+
+PRE_SCALE = "pre-scaled averaging at a non-power-of-two DP"
+FP32_RS_WITH_AVG = "fp32-accumulating reduce-scatter with averaging in the collective"
+
+
+def _averaging(config: PreflightConfig, n: int, twin_matched: bool) -> Hazard:
+    """Pre-scale x 1/N then SUM (the default), ReduceOp.AVG (NCCL's pre-multiply by a rounded
+    1/N), or per-token loss (SUM, then x 1/T after the reduction)."""
+    group = "DP x CP" if config.context_parallel_size > 1 else "DP"
+    wire = config.grad_dtype
+    if config.calculate_per_token_loss:
+        return Hazard(PRE_SCALE, SAFE,
+                      f"not used: --calculate-per-token-loss sums the grads unscaled over {group} "
+                      f"{n} and multiplies them by 1/T after the reduction, T the global batch's "
+                      "loss-mask tokens (distributed_data_parallel.py:179-185, "
+                      "finalize_model_grads.py:694-696): one rounding of each reduced grad")
+    if n == 1:
+        return Hazard(PRE_SCALE, SAFE, f"{group} 1: no averaging")
+    if _is_power_of_two(n):
+        return Hazard(PRE_SCALE, SAFE,
+                      f"{group} {n} is a power of two: x 1/{n} is exact in {wire} (short of "
+                      f"underflow){', also as NCCL AVG factor' if config.ddp_average_in_collective else ''}")
+    if config.ddp_average_in_collective:
+        factor = nccl_average_factor(n, wire)
+        bias = n * factor - 1
+        return Hazard(PRE_SCALE, FINDING,
+                      f"{group} {n} with --ddp-average-in-collective: NCCL's ReduceOp.AVG on "
+                      f"{wire} grads multiplies each by 1/{n} rounded to {wire} = {factor!r} "
+                      f"before the SUM (nccl enqueue.cc hostToDevRedOp: ncclDevPreMulSum), one "
+                      f"rounding per element as the pre-scale, and a systematic relative bias of "
+                      f"{bias:+.3g} on every averaged grad; summing first and scaling after (as "
+                      "--calculate-per-token-loss does) rounds once without bias")
+    return Hazard(PRE_SCALE, FINDING,
+                  f"{group} {n}: Megatron-Core multiplies each grad by 1/{n} in {wire} before "
+                  f"the SUM (param_and_grad_buffer.py:661), one extra rounding per element "
+                  f"(relative error up to u of {wire}); summing first and scaling after (as "
+                  "--calculate-per-token-loss does) rounds once",
+                  "the twin pre-scales the same way and matched refgrad's model of it"
+                  if twin_matched else "")
+
+
+def _fp32_reduce_scatter_with_average(config: PreflightConfig) -> Hazard:
+    """REFERENCE_NOTES §12 finding 2: a crash on the first grad sync."""
+    if not config.ddp_average_in_collective:
+        return Hazard(FP32_RS_WITH_AVG, SAFE, "not used: --ddp-average-in-collective is off")
+    if not (config.use_distributed_optimizer and config.ddp_reduce_scatter_with_fp32_accumulation):
+        return Hazard(FP32_RS_WITH_AVG, SAFE,
+                      "ReduceOp.AVG goes to the backend's own "
+                      f"{'reduce-scatter' if config.use_distributed_optimizer else 'all-reduce'}: "
+                      "the fp32-accumulating reduce-scatter (--use-distributed-optimizer "
+                      "--ddp-reduce-scatter-with-fp32-accumulation) is not used")
+    return Hazard(FP32_RS_WITH_AVG, FINDING,
+                  "--ddp-average-in-collective hands ReduceOp.AVG to the reduce-scatter "
+                  "(param_and_grad_buffer.py:666), and --ddp-reduce-scatter-with-fp32-accumulation "
+                  "makes it Megatron-Core's reduce_scatter_with_fp32_accumulation, which asserts "
+                  "op == ReduceOp.SUM (reduce_scatter_with_fp32_accumulation.py:63): the first "
+                  "grad sync raises AssertionError. Drop either flag")
