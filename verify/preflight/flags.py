@@ -33,10 +33,11 @@ MEGATRON_LM = "Megatron-LM core_r0.19.0 (megatron-core 0.19.2)"
 # Megatron-LM's launch path, in the order it checks a launch: parse_args, validate_args
 # (megatron/training/arguments.py), set_global_variables (the microbatch calculator, then
 # the tokenizer), ModelParallelConfig.__post_init__ (run first by TransformerConfig's), the
-# rest of TransformerConfig.__post_init__, the DDP config, get_model (the model's modules, then
-# the DDP wrap), the optimizer and its grad scaler, and the first training step.
+# rest of TransformerConfig.__post_init__, then get_model (megatron/training/training.py):
+# the model's modules, the DDP config, the DDP wrap; the optimizer and its grad scaler; the
+# first training step.
 STAGES = ("parse_args", "validate_args", "set_global_variables", "ModelParallelConfig",
-          "TransformerConfig", "DDP config", "model build", "DDP wrap", "optimizer", "first step")
+          "TransformerConfig", "model build", "DDP config", "DDP wrap", "optimizer", "first step")
 
 
 @dataclass(frozen=True)
