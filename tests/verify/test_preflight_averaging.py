@@ -85,7 +85,8 @@ def test_the_reduction_error_carries_the_averages_bias():
     averaged = reduction_error(_config(3, "--ddp-average-in-collective"))
     assert averaged["averaging_bias"] == 1 / 512 and averaged["reduce_op"] == "AVG"
     assert averaged["typical_relative_error"] == default["typical_relative_error"] + 1 / 512
-    assert "ReduceOp.AVG over DP x CP = 3" in averaged["method"]
+    assert averaged["averaging"].startswith("ReduceOp.AVG over DP x CP = 3")
+    assert "+ |bias| 0.00195 of ReduceOp.AVG's rounded 1/N" in averaged["model"]
 
 
 @pytest.mark.parametrize(("flags", "status"), [

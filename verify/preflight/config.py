@@ -60,29 +60,6 @@ def flag_name(attribute: str, spelling: Mapping[str, str]) -> str:
     return flag_of(_DEST.get(attribute, attribute), spelling)
 
 
-def parallel_dims(tp: int, pp: int, vpp: int, dp: int, cp: int, sequence_parallel: bool,
-                  spelling: Mapping[str, str]) -> ParallelDims:
-    """The grid's sizes as one :class:`ParallelDims`, each size checked first under the flag
-    that set it (ConfigError names the flag and Megatron's rule)."""
-    sizes = (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
-             ("virtual_pipeline_model_parallel_size", vpp), ("data_parallel_size", dp),
-             ("context_parallel_size", cp))
-    for attribute, value in sizes:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{flag_name(attribute, spelling)} must be a positive integer, "
-                              f"got {value!r}")
-    if vpp > 1 and pp < 2:  # validate_args: interleaving needs PP > 1 (> 2 without p2p overlap)
-        raise ConfigError(Refusal(
-            f"{flag_name('virtual_pipeline_model_parallel_size', spelling)} (VPP {vpp}, "
-            f"interleaved schedule) requires {flag_name('pipeline_model_parallel_size', spelling)}"
-            f" >= 2, got {pp}", "validate_args", 967))
-    if sequence_parallel and tp == 1:
-        raise ConfigError(f"{flag_name('sequence_parallel', spelling)} needs "
-                          f"{flag_name('tensor_model_parallel_size', spelling)} > 1")
-    return ParallelDims(tp_size=tp, cp_size=cp, dp_size=dp, pp_size=pp, vpp_size=vpp,
-                        sequence_parallel=sequence_parallel)
-
-
 @dataclass(frozen=True)
 class PreflightConfig:
     """Resolved Megatron settings (Megatron's attribute names); validates itself.
@@ -324,14 +301,6 @@ class PreflightConfig:
         out["grad_averaging"] = self.grad_averaging
         out["layers_per_stage_and_chunk"] = [list(row) for row in self.layer_split.layers]
         return out
-
-
-def pad_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) -> int:
-    """Megatron's ``vocab_size_with_padding``: up to a multiple of divisible_by x TP
-    (megatron/core/tokenizers/utils/build_tokenizer.py)."""
-    multiple = divisible_by * tensor_parallel
-    return -(-vocab_size // multiple) * multiple
-
 
 
 # --------------------------------------------------------------------------- the rules
@@ -676,5 +645,4 @@ RULES: tuple[tuple[Rule, tuple[str, ...], str], ...] = (
 
 
 
-__all__ = ["ConfigError", "DTYPE_BYTES", "RULES", "PreflightConfig", "check_config", "flag_name",
-           "pad_vocab_size", "parallel_dims"]
+__all__ = ["ConfigError", "DTYPE_BYTES", "RULES", "PreflightConfig", "check_config", "flag_name"]

@@ -214,7 +214,6 @@ def reduction_error(config: PreflightConfig) -> dict:
     # How the average is formed (config.grad_averaging): NCCL's ReduceOp.AVG multiplies by a
     # rounded 1/N, a bias on every element on top of the sum's rounding.
     bias = (n * nccl_average_factor(n, wire) - 1) if config.ddp_average_in_collective else 0.0
-    method += f"; averaged: {config.grad_averaging}"
     if bias:
         typical += abs(bias)
         worst = None if worst is None else worst + abs(bias)
@@ -231,7 +230,8 @@ def reduction_error(config: PreflightConfig) -> dict:
         basis = f"extrapolated: N = {n} is beyond the measured N = {low}..{high}"
     return {"method": method, "wire_dtype": wire, "dp": n, "unit_roundoff": u,
             "typical_relative_error": typical, "worst_case_bound": worst, "model": model,
-            "basis": basis, "gradient_scaling_factor": config.gradient_scaling_factor,
+            "basis": basis, "averaging": config.grad_averaging,
+            "gradient_scaling_factor": config.gradient_scaling_factor,
             "reduce_op": config.grad_reduce_op, "averaging_bias": bias}
 
 

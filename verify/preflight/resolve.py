@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+from fastgrad.parallel_dims import ParallelDims
 from verify.preflight.config import (
     DEFAULT_CLIP_GRAD,
     DEFAULT_HYSTERESIS,
@@ -21,8 +22,6 @@ from verify.preflight.config import (
     ConfigError,
     PreflightConfig,
     flag_name,
-    pad_vocab_size,
-    parallel_dims,
 )
 from verify.preflight.flags import ParsedFlags, Refusal
 from verify.preflight.pipeline_split import SplitError, virtual_pipeline_size
@@ -35,6 +34,36 @@ _REMOVED = {"batch_size": ("--micro-batch-size", 574),
 # rules that need it are not checked (PreflightConfig.undefined), and the configuration is
 # never built.
 _PLACEHOLDER = 1
+
+
+def parallel_dims(tp: int, pp: int, vpp: int, dp: int, cp: int, sequence_parallel: bool,
+                  spelling: Mapping[str, str]) -> ParallelDims:
+    """The grid's sizes as one :class:`ParallelDims`, each size checked first under the flag
+    that set it (ConfigError names the flag and Megatron's rule)."""
+    sizes = (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
+             ("virtual_pipeline_model_parallel_size", vpp), ("data_parallel_size", dp),
+             ("context_parallel_size", cp))
+    for attribute, value in sizes:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{flag_name(attribute, spelling)} must be a positive integer, "
+                              f"got {value!r}")
+    if vpp > 1 and pp < 2:  # validate_args: interleaving needs PP > 1 (> 2 without p2p overlap)
+        raise ConfigError(Refusal(
+            f"{flag_name('virtual_pipeline_model_parallel_size', spelling)} (VPP {vpp}, "
+            f"interleaved schedule) requires {flag_name('pipeline_model_parallel_size', spelling)}"
+            f" >= 2, got {pp}", "validate_args", 967))
+    if sequence_parallel and tp == 1:
+        raise ConfigError(f"{flag_name('sequence_parallel', spelling)} needs "
+                          f"{flag_name('tensor_model_parallel_size', spelling)} > 1")
+    return ParallelDims(tp_size=tp, cp_size=cp, dp_size=dp, pp_size=pp, vpp_size=vpp,
+                        sequence_parallel=sequence_parallel)
+
+
+def pad_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) -> int:
+    """Megatron's ``vocab_size_with_padding``: up to a multiple of divisible_by x TP
+    (megatron/core/tokenizers/utils/build_tokenizer.py)."""
+    multiple = divisible_by * tensor_parallel
+    return -(-vocab_size // multiple) * multiple
 
 
 class _Found:
