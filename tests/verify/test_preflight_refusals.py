@@ -188,3 +188,20 @@ def test_get_model_builds_the_modules_before_the_ddp_config():
                    "--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", *VOCAB[0])
     assert [r.stage for r in exc.refusals] == ["model build", "DDP config"]
     assert exc.messages[0] == VOCAB[1]
+
+
+@pytest.mark.parametrize("flags", [
+    ["--num-layers", "0"], ["--hidden-size", "0"], ["--num-attention-heads", "0"],
+    ["--seq-length", "0"], ["--max-position-embeddings", "0"], ["--padded-vocab-size", "0"],
+    ["--micro-batch-size", "0"], ["--global-batch-size", "0"], ["--ffn-hidden-size", "0"],
+    ["--kv-channels", "0"], ["--group-query-attention", "--num-query-groups", "0"],
+    ["--tensor-model-parallel-size", "0"], ["--pipeline-model-parallel-size", "0"],
+    ["--context-parallel-size", "0"],
+])
+def test_a_size_that_is_not_positive_is_one_refusal_not_a_crash_or_a_cascade(flags):
+    # Every value derived from it (the FFN and kv channels from the hidden size, the query
+    # groups from the heads, DP from TP x PP x CP, the global batch from the micro batch)
+    # is left undefined, not refused again.
+    exc = _refused(*flags)
+    assert len(exc.refusals) == 1, exc.messages
+    assert exc.messages[0].startswith(flags[-2]), exc.messages

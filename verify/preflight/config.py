@@ -314,13 +314,18 @@ _UNDEFINED_NAMES = {"data_parallel_size": "DP (world size / (TP x PP x CP))",
 
 def check_config(c: PreflightConfig) -> tuple[list[Refusal], list[str]]:
     """Every rule of :data:`RULES` on ``c``: (the refusals, in Megatron-LM's order; the rules
-    not decided because a value they read is in ``c.undefined``, each saying which)."""
-    found: list[Refusal] = []
+    not decided because a value they read is undefined, each saying which). A size that is
+    not a positive integer is refused first, and counts as undefined for the rules after."""
+    invalid = {a: getattr(c, a) for a in _POSITIVE if a not in c.undefined
+               and not _is_positive_int(getattr(c, a))}
+    found = [Refusal(f"{_UNDEFINED_NAMES.get(a) or c._name(a)} must be a positive integer, got "
+                     f"{value!r}", "validate_args") for a, value in invalid.items()]
+    undefined = c.undefined | set(invalid)
     not_checked: list[str] = []
     for rule, needs, what in RULES:
-        if rule in _INTERLEAVED and _VPP not in c.undefined and c.virtual_pipeline_model_parallel_size == 1:
+        if rule in _INTERLEAVED and _VPP not in undefined and c.virtual_pipeline_model_parallel_size == 1:
             continue  # no interleaving: nothing to check, nothing left unchecked
-        missing = [n for n in needs if n in c.undefined]
+        missing = [n for n in needs if n in undefined]
         if missing:
             names = ", ".join(_UNDEFINED_NAMES.get(m) or c._name(m) for m in missing)
             not_checked.append(f"{what}: it reads {names}, which a refusal above leaves "
@@ -331,14 +336,8 @@ def check_config(c: PreflightConfig) -> tuple[list[Refusal], list[str]]:
     return sorted(found, key=lambda r: r.order), not_checked
 
 
-def _positive(c: PreflightConfig) -> Iterator[Refusal]:
-    for attribute in _POSITIVE:
-        if attribute in c.undefined:
-            continue
-        value = getattr(c, attribute)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            yield Refusal(f"{c._name(attribute)} must be a positive integer, got {value!r}",
-                          "validate_args")
+def _is_positive_int(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= 1
 
 
 def _choices(c: PreflightConfig) -> Iterator[Refusal]:
@@ -619,7 +618,6 @@ _INTERLEAVED = (_interleaving, _interleaved_microbatches)
 # (rule, the values it reads that a refusal can leave undefined, what it checks), in the
 # order preflight runs them; check_config sorts what they find into Megatron-LM's order.
 RULES: tuple[tuple[Rule, tuple[str, ...], str], ...] = (
-    (_positive, (), "positive sizes"),
     (_choices, (), "choices"),
     (_grid, (), "the world size's split into TP x PP x CP x DP"),
     (_batch, _BATCH, "the microbatch count"),
@@ -627,7 +625,7 @@ RULES: tuple[tuple[Rule, tuple[str, ...], str], ...] = (
     (_position_length, ("seq_length", "max_position_embeddings"), "the position embeddings' length"),
     (_heads_split_hidden, ("hidden_size", "num_attention_heads"), "the hidden size over the heads"),
     (_heads_over_tp, ("num_attention_heads", _TP), "the heads over TP"),
-    (_groups_and_tp, ("num_query_groups", _TP), "the query groups and TP"),
+    (_groups_and_tp, ("num_query_groups", "num_attention_heads", _TP), "the query groups and TP"),
     (_fp8_param, (), "FP8 params"),
     (_deferral, (_PP,), "the embedding wgrad deferral"),
     (_buffers, (), "the DDP buffers"),
@@ -635,7 +633,7 @@ RULES: tuple[tuple[Rule, tuple[str, ...], str], ...] = (
     (_interleaving, (_PP, _VPP), "the interleaved schedule's PP"),
     (_interleaved_microbatches, (*_BATCH, _PP, _VPP), "the interleaved schedule's microbatches"),
     (_heads_per_group, ("num_attention_heads", "num_query_groups"), "the heads per query group"),
-    (_qkv_over_tp, ("num_attention_heads", "num_query_groups", "kv_channels", _TP),
+    (_qkv_over_tp, ("num_attention_heads", "num_query_groups", "kv_channels", "hidden_size", _TP),
      "the QKV projection over TP"),
     (_ffn_over_tp, ("ffn_hidden_size", _TP), "the FFN over TP"),
     (_vocab_over_tp, ("padded_vocab_size", _TP), "the vocabulary over TP"),

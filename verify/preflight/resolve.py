@@ -311,9 +311,13 @@ def resolve(parsed: ParsedFlags, environ: Mapping[str, str],
     position_embedding_type = _position_embedding(v, found)
     vocab = _vocab(v, spelling, tp, notes, found)
     swiglu = bool(v.get("swiglu"))
+    # A derived default reads the values it derives from: one refused (or not a positive
+    # integer, which check_config refuses) leaves it undefined, not refused again.
+    if "hidden_size" in found.undefined or hidden < 1:
+        found.undefined.add("hidden_size_derivations")
     if "ffn_hidden_size" in v:
         ffn = v["ffn_hidden_size"]
-    elif "hidden_size" in found.undefined:
+    elif "hidden_size_derivations" in found.undefined:
         found.undefined.add("ffn_hidden_size")
         ffn = _PLACEHOLDER
     else:  # validate_args:1280 defaults
@@ -321,11 +325,12 @@ def resolve(parsed: ParsedFlags, environ: Mapping[str, str],
     # --num-query-groups defaults to 1 and counts only with --group-query-attention
     # (argument_utils.py core_transformer_config_from_args).
     groups = v.get("num_query_groups", 1) if v.get("group_query_attention") else heads
-    if not v.get("group_query_attention") and "num_attention_heads" in found.undefined:
+    heads_undefined = "num_attention_heads" in found.undefined or heads < 1
+    if not v.get("group_query_attention") and heads_undefined:
         found.undefined.add("num_query_groups")
     if "kv_channels" in v:
         kv_channels = v["kv_channels"]
-    elif {"hidden_size", "num_attention_heads"} & found.undefined or heads <= 0:
+    elif "hidden_size_derivations" in found.undefined or heads_undefined:
         found.undefined.add("kv_channels")
         kv_channels = _PLACEHOLDER
     else:
@@ -337,6 +342,7 @@ def resolve(parsed: ParsedFlags, environ: Mapping[str, str],
         found.refusals.extend(exc.refusals)
         found.undefined.add("virtual_pipeline_model_parallel_size")
         dims = parallel_dims(tp, pp, _PLACEHOLDER, dp, cp, sequence_parallel, spelling)
+    found.undefined.discard("hidden_size_derivations")
     return PreflightConfig(
         dims=dims,
         data_parallel_source=f"world size {world} ({world_source}) / (TP x PP x CP)",
