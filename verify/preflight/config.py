@@ -2,17 +2,19 @@
 
 :func:`verify.preflight.resolve.resolve` turns a parsed launch into a
 :class:`PreflightConfig`, applying the defaults and silent adjustments of
-Megatron-LM's ``validate_args`` (each recorded in ``notes``); the dataclass's
-``__post_init__`` then enforces the rules that make production refuse to start
-(:func:`check_config`, below), naming the flags in the message. The rules
-are those of :data:`~verify.preflight.flags.MEGATRON_LM` (megatron-core 0.19.2) and cite
-the file and function that enforce each; ``check_config`` runs them in Megatron's order of
-stages (``validate_args``, the microbatch calculator, ``TransformerConfig``/
-``ModelParallelConfig``, the DDP config, the per-stage layer split, the interleaved schedule,
-the model's ``divide()`` over TP). The rules live beside the dataclass they check: the
-dataclass calls them and they read its fields, so two modules would import each other.
+Megatron-LM's ``validate_args`` (each recorded in ``notes``, each refusal collected); the
+dataclass's ``__post_init__`` then runs every rule that makes production refuse to start
+(:data:`RULES`, by :func:`check_config`, below) and raises one :class:`ConfigError` listing
+every refusal, resolve's and its own, naming the flags in each message. The rules are those
+of :data:`~verify.preflight.flags.MEGATRON_LM` (megatron-core 0.19.2) and cite the file and
+line that enforce each; the refusals are ordered as Megatron meets them (the stages of
+:data:`~verify.preflight.flags.STAGES`: ``validate_args`` by line, the microbatch
+calculator, ``ModelParallelConfig``, ``TransformerConfig``, ``get_model``'s model build,
+DDP config and DDP wrap, the optimizer, the interleaved schedule's first step). A rule that
+reads a value a refusal leaves undefined (``PreflightConfig.undefined``) is not checked and
+is named as such. The rules live beside the dataclass they check: the dataclass calls them
+and they read its fields, so two modules would import each other.
 """
-
 from __future__ import annotations
 
 import math
