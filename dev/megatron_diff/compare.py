@@ -9,8 +9,10 @@ this one). Writes ``launches.jsonl``, ``megatron.jsonl``, ``preflight.jsonl`` an
 ``summary.txt`` under ``--out`` (default ``dev/megatron_diff/results``) and prints the
 summary: how many launches agree, and every one that does not.
 
-Agreement: both refuse, or both accept with the same DP, CP, number of microbatches, VPP,
-layers on every (pipeline stage, model chunk) and bucket size of every chunk. A launch that
+Agreement: both refuse, preflight's first refusal at the stage of Megatron-LM's launch path
+where Megatron stops, or both accept with the same DP, CP, number of microbatches, VPP,
+layers on every (pipeline stage, model chunk), bucket size of every chunk and gradient
+averaging (DDP's pre-scale factor, the collective's op, per-token loss). A launch that
 preflight refuses as "not modelled" (a flag it declines to lay out) is counted apart.
 """
 
@@ -26,7 +28,15 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-FIGURES = ("dp", "cp", "m", "vpp", "layers", "bucket_sizes")
+FIGURES = ("dp", "cp", "m", "vpp", "layers", "bucket_sizes", "grad_scaling")
+# megatron_side's stages -> the stages of verify.preflight.flags.STAGES that name the same
+# part of Megatron-LM's launch path.
+STAGE_OF = {"argparse": {"parse_args"}, "validate_args": {"validate_args"},
+            "microbatches": {"set_global_variables"},
+            "TransformerConfig": {"ModelParallelConfig", "TransformerConfig"},
+            "layer split": {"model build"}, "model build": {"model build"},
+            "DDP config": {"DDP config"}, "DDP wrap": {"DDP wrap"},
+            "interleaved schedule": {"first step"}}
 
 
 def _read(path: Path) -> list[dict]:
@@ -45,8 +55,13 @@ def classify(megatron: dict, preflight: dict) -> str:
         return "megatron accepts, preflight refuses" if megatron["accepted"] else \
             "megatron refuses, preflight accepts"
     if not megatron["accepted"]:
-        return "agree"
-    differing = [f for f in FIGURES if megatron[f] != preflight[f]]
+        # Preflight's first refusal is the one Megatron-LM stops at: the same stage (reports
+        # before issue 28 name none).
+        stage = preflight.get("stage")
+        if stage is None or stage in STAGE_OF[megatron["stage"]]:
+            return "agree"
+        return f"both refuse, first at another stage ({megatron['stage']} / {stage})"
+    differing = [f for f in FIGURES if megatron.get(f) != preflight.get(f)]
     return "agree" if not differing else "figures differ: " + ", ".join(differing)
 
 
@@ -61,8 +76,8 @@ def summarize(launches: list[dict], megatron: list[dict], preflight: list[dict])
         if verdict not in ("agree", "not modelled"):
             lines.append(f"- {launch['id']} ({verdict}) world {launch['world_size']}: "
                          f"{' '.join(launch['argv'])}\n    megatron: "
-                         f"{m.get('error') or {f: m[f] for f in FIGURES}}\n    preflight: "
-                         f"{p.get('error') or {f: p[f] for f in FIGURES}}")
+                         f"{m.get('error') or {f: m.get(f) for f in FIGURES}}\n    preflight: "
+                         f"{p.get('error') or {f: p.get(f) for f in FIGURES}}")
     total = collections.Counter()
     for counts in classes.values():
         total.update(counts)

@@ -1,6 +1,7 @@
 """The launches both sides are asked about: random, Megatron-LM's example scripts, our docs.
 
-- ``random``: seeded draws over the flags preflight models (and some it does not), with
+- ``random``: seeded draws over the flags preflight models (and some it does not; the
+  gradient averaging flags from a generator of their own, added with issue 28), with
   mistakes made on purpose (a world size TP x PP x CP does not divide, a batch that does
   not split, a layer count that does not split, a flag spelled as preflight once spelled it,
   an unquoted multi-word value, ...);
@@ -58,10 +59,10 @@ def _value(argv: list[str], flag: str) -> str | None:
 def random_launches(count: int, seed: int = 22) -> list[dict]:
     """``count`` seeded random launches (see the module docstring)."""
     rng = random.Random(seed)
-    return [_random_launch(rng, i) for i in range(count)]
+    return [_random_launch(rng, i, seed) for i in range(count)]
 
 
-def _random_launch(rng: random.Random, index: int) -> dict:
+def _random_launch(rng: random.Random, index: int, seed: int) -> dict:
     def p(prob: float) -> bool:
         return rng.random() < prob
 
@@ -197,6 +198,13 @@ def _random_launch(rng: random.Random, index: int) -> dict:
                             ["--calculate-per-token-loss"], ["--qk-layernorm"],
                             ["--mtp-num-layers", "1"], ["--optimizer", "sgd"],
                             ["--use-torch-fsdp2"]])
+    # Since issue 28, the gradient averaging flags (and their DDP-wrap refusal together),
+    # drawn from a generator of their own: every draw above stays that of earlier corpora.
+    averaging = random.Random(f"{seed}:{index}")
+    if averaging.random() < 0.12:
+        argv += ["--calculate-per-token-loss"]
+    if averaging.random() < 0.12:
+        argv += ["--ddp-average-in-collective"]
     return {"id": f"random-{index:03d}", "source": "random", "world_size": world, "argv": argv}
 
 

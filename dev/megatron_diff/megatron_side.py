@@ -9,26 +9,30 @@ Stages, in Megatron's order (the first that raises is the verdict):
    ``megatron/training/global_vars.py set_global_variables`` builds it;
 4. ``TransformerConfig``: ``megatron.training.argument_utils.core_transformer_config_from_args``
    (TransformerConfig and ModelParallelConfig ``__post_init__``);
-5. ``DDP config``: ``megatron.training.training.get_megatron_ddp_config`` and the bucket size
-   of ``resolve_ddp_bucket_size``;
-6. ``layer split``: ``megatron.core.transformer.transformer_block.get_num_layers_to_build``
+5. ``layer split``: ``megatron.core.transformer.transformer_block.get_num_layers_to_build``
    and ``transformer_layer.get_transformer_layer_offset`` for every (pipeline rank, virtual
-   stage);
-7. ``interleaved schedule``: the two checks on M at the top of
-   ``megatron/core/pipeline_parallel/schedules.py forward_backward_pipelining_with_interleaving``
-   (that function needs CUDA and process groups before it reaches them, so their conditions
-   are restated here, verbatim);
-8. ``model build``: the ``divide()`` calls with which Megatron-Core's modules split their
+   stage), as ``get_model`` builds the chunks;
+6. ``model build``: the ``divide()`` calls with which Megatron-Core's modules split their
    weights over TP (``megatron/core/tensor_parallel/layers.py`` Column/RowParallelLinear and
    VocabParallelEmbedding, ``megatron/core/transformer/attention.py Attention.__init__``),
    and, under ``--transformer-impl transformer_engine`` (the default), Transformer Engine's
    ``DotProductAttention`` assert "The number of attention heads must be divisible by the
    number of GQA groups!", restated on the shapes of the GPT layer (building the model needs
-   a GPU).
+   a GPU);
+7. ``DDP config``: ``megatron.training.training.get_megatron_ddp_config`` and the bucket size
+   of ``resolve_ddp_bucket_size``, which ``get_model`` makes after the model;
+8. ``DDP wrap``: ``DistributedDataParallel.__init__``'s assert on per-token loss with
+   averaging in the collective and its gradient scaling factor, and the collective's op
+   (restated: the wrap needs process groups and a GPU);
+9. ``interleaved schedule``: the two checks on M at the top of
+   ``megatron/core/pipeline_parallel/schedules.py forward_backward_pipelining_with_interleaving``
+   at the first step (that function needs CUDA and process groups before it reaches them, so
+   their conditions are restated here, verbatim).
 
 The figures of an accepted launch: DP, CP, M, VPP, layers (and first layer index) per
-pipeline rank and virtual stage, and each model chunk's DDP bucket size as
-``megatron/training/training.py get_model`` sets it.
+pipeline rank and virtual stage, each model chunk's DDP bucket size as
+``megatron/training/training.py get_model`` sets it, and how the grads are averaged (the
+DDP's pre-scale factor, the collective's op, per-token loss).
 """
 
 from __future__ import annotations
@@ -93,30 +97,34 @@ def megatron_verdict(argv: list[str], world_size: int, env: dict | None = None) 
             m = calculator.get()
             stage = "TransformerConfig"
             config = argument_utils.core_transformer_config_from_args(args)
-            stage = "DDP config"
-            ddp_config = training.get_megatron_ddp_config(args)
-            training.get_pg_size = lambda group=None: group.size()
-            bucket = training.resolve_ddp_bucket_size(
-                ddp_config, _Group(args.data_parallel_size * args.context_parallel_size),
-                ddp_config.overlap_grad_reduce, num_parameters=0)
             stage = "layer split"
             pp, vpp = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
             chunks = vpp or 1
-            layers, offsets, buckets = [], [], []
+            layers, offsets = [], []
             for pp_rank in range(pp):
-                per_stage, first, sizes = [], [], []
+                per_stage, first = [], []
                 for chunk in range(chunks):
                     vp_stage = chunk if vpp is not None else None
                     per_stage.append(get_num_layers_to_build(config, vp_stage=vp_stage,
                                                              pp_rank=pp_rank))
                     first.append(get_transformer_layer_offset(config, vp_stage=vp_stage,
                                                               pp_rank=pp_rank))
-                    # megatron/training/training.py get_model: per-chunk bucket sizes.
-                    disable = chunk > 0 or args.overlap_param_gather_with_optimizer_step
-                    sizes.append(None if (disable or pp_rank > 0) else bucket)
                 layers.append(per_stage)
                 offsets.append(first)
-                buckets.append(sizes)
+            stage = "model build"
+            _divide_like_the_model(config, args, divide)
+            stage = "DDP config"
+            ddp_config = training.get_megatron_ddp_config(args)
+            training.get_pg_size = lambda group=None: group.size()
+            dp_cp = args.data_parallel_size * args.context_parallel_size
+            bucket = training.resolve_ddp_bucket_size(
+                ddp_config, _Group(dp_cp), ddp_config.overlap_grad_reduce, num_parameters=0)
+            # megatron/training/training.py get_model: per-chunk bucket sizes.
+            buckets = [[None if (chunk > 0 or args.overlap_param_gather_with_optimizer_step
+                                 or pp_rank > 0) else bucket for chunk in range(chunks)]
+                       for pp_rank in range(pp)]
+            stage = "DDP wrap"
+            scaling = _ddp_scaling(config, ddp_config, dp_cp)
             if vpp is not None and pp > 1:
                 stage = "interleaved schedule"
                 group = config.microbatch_group_size_per_vp_stage
@@ -128,19 +136,35 @@ def megatron_verdict(argv: list[str], world_size: int, env: dict | None = None) 
                     raise RuntimeError(f"The remainder of M divided by N should be 0, or larger "
                                        f"than or equal to the pipeline-parallel size, but it is "
                                        f"{final}.")
-            stage = "model build"
-            _divide_like_the_model(config, args, divide)
     except SystemExit as exc:
         return _refused(stage, exc, sink.getvalue())
     except Exception as exc:  # noqa: BLE001 - any raise is Megatron's refusal
         out = _refused(stage, exc)
-        if stage not in ("validate_args", "microbatches", "TransformerConfig", "DDP config",
-                         "layer split", "interleaved schedule", "model build"):
+        if stage not in ("validate_args", "microbatches", "TransformerConfig", "layer split",
+                         "model build", "DDP config", "DDP wrap", "interleaved schedule"):
             out["traceback"] = traceback.format_exc()
         return out
     return {"accepted": True, "dp": args.data_parallel_size, "cp": args.context_parallel_size,
             "m": m, "vpp": vpp or 1, "layers": layers, "offsets": offsets,
-            "bucket_sizes": buckets}
+            "bucket_sizes": buckets, "grad_scaling": scaling}
+
+
+def _ddp_scaling(config, ddp_config, dp_cp: int) -> list:
+    """[the factor DDP pre-scales each bucket's grads by, the collective's op, per-token loss],
+    from Megatron's own TransformerConfig and DDP config, by the rules of
+    megatron/core/distributed/distributed_data_parallel.py:179-216 (its assert on per-token
+    loss with averaging included) and param_and_grad_buffer.py:664-666 (restated: the wrap
+    needs process groups and a GPU)."""
+    if config.calculate_per_token_loss:
+        assert not ddp_config.average_in_collective, (
+            "Cannot average in collective when calculating per-token loss!")
+        factor = 1.0
+    elif ddp_config.average_in_collective:
+        factor = 1.0
+    else:
+        factor = 1.0 / dp_cp
+    op = "AVG" if ddp_config.average_in_collective else "SUM"
+    return [factor, op, bool(config.calculate_per_token_loss)]
 
 
 def _divide_like_the_model(config, args, divide) -> None:

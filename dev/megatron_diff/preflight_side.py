@@ -7,7 +7,8 @@ gradverify can be measured, ``PYTHONPATH`` naming it)::
 
 Each launch runs ``verify preflight --no-twin --json OUT --world-size W -- FLAGS``;
 the figures come from the JSON report: DP, CP, M, VPP, the layers of every
-(pipeline stage, model chunk) and each chunk's bucket size.
+(pipeline stage, model chunk), each chunk's bucket size and how the grads are averaged;
+of a refused launch, the stage of Megatron-LM's launch path its first refusal names.
 """
 
 from __future__ import annotations
@@ -55,15 +56,27 @@ def preflight_verdict(argv: list[str], world_size: int) -> dict:
             except SystemExit as exc:  # argparse's own refusal
                 rc = exc.code
         message = " ".join(err.getvalue().split())
-        if rc != 0 or not path.exists():
+        report = json.loads(path.read_text()) if path.exists() else None
+        if rc != 0 or report is None or report.get("refused"):
+            # Reports since issue 28 list every refusal with its stage, in Megatron's order.
+            # A launch is "not modelled" when preflight stops at such a flag first (a flag
+            # Megatron's parse_args refuses comes before it, as in Megatron).
+            refusals = (report or {}).get("refusals")
+            first = refusals[0]["message"] if refusals else message
             return {"accepted": False, "rc": rc, "error": message[-400:],
-                    "not_modelled": "not modelled" in message}
-        report = json.loads(path.read_text())
+                    "not_modelled": "not modelled" in first,
+                    "stage": refusals[0]["stage"] if refusals else None,
+                    "refusals": len(refusals or [])}
     config = report["config"]
+    dp_cp = config["data_parallel_size"] * config.get("context_parallel_size", 1)
     return {"accepted": True, "dp": config["data_parallel_size"],
             "cp": config.get("context_parallel_size", 1), "m": config["num_microbatches"],
             "vpp": config["virtual_pipeline_model_parallel_size"], "layers": _layers(report),
-            "bucket_sizes": _bucket_grid(report)}
+            "bucket_sizes": _bucket_grid(report),
+            # Older reports: no per-token loss, no averaging in the collective (refused).
+            "grad_scaling": [config.get("gradient_scaling_factor", 1.0 / dp_cp),
+                             config.get("grad_reduce_op", "SUM"),
+                             bool(config.get("calculate_per_token_loss", False))]}
 
 
 def _bucket_grid(report: dict) -> list[list[int | None]]:

@@ -210,7 +210,7 @@ def test_megatron_flags_preflight_does_not_use_are_listed_in_order(capsys):
 
 @pytest.mark.parametrize(("tokens", "named"), [
     (["--num-experts", "8"], "--num-experts 8: not modelled (mixture-of-experts"),
-    (["--calculate-per-token-loss"], "--calculate-per-token-loss: not modelled"),
+    (["--qk-layernorm"], "--qk-layernorm: not modelled"),
     (["--fp4-format", "e2m1", "--fp4-param-gather"], "--fp4-format e2m1: not modelled"),
     (["--optimizer", "sgd"], "--optimizer sgd: not modelled"),
     (["--main-grads-dtype", "bf16"], "--main-grads-dtype bf16: not modelled"),
@@ -218,6 +218,14 @@ def test_megatron_flags_preflight_does_not_use_are_listed_in_order(capsys):
 def test_flags_that_change_the_layout_gradients_or_batch_are_refused_as_not_modelled(tokens, named):
     with pytest.raises(FlagError, match=re.escape(named)):
         parse_megatron_flags(SMALL + tokens)
+
+
+def test_the_gradient_averaging_flags_are_read():
+    # Modelled since issue 28 (test_preflight_averaging.py): read, not refused or ignored.
+    parsed = parse_megatron_flags(SMALL + ["--calculate-per-token-loss", "--ddp-average-in-collective"])
+    assert parsed.values["calculate_per_token_loss"] is True
+    assert parsed.values["ddp_average_in_collective"] is True
+    assert parsed.unknown == []
 
 
 def test_not_modelled_only_where_the_value_changes_something():

@@ -3,8 +3,9 @@
 Stages of :func:`main` (each returns or raises):
 
 1. read the flags (``--args-file`` and the command line) and resolve them into a
-   validated :class:`~verify.preflight.config.PreflightConfig` (exit 2 on a rule
-   production enforces, nothing run);
+   validated :class:`~verify.preflight.config.PreflightConfig` (exit 2 listing every rule
+   production enforces that the launch breaks, in Megatron-LM's order, nothing run; the
+   ``--json``/``--markdown`` reports carry the list);
 2. the paper figures (:func:`build_report`);
 3. the scaled twin (:mod:`verify.preflight.twin`): trained by each ``--candidate``
    (fastgrad by default, Megatron-Core with ``--candidate megatron-core``) on real ranks
@@ -21,11 +22,13 @@ After Ctrl-C the paper figures and hazards are still printed and written.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import traceback
 from collections.abc import Mapping, Sequence
 from importlib import metadata
+from pathlib import Path
 
 from verify.candidates.api import Candidate
 from verify.candidates.megatron_core.version import missing_reason
@@ -37,6 +40,7 @@ from verify.preflight.flags import (
     MEGATRON_LM,
     MODELLED,
     FlagError,
+    LaunchRefused,
     ParsedFlags,
     flag_of,
     parse_megatron_flags,
@@ -220,6 +224,52 @@ def twin_candidates(args: argparse.Namespace) -> tuple[Candidate, ...]:
         raise ValueError(f"--candidate: {exc}") from exc
 
 
+def refusal_report(exc: LaunchRefused, headline: str) -> dict:
+    """A refused launch's report, JSON-ready: every refusal in Megatron-LM's order, and the
+    rules not checked because of them."""
+    return {
+        "tool": "verify preflight",
+        "gradverify_version": gradverify_version(),
+        "passed": False,
+        "refused": True,
+        "megatron": MEGATRON_LM,
+        "verdict": f"PREFLIGHT REFUSED: {headline}; nothing was run",
+        "refusals": exc.to_dict(),
+        "not_checked": list(exc.not_checked),
+        "env": fingerprint(),
+    }
+
+
+def refusal_markdown(report: dict) -> str:
+    """The refusal report as Markdown: the verdict, the numbered refusals, what was not checked."""
+    lines = ["# verify preflight", "", f"**{report['verdict']}**", "",
+             f"Refused under the rules of {report['megatron']}, in the order it checks them:", ""]
+    lines += [f"{i}. {r['message']} [{r['stage']}]" for i, r in enumerate(report["refusals"], 1)]
+    if report["not_checked"]:
+        lines += ["", "Not checked:", ""] + [f"- {note}" for note in report["not_checked"]]
+    return "\n".join(lines) + "\n"
+
+
+def refuse(exc: LaunchRefused, headline: str, args: argparse.Namespace) -> int:
+    """Print every refusal and what they leave unchecked, write the requested reports; exit 2."""
+    print(f"PREFLIGHT REFUSED: {headline}; nothing was run.", file=sys.stderr)
+    print(f"verify preflight: error: {exc}", file=sys.stderr)
+    for note in exc.not_checked:
+        print(f"verify preflight: not checked: {note}", file=sys.stderr)
+    report = refusal_report(exc, headline)
+    try:
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+            print(f"wrote {args.json}", file=sys.stderr)
+        if args.markdown:
+            Path(args.markdown).write_text(refusal_markdown(report), encoding="utf-8")
+            print(f"wrote {args.markdown}", file=sys.stderr)
+    except OSError as exc_write:
+        print(f"verify preflight: error: {exc_write}", file=sys.stderr)
+        return EXIT_ERROR
+    return EXIT_USAGE
+
+
 def main(args: argparse.Namespace, environ: Mapping[str, str] | None = None,
          candidates: Sequence[Candidate] | None = None) -> int:
     """Run the stages; returns the exit code. ``candidates``: the implementations the twin runs
@@ -237,19 +287,16 @@ def main(args: argparse.Namespace, environ: Mapping[str, str] | None = None,
                              "--no-twin trains none: give one of them")
         chosen = tuple(candidates) if candidates is not None else twin_candidates(args)
         parsed = read_flags(args, frozenset(own_options()))
+    except FlagError as exc:
+        return refuse(exc, "the launch's flags are refused", args)
     except (OutputPathError, ValueError) as exc:
-        refused = ("the launch's flags are refused" if isinstance(exc, FlagError)
-                   else "a preflight option is invalid")
-        print(f"PREFLIGHT REFUSED: {refused}; nothing was run.", file=sys.stderr)
+        print("PREFLIGHT REFUSED: a preflight option is invalid; nothing was run.", file=sys.stderr)
         print(f"verify preflight: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     try:
         config = resolve(parsed, environ, world_size=args.world_size)
-    except (ConfigError, ValueError) as exc:
-        print("PREFLIGHT REFUSED: the configuration would not start; nothing was run.",
-              file=sys.stderr)
-        print(f"verify preflight: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+    except ConfigError as exc:
+        return refuse(exc, "the configuration would not start", args)
     if not args.no_twin:
         try:
             plan_twin(config, options)  # refuses a twin above --max-world-size before any work

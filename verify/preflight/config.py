@@ -2,25 +2,27 @@
 
 :func:`verify.preflight.resolve.resolve` turns a parsed launch into a
 :class:`PreflightConfig`, applying the defaults and silent adjustments of
-Megatron-LM's ``validate_args`` (each recorded in ``notes``); the dataclass's
-``__post_init__`` then enforces the rules that make production refuse to start
-(:func:`check_config`, below), naming the flags in the message. The rules
-are those of :data:`~verify.preflight.flags.MEGATRON_LM` (megatron-core 0.19.2) and cite
-the file and function that enforce each; ``check_config`` runs them in Megatron's order of
-stages (``validate_args``, the microbatch calculator, ``TransformerConfig``/
-``ModelParallelConfig``, the DDP config, the per-stage layer split, the interleaved schedule,
-the model's ``divide()`` over TP). The rules live beside the dataclass they check: the
-dataclass calls them and they read its fields, so two modules would import each other.
+Megatron-LM's ``validate_args`` (each recorded in ``notes``, each refusal collected); the
+dataclass's ``__post_init__`` then runs every rule that makes production refuse to start
+(:data:`RULES`, by :func:`check_config`, below) and raises one :class:`ConfigError` listing
+every refusal, resolve's and its own, naming the flags in each message. The rules are those
+of :data:`~verify.preflight.flags.MEGATRON_LM` (megatron-core 0.19.2) and cite the file and
+line that enforce each; the refusals are ordered as Megatron meets them (the stages of
+:data:`~verify.preflight.flags.STAGES`: ``validate_args`` by line, the microbatch
+calculator, ``ModelParallelConfig``, ``TransformerConfig``, ``get_model``'s model build,
+DDP config and DDP wrap, the optimizer, the interleaved schedule's first step). A rule that
+reads a value a refusal leaves undefined (``PreflightConfig.undefined``) is not checked and
+is named as such. The rules live beside the dataclass they check: the dataclass calls them
+and they read its fields, so two modules would import each other.
 """
-
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from fastgrad.parallel_dims import ParallelDims
-from verify.preflight.flags import MEGATRON_LM, flag_of
+from verify.preflight.flags import MEGATRON_LM, LaunchRefused, Refusal, flag_of
 from verify.preflight.pipeline_split import (
     PipelineSplit,
     SplitError,
@@ -50,35 +52,14 @@ _POSITIVE = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
              "kv_channels", "seq_length", "max_position_embeddings", "padded_vocab_size")
 
 
-class ConfigError(ValueError):
-    """The configuration would not start in Megatron-Core (exit code 2)."""
+class ConfigError(LaunchRefused):
+    """The configuration would not start in Megatron-Core (exit code 2): every rule it
+    breaks, in Megatron-LM's order (:class:`~verify.preflight.flags.LaunchRefused`)."""
 
 
 def flag_name(attribute: str, spelling: Mapping[str, str]) -> str:
     """The flag the user wrote for ``attribute`` (Megatron's spelling when not given)."""
     return flag_of(_DEST.get(attribute, attribute), spelling)
-
-
-def parallel_dims(tp: int, pp: int, vpp: int, dp: int, cp: int, sequence_parallel: bool,
-                  spelling: Mapping[str, str]) -> ParallelDims:
-    """The grid's sizes as one :class:`ParallelDims`, each size checked first under the flag
-    that set it (ConfigError names the flag and Megatron's rule)."""
-    sizes = (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
-             ("virtual_pipeline_model_parallel_size", vpp), ("data_parallel_size", dp),
-             ("context_parallel_size", cp))
-    for attribute, value in sizes:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{flag_name(attribute, spelling)} must be a positive integer, "
-                              f"got {value!r}")
-    if vpp > 1 and pp < 2:  # validate_args: interleaving needs PP > 1 (> 2 without p2p overlap)
-        raise ConfigError(f"{flag_name('virtual_pipeline_model_parallel_size', spelling)} (VPP "
-                          f"{vpp}, interleaved schedule) requires "
-                          f"{flag_name('pipeline_model_parallel_size', spelling)} >= 2, got {pp}")
-    if sequence_parallel and tp == 1:
-        raise ConfigError(f"{flag_name('sequence_parallel', spelling)} needs "
-                          f"{flag_name('tensor_model_parallel_size', spelling)} > 1")
-    return ParallelDims(tp_size=tp, cp_size=cp, dp_size=dp, pp_size=pp, vpp_size=vpp,
-                        sequence_parallel=sequence_parallel)
 
 
 @dataclass(frozen=True)
@@ -139,9 +120,21 @@ class PreflightConfig:
     microbatch_group_size_per_vp_stage: int | None = None  # None: PP (model_parallel_config.py)
     decrease_batch_size_if_needed: bool = False
     add_qkv_bias: bool = False
+    # --calculate-per-token-loss: the loss is a sum over tokens, grads are summed over DP x CP
+    # without a 1/(DP x CP) pre-scale, and finalize_model_grads divides them by the global
+    # batch's token count (distributed_data_parallel.py, finalize_model_grads.py).
+    calculate_per_token_loss: bool = False
+    # --ddp-average-in-collective: no pre-scale; the collective averages (ReduceOp.AVG).
+    ddp_average_in_collective: bool = False
     megatron: str = MEGATRON_LM  # whose rules resolved and checked this configuration
     spelling: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
     notes: tuple[str, ...] = ()
+    # What resolving the launch refused before the configuration's own rules, and the values
+    # those refusals leave undefined (placeholders here, never read: the rules that need them
+    # are not checked). A configuration with either is never built: construction raises one
+    # ConfigError listing them with every rule of check_config it can decide.
+    refused: tuple[Refusal, ...] = field(default=(), compare=False, repr=False)
+    undefined: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
 
     def _name(self, attribute: str) -> str:
         return flag_name(attribute, self.spelling)
@@ -152,7 +145,12 @@ class PreflightConfig:
                             f"{type(self.dims).__name__}")
         if self.dims.built:
             raise ValueError("PreflightConfig.dims must be sizes only (a configuration on paper)")
-        check_config(self)
+        found, not_checked = check_config(self)
+        if self.refused or found:
+            raise ConfigError([*self.refused, *found], not_checked=not_checked)
+        if self.undefined:
+            raise ValueError(f"PreflightConfig: {sorted(self.undefined)} undefined, yet no refusal "
+                             "says why")
 
     # Megatron's names for the sizes of ``dims`` (read-only).
     @property
@@ -260,6 +258,35 @@ class PreflightConfig:
             return None
         return self.ddp_bucket_size if self.ddp_bucket_size is not None else self.default_bucket_size
 
+    @property
+    def gradient_scaling_factor(self) -> float:
+        """What Megatron-Core's DDP multiplies each bucket's grads by before the collective:
+        1/(DP x CP), or 1.0 under --calculate-per-token-loss (finalize_model_grads divides by
+        the token count after the reduction) or --ddp-average-in-collective (the collective
+        averages) (megatron/core/distributed/distributed_data_parallel.py:179-203)."""
+        if self.calculate_per_token_loss or self.ddp_average_in_collective:
+            return 1.0
+        return 1.0 / self.data_context_parallel_size
+
+    @property
+    def grad_reduce_op(self) -> str:
+        """The grad collective's op: "AVG" under --ddp-average-in-collective, else "SUM"
+        (megatron/core/distributed/param_and_grad_buffer.py start_grad_sync:664-666)."""
+        return "AVG" if self.ddp_average_in_collective else "SUM"
+
+    @property
+    def grad_averaging(self) -> str:
+        """How the DP x CP average of the grads is formed, in words."""
+        n, wire = self.data_context_parallel_size, self.grad_dtype
+        if self.calculate_per_token_loss:
+            return (f"per-token loss: grads summed unscaled over DP x CP = {n}, then x 1/T in "
+                    f"{wire} after the reduction (T: the global batch's loss-mask tokens, "
+                    "all-reduced; finalize_model_grads.py)")
+        if self.ddp_average_in_collective:
+            return (f"ReduceOp.AVG over DP x CP = {n} (no pre-scale; NCCL multiplies each "
+                    f"grad by 1/{n} rounded to {wire}, then sums)")
+        return f"x 1/{n} in {wire} before the collective, then ReduceOp.SUM over DP x CP = {n}"
+
     def to_dict(self) -> dict:
         """JSON-ready settings, with the derived microbatch count and layers per stage and chunk."""
         sizes = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
@@ -267,219 +294,355 @@ class PreflightConfig:
                  "context_parallel_size", "sequence_parallel")
         out = {k: getattr(self, k) for k in sizes}
         out |= {k: getattr(self, k) for k in self.__dataclass_fields__
-                if k not in ("spelling", "dims")}
+                if k not in ("spelling", "dims", "refused", "undefined")}
         out["notes"] = list(self.notes)
         out["num_microbatches"] = self.num_microbatches
         out["data_context_parallel_size"] = self.data_context_parallel_size
+        out["gradient_scaling_factor"] = self.gradient_scaling_factor
+        out["grad_reduce_op"] = self.grad_reduce_op
+        out["grad_averaging"] = self.grad_averaging
         out["layers_per_stage_and_chunk"] = [list(row) for row in self.layer_split.layers]
         return out
 
 
-def pad_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) -> int:
-    """Megatron's ``vocab_size_with_padding``: up to a multiple of divisible_by x TP
-    (megatron/core/tokenizers/utils/build_tokenizer.py)."""
-    multiple = divisible_by * tensor_parallel
-    return -(-vocab_size // multiple) * multiple
-
-
-
 # --------------------------------------------------------------------------- the rules
-def check_config(c: PreflightConfig) -> None:
-    """Every rule, in Megatron's order; ConfigError on the first one broken."""
-    n = c._name
-    for attribute in _POSITIVE:
-        value = getattr(c, attribute)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{n(attribute)} must be a positive integer, got {value!r}")
+# A rule yields each refusal it finds, and a note for each part it cannot decide (a value it
+# would read comes from one refused by an earlier rule).
+Rule = Callable[[PreflightConfig], Iterator["Refusal | str"]]
+# What a refusal can leave undefined, named for the "not checked" notes.
+_UNDEFINED_NAMES = {"data_parallel_size": "DP (world size / (TP x PP x CP))",
+                    "virtual_pipeline_model_parallel_size": "the virtual pipeline size"}
+
+
+def check_config(c: PreflightConfig) -> tuple[list[Refusal], list[str]]:
+    """Every rule of :data:`RULES` on ``c``: (the refusals, in Megatron-LM's order; the rules
+    not decided because a value they read is undefined, each saying which). A size that is
+    not a positive integer is refused first, and counts as undefined for the rules after."""
+    invalid = {a: getattr(c, a) for a in _POSITIVE if a not in c.undefined
+               and not _is_positive_int(getattr(c, a))}
+    found = [Refusal(f"{_UNDEFINED_NAMES.get(a) or c._name(a)} must be a positive integer, got "
+                     f"{value!r}", "validate_args") for a, value in invalid.items()]
+    undefined = c.undefined | set(invalid)
+    not_checked: list[str] = []
+    for rule, needs, what in RULES:
+        if rule in _INTERLEAVED and _VPP not in undefined and c.virtual_pipeline_model_parallel_size == 1:
+            continue  # no interleaving: nothing to check, nothing left unchecked
+        missing = [n for n in needs if n in undefined]
+        if missing:
+            names = ", ".join(_UNDEFINED_NAMES.get(m) or c._name(m) for m in missing)
+            not_checked.append(f"{what}: it reads {names}, which a refusal above leaves "
+                               "undefined or concerns")
+            continue
+        for item in rule(c):
+            (not_checked if isinstance(item, str) else found).append(item)
+    return sorted(found, key=lambda r: r.order), not_checked
+
+
+def _is_positive_int(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= 1
+
+
+def _choices(c: PreflightConfig) -> Iterator[Refusal]:
+    """argparse's choices (a PreflightConfig built in code can break them)."""
     if c.position_embedding_type not in POSITION_EMBEDDING_TYPES:
-        raise ConfigError(f"--position-embedding-type must be one of "
-                          f"{POSITION_EMBEDDING_TYPES}, got {c.position_embedding_type!r}")
+        yield Refusal(f"--position-embedding-type must be one of {POSITION_EMBEDDING_TYPES}, "
+                      f"got {c.position_embedding_type!r}", "parse_args")
     if c.normalization not in NORMALIZATIONS:
-        raise ConfigError(f"--normalization must be one of {NORMALIZATIONS}, "
-                          f"got {c.normalization!r}")
+        yield Refusal(f"--normalization must be one of {NORMALIZATIONS}, got "
+                      f"{c.normalization!r}", "parse_args")
     if c.ddp_bucket_size is not None and c.ddp_bucket_size < 1:
-        raise ConfigError(f"--ddp-bucket-size must be a positive integer, got {c.ddp_bucket_size}")
-    _check_grid(c)
-    _check_batch(c)
-    _check_sequence(c)
-    _check_transformer_config(c)
-    _check_deferral(c)
-    _check_buffers(c)
-    try:
-        c.layer_split  # noqa: B018 - transformer_block.py get_num_layers_to_build raises here
-        if c.virtual_pipeline_model_parallel_size > 1:
-            _check_interleaving(c)
-    except SplitError as exc:
-        raise ConfigError(str(exc)) from None
-    _check_model_build(c)
-    _check_optimizer(c)
+        yield Refusal(f"--ddp-bucket-size must be a positive integer, got {c.ddp_bucket_size}",
+                      "DDP config")
 
 
-def _check_grid(c: PreflightConfig) -> None:
-    """megatron/training/arguments.py validate_args: ``world_size % (TP x PP x CP) == 0``,
-    then ``data_parallel_size = world_size // (TP x PP x CP)``."""
+def _grid(c: PreflightConfig) -> Iterator[Refusal]:
+    """megatron/training/arguments.py:430 validate_args: ``world_size % (TP x PP x CP) == 0``,
+    then ``data_parallel_size = world_size // (TP x PP x CP)`` (:446)."""
     tp, pp, cp, dp = (c.tensor_model_parallel_size, c.pipeline_model_parallel_size,
                       c.context_parallel_size, c.data_parallel_size)
+    if "data_parallel_size" in c.undefined:
+        return  # resolve refused the world's split already
     if c.world_size is not None and c.world_size != tp * pp * cp * dp:
         n = c._name
-        raise ConfigError(
+        yield Refusal(
             f"world size {c.world_size} ({c.world_size_source}) must equal "
             f"{n('tensor_model_parallel_size')} ({tp}) x {n('pipeline_model_parallel_size')} "
-            f"({pp}) x {n('context_parallel_size')} ({cp}) x DP ({dp}) = {tp * pp * cp * dp}")
+            f"({pp}) x {n('context_parallel_size')} ({cp}) x DP ({dp}) = {tp * pp * cp * dp}",
+            "validate_args", 430)
 
 
-def _check_batch(c: PreflightConfig) -> None:
-    """megatron/core/num_microbatches_calculator.py ConstantNumMicroBatchesCalculator."""
+def _batch(c: PreflightConfig) -> Iterator[Refusal]:
+    """megatron/core/num_microbatches_calculator.py ConstantNumMicroBatchesCalculator. Without
+    an evaluation batch flag validate_args:694 checks the same division first (the evaluation
+    batch defaults to the training one)."""
     n = c._name
     unit = c.micro_batch_size * c.data_parallel_size
+    eval_given = "eval_micro_batch_size" in c.spelling or "eval_global_batch_size" in c.spelling
     if not c.decrease_batch_size_if_needed and c.global_batch_size % unit:
-        raise ConfigError(
+        yield Refusal(
             f"{n('global_batch_size')} ({c.global_batch_size}) must be divisible by "
             f"{n('micro_batch_size')} ({c.micro_batch_size}) x data-parallel size "
-            f"({c.data_parallel_size}) = {unit} (megatron/core/num_microbatches_calculator.py)")
-    if c.num_microbatches < 1:
-        raise ConfigError(
+            f"({c.data_parallel_size}) = {unit} (megatron/core/num_microbatches_calculator.py)",
+            *(("set_global_variables", 0) if eval_given else ("validate_args", 694)))
+    elif c.num_microbatches < 1:
+        yield Refusal(
             f"{n('global_batch_size')} ({c.global_batch_size}) rounded down to a multiple of "
             f"{n('micro_batch_size')} x DP ({unit}) leaves no microbatch "
-            "(num_microbatches_calculator.py: 'number of microbatches should be at least 1')")
+            "(num_microbatches_calculator.py: 'number of microbatches should be at least 1')",
+            "set_global_variables")
 
 
-def _check_sequence(c: PreflightConfig) -> None:
-    """validate_args: the sequence over CP, and the position embeddings' length."""
+def _sequence_over_cp(c: PreflightConfig) -> Iterator[Refusal]:
+    """megatron/training/arguments.py:1296 validate_args: the sequence over twice CP."""
     n, cp = c._name, c.context_parallel_size
     if cp > 1 and c.seq_length % (2 * cp):
-        raise ConfigError(f"{n('seq_length')} ({c.seq_length}) must be a multiple of 2 x "
-                          f"{n('context_parallel_size')} = {2 * cp} "
-                          "(megatron/training/arguments.py validate_args)")
+        yield Refusal(f"{n('seq_length')} ({c.seq_length}) must be a multiple of 2 x "
+                      f"{n('context_parallel_size')} = {2 * cp} "
+                      "(megatron/training/arguments.py validate_args)", "validate_args", 1296)
+
+
+def _position_length(c: PreflightConfig) -> Iterator[Refusal]:
+    """megatron/training/arguments.py:1314 validate_args."""
+    n = c._name
     if c.max_position_embeddings < c.seq_length:
-        raise ConfigError(f"{n('max_position_embeddings')} ({c.max_position_embeddings}) must "
-                          f"be >= {n('seq_length')} ({c.seq_length}) (validate_args)")
+        yield Refusal(f"{n('max_position_embeddings')} ({c.max_position_embeddings}) must be >= "
+                      f"{n('seq_length')} ({c.seq_length}) (validate_args)", "validate_args", 1314)
 
 
-def _check_transformer_config(c: PreflightConfig) -> None:
-    """validate_args and megatron/core/transformer/transformer_config.py __post_init__."""
-    n, tp = c._name, c.tensor_model_parallel_size
-    # validate_args: `assert args.hidden_size % args.num_attention_heads == 0` when
-    # --kv-channels is not given.
+def _heads_split_hidden(c: PreflightConfig) -> Iterator[Refusal]:
+    """megatron/training/arguments.py:1292 validate_args: ``assert args.hidden_size %
+    args.num_attention_heads == 0`` when --kv-channels is not given."""
+    n = c._name
     if "kv_channels" not in c.spelling and c.hidden_size % c.num_attention_heads:
-        raise ConfigError(f"{n('hidden_size')} ({c.hidden_size}) must be divisible by "
-                          f"{n('num_attention_heads')} ({c.num_attention_heads}) "
-                          "(validate_args, --kv-channels not given)")
+        yield Refusal(f"{n('hidden_size')} ({c.hidden_size}) must be divisible by "
+                      f"{n('num_attention_heads')} ({c.num_attention_heads}) "
+                      "(validate_args, --kv-channels not given)", "validate_args", 1292)
+
+
+def _heads_over_tp(c: PreflightConfig) -> Iterator[Refusal]:
+    """megatron/core/transformer/transformer_config.py:1325 TransformerConfig.__post_init__."""
+    n, tp = c._name, c.tensor_model_parallel_size
     if c.num_attention_heads % tp:
-        raise ConfigError(f"{n('num_attention_heads')} ({c.num_attention_heads}) must be a "
-                          f"multiple of {n('tensor_model_parallel_size')} ({tp}) "
-                          "(TransformerConfig.__post_init__)")
-    groups = c.num_query_groups
+        yield Refusal(f"{n('num_attention_heads')} ({c.num_attention_heads}) must be a multiple "
+                      f"of {n('tensor_model_parallel_size')} ({tp}) "
+                      "(TransformerConfig.__post_init__)", "TransformerConfig", 1325)
+
+
+def _groups_and_tp(c: PreflightConfig) -> Iterator[Refusal | str]:
+    """transformer_config.py:1338-1345: query groups a multiple or a divisor of TP (fewer
+    groups than TP ranks is allowed: attention.py:355-361 all-gathers the QKV projection)."""
+    n, tp, groups = c._name, c.tensor_model_parallel_size, c.num_query_groups
+    if groups == c.num_attention_heads and c.num_attention_heads % tp:
+        # The groups are the heads (no GQA), refused over TP just before: one cause, one refusal.
+        return
     if groups % tp and tp % groups:
-        raise ConfigError(f"{n('num_query_groups')} ({groups}) must be a multiple or a divisor "
-                          f"of {n('tensor_model_parallel_size')} ({tp}) "
-                          "(TransformerConfig.__post_init__)")
+        yield Refusal(f"{n('num_query_groups')} ({groups}) must be a multiple or a divisor of "
+                      f"{n('tensor_model_parallel_size')} ({tp}) (TransformerConfig.__post_init__)",
+                      "TransformerConfig", 1338)
+
+
+def _fp8_param(c: PreflightConfig) -> Iterator[Refusal]:
+    """transformer_config.py:1439: 'fp8_param must be used together with fp8 mode'."""
     if c.fp8_param_gather and c.fp8_format is None:
-        raise ConfigError("--fp8-param-gather requires FP8, --fp8-format e4m3 or hybrid "
-                          "(TransformerConfig.__post_init__: 'fp8_param must be used together "
-                          "with fp8 mode'; --fp8-recipe alone does not turn FP8 on)")
+        yield Refusal("--fp8-param-gather requires FP8, --fp8-format e4m3 or hybrid "
+                      "(TransformerConfig.__post_init__: 'fp8_param must be used together "
+                      "with fp8 mode'; --fp8-recipe alone does not turn FP8 on)",
+                      "TransformerConfig", 1439)
 
 
-def _check_deferral(c: PreflightConfig) -> None:
-    """megatron/core/model_parallel_config.py __post_init__ (three ValueErrors)."""
+def _deferral(c: PreflightConfig) -> Iterator[Refusal]:
+    """megatron/core/model_parallel_config.py:545-558 __post_init__ (three ValueErrors)."""
     if not c.defer_embedding_wgrad_compute:
         return
     n = c._name
     if c.pipeline_model_parallel_size == 1:
-        raise ConfigError(f"{n('defer_embedding_wgrad_compute')} requires pipeline parallelism "
-                          f"({n('pipeline_model_parallel_size')} > 1)")
+        yield Refusal(f"{n('defer_embedding_wgrad_compute')} requires pipeline parallelism "
+                      f"({n('pipeline_model_parallel_size')} > 1)", "ModelParallelConfig", 545)
     if not c.gradient_accumulation_fusion:
-        raise ConfigError(f"{n('defer_embedding_wgrad_compute')} requires gradient "
-                          "accumulation fusion (remove --no-gradient-accumulation-fusion)")
+        yield Refusal(f"{n('defer_embedding_wgrad_compute')} requires gradient accumulation "
+                      "fusion (remove --no-gradient-accumulation-fusion)", "ModelParallelConfig", 550)
     if c.wgrad_deferral_limit < 0:
-        raise ConfigError(f"{n('wgrad_deferral_limit')} must be >= 0 with "
-                          f"{n('defer_embedding_wgrad_compute')}, got {c.wgrad_deferral_limit}")
+        yield Refusal(f"{n('wgrad_deferral_limit')} must be >= 0 with "
+                      f"{n('defer_embedding_wgrad_compute')}, got {c.wgrad_deferral_limit}",
+                      "ModelParallelConfig", 555)
 
 
-def _check_buffers(c: PreflightConfig) -> None:
-    """The DDP config and the optimizer's flags."""
-    # distributed_data_parallel_config.py __post_init__: 'Reuse grad buffer only when keeping
-    # params in MXFP8.'
+def _buffers(c: PreflightConfig) -> Iterator[Refusal]:
+    """The DDP config and validate_args' rules on the optimizer's buffers."""
+    # distributed_data_parallel_config.py:254 __post_init__: 'Reuse grad buffer only when
+    # keeping params in MXFP8.'
     if c.reuse_grad_buf_for_mxfp8_param_ag and not c.fp8_param_gather:
-        raise ConfigError("--reuse-grad-buf-for-mxfp8-param-ag requires --fp8-param-gather "
-                          "(reuse the grad buffer only when keeping params in MXFP8)")
-    # validate_args: '--fp8-param-gather only supported with distributed optimizer'.
+        yield Refusal("--reuse-grad-buf-for-mxfp8-param-ag requires --fp8-param-gather (reuse "
+                      "the grad buffer only when keeping params in MXFP8)", "DDP config", 254)
+    # validate_args:1060: '--fp8-param-gather only supported with distributed optimizer'.
     if c.fp8_param_gather and not c.use_distributed_optimizer:
-        raise ConfigError("--fp8-param-gather requires --use-distributed-optimizer")
-    # validate_args: --overlap-param-gather needs the distributed optimizer and 'Must use
-    # --overlap-param-gather with --overlap-grad-reduce'.
+        yield Refusal("--fp8-param-gather requires --use-distributed-optimizer",
+                      "validate_args", 1060)
+    # validate_args:990-993: --overlap-param-gather needs the distributed optimizer and 'Must
+    # use --overlap-param-gather with --overlap-grad-reduce'.
     if c.overlap_param_gather and not c.use_distributed_optimizer:
-        raise ConfigError("--overlap-param-gather requires --use-distributed-optimizer")
+        yield Refusal("--overlap-param-gather requires --use-distributed-optimizer",
+                      "validate_args", 990)
     if c.overlap_param_gather and not c.overlap_grad_reduce:
-        raise ConfigError("--overlap-param-gather requires --overlap-grad-reduce")
+        yield Refusal("--overlap-param-gather requires --overlap-grad-reduce", "validate_args", 993)
 
 
-def _check_interleaving(c: PreflightConfig) -> None:
-    n = c._name
-    pp = c.pipeline_model_parallel_size
-    vpp_flag = n("virtual_pipeline_model_parallel_size")
-    if "num_layers_per_virtual_pipeline_stage" in c.spelling:
-        vpp_flag = n("num_layers_per_virtual_pipeline_stage")
-    # validate_args: interleaving needs PP > 1 with p2p overlap (the default), PP > 2 without.
+def _layer_split(c: PreflightConfig) -> Iterator[Refusal]:
+    """TransformerConfig's split rules and transformer_block.py get_num_layers_to_build."""
+    try:
+        c.layer_split  # noqa: B018 - raises where Megatron does
+    except SplitError as exc:
+        yield Refusal(str(exc), exc.stage, exc.line)
+
+
+def _interleaving(c: PreflightConfig) -> Iterator[Refusal]:
+    """validate_args:967-975: interleaving needs PP > 1 with p2p overlap (the default), PP > 2
+    without."""
+    if c.virtual_pipeline_model_parallel_size == 1:
+        return
+    n, pp = c._name, c.pipeline_model_parallel_size
     minimum = 2 if c.overlap_p2p_comm else 3
     if pp < minimum:
-        raise ConfigError(
-            f"{vpp_flag} (VPP {c.virtual_pipeline_model_parallel_size}, interleaved schedule) "
+        yield Refusal(
+            f"{_vpp_flag(c)} (VPP {c.virtual_pipeline_model_parallel_size}, interleaved schedule) "
             f"requires {n('pipeline_model_parallel_size')} >= {minimum}"
-            f"{'' if c.overlap_p2p_comm else ' with --no-overlap-p2p-communication'}, got {pp}")
+            f"{'' if c.overlap_p2p_comm else ' with --no-overlap-p2p-communication'}, got {pp}",
+            "validate_args", 967 if c.overlap_p2p_comm else 972)
+
+
+def _interleaved_microbatches(c: PreflightConfig) -> Iterator[Refusal]:
+    """schedules.py forward_backward_pipelining_with_interleaving: the checks on M."""
+    if c.virtual_pipeline_model_parallel_size == 1 or c.pipeline_model_parallel_size < 2:
+        return
+    pp = c.pipeline_model_parallel_size
     group = c.microbatch_group_size_per_vp_stage or pp
     try:
-        interleaved_microbatch_check(c.num_microbatches, pp, group, n)
+        interleaved_microbatch_check(c.num_microbatches, pp, group, c._name)
     except SplitError as exc:
-        raise SplitError(f"{vpp_flag} (VPP {c.virtual_pipeline_model_parallel_size}): {exc}") from None
+        yield Refusal(f"{_vpp_flag(c)} (VPP {c.virtual_pipeline_model_parallel_size}): {exc}",
+                      exc.stage, exc.line)
 
 
-def _check_model_build(c: PreflightConfig) -> None:
-    """The divide() calls with which Megatron-Core's modules split their weights over TP:
-    megatron/core/tensor_parallel/layers.py (Column/RowParallelLinear, VocabParallelEmbedding)
-    and megatron/core/transformer/attention.py Attention.__init__; Transformer Engine's
-    DotProductAttention (the default --transformer-impl) asserts heads % query groups."""
-    n, tp = c._name, c.tensor_model_parallel_size
-    heads, groups = c.num_attention_heads, c.num_query_groups
+def _vpp_flag(c: PreflightConfig) -> str:
+    if "num_layers_per_virtual_pipeline_stage" in c.spelling:
+        return c._name("num_layers_per_virtual_pipeline_stage")
+    return c._name("virtual_pipeline_model_parallel_size")
+
+
+def _tp_divides(c: PreflightConfig, size: int, what: str, where: str) -> Iterator[Refusal]:
+    tp = c.tensor_model_parallel_size
+    if size % tp:
+        yield Refusal(f"{what} ({size}) must be divisible by {c._name('tensor_model_parallel_size')} "
+                      f"({tp}) ({where} divide())", "model build")
+
+
+def _heads_per_group(c: PreflightConfig) -> Iterator[Refusal]:
+    """megatron/core/transformer/attention.py:355-366 Attention.__init__ divides the heads by
+    the query groups where there are fewer groups than TP ranks (and by TP otherwise, which
+    TransformerConfig already requires); Transformer Engine's DotProductAttention, of the
+    default --transformer-impl, asserts 'The number of attention heads must be divisible by
+    the number of GQA groups!' otherwise."""
+    n, heads, groups = c._name, c.num_attention_heads, c.num_query_groups
     if heads % groups:
-        raise ConfigError(f"{n('num_attention_heads')} ({heads}) must be a multiple of "
-                          f"{n('num_query_groups')} ({groups}) (Transformer Engine's "
-                          "DotProductAttention; attention.py divide() when groups < TP)")
-    q, kv = heads * c.kv_channels, groups * c.kv_channels
-    ffn = c.ffn_hidden_size
-    ffn_text = (n("ffn_hidden_size") if "ffn_hidden_size" in c.spelling else
-                f"the FFN size (Megatron's default for {n('hidden_size')} {c.hidden_size}"
-                f"{' under --swiglu: int(4 h x 2/3 / 64) x 64' if c.swiglu else ': 4 h'}; "
-                f"{n('ffn_hidden_size')} not given)")
-    for size, what in ((q + 2 * kv, "the QKV projection's output (heads + 2 x query groups) x "
-                        "kv channels"),
-                       (ffn, ffn_text),
-                       (c.padded_vocab_size, n("padded_vocab_size"))):
-        if size % tp:
-            raise ConfigError(f"{what} ({size}) must be divisible by "
-                              f"{n('tensor_model_parallel_size')} ({tp}) "
-                              "(megatron/core/tensor_parallel/layers.py divide())")
+        yield Refusal(f"{n('num_attention_heads')} ({heads}) must be a multiple of "
+                      f"{n('num_query_groups')} ({groups}) (Transformer Engine's "
+                      "DotProductAttention; attention.py divide() when groups < TP)", "model build")
 
 
-def _check_optimizer(c: PreflightConfig) -> None:
+def _qkv_over_tp(c: PreflightConfig) -> Iterator[Refusal | str]:
+    """linear_qkv, a ColumnParallelLinear of (heads + 2 x groups) x kv channels outputs
+    (attention.py SelfAttention.__init__; megatron/core/tensor_parallel/layers.py:880
+    ``divide(output_size, world_size)``)."""
+    if "kv_channels" not in c.spelling and c.hidden_size % c.num_attention_heads:
+        yield (f"the QKV projection over TP: its kv channels default to "
+               f"{c._name('hidden_size')} / {c._name('num_attention_heads')}, refused above")
+        return
+    size = (c.num_attention_heads + 2 * c.num_query_groups) * c.kv_channels
+    yield from _tp_divides(c, size, "the QKV projection's output (heads + 2 x query groups) x "
+                           "kv channels", "megatron/core/tensor_parallel/layers.py")
+
+
+def _ffn_over_tp(c: PreflightConfig) -> Iterator[Refusal]:
+    """linear_fc2, a RowParallelLinear of ffn inputs (layers.py RowParallelLinear
+    ``divide(input_size, world_size)``; linear_fc1's 2 x ffn under SwiGLU then divides too)."""
+    n = c._name
+    what = (n("ffn_hidden_size") if "ffn_hidden_size" in c.spelling else
+            f"the FFN size (Megatron's default for {n('hidden_size')} {c.hidden_size}"
+            f"{' under --swiglu: int(4 h x 2/3 / 64) x 64' if c.swiglu else ': 4 h'}; "
+            f"{n('ffn_hidden_size')} not given)")
+    yield from _tp_divides(c, c.ffn_hidden_size, what, "megatron/core/tensor_parallel/layers.py")
+
+
+def _vocab_over_tp(c: PreflightConfig) -> Iterator[Refusal]:
+    """VocabParallelEmbedding and the output layer: tensor_parallel/utils.py:118
+    VocabUtility.vocab_range_from_global_vocab_size ``divide(global_vocab_size, world_size)``."""
+    yield from _tp_divides(c, c.padded_vocab_size, c._name("padded_vocab_size"),
+                           "megatron/core/tensor_parallel/utils.py")
+
+
+def _ddp_wrap(c: PreflightConfig) -> Iterator[Refusal]:
+    """megatron/core/distributed/distributed_data_parallel.py:180-182 DistributedDataParallel
+    .__init__ (get_model wraps each chunk): 'Cannot average in collective when calculating
+    per-token loss!'."""
+    if c.calculate_per_token_loss and c.ddp_average_in_collective:
+        yield Refusal(f"{c._name('calculate_per_token_loss')} cannot be combined with "
+                      f"{c._name('ddp_average_in_collective')}: per-token loss sums the grads and "
+                      "divides by the token count after the reduction, so the collective must "
+                      "not average (megatron/core/distributed/distributed_data_parallel.py "
+                      "DistributedDataParallel.__init__: 'Cannot average in collective when "
+                      "calculating per-token loss!')", "DDP wrap")
+
+
+def _optimizer(c: PreflightConfig) -> Iterator[Refusal]:
     """The grad scaler's asserts (megatron/core/optimizer/grad_scaler.py) and preflight's
     own: a finite --clip-grad >= 0, whole positive --loss-scale-window and --hysteresis."""
     n = c._name
     if not (math.isfinite(c.clip_grad) and c.clip_grad >= 0):
-        raise ConfigError(f"{n('clip_grad')} must be a finite number >= 0 (0 turns clipping "
-                          f"off), got {c.clip_grad}")
+        yield Refusal(f"{n('clip_grad')} must be a finite number >= 0 (0 turns clipping off), "
+                      f"got {c.clip_grad}", "optimizer")
     for attribute in ("loss_scale", "initial_loss_scale", "min_loss_scale"):
         value = getattr(c, attribute)
         if value is not None and not (math.isfinite(value) and value > 0):
-            raise ConfigError(f"{n(attribute)} must be a finite number > 0, got {value}")
+            yield Refusal(f"{n(attribute)} must be a finite number > 0, got {value}", "optimizer")
     if c.min_loss_scale > c.initial_loss_scale:
-        raise ConfigError(f"{n('min_loss_scale')} ({c.min_loss_scale:g}) must be <= "
-                          f"{n('initial_loss_scale')} ({c.initial_loss_scale:g})")
+        yield Refusal(f"{n('min_loss_scale')} ({c.min_loss_scale:g}) must be <= "
+                      f"{n('initial_loss_scale')} ({c.initial_loss_scale:g})", "optimizer")
     for attribute in ("loss_scale_window", "hysteresis"):
         value = getattr(c, attribute)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{n(attribute)} must be a positive integer, got {value!r}")
+            yield Refusal(f"{n(attribute)} must be a positive integer, got {value!r}", "optimizer")
 
 
-__all__ = ["ConfigError", "DTYPE_BYTES", "PreflightConfig", "flag_name", "pad_vocab_size",
-           "parallel_dims"]
+_BATCH = ("data_parallel_size", "micro_batch_size", "global_batch_size")
+_TP, _PP, _VPP = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                  "virtual_pipeline_model_parallel_size")
+_INTERLEAVED = (_interleaving, _interleaved_microbatches)
+# (rule, the values it reads that a refusal can leave undefined, what it checks), in the
+# order preflight runs them; check_config sorts what they find into Megatron-LM's order.
+RULES: tuple[tuple[Rule, tuple[str, ...], str], ...] = (
+    (_choices, (), "choices"),
+    (_grid, (), "the world size's split into TP x PP x CP x DP"),
+    (_batch, _BATCH, "the microbatch count"),
+    (_sequence_over_cp, ("seq_length", "context_parallel_size"), "the sequence over 2 x CP"),
+    (_position_length, ("seq_length", "max_position_embeddings"), "the position embeddings' length"),
+    (_heads_split_hidden, ("hidden_size", "num_attention_heads"), "the hidden size over the heads"),
+    (_heads_over_tp, ("num_attention_heads", _TP), "the heads over TP"),
+    (_groups_and_tp, ("num_query_groups", "num_attention_heads", _TP), "the query groups and TP"),
+    (_fp8_param, (), "FP8 params"),
+    (_deferral, (_PP,), "the embedding wgrad deferral"),
+    (_buffers, (), "the DDP buffers"),
+    (_layer_split, ("num_layers", _PP, _VPP), "the layer split"),
+    (_interleaving, (_PP, _VPP), "the interleaved schedule's PP"),
+    (_interleaved_microbatches, (*_BATCH, _PP, _VPP), "the interleaved schedule's microbatches"),
+    (_heads_per_group, ("num_attention_heads", "num_query_groups"), "the heads per query group"),
+    (_qkv_over_tp, ("num_attention_heads", "num_query_groups", "kv_channels", "hidden_size", _TP),
+     "the QKV projection over TP"),
+    (_ffn_over_tp, ("ffn_hidden_size", _TP), "the FFN over TP"),
+    (_vocab_over_tp, ("padded_vocab_size", _TP), "the vocabulary over TP"),
+    (_ddp_wrap, (), "the DDP wrap"),
+    (_optimizer, (), "the optimizer"),
+)
+
+
+
+__all__ = ["ConfigError", "DTYPE_BYTES", "RULES", "PreflightConfig", "check_config", "flag_name"]

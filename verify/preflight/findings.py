@@ -29,6 +29,8 @@ def launch_settings(config: PreflightConfig) -> LaunchSettings:
         overlap_grad_reduce=config.overlap_grad_reduce,
         overlap_param_gather=config.overlap_param_gather,
         ddp_reduce_scatter_with_fp32_accumulation=config.ddp_reduce_scatter_with_fp32_accumulation,
+        ddp_average_in_collective=config.ddp_average_in_collective,
+        calculate_per_token_loss=config.calculate_per_token_loss,
         defer_embedding_wgrad_compute=config.defer_embedding_wgrad_compute,
         wgrad_deferral_limit=config.wgrad_deferral_limit,
         untie_embeddings_and_output_weights=config.untie_embeddings_and_output_weights,

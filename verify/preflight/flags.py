@@ -22,7 +22,7 @@ import difflib
 import json
 import re
 import shlex
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -30,8 +30,77 @@ from pathlib import Path
 MEGATRON_LM = "Megatron-LM core_r0.19.0 (megatron-core 0.19.2)"
 
 
-class FlagError(ValueError):
+# Megatron-LM's launch path, in the order it checks a launch: parse_args, validate_args
+# (megatron/training/arguments.py), set_global_variables (the microbatch calculator, then
+# the tokenizer), ModelParallelConfig.__post_init__ (run first by TransformerConfig's), the
+# rest of TransformerConfig.__post_init__, then get_model (megatron/training/training.py):
+# the model's modules, the DDP config, the DDP wrap; the optimizer and its grad scaler; the
+# first training step.
+STAGES = ("parse_args", "validate_args", "set_global_variables", "ModelParallelConfig",
+          "TransformerConfig", "model build", "DDP config", "DDP wrap", "optimizer", "first step")
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """One rule of Megatron-LM's launch path that a launch breaks: the message (naming the
+    flags and the rule), the stage of :data:`STAGES` that checks it and, in validate_args, the
+    line of ``megatron/training/arguments.py`` (core_r0.19.0) that does, to order the rules
+    Megatron checks in one function; 0 keeps the order in which preflight checks them."""
+
+    message: str
+    stage: str
+    line: int = 0
+
+    def __post_init__(self) -> None:
+        if self.stage not in STAGES:
+            raise ValueError(f"Refusal.stage must be one of {STAGES}, got {self.stage!r}")
+
+    @property
+    def order(self) -> tuple[int, int]:
+        return STAGES.index(self.stage), self.line
+
+
+class LaunchRefused(ValueError):
+    """Every refusal of a launch, in Megatron-LM's order (exit code 2).
+
+    ``refusals``: the rules broken (a bare message is one refusal of ``stage``), sorted
+    stably by stage and validate_args line: the first is the one Megatron-LM stops at, each
+    next the one it would stop at once those before were fixed. ``not_checked``: the rules
+    that could not be decided because a refusal leaves a value they read undefined (a DP
+    that does not divide leaves no microbatch count), each saying which."""
+
+    def __init__(self, refusals: str | Refusal | Sequence[str | Refusal], stage: str = "validate_args",
+                 not_checked: Sequence[str] = ()) -> None:
+        items = [refusals] if isinstance(refusals, (str, Refusal)) else list(refusals)
+        if not items:
+            raise ValueError("LaunchRefused needs at least one refusal")
+        found = [r if isinstance(r, Refusal) else Refusal(r, stage) for r in items]
+        self.refusals: tuple[Refusal, ...] = tuple(sorted(found, key=lambda r: r.order))
+        self.not_checked: tuple[str, ...] = tuple(not_checked)
+        super().__init__(self.text())
+
+    @property
+    def messages(self) -> tuple[str, ...]:
+        return tuple(r.message for r in self.refusals)
+
+    def text(self) -> str:
+        """One refusal: its message; several: numbered, in Megatron-LM's order."""
+        if len(self.refusals) == 1:
+            return self.refusals[0].message
+        return (f"{len(self.refusals)} refusals, in the order Megatron-LM checks them:\n"
+                + "\n".join(f"  {i}. {m}" for i, m in enumerate(self.messages, start=1)))
+
+    def to_dict(self) -> list[dict]:
+        """JSON-ready refusals, in order."""
+        return [{"message": r.message, "stage": r.stage} for r in self.refusals]
+
+
+class FlagError(LaunchRefused):
     """The launch's flags could not be read as Megatron-LM reads them (exit code 2)."""
+
+    def __init__(self, refusals: str | Refusal | Sequence[str | Refusal],
+                 not_checked: Sequence[str] = ()) -> None:
+        super().__init__(refusals, "parse_args", not_checked)
 
 
 @dataclass(frozen=True)
@@ -82,6 +151,7 @@ MODELLED = frozenset({
     "seed", "clip_grad", "loss_scale", "initial_loss_scale", "min_loss_scale",
     "loss_scale_window", "hysteresis", "batch_size", "model_parallel_size",
     "checkpoint_activations", "tp_comm_overlap", "mrope_section",
+    "calculate_per_token_loss", "ddp_average_in_collective",
 })
 
 # Given in place of Megatron-LM's spelling, these were preflight's own inventions.
@@ -139,12 +209,10 @@ NOT_MODELLED: dict[str, tuple[str, Callable[[object, Mapping[str, object]], bool
     "num_distributed_optimizer_instances": ("several distributed-optimizer instances",
                                             _above_one),
     "ddp_num_buckets": ("a bucket count in place of a bucket size", _given),
-    "ddp_average_in_collective": ("averaging inside the collective (no 1/DP pre-scale)", _given),
     "ddp_param_name_patterns_for_fp32_local_accumulation": ("fp32 local accumulation by name",
                                                             _given),
     "overlap_param_gather_with_optimizer_step": ("param gathers overlapped with the optimizer "
                                                  "step (every chunk one bucket)", _given),
-    "calculate_per_token_loss": ("per-token loss (grads not pre-scaled by 1/DP)", _given),
     "delay_wgrad_compute": ("Transformer Engine's delayed wgrad", _given),
     "fp32_residual_connection": ("an fp32 residual stream (fp32 pipeline transfers)", _given),
     "fp4": ("FP4 (NVFP4) compute", _given),
@@ -249,19 +317,20 @@ def _megatron_parser() -> _MegatronParser:
 NEAR_MISS_RATIO = 0.85
 
 
-def _unknown_flag(name: str, own_options: frozenset[str]) -> FlagError:
+def _unknown_flag(name: str, own_options: frozenset[str]) -> str:
+    """Why ``name`` is refused: a renamed flag, preflight's own option, or a near miss."""
     if name in RENAMED:
-        return FlagError(f"{name} is not a flag of {MEGATRON_LM}: {RENAMED[name]}")
+        return f"{name} is not a flag of {MEGATRON_LM}: {RENAMED[name]}"
     if name in own_options:
-        return FlagError(f"{name} is an option of verify preflight, not a Megatron-LM flag: put "
-                         "it on the command line before `--` (the launch's flags, in --args-file "
-                         "or after `--`, are Megatron-LM's)")
+        return (f"{name} is an option of verify preflight, not a Megatron-LM flag: put "
+                "it on the command line before `--` (the launch's flags, in --args-file "
+                "or after `--`, are Megatron-LM's)")
     candidates = [*MEGATRON_FLAGS, *own_options]
     match = difflib.get_close_matches(name, candidates, n=1, cutoff=NEAR_MISS_RATIO)
     hint = ""
     if match:
         hint = f"; did you mean {match[0]}{' (an option of verify preflight)' if match[0] in own_options else ''}?"
-    return FlagError(f"{name} is not a flag of {MEGATRON_LM}, whose parse_args refuses it{hint}")
+    return f"{name} is not a flag of {MEGATRON_LM}, whose parse_args refuses it{hint}"
 
 
 def _split_launcher(tokens: list[str]) -> tuple[list[str], list[str]]:
@@ -293,38 +362,89 @@ def _launcher_world_size(launcher: list[str]) -> int | None:
     return nproc * nnodes
 
 
+def _flag_groups(tokens: list[str]) -> list[list[str]]:
+    """Each Megatron flag with the tokens after it up to the next flag, as argparse reads
+    them (tokens before the first flag form a group of their own)."""
+    groups: list[list[str]] = []
+    for token in tokens:
+        if token.partition("=")[0] in MEGATRON_FLAGS or not groups:
+            groups.append([token])
+        else:
+            groups[-1].append(token)
+    return groups
+
+
 def _flag_texts(tokens: list[str]) -> list[tuple[str, str]]:
     """(flag, the flag with its values as written) for each flag of already-valid tokens."""
-    out: list[tuple[str, str]] = []
+    return [(group[0].partition("=")[0], " ".join(group)) for group in _flag_groups(tokens)
+            if group[0].partition("=")[0] in MEGATRON_FLAGS]
+
+
+# Why no rule of the configuration is checked while a flag cannot be read.
+RULES_NOT_CHECKED = ("the configuration's rules (validate_args onwards): checked once every flag "
+                     "above is read; preflight does not guess what such a flag would change")
+
+
+def _without_unknown(tokens: list[str]) -> list[str]:
+    """The tokens less every unknown ``--flag`` and the values that follow it."""
+    kept, skipping = [], False
     for token in tokens:
         name = token.partition("=")[0]
-        if name in MEGATRON_FLAGS:
-            out.append((name, token))
-        elif out:
-            out[-1] = (out[-1][0], f"{out[-1][1]} {token}")
-    return out
+        if name.startswith("--") and len(name) > 2:
+            skipping = name not in MEGATRON_FLAGS
+        if not skipping:
+            kept.append(token)
+    return kept
+
+
+def _parse_all(parser: _MegatronParser, flags: list[str]) -> tuple[list[str], dict, list[str]]:
+    """(the flags argparse reads, its namespace of them, every error argparse stops at): a
+    flag whose value it refuses does not hide the next one (each flag's group is then read on
+    its own, and the groups it refuses are left out of the namespace)."""
+    try:
+        return flags, vars(parser.parse_args(flags)), []
+    except FlagError as first:
+        errors, readable = [], []
+        for group in _flag_groups(flags):
+            try:
+                parser.parse_args(group)
+                readable += group
+            except FlagError as exc:
+                errors.extend(exc.messages)
+        if not errors:  # only the whole line is refused: say what argparse said
+            return [], {}, list(first.messages)
+        return readable, vars(parser.parse_args(readable)), errors
 
 
 def parse_megatron_flags(tokens: list[str], own_options: frozenset[str] = frozenset()) -> ParsedFlags:
     """Read a launch as Megatron-LM's parse_args does (later occurrences win). Raises
-    FlagError naming the flag; ``own_options``: verify preflight's, refused here."""
+    FlagError listing every flag it cannot read (unknown, a value argparse refuses), then
+    every flag preflight does not model, in the launch's order; ``own_options``: verify
+    preflight's, refused here."""
     launcher, flags = _split_launcher(list(tokens))
+    unread: list[str] = []
     for token in flags:
         name = token.partition("=")[0]
         if name.startswith("--") and len(name) > 2 and name not in MEGATRON_FLAGS:
-            raise _unknown_flag(name, own_options)
-    namespace = vars(_megatron_parser().parse_args(flags))
+            message = _unknown_flag(name, own_options)
+            if message not in unread:
+                unread.append(message)
+    known, namespace, errors = _parse_all(_megatron_parser(), _without_unknown(flags))
+    unread += errors
     parsed = ParsedFlags(positional=launcher, launcher_world_size=_launcher_world_size(launcher))
-    texts = _flag_texts(flags)
+    texts = _flag_texts(known)
     for name, _ in texts:
         parsed.spelling[MEGATRON_FLAGS[name].dest] = name
-    for name, text in texts:
-        dest = MEGATRON_FLAGS[name].dest
-        if dest in NOT_MODELLED:
-            why, applies = NOT_MODELLED[dest]
-            if applies(namespace[dest], namespace):
-                raise FlagError(f"{text}: not modelled ({why}): preflight does not lay it out, "
-                                "and refuses it rather than check another configuration")
+    # The last occurrence of a flag is the value argparse keeps: name it as written there.
+    last = {MEGATRON_FLAGS[name].dest: (index, text) for index, (name, text) in enumerate(texts)}
+    not_modelled = sorted(
+        (index, f"{text}: not modelled ({NOT_MODELLED[dest][0]}): preflight does not lay it "
+                "out, and refuses it rather than check another configuration")
+        for dest, (index, text) in last.items()
+        if dest in NOT_MODELLED and NOT_MODELLED[dest][1](namespace[dest], namespace))
+    if unread or not_modelled:
+        raise FlagError([*unread, *(message for _, message in not_modelled)],
+                        not_checked=[RULES_NOT_CHECKED])
     for name, text in texts:
         dest = MEGATRON_FLAGS[name].dest
         if dest not in MODELLED and text not in parsed.unknown:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from verify.preflight.config import PreflightConfig
+from verify.preflight.paper import nccl_average_factor
 
 SAFE, FINDING = "safe", "finding"
 
@@ -41,7 +42,7 @@ def decide_hazards(config: PreflightConfig, *, padding_elements: int = 0,
     launch reaches. A changing microbatch count (Megatron-Core learns its grad-ready counts
     on the first batch) is no hazard either: Megatron-LM 0.19 ignores --rampup-batch-size,
     and preflight refuses --step-batch-size-schedule as not modelled, saying why."""
-    # The grads are pre-scaled by 1/(DP x CP) and summed over the dp_cp group.
+    # The grads are averaged over the dp_cp group (hazard 3 says how).
     dp = config.data_context_parallel_size
     out: list[Hazard] = []
     # 1. MXFP8 buffer reuse without both overlaps (Megatron: NaN loss at iteration 2).
@@ -67,23 +68,8 @@ def decide_hazards(config: PreflightConfig, *, padding_elements: int = 0,
                           "with the grad buffer reused, each bucket's param_data is zeroed after "
                           "its params are copied out; a forced param sync (checkpoint save, "
                           "evaluation) all-gathers that stale or zeroed data in Megatron-Core"))
-    # 3. Averaging pre-scaled in the grad dtype at a non-power-of-two DP.
-    group = "DP x CP" if config.context_parallel_size > 1 else "DP"
-    if dp == 1:
-        out.append(Hazard("pre-scaled averaging at a non-power-of-two DP", SAFE,
-                          f"{group} 1: no averaging"))
-    elif _is_power_of_two(dp):
-        out.append(Hazard("pre-scaled averaging at a non-power-of-two DP", SAFE,
-                          f"{group} {dp} is a power of two: x 1/{dp} is exact in {config.grad_dtype} "
-                          "(short of underflow)"))
-    else:
-        out.append(Hazard("pre-scaled averaging at a non-power-of-two DP", FINDING,
-                          f"{group} {dp}: Megatron-Core multiplies each grad by 1/{dp} in "
-                          f"{config.grad_dtype} before the SUM, one extra rounding per element "
-                          f"(relative error up to u of {config.grad_dtype}); averaging after the "
-                          "sum (ReduceOp.AVG) or in fp32 rounds once",
-                          "the twin pre-scales the same way and matched refgrad's model of it"
-                          if twin_ran and twin_passed else ""))
+    # 3. How the DP x CP average is formed, at a non-power-of-two DP x CP.
+    out.append(_averaging(config, dp, twin_ran and twin_passed))
     # 4. Padding in norms and checkpoints.
     if not config.use_distributed_optimizer:
         out.append(Hazard("padding in norms and checkpoints", SAFE,
@@ -99,3 +85,42 @@ def decide_hazards(config: PreflightConfig, *, padding_elements: int = 0,
                           "includes them; Megatron-Core skips padding per parameter, custom code "
                           "must too"))
     return out
+
+
+PRE_SCALE = "pre-scaled averaging at a non-power-of-two DP"
+
+
+def _averaging(config: PreflightConfig, n: int, twin_matched: bool) -> Hazard:
+    """Pre-scale x 1/N then SUM (the default), ReduceOp.AVG (NCCL's pre-multiply by a rounded
+    1/N), or per-token loss (SUM, then x 1/T after the reduction)."""
+    group = "DP x CP" if config.context_parallel_size > 1 else "DP"
+    wire = config.grad_dtype
+    if config.calculate_per_token_loss:
+        return Hazard(PRE_SCALE, SAFE,
+                      f"not used: --calculate-per-token-loss sums the grads unscaled over {group} "
+                      f"{n} and multiplies them by 1/T after the reduction, T the global batch's "
+                      "loss-mask tokens (distributed_data_parallel.py:179-185, "
+                      "finalize_model_grads.py:694-696): one rounding of each reduced grad")
+    if n == 1:
+        return Hazard(PRE_SCALE, SAFE, f"{group} 1: no averaging")
+    if _is_power_of_two(n):
+        return Hazard(PRE_SCALE, SAFE,
+                      f"{group} {n} is a power of two: x 1/{n} is exact in {wire} (short of "
+                      f"underflow){', also as NCCL AVG factor' if config.ddp_average_in_collective else ''}")
+    if config.ddp_average_in_collective:
+        factor = nccl_average_factor(n, wire)
+        bias = n * factor - 1
+        return Hazard(PRE_SCALE, FINDING,
+                      f"{group} {n} with --ddp-average-in-collective: NCCL's ReduceOp.AVG on "
+                      f"{wire} grads multiplies each by 1/{n} rounded to {wire} = {factor!r} "
+                      f"before the SUM (nccl enqueue.cc hostToDevRedOp: ncclDevPreMulSum), one "
+                      f"rounding per element as the pre-scale, and a systematic relative bias of "
+                      f"{bias:+.3g} on every averaged grad; summing first and scaling after (as "
+                      "--calculate-per-token-loss does) rounds once without bias")
+    return Hazard(PRE_SCALE, FINDING,
+                  f"{group} {n}: Megatron-Core multiplies each grad by 1/{n} in {wire} before "
+                  f"the SUM (param_and_grad_buffer.py:661), one extra rounding per element "
+                  f"(relative error up to u of {wire}); summing first and scaling after (as "
+                  "--calculate-per-token-loss does) rounds once",
+                  "the twin pre-scales the same way and matched refgrad's model of it"
+                  if twin_matched else "")

@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 from fastgrad.layout import BufferLayout, compute_layout
 from verify.preflight.config import DTYPE_BYTES, PreflightConfig
 from verify.preflight.model import ParamSpec, chunk_parameters, layers_of_chunk
@@ -209,6 +211,13 @@ def reduction_error(config: PreflightConfig) -> dict:
         typical, worst = math.sqrt(n - 1) * u, _gamma(n - 1, u)
         model = ("typical sqrt(N-1) u (N-1 roundings, Higham & Mary); worst gamma(N-1) = "
                  "(N-1)u/(1-(N-1)u); both relative to sum |g|")
+    # How the average is formed (config.grad_averaging): NCCL's ReduceOp.AVG multiplies by a
+    # rounded 1/N, a bias on every element on top of the sum's rounding.
+    bias = (n * nccl_average_factor(n, wire) - 1) if config.ddp_average_in_collective else 0.0
+    if bias:
+        typical += abs(bias)
+        worst = None if worst is None else worst + abs(bias)
+        model += f"; + |bias| {abs(bias):.3g} of ReduceOp.AVG's rounded 1/N"
     if n == 1:
         typical = worst = 0.0
     low, high = min(DEFAULT_DP), max(DEFAULT_DP)
@@ -221,4 +230,15 @@ def reduction_error(config: PreflightConfig) -> dict:
         basis = f"extrapolated: N = {n} is beyond the measured N = {low}..{high}"
     return {"method": method, "wire_dtype": wire, "dp": n, "unit_roundoff": u,
             "typical_relative_error": typical, "worst_case_bound": worst, "model": model,
-            "basis": basis}
+            "basis": basis, "averaging": config.grad_averaging,
+            "gradient_scaling_factor": config.gradient_scaling_factor,
+            "reduce_op": config.grad_reduce_op, "averaging_bias": bias}
+
+
+def nccl_average_factor(n: int, wire: str) -> float:
+    """The factor NCCL's ReduceOp.AVG multiplies every rank's floating-point input by before
+    summing: 1/n rounded to float, then to the wire dtype (nccl src/enqueue.cc hostToDevRedOp:
+    ncclAvg on float types is ncclDevPreMulSum with ``__float2bfloat16(float(1.0/nRanks))``,
+    ``__float2half(...)`` or ``float(1.0/nRanks)``)."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[wire]
+    return torch.tensor(1.0 / n, dtype=torch.float32).to(dtype).item()

@@ -26,7 +26,13 @@ from dataclasses import dataclass
 
 
 class SplitError(ValueError):
-    """The layers do not split as Megatron-LM requires (a ConfigError's message)."""
+    """The layers do not split as Megatron-LM requires (a ConfigError's message), with the
+    stage of Megatron-LM's launch path that refuses it (``verify.preflight.flags.STAGES``)
+    and its line in that stage's source file (arguments.py, transformer_config.py)."""
+
+    def __init__(self, message: str, stage: str = "validate_args", line: int = 0) -> None:
+        super().__init__(message)
+        self.stage, self.line = stage, line
 
 
 Name = Callable[[str], str]  # Megatron attribute -> the flag as the user wrote it
@@ -50,29 +56,29 @@ def virtual_pipeline_size(num_layers: int, pp: int, per_rank: int | None, per_st
     if per_rank is not None and per_stage is not None:
         raise SplitError(f"{name('num_layers_per_virtual_pipeline_stage')} and "
                          f"{name('num_virtual_stages_per_pipeline_rank')} cannot both be set "
-                         "(megatron/training/arguments.py validate_args)")
+                         "(megatron/training/arguments.py validate_args)", "validate_args", 894)
     if per_stage is not None:
         if first is not None or last is not None:
             raise SplitError(f"uneven first/last stages need {name('num_virtual_stages_per_pipeline_rank')}"
                              f" for interleaving, not {name('num_layers_per_virtual_pipeline_stage')}"
-                             " (megatron/training/arguments.py validate_args)")
+                             " (megatron/training/arguments.py validate_args)", "validate_args", 921)
         total = num_layers + accounted
         if total % pp:
             raise SplitError(f"{_layers_text(num_layers, accounted, name)} must be divisible by "
-                             f"{name('pipeline_model_parallel_size')} ({pp})")
+                             f"{name('pipeline_model_parallel_size')} ({pp})", "validate_args", 936)
         if per_stage < 1 or (total // pp) % per_stage:
             raise SplitError(f"{name('num_layers_per_virtual_pipeline_stage')} ({per_stage}) must "
-                             f"divide the layers per pipeline stage, {total // pp}")
+                             f"divide the layers per pipeline stage, {total // pp}", "validate_args", 938)
         return max(1, (total // pp) // per_stage)
     if per_rank is not None:
         if per_rank < 1:
             raise SplitError(f"{name('num_virtual_stages_per_pipeline_rank')} must be a positive "
-                             f"integer, got {per_rank}")
+                             f"integer, got {per_rank}", "validate_args", 943)
         return per_rank
     if first is None and last is None and (num_layers + accounted) % pp:
         raise SplitError(f"{_layers_text(num_layers, accounted, name)} must be divisible by "
                          f"{name('pipeline_model_parallel_size')} ({pp}) "
-                         "(megatron/training/arguments.py validate_args)")
+                         "(megatron/training/arguments.py validate_args)", "validate_args", 953)
     return 1
 
 
@@ -94,7 +100,7 @@ def split_layers(num_layers: int, pp: int, vpp: int, first: int | None, last: in
                          f"{name('decoder_last_pipeline_num_layers')} cannot be combined with "
                          f"{name('account_for_embedding_in_pipeline_split')}/"
                          f"{name('account_for_loss_in_pipeline_split')} "
-                         "(transformer_config.py TransformerConfig.__post_init__)")
+                         "(transformer_config.py TransformerConfig.__post_init__)", "TransformerConfig", 1923)
     if uneven:
         middle_layers, middle_stages = num_layers, pp
         for dest, value in (("decoder_first_pipeline_num_layers", first),
@@ -102,24 +108,26 @@ def split_layers(num_layers: int, pp: int, vpp: int, first: int | None, last: in
             if value is None:
                 continue
             if value <= 0:
-                raise SplitError(f"{name(dest)} must be larger than 0, got {value}")
+                raise SplitError(f"{name(dest)} must be larger than 0, got {value}", "TransformerConfig",
+                                 1997 if dest == "decoder_first_pipeline_num_layers" else 2016)
             if interleaved and value % vpp:
                 raise SplitError(f"{name(dest)} ({value}) must be divisible by the virtual "
-                                 f"pipeline size {vpp}")
+                                 f"pipeline size {vpp}", "TransformerConfig",
+                                 2001 if dest == "decoder_first_pipeline_num_layers" else 2020)
             middle_layers -= value
             middle_stages -= 1
         if bool(middle_layers) != bool(middle_stages) or middle_layers < 0:
             raise SplitError(f"{middle_layers} layers are left for {middle_stages} middle "
                              f"pipeline stage(s) after {name('decoder_first_pipeline_num_layers')}"
                              f"/{name('decoder_last_pipeline_num_layers')} ({name('num_layers')} "
-                             f"{num_layers}, {name('pipeline_model_parallel_size')} {pp})")
+                             f"{num_layers}, {name('pipeline_model_parallel_size')} {pp})", "TransformerConfig", 2035)
         if middle_stages and middle_layers % middle_stages:
             raise SplitError(f"the {middle_layers} layers of the middle stages must be divisible "
-                             f"by their number, {middle_stages}")
+                             f"by their number, {middle_stages}", "TransformerConfig", 2043)
         middle = middle_layers // middle_stages if middle_stages else 0
         if middle_stages and interleaved and middle % vpp:
             raise SplitError(f"the {middle} layers of each middle pipeline stage must be "
-                             f"divisible by the virtual pipeline size {vpp}")
+                             f"divisible by the virtual pipeline size {vpp}", "TransformerConfig", 2051)
         per_rank = [middle] * pp
         if first is not None:
             per_rank[0] = first
@@ -129,7 +137,10 @@ def split_layers(num_layers: int, pp: int, vpp: int, first: int | None, last: in
         total = num_layers + accounted
         if total % pp:
             raise SplitError(f"{_layers_text(num_layers, accounted, name)} must be divisible by "
-                             f"{name('pipeline_model_parallel_size')} ({pp})")
+                             f"{name('pipeline_model_parallel_size')} ({pp})",
+                             # transformer_config.py: the accounted split; else
+                             # transformer_block.py get_num_layers_to_build.
+                             *(("TransformerConfig", 2076) if accounted else ("model build", 0)))
         per_rank = [total // pp] * pp
     if interleaved and pp > 1:
         bad = next((n for n in per_rank if n % vpp), None)
@@ -139,7 +150,7 @@ def split_layers(num_layers: int, pp: int, vpp: int, first: int | None, last: in
                      else f"{bad}")
             raise SplitError(f"the layers of a pipeline stage, {where}, must be divisible by the "
                              f"virtual pipeline size {name('num_virtual_stages_per_pipeline_rank')}"
-                             f" ({vpp}) (transformer_block.py get_num_layers_to_build)")
+                             f" ({vpp}) (transformer_block.py get_num_layers_to_build)", "model build")
     chunks = vpp if pp > 1 else 1
     layers = [[n // chunks] * chunks for n in per_rank]
     if account_embedding:
@@ -148,7 +159,8 @@ def split_layers(num_layers: int, pp: int, vpp: int, first: int | None, last: in
         layers[-1][-1] -= 1
     if any(n < 0 for row in layers for n in row):
         raise SplitError("not enough layers for the embedding and loss counted as layers in the "
-                         "first/last virtual stage (transformer_block.py get_num_layers_to_build)")
+                         "first/last virtual stage (transformer_block.py get_num_layers_to_build)",
+                         "model build")
     offsets = [[_offset(num_layers, pp, vpp, first, last, account_embedding, account_loss,
                         stage, chunk) for chunk in range(chunks)] for stage in range(pp)]
     return PipelineSplit(tuple(map(tuple, layers)), tuple(map(tuple, offsets)))
@@ -193,9 +205,9 @@ def interleaved_microbatch_check(m: int, pp: int, group: int, name: Name) -> Non
     if group > m or group < pp:
         raise SplitError(f"the interleaved schedule needs {group_text} within [PP = {pp}, M = "
                          f"{m}], M = {name('global_batch_size')} / ({name('micro_batch_size')} "
-                         f"x DP) microbatches {where}")
+                         f"x DP) microbatches {where}", "first step")
     remainder = m % group
     if 0 < remainder < pp:
         raise SplitError(f"the interleaved schedule needs M = {m} microbatches to be a multiple "
                          f"of {group_text} or to leave a remainder >= PP ({pp}); it leaves "
-                         f"{remainder} {where}")
+                         f"{remainder} {where}", "first step")

@@ -109,6 +109,17 @@ def left_out(config: PreflightConfig, m: int) -> list[str]:
     if m != config.num_microbatches:
         out.append(f"microbatch count: {config.num_microbatches} capped to {m} "
                    "(--twin-max-microbatches; the schedule's steady state is the same)")
+    if config.calculate_per_token_loss:
+        out.append("--calculate-per-token-loss: production sums each token's loss, reduces the "
+                   "grads unscaled over DP x CP and multiplies them by 1/T (the global batch's "
+                   "loss-mask tokens) after the reduction; the twin averages as without it (x 1/DP "
+                   "before the SUM): the same gradient up to rounding when every token counts. "
+                   "The averaging's rounding is decided on paper (hazards)")
+    if config.ddp_average_in_collective:
+        out.append("--ddp-average-in-collective: production reduces with ReduceOp.AVG (NCCL "
+                   "multiplies each grad by 1/N rounded to the wire dtype, then sums); the twin "
+                   "pre-scales by 1/DP and sums (gloo has no ReduceOp.AVG). The factor's bias and "
+                   "the fp32-accumulating reduce-scatter's assert are decided on paper (hazards)")
     if config.ddp_pad_buckets_for_high_nccl_busbw:
         out.append("--ddp-pad-buckets-for-high-nccl-busbw: padding is laid out on paper only")
     # MXFP8 params (--fp8-recipe mxfp8 --fp8-param-gather) are twinned where ``mxfp8``
