@@ -479,6 +479,14 @@ class CheckRecorder:
         )
 
 
+def launcher_for(candidate: Candidate) -> RankLauncher:
+    """The rank launcher a check against ``candidate`` starts every process with: its fork
+    server preloads the candidate's modules, whichever of the check's spawns starts it first
+    (a server already running keeps its preload: ``verify run`` starts it with every
+    candidate's)."""
+    return RankLauncher().preloading(*candidate.preload_modules)
+
+
 def _plain_settings(settings: LaunchSettings) -> dict[str, Any]:
     """``settings`` as plain values for the JSON report (the grid's sizes spelled out)."""
     plain = {f.name: getattr(settings, f.name) for f in dataclass_fields(settings) if f.name != "dims"}
@@ -547,10 +555,6 @@ class Check:
                                  None if self.technique is None else chosen.label)
         findings: tuple[Finding, ...] = () if self.technique is None else chosen.findings()
         version = None if self.technique is None else chosen.info().version
-        if self.spawns_ranks and self.technique is not None:
-            # Start the rank launcher's fork server with the candidate's modules (a no-op
-            # when it runs: ``verify run`` starts it with every candidate's).
-            RankLauncher().preloading(*chosen.preload_modules).warm_up()
         start = time.perf_counter()
         try:
             self.run(context, recorder, chosen)

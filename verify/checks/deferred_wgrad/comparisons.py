@@ -19,7 +19,7 @@ from verify.candidates.api.deferred_wgrad import (
     ParallelDims,
     WgradGemm,
 )
-from verify.check import CheckContext, CheckRecorder
+from verify.check import CheckContext, CheckRecorder, launcher_for
 from verify.checks.deferred_wgrad.cases import (
     BATCH,
     HIDDEN,
@@ -34,7 +34,7 @@ from verify.checks.deferred_wgrad.cases import (
 )
 from verify.checks.deferred_wgrad.single import STALE_LIMIT
 from verify.checks.deferred_wgrad.worker import WorldItem, item_worker
-from verify.distributed import ItemOutcome, RankLauncher, spawn_each
+from verify.distributed import ItemOutcome, spawn_each
 from verify.metrics import compare
 
 
@@ -116,7 +116,7 @@ def _run_items(ctx: CheckContext, candidate: Candidate, items: list[WorldItem]
     starts a fresh one."""
     return spawn_each(item_worker, WORLD, items, ctx.seed, candidate, isolate=False,
                       timeout_s=ctx.timeout_s,
-                      launcher=RankLauncher().preloading(*candidate.preload_modules))
+                      launcher=launcher_for(candidate))
 
 
 def _case_expectations(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate,

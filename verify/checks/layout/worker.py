@@ -22,8 +22,9 @@ from verify.candidates.api.layout import (
     GradPiece,
 )
 from verify.candidates.api.pipeline import ParallelDims
+from verify.check import launcher_for
 from verify.checks.layout.buffers import padding_mask
-from verify.distributed import DEFAULT_TIMEOUT_S, RankCrashed, RankLauncher, spawn_each
+from verify.distributed import DEFAULT_TIMEOUT_S, RankCrashed, spawn_each
 
 # --------------------------------------------------------------------------- multi-rank
 
@@ -345,7 +346,7 @@ def run_reduce_scenarios(
     reaches the next), else one world until a crash."""
     outcomes = spawn_each(reduce_worker, world_size, list(scenarios), candidate,
                           isolate=candidate.isolates_configurations, timeout_s=timeout_s,
-                          launcher=RankLauncher().preloading(*candidate.preload_modules))
+                          launcher=launcher_for(candidate))
     results = []
     for scenario, outcome in zip(scenarios, outcomes, strict=True):
         label = f"dp={world_size}: {scenario.name}"

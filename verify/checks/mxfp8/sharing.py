@@ -10,9 +10,9 @@ from refgrad.formats import BFLOAT16, decode_tensor, round_values_to_tensor
 from verify.candidates import Candidate, LaunchSettings
 from verify.candidates.api.mxfp8 import ParamGatherResult, ParamGatherRun
 from verify.candidates.api.pipeline import ParallelDims
-from verify.check import CheckContext, CheckRecorder
+from verify.check import CheckContext, CheckRecorder, launcher_for
 from verify.checks.mxfp8.quantizer import as_e4m3, as_e8m0
-from verify.distributed import RankLauncher, spawn_each
+from verify.distributed import spawn_each
 from verify.fixtures import mxfp8_inputs as support
 
 # ----------------------------------------------------------------------------- sharing
@@ -64,7 +64,7 @@ def check_sharing(
     (outcome,) = spawn_each(param_gather_rank, 2, [param_gather_runs(iterations, ctx.seed,
                                                                      grad_options)],
                             candidate, isolate=True, timeout_s=ctx.timeout_s,
-                            launcher=RankLauncher().preloading(*candidate.preload_modules))
+                            launcher=launcher_for(candidate))
     if outcome.crash is not None:
         with rec.case(SHARING, SHARING_SETTINGS):
             rec.crash(SHARING, outcome.crash, candidate)

@@ -15,7 +15,7 @@ from verify.candidates import Candidate, LaunchSettings, Technique, Unsupported
 from verify.candidates.api.optimizer import DistributedOptimizerStep, OptimizerBehaviour
 from verify.candidates.api.optimizer_parts import OptimizerGuards
 from verify.candidates.api.pipeline import ParallelDims
-from verify.check import Check, CheckContext, CheckRecorder
+from verify.check import Check, CheckContext, CheckRecorder, launcher_for
 from verify.checks.optim.cases import CHECKPOINT_CASE, MIXED, NAMES, OptimCase, case_matrix
 from verify.checks.optim.compare import (
     Documented,
@@ -36,7 +36,7 @@ from verify.checks.optim.worker import (
     resumed_label,
     world_plans,
 )
-from verify.distributed import RankCrashed, RankLauncher, spawn, spawn_each
+from verify.distributed import RankCrashed, spawn, spawn_each
 
 CHECK_NAME = "optim"
 
@@ -163,7 +163,7 @@ def _spawn_plans(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate,
     the crash of the case its failing rank was in (named by the worker), and its cases have
     no results."""
     plans = world_plans(cases, shares_a_world, extras=guarded or bool(mxfp8_runs))
-    launcher = RankLauncher().preloading(*candidate.preload_modules)
+    launcher = launcher_for(candidate)
     results: list[list[dict] | None] = []
     checkpoint = None
     for plan in plans:
@@ -210,7 +210,8 @@ def check_multi_rank(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate
     # process of their own: pure Python, they would hold this process's interpreter lock
     # against the check that `verify run --jobs` runs beside this one.
     with ThreadPoolExecutor(max_workers=1) as pool:
-        references = pool.submit(spawn, _references_process, 1, cases, seed, timeout_s=ctx.timeout_s)
+        references = pool.submit(spawn, _references_process, 1, cases, seed, timeout_s=ctx.timeout_s,
+                                 launcher=launcher_for(candidate))
         # One world for every case only where the candidate keeps no process-wide state.
         shared = shares_a_world and not candidate.isolates_configurations
         per_rank = _spawn_plans(ctx, rec, candidate, cases, seed, shared, mxfp8_runs, guarded)
@@ -222,7 +223,8 @@ def check_multi_rank(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate
                            for i, case in enumerate(cases)],
                  "dp3": _reported_norms([per_rank[r]["dp3_resumed"] for r in range(3)
                                          if "dp3_resumed" in per_rank[r]])}
-        models = spawn(_references_process, 1, cases, seed, norms, timeout_s=ctx.timeout_s)[0]
+        models = spawn(_references_process, 1, cases, seed, norms, timeout_s=ctx.timeout_s,
+                       launcher=launcher_for(candidate))[0]
     for index, case in enumerate(cases):
         if any(index not in per_rank[r]["cases"] for r in case.ranks):
             continue  # its world crashed: recorded as the crash

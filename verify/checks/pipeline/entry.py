@@ -9,7 +9,7 @@ from refgrad.pipeline import (
 )
 from verify.candidates.api import Behaviour, Candidate, LaunchSettings, Technique
 from verify.candidates.api.pipeline import PipelineCase, RankResult
-from verify.check import Check, CheckContext, CheckRecorder
+from verify.check import Check, CheckContext, CheckRecorder, launcher_for
 from verify.checks.pipeline.cases import build_phases
 from verify.checks.pipeline.report import (
     bucket_count_expectation,
@@ -26,7 +26,7 @@ from verify.checks.pipeline.report import (
     timing_report,
 )
 from verify.checks.pipeline.worker import PipelineRun, pipeline_worker
-from verify.distributed import ItemOutcome, RankLauncher, spawn_each
+from verify.distributed import ItemOutcome, spawn_each
 
 
 def case_settings(case: PipelineCase, overlap: bool) -> LaunchSettings:
@@ -54,7 +54,7 @@ def _train_all(ctx: CheckContext, candidate: Candidate, runs: list[PipelineRun]
                ) -> dict[tuple[str, bool], ItemOutcome]:
     """Every run, each on a world that is its case's grid: fresh processes per run for a
     candidate that keeps process-wide state, else one world per grid size until a crash."""
-    launcher = RankLauncher().preloading(*candidate.preload_modules)
+    launcher = launcher_for(candidate)
     outcomes: dict[tuple[str, bool], ItemOutcome] = {}
     for size in dict.fromkeys(run.case.world for run in runs):
         group = [run for run in runs if run.case.world == size]

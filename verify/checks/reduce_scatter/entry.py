@@ -5,7 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 
 from verify.candidates import Candidate, Technique
-from verify.check import Check, CheckContext, CheckRecorder
+from verify.check import Check, CheckContext, CheckRecorder, launcher_for
 from verify.checks.reduce_scatter.local import (
     check_cuda_local_reduction,
     check_local_order_sensitive,
@@ -48,7 +48,8 @@ def run(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate) -> None:
     # their own they run beside the multi-rank part instead of holding this process's
     # interpreter lock (``verify run`` runs two checks in threads of one process).
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        local = pool.submit(spawn, _local_parts_process, 1, ctx, candidate, timeout_s=ctx.timeout_s)
+        local = pool.submit(spawn, _local_parts_process, 1, ctx, candidate, timeout_s=ctx.timeout_s,
+                            launcher=launcher_for(candidate))
         check_multi_rank(ctx, rec, candidate)
         rec.absorb(local.result()[0])
     # Measured here, in the process (and torch thread count) a user's own code runs in.

@@ -21,7 +21,7 @@ from refgrad.formats import tensor_bit_patterns
 from verify.candidates import Candidate, LaunchSettings, Unsupported
 from verify.candidates.api.grad_reduction import OPS, GradReduction
 from verify.candidates.api.pipeline import ParallelDims
-from verify.check import CheckContext, CheckRecorder
+from verify.check import CheckContext, CheckRecorder, launcher_for
 from verify.checks.reduce_scatter.buckets import (
     bucket_references_process,
     bucket_worker,
@@ -37,7 +37,7 @@ from verify.checks.reduce_scatter.cases import (
     order_sensitive_input,
     rank_input,
 )
-from verify.distributed import RankLauncher, spawn, spawn_each
+from verify.distributed import spawn, spawn_each
 
 
 @dataclass(frozen=True)
@@ -191,12 +191,12 @@ def check_multi_rank(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate
         behaviour = reduction.behaviour()
     cases = bucket_cases(average_sizes)
     world = max(*sizes, *average_sizes)
-    launcher = RankLauncher().preloading(*candidate.preload_modules)
+    launcher = launcher_for(candidate)
     # refgrad's bucket references (seconds of exact arithmetic) in a process of their own,
     # while the ranks run
     with ThreadPoolExecutor(max_workers=1) as pool:
         references = pool.submit(spawn, bucket_references_process, 1, cases, behaviour, ctx.seed,
-                                 timeout_s=ctx.timeout_s)
+                                 timeout_s=ctx.timeout_s, launcher=launcher)
         (collectives,) = spawn_each(_rank_worker, world, [COLLECTIVES], sizes, average_sizes,
                                     shard, ctx.seed, candidate, plan, isolate=True,
                                     timeout_s=ctx.timeout_s, launcher=launcher)
