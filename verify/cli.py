@@ -268,7 +268,7 @@ def _listing() -> str:
 
 def _run_and_report(args: argparse.Namespace, items: Sequence[RunItem],
                     candidates: Sequence[Candidate], interrupted: threading.Event) -> int:
-    from verify.report import Report, render_text
+    from verify.report import Report, render_text, write_markdown
 
     context = CheckContext(device=args.device, seed=args.seed, quick=args.quick,
                            timeout_s=args.timeout)
@@ -303,7 +303,8 @@ def _run_and_report(args: argparse.Namespace, items: Sequence[RunItem],
     if args.json:
         outputs.append(Output("--json", Path(args.json), report.write_json))
     if args.markdown:
-        outputs.append(Output("--markdown", Path(args.markdown), report.write_markdown))
+        outputs.append(Output("--markdown", Path(args.markdown),
+                              lambda path: write_markdown(report, path)))
     failures = _write_all(outputs)
     return EXIT_ERROR if failures else EXIT_BY_VERDICT[report.verdict]
 
