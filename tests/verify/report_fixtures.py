@@ -53,6 +53,7 @@ AFTER_FP32 = LaunchSettings(dims=ParallelDims(dp_size=3), use_distributed_optimi
                             has_output_layer=False, after_fp32_accumulating_ddp=True)
 PLAIN_DP = LaunchSettings(dims=ParallelDims(dp_size=2), use_distributed_optimizer=True,
                           has_output_layer=False)
+INTERLEAVED = LaunchSettings(dims=ParallelDims(pp_size=4, vpp_size=2), microbatches=(8, 8))
 NEW_BUG = LaunchSettings(dims=ParallelDims(dp_size=4), has_output_layer=False,
                          ddp_average_in_collective=True)
 
@@ -115,8 +116,9 @@ def megatron_deferred_wgrad(candidate: Candidate) -> CheckResult:
     return rec.finish(1.0, findings=candidate.findings(), candidate_version=VERSION)
 
 
-def megatron_pipeline(candidate: Candidate) -> CheckResult:
-    """A wrong head gradient under overlap (finding 4), a crash at limit 1 (finding 3)."""
+def megatron_pipeline(candidate: Candidate, new_bug: bool = True) -> CheckResult:
+    """A wrong head gradient under overlap (finding 4), a crash at limit 1 (finding 3), and
+    (``new_bug``) a crash no finding explains."""
     rec = CheckRecorder("pipeline", "pipeline", candidate.label)
     with rec.case("P2 D2 tied head, overlap on", OVERLAP):
         _off_by(rec, "P2 D2 tied head, overlap on", 7)
@@ -126,6 +128,14 @@ def megatron_pipeline(candidate: Candidate) -> CheckResult:
         rec.crash("P2 D1 limit 1", crash_of("UnboundLocalError", DRAIN_MESSAGE,
                                             "megatron.core.utils", "drain_embedding_wgrad_compute",
                                             ranks=(1,)), candidate)
+    if new_bug:
+        # A crash no finding explains, after a step whose numbers were already wrong: the
+        # case is reported as the crash it ended in, never as the distance before it.
+        with rec.case("P4 D1 interleaved", INTERLEAVED):
+            _off_by(rec, "P4 D1 interleaved", 1086643720 % 97, n=1)
+            rec.crash("P4 D1 interleaved", crash_of(
+                "RuntimeError", "shape '[4, 16]' is invalid for input of size 48",
+                "megatron.core.pipeline_parallel.schedules", "forward_step", ranks=(2, 3)), candidate)
     return rec.finish(2.0, findings=candidate.findings(), candidate_version=VERSION)
 
 
@@ -157,7 +167,7 @@ def two_candidate_report(new_bug: bool = True) -> Report:
     megatron = TestCandidate()
     checks = []
     for name, build in (("deferred_wgrad", megatron_deferred_wgrad),
-                        ("pipeline", megatron_pipeline),
+                        ("pipeline", lambda c: megatron_pipeline(c, new_bug)),
                         ("reduce_scatter", lambda c: megatron_reduce_scatter(c, new_bug))):
         checks += [fastgrad_result(name), build(megatron)]
     return Report(env={"torch": "x"}, checks=checks,

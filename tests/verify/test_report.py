@@ -130,7 +130,7 @@ def test_markdown_opens_with_the_findings_on_one_screen():
     findings = _section(md, "## Findings")
     # per candidate and version
     assert "### fastgrad 0.1.0: no failures" in findings
-    assert ("### megatron-core 0.16.1: 2 failures no known finding explains, 2 known findings "
+    assert ("### megatron-core 0.16.1: 3 failures no known finding explains, 2 known findings "
             "a launch reaches, 1 hazard (direct API use only)") in findings
     # unexplained failures lead, then the known findings, then the hazards
     order = [findings.index(s) for s in ("Failures no known finding explains", "**#3 crash**",
@@ -166,9 +166,20 @@ def test_a_crash_is_shown_as_a_crash_never_as_a_distance():
     assert crash in _section(md, "## Findings")
     assert crash in _section(md, "## Details")
     for line in md.splitlines():
-        if "UnboundLocalError" in line or "limit 1" in line or "limit1" in line:
+        if any(s in line for s in ("UnboundLocalError", "RuntimeError", "limit 1", "limit1",
+                                   "P4 D1 interleaved")):
             assert "ULP" not in line and "ulp" not in line, line
+    # a crash no finding explains: the crash it ended in, not the distance recorded before it
+    new_crash = ("`--pipeline-model-parallel-size 4 --num-virtual-stages-per-pipeline-rank 2 "
+                 "(DP 1, 8 microbatches a step)` (case P4 D1 interleaved): crashed: RuntimeError: "
+                 "shape '[4, 16]' is invalid for input of size 48 (raised at megatron/core/"
+                 "pipeline_parallel/schedules.py:1189 forward_step) on ranks 2, 3")
+    assert f"- pipeline: {new_crash}" in _section(md, "## Findings")
+    details = _section(md, "## Details")
+    assert "Traceback of `P4 D1 interleaved` (crashed: RuntimeError:" in details
     text = render_text(two_candidate_report(), width=400)
+    assert "[FAIL] pipeline: --pipeline-model-parallel-size 4 --num-virtual-stages-per-pipeline-" \
+           "rank 2 (DP 1, 8 microbatches a step): crashed: RuntimeError" in text
     assert "#3 crash: a drain of exactly one deferred wgrad raises" in text
     assert "max_ulp" not in "\n".join(line for line in text.splitlines() if "drain" in line)
 
@@ -217,7 +228,7 @@ def test_the_report_says_what_rests_on_the_cpu_stand_in_for_apexs_wgrad_gemm():
     findings = _section(md, "## Findings")
     assert ("_Note: on this CPU, apex's fused wgrad GEMM (fused_weight_gradient_mlp_cuda."
             "wgrad_gemm_accum_fp32/_fp16) is a stand-in") in findings
-    assert "deferred_wgrad [megatron-core] (3 cases), pipeline [megatron-core] (2 cases)._" in findings
+    assert "deferred_wgrad [megatron-core] (3 cases), pipeline [megatron-core] (3 cases)._" in findings
     details = _section(md, "## Details")
     per_check = {part.split(":")[0]: part for part in details.split("\n### ")[1:]}
     assert "_3 of its 3 cases ran Megatron-Core's output layer on the CPU stand-in" in \
@@ -254,8 +265,9 @@ def test_json_keeps_every_record_and_adds_the_findings():
         ("pipeline", "P2 D1 limit 1")]
     assert drain["reached"] == {"deferred_wgrad": 2, "pipeline": 1}
     assert drain["cases"][0]["crashes"][0].startswith("crashed: UnboundLocalError")
-    assert [c["case"] for c in megatron["unexplained"]] == ["W=4 AVG in the collective", None]
-    assert megatron["wgrad_gemm_stand_in"] == {"deferred_wgrad": 3, "pipeline": 2}
+    assert [c["case"] for c in megatron["unexplained"]] == [
+        "P4 D1 interleaved", "W=4 AVG in the collective", None]
+    assert megatron["wgrad_gemm_stand_in"] == {"deferred_wgrad": 3, "pipeline": 3}
     # every comparison, expectation, case and crash stays in the results
     for entry, result in zip(data["checks"], report.checks, strict=True):
         assert len(entry["comparisons"]) == len(result.comparisons)
@@ -274,7 +286,7 @@ def test_text_summary_gives_the_findings_first_then_the_grid():
     first_finding = next(i for i, line in enumerate(lines) if "#3 crash:" in line)
     grid = next(i for i, line in enumerate(lines) if line.strip().startswith("check "))
     assert first_finding < grid
-    assert "  megatron-core 0.16.1: 2 failures no known finding explains" in text
+    assert "  megatron-core 0.16.1: 3 failures no known finding explains" in text
     assert "    [FAIL] reduce_scatter: --ddp-average-in-collective (DP 4): 2 of 2 comparisons" in text
     assert text.count("#3 crash: a drain of exactly one deferred wgrad raises") == 1
     assert "  [#3 crash] 2 cases: a drain of exactly one deferred wgrad raises" in text

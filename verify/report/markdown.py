@@ -169,8 +169,15 @@ def _comparisons_markdown(comparisons: Sequence[ComparisonRecord], folded: set[s
     header = ["| comparison | bound | n | mismatches | max ULP | result |",
               "|---|---|---|---|---|---|"]
     if len(comparisons) <= MARKDOWN_COMPARISON_ROWS:
-        lines = header + [_comparison_row(c) for c in comparisons]
-        reasons = dict.fromkeys((c.max_ulp_allowed, c.reason) for c in comparisons if c.reason)
+        # A failing case's comparisons are folded into its row above (a case that crashed is
+        # shown as its crash, not as the distances it left).
+        shown = [c for c in comparisons if c.passed or c.case not in folded]
+        lines = header + [_comparison_row(c) for c in shown] if shown else []
+        hidden = len(comparisons) - len(shown)
+        if hidden:
+            lines += [f"\n_{hidden} failing comparison{'s' if hidden != 1 else ''} of the failing "
+                      "cases above are folded into their case (the JSON report has each)._"]
+        reasons = dict.fromkeys((c.max_ulp_allowed, c.reason) for c in shown if c.reason)
         lines += [f"\n_<= {bound} ULP: {reason}_" for bound, reason in reasons]
         return lines
     bitwise = sum(bool(c.metrics.get("bitwise_equal")) for c in comparisons)
