@@ -184,6 +184,14 @@ class CandidateFindings:
                 "wgrad_gemm_stand_in": self.stand_in}
 
 
+def candidate_info(candidates: Sequence[Mapping[str, Any]], label: str | None
+                   ) -> Mapping[str, Any] | None:
+    """The ``CandidateInfo.to_dict()`` of the candidate a result names by ``label`` (its
+    name, and the fault it carries if any: ``Candidate.label``)."""
+    name = (label or "").split(" (fault: ")[0]
+    return next((info for info in candidates if info["name"] == name), None)
+
+
 def has_stand_in(info: Mapping[str, Any] | None) -> bool:
     """Whether a candidate (``CandidateInfo.to_dict()``) ran with the wgrad GEMM stand-in."""
     redirects = (info or {}).get("redirects", [])
@@ -234,15 +242,13 @@ def fold(results: Iterable[CheckResult], candidates: Sequence[Mapping[str, Any]]
     results are given): known findings (numbered order), hazards, unexplained failures and
     errors. ``candidates``: ``CandidateInfo.to_dict()`` of each candidate (its version when a
     result does not carry one, and its redirects)."""
-    infos = {info["name"]: info for info in candidates}
     groups: dict[tuple[str, str], CandidateFindings] = {}
     hits: dict[tuple[str, str], dict[str, FindingHit]] = {}
     # per (candidate, version): finding key -> check -> cases its rule reaches
     reached: dict[tuple[str, str], dict[str, dict[str, int]]] = {}
     for result in results:
         name = result.candidate or TRUTH_LAYER
-        # A result names its candidate by label: the name, and a fault if it carries one.
-        info = infos.get((result.candidate or "").split(" (fault: ")[0])
+        info = candidate_info(candidates, result.candidate)
         version = result.candidate_version or (info or {}).get("version", "")
         key = (name, version)
         group = groups.setdefault(key, CandidateFindings(name, version))

@@ -34,6 +34,7 @@ from verify.report.fold import (
     error_headline,
     has_stand_in,
 )
+from verify.report.fold import candidate_info as fold_candidate_info
 from verify.report.model import Report
 
 # Without -v, a failing check lists this many failing cases and uncased failures: a candidate
@@ -114,8 +115,7 @@ def candidates_line(report: Report) -> str:
 
 def candidate_info(report: Report, label: str | None) -> Mapping[str, Any] | None:
     """The ``CandidateInfo.to_dict()`` of the candidate a result names by ``label``."""
-    name = (label or "").split(" (fault: ")[0]
-    return next((info for info in report.candidates if info["name"] == name), None)
+    return fold_candidate_info(report.candidates, label)
 
 
 def finding_tag(finding: Mapping[str, Any]) -> str:
