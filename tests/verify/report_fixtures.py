@@ -165,7 +165,9 @@ def two_candidate_report(new_bug: bool = True) -> Report:
     """fastgrad passes everything; the test Megatron-Core hits findings 3 (in two checks), 4
     and the hazard 1, and (``new_bug``) a failure no finding explains."""
     megatron = TestCandidate()
-    checks = []
+    truth = CheckRecorder("formats", "the truth layer")
+    truth.expect("round trips", True)
+    checks = [truth.finish(0.5)]
     for name, build in (("deferred_wgrad", megatron_deferred_wgrad),
                         ("pipeline", lambda c: megatron_pipeline(c, new_bug)),
                         ("reduce_scatter", lambda c: megatron_reduce_scatter(c, new_bug))):

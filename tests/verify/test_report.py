@@ -168,7 +168,8 @@ def test_a_crash_is_shown_as_a_crash_never_as_a_distance():
     for line in md.splitlines():
         if any(s in line for s in ("UnboundLocalError", "RuntimeError", "limit 1", "limit1",
                                    "P4 D1 interleaved")):
-            assert "ULP" not in line and "ulp" not in line, line
+            # neither a distance nor a failed comparison's row
+            assert "ULP" not in line and "ulp" not in line and "| FAIL |" not in line, line
     # a crash no finding explains: the crash it ended in, not the distance recorded before it
     new_crash = ("`--pipeline-model-parallel-size 4 --num-virtual-stages-per-pipeline-rank 2 "
                  "(DP 1, 8 microbatches a step)` (case P4 D1 interleaved): crashed: RuntimeError: "
@@ -242,21 +243,22 @@ def test_the_report_says_what_rests_on_the_cpu_stand_in_for_apexs_wgrad_gemm():
 def test_the_report_names_the_version_each_result_came_from():
     md = render_markdown(two_candidate_report())
     assert "| check | fastgrad 0.1.0 | megatron-core 0.16.1 |" in md
+    assert "| formats | PASS (truth layer, for all) | the same run |" in md
     details = _section(md, "## Details")
     assert details.count("Ran on megatron-core 0.16.1.") == 3
     assert details.count("Ran on fastgrad 0.1.0.") == 3
     data = two_candidate_report().to_dict()
     assert {(c["candidate"], c["candidate_version"]) for c in data["checks"]} == {
-        ("fastgrad", "0.1.0"), ("megatron-core", "0.16.1")}
+        (None, None), ("fastgrad", "0.1.0"), ("megatron-core", "0.16.1")}  # None: truth layer
     assert [(f["candidate"], f["version"]) for f in data["findings"]] == [
-        ("fastgrad", "0.1.0"), ("megatron-core", "0.16.1")]
+        ("gradverify (truth layer)", ""), ("fastgrad", "0.1.0"), ("megatron-core", "0.16.1")]
 
 
 def test_json_keeps_every_record_and_adds_the_findings():
     report = two_candidate_report()
     data = json.loads(json.dumps(report.to_dict()))
     assert data["schema_version"] == 4
-    megatron = data["findings"][1]
+    megatron = data["findings"][2]
     assert [f["key"] for f in megatron["findings"]] == ["test-3", "test-4"]
     assert [f["key"] for f in megatron["hazards"]] == ["test-1"]
     drain = megatron["findings"][0]
@@ -274,7 +276,7 @@ def test_json_keeps_every_record_and_adds_the_findings():
         assert len(entry["expectations"]) == len(result.expectations)
         assert [c["label"] for c in entry["cases"]] == [c.label for c in result.cases]
         assert len(entry["crashes"]) == len(result.crashes)
-    wgrad = data["checks"][1]
+    wgrad = data["checks"][2]
     assert wgrad["crashes"][0]["traceback"].startswith("Traceback")
     assert wgrad["known_findings"]["test-3"]["class"] == "crash"
 
@@ -328,3 +330,19 @@ def test_rank_output_in_a_table_is_text_never_markup():
                   [[0, "MarkupError bait: [/__w/pytorch/third_party/gloo/pair.cc:553]"]])
     text = render_table_text(table, width=200)
     assert "[/__w/pytorch/third_party/gloo/pair.cc:553]" in text
+
+
+def test_an_error_is_named_by_its_exception_line_not_by_a_detail_under_it():
+    stall = ("Traceback (most recent call last):\n  File \"launcher.py\", line 322, in wait\n"
+             "    raise RankTimeout(...)\n"
+             "verify.distributed.errors.RankTimeout: ranks 0 of 1 made no progress for 60 s "
+             "(every rank was killed):\n"
+             "  rank 0 (pid 25170): running; last marker 'running the rank function', 95.2 s ago\n")
+    report = Report(env={}, checks=[CheckResult("reduce_scatter", "rs", passed=False,
+                                                seconds=1.0, error=stall)])
+    text = render_text(report, width=300)
+    headline = ("verify.distributed.errors.RankTimeout: ranks 0 of 1 made no progress for 60 s "
+                "(every rank was killed)")
+    assert f"[ERROR] reduce_scatter: {headline}\n" in text
+    assert f"  error: {headline}\n" in text
+    assert f"- reduce_scatter: `{headline}`" in render_markdown(report)

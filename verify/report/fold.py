@@ -36,10 +36,18 @@ STAND_IN_NOTE = ("on this CPU, apex's fused wgrad GEMM (fused_weight_gradient_ml
 TRUTH_LAYER = "gradverify (truth layer)"
 
 
+_TRACEBACK_PROSE = ("Traceback (most recent call last):",
+                    "During handling of the above exception, another exception occurred:",
+                    "The above exception was the direct cause of the following exception:")
+
+
 def error_headline(error: str) -> str:
-    """The last line of a traceback: the exception and its message."""
+    """The exception line of a traceback: the last unindented line (a message's own further
+    lines, such as a stall's per-rank details, are indented), without a trailing colon."""
     lines = [line for line in error.strip().splitlines() if line.strip()]
-    return lines[-1].strip() if lines else "error"
+    heads = [line for line in lines if not line[0].isspace() and line not in _TRACEBACK_PROSE]
+    head = heads[-1] if heads else (lines[-1].strip() if lines else "error")
+    return head.rstrip(":").rstrip() or "error"
 
 
 def crash_text(crash: CrashRecord) -> str:

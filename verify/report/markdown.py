@@ -135,8 +135,9 @@ def _grid_markdown(report: Report) -> list[str]:
     for check in dict.fromkeys(r.name for r in report.checks):
         results = {r.candidate: r for r in report.checks if r.name == check}
         if None in results:
+            # One run verifies gradverify itself, for every candidate: said in each column.
             cells = [f"{grid_cell(results[None], seconds=False)} (truth layer, for all)"]
-            cells += [""] * (len(names) - 1)
+            cells += ["the same run"] * (len(names) - 1)
         else:
             cells = [grid_cell(results.get(n), seconds=False) for n in names]
         lines.append(f"| {check} | " + " | ".join(cells) + " |")
