@@ -135,7 +135,8 @@ def megatron_pipeline(candidate: Candidate, new_bug: bool = True) -> CheckResult
             _off_by(rec, "P4 D1 interleaved", 1086643720 % 97, n=1)
             rec.crash("P4 D1 interleaved", crash_of(
                 "RuntimeError", "shape '[4, 16]' is invalid for input of size 48",
-                "megatron.core.pipeline_parallel.schedules", "forward_step", ranks=(2, 3)), candidate)
+                "megatron.core.pipeline_parallel.schedules", "forward_step", ranks=(2, 3)),
+                candidate)
     return rec.finish(2.0, findings=candidate.findings(), candidate_version=VERSION)
 
 

@@ -24,5 +24,5 @@ from verify.report.text import (
 
 __all__ = ["MARKDOWN_COMPARISON_ROWS", "MARKDOWN_TABLE_ROWS", "MAX_FAILURES_SHOWN",
            "REPORT_SCHEMA_VERSION", "CandidateFindings", "CaseOutcome", "FindingHit", "Report",
-           "candidates_line", "fold", "render_markdown", "render_table_markdown", "render_table_text",
-           "render_text", "verdict_line", "write_markdown"]
+           "candidates_line", "fold", "render_markdown", "render_table_markdown",
+           "render_table_text", "render_text", "verdict_line", "write_markdown"]

@@ -55,8 +55,8 @@ def crash_text(crash: CrashRecord) -> str:
     message = f": {crash.message}" if crash.message else ""
     where = f" (raised at {crash.where})" if crash.where else ""
     ranks = ", ".join(map(str, crash.ranks))
-    return (f"crashed: {crash.exception}{message}{where} on rank{'s' if len(crash.ranks) != 1 else ''} "
-            f"{ranks}")
+    plural = "s" if len(crash.ranks) != 1 else ""
+    return f"crashed: {crash.exception}{message}{where} on rank{plural} {ranks}"
 
 
 def _plural(n: int, word: str, plural: str | None = None) -> str:
@@ -102,11 +102,13 @@ class CaseOutcome:
         parts = []
         if self.failed_comparisons:
             worst = self.worst_ulp
-            parts.append(f"{len(self.failed_comparisons)} of {_plural(self.comparisons, 'comparison')} "
-                         f"failed" + (f" (max {worst} ULP)" if worst is not None else ""))
+            parts.append(f"{len(self.failed_comparisons)} of "
+                         f"{_plural(self.comparisons, 'comparison')} failed"
+                         + (f" (max {worst} ULP)" if worst is not None else ""))
         if self.failed_expectations:
             first = self.failed_expectations[0]
-            fact = first.label if self.label is None else first.label.removeprefix(f"{self.label}: ")
+            fact = (first.label if self.label is None
+                    else first.label.removeprefix(f"{self.label}: "))
             parts.append(f"{len(self.failed_expectations)} of "
                          f"{_plural(self.expectations, 'expectation')} failed, first: {fact}"
                          + (f" ({first.detail})" if first.detail else ""))
@@ -179,7 +181,8 @@ class CandidateFindings:
                   "failures no known finding explains"),
                  (len(self.findings), "known finding a launch reaches",
                   "known findings a launch reaches"),
-                 (len(self.hazards), "hazard (direct API use only)", "hazards (direct API use only)"),
+                 (len(self.hazards), "hazard (direct API use only)",
+                  "hazards (direct API use only)"),
                  (len(self.errors), "check ended in an error", "checks ended in an error")]
         return ", ".join(_plural(n, one, many) for n, one, many in parts if n) or "no failures"
 
@@ -207,7 +210,7 @@ def has_stand_in(info: Mapping[str, Any] | None) -> bool:
 
 
 def rests_on_stand_in(case: CaseRecord, stand_in: bool) -> bool:
-    """A case of a candidate with the stand-in that runs an output layer (whose wgrad GEMM it is)."""
+    """A case of a candidate with the stand-in that runs an output layer (its wgrad GEMM)."""
     return stand_in and bool(case.settings.get("has_output_layer", False))
 
 

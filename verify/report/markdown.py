@@ -16,6 +16,7 @@ from verify.report.fold import (
     CandidateFindings,
     CaseOutcome,
     FindingHit,
+    candidate_info,
     case_outcomes,
     crash_text,
     has_stand_in,
@@ -23,7 +24,6 @@ from verify.report.fold import (
 from verify.report.model import Report, json_safe
 from verify.report.text import (
     EXAMPLES_PER_CHECK,
-    candidate_info,
     candidate_names,
     candidates_line,
     cases_effect,
@@ -128,8 +128,10 @@ def _grid_markdown(report: Report) -> list[str]:
     """One row per check, a column per candidate (with its version)."""
     names = candidate_names(report)
     versions = {r.candidate: r.candidate_version for r in report.checks if r.candidate_version}
-    headers = [f"{n} {versions.get(n) or (candidate_info(report, n) or {}).get('version', '')}"
-               .strip() for n in names]
+    headers = []
+    for n in names:
+        version = versions.get(n) or (candidate_info(report.candidates, n) or {}).get("version")
+        headers.append(f"{n} {version}" if version else n)
     lines = ["## Checks", "", "| check | " + " | ".join(headers) + " |",
              "|---|" + "---|" * len(names)]
     for check in dict.fromkeys(r.name for r in report.checks):
@@ -224,7 +226,8 @@ def _differences_markdown(differences: Sequence[DifferenceRecord]) -> list[str]:
         if facts:
             first = facts[0].metrics.get("detail") or facts[0].label
             parts.append(f"{len(facts)} fact{'s' if len(facts) != 1 else ''}, e.g. {first}")
-        lines.append(f"| {_md(behaviour)} | `{_md(where)}` | {len(group)} | {_md('; '.join(parts))} |")
+        lines.append(f"| {_md(behaviour)} | `{_md(where)}` | {len(group)} | "
+                     f"{_md('; '.join(parts))} |")
     return lines
 
 
@@ -265,14 +268,15 @@ def _cases_markdown(result: CheckResult, outcomes: list[CaseOutcome]) -> list[st
 
 
 def _details_markdown(report: Report, r: CheckResult) -> list[str]:
-    info = candidate_info(report, r.candidate)
+    info = candidate_info(report.candidates, r.candidate)
     outcomes = case_outcomes(r, has_stand_in(info))
     lines = ["", f"### {r.key}: {r.status}", "", r.summary]
     version = r.candidate_version or (info or {}).get("version")
     if r.candidate is not None and version:
         lines += ["", f"Ran on {r.candidate} {version}."]
     on_stand_in = sum(o.stand_in for o in outcomes) if r.cases else 0
-    resting = sum(bool(c.settings.get("has_output_layer")) for c in r.cases) if has_stand_in(info) else 0
+    resting = (sum(bool(c.settings.get("has_output_layer")) for c in r.cases)
+               if has_stand_in(info) else 0)
     if resting:
         lines += ["", f"_{resting} of its {len(r.cases)} cases ran Megatron-Core's output layer "
                       f"on the CPU stand-in for apex's wgrad GEMM (`wgrad_gemm_accum_fp32`/"
@@ -288,7 +292,8 @@ def _details_markdown(report: Report, r: CheckResult) -> list[str]:
         lines += ["", *_comparisons_markdown(r.comparisons, folded)]
     if r.expectations:
         failed = [e for e in r.expectations if not e.passed]
-        lines += ["", f"{len(r.expectations) - len(failed)}/{len(r.expectations)} expectations hold."]
+        held = len(r.expectations) - len(failed)
+        lines += ["", f"{held}/{len(r.expectations)} expectations hold."]
         lines += [f"- FAILED: {e.label}" + (f": {e.detail}" if e.detail else "")
                   for e in failed if e.case not in folded]
     if r.differences:

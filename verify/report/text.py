@@ -29,12 +29,12 @@ from verify.report.fold import (
     CandidateFindings,
     CaseOutcome,
     FindingHit,
+    candidate_info,
     case_outcomes,
     crash_text,
     error_headline,
     has_stand_in,
 )
-from verify.report.fold import candidate_info as fold_candidate_info
 from verify.report.model import Report
 
 # Without -v, a failing check lists this many failing cases and uncased failures: a candidate
@@ -111,11 +111,6 @@ def candidates_line(report: Report) -> str:
         parts.append(part)
     noun = "candidate" if len(parts) == 1 else "candidates"
     return f"{noun}: " + "; ".join(parts)
-
-
-def candidate_info(report: Report, label: str | None) -> Mapping[str, Any] | None:
-    """The ``CandidateInfo.to_dict()`` of the candidate a result names by ``label``."""
-    return fold_candidate_info(report.candidates, label)
 
 
 def finding_tag(finding: Mapping[str, Any]) -> str:
@@ -236,13 +231,15 @@ def _failure_lines(result: CheckResult, outcomes: list[CaseOutcome]) -> list[str
 def _result_details(report: Report, result: CheckResult, verbose: bool, width: int) -> list[str]:
     """What went wrong under a failing result, folded to its cases; everything with ``verbose``."""
     lines = []
-    outcomes = case_outcomes(result, has_stand_in(candidate_info(report, result.candidate)))
+    info = candidate_info(report.candidates, result.candidate)
+    outcomes = case_outcomes(result, has_stand_in(info))
     if result.status in (FAIL, ERROR) or verbose:
         details = _failure_lines(result, outcomes)
         shown = details if verbose else details[:MAX_FAILURES_SHOWN]
         lines.extend(fit(d, width, "  ") for d in shown)
         if len(details) > len(shown):
-            lines.append(f"  ... and {len(details) - len(shown)} more failing (see -v or the reports)")
+            lines.append(f"  ... and {len(details) - len(shown)} more failing "
+                         "(see -v or the reports)")
     if result.error:
         if verbose:
             lines.append("  error:")
