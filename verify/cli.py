@@ -5,9 +5,16 @@ the reports and plots; ``verify env`` prints the environment fingerprint. Other
 subcommands (``layout``, ``accumulation``, ``simulate-pipeline``) live in their
 own modules, listed in :data:`SUBCOMMANDS`.
 
-Exit codes (as pytest keeps failures and errors apart): 0 every check passed,
-1 a numerical failure, 2 bad usage, 3 an error (a check crashed or timed out, the
-run was interrupted, or an output could not be written).
+Exit codes, for a CI job to gate on (``verify run``; README "Exit codes"):
+
+0  every check passed (hazards only direct API use reaches are reported, and pass);
+1  a candidate computed a wrong gradient or crashed in a configuration a Megatron-LM launch
+   can reach (a FAIL; it wins over 3: a bug found stands whatever else went wrong), or
+   nothing was verified (every check skipped);
+2  bad usage, before any check runs: a bad flag or output path, or a ``--candidate`` that
+   cannot run here (not installed: the message gives the install command; unusable);
+3  no failure found, but the harness could not finish: a stalled rank, a crash whose root
+   cause is the harness's own, Ctrl-C, or an output not written.
 """
 
 from __future__ import annotations
@@ -27,10 +34,11 @@ from verify.candidates import (
     CANDIDATES,
     DEFAULT_CANDIDATE,
     Candidate,
+    Technique,
     candidate_named,
     candidate_names,
 )
-from verify.check import CheckContext
+from verify.check import Check, CheckContext
 from verify.checks import all_checks, check_by_name
 from verify.console import StepProgress, emit, report_width
 from verify.distributed import RankLauncher
@@ -44,6 +52,8 @@ from verify.runner import RunItem, abandoned_check_threads, run_checks
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ERROR = 0, 1, 2, 3
 EXIT_BY_VERDICT = {"PASS": EXIT_OK, "FAIL": EXIT_FAILED, "ERROR": EXIT_ERROR}
 DEFAULT_TIMEOUT_S = CheckContext.timeout_s
+# ``CandidateInfo.version`` of a candidate whose package is missing here.
+NOT_INSTALLED = "not installed"
 
 # Subcommand name -> module defining configure_parser(parser) and main(args) -> int.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -110,8 +120,11 @@ def _add_run_parser(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Run the registered checks and write the reports. Rough run time on 2 CPU cores: "
             f"about {_rough_total(False):.0f} s for all checks, {_rough_total(True):.0f} s with "
-            "--quick. Exit codes: 0 all passed, 1 a numerical failure, 2 usage, 3 an error "
-            "(crash, timeout, interrupted, output not written)."
+            "--quick. Exit codes: 0 all passed (hazards only direct API use reaches are "
+            "reported, not failed); 1 a candidate computed a wrong gradient or crashed where a "
+            "launch can reach it (or nothing was verified); 2 usage, a --candidate that cannot "
+            "run here included; 3 no failure found but the harness could not finish (a stall, "
+            "a crash of its own, Ctrl-C, an output not written)."
         ),
     )
     run.add_argument("--check", action="append", metavar="NAME",
@@ -210,7 +223,7 @@ def _run_checks(args: argparse.Namespace, interrupts: Interrupts) -> int:
         checks = [check_by_name(n) for n in args.check] if args.check else list(all_checks())
     except ValueError as exc:
         raise UsageError(f"--check: {exc}") from exc
-    candidates = _candidates(args.candidate)
+    candidates = _candidates(args.candidate, checks)
     if args.candidate and all(check.technique is None for check in checks):
         raise UsageError(f"--candidate {args.candidate[0]}: the checks selected "
                          f"({', '.join(c.name for c in checks)}) are truth-layer checks, which run "
@@ -226,16 +239,42 @@ def _run_checks(args: argparse.Namespace, interrupts: Interrupts) -> int:
         return _run_and_report(args, items, candidates, interrupted)
 
 
-def _candidates(names: Sequence[str] | None) -> list[Candidate]:
-    """The ``--candidate`` names as candidates, in the order given (default: fastgrad)."""
+def _candidates(names: Sequence[str] | None, checks: Sequence[Check]) -> list[Candidate]:
+    """The ``--candidate`` names as candidates, in the order given (default: fastgrad), each
+    able to run some of ``checks`` here: one that cannot (not installed, unusable) is a usage
+    error naming why and the install command, before any check runs, never a PASS of nothing."""
     names = list(names or [DEFAULT_CANDIDATE])
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
         raise UsageError(f"--candidate {repeated[0]} was given more than once")
     try:
-        return [candidate_named(n) for n in names]
+        candidates = [candidate_named(n) for n in names]
     except ValueError as exc:  # unknown name, or a plugin that cannot be used
         raise UsageError(f"--candidate: {exc}") from exc
+    techniques = [check.technique for check in checks if check.technique is not None]
+    refusals = [f"--candidate {c.name} cannot run here: {why}" for c in candidates
+                if (why := cannot_run_here(c, techniques)) is not None]
+    if refusals:
+        raise UsageError("\n".join(refusals))
+    return candidates
+
+
+def cannot_run_here(candidate: Candidate, techniques: Sequence[Technique]) -> str | None:
+    """Why ``candidate`` can run none of ``techniques`` here (None: it can run some): its
+    ``info()`` fails, it is not installed, or it lists each of them as unsupported here
+    (``CandidateInfo.unsupported``, with the reason: for a missing package, how to install it).
+    A candidate that runs some of them and not others runs, its others SKIP with the reason."""
+    try:
+        info = candidate.info()
+    except Exception as exc:  # noqa: BLE001 - an unusable candidate is named, not a traceback
+        return f"reading what is installed failed: {type(exc).__name__}: {exc}"
+    unsupported = dict(info.unsupported)
+    if info.version == NOT_INSTALLED:
+        return "; ".join(dict.fromkeys(unsupported.values())) or info.description
+    wanted = list(dict.fromkeys(t.value for t in techniques))
+    if wanted and all(t in unsupported for t in wanted):
+        return "; ".join(f"{t}: {unsupported[t]}" for t in wanted)
+    return None
 
 
 def _listing() -> str:
@@ -268,7 +307,7 @@ def _listing() -> str:
 
 def _run_and_report(args: argparse.Namespace, items: Sequence[RunItem],
                     candidates: Sequence[Candidate], interrupted: threading.Event) -> int:
-    from verify.report import Report, render_text
+    from verify.report import Report, render_text, write_markdown
 
     context = CheckContext(device=args.device, seed=args.seed, quick=args.quick,
                            timeout_s=args.timeout)
@@ -303,9 +342,12 @@ def _run_and_report(args: argparse.Namespace, items: Sequence[RunItem],
     if args.json:
         outputs.append(Output("--json", Path(args.json), report.write_json))
     if args.markdown:
-        outputs.append(Output("--markdown", Path(args.markdown), report.write_markdown))
+        outputs.append(Output("--markdown", Path(args.markdown),
+                              lambda path: write_markdown(report, path)))
     failures = _write_all(outputs)
-    return EXIT_ERROR if failures else EXIT_BY_VERDICT[report.verdict]
+    if failures and report.verdict != "FAIL":  # a failure found stands, written or not
+        return EXIT_ERROR
+    return EXIT_BY_VERDICT[report.verdict]
 
 
 def _write_all(outputs: Sequence[Output]) -> list[str]:

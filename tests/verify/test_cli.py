@@ -6,7 +6,19 @@ from pathlib import Path
 
 import pytest
 
+from tests.verify.report_fixtures import (
+    AFTER_FP32,
+    DRAIN_MESSAGE,
+    LIMIT_1,
+    LIMIT_2,
+    NEW_BUG,
+    PLAIN_DP,
+    TestCandidate,
+    crash_of,
+)
 from verify import cli
+from verify.candidates.api import CandidateInfo
+from verify.candidates.megatron_core.candidate import MegatronCoreCandidate
 from verify.check import Check, CheckResult
 
 REPO = Path(__file__).resolve().parents[2]
@@ -396,7 +408,7 @@ def test_two_candidates_give_one_report_with_a_column_each(monkeypatch, tmp_path
     assert cli.main(["run", "--jobs", "1", "--candidate", "fastgrad", "--candidate",
                      "megatron-core", "--json", str(out_json), "--markdown", str(out_md)]) == 0
     report = json.loads(out_json.read_text())
-    assert report["schema_version"] == 3
+    assert report["schema_version"] == 4
     assert [c["name"] for c in report["candidates"]] == ["fastgrad", "megatron-core"]
     assert all(c["version"] for c in report["candidates"])
     assert [(c["name"], c["candidate"], c["status"]) for c in report["checks"]] == [
@@ -408,9 +420,10 @@ def test_two_candidates_give_one_report_with_a_column_each(monkeypatch, tmp_path
     assert "candidates: fastgrad" in out and "megatron-core" in out
     assert "1 documented difference from refgrad's spec" in out
     md = out_md.read_text()
-    assert "| check | fastgrad | megatron-core |" in md
+    versions = [c["version"] for c in report["candidates"]]
+    assert f"| check | fastgrad {versions[0]} | megatron-core {versions[1]} |" in md
     assert "| tech | PASS | PASS, 1 documented |" in md
-    assert "| grads | pre-scales in bf16 | `pkg.mod.func` | 1 of 2 | 1 |" in md
+    assert "| pre-scales in bf16 | `pkg.mod.func` | 1 | 1 of 2 elements, max 1 ULP |" in md
 
 
 def test_a_candidate_named_twice_or_unknown_is_a_usage_error(monkeypatch, capsys):
@@ -472,3 +485,153 @@ def test_a_twin_scaled_below_the_launchs_tp_says_so_in_the_verdicts_first_line(c
     assert cli.main(argv) == 0
     first = capsys.readouterr().out.splitlines()[0]
     assert "; twin (2 ranks, TP 4 scaled to TP 2, 2 steps) matches refgrad" in first, first
+
+
+# --- exit codes a CI job can gate on, and candidates that cannot run here ---
+
+INSTALL_COMMAND = "pip install -e '.[megatron]' (in the gradverify checkout)"
+
+
+def _without_megatron(monkeypatch):
+    """Megatron-Core as if not installed, in this process only: importlib finds no
+    ``megatron`` (what ``version.missing_reason`` asks), nothing is uninstalled."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a, **k: None if name.split(".")[0] == "megatron"
+                        else real(name, *a, **k))
+
+
+@pytest.mark.parametrize("names", [["megatron-core"], ["fastgrad", "megatron-core"]])
+def test_a_candidate_that_is_not_installed_is_a_usage_error_before_any_check(
+        monkeypatch, tmp_path, capsys, names):
+    """It used to run: '3 PASS, 6 SKIP -> PASS', exit 0, a CI job whose install broke went
+    green. Now: exit 2, naming the install command, no check run, no report written."""
+    _without_megatron(monkeypatch)
+    assert MegatronCoreCandidate().info().version == "not installed"
+    ran = []
+    _use_technique(monkeypatch, lambda ctx, rec, candidate: (ran.append(candidate.name),
+                                                             rec.expect("ran", True)))
+    out_json = tmp_path / "r.json"
+    argv = ["run", *(a for n in names for a in ("--candidate", n)), "--json", str(out_json)]
+    assert cli.main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip() == ("verify run: error: --candidate megatron-core cannot run "
+                                    f"here: megatron-core is not installed: {INSTALL_COMMAND}")
+    assert captured.out == "" and not out_json.exists() and not ran
+
+
+def test_a_candidate_that_cannot_be_used_is_a_usage_error_naming_why(monkeypatch, capsys):
+
+    class Broken(TestCandidate):
+        name = "broken"
+
+        def info(self):
+            raise ImportError("libcudart.so.12: cannot open shared object file")
+
+    ran = []
+    _use_technique(monkeypatch, lambda ctx, rec, candidate: ran.append(1))
+    monkeypatch.setattr(cli, "candidate_named", lambda name: Broken())
+    assert cli.main(["run", "--candidate", "broken"]) == 2
+    assert ("--candidate broken cannot run here: reading what is installed failed: ImportError: "
+            "libcudart.so.12: cannot open shared object file") in capsys.readouterr().err
+    assert not ran
+
+
+def test_a_candidate_that_can_run_none_of_the_selected_checks_here_is_a_usage_error(
+        monkeypatch, capsys):
+
+    class NoPipeline(TestCandidate):
+        def info(self):
+            return CandidateInfo(self.name, "0.16.1", "test",
+                                 unsupported=(("pipeline", "needs CUDA here"),))
+
+    _use_technique(monkeypatch, lambda ctx, rec, candidate: rec.expect("ran", True))
+    monkeypatch.setattr(cli, "candidate_named", lambda name: NoPipeline())
+    assert cli.main(["run", "--candidate", "megatron-core"]) == 2
+    assert ("--candidate megatron-core cannot run here: pipeline: needs CUDA here"
+            in capsys.readouterr().err)
+
+
+def _use_technique(monkeypatch, *functions):
+    """Register synthetic pipeline-technique checks named tech0, tech1, ... (a candidate's)."""
+    from verify.candidates import Technique
+
+    checks = {f"tech{i}": Check(f"tech{i}", f"synthetic {i}", fn, technique=Technique.PIPELINE)
+              for i, fn in enumerate(functions)}
+    monkeypatch.setattr(cli, "check_by_name", lambda name: checks[name])
+    monkeypatch.setattr(cli, "all_checks", lambda: tuple(checks.values()))
+    return checks
+
+
+def _hazard_only(ctx, rec, candidate):
+    """A case only direct API use reaches fails (finding 1 of the test candidate); another passes."""
+    import torch
+
+
+    a = torch.tensor([1.0, 2.0])
+    with rec.case("after an fp32 DDP", AFTER_FP32):
+        rec.compare("after an fp32 DDP: sum", a, a + 1)
+    with rec.case("plain", PLAIN_DP):
+        rec.compare("plain: sum", a, a.clone())
+
+
+def _reachable_crash(ctx, rec, candidate):
+    """A launch-reachable crash in the candidate's code (finding 3 of the test candidate)."""
+
+    with rec.case("limit 1", LIMIT_1):
+        rec.crash("limit 1", crash_of("UnboundLocalError", DRAIN_MESSAGE, "megatron.core.utils",
+                                      "drain_embedding_wgrad_compute"), candidate)
+
+
+def _unexplained_wrong_gradient(ctx, rec, candidate):
+    import torch
+
+
+    a = torch.tensor([1.0, 2.0])
+    with rec.case("W=4 AVG", NEW_BUG):
+        rec.compare("W=4 AVG: sum", a, a + 1)
+
+
+def _harness_crash(ctx, rec, candidate):
+    """A rank crash whose root cause is the harness's own code: the check ERRORs."""
+
+    with rec.case("limit 2", LIMIT_2):
+        rec.crash("limit 2", crash_of("KeyError", "'grads'", "verify.checks.pipeline.worker",
+                                      "collect"), candidate)
+
+
+@pytest.mark.parametrize("functions, code, verdict", [
+    ((_hazard_only,), 0, "PASS"),
+    ((_reachable_crash,), 1, "FAIL"),
+    ((_unexplained_wrong_gradient,), 1, "FAIL"),
+    ((_harness_crash,), 3, "ERROR"),
+    ((_harness_crash, _reachable_crash), 1, "FAIL"),  # a bug found stands beside an error
+    ((_hazard_only, _harness_crash), 3, "ERROR"),  # a hazard never fails the run
+])
+def test_exit_codes_a_ci_job_can_gate_on(monkeypatch, tmp_path, functions, code, verdict):
+
+    _use_technique(monkeypatch, *functions)
+    monkeypatch.setattr(cli, "candidate_named", lambda name: TestCandidate())
+    out_json, out_md = tmp_path / "r.json", tmp_path / "r.md"
+    assert cli.main(["run", "--jobs", "1", "--candidate", "megatron-core", "--json",
+                     str(out_json), "--markdown", str(out_md), "--no-plots"]) == code
+    report = json.loads(out_json.read_text())
+    assert report["verdict"] == verdict
+    md = out_md.read_text()
+    assert f"**Result: {verdict}**" in md and f"exit code {code}" in md
+    findings = {f["candidate"]: f for f in report["findings"]}["megatron-core"]
+    if _hazard_only in functions:
+        hazard = report["checks"][functions.index(_hazard_only)]
+        assert hazard["status"] == "PASS"
+        assert [f["key"] for f in findings["hazards"]] == ["test-1"]
+        assert "**#1 hazard, direct API use only (wrong gradient)**" in md.split("## Checks")[0]
+    if _reachable_crash in functions:
+        assert [f["key"] for f in findings["findings"]] == ["test-3"]
+    if _unexplained_wrong_gradient in functions:
+        assert [c["case"] for c in findings["unexplained"]] == ["W=4 AVG"]
+    if _harness_crash in functions:
+        errored = report["checks"][functions.index(_harness_crash)]
+        assert errored["status"] == "ERROR" and "KeyError" in errored["error"]
+        assert [e["check"] for e in findings["errors"]] == [f"tech{functions.index(_harness_crash)}"]
