@@ -33,7 +33,7 @@ from verify.candidates import (
     default_candidate,
 )
 from verify.candidates.api.findings import Finding, LaunchSettings, explaining
-from verify.distributed import RankCrashed, RankLauncher
+from verify.distributed import RankCrashed, RankLauncher, spawn_each
 
 _DEVICES = ("cpu", "cuda")
 
@@ -485,6 +485,42 @@ def launcher_for(candidate: Candidate) -> RankLauncher:
     (a server already running keeps its preload: ``verify run`` starts it with every
     candidate's)."""
     return RankLauncher().preloading(*candidate.preload_modules)
+
+
+def run_part(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate,
+             part: Callable[..., Any], *args: Any) -> Any:
+    """``part(ctx, rec, candidate, *args)``: the part of a check that uses ``candidate`` in a
+    single process. A candidate that keeps no process-wide state runs it here; any other
+    (Megatron-Core: its CUDA redirects, a default process group, module globals) in a process
+    of its own (a 1-rank world), so nothing it sets up reaches this process, where other
+    checks run in threads. What the part recorded is absorbed into ``rec``; its return value
+    (picklable) is returned; an :class:`Unsupported` it raises is raised here; a crash is the
+    part's crash (``part.__name__``)."""
+    if not candidate.isolates_configurations:
+        return part(ctx, rec, candidate, *args)
+    (outcome,) = spawn_each(_part_process, 1, [part], ctx, candidate, args, isolate=True,
+                            timeout_s=ctx.timeout_s, launcher=launcher_for(candidate))
+    if outcome.crash is not None:
+        label = part.__name__.strip("_").replace("_", " ")
+        rec.crash(label, outcome.crash, candidate)
+        return None
+    recorded, value, unsupported = outcome.results[0]
+    rec.absorb(recorded)
+    if unsupported is not None:
+        raise Unsupported(*unsupported)
+    return value
+
+
+def _part_process(rank: int, world: int, part: Callable[..., Any], ctx: CheckContext,
+                  candidate: Candidate, args: tuple[Any, ...]
+                  ) -> tuple[CheckRecorder, Any, tuple[Technique, str] | None]:
+    """:func:`run_part`'s process: what the part recorded, returned, or why it cannot run."""
+    del rank, world
+    recorded = CheckRecorder("part")
+    try:
+        return recorded, part(ctx, recorded, candidate, *args), None
+    except Unsupported as unsupported:
+        return recorded, None, (unsupported.technique, unsupported.reason)
 
 
 def _plain_settings(settings: LaunchSettings) -> dict[str, Any]:

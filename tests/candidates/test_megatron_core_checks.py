@@ -89,6 +89,7 @@ def test_the_scopes_undo_their_process_setup():
                 torch.cuda.current_device()
 
 
+@pytest.mark.dist  # Megatron-Core's single-process parts run in a 1-rank world of their own
 def test_layout_check_quick_is_refgrads_layout_and_reports_alignment_apart():
     result = _check("layout").execute(QUICK, MegatronCoreCandidate())
     assert result.status == "PASS", (result.error, result.failed_labels())

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from refgrad.layout import compute_layout as reference_layout
 from verify.candidates import Behaviour, Candidate, Technique, Unsupported
 from verify.candidates.api.layout import BucketLayout, LayoutCase
-from verify.check import Check, CheckContext, CheckRecorder
+from verify.check import Check, CheckContext, CheckRecorder, run_part
 from verify.checks.layout.buffers import AlignmentFact, buffer_violations
 from verify.checks.layout.cases import HAND_CASES, compare_layouts, hand_case_mismatch, random_case
 from verify.checks.layout.invariants import layout_violations
@@ -37,9 +37,10 @@ def run(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate) -> None:
 
 def _run(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate, options: _Options) -> None:
     # Unsupported from the accessor: nothing of the candidate can run (SKIP).
-    with candidate.layout() as layout:
-        _single_process_parts(ctx, rec, candidate, layout, options)
-    # 5. Real reductions across ranks (each rank enters the candidate's layout itself).
+    candidate.layout()
+    # Parts 1-4 and 6 in one process (this one for a candidate without process-wide state).
+    run_part(ctx, rec, candidate, _inspect, options)
+    # 5. Real reductions across ranks (each scenario in its own world).
     if options.spawn_ranks:
         for world_size in options.spawn_ranks:
             record_reduce_scenarios(rec, run_reduce_scenarios(
@@ -47,8 +48,13 @@ def _run(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate, options: _
                 candidate)
     else:
         rec.skip("multi-rank reduce-scatter through the buffers runs only without --quick")
-    # 6. The padding report and the published worked examples.
+
+
+def _inspect(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate, options: _Options) -> None:
+    """Parts 1-4 (the candidate's layouts and buffers) and 6 (the padding report and the
+    published worked examples), inside the candidate's layout scope."""
     with candidate.layout() as layout:
+        _single_process_parts(ctx, rec, candidate, layout, options)
         _report(ctx, rec, layout)
 
 

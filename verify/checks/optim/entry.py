@@ -15,7 +15,7 @@ from verify.candidates import Candidate, LaunchSettings, Technique, Unsupported
 from verify.candidates.api.optimizer import DistributedOptimizerStep, OptimizerBehaviour
 from verify.candidates.api.optimizer_parts import OptimizerGuards
 from verify.candidates.api.pipeline import ParallelDims
-from verify.check import Check, CheckContext, CheckRecorder, launcher_for
+from verify.check import Check, CheckContext, CheckRecorder, launcher_for, run_part
 from verify.checks.optim.cases import CHECKPOINT_CASE, MIXED, NAMES, OptimCase, case_matrix
 from verify.checks.optim.compare import (
     Documented,
@@ -364,13 +364,19 @@ def check_mxfp8(rec: CheckRecorder, mxfp8_runs: list[tuple[str, bool, bool]],
 
 def run(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate) -> None:
     """The ``optim`` check against ``candidate``'s optimizer (default: fastgrad's)."""
-    with candidate.optimizer() as optimizer:  # a candidate without the technique: SKIP
-        behaviour = optimizer.behaviour()
-        shares_a_world = optimizer.shares_a_world
-        guarded = _guards(rec, optimizer)
-        mxfp8 = _has_mxfp8(rec, optimizer)
+    behaviour, shares_a_world, guarded, mxfp8 = run_part(ctx, rec, candidate, _optimizer_facts)
     check_multi_rank(ctx, rec, candidate, behaviour, shares_a_world, guarded=guarded, mxfp8=mxfp8)
     check_torch_adamw(ctx, rec)
+
+
+def _optimizer_facts(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate
+                     ) -> tuple[OptimizerBehaviour, bool, bool, bool]:
+    """The candidate's documented departures, whether its optimizers share a world, and its
+    misuse guards (checked here) and MXFP8 params, where it has them. A candidate without
+    the technique raises Unsupported: a SKIP."""
+    with candidate.optimizer() as optimizer:
+        return (optimizer.behaviour(), optimizer.shares_a_world, _guards(rec, optimizer),
+                _has_mxfp8(rec, optimizer))
 
 
 def _guards(rec: CheckRecorder, optimizer: DistributedOptimizerStep) -> bool:

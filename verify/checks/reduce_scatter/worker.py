@@ -19,9 +19,9 @@ import torch.distributed as dist
 from refgrad import reduce_scatter as refc
 from refgrad.formats import tensor_bit_patterns
 from verify.candidates import Candidate, LaunchSettings, Unsupported
-from verify.candidates.api.grad_reduction import OPS, GradReduction
+from verify.candidates.api.grad_reduction import OPS, GradReduction, ReductionBehaviour
 from verify.candidates.api.pipeline import ParallelDims
-from verify.check import CheckContext, CheckRecorder, launcher_for
+from verify.check import CheckContext, CheckRecorder, launcher_for, run_part
 from verify.checks.reduce_scatter.buckets import (
     bucket_references_process,
     bucket_worker,
@@ -178,6 +178,13 @@ def collectives_settings(world: int) -> LaunchSettings:
                           direct_call=f"{COLLECTIVES} on process groups of 2 to {world} ranks")
 
 
+def _plan_and_behaviour(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate
+                        ) -> tuple[CollectivePlan, ReductionBehaviour]:
+    """Which ops the candidate's collectives take, and its documented reduction behaviour."""
+    with candidate.grad_reduction() as reduction:
+        return collective_plan(reduction, rec), reduction.behaviour()
+
+
 def check_multi_rank(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate) -> None:
     """The candidate's reduce-scatter on real gloo groups (every mode, SUM and AVG) vs
     refgrad fp32/rank, bitwise; at W >= 3 also on order-sensitive inputs; then its DDP
@@ -186,9 +193,7 @@ def check_multi_rank(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate
     sizes = (2, 3) if ctx.quick else (2, 3, 4)
     average_sizes = AVERAGE_SIZES[:2] if ctx.quick else AVERAGE_SIZES
     shard = 16 if ctx.quick else 96
-    with candidate.grad_reduction() as reduction:
-        plan = collective_plan(reduction, rec)
-        behaviour = reduction.behaviour()
+    plan, behaviour = run_part(ctx, rec, candidate, _plan_and_behaviour)
     cases = bucket_cases(average_sizes)
     world = max(*sizes, *average_sizes)
     launcher = launcher_for(candidate)
