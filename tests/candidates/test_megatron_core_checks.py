@@ -70,19 +70,33 @@ def test_documented_behaviours_name_their_megatron_core_module_and_function():
 
 
 def test_the_scopes_undo_their_process_setup():
+    import logging
+
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    from verify.candidates.megatron_core.scope import DDP_LOGGER, SELF_COMPUTED_LAYOUT
+
+    ddp_logger = logging.getLogger(DDP_LOGGER)
+
+    def logged(message: str) -> bool:
+        return bool(ddp_logger.filter(logging.LogRecord(DDP_LOGGER, logging.WARNING, __file__, 0,
+                                                        message, None, None)))
+
     candidate = MegatronCoreCandidate()
     cpu = not torch.cuda.is_available()
+    noise = f"{SELF_COMPUTED_LAYOUT} with use_distributed_optimizer=True. Auto-computing ..."
     for accessor in (candidate.layout, candidate.deferred_wgrad):
         with accessor() as interface:
             assert dist.is_initialized()  # Megatron's buffer logging asserts it
             assert torch.cuda.current_device() == "cpu" if cpu else True
+            assert not logged(noise) and logged("Setting up DistributedDataParallel")
             with interface:  # re-entered: finds everything made
                 assert dist.is_initialized()
             assert dist.is_initialized()
+            assert not logged(noise)  # the inner scope left the outer one's filter
         assert not dist.is_initialized()
+        assert logged(noise)
         assert parallel_state._GLOBAL_MEMORY_BUFFER is None
         if cpu:  # the redirect is gone again
             with pytest.raises((AssertionError, RuntimeError)):
