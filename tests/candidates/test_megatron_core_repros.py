@@ -44,14 +44,15 @@ REPROS = {
         "main_grad != expected", "BUG: the abandoned step's grad_output was paired"],
 }
 
-# release -> the scripts whose bug its source has. Read in megatron/core/ of each wheel; in
-# 0.19.2 every function below is unchanged from 0.16.1 (the diff of each is empty, or touches
-# other lines only, as noted):
+# release -> the scripts whose bug its source has, read in megatron/core/ of each wheel. In
+# 0.19.2 the code each bug lives in is that of 0.16.1 ("identical": the function's source is
+# the same; otherwise what changed around it, none of it on the bug's path):
 # - fp32_rs_rebinds_global: distributed/param_and_grad_buffer.py
 #   _ParamAndGradBucketGroup.__init__ still does `global dist_reduce_scatter_func;
 #   dist_reduce_scatter_func = reduce_scatter_with_fp32_accumulation`, and start_grad_sync
 #   keeps the coalescing manager's handle unless its own config asks for fp32 accumulation
-#   (0.19.2 adds a predecessor drain, linked only when its own flag is on).
+#   (0.19.2 also requires use_distributed_optimizer there, and adds a predecessor drain
+#   linked only when the DDP's own flag is on).
 # - fp32_rs_with_avg: distributed/reduce_scatter_with_fp32_accumulation.py
 #   reduce_scatter_with_fp32_accumulation `assert op == torch.distributed.ReduceOp.SUM`
 #   (file identical); distributed_data_parallel_config.py __post_init__ checks neither pair.
@@ -60,8 +61,9 @@ REPROS = {
 # - drain_after_grad_sync: pipeline_parallel/schedules.py
 #   forward_backward_pipelining_without_interleaving calls config.grad_sync_func before
 #   finish_embedding_wgrad_compute (identical order).
-# - batched_p2p_pp2_vpp2: pipeline_parallel/p2p_communication.py _batched_p2p_ops (0.19.2
-#   adds only the P2PCommunicator stage properties); model_parallel_config.py
+# - batched_p2p_pp2_vpp2: pipeline_parallel/p2p_communication.py _batched_p2p_ops and
+#   P2PCommunicator._communicate (identical; 0.19.2 adds stage properties to
+#   P2PCommunicator); model_parallel_config.py
 #   ModelParallelConfig.batch_p2p_comm defaults to True.
 # - stale_grad_output: pipeline_parallel/schedules.py clear_embedding_activation_buffer
 #   (identical): clears embedding_activation_buffer only.
