@@ -29,6 +29,7 @@ import contextlib
 import os
 import socket
 import sys
+from importlib.metadata import version
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,7 @@ import torch.multiprocessing as mp
 PP, DP, MICROBATCHES, STEPS, SEQ, HIDDEN, VOCAB = 2, 2, 4, 2, 4, 16, 16
 OVERLAP_GRAD_REDUCE = True
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+MEGATRON_CORE = f"megatron-core {version('megatron-core')}"  # the release this run shows
 
 
 def on_this_device():
@@ -194,12 +196,14 @@ def rank_main(rank: int, results) -> None:
 
 
 if __name__ == "__main__":
+    print(MEGATRON_CORE)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         os.environ["REPRO_PORT"] = str(s.getsockname()[1])
     results = mp.get_context("spawn").SimpleQueue()
     mp.spawn(rank_main, args=(results,), nprocs=PP * DP)
     ok = all(results.get()[1] for _ in range(PP * DP))
-    print("fixed" if ok else "BUG: the output layer's deferred wgrads were drained after "
+    print(f"fixed in {MEGATRON_CORE}: the output layer's reduced gradient is the DP mean"
+          if ok else "BUG: the output layer's deferred wgrads were drained after "
           "grad_sync_func launched its bucket's reduce-scatter")
     sys.exit(0 if ok else 1)

@@ -26,6 +26,7 @@ import contextlib
 import os
 import socket
 import sys
+from importlib.metadata import version
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,7 @@ import torch.multiprocessing as mp
 
 WORLD, NUMEL = 2, 1024
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+MEGATRON_CORE = f"megatron-core {version('megatron-core')}"  # the release this run shows
 
 
 def on_this_device():
@@ -123,12 +125,14 @@ def rank_main(rank: int, results) -> None:
 
 
 if __name__ == "__main__":
+    print(MEGATRON_CORE)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         os.environ["REPRO_PORT"] = str(s.getsockname()[1])
     results = mp.get_context("spawn").SimpleQueue()
     mp.spawn(rank_main, args=(results,), nprocs=WORLD)
     ok = all(results.get()[1] for _ in range(WORLD))
-    print("fixed" if ok else "BUG: a DDP built after an fp32-accumulating one in the same "
-          "process does not reduce (dist_reduce_scatter_func was rebound)")
+    print(f"fixed in {MEGATRON_CORE}: a DDP built after an fp32-accumulating one reduces its "
+          "shard to the mean" if ok else "BUG: a DDP built after an fp32-accumulating one in "
+          "the same process does not reduce (dist_reduce_scatter_func was rebound)")
     sys.exit(0 if ok else 1)

@@ -23,6 +23,7 @@ import contextlib
 import os
 import socket
 import sys
+from importlib.metadata import version
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,7 @@ import torch.multiprocessing as mp
 
 WORLD, NUMEL = 2, 1024
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+MEGATRON_CORE = f"megatron-core {version('megatron-core')}"  # the release this run shows
 
 
 def on_this_device():
@@ -113,12 +115,14 @@ def rank_main(rank: int, results) -> None:
 
 
 if __name__ == "__main__":
+    print(MEGATRON_CORE)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         os.environ["REPRO_PORT"] = str(s.getsockname()[1])
     results = mp.get_context("spawn").SimpleQueue()
     mp.spawn(rank_main, args=(results,), nprocs=WORLD)
     ok = all(results.get()[1] for _ in range(WORLD))
-    print("fixed" if ok else "BUG: reduce_scatter_with_fp32_accumulation + "
+    print(f"fixed in {MEGATRON_CORE}: the two options are refused with a message, or the grad "
+          "sync averages right" if ok else "BUG: reduce_scatter_with_fp32_accumulation + "
           "average_in_collective is accepted, then a bare assert at the first grad sync")
     sys.exit(0 if ok else 1)

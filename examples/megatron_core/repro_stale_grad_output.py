@@ -24,12 +24,14 @@ apex installed it is not needed and not used.
 import contextlib
 import socket
 import sys
+from importlib.metadata import version
 
 import torch
 import torch.distributed as dist
 
 SEQ, BATCH, HIDDEN, VOCAB = 4, 2, 8, 6
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+MEGATRON_CORE = f"megatron-core {version('megatron-core')}"  # the release this run shows
 
 
 def on_this_device():
@@ -106,12 +108,14 @@ def main() -> int:
     print("expected: main_grad = Σ grad_outputᵀ·x over the step's own two microbatches")
     print(f"got:      main_grad {'==' if same else '!='} expected "
           f"(max |diff| {(main_grad - expected).abs().max().item()})")
-    print("fixed" if same else "BUG: the abandoned step's grad_output was paired with this "
+    print(f"fixed in {MEGATRON_CORE}: main_grad pairs only the step's own microbatches"
+          if same else "BUG: the abandoned step's grad_output was paired with this "
           "step's input (clear_embedding_activation_buffer leaves grad_output_buffer)")
     return 0 if same else 1
 
 
 if __name__ == "__main__":
+    print(MEGATRON_CORE)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -70,19 +70,33 @@ def test_documented_behaviours_name_their_megatron_core_module_and_function():
 
 
 def test_the_scopes_undo_their_process_setup():
+    import logging
+
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    from verify.candidates.megatron_core.scope import DDP_LOGGER, SELF_COMPUTED_LAYOUT
+
+    ddp_logger = logging.getLogger(DDP_LOGGER)
+
+    def logged(message: str) -> bool:
+        return bool(ddp_logger.filter(logging.LogRecord(DDP_LOGGER, logging.WARNING, __file__, 0,
+                                                        message, None, None)))
+
     candidate = MegatronCoreCandidate()
     cpu = not torch.cuda.is_available()
+    noise = f"{SELF_COMPUTED_LAYOUT} with use_distributed_optimizer=True. Auto-computing ..."
     for accessor in (candidate.layout, candidate.deferred_wgrad):
         with accessor() as interface:
             assert dist.is_initialized()  # Megatron's buffer logging asserts it
             assert torch.cuda.current_device() == "cpu" if cpu else True
+            assert not logged(noise) and logged("Setting up DistributedDataParallel")
             with interface:  # re-entered: finds everything made
                 assert dist.is_initialized()
             assert dist.is_initialized()
+            assert not logged(noise)  # the inner scope left the outer one's filter
         assert not dist.is_initialized()
+        assert logged(noise)
         assert parallel_state._GLOBAL_MEMORY_BUFFER is None
         if cpu:  # the redirect is gone again
             with pytest.raises((AssertionError, RuntimeError)):
@@ -272,6 +286,44 @@ def test_a_copy_with_a_wrongly_scaled_bucket_fails_the_pipeline_check():
     unexplained = {c.label for c in result.cases if not c.passed and c.finding is None}
     assert {f"{case}, overlap {o}" for case in UNTIED for o in ("on", "off")} <= unexplained
     assert result.status == "FAIL"
+
+
+@pytest.mark.dist
+def test_launch_sites_count_a_reduction_an_earlier_launch_already_finished():
+    """P2 D2, distributed optimizer, fp32-accumulating reduce-scatter, overlap on (a small
+    copy of the full pipeline check's P2 D4 case). Expected, from param_and_grad_buffer.py
+    in both releases: after the first batch (_ParamAndGradBucketGroup.reset records the
+    golden grad-ready counts) register_grad_ready launches a group from the backward hooks
+    once all its grads are in; pipeline rank 0 enables grad sync for its last backward
+    (schedules.py forward_backward_pipelining_without_interleaving), so its groups launch
+    there ("hook"); the other stage launches in grad_sync_func after the cooldown
+    ("dispatch"). Pipeline rank 0 has two groups (bucket size 80, hand-derived in
+    test_pipeline_check_classifies_every_megatron_difference). From 0.17 on each group's
+    start_grad_sync first finishes its predecessor's (previous_grad_reduce_bucket_group), so
+    a launched reduction may be over by the time the schedule's hooks look: it still counts
+    as launched (pipeline_training.reduction_launched), never as left for finish_grad_sync."""
+    from refgrad.pipeline import LinearStackSpec, stage_param_name
+    from tests.distributed_utils import run_distributed
+    from verify.candidates.api.pipeline import ParallelDims, PipelineCase
+    from verify.checks.pipeline.cases import default_plans
+    from verify.checks.pipeline.worker import pipeline_worker
+
+    spec = LinearStackSpec(num_stages=2, layers_per_stage=2, hidden=8, microbatch_size=4,
+                           seed=0)
+    case = PipelineCase("P2 D2 reduce-scatter fp32-accumulation sum",
+                        ParallelDims(pp_size=2, dp_size=2), spec,
+                        default_plans(2, stage_param_name(1, "layers.0.weight")),
+                        use_distributed_optimizer=True,
+                        reduce_scatter_with_fp32_accumulation=True)
+    ranks = run_distributed(pipeline_worker, 4, MegatronCoreCandidate(), [[case]],
+                            timeout_s=300)
+    results = [r[case.name][True] for r in ranks]
+    assert sorted((res.stage, len(res.launch_sites[0])) for res in results) == [
+        (0, 2), (0, 2), (1, 1), (1, 1)]
+    for res in results:
+        site = "hook" if res.stage == 0 else "dispatch"
+        assert all(step == (site,) * len(step) for step in res.launch_sites[1:]), (
+            res.stage, res.launch_sites)
 
 
 def test_mxfp8_check_is_a_skip_with_the_reason():

@@ -35,8 +35,11 @@ def test_redirects_fire_inside_and_are_recorded():
         assert t.type(torch.float64).dtype == torch.float64  # with an argument: untouched
         assert t.to("cuda").device.type == "cpu"
         torch.cuda.synchronize()
+        stream = torch.cuda.current_stream()
+        stream.wait_event(None)  # Megatron's start_grad_sync waits on CUDA-graph wgrad events
+        stream.wait_stream(stream)
     assert set(log.fired) == {"current_device", "cuda_factory_device", "tensor_cuda",
-                              "tensor_type_name", "synchronize"}
+                              "tensor_type_name", "synchronize", "current_stream"}
     assert log.fired["cuda_factory_device"] == 3
     assert all(line.split(" ")[0] in REDIRECTS for line in log.summary())
 
@@ -45,21 +48,28 @@ def test_redirects_fire_inside_and_are_recorded():
 def test_everything_is_restored_on_exit_even_after_an_error():
     import megatron.core.tensor_parallel.layers as layers
 
-    before = (torch.cuda.current_device, torch.cuda.synchronize, layers._grad_accum_fusion_available,
+    before = (torch.cuda.current_device, torch.cuda.synchronize, torch.cuda.current_stream,
+              layers._grad_accum_fusion_available,
               "fused_weight_gradient_mlp_cuda" in vars(layers), FUSED_WGRAD_MODULE in sys.modules)
     with pytest.raises(RuntimeError, match="boom"):
         with cpu_redirects():
             assert layers._grad_accum_fusion_available is True
             assert sys.modules[FUSED_WGRAD_MODULE] is layers.fused_weight_gradient_mlp_cuda
             raise RuntimeError("boom")
-    after = (torch.cuda.current_device, torch.cuda.synchronize, layers._grad_accum_fusion_available,
+    after = (torch.cuda.current_device, torch.cuda.synchronize, torch.cuda.current_stream,
+             layers._grad_accum_fusion_available,
              "fused_weight_gradient_mlp_cuda" in vars(layers), FUSED_WGRAD_MODULE in sys.modules)
     assert after == before
-    assert before[2:] == (False, False, False)
+    assert before[3:] == (False, False, False)
+    # The mode and the swaps are gone: CUDA is really absent. torch's CPU build asserts it
+    # ("Torch not compiled with CUDA enabled"); its CUDA build on a machine without a driver
+    # raises RuntimeError ("Found no NVIDIA driver") from torch.cuda._lazy_init.
     with pytest.raises((AssertionError, RuntimeError)):
-        torch.zeros(1, device="cuda")  # the mode is gone: CUDA is really absent
-    with pytest.raises(AssertionError):
+        torch.zeros(1, device="cuda")
+    with pytest.raises((AssertionError, RuntimeError)):
         torch.cuda.current_device()
+    with pytest.raises((AssertionError, RuntimeError)):
+        torch.cuda.current_stream()
 
 
 def test_with_cuda_nothing_is_redirected(monkeypatch):
@@ -109,6 +119,39 @@ def test_version_features_are_read_from_the_installed_code():
         rs.reduce_scatter_with_fp32_accumulation).parameters
     assert info.has("fp32_rs_caller_scratch") == scratch
     assert info.skip_reason("ddp_buffers", "schedule_1f1b") is None
+    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer
+
+    buffer_args = inspect.signature(_ParamAndGradBuffer.__init__).parameters
+    assert info.has("buffer_param_layout") == ("param_layout" in buffer_args)
+
+
+# What the releases gradverify runs have, read from each one's source (not from a run):
+# 0.16.1: param_and_grad_buffer.py _ParamAndGradBuffer.__init__(ddp_config, param_dtype,
+#   grad_dtype, params, ...) lays itself out; distrib_optimizer.py has no
+#   DistributedOptimizer.compute_full_param_layout.
+# 0.19.2: _ParamAndGradBuffer.__init__(..., params_with_names, ..., param_layout=None);
+#   distrib_optimizer.py DistributedOptimizer.compute_full_param_layout, which
+#   distributed_data_parallel.py DistributedDataParallel.__init__ calls when it is handed no
+#   full_param_layout.
+# Both: reduce_scatter_with_fp32_accumulation.py reduce_scatter_with_fp32_accumulation(
+#   output_tensor, input_tensor, op, group, async_op) (no all_to_all_output_tensor).
+RELEASE_FEATURES = {
+    "0.16.1": {"buffer_param_layout": False, "optimizer_full_param_layout": False,
+               "reduce_scatter_with_fp32_accumulation": True, "fp32_rs_caller_scratch": False},
+    "0.19.2": {"buffer_param_layout": True, "optimizer_full_param_layout": True,
+               "reduce_scatter_with_fp32_accumulation": True, "fp32_rs_caller_scratch": False},
+}
+
+
+def test_the_feature_table_is_each_releases_own():
+    from verify.candidates.megatron_core.version import installed
+
+    info = installed()
+    if info.version not in RELEASE_FEATURES:
+        pytest.skip(f"megatron-core {info.version}: its source was not read for this table "
+                    f"(read: {', '.join(RELEASE_FEATURES)})")
+    assert {name: info.has(name) for name in RELEASE_FEATURES[info.version]} == (
+        RELEASE_FEATURES[info.version])
     if not torch.cuda.is_available():
         assert not info.has("mxfp8_param_buffer_sharing")
         assert "Transformer Engine" in info.features["mxfp8_param_buffer_sharing"].reason

@@ -98,17 +98,19 @@ def read_layout(buffer: Any, params: Sequence[torch.nn.Parameter]) -> Layout:
         dp_size=buffer.data_parallel_world_size)
 
 
-def build_megatron_buffer(case: LayoutCase, params: Sequence[torch.nn.Parameter], dp_rank: int) -> Any:
+def build_megatron_buffer(case: LayoutCase, params: Sequence[torch.nn.Parameter], dp_rank: int,
+                          *, takes_param_layout: bool) -> Any:
     """Megatron's ``_ParamAndGradBuffer`` for ``case`` (bf16 params, fp32 grads) as the
     installed version builds it, over a ``FakeProcessGroup`` of ``case.dp_size``.
 
-    Up to 0.16 the buffer lays itself out from ``params``; later versions take
-    ``params_with_names`` and, with the distributed optimizer, the padded layout computed
-    by ``DistributedOptimizer._compute_per_buffer_param_layout`` (what
-    ``compute_full_param_layout`` does per buffer). Picked by the constructor's signature.
+    ``takes_param_layout`` is the installed version's feature ``buffer_param_layout``
+    (:mod:`~verify.candidates.megatron_core.version`): up to 0.16 the buffer lays itself out
+    from ``params``; later versions take ``params_with_names`` and, with the distributed
+    optimizer, the padded layout computed by
+    ``DistributedOptimizer._compute_per_buffer_param_layout`` (what
+    ``compute_full_param_layout`` does per buffer, and what ``DistributedDataParallel``
+    hands its buffers).
     """
-    import inspect
-
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -124,8 +126,7 @@ def build_megatron_buffer(case: LayoutCase, params: Sequence[torch.nn.Parameter]
     names = {p: f"param{i}" for i, p in enumerate(params)}
     indices = list(range(len(params)))
     rest = (dp_group, case.bucket_size, names, 1.0 / case.dp_size, indices, False, groups)
-    signature = inspect.signature(_ParamAndGradBuffer.__init__).parameters
-    if "params_with_names" not in signature:
+    if not takes_param_layout:
         return _ParamAndGradBuffer(ddp_config, torch.bfloat16, torch.float32, params, *rest)
     layout = None
     if case.use_distributed_optimizer:
@@ -295,6 +296,7 @@ class MegatronLayout(MegatronScope, BucketLayout):
             reason = found.skip_reason("pad_buckets_for_high_nccl_busbw")
             if reason is not None:
                 raise unsupported(reason)
+        takes_param_layout = found.has("buffer_param_layout")
         out = []
         for case in cases:
             params = []
@@ -304,7 +306,8 @@ class MegatronLayout(MegatronScope, BucketLayout):
                     p.shared_embedding = True  # what GPTModel sets on its tied word embeddings
                 params.append(p)
             with MetaAllocation():
-                buffer = build_megatron_buffer(case, params, dp_rank=0)
+                buffer = build_megatron_buffer(case, params, dp_rank=0,
+                                               takes_param_layout=takes_param_layout)
             out.append(read_layout(buffer, params))
         return out
 

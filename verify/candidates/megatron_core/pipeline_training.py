@@ -33,9 +33,9 @@ What each rank reports (:class:`~verify.candidates.api.pipeline.RankResult`): lo
 every parameter's reduced ``main_grad`` (with the distributed optimizer the other DP ranks'
 shards all-gathered, for the comparison only), the params after the step, and where each
 bucket group's reduction was launched, read from Megatron's own state
-(``grad_reduce_handle``) at the two hooks the schedule calls: ``grad_sync_func`` (set
-before: ``hook``, set by it: ``dispatch``) and ``finalize_model_grads_func`` (set before:
-``hook``, else ``finish``). Megatron has no timeline, no per-chunk enable log and no
+(:func:`reduction_launched`) at the two hooks the schedule calls: ``grad_sync_func``
+(launched before: ``hook``, by it: ``dispatch``) and ``finalize_model_grads_func``
+(launched before: ``hook``, else ``finish``). Megatron has no timeline, no per-chunk enable log and no
 relearn count: those stay empty / None and the check skips what needs them.
 """
 
@@ -69,10 +69,21 @@ from verify.candidates.megatron_core.twin_pipeline import (
 )
 
 
+def reduction_launched(group: Any) -> bool:
+    """Whether a ``_ParamAndGradBucketGroup``'s reduction was launched in this step: in
+    flight (``grad_reduce_handle`` set), or already waited for. The latter happens from 0.17
+    on, where with ``reduce_scatter_with_fp32_accumulation`` and overlap each group's
+    ``start_grad_sync`` first finishes its predecessor's (``previous_grad_reduce_bucket_group``)
+    and ``finish_grad_sync`` records it in ``grad_reduce_finished`` (reset each step by
+    ``reset``); 0.16.1 has neither, so there a launched reduction is one in flight."""
+    return group.grad_reduce_handle is not None or getattr(group, "grad_reduce_finished", False)
+
+
 class DrainObserver(list):
     """The output layer's activation buffer (the model's own list, given to Megatron's
     ``ColumnParallelLinear``): at the drain's first ``pop`` it notes whether the weight's bucket
-    group had its reduction in flight (``grad_reduce_handle`` set): the drain then races it."""
+    group's reduction was already launched (:func:`reduction_launched`): the drain then races
+    it, or comes after it."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -81,13 +92,14 @@ class DrainObserver(list):
 
     def pop(self, index: Any = -1) -> Any:
         if self.bucket_group is not None and self.in_flight_at_drain is None:
-            self.in_flight_at_drain = self.bucket_group.grad_reduce_handle is not None
+            self.in_flight_at_drain = reduction_launched(self.bucket_group)
         return super().pop(index)
 
 
 class LaunchSites:
-    """Where each bucket group's reduction was launched in the current step, read from
-    ``grad_reduce_handle`` at the schedule's ``grad_sync_func`` and ``finalize_model_grads_func``."""
+    """Where each bucket group's reduction was launched in the current step, read
+    (:func:`reduction_launched`) at the schedule's ``grad_sync_func`` and
+    ``finalize_model_grads_func``."""
 
     def __init__(self, ddps: Sequence[Any]) -> None:
         self.groups = [group for ddp in ddps for group in ddp.bucket_groups]
@@ -97,7 +109,7 @@ class LaunchSites:
         for k, group in enumerate(self.groups):
             if k in self.sites:
                 continue
-            if group.grad_reduce_handle is not None:
+            if reduction_launched(group):
                 self.sites[k] = site_if_launched
             elif site_otherwise is not None:
                 self.sites[k] = site_otherwise

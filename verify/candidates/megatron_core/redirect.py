@@ -17,6 +17,10 @@ redirect                    what it does inside the block
 ``tensor_cuda``             ``Tensor.cuda()`` returns the tensor itself (it stays on the CPU)
 ``tensor_type_name``        ``Tensor.type()`` (no argument) reports ``torch.cuda.<T>Tensor``
 ``synchronize``             ``torch.cuda.synchronize()`` does nothing (the CPU is synchronous)
+``current_stream``          ``torch.cuda.current_stream()`` returns ``torch.cpu.current_stream()``
+                            (torch's device-agnostic stand-in: ``wait_event`` / ``wait_stream``
+                            do nothing). From 0.17 on, ``_ParamAndGradBucketGroup.start_grad_sync``
+                            asks for the current stream to wait for CUDA-graph wgrad events
 ``wgrad_gemm_accum_fp32``   apex's ``fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32``:
                             ``main_grad += grad_outputᵀ · input``, the GEMM in fp32 on the
                             16-bit inputs' exact fp32 values, then one fp32 add (cuBLAS with
@@ -25,7 +29,8 @@ redirect                    what it does inside the block
                             16-bit dtype (apex's fp16/bf16 output variant)
 ==========================  ===============================================================
 
-Only the first four are what every run needs; the stand-in extension is what the
+Only the first four are what every run needs (``current_stream`` too where the
+installed version's grad sync asks for it); the stand-in extension is what the
 deferred embedding wgrad needs (Megatron requires gradient-accumulation fusion for it).
 The GEMM's summation order is the CPU BLAS's, not cuBLAS's: a comparison of these
 wgrads needs a bound (``refgrad.deferred_wgrad.fastgrad_error_factor``) or inputs on
@@ -67,6 +72,8 @@ REDIRECTS: dict[str, str] = {
     "tensor_cuda": "Tensor.cuda() returns the tensor itself (stays on the CPU)",
     "tensor_type_name": "Tensor.type() reports the torch.cuda.<T>Tensor name",
     "synchronize": "torch.cuda.synchronize() is a no-op (the CPU is synchronous)",
+    "current_stream": ("torch.cuda.current_stream() returns torch.cpu.current_stream() "
+                       "(its wait_event / wait_stream do nothing: the CPU is synchronous)"),
     "wgrad_gemm_accum_fp32": (f"{FUSED_WGRAD_MODULE}.wgrad_gemm_accum_fp32 stand-in: "
                               "main_grad += fp32(grad_output)ᵀ·fp32(input) in fp32, then one fp32 add"),
     "wgrad_gemm_accum_fp16": (f"{FUSED_WGRAD_MODULE}.wgrad_gemm_accum_fp16 stand-in: the fp32 GEMM "
@@ -229,9 +236,14 @@ def cpu_redirects(*, force: bool = False) -> Iterator[RedirectLog]:
     def synchronize(device: Any = None) -> None:
         log.hit("synchronize")
 
+    def current_stream(device: Any = None) -> torch.cpu.Stream:
+        log.hit("current_stream")
+        return torch.cpu.current_stream()
+
     with ExitStack() as stack:
         stack.enter_context(_swapped(torch.cuda, "current_device", current_device))
         stack.enter_context(_swapped(torch.cuda, "synchronize", synchronize))
+        stack.enter_context(_swapped(torch.cuda, "current_stream", current_stream))
         if not _fused_wgrad_installed():
             standin = fused_wgrad_standin(log)
             # Import the layers module (Megatron-Core is this redirect's optional dependency)

@@ -17,7 +17,11 @@ For Megatron-Core the block holds what its own code assumes of the process:
   on exit when the scope made it;
 * Megatron's import-time notice that it falls back to torch's optimizers (the candidate's
   feature table records it), torch's deprecation notices about the collectives Megatron
-  calls, and Megatron's CUDA performance hints, filtered (noise, not findings).
+  calls, and Megatron's CUDA performance hints, filtered (noise, not findings); so is the
+  log line of ``DistributedDataParallel.__init__`` (0.17 on) that it computes the
+  distributed optimizer's param layout itself when none is handed in: it computes it from
+  the same params, bucket size and DP size as Megatron-LM's ``get_model``
+  (``training.py`` ``wrap_model_chunks_with_ddp``), so the layout is the same.
 
 All of this is process-wide state (``torch.cuda``'s functions, ``sys.modules``, torch's
 default group, a Megatron module global), so scopes in one process take turns on one lock:
@@ -27,6 +31,7 @@ again inside itself (the lock is re-entrant; the inner scope finds everything ma
 
 from __future__ import annotations
 
+import logging
 import threading
 import warnings
 from collections.abc import Iterator
@@ -73,6 +78,29 @@ def global_memory_buffer() -> Iterator[None]:
         parallel_state.destroy_global_memory_buffer()
 
 
+DDP_LOGGER = "megatron.core.distributed.distributed_data_parallel"
+SELF_COMPUTED_LAYOUT = "DistributedDataParallel: full_param_layout not provided"
+
+
+def _not_self_computed_layout(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith(SELF_COMPUTED_LAYOUT)
+
+
+@contextmanager
+def quiet_self_computed_layout() -> Iterator[None]:
+    """Inside the block, DDP's log line that it computed its param layout itself is dropped
+    (the module docstring says why it is noise)."""
+    logger = logging.getLogger(DDP_LOGGER)
+    added = _not_self_computed_layout not in logger.filters  # an outer scope's stays its own
+    if added:
+        logger.addFilter(_not_self_computed_layout)
+    try:
+        yield
+    finally:
+        if added:
+            logger.removeFilter(_not_self_computed_layout)
+
+
 @contextmanager
 def process_setup(*, needs_default_group: bool = False,
                   needs_memory_buffer: bool = False) -> Iterator[RedirectLog]:
@@ -94,6 +122,7 @@ def process_setup(*, needs_default_group: bool = False,
         # redirect's TorchFunctionMode is on the stack. Not a finding by itself: the checks
         # and the twin compare every gradient with refgrad, so a grad lost there fails them.
         warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
+        stack.enter_context(quiet_self_computed_layout())
         log = stack.enter_context(cpu_redirects())
         if needs_default_group:
             stack.enter_context(default_process_group())

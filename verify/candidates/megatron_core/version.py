@@ -80,6 +80,23 @@ def _attr(module_name: str, dotted: str) -> Feature:
     return Feature(False, f"{module_name}.{dotted} does not exist in this version")
 
 
+def _buffer_layout_feature() -> Feature:
+    """Whether ``_ParamAndGradBuffer`` is handed its params with names and a precomputed
+    layout (after 0.16) or lays itself out from a plain param list (up to 0.16)."""
+    module = _module("megatron.core.distributed.param_and_grad_buffer")
+    buffer = getattr(module, "_ParamAndGradBuffer", None)
+    if buffer is None:
+        return Feature(False, "megatron.core.distributed.param_and_grad_buffer._ParamAndGradBuffer "
+                       "does not exist in this version")
+    params = inspect.signature(buffer.__init__).parameters
+    where = "megatron.core.distributed.param_and_grad_buffer._ParamAndGradBuffer.__init__"
+    if "params_with_names" in params and "param_layout" in params:
+        return Feature(True, f"{where} takes params_with_names and a param_layout (the "
+                       "distributed optimizer's, from DistributedOptimizer."
+                       "_compute_per_buffer_param_layout)")
+    return Feature(False, f"{where} takes a plain param list and lays the buffer out itself")
+
+
 def _fp32_rs_feature(ddp_config_cls: type) -> tuple[Feature, Feature]:
     field = _field(ddp_config_cls, "reduce_scatter_with_fp32_accumulation")
     module = _module("megatron.core.distributed.reduce_scatter_with_fp32_accumulation")
@@ -143,6 +160,7 @@ def installed() -> MegatronCoreInfo:
     torch_adam = getattr(optimizer, "USING_PYTORCH_OPTIMIZER", None)
     features = {
         "ddp_buffers": _attr("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBuffer"),
+        "buffer_param_layout": _buffer_layout_feature(),
         "pad_buckets_for_high_nccl_busbw": _field(DistributedDataParallelConfig,
                                                   "pad_buckets_for_high_nccl_busbw"),
         "average_in_collective": _field(DistributedDataParallelConfig, "average_in_collective"),

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The Megatron-Core tests on megatron-core 0.19.2 (what `tox -e megatron019` runs), on a fresh
+# machine: create (or reuse) .venv-mcore019 on Python 3.12 with torch==2.13.0,
+# megatron-core==0.19.2 and gradverify's [test] extra, then run tests/candidates and the
+# preflight twin's Megatron-Core test in it. Extra arguments go to pytest.
+#
+#   VENV   where the environment lives (default: .venv-mcore019 in the repository)
+#   PYTHON a Python 3.12 interpreter (default: python3.12 on PATH, else pyenv's
+#          /root/.pyenv/versions/3.12.*/bin/python)
+#
+# megatron-core 0.17 on ships Python 3.12 wheels only, and torch 2.13.0 for Python 3.12 comes
+# from the registry as its CUDA build (about 4.7 GB installed; it runs on the CPU): the first
+# run installs for several minutes, later runs reuse the environment.
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${VENV:-$repo/.venv-mcore019}"
+megatron_core="0.19.2"
+
+is_python312() {
+  "$1" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' >/dev/null 2>&1
+}
+
+find_python312() {
+  local candidate
+  if [ -n "${PYTHON:-}" ]; then
+    if is_python312 "$PYTHON"; then echo "$PYTHON"; return 0; fi
+    echo "test-megatron-019: PYTHON=$PYTHON is not a working Python 3.12" >&2
+    return 1
+  fi
+  # A pyenv shim named python3.12 exists even where 3.12 is not selected: try it, then
+  # pyenv's own installs.
+  for candidate in "$(command -v python3.12 || true)" /root/.pyenv/versions/3.12.*/bin/python; do
+    if [ -n "$candidate" ] && [ -x "$candidate" ] && is_python312 "$candidate"; then
+      echo "$candidate"
+      return 0
+    fi
+  done
+  echo "test-megatron-019: no Python 3.12 found (looked for python3.12 on PATH and" \
+       "/root/.pyenv/versions/3.12.*/bin/python); megatron-core $megatron_core ships Python 3.12" \
+       "wheels only. Install Python 3.12 or set PYTHON=/path/to/python3.12." >&2
+  return 1
+}
+
+if [ ! -x "$venv/bin/python" ]; then
+  python="$(find_python312)"
+  echo "test-megatron-019: creating $venv with $python" >&2
+  "$python" -m venv "$venv"
+elif ! is_python312 "$venv/bin/python"; then
+  echo "test-megatron-019: $venv exists but is not Python 3.12; remove it or set VENV" >&2
+  exit 1
+fi
+pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
+installed() {  # the installed version of a distribution, or nothing
+  "$venv/bin/python" -c "import importlib.metadata as m, sys
+try: print(m.version(sys.argv[1]))
+except m.PackageNotFoundError: pass" "$1"
+}
+if [ "$(installed torch)" != "2.13.0" ]; then
+  echo "test-megatron-019: installing torch==2.13.0 (Python 3.12: the CUDA build, ~4.7 GB)" >&2
+  "${pip[@]}" install "torch==2.13.0"
+fi
+if [ "$(installed megatron-core)" != "$megatron_core" ]; then
+  echo "test-megatron-019: installing megatron-core==$megatron_core" >&2
+  "${pip[@]}" install "megatron-core==$megatron_core"
+fi
+"${pip[@]}" install -e "${repo}[test]"
+
+cd "$repo"
+echo "test-megatron-019: $("$venv/bin/python" --version), torch $(installed torch)," \
+     "megatron-core $(installed megatron-core)" >&2
+exec "$venv/bin/python" -m pytest -n auto tests/candidates tests/verify/test_preflight_twin_megatron.py "$@"
