@@ -1,9 +1,18 @@
 #!/usr/bin/env bash
 # Test suite on a fresh machine: set up .venv with the test extras, then run every
-# test (unit, property, multi-rank gloo; GPU tests skip without CUDA) in parallel.
+# test (unit, property, multi-rank gloo; GPU tests skip without CUDA) in parallel, with
+# megatron-core 0.16.x (Python 3.11); then the Megatron-Core tests again on megatron-core
+# 0.19.2 (Python 3.12, scripts/test-megatron-019.sh). GRADVERIFY_MEGATRON_019=0 skips that
+# second leg (it installs torch's CUDA build for Python 3.12, ~4.7 GB, on its first run).
+# Extra arguments go to the first pytest.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 GRADVERIFY_EXTRAS="${GRADVERIFY_EXTRAS:-test,plot,lint,gpu,megatron}" "$repo/scripts/setup-venv.sh"
 venv="${VENV:-$repo/.venv}"
 cd "$repo"
-exec "$venv/bin/python" -m pytest -n auto "$@"
+status=0
+"$venv/bin/python" -m pytest -n auto "$@" || status=$?
+if [ "${GRADVERIFY_MEGATRON_019:-1}" != "0" ]; then
+  VENV="$repo/.venv-mcore019" bash "$repo/scripts/test-megatron-019.sh" || status=$((status ? status : $?))
+fi
+exit "$status"
