@@ -5,9 +5,12 @@ are the same rank. ``pipeline_parallel/p2p_communication.py`` ``_batched_p2p_ops
 ``send_prev``/``send_next``/``recv_prev``/``recv_next`` as one batch and the two sides match
 them in posting order, so a stage receives an input gradient where it expects an activation:
 the losses of later microbatches (and every gradient) are wrong, silently.
-``ModelParallelConfig``'s default is ``batch_p2p_comm=True``; Megatron-LM avoids the bug only
-because it turns on ``overlap_p2p_comm`` (hence ``batch_p2p_comm=False``) with VPP. Known
-upstream: NVIDIA/Megatron-LM issues 1450 and 750.
+``ModelParallelConfig``'s own default is ``batch_p2p_comm=True``, so a program that builds it
+directly meets the bug. A Megatron-LM launch cannot: with VPP, ``validate_args``
+(megatron/training/arguments.py) asserts ``pipeline_model_parallel_size > 2`` unless
+``overlap_p2p_comm`` is on, naming this hazard, and ``argument_utils.py`` sets
+``batch_p2p_comm = not overlap_p2p_comm``. Known upstream: NVIDIA/Megatron-LM issues 1450 and
+750 (fix PRs 1451 and 1495 closed unmerged).
 
 Here, on 2 ranks (PP 2, VPP 2, DP 1): four global stages ``Linear + tanh`` in fp32 (chunk
 ``v`` of pipeline rank ``p`` is global stage ``v * 2 + p``), one training step of 4
