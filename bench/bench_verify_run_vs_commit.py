@@ -17,6 +17,8 @@ changed since), and how many each side made. The median of the per-round ratios
 now/then is written under bench/results/ (JSON, and a short .txt beside it).
 
     python bench/bench_verify_run_vs_commit.py --rounds 2 [--commit REV]
+    python bench/bench_verify_run_vs_commit.py --rounds 2 --commit b2d6e3e \
+        --candidate fastgrad --candidate megatron-core --out bench/results/verify_run_two_candidates_cpu.json
 """
 
 from __future__ import annotations
@@ -56,13 +58,15 @@ def _env(checkout: Path) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(checkout)}
 
 
-def _run(checkout: Path, checks: list[str], seed: int, now: bool) -> tuple[float, dict[str, Any]]:
+def _run(checkout: Path, checks: list[str], seed: int, now: bool,
+         candidates: list[str]) -> tuple[float, dict[str, Any]]:
     """One ``verify run`` in ``checkout``: wall seconds and the JSON report."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "report.json"
         extra = ["--no-plots"] if now else []  # the old CLI drew no plots and had no flag
         command = [sys.executable, "-m", "verify", "run", "--seed", str(seed), *extra,
-                   *[a for name in checks for a in ("--check", name)], "--json", str(out)]
+                   *[a for name in checks for a in ("--check", name)],
+                   *[a for name in candidates for a in ("--candidate", name)], "--json", str(out)]
         start = time.perf_counter()
         proc = subprocess.run(command, cwd=checkout, env=_env(checkout), capture_output=True,
                               text=True, timeout=1800)
@@ -78,14 +82,19 @@ def _records(check: dict[str, Any]) -> dict[str, set[tuple[str, bool]]]:
             for kind in ("comparisons", "expectations")}
 
 
+def _key(check: dict[str, Any]) -> str:
+    """A result's name in the report: the check, and its candidate where it has one."""
+    return check["name"] if not check.get("candidate") else f"{check['name']} [{check['candidate']}]"
+
+
 def coverage(then: dict[str, Any], now: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Per check: counts on each side, and whether then's records are all made now, alike."""
-    now_by_name = {c["name"]: c for c in now["checks"]}
+    now_by_name = {_key(c): c for c in now["checks"]}
     out = {}
     for old in then["checks"]:
-        new = now_by_name[old["name"]]
+        new = now_by_name[_key(old)]
         a, b = _records(old), _records(new)
-        out[old["name"]] = {
+        out[_key(old)] = {
             "passed": {"then": old["passed"], "now": new["passed"]},
             "comparisons": {"then": len(old["comparisons"]), "now": len(new["comparisons"])},
             "expectations": {"then": len(old["expectations"]), "now": len(new["expectations"])},
@@ -98,7 +107,8 @@ def coverage(then: dict[str, Any], now: dict[str, Any]) -> dict[str, dict[str, A
 def _text(summary: dict[str, Any]) -> str:
     lines = [f"bench/bench_verify_run_vs_commit.py, started {summary['started']}, "
              f"{summary['cpu_count']} CPUs; then: commit {summary['commit']}, now: "
-             f"{summary['now_commit']}; checks: {' '.join(summary['checks'])}"]
+             f"{summary['now_commit']}; checks: {' '.join(summary['checks'])}; candidates: "
+             f"{' '.join(summary['candidates']) or 'the default'}"]
     for k, ratio in enumerate(summary["ratio_now_over_then_per_round"]):
         lines.append(f"round {k}: then {summary['wall_s']['then'][k]:6.1f} s "
                      f"(load {summary['load_average_before_each_run']['then'][k]:.1f}), "
@@ -120,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="interleaved then/now pairs")
     parser.add_argument("--commit", default=DEFAULT_COMMIT, help="the earlier code (any git revision)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--candidate", action="append", default=[],
+                        help="passed to both runs (repeatable); then the earlier verdicts are "
+                             "reported, not required: a candidate's findings may be classified "
+                             "differently now")
     parser.add_argument("--out", type=Path,
                         default=ROOT / "bench" / "results" / "verify_run_vs_commit_cpu.json")
     args = parser.parse_args(argv)
@@ -142,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                 for side in order:
                     loads[side].append(round(os.getloadavg()[0], 2))
                     wall, report = _run(then_dir if side == "then" else ROOT, checks, args.seed,
-                                        now=side == "now")
+                                        now=side == "now", candidates=args.candidate)
                     walls[side].append(wall)
                     reports[side] = report
                     print(f"round {round_index}: {side:<4} {wall:7.1f} s (load {loads[side][-1]:.1f})",
@@ -154,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     covered = coverage(reports["then"], reports["now"])
     summary = {
         "started": started, "commit": args.commit, "now_commit": now_commit, "checks": checks,
+        "candidates": args.candidate,
         "cpu_count": os.cpu_count(), "load_average_before_each_run": loads,
         "load_average_at_end": os.getloadavg(), "wall_s": walls,
         "ratio_now_over_then_per_round": ratios, "median_ratio": statistics.median(ratios),
@@ -166,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.with_suffix(".txt").write_text(text)
     print(f"wrote {args.out} and {args.out.with_suffix('.txt')}")
     ok = all(c["then_records_all_made_now_with_the_same_verdict"] for c in covered.values())
-    return 0 if ok else 1
+    return 0 if ok or args.candidate else 1
 
 
 if __name__ == "__main__":
