@@ -60,6 +60,20 @@ class LrOneUlpOnMXFP8(DistributedOptimizer):
         super().__init__(ddp, config, *args, **kwargs)
 
 
+class IgnoresSchedulerChanges(DistributedOptimizer):
+    """Broken on purpose: reads its param groups' lr and weight decay at its first step only (a
+    config cache never refreshed), so what a scheduler writes into them later never reaches
+    the update."""
+
+    _first_groups = None
+
+    @property
+    def groups(self):
+        if self._first_groups is None:
+            self._first_groups = super().groups
+        return self._first_groups
+
+
 def _quick(candidate=None):
     return check_by_name("optim").execute(CheckContext(quick=True), candidate)
 
@@ -85,6 +99,21 @@ def test_weight_decay_on_biases_fails():
     # Every case decays the 2-D weights only; the broken one decays the 1-D params too.
     assert any("adamw" in label and label.endswith("params") for label in failed), failed
     assert any("sgd" in label and label.endswith("master") for label in failed), failed
+
+
+@pytest.mark.dist
+def test_an_optimizer_that_ignores_the_schedules_changes_fails():
+    """Every case of the quick matrix changes its lr and weight decay at every update
+    (``cases.SCHEDULES``): an optimizer that keeps its first step's values matches refgrad at
+    step 1 and fails at the second update, in every case that makes one (the fp16 cases skip
+    step 2 on their inf: their second update would be step 3, beyond the quick matrix)."""
+    result = _quick(BrokenOptimizerCandidate(optimizer_cls=IgnoresSchedulerChanges))
+    assert result.status == FAIL, result.error
+    failed = result.failed_labels()
+    for case in case_matrix(quick=True):
+        if case.inf_at is None:
+            assert f"{case.label} step 2 master" in failed, (case.label, failed)
+    assert not any(" step 1 " in label for label in failed), failed
 
 
 @pytest.mark.dist

@@ -41,6 +41,8 @@ from verify.candidates.fastgrad.sharded_optimizer import (
     FastgradMXFP8Optimizer,
     FastgradShardedOptimizer,
     as_step_outcome,
+    decaying_groups,
+    schedule_next_update,
 )
 from verify.candidates.fastgrad.stages import FastgradStages, norm_group
 
@@ -111,6 +113,7 @@ class FastgradTrainingOptimizer:
                         weight_decay=hyper.weight_decay),
             max_grad_norm=settings.max_grad_norm, loss_scaler=scaler,
             model_parallel_group=norm_group(stages.case, stages.grid))
+        self.decaying = decaying_groups(None, self.optimizer.param_groups)
         if stages.front is not None:
             self.optimizer.publish_params()  # the first forward's weights: the masters, quantized
             stages.refresh_from_mxfp8()
@@ -125,6 +128,7 @@ class FastgradTrainingOptimizer:
         return self.optimizer.param_gather_in_flight
 
     def step(self) -> StepOutcome:
+        schedule_next_update(self.optimizer, self.settings, self.decaying)
         outcome = self.optimizer.step()  # MXFP8: stage -> all-gather -> quantize -> zero
         if self.stages.front is not None:
             self.stages.refresh_from_mxfp8()

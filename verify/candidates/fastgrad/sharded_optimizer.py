@@ -53,6 +53,29 @@ def fastgrad_config(settings: OptimizerSettings) -> AdamWConfig | SGDConfig:
                        weight_decay=h.weight_decay)
 
 
+def decaying_groups(param_groups: Sequence[Mapping] | None, built: Sequence[Mapping]) -> list[bool]:
+    """Which of the optimizer's groups (``built``) take weight decay: those the caller's
+    ``param_groups`` did not set to 0 (``param_groups_without_decay_for``); every group when
+    the caller gave none."""
+    if param_groups is None:
+        return [True] * len(built)
+    return ["weight_decay" not in group for group in param_groups]
+
+
+def schedule_next_update(optimizer: DistributedOptimizer, settings: OptimizerSettings,
+                         decaying: Sequence[bool]) -> None:
+    """Write the next update's learning rate and weight decay into the optimizer's
+    ``param_groups``, as an LR scheduler does between steps (its step reads them). The update
+    is the optimizer's own count of updates (a step skipped on NaN/inf grads does not
+    advance it, as Megatron-LM's ``train_step`` does not advance its scheduler)."""
+    if settings.schedule is None:
+        return
+    lr, weight_decay = settings.lr_and_weight_decay(optimizer.steps[0] if optimizer.steps else 0)
+    for group, decays in zip(optimizer.param_groups, decaying, strict=True):
+        group["lr"] = lr
+        group["weight_decay"] = weight_decay if decays else 0.0
+
+
 def as_step_outcome(result: StepResult) -> StepOutcome:
     """fastgrad's :class:`~fastgrad.optim.StepResult` as the seam's :class:`StepOutcome`."""
     return StepOutcome(stepped=result.stepped, grad_norm=result.grad_norm,
@@ -103,6 +126,8 @@ class FastgradShardedOptimizer(ShardedOptimizer):
         groups = None if settings.decay_1d_params else param_groups_without_decay_for(ddp)
         self.optimizer = optimizer_cls(ddp, fastgrad_config(settings), groups,
                                        max_grad_norm=settings.max_grad_norm, loss_scaler=scaler)
+        self.settings = settings
+        self.decaying = decaying_groups(groups, self.optimizer.param_groups)
         self.names = {p: n for n, p in model.named_parameters().items()}
 
     @property
@@ -115,6 +140,7 @@ class FastgradShardedOptimizer(ShardedOptimizer):
         return self.optimizer.param_gather_in_flight
 
     def step(self) -> StepOutcome:
+        schedule_next_update(self.optimizer, self.settings, self.decaying)
         return as_step_outcome(self.optimizer.step())
 
     def state(self) -> dict[str, AdamWState]:
@@ -265,6 +291,8 @@ class FastgradMXFP8Training(MXFP8Training):
         self.buffer = MXFP8ParamGradBuffer(self.weights, config=config, dp_group=dp_group)
         self.optimizer = optimizer_cls(self.buffer, fastgrad_config(settings),
                                        max_grad_norm=settings.max_grad_norm)
+        self.settings = settings
+        self.decaying = decaying_groups(None, self.optimizer.param_groups)
         self.optimizer.publish_params()
 
     @property
@@ -298,6 +326,7 @@ class FastgradMXFP8Training(MXFP8Training):
         return [b.local_grad_shard.clone() for b in self.buffer.buckets]
 
     def step(self) -> bool:
+        schedule_next_update(self.optimizer, self.settings, self.decaying)
         return self.optimizer.step().stepped
 
     def master_shards(self) -> list[torch.Tensor]:
