@@ -85,17 +85,31 @@ class IndexMapMastersTraining(MegatronTrainingOptimizer):
     owned = staticmethod(index_map_owned_state)
 
 
+def held_scheduler(optimizer, settings):
+    """Megatron's ``OptimizerParamScheduler`` holding the settings' peak lr and final weight
+    decay at every update (the adapters before issue 31: a constant schedule, whatever the
+    settings asked)."""
+    schedule = settings.schedule
+    if schedule is None:
+        return param_scheduler(optimizer, settings)
+    held = HyperparameterSchedule.constant(schedule.max_lr, schedule.end_wd)
+    return param_scheduler(optimizer, replace(settings, schedule=held))
+
+
 class ConstantlyScheduledOptimizer(MegatronShardedOptimizer):
-    """Megatron's optimizer whose ``OptimizerParamScheduler`` holds the schedule's peak lr and
-    final weight decay at every update (the adapter before issue 31: a constant schedule,
-    whatever the settings asked)."""
+    """The ``optim`` check's Megatron adapter with :func:`held_scheduler`."""
 
     def __init__(self, model, settings) -> None:
         super().__init__(model, settings)
-        schedule = settings.schedule
-        if schedule is not None:
-            held = HyperparameterSchedule.constant(schedule.max_lr, schedule.end_wd)
-            self.scheduler = param_scheduler(self.optimizer, replace(settings, schedule=held))
+        self.scheduler = held_scheduler(self.optimizer, settings)
+
+
+class ConstantlyScheduledTraining(MegatronTrainingOptimizer):
+    """The twin's Megatron adapter with :func:`held_scheduler`."""
+
+    def __init__(self, stages, settings) -> None:
+        super().__init__(stages, settings)
+        self.scheduler = held_scheduler(self.optimizer, settings)
 
 
 class SchedulerStepsOnSkips(MegatronShardedOptimizer):
