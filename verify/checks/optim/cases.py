@@ -11,6 +11,9 @@ chosen rank- and step-specific as multiples of 1/8 in [-1, 1]: sums over <= 4
 ranks are exact in every dtype, so gloo's reduction order cannot matter and
 refgrad's rank-order reduction is also gloo's result.
 
+Each case's learning rate and weight decay change at every update (``SCHEDULES``, as a
+training run's do; ``OptimCase.scheduled`` False keeps ``ADAMW`` / ``SGD``'s).
+
 ``param_loss`` models make the loss depend on the params the forward reads:
 ``sum(param * (coefficient + param / 2))``, grad ``coefficient + param / 2`` (one
 fp32 rounding, then the param dtype's), so a forward reading a param before its
