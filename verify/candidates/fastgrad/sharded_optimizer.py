@@ -44,22 +44,26 @@ from verify.candidates.api.optimizer_parts import MXFP8Training, OptimizerGuards
 
 
 def fastgrad_config(settings: OptimizerSettings) -> AdamWConfig | SGDConfig:
-    """fastgrad's optimizer config for the seam's hyperparameters."""
+    """fastgrad's optimizer config for the seam's hyperparameters. With a schedule, its peak lr
+    and its largest (final) weight decay: the groups the optimizer builds with a nonzero
+    weight decay are those the schedule decays (:func:`decaying_groups`)."""
+    hyper = settings.sgd if settings.sgd is not None else settings.adamw
+    lr, weight_decay = hyper.lr, hyper.weight_decay
+    if settings.schedule is not None:
+        lr, weight_decay = settings.schedule.max_lr, settings.schedule.end_wd
     if settings.sgd is not None:
-        h = settings.sgd
-        return SGDConfig(lr=h.lr, momentum=h.momentum, weight_decay=h.weight_decay)
+        return SGDConfig(lr=lr, momentum=settings.sgd.momentum, weight_decay=weight_decay)
     h = settings.adamw
-    return AdamWConfig(lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
-                       weight_decay=h.weight_decay)
+    return AdamWConfig(lr=lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=weight_decay)
 
 
-def decaying_groups(param_groups: Sequence[Mapping] | None, built: Sequence[Mapping]) -> list[bool]:
-    """Which of the optimizer's groups (``built``) take weight decay: those the caller's
-    ``param_groups`` did not set to 0 (``param_groups_without_decay_for``); every group when
-    the caller gave none."""
-    if param_groups is None:
-        return [True] * len(built)
-    return ["weight_decay" not in group for group in param_groups]
+def decaying_groups(optimizer: DistributedOptimizer) -> list[bool]:
+    """Which of the optimizer's groups take weight decay, as the optimizer built them (a
+    nonzero ``weight_decay``; ``param_groups_without_decay_for`` gives 1-D params 0): the
+    groups a schedule's weight decay reaches, as Megatron's ``wd_mult``. Read from the
+    optimizer's own groups, so an optimizer that grouped its params wrongly is not put
+    right here."""
+    return [group["weight_decay"] != 0 for group in optimizer.param_groups]
 
 
 def schedule_next_update(optimizer: DistributedOptimizer, settings: OptimizerSettings,
@@ -127,7 +131,7 @@ class FastgradShardedOptimizer(ShardedOptimizer):
         self.optimizer = optimizer_cls(ddp, fastgrad_config(settings), groups,
                                        max_grad_norm=settings.max_grad_norm, loss_scaler=scaler)
         self.settings = settings
-        self.decaying = decaying_groups(groups, self.optimizer.param_groups)
+        self.decaying = decaying_groups(self.optimizer)
         self.names = {p: n for n, p in model.named_parameters().items()}
 
     @property
@@ -292,7 +296,7 @@ class FastgradMXFP8Training(MXFP8Training):
         self.optimizer = optimizer_cls(self.buffer, fastgrad_config(settings),
                                        max_grad_norm=settings.max_grad_norm)
         self.settings = settings
-        self.decaying = decaying_groups(None, self.optimizer.param_groups)
+        self.decaying = decaying_groups(self.optimizer)
         self.optimizer.publish_params()
 
     @property

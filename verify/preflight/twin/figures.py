@@ -114,8 +114,7 @@ class FigureCheck:
         if importlib.util.find_spec("megatron") is None:
             self._unchecked = "megatron-core is not installed"
             return
-        self._process = _start()
-        self._input = json.dumps(launch_sizes(config))
+        self._process = _start(launch_sizes(config))
 
     def result(self) -> FigureResult:
         """The comparison (its disagreements FAIL the twin), or why nothing was checked."""
@@ -133,23 +132,23 @@ class FigureCheck:
         if self._process is None:
             return FigureResult(unchecked=self._unchecked)
         try:
-            out, err = self._process.communicate(self._input, timeout=self.timeout_s)
+            out, err = self._process.communicate(timeout=self.timeout_s)
         except subprocess.TimeoutExpired:
             self._process.kill()
             self._process.communicate()
             return FigureResult(unchecked=f"Megatron-Core's figures took over {self.timeout_s:g} s")
         if self._process.returncode != 0:
-            return FigureResult(unchecked=f"Megatron-Core's figures could not be computed: "
-                                          f"{err.strip().splitlines()[-1:] or ['no output']}")
+            last = (err.strip().splitlines() or ["no output"])[-1]
+            return FigureResult(unchecked=f"Megatron-Core's figures could not be computed: {last}")
         return compare_figures(self.config, json.loads(out))
 
 
 def megatron_answers(sizes: list[dict], *, timeout_s: float) -> list[dict]:
     """Megatron-Core's figures for several launches' sizes (:func:`launch_sizes`) in one process
     of its own (its import paid once); RuntimeError when it cannot run."""
-    process = _start()
+    process = _start(sizes)
     try:
-        out, err = process.communicate(json.dumps(sizes), timeout=timeout_s)
+        out, err = process.communicate(timeout=timeout_s)
     finally:
         if process.poll() is None:
             process.kill()
@@ -159,13 +158,15 @@ def megatron_answers(sizes: list[dict], *, timeout_s: float) -> list[dict]:
     return json.loads(out)
 
 
-def _start() -> subprocess.Popen:
-    """``python -m`` :data:`MODULE` with this checkout first on its path."""
+def _start(sizes: dict | list[dict]) -> subprocess.Popen:
+    """``python -m`` :data:`MODULE` on ``sizes`` (its argument, JSON), this checkout first on
+    its path; it starts computing at once."""
     root = str(Path(__file__).resolve().parents[3])
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    return subprocess.Popen([sys.executable, "-m", MODULE], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+    return subprocess.Popen([sys.executable, "-m", MODULE, json.dumps(sizes)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env, text=True)
 
 
 @contextmanager

@@ -1,7 +1,7 @@
 """Megatron-Core's own figures for a launch, computed in a process of its own (run as a module).
 
-``python -m verify.preflight.twin.megatron_figures`` reads the launch's sizes as JSON on stdin
-(one launch, or a list of them: one answer each) and writes, as JSON on stdout, what
+``python -m verify.preflight.twin.megatron_figures SIZES`` takes the launch's sizes as JSON (one
+launch, or a list of them: one answer each) and writes, as JSON on stdout, what
 Megatron-Core's own code derives from them, sharing no code with preflight:
 
 - DP and DP x CP: ``megatron/core/parallel_state.py initialize_model_parallel`` over a world
@@ -90,7 +90,7 @@ def answer(sizes: dict) -> dict:
 
 
 def main() -> None:
-    sizes = json.loads(sys.stdin.read())
+    sizes = json.loads(sys.argv[1])
     out = [answer(one) for one in sizes] if isinstance(sizes, list) else answer(sizes)
     sys.stdout.write(json.dumps(out))
 
