@@ -99,6 +99,25 @@ def test_a_megatron_core_read_through_the_group_index_map_fails_the_mixed_cases(
     assert not any("fp16/fp16" in label for label in failed), failed
 
 
+def test_the_twin_and_the_optim_check_read_megatrons_masters_through_one_function():
+    """The twin's adapter (over MegatronStages) and the check's (over its module) both gather
+    masters with ``gathered_state`` over ``owned_state``, so the check's bf16/fp32 cases (the
+    test above) stand for the twin too: the twin's groups never mix fp32 and 16-bit params
+    (Float16Module casts every param), where reading through the index map goes wrong."""
+    import inspect
+
+    from verify.candidates.megatron_core.optimizer import MegatronTrainingOptimizer
+    from verify.candidates.megatron_core.sharded_optimizer import (
+        MegatronShardedOptimizer,
+        owned_state,
+    )
+
+    assert MegatronTrainingOptimizer.owned is MegatronShardedOptimizer.owned is owned_state
+    for adapter, method in ((MegatronTrainingOptimizer, "state"),
+                            (MegatronShardedOptimizer, "named_state")):
+        assert "gathered_state(" in inspect.getsource(getattr(adapter, method)), adapter
+
+
 @pytest.fixture(scope="module")
 def megatron_result():
     from verify.check import CheckContext
