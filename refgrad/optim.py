@@ -230,8 +230,9 @@ def optimizer_step(
 ) -> tuple[bool, Fraction | None]:
     """One step over whole params (in place on ``states``). Returns ``(stepped, norm)``.
 
-    ``steps[i]``: param i's group step count *after* increment (1 on the first
-    step). ``shared[i]``: leave param i out of the norm.
+    ``hypers[i]``: param i's hyper-parameters for this step (an LR schedule gives each
+    step its own ``lr`` and ``weight_decay``). ``steps[i]``: param i's group step count
+    *after* increment (1 on the first step). ``shared[i]``: leave param i out of the norm.
     """
     g_all = prepare_grads(grads, loss_scale=loss_scale)
     if g_all is None:

@@ -55,6 +55,9 @@ class LinearStackSpec:
     ``stage_layers``, when given, is the number of layers on each stage (one entry per
     stage, each >= 1), as production's uneven pipeline splits give different stages
     different layer counts; empty: ``layers_per_stage`` on every stage.
+    ``overflow_step``, when given, is a step whose targets are ``OVERFLOW_TARGET_SCALE``
+    times the seeded ones (every replica and microbatch): a loss spike whose loss stays
+    finite in fp32 while its gradient overflows fp16 (the fp16 twin's deliberate skip).
     """
 
     num_stages: int
@@ -69,6 +72,7 @@ class LinearStackSpec:
     tensor_parallel: int = 1
     sequence_parallel: bool = False
     stage_layers: tuple[int, ...] = ()
+    overflow_step: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_stages", "layers_per_stage", "hidden", "microbatch_size",
@@ -84,6 +88,9 @@ class LinearStackSpec:
                 positive_int("LinearStackSpec", "stage_layers[...]", count)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"LinearStackSpec.seed must be an int >= 0, got {self.seed!r}")
+        step = self.overflow_step
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+            raise ValueError(f"LinearStackSpec.overflow_step must be None or an int >= 0, got {step!r}")
         for name in ("output_head", "tied_embedding", "defer_output_wgrad", "sequence_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"LinearStackSpec.{name} must be a bool")
@@ -188,14 +195,23 @@ class HeadRecordingWgrad(torch.autograd.Function):
         return grad_output.matmul(weight), None, None
 
 
+# A loss spike: 2^32 x unit-variance targets. The MSE (~2^64) and its gradient (~2^33 / (rows x
+# hidden x M) per element, below 2^38 and, scaled, far below fp32's 2^128) stay finite in fp32;
+# cast to fp16 (max 65504 < 2^16) for the backward, every element above 2^16 overflows.
+OVERFLOW_TARGET_SCALE = 2.0**32
+
+
 def microbatch_data(
     spec: LinearStackSpec, dp_rank: int, step: int, num_microbatches: int
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Rank-, step- and microbatch-specific ``(inputs, targets)`` for one replica."""
+    """Rank-, step- and microbatch-specific ``(inputs, targets)`` for one replica (at
+    ``spec.overflow_step`` the targets times ``OVERFLOW_TARGET_SCALE``, exact: a power of two)."""
     positive_int("microbatch_data", "num_microbatches", num_microbatches)
     g = torch.Generator().manual_seed(spec.seed * 1_000_003 + dp_rank * 10_007 + step * 31 + 5)
     inputs = [torch.randn(spec.activation_shape, generator=g) for _ in range(num_microbatches)]
     targets = [torch.randn(spec.activation_shape, generator=g) for _ in range(num_microbatches)]
+    if step == spec.overflow_step:
+        targets = [t * OVERFLOW_TARGET_SCALE for t in targets]
     return inputs, targets
 
 

@@ -9,8 +9,13 @@ import pytest
 import torch.distributed as dist
 
 from fastgrad.mxfp8_sharing import MXFP8ParamGradBuffer
-from fastgrad.optim import DistributedOptimizer, DynamicLossScaler
+from fastgrad.optim import DistributedOptimizer
 from tests.distributed_utils import run_distributed
+from tests.verify.broken_optimizers import (
+    HysteresisOneEarly,
+    HysteresisOneLate,
+    IgnoresSchedulerChanges,
+)
 from verify.candidates import FastgradCandidate
 from verify.candidates.fastgrad.optimizer import FastgradOptimizer
 from verify.check import FAIL, PASS, CheckContext, CheckRecorder
@@ -85,6 +90,21 @@ def test_weight_decay_on_biases_fails():
     # Every case decays the 2-D weights only; the broken one decays the 1-D params too.
     assert any("adamw" in label and label.endswith("params") for label in failed), failed
     assert any("sgd" in label and label.endswith("master") for label in failed), failed
+
+
+@pytest.mark.dist
+def test_an_optimizer_that_ignores_the_schedules_changes_fails():
+    """Every case of the quick matrix changes its lr and weight decay at every update
+    (``cases.SCHEDULES``): an optimizer that keeps its first step's values matches refgrad at
+    step 1 and fails at the second update, in every case that makes one (the fp16 cases skip
+    step 2 on their inf: their second update would be step 3, beyond the quick matrix)."""
+    result = _quick(BrokenOptimizerCandidate(optimizer_cls=IgnoresSchedulerChanges))
+    assert result.status == FAIL, result.error
+    failed = result.failed_labels()
+    for case in case_matrix(quick=True):
+        if case.inf_at is None:
+            assert f"{case.label} step 2 master" in failed, (case.label, failed)
+    assert not any(" step 1 " in label for label in failed), failed
 
 
 @pytest.mark.dist
@@ -164,52 +184,6 @@ class CountsTiedCopyInNorm(DistributedOptimizer):
         for shard in self.shards:
             for piece in shard.pieces:
                 piece.param.shared = False
-
-
-class _BacksOffOneEarly(DynamicLossScaler):
-    """Hysteresis off by one: backs off when the tracker reaches 1 instead of 0."""
-
-    def update(self, found_inf):
-        if found_inf and self.hysteresis_tracker - 1 == 1:
-            self.growth_tracker, self.hysteresis_tracker = 0, 1
-            self.scale = max(self.scale * self.backoff_factor, self.min_scale)
-            return
-        super().update(found_inf)
-
-
-class _BacksOffOneLate(DynamicLossScaler):
-    """Hysteresis off by one: backs off only when the tracker goes below 0."""
-
-    def update(self, found_inf):
-        if found_inf:
-            self.growth_tracker = 0
-            self.hysteresis_tracker -= 1
-            if self.hysteresis_tracker < 0:
-                self.scale = max(self.scale * self.backoff_factor, self.min_scale)
-            return
-        super().update(found_inf)
-
-
-class _ScalerSwapped(DistributedOptimizer):
-    scaler_cls: type = DynamicLossScaler
-
-    def __init__(self, ddp, config, param_groups=None, *, loss_scaler=None, **kwargs):
-        if loss_scaler is not None:
-            loss_scaler = self.scaler_cls(initial_scale=loss_scaler.initial_scale,
-                                          hysteresis=loss_scaler.hysteresis)
-        super().__init__(ddp, config, param_groups, loss_scaler=loss_scaler, **kwargs)
-
-
-class HysteresisOneEarly(_ScalerSwapped):
-    """Broken on purpose: its loss scaler backs off one inf step too early."""
-
-    scaler_cls = _BacksOffOneEarly
-
-
-class HysteresisOneLate(_ScalerSwapped):
-    """Broken on purpose: its loss scaler backs off one inf step too late."""
-
-    scaler_cls = _BacksOffOneLate
 
 
 class SkipDecidedPerRank(DistributedOptimizer):

@@ -195,6 +195,21 @@ def test_a_megatron_core_whose_ddp_scales_a_bucket_wrongly_fails_the_twin():
         assert got.equal(reference.grads[0][name] * 2), name
 
 
+@pytest.mark.dist
+def test_a_megatron_core_whose_scheduler_holds_the_lr_fails_the_twin():
+    """Planted fault: the twin's Megatron adapter with an ``OptimizerParamScheduler`` held at
+    the schedule's peak lr and final weight decay (the adapter before issue 31). The twin's
+    schedule warms up from 4e-3 (``TWIN_SCHEDULE``), so the first update already differs."""
+    from tests.candidates.megatron_faults import ConstantlyScheduledTraining, MegatronWithOptimizer
+
+    out = _twins({"held_lr": (PP2_DP2, 0, MegatronWithOptimizer(training=ConstantlyScheduledTraining))},
+                 4)
+    report, _, passed, _ = out["held_lr"]
+    assert not passed and report["verdict"].startswith("FAIL"), report["verdict"]
+    failures = report["twin"]["failures"]
+    assert any(f.startswith("step 0: optimizer master of stage0.") for f in failures), failures[:3]
+
+
 def test_what_megatron_core_cannot_build_here_is_listed_with_the_reason():
     """TP 2 runs at TP 1, MXFP8 params as bf16 params, PP 1's shared weight untied, the
     replicated optimizer as the distributed one: each listed, naming megatron-core and why."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import pytest
 
 from fastgrad.optim import DistributedOptimizer
+from tests.verify.broken_optimizers import IgnoresSchedulerChanges
 from tests.verify.preflight_launch import parsed_launch, preflight_config
 from tests.verify.twin_world import plan_layout, train_and_compare
 from verify.candidates import FastgradCandidate
@@ -33,8 +34,9 @@ MODEL = ["--micro-batch-size", "1", "--num-layers", "8", "--hidden-size", "64",
 STEPS = TwinOptions(hidden_size=8, layers=1, steps=3)
 
 # PP2 DP2 M4, tied embedding, both overlaps, fp16 params and grads, dynamic scale from 2^10
-# (the twin's fp16 grads overflow from 2^19 on: refgrad). The twin's global grad norm is
-# 0.34-0.42 over its 3 steps (refgrad), so --clip-grad 0.3 clips every step.
+# (the twin's fp16 grads overflow from 2^19 on: refgrad): two updates, then step 2's deliberate
+# loss spike (skipped). The twin's global grad norm is 0.34 over its two updates (refgrad), so
+# --clip-grad 0.3 clips both.
 CLIPPED_FP16 = ["--pipeline-model-parallel-size", "2", "--world-size", "4",
                 "--global-batch-size", "8", "--use-distributed-optimizer", "--overlap-grad-reduce",
                 "--overlap-param-gather", "--clip-grad", "0.3", "--fp16", "--initial-loss-scale", "1024"]
@@ -164,13 +166,15 @@ def test_adamw_twin_with_clipping_and_loss_scaling_matches_refgrad_bitwise(twins
         assert s["grads_bitwise"] == s["grads_total"] > 0
         assert s["params_bitwise"] == s["params_total"]
         assert s["state_bitwise"] == s["state_total"] == 3 * s["params_total"]
-        assert s["grad_norm"] > 0
+        assert s["grad_norm"] > 0 or not s["stepped"]  # an fp16 twin's loss spike: NaN, skipped
 
 
 @pytest.mark.dist
 def test_clipping_triggered_and_the_scale_followed_megatrons_scaler(twins):
     clipped = twins["clipped_fp16"][0]["twin"]["steps"]
-    assert all(s["clipped"] and s["clip_coefficient"] < 1 for s in clipped)
+    # fp16: two updates, then the deliberate loss spike (skipped, so nothing to clip)
+    assert [s["stepped"] for s in clipped] == [True, True, False]
+    assert all(s["clipped"] and s["clip_coefficient"] < 1 for s in clipped[:2])
     assert all(s["loss_scale"] == 1024 for s in clipped)
     constant = twins["constant_scale"][0]["twin"]["steps"]
     assert all(s["clip_coefficient"] is None and not s["clipped"] for s in constant)
@@ -273,3 +277,17 @@ def test_a_skipped_clip_or_a_wrong_loss_scale_inverse_fails_naming_step_and_para
     wrong = out["double_unscale"][0]["twin"]["failures"]
     assert any(f.startswith("step 0: optimizer exp_avg of stage0.") for f in wrong)
     assert any("step 0: optimizer on stage 0 (replica 0): global grad norm" in f for f in wrong)
+
+
+@pytest.mark.dist
+def test_an_optimizer_that_ignores_the_schedules_changes_fails_from_the_second_update():
+    """The twin's lr and weight decay change at every update (``TWIN_SCHEDULE``): an optimizer
+    that keeps its first step's values matches refgrad at step 0 and fails from step 1 on."""
+    out = train_and_compare(_plans({"ignores_schedule": (CONSTANT_SCALE, 0)}), 2,
+                            _BrokenOptimizerCandidate(broken=IgnoresSchedulerChanges))
+    report, _, passed, _ = out["ignores_schedule"]
+    assert not passed and report["verdict"].startswith("FAIL"), report["verdict"]
+    failures = report["twin"]["failures"]
+    assert any(f.startswith("step 1: optimizer master of stage0.") for f in failures), failures[:5]
+    assert any(f.startswith("step 2: updated parameter ") for f in failures), failures[:5]
+    assert not any(f.startswith("step 0:") for f in failures), failures[:5]

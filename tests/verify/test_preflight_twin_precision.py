@@ -3,7 +3,9 @@
 Multi-rank twins run in one spawned 8-rank world (grids side by side) and are
 compared with refgrad (``refgrad.pipeline_mixed`` + ``refgrad.optim``) through
 the CLI's own code. The fp16 twin starts from a loss scale at which its fp16
-grads overflow, so the scaler's skip, hysteresis and backoff run on the ranks.
+grads are finite (2^10 at most: Megatron's default 2^32 would skip every step), updates
+twice, then meets a deliberate loss spike whose fp16 grads overflow, so an update and the
+scaler's skip, hysteresis and backoff run on the ranks.
 At TP 2 (``refgrad.pipeline_tp_mixed``) the bf16 twin runs with and without
 sequence parallelism, tied (the first layer vocab-parallel). Deliberately
 broken fastgrads (grads accumulated through the param dtype into the fp32
@@ -41,11 +43,16 @@ BF16 = ["--pipeline-model-parallel-size", "2", "--world-size", "4", "--global-ba
 BF16_GRADS = ["--pipeline-model-parallel-size", "2", "--world-size", "4",
               "--global-batch-size", "8", "--use-distributed-optimizer", "--bf16",
               "--grad-reduce-in-bf16", "--defer-embedding-wgrad-compute", "--wgrad-deferral-limit", "2"]
-# PP2 DP2 M4, fp16 params and grads from a loss scale of 2^19: refgrad's fp16 grads overflow at
-# 2^19 on steps 0 and 1 and not at 2^18 on step 2 (see the test below).
+# PP2 DP2 M4, fp16 params and grads at Megatron's default initial scale (2^32, lowered to 2^10
+# for the twin) with --hysteresis 1: steps 0 and 1 finite, step 2 the deliberate loss spike
+# (skipped, and the scale halves after it; see the tests below).
 FP16_OVERFLOW = ["--pipeline-model-parallel-size", "2", "--world-size", "4",
                  "--global-batch-size", "8", "--use-distributed-optimizer", "--fp16",
-                 "--initial-loss-scale", str(2**19)]
+                 "--hysteresis", "1"]
+# The same at DP 1 with Megatron's default --hysteresis 2 (the deliberate overflow counts down
+# the hysteresis and keeps the scale).
+FP16_DP1 = ["--pipeline-model-parallel-size", "2", "--world-size", "2",
+            "--global-batch-size", "4", "--use-distributed-optimizer", "--fp16"]
 
 # TP2 PP2 DP1 M4, bf16 params, fp32 main grads, deferred output wgrad (limit 2): the output
 # layer's 16-bit partial dgrads all-reduced over TP in bf16.
@@ -237,26 +244,70 @@ def test_the_16_bit_pp1_twin_keeps_the_tied_weight_as_one(twins):
 
 
 @pytest.mark.dist
-def test_fp16_overflow_skips_the_step_backs_off_after_the_hysteresis_and_keeps_the_params(twins):
+def test_the_fp16_twin_checks_two_updates_then_skips_its_loss_spike_and_keeps_the_params(twins):
+    """Megatron's default initial scale (2^32) would overflow every fp16 twin step: the twin
+    starts at 2^10, so steps 0 and 1 are updates (held to refgrad), and step 2's loss spike
+    overflows its fp16 grads (refgrad's too): skipped on every rank, the params kept."""
     report, plan, passed, results = twins["fp16_overflow"]
     assert passed, report["twin"]["failures"][:3]
+    assert plan.training.loss_scale == 2.0**10 and plan.case.spec.overflow_step == 2
+    assert any(g.startswith("initial loss scale 4.29497e+09 lowered to 1024 for the fp16 twin")
+               for g in plan.not_twinned), plan.not_twinned
     reference = reference_for(plan.case, plan.training)
-    # refgrad's fp16 grads: non-finite at 2^19 (steps 0 and 1), finite at 2^18 (step 2).
     finite = [all(bool(g.isfinite().all()) for g in step.values()) for step in reference.grads]
-    assert finite == [False, False, True]
-    # Megatron's DynamicGradScaler, by hand: overflow -> hysteresis 2 -> 1 (scale kept);
-    # overflow -> 0, scale x 0.5; a clean step keeps it (window 1000).
-    assert [s["loss_scale"] for s in report["twin"]["steps"]] == [2.0**19, 2.0**19, 2.0**18]
+    assert finite == [True, True, False]
+    assert [s["stepped"] for s in report["twin"]["steps"]] == [True, True, False]
+    assert [s["loss_scale"] for s in report["twin"]["steps"]] == [2.0**10] * 3
     for res in (r for r in results if r is not None):
-        assert [stepped for stepped, *_ in res.steps] == [False, False, True]
-    # A skipped step leaves the params at the fp16-rounded initial values, on every rank.
+        assert [stepped for stepped, *_ in res.steps] == [True, True, False]
+        for name, value in res.params[2].items():  # the skipped step kept step 1's params
+            assert torch.equal(value, res.params[1][name]), name
     initial = {n: p.detach().to(torch.float16) for n, p in _initial_params(plan).items()}
-    for step in (0, 1):
-        for res in (r for r in results if r is not None):
-            for name, value in res.params[step].items():
-                assert torch.equal(value, initial[name]), (step, name)
     assert any(not torch.equal(v, initial[n]) for r in results if r is not None
-               for n, v in r.params[2].items())
+               for n, v in r.params[0].items())  # step 0 updated them
+
+
+@pytest.mark.dist
+def test_the_fp16_twins_skip_moves_megatrons_scaler_and_planted_faults_fail():
+    """Four steps: 2 updates, the loss spike's skip, an update at the scale Megatron's
+    DynamicGradScaler leaves (by hand: hysteresis 1 -> x 0.5; hysteresis 2 -> kept). Planted
+    faults, each a fastgrad whose optimizer is a broken subclass: unscaling by 2/S (invisible
+    to the twin before issue 31: at 2^32 every step was skipped, so no update was compared)
+    fails at step 0; a scaler backing off one overflow early fails at step 3's scale."""
+    from tests.verify.broken_optimizers import HysteresisOneEarly
+    from tests.verify.test_preflight_twin_optim import (
+        _BrokenOptimizerCandidate,
+        _WrongInverseOptimizer,
+    )
+    from tests.verify.twin_world import plan_layout
+    from verify.preflight.twin import TwinOptions
+
+    layout = {"hysteresis_1": (FP16_OVERFLOW, 0), "hysteresis_2": (FP16_DP1, 4),
+              "wrong_inverse": (FP16_DP1, 6)}
+    plans = plan_layout(layout, _config, TwinOptions(hidden_size=8, layers=1, steps=4))
+    out = train_and_compare(plans, 8, {
+        "hysteresis_1": FastgradCandidate(), "hysteresis_2": FastgradCandidate(),
+        "wrong_inverse": _BrokenOptimizerCandidate(broken=_WrongInverseOptimizer)})
+    for name, scales in (("hysteresis_1", [1024.0, 1024.0, 1024.0, 512.0]),
+                         ("hysteresis_2", [1024.0] * 4)):
+        report, _, passed, _ = out[name]
+        assert passed, (name, report["twin"]["failures"][:3])
+        steps = report["twin"]["steps"]
+        assert [s["stepped"] for s in steps] == [True, True, False, True], name
+        assert [s["loss_scale"] for s in steps] == scales, name
+    report, _, passed, _ = out["wrong_inverse"]
+    assert not passed and report["verdict"].startswith("FAIL"), report["verdict"]
+    assert any(f.startswith("step 0: optimizer exp_avg of stage0.")
+               for f in report["twin"]["failures"]), report["twin"]["failures"][:3]
+    early = train_and_compare(plan_layout({"backs_off_early": (FP16_DP1, 0)}, _config,
+                                          TwinOptions(hidden_size=8, layers=1, steps=4)), 2,
+                              _BrokenOptimizerCandidate(broken=HysteresisOneEarly))
+    report, _, passed, _ = early["backs_off_early"]
+    assert not passed, report["verdict"]
+    failures = report["twin"]["failures"]
+    assert any(f.startswith("step 3: optimizer on stage 0 (replica 0): loss scale 512.0, refgrad 1024.0")
+               for f in failures), failures[:5]
+    assert not any(f.startswith(("step 0:", "step 1:", "step 2:")) for f in failures), failures[:5]
 
 
 def _initial_params(plan) -> dict:

@@ -26,7 +26,7 @@ from verify.preflight.twin import (
 )
 from verify.preflight.twin.rank import TwinRun, twin_phases_worker
 from verify.preflight.twin.reference import reference_for
-from verify.preflight.twin.variants import TWIN_ADAMW, Dtype, adamw_of
+from verify.preflight.twin.variants import TWIN_ADAMW, TWIN_SCHEDULE, Dtype, adamw_of
 from verify.preflight.twin.verdict import twin_section
 
 MODEL = ["--micro-batch-size", "1", "--num-layers", "4", "--hidden-size", "64",
@@ -46,6 +46,11 @@ def test_each_variant_says_what_the_candidate_builds_for_it():
         overlap_param_gather=True)
     settings = adamw.optimizer_settings()
     assert settings.adamw == TWIN_ADAMW and settings.max_grad_norm == 0.5
+    # the lr and weight decay of each update: the twin's schedule, its peak and end TWIN_ADAMW's
+    assert settings.schedule == TWIN_SCHEDULE == adamw.schedule
+    assert (TWIN_SCHEDULE.max_lr, TWIN_SCHEDULE.end_wd) == (TWIN_ADAMW.lr, TWIN_ADAMW.weight_decay)
+    values = TWIN_SCHEDULE.values(3)
+    assert len({lr for lr, _ in values}) == 3 and len({wd for _, wd in values}) == 3, values
     assert settings.loss_scaling == LossScaling(initial_scale=256.0, min_scale=2.0,
                                                 growth_interval=7, hysteresis=3)
     constant = replace(adamw, dynamic=False).loss_scaling

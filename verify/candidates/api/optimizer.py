@@ -34,6 +34,7 @@ import torch.distributed as dist
 from fastgrad.parallel_dims import ParallelDims
 from verify.candidates.api.core import DocumentedBehaviour
 from verify.candidates.api.optimizer_parts import MXFP8Training, OptimizerGuards
+from verify.candidates.api.optimizer_schedule import HyperparameterSchedule
 from verify.candidates.api.scope import TechniqueScope
 
 # A constant loss scale is a dynamic one that never grows: a growth interval no run reaches.
@@ -128,6 +129,9 @@ class OptimizerSettings:
     ``sgd``: set, the step is SGD with momentum instead (``adamw`` is then not used).
     ``decay_1d_params``: False puts no weight decay on params of one dimension (biases, norm
     weights), Megatron-Core's default grouping; True decays every param.
+    ``schedule``: set, each update's learning rate and weight decay are the schedule's
+    (:class:`~verify.candidates.api.optimizer_schedule.HyperparameterSchedule`, in place of
+    ``lr`` and ``weight_decay`` of ``adamw`` / ``sgd``); None: those, at every update.
     """
 
     adamw: AdamWHyperparameters = AdamWHyperparameters()
@@ -135,6 +139,7 @@ class OptimizerSettings:
     loss_scaling: LossScaling | None = None
     sgd: SGDHyperparameters | None = None
     decay_1d_params: bool = True
+    schedule: HyperparameterSchedule | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.adamw, AdamWHyperparameters):
@@ -150,6 +155,17 @@ class OptimizerSettings:
                              f"got {self.max_grad_norm!r}")
         if self.loss_scaling is not None and not isinstance(self.loss_scaling, LossScaling):
             raise TypeError("OptimizerSettings.loss_scaling must be a LossScaling or None")
+        if self.schedule is not None and not isinstance(self.schedule, HyperparameterSchedule):
+            raise TypeError("OptimizerSettings.schedule must be a HyperparameterSchedule or None "
+                            f"(per-update values, not a callable), got {type(self.schedule).__name__}")
+
+    def lr_and_weight_decay(self, update: int) -> tuple[float, float]:
+        """``(lr, weight_decay)`` of update ``update`` (0: the first; skipped steps do not
+        count) for a param that takes weight decay: the schedule's, or the constant ones."""
+        if self.schedule is not None:
+            return self.schedule.lr(update), self.schedule.weight_decay(update)
+        hyper = self.sgd if self.sgd is not None else self.adamw
+        return hyper.lr, hyper.weight_decay
 
 
 @dataclass(frozen=True)
@@ -410,6 +426,7 @@ __all__ = [
     "DataParallelModule",
     "DataParallelSettings",
     "DistributedOptimizerStep",
+    "HyperparameterSchedule",
     "LossScalerState",
     "LossScaling",
     "MXFP8ParamOptimizer",

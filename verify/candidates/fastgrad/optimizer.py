@@ -10,14 +10,13 @@ norm refgrad's: :meth:`FastgradOptimizer.behaviour` documents no departure.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 import torch.distributed as dist
 from torch import nn
 
 from fastgrad.optim import (
-    AdamWConfig,
     DistributedOptimizer,
     DynamicLossScaler,
     ReplicatedOptimizer,
@@ -41,6 +40,9 @@ from verify.candidates.fastgrad.sharded_optimizer import (
     FastgradMXFP8Optimizer,
     FastgradShardedOptimizer,
     as_step_outcome,
+    decaying_groups,
+    fastgrad_config,
+    schedule_next_update,
 )
 from verify.candidates.fastgrad.stages import FastgradStages, norm_group
 
@@ -98,7 +100,6 @@ class FastgradTrainingOptimizer:
     def __init__(self, stages: FastgradStages, settings: OptimizerSettings,
                  cls: type[DistributedOptimizer]) -> None:
         self.stages, self.settings = stages, settings
-        hyper = settings.adamw
         scaling = settings.loss_scaling
         scaler = None if scaling is None else DynamicLossScaler(
             initial_scale=scaling.initial_scale, min_scale=scaling.min_scale,
@@ -106,11 +107,10 @@ class FastgradTrainingOptimizer:
         if stages.front is not None and scaler is not None:
             raise ValueError("fastgrad's MXFP8 buffer takes no loss scaler (its grads are fp32)")
         self.optimizer = cls(
-            stages.optimizer_target,
-            AdamWConfig(lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, eps=hyper.eps,
-                        weight_decay=hyper.weight_decay),
+            stages.optimizer_target, fastgrad_config(replace(settings, sgd=None)),
             max_grad_norm=settings.max_grad_norm, loss_scaler=scaler,
             model_parallel_group=norm_group(stages.case, stages.grid))
+        self.decaying = decaying_groups(self.optimizer)
         if stages.front is not None:
             self.optimizer.publish_params()  # the first forward's weights: the masters, quantized
             stages.refresh_from_mxfp8()
@@ -125,6 +125,7 @@ class FastgradTrainingOptimizer:
         return self.optimizer.param_gather_in_flight
 
     def step(self) -> StepOutcome:
+        schedule_next_update(self.optimizer, self.settings, self.decaying)
         outcome = self.optimizer.step()  # MXFP8: stage -> all-gather -> quantize -> zero
         if self.stages.front is not None:
             self.stages.refresh_from_mxfp8()

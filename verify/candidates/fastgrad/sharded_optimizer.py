@@ -44,13 +44,40 @@ from verify.candidates.api.optimizer_parts import MXFP8Training, OptimizerGuards
 
 
 def fastgrad_config(settings: OptimizerSettings) -> AdamWConfig | SGDConfig:
-    """fastgrad's optimizer config for the seam's hyperparameters."""
+    """fastgrad's optimizer config for the seam's hyperparameters. With a schedule, its peak lr
+    and its largest (final) weight decay: the groups the optimizer builds with a nonzero
+    weight decay are those the schedule decays (:func:`decaying_groups`)."""
+    hyper = settings.sgd if settings.sgd is not None else settings.adamw
+    lr, weight_decay = hyper.lr, hyper.weight_decay
+    if settings.schedule is not None:
+        lr, weight_decay = settings.schedule.max_lr, settings.schedule.end_wd
     if settings.sgd is not None:
-        h = settings.sgd
-        return SGDConfig(lr=h.lr, momentum=h.momentum, weight_decay=h.weight_decay)
+        return SGDConfig(lr=lr, momentum=settings.sgd.momentum, weight_decay=weight_decay)
     h = settings.adamw
-    return AdamWConfig(lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
-                       weight_decay=h.weight_decay)
+    return AdamWConfig(lr=lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=weight_decay)
+
+
+def decaying_groups(optimizer: DistributedOptimizer) -> list[bool]:
+    """Which of the optimizer's groups take weight decay, as the optimizer built them (a
+    nonzero ``weight_decay``; ``param_groups_without_decay_for`` gives 1-D params 0): the
+    groups a schedule's weight decay reaches, as Megatron's ``wd_mult``. Read from the
+    optimizer's own groups, so an optimizer that grouped its params wrongly is not put
+    right here."""
+    return [group["weight_decay"] != 0 for group in optimizer.param_groups]
+
+
+def schedule_next_update(optimizer: DistributedOptimizer, settings: OptimizerSettings,
+                         decaying: Sequence[bool]) -> None:
+    """Write the next update's learning rate and weight decay into the optimizer's
+    ``param_groups``, as an LR scheduler does between steps (its step reads them). The update
+    is the optimizer's own count of updates (a step skipped on NaN/inf grads does not
+    advance it, as Megatron-LM's ``train_step`` does not advance its scheduler)."""
+    if settings.schedule is None:
+        return
+    lr, weight_decay = settings.lr_and_weight_decay(optimizer.steps[0] if optimizer.steps else 0)
+    for group, decays in zip(optimizer.param_groups, decaying, strict=True):
+        group["lr"] = lr
+        group["weight_decay"] = weight_decay if decays else 0.0
 
 
 def as_step_outcome(result: StepResult) -> StepOutcome:
@@ -103,6 +130,8 @@ class FastgradShardedOptimizer(ShardedOptimizer):
         groups = None if settings.decay_1d_params else param_groups_without_decay_for(ddp)
         self.optimizer = optimizer_cls(ddp, fastgrad_config(settings), groups,
                                        max_grad_norm=settings.max_grad_norm, loss_scaler=scaler)
+        self.settings = settings
+        self.decaying = decaying_groups(self.optimizer)
         self.names = {p: n for n, p in model.named_parameters().items()}
 
     @property
@@ -115,6 +144,7 @@ class FastgradShardedOptimizer(ShardedOptimizer):
         return self.optimizer.param_gather_in_flight
 
     def step(self) -> StepOutcome:
+        schedule_next_update(self.optimizer, self.settings, self.decaying)
         return as_step_outcome(self.optimizer.step())
 
     def state(self) -> dict[str, AdamWState]:
@@ -265,6 +295,8 @@ class FastgradMXFP8Training(MXFP8Training):
         self.buffer = MXFP8ParamGradBuffer(self.weights, config=config, dp_group=dp_group)
         self.optimizer = optimizer_cls(self.buffer, fastgrad_config(settings),
                                        max_grad_norm=settings.max_grad_norm)
+        self.settings = settings
+        self.decaying = decaying_groups(self.optimizer)
         self.optimizer.publish_params()
 
     @property
@@ -298,6 +330,7 @@ class FastgradMXFP8Training(MXFP8Training):
         return [b.local_grad_shard.clone() for b in self.buffer.buckets]
 
     def step(self) -> bool:
+        schedule_next_update(self.optimizer, self.settings, self.decaying)
         return self.optimizer.step().stepped
 
     def master_shards(self) -> list[torch.Tensor]:

@@ -5,7 +5,8 @@ As Megatron-LM's ``setup_model_and_optimizer`` and ``train`` wire it: an ``Optim
 (Adam with decoupled weight decay, ``clip_grad``, bf16/fp16, the distributed optimizer,
 ``overlap_param_gather``, the loss scale: a ``ConstantGradScaler`` for a constant one, fp16's
 ``DynamicGradScaler`` otherwise), ``OptimizerParamScheduler`` setting each group's lr and
-weight decay (constant schedules; it applies ``wd_mult``), ``config.grad_scale_func =
+weight decay (the settings' schedule: warm-up, decay, weight-decay increment; it applies
+``wd_mult``), ``config.grad_scale_func =
 optimizer.scale_loss``, and each step ``optimizer.zero_grad()`` after the buffers are zeroed,
 then ``optimizer.step()`` and ``scheduler.step(1)``.
 
@@ -45,12 +46,14 @@ from verify.candidates.megatron_core.scope import MegatronScope
 from verify.candidates.megatron_core.sharded_optimizer import (
     MegatronDataParallel,
     MegatronShardedOptimizer,
-    constant_schedule,
+    gathered_state,
     loss_scale,
     optimizer_config,
+    owned_state,
+    param_scheduler,
     step_and_report,
 )
-from verify.candidates.megatron_core.stages import MegatronStages, owned_pieces
+from verify.candidates.megatron_core.stages import MegatronStages
 from verify.candidates.megatron_core.version import installed
 
 TORCH_ADAMW = DocumentedBehaviour(
@@ -87,13 +90,16 @@ class MegatronOptimizer(MegatronScope, DistributedOptimizerStep):
     """Megatron-Core's optimizer over Megatron-Core's stages or over a module its DDP wraps
     (:meth:`data_parallel`), in the candidate's scope. ``ddp_class``: the DDP class
     :meth:`data_parallel` wraps with (a test's broken copy of Megatron's);
-    ``sharded_cls``: the optimizer adapter over it (a test's broken copy)."""
+    ``sharded_cls``: the optimizer adapter over it (a test's broken copy); ``training_cls``:
+    the twin's adapter over :class:`MegatronStages` (None: :class:`MegatronTrainingOptimizer`;
+    a test's broken copy)."""
 
     # get_megatron_optimizer all-gathers its param-group keys over the default group
     # (megatron/core/optimizer/__init__.py _get_param_groups): one DP group per world.
     shares_a_world: ClassVar[bool] = False
     ddp_class: type | None = field(default=None, kw_only=True)
     sharded_cls: type[MegatronShardedOptimizer] = field(default=MegatronShardedOptimizer, kw_only=True)
+    training_cls: type | None = field(default=None, kw_only=True)
 
     def build(self, model: DataParallelModel, settings: OptimizerSettings) -> TrainingOptimizer:
         if isinstance(model, MegatronDataParallel):
@@ -102,7 +108,7 @@ class MegatronOptimizer(MegatronScope, DistributedOptimizerStep):
         if not isinstance(model, MegatronStages):
             raise TypeError(f"Megatron-Core's optimizer steps Megatron-Core's stages or a module "
                             f"its data_parallel() wrapped, got {type(model).__name__}")
-        return MegatronTrainingOptimizer(model, settings)
+        return (self.training_cls or MegatronTrainingOptimizer)(model, settings)
 
     def behaviour(self) -> OptimizerBehaviour:
         reason = installed().skip_reason("distributed_optimizer", "torch_adam_fallback")
@@ -125,7 +131,11 @@ class MegatronOptimizer(MegatronScope, DistributedOptimizerStep):
 
 
 class MegatronTrainingOptimizer:
-    """One rank's Megatron optimizer and scheduler over its :class:`MegatronStages`."""
+    """One rank's Megatron optimizer and scheduler over its :class:`MegatronStages`.
+    ``owned``: how this rank's masters are found (:func:`owned_state`, as the ``optim``
+    check's adapter; a test's broken copy gives another)."""
+
+    owned = staticmethod(owned_state)
 
     def __init__(self, stages: MegatronStages, settings: OptimizerSettings) -> None:
         from megatron.core.optimizer import get_megatron_optimizer
@@ -138,7 +148,7 @@ class MegatronTrainingOptimizer:
             optimizer_config(settings, dtype=stages.settings.param_dtype,
                              overlap_param_gather=stages.settings.overlap_param_gather),
             stages.ddps, use_gloo_process_groups=False, pg_collection=stages.groups)
-        self.scheduler = constant_schedule(self.optimizer, settings)
+        self.scheduler = param_scheduler(self.optimizer, settings)
         stages.config.grad_scale_func = self.optimizer.scale_loss
         stages.on_zero_grad.append(self.optimizer.zero_grad)
 
@@ -154,28 +164,13 @@ class MegatronTrainingOptimizer:
         return step_and_report(self.optimizer, self.scheduler, self.settings)
 
     def state(self) -> dict[str, AdamWState]:
-        """Every param's whole master and moments: each DP rank's owned pieces, gathered
-        over the DP group (as objects: the pieces differ in size)."""
+        """Every param's whole master and moments, read as the ``optim`` check's adapter reads
+        them (:func:`~verify.candidates.megatron_core.sharded_optimizer.gathered_state`)."""
         names = list(self.stages.named)
         params = [self.stages.named[n] for n in names]
-        mine = owned_pieces(self.optimizer, params)
-        dp_group = self.stages.groups.dp
-        pieces: list[dict[int, dict] | None] = [None] * dist.get_world_size(dp_group)
-        dist.all_gather_object(pieces, mine, group=dp_group)
-        out = {}
-        for i, (name, param) in enumerate(zip(names, params)):
-            full = {key: torch.full((param.numel(),), float("nan")) for key in
-                    ("master", "exp_avg", "exp_avg_sq")}
-            for rank_pieces in pieces:
-                piece = rank_pieces.get(i) if rank_pieces else None
-                if piece is None:
-                    continue
-                lo, hi = piece["range"]
-                for key, tensor in full.items():
-                    tensor[lo:hi] = piece[key].reshape(-1)
-            out[name] = AdamWState(*(full[k].view(param.shape)
-                                     for k in ("master", "exp_avg", "exp_avg_sq")))
-        return out
+        whole = gathered_state(self.optimizer, names, params, self.stages.groups.dp, self.owned)
+        return {name: AdamWState(entry["master"], entry["exp_avg"], entry["exp_avg_sq"])
+                for name, entry in whole.items()}
 
     def finish_param_sync(self) -> None:
         self.stages.force_param_sync()

@@ -6,9 +6,10 @@ check's module on the check's DP group, given as a ``ProcessGroupCollection``
 (:class:`MegatronShardedOptimizer`) as Megatron-LM's ``setup_model_and_optimizer`` and ``train``
 wire it: an ``OptimizerConfig`` (Adam with decoupled weight decay, ``clip_grad``, bf16 / fp16
 with fp32 main params, ``overlap_param_gather``, fp16's ``DynamicGradScaler``; a
-``ConstantGradScaler`` of 1 for fp16 without loss scaling), ``OptimizerParamScheduler`` with
-constant schedules (it applies ``wd_mult``: no decay on 1-D params), and each iteration the
-buffers' ``zero_grad_buffer`` then the optimizer's ``zero_grad``. The DP sum instead of the mean
+``ConstantGradScaler`` of 1 for fp16 without loss scaling), ``OptimizerParamScheduler`` built
+from the settings' schedule (warm-up, decay and weight-decay increment; constant without one;
+it applies ``wd_mult``: no decay on 1-D params) and stepped after each successful update, and
+each iteration the buffers' ``zero_grad_buffer`` then the optimizer's ``zero_grad``. The DP sum instead of the mean
 is ``TransformerConfig.calculate_per_token_loss`` (DDP's ``gradient_scaling_factor`` 1).
 
 What it cannot do here is :class:`~verify.candidates.api.core.Unsupported`, naming where:
@@ -38,6 +39,7 @@ from verify.candidates.api.optimizer import (
     ShardedOptimizer,
     StepOutcome,
 )
+from verify.candidates.api.optimizer_schedule import HyperparameterSchedule
 from verify.candidates.megatron_core.grad_reduction import data_parallel_groups, model_config
 
 SGD_UNSUPPORTED = ("SGD: Megatron-Core's DistributedOptimizer steps Adam only "
@@ -86,6 +88,31 @@ def owned_state(optimizer, params: list[nn.Parameter]) -> dict[int, dict]:
                     "exp_avg": state.get("exp_avg", zeros).detach().clone(),
                     "exp_avg_sq": state.get("exp_avg_sq", zeros).detach().clone()}
     return owned
+
+
+def gathered_state(optimizer, names: list[str], params: list[nn.Parameter],
+                   dp_group: dist.ProcessGroup, owned=owned_state) -> dict[str, dict[str, torch.Tensor]]:
+    """Every param's whole fp32 master and Adam moments by name: each DP rank's pieces
+    (``owned(optimizer, params)``, :func:`owned_state`), gathered over the DP group as objects
+    (the pieces differ in size). The one reader of Megatron's masters: the ``optim`` check's
+    adapter (:class:`MegatronShardedOptimizer`) and the twin's
+    (``optimizer.MegatronTrainingOptimizer``) both read through it."""
+    mine = owned(optimizer, params)
+    pieces: list[dict[int, dict] | None] = [None] * dist.get_world_size(dp_group)
+    dist.all_gather_object(pieces, mine, group=dp_group)
+    out = {}
+    for i, (name, param) in enumerate(zip(names, params)):
+        full = {key: torch.full((param.numel(),), float("nan"))
+                for key in ("master", "exp_avg", "exp_avg_sq")}
+        for rank_pieces in pieces:
+            piece = rank_pieces.get(i) if rank_pieces else None
+            if piece is None:
+                continue
+            lo, hi = piece["range"]
+            for key, tensor in full.items():
+                tensor[lo:hi] = piece[key].reshape(-1)
+        out[name] = {key: tensor.view(param.shape) for key, tensor in full.items()}
+    return out
 
 
 class MegatronDataParallel(DataParallelModule):
@@ -149,6 +176,7 @@ def optimizer_config(settings: OptimizerSettings, *, dtype: torch.dtype,
 
     fp16, bf16 = dtype is torch.float16, dtype is torch.bfloat16
     hyper, scaling = settings.adamw, settings.loss_scaling
+    schedule = scheduled_hyperparameters(settings)
     scale: dict[str, float | int] = {}
     if scaling is None and fp16:
         scale = {"loss_scale": 1.0}  # fp16 unscaled: Megatron's ConstantGradScaler of 1
@@ -160,23 +188,31 @@ def optimizer_config(settings: OptimizerSettings, *, dtype: torch.dtype,
         scale = {"initial_loss_scale": scaling.initial_scale, "min_loss_scale": scaling.min_scale,
                  "loss_scale_window": scaling.growth_interval, "hysteresis": scaling.hysteresis}
     return OptimizerConfig(
-        optimizer="adam", lr=hyper.lr, min_lr=hyper.lr, weight_decay=hyper.weight_decay,
+        optimizer="adam", lr=schedule.max_lr, min_lr=schedule.min_lr, weight_decay=schedule.start_wd,
         adam_beta1=hyper.beta1, adam_beta2=hyper.beta2, adam_eps=hyper.eps,
         clip_grad=settings.max_grad_norm or 0.0, fp16=fp16, bf16=bf16, params_dtype=dtype,
         use_distributed_optimizer=True, overlap_param_gather=overlap_param_gather, **scale)
 
 
-def constant_schedule(optimizer, settings: OptimizerSettings):
-    """Megatron-LM's ``OptimizerParamScheduler`` holding the settings' lr and weight decay
-    (constant styles ignore the step counts). Its ``step`` applies each group's ``wd_mult``:
-    no decay on 1-D params."""
+def scheduled_hyperparameters(settings: OptimizerSettings) -> HyperparameterSchedule:
+    """The settings' schedule, or their constant lr and weight decay as one."""
+    if settings.schedule is not None:
+        return settings.schedule
+    return HyperparameterSchedule.constant(settings.adamw.lr, settings.adamw.weight_decay)
+
+
+def param_scheduler(optimizer, settings: OptimizerSettings):
+    """Megatron-LM's ``OptimizerParamScheduler`` driving the settings' schedule (warm-up, decay,
+    weight-decay increment; constant without one), counting updates (increment 1). Its
+    ``step`` applies each group's ``wd_mult``: no decay on 1-D params."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    wd, lr = settings.adamw.weight_decay, settings.adamw.lr
+    schedule = scheduled_hyperparameters(settings)
     return OptimizerParamScheduler(
-        optimizer, init_lr=lr, max_lr=lr, min_lr=lr, lr_warmup_steps=0, lr_decay_steps=1,
-        lr_decay_style="constant", start_wd=wd, end_wd=wd, wd_incr_steps=1,
-        wd_incr_style="constant")
+        optimizer, init_lr=schedule.init_lr, max_lr=schedule.max_lr, min_lr=schedule.min_lr,
+        lr_warmup_steps=schedule.warmup_steps, lr_decay_steps=schedule.decay_steps,
+        lr_decay_style=schedule.decay_style, start_wd=schedule.start_wd, end_wd=schedule.end_wd,
+        wd_incr_steps=schedule.wd_incr_steps, wd_incr_style=schedule.wd_incr_style)
 
 
 def loss_scale(optimizer, settings: OptimizerSettings) -> float | None:
@@ -185,10 +221,13 @@ def loss_scale(optimizer, settings: OptimizerSettings) -> float | None:
 
 
 def step_and_report(optimizer, scheduler, settings: OptimizerSettings) -> StepOutcome:
-    """One ``optimizer.step()`` and the scheduler's, as the seam's :class:`StepOutcome`."""
+    """One ``optimizer.step()`` and, after a successful update, the scheduler's (Megatron-LM's
+    ``train_step``: a step skipped on NaN/inf grads keeps the lr and weight decay), as the
+    seam's :class:`StepOutcome`."""
     scale = loss_scale(optimizer, settings)
     stepped, norm, _ = optimizer.step()
-    scheduler.step(increment=1)
+    if stepped:
+        scheduler.step(increment=1)
     max_norm = settings.max_grad_norm
     grad_norm = float(norm) if stepped and max_norm is not None and norm is not None else None
     coefficient = None
@@ -199,7 +238,11 @@ def step_and_report(optimizer, scheduler, settings: OptimizerSettings) -> StepOu
 
 
 class MegatronShardedOptimizer(ShardedOptimizer):
-    """``get_megatron_optimizer`` and ``OptimizerParamScheduler`` over a :class:`MegatronDataParallel`."""
+    """``get_megatron_optimizer`` and ``OptimizerParamScheduler`` over a :class:`MegatronDataParallel`.
+    ``owned``: how this rank's masters are found (:func:`owned_state`; a test's broken copy
+    gives another)."""
+
+    owned = staticmethod(owned_state)
 
     def __init__(self, model: MegatronDataParallel, settings: OptimizerSettings) -> None:
         from megatron.core.optimizer import get_megatron_optimizer
@@ -216,7 +259,7 @@ class MegatronShardedOptimizer(ShardedOptimizer):
                 optimizer_config(settings, dtype=model.param_dtype,
                                  overlap_param_gather=model.settings.overlap_param_gather),
                 [model.ddp], use_gloo_process_groups=False, pg_collection=model.groups)
-        self.scheduler = constant_schedule(self.optimizer, settings)
+        self.scheduler = param_scheduler(self.optimizer, settings)
         model.on_zero_grad.append(self.optimizer.zero_grad)
         self.names = list(model.named_parameters())
         self.params = [model.named_parameters()[n] for n in self.names]
@@ -268,25 +311,9 @@ class MegatronShardedOptimizer(ShardedOptimizer):
         return any(owner[p].param_gather_handle is not None for p in params if p in owner)
 
     def named_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Every param's whole master and moments: each DP rank's owned pieces, gathered over
-        the DP group (as objects: the pieces differ in size)."""
-        mine = owned_state(self.optimizer, self.params)
-        dp_group = self.model.groups.dp
-        pieces: list[dict[int, dict] | None] = [None] * dist.get_world_size(dp_group)
-        dist.all_gather_object(pieces, mine, group=dp_group)
-        out = {}
-        for i, (name, param) in enumerate(zip(self.names, self.params)):
-            full = {key: torch.full((param.numel(),), float("nan"))
-                    for key in ("master", "exp_avg", "exp_avg_sq")}
-            for rank_pieces in pieces:
-                piece = rank_pieces.get(i) if rank_pieces else None
-                if piece is None:
-                    continue
-                lo, hi = piece["range"]
-                for key, tensor in full.items():
-                    tensor[lo:hi] = piece[key].reshape(-1)
-            out[name] = {key: tensor.view(param.shape) for key, tensor in full.items()}
-        return out
+        """Every param's whole master and moments (:func:`gathered_state`)."""
+        return gathered_state(self.optimizer, self.names, self.params, self.model.groups.dp,
+                              self.owned)
 
     def checkpoint(self) -> OptimizerCheckpoint:
         raise _unsupported(CHECKPOINT_UNSUPPORTED)

@@ -40,7 +40,7 @@ Losses: Megatron divides each microbatch's loss by the microbatch count itself
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -57,7 +57,6 @@ from verify.candidates.api.pipeline import (
 
 if TYPE_CHECKING:  # megatron-core is optional: imported where a technique runs
     from megatron.core.distributed import DistributedDataParallel
-    from megatron.core.optimizer import MegatronOptimizer
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer import TransformerConfig
 
@@ -343,25 +342,3 @@ class MegatronStages:
 
     def close(self) -> None:
         self.on_zero_grad.clear()
-
-
-def owned_pieces(optimizer: MegatronOptimizer, params: Sequence[torch.nn.Parameter]
-                 ) -> dict[int, dict]:
-    """The fp32 main params and Adam state this rank owns, per index into ``params``
-    (``DistributedOptimizer``'s ``model_param_group_index_map`` and param ranges)."""
-    inner = getattr(optimizer, "chained_optimizers", [optimizer])
-    owned = {}
-    for i, param in enumerate(params):
-        for dist_opt in inner:
-            if param not in dist_opt.model_param_group_index_map:
-                continue  # another optimizer's, or a piece this rank does not own
-            param_range = dist_opt._get_model_param_range_map(param)["param"]
-            group_index, order = dist_opt.model_param_group_index_map[param]
-            main = dist_opt.optimizer.param_groups[group_index]["params"][order]
-            state = dist_opt.optimizer.state.get(main, {})
-            zeros = torch.zeros_like(main.detach())
-            owned[i] = {"range": (param_range.start, param_range.end),
-                        "master": main.detach().clone(),
-                        "exp_avg": state.get("exp_avg", zeros).detach().clone(),
-                        "exp_avg_sq": state.get("exp_avg_sq", zeros).detach().clone()}
-    return owned

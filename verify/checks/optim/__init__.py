@@ -34,7 +34,11 @@ The case matrix covers every dimension at least once, not the product
   * not ``--quick``: DP=3 adamw fp16/fp32 clip sync, DP=4 sgd bf16/bf16 clip sync
 
 so both algorithms meet both grad dtypes, both main-grad dtypes, clipping on and
-off and both gather modes; every DP size meets AdamW or SGD with overlap or not.
+off and both gather modes; every DP size meets AdamW or SGD with overlap or not. Every
+case but the last changes its learning rate and weight decay at every update
+(``cases.SCHEDULES``: Megatron-LM's warm-up, then cosine decay; a rising weight decay),
+through the seam's ``OptimizerSettings.schedule``; refgrad steps each update with the
+schedule's values (a skipped step does not advance it, as Megatron-LM's ``train_step``).
 "bf16" params are bf16 beside fp32 ones (two buffer groups); weight decay is off
 for biases and norm weights (``param_groups_without_decay_for``). The loss
 scaler's state after every step is compared with Megatron-Core's rule derived by

@@ -11,6 +11,9 @@ chosen rank- and step-specific as multiples of 1/8 in [-1, 1]: sums over <= 4
 ranks are exact in every dtype, so gloo's reduction order cannot matter and
 refgrad's rank-order reduction is also gloo's result.
 
+Each case's learning rate and weight decay change at every update (``SCHEDULES``, as a
+training run's do; ``OptimCase.scheduled`` False keeps ``ADAMW`` / ``SGD``'s).
+
 ``param_loss`` models make the loss depend on the params the forward reads:
 ``sum(param * (coefficient + param / 2))``, grad ``coefficient + param / 2`` (one
 fp32 rounding, then the param dtype's), so a forward reading a param before its
@@ -29,6 +32,7 @@ from torch import nn
 from verify.candidates.api.optimizer import (
     AdamWHyperparameters,
     DataParallelSettings,
+    HyperparameterSchedule,
     LossScaling,
     OptimizerSettings,
     SGDHyperparameters,
@@ -42,6 +46,20 @@ SHARED = tuple(n in TIED for n in NAMES)  # refgrad.optim's ``shared``: left out
 ADAMW = {"lr": 0.01, "beta1": 0.9, "beta2": 0.99, "eps": 1e-6, "weight_decay": 0.1}
 SGD = {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01}
 BUCKET_SIZE = 200  # several buckets, params split across bucket and shard boundaries
+# Each case's lr and weight decay change at every update, as a training run's do: Megatron-LM's
+# linear warm-up (one update from init_lr) then cosine decay to min_lr at update 3, and a weight
+# decay rising linearly over 2 updates (updates 0, 1, 2: lr init, max, halfway down; weight decay
+# start, halfway, end). ADAMW's / SGD's lr is the peak, their weight decay the end.
+SCHEDULES = {
+    "adamw": HyperparameterSchedule(max_lr=ADAMW["lr"], min_lr=0.001, init_lr=0.004, warmup_steps=1,
+                                    decay_steps=3, decay_style="cosine", start_wd=0.04,
+                                    end_wd=ADAMW["weight_decay"], wd_incr_steps=2,
+                                    wd_incr_style="linear"),
+    "sgd": HyperparameterSchedule(max_lr=SGD["lr"], min_lr=0.005, init_lr=0.02, warmup_steps=1,
+                                  decay_steps=3, decay_style="cosine", start_wd=0.002,
+                                  end_wd=SGD["weight_decay"], wd_incr_steps=2,
+                                  wd_incr_style="linear"),
+}
 
 MIXED = {"embed.weight": torch.bfloat16, "layer.weight": torch.float32,
          "layer.bias": torch.float32, "norm.weight": torch.bfloat16, "head.weight": torch.bfloat16}
@@ -133,14 +151,16 @@ class Model(nn.Module):
 
 
 def optimizer_settings(algorithm: str, *, clip: float | None = None,
-                       scaling: LossScaling | None = None) -> OptimizerSettings:
+                       scaling: LossScaling | None = None, scheduled: bool = False) -> OptimizerSettings:
     """The check's optimizer: AdamW (``ADAMW``) or SGD (``SGD``), weight decay on 2-D params only
-    (biases and norm weights take none), the clip and the loss scaler."""
+    (biases and norm weights take none), the clip and the loss scaler; ``scheduled``: the lr and
+    weight decay of each update from the algorithm's schedule (``SCHEDULES``)."""
     if algorithm not in ("adamw", "sgd"):
         raise ValueError(f"algorithm must be 'adamw' or 'sgd', got {algorithm!r}")
     return OptimizerSettings(adamw=AdamWHyperparameters(**ADAMW), max_grad_norm=clip,
                              loss_scaling=scaling, decay_1d_params=False,
-                             sgd=SGDHyperparameters(**SGD) if algorithm == "sgd" else None)
+                             sgd=SGDHyperparameters(**SGD) if algorithm == "sgd" else None,
+                             schedule=SCHEDULES[algorithm] if scheduled else None)
 
 
 def loss_scaling(hysteresis: int) -> LossScaling:
@@ -179,6 +199,7 @@ class OptimCase:
     steps: int
     hysteresis: int = 1  # the loss scaler's (fp16 cases)
     param_loss: bool = False  # the loss depends on the params (DP 2 only: see the module doc)
+    scheduled: bool = True  # lr and weight decay from SCHEDULES[algorithm], changing every update
 
     def __post_init__(self) -> None:
         if self.algorithm not in ("adamw", "sgd"):
@@ -216,7 +237,7 @@ class OptimCase:
     @property
     def label(self) -> str:
         main = "fp32" if self.main_grads_fp32 else self.grads
-        extra = " param-loss" if self.param_loss else ""
+        extra = (" param-loss" if self.param_loss else "") + ("" if self.scheduled else " constant-lr")
         return (f"optim DP={self.dp} {self.algorithm} {self.grads}/{main} "
                 f"{'clip' if self.clip else 'noclip'} {'overlap' if self.overlap else 'sync'}{extra}")
 
@@ -261,9 +282,15 @@ class OptimCase:
         return DataParallelSettings(bucket_size=BUCKET_SIZE, overlap_param_gather=self.overlap,
                                     grad_reduce_in_fp32=self.main_grads_fp32, average=self.average)
 
+    @property
+    def schedule(self) -> HyperparameterSchedule | None:
+        """Each update's lr and weight decay (None: ``ADAMW`` / ``SGD``'s, constant)."""
+        return SCHEDULES[self.algorithm] if self.scheduled else None
+
     def optimizer_settings(self) -> OptimizerSettings:
         return optimizer_settings(self.algorithm, clip=self.clip,
-                                  scaling=loss_scaling(self.hysteresis) if self.scaled else None)
+                                  scaling=loss_scaling(self.hysteresis) if self.scaled else None,
+                                  scheduled=self.scheduled)
 
     def model(self, seed: int) -> Model:
         return Model(self.dtypes, seed, self.param_loss)
@@ -287,6 +314,7 @@ def case_matrix(quick: bool) -> list[OptimCase]:
     if not quick:
         cases += [
             OptimCase((0, 1, 2), "adamw", "fp16", True, 0.5, False, steps),
-            OptimCase((0, 1, 2, 3), "sgd", "bf16", False, 0.5, False, steps),
+            # the one case whose lr and weight decay stay as given (no schedule)
+            OptimCase((0, 1, 2, 3), "sgd", "bf16", False, 0.5, False, steps, scheduled=False),
         ]
     return cases

@@ -140,6 +140,8 @@ def case_settings(case: OptimCase) -> LaunchSettings:
     flags.append(f"--clip-grad {case.clip if case.clip is not None else 0.0}")  # Megatron-LM: 1.0
     if case.scaled:
         flags.append(f"--hysteresis {case.hysteresis}")
+    if case.schedule is not None:
+        flags += case.schedule.megatron_flags()
     return LaunchSettings(
         dims=ParallelDims(dp_size=case.dp), params_dtype=dtype,
         grad_dtype="float32" if case.main_grads_fp32 else dtype, use_distributed_optimizer=True,

@@ -1,7 +1,8 @@
 """What the ``optim`` check (and tests/fastgrad/test_optim*.py) expect: refgrad's trajectory.
 
 The DDP reduction of the ranks' grads is refgrad's reduce-scatter spec; the step
-is ``refgrad.optim.optimizer_step`` (exact arithmetic, one rounding per op).
+is ``refgrad.optim.optimizer_step`` (exact arithmetic, one rounding per op) with each
+update's lr and weight decay from the case's schedule (``cases.SCHEDULES``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from refgrad import formats
 from refgrad import optim as R
 from refgrad import reduce_scatter as RS
 from refgrad.optim_torch import torch_order_step
+from verify.candidates.api.optimizer import HyperparameterSchedule
 from verify.checks.optim.cases import ADAMW, NAMES, SGD, SHAPES, SHARED, coefficient, initial
 
 
@@ -105,9 +107,22 @@ def _model_step(states, grads, hypers, steps, *, clip, scale, production: Produc
     return stepped, norm
 
 
+def step_hypers(algorithm: str, schedule: HyperparameterSchedule | None, update: int) -> list:
+    """refgrad's hyper-parameters of every param (``NAMES`` order) for update ``update`` (the
+    updates before it; skipped steps do not count): ``ADAMW`` / ``SGD`` with the schedule's lr
+    and weight decay of that update (None: constant), no weight decay on 1-D params."""
+    base = ADAMW if algorithm == "adamw" else SGD
+    if schedule is not None:
+        base = {**base, "lr": schedule.lr(update), "weight_decay": schedule.weight_decay(update)}
+    kind = R.AdamW if algorithm == "adamw" else R.SGD
+    hyper, no_decay = kind(**base), kind(**{**base, "weight_decay": 0.0})
+    return [no_decay if len(SHAPES[n]) == 1 else hyper for n in NAMES]
+
+
 def reference_trajectory(worlds, dtypes, algorithm, *, clip=None, average=True, grad_fp32=False,
                          scales=None, inf_at=None, start=None, first_step_id=0, seed=0,
-                         param_loss=False, production: ProductionModel | None = None):
+                         param_loss=False, production: ProductionModel | None = None,
+                         schedule: HyperparameterSchedule | None = None):
     """refgrad.optim fed the reduced grads of each step; a snapshot after every step.
 
     ``worlds[k]``: the DP size of step k (grads differ per DP size).
@@ -118,11 +133,10 @@ def reference_trajectory(worlds, dtypes, algorithm, *, clip=None, average=True, 
     exact global norm (``grad_norm``, None on a skipped step).
     ``production``: the trajectory of refgrad's model of a candidate's documented optimizer
     instead of the spec's (``grad_norm`` is then the norm it clipped with).
+    ``schedule``: each update's lr and weight decay (None: ``ADAMW`` / ``SGD``'s), indexed by
+    the updates made so far (``steps``, which a resume carries).
     Returns ``(snapshots, (states, steps))``.
     """
-    hyper = R.AdamW(**ADAMW) if algorithm == "adamw" else R.SGD(**SGD)
-    no_decay = type(hyper)(**{**hyper.__dict__, "weight_decay": 0.0})
-    hypers = [no_decay if len(SHAPES[n]) == 1 else hyper for n in NAMES]
     if start is None:
         states = [R.ParamState(master=R.values(initial(i, n, seed).to(dtypes[n]).float()))
                   for i, n in enumerate(NAMES)]
@@ -140,6 +154,7 @@ def reference_trajectory(worlds, dtypes, algorithm, *, clip=None, average=True, 
         else:
             grads = reduced_grads(world, step_id, dtypes, average=average, grad_fp32=grad_fp32,
                                   loss_scale=1.0 if scale is None else scale, inf_at=inf_at, seed=seed)
+        hypers = step_hypers(algorithm, schedule, steps)
         if production is None:
             stepped, norm = R.optimizer_step(states, grads, hypers, [steps + 1] * len(NAMES),
                                              max_norm=clip, loss_scale=scale, shared=list(SHARED))
@@ -181,6 +196,6 @@ def case_trajectory(case, seed: int, start=None, first_step_id: int = 0, worlds=
         average=all(w & (w - 1) == 0 for w in worlds), grad_fp32=case.main_grads_fp32,
         scales=None if scales is None else scales[first_step_id:first_step_id + steps],
         inf_at=case.inf_at, start=start, first_step_id=first_step_id, seed=seed,
-        param_loss=case.param_loss, production=production,
+        param_loss=case.param_loss, production=production, schedule=case.schedule,
     )
 

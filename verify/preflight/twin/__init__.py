@@ -10,6 +10,8 @@ Modules, in the order they depend on each other (no module imports a later one):
   :mod:`~verify.preflight.twin.mxfp8`: each variant's settings read from the configuration,
   with what they leave out; :mod:`~verify.preflight.twin.mapping`: the mapping rows;
 - :mod:`~verify.preflight.twin.plan`: the configuration scaled down to a case;
+- :mod:`~verify.preflight.twin.figures`: preflight's figures held to Megatron-Core's own code
+  (:mod:`~verify.preflight.twin.megatron_figures`, run in a process of its own);
 - :mod:`~verify.preflight.twin.rank`: the rank side, through the candidate seam only;
 - :mod:`~verify.preflight.twin.reference`, :mod:`~verify.preflight.twin.compare`: refgrad's
   run and the per-step comparison (documented candidate behaviour classified);

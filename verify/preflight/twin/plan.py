@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 from refgrad.pipeline import LinearStackSpec, StepPlan
 from verify.candidates.api.pipeline import ModelSupport, PipelineCase
 from verify.preflight.config import PreflightConfig
-from verify.preflight.twin.adamw import adamw_twin_for, optimizer_mapping
+from verify.preflight.twin.adamw import adamw_twin_for, fp16_overflow_step, optimizer_mapping
 from verify.preflight.twin.bounds import ulp_bound_factor
 from verify.preflight.twin.mapping import (
     MAX_TWIN_TP,
@@ -190,13 +190,15 @@ def plan_twin(config: PreflightConfig, options: TwinOptions, support: ModelSuppo
                            "output layer are one weight (both grads summed in the backward, no "
                            "all-reduce); the twin's output layer is untied")
     m = _twin_microbatches(config, options)
+    adamw, optim_left_out = adamw_twin_for(config, precision)
+    overflow_step, overflow_left_out = fp16_overflow_step(adamw, options.steps)
     spec = LinearStackSpec(num_stages=pp * vpp, layers_per_stage=layers, hidden=h,
                            microbatch_size=rows, seed=config.seed % 100_000,
                            output_head=True, tied_embedding=tied,
                            defer_output_wgrad=config.defer_embedding_wgrad_compute,
                            wgrad_deferral_limit=config.wgrad_deferral_limit,
                            tensor_parallel=twin_tp, sequence_parallel=sequence_parallel,
-                           stage_layers=stage_layers)
+                           stage_layers=stage_layers, overflow_step=overflow_step)
     stage_numel = spec.layers_on(0) * (h * h + h)
     # Production's rule: only pipeline rank 0's first chunk is bucketed (with overlap);
     # every other chunk is one bucket (a size above its element count, head included).
@@ -230,8 +232,7 @@ def plan_twin(config: PreflightConfig, options: TwinOptions, support: ModelSuppo
                       f"the model. Bound: {ulp_bound_factor(dp)} x (step+1) ULP of each tensor's "
                       f"largest magnitude")
     not_twinned += left_out(config, m)
-    adamw, optim_left_out = adamw_twin_for(config, precision)
-    not_twinned += optim_left_out
+    not_twinned += optim_left_out + overflow_left_out
     mxfp8, mxfp8_left_out = mxfp8_twin_for(config, adamw) if limits.mxfp8 else (None, [])
     not_twinned += mxfp8_left_out
     mapping = (
@@ -259,9 +260,9 @@ def plan_twin(config: PreflightConfig, options: TwinOptions, support: ModelSuppo
          tied_layout(config, twin_tp, tied)),
         ("optimizer", "distributed optimizer" if config.use_distributed_optimizer
          else "fp32 masters of every param (no distributed optimizer)",
-         f"{candidate}'s AdamW (lr 1e-2), " + ("distributed optimizer" if case.use_distributed_optimizer
+         f"{candidate}'s AdamW (lr scheduled), " + ("distributed optimizer" if case.use_distributed_optimizer
                                               else "replicated optimizer")),
-        *optimizer_mapping(config, adamw),
+        *optimizer_mapping(config, adamw, overflow_step),
         *precision_mapping(config, precision),
         ("steps", "-", str(options.steps)),
     )

@@ -6,8 +6,9 @@
 - AdamW (:func:`reference_with_optimizer`): ``refgrad.pipeline``'s model (or, with 16-bit
   params, ``refgrad.pipeline_mixed``) one replica after the other, reduced as production
   does, stepped by ``refgrad.optim.optimizer_step`` (exact arithmetic, one rounding per fp32
-  operation) with the twin's max norm and loss scale (Megatron's scaler:
-  :mod:`verify.preflight.twin.scaler`);
+  operation) with the twin's max norm, loss scale (Megatron's scaler:
+  :mod:`verify.preflight.twin.scaler`) and each update's lr and weight decay
+  (``AdamWTwin.schedule``);
 - AdamW over MXFP8 params (:func:`reference_with_mxfp8`): the same, the forward weights
   ``refgrad.mxfp8.dequantize(quantize(bf16(master)))``.
 
@@ -52,7 +53,7 @@ from refgrad.pipeline import (
     stage_param_name,
 )
 from refgrad.pipeline_mixed import mixed_reduce_and_tie, mixed_replica_grad_sums
-from verify.candidates.api.optimizer import OptimizerBehaviour
+from verify.candidates.api.optimizer import HyperparameterSchedule, OptimizerBehaviour
 from verify.candidates.api.pipeline import PipelineCase
 from verify.preflight.twin.mxfp8 import BLOCK, SCALE_MODE
 from verify.preflight.twin.precision import cast_stage_params_
@@ -131,10 +132,14 @@ def _state_tensors(st: ParamState, shape: torch.Size) -> dict[str, torch.Tensor]
             "exp_avg_sq": to_tensor(st.exp_avg_sq or zeros, shape)}
 
 
-def _hypers(shapes: Sequence[torch.Size], rule: ReferenceRule) -> list[AdamW]:
-    h = TWIN_ADAMW
-    return [AdamW(lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
-                  weight_decay=h.weight_decay if rule.decay_1d_params or len(shape) > 1 else 0.0)
+def _hypers(shapes: Sequence[torch.Size], rule: ReferenceRule, schedule: HyperparameterSchedule,
+            update: int) -> list[AdamW]:
+    """Every param's AdamW for update ``update`` (the updates before it; a skipped step does
+    not count): the schedule's lr and weight decay, none on 1-D params under ``rule``'s
+    no-decay behaviour."""
+    h, lr, weight_decay = TWIN_ADAMW, schedule.lr(update), schedule.weight_decay(update)
+    return [AdamW(lr=lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
+                  weight_decay=weight_decay if rule.decay_1d_params or len(shape) > 1 else 0.0)
             for shape in shapes]
 
 
@@ -171,7 +176,6 @@ def reference_with_optimizer(case: PipelineCase, optim: AdamWTwin | None = None,
             for p in named.values():
                 p.copy_(publish(p.detach()))
     shapes = [named[n].shape for n in names]
-    spec_hypers, hypers = _hypers(shapes, SPEC), _hypers(shapes, rule)
     scaler = ReferenceScaler(optim.loss_scale, min_scale=optim.min_loss_scale if optim.dynamic
                              else optim.loss_scale, window=optim.window, hysteresis=optim.hysteresis)
     out = OptimReference(max_norm=optim.max_grad_norm)
@@ -193,6 +197,8 @@ def reference_with_optimizer(case: PipelineCase, optim: AdamWTwin | None = None,
         ordered = [states[n] for n in names]
         grads = [reduced[n] for n in names]
         steps = [updates + 1] * len(names)
+        spec_hypers = _hypers(shapes, SPEC, optim.schedule, updates)
+        hypers = _hypers(shapes, rule, optim.schedule, updates)
         if rule.is_spec:
             stepped, norm = optimizer_step(ordered, grads, spec_hypers, steps, shared=shared,
                                            max_norm=optim.max_grad_norm, loss_scale=scale)

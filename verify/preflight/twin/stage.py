@@ -25,6 +25,7 @@ from verify.candidates.registry import default_candidate
 from verify.distributed import DistributedRunError, RankCrashed, RankLauncher, spawn
 from verify.preflight.config import PreflightConfig
 from verify.preflight.twin.compare import AS_SPECIFIED, TwinRankResult
+from verify.preflight.twin.figures import apply_figures, figure_check
 from verify.preflight.twin.plan import TwinOptions, TwinPlan, plan_twin
 from verify.preflight.twin.rank import TwinRun, run_twin_rank, twin_worker
 from verify.preflight.twin.variants import adamw_of
@@ -142,7 +143,9 @@ def run_twin_stage(config: PreflightConfig, options: TwinOptions, report: dict, 
     prepared = [prepare_twin(config, options, c) for c in candidates]
     sections: list[dict] = []
     rank_zero = True
-    with _progress(progress) as status:
+    reports = not under_torchrun(environ) or environ.get("RANK") == "0"
+    with (_progress(progress) as status,
+          figure_check(config, timeout_s=options.timeout_s, start=reports) as figures):
         def say(text: str) -> None:
             if status is not None:
                 status.update(f"twin: {text}")
@@ -174,8 +177,10 @@ def run_twin_stage(config: PreflightConfig, options: TwinOptions, report: dict, 
                 rank_zero = False
                 continue
             say(f"{twin.candidate.label}: refgrad's single-process model, comparing every step")
-            sections.append(twin_section(config, plan, ranks, where=where,
-                                         candidate=twin.candidate, behaviour=twin.behaviour))
+            section = twin_section(config, plan, ranks, where=where, candidate=twin.candidate,
+                                   behaviour=twin.behaviour)
+            apply_figures(section, figures.result())  # preflight's figures vs Megatron-Core's
+            sections.append(section)
     if not rank_zero:
         return None
     passed = write_sections(config, report, sections)

@@ -5,7 +5,8 @@
 - :class:`SGDTwin`: the ``pipeline`` check's SGD (``PipelineTraining.train``, the case's lr);
 - :class:`AdamWTwin`: AdamW through the candidate's optimizer over its DDP chunks, with
   clipping, loss scaling and the param all-gather, at a :class:`TwinPrecision` (fp32, or
-  16-bit params and compute with an fp32 or 16-bit main-grad buffer);
+  16-bit params and compute with an fp32 or 16-bit main-grad buffer), its lr and weight decay
+  changing at every update (:data:`TWIN_SCHEDULE`);
 - :class:`MXFP8Twin`: that AdamW over MXFP8 params (``--fp8-recipe mxfp8 --fp8-param-gather``).
 
 Each variant says what the candidate builds for it (:meth:`stage_settings`,
@@ -25,6 +26,7 @@ import torch
 from verify.candidates.api.optimizer import (
     CONSTANT_SCALE_WINDOW,
     AdamWHyperparameters,
+    HyperparameterSchedule,
     LossScaling,
     OptimizerSettings,
 )
@@ -33,6 +35,14 @@ from verify.preflight.config import PreflightConfig
 
 # The twin's AdamW (every candidate's): Megatron-LM's betas, eps and default --weight-decay (0.01), lr 1e-2.
 TWIN_ADAMW = AdamWHyperparameters(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+# Its lr and weight decay change at every update, as a training run's do (Megatron-LM's
+# OptimizerParamScheduler): a warm-up of one update from 4e-3 to TWIN_ADAMW's 1e-2, then cosine
+# decay to 1e-3 at update 3; the weight decay rising linearly from 0.005 to TWIN_ADAMW's 0.01
+# over 2 updates. Updates 0, 1, 2 each have their own lr and weight decay.
+TWIN_SCHEDULE = HyperparameterSchedule(
+    max_lr=TWIN_ADAMW.lr, min_lr=1e-3, init_lr=4e-3, warmup_steps=1, decay_steps=3,
+    decay_style="cosine", start_wd=0.005, end_wd=TWIN_ADAMW.weight_decay, wd_incr_steps=2,
+    wd_incr_style="linear")
 
 
 class Dtype(str, enum.Enum):
@@ -120,6 +130,7 @@ class AdamWTwin:
     hysteresis: int = 2
     overlap_param_gather: bool = False  # gather launched by step(), waited in forward pre-hooks
     precision: TwinPrecision = TwinPrecision()  # 16-bit params/compute and the grad buffer dtype
+    schedule: HyperparameterSchedule = TWIN_SCHEDULE  # each update's lr and weight decay
     name: ClassVar[str] = "adamw"
 
     def __post_init__(self) -> None:
@@ -131,6 +142,9 @@ class AdamWTwin:
         if not isinstance(self.precision, TwinPrecision):
             raise TypeError(f"AdamWTwin.precision must be a TwinPrecision, got "
                             f"{type(self.precision).__name__}")
+        if not isinstance(self.schedule, HyperparameterSchedule):
+            raise TypeError(f"AdamWTwin.schedule must be a HyperparameterSchedule, got "
+                            f"{type(self.schedule).__name__}")
 
     @property
     def window(self) -> int:
@@ -152,7 +166,7 @@ class AdamWTwin:
 
     def optimizer_settings(self) -> OptimizerSettings | None:
         return OptimizerSettings(adamw=TWIN_ADAMW, max_grad_norm=self.max_grad_norm,
-                                 loss_scaling=self.loss_scaling)
+                                 loss_scaling=self.loss_scaling, schedule=self.schedule)
 
 
 @dataclass(frozen=True)
