@@ -303,10 +303,10 @@ def test_launch_sites_count_a_reduction_an_earlier_launch_already_finished():
     a launched reduction may be over by the time the schedule's hooks look: it still counts
     as launched (pipeline_training.reduction_launched), never as left for finish_grad_sync."""
     from refgrad.pipeline import LinearStackSpec, stage_param_name
-    from tests.distributed_utils import run_distributed
     from verify.candidates.api.pipeline import ParallelDims, PipelineCase
     from verify.checks.pipeline.cases import default_plans
-    from verify.checks.pipeline.worker import pipeline_worker
+    from verify.checks.pipeline.worker import PipelineRun, pipeline_worker
+    from verify.distributed import spawn_each
 
     spec = LinearStackSpec(num_stages=2, layers_per_stage=2, hidden=8, microbatch_size=4,
                            seed=0)
@@ -315,9 +315,10 @@ def test_launch_sites_count_a_reduction_an_earlier_launch_already_finished():
                         default_plans(2, stage_param_name(1, "layers.0.weight")),
                         use_distributed_optimizer=True,
                         reduce_scatter_with_fp32_accumulation=True)
-    ranks = run_distributed(pipeline_worker, 4, MegatronCoreCandidate(), [[case]],
-                            timeout_s=300)
-    results = [r[case.name][True] for r in ranks]
+    (outcome,) = spawn_each(pipeline_worker, 4, [PipelineRun(case, True)],
+                            MegatronCoreCandidate(), isolate=True, timeout_s=300)
+    assert outcome.crash is None, outcome.crash
+    results = outcome.results
     assert sorted((res.stage, len(res.launch_sites[0])) for res in results) == [
         (0, 2), (0, 2), (1, 1), (1, 1)]
     for res in results:

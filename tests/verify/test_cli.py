@@ -475,16 +475,37 @@ def test_preflight_names_the_flag_of_an_unknown_candidate(capsys):
         in capsys.readouterr().err
 
 
+TP4_LAUNCH = ["--tensor-model-parallel-size", "4", "--num-layers", "2", "--hidden-size", "64",
+              "--num-attention-heads", "4", "--seq-length", "64", "--max-position-embeddings",
+              "64", "--micro-batch-size", "1", "--global-batch-size", "1",
+              "--padded-vocab-size", "256"]
+
+
 @pytest.mark.dist
 def test_a_twin_scaled_below_the_launchs_tp_says_so_in_the_verdicts_first_line(capsys):
-    """TP 4 is twinned at TP 2: the verdict says so up front, not only the not-twinned list."""
-    argv = ["preflight", "--no-progress", "--world-size", "4", "--twin-steps", "2", "--",
-            "--tensor-model-parallel-size", "4", "--num-layers", "2", "--hidden-size", "64",
-            "--num-attention-heads", "4", "--seq-length", "64", "--max-position-embeddings", "64",
-            "--micro-batch-size", "1", "--global-batch-size", "1", "--padded-vocab-size", "256"]
+    """TP 4 is twinned at TP 2 by fastgrad: the verdict says so up front, not only the
+    not-twinned list."""
+    argv = ["preflight", "--no-progress", "--world-size", "4", "--twin-steps", "2",
+            "--candidate", "fastgrad", "--", *TP4_LAUNCH]
     assert cli.main(argv) == 0
     first = capsys.readouterr().out.splitlines()[0]
-    assert "; twin (2 ranks, TP 4 scaled to TP 2, 2 steps) matches refgrad" in first, first
+    assert "; fastgrad's twin (2 ranks, TP 4 scaled to TP 2, 2 steps) matches refgrad" in first, first
+
+
+@pytest.mark.dist
+def test_megatron_core_trains_the_default_twin_where_installed(capsys):
+    """The launch is Megatron-LM's: with megatron-core installed its own code trains the twin
+    (at TP 1 here: its adapter builds no TP > 1 model), and the verdict names it and the TP
+    it was scaled to."""
+    from verify.candidates.megatron_core.version import missing_reason
+
+    if missing_reason() is not None:
+        pytest.skip(missing_reason())
+    argv = ["preflight", "--no-progress", "--world-size", "4", "--twin-steps", "2", "--",
+            *TP4_LAUNCH]
+    assert cli.main(argv) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "; megatron-core's twin (1 rank, TP 4 scaled to TP 1, 2 steps) matches refgrad" in first
 
 
 # --- exit codes a CI job can gate on, and candidates that cannot run here ---

@@ -191,20 +191,21 @@ def test_a_case_the_candidate_raises_in_fails_alone_and_a_missing_guard_is_a_ski
     result = CHECK.execute(CheckContext(quick=True), MegatronLikeCandidate())
     assert result.error is None, result.error
     assert result.status == "FAIL"
-    failed = result.failed_labels()
-    # Exactly the cases that defer one microbatch per step (M = 1, or limit 1), on each rank.
-    single = [c for c in build_cases(quick=True)
-              if min(c.limit or c.num_microbatches, c.num_microbatches) == 1]
-    # The drain that raised fails "drain runs" with what it raised; the steps went on, so the
-    # wgrad it never added fails that case's main_grad comparisons too. No other case fails.
-    raising = {f"{c.label}/rank{r}: drain runs" for c in single for r in (0, 1)}
-    assert raising <= set(failed)
-    assert {label.split("/rank")[0].split("/data")[0] for label in failed} == {
-        c.label for c in single}
-    assert all("UnboundLocalError" in e.detail for e in result.expectations if e.label in raising)
-    assert any(c.label.startswith(f"{s.label}/rank0/iter0: deferred vs immediate")
-               for s in single for c in result.comparisons if not c.passed)
-    assert "deferred_wgrad: this drain has no in-flight guard" in result.skipped
+    # Exactly the cases that defer one microbatch per step (M = 1, or limit 1): the drain
+    # raises on both ranks, and the case is that crash (its root cause and where), never the
+    # numbers the failed drain left. No other case fails.
+    single = {c.label for c in build_cases(quick=True)
+              if min(c.limit or c.num_microbatches, c.num_microbatches) == 1}
+    assert {c.label for c in result.crashes} == single
+    for crash in result.crashes:
+        assert (crash.exception, crash.ranks) == ("UnboundLocalError", [0, 1])
+        assert crash.function == "drain_deferred_wgrad"
+    assert [r.label for r in (*result.comparisons, *result.expectations)
+            if not r.passed] == []
+    assert not any(r.case in single for r in (*result.comparisons, *result.expectations))
+    # fastgrad has no known findings: every crash is a failure of its own.
+    assert all(c.finding is None for c in result.cases if not c.passed)
+    assert "guard: deferred_wgrad: this drain has no in-flight guard" in result.skipped
     assert not any(e.label.startswith("guard:") for e in result.expectations)
     assert any(e.label.startswith("stale step") and e.passed for e in result.expectations)
 

@@ -16,7 +16,6 @@ from dataclasses import asdict
 from verify.candidates.api import Candidate, LaunchSettings, explaining
 from verify.candidates.api.optimizer import OptimizerBehaviour
 from verify.candidates.megatron_core.findings import FINDINGS
-from verify.candidates.registry import DEFAULT_CANDIDATE
 from verify.distributed import RankCrashed
 from verify.preflight.config import PreflightConfig
 from verify.preflight.findings import DTYPES, finding_entry, launch_settings, reached
@@ -248,9 +247,9 @@ def write_sections(config: PreflightConfig, report: dict, sections: list[dict]) 
     if len(sections) == 1 and ran:
         section = ran[0]
         claim = "bitwise" if section["bitwise"] else "within the stated bound"
-        # The default candidate's twin is "twin"; any other is named, so a verdict never
-        # leaves open which implementation was checked.
-        who = "twin" if section["candidate"] == DEFAULT_CANDIDATE else f"{section['candidate']}'s twin"
+        # Named always: the default depends on what is installed, and a verdict never leaves
+        # open which implementation was checked.
+        who = f"{section['candidate']}'s twin"
         if section["passed"]:
             ranks = _ranks(section, config.tensor_model_parallel_size)
             report["verdict"] = (f"PASS: {shape}; {who} ({ranks}, {len(section['steps'])} "
