@@ -71,7 +71,7 @@ class LaunchSettings:
     other_flags: tuple[str, ...] = ()
     # A candidate without a launcher (torch's DDP and FSDP2): the torch API settings the case
     # stands for, as ``name=value`` (``DistributedDataParallel(...)``'s and ``fully_shard``'s
-    # argument names, ``zero_grad(set_to_none=...)``); its findings' rules read them, and the
+    # argument names, ``zero_grad(set_to_none=...)``, the calls made); its findings' rules read them, and the
     # report spells the case with them instead of Megatron-LM flags.
     torch_api: tuple[str, ...] = ()
 
@@ -93,9 +93,9 @@ class LaunchSettings:
             raise ValueError(f"LaunchSettings.microbatches must be a tuple of ints >= 1 (M per "
                              f"step), got {self.microbatches!r}")
         if not isinstance(self.torch_api, tuple) or not all(
-                isinstance(a, str) and "=" in a for a in self.torch_api):
-            raise ValueError(f"LaunchSettings.torch_api must be a tuple of 'name=value' strings, "
-                             f"got {self.torch_api!r}")
+                isinstance(a, str) and a for a in self.torch_api):
+            raise ValueError(f"LaunchSettings.torch_api must be a tuple of non-empty strings "
+                             f"(torch calls and 'name=value' settings), got {self.torch_api!r}")
         if self.direct_call is not None and not (isinstance(self.direct_call, str) and self.direct_call):
             raise ValueError("LaunchSettings.direct_call must be None or a non-empty description")
 
@@ -180,6 +180,9 @@ class Effect(str, enum.Enum):
     CRASH = "crash"
     WRONG_ACTIVATIONS = "wrong activations"
     WRONG_CHECKPOINT = "wrong checkpoint"
+    # the same grads rounded differently under a setting documented as changing nothing
+    # numerically (each result within an ULP of the exact one)
+    INCONSISTENT_ROUNDING = "inconsistent rounding"
 
 
 @dataclass(frozen=True)
