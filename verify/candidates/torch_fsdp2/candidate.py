@@ -59,6 +59,9 @@ class TorchFSDP2Candidate(Candidate):
     name = "torch-fsdp2"
     code_modules = ("torch.distributed.fsdp", "torch.distributed.tensor", "torch.optim",
                     "torch.nn.utils", "verify.candidates.torch_fsdp2")
+    # fully_shard keeps its state on the module it shards (the device meshes it caches are
+    # keyed by group): configurations may share rank processes.
+    isolates_configurations = False
 
     def info(self) -> CandidateInfo:
         return CandidateInfo(

@@ -209,7 +209,9 @@ class FSDP2Training:
 class TorchFSDP2Optimizer(DistributedOptimizerStep):
     """torch.optim over FSDP2's shards (module docstring)."""
 
-    shares_a_world = True
+    # Building it runs no collective over the default group, but a DP sum on gloo crashes
+    # (finding torch-fsdp2-1): each case in a world of its own, so that crash ends no other.
+    shares_a_world = False
 
     def build(self, model: DataParallelModel, settings: OptimizerSettings) -> FSDP2Training:
         if not isinstance(model, FSDP2Module):

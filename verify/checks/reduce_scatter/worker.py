@@ -37,7 +37,7 @@ from verify.checks.reduce_scatter.cases import (
     order_sensitive_input,
     rank_input,
 )
-from verify.distributed import RankLauncher, spawn, spawn_each
+from verify.distributed import ItemOutcome, RankLauncher, spawn, spawn_each
 
 
 @dataclass(frozen=True)
@@ -186,35 +186,57 @@ def check_multi_rank(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate
     sizes = (2, 3) if ctx.quick else (2, 3, 4)
     average_sizes = AVERAGE_SIZES[:2] if ctx.quick else AVERAGE_SIZES
     shard = 16 if ctx.quick else 96
+    cases = bucket_cases(average_sizes)
     with candidate.grad_reduction() as reduction:
         plan = collective_plan(reduction, rec)
         behaviour = reduction.behaviour()
-    cases = bucket_cases(average_sizes)
+        refused = bucket_refusals(reduction, cases)
+    running = [case for case in cases if case not in refused]
     world = max(*sizes, *average_sizes)
     launcher = RankLauncher().preloading(*candidate.preload_modules)
     # refgrad's bucket references (seconds of exact arithmetic) in a process of their own,
-    # while the ranks run
+    # while the ranks run; only for the cases the candidate runs
     with ThreadPoolExecutor(max_workers=1) as pool:
-        references = pool.submit(spawn, bucket_references_process, 1, cases, behaviour, ctx.seed,
+        references = pool.submit(spawn, bucket_references_process, 1, running, behaviour, ctx.seed,
                                  timeout_s=ctx.timeout_s)
-        (collectives,) = spawn_each(_rank_worker, world, [COLLECTIVES], sizes, average_sizes,
-                                    shard, ctx.seed, candidate, plan, isolate=True,
-                                    timeout_s=ctx.timeout_s, launcher=launcher)
-        bucket_outcomes = {}
-        for size in dict.fromkeys(case.size for case in cases):
-            group = [case for case in cases if case.size == size]
+        collectives = None
+        if plan.ops:  # a candidate without the fp32-accumulating collective: nothing to run
+            (collectives,) = spawn_each(_rank_worker, world, [COLLECTIVES], sizes, average_sizes,
+                                        shard, ctx.seed, candidate, plan, isolate=True,
+                                        timeout_s=ctx.timeout_s, launcher=launcher)
+        bucket_outcomes = {case: ItemOutcome([{"skip": reason}]) for case, reason in refused.items()}
+        for size in dict.fromkeys(case.size for case in running):
+            group = [case for case in running if case.size == size]
             bucket_outcomes.update(zip(group, spawn_each(
                 bucket_worker, size, group, candidate, ctx.seed,
                 isolate=candidate.isolates_configurations, timeout_s=ctx.timeout_s,
                 launcher=launcher), strict=True))
-        expected = references.result()[0]
-    with rec.case(COLLECTIVES, collectives_settings(world)):
-        if collectives.crash is not None:
-            rec.crash(COLLECTIVES, collectives.crash, candidate)
-        else:
-            _check_collectives(rec, candidate, collectives.results, plan, sizes, average_sizes)
+        computed = references.result()[0]
+    expected = {(cases.index(running[index]), dtype, it): value
+                for (index, dtype, it), value in computed.items()}
+    if collectives is not None:
+        with rec.case(COLLECTIVES, collectives_settings(world)):
+            if collectives.crash is not None:
+                rec.crash(COLLECTIVES, collectives.crash, candidate)
+            else:
+                _check_collectives(rec, candidate, collectives.results, plan, sizes, average_sizes)
     check_bucket_cases(rec, [bucket_outcomes[case] for case in cases], cases, behaviour,
                        expected, candidate)
+
+
+def bucket_refusals(reduction: GradReduction, cases: list) -> dict:
+    """The bucket cases the candidate refuses up front (Unsupported from the accessor, asked in
+    the check's process), with the reason: no ranks and no references for them."""
+    refused = {}
+    for case in cases:
+        try:
+            if case.reduce_dtype is None:
+                reduction.bucket_reduction(case.config)
+            else:
+                reduction.reduce_in(case.config, getattr(torch, case.reduce_dtype))
+        except Unsupported as unsupported:
+            refused[case] = str(unsupported)
+    return refused
 
 
 def _check_collectives(rec: CheckRecorder, candidate: Candidate, per_rank: list[dict],
