@@ -121,7 +121,10 @@ class TorchDDPBucketReduction(BucketReduction):
 
 
 class TorchDDPGradReduction(GradReduction):
-    """DDP's bucket all-reduce, plain or through its compress hooks."""
+    """DDP's bucket all-reduce, plain or through its compress hooks (``hooks``: the hook per
+    16-bit dtype; tests plant a bug in a copy of torch's)."""
+
+    hooks: dict = HOOKS
 
     def reduce_scatter(self, op: dist.ReduceOp.RedOpType = SUM) -> ReduceScatter:
         raise Unsupported(Technique.GRAD_REDUCTION, NO_COLLECTIVE)
@@ -142,10 +145,10 @@ class TorchDDPGradReduction(GradReduction):
         reason = refusal(config)
         if reason is not None:
             raise Unsupported(Technique.GRAD_REDUCTION, reason)
-        if dtype not in HOOKS:
+        if dtype not in self.hooks:
             raise Unsupported(Technique.GRAD_REDUCTION,
                               f"torch-ddp's compress hooks cast to fp16 or bf16, not {dtype}")
-        return TorchDDPBucketReduction(hook=HOOKS[dtype])
+        return TorchDDPBucketReduction(hook=self.hooks[dtype])
 
     def behaviour(self) -> ReductionBehaviour:
         return BEHAVIOUR

@@ -105,6 +105,7 @@ class FSDP2BucketReduction(BucketReduction):
 
     reduce_dtype: str | None = None
     divide_factor: float | None = None
+    step_class: type[FSDP2Step] = FSDP2Step
     _steps: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __call__(self, grads: torch.Tensor, *, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -112,13 +113,16 @@ class FSDP2BucketReduction(BucketReduction):
         key = (dtype, grads.numel())
         if key not in self._steps:
             case = ShardedGradCase(((grads.numel(),),), dtype, dtype, self.reduce_dtype, 1)
-            self._steps[key] = FSDP2Step(case, self.divide_factor)
+            self._steps[key] = self.step_class(case, self.divide_factor)
         (shard,) = self._steps[key]([[grads]], group=group)
         return shard
 
 
 class TorchFSDP2GradReduction(GradReduction):
-    """FSDP2's reduce-scatter: per bucket, per ``reduce_dtype``, and over sharded parameters."""
+    """FSDP2's reduce-scatter: per bucket, per ``reduce_dtype``, and over sharded parameters.
+    ``step_class``: what builds and runs the sharded module (tests plant a bug in a subclass)."""
+
+    step_class: type[FSDP2Step] = FSDP2Step
 
     def reduce_scatter(self, op: dist.ReduceOp.RedOpType = SUM) -> ReduceScatter:
         raise Unsupported(Technique.GRAD_REDUCTION, NO_COLLECTIVE)
@@ -137,10 +141,10 @@ class TorchFSDP2GradReduction(GradReduction):
         if reason is not None:
             raise Unsupported(Technique.GRAD_REDUCTION, reason)
         return FSDP2BucketReduction(None if dtype is None else str(dtype).removeprefix("torch."),
-                                    None if config.average else 1.0)
+                                    None if config.average else 1.0, self.step_class)
 
     def sharded_reduction(self, case: ShardedGradCase) -> ShardedReduction:
-        return FSDP2Step(case)
+        return self.step_class(case)
 
     def behaviour(self) -> ReductionBehaviour:
         return BEHAVIOUR
