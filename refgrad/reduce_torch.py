@@ -129,10 +129,12 @@ def fsdp2_divide_factors(reduce_dtype: torch.dtype, world_size: int, *, factor: 
 
 
 def _avg_by_premultiplying(per_rank: Sequence[torch.Tensor], world_size: int) -> list[torch.Tensor]:
-    """NCCL's AVG: every element times ``1/W`` rounded to its dtype, the product rounded once."""
+    """NCCL's AVG: every element times the scalar ``(float)(1.0 / nRanks)`` rounded to its
+    dtype, the product rounded once."""
     out = []
     for t in per_rank:
-        scalar = formats.round_to_value(formats.format_of(t.dtype), Fraction(1, world_size))
+        as_float = formats.round_to_value(formats.FLOAT32, Fraction(1, world_size))
+        scalar = formats.round_to_value(formats.format_of(t.dtype), as_float)
         out.append(_per_value(t, t.dtype, lambda v, s=scalar: _times(v, s)))
     return out
 
