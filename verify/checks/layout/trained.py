@@ -148,7 +148,7 @@ def _modelled(per_rank: list[torch.Tensor], behaviour: ReductionBehaviour) -> to
     inputs, op = per_rank, "avg"
     if behaviour.prescale is not None:
         inputs, op = refc.prescale_like_torch(per_rank, 1.0 / world), "sum"
-    order = "rank" if world <= 2 else "ring_reverse"
+    order = "rank" if world <= 2 else "gloo_ring"
     return refc.all_reduce(inputs, accumulate="wire" if behaviour.wire_collective else "fp32",
                            order=order, op=op)[0]
 

@@ -13,7 +13,7 @@ the spec as a documented difference naming where the behaviour lives:
 * the mean as a pre-scale: ``refgrad.reduce_scatter.prescale_like_torch(inputs, 1/W)``, then
   a SUM (exact only at power-of-two W);
 * the plain collective: gloo's reduce-scatter and all-reduce sum in the grad dtype in reverse
-  ring order (``accumulate="wire"``, ``order="ring_reverse"``; at W <= 2 one addition, in any
+  ring order on its segments (``accumulate="wire"``, ``order="gloo_ring"``; at W <= 2 one addition, in any
   order), ``ReduceOp.AVG`` divides that sum by W.
 
 Each case runs in a world of its own size (fresh processes for a candidate that keeps
@@ -118,7 +118,7 @@ def _expected(case: BucketCase, inputs: list[torch.Tensor], models: tuple[str, .
     """Per rank, the values refgrad gives it: the spec (no models) or refgrad's model of the
     documented behaviours ``models`` names (gloo's order: the reverse ring)."""
     config, size = case.config, case.size
-    order = "rank" if size <= 2 else "ring_reverse"
+    order = "rank" if size <= 2 else "gloo_ring"
     if "compress_hook" in models:
         return reduce_torch.compress_hook_all_reduce(inputs, getattr(torch, case.reduce_dtype),
                                                      order=order)

@@ -88,7 +88,7 @@ def model(case: ShardedGradCase, world: int, per_rank: list[list[list[torch.Tens
         inputs.append(torch.cat(chunks))
     outputs = fsdp2_reduce_scatter(inputs, reduce_dtype=reduce,
                                    orig_dtype=getattr(torch, case.orig_dtype),
-                                   order="rank" if world <= 2 else "ring_reverse")
+                                   order="rank" if world <= 2 else "gloo_ring")
     rows = []
     for r in range(world):
         mine = []
