@@ -166,9 +166,16 @@ def check_watched(rec: CheckRecorder, candidate: Candidate, quick: bool, seed: i
         behaviour = reduction.behaviour()
     documented = candidate.documented(Behaviour.DDP_BUCKETS)
     launcher = RankLauncher().preloading(*candidate.preload_modules)
-    for scenario in watched_scenarios(quick):
-        (outcome,) = spawn_each(_watch_worker, scenario.world, [scenario], candidate, seed,
-                                isolate=True, timeout_s=timeout_s, launcher=launcher)
+    scenarios = watched_scenarios(quick)
+    outcomes = {}
+    for world in dict.fromkeys(s.world for s in scenarios):  # the scenarios of a size share a world
+        group = [s for s in scenarios if s.world == world]
+        outcomes.update(zip(group, spawn_each(
+            _watch_worker, world, group, candidate, seed,
+            isolate=candidate.isolates_configurations, timeout_s=timeout_s, launcher=launcher),
+            strict=True))
+    for scenario in scenarios:
+        outcome = outcomes[scenario]
         with rec.case(scenario.label, scenario.settings()):
             if outcome.crash is not None:
                 rec.crash(scenario.label, outcome.crash, candidate)
