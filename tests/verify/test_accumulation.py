@@ -107,7 +107,7 @@ def test_small_sweep_statistics_are_consistent():
     config = sweep.SweepConfig(dp_sizes=(2, 5, 16), distributions=("same_sign", "normal"),
                              numel=4000)
     points = sweep.run_sweep(config)
-    assert len(points) == 3 * 2 * 2 * 3
+    assert len(points) == 3 * 2 * 2 * len(models.METHODS)
     for p in points:
         assert p.numel == config.numel_for(p.dp) >= 4000
         assert 0.0 <= p.frac_correctly_rounded <= 1.0
@@ -182,7 +182,7 @@ def test_main_writes_table_json_markdown_and_plot(tmp_path, capsys):
     assert "Growth exponents" in out and "Megatron-Core's published claims" in out and "seed" not in out.lower()
     assert "9/9" in err  # the progress bar reached the end (3 distributions x 3 N)
     payload = json.loads((tmp_path / "r.json").read_text())
-    assert len(payload["points"]) == 3 * 3 * 3
+    assert len(payload["points"]) == 3 * 3 * len(models.METHODS)
     claims = payload["published_claims"]
     assert {(c["dp"], c["claimed"]) for c in claims} == {(8, 1e-5), (64, 8e-5), (8, 1e-7), (64, 8e-7)}
     assert "| N | method |" in (tmp_path / "r.md").read_text()
