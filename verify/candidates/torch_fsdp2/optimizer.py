@@ -93,6 +93,9 @@ class FSDP2Module(DataParallelModule):
         mesh = mesh_of(group)
         for child in module.children():
             dtypes = {p.dtype for p in child.parameters()}
+            if len(dtypes) != 1:
+                raise ValueError(f"torch-fsdp2 gives each child module one MixedPrecisionPolicy: "
+                                 f"{type(child).__name__} holds params of dtypes {sorted(map(str, dtypes))}")
             (dtype,) = dtypes
             child.float()  # the sharded params are the fp32 masters
             reduce = torch.float32 if settings.grad_reduce_in_fp32 else dtype
@@ -159,8 +162,10 @@ class FSDP2Training:
                 [p.grad for n, p in self.model.sharded.items() if n not in self.model.shared])
             torch.nn.utils.clip_grads_with_norm_(list(self.model.sharded.values()),
                                                  self.settings.max_grad_norm, total)
-            norm = float(total.full_tensor() if hasattr(total, "full_tensor") else total)
-            coefficient = min(self.settings.max_grad_norm / (norm + 1e-6), 1.0)
+            whole = total.full_tensor() if hasattr(total, "full_tensor") else total
+            norm = float(whole)
+            # the coefficient clip_grads_with_norm_ computed, on the same fp32 tensor
+            coefficient = float(torch.clamp(self.settings.max_grad_norm / (whole + 1e-6), max=1.0))
         self.optimizer.step()
         return StepOutcome(stepped=True, grad_norm=norm, clip_coefficient=coefficient, loss_scale=None)
 
