@@ -129,6 +129,21 @@ def torch_sgd_element(p: Fraction, g: Fraction, buf: Fraction | None, s: dict[st
     return r32(p + s["neg_lr"] * g), buf
 
 
+def torch_clip_coefficient(norm: Fraction, max_norm: float) -> Fraction:
+    """``torch.nn.utils.clip_grads_with_norm_``'s coefficient for an fp32 ``total_norm``
+    (``torch/nn/utils/clip_grad.py``): ``clip_coef = max_norm / (total_norm + 1e-6)`` on an
+    fp32 tensor (the Python float rounded to fp32; ``Tensor.__rtruediv__`` is
+    ``reciprocal() * max_norm``), then ``torch.clamp(clip_coef, max=1.0)``; every grad is
+    then multiplied by it (``r32(g * c)``; by 1.0 when not clipping, which changes nothing)::
+
+        c = min(r32(r32(1 / r32(N + f32(1e-6))) * f32(max_norm)), 1)
+    """
+    if not max_norm > 0:
+        raise ValueError(f"max_norm must be > 0, got {max_norm}")
+    denominator = r32(Fraction(norm) + f32(1e-6))
+    return min(r32(r32(1 / denominator) * f32(max_norm)), Fraction(1))
+
+
 def torch_order_step(
     states: Sequence[ParamState],
     grads: Sequence,
@@ -139,6 +154,7 @@ def torch_order_step(
     max_norm: float | None = None,
     loss_scale: float | None = None,
     sqrt32: Callable[[Fraction], Fraction] = correctly_rounded_sqrt,
+    torch_clip: bool = False,
 ) -> bool:
     """One step over whole params in torch's order (``torch.optim.AdamW`` for :class:`AdamW`
     hypers, ``torch.optim.SGD`` for :class:`SGD` ones), given the grad ``norm`` to clip with.
@@ -146,7 +162,8 @@ def torch_order_step(
     The grads are prepared (fp32, unscaled by ``r32(g * r32(1/S))``) and clipped with
     ``refgrad.optim.clip_coefficient`` exactly as ``refgrad.optim.optimizer_step`` does;
     the norm is an input because production computes it its own way (classified on its
-    own). Returns False (nothing changed) when a grad is NaN/inf.
+    own). ``torch_clip``: clip with :func:`torch_clip_coefficient` (``torch.nn.utils``'s
+    clipping) instead. Returns False (nothing changed) when a grad is NaN/inf.
     """
     g_all = prepare_grads(grads, loss_scale=loss_scale)
     if g_all is None:
@@ -154,7 +171,7 @@ def torch_order_step(
     if max_norm is not None:
         if norm is None:
             raise ValueError("torch_order_step needs the grad norm to clip with max_norm")
-        coef = clip_coefficient(norm, max_norm)
+        coef = torch_clip_coefficient(norm, max_norm) if torch_clip else clip_coefficient(norm, max_norm)
         if coef < 1:
             c32 = r32(coef)
             g_all = [[r32(g * c32) for g in grad] for grad in g_all]

@@ -18,6 +18,12 @@ Options:
 * ``order="ring_reverse"``: the ring run the other way (each rank sends to
   rank - 1, as gloo's ring does): the chunk that ends on rank c is accumulated
   from rank c-1 down to rank c: ``((x[c-1] + x[c-2]) + ...) + x[c]``.
+* ``order="gloo_ring"``: gloo's ring all-reduce as it cuts the buffer
+  (``gloo/allreduce.cc``, ring: ``2W`` segments of ``ceil(numel / 2W)`` elements, rank
+  ``c`` owning segments ``2c`` and ``2c + 1``, the ranks accumulated as ``ring_reverse``):
+  element ``j`` is summed in ``ring_reverse``'s order of the chunk
+  ``j // (2 * ceil(numel / 2W))``. The same as ``ring_reverse`` when ``2W`` divides the
+  numel; gloo's reduce-scatter is this all-reduce, then each rank's ``numel / W`` chunk.
 * ``order="rank"``: ``((x[0] + x[1]) + ...) + x[W-1]``.
 * ``order="tree"``: pairwise: ranks are summed in adjacent pairs
   ``(x[0]+x[1]), (x[2]+x[3]), ...``, an odd one out passed up unchanged, level by
@@ -37,7 +43,7 @@ from refgrad import formats
 from refgrad.exact import ieee_sum
 
 ACCUMULATE_MODES = ("wire", "fp32")
-ORDERS = ("ring", "ring_reverse", "rank", "tree")
+ORDERS = ("ring", "ring_reverse", "gloo_ring", "rank", "tree")
 OPS = ("sum", "avg")
 
 
@@ -143,6 +149,7 @@ def _reduce_chunks(
     chunk_numel = numel // chunks_count
     decoded = [formats.decode_tensor(t.detach().cpu().contiguous()) for t in per_rank_inputs]
     average_by = world_size if op == "avg" else None
+    gloo_chunk = 2 * -(-numel // (2 * world_size))  # two of gloo's segments per rank
     chunks = []
     for chunk in range(chunks_count):
         if ring:
@@ -151,6 +158,8 @@ def _reduce_chunks(
             ranks = list(range(world_size))
         results = []
         for j in range(chunk * chunk_numel, (chunk + 1) * chunk_numel):
+            if order == "gloo_ring":
+                ranks = ring_order(world_size, j // gloo_chunk, reverse=True)
             results.append(
                 accumulate_values(
                     [decoded[r][j] for r in ranks],

@@ -19,7 +19,8 @@ def _installed(monkeypatch, **points: str) -> None:
 
 def test_an_installed_plugin_is_a_candidate_by_name(monkeypatch, capsys):
     _installed(monkeypatch, **{"vendored-fastgrad": "tests.candidates.plugin_candidates:VendoredFastgrad"})
-    assert registry.candidate_names() == ("fastgrad", "megatron-core", "vendored-fastgrad")
+    assert registry.candidate_names() == ("fastgrad", "megatron-core", "torch-ddp", "torch-fsdp2",
+                                          "vendored-fastgrad")
     assert registry.candidate_named("vendored-fastgrad").name == "vendored-fastgrad"
     assert cli.main(["run", "--list"]) == 0
     assert "vendored-fastgrad 9.9          fastgrad, vendored" in capsys.readouterr().out

@@ -164,3 +164,37 @@ def test_matches_torch_sgd_bitwise_on_this_cpu(hyper):
                                opt.state[param]["momentum_buffer"]), f"step {step}"
         differs |= not torch.equal(R.to_tensor(spec.master, (257,)), param.detach())
     assert differs, "refgrad.optim's order should give other bits somewhere on these inputs"
+
+
+def test_torch_clip_coefficient_is_clip_grads_with_norm():
+    """refgrad's model of torch.nn.utils.clip_grads_with_norm_'s coefficient: the grad it
+    scales is torch's, bitwise, over norms around and away from max_norm."""
+    from fractions import Fraction
+
+    from refgrad.optim_torch import torch_clip_coefficient
+
+    g = torch.Generator().manual_seed(3)
+    grads = torch.randn(64, generator=g)
+    for norm in [0.5, 0.5000001, 0.49999997, 1.7, 3.0, 10.3, 1e-3, 123.456]:
+        for max_norm in (0.5, 1.0, 0.3):
+            param = torch.nn.Parameter(torch.zeros(64))
+            param.grad = grads.clone()
+            total = torch.tensor(norm, dtype=torch.float32)
+            torch.nn.utils.clip_grads_with_norm_([param], max_norm, total)
+            c = torch_clip_coefficient(Fraction(float(total)), max_norm)
+            want = grads * torch.tensor(float(c), dtype=torch.float32)
+            assert torch.equal(param.grad, want), (norm, max_norm)
+
+
+def test_torch_clip_coefficient_hand_derived():
+    from fractions import Fraction
+
+    from refgrad.optim_torch import torch_clip_coefficient
+
+    # below max_norm the clamp makes the coefficient exactly 1
+    assert torch_clip_coefficient(Fraction(1, 4), 1.0) == 1
+    # N = 64: fp32's spacing there is 2^-17 > 2 * 1e-6, so N + 1e-6 rounds to 64; 1/64 is
+    # exact, and so is 1/64 * 0.5
+    assert torch_clip_coefficient(Fraction(64), 0.5) == Fraction(1, 128)
+    # N = 4: spacing 2^-21, 1e-6 is 2.1 of them: N + 1e-6 rounds to 4 + 2^-20, not 4
+    assert torch_clip_coefficient(Fraction(4), 0.5) < Fraction(1, 8)

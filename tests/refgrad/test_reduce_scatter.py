@@ -252,3 +252,24 @@ def test_property_refgrad_equals_torch_on_arbitrary_finite_patterns(dtype):
         assert_bitwise_equal(acc.to(dtype), fp32)
 
     check()
+
+
+def test_gloo_ring_cuts_the_buffer_as_gloo_does():
+    """gloo's ring all-reduce owns 2 segments of ceil(n / 2W) elements per rank: at W = 4 and
+    n = 76 element 19 lies in rank 0's chunk (elements 0..19), not in the reduce-scatter's
+    chunk 1 (19..37). Hand-derived, bf16: ranks 0..3 hold 1, 2^30, -2^30, 0 there; rank 0's
+    reverse-ring order 3, 2, 1, 0 keeps the 1 (0 - 2^30 + 2^30 + 1), chunk 1's 0, 3, 2, 1
+    loses it (1 + 0 - 2^30 rounds to -2^30)."""
+    values = [1.0, 2.0**30, -(2.0**30), 0.0]
+    inputs = []
+    for v in values:
+        t = torch.zeros(76, dtype=torch.bfloat16)
+        t[19] = v
+        inputs.append(t)
+    gloo = rc.all_reduce(inputs, accumulate="wire", order="gloo_ring")[0]
+    reverse = rc.all_reduce(inputs, accumulate="wire", order="ring_reverse")[0]
+    assert gloo[19].item() == 1.0 and reverse[19].item() == 0.0
+    # where 2W divides the numel, gloo's segments are the reduce-scatter's chunks
+    even = [torch.randn(64, generator=torch.Generator().manual_seed(r)).to(torch.bfloat16) for r in range(4)]
+    assert torch.equal(rc.all_reduce(even, accumulate="wire", order="gloo_ring")[0],
+                       rc.all_reduce(even, accumulate="wire", order="ring_reverse")[0])

@@ -107,7 +107,7 @@ def test_small_sweep_statistics_are_consistent():
     config = sweep.SweepConfig(dp_sizes=(2, 5, 16), distributions=("same_sign", "normal"),
                              numel=4000)
     points = sweep.run_sweep(config)
-    assert len(points) == 3 * 2 * 2 * 3
+    assert len(points) == 3 * 2 * 2 * len(models.METHODS)
     for p in points:
         assert p.numel == config.numel_for(p.dp) >= 4000
         assert 0.0 <= p.frac_correctly_rounded <= 1.0
@@ -182,7 +182,7 @@ def test_main_writes_table_json_markdown_and_plot(tmp_path, capsys):
     assert "Growth exponents" in out and "Megatron-Core's published claims" in out and "seed" not in out.lower()
     assert "9/9" in err  # the progress bar reached the end (3 distributions x 3 N)
     payload = json.loads((tmp_path / "r.json").read_text())
-    assert len(payload["points"]) == 3 * 3 * 3
+    assert len(payload["points"]) == 3 * 3 * len(models.METHODS)
     claims = payload["published_claims"]
     assert {(c["dp"], c["claimed"]) for c in claims} == {(8, 1e-5), (64, 8e-5), (8, 1e-7), (64, 8e-7)}
     assert "| N | method |" in (tmp_path / "r.md").read_text()
@@ -399,3 +399,84 @@ def test_kernels_beyond_8192_ranks_and_on_any_thread_split(dtype, monkeypatch):
         kernels.reduce_block(sample, 1, 0, ("ring",))
     with pytest.raises(ValueError, match="whole number of chunks"):
         kernels.reduce_block(wire[:, :7].contiguous(), 2, 0, ("ring",))
+
+
+# ------------------------------------------------ the code people train with: DDP's compress
+# hooks and FSDP2's reduce_dtype, modelled for the sweep, checked against refgrad and torch
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("world_size", [2, 3, 5, 8])
+def test_hook_and_fsdp2_models_equal_refgrad(dtype, world_size):
+    from refgrad.reduce_torch import compress_hook_all_reduce, fsdp2_reduce_scatter
+    from verify.studies.reduce_scatter import models
+
+    g = torch.Generator().manual_seed(11 + world_size)
+    chunk = 6
+    stacked = (torch.randn(world_size, world_size * chunk, generator=g)
+               * torch.exp2(-20 * torch.rand(world_size, world_size * chunk, generator=g))).to(dtype)
+    rows = list(stacked)
+    for device, order, reverse in (("cuda", "ring", False), ("cpu", "ring_reverse", True)):
+        hook = models.compress_hook_reduce(stacked, chunk, device=device, reverse=reverse)
+        want = compress_hook_all_reduce([r.float() for r in rows], dtype, order=order, device=device)[0]
+        assert torch.equal(hook.float(), want), (device, order)
+    for backend, order in (("nccl", "ring"), ("gloo", "ring_reverse")):
+        device = "cuda" if backend == "nccl" else "cpu"
+        got = models.fsdp2_reduce(stacked, chunk, backend=backend, device=device)
+        want = torch.cat(fsdp2_reduce_scatter(rows, reduce_dtype=None, orig_dtype=dtype, order=order,
+                                              avg_backend=backend, device=device))
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), backend
+
+
+def test_sweep_hook_and_fsdp2_points_are_the_models_times_n():
+    """The sweep's compiled path (prescale, the ring kernel, finish) is the models' result."""
+    from verify.studies.reduce_scatter import models, sweep
+
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float16, torch.bfloat16):
+        stacked = (torch.randn(8, 64, generator=g) * torch.exp2(-16 * torch.rand(8, 64, generator=g))).to(dtype)
+        results, _, _ = sweep._reduce(stacked, 8, 0, ("compress_hook", "fsdp2"))
+        hook = models.as_sum(models.compress_hook_reduce(stacked, 8), 8)
+        fsdp2 = models.as_sum(models.fsdp2_reduce(stacked, 8), 8)
+        assert torch.equal(results["compress_hook"][0].view(torch.int16), hook.view(torch.int16))
+        assert torch.equal(results["fsdp2"][0].view(torch.int16), fsdp2.view(torch.int16))
+
+
+def _real_hooks_and_fsdp2(rank: int, world_size: int, seed: int) -> dict:
+    """On gloo: torch's compress hooks on a bucket given as a ``(tensor,)`` tuple (what
+    ``_compress_hook`` accepts besides a GradBucket), and FSDP2's reduce-scatter of one
+    parameter with reduce_dtype its own 16-bit dtype."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from verify.candidates.torch_fsdp2.grad_reduction import FSDP2BucketReduction
+
+    g = torch.Generator().manual_seed(seed * 101 + rank)
+    grads = torch.randn(world_size * 4096, generator=g) * torch.exp2(-20 * torch.rand(world_size * 4096, generator=g))
+    out = {"grads": grads.clone()}
+    for name, hook in (("fp16", default_hooks.fp16_compress_hook), ("bf16", default_hooks.bf16_compress_hook)):
+        out[name] = hook(dist.group.WORLD, (grads.clone(),)).wait()
+    for name, dtype in (("fsdp2_fp16", torch.float16), ("fsdp2_bf16", torch.bfloat16)):
+        out[name] = FSDP2BucketReduction(str(dtype).removeprefix("torch."))(grads.to(dtype), group=None)
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_models_equal_the_real_hooks_and_fsdp2_on_gloo(world_size):
+    """The sweep's models on gloo's terms (the reverse ring, the CPU's division) are bitwise
+    torch's own fp16/bf16_compress_hook and FSDP2's reduce-scatter, per rank."""
+    from tests.distributed_utils import run_distributed
+    from verify.studies.reduce_scatter import models
+
+    per_rank = run_distributed(_real_hooks_and_fsdp2, world_size, 5)
+    chunk = 4096
+    for name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
+        stacked = torch.stack([r["grads"] for r in per_rank]).to(dtype)
+        want = models.compress_hook_reduce(stacked, chunk, device="cpu", reverse=True).float()
+        for r in range(world_size):
+            assert torch.equal(per_rank[r][name], want), (name, r)
+        fsdp2 = models.fsdp2_reduce(stacked, chunk, backend="gloo", device="cpu")
+        for r in range(world_size):
+            got = per_rank[r][f"fsdp2_{name}"]
+            assert torch.equal(got.view(torch.int16), fsdp2[r * chunk:(r + 1) * chunk].view(torch.int16)), r

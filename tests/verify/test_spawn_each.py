@@ -126,6 +126,9 @@ def test_the_root_cause_leads_and_classification_reads_past_torch_and_the_standa
     assert failure.root.module.startswith("json")
     assert failure.raised_in([__name__])
     assert not failure.raised_in(["fastgrad", "megatron"])
+    # a candidate whose code is torch's or the standard library's names it: its frames count
+    assert failure.raised_in(["json.decoder"])
+    assert not failure.raised_in(["json.encoder"])
 
 
 def test_item_outcome_holds_results_or_a_crash():

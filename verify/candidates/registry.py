@@ -1,6 +1,6 @@
 """The candidates ``verify`` knows by name (``--candidate NAME``).
 
-Two are built in (fastgrad, the default, and Megatron-Core). Another package adds its own
+Four are built in: fastgrad (the default), Megatron-Core, and torch's own DDP and FSDP2. Another package adds its own
 through the ``gradverify.candidates`` entry-point group (``pyproject.toml``:
 ``[project.entry-points."gradverify.candidates"] fsdp2 = "mypkg.gradverify:FSDP2Candidate"``;
 ``docs/candidates.md``), with no change to gradverify.
@@ -19,6 +19,8 @@ from types import MappingProxyType
 from verify.candidates.api import Candidate
 from verify.candidates.fastgrad import FastgradCandidate
 from verify.candidates.megatron_core.candidate import MegatronCoreCandidate
+from verify.candidates.torch_ddp.candidate import TorchDDPCandidate
+from verify.candidates.torch_fsdp2.candidate import TorchFSDP2Candidate
 
 DEFAULT_CANDIDATE = "fastgrad"
 ENTRY_POINT_GROUP = "gradverify.candidates"
@@ -26,6 +28,8 @@ ENTRY_POINT_GROUP = "gradverify.candidates"
 CANDIDATES: Mapping[str, Callable[[], Candidate]] = MappingProxyType({
     "fastgrad": FastgradCandidate,
     "megatron-core": MegatronCoreCandidate,
+    "torch-ddp": TorchDDPCandidate,
+    "torch-fsdp2": TorchFSDP2Candidate,
 })
 """The built-in candidates (their names cannot be taken by a plugin)."""
 

@@ -103,14 +103,17 @@ class RankFailure:
 
     def raised_in(self, modules: Iterable[str]) -> bool:
         """True when the root cause comes from code of one of ``modules`` (a package name
-        matches its submodules): the innermost frame that is not torch's or the standard
-        library's (what such code calls and fails in) belongs to one of them."""
+        matches its submodules): the innermost frame that is one of theirs, or that is not
+        torch's or the standard library's (what such code calls and fails in), belongs to one
+        of them. A candidate that is torch's own code (``torch.distributed.fsdp``) names it."""
         prefixes = tuple(modules)
         for frame in reversed(self.frames):
+            if any(frame.module == p or frame.module.startswith(p + ".") for p in prefixes):
+                return True
             top = frame.module.split(".")[0]
             if top == "torch" or top in sys.stdlib_module_names:
                 continue
-            return any(frame.module == p or frame.module.startswith(p + ".") for p in prefixes)
+            return False
         return False
 
     @property

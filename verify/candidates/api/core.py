@@ -62,6 +62,14 @@ class Behaviour(str, enum.Enum):
     # Every pipeline stage after the first, and every model chunk after the first, puts its
     # params in one bucket whatever bucket size was asked (pipeline check: the bucket count).
     ONE_BUCKET_AFTER_FIRST_STAGE = "one_bucket_after_first_stage"
+    # Buckets sized in bytes (a smaller first one by default), filled in the order the grads
+    # become ready, with no padding and no shards: torch's DDP Reducer (layout check: held to
+    # ``refgrad.layout_torch.ddp_layout`` instead of ``refgrad.layout``).
+    DDP_BUCKETS = "ddp_buckets"
+    # No bucketed buffer at all: every parameter is sharded on its own along dim 0 (layout
+    # check: the buffer parts do not apply; its parameter shards are held to
+    # ``refgrad.layout_torch.fsdp2_shards``).
+    DIM0_PARAMETER_SHARDS = "dim0_parameter_shards"
 
 
 __all__ = ["Behaviour", "DocumentedBehaviour", "Technique", "Unsupported"]

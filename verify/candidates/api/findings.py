@@ -69,6 +69,11 @@ class LaunchSettings:
     # Launch flags that no finding's rule reads but that the case stands for (the optimizer,
     # clipping, loss scaling), spelled as Megatron-LM spells them.
     other_flags: tuple[str, ...] = ()
+    # A candidate without a launcher (torch's DDP and FSDP2): the torch API settings the case
+    # stands for, as ``name=value`` (``DistributedDataParallel(...)``'s and ``fully_shard``'s
+    # argument names, ``zero_grad(set_to_none=...)``, the calls made); its findings' rules read them, and the
+    # report spells the case with them instead of Megatron-LM flags.
+    torch_api: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.dims, ParallelDims):
@@ -87,6 +92,10 @@ class LaunchSettings:
                 isinstance(m, int) and not isinstance(m, bool) and m >= 1 for m in self.microbatches):
             raise ValueError(f"LaunchSettings.microbatches must be a tuple of ints >= 1 (M per "
                              f"step), got {self.microbatches!r}")
+        if not isinstance(self.torch_api, tuple) or not all(
+                isinstance(a, str) and a for a in self.torch_api):
+            raise ValueError(f"LaunchSettings.torch_api must be a tuple of non-empty strings "
+                             f"(torch calls and 'name=value' settings), got {self.torch_api!r}")
         if self.direct_call is not None and not (isinstance(self.direct_call, str) and self.direct_call):
             raise ValueError("LaunchSettings.direct_call must be None or a non-empty description")
 
@@ -116,8 +125,12 @@ class LaunchSettings:
 
     def flags(self) -> str:
         """The Megatron-LM launch flags that give these settings (non-default ones only),
-        with DP and M as the world and batch sizes that give them."""
+        with DP and M as the world and batch sizes that give them; for a torch candidate's
+        case, its torch API settings and DP."""
         d = self.dims
+        if self.torch_api:
+            text = f"{', '.join(self.torch_api)} (DP {d.dp_size})"
+            return text if self.api_only is None else f"{text}; {self.api_only}"
         parts = []
         if d.tp_size > 1:
             parts.append(f"--tensor-model-parallel-size {d.tp_size}")
@@ -167,6 +180,9 @@ class Effect(str, enum.Enum):
     CRASH = "crash"
     WRONG_ACTIVATIONS = "wrong activations"
     WRONG_CHECKPOINT = "wrong checkpoint"
+    # the same grads rounded differently under a setting documented as changing nothing
+    # numerically (each result within an ULP of the exact one)
+    INCONSISTENT_ROUNDING = "inconsistent rounding"
 
 
 @dataclass(frozen=True)

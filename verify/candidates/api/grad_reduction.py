@@ -30,13 +30,14 @@ rank processes ask the candidate again; nothing here holds a process group.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 
-from verify.candidates.api.core import DocumentedBehaviour
+from verify.candidates.api.core import DocumentedBehaviour, Technique, Unsupported
 from verify.candidates.api.scope import TechniqueScope
 
 SUM = dist.ReduceOp.SUM
@@ -171,6 +172,60 @@ class ReductionBehaviour:
 
     prescale: DocumentedBehaviour | None = None
     wire_collective: DocumentedBehaviour | None = None
+    # torch DDP's fp16/bf16 compress hooks (:meth:`GradReduction.reduce_in` on an all-reduce):
+    # ``refgrad.reduce_torch.compress_hook_all_reduce``.
+    compress_hook: DocumentedBehaviour | None = None
+    # FSDP2's averaging, AVG or a pre- and post-division chosen per reduce dtype, and its
+    # cast to and from ``reduce_dtype``: ``refgrad.reduce_torch.fsdp2_reduce_scatter`` (and
+    # ``fsdp2_accumulate`` for microbatches without grad sync).
+    divide_factors: DocumentedBehaviour | None = None
+
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ShardedGradCase:
+    """Parameters of ``shapes`` sharded one by one (FSDP2), trained for ``microbatches``
+    microbatches a step with the grad sync on the last one only. ``orig_dtype``: the sharded
+    parameters' dtype (what the optimizer steps); ``param_dtype``: the unsharded parameters'
+    and their grads' (mixed precision); ``reduce_dtype``: the dtype grads are reduced in
+    (None: the grads'). Torch's names (``MixedPrecisionPolicy``)."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    orig_dtype: str
+    param_dtype: str
+    reduce_dtype: str | None
+    microbatches: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("orig_dtype", "param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if (value is not None or name != "reduce_dtype") and value not in _DTYPES:
+                raise ValueError(f"ShardedGradCase.{name} must be one of {_DTYPES}, got {value!r}")
+        if not self.shapes or any(not shape or min(shape) < 1 for shape in self.shapes):
+            raise ValueError(f"ShardedGradCase.shapes must be non-empty shapes of positive sizes, "
+                             f"got {self.shapes!r}")
+        if isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int) \
+                or self.microbatches < 1:
+            raise ValueError(f"ShardedGradCase.microbatches must be an int >= 1, got {self.microbatches!r}")
+
+    @property
+    def label(self) -> str:
+        reduce = self.reduce_dtype or "none"
+        return (f"params {self.orig_dtype}, compute {self.param_dtype}, reduce_dtype {reduce}, "
+                f"{self.microbatches} microbatches, shapes {list(self.shapes)}")
+
+
+class ShardedReduction(ABC):
+    """One step of a :class:`ShardedGradCase` on this rank (objects may keep what they built
+    across calls: a call is one training step)."""
+
+    @abstractmethod
+    def __call__(self, microbatch_grads: Sequence[Sequence[torch.Tensor]], *,
+                 group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+        """Every microbatch's grads (per param, whole, ``param_dtype``) in; this rank's
+        reduced grad of every param out (its rows, unpadded, ``orig_dtype``)."""
 
 
 @runtime_checkable
@@ -199,6 +254,18 @@ class GradReduction(TechniqueScope, Protocol):
         """How this reduction departs from refgrad's spec by design."""
         ...
 
+    def reduce_in(self, config: ReductionConfig, dtype: torch.dtype) -> BucketReduction:
+        """A bucket's reduction under ``config`` run in ``dtype`` instead of the grads' own
+        (torch DDP's fp16/bf16 compress hooks on an all-reduce, FSDP2's ``reduce_dtype`` on a
+        reduce-scatter); the result comes back in the grads' dtype."""
+        del config
+        raise Unsupported(Technique.GRAD_REDUCTION, f"does not reduce grads in another dtype ({dtype})")
+
+    def sharded_reduction(self, case: ShardedGradCase) -> ShardedReduction:
+        """Parameters sharded one by one, their grads reduced (FSDP2's)."""
+        del case
+        raise Unsupported(Technique.GRAD_REDUCTION, "does not shard parameters one by one")
+
 
 __all__ = [
     "AVG",
@@ -212,5 +279,7 @@ __all__ = [
     "ReductionBehaviour",
     "ReductionConfig",
     "ScratchReduceScatter",
+    "ShardedGradCase",
+    "ShardedReduction",
     "op_name",
 ]

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from refgrad.layout import Layout, positive_int, validate_layout_arguments
+from verify.candidates.api.core import Technique, Unsupported
 from verify.candidates.api.scope import TechniqueScope
 
 # Megatron-Core's default bucket size (megatron/core/distributed/distributed_data_parallel.py,
@@ -73,6 +74,12 @@ class LayoutCase:
         object.__setattr__(self, "numels", tuple(numels))
         object.__setattr__(self, "shared_embedding", tuple(self.shared_embedding))
         _require_bools(self, ("use_distributed_optimizer", "pad_buckets_for_high_nccl_busbw"))
+
+    @property
+    def ddp_bucket_cap_mb(self) -> float | None:
+        """The case as torch DDP's ``bucket_cap_mb`` for fp32 params: ``bucket_size``
+        elements of 4 bytes, in MiB (None: DDP's default 25 MiB with a 1 MiB first bucket)."""
+        return None if self.bucket_size is None else self.bucket_size * 4 / 2**20
 
     def refgrad_kwargs(self) -> dict:
         """The settings as keyword arguments of ``refgrad.layout.compute_layout``."""
@@ -250,9 +257,92 @@ class GradBuffer(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class BucketTraining:
+    """How the layout check trains a module in a candidate's own DDP to watch its buckets
+    (torch DDP's argument names): ``bucket_cap_mb`` (None: the default),
+    ``gradient_as_bucket_view``, and how the grads are zeroed before each iteration
+    (``zero_grad(set_to_none=...)``)."""
+
+    bucket_cap_mb: float | None = None
+    gradient_as_bucket_view: bool = False
+    set_to_none: bool = True
+
+    def __post_init__(self) -> None:
+        _require_bools(self, ("gradient_as_bucket_view", "set_to_none"))
+        if self.bucket_cap_mb is not None and not (
+                isinstance(self.bucket_cap_mb, (int, float)) and not isinstance(self.bucket_cap_mb, bool)
+                and self.bucket_cap_mb > 0):
+            raise ValueError(f"BucketTraining.bucket_cap_mb must be None or > 0, got {self.bucket_cap_mb!r}")
+
+
+@dataclass(frozen=True)
+class ObservedBucket:
+    """One bucket as the candidate's DDP reduced it: its params (registration indices) in the
+    bucket's order, where each starts in the bucket, and the bucket's elements."""
+
+    params: tuple[int, ...]
+    offsets: tuple[int, ...]
+    numel: int
+
+
+@dataclass(frozen=True)
+class ObservedIteration:
+    """One training iteration: the buckets in the order of their index, whether every
+    param's grad is a view into its bucket, and every param's grad after the backward."""
+
+    buckets: tuple[ObservedBucket, ...]
+    grads_are_bucket_views: bool
+    grads: tuple[torch.Tensor, ...]
+
+
+class BucketObserver(TechniqueScope):
+    """Trains a module in the candidate's DDP and reports its buckets every iteration."""
+
+    def train(self, module: torch.nn.Module, settings: BucketTraining,
+              batches: Sequence[object], group: dist.ProcessGroup | None) -> list[ObservedIteration]:
+        """``module(batch).backward()`` for each batch in the candidate's DDP over ``group``
+        (the grads zeroed before each as ``settings`` says)."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class ParameterShard:
+    """One rank's shard of one parameter: rows ``[start, stop)`` of dim 0, the rows its
+    sharded storage holds with padding, and the values of its rows."""
+
+    start: int
+    stop: int
+    padded_rows: int
+    values: torch.Tensor
+
+
+class ParameterSharding(TechniqueScope):
+    """Shards parameters one by one (FSDP2's ``fully_shard``)."""
+
+    def shard(self, params: Sequence[torch.nn.Parameter],
+              group: dist.ProcessGroup | None) -> list[ParameterShard]:
+        """This rank's shard of each param (registration order) over ``group``."""
+        raise NotImplementedError
+
+
 @runtime_checkable
 class BucketLayout(TechniqueScope, Protocol):
-    """The candidate's bucket layout and padded grad buffer."""
+    """The candidate's bucket layout and padded grad buffer.
+
+    Two parts only some candidates have, Unsupported unless they override them:
+    :meth:`bucket_observer` (a DDP whose buckets are watched while it trains: torch's) and
+    :meth:`parameter_sharding` (parameters sharded one by one instead of a bucketed buffer:
+    FSDP2's).
+    """
+
+    def bucket_observer(self) -> BucketObserver:
+        """The candidate's DDP, trained with its buckets watched (torch's DDP)."""
+        raise Unsupported(Technique.LAYOUT, "has no DDP whose buckets can be watched while it trains")
+
+    def parameter_sharding(self) -> ParameterSharding:
+        """Its parameters sharded one by one (FSDP2's ``fully_shard``)."""
+        raise Unsupported(Technique.LAYOUT, "does not shard parameters one by one (it shards buckets)")
 
     def layouts(self, cases: Sequence[LayoutCase]) -> list[Layout]:
         """The candidate's layout of each case, in order (one call, so a candidate that

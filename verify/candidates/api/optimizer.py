@@ -258,6 +258,8 @@ class OptimizerBehaviour:
     ``torch_sgd_order``: SGD in ``torch.optim.SGD``'s order (``refgrad.optim_torch``).
     ``param_gather_in_forward``: with ``overlap_param_gather`` the step launches no param
     all-gather; each module's forward pre-hook launches (and waits for) its bucket's.
+    ``torch_clip_coefficient``: the clip coefficient is ``torch.nn.utils``'s, computed on the
+    fp32 norm (``refgrad.optim_torch.torch_clip_coefficient``), not ``refgrad.optim``'s.
     """
 
     torch_adamw_order: DocumentedBehaviour | None = None
@@ -265,12 +267,14 @@ class OptimizerBehaviour:
     partial_sum_grad_norm: DocumentedBehaviour | None = None
     torch_sgd_order: DocumentedBehaviour | None = None
     param_gather_in_forward: DocumentedBehaviour | None = None
+    torch_clip_coefficient: DocumentedBehaviour | None = None
 
     def documented(self) -> tuple[DocumentedBehaviour, ...]:
         """Every documented behaviour, in this order."""
         return tuple(b for b in (self.torch_adamw_order, self.no_decay_on_1d_params,
                                  self.partial_sum_grad_norm, self.torch_sgd_order,
-                                 self.param_gather_in_forward) if b is not None)
+                                 self.param_gather_in_forward, self.torch_clip_coefficient)
+                     if b is not None)
 
 
 @dataclass(frozen=True)

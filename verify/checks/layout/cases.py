@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from refgrad.layout import Layout
+from refgrad.layout_torch import DDPBucketCaps, ddp_layout
 from verify.candidates.api.layout import LayoutCase
 
 # --------------------------------------------------------------------------- hand-derived cases
@@ -139,3 +140,11 @@ def compare_layouts(reference: Layout, candidate: Layout) -> str:
         if ref[key] != cand.get(key):
             return f"{key} differs"
     return ""
+
+
+def ddp_layout_of(case: LayoutCase) -> Layout:
+    """refgrad's model of torch DDP's buckets for ``case``: fp32 params, ``bucket_cap_mb``
+    from the case's bucket size (``LayoutCase.ddp_bucket_cap_mb``), grads ready in reverse
+    registration order."""
+    caps = DDPBucketCaps.from_bucket_cap_mb(case.ddp_bucket_cap_mb)
+    return ddp_layout(case.numels, element_size=4, caps=caps, dp_size=case.dp_size)

@@ -133,3 +133,26 @@ def shard_coverage_violations(layout: Any, dp_size: int) -> list[str]:
     if cursor != layout.numel:
         bad.append(f"shards end at {cursor}, buffer numel {layout.numel}")
     return bad
+
+
+def unpadded_bucket_violations(layout: Any, numels: Sequence[int]) -> list[str]:
+    """What a layout of buckets without padding or shards (torch DDP's) must satisfy: the
+    buckets tile ``[0, numel)`` in order, every param lies whole inside its bucket, every
+    element belongs to exactly one param."""
+    bad: list[str] = []
+    buckets = [tuple(int(v) for v in b) for b in layout.bucket_indices]
+    pmap = [tuple(int(v) for v in t) for t in layout.param_index_map]
+    if len(pmap) != len(numels):
+        return [f"param_index_map has {len(pmap)} entries for {len(numels)} params"]
+    if not buckets or buckets[0][0] != 0 or buckets[-1][1] != int(layout.numel):
+        bad.append(f"buckets {buckets[:3]}... do not span [0, {int(layout.numel)})")
+    bad += [f"buckets {a} and {b} are not adjacent" for a, b in zip(buckets, buckets[1:]) if a[1] != b[0]]
+    if int(layout.numel) != int(layout.numel_unpadded) or int(layout.numel) != sum(numels):
+        bad.append(f"numel {int(layout.numel)} / unpadded {int(layout.numel_unpadded)} is not the "
+                   f"params' {sum(numels)} elements")
+    for i, (s, e, b) in enumerate(pmap):
+        if e - s != numels[i] or not 0 <= b < len(buckets) or not (buckets[b][0] <= s and e <= buckets[b][1]):
+            bad.append(f"param {i}: [{s},{e}) in bucket {b} does not hold its {numels[i]} elements there")
+    covered = sorted((s, e) for s, e, _ in pmap)
+    bad += [f"params at {a} and {b} overlap or leave a gap" for a, b in zip(covered, covered[1:]) if a[1] != b[0]]
+    return bad

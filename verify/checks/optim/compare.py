@@ -38,7 +38,7 @@ class Documented:
         parts = [self.behaviour.torch_adamw_order if case.algorithm == "adamw"
                  else self.behaviour.torch_sgd_order]
         if case.clip is not None:
-            parts.append(self.behaviour.partial_sum_grad_norm)
+            parts += [self.behaviour.partial_sum_grad_norm, self.behaviour.torch_clip_coefficient]
         parts = [p for p in parts if p is not None]
         if not parts or self.model is None:
             return None

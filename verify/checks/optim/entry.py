@@ -51,22 +51,25 @@ def _reported_norms(runs: list[dict] | None) -> tuple[float | None, ...] | None:
 def _references(cases: list[OptimCase], seed: int, norms: dict | None = None) -> dict:
     """refgrad's trajectory of every case, and of the DP=3 run resumed from the DP=2 checkpoint.
 
-    ``norms`` (``{"cases": [each case's reported norms], "dp3": the resumed run's}``): the
-    trajectories of refgrad's model of the candidate's documented optimizer instead, clipped
-    with the norms it reported."""
+    ``norms`` (``{"cases": [each case's reported norms], "dp3": the resumed run's,
+    "torch_clip": torch.nn.utils' clip coefficient}``): the trajectories of refgrad's model of
+    the candidate's documented optimizer instead, clipped with the norms it reported."""
     out: dict = {"cases": []}
     for index, case in enumerate(cases):
-        model = None if norms is None else ProductionModel(norms["cases"][index])
+        torch_clip = bool(norms and norms.get("torch_clip"))
+        model = None if norms is None else ProductionModel(norms["cases"][index], torch_clip)
         if case == CHECKPOINT_CASE:
-            head = None if model is None else ProductionModel(model.norms and model.norms[:RESUME_AFTER])
-            tail = None if model is None else ProductionModel(model.norms and model.norms[RESUME_AFTER:])
+            head = None if model is None else ProductionModel(model.norms and model.norms[:RESUME_AFTER],
+                                                              torch_clip)
+            tail = None if model is None else ProductionModel(model.norms and model.norms[RESUME_AFTER:],
+                                                              torch_clip)
             first, after = case_trajectory(case, seed, worlds=[case.dp] * RESUME_AFTER, production=head)
             after = copy.deepcopy(after)
             rest, _ = case_trajectory(case, seed, start=copy.deepcopy(after), first_step_id=RESUME_AFTER,
                                       production=tail)
             out["cases"].append(first + rest)
             dp3_case = dataclasses.replace(CHECKPOINT_CASE, ranks=(0, 1, 2))
-            dp3_model = None if norms is None else ProductionModel(norms["dp3"])
+            dp3_model = None if norms is None else ProductionModel(norms["dp3"], torch_clip)
             out["dp3"] = (dp3_case, case_trajectory(dp3_case, seed, start=copy.deepcopy(after),
                                                     first_step_id=RESUME_AFTER, production=dp3_model)[0])
         else:
@@ -224,7 +227,8 @@ def check_multi_rank(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate
                                             if i in per_rank[r]["cases"]])
                            for i, case in enumerate(cases)],
                  "dp3": _reported_norms([per_rank[r]["dp3_resumed"] for r in range(3)
-                                         if "dp3_resumed" in per_rank[r]])}
+                                         if "dp3_resumed" in per_rank[r]]),
+                 "torch_clip": behaviour.torch_clip_coefficient is not None}
         models = spawn(_references_process, 1, cases, seed, norms, timeout_s=ctx.timeout_s,
                        launcher=launcher_for(candidate))[0]
     for index, case in enumerate(cases):

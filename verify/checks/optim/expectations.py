@@ -86,6 +86,8 @@ class ProductionModel:
     norm of each step (``norms``; None: refgrad's exact one)."""
 
     norms: tuple[float | None, ...] | None = None
+    # clipped with torch.nn.utils' coefficient (OptimizerBehaviour.torch_clip_coefficient)
+    torch_clip: bool = False
 
     def norm(self, k: int) -> float | None:
         return None if self.norms is None or k >= len(self.norms) else self.norms[k]
@@ -103,7 +105,8 @@ def _model_step(states, grads, hypers, steps, *, clip, scale, production: Produc
             norm = None if prepared is None else R.global_norm(
                 [g for g, s in zip(prepared, SHARED) if not s])
     stepped = torch_order_step(states, grads, hypers, steps, norm=norm, max_norm=clip,
-                               loss_scale=scale, sqrt32=torch_cpu_sqrt)
+                               loss_scale=scale, sqrt32=torch_cpu_sqrt,
+                               torch_clip=production.torch_clip)
     return stepped, norm
 
 

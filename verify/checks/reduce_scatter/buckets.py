@@ -13,7 +13,7 @@ the spec as a documented difference naming where the behaviour lives:
 * the mean as a pre-scale: ``refgrad.reduce_scatter.prescale_like_torch(inputs, 1/W)``, then
   a SUM (exact only at power-of-two W);
 * the plain collective: gloo's reduce-scatter and all-reduce sum in the grad dtype in reverse
-  ring order (``accumulate="wire"``, ``order="ring_reverse"``; at W <= 2 one addition, in any
+  ring order on its segments (``accumulate="wire"``, ``order="gloo_ring"``; at W <= 2 one addition, in any
   order), ``ReduceOp.AVG`` divides that sum by W.
 
 Each case runs in a world of its own size (fresh processes for a candidate that keeps
@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from refgrad import reduce_scatter as refc
+from refgrad import reduce_torch
 from verify.candidates import Candidate, LaunchSettings
 from verify.candidates.api.core import DocumentedBehaviour, Unsupported
 from verify.candidates.api.grad_reduction import ReductionBehaviour
@@ -37,7 +38,6 @@ from verify.candidates.api.pipeline import ParallelDims
 from verify.check import CheckRecorder
 from verify.checks.reduce_scatter.cases import (
     BUCKET_SHARD,
-    DTYPE_NAMES,
     FP32_PRESCALED,
     INPUTS,
     ITERATIONS,
@@ -48,10 +48,12 @@ from verify.distributed import ItemOutcome
 
 def case_settings(case: BucketCase) -> LaunchSettings:
     """The Megatron-LM settings a bucket case stands for (its grads are 16-bit, reduced in
-    their own dtype)."""
+    their own dtype); a case reduced in another dtype stands for that torch setting."""
     config = case.config
+    torch_api = () if case.reduce_dtype is None else (f"reduce_dtype={case.reduce_dtype}",)
     return LaunchSettings(
         dims=ParallelDims(dp_size=case.size), params_dtype="bfloat16", grad_dtype="bfloat16",
+        torch_api=torch_api,
         use_distributed_optimizer=config.use_distributed_optimizer,
         overlap_grad_reduce=config.overlap_grad_reduce,
         ddp_reduce_scatter_with_fp32_accumulation=config.reduce_scatter_with_fp32_accumulation,
@@ -75,10 +77,11 @@ def bucket_worker(rank: int, world_size: int, case: BucketCase, candidate: Candi
                 grads = INPUTS["rank"](rank, case.size, case.size * BUCKET_SHARD, torch.bfloat16,
                                        0, seed)
                 reduction.bucket_reduction(FP32_PRESCALED)(grads, group=None)
-            reduce = reduction.bucket_reduction(case.config)
+            reduce = (reduction.bucket_reduction(case.config) if case.reduce_dtype is None else
+                      reduction.reduce_in(case.config, getattr(torch, case.reduce_dtype)))
         except Unsupported as unsupported:  # refused up front: a skip, not a failure
             return {"skip": str(unsupported)}
-        for dtype_name in DTYPE_NAMES:
+        for dtype_name in case.dtypes:
             for it in range(ITERATIONS):
                 grads = INPUTS[case.inputs](rank, case.size, case.size * BUCKET_SHARD,
                                             getattr(torch, dtype_name), it, seed)
@@ -87,32 +90,47 @@ def bucket_worker(rank: int, world_size: int, case: BucketCase, candidate: Candi
 
 
 def _documented(behaviour: ReductionBehaviour, case: BucketCase
-                ) -> tuple[DocumentedBehaviour | None, bool, bool]:
-    """The candidate's documented behaviours that apply to ``case``, joined into one, and
-    which of them apply (pre-scale, plain collective)."""
+                ) -> tuple[DocumentedBehaviour | None, tuple[str, ...]]:
+    """The candidate's documented behaviours that apply to ``case``, joined into one, and the
+    names of the models they call for (``prescale``, ``wire``, ``compress_hook``,
+    ``divide_factors``; empty: the spec)."""
     config = case.config
-    prescale = (behaviour.prescale if config.average and not config.average_in_collective
-                else None)
-    wire = behaviour.wire_collective if not config.reduce_scatter_with_fp32_accumulation else None
-    parts = [b for b in (prescale, wire) if b is not None]
-    if not parts:
-        return None, False, False
+    if case.reduce_dtype is not None and not config.use_distributed_optimizer:
+        applying = {"compress_hook": behaviour.compress_hook}
+    elif behaviour.divide_factors is not None and config.average:
+        applying = {"divide_factors": behaviour.divide_factors, "wire": behaviour.wire_collective}
+    else:
+        applying = {"prescale": behaviour.prescale if config.average and not config.average_in_collective
+                    else None,
+                    "wire": None if config.reduce_scatter_with_fp32_accumulation
+                    else behaviour.wire_collective}
+    applying = {name: b for name, b in applying.items() if b is not None}
+    if not applying:
+        return None, ()
+    parts = list(applying.values())
     joined = DocumentedBehaviour("; then ".join(b.summary for b in parts),
                                  "; ".join(b.where for b in parts))
-    return joined, prescale is not None, wire is not None
+    return joined, tuple(applying)
 
 
-def _expected(case: BucketCase, inputs: list[torch.Tensor], *, prescale: bool, wire: bool
+def _expected(case: BucketCase, inputs: list[torch.Tensor], models: tuple[str, ...]
               ) -> list[torch.Tensor]:
-    """Per rank, the values refgrad gives it: the spec (both flags False) or the model of the
-    documented behaviours the flags name."""
+    """Per rank, the values refgrad gives it: the spec (no models) or refgrad's model of the
+    documented behaviours ``models`` names (gloo's order: the reverse ring)."""
     config, size = case.config, case.size
+    order = "rank" if size <= 2 else "gloo_ring"
+    if "compress_hook" in models:
+        return reduce_torch.compress_hook_all_reduce(inputs, getattr(torch, case.reduce_dtype),
+                                                     order=order)
+    if "divide_factors" in models:
+        return reduce_torch.fsdp2_reduce_scatter(
+            inputs, reduce_dtype=None if case.reduce_dtype is None else getattr(torch, case.reduce_dtype),
+            orig_dtype=inputs[0].dtype, order=order)
     reduce = refc.reduce_scatter if config.use_distributed_optimizer else refc.all_reduce
     op = config.op
-    if prescale:
+    if "prescale" in models:
         inputs, op = refc.prescale_like_torch(inputs, 1.0 / size), "sum"
-    accumulate, order = (("wire", "rank" if size <= 2 else "ring_reverse") if wire
-                         else ("fp32", "rank"))
+    accumulate, order = ("wire", order) if "wire" in models else ("fp32", "rank")
     return reduce(inputs, accumulate=accumulate, order=order, op=op)
 
 
@@ -124,21 +142,21 @@ def bucket_references(cases: list[BucketCase], behaviour: ReductionBehaviour, se
     done: dict[tuple, torch.Tensor] = {}
     out = {}
     for index, case in enumerate(cases):
-        documented, prescale, wire = _documented(behaviour, case)
-        for dtype_name in DTYPE_NAMES:
+        documented, models = _documented(behaviour, case)
+        for dtype_name in case.dtypes:
             for it in range(ITERATIONS):
                 inputs = None
                 values = []
-                for flags in ((False, False), (prescale, wire)) if documented else ((False, False),):
+                for chosen in ((), models) if documented else ((),):
                     key = (case.size, case.inputs, case.config.op,
-                           case.config.use_distributed_optimizer, dtype_name, it, flags)
+                           case.config.use_distributed_optimizer, dtype_name, it, chosen,
+                           case.reduce_dtype if chosen else None)
                     if key not in done:
                         if inputs is None:
                             inputs = [INPUTS[case.inputs](r, case.size, case.size * BUCKET_SHARD,
                                                           getattr(torch, dtype_name), it, seed)
                                       for r in range(case.size)]
-                        done[key] = torch.cat(_expected(case, inputs, prescale=flags[0],
-                                                        wire=flags[1]))
+                        done[key] = torch.cat(_expected(case, inputs, chosen))
                     values.append(done[key])
                 out[(index, dtype_name, it)] = (values[0], values[1] if documented else None)
     return out
@@ -164,7 +182,7 @@ def check_bucket_cases(rec: CheckRecorder, outcomes: list[ItemOutcome], cases: l
                 rec.crash(case.label, outcome.crash, candidate)
                 continue
             documented = _documented(behaviour, case)[0]
-            for dtype_name in DTYPE_NAMES:
+            for dtype_name in case.dtypes:
                 for it in range(ITERATIONS):
                     spec, model = expected[(index, dtype_name, it)]
                     got = torch.cat([run["held"][(dtype_name, it)] for run in outcome.results])

@@ -105,19 +105,28 @@ class BucketCase:
     config: ReductionConfig
     inputs: str = "rank"
     after_fp32: bool = False
+    # the dtype the reduction runs in when not the grads' (GradReduction.reduce_in: torch DDP's
+    # compress hooks, FSDP2's reduce_dtype), and the grads' dtypes
+    reduce_dtype: str | None = None
+    dtypes: tuple[str, ...] = DTYPE_NAMES
 
     def __post_init__(self) -> None:
         if self.inputs not in INPUTS:
             raise ValueError(f"BucketCase.inputs must be one of {sorted(INPUTS)}, got {self.inputs!r}")
         if self.size < 2:
             raise ValueError(f"BucketCase.size must be >= 2, got {self.size}")
+        for name in (*self.dtypes, *((self.reduce_dtype,) if self.reduce_dtype else ())):
+            if name not in ("float32", *DTYPE_NAMES):
+                raise ValueError(f"BucketCase dtypes must be float32, float16 or bfloat16, got {name!r}")
 
     @property
     def label(self) -> str:
         inputs = "" if self.inputs == "rank" else f" {self.inputs.replace('_', '-')} inputs"
         after = (" (built after an fp32-accumulating DDP in the same process)"
                  if self.after_fp32 else "")
-        return f"DDP bucket reduction W={self.size} {self.config.label}{inputs}{after}"
+        reduced = ("" if self.reduce_dtype is None
+                   else f" of {'/'.join(self.dtypes)} grads reduced in {self.reduce_dtype}")
+        return f"DDP bucket reduction W={self.size} {self.config.label}{reduced}{inputs}{after}"
 
 
 PRESCALED = ReductionConfig()
@@ -136,7 +145,7 @@ def bucket_cases(average_sizes: tuple[int, ...]) -> list[BucketCase]:
     """The DDP bucket cases in run order: the plain collectives first, then the
     fp32-accumulating ones (rank-specific, order-sensitive at W = 3, average-sensitive at
     ``average_sizes``), then a plain reduce-scatter at W = 3 built after an fp32-accumulating
-    one in its own process."""
+    one in its own process, then the reductions in another dtype than the grads'."""
     sizes = BUCKET_SIZES
     cases = [BucketCase(w, config) for config in (PRESCALED, AVG_IN_COLLECTIVE, ALL_REDUCE)
              for w in sizes]
@@ -147,4 +156,12 @@ def bucket_cases(average_sizes: tuple[int, ...]) -> list[BucketCase]:
                                                                        FP32_AVG_IN_COLLECTIVE)
               for w in average_sizes]
     cases.append(BucketCase(3, PRESCALED, after_fp32=True))
+    # reduced in another dtype than the grads' (torch DDP's compress hooks on the all-reduce,
+    # FSDP2's reduce_dtype on the reduce-scatter)
+    cases += [BucketCase(w, ALL_REDUCE, reduce_dtype=wire, dtypes=("float32",))
+              for wire in DTYPE_NAMES for w in sizes]
+    cases += [BucketCase(w, AVG_IN_COLLECTIVE, reduce_dtype=reduce, dtypes=grads)
+              for reduce, grads in (("float32", DTYPE_NAMES), ("bfloat16", ("float32",)),
+                                    ("float16", ("float32",)))
+              for w in sizes]
     return cases

@@ -16,6 +16,7 @@ from verify.checks.reduce_scatter.models import (
     check_models,
     check_production_sum_order,
 )
+from verify.checks.reduce_scatter.sharded import check_sharded
 from verify.checks.reduce_scatter.worker import check_multi_rank
 from verify.distributed import spawn
 
@@ -50,6 +51,7 @@ def run(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate) -> None:
         local = pool.submit(spawn, _local_parts_process, 1, ctx, candidate, timeout_s=ctx.timeout_s,
                             launcher=launcher_for(candidate))
         check_multi_rank(ctx, rec, candidate)
+        check_sharded(ctx, rec, candidate)
         rec.absorb(local.result()[0])
     # Measured here, in the process (and torch thread count) a user's own code runs in.
     check_production_sum_order(ctx, rec)

@@ -32,12 +32,13 @@ from verify.checks.reduce_scatter.cases import (
     DTYPE_NAMES,
     ITERATIONS,
     MODES,
+    BucketCase,
     average_sensitive_input,
     bucket_cases,
     order_sensitive_input,
     rank_input,
 )
-from verify.distributed import spawn, spawn_each
+from verify.distributed import ItemOutcome, spawn, spawn_each
 
 
 @dataclass(frozen=True)
@@ -178,11 +179,14 @@ def collectives_settings(world: int) -> LaunchSettings:
                           direct_call=f"{COLLECTIVES} on process groups of 2 to {world} ranks")
 
 
-def _plan_and_behaviour(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate
-                        ) -> tuple[CollectivePlan, ReductionBehaviour]:
-    """Which ops the candidate's collectives take, and its documented reduction behaviour."""
+def _plan_and_behaviour(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate,
+                        cases: list[BucketCase]
+                        ) -> tuple[CollectivePlan, ReductionBehaviour, dict[BucketCase, str]]:
+    """Which ops the candidate's collectives take, its documented reduction behaviour, and
+    the bucket cases it refuses up front (with why)."""
     with candidate.grad_reduction() as reduction:
-        return collective_plan(reduction, rec), reduction.behaviour()
+        return (collective_plan(reduction, rec), reduction.behaviour(),
+                bucket_refusals(reduction, cases))
 
 
 def check_multi_rank(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate) -> None:
@@ -193,33 +197,54 @@ def check_multi_rank(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate
     sizes = (2, 3) if ctx.quick else (2, 3, 4)
     average_sizes = AVERAGE_SIZES[:2] if ctx.quick else AVERAGE_SIZES
     shard = 16 if ctx.quick else 96
-    plan, behaviour = run_part(ctx, rec, candidate, _plan_and_behaviour)
     cases = bucket_cases(average_sizes)
+    plan, behaviour, refused = run_part(ctx, rec, candidate, _plan_and_behaviour, cases)
+    running = [case for case in cases if case not in refused]
     world = max(*sizes, *average_sizes)
     launcher = launcher_for(candidate)
     # refgrad's bucket references (seconds of exact arithmetic) in a process of their own,
-    # while the ranks run
+    # while the ranks run; only for the cases the candidate runs
     with ThreadPoolExecutor(max_workers=1) as pool:
-        references = pool.submit(spawn, bucket_references_process, 1, cases, behaviour, ctx.seed,
+        references = pool.submit(spawn, bucket_references_process, 1, running, behaviour, ctx.seed,
                                  timeout_s=ctx.timeout_s, launcher=launcher)
-        (collectives,) = spawn_each(_rank_worker, world, [COLLECTIVES], sizes, average_sizes,
-                                    shard, ctx.seed, candidate, plan, isolate=True,
-                                    timeout_s=ctx.timeout_s, launcher=launcher)
-        bucket_outcomes = {}
-        for size in dict.fromkeys(case.size for case in cases):
-            group = [case for case in cases if case.size == size]
+        collectives = None
+        if plan.ops:  # a candidate without the fp32-accumulating collective: nothing to run
+            (collectives,) = spawn_each(_rank_worker, world, [COLLECTIVES], sizes, average_sizes,
+                                        shard, ctx.seed, candidate, plan, isolate=True,
+                                        timeout_s=ctx.timeout_s, launcher=launcher)
+        bucket_outcomes = {case: ItemOutcome([{"skip": reason}]) for case, reason in refused.items()}
+        for size in dict.fromkeys(case.size for case in running):
+            group = [case for case in running if case.size == size]
             bucket_outcomes.update(zip(group, spawn_each(
                 bucket_worker, size, group, candidate, ctx.seed,
                 isolate=candidate.isolates_configurations, timeout_s=ctx.timeout_s,
                 launcher=launcher), strict=True))
-        expected = references.result()[0]
-    with rec.case(COLLECTIVES, collectives_settings(world)):
-        if collectives.crash is not None:
-            rec.crash(COLLECTIVES, collectives.crash, candidate)
-        else:
-            _check_collectives(rec, candidate, collectives.results, plan, sizes, average_sizes)
+        computed = references.result()[0]
+    expected = {(cases.index(running[index]), dtype, it): value
+                for (index, dtype, it), value in computed.items()}
+    if collectives is not None:
+        with rec.case(COLLECTIVES, collectives_settings(world)):
+            if collectives.crash is not None:
+                rec.crash(COLLECTIVES, collectives.crash, candidate)
+            else:
+                _check_collectives(rec, candidate, collectives.results, plan, sizes, average_sizes)
     check_bucket_cases(rec, [bucket_outcomes[case] for case in cases], cases, behaviour,
                        expected, candidate)
+
+
+def bucket_refusals(reduction: GradReduction, cases: list) -> dict:
+    """The bucket cases the candidate refuses up front (Unsupported from the accessor, asked in
+    the check's process), with the reason: no ranks and no references for them."""
+    refused = {}
+    for case in cases:
+        try:
+            if case.reduce_dtype is None:
+                reduction.bucket_reduction(case.config)
+            else:
+                reduction.reduce_in(case.config, getattr(torch, case.reduce_dtype))
+        except Unsupported as unsupported:
+            refused[case] = str(unsupported)
+    return refused
 
 
 def _check_collectives(rec: CheckRecorder, candidate: Candidate, per_rank: list[dict],

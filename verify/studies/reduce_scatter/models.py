@@ -7,7 +7,19 @@ collective does, bitwise equal to ``refgrad.reduce_scatter`` (tested):
   from rank c+1 around to rank c, rounding to the wire dtype after every hop;
 * ``tree``: pairwise summation in the wire dtype (rounding after every add);
 * ``fp32``: production's all-to-all + fp32 accumulation in rank order, one
-  rounding to the wire dtype at the end.
+  rounding to the wire dtype at the end;
+* ``compress_hook``: torch DDP's ``fp16_compress_hook`` / ``bf16_compress_hook``
+  (``default_hooks._compress_hook``): the grads cast to the wire dtype and divided by N
+  there (``div_`` on CUDA: times fp32(1/N), rounded to the wire dtype), then NCCL's ring
+  SUM in the wire dtype; the result is the mean;
+* ``fsdp2``: FSDP2's reduce-scatter with ``reduce_dtype`` the wire dtype
+  (``_get_gradient_divide_factors``): bf16 is ``ReduceOp.AVG``, which NCCL runs as a
+  pre-multiplication by 1/N rounded to bf16, then the ring SUM; fp16 divides by a power-of-two
+  pre-factor, ring-sums, divides by the rest (on CUDA). The result is the mean.
+
+The mean-producing methods are measured as N times their mean (exact in float64 and, for a
+power-of-two N, in the wire dtype: the ULP figures then compare it with the correctly rounded
+sum; at other N that product is rounded to the wire dtype once more).
 
 torch's elementwise fp16/bf16 addition is correctly rounded because it computes
 in fp32 and 24 >= 2·p + 2 makes that double rounding innocuous. Each model issues
@@ -20,11 +32,16 @@ from __future__ import annotations
 
 import torch
 
-METHODS: tuple[str, ...] = ("ring", "tree", "fp32")
+from refgrad.reduce_torch import fsdp2_divide_factors
+
+METHODS: tuple[str, ...] = ("ring", "tree", "fp32", "compress_hook", "fsdp2")
+MEAN_METHODS: tuple[str, ...] = ("compress_hook", "fsdp2")
 METHOD_LABELS = {
     "ring": "ring (wire)",
     "tree": "tree (wire)",
     "fp32": "fp32-accumulate",
+    "compress_hook": "DDP compress hook",
+    "fsdp2": "FSDP2 reduce_dtype",
     "rank": "rank order (wire)",
     "ring_reverse": "reverse ring (wire)",
 }
@@ -126,3 +143,69 @@ def generate(
         noise.mul_(torch.randn(world_size, columns, generator=generator).mul_(0.75).exp_())
         return noise.add_(shared).mul_(scale)
     raise ValueError(f"distribution must be one of {DISTRIBUTIONS}, got {distribution!r}")
+
+
+def divide_like_torch(block: torch.Tensor, divisor: float, *, device: str = "cuda") -> torch.Tensor:
+    """``block.div_(divisor)`` on a 16-bit tensor as torch computes it on ``device``: on CUDA
+    times ``fp32(1 / fp32(divisor))``, on the CPU divided by ``fp32(divisor)``, in fp32, then
+    rounded to the block's dtype (``refgrad.reduce_torch.divide_like_torch``)."""
+    d32 = torch.tensor(divisor, dtype=torch.float32)
+    if device == "cuda":
+        wide = block.float() * (torch.tensor(1.0, dtype=torch.float32) / d32)
+    elif device == "cpu":
+        wide = block.float() / d32
+    else:
+        raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+    return wide.to(block.dtype)
+
+
+def compress_hook_prescale(stacked: torch.Tensor, *, device: str = "cuda") -> torch.Tensor:
+    """What the compress hook all-reduces: every rank's 16-bit grads divided by N."""
+    return divide_like_torch(stacked, stacked.shape[0], device=device)
+
+
+def compress_hook_reduce(stacked: torch.Tensor, chunk_numel: int, first_chunk: int = 0, *,
+                         device: str = "cuda", reverse: bool = False) -> torch.Tensor:
+    """DDP's compress hook on ``[N, columns]`` 16-bit grads: divided by N, ring-summed in the
+    wire dtype (``reverse``: gloo's ring). Returns the mean, in the wire dtype."""
+    return ring_reduce(compress_hook_prescale(stacked, device=device), chunk_numel, first_chunk,
+                       reverse=reverse)
+
+
+def fsdp2_prescale(stacked: torch.Tensor, *, backend: str = "nccl", device: str = "cuda"
+                   ) -> tuple[torch.Tensor, float | None, str]:
+    """FSDP2's input to the collective (reduce_dtype = the block's dtype), the post-divide
+    factor and the collective's op: pre-divided (fp16), or pre-multiplied by 1/N rounded to
+    the dtype (AVG on NCCL: ``ncclDevPreMulSum``)."""
+    world = stacked.shape[0]
+    pre, post, op = fsdp2_divide_factors(stacked.dtype, world)
+    if pre is not None and pre != 1:
+        stacked = divide_like_torch(stacked, pre, device=device)
+    if op == "avg" and backend == "nccl":
+        scalar = torch.tensor(1.0 / world, dtype=torch.float32).to(stacked.dtype).float()
+        stacked, op = (stacked.float() * scalar).to(stacked.dtype), "sum"
+    return stacked, post, op
+
+
+def fsdp2_finish(summed: torch.Tensor, world: int, post: float | None, op: str, *,
+                 device: str = "cuda") -> torch.Tensor:
+    """After the ring: gloo's AVG divides the sum by N (on the CPU); the fp16 post-divide."""
+    if op == "avg":
+        summed = divide_like_torch(summed, world, device="cpu")
+    if post is not None and post != 1:
+        summed = divide_like_torch(summed, post, device=device)
+    return summed
+
+
+def fsdp2_reduce(stacked: torch.Tensor, chunk_numel: int, first_chunk: int = 0, *,
+                 backend: str = "nccl", device: str = "cuda") -> torch.Tensor:
+    """FSDP2's reduce-scatter with ``reduce_dtype`` the wire dtype, on ``backend`` (NCCL: its
+    ring and its AVG; gloo: its reverse ring, AVG a division of the sum). Returns the mean."""
+    inputs, post, op = fsdp2_prescale(stacked, backend=backend, device=device)
+    summed = ring_reduce(inputs, chunk_numel, first_chunk, reverse=backend == "gloo")
+    return fsdp2_finish(summed, stacked.shape[0], post, op, device=device)
+
+
+def as_sum(mean: torch.Tensor, world: int) -> torch.Tensor:
+    """N times a mean, in its dtype (exact for a power-of-two N barring overflow)."""
+    return (mean.double() * world).to(mean.dtype)

@@ -1,7 +1,9 @@
 """``verify accumulation``: how reduction error grows with the data-parallel size N.
 
 For every DP size N, wire dtype (fp16, bf16) and input distribution, N per-rank
-gradient tensors are reduced three ways, the way real collectives do it
+gradient tensors are reduced the ways real collectives and the code people train with do it
+(ring, tree, fp32 accumulation; torch DDP's compress hook and FSDP2's ``reduce_dtype``, which
+average: measured as N times their mean)
 (``models`` is the readable spec; the sweep runs ``kernels``, the same reductions
 compiled, bitwise equal), and each result is compared with the correctly rounded
 exact sum (``reference``): normwise relative error against the exact sum, max and median
@@ -37,6 +39,10 @@ from verify.studies.reduce_scatter.models import (
     DTYPES,
     METHODS,
     UNIT_ROUNDOFF,
+    as_sum,
+    compress_hook_prescale,
+    fsdp2_finish,
+    fsdp2_prescale,
     generate,
 )
 from verify.studies.reduce_scatter.reference import exact_references
@@ -187,14 +193,23 @@ def _reduce(stacked: torch.Tensor, chunk_numel: int, first_chunk: int, methods: 
     block: the compiled kernels (``kernels``), bitwise the torch ``models``."""
     block = reduce_block(stacked, chunk_numel, first_chunk, tuple(methods), threads=threads)
     dtype = stacked.dtype
+    world = stacked.shape[0]
     results: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
     for method in methods:
         if method == "ring":
             results[method] = (block.ring.to(dtype), None)
         elif method == "tree":
             results[method] = (block.tree.to(dtype), None)
-        else:
+        elif method == "fp32":
             results[method] = (block.fp32_accumulator.to(dtype), block.fp32_accumulator)
+        elif method == "compress_hook":
+            ring = reduce_block(compress_hook_prescale(stacked), chunk_numel, first_chunk, ("ring",),
+                                threads=threads).ring.to(dtype)
+            results[method] = (as_sum(ring, world), None)
+        else:  # fsdp2
+            inputs, post, op = fsdp2_prescale(stacked)
+            ring = reduce_block(inputs, chunk_numel, first_chunk, ("ring",), threads=threads).ring
+            results[method] = (as_sum(fsdp2_finish(ring.to(dtype), world, post, op), world), None)
     exact64, rounded = exact_references(stacked, block.group_sums, block.group_exact)
     return results, exact64, rounded
 

@@ -1,0 +1,1 @@
+"""torch's own ``DistributedDataParallel`` as a candidate (``torch-ddp``): see ``candidate``."""

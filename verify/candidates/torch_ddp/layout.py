@@ -1,0 +1,116 @@
+"""torch DDP's buckets behind :mod:`verify.candidates.api.layout`.
+
+* :meth:`TorchDDPLayout.layouts`: the buckets a ``DistributedDataParallel`` rebuilds after its
+  first iteration, from torch's own functions: ``_BucketCapacityConfig.create`` (the caps
+  from ``bucket_cap_mb``) and ``dist._compute_bucket_assignment_by_size`` called as
+  ``Reducer::rebuild_buckets`` calls it (the params in the order their grads became ready,
+  here the reverse of registration, limits ``[first_bucket_bytes_cap, bucket_bytes_cap]``),
+  on meta tensors of fp32 params; the params of a bucket back to back in its order
+  (``Reducer::initialize_buckets``).
+* :meth:`TorchDDPLayout.bucket_observer`: a real ``DistributedDataParallel`` trains the
+  check's module; after every backward the Reducer's buckets are read
+  (``reducer._get_zeros_like_grad_buckets()``: each bucket's params and their views'
+  offsets), and whether every grad is a view into its bucket (one storage per bucket, at the
+  bucket's offsets). No comm hook is registered: one would change how DDP averages.
+* DDP has no padded buffer with ``main_grad`` views and per-bucket sync calls: ``build_buffer``
+  is Unsupported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from refgrad.layout import Layout
+from verify.candidates.api.core import Technique, Unsupported
+from verify.candidates.api.layout import (
+    BucketLayout,
+    BucketObserver,
+    BucketTraining,
+    BufferConfig,
+    GradBuffer,
+    LayoutCase,
+    ObservedBucket,
+    ObservedIteration,
+)
+
+NO_BUFFER = ("torch-ddp keeps its buckets inside its C++ Reducer: no padded buffer with "
+             "main_grad views and no per-bucket grad sync to start (its buckets are watched "
+             "while it trains instead)")
+
+
+def rebuilt_layout(case: LayoutCase) -> Layout:
+    """DDP's buckets for ``case`` (fp32 params), from torch's own bucket assignment."""
+    from torch.nn.parallel.distributed import _BucketCapacityConfig
+
+    caps = _BucketCapacityConfig.create(case.ddp_bucket_cap_mb, None, False)
+    params = [torch.empty(n, device="meta") for n in case.numels]
+    ready = list(reversed(range(len(params))))
+    buckets, _ = dist._compute_bucket_assignment_by_size(
+        [params[i] for i in ready], [caps.first_bucket_bytes_cap, caps.bucket_bytes_cap],
+        [False] * len(params), ready)
+    index_map: dict[int, tuple[int, int, int]] = {}
+    bounds = []
+    at = 0
+    for bucket_id, members in enumerate(buckets):
+        start = at
+        for index in members:
+            index_map[index] = (at, at + case.numels[index], bucket_id)
+            at += case.numels[index]
+        bounds.append((start, at))
+    return Layout(tuple(index_map[i] for i in range(len(params))), tuple(bounds),
+                  tuple(e - s for s, e in bounds), at, at, case.dp_size)
+
+
+def _observe(ddp, index: dict[int, int], params: Sequence[torch.nn.Parameter]) -> ObservedIteration:
+    """The Reducer's buckets now, and whether each grad is a view into its bucket."""
+    buckets, views = [], True
+    for bucket in ddp.reducer._get_zeros_like_grad_buckets():
+        base = bucket.buffer().data_ptr()
+        size = bucket.buffer().element_size()
+        members = tuple(index[id(p)] for p in bucket.parameters())
+        offsets = tuple((g.data_ptr() - base) // size for g in bucket.gradients())
+        buckets.append(ObservedBucket(members, offsets, bucket.buffer().numel()))
+        grads = [params[i].grad for i in members]
+        storage = {None if g is None else g.untyped_storage().data_ptr() for g in grads}
+        views = views and len(storage) == 1 and None not in storage and all(
+            g.storage_offset() == offset for g, offset in zip(grads, offsets))
+    return ObservedIteration(tuple(buckets), views,
+                             tuple(p.grad.detach().clone() for p in params))
+
+
+class TorchDDPObserver(BucketObserver):
+    """A ``DistributedDataParallel`` trained on the check's module, its buckets read every iteration."""
+
+    def train(self, module: torch.nn.Module, settings: BucketTraining,
+              batches: Sequence[object], group: dist.ProcessGroup | None) -> list[ObservedIteration]:
+        from torch.nn.parallel import DistributedDataParallel
+
+        params = list(module.parameters())
+        index = {id(p): i for i, p in enumerate(params)}
+        ddp = DistributedDataParallel(module, process_group=group,
+                                      bucket_cap_mb=settings.bucket_cap_mb,
+                                      gradient_as_bucket_view=settings.gradient_as_bucket_view)
+        observed = []
+        for batch in batches:
+            ddp.zero_grad(set_to_none=settings.set_to_none)
+            ddp(batch).backward()
+            observed.append(_observe(ddp, index, params))
+        return observed
+
+
+class TorchDDPLayout(BucketLayout):
+    """DDP's bucket assignment, and a real DDP's buckets while it trains."""
+
+    def layouts(self, cases: Sequence[LayoutCase]) -> list[Layout]:
+        return [rebuilt_layout(case) for case in cases]
+
+    def build_buffer(self, params: Sequence[torch.nn.Parameter], config: BufferConfig, *,
+                     dp_size: int, dp_group: dist.ProcessGroup | None = None,
+                     average: bool = False) -> GradBuffer:
+        raise Unsupported(Technique.LAYOUT, NO_BUFFER)
+
+    def bucket_observer(self) -> BucketObserver:
+        return TorchDDPObserver()
