@@ -134,3 +134,23 @@ def test_the_root_cause_leads_and_classification_reads_past_torch_and_the_standa
 def test_item_outcome_holds_results_or_a_crash():
     with pytest.raises(ValueError, match="either results or a crash"):
         ItemOutcome(None, None)
+
+
+def _raise_on_every_rank_in_item_one(rank: int, world_size: int, item: int) -> dict:
+    value = torch.tensor([float(rank + item)])
+    dist.all_reduce(value)  # every rank is past this collective before any raises
+    if item == 1:
+        raise ValueError(f"every rank raises after item {item}'s collective")
+    return {"sum": value.item(), "pid": os.getpid()}
+
+
+@pytest.mark.dist
+def test_a_shared_world_goes_on_after_an_item_every_rank_got_past():
+    outcomes = spawn_each(_raise_on_every_rank_in_item_one, 2, [0, 1, 2], isolate=False,
+                          timeout_s=60.0)
+    assert outcomes[1].crash is not None and outcomes[1].crash.ranks == (0, 1)
+    assert outcomes[1].crash.first.message == "every rank raises after item 1's collective"
+    # Items 0 and 2 ran in one world (the same processes): no rank was left inside item 1,
+    # so the world went on, its process group made anew. (0 + 0) + (1 + 0); (0 + 2) + (1 + 2).
+    assert [o.results[0]["sum"] for o in (outcomes[0], outcomes[2])] == [1.0, 5.0]
+    assert outcomes[0].results[0]["pid"] == outcomes[2].results[0]["pid"]

@@ -23,9 +23,12 @@ from verify.distributed.progress import RankProgress
 
 # What a rank sends its parent, one message per event, in order:
 #   (ITEM_DONE, index, pickled result)   an item (a plain spawn's one call: index 0) returned
+#   (ITEM_FAILED, index, RankFailure)    an item of a shared world raised; the rank goes on
+#                                        only if every rank gets past that item (below)
 #   (RANK_DONE, None, None)              every item returned and the final barrier passed
-#   (RANK_FAILED, index or None, RankFailure)  it raised (in that item; None: start/teardown)
-ITEM_DONE, RANK_DONE, RANK_FAILED = "item", "done", "failed"
+#   (RANK_FAILED, index or None, RankFailure)  it raised and stops (in that item; None:
+#                                        start or teardown)
+ITEM_DONE, ITEM_FAILED, RANK_DONE, RANK_FAILED = "item", "item failed", "done", "failed"
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,27 @@ def _connect_store(job: RankJob) -> Any:
         return store
 
 
+def _past_item(job: RankJob, store: Any, item: int, failed: bool, progress: RankProgress) -> None:
+    """Meet every rank after ``item``, on the rendezvous store (not a collective): no rank
+    starts the next item before every rank has returned from or raised in this one, so after
+    a failure none is left inside this item's collectives. Where any rank raised, every rank
+    then makes its default process group anew (a collective a raising rank left half done
+    must not pair with the next item's). A rank left waiting in a collective for a peer that
+    raised never arrives: the parent ends the world (``FAILURE_GRACE_S``) and the items after
+    this one run in a new one."""
+    progress.mark(f"item {item}: waiting for every rank to get past it")
+    prefix = f"verify/after-item/{item}"
+    failures = store.add(f"{prefix}/failed", 1 if failed else 0)
+    if store.add(f"{prefix}/arrived", 1) == job.world_size:
+        store.set(f"{prefix}/all", "1")
+    store.wait([f"{prefix}/all"])
+    if int(store.get(f"{prefix}/failed")) or failures:
+        dist.destroy_process_group()
+        dist.init_process_group(job.backend, store=dist.PrefixStore(f"{prefix}/group", store),
+                                rank=job.rank, world_size=job.world_size,
+                                timeout=timedelta(seconds=job.ceiling_s))
+
+
 def rank_main(job: RankJob, result_conn: Any) -> None:
     """Run ``job.fn`` in a process group; send what it returned, or why it failed (above).
 
@@ -165,10 +189,20 @@ def rank_main(job: RankJob, result_conn: Any) -> None:
             for offset, value in enumerate(job.items):
                 item = job.first_item + offset
                 progress.mark(f"item {item}")
-                result = job.fn(job.rank, job.world_size, value, *job.args, **kwargs)
-                # Plain pickle copies tensor data by value; the connection's own pickler
-                # would send shared-memory handles that vanish when this process exits.
-                result_conn.send((ITEM_DONE, item, pickle.dumps(result)))
+                failed = False
+                try:
+                    result = job.fn(job.rank, job.world_size, value, *job.args, **kwargs)
+                except Exception as error:  # noqa: BLE001 - the item's failure, forwarded
+                    if len(job.items) == 1:
+                        raise  # a world of one item: it simply ends
+                    failed = True
+                    result_conn.send((ITEM_FAILED, item, RankFailure.from_exception(error, item)))
+                else:
+                    # Plain pickle copies tensor data by value; the connection's own pickler
+                    # would send shared-memory handles that vanish when this process exits.
+                    result_conn.send((ITEM_DONE, item, pickle.dumps(result)))
+                if len(job.items) > 1:
+                    _past_item(job, store, item, failed, progress)
         item = None
         progress.mark("returned; in the harness's final barrier")
         dist.barrier()

@@ -38,7 +38,14 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from verify.distributed._child import ITEM_DONE, RANK_DONE, RANK_FAILED, RankJob, rank_main
+from verify.distributed._child import (
+    ITEM_DONE,
+    ITEM_FAILED,
+    RANK_DONE,
+    RANK_FAILED,
+    RankJob,
+    rank_main,
+)
 from verify.distributed.diagnosis import diagnose, process_state, request_stack_dumps
 from verify.distributed.errors import RankCrashed, RankFailure, RankTimeout
 from verify.distributed.progress import ProgressBoard
@@ -180,6 +187,9 @@ class RankLauncher:
             world = _Run(self.context(), fn, world_size, args, backend, timeout_s, ceiling_s,
                          tuple(batch), start).wait(on_started)
             for index in range(start, start + len(batch)):
+                if index in world.item_crashes:  # every rank got past it: the world went on
+                    outcomes.append(ItemOutcome(None, world.item_crashes[index]))
+                    continue
                 if all(index in world.results[r] for r in range(world_size)):
                     outcomes.append(ItemOutcome([world.results[r][index] for r in range(world_size)]))
                     continue
@@ -208,12 +218,14 @@ class ItemOutcome:
 
 @dataclass
 class _WorldOutcome:
-    """What one world returned: results by rank and item index, and the crash that ended
-    it early (None: every rank finished) with the item the first failure happened in."""
+    """What one world returned: results by rank and item index, the crash that ended it
+    early (None: every rank finished) with the item the first failure happened in, and the
+    crashes of items every rank got past (the world went on after them)."""
 
     results: dict[int, dict[int, Any]]
     crash: RankCrashed | None
     crash_item: int | None
+    item_crashes: dict[int, RankCrashed] = field(default_factory=dict)
 
 
 def _validate(fn: Callable[..., Any], world_size: int, timeout_s: float,
@@ -262,6 +274,10 @@ class _Run:
         self.failures: dict[int, RankFailure] = {}
         self.arrivals: list[tuple[int, RankFailure]] = []  # failures in the order they came
         self.failures_seen_at = float("inf")
+        # Items some rank raised in while the others may still be inside them (a shared
+        # world): its failures in arrival order, and since when it waits to be got past.
+        self.item_failures: dict[int, list[tuple[int, RankFailure]]] = {}
+        self.unsettled_since: dict[int, float] = {}
         self.readers: dict[Any, int] = {}
         self.procs: list[Any] = []
         wants_progress = _wants_progress(fn)
@@ -284,9 +300,11 @@ class _Run:
 
     def wait(self, on_started: Callable[[], None] | None = None) -> _WorldOutcome:
         """Collect every rank's results until all are done or one fails (its peers get
-        ``FAILURE_GRACE_S`` to report theirs, then every rank is stopped); raise
-        RankTimeout instead of hanging. ``on_started`` runs first (its error, Ctrl-C
-        included, still stops the ranks)."""
+        ``FAILURE_GRACE_S`` to report theirs, then every rank is stopped); an item of a
+        shared world that some rank raised in ends the world the same way unless every rank
+        gets past it within the grace (then the world goes on). Raise RankTimeout instead of
+        hanging. ``on_started`` runs first (its error, Ctrl-C included, still stops the
+        ranks)."""
         try:
             if on_started is not None:
                 on_started()
@@ -295,28 +313,33 @@ class _Run:
                 now = time.monotonic()
                 if self.failures and not self._unfinished():
                     break  # every rank has finished or failed: nothing left to wait for
-                if now >= self.failures_seen_at + FAILURE_GRACE_S:
+                if now >= self._grace_ends():
                     break
                 self._sample(now)
                 stalled = self.watch.stalled(self._unfinished(), now)
                 over_ceiling = self.watch.over_ceiling(now)
                 if stalled or over_ceiling:
                     break
-                stop_at = min(now + _POLL_S, self.failures_seen_at + FAILURE_GRACE_S)
+                stop_at = min(now + _POLL_S, self._grace_ends())
                 pending = [c for c, r in self.readers.items()
                            if r not in self.done and r not in self.failures]
                 ready = wait(pending, timeout=max(0.0, stop_at - time.monotonic()))
                 for conn in ready:
                     self._receive(conn)
+            settled = {k: RankCrashed.from_arrivals(arrivals, {})
+                       for k, arrivals in self.item_failures.items() if k not in self.unsettled_since}
             if len(self.done) == self.world_size:
-                return _WorldOutcome(self.results, None, None)
+                return _WorldOutcome(self.results, None, None, settled)
             unfinished = self._unfinished()
-            if self.failures:
+            if self.failures or self.unsettled_since:
                 states = self._diagnose(unfinished, with_stacks=False)
                 self._stop_all()
-                crash = RankCrashed.from_arrivals(self.arrivals, states)
+                stuck = min(self.unsettled_since, default=None)
+                arrivals = [*(self.item_failures[stuck] if stuck is not None else []),
+                            *self.arrivals]
+                crash = RankCrashed.from_arrivals(arrivals, states)
                 first = min(crash.failures.values(), key=lambda f: (f.item is None, f.item or 0))
-                return _WorldOutcome(self.results, crash, first.item)
+                return _WorldOutcome(self.results, crash, first.item, settled)
             states = self._diagnose(unfinished, with_stacks=True)
             self._stop_all()
             raise RankTimeout(self.timeout_s, self.world_size, states,
@@ -327,6 +350,20 @@ class _Run:
                 conn.close()
             shutil.rmtree(self.stack_dir, ignore_errors=True)
             self.store = None  # closes the rendezvous port now, not at garbage collection
+
+    def _grace_ends(self) -> float:
+        """When the world must end unless something more arrives: the failure grace after
+        the first rank's fatal failure, or after the oldest item failure not yet got past."""
+        oldest = min((self.failures_seen_at, *self.unsettled_since.values()))
+        return oldest + FAILURE_GRACE_S
+
+    def _settle(self, index: int) -> None:
+        """Stop waiting on item ``index`` once every rank has returned from or raised in it."""
+        if index not in self.unsettled_since:
+            return
+        raised = {rank for rank, _ in self.item_failures[index]}
+        if all(index in self.results[r] or r in raised for r in range(self.world_size)):
+            del self.unsettled_since[index]
 
     def _unfinished(self) -> list[int]:
         return [r for r in range(self.world_size) if r not in self.done and r not in self.failures]
@@ -349,6 +386,11 @@ class _Run:
                 process_state(proc.pid, proc.exitcode), self._item_running(rank))
         if kind == ITEM_DONE:
             self.results[rank][index] = pickle.loads(payload)
+            self._settle(index)
+        elif kind == ITEM_FAILED:
+            self.item_failures.setdefault(index, []).append((rank, payload))
+            self.unsettled_since.setdefault(index, time.monotonic())
+            self._settle(index)
         elif kind == RANK_DONE:
             self.done.add(rank)
         else:
