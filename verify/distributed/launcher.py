@@ -42,11 +42,17 @@ from verify.distributed._child import RankJob, rank_main
 from verify.distributed.diagnosis import diagnose, process_state, request_stack_dumps
 from verify.distributed.errors import RankCrashed, RankTimeout
 from verify.distributed.progress import ProgressBoard
-from verify.distributed.stall import CEILING_FACTOR, Sample, StallWatch, cpu_seconds
+from verify.distributed.stall import (
+    CEILING_FACTOR,
+    Sample,
+    StallWatch,
+    cpu_seconds,
+    thread_readings,
+)
 
 # Stall timeout of one spawn when the caller gives none (checks pass CheckContext.timeout_s):
-# a run whose unfinished ranks all made no progress (no marker, no CPU) for this long is
-# stalled (verify.distributed.stall). Slow is not stalled, so the figure need not cover a
+# a run whose unfinished ranks all made no progress (no marker, no CPU, no thread waiting
+# for a CPU) for this long is stalled (verify.distributed.stall). Slow is not stalled, so the figure need not cover a
 # loaded machine: a hung run on a laptop still reports within about a minute.
 DEFAULT_TIMEOUT_S = 60.0
 # Modules the fork server imports once; ImportErrors among them are ignored by CPython.
@@ -256,8 +262,9 @@ class _Run:
     def _sample(self, now: float) -> None:
         """One reading of every unfinished rank's progress for the stall watch."""
         for rank in self._unfinished():
-            self.watch.observe(rank, Sample(now, self.board.sequence(rank),
-                                            cpu_seconds(self.procs[rank].pid)))
+            pid = self.procs[rank].pid
+            self.watch.observe(rank, Sample(now, self.board.sequence(rank), cpu_seconds(pid),
+                                            thread_readings(pid)))
 
     def _receive(self, conn: Any) -> None:
         rank = self.readers[conn]
@@ -284,7 +291,7 @@ class _Run:
         exitcodes = {r: self.procs[r].exitcode for r in ranks}
         states = diagnose(ranks, pids, exitcodes, self.board, dumps)
         return {r: replace(state, recent_cpu_s=self.watch.recent_cpu_s(r),
-                           window_s=self.watch.window_s(r))
+                           window_s=self.watch.window_s(r), starved=self.watch.starved(r))
                 for r, state in states.items()}
 
     def _stop_all(self) -> None:
