@@ -1,0 +1,188 @@
+"""Tests on an oversubscribed machine: a starved rank must never fail a test (issue 31).
+
+Starts ``--busy`` processes that spin in Python, waits ``--settle`` seconds for the load
+to build, then runs a command under that load: by default the multi-rank tests
+``pytest -m dist -n 2 tests/verify/test_distributed.py``, with ``--suite`` the whole
+suite ``bash scripts/test.sh``, or any ``--command``. With ``--baseline COMMIT`` the same
+command also runs on that commit's tree (``git archive`` into a temporary folder, run
+from there with the same interpreter), alternating with today's code round by round.
+Each run records its wall time, exit code, pytest's closing line and failed tests, and
+the load average: the 1-minute figure before, after, and sampled every 5 s during the
+run (mean and max). The busy processes end with the script (and after ``--busy-limit``
+seconds in any case).
+
+The busy processes are this script's children, in its session, like the command: Linux
+shares CPU time between sessions first where ``kernel.sched_autogroup_enabled`` is on
+(recorded), so spinners started elsewhere would barely slow the command down.
+
+    PYTHONPATH=$PWD python bench/bench_suite_loaded.py --busy 8 --baseline b2d6e3e \\
+        --out bench/results/suite_loaded_dist_cpu
+    PYTHONPATH=$PWD python bench/bench_suite_loaded.py --busy 8 --suite \\
+        --out bench/results/suite_loaded_all_cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BUSY = "import time\nend = time.monotonic() + {limit}\nwhile time.monotonic() < end:\n    pass\n"
+DIST_TESTS = "{python} -m pytest -m dist -n 2 -p no:cacheprovider tests/verify/test_distributed.py"
+SUITE = "bash scripts/test.sh"
+LOAD_SAMPLE_S = 5.0
+# pytest's closing line, e.g. "==== 1 failed, 31 passed in 90.43s (0:01:30) ====" (no "=" with -q).
+SUMMARY = re.compile(r"^=*\s*(\d+ (?:passed|failed|errors?|skipped|deselected)\b.*\bin [\d.]+s\b.*?)\s*=*$")
+
+
+def load_average() -> float:
+    return round(os.getloadavg()[0], 1)
+
+
+def autogroup() -> str:
+    try:
+        return Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip()
+    except OSError:
+        return "unknown"
+
+
+def export_commit(commit: str, directory: Path) -> Path:
+    """The tree of ``commit`` unpacked into ``directory``."""
+    archive = subprocess.run(["git", "archive", "--format=tar", commit], cwd=REPO, check=True,
+                             capture_output=True).stdout
+    path = directory / "tree.tar"
+    path.write_bytes(archive)
+    with tarfile.open(path) as tar:
+        tar.extractall(directory / "tree", filter="data")
+    return directory / "tree"
+
+
+class LoadSampler:
+    """The 1-minute load average every LOAD_SAMPLE_S seconds while a run lasts."""
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(LOAD_SAMPLE_S):
+            self.values.append(load_average())
+
+    def __enter__(self) -> LoadSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def run_command(label: str, command: str, root: Path, log: Path) -> dict:
+    """One run of ``command`` (a shell line) from ``root``, its output kept in ``log``."""
+    env = dict(os.environ, PYTHONPATH=str(root))
+    before = load_average()
+    start = time.perf_counter()
+    with LoadSampler() as sampler, log.open("w") as output:
+        proc = subprocess.run(command, shell=True, cwd=root, env=env, stdout=output,
+                              stderr=subprocess.STDOUT, text=True)
+    seconds = time.perf_counter() - start
+    lines = log.read_text(errors="replace").splitlines()
+    summaries = [m.group(1) for line in lines if (m := SUMMARY.search(line))]
+    during = sampler.values or [load_average()]
+    row = {"code": label, "command": command, "seconds": round(seconds, 1),
+           "exit_code": proc.returncode, "passed": proc.returncode == 0,
+           "pytest_summary": summaries[-1] if summaries else None,
+           "failed_tests": [line for line in lines if line.startswith(("FAILED", "ERROR"))],
+           "load_before": before, "load_after": load_average(),
+           "load_during_mean": round(statistics.mean(during), 1), "load_during_max": max(during)}
+    print(f"{label:<22} {seconds:7.1f} s  exit {proc.returncode}  {row['pytest_summary']}  "
+          f"load {before} -> {row['load_after']} (during: mean {row['load_during_mean']}, "
+          f"max {row['load_during_max']})", flush=True)
+    for line in row["failed_tests"]:
+        print(f"    {line}", flush=True)
+    return row
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--busy", type=int, default=8, help="spinning processes beside the runs")
+    parser.add_argument("--busy-limit", type=float, default=3600.0,
+                        help="seconds after which the spinning processes end in any case")
+    parser.add_argument("--settle", type=float, default=30.0,
+                        help="seconds between starting the spinners and the first run")
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument("--suite", action="store_true", help=f"run the whole suite: {SUITE}")
+    what.add_argument("--command", help="a shell line to run; {python} is this interpreter "
+                                        f"(default: {DIST_TESTS})")
+    parser.add_argument("--baseline", metavar="COMMIT", help="also run on this commit's tree")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--out", metavar="PATH",
+                        help="write PATH.json (the record) and PATH.txt (every run's output)")
+    args = parser.parse_args()
+    if args.busy < 0 or args.rounds < 1 or args.settle < 0:
+        parser.error("--busy and --settle must be >= 0, --rounds >= 1")
+    command = SUITE if args.suite else (args.command or DIST_TESTS)
+    command = command.replace("{python}", shlex.quote(sys.executable))
+    result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "machine": f"{platform.machine()} {os.cpu_count()} cpus (shared with other jobs)",
+              "sched_autogroup_enabled": autogroup(), "invocation": shlex.join(sys.argv),
+              "command": command, "busy_processes": args.busy,
+              "load_before_busy": load_average(), "load_after_settle": None, "runs": []}
+    print(result["machine"], "load before the busy processes:", result["load_before_busy"],
+          flush=True)
+    busy = [subprocess.Popen([sys.executable, "-c", BUSY.format(limit=args.busy_limit)])
+            for _ in range(args.busy)]
+    logs = []
+    try:
+        time.sleep(args.settle)
+        result["load_after_settle"] = load_average()
+        print(f"{args.busy} busy processes, load after {args.settle:g} s: "
+              f"{result['load_after_settle']}", flush=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            candidates = [("today", REPO)]
+            if args.baseline:
+                commit = subprocess.run(["git", "rev-parse", "--short", args.baseline], cwd=REPO,
+                                        check=True, capture_output=True, text=True).stdout.strip()
+                candidates.append((f"baseline {commit}", export_commit(commit, Path(tmp))))
+            for round_index in range(args.rounds):
+                order = candidates if round_index % 2 == 0 else candidates[::-1]
+                for label, root in order:
+                    log = Path(tmp) / f"run{len(logs)}.log"
+                    row = run_command(label, command, root, log)
+                    row["round"] = round_index
+                    result["runs"].append(row)
+                    logs.append((label, round_index, log.read_text(errors="replace")))
+    finally:
+        for proc in busy:
+            proc.kill()
+        for proc in busy:
+            proc.wait()
+    if args.out:
+        Path(f"{args.out}.json").write_text(json.dumps(result, indent=2) + "\n")
+        text = [f"{result['date']}  {result['machine']}  autogroup "
+                f"{result['sched_autogroup_enabled']}  busy {args.busy}  load before "
+                f"{result['load_before_busy']}, after settling {result['load_after_settle']}",
+                f"$ {result['invocation']}"]
+        for (label, round_index, output), row in zip(logs, result["runs"]):
+            text.append(f"\n===== {label} (round {round_index}): {row['seconds']} s, exit "
+                        f"{row['exit_code']}, load during mean {row['load_during_mean']} "
+                        f"max {row['load_during_max']}\n$ {command}\n{output.rstrip()}")
+        Path(f"{args.out}.txt").write_text("\n".join(text) + "\n")
+    return 0 if all(r["passed"] for r in result["runs"] if r["code"] == "today") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
