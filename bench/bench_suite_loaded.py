@@ -8,8 +8,12 @@ command also runs on that commit's tree (``git archive`` into a temporary folder
 from there with the same interpreter), alternating with today's code round by round.
 Each run records its wall time, exit code, pytest's closing line and failed tests, and
 the load average: the 1-minute figure before, after, and sampled every 5 s during the
-run (mean and max). The busy processes end with the script (and after ``--busy-limit``
-seconds in any case).
+run (mean and max). Then, still under load, it measures what the stall rule reads
+(``--signals-s`` seconds, 0 to skip): two gloo ranks, one blocked in ``all_reduce`` and
+one computing in Python, read every 0.5 s as the launcher reads them; for windows of
+0.5-8 s it counts how often each rank shows progress by CPU time alone (the rule before
+issue 31) and by the whole rule, and the rates of each thread's context switches. The
+busy processes end with the script (and after ``--busy-limit`` seconds in any case).
 
 The busy processes are this script's children, in its session, like the command: Linux
 shares CPU time between sessions first where ``kernel.sched_autogroup_enabled`` is on
@@ -37,6 +41,12 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from verify.distributed import spawn
+from verify.distributed.stall import Sample, computed, cpu_seconds, progressed, thread_readings
 
 REPO = Path(__file__).resolve().parents[1]
 BUSY = "import time\nend = time.monotonic() + {limit}\nwhile time.monotonic() < end:\n    pass\n"
@@ -67,6 +77,15 @@ def export_commit(commit: str, directory: Path) -> Path:
     with tarfile.open(path) as tar:
         tar.extractall(directory / "tree", filter="data")
     return directory / "tree"
+
+
+def _describe_tree() -> str:
+    """The commit of today's code, and whether the working tree differs from it."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                            capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                           capture_output=True, text=True).stdout.strip()
+    return f"{commit} with uncommitted changes" if dirty else commit
 
 
 class LoadSampler:
@@ -116,6 +135,81 @@ def run_command(label: str, command: str, root: Path, log: Path) -> dict:
     return row
 
 
+def _blocked_and_computing(rank: int, world_size: int, seconds: float, pid_dir: str) -> int:
+    Path(pid_dir, f"rank{rank}").write_text(str(os.getpid()))
+    if rank == 1:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            sum(range(1000))
+    dist.all_reduce(torch.ones(2))
+    return rank
+
+
+WINDOWS_S = (0.5, 1.0, 2.0, 4.0, 8.0)
+
+
+def _thread_name(pid: int, tid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+    except OSError:
+        return None
+
+
+def stall_signals(seconds: float) -> dict:
+    """Read a blocked rank (0) and a computing rank (1) every 0.5 s for ``seconds``."""
+    samples: dict[int, list[Sample]] = {0: [], 1: []}
+    with tempfile.TemporaryDirectory() as pid_dir:
+        ranks = threading.Thread(target=spawn, args=(_blocked_and_computing, 2, seconds + 5.0,
+                                                     pid_dir), kwargs={"timeout_s": 600.0})
+        ranks.start()
+        files = [Path(pid_dir, f"rank{r}") for r in (0, 1)]
+        while not all(f.exists() and f.read_text() for f in files):
+            time.sleep(0.1)
+        pids = [int(f.read_text()) for f in files]
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            now = time.monotonic()
+            for rank, pid in enumerate(pids):
+                samples[rank].append(Sample(now, 1, cpu_seconds(pid), thread_readings(pid)))
+            time.sleep(0.5)
+        # The ranks run on for 5 s after the readings: their threads' names are still there.
+        names = {(r, t.tid): _thread_name(pid, t.tid)
+                 for r, pid in enumerate(pids) for t in samples[r][-1].threads or ()}
+        ranks.join()
+    result: dict = {"seconds": seconds, "load": load_average()}
+    for rank, name in ((0, "blocked_rank"), (1, "computing_rank")):
+        readings = samples[rank]
+        by_window: dict[str, dict[str, int]] = {}
+        for j, latest in enumerate(readings):
+            for earlier in readings[:j]:
+                span = latest.at - earlier.at
+                window = min(WINDOWS_S, key=lambda w: abs(w - span))
+                if abs(window - span) > 0.2:
+                    continue
+                counts = by_window.setdefault(f"{window:g}s", {"windows": 0, "cpu_rule": 0,
+                                                                 "whole_rule": 0})
+                counts["windows"] += 1
+                counts["cpu_rule"] += computed(earlier, latest)
+                counts["whole_rule"] += progressed(earlier, latest)
+        first, last = readings[0], readings[-1]
+        span = last.at - first.at
+        threads = {t.tid: t for t in first.threads or ()}
+        result[name] = {
+            "cpu_share_of_a_core": round((last.cpu_s - first.cpu_s) / span, 4),
+            "windows_showing_progress": by_window,
+            "threads_per_second": [
+                {"name": names.get((rank, t.tid)), "state_at_end": t.state,
+                 "gave_up": round((t.gave_up - threads[t.tid].gave_up) / span, 1),
+                 "preempted": round((t.preempted - threads[t.tid].preempted) / span, 1)}
+                for t in last.threads or () if t.tid in threads]}
+        share = result[name]["cpu_share_of_a_core"]
+        print(f"{name}: {100 * share:.2f}% of a core; windows showing progress "
+              "(CPU rule / whole rule): " + ", ".join(
+                  f"{w} {c['cpu_rule']}/{c['whole_rule']} of {c['windows']}"
+                  for w, c in by_window.items()), flush=True)
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--busy", type=int, default=8, help="spinning processes beside the runs")
@@ -129,6 +223,8 @@ def main() -> int:
                                         f"(default: {DIST_TESTS})")
     parser.add_argument("--baseline", metavar="COMMIT", help="also run on this commit's tree")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--signals-s", type=float, default=20.0,
+                        help="seconds to read a blocked and a computing rank (0: skip)")
     parser.add_argument("--out", metavar="PATH",
                         help="write PATH.json (the record) and PATH.txt (every run's output)")
     args = parser.parse_args()
@@ -139,7 +235,7 @@ def main() -> int:
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "machine": f"{platform.machine()} {os.cpu_count()} cpus (shared with other jobs)",
               "sched_autogroup_enabled": autogroup(), "invocation": shlex.join(sys.argv),
-              "command": command, "busy_processes": args.busy,
+              "command": command, "today": _describe_tree(), "busy_processes": args.busy,
               "load_before_busy": load_average(), "load_after_settle": None, "runs": []}
     print(result["machine"], "load before the busy processes:", result["load_before_busy"],
           flush=True)
@@ -165,6 +261,8 @@ def main() -> int:
                     row["round"] = round_index
                     result["runs"].append(row)
                     logs.append((label, round_index, log.read_text(errors="replace")))
+        if args.signals_s > 0:
+            result["stall_signals"] = stall_signals(args.signals_s)
     finally:
         for proc in busy:
             proc.kill()
