@@ -33,6 +33,7 @@ import os
 import platform
 import re
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -115,8 +116,16 @@ def run_command(label: str, command: str, root: Path, log: Path) -> dict:
     before = load_average()
     start = time.perf_counter()
     with LoadSampler() as sampler, log.open("w") as output:
-        proc = subprocess.run(command, shell=True, cwd=root, env=env, stdout=output,
-                              stderr=subprocess.STDOUT, text=True)
+        # Its own process group (not session: see the module docstring), so that an
+        # interrupted bench ends the whole command, not only the shell.
+        proc = subprocess.Popen(command, shell=True, cwd=root, env=env, stdout=output,
+                                stderr=subprocess.STDOUT, process_group=0)
+        try:
+            proc.wait()
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
     seconds = time.perf_counter() - start
     lines = log.read_text(errors="replace").splitlines()
     summaries = [m.group(1) for line in lines if (m := SUMMARY.search(line))]
@@ -155,9 +164,23 @@ def _thread_name(pid: int, tid: int) -> str | None:
         return None
 
 
+def _schedstat(pid: int) -> dict[int, tuple[float, float]]:
+    """tid -> (seconds on a CPU, seconds waiting on a runqueue), from schedstat (not used
+    by the stall rule: recorded to show why, see verify/distributed/stall.py)."""
+    times = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            on_cpu, waited, _ = Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()
+        except (OSError, ValueError):
+            continue
+        times[int(tid)] = (int(on_cpu) / 1e9, int(waited) / 1e9)
+    return times
+
+
 def stall_signals(seconds: float) -> dict:
     """Read a blocked rank (0) and a computing rank (1) every 0.5 s for ``seconds``."""
     samples: dict[int, list[Sample]] = {0: [], 1: []}
+    schedstats: dict[int, list[dict[int, tuple[float, float]]]] = {0: [], 1: []}
     with tempfile.TemporaryDirectory() as pid_dir:
         ranks = threading.Thread(target=spawn, args=(_blocked_and_computing, 2, seconds + 5.0,
                                                      pid_dir), kwargs={"timeout_s": 600.0})
@@ -171,6 +194,7 @@ def stall_signals(seconds: float) -> dict:
             now = time.monotonic()
             for rank, pid in enumerate(pids):
                 samples[rank].append(Sample(now, 1, cpu_seconds(pid), thread_readings(pid)))
+                schedstats[rank].append(_schedstat(pid))
             time.sleep(0.5)
         # The ranks run on for 5 s after the readings: their threads' names are still there.
         names = {(r, t.tid): _thread_name(pid, t.tid)
@@ -178,36 +202,51 @@ def stall_signals(seconds: float) -> dict:
         ranks.join()
     result: dict = {"seconds": seconds, "load": load_average()}
     for rank, name in ((0, "blocked_rank"), (1, "computing_rank")):
-        readings = samples[rank]
-        by_window: dict[str, dict[str, int]] = {}
-        for j, latest in enumerate(readings):
-            for earlier in readings[:j]:
-                span = latest.at - earlier.at
-                window = min(WINDOWS_S, key=lambda w: abs(w - span))
-                if abs(window - span) > 0.2:
-                    continue
-                counts = by_window.setdefault(f"{window:g}s", {"windows": 0, "cpu_rule": 0,
-                                                                 "whole_rule": 0})
-                counts["windows"] += 1
-                counts["cpu_rule"] += computed(earlier, latest)
-                counts["whole_rule"] += progressed(earlier, latest)
-        first, last = readings[0], readings[-1]
-        span = last.at - first.at
-        threads = {t.tid: t for t in first.threads or ()}
-        result[name] = {
-            "cpu_share_of_a_core": round((last.cpu_s - first.cpu_s) / span, 4),
-            "windows_showing_progress": by_window,
-            "threads_per_second": [
-                {"name": names.get((rank, t.tid)), "state_at_end": t.state,
-                 "gave_up": round((t.gave_up - threads[t.tid].gave_up) / span, 1),
-                 "preempted": round((t.preempted - threads[t.tid].preempted) / span, 1)}
-                for t in last.threads or () if t.tid in threads]}
+        result[name] = _summary(samples[rank], schedstats[rank],
+                                {tid: n for (r, tid), n in names.items() if r == rank})
         share = result[name]["cpu_share_of_a_core"]
         print(f"{name}: {100 * share:.2f}% of a core; windows showing progress "
               "(CPU rule / whole rule): " + ", ".join(
                   f"{w} {c['cpu_rule']}/{c['whole_rule']} of {c['windows']}"
-                  for w, c in by_window.items()), flush=True)
+                  for w, c in result[name]["windows_showing_progress"].items()), flush=True)
     return result
+
+
+def _summary(readings: list[Sample], schedstats: list[dict[int, tuple[float, float]]],
+             names: dict[int, str | None]) -> dict:
+    """One rank's readings: per window length, how often each rule saw progress; per
+    thread, its switches, its share of readings in state R and its schedstat times."""
+    by_window: dict[str, dict[str, int]] = {}
+    for j, latest in enumerate(readings):
+        for earlier in readings[:j]:
+            span = latest.at - earlier.at
+            window = min(WINDOWS_S, key=lambda w: abs(w - span))
+            if abs(window - span) > 0.2:
+                continue
+            counts = by_window.setdefault(f"{window:g}s", {"windows": 0, "cpu_rule": 0,
+                                                             "whole_rule": 0})
+            counts["windows"] += 1
+            counts["cpu_rule"] += computed(earlier, latest)
+            counts["whole_rule"] += progressed(earlier, latest)
+    first, last = readings[0], readings[-1]
+    span = last.at - first.at
+    threads = {t.tid: t for t in first.threads or ()}
+    rows = []
+    for thread in last.threads or ():
+        if thread.tid not in threads:
+            continue
+        states = [t.state for r in readings for t in r.threads or () if t.tid == thread.tid]
+        row = {"name": names.get(thread.tid),
+               "runnable_at_readings": round(states.count("R") / len(states), 2),
+               "gave_up": round((thread.gave_up - threads[thread.tid].gave_up) / span, 1),
+               "preempted": round((thread.preempted - threads[thread.tid].preempted) / span, 1)}
+        if thread.tid in schedstats[0] and thread.tid in schedstats[-1]:
+            (cpu0, wait0), (cpu1, wait1) = schedstats[0][thread.tid], schedstats[-1][thread.tid]
+            row["schedstat_on_cpu_s"] = round((cpu1 - cpu0) / span, 4)
+            row["schedstat_runqueue_wait_s"] = round((wait1 - wait0) / span, 4)
+        rows.append(row)
+    return {"cpu_share_of_a_core": round((last.cpu_s - first.cpu_s) / span, 4),
+            "windows_showing_progress": by_window, "threads_per_second": rows}
 
 
 def main() -> int:
@@ -225,13 +264,18 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--signals-s", type=float, default=20.0,
                         help="seconds to read a blocked and a computing rank (0: skip)")
+    parser.add_argument("--signals-only", action="store_true",
+                        help="run no command: only read the ranks under load")
     parser.add_argument("--out", metavar="PATH",
                         help="write PATH.json (the record) and PATH.txt (every run's output)")
     args = parser.parse_args()
-    if args.busy < 0 or args.rounds < 1 or args.settle < 0:
-        parser.error("--busy and --settle must be >= 0, --rounds >= 1")
-    command = SUITE if args.suite else (args.command or DIST_TESTS)
-    command = command.replace("{python}", shlex.quote(sys.executable))
+    if args.busy < 0 or args.rounds < 1 or args.settle < 0 or args.signals_s < 0:
+        parser.error("--busy, --settle and --signals-s must be >= 0, --rounds >= 1")
+    if args.signals_only and (args.signals_s == 0 or args.suite or args.command or args.baseline):
+        parser.error("--signals-only reads ranks for --signals-s > 0 and runs no command")
+    command = None if args.signals_only else SUITE if args.suite else (args.command or DIST_TESTS)
+    if command is not None:
+        command = command.replace("{python}", shlex.quote(sys.executable))
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "machine": f"{platform.machine()} {os.cpu_count()} cpus (shared with other jobs)",
               "sched_autogroup_enabled": autogroup(), "invocation": shlex.join(sys.argv),
@@ -253,7 +297,7 @@ def main() -> int:
                 commit = subprocess.run(["git", "rev-parse", "--short", args.baseline], cwd=REPO,
                                         check=True, capture_output=True, text=True).stdout.strip()
                 candidates.append((f"baseline {commit}", export_commit(commit, Path(tmp))))
-            for round_index in range(args.rounds):
+            for round_index in range(0 if args.signals_only else args.rounds):
                 order = candidates if round_index % 2 == 0 else candidates[::-1]
                 for label, root in order:
                     log = Path(tmp) / f"run{len(logs)}.log"

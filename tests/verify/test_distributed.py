@@ -284,8 +284,11 @@ def test_a_rank_computing_forever_ends_at_the_ceiling(warm_launcher):
     error = info.value
     assert not error.stalled and error.ceiling_s == 5.0
     assert "still running after 5 s, the ceiling of a run (5 x the 1 s stall timeout)" in str(error)
-    assert "_rank_one_loops_forever" in error.states[1].location or \
-        "_compute_for" in error.states[1].location
+    # A starved rank may not get a CPU to write its stack within the dump wait (1.5 s):
+    # seen at load 32-40 (bench/results/suite_loaded_dist_busy16_cpu.txt).
+    location = error.states[1].location
+    assert (location is None and error.states[1].starved) or \
+        "_rank_one_loops_forever" in location or "_compute_for" in location
     assert error.states[1].starved or \
         error.states[1].recent_cpu_s > CPU_SHARE * error.states[1].window_s
     assert "in torch.distributed.all_reduce" in error.states[0].location
