@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -150,8 +151,10 @@ def _pair(before, after):
     (((1, "R", 5, 7),), ((1, "R", 6, 10),), True),
     # as often preempted as it gave up (GIL hand-overs under starvation): starved
     (((1, "R", 5, 7),), ((1, "R", 7, 9),), True),
-    # same switches, but asleep now: it gave the CPU up last
-    (((1, "R", 5, 7),), ((1, "S", 6, 10),), False),
+    # same switches, asleep at the reading (waiting for the GIL a moment): starved all the same
+    (((1, "R", 5, 7),), ((1, "S", 6, 10),), True),
+    # a thread that gave the CPU up more often than it was preempted, asleep now
+    (((1, "R", 5, 7),), ((1, "S", 9, 10),), False),
     # a periodic waker: runnable now, but it gave the CPU up more often than it lost it
     (((1, "S", 5, 7),), ((1, "R", 35, 8),), False),
     # runnable at both readings without a switch: it waited for a CPU (or held one) throughout
@@ -317,6 +320,59 @@ def test_a_starved_rank_computing_forever_ends_at_the_ceiling_not_before(warm_la
     assert not error.stalled and error.ceiling_s == 5.0
     assert error.states[1].starved is True
     assert "(runnable and preempted: waiting for a CPU)" in str(error)
+
+
+def _computes_and_counts_its_switches(rank, world_size, seconds):
+    """Compute in Python for ``seconds``; this thread's (gave up, preempted) meanwhile."""
+    tid = threading.get_native_id()
+
+    def mine():
+        return next(t for t in thread_readings(os.getpid()) if t.tid == tid)
+
+    before, end = mine(), time.monotonic() + seconds
+    while time.monotonic() < end:
+        sum(range(1000))
+    after = mine()
+    return after.gave_up - before.gave_up, after.preempted - before.preempted
+
+
+@pytest.mark.dist
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads Linux's /proc")
+def test_a_computing_rank_gives_the_cpu_up_only_when_it_blocks(warm_launcher):
+    """What the rule relies on for a computing rank: its thread leaves the CPU only when
+    preempted. The harness's own threads must not take the GIL from it periodically (the
+    parent watcher waits on a pidfd: polling every 0.5 s cost 1-2 switches each time)."""
+    for gave_up, _ in warm_launcher.spawn(_computes_and_counts_its_switches, 2, 3.0):
+        assert gave_up <= 1, gave_up
+
+
+OUTLIVES_ITS_PARENT = """
+import sys, threading, time
+from verify.distributed._child import _exit_with_parent
+_exit_with_parent(int(sys.argv[1]))
+print(next(t.native_id for t in threading.enumerate() if t.name == "exit-with-parent"), flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads Linux's /proc")
+def test_a_rank_exits_when_the_process_that_launched_it_dies_and_waits_without_waking():
+    parent = _child("import time; time.sleep(600)")
+    rank = subprocess.Popen([sys.executable, "-c", OUTLIVES_ITS_PARENT, str(parent.pid)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        watcher_tid = int(rank.stdout.readline())
+        first = {t.tid: t for t in thread_readings(rank.pid)}[watcher_tid]
+        time.sleep(2.0)
+        again = {t.tid: t for t in thread_readings(rank.pid)}[watcher_tid]
+        assert again.gave_up == first.gave_up  # no wake-up, no GIL taken from a computing rank
+        parent.kill()
+        parent.wait()
+        assert rank.wait(timeout=60) == 1
+    finally:
+        for proc in (parent, rank):
+            proc.kill()
+            proc.wait()
 
 
 def test_cpu_seconds_of_this_process_grow_while_it_computes():

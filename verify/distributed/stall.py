@@ -17,38 +17,39 @@ three signs of progress:
 A rank is *idle* for the time since its last sign of progress; the run is
 **stalled** when every unfinished rank has been idle for ``timeout_s``.
 
-Why the third sign. On a starved machine a computing rank gets far less than any
-fixed share of a core: measured on the shared 2-core machine at load 41 (28 busy
-processes beside other jobs), a rank in an endless Python loop got 0.4-2% of a
-core (0.002-0.012 s of CPU per 0.5 s), under ``CPU_SHARE`` in every 8 s window of the
-30 s measured, and so was taken for
-stalled (issue 31: the ceiling test ended after 1.7 s of a 5 s ceiling). What it
-could have had is every moment it was runnable, and a computing thread is
-runnable all the time: whenever it leaves the CPU, the kernel preempted it
-(``nonvoluntary_ctxt_switches``). A blocked thread leaves the CPU by sleeping
-(``voluntary_ctxt_switches``): gloo's transport thread wakes every 10 ms, runs
-~20 us and sleeps again (20-50 voluntary switches per 0.5 s, 0 or 1 preemption, in
-the same measurement); the harness's parent watcher wakes every 0.5 s. So the rule
-holds at any load: a rank that could run and did not is judged on its CPU time
-and markers alone, a starved one is not stalled. The counters are per thread
-(``/proc/<pid>/status`` has the main thread's only) and exist on every Linux
-kernel since 2.6.23, without schedstats. A rank's states count as follows:
+Why the third sign. On a starved machine a computing rank gets less than any
+fixed share of a core: on the shared 2-core machine under load, a rank in an
+endless Python loop got 0.4-2% of a core, under ``CPU_SHARE`` in every 8 s
+window, and was taken for stalled (issue 31: a test ended after 1.7 s of its 5 s
+ceiling). What it could have had is every moment it was runnable, and a
+computing thread is runnable all the time: when it leaves the CPU, the kernel
+preempted it (``nonvoluntary_ctxt_switches`` counts that; ``voluntary_ctxt_switches``
+counts the times a thread gave the CPU up: it slept, blocked or was stopped).
+A blocked rank gives the CPU up: gloo's transport thread wakes every 10 ms, runs
+about 20 us and sleeps again, so under load it is often runnable, waiting for a
+CPU after a wake-up, yet it gives the CPU up 20-50 times per 0.5 s and is
+preempted 0-1 time; the harness's parent watcher wakes every 0.5 s. A computing
+thread under the GIL gives the CPU up now and then (when the watcher asks for the
+GIL), so a tie counts as wanting the CPU. ``bench/bench_suite_loaded.py``
+measures these figures under load. The counters are per thread
+(``/proc/<pid>/status`` has the main thread's only) and every Linux kernel has
+them. A rank's states count as follows:
 
-* ``R`` (running or waiting for a CPU) with preemptions: starved, not stalled;
+* ``R`` (running or waiting for a CPU) and preempted: starved, not stalled;
 * ``S`` (sleeping: blocked in a collective, ``time.sleep``) and ``D``
-  (uninterruptible wait, e.g. disk or swap): the thread gave the CPU up; it is
-  judged on CPU time and markers, so a rank hung in ``D`` for the timeout is
-  reported (and a rank thrashing in swap without CPU can be taken for stalled);
-* ``T`` (stopped: SIGSTOP or a debugger): it could run if continued, and it does
-  not; a frozen rank makes no progress and the run stalls.
+  (uninterruptible: disk, swap): the thread gave the CPU up; the rank is judged
+  on markers and CPU time, so a rank hung in ``D`` for the timeout is reported
+  (and one thrashing in swap with no CPU could be taken for stalled);
+* ``T`` (stopped: SIGSTOP or a debugger): it could run once continued, and
+  meanwhile makes no progress: a frozen rank stalls the run.
 
 Why not ``/proc/<pid>/schedstat`` (time on a CPU and time waiting on a runqueue,
 the kernel's ``Documentation/scheduler/sched-stats.rst``)? Its runqueue wait does
 not tell a blocked rank from a starved one: a thread's wait is credited when it
-reaches a CPU, so it arrives in lumps of up to seconds, and gloo's transport
-thread, runnable after each wake-up, waits 0.2-0.9 s per second at load 30-44,
-as much as a starved computing thread. Context switches say *why* a thread left
-the CPU, which is the question.
+reaches a CPU, in lumps of up to seconds under load, and gloo's transport thread
+of a blocked rank, runnable after each wake-up, waits 0.2-0.9 s per second at load
+30-44, as much as a starved computing thread. Context switches say *why* a thread
+left the CPU, which is the question.
 
 A rank that computes forever (an endless loop) while its peers wait would never
 stall by this rule, so a run is also ended when it is still running after the
@@ -272,26 +273,26 @@ def computed(earlier: Sample, latest: Sample) -> bool:
 
 
 def wanted_cpu(earlier: Sample, latest: Sample) -> bool:
-    """Could the rank run between the two samples and wait for a CPU instead?
+    """Could the rank run between the two samples, and wait for a CPU instead?
 
-    True when one of its threads is runnable at ``latest`` and since ``earlier`` was
-    preempted at least once and at least as often as it gave the CPU up (a computing
-    thread under the Python GIL gives it up now and then, when another thread asks
-    for the GIL), or was runnable at both samples without switching at all (it waited
-    for a CPU throughout, or held one). False without thread readings (the fallback).
+    True when one of its threads, since ``earlier``, was preempted at least once and
+    at least as often as it gave the CPU up (a computing thread gives it up now and
+    then: another Python thread takes the GIL, a page is read from disk), or was
+    runnable at both samples without switching at all (it waited for a CPU
+    throughout, or held one). Its state at ``latest`` alone does not count: a
+    computing thread may be waiting for the GIL just then. False without thread
+    readings (the fallback).
     """
     if earlier.threads is None or latest.threads is None or not latest.at > earlier.at:
         return False
     before = {thread.tid: thread for thread in earlier.threads}
     for thread in latest.threads:
-        if thread.state != RUNNABLE:
-            continue
         # A thread started since `earlier` counts its switches from zero.
         prior = before.get(thread.tid, ThreadReading(thread.tid, "", 0, 0))
         preempted = thread.preempted - prior.preempted
         gave_up = thread.gave_up - prior.gave_up
         if preempted >= max(1, gave_up):
             return True
-        if preempted == gave_up == 0 and prior.state == RUNNABLE:
+        if preempted == gave_up == 0 and prior.state == thread.state == RUNNABLE:
             return True
     return False
