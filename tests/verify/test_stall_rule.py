@@ -21,6 +21,12 @@ import torch
 import torch.distributed as dist
 
 from verify.distributed import RankLauncher, RankTimeout
+from verify.distributed.diagnosis import (
+    STACK_DUMP_STARVED_WAIT_S,
+    STACK_DUMP_WAIT_S,
+    request_stack_dumps,
+)
+from verify.distributed.launcher import TERMINATE_GRACE_S
 from verify.distributed.stall import (
     CPU_SHARE,
     Sample,
@@ -231,9 +237,10 @@ def test_two_processes_sharing_one_cpu_want_it_and_a_sleeping_one_does_not():
 
 
 # ------------------------------------------------ a starved rank is not stalled (real ranks)
-# SLACK_S covers the stack dumps (<= 1.5 s), the SIGTERM grace (1 s) and the SIGKILL join
-# (<= 1 s) on a loaded machine, as in test_distributed.py.
-SLACK_S = 6.0
+# SLACK_S covers the stack dumps (up to 6 s while a starved rank waits for a CPU to write
+# its stack), the SIGTERM grace (1 s), the SIGKILL join (<= 1 s) and a few polls, as in
+# test_distributed.py.
+SLACK_S = STACK_DUMP_STARVED_WAIT_S + 2 * TERMINATE_GRACE_S + 2.5
 
 
 @pytest.fixture(scope="module")
@@ -320,6 +327,8 @@ def test_a_starved_rank_computing_forever_ends_at_the_ceiling_not_before(warm_la
     assert not error.stalled and error.ceiling_s == 5.0
     assert error.states[1].starved is True
     assert "(runnable and preempted: waiting for a CPU)" in str(error)
+    assert "_starved_rank_loops_forever" in error.states[1].location or \
+        "_compute_for" in error.states[1].location
 
 
 def _computes_and_counts_its_switches(rank, world_size, seconds):
@@ -373,6 +382,47 @@ def test_a_rank_exits_when_the_process_that_launched_it_dies_and_waits_without_w
         for proc in (parent, rank):
             proc.kill()
             proc.wait()
+
+
+# A process whose faulthandler answers SIGUSR1 only once it unblocks the signal: after 3 s
+# of computing (runnable throughout, as a starved rank waiting for a CPU), or after 60 s
+# of sleeping (a rank that will not answer, and is not waiting for a CPU either).
+ANSWERS_LATE = """
+import faulthandler, signal, sys, time
+dump = open(sys.argv[1], "w")
+faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
+def rank_main():  # the frame the harness looks for in a complete dump
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    print("ready", flush=True)
+    if sys.argv[2] == "sleeps":
+        time.sleep(60.0)
+    end = time.monotonic() + 3.0
+    while time.monotonic() < end:
+        pass
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
+    time.sleep(600)
+rank_main()
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads Linux's /proc")
+@pytest.mark.parametrize("behaviour", ["computes", "sleeps"])
+def test_stack_dumps_wait_for_a_runnable_rank_not_for_a_sleeping_one(tmp_path, behaviour):
+    path = tmp_path / "rank0.stack"
+    proc = subprocess.Popen([sys.executable, "-c", ANSWERS_LATE, str(path), behaviour],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        start = time.monotonic()
+        dumps = request_stack_dumps({0: proc.pid}, {0: path})
+        waited = time.monotonic() - start
+    finally:
+        proc.kill()
+        proc.wait()
+    if behaviour == "computes":  # answered after its 3 s: past the usual wait, not the long one
+        assert "rank_main" in dumps[0] and waited < STACK_DUMP_STARVED_WAIT_S
+    else:  # asleep: not waiting for a CPU, so given the usual wait only
+        assert dumps == {} and STACK_DUMP_WAIT_S <= waited < STACK_DUMP_STARVED_WAIT_S
 
 
 def test_cpu_seconds_of_this_process_grow_while_it_computes():

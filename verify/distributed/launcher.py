@@ -52,8 +52,9 @@ from verify.distributed.stall import (
 
 # Stall timeout of one spawn when the caller gives none (checks pass CheckContext.timeout_s):
 # a run whose unfinished ranks all made no progress (no marker, no CPU, no thread waiting
-# for a CPU) for this long is stalled (verify.distributed.stall). Slow is not stalled, so the figure need not cover a
-# loaded machine: a hung run on a laptop still reports within about a minute.
+# for a CPU) for this long is stalled (verify.distributed.stall). Slow is not stalled, so
+# the figure need not cover a loaded machine: a hung run on a laptop still reports within
+# about a minute.
 DEFAULT_TIMEOUT_S = 60.0
 # Modules the fork server imports once; ImportErrors among them are ignored by CPython.
 # torch imports torch.fx.experimental.symbolic_shapes (and with it sympy) lazily, on a
