@@ -371,10 +371,17 @@ def test_a_rank_exits_when_the_process_that_launched_it_dies_and_waits_without_w
                             stdout=subprocess.PIPE, text=True)
     try:
         watcher_tid = int(rank.stdout.readline())
-        first = {t.tid: t for t in thread_readings(rank.pid)}[watcher_tid]
+
+        def watcher():
+            return {t.tid: t for t in thread_readings(rank.pid)}[watcher_tid]
+
+        deadline = time.monotonic() + 60
+        while watcher().state != "S" and time.monotonic() < deadline:
+            time.sleep(0.05)  # until it waits (it was started a moment ago)
+        first = watcher()
         time.sleep(2.0)
-        again = {t.tid: t for t in thread_readings(rank.pid)}[watcher_tid]
-        assert again.gave_up == first.gave_up  # no wake-up, no GIL taken from a computing rank
+        again = watcher()
+        assert first.state == "S" and again.gave_up == first.gave_up  # no wake-up, no GIL taken from a computing rank
         parent.kill()
         parent.wait()
         assert rank.wait(timeout=60) == 1

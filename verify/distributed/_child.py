@@ -37,8 +37,9 @@ class RankJob:
     progress: RankProgress
     stack_path: str
     environment: dict[str, str]
-    # Bound on every wait inside the rank (rendezvous store, collectives): the run's
-    # ceiling; stalls are decided by the parent from progress (verify.distributed.stall).
+    # Bound on every wait inside the rank (rendezvous store, collectives): beyond the run's
+    # ceiling (launcher.RANK_WAIT_FACTOR); stalls and the ceiling are decided by the parent
+    # (verify.distributed.stall).
     ceiling_s: float
     # The process that called spawn; the rank exits when it is gone (see _exit_with_parent).
     parent_pid: int

@@ -67,6 +67,11 @@ START_METHODS = ("forkserver", "spawn")
 # Overrides the default start method, e.g. VERIFY_RANK_START_METHOD=spawn for the old
 # behaviour (bench/bench_verify_run.py times both), or where forkserver misbehaves.
 START_METHOD_VARIABLE = "VERIFY_RANK_START_METHOD"
+# The ranks' own waits (rendezvous store, collectives) end after this many ceilings: with
+# exactly the ceiling, a rank waiting for a peer that loops forever raised its own timeout
+# before the parent, polling late on a starved machine, ended the run at its ceiling (seen
+# at load ~25 with 8 spinners: RankCrashed instead of RankTimeout).
+RANK_WAIT_FACTOR = 2.0
 # After the first rank fails, how long its peers get to report their own errors.
 FAILURE_GRACE_S = 1.0
 # Between SIGTERM to every rank and SIGKILL to every rank still alive.
@@ -191,9 +196,11 @@ class _Run:
         self.stack_dir = Path(tempfile.mkdtemp(prefix="verify-ranks-"))
         self.stack_files = {r: self.stack_dir / f"rank{r}.stack" for r in range(world_size)}
         # The parent hosts the rendezvous store on a port the OS picks and holds. Its waits
-        # (and the ranks', see RankJob) are bounded by the ceiling: the parent decides stalls.
+        # (and the ranks', see RankJob) are bounded beyond the ceiling: the parent decides
+        # stalls and ceilings, even when its polls come late on a starved machine.
+        rank_wait_s = RANK_WAIT_FACTOR * ceiling_s
         self.store = dist.TCPStore("127.0.0.1", 0, None, is_master=True,
-                                   timeout=timedelta(seconds=ceiling_s), wait_for_workers=False)
+                                   timeout=timedelta(seconds=rank_wait_s), wait_for_workers=False)
         self.results: dict[int, Any] = {}
         self.failures: dict[int, str] = {}
         self.failures_seen_at = float("inf")
@@ -206,7 +213,7 @@ class _Run:
                 reader, writer = context.Pipe(duplex=False)
                 job = RankJob(rank, world_size, self.store.port, backend, fn, args, wants_progress,
                               self.board.for_rank(rank), str(self.stack_files[rank]), environment,
-                              ceiling_s, os.getpid())
+                              rank_wait_s, os.getpid())
                 proc = context.Process(target=rank_main, args=(job, writer))
                 proc.start()
                 # Only the child may hold the write end, so its death reads as EOF here.
