@@ -288,7 +288,7 @@ def test_a_rank_computing_forever_ends_at_the_ceiling(warm_launcher):
     assert "still running after 5 s, the ceiling of a run (5 x the 1 s stall timeout)" in str(error)
     # A starved rank runs its stack-dump handler only when it next gets a CPU: diagnosis
     # waits up to 6 s for it, and beside 8 spinners under pytest -n 2 it once missed that
-    # (bench/results/suite_loaded_dist_final_cpu.txt). The rule held: the run ended here.
+    # (bench/results/suite_loaded_dist_78c3b0b_cpu.txt). The rule held: the run ended here.
     location = error.states[1].location
     assert (location is None and error.states[1].starved) or \
         "_rank_one_loops_forever" in location or "_compute_for" in location, str(error)
