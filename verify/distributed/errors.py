@@ -33,7 +33,7 @@ class RankState:
     # CPU seconds the process used over the last ``window_s`` seconds (None: unknown).
     recent_cpu_s: float | None = None
     window_s: float | None = None
-    # Whether, over that window, a thread of it could run and waited for a CPU
+    # Whether, over that window, a thread of it could run and waited for a CPU instead
     # (verify.distributed.stall.wanted_cpu); None where its threads could not be read.
     starved: bool | None = None
 
@@ -47,7 +47,7 @@ class RankState:
         if self.recent_cpu_s is not None and self.window_s:
             cpu = f"; {self.recent_cpu_s:.2f} s of CPU in the last {self.window_s:.0f} s"
         if self.starved:
-            cpu += " (runnable and preempted: waiting for a CPU)"
+            cpu += " (starved: preempted, waiting for a CPU)"
         lines = [f"  rank {self.rank} (pid {self.pid}): {self.process}; {marker}{cpu}"]
         if self.location:
             lines.append(f"    {self.location}")

@@ -2,54 +2,58 @@
 
 A slow machine must never turn a correct run into an error, so the harness does
 not give a run a deadline. It reads each unfinished rank every poll and counts
-three signs of progress:
+three signs of progress since a given earlier reading:
 
 * its progress marker (``RankProgress.mark``; the slot's sequence counter moved);
 * its CPU time (user + system, all threads, from ``/proc/<pid>/stat``): the rank
   *computed* when it used at least ``CPU_SHARE`` of a core (and ``MIN_CPU_S`` in
-  all) since a given moment;
-* its scheduler facts, per thread (``/proc/<pid>/task/<tid>/status``): the rank
-  *wanted a CPU* when one of its threads is runnable (state ``R``) and, since that
-  moment, the kernel took the CPU from it (a non-voluntary context switch) at
-  least as often as it gave the CPU up (a voluntary one), or it did not switch at
-  all while runnable at both ends.
+  all);
+* its threads' context switches (``/proc/<pid>/task/<tid>/status``): the rank
+  *wanted a CPU* when one of its threads was preempted by the kernel (a
+  non-voluntary switch) at least once and at least as often as it gave the CPU
+  up (a voluntary switch: it slept, blocked or was stopped), or was runnable
+  (state ``R``) at both readings without switching at all.
 
 A rank is *idle* for the time since its last sign of progress; the run is
 **stalled** when every unfinished rank has been idle for ``timeout_s``.
 
-Why the third sign. On a starved machine a computing rank gets less than any
-fixed share of a core: on the shared 2-core machine under load, a rank in an
-endless Python loop got 0.4-2% of a core, under ``CPU_SHARE`` in every 8 s
-window, and was taken for stalled (issue 31: a test ended after 1.7 s of its 5 s
-ceiling). What it could have had is every moment it was runnable, and a
-computing thread is runnable all the time: when it leaves the CPU, the kernel
-preempted it (``nonvoluntary_ctxt_switches`` counts that; ``voluntary_ctxt_switches``
-counts the times a thread gave the CPU up: it slept, blocked or was stopped).
-A blocked rank gives the CPU up: gloo's transport thread wakes every 10 ms, runs
-about 20 us and sleeps again, so under load it is often runnable, waiting for a
-CPU after a wake-up, yet it gives the CPU up 20-50 times per 0.5 s and is
-preempted 0-1 time; the harness's parent watcher wakes every 0.5 s. A computing
-thread under the GIL gives the CPU up now and then (when the watcher asks for the
-GIL), so a tie counts as wanting the CPU. ``bench/bench_suite_loaded.py``
-measures these figures under load. The counters are per thread
-(``/proc/<pid>/status`` has the main thread's only) and every Linux kernel has
-them. A rank's states count as follows:
+Why the third sign (issue 31: a test ended after 1.7 s of its 5 s ceiling at load
+~30 on 2 cores). On a starved machine a computing rank gets less than any fixed
+share of a core: beside 20 spinning processes on the shared 2-core machine, a
+rank in an endless Python loop got 1.2-1.7% of a core, and its CPU time showed
+progress in no window of 0.5-8 s in one run, 12 of 146 in another
+(``bench/results/stall_signals_busy20*_cpu.json``). What it could have had is
+every moment it was runnable, and a computing thread is runnable all the time:
+when it leaves the CPU, the kernel preempted it (4-20 times a second in those
+measurements; it gave the CPU up 0-1.7 times). A blocked rank gives the CPU up:
+gloo's transport thread wakes every 10 ms, runs ~20 us and sleeps again, so under
+load it is often runnable, waiting for a CPU after a wake-up, yet it gives the
+CPU up 37-57 times a second and is preempted 0-0.3 times. So a rank that could
+run and did not is judged on markers and CPU time, and a starved one is not
+stalled, at any load. A computing thread gives the CPU up when another Python
+thread takes the GIL (the harness's parent watcher waits on a pidfd for that
+reason, see ``_child``) or when a page is read from disk; a tie counts as
+wanting the CPU. The counters are per thread (``/proc/<pid>/status`` holds the
+main thread's only) and every Linux kernel has them. States count as follows:
 
-* ``R`` (running or waiting for a CPU) and preempted: starved, not stalled;
+* ``R`` (running, or waiting for a CPU) through a window without a switch:
+  starved. When its whole session gets no CPU for a while, a blocked rank's
+  transport thread is such a thread too, which delays a stall verdict by a poll
+  or two (25 of 213 windows of 0.5-4 s beside 8 spinners, none of 8 s);
 * ``S`` (sleeping: blocked in a collective, ``time.sleep``) and ``D``
   (uninterruptible: disk, swap): the thread gave the CPU up; the rank is judged
   on markers and CPU time, so a rank hung in ``D`` for the timeout is reported
   (and one thrashing in swap with no CPU could be taken for stalled);
-* ``T`` (stopped: SIGSTOP or a debugger): it could run once continued, and
-  meanwhile makes no progress: a frozen rank stalls the run.
+* ``T`` (stopped: SIGSTOP or a debugger): it gave the CPU up and does not run
+  until continued; a frozen rank makes no progress and the run stalls.
 
 Why not ``/proc/<pid>/schedstat`` (time on a CPU and time waiting on a runqueue,
 the kernel's ``Documentation/scheduler/sched-stats.rst``)? Its runqueue wait does
 not tell a blocked rank from a starved one: a thread's wait is credited when it
-reaches a CPU, in lumps of up to seconds under load, and gloo's transport thread
-of a blocked rank, runnable after each wake-up, waits 0.2-0.9 s per second at load
-30-44, as much as a starved computing thread. Context switches say *why* a thread
-left the CPU, which is the question.
+reaches a CPU, in lumps of up to seconds under load, and the transport thread of
+a blocked rank waits 0.43-0.63 s per second, about half what a starved computing
+thread waits (0.95-0.98 s). Context switches say *why* a thread left the CPU,
+which is the question.
 
 A rank that computes forever (an endless loop) while its peers wait would never
 stall by this rule, so a run is also ended when it is still running after the
