@@ -16,7 +16,8 @@ from verify.distributed import (
     RankTimeout,
     spawn,
 )
-from verify.distributed.diagnosis import rank_frames, summarize_frames
+from verify.distributed.diagnosis import STACK_DUMP_STARVED_WAIT_S, rank_frames, summarize_frames
+from verify.distributed.launcher import TERMINATE_GRACE_S
 from verify.distributed.progress import MAX_LABEL_BYTES, ProgressBoard
 from verify.distributed.stall import CPU_SHARE
 
@@ -106,10 +107,11 @@ def test_a_failing_rank_does_not_leave_its_peers_waiting_for_the_timeout():
 
 # ------------------------------------------------ crashes, deadlines and diagnosis
 # Short deadlines keep these fast; the fork server is warmed first so that its one-time
-# torch import does not eat into them. SLACK covers the stack dumps (<= 1.5 s), the
-# SIGTERM grace (1 s) and the SIGKILL join (<= 1 s) on a loaded machine.
+# torch import does not eat into them. SLACK covers the stack dumps (1.5 s, up to 6 s
+# while a rank waits for a CPU to write its stack), the SIGTERM grace (1 s), the SIGKILL
+# join (<= 1 s) and a few polls on a loaded machine.
 SHORT_TIMEOUT_S = 8.0
-SLACK_S = 6.0
+SLACK_S = STACK_DUMP_STARVED_WAIT_S + 2 * TERMINATE_GRACE_S + 2.5
 
 
 @pytest.fixture(scope="module")
@@ -181,6 +183,7 @@ def _timeout_of(launcher, fn, world_size):
     assert SHORT_TIMEOUT_S <= newest_marker_age < SHORT_TIMEOUT_S + SLACK_S, newest_marker_age
     for state in info.value.states.values():  # killed and reaped, not left behind
         assert state.recent_cpu_s is not None and state.recent_cpu_s < CPU_SHARE * SHORT_TIMEOUT_S
+        assert state.starved is False  # no thread of it waited for a CPU
         with pytest.raises(ProcessLookupError):
             os.kill(state.pid, 0)
     return info.value
@@ -283,10 +286,15 @@ def test_a_rank_computing_forever_ends_at_the_ceiling(warm_launcher):
     error = info.value
     assert not error.stalled and error.ceiling_s == 5.0
     assert "still running after 5 s, the ceiling of a run (5 x the 1 s stall timeout)" in str(error)
-    assert "_rank_one_loops_forever" in error.states[1].location or \
-        "_compute_for" in error.states[1].location
-    assert error.states[1].recent_cpu_s > CPU_SHARE * error.states[1].window_s
-    assert "in torch.distributed.all_reduce" in error.states[0].location
+    # A starved rank runs its stack-dump handler only when it next gets a CPU: diagnosis
+    # waits up to 6 s for it, and beside 8 spinners under pytest -n 2 it once missed that
+    # (bench/results/suite_loaded_dist_78c3b0b_cpu.txt). The rule held: the run ended here.
+    location = error.states[1].location
+    assert (location is None and error.states[1].starved) or \
+        "_rank_one_loops_forever" in location or "_compute_for" in location, str(error)
+    assert error.states[1].starved or \
+        error.states[1].recent_cpu_s > CPU_SHARE * error.states[1].window_s
+    assert "in torch.distributed.all_reduce" in (error.states[0].location or ""), str(error)
 
 
 def _progress_rank(rank, world_size, *, progress):
@@ -384,66 +392,6 @@ def test_stack_dumps_are_summarised_at_the_collective_and_its_caller():
     )
     assert summarize_frames(frames[2:]) == "at /src/fastgrad/pipeline.py:340 (finalize_grads)"
     assert summarize_frames([]) is None
-
-
-# ------------------------------------------------ the stall rule on synthetic readings
-def _watch(timeout_s=10.0, ceiling_s=200.0):
-    from verify.distributed.stall import StallWatch
-
-    return StallWatch(timeout_s, ceiling_s, started_at=0.0)
-
-
-def _feed(watch, rank, seconds, cpu_per_s, sequence=1, cpu_tick_s=0.01, start=0.0):
-    """Samples every 0.5 s; CPU time counted in whole ticks, as /proc counts it."""
-    from verify.distributed.stall import Sample
-
-    for step in range(int(seconds / 0.5) + 1):
-        at = start + 0.5 * step
-        cpu = None if cpu_per_s is None else (at * cpu_per_s) // cpu_tick_s * cpu_tick_s
-        watch.observe(rank, Sample(at, sequence, cpu))
-    return start + 0.5 * int(seconds / 0.5)
-
-
-def test_stall_rule_a_waiting_rank_is_idle_and_a_computing_one_is_not():
-    watch = _watch()
-    end = _feed(watch, 0, 30.0, cpu_per_s=0.004)  # gloo's 10 ms wake-ups: 0.3-0.4% of a core
-    _feed(watch, 1, 30.0, cpu_per_s=0.05)  # a rank computing on a heavily loaded machine
-    assert watch.idle_s(0, end) >= 10.0
-    assert watch.idle_s(1, end) <= 2.0
-    assert not watch.stalled([0, 1], end)  # the peer computes: the run progresses
-    assert watch.stalled([0], end)  # alone, the waiting rank is stalled
-
-
-def test_stall_rule_a_marker_is_progress_and_a_frozen_rank_is_idle():
-    from verify.distributed.stall import Sample
-
-    watch = _watch()
-    _feed(watch, 0, 20.0, cpu_per_s=0.0, sequence=4)
-    watch.observe(0, Sample(20.5, 6, 0.0))  # marked twice since the last reading
-    assert watch.idle_s(0, 20.5) == 0.0
-    assert not watch.stalled([0], 29.0)
-    _feed(watch, 0, 10.0, cpu_per_s=0.0, sequence=6, start=21.0)  # then frozen (SIGSTOP)
-    assert watch.idle_s(0, 31.0) >= 10.0  # as far back as kept: the timeout
-    assert watch.stalled([0], 31.0)
-
-
-def test_stall_rule_unknown_cpu_counts_only_markers_and_the_ceiling_is_wall_time():
-    watch = _watch(ceiling_s=40.0)
-    end = _feed(watch, 0, 12.0, cpu_per_s=None)
-    assert watch.stalled([0], end)
-    assert not watch.over_ceiling(39.9) and watch.over_ceiling(40.0)
-    with pytest.raises(ValueError, match="ceiling_s must be >= timeout_s"):
-        _watch(timeout_s=10.0, ceiling_s=5.0)
-
-
-def test_cpu_seconds_of_this_process_grow_while_it_computes():
-    from verify.distributed.stall import cpu_seconds
-
-    before, start = cpu_seconds(os.getpid()), time.process_time()
-    while time.process_time() - start < 0.3:  # CPU time, not wall: a loaded machine is slow
-        sum(range(1000))
-    assert cpu_seconds(os.getpid()) - before >= 0.25  # /proc counts 10 ms ticks
-    assert cpu_seconds(None) is None
 
 
 @pytest.mark.dist

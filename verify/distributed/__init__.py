@@ -8,12 +8,13 @@ imported torch (see :mod:`verify.distributed.launcher`).
 
 Nothing hangs, and slow is not stuck: a rank that raises or dies ends the run
 with :class:`RankCrashed` (its traceback or exit status); a run whose unfinished
-ranks all made no progress (no progress marker, no CPU time) for ``timeout_s``
-is stalled, and one still running after ``ceiling_s`` (default 20 x
-``timeout_s``) is ended: both end with :class:`RankTimeout`, every rank killed
-at once, naming the ranks that had not finished with their last progress marker,
-their recent CPU time and, where they could answer, the torch.distributed call
-they were blocked in (:mod:`verify.distributed.stall` has the rule). A rank function that declares a
+ranks all made no progress (no progress marker, no CPU time, no thread waiting
+for a CPU on a starved machine) for ``timeout_s`` is stalled, and one still
+running after ``ceiling_s`` (default 20 x ``timeout_s``) is ended: both end with
+:class:`RankTimeout`, every rank killed at once, naming the ranks that had not
+finished with their last progress marker, their recent CPU time and, where they
+could answer, the torch.distributed call they were blocked in
+(:mod:`verify.distributed.stall` has the rule). A rank function that declares a
 keyword-only ``progress`` parameter receives a :class:`RankProgress` to mark its
 steps with (``progress.mark("stage 1: backward microbatch 3")``).
 """

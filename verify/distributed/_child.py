@@ -6,6 +6,7 @@ import ctypes
 import faulthandler
 import os
 import pickle
+import select
 import signal
 import sys
 import threading
@@ -45,8 +46,9 @@ class RankJob:
     progress: RankProgress
     stack_path: str
     environment: dict[str, str]
-    # Bound on every wait inside the rank (rendezvous store, collectives): the run's
-    # ceiling; stalls are decided by the parent from progress (verify.distributed.stall).
+    # Bound on every wait inside the rank (rendezvous store, collectives): beyond the run's
+    # ceiling (launcher.RANK_WAIT_FACTOR); stalls and the ceiling are decided by the parent
+    # (verify.distributed.stall).
     ceiling_s: float
     # The process that called spawn; the rank exits when it is gone (see _exit_with_parent).
     parent_pid: int
@@ -71,6 +73,17 @@ def _exit_with_parent(parent_pid: int) -> None:
     """
 
     def watch() -> None:
+        try:
+            # Readable once the parent has exited. select() waits without waking and
+            # without the GIL: a poll every 0.5 s took the GIL from a computing rank,
+            # which then gave the CPU up as often as a starved one is preempted, and the
+            # stall rule reads those context switches (verify.distributed.stall).
+            parent = os.pidfd_open(parent_pid)
+        except (AttributeError, OSError):  # not Linux >= 5.3, or the parent has gone
+            parent = None
+        if parent is not None:
+            select.select([parent], [], [])
+            os._exit(1)
         while True:
             time.sleep(_PARENT_POLL_S)
             if not _parent_alive(parent_pid):  # gone (or its pid reused by another user)

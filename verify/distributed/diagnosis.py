@@ -17,12 +17,18 @@ from pathlib import Path
 
 from verify.distributed.errors import RankState
 from verify.distributed.progress import ProgressBoard
+from verify.distributed.stall import RUNNABLE, thread_readings
 
 # The frame of the harness's own entry point: frames above it belong to the rank function.
 ENTRY_FUNCTION = "rank_main"
 _FRAME = re.compile(r'File "(?P<file>.+)", line (?P<line>\d+) in (?P<func>\S+)')
 _STACK_FRAMES_SHOWN = 6
+# How long ranks get to write their stacks; a rank that can run answers in milliseconds.
 STACK_DUMP_WAIT_S = 1.5
+# ... and, in all, up to this long while a rank that has not answered has a runnable
+# thread: on a starved machine it waits for a CPU to run the handler (measured at load
+# 30-37: a blocked rank, woken by the signal, missed 1.5 s in two runs out of two).
+STACK_DUMP_STARVED_WAIT_S = 6.0
 
 
 def process_state(pid: int | None, exitcode: int | None) -> str:
@@ -46,6 +52,8 @@ def request_stack_dumps(pids: dict[int, int], stack_files: dict[int, Path]) -> d
 
     Only for ranks that have marked progress: SIGUSR1 kills a process whose handler
     is not registered yet, and ``rank_main`` registers it before its first marker.
+    Waits STACK_DUMP_WAIT_S, and up to STACK_DUMP_STARVED_WAIT_S while a rank that
+    has not answered is runnable (waiting for a CPU to run its handler).
     """
     asked = []
     for rank, pid in pids.items():
@@ -54,17 +62,26 @@ def request_stack_dumps(pids: dict[int, int], stack_files: dict[int, Path]) -> d
             asked.append(rank)
         except OSError:
             pass
-    deadline = time.monotonic() + STACK_DUMP_WAIT_S
+    start = time.monotonic()
     dumps: dict[int, str] = {}
-    while asked and time.monotonic() < deadline:
+    while asked:
         for rank in list(asked):
             text = stack_files[rank].read_text(errors="replace") if stack_files[rank].exists() else ""
             # The dump ends with the outermost frame, ours: wait for it to be complete.
             if ENTRY_FUNCTION in text:
                 dumps[rank] = text
                 asked.remove(rank)
+        waited = time.monotonic() - start
+        if not asked or waited >= STACK_DUMP_STARVED_WAIT_S or (
+                waited >= STACK_DUMP_WAIT_S and not any(_runnable(pids[r]) for r in asked)):
+            break
         time.sleep(0.05)
     return dumps
+
+
+def _runnable(pid: int) -> bool:
+    """Whether a thread of ``pid`` is running or waiting for a CPU (False: cannot tell)."""
+    return any(thread.state == RUNNABLE for thread in thread_readings(pid) or ())
 
 
 def rank_frames(dump: str) -> list[tuple[str, int, str]]:

@@ -151,6 +151,9 @@ class RankState:
     # CPU seconds the process used over the last ``window_s`` seconds (None: unknown).
     recent_cpu_s: float | None = None
     window_s: float | None = None
+    # Whether, over that window, a thread of it could run and waited for a CPU instead
+    # (verify.distributed.stall.wanted_cpu); None where its threads could not be read.
+    starved: bool | None = None
 
     def describe(self) -> str:
         """Several lines for an error message."""
@@ -161,6 +164,8 @@ class RankState:
         cpu = ""
         if self.recent_cpu_s is not None and self.window_s:
             cpu = f"; {self.recent_cpu_s:.2f} s of CPU in the last {self.window_s:.0f} s"
+        if self.starved:
+            cpu += " (starved: preempted, waiting for a CPU)"
         lines = [f"  rank {self.rank} (pid {self.pid}): {self.process}; {marker}{cpu}"]
         if self.location:
             lines.append(f"    {self.location}")
@@ -252,8 +257,8 @@ class RankTimeout(DistributedRunError):
         self.states = dict(sorted(states.items()))
         unfinished = ", ".join(str(r) for r in self.states)
         if ceiling_s is None:
-            why = (f"made no progress for {timeout_s:g} s (no progress marker, and under "
-                   f"{CPU_SHARE:.0%} of a core of CPU time)")
+            why = (f"made no progress for {timeout_s:g} s (no progress marker, under "
+                   f"{CPU_SHARE:.0%} of a core of CPU time, and no thread waiting for a CPU)")
         else:
             why = (f"were still running after {ceiling_s:g} s, the ceiling of a run "
                    f"({ceiling_s / timeout_s:g} x the {timeout_s:g} s stall timeout)")

@@ -49,12 +49,19 @@ from verify.distributed._child import (
 from verify.distributed.diagnosis import diagnose, process_state, request_stack_dumps
 from verify.distributed.errors import RankCrashed, RankFailure, RankTimeout
 from verify.distributed.progress import ProgressBoard
-from verify.distributed.stall import CEILING_FACTOR, Sample, StallWatch, cpu_seconds
+from verify.distributed.stall import (
+    CEILING_FACTOR,
+    Sample,
+    StallWatch,
+    cpu_seconds,
+    thread_readings,
+)
 
 # Stall timeout of one spawn when the caller gives none (checks pass CheckContext.timeout_s):
-# a run whose unfinished ranks all made no progress (no marker, no CPU) for this long is
-# stalled (verify.distributed.stall). Slow is not stalled, so the figure need not cover a
-# loaded machine: a hung run on a laptop still reports within about a minute.
+# a run whose unfinished ranks all made no progress (no marker, no CPU, no thread waiting
+# for a CPU) for this long is stalled (verify.distributed.stall). Slow is not stalled, so
+# the figure need not cover a loaded machine: a hung run on a laptop still reports within
+# about a minute.
 DEFAULT_TIMEOUT_S = 60.0
 # Modules the fork server imports once; ImportErrors among them are ignored by CPython.
 # torch imports torch.fx.experimental.symbolic_shapes (and with it sympy) lazily, on a
@@ -67,6 +74,11 @@ START_METHODS = ("forkserver", "spawn")
 # Overrides the default start method, e.g. VERIFY_RANK_START_METHOD=spawn for the old
 # behaviour (bench/bench_verify_run.py times both), or where forkserver misbehaves.
 START_METHOD_VARIABLE = "VERIFY_RANK_START_METHOD"
+# The ranks' own waits (rendezvous store, collectives) end after this many ceilings: with
+# exactly the ceiling, a rank waiting for a peer that loops forever raised its own timeout
+# before the parent, polling late on a starved machine, ended the run at its ceiling (seen
+# at load ~25 with 8 spinners: RankCrashed instead of RankTimeout).
+RANK_WAIT_FACTOR = 2.0
 # After the first rank fails, how long its peers get to report their own errors.
 FAILURE_GRACE_S = 1.0
 # Between SIGTERM to every rank and SIGKILL to every rank still alive.
@@ -264,9 +276,11 @@ class _Run:
         self.stack_dir = Path(tempfile.mkdtemp(prefix="verify-ranks-"))
         self.stack_files = {r: self.stack_dir / f"rank{r}.stack" for r in range(world_size)}
         # The parent hosts the rendezvous store on a port the OS picks and holds. Its waits
-        # (and the ranks', see RankJob) are bounded by the ceiling: the parent decides stalls.
+        # (and the ranks', see RankJob) are bounded beyond the ceiling: the parent decides
+        # stalls and ceilings, even when its polls come late on a starved machine.
+        rank_wait_s = RANK_WAIT_FACTOR * ceiling_s
         self.store = dist.TCPStore("127.0.0.1", 0, None, is_master=True,
-                                   timeout=timedelta(seconds=ceiling_s), wait_for_workers=False)
+                                   timeout=timedelta(seconds=rank_wait_s), wait_for_workers=False)
         self.results: dict[int, dict[int, Any]] = {r: {} for r in range(world_size)}
         self.items_count = None if items is None else len(items)
         self.first_item = first_item
@@ -287,7 +301,7 @@ class _Run:
                 reader, writer = context.Pipe(duplex=False)
                 job = RankJob(rank, world_size, self.store.port, backend, fn, args, wants_progress,
                               self.board.for_rank(rank), str(self.stack_files[rank]), environment,
-                              ceiling_s, os.getpid(), items, first_item)
+                              rank_wait_s, os.getpid(), items, first_item)
                 proc = context.Process(target=rank_main, args=(job, writer))
                 proc.start()
                 # Only the child may hold the write end, so its death reads as EOF here.
@@ -371,8 +385,9 @@ class _Run:
     def _sample(self, now: float) -> None:
         """One reading of every unfinished rank's progress for the stall watch."""
         for rank in self._unfinished():
-            self.watch.observe(rank, Sample(now, self.board.sequence(rank),
-                                            cpu_seconds(self.procs[rank].pid)))
+            pid = self.procs[rank].pid
+            self.watch.observe(rank, Sample(now, self.board.sequence(rank), cpu_seconds(pid),
+                                            thread_readings(pid)))
 
     def _receive(self, conn: Any) -> None:
         rank = self.readers[conn]
@@ -419,7 +434,7 @@ class _Run:
         exitcodes = {r: self.procs[r].exitcode for r in ranks}
         states = diagnose(ranks, pids, exitcodes, self.board, dumps)
         return {r: replace(state, recent_cpu_s=self.watch.recent_cpu_s(r),
-                           window_s=self.watch.window_s(r))
+                           window_s=self.watch.window_s(r), starved=self.watch.starved(r))
                 for r, state in states.items()}
 
     def _stop_all(self) -> None:
