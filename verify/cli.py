@@ -39,7 +39,7 @@ from verify.candidates import (
     candidate_names,
 )
 from verify.check import Check, CheckContext
-from verify.checks import all_checks, check_by_name
+from verify.checks import RANK_MODULES, all_checks, check_by_name
 from verify.console import StepProgress, emit, report_width
 from verify.distributed import RankLauncher
 from verify.env import fingerprint, format_fingerprint, gradverify_version, provenance
@@ -325,7 +325,8 @@ def _run_and_report(args: argparse.Namespace, items: Sequence[RunItem],
     if any(item.check.spawns_ranks for item in items) and not interrupted.is_set():
         # Start the fork server now: it imports torch (and each candidate's modules) while
         # the first checks run; every rank of the run is forked from it.
-        RankLauncher().preloading(*(m for c in candidates for m in c.preload_modules)).warm_up()
+        RankLauncher().preloading(*RANK_MODULES, *(m for c in candidates
+                                                   for m in c.preload_modules)).warm_up()
     with StepProgress(sum(weights), "verify run", steps=len(items)) as progress:
         outcome = run_checks(items, weights, context, progress, args.jobs, interrupted)
     report.checks.extend(outcome.results)

@@ -24,6 +24,13 @@ CHECK_MODULES: tuple[str, ...] = (
 )
 
 
+RANK_MODULES: tuple[str, ...] = (
+    "verify.candidates", *(f"verify.checks.{name}" for name in CHECK_MODULES))
+"""What a check's rank imports to unpickle its worker and candidate: ``verify run`` has the
+rank launcher's fork server import them once (about half a second a rank otherwise, every
+world of every configuration)."""
+
+
 def all_checks() -> tuple[Check, ...]:
     """Every registered check, in report order."""
     return tuple(

@@ -205,7 +205,8 @@ def _train(twin: PreparedTwin, environ: Mapping[str, str], options: TwinOptions,
     # The line a user would interrupt at comes once the ranks have started: the fork server
     # ignores Ctrl-C while it starts (verify.distributed.launcher).
     ranks = spawn(twin_worker, plan.world_size, twin.run(), timeout_s=options.timeout_s,
-                  launcher=RankLauncher().preloading(*twin.candidate.preload_modules),
+                  launcher=RankLauncher().preloading("verify.preflight.twin",
+                                                     *twin.candidate.preload_modules),
                   on_started=lambda: say(f"{label}: training {len(plan.case.plans)} steps on "
                                          f"{plan.world_size} gloo ranks"))
     return ranks, f"spawned, {plan.world_size} gloo ranks on the CPU", plan
