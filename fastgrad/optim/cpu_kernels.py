@@ -253,7 +253,9 @@ def _store_params(out_kind, out32, out16, buf, p):
     """The row's new fp32 params ``p`` into the param buffer at ``buf``: as they are (fp32) or
     rounded to nearest even (bf16; NaN -> 0x7FC0, as torch's conversion)."""
     if out_kind == OUT_FP32:
-        out32[buf : buf + p.size] = p
+        dst = out32[buf : buf + p.size]
+        for j in range(p.size):
+            dst[j] = p[j]
     elif out_kind == OUT_BF16:
         for j in range(p.size):
             bits = np.int64(_bits_of(p[j])) & 0xFFFFFFFF
@@ -261,9 +263,20 @@ def _store_params(out_kind, out32, out16, buf, p):
             out16[buf + j] = 0x7FC0 if p[j] != p[j] else rounded
 
 
+@njit(inline="always", **_JIT)
+def _adamw_element(pj, gj, mj, vj, lr, b1, b2, eps, decay, omb1, omb2, bc1, bc2):
+    """One element of ``refgrad.optim.adamw_element``: the new ``(p, m, v)``."""
+    pj = pj * decay
+    mj = mj * b1 + gj * omb1
+    vj = vj * b2 + (gj * gj) * omb2
+    denom = np.float32(math.sqrt(np.float64(vj / bc2))) + eps
+    return pj - lr * ((mj / bc1) / denom), mj, vj
+
+
 @njit(**_JIT)
 def _adamw(work, g32, g16, kind, gscale, table, p, m, v, out_kind, out32, out16):
-    """AdamW on every row, in ``refgrad.optim.adamw_element``'s order; writes the param copy."""
+    """AdamW on every row, in ``refgrad.optim.adamw_element``'s order; writes the param copy
+    (fp32: in the same loop, which saves a pass over the row)."""
     inv_scale, clip = gscale[0], gscale[1]
     for r in range(work.shape[0]):
         lo, hi, buf, grp = work[r, 0], work[r, 1], work[r, 2], work[r, 3]
@@ -275,16 +288,19 @@ def _adamw(work, g32, g16, kind, gscale, table, p, m, v, out_kind, out32, out16)
         scratch = np.empty(k, dtype=np.int32)
         g = _grads_fp32(kind, g32, g16, buf, k, scratch)
         pr, mr, vr = p[lo:hi], m[lo:hi], v[lo:hi]
-        for j in range(k):
-            gj = (g[j] * inv_scale) * clip  # x * 1 == x: unscaling / clipping off cost no bits
-            pj = pr[j] * decay
-            mj = mr[j] * b1 + gj * omb1
-            vj = vr[j] * b2 + (gj * gj) * omb2
-            denom = np.float32(math.sqrt(np.float64(vj / bc2))) + eps
-            pr[j] = pj - lr * ((mj / bc1) / denom)
-            mr[j] = mj
-            vr[j] = vj
-        _store_params(out_kind, out32, out16, buf, pr)
+        if out_kind == OUT_FP32:
+            dst = out32[buf : buf + k]
+            for j in range(k):
+                gj = (g[j] * inv_scale) * clip  # x * 1 == x: unscaling / clipping off cost no bits
+                pr[j], mr[j], vr[j] = _adamw_element(pr[j], gj, mr[j], vr[j], lr, b1, b2, eps,
+                                                     decay, omb1, omb2, bc1, bc2)
+                dst[j] = pr[j]
+        else:
+            for j in range(k):
+                gj = (g[j] * inv_scale) * clip
+                pr[j], mr[j], vr[j] = _adamw_element(pr[j], gj, mr[j], vr[j], lr, b1, b2, eps,
+                                                     decay, omb1, omb2, bc1, bc2)
+            _store_params(out_kind, out32, out16, buf, pr)
 
 
 @njit(**_JIT)
