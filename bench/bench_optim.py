@@ -83,7 +83,53 @@ def interleaved(candidates: dict, setups: dict, rounds: int) -> dict[str, list[f
     return times
 
 
-def step_benchmark(numel: int, rounds: int) -> list[str]:
+def back_to_back(first: tuple, second: tuple, pairs: int) -> tuple[list[float], list[float]]:
+    """``pairs`` rounds of two steps run one right after the other (each after its untimed
+    setup), the order alternating; the times of each. ``first``/``second``: (setup, step)."""
+    times: tuple[list[float], list[float]] = ([], [])
+    for side in (first, second):  # warm-up
+        side[0]()
+        side[1]()
+    for index in range(pairs):
+        for which in ((0, 1) if index % 2 == 0 else (1, 0)):
+            setup, step = (first, second)[which]
+            setup()
+            start = time.perf_counter()
+            step()
+            times[which].append(time.perf_counter() - start)
+    return times
+
+
+def cpu_seconds() -> tuple[float, float, float]:
+    """(wall clock, CPU seconds every process on the machine used, CPU seconds this one used),
+    from /proc/stat (zeros where there is none)."""
+    busy = 0.0
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        busy = (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # not idle, iowait
+    except (OSError, ValueError, IndexError):
+        pass
+    return time.perf_counter(), busy, time.process_time()
+
+
+def others_load(start: tuple[float, float, float]) -> str:
+    """How busy the machine was with other processes since ``start`` (cores), and the load."""
+    wall, busy, own = (b - a for a, b in zip(start, cpu_seconds()))
+    others = f"{max(0.0, busy - own) / wall:.2f} of {os.cpu_count()} cores" if busy else "unknown"
+    loads = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return f"other processes used {others} meanwhile; load average at the end {loads}"
+
+
+def spread(ratios: list[float]) -> str:
+    """Median, quartiles and 10-90 % range of ``ratios``."""
+    q = statistics.quantiles(ratios, n=20, method="inclusive")  # 5 % steps
+    quart = statistics.quantiles(ratios, n=4, method="inclusive")
+    return (f"median {statistics.median(ratios):.2f}, quartiles {quart[0]:.2f}-{quart[2]:.2f}, "
+            f"10-90 % {q[1]:.2f}-{q[17]:.2f}, min-max {min(ratios):.2f}-{max(ratios):.2f}")
+
+
+def step_benchmark(numel: int, rounds: int, pairs: int) -> list[str]:
     g = torch.Generator().manual_seed(0)
     shapes = SHAPES_OF[numel]
     grads = [torch.randn(s, generator=g) * 1e-2 for s in shapes]  # global norm ~ 0.01 * sqrt(N)
@@ -148,24 +194,67 @@ def step_benchmark(numel: int, rounds: int) -> list[str]:
              f"    torch clip_grad_norm_(foreach=True) + AdamW(foreach=True): {1e3 * med['torch clip']:8.1f}",
              f"    fastgrad, max_grad_norm={MAX_NORM} (fused CPU):                 {1e3 * med['fused clip']:8.1f}"
              f"   ratio {paired('fused clip', 'torch clip'):.2f} (goal >= 1)"]
-    # Where fastgrad's time goes: its parts on the same number of elements.
+    # The clipped step, the figure to beat: pairs of back-to-back steps, on the threads torch
+    # uses, then on one thread each (torch.set_num_threads(1); the kernels follow it): on a
+    # loaded machine torch's OpenMP barriers wait for preempted threads, which one thread avoids.
+    threads = torch.get_num_threads()
+    for label, count in ((f"{threads} threads", threads), ("1 thread each", 1)):
+        torch.set_num_threads(count)
+        try:
+            load_start = cpu_seconds()
+            torch_times, fast_times = back_to_back((torch_setup(ref_clip), torch_clip_step),
+                                                   (fast_setup, clipping.step), pairs)
+        finally:
+            torch.set_num_threads(threads)
+        ratios = [b / f for b, f in zip(torch_times, fast_times)]
+        lines += [f"  clipping to {MAX_NORM}, {label}, {pairs} pairs of back-to-back steps (the order "
+                  "alternating), the same model, params and grads:",
+                  f"    torch clip_grad_norm_(foreach=True) + AdamW(foreach=True): median "
+                  f"{1e3 * statistics.median(torch_times):6.1f} ms",
+                  f"    fastgrad, max_grad_norm={MAX_NORM} (fused CPU, exact norm):      median "
+                  f"{1e3 * statistics.median(fast_times):6.1f} ms",
+                  f"    ratio torch/fastgrad per pair: {spread(ratios)} (goal >= 1.2)",
+                  f"    {others_load(load_start)}"]
+    # Where the clipped step's time goes: its parts, each after the same backward as the step.
     flat = torch.cat([gr.reshape(-1) for gr in grads])
     master, m, v = torch.randn(numel, generator=g), torch.zeros(numel), torch.zeros(numel)
     steps = [1] * len(opt.groups)
+    clip32 = clipping.last_result.clip_coefficient
+    path = clipping.path
+    work, raw = path.work[0], path.shards[0].bucket.group.grad_data.view(torch.int32).numpy()
+    kernels = path.k
+
+    def kernel_alone():
+        kernels.square_bins(work, kernels.GRAD_FP32, raw, 1.0)
+
+    def idle():
+        time.sleep(0.05)  # torch's OpenMP workers stop spinning
+
     parts = {
-        "fused: exact norm (square_bins)": lambda: opt.path.local_norm(None),
-        "fused: AdamW update + param copy": lambda: opt.path.update(opt.groups, steps, None, None),
-        "torch ops: exact norm (local_square_limbs)": lambda: local_square_limbs([flat]),
-        "torch ops: adamw_update_ (whole update)": lambda: adamw_update_(master, flat, m, v, cfg, 1),
-        "torch ops:   of which sqrt_fp32": lambda: sqrt_fp32(v),
-        "torch ops:   torch.sqrt (not correctly rounded)": lambda: torch.sqrt(v),
-        "torch ops: fp32 grads copy": lambda: flat.float().clone(),
-        "torch ops: master -> param buffer copy": lambda: ddp.buffer.groups[0].param_data[:numel].copy_(master),
+        "clipped step": (fast_setup, clipping.step),
+        "exact norm: square_bins (kernel, 2 threads)": (fast_setup, kernel_alone),
+        "exact norm: global_grad_norm (+ limbs, fp64 sqrt)": (fast_setup, clipping.global_grad_norm),
+        "clipped AdamW update + param copy": (fast_setup, lambda: path.update(clipping.groups, steps,
+                                                                               None, clip32)),
+        "square_bins, 50 ms idle before (no OpenMP spin)": (idle, kernel_alone),
+        "update, 50 ms idle before (no OpenMP spin)": (idle, lambda: path.update(clipping.groups, steps,
+                                                                                 None, clip32)),
+        "torch ops: exact norm (local_square_limbs)": (idle, lambda: local_square_limbs([flat])),
+        "torch ops: adamw_update_ (whole update)": (idle, lambda: adamw_update_(master, flat, m, v, cfg, 1)),
+        "torch ops:   of which sqrt_fp32": (idle, lambda: sqrt_fp32(v)),
+        "torch ops:   torch.sqrt (not correctly rounded)": (idle, lambda: torch.sqrt(v)),
+        "torch ops: master -> param buffer copy": (idle, lambda: ddp.buffer.groups[0].param_data[:numel].copy_(master)),
     }
-    part_times = interleaved(parts, dict.fromkeys(parts, lambda: None), max(3, rounds // 2))
-    lines.append("  fastgrad's parts (median ms, same elements):")
-    for name, ts in part_times.items():
-        lines.append(f"    {name:48s} {1e3 * statistics.median(ts):8.1f}")
+    part_times = interleaved({k: f for k, (_, f) in parts.items()},
+                             {k: setup for k, (setup, _) in parts.items()}, rounds)
+    med_part = {name: 1e3 * statistics.median(ts) for name, ts in part_times.items()}
+    rest = (med_part["clipped step"] - med_part["exact norm: global_grad_norm (+ limbs, fp64 sqrt)"]
+            - med_part["clipped AdamW update + param copy"])
+    lines.append(f"  fastgrad's parts (median ms of {rounds} interleaved rounds, same elements; the first "
+                 "four right after the backward, as the step):")
+    for name, value in med_part.items():
+        lines.append(f"    {name:52s} {value:8.1f}")
+    lines.append(f"    {'clipped step - norm - update (Python, checks)':52s} {rest:8.1f}")
     return lines
 
 
@@ -311,15 +400,18 @@ def main() -> None:
     parser.add_argument("--backend", default="gloo", choices=("gloo", "nccl"),
                         help="collective backend of the overlap part: gloo (CPU tensors) or "
                              "nccl (one GPU per rank: needs 2 GPUs)")
+    parser.add_argument("--pairs", type=int, default=0,
+                        help="back-to-back pairs of clipped steps (default 41; --quick 5)")
     parser.add_argument("--out", help="also write the output to this file")
     args = parser.parse_args()
     if args.backend == "nccl" and torch.cuda.device_count() < 2:
         parser.error(f"--backend nccl needs 2 GPUs (one per rank), found {torch.cuda.device_count()}")
     numel, rounds = (10**6, 3) if args.quick else (10**7, 7)
+    pairs = args.pairs or (5 if args.quick else 41)
     lines = [f"bench_optim, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}, "
              f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
              f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"]
-    lines += step_benchmark(numel, rounds)
+    lines += step_benchmark(numel, rounds, pairs)
     lines += compile_benchmark()
     lines += overlap_benchmark(256 if args.quick else 1024, 4, rounds, args.backend)
     lines.append(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
