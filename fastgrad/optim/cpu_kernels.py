@@ -229,7 +229,7 @@ def _square_bins(work, g32, g16, kind, inv_scale, bins, nonfinite):
     for r in range(work.shape[0]):
         lo, hi, buf, in_norm = work[r, 0], work[r, 1], work[r, 2], work[r, 4]
         k = hi - lo
-        scratch = np.empty(k, dtype=np.int32)
+        scratch = np.empty(0 if kind == GRAD_FP32 else k, dtype=np.int32)  # fp32: read in place
         g = _grads_fp32(kind, g32, g16, buf, k, scratch)
         row_bins = bins[r]
         row_bins[:] = 0
@@ -285,7 +285,7 @@ def _adamw(work, g32, g16, kind, gscale, table, p, m, v, out_kind, out32, out16)
         if table[grp, 9] == 0:
             decay = np.float32(1.0)  # no weight decay: p * 1 == p
         k = hi - lo
-        scratch = np.empty(k, dtype=np.int32)
+        scratch = np.empty(0 if kind == GRAD_FP32 else k, dtype=np.int32)  # fp32: read in place
         g = _grads_fp32(kind, g32, g16, buf, k, scratch)
         pr, mr, vr = p[lo:hi], m[lo:hi], v[lo:hi]
         if out_kind == OUT_FP32:
@@ -311,7 +311,7 @@ def _sgd(work, g32, g16, kind, gscale, table, p, momentum, out_kind, out32, out1
         lo, hi, buf, grp = work[r, 0], work[r, 1], work[r, 2], work[r, 3]
         lr, mu, wd, first = table[grp, 0], table[grp, 1], table[grp, 2], table[grp, 3] != 0
         k = hi - lo
-        scratch = np.empty(k, dtype=np.int32)
+        scratch = np.empty(0 if kind == GRAD_FP32 else k, dtype=np.int32)  # fp32: read in place
         g = _grads_fp32(kind, g32, g16, buf, k, scratch)
         pr, br = p[lo:hi], momentum[lo:hi]
         for j in range(k):
