@@ -2,7 +2,7 @@
 
 Usage::
 
-    .venv/bin/python bench/bench_optim.py                 # 10^7 params, 7 rounds, 41 pairs
+    .venv/bin/python bench/bench_optim.py                 # 10^7 params, 7 rounds; 41 of the clipped step
     .venv/bin/python bench/bench_optim.py --quick         # 10^6 params, 3 rounds
     .venv/bin/python bench/bench_optim.py --kernels-of b2d6e3e --out bench/results/optim_cpu.txt
 
@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 
 import torch
 from torch import nn
@@ -45,11 +46,12 @@ from fastgrad.ddp import DistributedDataParallel
 from fastgrad.optim import AdamWConfig, DistributedOptimizer
 from fastgrad.optim.norm import local_square_limbs
 from fastgrad.optim.step_paths import FusedCpuPath, TorchOpsPath
-from fastgrad.optim.update import adamw_update_, sqrt_fp32
+from fastgrad.optim.update import adamw_update_
 from verify.distributed import spawn
 
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.1
 MAX_NORM = 1.0
+QUIET_CORES = 0.25  # a round this little disturbed by other processes counts as quiet
 SHAPES_OF = {10**7: [(2000, 2000), (2000, 2000), (1000, 2000)], 10**6: [(500, 1000), (500, 1000)]}
 
 
@@ -64,25 +66,29 @@ class Weights(nn.Module):
         return sum((w * c).sum() for w, c in zip(self.ws, coeffs))
 
 
-def interleaved(candidates: dict, setups: dict, rounds: int) -> dict[str, list[float]]:
-    """Per round, each candidate once (its setup untimed); all times per candidate.
+def interleaved(sides: dict, rounds: int, others: list | None = None) -> dict[str, list[float]]:
+    """Per round, each side's step once, right after its untimed setup; all times per side.
+    ``sides``: name -> (setup, step); ``others``: gets each round's other-process load (cores).
 
     The order rotates by one each round: a candidate that runs right after torch ops
     meets torch's OpenMP workers still spinning (about 10 ms) on the cores it needs, so a
     fixed order would charge that to whichever candidate follows one."""
-    times = {name: [] for name in candidates}
-    for name, fn in candidates.items():  # warm-up
-        setups[name]()
-        fn()
-    names = list(candidates)
+    times = {name: [] for name in sides}
+    for setup, step in sides.values():  # warm-up
+        setup()
+        step()
+    names = list(sides)
     for round_index in range(rounds):
         shift = round_index % len(names)
+        round_start = cpu_seconds()
         for name in names[shift:] + names[:shift]:
-            fn = candidates[name]
-            setups[name]()
+            setup, step = sides[name]
+            setup()
             start = time.perf_counter()
-            fn()
+            step()
             times[name].append(time.perf_counter() - start)
+        if others is not None:
+            others.append(others_cores(round_start))
     return times
 
 
@@ -99,10 +105,15 @@ def cpu_seconds() -> tuple[float, float, float]:
     return time.perf_counter(), busy, time.process_time()
 
 
+def others_cores(start: tuple[float, float, float]) -> float:
+    """Cores the other processes kept busy on average since ``start`` (nan without /proc/stat)."""
+    wall, busy, own = (b - a for a, b in zip(start, cpu_seconds()))
+    return max(0.0, busy - own) / wall if start[1] else float("nan")
+
+
 def others_load(start: tuple[float, float, float]) -> str:
     """How busy the machine was with other processes since ``start`` (cores), and the load."""
-    wall, busy, own = (b - a for a, b in zip(start, cpu_seconds()))
-    others = f"{max(0.0, busy - own) / wall:.2f} of {os.cpu_count()} cores" if busy else "unknown"
+    others = f"{others_cores(start):.2f} of {os.cpu_count()} cores"
     loads = " ".join(f"{x:.2f}" for x in os.getloadavg())
     return f"other processes used {others} meanwhile; load average at the end {loads}"
 
@@ -161,12 +172,10 @@ def step_benchmark(fx: StepFixture, rounds: int) -> list[str]:
     clipping = DistributedOptimizer(fx.ddp, fx.cfg, max_grad_norm=MAX_NORM)
     ops_opt = DistributedOptimizer(fx.ddp, fx.cfg)
     ops_opt.path = TorchOpsPath(ops_opt.shards)
-    (torch_setup, torch_step), (clip_setup, clip_step) = fx.torch_side(False), fx.torch_side(True)
-    candidates = {"torch": torch_step, "torch clip": clip_step, "fused": opt.step,
-                  "fused unchecked": unchecked.step, "fused clip": clipping.step,
-                  "torch ops": ops_opt.step}
-    setups = {"torch": torch_setup, "torch clip": clip_setup}
-    times = interleaved(candidates, {name: setups.get(name, fx.fast_setup) for name in candidates},
+    fast = fx.fast_setup
+    times = interleaved({"torch": fx.torch_side(False), "torch clip": fx.torch_side(True),
+                         "fused": (fast, opt.step), "fused unchecked": (fast, unchecked.step),
+                         "fused clip": (fast, clipping.step), "torch ops": (fast, ops_opt.step)},
                         rounds)
     assert clipping.last_result.clip_coefficient < 1, "the benchmark's grads must be clipped"
     med = {name: statistics.median(ts) for name, ts in times.items()}
@@ -188,7 +197,7 @@ def step_benchmark(fx: StepFixture, rounds: int) -> list[str]:
             f"  clipping to global norm {MAX_NORM} (Megatron-Core's default --clip-grad):",
             f"    torch clip_grad_norm_(foreach=True) + AdamW(foreach=True): {1e3 * med['torch clip']:8.1f}",
             f"    fastgrad, max_grad_norm={MAX_NORM} (fused CPU):                 {1e3 * med['fused clip']:8.1f}"
-            f"   ratio {paired('fused clip', 'torch clip'):.2f} (goal >= 1.2; see the pairs below)"]
+            f"   ratio {paired('fused clip', 'torch clip'):.2f} (goal >= 1.2; see the rounds below)"]
 
 
 def kernels_at(commit: str):
@@ -204,7 +213,7 @@ def kernels_at(commit: str):
     return module
 
 
-def clipped_benchmark(fx: StepFixture, rounds: int, pairs: int, before: str | None) -> list[str]:
+def clipped_benchmark(fx: StepFixture, rounds: int, clip_rounds: int, before: str | None) -> list[str]:
     """The clipped step against torch's in interleaved rounds, on torch's threads and on one
     thread each, then where its time goes; ``before``: also with the kernels of that commit."""
     fast = {"fastgrad": DistributedOptimizer(fx.ddp, fx.cfg, max_grad_norm=MAX_NORM)}
@@ -220,13 +229,14 @@ def clipped_benchmark(fx: StepFixture, rounds: int, pairs: int, before: str | No
     threads = torch.get_num_threads()
     for label, count in ((f"{threads} threads", threads), ("1 thread each", 1)):
         torch.set_num_threads(count)  # the kernels split their rows over as many threads
+        others: list[float] = []
         try:
             load_start = cpu_seconds()
-            times = interleaved({k: f for k, (_, f) in sides.items()},
-                                {k: setup for k, (setup, _) in sides.items()}, pairs)
+            times = interleaved(sides, clip_rounds, others)
         finally:
             torch.set_num_threads(threads)
-        lines.append(f"  clipping to {MAX_NORM}, {label}, {pairs} interleaved rounds (the order "
+        quiet = [i for i, cores in enumerate(others) if cores < QUIET_CORES]
+        lines.append(f"  clipping to {MAX_NORM}, {label}, {clip_rounds} interleaved rounds (the order "
                      "rotating), the same model, params and grads:")
         lines.append("    torch clip_grad_norm_(foreach=True) + AdamW(foreach=True): median "
                      f"{1e3 * statistics.median(times['torch']):6.1f} ms")
@@ -235,7 +245,11 @@ def clipped_benchmark(fx: StepFixture, rounds: int, pairs: int, before: str | No
             lines += [f"    {name}, max_grad_norm={MAX_NORM} (fused CPU, exact norm): median "
                       f"{1e3 * statistics.median(times[name]):6.1f} ms",
                       f"      ratio torch/it per round: {spread(ratios)} (goal >= 1.2)"]
-        lines.append(f"    {others_load(load_start)}")
+            if len(quiet) >= 2:
+                lines.append(f"      in the {len(quiet)} rounds with other processes on < {QUIET_CORES} "
+                             f"cores: {spread([ratios[i] for i in quiet])}")
+        lines.append(f"    {others_load(load_start)}; per round: median "
+                     f"{statistics.median(others):.2f}, max {max(others):.2f} cores")
     # Where its time goes: the parts, right after the same backward as the step, and alone.
     def idle():
         time.sleep(0.05)  # torch's OpenMP workers stop spinning
@@ -257,6 +271,11 @@ def clipped_benchmark(fx: StepFixture, rounds: int, pairs: int, before: str | No
                   f"{name}: clipped AdamW update + param copy": (fx.fast_setup, update),
                   f"{name}: square_bins, 50 ms idle before": (idle, norm),
                   f"{name}: update, 50 ms idle before": (idle, update)}
+    bare = DistributedOptimizer(fx.ddp, fx.cfg, max_grad_norm=MAX_NORM)  # kernels doing nothing:
+    bare.path = FusedCpuPath(bare.shards, types.SimpleNamespace(**{  # what the rest of a step costs
+        **vars(bare.path.k), "square_bins": lambda *_: ([0] * 256, [0] * 256, 0),
+        "adamw": lambda *_: None}))
+    parts["fastgrad: the step with no-op kernels (Python, checks)"] = (fx.fast_setup, bare.step)
     flat = torch.cat([gr.reshape(-1) for gr in fx.grads])
     master, m, v = (torch.randn(fx.numel, generator=fx.generator), torch.zeros(fx.numel),
                     torch.zeros(fx.numel))
@@ -264,20 +283,13 @@ def clipped_benchmark(fx: StepFixture, rounds: int, pairs: int, before: str | No
         "torch ops: exact norm (local_square_limbs)": (idle, lambda: local_square_limbs([flat])),
         "torch ops: adamw_update_ (whole update)": (idle, lambda: adamw_update_(master, flat, m, v,
                                                                                 fx.cfg, 1)),
-        "torch ops:   of which sqrt_fp32": (idle, lambda: sqrt_fp32(v)),
-        "torch ops:   torch.sqrt (not correctly rounded)": (idle, lambda: torch.sqrt(v)),
     }
-    part_times = interleaved({k: f for k, (_, f) in parts.items()},
-                             {k: setup for k, (setup, _) in parts.items()}, rounds)
+    part_times = interleaved(parts, rounds)
     med = {name: 1e3 * statistics.median(ts) for name, ts in part_times.items()}
     lines.append(f"  the clipped step's parts (median ms of {rounds} interleaved rounds, "
                  f"{threads} threads; 'clipped step' to 'update' right after the backward, as in a step):")
     for name, value in med.items():
         lines.append(f"    {name:60s} {value:8.1f}")
-    for name in fast:
-        rest = (med[f"{name}: clipped step"] - med[f"{name}: exact norm, global_grad_norm (+ limbs, sqrt)"]
-                - med[f"{name}: clipped AdamW update + param copy"])
-        lines.append(f"    {name + ': step - norm - update (Python, checks)':60s} {rest:8.1f}")
     return lines
 
 
@@ -419,7 +431,7 @@ def main() -> None:
     parser.add_argument("--backend", default="gloo", choices=("gloo", "nccl"),
                         help="collective backend of the overlap part: gloo (CPU tensors) or "
                              "nccl (one GPU per rank: needs 2 GPUs)")
-    parser.add_argument("--pairs", type=int, default=0,
+    parser.add_argument("--clip-rounds", type=int, default=0,
                         help="interleaved rounds of clipped steps (default 41; --quick 5)")
     parser.add_argument("--kernels-of", metavar="COMMIT",
                         help="also run the clipped step with fastgrad/optim/cpu_kernels.py as it "
@@ -429,13 +441,13 @@ def main() -> None:
     if args.backend == "nccl" and torch.cuda.device_count() < 2:
         parser.error(f"--backend nccl needs 2 GPUs (one per rank), found {torch.cuda.device_count()}")
     numel, rounds = (10**6, 3) if args.quick else (10**7, 7)
-    pairs = args.pairs or (5 if args.quick else 41)
+    clip_rounds = args.clip_rounds or (5 if args.quick else 41)
     lines = [f"bench_optim, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}, "
              f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
              f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"]
     fixture = StepFixture(numel)
     lines += step_benchmark(fixture, rounds)
-    lines += clipped_benchmark(fixture, rounds, pairs, args.kernels_of)
+    lines += clipped_benchmark(fixture, rounds, clip_rounds, args.kernels_of)
     lines += compile_benchmark()
     lines += overlap_benchmark(256 if args.quick else 1024, 4, rounds, args.backend)
     lines.append(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
