@@ -284,10 +284,12 @@ def clipped_benchmark(fx: StepFixture, rounds: int, clip_rounds: int, before: st
         "torch ops: adamw_update_ (whole update)": (idle, lambda: adamw_update_(master, flat, m, v,
                                                                                 fx.cfg, 1)),
     }
+    load_start = cpu_seconds()
     part_times = interleaved(parts, rounds)
     med = {name: 1e3 * statistics.median(ts) for name, ts in part_times.items()}
     lines.append(f"  the clipped step's parts (median ms of {rounds} interleaved rounds, "
-                 f"{threads} threads; 'clipped step' to 'update' right after the backward, as in a step):")
+                 f"{threads} threads; 'clipped step' to 'update' right after the backward, as in a step; "
+                 f"{others_load(load_start)}):")
     for name, value in med.items():
         lines.append(f"    {name:60s} {value:8.1f}")
     return lines
