@@ -178,9 +178,10 @@ def test_fused_norm_is_the_same_for_every_row_split_and_thread_count(monkeypatch
 class _Weights(torch.nn.Module):
     """``forward(c) = sum(w * c)``: the grads are the given tensors, exactly."""
 
-    def __init__(self, sizes: list[int]) -> None:
+    def __init__(self, sizes: list[int], gen: torch.Generator) -> None:
         super().__init__()
-        self.ws = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(n)) for n in sizes])
+        self.ws = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(n, generator=gen))
+                                          for n in sizes])
 
     def forward(self, coeffs):
         return sum((w * c).sum() for w, c in zip(self.ws, coeffs))
@@ -189,9 +190,9 @@ class _Weights(torch.nn.Module):
 def test_clipped_step_on_wide_range_grads_is_refgrads_norm_and_update():
     """The optimizer's clipped step where the norm takes every path (levels, deep levels, one
     sub-block element by element): the norm and the clipped update bitwise refgrad's."""
-    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
     sizes = [SUB + 300, 2 * SUB - 7, 500]
-    model = _Weights(sizes)
+    model = _Weights(sizes, gen)
     ddp = DistributedDataParallel(model, config=DDPConfig(use_distributed_optimizer=True,
                                                           bucket_size=sum(sizes) + 1))
     hyper = R.AdamW(lr=1e-3, weight_decay=0.1)
@@ -199,7 +200,8 @@ def test_clipped_step_on_wide_range_grads_is_refgrads_norm_and_update():
     assert isinstance(opt.path, FusedCpuPath)
     states = [R.ParamState(master=R.values(w)) for w in model.ws]
     for step in (1, 2):
-        grads = [torch.randn(n) * torch.exp2(torch.randint(-70, 10, (n,)).float()) for n in sizes]
+        grads = [torch.randn(n, generator=gen)
+                 * torch.exp2(torch.randint(-70, 10, (n,), generator=gen).float()) for n in sizes]
         grads[0][[0, 1]] = torch.tensor([2.0**80, 2.0**-149])  # every level in one sub-block
         grads[1][5] = 2.0**127  # one sub-block element by element (field 254)
         ddp.zero_grad_buffer()
