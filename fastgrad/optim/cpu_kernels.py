@@ -18,10 +18,10 @@ The exact norm. It yields int64 bins per exponent field ``f`` in units of
 ``2^(2 max(f, 1) - 300)``, as ``norm.local_square_limbs``, whose exact sum is
 the sum of squares; integer sums are associative, so the limbs are identical
 whatever the chunking or the thread count. Binning each element (a scatter,
-one store-to-load chain per element) took 10.1 ms of CPU per 10^7 elements,
-this vectorized pass 4.0 ms: per sub-block of ``SUB_BLOCK`` elements the
-squares are split on fixed grids instead (Rump, Ogita and Oishi's ExtractScalar, SIAM J. Sci. Comput. 31(1),
-2008, Lemma 3.3). With ``f1`` one field above the largest ``|g|``'s, every
+one store-to-load chain per element) took 10.1 ms of one thread's CPU per 10^7
+elements, this vectorized pass 4.0 ms: per sub-block of ``SUB_BLOCK`` elements
+the squares are split on fixed grids instead (Rump, Ogita and Oishi's
+ExtractScalar, SIAM J. Sci. Comput. 31(1), 2008, Lemma 3.3). With ``f1`` one field above the largest ``|g|``'s, every
 square ``s`` (exact in fp64: 48 significant bits) is below ``2^46 u1``, ``u1``
 field ``f1``'s unit. ``sigma = 1.5 * 2^K`` has ulp ``u1``, so ``t = fl(sigma
 + s)`` stays in sigma's binade: ``q = t - sigma`` (a multiple of ``u1``, at
