@@ -69,9 +69,12 @@ ROUGH_CHECK_SECONDS = {"formats": 6, "oracle": 3, "metrics": 1, "layout": 2, "re
                        "deferred_wgrad": 10, "pipeline": 9, "mxfp8": 2, "optim": 7}
 DEFAULT_CHECK_SECONDS = 10.0
 QUICK_FACTOR = 0.5
-# Two checks at once: while one check's ranks start or wait in a collective, the
-# other computes; on 2 cores this halves the default run (bench/bench_verify_run.py).
-DEFAULT_JOBS = 2
+# Twice as many checks at once as CPUs: much of a check's time is spent waiting (its ranks
+# starting, meeting on the store, its references computed in processes of their own), and
+# the others compute meanwhile. Measured on 2 cores, `verify run --candidate fastgrad
+# --candidate megatron-core` (15 results): 140 s at --jobs 2, 108 s at 3, 87 s at 4
+# (bench/results/verify_run_two_candidates_cpu.txt).
+DEFAULT_JOBS = 2 * (os.cpu_count() or 1)
 
 
 class UsageError(Exception):
@@ -149,7 +152,8 @@ def _add_run_parser(subparsers: argparse._SubParsersAction) -> None:
                           "after 20 x SECONDS is ended)")
     run.add_argument("--jobs", type=_positive_int, default=DEFAULT_JOBS, metavar="N", action=SetOnce,
                      help="checks run at the same time (each check's ranks stay its own "
-                          "processes); 1 runs them one after another")
+                          f"processes; default twice the CPUs, here {DEFAULT_JOBS}); 1 runs "
+                          "them one after another")
     run.add_argument("--json", metavar="PATH", action=SetOnce, help="write the JSON report here")
     run.add_argument("--markdown", metavar="PATH", action=SetOnce,
                      help="write the Markdown report here")
