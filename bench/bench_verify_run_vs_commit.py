@@ -146,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run(["git", "worktree", "add", "--detach", str(then_dir), args.commit], cwd=ROOT,
                        check=True, capture_output=True)
         try:
-            checks = _checks_at(then_dir)
+            # With candidates: every check, as the user runs it (its --list prints candidates too).
+            checks = [] if args.candidate else _checks_at(then_dir)
             walls: dict[str, list[float]] = {"then": [], "now": []}
             loads: dict[str, list[float]] = {"then": [], "now": []}
             started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
