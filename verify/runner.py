@@ -86,6 +86,7 @@ def run_checks(checks: Sequence[RunItem], weights: Sequence[float], context: Che
     when ``jobs > 1``) until done or until ``interrupted`` is set (a check raising
     KeyboardInterrupt sets it too)."""
     done: queue.Queue[tuple[int, CheckResult | BaseException]] = queue.Queue()
+    jobs = max(1, min(jobs, len(checks)))  # no more at a time than there are checks
     order = list(range(len(checks)))
     if jobs > 1:
         # Longest first, so that no long check starts last and runs alone.

@@ -338,11 +338,11 @@ class BucketLayout(TechniqueScope, Protocol):
 
     def bucket_observer(self) -> BucketObserver:
         """The candidate's DDP, trained with its buckets watched (torch's DDP)."""
-        raise Unsupported(Technique.LAYOUT, "has no DDP whose buckets can be watched while it trains")
+        raise Unsupported(Technique.LAYOUT, "is not torch's DDP (no Reducer whose buckets a hook can watch)")
 
     def parameter_sharding(self) -> ParameterSharding:
         """Its parameters sharded one by one (FSDP2's ``fully_shard``)."""
-        raise Unsupported(Technique.LAYOUT, "does not shard parameters one by one (it shards buckets)")
+        raise Unsupported(Technique.LAYOUT, "does not shard parameters one by one")
 
     def layouts(self, cases: Sequence[LayoutCase]) -> list[Layout]:
         """The candidate's layout of each case, in order (one call, so a candidate that

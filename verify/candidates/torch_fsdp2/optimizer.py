@@ -7,7 +7,8 @@ sharded parameters in fp32 (the masters) and a ``MixedPrecisionPolicy`` per chil
 (``param_dtype`` its 16-bit dtype, ``reduce_dtype`` fp32 with ``grad_reduce_in_fp32``, else
 its own); the DP sum instead of the mean is ``set_gradient_divide_factor(1.0)``.
 :meth:`~TorchFSDP2Optimizer.build` steps the shards with ``torch.optim.AdamW`` (or ``SGD``;
-no decay on 1-D params as asked), clipping with ``torch.nn.utils.get_total_norm`` (the tied
+no decay on 1-D params as asked; a schedule's lr and weight decay written into the param
+groups before each step, as torch's LR schedulers do), clipping with ``torch.nn.utils.get_total_norm`` (the tied
 copy left out) and ``clip_grads_with_norm_``, as ``clip_grad_norm_`` composes them.
 
 FSDP2 gathers each module's parameters in its forward; to show them whole between steps,
@@ -142,14 +143,19 @@ class FSDP2Training:
         else:
             groups = [{"params": [p for p in params.values() if p.ndim > 1]},
                       {"params": [p for p in params.values() if p.ndim <= 1], "weight_decay": 0.0}]
+        # Which groups take weight decay, as built (1-D params take none without
+        # decay_1d_params): the groups a schedule's weight decay reaches.
+        self._decaying = [group.get("weight_decay") != 0.0 for group in groups]
+        self._updates = 0  # FSDP2 has no loss scaler: every step is an update
+        lr, weight_decay = settings.lr_and_weight_decay(0)
         if settings.sgd is not None:
             h = settings.sgd
-            self.optimizer = torch.optim.SGD(groups, lr=h.lr, momentum=h.momentum,
-                                             weight_decay=h.weight_decay, foreach=False)
+            self.optimizer = torch.optim.SGD(groups, lr=lr, momentum=h.momentum,
+                                             weight_decay=weight_decay, foreach=False)
         else:
             h = settings.adamw
-            self.optimizer = torch.optim.AdamW(groups, lr=h.lr, betas=(h.beta1, h.beta2), eps=h.eps,
-                                               weight_decay=h.weight_decay, foreach=False)
+            self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=(h.beta1, h.beta2), eps=h.eps,
+                                               weight_decay=weight_decay, foreach=False)
 
     loss_scale = None
     param_gather_in_flight = False
@@ -166,8 +172,20 @@ class FSDP2Training:
             norm = float(whole)
             # the coefficient clip_grads_with_norm_ computed, on the same fp32 tensor
             coefficient = float(torch.clamp(self.settings.max_grad_norm / (whole + 1e-6), max=1.0))
+        self._schedule_this_update()
         self.optimizer.step()
+        self._updates += 1
         return StepOutcome(stepped=True, grad_norm=norm, clip_coefficient=coefficient, loss_scale=None)
+
+    def _schedule_this_update(self) -> None:
+        """This update's lr and weight decay into the param groups, as a torch LR scheduler
+        writes them between steps (torch has no weight-decay scheduler: set the same way)."""
+        if self.settings.schedule is None:
+            return
+        lr, weight_decay = self.settings.lr_and_weight_decay(self._updates)
+        for group, decays in zip(self.optimizer.param_groups, self._decaying, strict=True):
+            group["lr"] = lr
+            group["weight_decay"] = weight_decay if decays else 0.0
 
     def named_state(self) -> dict[str, dict[str, torch.Tensor]]:
         out = {}
