@@ -130,7 +130,7 @@ def _worlds() -> dict[str, tuple]:
         "reduce_scatter": (bucket_worker, bucket.size, bucket, (0,)),
         "deferred_wgrad": (_deferred, 2, WorldItem("case", tuple(asdict(tp2).items())), (0,)),
         "pipeline": (pipeline_worker, case.world, PipelineRun(case, True), ()),
-        "optim": (rank_worker, plan.world, plan, (0, [], False, None)),
+        "optim": (rank_worker, plan.world, plan, (0, [], None)),
     }
 
 

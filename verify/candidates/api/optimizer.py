@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from fastgrad.parallel_dims import ParallelDims
 from verify.candidates.api.core import DocumentedBehaviour
-from verify.candidates.api.optimizer_parts import MXFP8Training, OptimizerGuards
+from verify.candidates.api.optimizer_parts import MXFP8Training
 from verify.candidates.api.optimizer_schedule import HyperparameterSchedule
 from verify.candidates.api.scope import TechniqueScope
 
@@ -413,10 +413,6 @@ class DistributedOptimizerStep(TechniqueScope, Protocol):
         """``module`` wrapped in the candidate's DDP over ``dp_group`` (None: the world)."""
         ...
 
-    def guards(self) -> OptimizerGuards:
-        """The misuses the candidate's optimizer refuses (Unsupported: it has no such guards)."""
-        ...
-
     def mxfp8(self) -> MXFP8ParamOptimizer:
         """The optimizer over MXFP8 params (Unsupported where the candidate has none here)."""
         ...
@@ -437,7 +433,6 @@ __all__ = [
     "MXFP8Training",
     "OptimizerBehaviour",
     "OptimizerCheckpoint",
-    "OptimizerGuards",
     "SGDHyperparameters",
     "ShardedOptimizer",
     "OptimizerSettings",

@@ -1,8 +1,8 @@
-"""Two parts of the optimizer interface (:mod:`verify.candidates.api.optimizer`) in a module of
-their own: the misuses a candidate's optimizer refuses (:class:`OptimizerGuards`) and a training
-run over MXFP8 params (:class:`MXFP8Training`, built by ``MXFP8ParamOptimizer``). Both are what
-the ``optim`` check asks a candidate for beside the training loop; a candidate without them
-raises :class:`~verify.candidates.api.core.Unsupported` from the accessor.
+"""A part of the optimizer interface (:mod:`verify.candidates.api.optimizer`) in a module of its
+own: a training run over MXFP8 params (:class:`MXFP8Training`, built by
+``MXFP8ParamOptimizer``), what the ``optim`` check asks a candidate for beside the training
+loop; a candidate without it raises :class:`~verify.candidates.api.core.Unsupported` from the
+accessor.
 """
 
 from __future__ import annotations
@@ -10,44 +10,6 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 import torch
-import torch.distributed as dist
-
-
-@runtime_checkable
-class OptimizerGuards(Protocol):
-    """Misuses the candidate's optimizer refuses with an error naming the rule. Each method
-    makes one on objects of its own (DP 1 unless a group is given) and returns what was raised,
-    as ``"<ExceptionType>: <message>"`` (None: the misuse was accepted). The phrases the
-    ``optim`` check looks for are part of the contract (each method says which)."""
-
-    def mixed_buffer_param_group(self) -> str | None:
-        """A param group holding params of two grad buffers (bf16 and fp32 params):
-        ``ValueError`` naming ``mixes buffers``."""
-        ...
-
-    def non_positive_max_grad_norm(self, value: float) -> str | None:
-        """An optimizer built with ``max_grad_norm=value`` (0 or less): ``ValueError`` naming
-        ``max_grad_norm must be finite and > 0``."""
-        ...
-
-    def step_before_grad_sync(self) -> str | None:
-        """A step before any grad sync finished: ``LifecycleError`` naming ``before the grad sync``."""
-        ...
-
-    def checkpoint_with_renamed_param(self) -> str | None:
-        """A checkpoint whose param names do not match the model's: ``ValueError`` naming
-        ``names do not match``."""
-        ...
-
-    def checkpoint_with_reshaped_param(self) -> str | None:
-        """A checkpoint holding a param of another shape: ``ValueError`` naming ``has shape``."""
-        ...
-
-    def param_modified_during_gather(self, dp_group: dist.ProcessGroup | None) -> str | None:
-        """With ``overlap_param_gather``: a param written between its all-gather's launch and
-        the wait (the next forward): ``LifecycleError`` naming ``modified between the launch``.
-        Collective over ``dp_group``; leaves nothing in flight."""
-        ...
 
 
 @runtime_checkable
@@ -106,4 +68,4 @@ class MXFP8Training(Protocol):
         ...
 
 
-__all__ = ["MXFP8Training", "OptimizerGuards"]
+__all__ = ["MXFP8Training"]

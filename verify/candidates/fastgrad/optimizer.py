@@ -33,10 +33,8 @@ from verify.candidates.api.optimizer import (
     StepOutcome,
     TrainingOptimizer,
 )
-from verify.candidates.api.optimizer_parts import OptimizerGuards
 from verify.candidates.fastgrad.sharded_optimizer import (
     FastgradDataParallel,
-    FastgradGuards,
     FastgradMXFP8Optimizer,
     FastgradShardedOptimizer,
     as_step_outcome,
@@ -51,8 +49,8 @@ from verify.candidates.fastgrad.stages import FastgradStages, norm_group
 class FastgradOptimizer(DistributedOptimizerStep):
     """fastgrad's optimizers over fastgrad's stages, or over a module its DDP wraps
     (:meth:`data_parallel`; its ``with`` scope is empty). ``sharded_cls``: the distributed
-    optimizer class for those, its guards and its MXFP8 params (a test's broken candidate
-    gives a subclass)."""
+    optimizer class for those and its MXFP8 params (a test's broken candidate gives a
+    subclass)."""
 
     shares_a_world: ClassVar[bool] = True
     # keyword-only: subclasses add positional fields (tests' broken optimizers)
@@ -83,9 +81,6 @@ class FastgradOptimizer(DistributedOptimizerStep):
     def data_parallel(self, module: nn.Module, settings: DataParallelSettings,
                       dp_group: dist.ProcessGroup | None) -> FastgradDataParallel:
         return FastgradDataParallel(module, settings, dp_group)
-
-    def guards(self) -> OptimizerGuards:
-        return FastgradGuards(self.sharded_cls)
 
     def mxfp8(self) -> MXFP8ParamOptimizer:
         if not getattr(self.sharded_cls, "supports_mxfp8", False):

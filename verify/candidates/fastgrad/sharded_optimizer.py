@@ -4,8 +4,8 @@
 the check's module (:class:`FastgradDataParallel`); ``fastgrad.optim.DistributedOptimizer`` (or
 a test's subclass) steps it (:class:`FastgradShardedOptimizer`), with
 ``param_groups_without_decay_for`` when 1-D params take no decay, the global-norm clip and
-``DynamicLossScaler``. Its guards (:class:`FastgradGuards`) and its MXFP8 params
-(:class:`FastgradMXFP8Training`, ``fastgrad.mxfp8_sharing``) are the same optimizer class.
+``DynamicLossScaler``. Its MXFP8 params (:class:`FastgradMXFP8Training`,
+``fastgrad.mxfp8_sharing``) are the same optimizer class.
 fastgrad follows ``refgrad.optim``'s order and exact norm: it documents no departure.
 """
 
@@ -40,7 +40,7 @@ from verify.candidates.api.optimizer import (
     ShardedOptimizer,
     StepOutcome,
 )
-from verify.candidates.api.optimizer_parts import MXFP8Training, OptimizerGuards
+from verify.candidates.api.optimizer_parts import MXFP8Training
 
 
 def fastgrad_config(settings: OptimizerSettings) -> AdamWConfig | SGDConfig:
@@ -181,102 +181,6 @@ class FastgradShardedOptimizer(ShardedOptimizer):
 
     def load_checkpoint(self, checkpoint: OptimizerCheckpoint) -> None:
         self.optimizer.load_state_dict(checkpoint.native)
-
-
-class _Leaf(nn.Module):
-    """``sum(param * coefficient)`` over its params (the guards' model)."""
-
-    def __init__(self, **params: torch.Tensor) -> None:
-        super().__init__()
-        for key, value in params.items():
-            self.register_parameter(key, nn.Parameter(value))
-
-    def forward(self, scale: float) -> torch.Tensor:
-        return sum((p.float() * scale).sum() for p in self.parameters())
-
-
-class _Pair(nn.Module):
-    """Two leaves: a bf16 weight (``mixed``) or an fp32 one, and an fp32 weight and bias."""
-
-    def __init__(self, mixed: bool) -> None:
-        super().__init__()
-        first = torch.linspace(-1, 1, 24).reshape(4, 6)
-        self.a = _Leaf(weight=first.to(torch.bfloat16) if mixed else first)
-        self.b = _Leaf(weight=torch.linspace(-0.5, 0.5, 12).reshape(3, 4), bias=torch.ones(4) / 8)
-
-    def forward(self, scale: float) -> torch.Tensor:
-        return self.a(scale) + self.b(scale)
-
-
-def _raised(action) -> str | None:
-    try:
-        action()
-    except Exception as error:  # noqa: BLE001 - the type and message are the result
-        return f"{type(error).__name__}: {error}"
-    return None
-
-
-class FastgradGuards(OptimizerGuards):
-    """fastgrad's refusals, made with ``optimizer_cls`` over small models of its own."""
-
-    def __init__(self, optimizer_cls: type[DistributedOptimizer]) -> None:
-        self.optimizer_cls = optimizer_cls
-
-    def _wrapped(self, *, mixed: bool = False, overlap: bool = False,
-                 dp_group: dist.ProcessGroup | None = None) -> tuple[_Pair, DistributedDataParallel]:
-        model = _Pair(mixed)
-        config = DDPConfig(use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=40,
-                           overlap_param_gather=overlap)
-        return model, DistributedDataParallel(model, config=config, dp_group=dp_group)
-
-    def _trained(self) -> DistributedOptimizer:
-        model, ddp = self._wrapped()
-        optimizer = self.optimizer_cls(ddp, AdamWConfig(lr=0.1))
-        ddp.zero_grad_buffer()
-        model(0.5).backward()
-        ddp.finish_grad_sync()
-        optimizer.step()
-        return optimizer
-
-    def mixed_buffer_param_group(self) -> str | None:
-        model, ddp = self._wrapped(mixed=True)
-        return _raised(lambda: self.optimizer_cls(ddp, AdamWConfig(lr=0.1),
-                                                  [{"params": list(model.parameters())}]))
-
-    def non_positive_max_grad_norm(self, value: float) -> str | None:
-        _, ddp = self._wrapped(mixed=True)
-        return _raised(lambda: self.optimizer_cls(ddp, AdamWConfig(lr=0.1), max_grad_norm=value))
-
-    def step_before_grad_sync(self) -> str | None:
-        _, ddp = self._wrapped()
-        return _raised(self.optimizer_cls(ddp, AdamWConfig(lr=0.1)).step)
-
-    def checkpoint_with_renamed_param(self) -> str | None:
-        optimizer = self._trained()
-        state = optimizer.named_state_dict()
-        renamed = {**state, "params": {("x" + k if k == "b.bias" else k): v
-                                       for k, v in state["params"].items()}}
-        return _raised(lambda: optimizer.load_state_dict(renamed))
-
-    def checkpoint_with_reshaped_param(self) -> str | None:
-        optimizer = self._trained()
-        state = optimizer.named_state_dict()
-        reshaped = {**state, "params": {**state["params"], "b.bias": {
-            k: v.reshape(1, -1) for k, v in state["params"]["b.bias"].items()}}}
-        return _raised(lambda: optimizer.load_state_dict(reshaped))
-
-    def param_modified_during_gather(self, dp_group: dist.ProcessGroup | None) -> str | None:
-        model, ddp = self._wrapped(overlap=True, dp_group=dp_group)
-        optimizer = self.optimizer_cls(ddp, AdamWConfig(lr=0.1))
-        ddp.zero_grad_buffer()
-        model(0.5).backward()
-        ddp.finish_grad_sync()
-        optimizer.step()  # launches the param all-gathers
-        with torch.no_grad():
-            model.b.weight.add_(1.0)
-        outcome = _raised(lambda: model.b(0.5))  # its forward pre-hook waits, and must refuse
-        _raised(optimizer.finish_param_sync)  # leave nothing in flight (already reported above)
-        return outcome
 
 
 class FastgradMXFP8Training(MXFP8Training):

@@ -77,10 +77,6 @@ PARAM_GATHER_IN_FORWARD = DocumentedBehaviour(
     "megatron/core/optimizer/distrib_optimizer.py DistributedOptimizer.step_with_ready_grads "
     "(start_param_sync only without overlap_param_gather); "
     "megatron/core/distributed/param_and_grad_buffer.py _ParamAndGradBucketGroup.finish_param_sync")
-NO_GUARDS = ("the misuse guards (a param group mixing buffers, a non-positive max norm, a step "
-             "before the grad sync, a mismatched checkpoint, a param written while its all-gather "
-             "is in flight) are fastgrad's API; Megatron-Core's optimizer is built by "
-             "get_megatron_optimizer from an OptimizerConfig, with no such refusals to hold it to")
 NO_MXFP8 = ("MXFP8 params need Transformer Engine's MXFP8 tensors (CUDA); Megatron-Core's "
             "optimizer over them is the mxfp8 check's subject where it can run")
 
@@ -122,9 +118,6 @@ class MegatronOptimizer(MegatronScope, DistributedOptimizerStep):
     def data_parallel(self, module: torch.nn.Module, settings: DataParallelSettings,
                       dp_group: dist.ProcessGroup | None) -> MegatronDataParallel:
         return MegatronDataParallel(module, settings, dp_group, self.ddp_class)
-
-    def guards(self) -> NoReturn:
-        raise Unsupported(Technique.OPTIMIZER, NO_GUARDS)
 
     def mxfp8(self) -> NoReturn:
         raise Unsupported(Technique.OPTIMIZER, NO_MXFP8)

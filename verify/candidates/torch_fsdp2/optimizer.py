@@ -15,7 +15,7 @@ FSDP2 gathers each module's parameters in its forward; to show them whole betwee
 :meth:`~FSDP2Training.finish_param_sync` unshards every module (``FSDPModule.unshard``) and
 the next step reshards first. What it does not have is Unsupported: loss scaling
 (``torch.amp.GradScaler`` is a separate API), checkpoints (``torch.distributed.checkpoint``
-is not wired), the misuse guards and MXFP8.
+is not wired) and MXFP8.
 """
 
 from __future__ import annotations
@@ -250,10 +250,6 @@ class TorchFSDP2Optimizer(DistributedOptimizerStep):
     def data_parallel(self, module: nn.Module, settings: DataParallelSettings,
                       dp_group: dist.ProcessGroup | None) -> FSDP2Module:
         return FSDP2Module(module, settings, dp_group)
-
-    def guards(self) -> NoReturn:
-        raise _unsupported("misuse guards: torch.optim and FSDP2 raise no errors the check's "
-                           "guards name")
 
     def mxfp8(self) -> NoReturn:
         raise _unsupported("MXFP8 params (torchao's float8 training is not wired)")

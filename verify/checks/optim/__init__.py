@@ -4,8 +4,8 @@ The candidate (fastgrad by default, Megatron-Core, or a broken one) is reached o
 its optimizer interface (``candidate.optimizer()``,
 :class:`~verify.candidates.api.optimizer.DistributedOptimizerStep`): ``data_parallel`` wraps
 the check's model in the candidate's DDP on the check's DP group, ``build`` makes its
-distributed optimizer, ``guards`` and ``mxfp8`` are the misuse refusals and MXFP8 params
-(a candidate without them: a SKIP naming why). A candidate that documents departures from
+distributed optimizer, ``mxfp8`` its MXFP8 params (a candidate without them: a SKIP naming
+why). A candidate that documents departures from
 ``refgrad.optim`` (Megatron-Core: torch.optim.AdamW's order, an fp32 partial-sum grad norm,
 the param all-gather launched by the next forward) is held to refgrad's model of each and
 the distance from the spec is a documented difference naming where it lives (``compare``);
@@ -54,10 +54,6 @@ recorded and the numbers are still compared. Then:
     step 3 bitwise equal to the uninterrupted run; loaded at DP=3 it gives bitwise
     the same full masters and state, params equal to the masters' cast, and a
     step 3 equal to refgrad;
-  * errors: a param group mixing buffers, a non-positive max norm, a checkpoint
-    whose names or shapes do not match, a step before any grad sync, a param
-    modified between its all-gather's launch and wait: each the right error
-    type, with the rule in the message;
   * MXFP8 params (``mxfp8``), on ranks 0-1 of the same spawn at DP=2: AdamW (clipped)
     and SGD, buffer sharing off and on (and bf16 grads unless ``--quick``), 3 steps
     of rank-specific grads; after every step the fp32 masters, the optimizer state

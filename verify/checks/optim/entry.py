@@ -13,7 +13,6 @@ from refgrad import optim as R
 from refgrad.formats import tensor_bit_patterns
 from verify.candidates import Candidate, LaunchSettings, Technique, Unsupported
 from verify.candidates.api.optimizer import DistributedOptimizerStep, OptimizerBehaviour
-from verify.candidates.api.optimizer_parts import OptimizerGuards
 from verify.candidates.api.pipeline import ParallelDims
 from verify.check import Check, CheckContext, CheckRecorder, launcher_for, run_part
 from verify.checks.optim.cases import CHECKPOINT_CASE, MIXED, NAMES, OptimCase, case_matrix
@@ -27,7 +26,6 @@ from verify.checks.optim.compare import (
 from verify.checks.optim.expectations import ProductionModel, case_trajectory
 from verify.checks.optim.mxfp8 import compare_runs, refgrad_trajectory, same_bits
 from verify.checks.optim.worker import (
-    GUARD_LABEL,
     MXFP8_LABEL,
     RESUME_AFTER,
     WorldPlan,
@@ -157,17 +155,17 @@ def _plan_labels(plan: WorldPlan) -> list[str]:
     """The cases, resumes and extras a world plan runs (how the report names a crash's scope)."""
     labels = [case.label for _, case in plan.cases]
     labels += [resumed_label(r) for r in (plan.dp2_resume_ranks, plan.dp3_resume_ranks) if r]
-    return labels + ([GUARD_LABEL, MXFP8_LABEL] if plan.extras else [])
+    return labels + ([MXFP8_LABEL] if plan.extras else [])
 
 
 def _spawn_plans(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate,
-                 cases: list[OptimCase], seed: int, shares_a_world: bool, mxfp8_runs: list,
-                 guarded: bool) -> list[dict]:
+                 cases: list[OptimCase], seed: int, shares_a_world: bool, mxfp8_runs: list
+                 ) -> list[dict]:
     """Every world plan in a world of its own, in order (a later world resumes an earlier
     one's checkpoint), laid out as the 4-rank plan. A plan whose world crashed is recorded as
     the crash of the case its failing rank was in (named by the worker), and its cases have
     no results."""
-    plans = world_plans(cases, shares_a_world, extras=guarded or bool(mxfp8_runs))
+    plans = world_plans(cases, shares_a_world, extras=bool(mxfp8_runs))
     launcher = launcher_for(candidate)
     results: list[list[dict] | None] = []
     checkpoint = None
@@ -177,7 +175,7 @@ def _spawn_plans(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate,
             results.append(None)  # no checkpoint to resume from (taken nowhere, or refused)
             continue
         (outcome,) = spawn_each(rank_worker, plan.world, [plan], candidate, seed, mxfp8_runs,
-                                guarded, checkpoint, isolate=True, timeout_s=ctx.timeout_s,
+                                checkpoint, isolate=True, timeout_s=ctx.timeout_s,
                                 launcher=launcher)
         if outcome.crash is not None:
             _record_crash(rec, candidate, cases, plan, outcome.crash)
@@ -204,8 +202,7 @@ def _record_crash(rec: CheckRecorder, candidate: Candidate, cases: list[OptimCas
 
 
 def check_multi_rank(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate,
-                     behaviour: OptimizerBehaviour, shares_a_world: bool, *, guarded: bool,
-                     mxfp8: bool) -> None:
+                     behaviour: OptimizerBehaviour, shares_a_world: bool, *, mxfp8: bool) -> None:
     """The case matrix, the DP=2 resume and the DP=2 -> DP=3 reshard (one 4-rank spawn, or a
     world per DP size for a candidate whose optimizer cannot share one)."""
     cases = case_matrix(ctx.quick)
@@ -219,7 +216,7 @@ def check_multi_rank(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate
                                  launcher=launcher_for(candidate))
         # One world for every case only where the candidate keeps no process-wide state.
         shared = shares_a_world and not candidate.isolates_configurations
-        per_rank = _spawn_plans(ctx, rec, candidate, cases, seed, shared, mxfp8_runs, guarded)
+        per_rank = _spawn_plans(ctx, rec, candidate, cases, seed, shared, mxfp8_runs)
         expected = references.result()[0]
     models: dict = {"cases": [None] * len(cases), "dp3": (None, None)}
     if behaviour.documented():  # refgrad's model of its documented optimizer, clipped with its norms
@@ -242,43 +239,9 @@ def check_multi_rank(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate
             check_case(rec, case, runs, expected["cases"][index],
                        Documented(behaviour, models["cases"][index]))
     _check_resumes(rec, per_rank, cases, expected, Documented(behaviour, models["dp3"][1]))
-    extras_ran = all("modified" in per_rank[r] or "mxfp8" in per_rank[r] for r in (0, 1))
-    if guarded and extras_ran:
-        for rank in (0, 1):
-            outcome = per_rank[rank].get("modified") or "no error"
-            rec.expect(
-                f"optim error: a param modified between all-gather launch and wait is refused "
-                f"(LifecycleError naming the rule, DP=2 rank {rank})",
-                outcome.startswith("LifecycleError") and "modified between the launch" in outcome,
-                outcome[:300])
+    extras_ran = all("mxfp8" in per_rank[r] for r in (0, 1))
     if mxfp8_runs and extras_ran:
         check_mxfp8(rec, mxfp8_runs, [per_rank[0]["mxfp8"], per_rank[1]["mxfp8"]], ctx.timeout_s)
-
-
-def _expect_refused(rec: CheckRecorder, label: str, outcome: str | None, error: str, rule: str) -> None:
-    """``outcome`` (``"<Type>: <message>"``, None: accepted) is ``error`` naming ``rule``."""
-    if outcome is None:
-        rec.expect(f"optim error: {label}", False, f"no {error} raised")
-    elif not outcome.startswith(f"{error}:"):
-        rec.expect(f"optim error: {label}", False, f"expected {error}, got {outcome}"[:300])
-    else:
-        rec.expect(f"optim error: {label}", rule in outcome, outcome[:300])
-
-
-def check_errors(rec: CheckRecorder, guards: OptimizerGuards) -> None:
-    """Bad input (DP=1, this process): the right error type with the rule in the message."""
-    _expect_refused(rec, "a param group mixing buffers (ValueError 'mixes buffers')",
-                    guards.mixed_buffer_param_group(), "ValueError", "mixes buffers")
-    for bad in (0.0, -1.0):
-        _expect_refused(rec, f"max_grad_norm={bad} (ValueError 'must be finite and > 0')",
-                        guards.non_positive_max_grad_norm(bad), "ValueError",
-                        "max_grad_norm must be finite and > 0")
-    _expect_refused(rec, "a step before any grad sync finished (LifecycleError 'before the grad sync')",
-                    guards.step_before_grad_sync(), "LifecycleError", "before the grad sync")
-    _expect_refused(rec, "a checkpoint whose names do not match (ValueError 'names do not match')",
-                    guards.checkpoint_with_renamed_param(), "ValueError", "names do not match")
-    _expect_refused(rec, "a checkpoint whose shapes do not match (ValueError 'has shape')",
-                    guards.checkpoint_with_reshaped_param(), "ValueError", "has shape")
 
 
 def check_torch_adamw(ctx: CheckContext, rec: CheckRecorder) -> None:
@@ -370,30 +333,18 @@ def check_mxfp8(rec: CheckRecorder, mxfp8_runs: list[tuple[str, bool, bool]],
 
 def run(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate) -> None:
     """The ``optim`` check against ``candidate``'s optimizer (default: fastgrad's)."""
-    behaviour, shares_a_world, guarded, mxfp8 = run_part(ctx, rec, candidate, _optimizer_facts)
-    check_multi_rank(ctx, rec, candidate, behaviour, shares_a_world, guarded=guarded, mxfp8=mxfp8)
+    behaviour, shares_a_world, mxfp8 = run_part(ctx, rec, candidate, _optimizer_facts)
+    check_multi_rank(ctx, rec, candidate, behaviour, shares_a_world, mxfp8=mxfp8)
     check_torch_adamw(ctx, rec)
 
 
 def _optimizer_facts(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate
-                     ) -> tuple[OptimizerBehaviour, bool, bool, bool]:
-    """The candidate's documented departures, whether its optimizers share a world, and its
-    misuse guards (checked here) and MXFP8 params, where it has them. A candidate without
-    the technique raises Unsupported: a SKIP."""
+                     ) -> tuple[OptimizerBehaviour, bool, bool]:
+    """The candidate's documented departures, whether its optimizers share a world, and
+    whether it has MXFP8 params. A candidate without the technique raises Unsupported: a
+    SKIP."""
     with candidate.optimizer() as optimizer:
-        return (optimizer.behaviour(), optimizer.shares_a_world, _guards(rec, optimizer),
-                _has_mxfp8(rec, optimizer))
-
-
-def _guards(rec: CheckRecorder, optimizer: DistributedOptimizerStep) -> bool:
-    """The misuse guards in this process; False (a SKIP with the reason) when it has none."""
-    try:
-        guards = optimizer.guards()
-    except Unsupported as unsupported:
-        rec.skip(f"optim errors: {unsupported.reason}")
-        return False
-    check_errors(rec, guards)
-    return True
+        return optimizer.behaviour(), optimizer.shares_a_world, _has_mxfp8(rec, optimizer)
 
 
 def _has_mxfp8(rec: CheckRecorder, optimizer: DistributedOptimizerStep) -> bool:

@@ -9,8 +9,8 @@ optimizer with collectives over the whole default group) each DP size runs in a 
 own, its cases on ranks ``0..DP-1`` (:func:`world_plans`). Either way the results come back
 laid out by the 4-rank plan, so the comparisons are the same. Phase 2 resumes the DP=2
 checkpoint (taken after step 2) at DP=2 on other ranks (uninterrupted training must be
-reproduced bitwise) and at DP=3 (resharding); then, where the candidate has them, its guards'
-"param modified while its all-gather is in flight" and the MXFP8 runs on ranks 0-1.
+reproduced bitwise) and at DP=3 (resharding); then, where the candidate has them, the MXFP8
+runs on ranks 0-1.
 
 Per step a rank records what the check compares: the step's outcome, global norm and loss
 scale, the loss scaler's state after it, whether a leaf's forward read params whose all-gather
@@ -41,14 +41,14 @@ WORLD = 4
 RESUME_AFTER = 2  # the checkpoint is taken after this many steps of CHECKPOINT_CASE
 DP2_RESUMED_ON = (2, 3)  # the ranks (of the 4-rank plan) that resume at DP=2
 DP3_RESUMED_ON = (0, 1, 2)  # ... and at DP=3
-EXTRAS_ON = (0, 1)  # the guards' in-flight write and the MXFP8 runs
+EXTRAS_ON = (0, 1)  # the MXFP8 runs
 
 
 @dataclass(frozen=True)
 class WorldPlan:
     """What one spawn runs: ``cases`` as ``(index in the matrix, the case on this world's
-    ranks)``, the resumes (on these ranks; empty: not here), and whether the guards' in-flight
-    write and the MXFP8 runs run here (on ranks 0-1)."""
+    ranks)``, the resumes (on these ranks; empty: not here), and whether the MXFP8 runs run
+    here (on ranks 0-1)."""
 
     world: int
     cases: tuple[tuple[int, OptimCase], ...]
@@ -179,12 +179,12 @@ def _train(case: OptimCase, group, local_rank: int, optimizer: DistributedOptimi
 
 
 def rank_worker(rank: int, world: int, plan: WorldPlan, candidate: Candidate, seed: int,
-                mxfp8_runs: list[tuple[str, bool, bool]], guarded: bool,
+                mxfp8_runs: list[tuple[str, bool, bool]],
                 checkpoint: OptimizerCheckpoint | None) -> dict:
     """One rank of ``plan``: phase 1 (its cases), phase 2 (the resumes: the checkpoint is the
     one this world's checkpoint case took, or ``checkpoint`` given from another world), then,
-    where ``plan.extras``, the guards' in-flight write (``guarded``) and the MXFP8 runs
-    ``(algorithm, sharing, grad_fp32)`` at DP=2 on ranks 0-1."""
+    where ``plan.extras``, the MXFP8 runs ``(algorithm, sharing, grad_fp32)`` at DP=2 on
+    ranks 0-1."""
     groups, books = _groups(world, plan)
 
     def book(case: OptimCase):
@@ -216,9 +216,6 @@ def rank_worker(rank: int, world: int, plan: WorldPlan, candidate: Candidate, se
                                       load=checkpoint)
         if plan.extras and rank in EXTRAS_ON:
             pair = groups[EXTRAS_ON]
-            if guarded:
-                with _naming(GUARD_LABEL):
-                    out["modified"] = optimizer.guards().param_modified_during_gather(pair)
             if mxfp8_runs:
                 mxfp8 = optimizer.mxfp8()
                 with _naming(MXFP8_LABEL):
@@ -228,7 +225,6 @@ def rank_worker(rank: int, world: int, plan: WorldPlan, candidate: Candidate, se
     return out
 
 
-GUARD_LABEL = "optim DP=2: a param modified while its all-gather is in flight"
 MXFP8_LABEL = "optim MXFP8 DP=2"
 
 
@@ -268,7 +264,6 @@ def as_four_ranks(cases: list[OptimCase], plans: list[WorldPlan],
                     per_rank[on[local]][key] = result[key]
         if plan.extras:
             for local in EXTRAS_ON:
-                for key in ("modified", "mxfp8"):
-                    if key in ranks[local]:
-                        per_rank[local][key] = ranks[local][key]
+                if "mxfp8" in ranks[local]:
+                    per_rank[local]["mxfp8"] = ranks[local]["mxfp8"]
     return per_rank
