@@ -5,7 +5,8 @@ from dataclasses import dataclass
 import pytest
 
 from fastgrad.deferred_wgrad import ColumnParallelOutputLayer
-from verify.candidates import FastgradCandidate, Fault, Technique, Unsupported
+from tests.candidates.fastgrad_faults import Fault, FaultyFastgrad
+from verify.candidates import FastgradCandidate, Technique, Unsupported
 from verify.candidates.api.deferred_wgrad import (
     DeferredWgrad,
     OutputLayerConfig,
@@ -70,7 +71,7 @@ def test_fastgrad_satisfies_the_interface():
 @pytest.mark.dist
 @pytest.mark.parametrize(
     "candidate, symptom",
-    [(FastgradCandidate(injected_fault=Fault.LIFO_DRAIN), "deferred == immediate in drain order"),
+    [(FaultyFastgrad(Fault.LIFO_DRAIN), "deferred == immediate in drain order"),
      (ClearsOnlyActivationsCandidate(), "stale step")],
 )
 def test_check_fails_on_a_broken_candidate(candidate, symptom):

@@ -5,7 +5,8 @@ from dataclasses import dataclass, replace
 import pytest
 
 from refgrad.pipeline import LinearStackSpec, StepPlan
-from verify.candidates import FastgradCandidate, Fault, Technique, Unsupported
+from tests.candidates.fastgrad_faults import Fault, FaultyFastgrad
+from verify.candidates import FastgradCandidate, Technique, Unsupported
 from verify.candidates.api.pipeline import ParallelDims, PipelineCase
 from verify.candidates.fastgrad.pipeline import FastgradPipeline
 from verify.check import CheckContext
@@ -39,7 +40,7 @@ def test_pipeline_check_fails_when_microbatch_accumulation_order_is_wrong():
     # The candidate sums the same microbatches in reverse order: the same math,
     # different fp32 rounding. Only a bitwise comparison catches it.
     result = CHECK.execute(CheckContext(quick=True),
-                           FastgradCandidate(injected_fault=Fault.REVERSED_MICROBATCHES))
+                           FaultyFastgrad(Fault.REVERSED_MICROBATCHES))
     assert not result.passed
     assert result.error is None
     failed = [c.label for c in result.comparisons if not c.passed]
@@ -54,7 +55,7 @@ def test_pipeline_check_fails_when_microbatch_accumulation_order_is_wrong():
 def test_pipeline_check_fails_when_the_deferred_wgrad_drain_runs_newest_first():
     # Fault.LIFO_DRAIN: the last stage's output layer drains its deferred GEMMs in reverse,
     # another fp32 sum order of the same products; only the tied-head case has a head.
-    result = CHECK.execute(CheckContext(quick=True), FastgradCandidate(injected_fault=Fault.LIFO_DRAIN))
+    result = CHECK.execute(CheckContext(quick=True), FaultyFastgrad(Fault.LIFO_DRAIN))
     assert not result.passed and result.error is None
     failed = [c.label for c in result.comparisons if not c.passed]
     head = "P2 D2 all-reduce avg-in-collective, tied head"
@@ -184,8 +185,8 @@ def test_a_rank_raising_ends_its_case_in_seconds_as_a_crash_and_the_other_cases_
 
 
 def test_candidate_validation():
-    with pytest.raises(TypeError, match="FastgradCandidate.injected_fault must be a Fault"):
-        FastgradCandidate(injected_fault="gremlins")
+    with pytest.raises(TypeError, match="FaultyFastgrad.fault must be a Fault"):
+        FaultyFastgrad("gremlins")
 
 
 def test_case_validation():

@@ -15,9 +15,10 @@ from dataclasses import replace
 import pytest
 import torch
 
+from tests.candidates.fastgrad_faults import Fault, FaultyFastgrad
 from tests.distributed_utils import run_distributed
 from tests.verify.preflight_launch import parsed_launch, preflight_args, preflight_config
-from verify.candidates import FastgradCandidate, Fault
+from verify.candidates import FastgradCandidate
 from verify.distributed import DistributedRunError
 from verify.preflight import cli as preflight_cli
 from verify.preflight.cli import build_report
@@ -124,16 +125,16 @@ LAYOUT = {"tied_deferred": (TIED_DEFERRED, 0, 0, SMALL), "interleaved": (INTERLE
 # Broken fastgrads, trained beside them: name -> (flags, phase, first rank, options, candidate).
 BROKEN = {"interleaved_lifo": (INTERLEAVED_DEFERRED[:5] + ["2", "--global-batch-size", "4",  # DP 1
                                                             "--defer-embedding-wgrad-compute"],
-                               5, 0, SMALL, FastgradCandidate(injected_fault=Fault.LIFO_DRAIN)),
+                               5, 0, SMALL, FaultyFastgrad(Fault.LIFO_DRAIN)),
           # TP2 PP2 DP1, tied: each first-stage shard all-reduced with the other TP rank's head.
           "tp2_crossed": (TP2_TIED[:5] + ["4", "--global-batch-size", "4"], 5, 4, SMALL,  # DP 1
-                          FastgradCandidate(injected_fault=Fault.CROSSED_EMBEDDING_GROUP)),
+                          FaultyFastgrad(Fault.CROSSED_EMBEDDING_GROUP)),
           # PP1 DP2, tied (one weight): the embedding's grad added before the output layer's
           # wgrad in each microbatch, or the output layer's wgrad never added.
           "pp1_embedding_first": (PP1_TIED, 7, 0, SMALL,
-                                  FastgradCandidate(injected_fault=Fault.EMBEDDING_GRAD_FIRST)),
+                                  FaultyFastgrad(Fault.EMBEDDING_GRAD_FIRST)),
           "pp1_head_dropped": (PP1_TIED, 7, 2, SMALL,
-                               FastgradCandidate(injected_fault=Fault.DROPPED_HEAD_WGRAD))}
+                               FaultyFastgrad(Fault.DROPPED_HEAD_WGRAD))}
 
 
 @pytest.fixture(scope="module")
@@ -560,7 +561,7 @@ def test_a_drain_in_the_wrong_order_fails_naming_parameter_and_step(capsys, tmp_
     flags = ["--pipeline-model-parallel-size", "2", "--world-size", "2",
              "--global-batch-size", "4", "--defer-embedding-wgrad-compute"]
     json_path, md_path = tmp_path / "t.json", tmp_path / "t.md"
-    rc, out, _ = _cli(flags, capsys, FastgradCandidate(injected_fault=Fault.LIFO_DRAIN),
+    rc, out, _ = _cli(flags, capsys, FaultyFastgrad(Fault.LIFO_DRAIN),
                       extra=("--json", str(json_path), "--markdown", str(md_path)))
     assert rc == 1
     first = out.splitlines()[0]
@@ -636,11 +637,11 @@ def test_a_broken_drain_is_a_fault_of_one_layer_instance_not_a_global_rebinding(
 
     from fastgrad.deferred_wgrad import ColumnParallelOutputLayer, EmbeddingWgradConfig
     from fastgrad.parallel_dims import ParallelDims
-    from verify.candidates.fastgrad.pipeline_model import output_layer_class
+    from tests.candidates.fastgrad_faults import output_layer_class
 
     production_drain = ColumnParallelOutputLayer.drain_deferred_wgrad
-    assert FastgradCandidate().fault is None
-    assert FastgradCandidate(injected_fault=Fault.LIFO_DRAIN).fault is Fault.LIFO_DRAIN
+    assert FastgradCandidate().label == "fastgrad"
+    assert FaultyFastgrad(Fault.LIFO_DRAIN).label == "fastgrad (fault: lifo_drain)"
     assert output_layer_class(None) is ColumnParallelOutputLayer
     cfg = EmbeddingWgradConfig(defer_embedding_wgrad_compute=True)
     g = torch.Generator().manual_seed(3)

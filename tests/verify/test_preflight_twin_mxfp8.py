@@ -25,7 +25,7 @@ from fastgrad.mxfp8_sharing import MXFP8ParamGradBuffer
 from tests.verify.preflight_launch import parsed_launch, preflight_config
 from tests.verify.twin_world import plan_layout, train_and_compare
 from verify.candidates import FastgradCandidate
-from verify.candidates.fastgrad.pipeline import FastgradPipeline, with_fault_groups
+from verify.candidates.fastgrad.pipeline import FastgradPipeline
 from verify.candidates.fastgrad.stages import FastgradStages
 from verify.preflight.cli import build_report
 from verify.preflight.render import render_markdown
@@ -186,7 +186,7 @@ class _BrokenPipeline(FastgradPipeline):
     stages: type[FastgradStages] = FastgradStages
 
     def model(self, case, grid, settings):
-        return self.stages(case, with_fault_groups(case, grid, self.fault), settings, self.fault)
+        return self.stages(case, self.rank_grid(case, grid), settings)
 
 
 @dataclass(frozen=True)
@@ -197,7 +197,7 @@ class _BrokenMXFP8Candidate(FastgradCandidate):
     stages: type[FastgradStages] = FastgradStages
 
     def pipeline(self):
-        return _BrokenPipeline(fault=self.injected_fault, stages=self.stages)
+        return _BrokenPipeline(stages=self.stages)
 
 
 @pytest.mark.dist

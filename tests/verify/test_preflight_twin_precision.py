@@ -28,7 +28,7 @@ from fastgrad.ddp import DistributedDataParallel
 from tests.verify.test_preflight_twin_optim import STEPS, _config, _plans
 from tests.verify.twin_world import train_and_compare
 from verify.candidates import FastgradCandidate
-from verify.candidates.fastgrad.pipeline import FastgradPipeline, with_fault_groups
+from verify.candidates.fastgrad.pipeline import FastgradPipeline
 from verify.candidates.fastgrad.stages import FastgradStages
 from verify.preflight.twin import TwinPrecision, plan_twin
 from verify.preflight.twin.precision import precision_for
@@ -340,7 +340,7 @@ class _WrongDtypeStages(FastgradStages):
 @dataclass(frozen=True)
 class _WrongDtypePipeline(FastgradPipeline):
     def model(self, case, grid, settings):
-        return _WrongDtypeStages(case, with_fault_groups(case, grid, self.fault), settings, self.fault)
+        return _WrongDtypeStages(case, self.rank_grid(case, grid), settings)
 
 
 @dataclass(frozen=True)
@@ -348,7 +348,7 @@ class _WrongDtypeCandidate(FastgradCandidate):
     name = "fastgrad (bf16-accumulating DDP)"
 
     def pipeline(self):
-        return _WrongDtypePipeline(fault=self.injected_fault)
+        return _WrongDtypePipeline()
 
 
 @pytest.mark.dist

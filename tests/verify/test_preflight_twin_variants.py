@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from fastgrad.parallel_dims import ParallelDims
+from tests.candidates.fastgrad_faults import Fault, FaultyFastgrad
 from tests.distributed_utils import run_distributed
 from tests.verify.preflight_launch import preflight_config
-from verify.candidates import FastgradCandidate, Fault
+from verify.candidates import FastgradCandidate
 from verify.candidates.api.optimizer import CONSTANT_SCALE_WINDOW, LossScaling
 from verify.candidates.api.pipeline import MXFP8Params, RankResult, StageSettings
 from verify.preflight.config import ConfigError
@@ -96,7 +97,7 @@ def test_a_twin_run_is_typed_and_travels_to_the_ranks():
                                        "--global-batch-size", "2"])
     plan = plan_twin(config, TwinOptions(hidden_size=8, steps=2))
     run = TwinRun(plan.case, plan.overlap, plan.training,
-                  FastgradCandidate(injected_fault=Fault.LIFO_DRAIN))
+                  FaultyFastgrad(Fault.LIFO_DRAIN))
     assert pickle.loads(pickle.dumps(run)) == run
     with pytest.raises(TypeError, match="TwinRun.training must be one of"):
         TwinRun(plan.case, plan.overlap, "adamw")
@@ -112,7 +113,7 @@ def test_the_sgd_variant_trains_through_the_candidates_own_training():
     config = preflight_config(MODEL + ["--world-size", "4", "--pipeline-model-parallel-size", "2",
                                        "--global-batch-size", "8", "--defer-embedding-wgrad-compute"])
     plan = replace(plan_twin(config, TwinOptions(hidden_size=8, steps=2)), training=SGDTwin())
-    broken = FastgradCandidate(injected_fault=Fault.LIFO_DRAIN)
+    broken = FaultyFastgrad(Fault.LIFO_DRAIN)
     runs = [TwinRun(plan.case, plan.overlap, plan.training),
             TwinRun(plan.case.at(4), plan.overlap, plan.training, broken)]
     ranks = run_distributed(twin_phases_worker, 8, [runs], timeout_s=300)

@@ -198,7 +198,8 @@ class CandidateFindings:
 def candidate_info(candidates: Sequence[Mapping[str, Any]], label: str | None
                    ) -> Mapping[str, Any] | None:
     """The ``CandidateInfo.to_dict()`` of the candidate a result names by ``label`` (its
-    name, and the fault it carries if any: ``Candidate.label``)."""
+    name, and for a test's deliberately broken candidate the fault it carries:
+    ``Candidate.label``)."""
     name = (label or "").split(" (fault: ")[0]
     return next((info for info in candidates if info["name"] == name), None)
 

@@ -12,14 +12,13 @@ A candidate is a frozen dataclass: it is pickled into the spawned rank processes
 ask it for the technique they run (``candidate.pipeline()`` inside the rank), so an
 implementation is imported only where it runs.
 
-Deliberately broken candidates, which prove that each check can fail, are the same
-candidates with a :class:`Fault` (``FastgradCandidate(injected_fault=Fault.LIFO_DRAIN)``): they go
-through the same seam as production.
+Deliberately broken candidates, which prove that each check can fail, are the tests' own
+subclasses of a candidate (``tests/candidates/*_faults.py``): they go through the same seam as
+production, and the seam knows nothing of them.
 """
 
 from __future__ import annotations
 
-import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
@@ -69,26 +68,6 @@ class CandidateInfo:
         }
 
 
-class Fault(str, enum.Enum):
-    """A deliberate bug a broken candidate carries, to prove a check can fail.
-
-    Each names the technique whose check must catch it; the candidate applies it to its own
-    objects (a subclass on one instance, a wrong group on one rank), never by changing a
-    library class or module.
-    """
-
-    # pipeline: each replica's microbatches fed in reverse
-    REVERSED_MICROBATCHES = "reversed_microbatches"
-    # deferred wgrad: the drain runs the deferred GEMMs newest first (another fp32 sum order)
-    LIFO_DRAIN = "lifo_drain"
-    # tied embedding at TP 2: all-reduced with the other TP rank's output-layer shard
-    CROSSED_EMBEDDING_GROUP = "crossed_embedding_group"
-    # tied at PP 1 (one weight): the first layer's grad added before the head's wgrad
-    EMBEDDING_GRAD_FIRST = "embedding_grad_first"
-    # tied at PP 1 (one weight): the head's wgrad never added
-    DROPPED_HEAD_WGRAD = "dropped_head_wgrad"
-
-
 class Candidate(ABC):
     """One implementation of the verified techniques (subclasses are frozen dataclasses).
 
@@ -116,14 +95,10 @@ class Candidate(ABC):
         """Name, installed version, redirects and unsupported techniques, for the report."""
 
     @property
-    def fault(self) -> Fault | None:
-        """The deliberate bug this candidate carries (None: as published)."""
-        return None
-
-    @property
     def label(self) -> str:
-        """How reports name it: the candidate's name, and its fault if it carries one."""
-        return self.name if self.fault is None else f"{self.name} (fault: {self.fault.value})"
+        """How reports name it: the candidate's name (a test's deliberately broken subclass
+        adds the bug it carries, as ``"<name> (fault: <bug>)"``)."""
+        return self.name
 
     def documented(self, behaviour: Behaviour) -> DocumentedBehaviour | None:
         """How this candidate documents ``behaviour`` (None: it follows refgrad's spec there)."""
@@ -177,7 +152,6 @@ __all__ = [
     "CrashSignature",
     "DocumentedBehaviour",
     "Effect",
-    "Fault",
     "Finding",
     "LaunchSettings",
     "Technique",

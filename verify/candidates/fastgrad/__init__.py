@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from verify.candidates.api import Candidate, CandidateInfo, Fault
+from verify.candidates.api import Candidate, CandidateInfo
 
 if TYPE_CHECKING:  # the technique interfaces, for annotations only
     from verify.candidates.api.deferred_wgrad import DeferredWgrad
@@ -22,23 +22,13 @@ if TYPE_CHECKING:  # the technique interfaces, for annotations only
 
 @dataclass(frozen=True)
 class FastgradCandidate(Candidate):
-    """fastgrad as published (``fault=None``), or with one deliberate :class:`Fault`."""
+    """fastgrad as published."""
 
     name = "fastgrad"
     code_modules = ("fastgrad", "verify.candidates.fastgrad")
     # fastgrad keeps no process-wide state (DESIGN.md's ground rules): its configurations
     # may share rank processes, which keeps the checks fast.
     isolates_configurations = False
-    injected_fault: Fault | None = None
-
-    def __post_init__(self) -> None:
-        if self.injected_fault is not None and not isinstance(self.injected_fault, Fault):
-            raise TypeError(f"FastgradCandidate.injected_fault must be a Fault or None, "
-                            f"got {self.injected_fault!r}")
-
-    @property
-    def fault(self) -> Fault | None:
-        return self.injected_fault
 
     def info(self) -> CandidateInfo:
         from importlib.metadata import PackageNotFoundError, version
@@ -63,15 +53,9 @@ class FastgradCandidate(Candidate):
         return FastgradGradReduction()
 
     def deferred_wgrad(self) -> DeferredWgrad:
-        """``fastgrad.deferred_wgrad.ColumnParallelOutputLayer`` and its wgrad GEMM
-        (``Fault.LIFO_DRAIN``: the drain runs newest first)."""
-        from verify.candidates.fastgrad.deferred_wgrad import (
-            FastgradDeferredWgrad,
-            LifoDrainOutputLayer,
-        )
+        """``fastgrad.deferred_wgrad.ColumnParallelOutputLayer`` and its wgrad GEMM."""
+        from verify.candidates.fastgrad.deferred_wgrad import FastgradDeferredWgrad
 
-        if self.injected_fault is Fault.LIFO_DRAIN:
-            return FastgradDeferredWgrad(layer_cls=LifoDrainOutputLayer)
         return FastgradDeferredWgrad()
 
     def mxfp8(self) -> MXFP8:
@@ -81,10 +65,10 @@ class FastgradCandidate(Candidate):
         return FastgradMXFP8()
 
     def pipeline(self) -> PipelineTraining:
-        """``fastgrad.ddp`` under ``fastgrad.pipeline``'s 1F1B schedules, with the fault."""
+        """``fastgrad.ddp`` under ``fastgrad.pipeline``'s 1F1B schedules."""
         from verify.candidates.fastgrad.pipeline import FastgradPipeline
 
-        return FastgradPipeline(fault=self.injected_fault)
+        return FastgradPipeline()
 
     def optimizer(self) -> DistributedOptimizerStep:
         """``fastgrad.optim``'s DistributedOptimizer / ReplicatedOptimizer over fastgrad's stages."""

@@ -2,9 +2,7 @@
 
 ``fastgrad.deferred_wgrad.ColumnParallelOutputLayer`` is the layer (``start_step`` clears
 both deferral buffers, the drain has an in-flight guard), ``accumulate_wgrad_`` the GEMM
-in its three CUDA variants, ``allreduce_tied_embedding_grad`` the tied sum. The broken drain
-of ``Fault.LIFO_DRAIN`` is :class:`LifoDrainOutputLayer`, applied to this candidate's layers
-only.
+in its three CUDA variants, ``allreduce_tied_embedding_grad`` the tied sum.
 """
 
 from __future__ import annotations
@@ -32,16 +30,6 @@ from verify.candidates.api.deferred_wgrad import (
 )
 
 CPU_WGRAD_METHOD = "fp32_upcast"  # on the CPU accumulate_wgrad_ always upcasts to an fp32 GEMM
-
-
-class LifoDrainOutputLayer(ColumnParallelOutputLayer):
-    """``Fault.LIFO_DRAIN``: the drain runs the deferred GEMMs newest first. Right pairs,
-    another order of the fp32 adds."""
-
-    def drain_deferred_wgrad(self, reduce_in_flight: ReduceInFlight | None = None) -> int:
-        self.activation_buffer.reverse()
-        self.grad_output_buffer.reverse()
-        return super().drain_deferred_wgrad(reduce_in_flight)
 
 
 class FastgradOutputLayer(OutputLayer):
@@ -94,8 +82,8 @@ class FastgradWgradGemm(WgradGemm):
 
 @dataclass(frozen=True)
 class FastgradDeferredWgrad(DeferredWgrad):
-    """fastgrad's layer class ``layer_cls`` (a subclass carries a fault), its wgrad GEMMs
-    and the tied-embedding all-reduce."""
+    """fastgrad's layer class ``layer_cls`` (a test's broken candidate names a subclass), its
+    wgrad GEMMs and the tied-embedding all-reduce."""
 
     layer_cls: type[ColumnParallelOutputLayer] = ColumnParallelOutputLayer
 

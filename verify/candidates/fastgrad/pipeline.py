@@ -3,12 +3,9 @@
 VPP > 1, one DDP per model chunk), with ``fastgrad.deferred_wgrad``'s output layer and the
 tied-embedding all-reduce, on a grid built by ``ParallelDims.build``.
 
-A :class:`~verify.candidates.api.Fault` breaks the rank's own objects, never a library
-class: :attr:`Fault.REVERSED_MICROBATCHES` feeds each replica's microbatches in reverse,
-:attr:`Fault.LIFO_DRAIN` / :attr:`Fault.EMBEDDING_GRAD_FIRST` / :attr:`Fault.DROPPED_HEAD_WGRAD`
-give the last stage a broken output layer (``verify.candidates.fastgrad.pipeline_model``),
-:attr:`Fault.CROSSED_EMBEDDING_GROUP` (TP 2, tied) pairs each first-stage TP rank with the
-other TP rank's last stage for the embedding all-reduce (same shard shape, wrong rows).
+What each rank builds and feeds is :class:`FastgradPipeline`'s to say (the output layer
+class, :meth:`~FastgradPipeline.rank_grid`, :meth:`~FastgradPipeline.microbatches`), so that a
+test's deliberately broken subclass changes this rank's own objects, never a library class.
 
 The preflight twin trains the same stages step by step under fastgrad's optimizer
 (:meth:`FastgradPipeline.model`: ``verify.candidates.fastgrad.stages``).
@@ -17,7 +14,7 @@ The preflight twin trains the same stages step by step under fastgrad's optimize
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,12 +22,11 @@ import torch.distributed as dist
 
 from fastgrad.comm import all_gather_into
 from fastgrad.ddp import DistributedDataParallel
+from fastgrad.deferred_wgrad import ColumnParallelOutputLayer
 from fastgrad.parallel_dims import ParallelDims
 from fastgrad.pipeline import forward_backward_1f1b
 from fastgrad.pipeline_interleaved import forward_backward_interleaved
 from fastgrad.timeline import Timeline
-from refgrad.pipeline import sgd_update
-from verify.candidates.api import Fault
 from verify.candidates.api.pipeline import (
     ModelSupport,
     PipelineCase,
@@ -43,6 +39,7 @@ from verify.candidates.api.pipeline import (
     total_losses,
     updated_once,
 )
+from verify.candidates.api.pipeline_spec import sgd_update
 from verify.candidates.fastgrad.pipeline_model import (
     build_stage_model,
     case_ddp_config,
@@ -54,10 +51,12 @@ from verify.candidates.fastgrad.stages import FastgradStages
 
 @dataclass(frozen=True)
 class FastgradPipeline(PipelineTraining):
-    """fastgrad's DDP and 1F1B schedules, as published (``fault=None``) or with ``fault``
-    (its ``with`` scope is empty: fastgrad needs no per-process setup)."""
+    """fastgrad's DDP and 1F1B schedules (its ``with`` scope is empty: fastgrad needs no
+    per-process setup). ``output_layer_class``: the last stage's output layer (fastgrad's;
+    a test's broken candidate names a subclass, as it may override :meth:`rank_grid` or
+    :meth:`microbatches`)."""
 
-    fault: Fault | None = None
+    output_layer_class: type[ColumnParallelOutputLayer] = ColumnParallelOutputLayer
 
     def grid(self, dims: ParallelDims) -> AbstractContextManager[ParallelDims | None]:
         """Every group of the grid, collectively (``ParallelDims.build``); nothing to tear
@@ -67,39 +66,28 @@ class FastgradPipeline(PipelineTraining):
     def train(self, case: PipelineCase, grid: ParallelDims, *, overlap: bool,
               progress: StepProgress | None = None) -> RankResult:
         """Train ``case`` on this rank (see :func:`run_case_on_rank`)."""
-        return run_case_on_rank(case, with_fault_groups(case, grid, self.fault), overlap,
-                                progress, self.fault)
+        return run_case_on_rank(case, self.rank_grid(case, grid), overlap, progress, self)
 
     def model(self, case: PipelineCase, grid: ParallelDims, settings: StageSettings) -> PipelineModel:
-        """``verify.candidates.fastgrad.stages.FastgradStages`` on ``grid`` as the fault has it."""
-        return FastgradStages(case, with_fault_groups(case, grid, self.fault), settings, self.fault)
+        """``verify.candidates.fastgrad.stages.FastgradStages`` on :meth:`rank_grid`."""
+        return FastgradStages(case, self.rank_grid(case, grid), settings,
+                              output_layer_class=self.output_layer_class,
+                              microbatches=self.microbatches)
 
     def model_support(self) -> ModelSupport:
         """fastgrad builds every part of the model here."""
         return ModelSupport()
 
-
-def with_fault_groups(case: PipelineCase, grid: ParallelDims, fault: Fault | None) -> ParallelDims:
-    """``grid`` as ``fault`` has it: with :attr:`Fault.CROSSED_EMBEDDING_GROUP` (TP 2) the
-    embedding group of the first stage's TP rank ``t`` is the last stage's TP rank ``1 - t``
-    (only the pair's two ranks create it). Every other case: ``grid`` unchanged."""
-    if (fault is not Fault.CROSSED_EMBEDDING_GROUP or grid.pp_size == 1 or grid.tp_size != 2
-            or not (grid.is_first_stage or grid.is_last_stage)):
+    def rank_grid(self, case: PipelineCase, grid: ParallelDims) -> ParallelDims:
+        """The groups this rank trains ``case`` with: the built ``grid`` as it is."""
+        del case
         return grid
-    peer_stage = grid.pp_size - 1 if grid.is_first_stage else 0
-    peer = grid.global_rank(peer_stage, grid.dp_rank, 1 - grid.tp_rank)
-    ranks = tuple(sorted((grid.rank, peer)))
-    group = dist.new_group(list(ranks), use_local_synchronization=True)
-    return replace(grid, place=replace(grid.place, embedding_group=group, embedding_ranks=ranks))
 
-
-def _fault_microbatches(case: PipelineCase, grid: ParallelDims, step: int, m: int,
-                        fault: Fault | None) -> tuple[list, list, Any]:
-    """The neutral data, fed in reverse under :attr:`Fault.REVERSED_MICROBATCHES`."""
-    inputs, targets, loss_fn = rank_microbatches(case, grid, step, m)
-    if fault is Fault.REVERSED_MICROBATCHES:
-        inputs, targets = inputs[::-1], targets[::-1]
-    return inputs, targets, loss_fn
+    def microbatches(self, case: PipelineCase, grid: ParallelDims, step: int, m: int
+                     ) -> tuple[list[torch.Tensor], list[torch.Tensor], Any]:
+        """This rank's ``(inputs, targets, loss_fn)`` of step ``step``: the seam's
+        :func:`~verify.candidates.api.pipeline.rank_microbatches`."""
+        return rank_microbatches(case, grid, step, m)
 
 
 def _full_reduced_grads(ddp: DistributedDataParallel, case: PipelineCase, dp_group: Any) -> None:
@@ -136,24 +124,27 @@ def _step_marker(progress: StepProgress | None, case: PipelineCase, stage: int, 
 
 
 def run_case_on_rank(case: PipelineCase, grid: ParallelDims, overlap: bool,
-                     progress: StepProgress | None = None, fault: Fault | None = None) -> RankResult:
+                     progress: StepProgress | None = None,
+                     training: FastgradPipeline | None = None) -> RankResult:
     """Train ``case`` on this rank of its built ``grid`` (one DDP per model chunk: 1F1B at
-    VPP 1, interleaved 1F1B above); return what it saw. ``progress`` (a
+    VPP 1, interleaved 1F1B above), with ``training``'s output layer and microbatches
+    (None: fastgrad's own); return what it saw. ``progress`` (a
     ``verify.distributed.RankProgress``) is told each event as it happens."""
-    return _train(case, grid, overlap, progress, fault, interleaved=case.virtual_stages > 1)
+    return _train(case, grid, overlap, progress, training or FastgradPipeline(),
+                  interleaved=case.virtual_stages > 1)
 
 
 def run_interleaved_case_on_rank(case: PipelineCase, grid: ParallelDims, overlap: bool,
                                  progress: StepProgress | None = None) -> RankResult:
     """:func:`run_case_on_rank` through the interleaved schedule even at VPP 1 (its
     degenerate warmup), recording each chunk's grad-sync enable."""
-    return _train(case, grid, overlap, progress, None, interleaved=True)
+    return _train(case, grid, overlap, progress, FastgradPipeline(), interleaved=True)
 
 
 def _train(case: PipelineCase, grid: ParallelDims, overlap: bool, progress: StepProgress | None,
-           fault: Fault | None, *, interleaved: bool) -> RankResult:
+           training: FastgradPipeline, *, interleaved: bool) -> RankResult:
     chunks, stage = case.virtual_stages, grid.stage
-    built = [build_stage_model(case, grid, c, fault) for c in range(chunks)]
+    built = [build_stage_model(case, grid, c, training.output_layer_class) for c in range(chunks)]
     modules = [module for module, *_ in built]
     named = {n: p for _, per_chunk, _, _ in built for n, p in per_chunk.items()}
     heads = [head for _, _, head, _ in built]
@@ -174,7 +165,7 @@ def _train(case: PipelineCase, grid: ParallelDims, overlap: bool, progress: Step
         if head is not None:
             head.start_step()
         m = plan.num_microbatches
-        inputs, targets, loss_fn = _fault_microbatches(case, grid, step, m, fault)
+        inputs, targets, loss_fn = training.microbatches(case, grid, step, m)
         timeline.clear()
         if case.pp_size > 1:
             dist.barrier(group=grid.pp_group)

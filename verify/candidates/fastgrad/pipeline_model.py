@@ -1,6 +1,6 @@
 """fastgrad's pipeline model for a :class:`~verify.candidates.api.pipeline.PipelineCase`: the
-stage modules, fastgrad's output layer and vocab-parallel embedding, the DDP settings, and the
-faults that break one rank's own layer instance.
+stage modules, fastgrad's output layer (or the subclass the caller names) and vocab-parallel
+embedding, and the DDP settings.
 
 The tied embedding on one pipeline stage (production's PP 1) is one weight with two uses:
 Megatron-Core gives the output layer the word embedding's own parameter
@@ -23,17 +23,16 @@ from fastgrad.config import DDPConfig
 from fastgrad.deferred_wgrad import ColumnParallelOutputLayer, EmbeddingWgradConfig
 from fastgrad.parallel_dims import ParallelDims
 from fastgrad.vocab_parallel_embedding import VocabParallelEmbedding
-from refgrad.pipeline import (
+from verify.candidates.api.pipeline import PipelineCase
+from verify.candidates.api.pipeline_spec import (
     EMBEDDING_PARAM,
     HEAD_PARAM,
     LinearStackSpec,
     StageModule,
+    head_shard,
     head_weight_init,
     stage_param_name,
 )
-from refgrad.pipeline_tp import head_shard
-from verify.candidates.api import Fault
-from verify.candidates.api.pipeline import PipelineCase
 
 
 def case_ddp_config(case: PipelineCase, overlap: bool, stage: int, chunk: int = 0) -> DDPConfig:
@@ -99,51 +98,6 @@ def _vocab_parallel_first_layer(spec: LinearStackSpec, grid: ParallelDims, body:
     body.layers[0] = layer
 
 
-class LifoDrainOutputLayer(ColumnParallelOutputLayer):
-    """A wrong drain (:attr:`Fault.LIFO_DRAIN`): newest deferred (input, grad_output) first."""
-
-    def drain_deferred_wgrad(self, reduce_in_flight: Any = None) -> int:
-        self.activation_buffer.reverse()
-        self.grad_output_buffer.reverse()
-        return super().drain_deferred_wgrad(reduce_in_flight)
-
-
-class DroppedWgradOutputLayer(ColumnParallelOutputLayer):
-    """A wrong output layer (:attr:`Fault.DROPPED_HEAD_WGRAD`): its wgrad never reaches
-    ``main_grad``."""
-
-    def _accumulate(self, grad_output: Any, total_input: Any, guard: Any) -> None:
-        del grad_output, total_input, guard
-
-
-class EmbeddingFirstOutputLayer(ColumnParallelOutputLayer):
-    """A wrong order (:attr:`Fault.EMBEDDING_GRAD_FIRST`): each microbatch's wgrad is held
-    back and added by a post-accumulate hook registered at the first forward, i.e. after
-    DDP's, so after the first layer's grad."""
-
-    def forward(self, local_input: Any) -> Any:
-        if not hasattr(self, "_late_hook"):
-            self._pending: list[tuple[Any, Any, Any]] = []
-            self._late_hook = self.weight.register_post_accumulate_grad_hook(self._add_pending)
-        return super().forward(local_input)
-
-    def _accumulate(self, grad_output: Any, total_input: Any, guard: Any) -> None:
-        self._pending.append((grad_output, total_input, guard))
-
-    def _add_pending(self, param: Any) -> None:
-        del param
-        while self._pending:
-            super()._accumulate(*self._pending.pop(0))
-
-
-def output_layer_class(fault: Fault | None) -> type[ColumnParallelOutputLayer]:
-    """fastgrad's output layer, or the subclass that carries ``fault``; the fault lives on
-    this rank's instance only, never on the library class."""
-    return {Fault.LIFO_DRAIN: LifoDrainOutputLayer,
-            Fault.DROPPED_HEAD_WGRAD: DroppedWgradOutputLayer,
-            Fault.EMBEDDING_GRAD_FIRST: EmbeddingFirstOutputLayer}.get(fault, ColumnParallelOutputLayer)
-
-
 def share_head_weight(spec: LinearStackSpec, body: StageModule, head: ColumnParallelOutputLayer) -> None:
     """Tied on one stage: make the output layer compute with the first layer's weight (one
     Parameter, its ``main_grad`` the DDP buffer's view); otherwise leave both alone."""
@@ -166,12 +120,12 @@ def drained_head(spec: LinearStackSpec, head: ColumnParallelOutputLayer | None
 
 
 def build_stage_model(case: PipelineCase, grid: ParallelDims, chunk: int = 0,
-                      fault: Fault | None = None
+                      output_layer_class: type[ColumnParallelOutputLayer] = ColumnParallelOutputLayer
                       ) -> tuple[torch.nn.Module, dict[str, Any], ColumnParallelOutputLayer | None,
                                  list[Any]]:
     """This rank's model chunk ``chunk`` (virtual stage ``chunk * P + stage``) of ``case``:
     ``(module, named params, deferred-wgrad head or None, tied-embedding params)``; the head
-    is the last virtual stage's output layer (``output_head``), broken as ``fault`` says."""
+    is the last virtual stage's output layer (``output_head``), an ``output_layer_class``."""
     spec = case.spec
     stage = chunk * case.pp_size + grid.stage  # the virtual stage
     body = StageModule(spec, stage)
@@ -185,7 +139,7 @@ def build_stage_model(case: PipelineCase, grid: ParallelDims, chunk: int = 0,
         tp = spec.tensor_parallel  # vocab-parallel: this TP rank's rows of the head
         weight = head_weight_init(spec) if tp == 1 else head_shard(spec, head_weight_init(spec),
                                                                    grid.tp_rank)
-        head = output_layer_class(fault)(
+        head = output_layer_class(
             weight,
             EmbeddingWgradConfig(defer_embedding_wgrad_compute=spec.defer_output_wgrad,
                                  wgrad_deferral_limit=spec.wgrad_deferral_limit),

@@ -1,9 +1,9 @@
 """fastgrad's :class:`~verify.candidates.api.pipeline.PipelineModel`: a case's stages trained step
 by step under the caller's optimizer (the preflight twin).
 
-Each rank builds its model chunks (``pipeline_model.build_stage_model``, broken as the
-candidate's :class:`~verify.candidates.api.Fault` says), casts them to the param dtype
-(production casts its model before wrapping it), wraps each chunk in
+Each rank builds its model chunks (``pipeline_model.build_stage_model``; the output layer
+class and the microbatches are ``verify.candidates.fastgrad.pipeline.FastgradPipeline``'s),
+casts them to the param dtype (production casts its model before wrapping it), wraps each chunk in
 ``fastgrad.ddp.DistributedDataParallel`` (production's bucket rule, the grad dtype, both
 overlaps) and runs ``fastgrad.pipeline``'s 1F1B, or at VPP > 1 the interleaved 1F1B; the
 optimizer is built over ``optimizer_target`` (the DDP, or ``fastgrad.optim.ModelChunks`` of
@@ -20,7 +20,7 @@ the buffer reduce-scatters once the backward and the drain are done (:class:`Fro
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 import torch
@@ -36,8 +36,6 @@ from fastgrad.optim import ModelChunks
 from fastgrad.parallel_dims import ParallelDims
 from fastgrad.pipeline import forward_backward_1f1b
 from fastgrad.pipeline_interleaved import forward_backward_interleaved
-from refgrad.pipeline_mixed import cast_params_
-from verify.candidates.api import Fault
 from verify.candidates.api.pipeline import (
     MXFP8_BLOCK,
     PipelineCase,
@@ -45,12 +43,19 @@ from verify.candidates.api.pipeline import (
     rank_microbatches,
     total_losses,
 )
+from verify.candidates.api.pipeline_spec import cast_params_
 from verify.candidates.fastgrad.pipeline_model import (
     build_stage_model,
     case_ddp_config,
     drained_head,
     external_grad_params,
 )
+
+# This rank's (inputs, targets, loss_fn) of one step: (case, grid, step, microbatches) ->
+# ``verify.candidates.api.pipeline.rank_microbatches``'s result.
+Microbatches = Callable[[PipelineCase, ParallelDims, int, int],
+                        tuple[list[torch.Tensor], list[torch.Tensor],
+                              Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]]
 
 MXFP8_SCALE_MODE = "floor"  # fastgrad.mxfp8.MXFP8Parameter's default, the OCP spec's rule
 
@@ -99,10 +104,13 @@ class FastgradStages:
     mxfp8_param_class: type[MXFP8Parameter] = MXFP8Parameter
     mxfp8_buffer_class: type[MXFP8ParamGradBuffer] = MXFP8ParamGradBuffer
 
-    def __init__(self, case: PipelineCase, grid: ParallelDims, settings: StageSettings,
-                 fault: Fault | None = None) -> None:
-        self.case, self._grid, self.settings, self.fault = case, grid, settings, fault
-        built = [build_stage_model(case, grid, c, fault) for c in range(case.virtual_stages)]
+    def __init__(self, case: PipelineCase, grid: ParallelDims, settings: StageSettings, *,
+                 output_layer_class: type[ColumnParallelOutputLayer] = ColumnParallelOutputLayer,
+                 microbatches: Microbatches = rank_microbatches) -> None:
+        self.case, self._grid, self.settings = case, grid, settings
+        self._microbatches = microbatches
+        built = [build_stage_model(case, grid, c, output_layer_class)
+                 for c in range(case.virtual_stages)]
         self.modules = [module for module, *_ in built]
         self.named = {n: p for _, per_chunk, _, _ in built for n, p in per_chunk.items()}
         heads = [head for _, _, head, _ in built]
@@ -199,9 +207,7 @@ class FastgradStages:
         if self.head is not None:
             self.head.start_step()
         m = case.plans[step].num_microbatches
-        inputs, targets, loss_fn = rank_microbatches(case, grid, step, m)
-        if self.fault is Fault.REVERSED_MICROBATCHES:
-            inputs, targets = inputs[::-1], targets[::-1]
+        inputs, targets, loss_fn = self._microbatches(case, grid, step, m)
         dtype = settings.param_dtype
 
         def scaled_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

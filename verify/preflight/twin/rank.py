@@ -2,9 +2,9 @@
 
 A :class:`TwinRun` names what one grid trains: the case, the overlap, the training variant
 and the :class:`~verify.candidates.api.Candidate` that trains it (fastgrad by default; a
-deliberately broken one is ``FastgradCandidate(injected_fault=Fault.LIFO_DRAIN)`` or a test's
-subclass). Inside the rank the twin reaches the implementation only through the candidate's
-interfaces, each used inside its ``with`` scope (:mod:`verify.candidates.api.scope`):
+deliberately broken one is a test's subclass, ``tests/candidates/fastgrad_faults.py``).
+Inside the rank the twin reaches the implementation only through the candidate's interfaces,
+each used inside its ``with`` scope (:mod:`verify.candidates.api.scope`):
 ``candidate.pipeline()`` (its grid, its model chunks under its DDP and schedules) and, for
 the AdamW variants, ``candidate.optimizer()`` built over those chunks.
 """
