@@ -30,6 +30,7 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
+# Layout: refgrad's record of a layout, what layouts() returns; candidates import it from here
 from refgrad.layout import Layout, positive_int, validate_layout_arguments
 from verify.candidates.api.core import Technique, Unsupported
 from verify.candidates.api.scope import TechniqueScope

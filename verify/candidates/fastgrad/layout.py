@@ -19,7 +19,6 @@ from fastgrad.buffer import ParamAndGradBuffer
 from fastgrad.buffer_group import BufferGroup
 from fastgrad.config import DDPConfig
 from fastgrad.layout import BufferLayout, compute_layout
-from refgrad.layout import Layout
 from verify.candidates.api.layout import (
     BucketLayout,
     BufferConfig,
@@ -27,6 +26,7 @@ from verify.candidates.api.layout import (
     GradBuffer,
     GradBufferGroup,
     GradPiece,
+    Layout,
     LayoutCase,
 )
 

@@ -2,7 +2,7 @@
 
 ``fastgrad.mxfp8.quantize`` / ``dequantize`` (the Triton kernel on CUDA when Triton is
 installed, else the torch path), ``fastgrad.kernels.mxfp8.quantize_triton`` as the GPU
-kernel, and the toy training of :func:`verify.fixtures.mxfp8.train_toy_rank`
+kernel, and the toy training of :func:`verify.candidates.fastgrad.mxfp8_toy.train_toy_rank`
 (``fastgrad.mxfp8_sharing.MXFP8ParamGradBuffer`` with fastgrad's distributed AdamW) for
 the param all-gather.
 """
@@ -24,7 +24,7 @@ from verify.candidates.api.mxfp8 import (
     ParamGatherRun,
     ParamGatherStep,
 )
-from verify.fixtures.mxfp8 import train_toy_rank
+from verify.candidates.fastgrad.mxfp8_toy import train_toy_rank
 
 
 @dataclass(frozen=True)

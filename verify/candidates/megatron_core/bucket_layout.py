@@ -44,7 +44,6 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from refgrad.layout import Layout
 from verify.candidates.api import Technique, Unsupported
 from verify.candidates.api.layout import (
     BucketLayout,
@@ -53,6 +52,7 @@ from verify.candidates.api.layout import (
     GradBuffer,
     GradBufferGroup,
     GradPiece,
+    Layout,
     LayoutCase,
 )
 from verify.candidates.megatron_core.scope import MegatronScope

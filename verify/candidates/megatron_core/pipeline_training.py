@@ -49,7 +49,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from refgrad.pipeline import sgd_update
 from verify.candidates.api.pipeline import (
     ParallelDims,
     PipelineCase,
@@ -59,6 +58,7 @@ from verify.candidates.api.pipeline import (
     rank_microbatches,
     updated_once,
 )
+from verify.candidates.api.pipeline_spec import sgd_update
 from verify.candidates.megatron_core.bucket_layout import fake_group
 from verify.candidates.megatron_core.scope import MegatronScope
 from verify.candidates.megatron_core.stages import StageChunk, forward_step_func, transformer_config

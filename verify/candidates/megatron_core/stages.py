@@ -46,13 +46,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from refgrad.pipeline import HEAD_PARAM, StageModule, head_weight_init, stage_param_name
-from refgrad.pipeline_tp import stage_loss
 from verify.candidates.api.pipeline import (
     ParallelDims,
     PipelineCase,
     StageSettings,
     rank_microbatches,
+)
+from verify.candidates.api.pipeline_spec import (
+    HEAD_PARAM,
+    StageModule,
+    head_weight_init,
+    stage_loss,
+    stage_param_name,
 )
 
 if TYPE_CHECKING:  # megatron-core is optional: imported where a technique runs

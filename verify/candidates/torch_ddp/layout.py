@@ -23,7 +23,6 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from refgrad.layout import Layout
 from verify.candidates.api.core import Technique, Unsupported
 from verify.candidates.api.layout import (
     BucketLayout,
@@ -31,6 +30,7 @@ from verify.candidates.api.layout import (
     BucketTraining,
     BufferConfig,
     GradBuffer,
+    Layout,
     LayoutCase,
     ObservedBucket,
     ObservedIteration,

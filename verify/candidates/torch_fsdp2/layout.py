@@ -13,12 +13,12 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from refgrad.layout import Layout
 from verify.candidates.api.core import Technique, Unsupported
 from verify.candidates.api.layout import (
     BucketLayout,
     BufferConfig,
     GradBuffer,
+    Layout,
     LayoutCase,
     ParameterShard,
     ParameterSharding,
