@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from verify.attribution import explaining
 from verify.candidates import (
     Candidate,
     DocumentedBehaviour,
@@ -32,7 +33,7 @@ from verify.candidates import (
     Unsupported,
     default_candidate,
 )
-from verify.candidates.api.findings import Finding, LaunchSettings, explaining
+from verify.candidates.api.findings import Finding, LaunchSettings
 from verify.distributed import RankCrashed, RankLauncher, spawn_each
 
 _DEVICES = ("cpu", "cuda")

@@ -12,7 +12,8 @@ settings. A reachable wrong gradient or crash makes the launch FAIL (exit 1).
 
 from __future__ import annotations
 
-from verify.candidates.api.findings import Effect, Finding, LaunchSettings, explaining
+from verify.attribution import explaining
+from verify.candidates.api.findings import Effect, Finding, LaunchSettings
 from verify.candidates.megatron_core.findings import FINDINGS
 from verify.preflight.config import PreflightConfig
 

@@ -29,7 +29,6 @@ from verify.candidates.api.findings import (
     Effect,
     Finding,
     LaunchSettings,
-    explaining,
 )
 
 if TYPE_CHECKING:  # the technique interfaces, for annotations only
@@ -156,5 +155,4 @@ __all__ = [
     "LaunchSettings",
     "Technique",
     "Unsupported",
-    "explaining",
 ]

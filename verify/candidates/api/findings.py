@@ -12,15 +12,15 @@ A :class:`Finding` is one root cause a candidate is known to have (Megatron-Core
 ``verify.candidates.megatron_core.findings``): what goes wrong (:class:`Effect`), the launch
 flags that reach it or why only direct API use does, the upstream report, the standalone
 reproduction and what to change to avoid it. The checks never decide that a failure is a
-known finding by its label: :func:`explaining` matches a failing case's settings (and a
-crash's exception) against each finding's rule, and whatever no finding explains is a FAIL
-of its own.
+known finding by its label: the harness's ``verify.attribution.explaining`` matches a failing
+case's settings (and a crash's exception) against each finding's rule, and whatever no
+finding explains is a FAIL of its own.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fastgrad.parallel_dims import ParallelDims
@@ -248,21 +248,4 @@ class Finding:
                 "avoid": self.avoid}
 
 
-def explaining(findings: Sequence[Finding], settings: LaunchSettings,
-               crash: tuple[str, str | None] | None = None) -> Finding | None:
-    """The finding that explains a failing case with ``settings``: for a crash (``crash`` =
-    its root cause's exception type and function) the first finding whose rule reaches the
-    settings and whose crash signature matches; otherwise the first finding whose rule reaches
-    them and whose effect is not a crash. None: no known finding explains it."""
-    for finding in findings:
-        if not finding.reaches(settings):
-            continue
-        if crash is not None:
-            if finding.crash is not None and finding.crash.matches(*crash):
-                return finding
-        elif finding.effect is not Effect.CRASH:
-            return finding
-    return None
-
-
-__all__ = ["CrashSignature", "Effect", "Finding", "LaunchSettings", "explaining"]
+__all__ = ["CrashSignature", "Effect", "Finding", "LaunchSettings"]

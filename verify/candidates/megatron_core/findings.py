@@ -6,7 +6,7 @@ launcher (``megatron/training/arguments.py``, ``training.py``), and has a standa
 reproduction in ``examples/megatron_core/`` (exit 1 while the bug shows). "Reachable" means a
 Megatron-LM launch line can hit it; "direct API use only" means only a program that calls
 Megatron-Core itself can, and says what stops a launch. The checks attribute a failing case
-to a finding only through :func:`verify.candidates.api.findings.explaining` (its settings
+to a finding only through the harness's :func:`verify.attribution.explaining` (its settings
 and, for a crash, its exception), never by the case's label.
 """
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict
 
-from verify.candidates.api import Candidate, LaunchSettings, explaining
+from verify.attribution import explaining
+from verify.candidates.api import Candidate, LaunchSettings
 from verify.candidates.api.optimizer import OptimizerBehaviour
 from verify.candidates.megatron_core.findings import FINDINGS
 from verify.distributed import RankCrashed
