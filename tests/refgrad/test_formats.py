@@ -91,6 +91,22 @@ def test_descriptor_facts(name):
     assert F.decode(fmt, fmt.max_finite_bits) == max_finite
 
 
+def test_gamma_is_highams_bound_exactly():
+    # gamma(n) = n u / (1 - n u), derived by hand: gamma(1, 2^-24) = 2^-24 / (1 - 2^-24)
+    # = 1 / (2^24 - 1); gamma(3, 2^-8) = 3 / (2^8 - 3); gamma(0, u) = 0 (no rounding).
+    assert F.gamma(1, F.FLOAT32.unit_roundoff) == TWO**-24 / (1 - TWO**-24) == Fraction(1, 2**24 - 1)
+    assert F.gamma(3, F.BFLOAT16.unit_roundoff) == Fraction(3, 2**8 - 3)
+    assert F.gamma(0, F.FLOAT16.unit_roundoff) == 0
+    assert isinstance(F.gamma(2, Fraction(1, 8)), Fraction)
+    with pytest.raises(ValueError, match="n must be >= 0"):
+        F.gamma(-1, Fraction(1, 4))
+    # n u >= 1: the bound does not exist, at equality and beyond.
+    with pytest.raises(ValueError, match="n\\*u >= 1"):
+        F.gamma(4, Fraction(1, 4))
+    with pytest.raises(ValueError, match="n\\*u >= 1"):
+        F.gamma(2**8, F.BFLOAT16.unit_roundoff)
+
+
 def test_canonical_nans_and_special_encodings():
     assert F.FLOAT32.canonical_nan_bits == 0x7FC00000
     assert F.FLOAT16.canonical_nan_bits == 0x7E00

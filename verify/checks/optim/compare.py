@@ -16,8 +16,7 @@ from fractions import Fraction
 
 import torch
 
-from refgrad.deferred_wgrad import gamma
-from refgrad.formats import FLOAT32
+from refgrad.formats import FLOAT32, gamma
 from verify.candidates.api.core import DocumentedBehaviour
 from verify.candidates.api.optimizer import OptimizerBehaviour
 from verify.check import CheckRecorder

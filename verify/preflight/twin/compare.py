@@ -18,8 +18,7 @@ from fractions import Fraction
 
 import torch
 
-from refgrad.deferred_wgrad import gamma
-from refgrad.formats import FLOAT32
+from refgrad.formats import FLOAT32, gamma
 from refgrad.pipeline import ReferenceResult
 from refgrad.pipeline_tp import expected_on_rank
 from verify.candidates.api.core import DocumentedBehaviour
