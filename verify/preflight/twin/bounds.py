@@ -7,9 +7,10 @@ import math
 
 import torch
 
+from refgrad.formats import FLOAT32
 from verify.metrics import compare
 
-UNIT_ROUNDOFF_FP32 = 2.0**-24
+UNIT_ROUNDOFF_FP32 = float(FLOAT32.unit_roundoff)
 
 
 def ulp_bound_factor(dp: int) -> int:
