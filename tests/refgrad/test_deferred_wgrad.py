@@ -12,6 +12,7 @@ from refgrad.deferred_wgrad import (
     reference_main_grad,
     tied_embedding_grad_sum,
 )
+from verify.metrics import assert_bitwise_equal
 
 U32 = 2.0**-24
 
@@ -26,13 +27,13 @@ def test_single_token_is_the_outer_product():
     out = reference_main_grad([go], [x])
     expected = torch.tensor([[6.0, 1.0, 8.0], [-3.0, -0.5, -4.0]])
     assert out.dtype == torch.float32
-    assert torch.equal(out, expected)
+    assert_bitwise_equal(out, expected)
 
 
 def test_three_dimensional_inputs_flatten_the_leading_dims():
     go = torch.ones(2, 3, 1, dtype=torch.bfloat16)
     x = torch.full((2, 3, 1), 0.5, dtype=torch.bfloat16)
-    assert torch.equal(reference_main_grad([go], [x]), torch.tensor([[3.0]]))
+    assert_bitwise_equal(reference_main_grad([go], [x]), torch.tensor([[3.0]]))
 
 
 def test_dot_product_is_rounded_once():
@@ -129,4 +130,4 @@ def test_bad_input_errors():
 
 def test_no_microbatches_returns_the_initial_main_grad():
     init = torch.tensor([[1.5, -2.0]])
-    assert torch.equal(reference_main_grad([], [], main_grad_init=init), init)
+    assert_bitwise_equal(reference_main_grad([], [], main_grad_init=init), init)
