@@ -61,9 +61,9 @@ from fastgrad.kernels import triton_available
 from fastgrad.reduce_scatter import reduce_shards_fp32
 from refgrad import mxfp8 as ref_mxfp8
 from refgrad.deferred_wgrad import reference_main_grad
-from refgrad.formats import tensor_bit_patterns
 from refgrad.reduce_scatter import all_reduce as ref_all_reduce
 from verify.fixtures.mxfp8_inputs import random_blocks
+from verify.metrics import bitwise_equal
 
 SECTIONS = ("reduction", "mxfp8", "gemm")
 WORLD_SIZES = (2, 8, 64)
@@ -140,8 +140,7 @@ def judge(name: str, measured: float | None, target: float, judged: bool, note: 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equality (NaN payloads and signed zeros included), on the CPU."""
-    a, b = a.detach().cpu(), b.detach().cpu()
-    return a.dtype == b.dtype and torch.equal(tensor_bit_patterns(a), tensor_bit_patterns(b))
+    return bitwise_equal(a.detach().cpu(), b.detach().cpu())
 
 
 # --- bitwise checks against refgrad -------------------------------------------------------

@@ -27,7 +27,8 @@ So each microbatch contributes exactly two visible roundings into an fp32
 What fastgrad can be held to. Step 1-2 in fastgrad is a BLAS/cuBLAS GEMM whose
 summation order (blocking, split-K, FMA) is not fixed, so its ``w_k`` differs
 from ``fp32(d_k)`` by at most ``gamma(T_k) * sum_t |G_k[t,v] X_k[t,h]|`` with
-``gamma(n) = n u / (1 - n u)``, ``u = 2^-24`` (Higham, inner products).
+``gamma(n) = n u / (1 - n u)`` (``refgrad.formats.gamma``), ``u = 2^-24`` (Higham, inner
+products).
 Step 3 is the same single fp32 add in both. Hence, with
 ``A = |main_grad_init| + sum_k sum_t |G_k X_k|`` per element, both fastgrad and
 this reference lie within ``((1 + gamma(T)) (1 + gamma'(M+1)) - 1) * A`` of the
@@ -56,6 +57,7 @@ from refgrad.formats import (
     Special,
     decode_tensor,
     format_of,
+    gamma,
     round_to_value,
     round_values_to_tensor,
     value_to_fraction,
@@ -194,16 +196,6 @@ def tied_embedding_grad_sum(stage_grads: Sequence[torch.Tensor]) -> torch.Tensor
     decoded = [[_finite(v, "a stage gradient") for v in decode_tensor(g.contiguous())] for g in stage_grads]
     sums = [sum(column, Fraction(0)) for column in zip(*decoded)]
     return round_values_to_tensor(fmt, sums, tuple(first.shape))
-
-
-def gamma(n: int, unit_roundoff: Fraction) -> Fraction:
-    """Higham's ``gamma(n) = n u / (1 - n u)``; ValueError when ``n u >= 1``."""
-    if n < 0:
-        raise ValueError(f"n must be >= 0, got {n}")
-    nu = n * unit_roundoff
-    if nu >= 1:
-        raise ValueError(f"gamma({n}) is undefined for unit roundoff {unit_roundoff}: n*u >= 1")
-    return nu / (1 - nu)
 
 
 def accumulation_unit_roundoff(main_grad_dtype: torch.dtype, wgrad_dtype: torch.dtype | None) -> Fraction:

@@ -423,6 +423,22 @@ def round_values_to_tensor(
     return bits_to_tensor(fmt, [round_to_bits(fmt, v, overflow) for v in values], shape)
 
 
+def gamma(n: int, unit_roundoff: Fraction) -> Fraction:
+    """Higham's ``gamma(n) = n u / (1 - n u)``, exactly (Accuracy and Stability, Lemma 3.1).
+
+    The relative error bound of ``n`` successive roundings each of relative error at most
+    ``u`` (``unit_roundoff``: a format's :attr:`FloatFormat.unit_roundoff`, or the
+    per-step error of a composed rounding). ValueError when ``n < 0`` or ``n u >= 1``,
+    where the bound does not exist.
+    """
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    nu = n * Fraction(unit_roundoff)
+    if nu >= 1:
+        raise ValueError(f"gamma({n}) is undefined for unit roundoff {unit_roundoff}: n*u >= 1")
+    return nu / (1 - nu)
+
+
 def value_to_fraction(value: Value) -> Fraction:
     """The rational value of a finite Value (-0 is 0); a ValueError for NaN/inf."""
     if value is Special.NEG_ZERO:

@@ -40,6 +40,7 @@ __all__ = [
     "UlpDistance",
     "assert_bitwise_equal",
     "assert_ulp_close",
+    "bitwise_equal",
     "compare",
     "format_comparison",
     "supported_dtypes",
@@ -412,15 +413,55 @@ def _with_msg(report: str, msg: str | None) -> str:
     return report if msg is None else f"{msg}\n\n{report}"
 
 
+# The integer dtype of each element width in bytes, to read a tensor's bit patterns.
+_BIT_PATTERN_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bit_patterns_view(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements reinterpreted (never cast) as integers of the same width."""
+    if t.element_size() not in _BIT_PATTERN_VIEW:
+        raise TypeError(f"bitwise comparison takes 8- to 64-bit elements, got {t.dtype}")
+    return t.detach().contiguous().view(_BIT_PATTERN_VIEW[t.element_size()])
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when ``a`` and ``b`` have the same dtype, the same shape and identical bit patterns.
+
+    Unlike ``torch.equal``, which compares values: -0 and +0 are *not* equal, and two NaNs
+    with identical bits (sign and payload) *are*. Any dtype of 8 to 64 bits: every float
+    format, integers and bool (whose bits are their values). A dtype or shape difference
+    is ``False``; tensors on different devices are a ValueError, as in :func:`compare`.
+    """
+    for value, name in ((a, "a"), (b, "b")):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if a.device != b.device:
+        raise ValueError(f"a and b must be on the same device, got {a.device} and {b.device}")
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    # torch.equal on integers is exact equality, so on these views it compares bits.
+    return torch.equal(_bit_patterns_view(a), _bit_patterns_view(b))
+
+
 def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor, msg: str | None = None) -> None:
-    """Raise AssertionError with a readable report unless ``a`` and ``b`` have identical bits.
+    """Raise AssertionError with a readable report unless :func:`bitwise_equal` holds.
 
     ``a`` is treated as the reference. Shape or dtype differences raise
-    ValueError/TypeError from :func:`compare`.
+    ValueError/TypeError from :func:`compare`. Dtypes without ULPs (integers, bool,
+    float64) are held to their bits too; the report names the first differing element.
     """
+    if bitwise_equal(a, b):
+        return
+    if a.dtype == b.dtype and a.shape == b.shape and a.dtype not in supported_dtypes():
+        differs = (_bit_patterns_view(a) != _bit_patterns_view(b)).reshape(-1).cpu()
+        first = int(torch.nonzero(differs)[0, 0])
+        report = (f"Tensors are not bitwise equal!\n\ndtype {a.dtype}, shape {list(a.shape)}: "
+                  f"{int(differs.sum())} / {differs.numel()} elements differ; the first at index "
+                  f"{_unravel(first, tuple(a.shape))}: reference {a.reshape(-1)[first].item()!r}, "
+                  f"candidate {b.reshape(-1)[first].item()!r}")
+        raise AssertionError(_with_msg(report, msg))
     result = compare(a, b)
-    if not result.bitwise_equal:
-        raise AssertionError(_with_msg(format_comparison(result, "Tensors are not bitwise equal!"), msg))
+    raise AssertionError(_with_msg(format_comparison(result, "Tensors are not bitwise equal!"), msg))
 
 
 def assert_ulp_close(

@@ -168,7 +168,8 @@ def _check_subnormals_survive(device: torch.device) -> None:
     """Refuse to run when denormals-are-zero would silently drop subnormal inputs."""
     smallest = torch.ones(1, dtype=torch.int32, device=device).view(torch.float32)
     half_smallest = torch.ones(1, dtype=torch.int16, device=device).view(torch.float16)
-    if smallest.double().item() != 2.0**-149 or half_smallest.float().item() != 2.0**-24:
+    if (smallest.double().item() != FLOAT32.min_positive
+            or half_smallest.float().item() != FLOAT16.min_positive):
         raise RuntimeError(
             "subnormal inputs are flushed to zero on this device (torch.set_flush_denormal(True)?); "
             "verify.oracle needs exact subnormals"

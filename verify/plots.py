@@ -15,12 +15,16 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from refgrad.formats import format_of
 from verify.candidates import DEFAULT_CANDIDATE
 from verify.check import CheckResult, Table
 
 INSTALL_HINT = "pip install -e '.[plot]' (in the gradverify checkout; or: pip install matplotlib)"
-# Unit roundoff of the 16-bit wire dtypes, under both spellings the tables use.
-UNIT_ROUNDOFF = {"fp16": 2.0**-11, "float16": 2.0**-11, "bf16": 2.0**-8, "bfloat16": 2.0**-8}
+# Unit roundoff of the 16-bit wire dtypes (refgrad's format table), under both spellings the
+# tables use.
+UNIT_ROUNDOFF = {spelling: float(format_of(name).unit_roundoff)
+                 for spelling, name in (("fp16", "float16"), ("float16", "float16"),
+                                        ("bf16", "bfloat16"), ("bfloat16", "bfloat16"))}
 ERROR_GROWTH_COLUMNS = {"dtype", "distribution", "N", "method", "rel.err"}
 TIMELINE_COLUMNS = {"case", "overlap", "step", "exposed sync"}
 

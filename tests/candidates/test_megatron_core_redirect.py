@@ -17,6 +17,7 @@ from verify.candidates.megatron_core.redirect import (  # noqa: E402
     REDIRECTS,
     cpu_redirects,
 )
+from verify.metrics import assert_bitwise_equal  # noqa: E402
 
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="redirects are off with CUDA")
 
@@ -90,7 +91,7 @@ def test_fused_wgrad_standin_accumulates_in_fp32_by_hand():
     main_grad = torch.full((2, 3), 0.5)
     module.wgrad_gemm_accum_fp32(total_input, grad_output, main_grad)
     # row 0: 1*[1, .5, -2] + 3*[4, 1, .25] = [13, 3.5, -1.25]; row 1: 2*[...] - [...] = [-2, 0, -4.25]
-    assert torch.equal(main_grad, torch.tensor([[13.5, 4.0, -0.75], [-1.5, 0.5, -3.75]]))
+    assert_bitwise_equal(main_grad, torch.tensor([[13.5, 4.0, -0.75], [-1.5, 0.5, -3.75]]))
     # bf16 main_grad: the fp32 sum 256 + 1 = 257 rounded once to bf16 (ulp 2 at 256): a tie
     # between 256 (even) and 258 -> 256; 256 + 1.5 = 257.5 -> 258.
     main16 = torch.full((1, 2), 256.0, dtype=torch.bfloat16)

@@ -27,6 +27,7 @@ import torch
 from examples.arguments import TrainArgs, parse_args
 from examples.data import CharCorpus
 from examples.gpt import GPT, GPTConfig, build_stage, shared_embedding_params
+from verify.metrics import assert_bitwise_equal, bitwise_equal
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "train_gpt.py"
@@ -156,15 +157,15 @@ def test_replicas_take_disjoint_slices_of_one_global_batch() -> None:
     whole, whole_t = corpus.sample_microbatches(dp_rank=0, dp_size=1, num_microbatches=4, **common)
     halves = [corpus.sample_microbatches(dp_rank=d, dp_size=2, num_microbatches=2, **common)
               for d in (0, 1)]
-    assert torch.equal(torch.cat(whole), torch.cat(halves[0][0] + halves[1][0]))
-    assert not torch.equal(torch.cat(halves[0][0]), torch.cat(halves[1][0]))
+    assert_bitwise_equal(torch.cat(whole), torch.cat(halves[0][0] + halves[1][0]))
+    assert not bitwise_equal(torch.cat(halves[0][0]), torch.cat(halves[1][0]))
     for x, y in zip(whole, whole_t):  # targets: the next character
-        assert torch.equal(x[:, 1:], y[:, :-1])
+        assert_bitwise_equal(x[:, 1:], y[:, :-1])
     again, _ = corpus.sample_microbatches(dp_rank=0, dp_size=1, num_microbatches=4, **common)
-    assert all(torch.equal(a, b) for a, b in zip(whole, again))
+    assert all(bitwise_equal(a, b) for a, b in zip(whole, again))
     other, _ = corpus.sample_microbatches(dp_rank=0, dp_size=1, num_microbatches=4,
                                           **{**common, "step": 6})
-    assert not torch.equal(torch.cat(whole), torch.cat(other))
+    assert not bitwise_equal(torch.cat(whole), torch.cat(other))
 
 
 @pytest.mark.parametrize("tie", [True, False])
@@ -176,12 +177,12 @@ def test_two_stages_compose_to_the_whole_model(tie: bool) -> None:
     tokens = torch.randint(0, 11, (3, 8))
     first, last = build_stage(model, 0, 2), build_stage(model, 1, 2)
     # Same operations in the same order: bitwise.
-    assert torch.equal(last(first(tokens)), model(tokens))
+    assert_bitwise_equal(last(first(tokens)), model(tokens))
     shared_first, shared_last = shared_embedding_params(first), shared_embedding_params(last)
     if tie:
         assert shared_first == [model.embedding.weight]
         assert len(shared_last) == 1 and shared_last[0] is not model.embedding.weight
-        assert torch.equal(shared_last[0], model.embedding.weight)
+        assert_bitwise_equal(shared_last[0], model.embedding.weight)
     else:
         assert shared_first == [] and shared_last == []
     with pytest.raises(ValueError, match="num_layers=2 must be divisible by pp_size=3"):

@@ -19,6 +19,7 @@ from fastgrad.reduce_scatter import reduce_scatter_with_fp32_accumulation
 from refgrad.layout import compute_layout as reference_layout
 from verify.candidates import FastgradCandidate
 from verify.checks.layout import buffer_violations, default_scenarios, run_reduce_scenarios
+from verify.metrics import assert_bitwise_equal, bitwise_equal
 
 DIST_OPT = DDPConfig(use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=100)
 
@@ -58,11 +59,11 @@ def test_views_follow_refgrad_layout_and_keep_values():
     assert group.numel == 768 and group.numel_unpadded == 312
     for p, old in zip(params, before):
         start, _ = group.param_range(p)
-        assert torch.equal(p.detach(), old)
+        assert_bitwise_equal(p.detach(), old)
         assert p.data_ptr() == group.param_data.data_ptr() + 4 * start
         assert p.main_grad.data_ptr() == group.grad_data.data_ptr() + 4 * start
         assert p.main_grad.shape == p.shape
-    assert torch.equal(params[1].main_grad, torch.full((60,), 2.5))
+    assert_bitwise_equal(params[1].main_grad, torch.full((60,), 2.5))
     assert float(params[0].main_grad.abs().sum()) == 0.0
     b0, b1 = group.buckets
     assert b0.params == [params[3], params[2]] and b1.params == [params[1], params[0]]
@@ -149,7 +150,7 @@ def test_padding_never_leaks():
     assert piece.param is params[1] and piece.param_offset == (64, 70)
     assert piece.buffer_range == (64, 70)
     state = buf.checkpoint_state()
-    assert torch.equal(state[0]["main_grad"], torch.full((5,), 4.0))
+    assert_bitwise_equal(state[0]["main_grad"], torch.full((5,), 4.0))
     buf.zero_grad()
     assert buf.padding_is_zero() and float(buf.grad_norm_sq()) == 0.0
 
@@ -165,7 +166,7 @@ def test_local_only_reduction_of_one_replica_leaves_its_grads():
     assert buf.reduce_in_flight and all(b.reduce_in_flight for b in buf.buckets)
     buf.finish_grad_sync()
     assert not buf.reduce_in_flight
-    assert all(torch.equal(p.main_grad, torch.full_like(p.main_grad, 3.0)) for p in params)
+    assert all(bitwise_equal(p.main_grad, torch.full_like(p.main_grad, 3.0)) for p in params)
 
 
 def test_lifecycle_errors():

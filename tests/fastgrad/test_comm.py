@@ -19,6 +19,7 @@ from fastgrad.buffer import ParamAndGradBuffer
 from fastgrad.comm import ChunkCopyWork, reduce_scatter_into
 from fastgrad.config import DDPConfig
 from refgrad import reduce_scatter as refc
+from verify.metrics import assert_bitwise_equal, bitwise_equal
 
 SHARD = 32
 OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG}
@@ -54,7 +55,7 @@ def _worker(rank: int, world: int) -> dict:
                     "input": full.clone(), "plain": plain, "scratch": kept,
                     "async_handle": isinstance(work, ChunkCopyWork), "untouched": untouched,
                 }
-            out[(str(dtype), it, "input kept")] = torch.equal(full, before)
+            out[(str(dtype), it, "input kept")] = bitwise_equal(full, before)
     errors = {}
     full, shard = torch.zeros(world * SHARD), torch.zeros(SHARD)
     for label, bad in {"numel": torch.empty(SHARD), "dtype": torch.empty(world * SHARD, dtype=torch.bfloat16),
@@ -101,8 +102,8 @@ def test_reduce_scatter_through_a_kept_scratch_is_gloos_collective_bit_for_bit()
                                            order="ring_reverse", op=name)
                 for rank, rec in enumerate(records):
                     label = (dtype, it, name, rank)
-                    assert torch.equal(_bits(rec["plain"]), _bits(want[rank])), label
-                    assert torch.equal(_bits(rec["scratch"]), _bits(want[rank])), label
+                    assert_bitwise_equal(_bits(rec["plain"]), _bits(want[rank]), msg=str(label))
+                    assert_bitwise_equal(_bits(rec["scratch"]), _bits(want[rank]), msg=str(label))
                     assert rec["async_handle"] and rec["untouched"], label
             assert all(ranks[r][(str(dtype), it, "input kept")] for r in range(world))
     errors = ranks[0]["errors"]
@@ -126,5 +127,5 @@ def test_a_gloo_bucket_keeps_its_scratch_and_the_collectives_bits():
             lo, hi = step["range"]
             want = prescaled[rank].clone()
             want[lo:hi] = reduced[lo:hi]
-            assert torch.equal(_bits(step["after"]), _bits(want)), (it, rank)
+            assert_bitwise_equal(_bits(step["after"]), _bits(want), msg=str((it, rank)))
     assert all(ranks[r][0]["scratch"] and ranks[r][1]["same scratch"] for r in range(world))

@@ -15,6 +15,7 @@ from fastgrad.ddp import DistributedDataParallel
 from fastgrad.errors import LifecycleError
 from fastgrad.exposed_grads import UnreducedGradPlaceholder
 from refgrad.pipeline import reduce_across_replicas
+from verify.metrics import assert_bitwise_equal, bitwise_equal
 
 
 class TwoLayer(nn.Module):
@@ -85,7 +86,7 @@ def test_main_grad_is_the_microbatch_ordered_sum(overlap):
         acc = torch.zeros_like(p)
         for g in expected:
             acc = acc + g[name]
-        assert torch.equal(p.main_grad, acc), name
+        assert_bitwise_equal(p.main_grad, acc, msg=str(name))
         # All-reduce config: finish_grad_sync exposes the reduced grad (same dtype: a view).
         assert p.grad is p.main_grad
     ddp.zero_grad_buffer()
@@ -120,7 +121,7 @@ def test_microbatch_count_change_keeps_learned_counts_valid():
         acc = torch.zeros_like(model.first.weight)
         for g in expected:
             acc = acc + g["first.weight"]
-        assert torch.equal(model.first.weight.main_grad, acc)
+        assert_bitwise_equal(model.first.weight.main_grad, acc)
     assert ddp.relearn_count == 0
 
 
@@ -206,7 +207,7 @@ def test_finish_without_a_step_is_refused(overlap):
     reduced = model.first.weight.main_grad.clone()
     with pytest.raises(LifecycleError, match="without a step in progress"):
         ddp.finish_grad_sync()  # finish twice
-    assert torch.equal(model.first.weight.main_grad, reduced)
+    assert_bitwise_equal(model.first.weight.main_grad, reduced)
     _run_step(ddp, _data(1, 2))  # the next step is unaffected
 
 
@@ -323,7 +324,7 @@ def test_reductions_match_refgrad_on_two_ranks():
                     expected = reduce_across_replicas([s[name] for s in per_rank_sums], reduction)
                     for rank in range(2):
                         got = results[rank][(label, overlap)][step][0][name]
-                        assert torch.equal(got, expected), (label, overlap, step, name, rank)
+                        assert_bitwise_equal(got, expected, msg=str((label, overlap, step, name, rank)))
 
 
 # ---------------------------------------------------------------- nn.Module and plain optimizers
@@ -338,9 +339,9 @@ def test_ddp_is_a_module_with_the_wrapped_modules_names_and_tensors():
     state = ddp.state_dict()
     assert list(state) == ["first.weight", "first.bias", "second.weight", "second.bias"]
     for name, p in model.named_parameters():
-        assert state[name].shape == p.shape and torch.equal(state[name], p)  # unpadded
+        assert state[name].shape == p.shape and bitwise_equal(state[name], p)  # unpadded
     x = _data(0, 1)[0]
-    assert torch.equal(ddp(x), model(x))
+    assert_bitwise_equal(ddp(x), model(x))
     ddp.eval()
     assert not model.training and not model.first.training
     ddp.train()
@@ -350,7 +351,7 @@ def test_ddp_is_a_module_with_the_wrapped_modules_names_and_tensors():
     ddp.load_state_dict(other)
     group = ddp.buffer.group_of(model.first.weight)
     start, end = group.param_range(model.first.weight)
-    assert torch.equal(group.param_data[start:end].view(4, 4), other["first.weight"])
+    assert_bitwise_equal(group.param_data[start:end].view(4, 4), other["first.weight"])
     assert model.first.weight.data_ptr() == group.param_data[start:end].data_ptr()
     with pytest.raises(ValueError, match="assign"):
         ddp.load_state_dict(other, assign=True)
@@ -364,7 +365,7 @@ def test_plain_optimizer_under_the_distributed_optimizer_fails_at_its_first_step
     _run_step(ddp, _data(0, 2))
     with pytest.raises(LifecycleError, match="use_distributed_optimizer=True"):
         optimizer.step()
-    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert all(bitwise_equal(a, p) for a, p in zip(before, model.parameters()))
     # A backward without zero_grad_buffer is refused too, instead of corrupting main_grad.
     with pytest.raises(LifecycleError, match="zero_grad_buffer"):
         _backward(ddp, _data(1, 1)[0])
@@ -446,8 +447,8 @@ def test_plain_sgd_on_ddp_parameters_matches_a_hand_computed_reference_on_two_ra
                 got = results[rank][label][step][1]
                 for n, p in reference.named_parameters():
                     assert got[n].dtype == dtype
-                    assert torch.equal(got[n], p.detach()), (label, step, rank, n)
+                    assert_bitwise_equal(got[n], p.detach(), msg=str((label, step, rank, n)))
         # training moved the parameters
-        assert not torch.equal(results[0][label][0][1]["first.weight"], TwoLayer().to(dtype).first.weight)
+        assert not bitwise_equal(results[0][label][0][1]["first.weight"], TwoLayer().to(dtype).first.weight)
     for rank in range(2):
         assert "use_distributed_optimizer=True" in results[rank]["distributed optimizer"]

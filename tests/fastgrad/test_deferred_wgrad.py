@@ -18,6 +18,7 @@ from refgrad.deferred_wgrad import (
     reference_main_grad,
     tied_embedding_grad_sum,
 )
+from verify.metrics import assert_bitwise_equal, bitwise_equal
 
 S, B, H, V = 4, 2, 8, 6
 
@@ -137,7 +138,7 @@ def test_immediate_matches_refgrad_bitwise_on_exact_grid(mg_dtype):
     assert run_step(layer, xs, gos)[0] == 0
     expected = reference_main_grad(gos, xs, main_grad_dtype=mg_dtype)
     assert layer.weight.main_grad.dtype == mg_dtype
-    assert torch.equal(layer.weight.main_grad, expected)
+    assert_bitwise_equal(layer.weight.main_grad, expected)
 
 
 def test_cpu_add_follows_the_documented_double_rounding_for_bf16_main_grad():
@@ -147,8 +148,8 @@ def test_cpu_add_follows_the_documented_double_rounding_for_bf16_main_grad():
     x = torch.tensor([[2.0**-8], [2.0**-30]], dtype=torch.bfloat16)
     accumulate_wgrad_(mg, go, x)
     assert mg.item() == 1.0
-    assert torch.equal(mg, reference_main_grad([go], [x], main_grad_init=torch.ones(1, 1, dtype=torch.bfloat16),
-                                                main_grad_dtype=torch.bfloat16))
+    assert_bitwise_equal(mg, reference_main_grad([go], [x], main_grad_init=torch.ones(1, 1, dtype=torch.bfloat16),
+                                                  main_grad_dtype=torch.bfloat16))
 
 
 def test_unfused_rounds_wgrad_to_bf16_like_refgrad():
@@ -159,7 +160,7 @@ def test_unfused_rounds_wgrad_to_bf16_like_refgrad():
     accumulate_wgrad_(unfused, go, x, fused=False)
     assert fused.item() == 1.0 + 2.0**-8
     assert unfused.item() == 1.0
-    assert torch.equal(unfused, reference_main_grad([go], [x], wgrad_dtype=torch.bfloat16))
+    assert_bitwise_equal(unfused, reference_main_grad([go], [x], wgrad_dtype=torch.bfloat16))
 
 
 # --- deferral and drain -------------------------------------------------------------------
@@ -176,11 +177,11 @@ def test_deferred_equals_immediate_in_the_drain_order(m, limit):
     dfr = ColumnParallelOutputLayer(w, deferred(limit), parallel_dims=PP2)
     drained, dgrads = run_step(dfr, xs, gos)
     assert drained == (m if limit == 0 else min(limit, m))
-    assert torch.equal(dfr.weight.main_grad, reordered.weight.main_grad)
+    assert_bitwise_equal(dfr.weight.main_grad, reordered.weight.main_grad)
     if not 0 < limit < m:
-        assert torch.equal(dfr.weight.main_grad, imm.weight.main_grad)
+        assert_bitwise_equal(dfr.weight.main_grad, imm.weight.main_grad)
     _, imm_dgrads = run_step(ColumnParallelOutputLayer(w, EmbeddingWgradConfig()), xs, gos)
-    assert all(torch.equal(dgrads[k], imm_dgrads[k]) for k in range(m))
+    assert all(bitwise_equal(dgrads[k], imm_dgrads[k]) for k in range(m))
 
 
 def test_buffers_hold_the_first_limit_microbatches_fifo():
@@ -189,13 +190,13 @@ def test_buffers_hold_the_first_limit_microbatches_fifo():
     layer.start_step()
     for k in range(4):
         layer(xs[k].clone().requires_grad_(True)).backward(gos[k])
-    assert [torch.equal(a, xs[k]) for k, a in enumerate(layer.activation_buffer)] == [True, True]
-    assert [torch.equal(g, gos[k]) for k, g in enumerate(layer.grad_output_buffer)] == [True, True]
+    assert [bitwise_equal(a, xs[k]) for k, a in enumerate(layer.activation_buffer)] == [True, True]
+    assert [bitwise_equal(g, gos[k]) for k, g in enumerate(layer.grad_output_buffer)] == [True, True]
     # The two immediate microbatches are already in main_grad.
-    assert torch.equal(layer.weight.main_grad, reference_main_grad(gos[2:], xs[2:]))
+    assert_bitwise_equal(layer.weight.main_grad, reference_main_grad(gos[2:], xs[2:]))
     assert layer.drain_deferred_wgrad() == 2
     assert layer.activation_buffer == [] and layer.grad_output_buffer == []
-    assert torch.equal(layer.weight.main_grad, reference_main_grad(gos, xs, order=[2, 3, 0, 1]))
+    assert_bitwise_equal(layer.weight.main_grad, reference_main_grad(gos, xs, order=[2, 3, 0, 1]))
 
 
 def test_zero_entry_drain_is_a_no_op():
@@ -208,7 +209,7 @@ def test_zero_entry_drain_is_a_no_op():
     run_step(imm, xs, gos)
     before = imm.weight.main_grad.clone()
     assert imm.drain_deferred_wgrad() == 0
-    assert torch.equal(before, imm.weight.main_grad)
+    assert_bitwise_equal(before, imm.weight.main_grad)
 
 
 def test_one_entry_drain():
@@ -216,7 +217,7 @@ def test_one_entry_drain():
     xs, gos = microbatches(1, seed=5)
     layer = ColumnParallelOutputLayer(weight(), deferred(), parallel_dims=PP2)
     assert run_step(layer, xs, gos)[0] == 1
-    assert torch.equal(layer.weight.main_grad, reference_main_grad(gos, xs))
+    assert_bitwise_equal(layer.weight.main_grad, reference_main_grad(gos, xs))
 
 
 class EventLogLayer(ColumnParallelOutputLayer):
@@ -279,7 +280,7 @@ def test_start_step_clears_both_buffers_after_an_abandoned_step():
     assert reused.start_step() == 2
     assert reused.activation_buffer == [] and reused.grad_output_buffer == []
     run_step(reused, xs[1:], gos[1:])
-    assert torch.equal(fresh.weight.main_grad, reused.weight.main_grad)
+    assert_bitwise_equal(fresh.weight.main_grad, reused.weight.main_grad)
 
 
 def test_guard_refuses_to_write_into_an_in_flight_bucket():
@@ -298,7 +299,7 @@ def test_guard_refuses_to_write_into_an_in_flight_bucket():
     assert torch.count_nonzero(layer.weight.main_grad) == 0
     assert layer.num_deferred == 2  # nothing consumed: it can still be drained
     assert layer.drain_deferred_wgrad(reduce_in_flight=lambda p: False) == 2
-    assert torch.equal(layer.weight.main_grad, reference_main_grad(gos, xs))
+    assert_bitwise_equal(layer.weight.main_grad, reference_main_grad(gos, xs))
 
 
 def test_guard_also_covers_the_immediate_path():
@@ -375,15 +376,15 @@ def test_tp2_deferred_equals_immediate_and_refgrad(tp2_results, sp):
         for name in ("deferred", "deferred_limit1"):
             dfr = res["tp"][(sp, name)]
             # Grid data: every sum is exact, so even the reordered drain is bitwise equal.
-            assert all(torch.equal(a, b) for a, b in zip(imm["grads"], dfr["grads"])), (rank, name)
-            assert all(torch.equal(a, b) for a, b in zip(imm["dgrads"], dfr["dgrads"])), (rank, name)
+            assert all(bitwise_equal(a, b) for a, b in zip(imm["grads"], dfr["grads"])), (rank, name)
+            assert all(bitwise_equal(a, b) for a, b in zip(imm["dgrads"], dfr["dgrads"])), (rank, name)
     # main_grad carries over: after iteration 2 it holds all 6 microbatches' wgrads.
     all_x = [x for xs, _ in steps for x in xs]
     all_g = [g for _, gos in steps for g in gos]
     full = torch.cat([res["tp"][(sp, "deferred")]["grads"][-1] for res in tp2_results], dim=0)
-    assert torch.equal(full, reference_main_grad(all_g, all_x))
+    assert_bitwise_equal(full, reference_main_grad(all_g, all_x))
     first = torch.cat([res["tp"][(sp, "deferred")]["grads"][0] for res in tp2_results], dim=0)
-    assert torch.equal(first, reference_main_grad(steps[0][1], steps[0][0]))
+    assert_bitwise_equal(first, reference_main_grad(steps[0][1], steps[0][0]))
 
 
 @pytest.mark.dist
@@ -399,7 +400,7 @@ def test_tp2_dgrad_is_the_summed_and_scattered_input_gradient(tp2_results, sp):
             for rank, res in enumerate(tp2_results):
                 dgrad = res["tp"][(sp, "deferred")]["dgrads"][k]
                 expected = exact[rank * 2 : rank * 2 + 2] if sp else exact
-                assert torch.equal(dgrad, expected), (rank, k)
+                assert_bitwise_equal(dgrad, expected, msg=str((rank, k)))
             k += 1
 
 
@@ -408,9 +409,9 @@ def test_tied_embedding_grads_equal_on_both_stages(tp2_results):
     for it in range(2):
         before0, after0 = tp2_results[0]["tied"][it]
         before1, after1 = tp2_results[1]["tied"][it]
-        assert not torch.equal(before0, before1)  # the stages really hold different grads
-        assert torch.equal(after0, after1)
-        assert torch.equal(after1, tied_embedding_grad_sum([before0, before1]))
+        assert not bitwise_equal(before0, before1)  # the stages really hold different grads
+        assert_bitwise_equal(after0, after1)
+        assert_bitwise_equal(after1, tied_embedding_grad_sum([before0, before1]))
 
 
 def test_tied_allreduce_needs_a_process_group_and_skips_none():
@@ -433,7 +434,7 @@ def test_cuda_wgrad_matches_refgrad_on_exact_grid(method, mg_dtype):
     mg = torch.zeros(V, H, dtype=mg_dtype, device="cuda")
     for x, go in zip(xs, gos):
         accumulate_wgrad_(mg, go.cuda(), x.cuda(), cuda_method=method)
-    assert torch.equal(mg.cpu(), reference_main_grad(gos, xs, main_grad_dtype=mg_dtype))
+    assert_bitwise_equal(mg.cpu(), reference_main_grad(gos, xs, main_grad_dtype=mg_dtype))
 
 
 @pytest.mark.gpu
@@ -444,4 +445,4 @@ def test_cuda_deferred_equals_immediate():
     dfr = ColumnParallelOutputLayer(weight().cuda(), deferred(), parallel_dims=PP2)
     run_step(imm, xs, gos)
     assert run_step(dfr, xs, gos)[0] == 3
-    assert torch.equal(imm.weight.main_grad, dfr.weight.main_grad)
+    assert_bitwise_equal(imm.weight.main_grad, dfr.weight.main_grad)

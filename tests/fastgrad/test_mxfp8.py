@@ -17,6 +17,7 @@ from fastgrad import mxfp8 as fast
 from refgrad import mxfp8 as ref
 from refgrad.formats import bits_to_tensor, format_of, tensor_bit_patterns
 from verify.fixtures.mxfp8 import special_blocks
+from verify.metrics import assert_bitwise_equal
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 HYPOTHESIS = settings(
@@ -27,8 +28,8 @@ HYPOTHESIS = settings(
 def assert_same_quantization(x: torch.Tensor, mode: str, block_size: int = 32) -> None:
     expected = ref.quantize(x, scale_mode=mode, block_size=block_size)
     got = fast.quantize(x, scale_mode=mode, block_size=block_size)
-    assert torch.equal(expected[0], got[0]), f"scales differ ({mode}, {x.dtype})"
-    assert torch.equal(expected[1], got[1]), f"elements differ ({mode}, {x.dtype})"
+    assert_bitwise_equal(expected[0], got[0], msg=f"scales differ ({mode}, {x.dtype})")
+    assert_bitwise_equal(expected[1], got[1], msg=f"elements differ ({mode}, {x.dtype})")
 
 
 def from_bits(bits: list[int], dtype: torch.dtype) -> torch.Tensor:
@@ -103,7 +104,7 @@ def test_dequantize_matches_refgrad_for_any_codes(scales, elements):
     for dtype in DTYPES:
         expected = ref.dequantize(scale_bits, element_bits, dtype=dtype)
         got = fast.dequantize(scale_bits, element_bits, dtype=dtype)
-        assert torch.equal(tensor_bit_patterns(expected), tensor_bit_patterns(got)), dtype
+        assert_bitwise_equal(tensor_bit_patterns(expected), tensor_bit_patterns(got), msg=str(dtype))
 
 
 def test_e4m3_code_table_matches_refgrad_decode():
@@ -162,7 +163,8 @@ def test_quantize_into_out_matches_refgrad_in_place(dtype):
         pointers = (out[0].data_ptr(), out[1].data_ptr())
         assert fast.quantize(x, scale_mode=mode, out=out) is out
         assert (out[0].data_ptr(), out[1].data_ptr()) == pointers
-        assert torch.equal(expected[0], out[0]) and torch.equal(expected[1], out[1]), mode
+        assert_bitwise_equal(expected[0], out[0], msg=mode)
+        assert_bitwise_equal(expected[1], out[1], msg=mode)
 
 
 def test_quantize_out_errors():
@@ -186,8 +188,8 @@ def test_mxfp8_parameter_copy_from_writes_its_own_storage():
     param.copy_from(values)
     expected = ref.quantize(values.reshape(8, 64))
     assert (param.scale_bits.data_ptr(), param.element_bits.data_ptr()) == pointers
-    assert torch.equal(param.scale_bits, expected[0])
-    assert torch.equal(param.element_bits, expected[1])
+    assert_bitwise_equal(param.scale_bits, expected[0])
+    assert_bitwise_equal(param.element_bits, expected[1])
 
 
 def test_triton_not_used_on_cpu():
@@ -205,16 +207,17 @@ def test_triton_kernel_logic_in_interpreter():
         "from fastgrad.kernels.mxfp8 import quantize_triton\n"
         "from refgrad import mxfp8 as ref\n"
         "from verify.fixtures.mxfp8 import special_blocks, random_blocks\n"
+        "from verify.metrics import bitwise_equal\n"
         "for dtype in (torch.float32, torch.float16, torch.bfloat16):\n"
         "    g = torch.Generator().manual_seed(5)\n"
         "    x = torch.cat([special_blocks(dtype)[1], random_blocks(8, g, dtype)])\n"
         "    for mode in ref.SCALE_MODES:\n"
         "        s, e = quantize_triton(x, scale_mode=mode, blocks_per_program=8)\n"
         "        rs, re = ref.quantize(x, scale_mode=mode)\n"
-        "        assert torch.equal(s, rs) and torch.equal(e, re), (dtype, mode)\n"
+        "        assert bitwise_equal(s, rs) and bitwise_equal(e, re), (dtype, mode)\n"
         "        out = (torch.full_like(rs, 0xAB), torch.full_like(re, 0xAB))\n"
         "        got = quantize_triton(x, scale_mode=mode, blocks_per_program=8, out=out)\n"
-        "        assert got is out and torch.equal(out[0], rs) and torch.equal(out[1], re)\n"
+        "        assert got is out and bitwise_equal(out[0], rs) and bitwise_equal(out[1], re)\n"
         "for bad in (0, 3, -4):\n"
         "    try:\n"
         "        quantize_triton(torch.zeros(64), blocks_per_program=bad)\n"
@@ -241,13 +244,15 @@ def test_cuda_quantize_matches_refgrad(dtype):
     for mode in ref.SCALE_MODES:
         expected = ref.quantize(x, scale_mode=mode)
         scales, elements = fast.quantize(x.cuda(), scale_mode=mode)  # Triton when installed
-        assert torch.equal(expected[0], scales.cpu()) and torch.equal(expected[1], elements.cpu())
+        assert_bitwise_equal(expected[0], scales.cpu())
+        assert_bitwise_equal(expected[1], elements.cpu())
         out = (torch.full_like(scales, 0xAB), torch.full_like(elements, 0xAB))
         assert fast.quantize(x.cuda(), scale_mode=mode, out=out) is out  # written in place
-        assert torch.equal(expected[0], out[0].cpu()) and torch.equal(expected[1], out[1].cpu())
+        assert_bitwise_equal(expected[0], out[0].cpu())
+        assert_bitwise_equal(expected[1], out[1].cpu())
         torch_path = fast.quantize_torch(x.cuda(), scale_mode=mode)
-        assert torch.equal(expected[0], torch_path[0].cpu())
-        assert torch.equal(expected[1], torch_path[1].cpu())
+        assert_bitwise_equal(expected[0], torch_path[0].cpu())
+        assert_bitwise_equal(expected[1], torch_path[1].cpu())
         deq = fast.dequantize(scales, elements, dtype=dtype)
         ref_deq = ref.dequantize(expected[0], expected[1], dtype=dtype)
-        assert torch.equal(tensor_bit_patterns(ref_deq), tensor_bit_patterns(deq.cpu()))
+        assert_bitwise_equal(tensor_bit_patterns(ref_deq), tensor_bit_patterns(deq.cpu()))

@@ -22,16 +22,11 @@ from fastgrad.errors import LifecycleError
 from fastgrad.mxfp8_sharing import MXFP8Parameter, MXFP8ParamGradBuffer
 from fastgrad.optim import AdamWConfig, DistributedOptimizer, DynamicLossScaler, SGDConfig
 from refgrad import mxfp8 as ref
-from refgrad.formats import tensor_bit_patterns
 from verify.fixtures.mxfp8 import TOY_SHAPES, toy_config, train_both_modes_rank
+from verify.metrics import assert_bitwise_equal, bitwise_equal
 
 TOY_NUMEL = 7424
 TOY_BUCKETS = [(0, 1280), (1280, 3328), (3328, 7424)]
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equality (NaN patterns and -0 included), dtype included."""
-    return a.dtype == b.dtype and torch.equal(tensor_bit_patterns(a), tensor_bit_patterns(b))
 
 
 def make_buffer(*, sharing: bool, grad_fp32: bool = True, extra: list | None = None):
@@ -127,8 +122,8 @@ def test_copy_quantizes_gathered_params_and_zeroes_each_bucket():
     assert bool(buffer.grad_data.eq(0).all())  # every bucket zeroed after its copy
     for weight, master_values in zip(weights, _masters_per_param(buffer, optimizer)):
         expected = ref.quantize(master_values.to(torch.bfloat16).reshape(weight.shape))
-        assert torch.equal(expected[0], weight.scale_bits)
-        assert torch.equal(expected[1], weight.element_bits)
+        assert_bitwise_equal(expected[0], weight.scale_bits)
+        assert_bitwise_equal(expected[1], weight.element_bits)
 
 
 def _masters_per_param(buffer, optimizer):
@@ -159,7 +154,7 @@ def test_forced_param_sync_needs_restaged_master_shards():
     before = [w.element_bits.clone() for w in weights]
     stage(buffer, optimizer)
     buffer.gather_all_params(force_sync=True)  # re-staged: gathers the real params again
-    assert all(torch.equal(a, w.element_bits) for a, w in zip(before, weights))
+    assert all(bitwise_equal(a, w.element_bits) for a, w in zip(before, weights))
 
 
 def test_stale_shard_after_step_is_refused_with_sharing_off_too():
@@ -285,12 +280,12 @@ def test_dp2_training_bitwise_parity_with_sharing_off_and_lifecycle_errors():
             for it, (a, b) in enumerate(zip(off["snapshots"], on["snapshots"])):
                 for key in ("scale_bits", "element_bits", "masters_before", "masters_after", "local_grad_shards"):
                     for x, y in zip(a[key], b[key]):
-                        assert same_bits(x, y), (rank, grad_fp32, it, key)
-                assert same_bits(a["grads"], b["grads"]), (rank, grad_fp32, it)
+                        assert bitwise_equal(x, y), (rank, grad_fp32, it, key)
+                assert bitwise_equal(a["grads"], b["grads"]), (rank, grad_fp32, it)
             # training moved the params: the iterations are not all the same bits
-            assert not same_bits(on["snapshots"][0]["element_bits"][0], on["snapshots"][2]["element_bits"][0])
+            assert not bitwise_equal(on["snapshots"][0]["element_bits"][0], on["snapshots"][2]["element_bits"][0])
         per_rank_bits.append(result["parity"][(True, True)]["snapshots"][-1]["element_bits"])
     # the all-gather gave both ranks the same params, though their data (and grads) differ
-    assert all(same_bits(x, y) for x, y in zip(*per_rank_bits))
+    assert all(bitwise_equal(x, y) for x, y in zip(*per_rank_bits))
     grads = [r["parity"][(True, True)]["snapshots"][0]["local_grad_shards"] for r in results]
-    assert not same_bits(grads[0][0], grads[1][0])
+    assert not bitwise_equal(grads[0][0], grads[1][0])

@@ -39,15 +39,16 @@ from verify.checks.optim.cases import (  # noqa: F401 - re-exported for test_opt
     coefficient,
 )
 from verify.checks.optim.expectations import reduced_grads, reference_trajectory  # noqa: F401
+from verify.metrics import assert_bitwise_equal
 
 
 def assert_matches(got: dict, want: dict, where: str) -> None:
     """Bitwise: params, masters, and every optimizer state tensor refgrad has."""
     for n in NAMES:
-        assert torch.equal(bits(got["params"][n]), bits(want["params"][n])), f"{where}: param {n}"
+        assert_bitwise_equal(bits(got["params"][n]), bits(want["params"][n]), msg=f"{where}: param {n}")
         for key, tensor in want["state"][n].items():
             mine = got["state"]["params"][n][key]
-            assert torch.equal(bits(mine), bits(tensor)), f"{where}: {key} of {n}"
+            assert_bitwise_equal(bits(mine), bits(tensor), msg=f"{where}: {key} of {n}")
 
 
 # --------------------------------------------------------------------------- DP=1 tests
@@ -125,7 +126,7 @@ def test_checkpoint_round_trip_and_resume_dp1():
     model2, ddp2, opt2 = build(MIXED, "sgd")
     opt2.load_state_dict(state)
     for n, p in model2.named_parameters():
-        assert torch.equal(bits(p.detach()), bits(state["params"][n]["master"].to(p.dtype)))
+        assert_bitwise_equal(bits(p.detach()), bits(state["params"][n]["master"].to(p.dtype)))
     train_step(model, ddp, opt, 0, 2)
     train_step(model2, ddp2, opt2, 0, 2)
     assert_matches(snapshot(model2, opt2), {"params": dict(model.named_parameters()),

@@ -26,6 +26,7 @@ from fastgrad.optim.norm import limbs_from_bins, limbs_to_fraction, local_square
 from fastgrad.optim.update import BLOCK, adamw_scalars, adamw_update_, sgd_update_, sqrt_fp32
 from refgrad import formats
 from refgrad import optim as R
+from verify.metrics import assert_bitwise_equal
 
 
 def _fp32_from_bits(bits: list[int]) -> torch.Tensor:
@@ -53,7 +54,7 @@ def test_sqrt_fp32_is_refgrads_correctly_rounded_sqrt():
     x = _sqrt_inputs()
     got = sqrt_fp32(x)
     want = R.to_tensor([R.sqrt_rounded(formats.FLOAT32, v) for v in R.values(x)], x.shape)
-    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert_bitwise_equal(got.view(torch.int32), want.view(torch.int32))
 
 
 @pytest.mark.parametrize("weight_decay,step", [(0.1, 1), (0.0, 3)])
@@ -136,9 +137,9 @@ def test_widening_of_every_16_bit_pattern_is_torchs(dtype):
     got = torch.from_numpy(K.widen(GRAD_KIND[dtype], every.numpy()))
     want = every.view(dtype).float()
     nan = torch.isnan(want)
-    assert torch.equal(torch.isnan(got), nan)
+    assert_bitwise_equal(torch.isnan(got), nan)
     # NaN payloads may differ (torch quiets fp16 signalling NaNs); a NaN grad only skips the step
-    assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))
+    assert_bitwise_equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))
 
 
 CASES = [  # (grad dtype, param dtype, weight decay, inv_scale, clip)
@@ -186,9 +187,9 @@ def test_fused_adamw_is_refgrads_and_the_torch_ops(grad_dtype, param_dtype, weig
     tp, tm, tv = p.clone(), m.clone(), v.clone()
     adamw_update_(tp, _r32_grads(g, inv_scale, clip), tm, tv, cfg, step)
     for got, want in ((fp, tp), (fm, tm), (fv, tv)):
-        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
-    assert torch.equal(_raw_t(param_buf[PAD:-PAD]), _raw_t(tp.to(param_dtype)))
-    assert torch.equal(_raw_t(param_buf[:PAD]), _raw_t(torch.zeros(PAD, dtype=param_dtype)))  # untouched
+        assert_bitwise_equal(got.view(torch.int32), want.view(torch.int32))
+    assert_bitwise_equal(_raw_t(param_buf[PAD:-PAD]), _raw_t(tp.to(param_dtype)))
+    assert_bitwise_equal(_raw_t(param_buf[:PAD]), _raw_t(torch.zeros(PAD, dtype=param_dtype)))  # untouched
     # refgrad's exact arithmetic on the edges, the row boundaries and a random sample
     rs = R.adamw_scalars(R.AdamW(lr=1e-3, weight_decay=weight_decay), step)
     inv = R.r32(Fraction(1 if inv_scale is None else inv_scale))
@@ -225,9 +226,9 @@ def test_fused_sgd_is_refgrads_and_the_torch_ops(momentum, weight_decay, grad_dt
         K.sgd(_work(n), GRAD_KIND[grad_dtype], _raw(_buffer(g)), np.ones(2, np.float32), table,
               fp.numpy(), fbuf.numpy(), OUT_KIND[param_dtype], _raw(param_buf))
         sgd_update_(tp, g.float(), tbuf, cfg, step == 1)
-        assert torch.equal(fp.view(torch.int32), tp.view(torch.int32))
-        assert torch.equal(fbuf.view(torch.int32), tbuf.view(torch.int32))
-        assert torch.equal(_raw_t(param_buf[PAD:-PAD]), _raw_t(tp.to(param_dtype)))
+        assert_bitwise_equal(fp.view(torch.int32), tp.view(torch.int32))
+        assert_bitwise_equal(fbuf.view(torch.int32), tbuf.view(torch.int32))
+        assert_bitwise_equal(_raw_t(param_buf[PAD:-PAD]), _raw_t(tp.to(param_dtype)))
         out = [R.sgd_element(ref[i], Fraction(float(g[i])), None if ref_buf is None else ref_buf[i], rs)
                for i in range(64)]
         ref, ref_buf = [o[0] for o in out], [o[1] for o in out]

@@ -20,9 +20,9 @@ from fastgrad.optim import AdamWConfig, DistributedOptimizer
 from tests.distributed_utils import run_distributed
 from verify.candidates.fastgrad.optimizer import FastgradOptimizer
 from verify.checks.optim.mxfp8 import CONFIGS, SHAPES, STEPS, joined_masters, refgrad_trajectory
-from verify.checks.optim.mxfp8 import same_bits as _same
 from verify.checks.optim.mxfp8 import train_mxfp8 as _train
 from verify.fixtures.mxfp8 import toy_config
+from verify.metrics import assert_bitwise_equal, bitwise_equal
 
 
 def worker(rank: int, world: int) -> dict:
@@ -35,17 +35,17 @@ def _check_against_refgrad(runs: list[dict], kind: str) -> None:
     want = refgrad_trajectory(runs, kind)
     for k in range(len(SHAPES)):
         for run in runs:
-            assert torch.equal(want["bits0"][k][1], run["bits0"][k][1])
+            assert_bitwise_equal(want["bits0"][k][1], run["bits0"][k][1])
     for step in range(STEPS):
         assert want["steps"][step]["stepped"]
         masters = joined_masters(runs, step)
         for k, (a, b) in enumerate(runs[0]["param_ranges"]):
-            assert _same(masters[a:b], want["steps"][step]["masters"][k]), (kind, step, k)
+            assert_bitwise_equal(masters[a:b], want["steps"][step]["masters"][k], msg=str((kind, step, k)))
             scales, elements = want["steps"][step]["bits"][k]
             for rank, run in enumerate(runs):
                 got_scales, got_elements = run["steps"][step]["bits"][k]
-                assert torch.equal(scales, got_scales), (kind, step, k, rank)
-                assert torch.equal(elements, got_elements), (kind, step, k, rank)
+                assert_bitwise_equal(scales, got_scales, msg=str((kind, step, k, rank)))
+                assert_bitwise_equal(elements, got_elements, msg=str((kind, step, k, rank)))
 
 
 @pytest.mark.dist
@@ -57,16 +57,16 @@ def test_dp2_mxfp8_params_bitwise_vs_refgrad_and_sharing_parity():
         assert all(run["sharing"] == sharing for run in runs)
         assert all(s["stepped"] for run in runs for s in run["steps"])
         # rank-specific data: the ranks' local grads differ
-        assert not torch.equal(runs[0]["steps"][0]["grads"][0], runs[1]["steps"][0]["grads"][0])
+        assert not bitwise_equal(runs[0]["steps"][0]["grads"][0], runs[1]["steps"][0]["grads"][0])
         if sharing:
             for rank in range(2):
                 off = results[rank][(kind, False, grad_fp32)]["steps"]
                 for a, b in zip(off, runs[rank]["steps"]):
-                    assert all(_same(x, y) for x, y in zip(a["grads"] + a["masters"], b["grads"] + b["masters"]))
-                    assert all(torch.equal(x, y) for p, q in zip(a["bits"], b["bits"]) for x, y in zip(p, q))
+                    assert all(bitwise_equal(x, y) for x, y in zip(a["grads"] + a["masters"], b["grads"] + b["masters"]))
+                    assert all(bitwise_equal(x, y) for p, q in zip(a["bits"], b["bits"]) for x, y in zip(p, q))
         _check_against_refgrad(runs, kind)
         # training moved the params
-        assert not torch.equal(runs[0]["bits0"][0][1], runs[0]["steps"][-1]["bits"][0][1])
+        assert not bitwise_equal(runs[0]["bits0"][0][1], runs[0]["steps"][-1]["bits"][0][1])
 
 
 def _one_rank(sharing: bool):
@@ -114,5 +114,6 @@ def test_checkpoint_round_trip_republishes_the_mxfp8_params():
     fresh_weights, _, fresh = _one_rank(sharing=False)  # other init, separate buffers
     fresh.load_state_dict(state)
     for a, b in zip(weights, fresh_weights):
-        assert torch.equal(a.scale_bits, b.scale_bits) and torch.equal(a.element_bits, b.element_bits)
-    assert all(_same(x, y) for x, y in zip(opt.master_shards(), fresh.master_shards()))
+        assert_bitwise_equal(a.scale_bits, b.scale_bits)
+        assert_bitwise_equal(a.element_bits, b.element_bits)
+    assert all(bitwise_equal(x, y) for x, y in zip(opt.master_shards(), fresh.master_shards()))

@@ -26,6 +26,7 @@ from fastgrad.optim import cpu_kernels as K
 from fastgrad.optim.norm import limbs_from_bins, limbs_to_fraction
 from fastgrad.optim.step_paths import FusedCpuPath
 from refgrad import optim as R
+from verify.metrics import assert_bitwise_equal
 
 SUB = K.SUB_BLOCK
 GRAD_KIND = {torch.float32: K.GRAD_FP32, torch.bfloat16: K.GRAD_BF16, torch.float16: K.GRAD_FP16}
@@ -214,4 +215,4 @@ def test_clipped_step_on_wide_range_grads_is_refgrads_norm_and_update():
         opt.finish_param_sync()
         for w, state in zip(model.ws, states):
             want = R.to_tensor(state.master, w.shape)
-            assert torch.equal(w.detach().view(torch.int32), want.view(torch.int32)), step
+            assert_bitwise_equal(w.detach().view(torch.int32), want.view(torch.int32), msg=str(step))

@@ -32,6 +32,7 @@ from verify.checks.optim.cases import (
     initial,
 )
 from verify.checks.optim.expectations import reduced_grads
+from verify.metrics import assert_bitwise_equal
 
 STEPS = 4
 SCHEDULES = {
@@ -114,7 +115,7 @@ def test_torch_lr_schedulers_drive_the_optimizer_bitwise_as_refgrad(name):
         assert out["seen"] == schedule, f"rank {rank}: the scheduler set other values"
         for step in range(STEPS):
             for n in NAMES:
-                assert torch.equal(bits(out["params"][step][n]), bits(want[step][n])), (rank, step, n)
+                assert_bitwise_equal(bits(out["params"][step][n]), bits(want[step][n]), msg=str((rank, step, n)))
 
 
 def test_hand_derived_schedules():
@@ -190,7 +191,7 @@ def test_torch_shaped_checkpoint_with_its_scheduler_resumes_at_dp1_and_dp2():
         for label in ("DP 1", "DP 2") if rank == 0 else ("DP 2",):
             assert out[f"{label} lr"] == lrs[2]
             for n in NAMES:
-                assert torch.equal(bits(out[label][n]), bits(want[label][n])), (rank, label, n)
+                assert_bitwise_equal(bits(out[label][n]), bits(want[label][n]), msg=str((rank, label, n)))
 
 
 # --------------------------------------------------------------------------- the groups' rules

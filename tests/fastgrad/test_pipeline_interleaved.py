@@ -10,7 +10,6 @@ parameters, bitwise, for ``D <= 2`` (a sum of two fp32 values has one rounding).
 from fractions import Fraction
 
 import pytest
-import torch
 import torch.distributed as dist
 from distributed_utils import run_distributed
 
@@ -32,6 +31,7 @@ from refgrad.pipeline import (
 from refgrad.pipeline_schedule import interleaved_program_order
 from verify.candidates.api.pipeline import PipelineCase
 from verify.candidates.fastgrad.pipeline import run_interleaved_case_on_rank
+from verify.metrics import assert_bitwise_equal
 from verify.studies.pipeline import PipelineCosts, simulate
 
 # ---------------------------------------------------------------- schedule order
@@ -197,9 +197,9 @@ def test_interleaved_matches_refgrad_bitwise():
                         else:
                             assert out.losses[step] == [], where
                         for param, grad in out.grads[step].items():
-                            assert torch.equal(grad, reference.grads[step][param]), (where, param)
+                            assert_bitwise_equal(grad, reference.grads[step][param], msg=str((where, param)))
                         for param, value in out.params[step].items():
-                            assert torch.equal(value, reference.params[step][param]), (where, param)
+                            assert_bitwise_equal(value, reference.params[step][param], msg=str((where, param)))
                         assert len(out.grads[step]) == 2 * V  # weight and bias per chunk
                         sites = set(out.launch_sites[step])
                         assert sites == ({"hook"} if overlap else {"finish"}), (where, sites)

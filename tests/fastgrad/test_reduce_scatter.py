@@ -15,7 +15,7 @@ from fastgrad.reduce_scatter import (
     reduce_shards_fp32,
 )
 from refgrad.reduce_scatter import reduce_scatter as ref_reduce_scatter
-from verify.metrics import assert_bitwise_equal
+from verify.metrics import assert_bitwise_equal, bitwise_equal
 
 DTYPE_NAMES = ("float16", "bfloat16")
 OPS = {"sum": SUM, "avg": AVG}
@@ -158,7 +158,7 @@ def _check_against_refgrad(per_rank_cases: list[list[dict]], world_size: int) ->
         records = [per_rank_cases[r][i] for r in range(world_size)]
         inputs = [rec["input"] for rec in records]
         # Rank-specific inputs: identical ones would hide a missing reduction or average.
-        assert not torch.equal(inputs[0], inputs[1])
+        assert not bitwise_equal(inputs[0], inputs[1])
         for op_name in OPS:
             expected = ref_reduce_scatter(inputs, accumulate="fp32", order="rank", op=op_name)
             for rank, rec in enumerate(records):
@@ -289,7 +289,7 @@ _INTERPRETER_SCRIPT = """
 import torch
 from fastgrad.reduce_scatter import reduce_shards_fp32 as torch_path
 from fastgrad.kernels.reduction import reduce_shards_fp32 as kernel
-from refgrad.formats import tensor_bit_patterns
+from verify.metrics import bitwise_equal
 bad = []
 for world_size in (1, 3, 8, 64):
     for n in (1, 33, 3 * 2048 + 5):
@@ -301,7 +301,7 @@ for world_size in (1, 3, 8, 64):
             b = torch.empty(n, dtype=torch.float16)
             kernel(shards, a, average=average)
             torch_path(shards, b, average=average)
-            if not torch.equal(tensor_bit_patterns(a), tensor_bit_patterns(b)):
+            if not bitwise_equal(a, b):
                 bad.append((world_size, n, average))
 print("MISMATCHES", bad)
 """
@@ -352,7 +352,7 @@ def test_local_reduction_ieee_specials_match_refgrad(dtype):
         distance = ulp_distance(expected, out)
         assert not distance.nan_mismatch.any(), (expected, out)
         assert (distance.ulps == 0).all(), (expected, out)
-        assert torch.equal(torch.signbit(expected[3:]), torch.signbit(out[3:]))
+        assert_bitwise_equal(torch.signbit(expected[3:]), torch.signbit(out[3:]))
     if dtype == torch.float16:
         # Hand-derived: 65504 + 65504 - 65504 overflows an fp16 partial sum but not fp32's
         # (bf16 shares fp32's exponent range, so there both overflow: inf, as refgrad says).
@@ -422,7 +422,7 @@ def _prescale_rank_main(rank: int, world_size: int) -> list[dict]:
                                                       prescale=prescale).wait()
                 records.append({"dtype": str(dtype), "iteration": iteration, "prescale": prescale,
                                 "expected": expected, "fused": fused,
-                                "input_untouched": torch.equal(untouched.view(torch.int16),
+                                "input_untouched": bitwise_equal(untouched.view(torch.int16),
                                                                x.view(torch.int16))})
     return records
 
@@ -444,7 +444,7 @@ _PRESCALE_INTERPRETER_SCRIPT = """
 import torch
 from fastgrad.reduce_scatter import reduce_shards_fp32 as torch_path
 from fastgrad.kernels.reduction import reduce_shards_fp32 as kernel, shard_alignment
-from refgrad.formats import tensor_bit_patterns
+from verify.metrics import bitwise_equal
 assert [shard_alignment(n) for n in (1, 2, 12, 33, 6144, 6149)] == [1, 2, 4, 1, 8, 1]
 bad = []
 for dtype in (torch.float16, torch.float32):
@@ -463,8 +463,7 @@ for dtype in (torch.float16, torch.float32):
                     # The separate pass production makes today.
                     scaled = shards if prescale is None else shards.clone().mul_(prescale)
                     torch_path(scaled, c, average=average)
-                    if not (torch.equal(tensor_bit_patterns(a), tensor_bit_patterns(b))
-                            and torch.equal(tensor_bit_patterns(a), tensor_bit_patterns(c))):
+                    if not (bitwise_equal(a, b) and bitwise_equal(a, c)):
                         bad.append((str(dtype), world_size, n, prescale, average))
 print("MISMATCHES", bad)
 """

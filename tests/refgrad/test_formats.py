@@ -29,6 +29,7 @@ from verify.checks.formats import (
     positive_finite_patterns,
     refgrad_round_float32,
 )
+from verify.metrics import assert_bitwise_equal
 
 TWO = Fraction(2)
 SMALL_FORMATS = (F.FLOAT16, F.BFLOAT16, F.FLOAT8_E4M3FN, F.FLOAT8_E5M2, F.FLOAT8_E8M0FNU)
@@ -89,6 +90,22 @@ def test_descriptor_facts(name):
     assert F.is_nan_bits(fmt, fmt.canonical_nan_bits)
     assert fmt.torch_dtype == getattr(torch, name)
     assert F.decode(fmt, fmt.max_finite_bits) == max_finite
+
+
+def test_gamma_is_highams_bound_exactly():
+    # gamma(n) = n u / (1 - n u), derived by hand: gamma(1, 2^-24) = 2^-24 / (1 - 2^-24)
+    # = 1 / (2^24 - 1); gamma(3, 2^-8) = 3 / (2^8 - 3); gamma(0, u) = 0 (no rounding).
+    assert F.gamma(1, F.FLOAT32.unit_roundoff) == TWO**-24 / (1 - TWO**-24) == Fraction(1, 2**24 - 1)
+    assert F.gamma(3, F.BFLOAT16.unit_roundoff) == Fraction(3, 2**8 - 3)
+    assert F.gamma(0, F.FLOAT16.unit_roundoff) == 0
+    assert isinstance(F.gamma(2, Fraction(1, 8)), Fraction)
+    with pytest.raises(ValueError, match="n must be >= 0"):
+        F.gamma(-1, Fraction(1, 4))
+    # n u >= 1: the bound does not exist, at equality and beyond.
+    with pytest.raises(ValueError, match="n\\*u >= 1"):
+        F.gamma(4, Fraction(1, 4))
+    with pytest.raises(ValueError, match="n\\*u >= 1"):
+        F.gamma(2**8, F.BFLOAT16.unit_roundoff)
 
 
 def test_canonical_nans_and_special_encodings():
@@ -399,7 +416,7 @@ def test_vectorised_bit_pattern_helpers():
     patterns = torch.tensor([[0xFFFFFFFF, 0x7FC00001], [0x80000001, 0]], dtype=torch.int64)
     back = tensor_from_bits(patterns, torch.float32)
     assert back.shape == (2, 2) and torch.isnan(back[0]).all()
-    assert torch.equal(bits_of(back), patterns)
+    assert_bitwise_equal(bits_of(back), patterns)
     assert bits_of(tensor_from_bits(torch.tensor([0xFFFF]), torch.float16)).tolist() == [0xFFFF]
     with pytest.raises(TypeError, match="t must be a torch.Tensor"):
         bits_of([1.0])
@@ -463,11 +480,11 @@ def test_refgrad_follows_rounding_rule_16bit(fmt):
     # (values "at" patterns are covered by the exhaustive round trip).
     c = float32_cast_candidates(fmt, every)
     ties = slice(n, 2 * n)
-    assert torch.equal(refgrad_round_float32(fmt, c.values[ties]), c.expected_bits[ties])
+    assert_bitwise_equal(refgrad_round_float32(fmt, c.values[ties]), c.expected_bits[ties])
     sample = every[torch.randperm(n, generator=torch.Generator().manual_seed(3))[:2048]]
     s = float32_cast_candidates(fmt, sample)
     around_and_negative = slice(2 * sample.numel(), 8 * sample.numel())
-    assert torch.equal(
+    assert_bitwise_equal(
         refgrad_round_float32(fmt, s.values[around_and_negative]),
         s.expected_bits[around_and_negative],
     )
@@ -516,7 +533,7 @@ def test_torch_16bit_sources_cast_like_float32(source, target):
     direct = bits_of(every.to(target))
     via_float32 = bits_of(every.to(torch.float32).to(target))
     nan = torch.isnan(every)
-    assert torch.equal(direct[~nan], via_float32[~nan])
+    assert_bitwise_equal(direct[~nan], via_float32[~nan])
     assert torch.isnan(tensor_from_bits(direct[nan], target).to(torch.float32)).all()
     if (source, target) == (torch.float16, torch.bfloat16):
         # Observed torch behaviour (not a rounding issue; IEEE leaves NaN payloads to the
@@ -612,4 +629,4 @@ def test_torch_e8m0_subnormal_round_up_interval_is_exact():
 def test_torch_e8m0_drops_the_sign():
     gen = torch.Generator().manual_seed(19)
     x = torch.rand(1000, generator=gen) * 100 + 1e-3
-    assert torch.equal(bits_of((-x).to(torch.float8_e8m0fnu)), bits_of(x.to(torch.float8_e8m0fnu)))
+    assert_bitwise_equal(bits_of((-x).to(torch.float8_e8m0fnu)), bits_of(x.to(torch.float8_e8m0fnu)))

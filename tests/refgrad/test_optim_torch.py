@@ -16,6 +16,7 @@ from refgrad.optim_torch import (
     torch_sgd_element,
     torch_sgd_scalars,
 )
+from verify.metrics import assert_bitwise_equal, bitwise_equal
 
 U = Fraction(1, 2**23)  # one fp32 ulp in [1, 2)
 
@@ -91,8 +92,8 @@ def test_matches_torch_adamw_bitwise_on_this_cpu(hyper):
         opt.step()
         torch_order_step([model], [grad], [hyper], [step], norm=None, sqrt32=torch_cpu_sqrt)
         R.optimizer_step([spec], [grad], [hyper], [step])
-        assert torch.equal(R.to_tensor(model.master, (257,)), param.detach()), f"step {step}"
-        differs |= not torch.equal(R.to_tensor(spec.master, (257,)), param.detach())
+        assert_bitwise_equal(R.to_tensor(model.master, (257,)), param.detach(), msg=f"step {step}")
+        differs |= not bitwise_equal(R.to_tensor(spec.master, (257,)), param.detach())
     assert differs, "refgrad.optim's order should give other bits somewhere on these inputs"
 
 
@@ -158,11 +159,11 @@ def test_matches_torch_sgd_bitwise_on_this_cpu(hyper):
         opt.step()
         torch_order_step([model], [grad], [hyper], [step], norm=None)
         R.optimizer_step([spec], [grad], [hyper], [step])
-        assert torch.equal(R.to_tensor(model.master, (257,)), param.detach()), f"step {step}"
+        assert_bitwise_equal(R.to_tensor(model.master, (257,)), param.detach(), msg=f"step {step}")
         if hyper.momentum:
-            assert torch.equal(R.to_tensor(model.momentum, (257,)),
-                               opt.state[param]["momentum_buffer"]), f"step {step}"
-        differs |= not torch.equal(R.to_tensor(spec.master, (257,)), param.detach())
+            assert_bitwise_equal(R.to_tensor(model.momentum, (257,)),
+                                 opt.state[param]["momentum_buffer"], msg=f"step {step}")
+        differs |= not bitwise_equal(R.to_tensor(spec.master, (257,)), param.detach())
     assert differs, "refgrad.optim's order should give other bits somewhere on these inputs"
 
 
@@ -183,7 +184,7 @@ def test_torch_clip_coefficient_is_clip_grads_with_norm():
             torch.nn.utils.clip_grads_with_norm_([param], max_norm, total)
             c = torch_clip_coefficient(Fraction(float(total)), max_norm)
             want = grads * torch.tensor(float(c), dtype=torch.float32)
-            assert torch.equal(param.grad, want), (norm, max_norm)
+            assert_bitwise_equal(param.grad, want, msg=str((norm, max_norm)))
 
 
 def test_torch_clip_coefficient_hand_derived():

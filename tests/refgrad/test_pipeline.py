@@ -14,6 +14,7 @@ from refgrad.pipeline import (
     sgd_update,
     stage_param_name,
 )
+from verify.metrics import assert_bitwise_equal, bitwise_equal
 
 ULP1 = 2.0**-23  # spacing of fp32 just above 1.0
 
@@ -26,16 +27,16 @@ def test_reduce_across_replicas_hand_values():
     # 1 + ulp/2 is a tie: rounds to even (1.0). 1 + 1.5 ulp is a tie between
     # 1 + ulp and 1 + 2 ulp: rounds to the even 1 + 2 ulp.
     got = reduce_across_replicas([_t(1.0, 1.0, 7.0), _t(ULP1 / 2, 1.5 * ULP1, -7.0)], "sum")
-    assert torch.equal(got, _t(1.0, 1.0 + 2 * ULP1, 0.0))
-    assert torch.equal(reduce_across_replicas([_t(1.0, 3.0), _t(3.0, 4.0)], "avg"), _t(2.0, 3.5))
-    assert torch.equal(reduce_across_replicas([_t(3.0, 1.0), _t(5.0, 2.0)], "prescale"), _t(4.0, 1.5))
+    assert_bitwise_equal(got, _t(1.0, 1.0 + 2 * ULP1, 0.0))
+    assert_bitwise_equal(reduce_across_replicas([_t(1.0, 3.0), _t(3.0, 4.0)], "avg"), _t(2.0, 3.5))
+    assert_bitwise_equal(reduce_across_replicas([_t(3.0, 1.0), _t(5.0, 2.0)], "prescale"), _t(4.0, 1.5))
     single = _t(1.5, -2.0)
-    assert torch.equal(reduce_across_replicas([single], "prescale"), single)
+    assert_bitwise_equal(reduce_across_replicas([single], "prescale"), single)
 
 
 def test_reduce_across_replicas_keeps_shape_and_rejects_bad_input():
     a = torch.arange(6, dtype=torch.float32).reshape(2, 3)
-    assert torch.equal(reduce_across_replicas([a, a], "sum"), 2 * a)
+    assert_bitwise_equal(reduce_across_replicas([a, a], "sum"), 2 * a)
     with pytest.raises(ValueError, match="reduction"):
         reduce_across_replicas([a], "max")
     with pytest.raises(ValueError, match="at least one"):
@@ -54,7 +55,7 @@ def test_grads_are_summed_in_microbatch_order():
                                for n, p in m.named_parameters()})
     for name, got in ref.grads[0].items():
         expected = (per_microbatch[0][name] + per_microbatch[1][name]) + per_microbatch[2][name]
-        assert torch.equal(got, expected), name
+        assert_bitwise_equal(got, expected, msg=str(name))
 
 
 def test_frozen_parameter_gets_zero_grad_and_no_update_and_replicas_differ():
@@ -62,11 +63,11 @@ def test_frozen_parameter_gets_zero_grad_and_no_update_and_replicas_differ():
     frozen = stage_param_name(1, "layers.0.bias")
     ref = reference_training(spec, [StepPlan(2), StepPlan(1, frozenset({frozen}))], dp_size=2)
     assert torch.count_nonzero(ref.grads[1][frozen]) == 0
-    assert torch.equal(ref.params[1][frozen], ref.params[0][frozen])
+    assert_bitwise_equal(ref.params[1][frozen], ref.params[0][frozen])
     other = stage_param_name(0, "layers.0.weight")
-    assert not torch.equal(ref.params[1][other], ref.params[0][other])
-    assert ref.params[0][other].equal(sgd_update(StageModule(spec, 0).layers[0].weight.detach(),
-                                                 ref.grads[0][other], 0.05))
+    assert not bitwise_equal(ref.params[1][other], ref.params[0][other])
+    assert_bitwise_equal(ref.params[0][other], sgd_update(StageModule(spec, 0).layers[0].weight.detach(),
+                                                          ref.grads[0][other], 0.05))
     assert ref.losses[0][0] != ref.losses[0][1]  # rank-specific data
     assert [len(step[0]) for step in ref.losses] == [2, 1]
 
@@ -75,7 +76,7 @@ def test_sgd_update_has_two_visible_roundings():
     # Hand-derived: fp32(0.1) = 13421773 * 2^-27; * 7 = 93952411 * 2^-27 rounds (ulp 2^-24 in
     # [1/2, 1)) to 11744051 * 2^-24; 1 - that = 5033165 * 2^-24 exactly. A fused multiply-add
     # would round 1 - 93952411 * 2^-27 = 40265317 * 2^-27 once: 10066329 * 2^-25, a different value.
-    assert torch.equal(sgd_update(_t(1.0), _t(7.0), 0.1), _t(5033165 * 2.0**-24))
+    assert_bitwise_equal(sgd_update(_t(1.0), _t(7.0), 0.1), _t(5033165 * 2.0**-24))
     assert 5033165 * 2.0**-24 != 10066329 * 2.0**-25
 
 
@@ -108,14 +109,14 @@ def test_tied_output_head_copies_stay_equal_and_get_the_summed_grad():
     ref = reference_training(spec, [StepPlan(3), StepPlan(2)], dp_size=2)
     head, emb = stage_param_name(1, HEAD_PARAM), stage_param_name(0, EMBEDDING_PARAM)
     for step in range(2):
-        assert torch.equal(ref.grads[step][head], ref.grads[step][emb])
-        assert torch.equal(ref.params[step][head], ref.params[step][emb])
+        assert_bitwise_equal(ref.grads[step][head], ref.grads[step][emb])
+        assert_bitwise_equal(ref.params[step][head], ref.params[step][emb])
         # Per copy: DP-reduce first, then the embedding all-reduce adds the two copies.
         sums = ref.replica_sums[step]
         expected = correctly_rounded_sum(
             [reduce_across_replicas([s[emb] for s in sums], "sum"),
              reduce_across_replicas([s[head] for s in sums], "sum")], torch.float32)
-        assert torch.equal(ref.grads[step][emb], expected)
+        assert_bitwise_equal(ref.grads[step][emb], expected)
     assert torch.count_nonzero(ref.replica_sums[0][0][head]) > 0
 
 
@@ -143,8 +144,9 @@ def test_tied_on_one_stage_is_one_weight_head_wgrad_then_first_layer_grad_per_mi
         head_wgrad = torch.mm(logits.grad.t(), hidden.detach())
         expected = (expected + head_wgrad) + weight.grad
         other_order = (other_order + weight.grad) + head_wgrad
-    assert torch.equal(ref.grads[0][emb], expected) and torch.equal(ref.grads[0][head], expected)
-    assert not torch.equal(expected, other_order)  # the order shows at these values
+    assert_bitwise_equal(ref.grads[0][emb], expected)
+    assert_bitwise_equal(ref.grads[0][head], expected)
+    assert not bitwise_equal(expected, other_order)  # the order shows at these values
 
 
 def test_head_wgrad_is_the_microbatch_ordered_sum_of_gemms():
@@ -162,7 +164,7 @@ def test_head_wgrad_is_the_microbatch_ordered_sum_of_gemms():
         logits.retain_grad()
         microbatch_loss(logits, t, 2).backward()
         expected = expected + torch.mm(logits.grad.t(), hidden.detach())
-    assert torch.equal(ref.grads[0][stage_param_name(1, HEAD_PARAM)], expected)
+    assert_bitwise_equal(ref.grads[0][stage_param_name(1, HEAD_PARAM)], expected)
 
 
 def test_head_flags_validation():
@@ -213,7 +215,7 @@ def test_tensor_parallel_spec_rules_and_hand_checked_tp_sums():
     name = stage_param_name(0, "layers.0.weight")
     assert sums[0][name].shape == (2, 4, 4) and len(losses[0]) == 2
     reduced = reduce_and_tie(spec, sums, "sum")
-    assert torch.equal(reduced[name], sums[0][name][0] + sums[0][name][1])
+    assert_bitwise_equal(reduced[name], sums[0][name][0] + sums[0][name][1])
 
 
 def test_tied_first_layer_at_tp2_is_a_vocab_parallel_embedding_by_hand():
@@ -233,15 +235,15 @@ def test_tied_first_layer_at_tp2_is_a_vocab_parallel_embedding_by_hand():
     bias = torch.tensor([1.0, 0.0, -1.0, 2.0])
     layer = VocabParallelFirstLayer(spec, weight, bias)
     out = layer(x)
-    assert torch.equal(out, (x.double() @ weight.double() + bias.double()).float())
+    assert_bitwise_equal(out, (x.double() @ weight.double() + bias.double()).float())
     grad = torch.tensor([[1.0, 0.0, 2.0, -1.0], [0.0, 3.0, 1.0, 1.0]])
     out.backward(grad)
-    assert torch.equal(layer.weight.grad, (x.double().t() @ grad.double()).float())
-    assert torch.equal(layer.bias.grad, grad.sum(0))
+    assert_bitwise_equal(layer.weight.grad, (x.double().t() @ grad.double()).float())
+    assert_bitwise_equal(layer.bias.grad, grad.sum(0))
     # Each TP rank holds its rows of the first layer, as of the head: same shard shape.
     name = stage_param_name(0, "layers.0.weight")
-    assert torch.equal(expected_on_rank(spec, name, weight, 1), weight[2:])
-    assert torch.equal(expected_on_rank(spec, stage_param_name(0, "layers.0.bias"), bias, 1), bias)
+    assert_bitwise_equal(expected_on_rank(spec, name, weight, 1), weight[2:])
+    assert_bitwise_equal(expected_on_rank(spec, stage_param_name(0, "layers.0.bias"), bias, 1), bias)
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
@@ -263,6 +265,6 @@ def test_tied_tp2_copies_stay_equal_and_sp_keeps_one_embedding_grad(sequence_par
         expected = correctly_rounded_sum(
             [reduce_across_replicas([s[emb] for s in sums], "prescale"),
              reduce_across_replicas([s[head] for s in sums], "prescale")], torch.float32)
-        assert torch.equal(ref.grads[step][emb], expected)
-        assert torch.equal(ref.grads[step][head], expected)
-        assert torch.equal(ref.params[step][head], ref.params[step][emb])
+        assert_bitwise_equal(ref.grads[step][emb], expected)
+        assert_bitwise_equal(ref.grads[step][head], expected)
+        assert_bitwise_equal(ref.params[step][head], ref.params[step][emb])

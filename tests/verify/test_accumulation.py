@@ -18,7 +18,7 @@ from refgrad import formats
 from refgrad import reduce_scatter as refc
 from refgrad.formats import tensor_bit_patterns
 from verify.distributed import free_port
-from verify.metrics import assert_bitwise_equal
+from verify.metrics import assert_bitwise_equal, bitwise_equal
 from verify.oracle import correctly_rounded_sum
 from verify.studies.reduce_scatter import cli as acc_cli
 from verify.studies.reduce_scatter import models, reference, sweep
@@ -320,8 +320,8 @@ def _nan_aware_equal(got, expected):
         return t.view(torch.int64) if t.dtype == torch.float64 else tensor_bit_patterns(t)
 
     both_nan = got.isnan() & expected.isnan()
-    return got.dtype == expected.dtype and torch.equal(got.isnan(), expected.isnan()) and \
-        torch.equal(torch.where(both_nan, 0, bits(got)), torch.where(both_nan, 0, bits(expected)))
+    return got.dtype == expected.dtype and bitwise_equal(got.isnan(), expected.isnan()) and \
+        bitwise_equal(torch.where(both_nan, 0, bits(got)), torch.where(both_nan, 0, bits(expected)))
 
 
 def _with_specials(stacked):
@@ -364,7 +364,7 @@ def test_kernels_equal_the_torch_models(dtype, world_size, columns, chunk, first
         assert _nan_aware_equal(got.fp32_accumulator, accumulator)
         assert _nan_aware_equal(got.fp32_accumulator.to(dtype), result)
         total, fast, groups = reference._exact_parts(wire)
-        assert torch.equal(got.group_exact.all(dim=0), fast)
+        assert_bitwise_equal(got.group_exact.all(dim=0), fast)
         exact_groups = torch.stack(groups)[:, fast]
         assert _nan_aware_equal(got.group_sums[:, fast], exact_groups)
         exact64, rounded = reference.exact_references(wire, got.group_sums, got.group_exact)
@@ -419,13 +419,13 @@ def test_hook_and_fsdp2_models_equal_refgrad(dtype, world_size):
     for device, order, reverse in (("cuda", "ring", False), ("cpu", "ring_reverse", True)):
         hook = models.compress_hook_reduce(stacked, chunk, device=device, reverse=reverse)
         want = compress_hook_all_reduce([r.float() for r in rows], dtype, order=order, device=device)[0]
-        assert torch.equal(hook.float(), want), (device, order)
+        assert_bitwise_equal(hook.float(), want, msg=str((device, order)))
     for backend, order in (("nccl", "ring"), ("gloo", "ring_reverse")):
         device = "cuda" if backend == "nccl" else "cpu"
         got = models.fsdp2_reduce(stacked, chunk, backend=backend, device=device)
         want = torch.cat(fsdp2_reduce_scatter(rows, reduce_dtype=None, orig_dtype=dtype, order=order,
                                               avg_backend=backend, device=device))
-        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), backend
+        assert_bitwise_equal(got.view(torch.int16), want.view(torch.int16), msg=str(backend))
 
 
 def test_sweep_hook_and_fsdp2_points_are_the_models_times_n():
@@ -438,8 +438,8 @@ def test_sweep_hook_and_fsdp2_points_are_the_models_times_n():
         results, _, _ = sweep._reduce(stacked, 8, 0, ("compress_hook", "fsdp2"))
         hook = models.as_sum(models.compress_hook_reduce(stacked, 8), 8)
         fsdp2 = models.as_sum(models.fsdp2_reduce(stacked, 8), 8)
-        assert torch.equal(results["compress_hook"][0].view(torch.int16), hook.view(torch.int16))
-        assert torch.equal(results["fsdp2"][0].view(torch.int16), fsdp2.view(torch.int16))
+        assert_bitwise_equal(results["compress_hook"][0].view(torch.int16), hook.view(torch.int16))
+        assert_bitwise_equal(results["fsdp2"][0].view(torch.int16), fsdp2.view(torch.int16))
 
 
 def _real_hooks_and_fsdp2(rank: int, world_size: int, seed: int) -> dict:
@@ -475,8 +475,8 @@ def test_models_equal_the_real_hooks_and_fsdp2_on_gloo(world_size):
         stacked = torch.stack([r["grads"] for r in per_rank]).to(dtype)
         want = models.compress_hook_reduce(stacked, chunk, device="cpu", reverse=True).float()
         for r in range(world_size):
-            assert torch.equal(per_rank[r][name], want), (name, r)
+            assert_bitwise_equal(per_rank[r][name], want, msg=str((name, r)))
         fsdp2 = models.fsdp2_reduce(stacked, chunk, backend="gloo", device="cpu")
         for r in range(world_size):
             got = per_rank[r][f"fsdp2_{name}"]
-            assert torch.equal(got.view(torch.int16), fsdp2[r * chunk:(r + 1) * chunk].view(torch.int16)), r
+            assert_bitwise_equal(got.view(torch.int16), fsdp2[r * chunk:(r + 1) * chunk].view(torch.int16), msg=str(r))

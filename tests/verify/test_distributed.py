@@ -20,6 +20,7 @@ from verify.distributed.diagnosis import STACK_DUMP_STARVED_WAIT_S, rank_frames,
 from verify.distributed.launcher import TERMINATE_GRACE_S
 from verify.distributed.progress import MAX_LABEL_BYTES, ProgressBoard
 from verify.distributed.stall import CPU_SHARE
+from verify.metrics import assert_bitwise_equal
 
 
 def _sum_of_ranks(rank, world_size, scale):
@@ -37,7 +38,7 @@ def test_spawn_returns_tensors_by_value():
     results = spawn(_tensor_result, 2, timeout_s=60)
     for rank, result in enumerate(results):
         assert result["rank"] == rank
-        assert torch.equal(result["data"], torch.arange(4, dtype=torch.bfloat16) + rank)
+        assert_bitwise_equal(result["data"], torch.arange(4, dtype=torch.bfloat16) + rank)
 
 
 def _rank_one_fails(rank, world_size):

@@ -24,6 +24,7 @@ from verify.metrics import (
     HISTOGRAM_BUCKETS,
     assert_bitwise_equal,
     assert_ulp_close,
+    bitwise_equal,
     compare,
     supported_dtypes,
     ulp_distance,
@@ -164,8 +165,8 @@ def test_8bit_all_pairs_match_rank_model(dtype):
     na, nb = nan.repeat_interleave(256), nan.repeat(256)
     d = ulp_distance(a, b)
     expected = torch.where(na | nb, torch.zeros_like(ra), (ra - rb).abs())
-    assert torch.equal(d.ulps, expected)
-    assert torch.equal(d.nan_mismatch, na ^ nb)
+    assert_bitwise_equal(d.ulps, expected)
+    assert_bitwise_equal(d.nan_mismatch, na ^ nb)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -179,8 +180,8 @@ def test_16bit_all_patterns_match_rank_model(dtype):
         expected = (rank - rank[partner]).abs()
         either_nan = nan | nan[partner]
         expected = torch.where(either_nan, torch.zeros_like(expected), expected)
-        assert torch.equal(d.ulps, expected)
-        assert torch.equal(d.nan_mismatch, nan ^ nan[partner])
+        assert_bitwise_equal(d.ulps, expected)
+        assert_bitwise_equal(d.nan_mismatch, nan ^ nan[partner])
 
 
 finite_f32 = st.floats(width=32, allow_nan=False, allow_infinity=False)
@@ -348,6 +349,78 @@ def test_assert_bitwise_equal_passes_and_reports():
 def test_assert_bitwise_equal_distinguishes_signed_zero():
     with pytest.raises(AssertionError, match="not bitwise equal"):
         assert_bitwise_equal(torch.tensor([0.0]), torch.tensor([-0.0]))
+
+
+@pytest.mark.parametrize("dtype", [*supported_dtypes(), torch.float64])
+def test_bitwise_equal_tells_signed_zeros_apart_and_nans_by_their_bits(dtype):
+    nan = torch.full((3,), math.nan).to(dtype)
+    assert bitwise_equal(nan, nan.clone())
+    if dtype == torch.float8_e8m0fnu:  # unsigned, no zero: 0xFF is its one NaN
+        return
+    # -0 is +0 with the sign bit set: equal values, different bits.
+    zero, negative_zero = torch.zeros(2).to(dtype), torch.full((2,), -0.0).to(dtype)
+    assert not bitwise_equal(zero, negative_zero)
+    assert bitwise_equal(negative_zero, torch.full((2,), -0.0).to(dtype))
+    # The canonical NaN with and without its sign bit: NaN both, not the same bits.
+    if dtype == torch.float64:
+        patterns = torch.tensor([0x7FF8000000000000, 0xFFF8000000000000 - 2**64]).view(dtype)
+    else:
+        fmt = format_of(dtype)
+        sign_bit = 1 << (fmt.total_bits - 1)
+        patterns = bits_to_tensor(fmt, [fmt.canonical_nan_bits, fmt.canonical_nan_bits | sign_bit], (2,))
+    assert patterns.isnan().all() and not bitwise_equal(patterns[:1], patterns[1:])
+
+
+def test_bitwise_equal_is_not_torch_equal():
+    # torch.equal compares values: -0 equals +0 and a NaN never equals itself.
+    zero, nan = torch.tensor([0.0]), torch.tensor([math.nan])
+    assert torch.equal(zero, -zero) and not bitwise_equal(zero, -zero)
+    assert not torch.equal(nan, nan) and bitwise_equal(nan, nan)
+
+
+def test_bitwise_equal_is_false_across_dtypes_and_shapes():
+    x = torch.tensor([1.0, 2.0])
+    assert not bitwise_equal(x, x.to(torch.float64))
+    assert not bitwise_equal(x, x.to(torch.bfloat16))
+    assert not bitwise_equal(x, x.reshape(1, 2))
+    assert not bitwise_equal(torch.tensor([1], dtype=torch.int32), torch.tensor([1], dtype=torch.int64))
+    assert bitwise_equal(torch.zeros(0), torch.zeros(0))
+
+
+def test_bitwise_equal_on_integers_bool_and_views():
+    ints = torch.tensor([[1, -2], [3, 4]])
+    assert bitwise_equal(ints, ints.clone())
+    assert not bitwise_equal(ints, ints + torch.tensor([[0, 0], [0, 1]]))
+    flags = torch.tensor([True, False])
+    assert bitwise_equal(flags, flags.clone()) and not bitwise_equal(flags, ~flags)
+    grid = torch.arange(12.0).reshape(3, 4)
+    assert bitwise_equal(grid.t(), grid.t().contiguous())
+    weight = torch.ones(3, requires_grad=True)
+    assert bitwise_equal(weight * 1, weight.detach())
+
+
+def test_bitwise_equal_rejects_bad_input():
+    with pytest.raises(TypeError, match="a must be a torch.Tensor"):
+        bitwise_equal([1.0], torch.tensor([1.0]))
+    with pytest.raises(TypeError, match="b must be a torch.Tensor"):
+        bitwise_equal(torch.tensor([1.0]), 1.0)
+    with pytest.raises(TypeError, match="8- to 64-bit"):
+        bitwise_equal(torch.zeros(1, dtype=torch.complex128), torch.zeros(1, dtype=torch.complex128))
+
+
+def test_assert_bitwise_equal_reports_integer_bool_and_float64_tensors():
+    assert_bitwise_equal(torch.tensor([1, 2]), torch.tensor([1, 2]))
+    with pytest.raises(AssertionError) as info:
+        assert_bitwise_equal(torch.tensor([[1, 2], [3, 4]]), torch.tensor([[1, 2], [3, 5]]), msg="counts")
+    text = str(info.value)
+    assert text.startswith("counts") and "1 / 4 elements differ" in text
+    assert "index (1, 1): reference 4, candidate 5" in text
+    with pytest.raises(AssertionError, match="reference True, candidate False"):
+        assert_bitwise_equal(torch.tensor([True]), torch.tensor([False]))
+    with pytest.raises(AssertionError, match="reference 0.0, candidate -0.0"):
+        assert_bitwise_equal(torch.zeros(1, dtype=torch.float64), -torch.zeros(1, dtype=torch.float64))
+    with pytest.raises(TypeError, match="same dtype"):
+        assert_bitwise_equal(torch.tensor([1]), torch.tensor([1.0]))
 
 
 def test_assert_ulp_close_bounds():

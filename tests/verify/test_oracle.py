@@ -20,6 +20,7 @@ from refgrad.formats import tensor_bit_patterns as bits_of
 from verify import oracle
 from verify.check import CheckContext
 from verify.checks.oracle import CHECK, HAND_CASES, OracleCandidate, midpoints
+from verify.metrics import assert_bitwise_equal
 
 TARGETS = oracle.TARGET_DTYPES
 
@@ -185,7 +186,7 @@ def test_midpoints_across_chunk_boundaries(ranks, columns):
     g = torch.Generator().manual_seed(ranks)
     mid = midpoints(g, torch.bfloat16, ranks=ranks, columns=columns)
     got = oracle.correctly_rounded_sum(mid.stacked, torch.bfloat16)
-    assert torch.equal(bits_of(got), mid.expected_bits)
+    assert_bitwise_equal(bits_of(got), mid.expected_bits)
 
 
 @pytest.mark.parametrize("case", HAND_CASES, ids=lambda c: c.label)
@@ -203,8 +204,8 @@ def test_sequence_and_stacked_inputs_agree_and_keep_shape():
     from_list = oracle.correctly_rounded_sum(tensors, torch.bfloat16)
     from_stack = oracle.correctly_rounded_sum(torch.stack(tensors), torch.bfloat16)
     assert from_list.shape == (3, 4, 5)
-    assert torch.equal(bits_of(from_list), bits_of(from_stack))
-    assert torch.equal(
+    assert_bitwise_equal(bits_of(from_list), bits_of(from_stack))
+    assert_bitwise_equal(
         bits_of(from_list), bits_of(exact.correctly_rounded_sum(tensors, torch.bfloat16))
     )
 
@@ -227,7 +228,7 @@ def test_mixed_input_dtypes_match_refgrad():
     ]
     for target in TARGETS:
         expected = exact.correctly_rounded_sum(tensors, target)
-        assert torch.equal(
+        assert_bitwise_equal(
             bits_of(oracle.correctly_rounded_sum(tensors, target)), bits_of(expected)
         )
 
@@ -237,7 +238,7 @@ def test_transposed_and_requires_grad_inputs():
     base = torch.randn(40, 6, generator=g, requires_grad=True)
     stacked = base.t()  # [6, 40], non-contiguous
     expected = exact.correctly_rounded_sum(list(stacked.detach()), torch.float32)
-    assert torch.equal(
+    assert_bitwise_equal(
         bits_of(oracle.correctly_rounded_sum(stacked, torch.float32)), bits_of(expected)
     )
 
@@ -350,7 +351,7 @@ def test_cuda_matches_cpu():
         cpu = oracle.correctly_rounded_sum(stacked, target)
         gpu = oracle.correctly_rounded_sum(stacked.cuda(), target)
         assert gpu.device.type == "cuda"
-        assert torch.equal(bits_of(gpu.cpu()), bits_of(cpu))
+        assert_bitwise_equal(bits_of(gpu.cpu()), bits_of(cpu))
 
 
 # ------------------------------------------------------------------ the registered check

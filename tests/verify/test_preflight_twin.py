@@ -20,6 +20,7 @@ from tests.distributed_utils import run_distributed
 from tests.verify.preflight_launch import parsed_launch, preflight_args, preflight_config
 from verify.candidates import FastgradCandidate
 from verify.distributed import DistributedRunError
+from verify.metrics import assert_bitwise_equal, bitwise_equal
 from verify.preflight import cli as preflight_cli
 from verify.preflight.cli import build_report
 from verify.preflight.findings import launch_settings, reached
@@ -249,8 +250,8 @@ def test_twin_runs_tensor_parallel_ranks_and_checks_each(twins):
           and r.dp_rank == 0}
     # Vocab-parallel head: each TP rank holds 4 of the 8 rows; the blocks are replicated.
     assert tuple(sp[0].params[0][head].shape) == tuple(sp[1].params[0][head].shape) == (4, 8)
-    assert not sp[0].params[0][head].equal(sp[1].params[0][head])
-    assert sp[0].grads[1]["stage1.layers.0.weight"].equal(sp[1].grads[1]["stage1.layers.0.weight"])
+    assert not bitwise_equal(sp[0].params[0][head], sp[1].params[0][head])
+    assert_bitwise_equal(sp[0].grads[1]["stage1.layers.0.weight"], sp[1].grads[1]["stage1.layers.0.weight"])
     assert sp[0].losses[1] == sp[1].losses[1] and len(sp[0].losses[1]) == 4
     # PP 1, TP 2: the vocab-parallel output layer on the only stage.
     pp1 = [r for r in twins["tp2_sp_pp1"][4] if r is not None]
@@ -285,9 +286,9 @@ def test_tied_twin_at_tp2_ties_each_tp_ranks_shards(twins, name):
     for key, rank in first.items():
         for step in range(len(plan.case.plans)):
             assert tuple(rank.params[step][emb].shape) == (spec.hidden // 2, spec.hidden)
-            assert rank.grads[step][emb].equal(last[key].grads[step][head]), (key, step)
-            assert rank.params[step][emb].equal(last[key].params[step][head]), (key, step)
-    assert not first[(0, 0)].params[1][emb].equal(first[(0, 1)].params[1][emb])
+            assert_bitwise_equal(rank.grads[step][emb], last[key].grads[step][head], msg=str((key, step)))
+            assert_bitwise_equal(rank.params[step][emb], last[key].params[step][head], msg=str((key, step)))
+    assert not bitwise_equal(first[(0, 0)].params[1][emb], first[(0, 1)].params[1][emb])
 
 
 @pytest.mark.dist
@@ -337,8 +338,8 @@ def test_the_pp1_tied_twin_matches_refgrad_with_one_weight_under_both_names(twin
     assert len(ranks) == 2
     for res in ranks:
         for step in range(SMALL.steps):
-            assert res.grads[step][emb].equal(res.grads[step][out])
-            assert res.params[step][emb].equal(res.params[step][out])
+            assert_bitwise_equal(res.grads[step][emb], res.grads[step][out])
+            assert_bitwise_equal(res.params[step][emb], res.params[step][out])
     # The weight counts once in the norm: refgrad's norm (its head copy marked shared) is the
     # ranks' (compared bitwise by the twin) and differs from a norm counting it twice.
     reference = reference_for(plan.case, plan.training)
@@ -396,7 +397,7 @@ def test_interleaved_twin_has_the_output_layer_drain_and_tied_embedding(twins):
     assert all("stage3.head.weight" in r.grads[1] for r in last)
     first = [r for r in results if r is not None and r.stage == 0]
     # The tied all-reduce: both copies hold the same sum (DP-reduced first + DP-reduced head).
-    assert all(r.grads[1]["stage0.layers.0.weight"].equal(last[0].grads[1]["stage3.head.weight"])
+    assert all(bitwise_equal(r.grads[1]["stage0.layers.0.weight"], last[0].grads[1]["stage3.head.weight"])
                for r in first)
     _, broken, _, passed, _ = twins["interleaved_lifo"]
     assert not passed and broken["verdict"].startswith("FAIL")
@@ -656,7 +657,7 @@ def test_a_broken_drain_is_a_fault_of_one_layer_instance_not_a_global_rebinding(
         assert layer.drain_deferred_wgrad() == 4
         drained.append(layer.weight.main_grad.clone())
     # Same deferred GEMMs, opposite order: a different fp32 sum; the class kept its drain.
-    assert not torch.equal(drained[0], drained[1])
+    assert not bitwise_equal(drained[0], drained[1])
     assert ColumnParallelOutputLayer.drain_deferred_wgrad is production_drain
 
 

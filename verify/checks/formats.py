@@ -28,6 +28,7 @@ import torch
 
 from refgrad import formats as F
 from verify.check import Check, CheckContext, CheckRecorder
+from verify.metrics import bitwise_equal
 
 FLOAT32_CAST_TARGETS: tuple[F.FloatFormat, ...] = (
     F.FLOAT16,
@@ -96,7 +97,7 @@ def float32_cast_candidates(fmt: F.FloatFormat, patterns: torch.Tensor) -> CastC
     high = torch.where(at_top, torch.full_like(high, float(VIRTUAL_NEXT_AFTER_MAX[fmt.name])), high)
     midpoint64 = (low + high) / 2  # exact: one bit more than the format's precision
     midpoint = midpoint64.to(torch.float32)
-    if not torch.equal(midpoint.to(torch.float64), midpoint64):
+    if not bitwise_equal(midpoint.to(torch.float64), midpoint64):
         raise AssertionError(f"{fmt.name}: a midpoint is not exactly representable in float32")
     above = torch.nextafter(midpoint, torch.full_like(midpoint, float("inf")))
     below = torch.nextafter(midpoint, torch.full_like(midpoint, float("-inf")))

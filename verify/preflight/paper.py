@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 
 from fastgrad.layout import BufferLayout, compute_layout
+from refgrad.formats import FLOAT32, format_of, gamma
 from verify.preflight.config import DTYPE_BYTES, PreflightConfig
 from verify.preflight.model import ParamSpec, chunk_parameters, layers_of_chunk
-from verify.studies.reduce_scatter.models import UNIT_ROUNDOFF
 from verify.studies.reduce_scatter.sweep import DEFAULT_DP
 
-FP32_UNIT_ROUNDOFF = 2.0**-24
 BUCKET_RULES = ("Bucket size: max(40M, 1M x DP x CP) elements or --ddp-bucket-size on pipeline rank 0's "
                 "first model chunk only; one bucket on every pipeline rank > 0 "
                 "(megatron/core/distributed/distributed_data_parallel.py: `if disable_bucketing or "
@@ -185,9 +185,13 @@ def wire_rows(config: PreflightConfig, chunks: list[ChunkLayout]) -> list[dict]:
     return rows
 
 
-def _gamma(k: int, u: float) -> float | None:
-    """Higham's ``gamma(k) = k u / (1 - k u)``; None (no bound) when ``k u >= 1``."""
-    return k * u / (1 - k * u) if k * u < 1 else None
+def _gamma_or_none(k: int, unit_roundoff: Fraction) -> float | None:
+    """refgrad's Higham ``gamma(k)`` as a float; None (no bound) where it does not exist
+    (``k u >= 1``)."""
+    try:
+        return float(gamma(k, unit_roundoff))
+    except ValueError:
+        return None
 
 
 def reduction_error(config: PreflightConfig) -> dict:
@@ -196,19 +200,20 @@ def reduction_error(config: PreflightConfig) -> dict:
     n = config.data_context_parallel_size
     wire = config.grad_dtype
     study_dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(wire)
-    u = UNIT_ROUNDOFF[study_dtype] if study_dtype else FP32_UNIT_ROUNDOFF
+    wire_format = format_of(study_dtype) if study_dtype else FLOAT32
+    u = float(wire_format.unit_roundoff)
     fp32_accumulate = (config.ddp_reduce_scatter_with_fp32_accumulation
                        and config.use_distributed_optimizer)
     if fp32_accumulate:
         method = f"all-to-all + fp32 accumulation, one rounding to {wire}"
-        gamma = _gamma(n - 1, FP32_UNIT_ROUNDOFF)
-        typical, worst = u, None if gamma is None else u + gamma
+        gamma_fp32 = _gamma_or_none(n - 1, FLOAT32.unit_roundoff)
+        typical, worst = u, None if gamma_fp32 is None else u + gamma_fp32
         model = "one rounding: u (independent of N); worst u + gamma_fp32(N-1)"
     else:
         method = f"ring {'reduce-scatter' if config.use_distributed_optimizer else 'all-reduce'} in {wire}"
         # N addends, N-1 roundings: Higham & Mary's probabilistic bound is ~sqrt(N-1) u and
         # the deterministic one gamma(N-1), both relative to sum |g|, so typical <= worst.
-        typical, worst = math.sqrt(n - 1) * u, _gamma(n - 1, u)
+        typical, worst = math.sqrt(n - 1) * u, _gamma_or_none(n - 1, wire_format.unit_roundoff)
         model = ("typical sqrt(N-1) u (N-1 roundings, Higham & Mary); worst gamma(N-1) = "
                  "(N-1)u/(1-(N-1)u); both relative to sum |g|")
     # How the average is formed (config.grad_averaging): NCCL's ReduceOp.AVG multiplies by a

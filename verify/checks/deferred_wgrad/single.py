@@ -13,6 +13,7 @@ from verify.candidates.api.deferred_wgrad import (
     ParallelDims,
 )
 from verify.checks.deferred_wgrad.cases import BATCH, HIDDEN, SEQ, VOCAB
+from verify.metrics import bitwise_equal
 
 
 def _generator(seed: int, offset: int) -> torch.Generator:
@@ -35,7 +36,7 @@ def guard_facts(seed: int, wgrad: DeferredWgrad) -> dict[str, bool]:
         layer.drain(reduce_in_flight=lambda p: p is layer.weight)
     except DrainRefused:
         raised = True
-    return {"raised": raised, "untouched": torch.equal(before, layer.main_grad),
+    return {"raised": raised, "untouched": bitwise_equal(before, layer.main_grad),
             "kept": layer.num_deferred == 1}
 
 
@@ -69,5 +70,5 @@ def stale_step_facts(seed: int, wgrad: DeferredWgrad) -> dict[str, object]:
         full_step(reused)
     except DrainRefused as refusal:
         return {"same": False, "detail": str(refusal)}
-    same = torch.equal(fresh.main_grad.view(torch.int32), reused.main_grad.view(torch.int32))
+    same = bitwise_equal(fresh.main_grad, reused.main_grad)
     return {"same": same, "detail": "" if same else "main_grad differs from a fresh layer's"}

@@ -23,6 +23,7 @@ from verify.checks.deferred_wgrad.cases import (
     case_data,
 )
 from verify.checks.deferred_wgrad.single import guard_facts, stale_step_facts
+from verify.metrics import bitwise_equal
 
 
 def run_layer(case, wgrad: DeferredWgrad, config, weight, xs, gos, rank, order_of):
@@ -54,10 +55,7 @@ def run_layer(case, wgrad: DeferredWgrad, config, weight, xs, gos, rank, order_o
         snapshot = layer.main_grad.clone()
         # A second drain finds 0 entries: it must return 0 and leave main_grad alone.
         empty_drain_ok &= layer.drain() == 0
-        empty_drain_ok &= torch.equal(
-            layer.main_grad.view(torch.int16 if snapshot.itemsize == 2 else torch.int32),
-            snapshot.view(torch.int16 if snapshot.itemsize == 2 else torch.int32),
-        )
+        empty_drain_ok &= bitwise_equal(layer.main_grad, snapshot)
         grads_after.append(snapshot)
         dgrads.append([step_dgrads[k] for k in range(case.num_microbatches)])
     return grads_after, drained, dgrads, empty_drain_ok
@@ -87,7 +85,7 @@ def run_case_on_rank(
     immediate = run_layer(case, wgrad, immediate_cfg, weight, xs, gos, rank, natural)
     reordered = run_layer(case, wgrad, immediate_cfg, weight, xs, gos, rank, drain_order)
     dgrad_equal = all(
-        torch.equal(a, b)
+        bitwise_equal(a, b)
         for it in range(ITERATIONS)
         for a, b in zip(deferred[2][it], immediate[2][it])
     )

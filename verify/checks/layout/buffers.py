@@ -12,6 +12,7 @@ from refgrad.layout import compute_layout as reference_layout
 from verify.candidates.api import Unsupported
 from verify.candidates.api.layout import BucketLayout, BufferConfig, GradBuffer
 from verify.checks.layout.cases import compare_layouts
+from verify.metrics import bitwise_equal
 
 # --------------------------------------------------------------------------- local buffer checks
 
@@ -175,7 +176,7 @@ def buffer_violations(
             tag = f"dp={dp} dist_opt={dist_opt}"
             views, masks = _view_violations(tag, buf, params, dp, dist_opt, device, alignment)
             bad += views
-            if not all(torch.equal(a, p.detach()) for a, p in zip(before, params)):
+            if not all(bitwise_equal(a, p) for a, p in zip(before, params)):
                 bad.append(f"{tag}: param values changed when remapped")
             # Accumulate, then poison the padding: helpers must not see it.
             for i, p in enumerate(params):

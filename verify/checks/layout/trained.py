@@ -37,6 +37,7 @@ from verify.candidates.api.layout import BucketTraining, ObservedBucket
 from verify.candidates.api.pipeline import ParallelDims
 from verify.check import CheckRecorder
 from verify.distributed import RankLauncher, spawn_each
+from verify.metrics import bitwise_equal
 
 
 @dataclass(frozen=True)
@@ -253,7 +254,7 @@ def check_parameter_shards(rec: CheckRecorder, candidate: Candidate, quick: bool
                         problems.append(f"param {i} rank {rank}: rows [{got.start}, {got.stop}) padded "
                                         f"{got.padded_rows}, refgrad [{want.start}, {want.stop}) "
                                         f"padded {want.padded_rows}")
-                    elif not torch.equal(got.values, whole[want.start:want.stop]):
+                    elif not bitwise_equal(got.values, whole[want.start:want.stop]):
                         problems.append(f"param {i} rank {rank}: values are not rows "
                                         f"[{want.start}, {want.stop})")
             rec.expect_documented(f"{label}: every rank's rows, padding and values", False,

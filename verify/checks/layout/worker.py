@@ -25,6 +25,7 @@ from verify.candidates.api.pipeline import ParallelDims
 from verify.check import launcher_for
 from verify.checks.layout.buffers import padding_mask
 from verify.distributed import DEFAULT_TIMEOUT_S, RankCrashed, spawn_each
+from verify.metrics import bitwise_equal
 
 # --------------------------------------------------------------------------- multi-rank
 
@@ -176,7 +177,7 @@ def _reduce_scenario(rank: int, world_size: int, scenario: ReduceScenario,
     masks = [padding_mask(ref, "cpu") for _, _, ref in reference_layouts(scenario, world_size)]
     missing: list[str] = []
     out: dict[str, Any] = {
-        "params_kept": all(torch.equal(a, p.detach()) for a, p in zip(before, params)),
+        "params_kept": all(bitwise_equal(a, p) for a, p in zip(before, params)),
         "iterations": [],
         "unsupported": missing,
     }
@@ -297,6 +298,7 @@ def _checkpoint_problems(
                 want = torch.tensor(
                     [float(v) for v in group["all_values"][start + lo : start + hi]], dtype=torch.float64
                 )
+                # values against exact Fractions, which carry no sign of zero: a value test
                 if not torch.equal(torch.tensor(values, dtype=torch.float64), want):
                     problems.append(f"rank {rank}: checkpoint piece of param {i} holds wrong values")
     for i, counts in enumerate(covered):
@@ -396,6 +398,7 @@ def _iteration_checks(label: str, scenario: ReduceScenario, world_size: int,
                     continue
                 for b, (v_got, v_want) in enumerate(zip(g_got["values"], g_want["values"])):
                     v_got = torch.tensor(v_got, dtype=torch.float64)
+                    # v_want holds exact Fractions, which carry no sign of zero: a value test
                     if not torch.equal(v_got, v_want):
                         bad = int((v_got != v_want).sum())
                         problems.append(f"rank {rank} {g_want['key']} bucket {b}: {bad} elements differ")

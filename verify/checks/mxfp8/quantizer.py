@@ -11,6 +11,7 @@ from refgrad import mxfp8 as ref
 from verify.candidates.api.mxfp8 import MXFP8
 from verify.check import CheckContext, CheckRecorder
 from verify.fixtures import mxfp8_inputs as support
+from verify.metrics import bitwise_equal
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -168,9 +169,9 @@ def _disagreement_findings(
     got_s, got_e = peer_bits[0].reshape(-1), peer_bits[1].reshape(-1, support.BLOCK)
     bad = []
     for i, name in enumerate(names):
-        if torch.equal(ref_s[i], got_s[i]) and torch.equal(ref_e[i], got_e[i]):
+        if bitwise_equal(ref_s[i], got_s[i]) and bitwise_equal(ref_e[i], got_e[i]):
             continue
-        if torch.equal(ref_s[i], got_s[i]):
+        if bitwise_equal(ref_s[i], got_s[i]):
             bad.append(f"{name} ({int(ref_e[i].ne(got_e[i]).sum())} element(s) differ)")
         else:
             bad.append(f"{name} (scale {int(got_s[i])} vs spec {int(ref_s[i])})")

@@ -16,12 +16,12 @@ from fractions import Fraction
 
 import torch
 
-from refgrad.deferred_wgrad import gamma
-from refgrad.formats import FLOAT32
+from refgrad.formats import FLOAT32, gamma
 from verify.candidates.api.core import DocumentedBehaviour
 from verify.candidates.api.optimizer import OptimizerBehaviour
 from verify.check import CheckRecorder
-from verify.checks.optim.cases import NAMES, SHAPES, OptimCase, bits
+from verify.checks.optim.cases import NAMES, SHAPES, OptimCase
+from verify.metrics import bitwise_equal
 
 
 @dataclass(frozen=True)
@@ -75,10 +75,10 @@ def same_on_every_rank(snaps: list[dict]) -> bool:
     first = snaps[0]
     for other in snaps[1:]:
         for n in NAMES:
-            if not torch.equal(bits(first["params"][n]), bits(other["params"][n])):
+            if not bitwise_equal(first["params"][n], other["params"][n]):
                 return False
             for key, tensor in first["state"]["params"][n].items():
-                if not torch.equal(bits(tensor), bits(other["state"]["params"][n][key])):
+                if not bitwise_equal(tensor, other["state"]["params"][n][key]):
                     return False
     return True
 

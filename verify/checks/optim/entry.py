@@ -24,7 +24,7 @@ from verify.checks.optim.compare import (
     same_on_every_rank,
 )
 from verify.checks.optim.expectations import ProductionModel, case_trajectory
-from verify.checks.optim.mxfp8 import compare_runs, refgrad_trajectory, same_bits
+from verify.checks.optim.mxfp8 import compare_runs, refgrad_trajectory
 from verify.checks.optim.worker import (
     MXFP8_LABEL,
     RESUME_AFTER,
@@ -35,6 +35,7 @@ from verify.checks.optim.worker import (
     world_plans,
 )
 from verify.distributed import RankCrashed, spawn, spawn_each
+from verify.metrics import bitwise_equal
 
 CHECK_NAME = "optim"
 
@@ -318,16 +319,16 @@ def check_mxfp8(rec: CheckRecorder, mxfp8_runs: list[tuple[str, bool, bool]],
         rec.expect(f"{label}: the buffer shares param and grad bytes as asked",
                    all(run["sharing"] == sharing for run in runs))
         rec.expect(f"{label}: the ranks' local grads differ (rank-specific data)",
-                   not torch.equal(runs[0]["steps"][0]["grads"][0], runs[1]["steps"][0]["grads"][0]))
+                   not bitwise_equal(runs[0]["steps"][0]["grads"][0], runs[1]["steps"][0]["grads"][0]))
         compare_runs(rec, label, runs, trajectories[distinct.index(keys[index])])
         if sharing and (kind, False, grad_fp32) in mxfp8_runs:
             unshared = mxfp8_runs.index((kind, False, grad_fp32))
             for rank, rank_runs in enumerate(per_rank):
                 off, on = rank_runs[unshared]["steps"], rank_runs[index]["steps"]
                 rec.expect(f"{label}: grads, masters and MXFP8 bits == sharing off, every step (rank {rank})",
-                           all(all(same_bits(x, y) for x, y in zip(a["grads"] + a["masters"],
-                                                                   b["grads"] + b["masters"]))
-                               and all(torch.equal(x, y) for p, q in zip(a["bits"], b["bits"])
+                           all(all(bitwise_equal(x, y) for x, y in zip(a["grads"] + a["masters"],
+                                                                       b["grads"] + b["masters"]))
+                               and all(bitwise_equal(x, y) for p, q in zip(a["bits"], b["bits"])
                                        for x, y in zip(p, q)) for a, b in zip(off, on)))
 
 

@@ -17,7 +17,6 @@ import torch.distributed as dist
 
 from refgrad import mxfp8 as RQ
 from refgrad import optim as R
-from refgrad.formats import tensor_bit_patterns
 from verify.candidates.api.optimizer import (
     AdamWHyperparameters,
     MXFP8ParamOptimizer,
@@ -64,11 +63,6 @@ def hyperparameters(kind: str) -> tuple[R.AdamW | R.SGD, float | None]:
     if settings.sgd is not None:
         return R.SGD(**vars(settings.sgd)), settings.max_grad_norm
     return R.AdamW(**vars(settings.adamw)), settings.max_grad_norm
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Same dtype and the same bit pattern in every element."""
-    return a.dtype == b.dtype and torch.equal(tensor_bit_patterns(a), tensor_bit_patterns(b))
 
 
 def expected_bits(masters: list, shape) -> tuple[torch.Tensor, torch.Tensor]:

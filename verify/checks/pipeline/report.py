@@ -60,14 +60,6 @@ def flatten_named(per_step: list[list[dict[str, torch.Tensor]]], names: list[str
     return concat([replica[n] for step in per_step for replica in step for n in names])
 
 
-UNIT_ROUNDOFF_FP32 = Fraction(1, 2**24)
-
-
-def _gamma(n: int) -> Fraction:
-    """Higham's ``gamma(n) = n u / (1 - n u)`` for fp32."""
-    return n * UNIT_ROUNDOFF_FP32 / (1 - n * UNIT_ROUNDOFF_FP32)
-
-
 def large_dp_report(rec: CheckRecorder, case: PipelineCase, ranks: list[dict]) -> None:
     """D > 2: the all-reduce's summation order is gloo's choice, so no bitwise claim.
 
@@ -81,7 +73,7 @@ def large_dp_report(rec: CheckRecorder, case: PipelineCase, ranks: list[dict]) -
     on vs off.
     """
     from refgrad.exact import correctly_rounded_sum, exact_sum
-    from refgrad.formats import decode_tensor
+    from refgrad.formats import FLOAT32, decode_tensor, gamma
     from verify.metrics import compare
 
     ref = reference_training(case.spec, case.plans[:1], case.dp_size, lr=case.lr, reduction="sum")
@@ -90,7 +82,8 @@ def large_dp_report(rec: CheckRecorder, case: PipelineCase, ranks: list[dict]) -
     rounded = correctly_rounded_sum(replicas, torch.float32)
     decoded = [decode_tensor(r) for r in replicas]
     exact = [exact_sum(vals) for vals in zip(*decoded)]
-    bound = [_gamma(case.dp_size - 1) * exact_sum(abs(v) for v in vals) for vals in zip(*decoded)]
+    relative_bound = gamma(case.dp_size - 1, FLOAT32.unit_roundoff)
+    bound = [relative_bound * exact_sum(abs(v) for v in vals) for vals in zip(*decoded)]
     rows = []
     results = {}
     for overlap in (True, False):

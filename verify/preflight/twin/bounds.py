@@ -7,9 +7,10 @@ import math
 
 import torch
 
-from verify.metrics import compare
+from refgrad.formats import FLOAT32
+from verify.metrics import bitwise_equal, compare
 
-UNIT_ROUNDOFF_FP32 = 2.0**-24
+UNIT_ROUNDOFF_FP32 = float(FLOAT32.unit_roundoff)
 
 
 def ulp_bound_factor(dp: int) -> int:
@@ -43,7 +44,7 @@ def within(ref: torch.Tensor, got: torch.Tensor, bound_ulps: int | None,
         return False, cmp.max_ulp, detail
     # The bound is for finite values; a non-finite one must be bitwise the same.
     finite = ref.isfinite() & got.isfinite()
-    if not torch.equal(ref[~finite].view(-1).double(), got[~finite].view(-1).double()) or bool(
+    if not bitwise_equal(ref[~finite], got[~finite]) or bool(
             (ref.isfinite() != got.isfinite()).any()):
         return False, cmp.max_ulp, detail + " (a non-finite value differs)"
     if not bool(finite.any()):

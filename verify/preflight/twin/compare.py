@@ -18,13 +18,13 @@ from fractions import Fraction
 
 import torch
 
-from refgrad.deferred_wgrad import gamma
-from refgrad.formats import FLOAT32
+from refgrad.formats import FLOAT32, gamma
 from refgrad.pipeline import ReferenceResult
 from refgrad.pipeline_tp import expected_on_rank
 from verify.candidates.api.core import DocumentedBehaviour
 from verify.candidates.api.optimizer import OptimizerBehaviour
 from verify.candidates.api.pipeline import PipelineCase, RankResult
+from verify.metrics import bitwise_equal
 from verify.preflight.twin.bounds import ulp_bound_factor, within
 from verify.preflight.twin.reference import OptimReference
 from verify.preflight.twin.results import OptimRankResult
@@ -331,7 +331,7 @@ def compare_mxfp8_params(case: PipelineCase, row: StepRow, reference: OptimRefer
             for part, got, want in (("scale", scales, ref[name][0]), ("element", elements, ref[name][1])):
                 want = expected_on_rank(case.spec, name, want, res.tp_rank)
                 row.mxfp8_total += 1
-                if torch.equal(got, want):
+                if bitwise_equal(got, want):
                     row.mxfp8_bitwise += 1
                     continue
                 diff = (got != want).reshape(-1)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from fastgrad.comm import all_gather_into, reduce_scatter_into
 from refgrad.formats import tensor_bit_patterns
+from verify.metrics import bitwise_equal
 from verify.studies.reduce_scatter.models import (
     DISTRIBUTIONS,
     DTYPES,
@@ -148,8 +149,7 @@ def main_dist(args: argparse.Namespace) -> int:
             exact64, rounded = exact_references(stacked)
             models = _model_outputs(stacked)
             all_reduce_consistent = all(
-                torch.equal(tensor_bit_patterns(gathered["all_reduce"][r]),
-                            tensor_bit_patterns(gathered["all_reduce"][0]))
+                bitwise_equal(gathered["all_reduce"][r], gathered["all_reduce"][0])
                 for r in range(world_size)
             )
             for name, per_rank in gathered.items():

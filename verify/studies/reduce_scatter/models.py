@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import torch
 
+from refgrad.formats import format_of
 from refgrad.reduce_torch import fsdp2_divide_factors
 
 METHODS: tuple[str, ...] = ("ring", "tree", "fp32", "compress_hook", "fsdp2")
@@ -57,7 +58,7 @@ DISTRIBUTION_HELP = {
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_ALIASES = {"fp16": "float16", "float16": "float16", "half": "float16",
                  "bf16": "bfloat16", "bfloat16": "bfloat16"}
-UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
+UNIT_ROUNDOFF = {name: float(format_of(name).unit_roundoff) for name in DTYPES}
 
 
 def ring_reduce(

@@ -54,6 +54,7 @@ def _split_into_three_float32(exact64: torch.Tensor) -> torch.Tensor:
     b = rest.to(torch.float32)
     rest = rest - b.to(torch.float64)
     c = rest.to(torch.float32)
+    # a value test (the remainder is zero), not a bitwise one: -0 would be as exact as +0
     if not torch.equal(rest - c.to(torch.float64), torch.zeros_like(rest)):
         raise ArithmeticError("float64 -> 3 x float32 split was not exact")
     # A -0 sum must stay -0: IEEE gives -0 only when every addend is -0.
