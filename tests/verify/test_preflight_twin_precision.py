@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from fastgrad.ddp import DistributedDataParallel
+from gradvocab.averaging import Averaging
 from tests.verify.test_preflight_twin_optim import STEPS, _config, _plans
 from tests.verify.twin_world import train_and_compare
 from verify.candidates import FastgradCandidate
@@ -198,7 +199,7 @@ def test_refgrads_16_bit_tied_sp_first_layer_keeps_one_buffer_left_out_of_the_tp
     emb, bias = stage_param_name(0, EMBEDDING_PARAM), stage_param_name(0, "layers.0.bias")
     assert sums[0][emb].shape == (4, 4) and sums[0][bias].shape == (2, 4)
     assert bool(sums[0][emb].ne(0).any())
-    reduced = mixed_reduce_and_tie(spec, sums, "sum")
+    reduced = mixed_reduce_and_tie(spec, sums, Averaging.SUM)
     assert reduced[emb].shape == (4, 4) and reduced[bias].shape == (4,)
 
 

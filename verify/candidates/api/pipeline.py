@@ -49,15 +49,14 @@ import torch.distributed as dist
 
 from fastgrad.parallel_dims import ParallelDims
 from fastgrad.timeline import TimelineEvent
-from refgrad.pipeline import LinearStackSpec, StepPlan, microbatch_data
+from gradvocab.averaging import Averaging
+from refgrad.pipeline import REDUCTIONS, LinearStackSpec, StepPlan, microbatch_data
 from refgrad.pipeline_embedding import vocab_block
 from refgrad.pipeline_tp import loss_target, sequence_shard, splits_loss, stage_loss
 from verify.candidates.api.core import Technique, Unsupported
 from verify.candidates.api.findings import LaunchSettings
 from verify.candidates.api.optimizer import DataParallelModel
 from verify.candidates.api.scope import TechniqueScope
-
-REDUCTIONS = ("sum", "avg", "prescale")  # refgrad.pipeline.reduce_across_replicas' names
 
 # Where a bucket's reduction was launched (RankResult.launch_sites): by the hook of its last
 # ready parameter, by the schedule's dispatch in the cooldown, by finish_grad_sync, or never.
@@ -71,8 +70,8 @@ class PipelineCase:
     ``dims``: the grid's sizes (sizes only: the case is pickled into the ranks); its
     ``tp_size``/``sequence_parallel`` are the spec's, ``pp_size * vpp_size`` its stages
     (``vpp_size > 1``: the interleaved schedule, one DDP per model chunk). ``reduction``:
-    ``"sum"``, ``"avg"`` (averaged in the collective) or ``"prescale"`` (``1/dp`` before a
-    SUM, production's default). ``bucket_size`` buckets pipeline rank 0's first chunk;
+    ``Averaging.SUM``, ``.AVG`` (averaged in the collective) or ``.PRESCALE`` (``1/dp``
+    before a SUM, production's default). ``bucket_size`` buckets pipeline rank 0's first chunk;
     every other (stage, chunk) uses ``bucket_size_elsewhere`` (production's rule; None: the
     same). ``timing``: the dedicated timing case (its timelines are compared with the
     simulator).
@@ -84,7 +83,7 @@ class PipelineCase:
     plans: tuple[StepPlan, ...]
     use_distributed_optimizer: bool = False
     reduce_scatter_with_fp32_accumulation: bool = False
-    reduction: str = "sum"
+    reduction: Averaging = Averaging.SUM
     bucket_size: int = 80
     lr: float = 0.05
     timing: bool = False
@@ -133,8 +132,9 @@ class PipelineCase:
         if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) \
                 or not math.isfinite(self.lr) or self.lr <= 0:
             raise ValueError(f"PipelineCase.lr must be a finite number > 0, got {self.lr!r}")
-        if self.reduction not in REDUCTIONS:
-            raise ValueError(f"PipelineCase.reduction must be sum/avg/prescale, got {self.reduction!r}")
+        if not isinstance(self.reduction, Averaging) or self.reduction not in REDUCTIONS:
+            raise ValueError("PipelineCase.reduction must be Averaging.SUM, .AVG or .PRESCALE "
+                             f"(refgrad.pipeline.REDUCTIONS), got {self.reduction!r}")
 
     def at(self, first_rank: int) -> PipelineCase:
         """The same case on the ranks from ``first_rank`` (grids side by side in one world)."""
@@ -151,9 +151,9 @@ class PipelineCase:
             use_distributed_optimizer=self.use_distributed_optimizer,
             overlap_grad_reduce=overlap,
             ddp_reduce_scatter_with_fp32_accumulation=self.reduce_scatter_with_fp32_accumulation,
-            ddp_average_in_collective=self.reduction == "avg",
+            ddp_average_in_collective=self.reduction is Averaging.AVG,
             # The case's SUM is Megatron's per-token-loss mode (no 1/DP scaling).
-            calculate_per_token_loss=self.reduction == "sum",
+            calculate_per_token_loss=self.reduction is Averaging.SUM,
             defer_embedding_wgrad_compute=spec.output_head and spec.defer_output_wgrad,
             wgrad_deferral_limit=spec.wgrad_deferral_limit,
             untie_embeddings_and_output_weights=spec.output_head and not spec.tied_embedding,
@@ -427,7 +427,6 @@ def updated_once(named: dict[str, torch.nn.Parameter], frozen: Iterable[str]
 __all__ = [
     "LAUNCH_SITES",
     "MXFP8_BLOCK",
-    "REDUCTIONS",
     "MXFP8Params",
     "ModelSupport",
     "ParallelDims",
