@@ -70,6 +70,10 @@ class Averaging(str, enum.Enum):
     def __str__(self) -> str:
         return self.value
 
+    # Equal to its value (a str), so hashed as its value too: a dict keyed by "sum" finds
+    # Averaging.SUM (Enum's own hash is its member name's, which would break that invariant).
+    __hash__ = str.__hash__
+
     @property
     def averages(self) -> bool:
         """True for every way that forms the mean (all but ``SUM``)."""

@@ -43,6 +43,7 @@ def test_the_names_are_the_old_strings_in_reports_and_json():
     assert Averaging("prescale") is Averaging.PRESCALE and Averaging.AVG == "avg"
     assert f"{Averaging.PRESCALE}" == str(Averaging.PRESCALE) == "prescale"
     assert json.dumps({"reduction": Averaging.AVG}) == '{"reduction": "avg"}'
+    assert {"sum": 1, "avg": 2}[Averaging.AVG] == 2 and {Averaging.SUM: 1}["sum"] == 1
 
 
 def test_torch_ops_convert_both_ways():
