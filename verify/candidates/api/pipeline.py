@@ -6,7 +6,7 @@ vocab-parallel output layer whose wgrad is deferred to the pipeline flush, tied 
 layer) on a TP x DP x PP (x VPP) grid (:class:`fastgrad.parallel_dims.ParallelDims`, the one
 carrier of sizes and groups), trained for the case's step plans with SGD. The candidate
 trains it on every rank with its own data-parallel engine, schedules and output layer and
-reports what each rank saw as a :class:`RankResult`; the check holds the results to
+reports what each rank saw as a :class:`gradvocab.results.RankResult`; the check holds the results to
 ``refgrad.pipeline.reference_training``.
 
 :class:`PipelineTraining` is written so that Megatron-Core can implement it as well as
@@ -41,15 +41,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 
 from fastgrad.parallel_dims import ParallelDims
-from fastgrad.timeline import TimelineEvent
 from gradvocab.averaging import Averaging
+from gradvocab.results import LAUNCH_SITES, RankResult
 from refgrad.pipeline import REDUCTIONS, LinearStackSpec, StepPlan, microbatch_data
 from refgrad.pipeline_embedding import vocab_block
 from refgrad.pipeline_tp import loss_target, sequence_shard, splits_loss, stage_loss
@@ -57,10 +57,6 @@ from verify.candidates.api.core import Technique, Unsupported
 from verify.candidates.api.findings import LaunchSettings
 from verify.candidates.api.optimizer import DataParallelModel
 from verify.candidates.api.scope import TechniqueScope
-
-# Where a bucket's reduction was launched (RankResult.launch_sites): by the hook of its last
-# ready parameter, by the schedule's dispatch in the cooldown, by finish_grad_sync, or never.
-LAUNCH_SITES = ("hook", "dispatch", "finish", "never")
 
 
 @dataclass(frozen=True)
@@ -191,38 +187,6 @@ class PipelineCase:
     def world(self) -> int:
         """Ranks the grid occupies."""
         return self.dims.world_size
-
-
-@dataclass
-class RankResult:
-    """What one rank observed for one case and overlap setting (lists: one entry per step).
-
-    ``grads``/``params``: this rank's parameters by global name
-    (``refgrad.pipeline.stage_param_name``). ``launch_sites``: per bucket, one of
-    :data:`LAUNCH_SITES`. ``relearn_count``: how often the DDP relearned which params each
-    bucket waits for (freezing and unfreezing a param; None: the candidate does not learn
-    them). ``events``: the timeline (``fastgrad.timeline.TimelineEvent``; empty: not
-    recorded). ``chunk_enables`` (interleaved): at each chunk's grad-sync enable, the chunk
-    and which chunks had a reduction in flight (empty: not recorded). ``errors``: what the
-    candidate raised in a step it then finished anyway (``"step N: ..."``; that step's
-    losses are NaN), so that its peers were not left waiting and the later steps still ran.
-    ``drained_in_flight`` (per step; empty: not observed): whether this rank's deferred
-    output-layer wgrads were drained while their bucket's DP reduction was already in flight
-    (None: no drain on this rank).
-    """
-
-    stage: int
-    dp_rank: int
-    tp_rank: int = 0
-    losses: list[list[float]] = field(default_factory=list)
-    grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
-    params: list[dict[str, torch.Tensor]] = field(default_factory=list)
-    launch_sites: list[tuple[str, ...]] = field(default_factory=list)
-    relearn_count: int | None = 0
-    events: list[list[TimelineEvent]] = field(default_factory=list)
-    chunk_enables: list[list[tuple[int, tuple[bool, ...]]]] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
-    drained_in_flight: list[bool | None] = field(default_factory=list)
 
 
 class StepProgress(Protocol):
