@@ -136,7 +136,7 @@ def reduce_across_replicas(per_replica: Sequence[torch.Tensor], reduction: Avera
     factors = reduction.factors(world)
     if factors.pre_scale is not None:
         flat = prescale_like_torch(flat, factors.pre_scale)
-    op = Averaging.from_reduce_op(factors.op).value  # refgrad.reduce_scatter's "sum" / "avg"
+    op = Averaging.from_reduce_op(factors.op)  # the collective's op, SUM or AVG
     reduced = all_reduce(flat, accumulate="fp32", order="rank", op=op)[0]
     return reduced[:numel].reshape(shape)
 

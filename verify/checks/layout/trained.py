@@ -150,7 +150,7 @@ def _modelled(per_rank: list[torch.Tensor], behaviour: ReductionBehaviour) -> to
     factors = averaging.factors(world)
     inputs = per_rank if factors.pre_scale is None else refc.prescale_like_torch(per_rank,
                                                                                 factors.pre_scale)
-    op = Averaging.from_reduce_op(factors.op)  # refgrad's "sum" / "avg"
+    op = Averaging.from_reduce_op(factors.op)  # the collective's op, SUM or AVG
     order = "rank" if world <= 2 else "gloo_ring"
     return refc.all_reduce(inputs, accumulate="wire" if behaviour.wire_collective else "fp32",
                            order=order, op=op)[0]

@@ -168,7 +168,7 @@ def _rank_worker(rank: int, world_size: int, item: str, sizes, average_sizes, sh
                 if size >= 3:
                     ordered[size] = _run_order_sensitive(reduction, plan, rank, size, groups[size],
                                                          shard, seed)
-        for size in average_sizes if "avg" in plan.ops else ():
+        for size in average_sizes if Averaging.AVG in plan.ops else ():
             if rank < size:
                 averaged[size] = _run_average_sensitive(reduction, rank, size, groups[size], shard,
                                                         seed)
@@ -297,8 +297,8 @@ def check_average_sensitive(rec: CheckRecorder, per_rank: list[dict], average_si
             inputs = [records[r][i]["input"] for r in range(size)]
             tag = f"W={size} {first['dtype']} it={first['it']}"
             expected = torch.cat(refc.reduce_scatter(inputs, accumulate="fp32", order="rank",
-                                                     op="avg"))
-            prescaled = refc.prescale_like_torch(inputs, 1.0 / size)
+                                                     op=Averaging.AVG))
+            prescaled = refc.prescale_like_torch(inputs, Averaging.PRESCALE.factors(size).pre_scale)
             production = torch.cat(refc.reduce_scatter(prescaled, accumulate="fp32",
                                                        order="rank", op="sum"))
             differ = int((tensor_bit_patterns(production) != tensor_bit_patterns(expected)).sum())
