@@ -1,6 +1,8 @@
 """How data-parallel gradients become an average (or a sum): decided here, once.
 
-As FSDP2's ``_get_gradient_divide_factors`` (``torch/distributed/fsdp/_fully_shard/
+How is :class:`gradvocab.averaging.Averaging` (the one type refgrad, fastgrad and verify share;
+its ``factors`` the op and the ``1/dp`` multiplier); this module adds only where fastgrad
+applies a pre-scale. As FSDP2's ``_get_gradient_divide_factors`` (``torch/distributed/fsdp/_fully_shard/
 _fsdp_collectives.py``), one function turns the settings into a small frozen plan that the
 buffer, its buckets and their collectives only read:
 
@@ -22,11 +24,12 @@ A pre-scale of exactly 1 (``dp == 1``) is no pre-scale: ``x * 1.0`` is ``x``.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
 from fastgrad.config import DDPConfig
+from gradvocab.averaging import Averaging, AveragingFactors
 
 
 class PrescaleSite(str, enum.Enum):
@@ -38,23 +41,50 @@ class PrescaleSite(str, enum.Enum):
     COLLECTIVE = "collective"
 
 
+# fastgrad's DDP never post-scales (production scales before the collective, or averages in it)
+FASTGRAD_AVERAGINGS = (Averaging.SUM, Averaging.AVG, Averaging.PRESCALE)
+
+
 @dataclass(frozen=True)
 class GradAveraging:
-    """The plan: the collective's ``op``, and the ``prescale`` factor with its ``site``
-    (both None when nothing is pre-scaled). ``average`` is what was asked for."""
+    """The plan: ``averaging`` over ``dp_size`` replicas and the ``site`` of its pre-scale
+    (None exactly when nothing is pre-scaled). ``op`` and ``prescale`` are read from
+    ``averaging.factors(dp_size)``, never computed here."""
 
-    average: bool
-    op: dist.ReduceOp.RedOpType
-    prescale: float | None = None
+    averaging: Averaging
+    dp_size: int
     site: PrescaleSite | None = None
+    factors: AveragingFactors = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if (self.prescale is None) != (self.site is None):
-            raise ValueError("GradAveraging.prescale and .site are given together or not at all")
-        if self.op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-            raise ValueError(f"GradAveraging.op must be ReduceOp.SUM or ReduceOp.AVG, got {self.op!r}")
-        if self.prescale is not None and self.op != dist.ReduceOp.SUM:
-            raise ValueError("GradAveraging: a pre-scale is followed by a SUM collective")
+        if not isinstance(self.averaging, Averaging):
+            raise TypeError(f"GradAveraging.averaging must be an Averaging, got {self.averaging!r}")
+        if self.averaging not in FASTGRAD_AVERAGINGS:
+            raise ValueError(f"GradAveraging.averaging must be one of {[str(a) for a in FASTGRAD_AVERAGINGS]}"
+                             f" (fastgrad never post-scales), got {self.averaging}")
+        if self.site is not None and not isinstance(self.site, PrescaleSite):
+            raise TypeError(f"GradAveraging.site must be a PrescaleSite or None, got {self.site!r}")
+        factors = self.averaging.factors(self.dp_size)  # validates dp_size
+        if (factors.pre_scale is None) != (self.site is None):
+            raise ValueError("GradAveraging.site is given exactly when there is a pre-scale "
+                             f"({self.averaging} over {self.dp_size}: "
+                             f"{'none' if factors.pre_scale is None else factors.pre_scale})")
+        object.__setattr__(self, "factors", factors)
+
+    @property
+    def average(self) -> bool:
+        """Whether the replicas' grads are averaged (False: summed)."""
+        return self.averaging.averages
+
+    @property
+    def op(self) -> dist.ReduceOp.RedOpType:
+        """The collective's op (``ReduceOp.SUM`` or ``ReduceOp.AVG``)."""
+        return self.factors.op
+
+    @property
+    def prescale(self) -> float | None:
+        """The ``1/dp`` multiplier applied before the collective (None: nothing)."""
+        return self.factors.pre_scale
 
     def prescale_at(self, site: PrescaleSite) -> float | None:
         """The factor applied at ``site`` (None: nothing is multiplied there)."""
@@ -77,19 +107,11 @@ def grad_averaging(config: DDPConfig, dp_size: int, *, average: bool) -> GradAve
     """
     if not isinstance(config, DDPConfig):
         raise TypeError(f"config must be a DDPConfig, got {type(config).__name__}")
-    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
-        raise ValueError(f"dp_size must be an int >= 1, got {dp_size!r}")
-    if not isinstance(average, bool):
-        raise TypeError(f"average must be a bool, got {type(average).__name__}")
-    if config.average_in_collective and not average:
-        raise ValueError(
-            "config.average_in_collective=True averages in the collective; it cannot be "
-            "combined with average=False (sum)"
-        )
-    if config.average_in_collective:
-        return GradAveraging(average=True, op=dist.ReduceOp.AVG)
-    if not average or dp_size == 1:
-        return GradAveraging(average=average, op=dist.ReduceOp.SUM)
+    # Megatron-Core's flag names, converted in the one place gradvocab keeps for them
+    averaging = Averaging.from_megatron(average=average,
+                                        average_in_collective=config.average_in_collective)
+    if averaging.factors(dp_size).pre_scale is None:
+        return GradAveraging(averaging, dp_size)
     site = (PrescaleSite.COLLECTIVE if config.reduce_scatter_with_fp32_accumulation
             else PrescaleSite.BUCKET)
-    return GradAveraging(average=True, op=dist.ReduceOp.SUM, prescale=1.0 / dp_size, site=site)
+    return GradAveraging(averaging, dp_size, site)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from gradvocab.averaging import Averaging
 from refgrad.exact import correctly_rounded_sum
 from refgrad.pipeline_embedding import VocabParallelFirstLayer
 from refgrad.pipeline_spec import (  # noqa: F401  (re-exported: one import site for the model)
@@ -98,21 +99,26 @@ class ReferenceResult:
     replica_sums: list[list[dict[str, torch.Tensor]]] = field(default_factory=list)
 
 
-REDUCTIONS = ("sum", "avg", "prescale")
+# The ways refgrad reduces across replicas (a pipeline's DP sync never post-scales).
+REDUCTIONS = (Averaging.SUM, Averaging.AVG, Averaging.PRESCALE)
 
 
-def reduce_across_replicas(per_replica: Sequence[torch.Tensor], reduction: str) -> torch.Tensor:
+def _check_reduction(reduction: Averaging) -> None:
+    if not isinstance(reduction, Averaging) or reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of Averaging.SUM, .AVG, .PRESCALE, got {reduction!r}")
+
+
+def reduce_across_replicas(per_replica: Sequence[torch.Tensor], reduction: Averaging) -> torch.Tensor:
     """The reference DP reduction of one parameter's per-replica grads (``refgrad.reduce_scatter``).
 
-    ``reduction``: ``"sum"`` (fp32 sum in rank order, one rounding per add),
-    ``"avg"`` (that sum divided by ``D`` with one more rounding: ``ReduceOp.AVG``)
-    or ``"prescale"`` (each replica's grad multiplied by ``1/D`` as torch does,
+    ``reduction``: ``Averaging.SUM`` (fp32 sum in rank order, one rounding per add),
+    ``Averaging.AVG`` (that sum divided by ``D`` with one more rounding: ``ReduceOp.AVG``)
+    or ``Averaging.PRESCALE`` (each replica's grad multiplied by ``1/D`` as torch does,
     then summed: production's gradient scaling factor before a SUM). For
     ``D <= 2`` the rank-order sum is the correctly rounded sum, which any
     all-reduce algorithm produces.
     """
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    _check_reduction(reduction)
     if not per_replica:
         raise ValueError("per_replica must hold at least one tensor")
     if len(per_replica) == 1:
@@ -127,11 +133,10 @@ def reduce_across_replicas(per_replica: Sequence[torch.Tensor], reduction: str) 
         f = torch.zeros(padded, dtype=t.dtype)
         f[:numel] = t.reshape(-1)
         flat.append(f)
-    op = "sum"
-    if reduction == "prescale":
-        flat = prescale_like_torch(flat, 1.0 / world)
-    elif reduction == "avg":
-        op = "avg"
+    factors = reduction.factors(world)
+    if factors.pre_scale is not None:
+        flat = prescale_like_torch(flat, factors.pre_scale)
+    op = Averaging.from_reduce_op(factors.op)  # the collective's op, SUM or AVG
     reduced = all_reduce(flat, accumulate="fp32", order="rank", op=op)[0]
     return reduced[:numel].reshape(shape)
 
@@ -191,7 +196,7 @@ def replica_grad_sums(
 
 
 def reduce_and_tie(
-    spec: LinearStackSpec, per_replica_sums: Sequence[dict[str, torch.Tensor]], reduction: str
+    spec: LinearStackSpec, per_replica_sums: Sequence[dict[str, torch.Tensor]], reduction: Averaging
 ) -> dict[str, torch.Tensor]:
     """The DP reduction of every gradient, then (sequence parallel) the TP sum of the
     replicated blocks' grads, then the tied-embedding all-reduce if tied."""
@@ -217,12 +222,11 @@ def reference_training(
     dp_size: int,
     *,
     lr: float = 0.05,
-    reduction: str = "sum",
+    reduction: Averaging = Averaging.SUM,
 ) -> ReferenceResult:
     """Run ``plans`` (one per step) on the whole model in one process; see the module doc."""
     positive_int("reference_training", "dp_size", dp_size)
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    _check_reduction(reduction)
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr):
         raise ValueError(f"lr must be a finite number, got {lr!r}")
     stages = [StageModule(spec, s) for s in range(spec.num_stages)]

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from gradvocab.averaging import Averaging
 from refgrad.exact import correctly_rounded_sum
 
 if TYPE_CHECKING:
@@ -145,7 +146,7 @@ def mixed_replica_grad_sums(
 
 
 def mixed_reduce_and_tie(
-    spec: LinearStackSpec, per_replica: Sequence[dict[str, torch.Tensor]], reduction: str
+    spec: LinearStackSpec, per_replica: Sequence[dict[str, torch.Tensor]], reduction: Averaging
 ) -> dict[str, torch.Tensor]:
     """Step 5 of the module doc: the DP reduction in the grad dtype, then the tied embedding."""
     from refgrad.pipeline import (

@@ -28,8 +28,9 @@ Options:
 * ``order="tree"``: pairwise: ranks are summed in adjacent pairs
   ``(x[0]+x[1]), (x[2]+x[3]), ...``, an odd one out passed up unchanged, level by
   level until one value remains.
-* ``op="avg"``: the final accumulator is divided by W in the accumulator's
-  precision (one rounding) before the final rounding to the input dtype.
+* ``op=Averaging.AVG`` (``"avg"``, its value, is the same op): the final accumulator is
+  divided by W in the accumulator's precision (one rounding) before the final rounding to the
+  input dtype; ``Averaging.SUM`` (``"sum"``) the default.
 """
 
 from __future__ import annotations
@@ -39,12 +40,15 @@ from fractions import Fraction
 
 import torch
 
+from gradvocab.averaging import Averaging
 from refgrad import formats
 from refgrad.exact import ieee_sum
 
 ACCUMULATE_MODES = ("wire", "fp32")
 ORDERS = ("ring", "ring_reverse", "gloo_ring", "rank", "tree")
-OPS = ("sum", "avg")
+# The collective's own ops, as gradvocab's Averaging (equal to the names "sum" and "avg"):
+# how a pre- or post-scale is applied around them is the caller's, not the collective's.
+OPS = (Averaging.SUM, Averaging.AVG)
 
 
 def ring_order(world_size: int, chunk: int, *, reverse: bool = False) -> list[int]:
@@ -98,7 +102,7 @@ def accumulate_values(
     return formats.round_to_value(wire, total)
 
 
-def _validate(per_rank_inputs: Sequence[torch.Tensor], accumulate: str, order: str, op: str):
+def _validate(per_rank_inputs: Sequence[torch.Tensor], accumulate: str, order: str, op: Averaging):
     if isinstance(per_rank_inputs, torch.Tensor) or not isinstance(per_rank_inputs, Sequence):
         raise TypeError("per_rank_inputs must be a sequence of tensors, one per rank")
     if len(per_rank_inputs) == 0:
@@ -122,7 +126,7 @@ def _validate(per_rank_inputs: Sequence[torch.Tensor], accumulate: str, order: s
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     if op not in OPS:
-        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+        raise ValueError(f"op must be one of {[str(o) for o in OPS]}, got {op!r}")
     return formats.format_of(first.dtype)
 
 
@@ -130,7 +134,7 @@ def _reduce_chunks(
     per_rank_inputs: Sequence[torch.Tensor],
     accumulate: str,
     order: str,
-    op: str,
+    op: Averaging,
     *,
     scatter: bool,
 ) -> tuple[formats.FloatFormat, list[list[formats.Value]]]:
@@ -148,7 +152,7 @@ def _reduce_chunks(
     chunks_count = world_size if (scatter or ring) else 1
     chunk_numel = numel // chunks_count
     decoded = [formats.decode_tensor(t.detach().cpu().contiguous()) for t in per_rank_inputs]
-    average_by = world_size if op == "avg" else None
+    average_by = world_size if op == Averaging.AVG else None
     gloo_chunk = 2 * -(-numel // (2 * world_size))  # two of gloo's segments per rank
     chunks = []
     for chunk in range(chunks_count):
@@ -178,7 +182,7 @@ def reduce_scatter(
     *,
     accumulate: str,
     order: str,
-    op: str = "sum",
+    op: Averaging = Averaging.SUM,
 ) -> list[torch.Tensor]:
     """Rank c's output: chunk c (of W equal chunks of the flattened inputs), reduced over ranks.
 
@@ -193,7 +197,7 @@ def all_reduce(
     *,
     accumulate: str,
     order: str,
-    op: str = "sum",
+    op: Averaging = Averaging.SUM,
 ) -> list[torch.Tensor]:
     """Every rank's output: the whole reduced tensor (input shape).
 

@@ -16,24 +16,29 @@ import torch.distributed as dist
 
 from fastgrad.averaging import GradAveraging, PrescaleSite, grad_averaging
 from fastgrad.config import DDPConfig
+from gradvocab.averaging import Averaging
 
 SUM, AVG = dist.ReduceOp.SUM, dist.ReduceOp.AVG
 DIST_OPT = dict(use_distributed_optimizer=True)
 FP32_RS = dict(use_distributed_optimizer=True, reduce_scatter_with_fp32_accumulation=True)
 
 
-@pytest.mark.parametrize("config, dp, average, op, prescale, site", [
-    (dict(), 4, False, SUM, None, None),                      # a sum: nothing scaled
-    (dict(), 4, True, SUM, 0.25, PrescaleSite.BUCKET),        # Megatron's default: 1/dp first
-    (DIST_OPT, 3, True, SUM, 1 / 3, PrescaleSite.BUCKET),
-    (FP32_RS, 4, True, SUM, 0.25, PrescaleSite.COLLECTIVE),   # folded into the fp32 reduction
-    (FP32_RS, 4, False, SUM, None, None),
-    (dict(average_in_collective=True), 4, True, AVG, None, None),
-    ({**FP32_RS, "average_in_collective": True}, 2, True, AVG, None, None),
-    (dict(), 1, True, SUM, None, None),                       # x * 1.0 is x: no pre-scale
+SUM_, AVG_, PRESCALE = Averaging.SUM, Averaging.AVG, Averaging.PRESCALE
+
+
+@pytest.mark.parametrize("config, dp, average, how, op, prescale, site", [
+    (dict(), 4, False, SUM_, SUM, None, None),                      # a sum: nothing scaled
+    (dict(), 4, True, PRESCALE, SUM, 0.25, PrescaleSite.BUCKET),    # Megatron's default: 1/dp first
+    (DIST_OPT, 3, True, PRESCALE, SUM, 1 / 3, PrescaleSite.BUCKET),
+    (FP32_RS, 4, True, PRESCALE, SUM, 0.25, PrescaleSite.COLLECTIVE),  # folded into the fp32 reduction
+    (FP32_RS, 4, False, SUM_, SUM, None, None),
+    (dict(average_in_collective=True), 4, True, AVG_, AVG, None, None),
+    ({**FP32_RS, "average_in_collective": True}, 2, True, AVG_, AVG, None, None),
+    (dict(), 1, True, PRESCALE, SUM, None, None),                   # x * 1.0 is x: no pre-scale
 ])
-def test_the_plan_by_hand(config, dp, average, op, prescale, site):
+def test_the_plan_by_hand(config, dp, average, how, op, prescale, site):
     plan = grad_averaging(DDPConfig(**config), dp, average=average)
+    assert (plan.averaging, plan.dp_size) == (how, dp)
     assert (plan.average, plan.op, plan.prescale, plan.site) == (average, op, prescale, site)
     for where in PrescaleSite:
         assert plan.prescale_at(where) == (prescale if where is site else None)
@@ -48,12 +53,18 @@ def test_contradictions_and_bad_arguments_are_refused():
         grad_averaging(DDPConfig(), 0, average=True)
     with pytest.raises(TypeError, match="average must be a bool"):
         grad_averaging(DDPConfig(), 2, average=1)
-    with pytest.raises(ValueError, match="given together or not at all"):
-        GradAveraging(average=True, op=SUM, prescale=0.5)
-    with pytest.raises(ValueError, match="a pre-scale is followed by a SUM"):
-        GradAveraging(average=True, op=AVG, prescale=0.5, site=PrescaleSite.BUCKET)
-    with pytest.raises(ValueError, match="op must be ReduceOp.SUM or ReduceOp.AVG"):
-        GradAveraging(average=True, op=dist.ReduceOp.MAX)
+    with pytest.raises(ValueError, match="site is given exactly when there is a pre-scale"):
+        GradAveraging(Averaging.PRESCALE, 2)  # a pre-scale of 0.5 with nowhere to apply it
+    with pytest.raises(ValueError, match="site is given exactly when there is a pre-scale"):
+        GradAveraging(Averaging.AVG, 2, site=PrescaleSite.BUCKET)  # AVG has no pre-scale
+    with pytest.raises(ValueError, match="site is given exactly when there is a pre-scale"):
+        GradAveraging(Averaging.PRESCALE, 1, site=PrescaleSite.BUCKET)  # x 1.0 is nothing
+    with pytest.raises(ValueError, match="fastgrad never post-scales"):
+        GradAveraging(Averaging.POSTSCALE, 2)
+    with pytest.raises(TypeError, match="averaging must be an Averaging"):
+        GradAveraging("avg", 2)
+    with pytest.raises(ValueError, match="dp_size must be an int >= 1"):
+        GradAveraging(Averaging.SUM, 0)
 
 
 def test_reports_describe_the_plan():

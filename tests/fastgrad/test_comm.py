@@ -12,17 +12,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from distributed_utils import run_distributed
 
 from fastgrad.buffer import ParamAndGradBuffer
 from fastgrad.comm import ChunkCopyWork, reduce_scatter_into
 from fastgrad.config import DDPConfig
+from gradvocab.averaging import Averaging
 from refgrad import reduce_scatter as refc
 from verify.metrics import assert_bitwise_equal, bitwise_equal
 
 SHARD = 32
-OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG}
+OPS = {averaging: averaging.reduce_op for averaging in (Averaging.SUM, Averaging.AVG)}
 DTYPES = (torch.float32, torch.bfloat16)
 
 

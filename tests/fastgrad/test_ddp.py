@@ -14,6 +14,7 @@ from fastgrad.config import DDPConfig
 from fastgrad.ddp import DistributedDataParallel
 from fastgrad.errors import LifecycleError
 from fastgrad.exposed_grads import UnreducedGradPlaceholder
+from gradvocab.averaging import Averaging
 from refgrad.pipeline import reduce_across_replicas
 from verify.metrics import assert_bitwise_equal, bitwise_equal
 
@@ -270,9 +271,9 @@ def test_unfreezing_a_parameter_frozen_at_build_is_refused():
 # ---------------------------------------------------------------- gloo, 2 ranks
 
 CONFIGS = {
-    "all-reduce sum": (dict(), False, "sum"),
-    "all-reduce prescale": (dict(), True, "prescale"),
-    "reduce-scatter avg": (dict(use_distributed_optimizer=True, average_in_collective=True), True, "avg"),
+    "all-reduce sum": (dict(), False, Averaging.SUM),
+    "all-reduce prescale": (dict(), True, Averaging.PRESCALE),
+    "reduce-scatter avg": (dict(use_distributed_optimizer=True, average_in_collective=True), True, Averaging.AVG),
 }
 
 

@@ -21,6 +21,7 @@ from fastgrad.pipeline_interleaved import (
     schedule_interleaved,
     validate_interleaving,
 )
+from gradvocab.averaging import Averaging
 from refgrad.pipeline import (
     LinearStackSpec,
     StageModule,
@@ -185,7 +186,7 @@ def test_interleaved_matches_refgrad_bitwise():
     per_rank = run_distributed(_interleaved_worker, 4)
     for phase in CASES:
         for name, P, D, V, plans in phase:
-            reference = reference_training(_spec(P, V), plans, D, lr=LR, reduction="sum")
+            reference = reference_training(_spec(P, V), plans, D, lr=LR, reduction=Averaging.SUM)
             for overlap in (True, False):
                 for rank in range(P * D):
                     out = per_rank[rank][(name, overlap)]

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from gradvocab.averaging import Averaging
 from refgrad.pipeline import (
     LinearStackSpec,
     StageModule,
@@ -26,21 +27,25 @@ def _t(*values):
 def test_reduce_across_replicas_hand_values():
     # 1 + ulp/2 is a tie: rounds to even (1.0). 1 + 1.5 ulp is a tie between
     # 1 + ulp and 1 + 2 ulp: rounds to the even 1 + 2 ulp.
-    got = reduce_across_replicas([_t(1.0, 1.0, 7.0), _t(ULP1 / 2, 1.5 * ULP1, -7.0)], "sum")
+    got = reduce_across_replicas([_t(1.0, 1.0, 7.0), _t(ULP1 / 2, 1.5 * ULP1, -7.0)], Averaging.SUM)
     assert_bitwise_equal(got, _t(1.0, 1.0 + 2 * ULP1, 0.0))
-    assert_bitwise_equal(reduce_across_replicas([_t(1.0, 3.0), _t(3.0, 4.0)], "avg"), _t(2.0, 3.5))
-    assert_bitwise_equal(reduce_across_replicas([_t(3.0, 1.0), _t(5.0, 2.0)], "prescale"), _t(4.0, 1.5))
+    assert_bitwise_equal(reduce_across_replicas([_t(1.0, 3.0), _t(3.0, 4.0)], Averaging.AVG), _t(2.0, 3.5))
+    assert_bitwise_equal(reduce_across_replicas([_t(3.0, 1.0), _t(5.0, 2.0)], Averaging.PRESCALE), _t(4.0, 1.5))
     single = _t(1.5, -2.0)
-    assert_bitwise_equal(reduce_across_replicas([single], "prescale"), single)
+    assert_bitwise_equal(reduce_across_replicas([single], Averaging.PRESCALE), single)
 
 
 def test_reduce_across_replicas_keeps_shape_and_rejects_bad_input():
     a = torch.arange(6, dtype=torch.float32).reshape(2, 3)
-    assert_bitwise_equal(reduce_across_replicas([a, a], "sum"), 2 * a)
+    assert_bitwise_equal(reduce_across_replicas([a, a], Averaging.SUM), 2 * a)
     with pytest.raises(ValueError, match="reduction"):
         reduce_across_replicas([a], "max")
+    with pytest.raises(ValueError, match="reduction must be one of Averaging"):
+        reduce_across_replicas([a], "sum")  # the type, not its old string
+    with pytest.raises(ValueError, match="reduction must be one of Averaging"):
+        reduce_across_replicas([a, a], Averaging.POSTSCALE)  # no pipeline post-scales
     with pytest.raises(ValueError, match="at least one"):
-        reduce_across_replicas([], "sum")
+        reduce_across_replicas([], Averaging.SUM)
 
 
 def test_grads_are_summed_in_microbatch_order():
@@ -114,8 +119,8 @@ def test_tied_output_head_copies_stay_equal_and_get_the_summed_grad():
         # Per copy: DP-reduce first, then the embedding all-reduce adds the two copies.
         sums = ref.replica_sums[step]
         expected = correctly_rounded_sum(
-            [reduce_across_replicas([s[emb] for s in sums], "sum"),
-             reduce_across_replicas([s[head] for s in sums], "sum")], torch.float32)
+            [reduce_across_replicas([s[emb] for s in sums], Averaging.SUM),
+             reduce_across_replicas([s[head] for s in sums], Averaging.SUM)], torch.float32)
         assert_bitwise_equal(ref.grads[step][emb], expected)
     assert torch.count_nonzero(ref.replica_sums[0][0][head]) > 0
 
@@ -214,7 +219,7 @@ def test_tensor_parallel_spec_rules_and_hand_checked_tp_sums():
     sums, losses = replica_grad_sums(spec, stages, named, None, 0, 2, 1)
     name = stage_param_name(0, "layers.0.weight")
     assert sums[0][name].shape == (2, 4, 4) and len(losses[0]) == 2
-    reduced = reduce_and_tie(spec, sums, "sum")
+    reduced = reduce_and_tie(spec, sums, Averaging.SUM)
     assert_bitwise_equal(reduced[name], sums[0][name][0] + sums[0][name][1])
 
 
@@ -256,15 +261,15 @@ def test_tied_tp2_copies_stay_equal_and_sp_keeps_one_embedding_grad(sequence_par
     spec = LinearStackSpec(num_stages=2, layers_per_stage=1, hidden=4, microbatch_size=2,
                            seed=3, output_head=True, tied_embedding=True, tensor_parallel=2,
                            sequence_parallel=sequence_parallel)
-    ref = reference_training(spec, [StepPlan(3), StepPlan(2)], dp_size=2, reduction="prescale")
+    ref = reference_training(spec, [StepPlan(3), StepPlan(2)], dp_size=2, reduction=Averaging.PRESCALE)
     head, emb = stage_param_name(1, HEAD_PARAM), stage_param_name(0, EMBEDDING_PARAM)
     for step in range(2):
         sums = ref.replica_sums[step]
         assert sums[0][emb].shape == (4, 4)  # not (2, 4, 4): TP-split, not per sequence shard
         assert sums[0][stage_param_name(0, "layers.0.bias")].dim() == (2 if sequence_parallel else 1)
         expected = correctly_rounded_sum(
-            [reduce_across_replicas([s[emb] for s in sums], "prescale"),
-             reduce_across_replicas([s[head] for s in sums], "prescale")], torch.float32)
+            [reduce_across_replicas([s[emb] for s in sums], Averaging.PRESCALE),
+             reduce_across_replicas([s[head] for s in sums], Averaging.PRESCALE)], torch.float32)
         assert_bitwise_equal(ref.grads[step][emb], expected)
         assert_bitwise_equal(ref.grads[step][head], expected)
         assert_bitwise_equal(ref.params[step][head], ref.params[step][emb])

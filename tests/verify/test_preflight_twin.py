@@ -15,6 +15,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from gradvocab.averaging import Averaging
 from tests.candidates.fastgrad_faults import Fault, FaultyFastgrad
 from tests.distributed_utils import run_distributed
 from tests.verify.preflight_launch import parsed_launch, preflight_args, preflight_config
@@ -199,7 +200,7 @@ def test_twin_claims_and_gaps_follow_the_configuration(twins):
     assert ulp_bound_factor(3) == 8 * 2 * 3  # 8 (D-1) D, as documented
     tied = twins["tied_deferred"][2].case
     assert tied.spec.output_head and tied.spec.tied_embedding
-    assert tied.use_distributed_optimizer and tied.reduction == "prescale"
+    assert tied.use_distributed_optimizer and tied.reduction is Averaging.PRESCALE
     # The distributed optimizer is twinned (AdamW vs refgrad.optim), at VPP 2 over both chunks.
     assert isinstance(twins["tied_deferred"][2].training, AdamWTwin)
     assert isinstance(twins["untied_adamw"][2].training, AdamWTwin)

@@ -134,9 +134,9 @@ def test_mxfp8_twin_matches_refgrad_bitwise(twins, name):
         assert s["params_bitwise"] == s["params_total"]
         assert s["state_bitwise"] == s["state_total"] == 3 * s["params_total"]
         # scale and element bits of every param on every rank
-        assert s["mxfp8_bitwise"] == s["mxfp8_total"] == 2 * sum(len(r.mxfp8[0]) for r in results)
+        assert s["mxfp8_bitwise"] == s["mxfp8_total"] == 2 * sum(len(r.optimizer.mxfp8[0]) for r in results)
     # The reusing twins really all-gathered through the grad buffer's bytes; dp2 did not.
-    assert all(r.buffer_shared == ("reuse" in name) for r in results)
+    assert all(r.optimizer.buffer_shared == ("reuse" in name) for r in results)
     total = steps[0]["mxfp8_total"]
     assert f"| 2 | {total}/{total} |" in render_markdown(report)  # the per-step bits table
 
@@ -147,7 +147,7 @@ def test_the_forward_runs_on_quantized_weights(twins):
     # 4 significant bits), so the dequantized params the forward uses differ from them.
     for name in LAYOUT:
         results = twins[name][3]
-        moved = sum(int((r.params[step][n] != r.state[step][n]["master"]).sum())
+        moved = sum(int((r.params[step][n] != r.optimizer.state[step][n]["master"]).sum())
                     for r in results for step in range(3) for n in r.params[step])
         assert moved > 0, name
 
@@ -218,7 +218,7 @@ def test_wrong_scale_rounding_or_a_gather_over_live_grads_fails_naming_step_and_
     # Without the reuse the late gather writes the params' own buffer: nothing to corrupt.
     report, _, passed, results = out["gather_without_reuse"]
     assert passed, report["twin"]["failures"][:3]
-    assert not any(r.buffer_shared for r in results)
+    assert not any(r.optimizer.buffer_shared for r in results)
 
 
 def test_an_mxfp8_param_a_rank_did_not_report_fails():
@@ -226,13 +226,14 @@ def test_an_mxfp8_param_a_rank_did_not_report_fails():
     naming the missing one (matching bits on the reported ones are not enough)."""
     from types import SimpleNamespace
 
+    from gradvocab.results import OptimizerRecord, RankResult
     from verify.preflight.twin.compare import StepRow, compare_mxfp8_params
-    from verify.preflight.twin.results import OptimRankResult
 
     bits = (torch.tensor([127], dtype=torch.uint8), torch.tensor([1, 2], dtype=torch.uint8))
     reference = SimpleNamespace(mxfp8=[{"stage0.layers.0.weight": bits, "stage0.layers.0.bias": bits}])
     case = SimpleNamespace(tp_size=1, spec=SimpleNamespace(tensor_parallel=1))
-    rank = OptimRankResult(stage=0, dp_rank=0, mxfp8=[{"stage0.layers.0.weight": bits}])
+    rank = RankResult(stage=0, dp_rank=0,
+                      optimizer=OptimizerRecord(mxfp8=[{"stage0.layers.0.weight": bits}]))
     row = StepRow(step=0, microbatches=1, loss_max_ulp=0, grads_bitwise=1, grads_total=1,
                   grad_max_ulp=0, params_bitwise=1, params_total=1, param_max_ulp=0)
     compare_mxfp8_params(case, row, reference, [rank])

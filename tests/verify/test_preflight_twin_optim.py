@@ -199,9 +199,9 @@ def test_overlapped_param_gather_is_waited_in_the_forward_pre_hooks(twins):
     for name in ("clipped_fp16", "growing_scale", "interleaved"):
         results = [r for r in twins[name][3] if r is not None]
         # steps 1 and 2: the gather launched by the previous step, finished by the forward
-        assert all(r.gathers_waited_in_hooks == [(True, True)] * 2 for r in results), name
+        assert all(r.optimizer.gathers_waited_in_hooks == [(True, True)] * 2 for r in results), name
     for name in ("constant_scale", "replicated"):  # DP 1; no param all-gather
-        assert all(r.gathers_waited_in_hooks == [] for r in twins[name][3] if r is not None)
+        assert all(r.optimizer.gathers_waited_in_hooks == [] for r in twins[name][3] if r is not None)
 
 
 # --------------------------------------------------------------------------- broken optimizers

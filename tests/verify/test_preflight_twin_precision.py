@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from fastgrad.ddp import DistributedDataParallel
+from gradvocab.averaging import Averaging
 from tests.verify.test_preflight_twin_optim import STEPS, _config, _plans
 from tests.verify.twin_world import train_and_compare
 from verify.candidates import FastgradCandidate
@@ -199,7 +200,7 @@ def test_refgrads_16_bit_tied_sp_first_layer_keeps_one_buffer_left_out_of_the_tp
     emb, bias = stage_param_name(0, EMBEDDING_PARAM), stage_param_name(0, "layers.0.bias")
     assert sums[0][emb].shape == (4, 4) and sums[0][bias].shape == (2, 4)
     assert bool(sums[0][emb].ne(0).any())
-    reduced = mixed_reduce_and_tie(spec, sums, "sum")
+    reduced = mixed_reduce_and_tie(spec, sums, Averaging.SUM)
     assert reduced[emb].shape == (4, 4) and reduced[bias].shape == (4,)
 
 
@@ -260,7 +261,7 @@ def test_the_fp16_twin_checks_two_updates_then_skips_its_loss_spike_and_keeps_th
     assert [s["stepped"] for s in report["twin"]["steps"]] == [True, True, False]
     assert [s["loss_scale"] for s in report["twin"]["steps"]] == [2.0**10] * 3
     for res in (r for r in results if r is not None):
-        assert [stepped for stepped, *_ in res.steps] == [True, True, False]
+        assert [stepped for stepped, *_ in res.optimizer.steps] == [True, True, False]
         for name, value in res.params[2].items():  # the skipped step kept step 1's params
             assert_bitwise_equal(value, res.params[1][name], msg=str(name))
     initial = {n: p.detach().to(torch.float16) for n, p in _initial_params(plan).items()}

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from fastgrad.parallel_dims import ParallelDims
+from gradvocab.averaging import Averaging
 from verify.preflight.flags import MEGATRON_LM, LaunchRefused, Refusal, flag_of
 from verify.preflight.pipeline_split import (
     PipelineSplit,
@@ -259,30 +260,39 @@ class PreflightConfig:
         return self.ddp_bucket_size if self.ddp_bucket_size is not None else self.default_bucket_size
 
     @property
+    def averaging(self) -> Averaging:
+        """How production combines the DP x CP grads: the two flags converted, here only.
+        SUM under --calculate-per-token-loss (finalize_model_grads divides by the token count
+        after the reduction), AVG under --ddp-average-in-collective, else PRESCALE
+        (megatron/core/distributed/distributed_data_parallel.py:179-203)."""
+        if self.calculate_per_token_loss and self.ddp_average_in_collective:
+            # refused at the DDP wrap (_ddp_wrap); reported as the collective would run
+            return Averaging.AVG
+        return Averaging.from_megatron(average=not self.calculate_per_token_loss,
+                                       average_in_collective=self.ddp_average_in_collective)
+
+    @property
     def gradient_scaling_factor(self) -> float:
         """What Megatron-Core's DDP multiplies each bucket's grads by before the collective:
-        1/(DP x CP), or 1.0 under --calculate-per-token-loss (finalize_model_grads divides by
-        the token count after the reduction) or --ddp-average-in-collective (the collective
-        averages) (megatron/core/distributed/distributed_data_parallel.py:179-203)."""
-        if self.calculate_per_token_loss or self.ddp_average_in_collective:
-            return 1.0
-        return 1.0 / self.data_context_parallel_size
+        1/(DP x CP) for PRESCALE, else 1.0 (``averaging``'s pre-scale; None is 1.0)."""
+        pre_scale = self.averaging.factors(self.data_context_parallel_size).pre_scale
+        return 1.0 if pre_scale is None else pre_scale
 
     @property
     def grad_reduce_op(self) -> str:
-        """The grad collective's op: "AVG" under --ddp-average-in-collective, else "SUM"
-        (megatron/core/distributed/param_and_grad_buffer.py start_grad_sync:664-666)."""
-        return "AVG" if self.ddp_average_in_collective else "SUM"
+        """The grad collective's op by name, "AVG" or "SUM" (``averaging.reduce_op``;
+        megatron/core/distributed/param_and_grad_buffer.py start_grad_sync:664-666)."""
+        return self.averaging.reduce_op.name
 
     @property
     def grad_averaging(self) -> str:
         """How the DP x CP average of the grads is formed, in words."""
         n, wire = self.data_context_parallel_size, self.grad_dtype
-        if self.calculate_per_token_loss:
+        if self.averaging is Averaging.SUM:
             return (f"per-token loss: grads summed unscaled over DP x CP = {n}, then x 1/T in "
                     f"{wire} after the reduction (T: the global batch's loss-mask tokens, "
                     "all-reduced; finalize_model_grads.py)")
-        if self.ddp_average_in_collective:
+        if self.averaging is Averaging.AVG:
             return (f"ReduceOp.AVG over DP x CP = {n} (no pre-scale; NCCL multiplies each "
                     f"grad by 1/{n} rounded to {wire}, then sums)")
         return f"x 1/{n} in {wire} before the collective, then ReduceOp.SUM over DP x CP = {n}"

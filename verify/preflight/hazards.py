@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from gradvocab.averaging import Averaging
 from verify.preflight.config import PreflightConfig
 from verify.preflight.paper import nccl_average_factor
 
@@ -95,7 +96,7 @@ def _averaging(config: PreflightConfig, n: int, twin_matched: bool) -> Hazard:
     1/N), or per-token loss (SUM, then x 1/T after the reduction)."""
     group = "DP x CP" if config.context_parallel_size > 1 else "DP"
     wire = config.grad_dtype
-    if config.calculate_per_token_loss:
+    if config.averaging is Averaging.SUM:
         return Hazard(PRE_SCALE, SAFE,
                       f"not used: --calculate-per-token-loss sums the grads unscaled over {group} "
                       f"{n} and multiplies them by 1/T after the reduction, T the global batch's "
@@ -106,8 +107,8 @@ def _averaging(config: PreflightConfig, n: int, twin_matched: bool) -> Hazard:
     if _is_power_of_two(n):
         return Hazard(PRE_SCALE, SAFE,
                       f"{group} {n} is a power of two: x 1/{n} is exact in {wire} (short of "
-                      f"underflow){', also as NCCL AVG factor' if config.ddp_average_in_collective else ''}")
-    if config.ddp_average_in_collective:
+                      f"underflow){', also as NCCL AVG factor' if config.averaging is Averaging.AVG else ''}")
+    if config.averaging is Averaging.AVG:
         factor = nccl_average_factor(n, wire)
         bias = n * factor - 1
         return Hazard(PRE_SCALE, FINDING,

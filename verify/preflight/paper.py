@@ -16,6 +16,7 @@ from fractions import Fraction
 import torch
 
 from fastgrad.layout import BufferLayout, compute_layout
+from gradvocab.averaging import Averaging
 from refgrad.formats import FLOAT32, format_of, gamma
 from verify.preflight.config import DTYPE_BYTES, PreflightConfig
 from verify.preflight.model import ParamSpec, chunk_parameters, layers_of_chunk
@@ -218,7 +219,7 @@ def reduction_error(config: PreflightConfig) -> dict:
                  "(N-1)u/(1-(N-1)u); both relative to sum |g|")
     # How the average is formed (config.grad_averaging): NCCL's ReduceOp.AVG multiplies by a
     # rounded 1/N, a bias on every element on top of the sum's rounding.
-    bias = (n * nccl_average_factor(n, wire) - 1) if config.ddp_average_in_collective else 0.0
+    bias = (n * nccl_average_factor(n, wire) - 1) if config.averaging is Averaging.AVG else 0.0
     if bias:
         typical += abs(bias)
         worst = None if worst is None else worst + abs(bias)

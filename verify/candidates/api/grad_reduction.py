@@ -37,21 +37,16 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
+from gradvocab.averaging import Averaging
 from verify.candidates.api.core import DocumentedBehaviour, Technique, Unsupported
 from verify.candidates.api.scope import TechniqueScope
 
-SUM = dist.ReduceOp.SUM
-AVG = dist.ReduceOp.AVG
-OPS = {"sum": SUM, "avg": AVG}
-"""The ops the check asks for, by the names refgrad uses (``refgrad.reduce_scatter``'s ``op``)."""
-
-
-def op_name(op: dist.ReduceOp.RedOpType) -> str:
-    """``"sum"`` or ``"avg"`` for ``ReduceOp.SUM`` / ``ReduceOp.AVG``; ValueError otherwise."""
-    for name, known in OPS.items():
-        if op == known:
-            return name
-    raise ValueError(f"op must be ReduceOp.SUM or ReduceOp.AVG, got {op!r}")
+SUM = Averaging.SUM.reduce_op
+AVG = Averaging.AVG.reduce_op
+COLLECTIVE_AVERAGINGS = (Averaging.SUM, Averaging.AVG)
+"""What a collective does by its own op, asked of every candidate: a sum, or ``ReduceOp.AVG``
+(``Averaging.reduce_op`` / ``Averaging.from_reduce_op`` convert; the values are refgrad's
+``op`` names)."""
 
 
 class Completion(Protocol):
@@ -128,18 +123,29 @@ class ReductionConfig:
                              "reduce-scatter: it needs use_distributed_optimizer=True")
 
     @property
-    def op(self) -> str:
-        """refgrad's name of the reduction asked for: ``"avg"`` or ``"sum"``."""
-        return "avg" if self.average else "sum"
+    def averaging(self) -> Averaging:
+        """How the candidate averages (Megatron-Core's flags converted:
+        :meth:`Averaging.from_megatron`)."""
+        return Averaging.from_megatron(average=self.average,
+                                       average_in_collective=self.average_in_collective)
+
+    @property
+    def op(self) -> Averaging:
+        """The spec's reduction the result is held to (refgrad's ``op``): the exact mean
+        (``AVG``: fp32 sum / W, one rounding) however the candidate averages, or ``SUM``."""
+        return Averaging.AVG if self.averaging.averages else Averaging.SUM
 
     @property
     def label(self) -> str:
         """How reports name the configuration."""
-        averaging = ("sum" if not self.average else
-                     "AVG in the collective" if self.average_in_collective else "pre-scale 1/W")
+        averaging = _LABELS[self.averaging]
         collective = ("fp32-accumulating reduce-scatter" if self.reduce_scatter_with_fp32_accumulation
                       else "reduce-scatter" if self.use_distributed_optimizer else "all-reduce")
         return f"{collective}, {averaging}"
+
+
+_LABELS = {Averaging.SUM: "sum", Averaging.AVG: "AVG in the collective",
+           Averaging.PRESCALE: "pre-scale 1/W"}
 
 
 class BucketReduction(ABC):
@@ -269,7 +275,7 @@ class GradReduction(TechniqueScope, Protocol):
 
 __all__ = [
     "AVG",
-    "OPS",
+    "COLLECTIVE_AVERAGINGS",
     "SUM",
     "BucketReduction",
     "Completion",
@@ -281,5 +287,4 @@ __all__ = [
     "ScratchReduceScatter",
     "ShardedGradCase",
     "ShardedReduction",
-    "op_name",
 ]

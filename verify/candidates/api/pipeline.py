@@ -6,7 +6,7 @@ vocab-parallel output layer whose wgrad is deferred to the pipeline flush, tied 
 layer) on a TP x DP x PP (x VPP) grid (:class:`fastgrad.parallel_dims.ParallelDims`, the one
 carrier of sizes and groups), trained for the case's step plans with SGD. The candidate
 trains it on every rank with its own data-parallel engine, schedules and output layer and
-reports what each rank saw as a :class:`RankResult`; the check holds the results to
+reports what each rank saw as a :class:`gradvocab.results.RankResult`; the check holds the results to
 ``refgrad.pipeline.reference_training``.
 
 :class:`PipelineTraining` is written so that Megatron-Core can implement it as well as
@@ -41,27 +41,22 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 
 from fastgrad.parallel_dims import ParallelDims
-from fastgrad.timeline import TimelineEvent
-from refgrad.pipeline import LinearStackSpec, StepPlan, microbatch_data
+from gradvocab.averaging import Averaging
+from gradvocab.results import LAUNCH_SITES, RankResult
+from refgrad.pipeline import REDUCTIONS, LinearStackSpec, StepPlan, microbatch_data
 from refgrad.pipeline_embedding import vocab_block
 from refgrad.pipeline_tp import loss_target, sequence_shard, splits_loss, stage_loss
 from verify.candidates.api.core import Technique, Unsupported
 from verify.candidates.api.findings import LaunchSettings
 from verify.candidates.api.optimizer import DataParallelModel
 from verify.candidates.api.scope import TechniqueScope
-
-REDUCTIONS = ("sum", "avg", "prescale")  # refgrad.pipeline.reduce_across_replicas' names
-
-# Where a bucket's reduction was launched (RankResult.launch_sites): by the hook of its last
-# ready parameter, by the schedule's dispatch in the cooldown, by finish_grad_sync, or never.
-LAUNCH_SITES = ("hook", "dispatch", "finish", "never")
 
 
 @dataclass(frozen=True)
@@ -71,8 +66,8 @@ class PipelineCase:
     ``dims``: the grid's sizes (sizes only: the case is pickled into the ranks); its
     ``tp_size``/``sequence_parallel`` are the spec's, ``pp_size * vpp_size`` its stages
     (``vpp_size > 1``: the interleaved schedule, one DDP per model chunk). ``reduction``:
-    ``"sum"``, ``"avg"`` (averaged in the collective) or ``"prescale"`` (``1/dp`` before a
-    SUM, production's default). ``bucket_size`` buckets pipeline rank 0's first chunk;
+    ``Averaging.SUM``, ``.AVG`` (averaged in the collective) or ``.PRESCALE`` (``1/dp``
+    before a SUM, production's default). ``bucket_size`` buckets pipeline rank 0's first chunk;
     every other (stage, chunk) uses ``bucket_size_elsewhere`` (production's rule; None: the
     same). ``timing``: the dedicated timing case (its timelines are compared with the
     simulator).
@@ -84,7 +79,7 @@ class PipelineCase:
     plans: tuple[StepPlan, ...]
     use_distributed_optimizer: bool = False
     reduce_scatter_with_fp32_accumulation: bool = False
-    reduction: str = "sum"
+    reduction: Averaging = Averaging.SUM
     bucket_size: int = 80
     lr: float = 0.05
     timing: bool = False
@@ -133,8 +128,9 @@ class PipelineCase:
         if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) \
                 or not math.isfinite(self.lr) or self.lr <= 0:
             raise ValueError(f"PipelineCase.lr must be a finite number > 0, got {self.lr!r}")
-        if self.reduction not in REDUCTIONS:
-            raise ValueError(f"PipelineCase.reduction must be sum/avg/prescale, got {self.reduction!r}")
+        if not isinstance(self.reduction, Averaging) or self.reduction not in REDUCTIONS:
+            raise ValueError("PipelineCase.reduction must be Averaging.SUM, .AVG or .PRESCALE "
+                             f"(refgrad.pipeline.REDUCTIONS), got {self.reduction!r}")
 
     def at(self, first_rank: int) -> PipelineCase:
         """The same case on the ranks from ``first_rank`` (grids side by side in one world)."""
@@ -151,9 +147,9 @@ class PipelineCase:
             use_distributed_optimizer=self.use_distributed_optimizer,
             overlap_grad_reduce=overlap,
             ddp_reduce_scatter_with_fp32_accumulation=self.reduce_scatter_with_fp32_accumulation,
-            ddp_average_in_collective=self.reduction == "avg",
+            ddp_average_in_collective=self.reduction is Averaging.AVG,
             # The case's SUM is Megatron's per-token-loss mode (no 1/DP scaling).
-            calculate_per_token_loss=self.reduction == "sum",
+            calculate_per_token_loss=self.reduction is Averaging.SUM,
             defer_embedding_wgrad_compute=spec.output_head and spec.defer_output_wgrad,
             wgrad_deferral_limit=spec.wgrad_deferral_limit,
             untie_embeddings_and_output_weights=spec.output_head and not spec.tied_embedding,
@@ -191,38 +187,6 @@ class PipelineCase:
     def world(self) -> int:
         """Ranks the grid occupies."""
         return self.dims.world_size
-
-
-@dataclass
-class RankResult:
-    """What one rank observed for one case and overlap setting (lists: one entry per step).
-
-    ``grads``/``params``: this rank's parameters by global name
-    (``refgrad.pipeline.stage_param_name``). ``launch_sites``: per bucket, one of
-    :data:`LAUNCH_SITES`. ``relearn_count``: how often the DDP relearned which params each
-    bucket waits for (freezing and unfreezing a param; None: the candidate does not learn
-    them). ``events``: the timeline (``fastgrad.timeline.TimelineEvent``; empty: not
-    recorded). ``chunk_enables`` (interleaved): at each chunk's grad-sync enable, the chunk
-    and which chunks had a reduction in flight (empty: not recorded). ``errors``: what the
-    candidate raised in a step it then finished anyway (``"step N: ..."``; that step's
-    losses are NaN), so that its peers were not left waiting and the later steps still ran.
-    ``drained_in_flight`` (per step; empty: not observed): whether this rank's deferred
-    output-layer wgrads were drained while their bucket's DP reduction was already in flight
-    (None: no drain on this rank).
-    """
-
-    stage: int
-    dp_rank: int
-    tp_rank: int = 0
-    losses: list[list[float]] = field(default_factory=list)
-    grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
-    params: list[dict[str, torch.Tensor]] = field(default_factory=list)
-    launch_sites: list[tuple[str, ...]] = field(default_factory=list)
-    relearn_count: int | None = 0
-    events: list[list[TimelineEvent]] = field(default_factory=list)
-    chunk_enables: list[list[tuple[int, tuple[bool, ...]]]] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
-    drained_in_flight: list[bool | None] = field(default_factory=list)
 
 
 class StepProgress(Protocol):
@@ -427,7 +391,6 @@ def updated_once(named: dict[str, torch.nn.Parameter], frozen: Iterable[str]
 __all__ = [
     "LAUNCH_SITES",
     "MXFP8_BLOCK",
-    "REDUCTIONS",
     "MXFP8Params",
     "ModelSupport",
     "ParallelDims",

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from fastgrad.buffer import ParamAndGradBuffer
 from fastgrad.config import DDPConfig
 from fastgrad.reduce_scatter import reduce_scatter_with_fp32_accumulation, reduce_shards_fp32
+from gradvocab.averaging import Averaging
 from verify.candidates.api.core import DocumentedBehaviour
 from verify.candidates.api.grad_reduction import (
     SUM,
@@ -30,7 +31,6 @@ from verify.candidates.api.grad_reduction import (
     ReductionBehaviour,
     ReductionConfig,
     ScratchReduceScatter,
-    op_name,
 )
 
 BEHAVIOUR = ReductionBehaviour(
@@ -76,7 +76,7 @@ class FastgradLocalReduction(LocalReduction):
 
     def __call__(self, shards: torch.Tensor, output: torch.Tensor, *,
                  op: dist.ReduceOp.RedOpType) -> None:
-        reduce_shards_fp32(shards, output, average=op_name(op) == "avg")
+        reduce_shards_fp32(shards, output, average=Averaging.from_reduce_op(op) is Averaging.AVG)
 
 
 @dataclass(frozen=True)
@@ -118,15 +118,15 @@ class FastgradGradReduction(GradReduction):
     """fastgrad's reduction (its ``with`` scope is empty); every op, every form."""
 
     def reduce_scatter(self, op: dist.ReduceOp.RedOpType = SUM) -> ReduceScatter:
-        op_name(op)
+        Averaging.from_reduce_op(op)  # refuses an op other than SUM and AVG
         return FastgradReduceScatter()
 
     def scratch_reduce_scatter(self, op: dist.ReduceOp.RedOpType = SUM) -> ScratchReduceScatter:
-        op_name(op)
+        Averaging.from_reduce_op(op)  # refuses an op other than SUM and AVG
         return FastgradScratchReduceScatter()
 
     def local_reduction(self, op: dist.ReduceOp.RedOpType = SUM) -> LocalReduction:
-        op_name(op)
+        Averaging.from_reduce_op(op)  # refuses an op other than SUM and AVG
         return FastgradLocalReduction()
 
     def bucket_reduction(self, config: ReductionConfig) -> BucketReduction:

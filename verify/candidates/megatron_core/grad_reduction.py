@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from gradvocab.averaging import Averaging
 from verify.candidates.api.core import DocumentedBehaviour, Technique, Unsupported
 from verify.candidates.api.grad_reduction import (
     SUM,
@@ -41,7 +42,6 @@ from verify.candidates.api.grad_reduction import (
     ReductionBehaviour,
     ReductionConfig,
     ScratchReduceScatter,
-    op_name,
 )
 from verify.candidates.megatron_core.scope import MegatronScope
 from verify.candidates.megatron_core.version import installed
@@ -119,7 +119,7 @@ class MegatronLocalReduction(LocalReduction):
             _ReduceScatterWithFP32AccumulationWorkHandle,
         )
 
-        if op_name(op) != "sum":
+        if Averaging.from_reduce_op(op) is not Averaging.SUM:
             raise _unsupported(ONLY_SUM)
         world = shards.shape[0]
         _ReduceScatterWithFP32AccumulationWorkHandle(None, shards.reshape(-1), output.view(-1),
@@ -230,13 +230,13 @@ class MegatronGradReduction(MegatronScope, GradReduction):
 
     def reduce_scatter(self, op: dist.ReduceOp.RedOpType = SUM) -> ReduceScatter:
         _require_fp32_reduce_scatter()
-        if op_name(op) != "sum":
+        if Averaging.from_reduce_op(op) is not Averaging.SUM:
             raise _unsupported(ONLY_SUM)
         return MegatronFP32ReduceScatter()
 
     def scratch_reduce_scatter(self, op: dist.ReduceOp.RedOpType = SUM) -> ScratchReduceScatter:
         _require_fp32_reduce_scatter()
-        if op_name(op) != "sum":
+        if Averaging.from_reduce_op(op) is not Averaging.SUM:
             raise _unsupported(ONLY_SUM)
         reason = installed().skip_reason("fp32_rs_caller_scratch")
         if reason is not None:
@@ -245,7 +245,7 @@ class MegatronGradReduction(MegatronScope, GradReduction):
 
     def local_reduction(self, op: dist.ReduceOp.RedOpType = SUM) -> LocalReduction:
         _require_fp32_reduce_scatter()
-        if op_name(op) != "sum":
+        if Averaging.from_reduce_op(op) is not Averaging.SUM:
             raise _unsupported(ONLY_SUM)
         return MegatronLocalReduction()
 

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+from gradvocab.averaging import Averaging
 from verify.candidates.api.core import DocumentedBehaviour, Technique, Unsupported
 from verify.candidates.api.grad_reduction import (
     SUM,
@@ -76,9 +77,9 @@ def refusal(config: ReductionConfig) -> str | None:
     if config.use_distributed_optimizer:
         return ("torch-ddp all-reduces every bucket (no reduce-scatter: torch-fsdp2 shards "
                 "the grads)")
-    if not config.average:
+    if config.averaging is Averaging.SUM:
         return "torch-ddp always averages over its process group (the Reducer's div_factor_)"
-    if config.average_in_collective:
+    if config.averaging is Averaging.AVG:
         return "torch-ddp averages before the all-reduce, never with ReduceOp.AVG"
     return None
 

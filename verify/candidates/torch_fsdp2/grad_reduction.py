@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from gradvocab.averaging import Averaging
 from verify.candidates.api.core import DocumentedBehaviour, Technique, Unsupported
 from verify.candidates.api.grad_reduction import (
     SUM,
@@ -60,7 +61,7 @@ def refusal(config: ReductionConfig) -> str | None:
         return "torch-fsdp2 reduce-scatters the grads (no all-reduce of whole grads: torch-ddp)"
     if config.reduce_scatter_with_fp32_accumulation:
         return NO_COLLECTIVE
-    if config.average and not config.average_in_collective:
+    if config.averaging is Averaging.PRESCALE:
         return ("torch-fsdp2 never pre-scales the grads by 1/W: it averages in the collective or "
                 "by factors of W (_get_gradient_divide_factors; the AVG-in-the-collective cases)")
     return None

@@ -23,6 +23,7 @@ from fractions import Fraction
 
 import torch
 
+from gradvocab.averaging import Averaging
 from refgrad import formats
 from refgrad import reduce_scatter as refc
 from refgrad.layout_torch import (
@@ -146,9 +147,11 @@ def _modelled(per_rank: list[torch.Tensor], behaviour: ReductionBehaviour) -> to
         # 1/2 is exact and a sum of two values is one rounding in any order: the model is the
         # spec's exact mean rounded once (and takes no Python pass over a million elements).
         return _exact_mean(per_rank)
-    inputs, op = per_rank, "avg"
-    if behaviour.prescale is not None:
-        inputs, op = refc.prescale_like_torch(per_rank, 1.0 / world), "sum"
+    averaging = Averaging.PRESCALE if behaviour.prescale is not None else Averaging.AVG
+    factors = averaging.factors(world)
+    inputs = per_rank if factors.pre_scale is None else refc.prescale_like_torch(per_rank,
+                                                                                factors.pre_scale)
+    op = Averaging.from_reduce_op(factors.op)  # the collective's op, SUM or AVG
     order = "rank" if world <= 2 else "gloo_ring"
     return refc.all_reduce(inputs, accumulate="wire" if behaviour.wire_collective else "fp32",
                            order=order, op=op)[0]

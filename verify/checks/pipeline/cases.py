@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from gradvocab.averaging import Averaging
 from refgrad.pipeline import (
     LinearStackSpec,
     StepPlan,
@@ -39,7 +40,7 @@ def build_phases(quick: bool, seed: int) -> tuple[int, list[list[PipelineCase]]]
     # The deferred head with at least two microbatches in every step: a drain never holds a
     # single wgrad, so a candidate whose drain fails on one entry still shows its reduction.
     head_every_step = case("P2 D2 all-reduce avg-in-collective, tied head, M >= 2", 2, 2, 0,
-                           head=True, at_least_two=True, reduction="avg")
+                           head=True, at_least_two=True, reduction=Averaging.AVG)
 
     # Interleaved P=2, V=2: M in {2P, P, 3P}, the last virtual stage's weight frozen in step 2.
     interleaved_spec = LinearStackSpec(num_stages=4, layers_per_stage=1, hidden=8,
@@ -58,7 +59,7 @@ def build_phases(quick: bool, seed: int) -> tuple[int, list[list[PipelineCase]]]
     if quick:
         return 4, [
             [case("P2 D2 all-reduce avg-in-collective, tied head", 2, 2, 0, head=True,
-                  reduction="avg")],
+                  reduction=Averaging.AVG)],
             [head_every_step],
             [case("P4 D1 all-reduce sum", 4, 1, 0)],
             [interleaved],
@@ -66,11 +67,11 @@ def build_phases(quick: bool, seed: int) -> tuple[int, list[list[PipelineCase]]]
         ]
     return 8, [
         [case("P4 D2 reduce-scatter prescale, tied head", 4, 2, 0, head=True,
-              use_distributed_optimizer=True, reduction="prescale")],
+              use_distributed_optimizer=True, reduction=Averaging.PRESCALE)],
         [head_every_step],
         [
             case("P2 D2 reduce-scatter fp32-accumulation avg", 2, 2, 0, use_distributed_optimizer=True,
-                 reduce_scatter_with_fp32_accumulation=True, reduction="avg"),
+                 reduce_scatter_with_fp32_accumulation=True, reduction=Averaging.AVG),
             case("P4 D1 all-reduce sum", 4, 1, 4),
         ],
         [case("P2 D1 all-reduce sum, tied head", 2, 1, 0, head=True),

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from gradvocab.averaging import Averaging
 from refgrad.layout import compute_layout as reference_layout
 from refgrad.pipeline import (
     StageModule,
@@ -76,7 +77,7 @@ def large_dp_report(rec: CheckRecorder, case: PipelineCase, ranks: list[dict]) -
     from refgrad.formats import FLOAT32, decode_tensor, gamma
     from verify.metrics import compare
 
-    ref = reference_training(case.spec, case.plans[:1], case.dp_size, lr=case.lr, reduction="sum")
+    ref = reference_training(case.spec, case.plans[:1], case.dp_size, lr=case.lr, reduction=Averaging.SUM)
     names = sorted(ref.grads[0])
     replicas = [concat([sums[n] for n in names]) for sums in ref.replica_sums[0]]
     rounded = correctly_rounded_sum(replicas, torch.float32)

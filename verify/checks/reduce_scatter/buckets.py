@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from gradvocab.averaging import Averaging
 from refgrad import reduce_scatter as refc
 from refgrad import reduce_torch
 from verify.candidates import Candidate, LaunchSettings
@@ -100,7 +101,7 @@ def _documented(behaviour: ReductionBehaviour, case: BucketCase
     elif behaviour.divide_factors is not None and config.average:
         applying = {"divide_factors": behaviour.divide_factors, "wire": behaviour.wire_collective}
     else:
-        applying = {"prescale": behaviour.prescale if config.average and not config.average_in_collective
+        applying = {"prescale": behaviour.prescale if config.averaging is Averaging.PRESCALE
                     else None,
                     "wire": None if config.reduce_scatter_with_fp32_accumulation
                     else behaviour.wire_collective}
@@ -128,8 +129,9 @@ def _expected(case: BucketCase, inputs: list[torch.Tensor], models: tuple[str, .
             orig_dtype=inputs[0].dtype, order=order)
     reduce = refc.reduce_scatter if config.use_distributed_optimizer else refc.all_reduce
     op = config.op
-    if "prescale" in models:
-        inputs, op = refc.prescale_like_torch(inputs, 1.0 / size), "sum"
+    pre_scale = config.averaging.factors(size).pre_scale
+    if "prescale" in models and pre_scale is not None:
+        inputs, op = refc.prescale_like_torch(inputs, pre_scale), Averaging.SUM
     accumulate, order = ("wire", order) if "wire" in models else ("fp32", "rank")
     return reduce(inputs, accumulate=accumulate, order=order, op=op)
 

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import torch
 
+from gradvocab.averaging import Averaging
 from refgrad import reduce_scatter as refc
 from refgrad.formats import tensor_bit_patterns
 from verify.candidates.api.core import Unsupported
-from verify.candidates.api.grad_reduction import OPS, GradReduction, LocalReduction
+from verify.candidates.api.grad_reduction import (
+    COLLECTIVE_AVERAGINGS,
+    GradReduction,
+    LocalReduction,
+)
 from verify.check import CheckContext, CheckRecorder
 from verify.checks.reduce_scatter.cases import (
     DTYPE_NAMES,
@@ -17,14 +22,14 @@ from verify.checks.reduce_scatter.cases import (
 
 
 def local_reductions(reduction: GradReduction, rec: CheckRecorder, part: str
-                     ) -> dict[str, LocalReduction]:
-    """The candidate's local reduction per op (refgrad's names); an op it lacks is a skip of ``part``."""
+                     ) -> dict[Averaging, LocalReduction]:
+    """The candidate's local reduction per op (as averagings); an op it lacks is a skip of ``part``."""
     found = {}
-    for name, op in OPS.items():
+    for averaging in COLLECTIVE_AVERAGINGS:
         try:
-            found[name] = reduction.local_reduction(op)
+            found[averaging] = reduction.local_reduction(averaging.reduce_op)
         except Unsupported as unsupported:
-            rec.skip(f"{part}, op={name}: {unsupported}")
+            rec.skip(f"{part}, op={averaging}: {unsupported}")
     return found
 
 
@@ -58,7 +63,7 @@ def check_local_order_sensitive(ctx: CheckContext, rec: CheckRecorder,
             shards = torch.stack(rows)
             for op, local in reductions.items():
                 out = torch.empty(numel, dtype=dtype)
-                local(shards, out, op=OPS[op])
+                local(shards, out, op=op.reduce_op)
                 expected = refc.all_reduce(rows, accumulate="fp32", order="rank", op=op)[0]
                 rec.compare(f"order-sensitive local reduction vs refgrad fp32/rank: {tag} {op}",
                             expected, out)
@@ -78,7 +83,7 @@ def compare_local_reduction_on(device: str, rec: CheckRecorder, g: torch.Generat
             shards = (values * torch.exp2(-12 * torch.rand(world_size, numel, generator=g))).to(dtype)
             for op, local in reductions.items():
                 out = torch.empty(numel, dtype=dtype, device=device)
-                local(shards.to(device), out, op=OPS[op])
+                local(shards.to(device), out, op=op.reduce_op)
                 expected = refc.all_reduce(list(shards), accumulate="fp32", order="rank", op=op)[0]
                 rec.compare(f"{device} local reduction {dtype} W={world_size} n={numel} {op}",
                             expected, out.cpu())

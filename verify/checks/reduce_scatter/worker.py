@@ -16,10 +16,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from gradvocab.averaging import Averaging
 from refgrad import reduce_scatter as refc
 from refgrad.formats import tensor_bit_patterns
 from verify.candidates import Candidate, LaunchSettings, Unsupported
-from verify.candidates.api.grad_reduction import OPS, GradReduction, ReductionBehaviour
+from verify.candidates.api.grad_reduction import (
+    COLLECTIVE_AVERAGINGS,
+    GradReduction,
+    ReductionBehaviour,
+)
 from verify.candidates.api.pipeline import ParallelDims
 from verify.check import CheckContext, CheckRecorder, launcher_for, run_part
 from verify.checks.reduce_scatter.buckets import (
@@ -43,36 +48,37 @@ from verify.distributed import ItemOutcome, spawn, spawn_each
 
 @dataclass(frozen=True)
 class CollectivePlan:
-    """The ops (refgrad's names) the candidate's fp32-accumulating reduce-scatter takes, plain
+    """The ops (as averagings) the candidate's fp32-accumulating reduce-scatter takes, plain
     and through a caller's scratch: decided in the check's process, where an op the candidate
     lacks is recorded as a skip."""
 
-    ops: tuple[str, ...]
-    scratch_ops: tuple[str, ...]
+    ops: tuple[Averaging, ...]
+    scratch_ops: tuple[Averaging, ...]
 
-    def modes(self, op_name: str) -> tuple[str, ...]:
-        """The modes ``op_name`` runs in (``MODES`` without ``scratch`` where it has none)."""
-        return tuple(m for m in MODES if m != "scratch" or op_name in self.scratch_ops)
+    def modes(self, averaging: Averaging) -> tuple[str, ...]:
+        """The modes ``averaging`` runs in (``MODES`` without ``scratch`` where it has none)."""
+        return tuple(m for m in MODES if m != "scratch" or averaging in self.scratch_ops)
 
 
 def collective_plan(reduction: GradReduction, rec: CheckRecorder) -> CollectivePlan:
     """Ask the candidate for each op's collectives; each it lacks is a skip naming the parts."""
     ops, scratch_ops = [], []
-    for name, op in OPS.items():
+    for averaging in COLLECTIVE_AVERAGINGS:
+        op = averaging.reduce_op
         try:
             reduction.reduce_scatter(op)
         except Unsupported as unsupported:
-            rec.skip(f"fp32-accumulating reduce-scatter with op={name} (every mode, the "
+            rec.skip(f"fp32-accumulating reduce-scatter with op={averaging} (every mode, the "
                      f"order-sensitive and average-sensitive inputs): {unsupported}")
             continue
-        ops.append(name)
+        ops.append(averaging)
         try:
             reduction.scratch_reduce_scatter(op)
         except Unsupported as unsupported:
-            rec.skip(f"fp32-accumulating reduce-scatter with op={name} through a caller's "
+            rec.skip(f"fp32-accumulating reduce-scatter with op={averaging} through a caller's "
                      f"scratch: {unsupported}")
             continue
-        scratch_ops.append(name)
+        scratch_ops.append(averaging)
     return CollectivePlan(tuple(ops), tuple(scratch_ops))
 
 
@@ -86,23 +92,24 @@ def run_modes(reduction: GradReduction, plan: CollectivePlan, rank: int, size: i
         for it in range(ITERATIONS):
             x = rank_input(rank, size, size * shard, dtype, it, seed)
             record = {"dtype": dtype_name, "it": it, "input": x.clone()}
-            for op_name in plan.ops:
-                op, reduce_scatter = OPS[op_name], reduction.reduce_scatter(OPS[op_name])
+            for averaging in plan.ops:
+                op = averaging.reduce_op
+                reduce_scatter = reduction.reduce_scatter(op)
                 out = torch.empty(shard, dtype=dtype)
                 reduce_scatter(out, x, group=group, op=op)
-                record[(op_name, "sync")] = out
+                record[(averaging, "sync")] = out
                 out = torch.empty(shard, dtype=dtype)
                 reduce_scatter(out, x, group=group, op=op, async_op=True).wait()
-                record[(op_name, "async")] = out
-                if op_name in plan.scratch_ops:
+                record[(averaging, "async")] = out
+                if averaging in plan.scratch_ops:
                     out = torch.empty(shard, dtype=dtype)
                     scratch = torch.empty(x.numel(), dtype=dtype)
                     reduction.scratch_reduce_scatter(op)(out, x, scratch, group=group, op=op)
-                    record[(op_name, "scratch")] = out
+                    record[(averaging, "scratch")] = out
                 buffer = x.clone()
                 view = buffer[rank * shard : (rank + 1) * shard]
                 reduce_scatter(view, buffer, group=group, op=op, async_op=True).wait()
-                record[(op_name, "in_place")] = view.clone()
+                record[(averaging, "in_place")] = view.clone()
             records.append(record)
     return records
 
@@ -116,10 +123,10 @@ def _run_order_sensitive(reduction: GradReduction, plan: CollectivePlan, rank: i
         for it in range(ITERATIONS):
             x = order_sensitive_input(rank, size, size * shard, dtype, it, seed)
             record = {"dtype": dtype_name, "it": it, "input": x.clone()}
-            for op_name in plan.ops:
+            for averaging in plan.ops:
                 out = torch.empty(shard, dtype=dtype)
-                reduction.reduce_scatter(OPS[op_name])(out, x, group=group, op=OPS[op_name])
-                record[op_name] = out
+                reduction.reduce_scatter(averaging.reduce_op)(out, x, group=group, op=averaging.reduce_op)
+                record[averaging] = out
             records.append(record)
     return records
 
@@ -128,7 +135,7 @@ def _run_average_sensitive(reduction: GradReduction, rank: int, size: int, group
                            seed: int) -> list[dict]:
     """AVG (sync and async) of inputs on which production's pre-scale differs from fp32 sum / W."""
     records = []
-    avg = OPS["avg"]
+    avg = Averaging.AVG.reduce_op
     for dtype_name in DTYPE_NAMES:
         dtype = getattr(torch, dtype_name)
         for it in range(ITERATIONS):
@@ -161,7 +168,7 @@ def _rank_worker(rank: int, world_size: int, item: str, sizes, average_sizes, sh
                 if size >= 3:
                     ordered[size] = _run_order_sensitive(reduction, plan, rank, size, groups[size],
                                                          shard, seed)
-        for size in average_sizes if "avg" in plan.ops else ():
+        for size in average_sizes if Averaging.AVG in plan.ops else ():
             if rank < size:
                 averaged[size] = _run_average_sensitive(reduction, rank, size, groups[size], shard,
                                                         seed)
@@ -253,30 +260,30 @@ def _check_collectives(rec: CheckRecorder, candidate: Candidate, per_rank: list[
         records = [per_rank[r]["modes"][size] for r in range(size)]
         for i, first in enumerate(records[0]):
             inputs = [records[r][i]["input"] for r in range(size)]
-            for op_name in plan.ops:
+            for averaging in plan.ops:
                 expected_rs = refc.reduce_scatter(inputs, accumulate="fp32", order="rank",
-                                                  op=op_name)
-                for mode in plan.modes(op_name):
-                    got = torch.cat([records[r][i][(op_name, mode)] for r in range(size)])
+                                                  op=averaging)
+                for mode in plan.modes(averaging):
+                    got = torch.cat([records[r][i][(averaging, mode)] for r in range(size)])
                     rec.compare(
                         f"{candidate.name} vs refgrad fp32/rank: W={size} {first['dtype']} "
-                        f"it={first['it']} op={op_name} {mode}",
+                        f"it={first['it']} op={averaging} {mode}",
                         torch.cat(expected_rs), got,
                     )
     for size in (s for s in sizes if s >= 3):
         records = [per_rank[r]["order_sensitive"][size] for r in range(size)]
         for i, first in enumerate(records[0]):
             inputs = [records[r][i]["input"] for r in range(size)]
-            for op_name in plan.ops:
+            for averaging in plan.ops:
                 expected_rs = refc.reduce_scatter(inputs, accumulate="fp32", order="rank",
-                                                  op=op_name)
-                got = torch.cat([records[r][i][op_name] for r in range(size)])
+                                                  op=averaging)
+                got = torch.cat([records[r][i][averaging] for r in range(size)])
                 rec.compare(
                     f"order-sensitive reduce-scatter vs refgrad fp32/rank: W={size} "
-                    f"{first['dtype']} it={first['it']} op={op_name}",
+                    f"{first['dtype']} it={first['it']} op={averaging}",
                     torch.cat(expected_rs), got,
                 )
-    if "avg" in plan.ops:
+    if Averaging.AVG in plan.ops:
         check_average_sensitive(rec, per_rank, average_sizes)
 
 
@@ -290,8 +297,8 @@ def check_average_sensitive(rec: CheckRecorder, per_rank: list[dict], average_si
             inputs = [records[r][i]["input"] for r in range(size)]
             tag = f"W={size} {first['dtype']} it={first['it']}"
             expected = torch.cat(refc.reduce_scatter(inputs, accumulate="fp32", order="rank",
-                                                     op="avg"))
-            prescaled = refc.prescale_like_torch(inputs, 1.0 / size)
+                                                     op=Averaging.AVG))
+            prescaled = refc.prescale_like_torch(inputs, Averaging.PRESCALE.factors(size).pre_scale)
             production = torch.cat(refc.reduce_scatter(prescaled, accumulate="fp32",
                                                        order="rank", op="sum"))
             differ = int((tensor_bit_patterns(production) != tensor_bit_patterns(expected)).sum())

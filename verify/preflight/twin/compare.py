@@ -18,19 +18,18 @@ from fractions import Fraction
 
 import torch
 
+from gradvocab.results import RankResult
 from refgrad.formats import FLOAT32, gamma
 from refgrad.pipeline import ReferenceResult
 from refgrad.pipeline_tp import expected_on_rank
 from verify.candidates.api.core import DocumentedBehaviour
 from verify.candidates.api.optimizer import OptimizerBehaviour
-from verify.candidates.api.pipeline import PipelineCase, RankResult
+from verify.candidates.api.pipeline import PipelineCase
 from verify.metrics import bitwise_equal
 from verify.preflight.twin.bounds import ulp_bound_factor, within
 from verify.preflight.twin.reference import OptimReference
-from verify.preflight.twin.results import OptimRankResult
 from verify.preflight.twin.variants import MXFP8Twin, TwinTraining, adamw_of
 
-TwinRankResult = RankResult | OptimRankResult
 AS_SPECIFIED = OptimizerBehaviour()  # an optimizer without documented departures from refgrad.optim
 
 
@@ -79,7 +78,7 @@ class DocumentedDifference:
                 "max_ulp": self.max_ulp, "max_relative": self.max_relative, "bound": self.bound}
 
 
-def collect(case: PipelineCase, ranks: list[TwinRankResult | None], with_state: bool) -> dict[str, list]:
+def collect(case: PipelineCase, ranks: list[RankResult | None], with_state: bool) -> dict[str, list]:
     """Per step: losses [replica][microbatch] and grads/params {name: tensor} per replica,
     a replica being one (DP rank, TP rank): index ``dp_rank * tp_size + tp_rank``."""
     steps, replicas = len(case.plans), case.dp_size * case.tp_size
@@ -96,8 +95,8 @@ def collect(case: PipelineCase, ranks: list[TwinRankResult | None], with_state: 
                 losses[step][replica] = res.losses[step]
             grads[step][replica].update(res.grads[step])
             params[step][replica].update(res.params[step])
-            if with_state and isinstance(res, OptimRankResult):
-                state[step][replica].update(res.state[step])
+            if with_state and res.optimizer is not None:
+                state[step][replica].update(res.optimizer.state[step])
     return {"losses": losses, "grads": grads, "params": params, "state": state}
 
 
@@ -116,7 +115,7 @@ class StepComparison:
     """Compares one twin's ranks with refgrad, step by step, for one candidate."""
 
     def __init__(self, case: PipelineCase, training: TwinTraining, bitwise: bool,
-                 ranks: list[TwinRankResult | None], reference: OptimReference | ReferenceResult,
+                 ranks: list[RankResult | None], reference: OptimReference | ReferenceResult,
                  *, candidate: str = "the candidate",
                  behaviour: OptimizerBehaviour = AS_SPECIFIED) -> None:
         self.case, self.training, self.bitwise = case, training, bitwise
@@ -269,9 +268,9 @@ class StepComparison:
             tolerance = max(tolerance, relative * norm)
         decided = reference.max_norm is None or abs(norm - reference.max_norm) > tolerance
         for res in self.ranks:
-            if not isinstance(res, OptimRankResult):
+            if res is None or res.optimizer is None:
                 continue
-            got_stepped, got_norm, got_coef, got_scale = res.steps[step]
+            got_stepped, got_norm, got_coef, got_scale = res.optimizer.steps[step]
             where = f"step {step}: optimizer on stage {res.stage} (replica {res.dp_rank})"
             if got_stepped != stepped:
                 row.failures.append(f"{where} {'stepped' if got_stepped else 'skipped'}, refgrad "
@@ -306,7 +305,7 @@ class StepComparison:
 
 
 def compare_steps(case: PipelineCase, training: TwinTraining, bitwise: bool,
-                  ranks: list[TwinRankResult | None], reference: OptimReference | ReferenceResult,
+                  ranks: list[RankResult | None], reference: OptimReference | ReferenceResult,
                   *, candidate: str = "the candidate",
                   behaviour: OptimizerBehaviour = AS_SPECIFIED
                   ) -> tuple[list[StepRow], list[DocumentedDifference]]:
@@ -318,16 +317,16 @@ def compare_steps(case: PipelineCase, training: TwinTraining, bitwise: bool,
 
 
 def compare_mxfp8_params(case: PipelineCase, row: StepRow, reference: OptimReference,
-                         ranks: list[TwinRankResult | None], candidate: str = "the candidate") -> None:
+                         ranks: list[RankResult | None], candidate: str = "the candidate") -> None:
     """Every rank's MXFP8 scale and element bits after step ``row.step`` vs refgrad's, bitwise."""
     ref = reference.mxfp8[row.step]
     reported: dict[int, set[str]] = {}  # replica -> the MXFP8 params its ranks reported
     for res in ranks:
-        if not isinstance(res, OptimRankResult):
+        if res is None or res.optimizer is None:
             continue
         replica = res.dp_rank * case.tp_size + res.tp_rank
-        reported.setdefault(replica, set()).update(res.mxfp8[row.step])
-        for name, (scales, elements) in sorted(res.mxfp8[row.step].items()):
+        reported.setdefault(replica, set()).update(res.optimizer.mxfp8[row.step])
+        for name, (scales, elements) in sorted(res.optimizer.mxfp8[row.step].items()):
             for part, got, want in (("scale", scales, ref[name][0]), ("element", elements, ref[name][1])):
                 want = expected_on_rank(case.spec, name, want, res.tp_rank)
                 row.mxfp8_total += 1

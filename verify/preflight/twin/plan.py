@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from gradvocab.averaging import Averaging
 from refgrad.pipeline import LinearStackSpec, StepPlan
 from verify.candidates.api.pipeline import ModelSupport, PipelineCase
 from verify.preflight.config import PreflightConfig
@@ -217,7 +218,7 @@ def plan_twin(config: PreflightConfig, options: TwinOptions, support: ModelSuppo
         plans=tuple(StepPlan(m) for _ in range(options.steps)),
         use_distributed_optimizer=config.use_distributed_optimizer or not limits.replicated_optimizer,
         reduce_scatter_with_fp32_accumulation=rs_fp32,
-        reduction="prescale", bucket_size=bucket, bucket_size_elsewhere=one_bucket, lr=TWIN_LR,
+        reduction=Averaging.PRESCALE, bucket_size=bucket, bucket_size_elsewhere=one_bucket, lr=TWIN_LR,
     )
     if dp <= 2:
         bitwise, order_note = True, (f"DP <= 2: a sum of two {precision.grads} values has one "

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from gradvocab.results import OptimizerRecord, RankResult
 from verify.candidates.api import Candidate
 from verify.candidates.api.optimizer import DistributedOptimizerStep, OptimizerSettings
 from verify.candidates.api.pipeline import (
@@ -23,11 +24,9 @@ from verify.candidates.api.pipeline import (
     PipelineCase,
     PipelineModel,
     PipelineTraining,
-    RankResult,
     StageSettings,
 )
 from verify.candidates.registry import default_candidate
-from verify.preflight.twin.results import OptimRankResult
 from verify.preflight.twin.variants import TWIN_TRAININGS, TwinTraining
 
 
@@ -51,18 +50,18 @@ class TwinRun:
             raise TypeError(f"TwinRun.candidate must be a Candidate, got {type(self.candidate).__name__}")
 
 
-def _snapshot(result: OptimRankResult, model: PipelineModel, optimizer_state: dict,
-              mxfp8: bool) -> None:
+def _snapshot(result: RankResult, optimizer: OptimizerRecord, model: PipelineModel,
+              optimizer_state: dict, mxfp8: bool) -> None:
     """The params as the forward uses them, the optimizer state, and the MXFP8 bits."""
     result.params.append({n: p.detach().clone() for n, p in model.named_parameters().items()})
-    result.state.append({n: s.as_dict() for n, s in optimizer_state.items()})
+    optimizer.state.append({n: s.as_dict() for n, s in optimizer_state.items()})
     if mxfp8:
-        result.mxfp8.append(model.mxfp8_bits())
+        optimizer.mxfp8.append(model.mxfp8_bits())
 
 
 def train_with_optimizer(run: TwinRun, training: PipelineTraining,
                          optimizer: DistributedOptimizerStep, grid: ParallelDims,
-                         stage: StageSettings, settings: OptimizerSettings) -> OptimRankResult:
+                         stage: StageSettings, settings: OptimizerSettings) -> RankResult:
     """Train ``run.case`` on this rank with the candidate's DDP, schedules and optimizer,
     recording every step. The params and state of step ``k`` are read after the forward of
     step ``k + 1`` (the param all-gather, overlapped or not, is done by then; reading the
@@ -70,7 +69,9 @@ def train_with_optimizer(run: TwinRun, training: PipelineTraining,
     ``finish_param_sync``."""
     model = training.model(run.case, grid, stage)
     opt = optimizer.build(model, settings)
-    result = OptimRankResult(stage=grid.stage, dp_rank=grid.dp_rank, tp_rank=grid.tp_rank)
+    record = OptimizerRecord()
+    result = RankResult(stage=grid.stage, dp_rank=grid.dp_rank, tp_rank=grid.tp_rank,
+                        optimizer=record)
     mxfp8 = stage.mxfp8 is not None
     watch_gathers = stage.overlap_param_gather and grid.dp_size > 1 and not mxfp8
     try:
@@ -80,17 +81,17 @@ def train_with_optimizer(run: TwinRun, training: PipelineTraining,
             losses = model.train_step(step, loss_scale=1.0 if scale is None else scale)
             if step > 0:
                 if watch_gathers:
-                    result.gathers_waited_in_hooks.append((launched, not opt.param_gather_in_flight))
-                _snapshot(result, model, opt.state(), mxfp8)
+                    record.gathers_waited_in_hooks.append((launched, not opt.param_gather_in_flight))
+                _snapshot(result, record, model, opt.state(), mxfp8)
             result.launch_sites.append(model.launch_sites())
             result.losses.append(losses)
             result.grads.append(model.reduced_grads())
             outcome = opt.step()
-            result.steps.append((outcome.stepped, outcome.grad_norm, outcome.clip_coefficient,
+            record.steps.append((outcome.stepped, outcome.grad_norm, outcome.clip_coefficient,
                                  outcome.loss_scale))
         opt.finish_param_sync()  # the last step's gather: no forward follows it
-        _snapshot(result, model, opt.state(), mxfp8)
-        result.buffer_shared = model.mxfp8_grad_buffer_shared
+        _snapshot(result, record, model, opt.state(), mxfp8)
+        record.buffer_shared = model.mxfp8_grad_buffer_shared
     finally:
         opt.close()
         model.close()
@@ -99,7 +100,7 @@ def train_with_optimizer(run: TwinRun, training: PipelineTraining,
 
 def train_on_grid(run: TwinRun, training: PipelineTraining,
                   optimizer: DistributedOptimizerStep | None,
-                  grid: ParallelDims) -> RankResult | OptimRankResult:
+                  grid: ParallelDims) -> RankResult:
     """One rank's training of ``run`` on its entered ``grid``: the candidate's own SGD
     training (the ``pipeline`` check's), or its model under its optimizer."""
     stage = run.training.stage_settings(run.overlap)
@@ -109,7 +110,7 @@ def train_on_grid(run: TwinRun, training: PipelineTraining,
     return train_with_optimizer(run, training, optimizer, grid, stage, settings)
 
 
-def train_phase(phase: list[TwinRun]) -> list[RankResult | OptimRankResult | None]:
+def train_phase(phase: list[TwinRun]) -> list[RankResult | None]:
     """Several twins side by side in the world, each on its own grid: every rank enters every
     grid (its groups are collective over the world), then trains its own; None elsewhere."""
     with ExitStack() as stack:
@@ -127,7 +128,7 @@ def train_phase(phase: list[TwinRun]) -> list[RankResult | OptimRankResult | Non
 
 
 def twin_phases_worker(rank: int, world_size: int, phases: list[list[TwinRun]]
-                       ) -> list[list[RankResult | OptimRankResult | None]]:
+                       ) -> list[list[RankResult | None]]:
     """Spawned entry point for several twins in one world (``verify.distributed.spawn``):
     one phase after another, each grid on ranks ``[case.first_rank, case.first_rank +
     case.world)``. A broken candidate breaks only its own grid's case."""
@@ -139,12 +140,12 @@ def twin_phases_worker(rank: int, world_size: int, phases: list[list[TwinRun]]
     return out
 
 
-def run_twin_rank(run: TwinRun) -> RankResult | OptimRankResult | None:
+def run_twin_rank(run: TwinRun) -> RankResult | None:
     """Train the twin on this rank of the current world (None outside its grid)."""
     return train_phase([run])[0]
 
 
-def twin_worker(rank: int, world_size: int, run: TwinRun) -> RankResult | OptimRankResult | None:
+def twin_worker(rank: int, world_size: int, run: TwinRun) -> RankResult | None:
     """Spawned entry point (``verify.distributed.spawn``): one rank's results."""
     del rank, world_size  # the grid is read from torch.distributed
     return run_twin_rank(run)

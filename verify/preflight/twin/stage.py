@@ -19,12 +19,13 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from gradvocab.results import RankResult
 from verify.candidates.api import Candidate, Unsupported
 from verify.candidates.api.optimizer import OptimizerBehaviour
 from verify.candidates.registry import default_candidate
 from verify.distributed import DistributedRunError, RankCrashed, RankLauncher, spawn
 from verify.preflight.config import PreflightConfig
-from verify.preflight.twin.compare import AS_SPECIFIED, TwinRankResult
+from verify.preflight.twin.compare import AS_SPECIFIED
 from verify.preflight.twin.figures import apply_figures, figure_check
 from verify.preflight.twin.plan import TwinOptions, TwinPlan, plan_twin
 from verify.preflight.twin.rank import TwinRun, run_twin_rank, twin_worker
@@ -83,7 +84,7 @@ def under_torchrun(environ: Mapping[str, str]) -> bool:
     return bool(environ.get("RANK")) and bool(environ.get("WORLD_SIZE"))
 
 
-def _run_in_torchrun(plan: TwinPlan, run: TwinRun) -> tuple[list[TwinRankResult | None] | None, str]:
+def _run_in_torchrun(plan: TwinPlan, run: TwinRun) -> tuple[list[RankResult | None] | None, str]:
     """Run on the torchrun world; rank 0 gets every rank's result, others None."""
     created = not dist.is_initialized()
     if created:
@@ -93,7 +94,7 @@ def _run_in_torchrun(plan: TwinPlan, run: TwinRun) -> tuple[list[TwinRankResult 
         raise TwinRunError(f"the twin needs {plan.world_size} ranks (TP x PP x DP), torchrun gave {world}")
     mine = run_twin_rank(run)
     rank = dist.get_rank()
-    gathered: list[TwinRankResult | None] | None = [None] * world if rank == 0 else None
+    gathered: list[RankResult | None] | None = [None] * world if rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)
     backend = dist.get_backend()
     if created:
@@ -191,7 +192,7 @@ def run_twin_stage(config: PreflightConfig, options: TwinOptions, report: dict, 
 
 
 def _train(twin: PreparedTwin, environ: Mapping[str, str], options: TwinOptions,
-           say: Callable[[str], None]) -> tuple[list[TwinRankResult | None] | None, str, TwinPlan]:
+           say: Callable[[str], None]) -> tuple[list[RankResult | None] | None, str, TwinPlan]:
     """Train ``twin`` on its ranks: (every rank's results or None off rank 0, where, the plan
     as it ran)."""
     plan, label = twin.plan, twin.candidate.label

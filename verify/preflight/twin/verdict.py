@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict
 
+from gradvocab.results import RankResult
 from verify.attribution import explaining
 from verify.candidates.api import Candidate, LaunchSettings
 from verify.candidates.api.optimizer import OptimizerBehaviour
@@ -21,26 +22,25 @@ from verify.distributed import RankCrashed
 from verify.preflight.config import PreflightConfig
 from verify.preflight.findings import DTYPES, finding_entry, launch_settings, reached
 from verify.preflight.hazards import FINDING, decide_hazards
-from verify.preflight.twin.compare import AS_SPECIFIED, TwinRankResult, compare_steps
+from verify.preflight.twin.compare import AS_SPECIFIED, compare_steps
 from verify.preflight.twin.plan import TwinPlan
 from verify.preflight.twin.reference import SPEC, ReferenceRule, reference_for
-from verify.preflight.twin.results import OptimRankResult
 from verify.preflight.twin.variants import MXFP8Twin, adamw_of
 
 MXFP8_NOTE = (" and the MXFP8 params' scale and element bits (vs refgrad.mxfp8 of the masters "
               "staged as bf16),")
 
 
-def _clip_norms(ranks: Sequence[TwinRankResult | None], steps: int) -> tuple[float | None, ...]:
+def _clip_norms(ranks: Sequence[RankResult | None], steps: int) -> tuple[float | None, ...]:
     """The global grad norm the candidate clipped with at each step (every rank's is the same
     all-reduced value; the first rank that reported one)."""
     for res in ranks:
-        if isinstance(res, OptimRankResult) and len(res.steps) == steps:
-            return tuple(norm for _, norm, _, _ in res.steps)
+        if res is not None and res.optimizer is not None and len(res.optimizer.steps) == steps:
+            return tuple(norm for _, norm, _, _ in res.optimizer.steps)
     return ()
 
 
-def twin_section(config: PreflightConfig, plan: TwinPlan, ranks: Sequence[TwinRankResult | None],
+def twin_section(config: PreflightConfig, plan: TwinPlan, ranks: Sequence[RankResult | None],
                  *, where: str, candidate: Candidate,
                  behaviour: OptimizerBehaviour = AS_SPECIFIED) -> dict:
     """Compare one candidate's ranks with refgrad (its documented behaviour modelled): the
@@ -284,7 +284,7 @@ def _failed(section: dict) -> str:
 
 
 def finish_twin_report(config: PreflightConfig, plan: TwinPlan,
-                       ranks: Sequence[TwinRankResult | None], report: dict, *, where: str,
+                       ranks: Sequence[RankResult | None], report: dict, *, where: str,
                        candidate: Candidate, behaviour: OptimizerBehaviour = AS_SPECIFIED) -> bool:
     """Compare one candidate's ranks with refgrad, decide the hazards, write the verdict."""
     section = twin_section(config, plan, ranks, where=where, candidate=candidate,
