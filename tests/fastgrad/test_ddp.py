@@ -12,8 +12,8 @@ from torch import nn
 
 from fastgrad.config import DDPConfig
 from fastgrad.ddp import DistributedDataParallel
-from fastgrad.errors import LifecycleError
 from fastgrad.exposed_grads import UnreducedGradPlaceholder
+from gradvocab import LifecycleError
 from refgrad.pipeline import reduce_across_replicas
 
 

@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 from distributed_utils import run_distributed
 
-from fastgrad.parallel_dims import ParallelDims, RankPlace
 from fastgrad.pipeline_interleaved import (
     chunk_and_microbatch,
     forward_backward_interleaved,
@@ -22,6 +21,7 @@ from fastgrad.pipeline_interleaved import (
     schedule_interleaved,
     validate_interleaving,
 )
+from gradvocab import ParallelDims, RankPlace
 from refgrad.pipeline import (
     LinearStackSpec,
     StageModule,

@@ -10,9 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastgrad.errors import LifecycleError
-from fastgrad.parallel_dims import ParallelDims
 from fastgrad.vocab_parallel_embedding import VocabParallelEmbedding
+from gradvocab import LifecycleError, ParallelDims
 
 
 def test_one_rank_embedding_is_x_times_w_and_its_wgrad_is_xt_g_by_hand():

@@ -3,7 +3,7 @@
 The ``pipeline`` check (and the preflight twin) hand a candidate a :class:`PipelineCase`:
 refgrad's Linear+tanh model (:class:`refgrad.pipeline.LinearStackSpec`, optionally with a
 vocab-parallel output layer whose wgrad is deferred to the pipeline flush, tied to the first
-layer) on a TP x DP x PP (x VPP) grid (:class:`fastgrad.parallel_dims.ParallelDims`, the one
+layer) on a TP x DP x PP (x VPP) grid (:class:`gradvocab.ParallelDims`, the one
 carrier of sizes and groups), trained for the case's step plans with SGD. The candidate
 trains it on every rank with its own data-parallel engine, schedules and output layer and
 reports what each rank saw as a :class:`RankResult`; the check holds the results to
@@ -47,8 +47,7 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
-from fastgrad.parallel_dims import ParallelDims
-from fastgrad.timeline import TimelineEvent
+from gradvocab import ParallelDims, TimelineEvent
 from refgrad.pipeline import LinearStackSpec, StepPlan, microbatch_data
 from refgrad.pipeline_embedding import vocab_block
 from refgrad.pipeline_tp import loss_target, sequence_shard, splits_loss, stage_loss
@@ -201,7 +200,7 @@ class RankResult:
     (``refgrad.pipeline.stage_param_name``). ``launch_sites``: per bucket, one of
     :data:`LAUNCH_SITES`. ``relearn_count``: how often the DDP relearned which params each
     bucket waits for (freezing and unfreezing a param; None: the candidate does not learn
-    them). ``events``: the timeline (``fastgrad.timeline.TimelineEvent``; empty: not
+    them). ``events``: the timeline (``gradvocab.TimelineEvent``; empty: not
     recorded). ``chunk_enables`` (interleaved): at each chunk's grad-sync enable, the chunk
     and which chunks had a reduction in flight (empty: not recorded). ``errors``: what the
     candidate raised in a step it then finished anyway (``"step N: ..."``; that step's

@@ -21,6 +21,7 @@ from fastgrad.optim import (
     DynamicLossScaler,
     ReplicatedOptimizer,
 )
+from gradvocab import StepOutcome
 from verify.candidates.api.core import Technique, Unsupported
 from verify.candidates.api.optimizer import (
     AdamWState,
@@ -30,7 +31,6 @@ from verify.candidates.api.optimizer import (
     MXFP8ParamOptimizer,
     OptimizerBehaviour,
     OptimizerSettings,
-    StepOutcome,
     TrainingOptimizer,
 )
 from verify.candidates.api.optimizer_parts import OptimizerGuards
@@ -39,7 +39,6 @@ from verify.candidates.fastgrad.sharded_optimizer import (
     FastgradGuards,
     FastgradMXFP8Optimizer,
     FastgradShardedOptimizer,
-    as_step_outcome,
     decaying_groups,
     fastgrad_config,
     schedule_next_update,
@@ -129,7 +128,7 @@ class FastgradTrainingOptimizer:
         outcome = self.optimizer.step()  # MXFP8: stage -> all-gather -> quantize -> zero
         if self.stages.front is not None:
             self.stages.refresh_from_mxfp8()
-        return as_step_outcome(outcome)
+        return outcome
 
     def state(self) -> dict[str, AdamWState]:
         by_name = self.optimizer.named_state_dict()["params"]

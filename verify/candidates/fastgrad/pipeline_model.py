@@ -21,8 +21,8 @@ import torch
 
 from fastgrad.config import DDPConfig
 from fastgrad.deferred_wgrad import ColumnParallelOutputLayer, EmbeddingWgradConfig
-from fastgrad.parallel_dims import ParallelDims
 from fastgrad.vocab_parallel_embedding import VocabParallelEmbedding
+from gradvocab import ParallelDims
 from refgrad.pipeline import (
     EMBEDDING_PARAM,
     HEAD_PARAM,
