@@ -38,7 +38,7 @@ from fastgrad.deferred_wgrad import (
     EmbeddingWgradConfig,
     accumulate_wgrad_,
 )
-from fastgrad.parallel_dims import ParallelDims
+from gradvocab import ParallelDims
 from verify.distributed import spawn
 
 

@@ -22,7 +22,7 @@ import torch
 
 def main() -> None:
     """Spawn the grid, check overlap on == off bitwise, print step and exposed-sync times."""
-    from fastgrad.timeline import summarize_step
+    from gradvocab import summarize_step
     from refgrad.pipeline import LinearStackSpec, StepPlan
     from verify.candidates import FastgradCandidate
     from verify.candidates.api.pipeline import ParallelDims, PipelineCase

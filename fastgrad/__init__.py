@@ -10,7 +10,7 @@ exports ``fully_shard`` and its policies, not its internals)::
   :class:`ReplicatedOptimizer` (all-reduced grads), both ``torch.optim.Optimizer``
   subclasses, with :class:`AdamWConfig` / :class:`SGDConfig`,
   :func:`param_groups_without_decay_for`, :class:`DynamicLossScaler` (fp16) and
-  :class:`StepResult`; :class:`ModelChunks` puts several model chunks under one optimizer;
+  :class:`StepOutcome`; :class:`ModelChunks` puts several model chunks under one optimizer;
 * the parallel grid: :class:`ParallelDims` (the TP/CP/DP/PP/VPP sizes; ``build()`` gives
   this rank's coordinates and process groups; ``ParallelDims.data_parallel(dp_group)``);
 * pipelines: :func:`forward_backward_1f1b`, :func:`forward_backward_interleaved`, :func:`finalize_grads`;
@@ -27,22 +27,22 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-# The public names, each from the module that defines it. They are imported on first use
-# (PEP 562), so ``import fastgrad.parallel_dims`` (the parallel grid, which gradverify's
-# candidate seam shares as neutral vocabulary) does not load the DDP, optimizer and kernels.
+# The public names, each from the module that defines it (the shared vocabulary's from
+# gradvocab). They are imported on first use (PEP 562), so importing one building block
+# (``fastgrad.timeline``, ``fastgrad.reduce_scatter``) does not load the DDP, optimizer and kernels.
 _PUBLIC = {
     "DDPConfig": "fastgrad.config",
     "DistributedDataParallel": "fastgrad.ddp",
-    "LifecycleError": "fastgrad.errors",
+    "LifecycleError": "gradvocab",
     "AdamWConfig": "fastgrad.optim",
     "DistributedOptimizer": "fastgrad.optim",
     "DynamicLossScaler": "fastgrad.optim",
     "ModelChunks": "fastgrad.optim",
     "ReplicatedOptimizer": "fastgrad.optim",
     "SGDConfig": "fastgrad.optim",
-    "StepResult": "fastgrad.optim",
     "param_groups_without_decay_for": "fastgrad.optim",
-    "ParallelDims": "fastgrad.parallel_dims",
+    "ParallelDims": "gradvocab",
+    "StepOutcome": "gradvocab",
     "finalize_grads": "fastgrad.pipeline",
     "forward_backward_1f1b": "fastgrad.pipeline",
     "forward_backward_interleaved": "fastgrad.pipeline_interleaved",
@@ -51,7 +51,6 @@ _PUBLIC = {
 if TYPE_CHECKING:  # the same names, for type checkers and IDEs
     from fastgrad.config import DDPConfig
     from fastgrad.ddp import DistributedDataParallel
-    from fastgrad.errors import LifecycleError
     from fastgrad.optim import (
         AdamWConfig,
         DistributedOptimizer,
@@ -59,12 +58,11 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
         ModelChunks,
         ReplicatedOptimizer,
         SGDConfig,
-        StepResult,
         param_groups_without_decay_for,
     )
-    from fastgrad.parallel_dims import ParallelDims
     from fastgrad.pipeline import finalize_grads, forward_backward_1f1b
     from fastgrad.pipeline_interleaved import forward_backward_interleaved
+    from gradvocab import LifecycleError, ParallelDims, StepOutcome
 
 
 def __getattr__(name: str) -> Any:
@@ -91,7 +89,7 @@ __all__ = [
     "ParallelDims",
     "ReplicatedOptimizer",
     "SGDConfig",
-    "StepResult",
+    "StepOutcome",
     "finalize_grads",
     "forward_backward_1f1b",
     "forward_backward_interleaved",

@@ -6,7 +6,7 @@
     to the bucket start, keyed by the parameter object, as production),
     ``.start``/``.end`` (in the group buffer), ``.numel``, ``.numel_unpadded``,
     ``.grad_data``, ``.param_data``, ``.parallel_dims``
-    (:class:`fastgrad.parallel_dims.ParallelDims`) with ``.dp_size``/``.dp_rank``/``.dp_group``,
+    (:class:`gradvocab.ParallelDims`) with ``.dp_size``/``.dp_rank``/``.dp_group``,
     ``.averaging`` (:class:`fastgrad.averaging.GradAveraging`), ``.shard_numel``,
     ``.shard_range(rank)``, ``.local_shard_range``, ``.grad_shard(rank)``,
     ``.param_shard(rank)``, ``.local_grad_shard``, ``.local_param_shard``,
@@ -44,9 +44,9 @@ import torch.distributed as dist
 from fastgrad.averaging import GradAveraging, PrescaleSite
 from fastgrad.comm import reduce_scatter_into
 from fastgrad.config import DDPConfig
-from fastgrad.errors import LifecycleError
-from fastgrad.parallel_dims import DataParallelView, ParallelDims
+from fastgrad.data_parallel_view import DataParallelView
 from fastgrad.reduce_scatter import reduce_scatter_with_fp32_accumulation
+from gradvocab import LifecycleError, ParallelDims
 
 
 class BucketOwner(Protocol):

@@ -7,7 +7,7 @@ device=None, average=False, mxfp8_params=False)``
     ``params``: parameters in registration order (a param with attribute
     ``shared_embedding=True`` gets its own bucket under the distributed optimizer).
     The data-parallel group comes from ``.parallel_dims``
-    (:class:`fastgrad.parallel_dims.ParallelDims` with this rank's place; pass one, else
+    (:class:`gradvocab.ParallelDims` with this rank's place; pass one, else
     ``ParallelDims.data_parallel(dp_group, dp_size)`` resolves it) and is handed to every
     bucket, as is ``.averaging`` (:func:`fastgrad.averaging.grad_averaging` of ``config``,
     the DP size and ``average``: the one decision of SUM, AVG or a ``1/dp`` pre-scale).
@@ -61,9 +61,9 @@ from fastgrad.bucket import (  # noqa: F401  (re-exported: one import site for b
 )
 from fastgrad.buffer_group import ALIGNMENT_ELEMENTS, BufferGroup, aligned_zeros  # noqa: F401
 from fastgrad.config import DDPConfig
-from fastgrad.errors import LifecycleError
+from fastgrad.data_parallel_view import DataParallelView
 from fastgrad.mxfp8 import PARAM_DTYPE, MXFP8Parameter
-from fastgrad.parallel_dims import DataParallelView, ParallelDims, require_place
+from gradvocab import LifecycleError, ParallelDims, require_place
 
 
 class ParamAndGradBuffer(DataParallelView):

@@ -22,7 +22,7 @@ from fastgrad.bucket import Bucket, GradReduceStrategy
 from fastgrad.config import DDPConfig
 from fastgrad.layout import PARAM_START_ALIGNMENT, BufferLayout, compute_layout
 from fastgrad.mxfp8 import MXFP8Parameter
-from fastgrad.parallel_dims import ParallelDims
+from gradvocab import ParallelDims
 
 ALIGNMENT_ELEMENTS = PARAM_START_ALIGNMENT  # storage addresses of param views: 64 elements
 

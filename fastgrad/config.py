@@ -10,8 +10,7 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass, fields
 
-DEFAULT_MIN_BUCKET_SIZE = 40_000_000  # elements
-DEFAULT_BUCKET_SIZE_PER_RANK = 1_000_000  # elements per data-parallel rank
+from gradvocab import default_bucket_size
 
 _BOOL_FIELDS = (
     "use_distributed_optimizer",
@@ -26,11 +25,6 @@ _BOOL_FIELDS = (
 )
 
 
-def default_bucket_size(dp_size: int) -> int:
-    """Production's default bucket size in elements: ``max(40_000_000, 1_000_000 * dp)``."""
-    return max(DEFAULT_MIN_BUCKET_SIZE, DEFAULT_BUCKET_SIZE_PER_RANK * dp_size)
-
-
 @dataclass(frozen=True)
 class DDPConfig:
     """How gradients are bucketed, padded and reduced across data-parallel ranks.
@@ -38,9 +32,10 @@ class DDPConfig:
     Fields (production names):
       use_distributed_optimizer: shard optimizer state; buckets are padded and
         reduce-scattered (otherwise all-reduced, no padding).
-      bucket_size: elements per bucket before padding; None = the default
-        ``max(40_000_000, 1_000_000 * dp)``. Only used with overlap_grad_reduce;
-        without it everything goes in one bucket, as in production.
+      bucket_size: elements per bucket before padding; None = the default,
+        :func:`gradvocab.default_bucket_size` (``max(40_000_000, 1_000_000 * dp)``). Only
+        used with overlap_grad_reduce; without it everything goes in one bucket, as in
+        production.
       pad_buckets_for_high_nccl_busbw: pad bucket ends to ``lcm(dp, 128, 2**16)``
         instead of ``lcm(dp, 128)`` (no effect without the distributed optimizer).
       grad_reduce_in_fp32: main_grad is fp32 regardless of the param dtype.
@@ -116,7 +111,7 @@ class DDPConfig:
         """Bucket size used for ``dp_size`` ranks; None means a single bucket.
 
         As production: None when overlap_grad_reduce is off, else ``bucket_size``
-        or the default ``max(40_000_000, 1_000_000 * dp_size)``.
+        or :func:`gradvocab.default_bucket_size`.
         """
         if isinstance(dp_size, bool) or not isinstance(dp_size, int):
             raise TypeError(f"dp_size must be an int, got {type(dp_size).__name__}")
@@ -133,4 +128,4 @@ class DDPConfig:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-__all__ = ["DDPConfig", "default_bucket_size"]
+__all__ = ["DDPConfig"]

@@ -18,7 +18,7 @@ Mechanics (REFERENCE_NOTES section 5, production's DDP with its failure modes fi
   overlap, ``finish_grad_sync()`` runs the same reductions synchronously.
   Whether a bucket's reduce was launched is the bucket's own
   ``reduce_in_flight`` (recorded in one place).
-- The data-parallel group comes from one :class:`fastgrad.parallel_dims.ParallelDims`
+- The data-parallel group comes from one :class:`gradvocab.ParallelDims`
   (a built grid, or ``ParallelDims.data_parallel(dp_group)``) handed to the buffer and
   its buckets.
 - ``DistributedDataParallel`` is a ``torch.nn.Module`` wrapping the user's
@@ -58,10 +58,9 @@ from torch import nn
 
 from fastgrad.buffer import Bucket, ParamAndGradBuffer
 from fastgrad.config import DDPConfig
-from fastgrad.errors import LifecycleError
 from fastgrad.exposed_grads import ParamGrads
-from fastgrad.parallel_dims import ParallelDims
 from fastgrad.param_guard import ParamPlacement
+from gradvocab import LifecycleError, ParallelDims
 
 
 @dataclass

@@ -50,8 +50,7 @@ import torch
 import torch.distributed as dist
 
 from fastgrad.comm import all_gather_into, reduce_scatter_into
-from fastgrad.errors import LifecycleError
-from fastgrad.parallel_dims import ParallelDims
+from gradvocab import LifecycleError, ParallelDims
 
 ReduceInFlight = Callable[[torch.nn.Parameter], bool]
 
@@ -77,7 +76,7 @@ class EmbeddingWgradConfig:
       ``main_grad`` inside the GEMM; without it the wgrad is rounded to the
       weight's dtype first (production: a separate GEMM plus a hook add).
     The parallel sizes (TP, PP) and sequence parallelism are the layer's
-    :class:`fastgrad.parallel_dims.ParallelDims`, not settings of their own.
+    :class:`gradvocab.ParallelDims`, not settings of their own.
     cuda_wgrad_method: for fp32 ``main_grad`` with 16-bit inputs on CUDA:
       ``"addmm_out_dtype"`` (cuBLAS, fp32 output into a temporary, copied back),
       ``"addmm_out_dtype_inplace"`` (the same GEMM with ``out=main_grad``; only

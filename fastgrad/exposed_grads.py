@@ -13,7 +13,7 @@ and silently do nothing. After a successful ``finish_grad_sync``:
 * distributed optimizer (reduce-scatter): only this rank's shard is reduced,
   so a full-tensor gradient would be silently wrong. ``param.grad`` is set to
   a :class:`ShardedGradPlaceholder`, a zero-memory tensor on which every
-  operation raises a :class:`fastgrad.errors.LifecycleError` that says why:
+  operation raises a :class:`gradvocab.LifecycleError` that says why:
   a plain optimizer fails at its first step instead of doing nothing.
 
 Before ``finish_grad_sync`` (from the last microbatch's backward on) the grad
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from fastgrad.errors import LifecycleError
+from gradvocab import LifecycleError
 
 ZERO_ADVICE = (
     "zero the grads before the next backward: ddp.zero_grad_buffer(), ddp.zero_grad(), "

@@ -5,7 +5,7 @@ bf16 params and fp32/bf16 grads at different times (``fastgrad.buffer``'s
 MXFP8 mode). Production silently computes garbage when the order is wrong;
 :class:`ParamRegionGuard` records, per bucket, what its param bytes hold
 (:class:`RegionState`) so ``fastgrad.mxfp8_sharing`` can refuse, with a
-:class:`fastgrad.errors.LifecycleError`, any write of grads over live params.
+:class:`gradvocab.LifecycleError`, any write of grads over live params.
 Without sharing the param and grad bytes never overlap and nothing is refused.
 """
 
@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from fastgrad.bucket import Bucket
-from fastgrad.errors import LifecycleError
 from fastgrad.mxfp8 import MXFP8Parameter
+from gradvocab import LifecycleError
 
 
 class RegionState(enum.Enum):

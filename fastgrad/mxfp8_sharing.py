@@ -24,7 +24,7 @@ reduce-scatter are that buffer's) and one
 :class:`fastgrad.mxfp8_regions.ParamRegionGuard`. Because the same bytes hold
 params and grads at different times, misuse silently computes garbage in
 production; the guard tracks which byte ranges hold live params and the front
-raises :class:`fastgrad.errors.LifecycleError` instead, for:
+raises :class:`gradvocab.LifecycleError` instead, for:
 
 * reading (or copying out) gathered params after their bucket was zeroed;
 * a forced param sync (all-gather) whose local shard was not re-staged from
@@ -54,10 +54,10 @@ import torch
 from fastgrad.buffer import Bucket, ParamAndGradBuffer
 from fastgrad.comm import all_gather_into
 from fastgrad.config import DDPConfig
-from fastgrad.errors import LifecycleError
+from fastgrad.data_parallel_view import DataParallelView
 from fastgrad.mxfp8 import PARAM_DTYPE, MXFP8Parameter
 from fastgrad.mxfp8_regions import BucketRegion, ParamRegionGuard, RegionState
-from fastgrad.parallel_dims import DataParallelView, ParallelDims
+from gradvocab import LifecycleError, ParallelDims
 
 __all__ = [
     "PARAM_DTYPE",

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from fastgrad.errors import LifecycleError
+from gradvocab import LifecycleError
 
 CAST_BEFORE_WRAPPING = (
     "cast or move the model before wrapping it in DistributedDataParallel "

@@ -2,7 +2,7 @@
 
 ``P`` pipeline stages times ``D`` data-parallel replicas times ``T``
 tensor-parallel ranks make ``P*D*T`` ranks, laid out and grouped by one built
-:class:`fastgrad.parallel_dims.ParallelDims` (tensor parallel innermost, pipeline
+:class:`gradvocab.ParallelDims` (tensor parallel innermost, pipeline
 outermost: production's default order). Each TP rank has its own DP group (same
 stage and TP rank) and pipeline (same DP and TP rank). Activations and their
 gradients travel between stages
@@ -33,9 +33,8 @@ import torch.distributed as dist
 from torch import nn
 
 from fastgrad.deferred_wgrad import allreduce_tied_embedding_grad
-from fastgrad.errors import LifecycleError
-from fastgrad.parallel_dims import ParallelDims, require_place
 from fastgrad.timeline import Timeline
+from gradvocab import LifecycleError, ParallelDims, require_place
 
 
 class GradSync(Protocol):

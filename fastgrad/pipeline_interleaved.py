@@ -45,8 +45,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fastgrad.errors import LifecycleError
-from fastgrad.parallel_dims import ParallelDims, require_place
 from fastgrad.pipeline import (
     DeferredWgradDrain,
     GradSync,
@@ -55,6 +53,7 @@ from fastgrad.pipeline import (
     sync_replicated_grads,
 )
 from fastgrad.timeline import Timeline
+from gradvocab import LifecycleError, ParallelDims, require_place
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fastgrad.comm import all_gather_into, reduce_scatter_into
-from fastgrad.parallel_dims import ParallelDims
+from gradvocab import ParallelDims
 
 
 class _VocabParallelEmbed(torch.autograd.Function):

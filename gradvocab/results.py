@@ -11,9 +11,10 @@ trained under an optimizer. The record is pickled back from the rank: plain data
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
+
+from gradvocab.timeline import TimelineEvent
 
 # Where a bucket's reduction was launched (RankResult.launch_sites): by the hook of its last
 # ready parameter, by the schedule's dispatch in the cooldown, by finish_grad_sync, or never.
@@ -74,7 +75,7 @@ class RankResult:
     params: list[dict[str, torch.Tensor]] = field(default_factory=list)
     launch_sites: list[tuple[str, ...]] = field(default_factory=list)
     relearn_count: int | None = 0
-    events: list[list[Any]] = field(default_factory=list)
+    events: list[list[TimelineEvent]] = field(default_factory=list)
     chunk_enables: list[list[tuple[int, tuple[bool, ...]]]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     drained_in_flight: list[bool | None] = field(default_factory=list)

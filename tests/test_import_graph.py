@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import grimp
 
-PACKAGES = ("refgrad", "fastgrad", "verify", "examples")
+PACKAGES = ("gradvocab", "refgrad", "fastgrad", "verify", "examples")
 
 
 def import_cycles(graph: grimp.ImportGraph) -> list[list[str]]:

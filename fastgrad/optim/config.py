@@ -132,15 +132,3 @@ class DynamicLossScaler:
         self.scale = float(state["scale"])
         self.growth_tracker = int(state["growth_tracker"])
         self.hysteresis_tracker = int(state["hysteresis_tracker"])
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What one ``step()`` did: stepped or skipped (and why), the grad norm (None when the
-    step took none: ``check_nonfinite=False`` without clipping or loss scaling), the loss scale."""
-
-    stepped: bool
-    reason: str
-    grad_norm: float | None
-    loss_scale: float | None
-    clip_coefficient: float | None = None

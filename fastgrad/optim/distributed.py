@@ -33,7 +33,6 @@ import torch.distributed as dist
 
 from fastgrad.buffer import Bucket
 from fastgrad.ddp import DistributedDataParallel
-from fastgrad.errors import LifecycleError
 from fastgrad.mxfp8_sharing import MXFP8ParamGradBuffer
 from fastgrad.optim.checkpoint import CheckpointMixin
 from fastgrad.optim.chunks import ModelChunks
@@ -42,7 +41,6 @@ from fastgrad.optim.config import (
     DynamicLossScaler,
     OptimizerConfig,
     SGDConfig,
-    StepResult,
     fp32,
 )
 from fastgrad.optim.groups import (  # noqa: F401  (re-exported: their historical home)
@@ -56,6 +54,7 @@ from fastgrad.optim.guards import ParamVersions, check_model_parallel_group, res
 from fastgrad.optim.norm import NUM_LIMBS, limbs_to_fraction
 from fastgrad.optim.publication import ParamPublication, flat_fp32
 from fastgrad.optim.step_paths import choose_path
+from gradvocab import LifecycleError, StepOutcome
 
 CLIP_EPS = 1e-6  # Megatron-Core: clip_coeff = max_norm / (total_norm + 1e-6)
 
@@ -93,7 +92,7 @@ class DistributedOptimizer(ParamPublication, CheckpointMixin, torch.optim.Optimi
     drive it; ``zero_grad()`` zeroes the grad buffer the step reads;
     ``state_dict()``/``load_state_dict()`` are torch-shaped (full tensors per param
     index, any DP size) beside the by-name :meth:`named_state_dict`.
-    ``step()`` returns a :class:`StepResult` (torch's return the closure's loss).
+    ``step()`` returns a :class:`gradvocab.StepOutcome` (torch's return the closure's loss).
 
     ``ddp``: a fastgrad ``DistributedDataParallel``, the ``ModelChunks`` of several
     (interleaved pipeline stages: one norm and one step over every chunk), or an
@@ -119,7 +118,7 @@ class DistributedOptimizer(ParamPublication, CheckpointMixin, torch.optim.Optimi
     NaN/inf in it skips the step. False: when neither clipping nor a loss scaler
     needs the norm, the step makes no pass over the grads before the update, as
     Megatron-Core does with ``--clip-grad 0`` and no loss scaling; a NaN/inf
-    gradient then reaches the master weights, and ``StepResult.grad_norm`` is None.
+    gradient then reaches the master weights, and ``StepOutcome.grad_norm`` is None.
 
     Params written outside the optimizer (``ddp.load_state_dict`` after building
     it) become the masters at the next step (:mod:`fastgrad.optim.guards`); a
@@ -193,7 +192,7 @@ class DistributedOptimizer(ParamPublication, CheckpointMixin, torch.optim.Optimi
         # the params as the masters last left them (None for MXFP8 params: not torch tensors)
         self._versions = None if self.mxfp8 is not None else ParamVersions(
             [p for b in self.buffer.buckets for p in b.params])
-        self.last_result: StepResult | None = None
+        self.last_result: StepOutcome | None = None
 
     def _check_buffer_kind(self, ddp: Any) -> None:
         if not ddp.config.use_distributed_optimizer:
@@ -365,7 +364,7 @@ class DistributedOptimizer(ParamPublication, CheckpointMixin, torch.optim.Optimi
         if self._versions is not None:
             self._versions.record()
 
-    def step(self, closure: Any = None) -> StepResult:
+    def step(self, closure: Any = None) -> StepOutcome:
         """One optimizer step over the local shards; returns what happened."""
         if closure is not None:
             raise TypeError(
@@ -394,7 +393,8 @@ class DistributedOptimizer(ParamPublication, CheckpointMixin, torch.optim.Optimi
             reason = "NaN/inf in the gradients (flag all-reduced over all ranks): step skipped"
             if synced:  # the params keep the written values; the masters now hold them too
                 self._params_published()
-            self.last_result = StepResult(False, reason + note, norm, scale)
+            self.last_result = StepOutcome(stepped=False, grad_norm=norm, clip_coefficient=None,
+                                           loss_scale=scale, reason=reason + note)
             return self.last_result
         coef = c32 = None
         if self.max_grad_norm is not None:
@@ -406,5 +406,6 @@ class DistributedOptimizer(ParamPublication, CheckpointMixin, torch.optim.Optimi
         self._publish_all(cast=[not w for w in self.path.writes_params])
         self._params_published()
         reason = "stepped" + (f" (clipped by {coef:.6g})" if coef is not None and coef < 1.0 else "")
-        self.last_result = StepResult(True, reason + note, norm, scale, coef)
+        self.last_result = StepOutcome(stepped=True, grad_norm=norm, clip_coefficient=coef,
+                                       loss_scale=scale, reason=reason + note)
         return self.last_result

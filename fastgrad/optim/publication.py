@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from fastgrad.comm import all_gather_into
-from fastgrad.errors import LifecycleError
 from fastgrad.mxfp8 import MXFP8Parameter
+from gradvocab import LifecycleError
 
 
 class ParamPublication:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from fastgrad.deferred_wgrad import ColumnParallelOutputLayer
-from fastgrad.parallel_dims import ParallelDims
+from gradvocab import ParallelDims
 from verify.candidates.api.deferred_wgrad import DeferredWgrad
 from verify.candidates.api.pipeline import PipelineCase, PipelineTraining
 from verify.candidates.fastgrad import FastgradCandidate

@@ -2,8 +2,7 @@
 
 Every package under ``verify/candidates/`` other than the seam (``api``) is a candidate. Of
 gradverify's own packages it may import only ``verify.candidates.api`` (the interfaces, and what
-they hand over: refgrad's records and specification helpers), the vocabulary (``gradvocab``;
-until it exists ``fastgrad.parallel_dims`` and ``fastgrad.timeline``) and its own package; the
+they hand over: refgrad's records and specification helpers), the vocabulary (``gradvocab``) and its own package; the
 fastgrad candidate may import fastgrad, its own library, as Megatron-Core's imports megatron.
 Anything else (torch, megatron, the standard library) is its own business. Read with ``ast``:
 imports inside functions and ``TYPE_CHECKING`` blocks count.
@@ -19,11 +18,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 CANDIDATES = ROOT / "verify" / "candidates"
 SEAM = "verify.candidates.api"
-VOCABULARY = ("gradvocab", "fastgrad.parallel_dims", "fastgrad.timeline")
+VOCABULARY = ("gradvocab",)
 # A candidate's own library, where it is one of ours.
 OWN_LIBRARY = {"fastgrad": "fastgrad"}
-# gradverify's top-level packages (and the vocabulary package, once it exists).
-OURS = frozenset({p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file()} | {"gradvocab"})
+# gradverify's top-level packages, the vocabulary among them.
+OURS = frozenset({p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file()})
 
 
 def _within(module: str, package: str) -> bool:
@@ -94,7 +93,7 @@ def test_the_rule_sees_each_kind_of_forbidden_import():
         "from megatron.core import parallel_state\n"
         "from verify.candidates.api.pipeline import PipelineCase\n"
         "from verify.candidates.torch_ddp.layout import TorchDDPLayout\n"
-        "from fastgrad.parallel_dims import ParallelDims\n"
+        "from gradvocab.averaging import Averaging\n"
         "from gradvocab import StepOutcome\n"
         "from .layout import rebuilt_layout\n"
         "from refgrad.pipeline import sgd_update\n"

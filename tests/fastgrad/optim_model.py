@@ -34,7 +34,7 @@ def build(dtypes, algorithm, *, clip=None, overlap_param_gather=False, average=T
 
 
 def train_step(model, ddp, opt, rank, step, *, loss_scale=1.0, inf_at=None, seed=0):
-    """zero, forward, backward (DDP hooks reduce), step; returns the StepResult."""
+    """zero, forward, backward (DDP hooks reduce), step; returns the StepOutcome."""
     ddp.zero_grad_buffer()
     model(coefficients(rank, step, inf_at, seed, loss_scale)).backward()
     ddp.finish_grad_sync()

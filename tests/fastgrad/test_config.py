@@ -4,7 +4,8 @@ import dataclasses
 
 import pytest
 
-from fastgrad.config import DDPConfig, default_bucket_size
+from fastgrad.config import DDPConfig
+from gradvocab import default_bucket_size
 
 
 def test_defaults_match_production():

@@ -11,8 +11,7 @@ from fastgrad.deferred_wgrad import (
     accumulate_wgrad_,
     allreduce_tied_embedding_grad,
 )
-from fastgrad.errors import LifecycleError
-from fastgrad.parallel_dims import ParallelDims
+from gradvocab import LifecycleError, ParallelDims
 from refgrad.deferred_wgrad import (
     deferred_accumulation_order,
     reference_main_grad,

@@ -15,7 +15,6 @@ import torch
 
 from fastgrad.config import DDPConfig
 from fastgrad.ddp import DistributedDataParallel
-from fastgrad.errors import LifecycleError
 from fastgrad.optim import (
     AdamWConfig,
     DistributedOptimizer,
@@ -24,6 +23,7 @@ from fastgrad.optim import (
     param_groups_without_decay_for,
 )
 from fastgrad.optim.step_paths import TorchOpsPath
+from gradvocab import LifecycleError
 from refgrad import optim as R
 from tests.fastgrad.optim_model import build, snapshot, train_step  # noqa: F401 - re-exported
 from verify.checks.optim.cases import (  # noqa: F401 - re-exported for test_optim_dist

@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fastgrad.errors import LifecycleError
 from fastgrad.optim import DynamicLossScaler
+from gradvocab import LifecycleError
 from refgrad import optim as R
 from tests.distributed_utils import run_distributed
 from tests.fastgrad.test_optim import (

@@ -77,7 +77,7 @@ def _one_rank(sharing: bool):
 
 
 def test_capability_flag_and_lifecycle_guard_through_the_optimizer():
-    from fastgrad.errors import LifecycleError
+    from gradvocab import LifecycleError
 
     assert DistributedOptimizer.supports_mxfp8 is True
     weights, buffer, opt = _one_rank(sharing=True)

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.optim import lr_scheduler
 
-from fastgrad.errors import LifecycleError
 from fastgrad.optim import AdamWConfig, DistributedOptimizer
+from gradvocab import LifecycleError
 from refgrad import optim as R
 from tests.distributed_utils import run_distributed
 from tests.fastgrad.optim_model import build, train_step

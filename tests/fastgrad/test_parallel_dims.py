@@ -1,4 +1,4 @@
-"""fastgrad.parallel_dims: sizes and their rules, the rank order, and the groups of a built grid.
+"""gradvocab.ParallelDims: sizes and their rules, the rank order, and the groups of a built grid.
 
 Expected ranks are hand-derived from Megatron-Core's ``initialize_model_parallel`` order
 ``tp-cp-ep-dp-pp`` (tensor parallel innermost, pipeline outermost; no experts here).
@@ -8,8 +8,7 @@ import pytest
 import torch
 from distributed_utils import run_distributed
 
-from fastgrad.errors import LifecycleError
-from fastgrad.parallel_dims import ParallelDims, RankPlace
+from gradvocab import LifecycleError, ParallelDims, RankPlace
 
 
 def test_sizes_are_validated_naming_the_field_and_the_rule():

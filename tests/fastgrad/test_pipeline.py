@@ -11,13 +11,13 @@ import torch
 from distributed_utils import run_distributed
 from torch import nn
 
-from fastgrad.parallel_dims import ParallelDims, RankPlace
 from fastgrad.pipeline import (
     forward_backward_1f1b,
     num_warmup_microbatches,
     schedule_1f1b,
 )
-from fastgrad.timeline import Timeline, TimelineEvent, summarize_step
+from fastgrad.timeline import Timeline
+from gradvocab import ParallelDims, RankPlace, TimelineEvent, summarize_step
 from refgrad.pipeline import LinearStackSpec, StageModule, microbatch_data, microbatch_loss
 from verify.metrics import assert_bitwise_equal
 

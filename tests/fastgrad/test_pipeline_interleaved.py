@@ -13,7 +13,6 @@ import pytest
 import torch.distributed as dist
 from distributed_utils import run_distributed
 
-from fastgrad.parallel_dims import ParallelDims, RankPlace
 from fastgrad.pipeline_interleaved import (
     chunk_and_microbatch,
     forward_backward_interleaved,
@@ -21,6 +20,7 @@ from fastgrad.pipeline_interleaved import (
     schedule_interleaved,
     validate_interleaving,
 )
+from gradvocab import ParallelDims, RankPlace
 from gradvocab.averaging import Averaging
 from refgrad.pipeline import (
     LinearStackSpec,

@@ -17,7 +17,6 @@ import torch.distributed as dist
 
 from fastgrad.config import DDPConfig
 from fastgrad.ddp import DistributedDataParallel
-from fastgrad.errors import LifecycleError
 from fastgrad.optim import (
     AdamWConfig,
     DistributedOptimizer,
@@ -25,6 +24,7 @@ from fastgrad.optim import (
     param_groups_without_decay_for,
 )
 from fastgrad.param_guard import ParamPlacement
+from gradvocab import LifecycleError
 from refgrad import optim as R
 from tests.distributed_utils import run_distributed
 from tests.fastgrad.optim_model import build

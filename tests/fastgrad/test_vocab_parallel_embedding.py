@@ -10,9 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastgrad.errors import LifecycleError
-from fastgrad.parallel_dims import ParallelDims
 from fastgrad.vocab_parallel_embedding import VocabParallelEmbedding
+from gradvocab import LifecycleError, ParallelDims
 from verify.metrics import assert_bitwise_equal
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from fastgrad.parallel_dims import ParallelDims
+from gradvocab import ParallelDims
 from verify.candidates import FastgradCandidate
 from verify.candidates.api import Candidate, CandidateInfo
 from verify.candidates.api.findings import CrashSignature, Effect, Finding, LaunchSettings

@@ -312,7 +312,7 @@ def test_the_pp1_tied_twin_builds_one_weight_for_the_embedding_and_the_output_la
     """Tied at PP 1 the rank's first layer and output layer hold the same Parameter, so DDP
     (which takes ``module.parameters()``) sees it once; autograd's hook, not the schedule's
     ``mark_grad_ready``, makes it ready, and nothing is drained or all-reduced."""
-    from fastgrad.parallel_dims import RankPlace
+    from gradvocab import RankPlace
     from refgrad.pipeline import EMBEDDING_PARAM, HEAD_PARAM, stage_param_name
     from verify.candidates.fastgrad.pipeline_model import (
         build_stage_model,
@@ -638,7 +638,7 @@ def test_a_broken_drain_is_a_fault_of_one_layer_instance_not_a_global_rebinding(
     import torch
 
     from fastgrad.deferred_wgrad import ColumnParallelOutputLayer, EmbeddingWgradConfig
-    from fastgrad.parallel_dims import ParallelDims
+    from gradvocab import ParallelDims
     from tests.candidates.fastgrad_faults import output_layer_class
 
     production_drain = ColumnParallelOutputLayer.drain_deferred_wgrad

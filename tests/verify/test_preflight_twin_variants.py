@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from fastgrad.parallel_dims import ParallelDims
+from gradvocab import ParallelDims
 from tests.candidates.fastgrad_faults import Fault, FaultyFastgrad
 from tests.distributed_utils import run_distributed
 from tests.verify.preflight_launch import preflight_config

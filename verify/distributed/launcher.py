@@ -69,7 +69,7 @@ DEFAULT_TIMEOUT_S = 60.0
 # rank of every check when not preloaded.
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch.multiprocessing",
                    "torch.fx.experimental.symbolic_shapes",
-                   "verify.distributed", "refgrad", "fastgrad")
+                   "verify.distributed", "gradvocab", "refgrad", "fastgrad")
 START_METHODS = ("forkserver", "spawn")
 # Overrides the default start method, e.g. VERIFY_RANK_START_METHOD=spawn for the old
 # behaviour (bench/bench_verify_run.py times both), or where forkserver misbehaves.

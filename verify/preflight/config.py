@@ -21,7 +21,7 @@ import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from fastgrad.parallel_dims import ParallelDims
+from gradvocab import ParallelDims, default_bucket_size
 from gradvocab.averaging import Averaging
 from verify.preflight.flags import MEGATRON_LM, LaunchRefused, Refusal, flag_of
 from verify.preflight.pipeline_split import (
@@ -32,7 +32,6 @@ from verify.preflight.pipeline_split import (
 )
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-DEFAULT_BUCKET_FLOOR = 40_000_000  # elements; megatron/training/training.py resolve_ddp_bucket_size
 # megatron/training/arguments.py defaults of the optimizer flags.
 DEFAULT_CLIP_GRAD = 1.0
 DEFAULT_INITIAL_LOSS_SCALE = 2.0**32
@@ -247,9 +246,9 @@ class PreflightConfig:
 
     @property
     def default_bucket_size(self) -> int:
-        """``max(40M, 1M x DP x CP)``: Megatron's bucket size when --ddp-bucket-size is not
-        given (megatron/training/training.py resolve_ddp_bucket_size, over the dp_cp group)."""
-        return max(DEFAULT_BUCKET_FLOOR, 1_000_000 * self.data_context_parallel_size)
+        """Megatron's bucket size when --ddp-bucket-size is not given: gradvocab's rule over
+        DP x CP (megatron/training/training.py resolve_ddp_bucket_size, over the dp_cp group)."""
+        return default_bucket_size(self.data_context_parallel_size)
 
     @property
     def first_stage_bucket_size(self) -> int | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from fastgrad.parallel_dims import ParallelDims
+from gradvocab import ParallelDims
 from verify.preflight.config import (
     DEFAULT_CLIP_GRAD,
     DEFAULT_HYSTERESIS,

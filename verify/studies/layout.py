@@ -17,8 +17,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from gradvocab import default_bucket_size
 from refgrad.layout import compute_layout
-from verify.candidates.api.layout import default_bucket_size
 from verify.studies.layout_models import MODELS, ModelSpec
 
 DEFAULT_DPS = (8, 64, 512)

@@ -33,7 +33,7 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
-from fastgrad.parallel_dims import ParallelDims  # the neutral sizes-and-groups type
+from gradvocab import ParallelDims  # the neutral sizes-and-groups type
 from verify.candidates.api.scope import TechniqueScope
 
 ReduceInFlight = Callable[[torch.nn.Parameter], bool]

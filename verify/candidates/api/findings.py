@@ -23,7 +23,7 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from fastgrad.parallel_dims import ParallelDims
+from gradvocab import ParallelDims
 
 _GRAD_DTYPES = ("float32", "bfloat16", "float16")
 _PARAM_DTYPES = ("float32", "bfloat16", "float16")

@@ -30,20 +30,12 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
+from gradvocab import default_bucket_size
+
 # Layout: refgrad's record of a layout, what layouts() returns; candidates import it from here
 from refgrad.layout import Layout, positive_int, validate_layout_arguments
 from verify.candidates.api.core import Technique, Unsupported
 from verify.candidates.api.scope import TechniqueScope
-
-# Megatron-Core's default bucket size (megatron/core/distributed/distributed_data_parallel.py,
-# DistributedDataParallel.__init__): max(40_000_000, 1_000_000 * dp) elements.
-DEFAULT_MIN_BUCKET_SIZE = 40_000_000
-DEFAULT_BUCKET_SIZE_PER_RANK = 1_000_000
-
-
-def default_bucket_size(dp_size: int) -> int:
-    """Megatron-Core's default bucket size in elements: ``max(40_000_000, 1_000_000 * dp)``."""
-    return max(DEFAULT_MIN_BUCKET_SIZE, DEFAULT_BUCKET_SIZE_PER_RANK * positive_int(dp_size, "dp_size"))
 
 
 def _require_bools(instance: object, names: Sequence[str]) -> None:
@@ -100,7 +92,7 @@ class BufferConfig:
     """How the buffer buckets, pads and reduces (Megatron-Core's ``DistributedDataParallelConfig``
     field names, the ones the layout check varies).
 
-    ``bucket_size`` None: the default ``max(40_000_000, 1_000_000 * dp)``; without
+    ``bucket_size`` None: :func:`gradvocab.default_bucket_size`; without
     ``overlap_grad_reduce`` everything is one bucket (:meth:`resolved_bucket_size`).
     """
 
@@ -125,7 +117,7 @@ class BufferConfig:
         """The bucket size a buffer for ``dp_size`` ranks uses; None means one bucket.
 
         As ``DistributedDataParallel.__init__``: None without ``overlap_grad_reduce``, else
-        ``bucket_size`` or ``max(40_000_000, 1_000_000 * dp_size)``.
+        ``bucket_size`` or :func:`gradvocab.default_bucket_size`.
         """
         dp = positive_int(dp_size, "dp_size")
         if not self.overlap_grad_reduce:

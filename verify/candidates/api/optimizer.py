@@ -31,7 +31,7 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
-from fastgrad.parallel_dims import ParallelDims
+from gradvocab import ParallelDims, StepOutcome
 from verify.candidates.api.core import DocumentedBehaviour
 from verify.candidates.api.optimizer_parts import MXFP8Training
 from verify.candidates.api.optimizer_schedule import HyperparameterSchedule
@@ -166,20 +166,6 @@ class OptimizerSettings:
             return self.schedule.lr(update), self.schedule.weight_decay(update)
         hyper = self.sgd if self.sgd is not None else self.adamw
         return hyper.lr, hyper.weight_decay
-
-
-@dataclass(frozen=True)
-class StepOutcome:
-    """What one optimizer step did: ``stepped`` (False: skipped on NaN/inf grads), the global
-    grad norm it clipped with (None: the candidate took none), the clip coefficient (None:
-    no clipping configured), the loss scale the step's grads carried (None: unscaled), and
-    why it skipped (``reason``; empty when it stepped or the candidate does not say)."""
-
-    stepped: bool
-    grad_norm: float | None
-    clip_coefficient: float | None
-    loss_scale: float | None
-    reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -436,6 +422,5 @@ __all__ = [
     "SGDHyperparameters",
     "ShardedOptimizer",
     "OptimizerSettings",
-    "StepOutcome",
     "TrainingOptimizer",
 ]

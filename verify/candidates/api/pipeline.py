@@ -3,7 +3,7 @@
 The ``pipeline`` check (and the preflight twin) hand a candidate a :class:`PipelineCase`:
 refgrad's Linear+tanh model (:class:`refgrad.pipeline.LinearStackSpec`, optionally with a
 vocab-parallel output layer whose wgrad is deferred to the pipeline flush, tied to the first
-layer) on a TP x DP x PP (x VPP) grid (:class:`fastgrad.parallel_dims.ParallelDims`, the one
+layer) on a TP x DP x PP (x VPP) grid (:class:`gradvocab.ParallelDims`, the one
 carrier of sizes and groups), trained for the case's step plans with SGD. The candidate
 trains it on every rank with its own data-parallel engine, schedules and output layer and
 reports what each rank saw as a :class:`gradvocab.results.RankResult`; the check holds the results to
@@ -47,7 +47,7 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
-from fastgrad.parallel_dims import ParallelDims
+from gradvocab import ParallelDims
 from gradvocab.averaging import Averaging
 from gradvocab.results import LAUNCH_SITES, RankResult
 from refgrad.pipeline import REDUCTIONS, LinearStackSpec, StepPlan, microbatch_data

@@ -20,7 +20,7 @@ from fastgrad.deferred_wgrad import (
     accumulate_wgrad_,
     allreduce_tied_embedding_grad,
 )
-from fastgrad.errors import LifecycleError
+from gradvocab import LifecycleError
 from verify.candidates.api.deferred_wgrad import (
     DeferredWgrad,
     DrainRefused,

@@ -21,6 +21,7 @@ from fastgrad.optim import (
     DynamicLossScaler,
     ReplicatedOptimizer,
 )
+from gradvocab import StepOutcome
 from verify.candidates.api.core import Technique, Unsupported
 from verify.candidates.api.optimizer import (
     AdamWState,
@@ -30,14 +31,12 @@ from verify.candidates.api.optimizer import (
     MXFP8ParamOptimizer,
     OptimizerBehaviour,
     OptimizerSettings,
-    StepOutcome,
     TrainingOptimizer,
 )
 from verify.candidates.fastgrad.sharded_optimizer import (
     FastgradDataParallel,
     FastgradMXFP8Optimizer,
     FastgradShardedOptimizer,
-    as_step_outcome,
     decaying_groups,
     fastgrad_config,
     schedule_next_update,
@@ -124,7 +123,7 @@ class FastgradTrainingOptimizer:
         outcome = self.optimizer.step()  # MXFP8: stage -> all-gather -> quantize -> zero
         if self.stages.front is not None:
             self.stages.refresh_from_mxfp8()
-        return as_step_outcome(outcome)
+        return outcome
 
     def state(self) -> dict[str, AdamWState]:
         by_name = self.optimizer.named_state_dict()["params"]

@@ -23,10 +23,10 @@ import torch.distributed as dist
 from fastgrad.comm import all_gather_into
 from fastgrad.ddp import DistributedDataParallel
 from fastgrad.deferred_wgrad import ColumnParallelOutputLayer
-from fastgrad.parallel_dims import ParallelDims
 from fastgrad.pipeline import forward_backward_1f1b
 from fastgrad.pipeline_interleaved import forward_backward_interleaved
 from fastgrad.timeline import Timeline
+from gradvocab import ParallelDims
 from verify.candidates.api.pipeline import (
     ModelSupport,
     PipelineCase,

@@ -21,8 +21,8 @@ import torch
 
 from fastgrad.config import DDPConfig
 from fastgrad.deferred_wgrad import ColumnParallelOutputLayer, EmbeddingWgradConfig
-from fastgrad.parallel_dims import ParallelDims
 from fastgrad.vocab_parallel_embedding import VocabParallelEmbedding
+from gradvocab import ParallelDims
 from gradvocab.averaging import Averaging
 from verify.candidates.api.pipeline import PipelineCase
 from verify.candidates.api.pipeline_spec import (

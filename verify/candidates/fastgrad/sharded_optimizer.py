@@ -25,10 +25,9 @@ from fastgrad.optim import (
     DistributedOptimizer,
     DynamicLossScaler,
     SGDConfig,
-    StepResult,
     param_groups_without_decay_for,
 )
-from fastgrad.parallel_dims import ParallelDims
+from gradvocab import ParallelDims, StepOutcome
 from verify.candidates.api.optimizer import (
     AdamWState,
     DataParallelModule,
@@ -38,7 +37,6 @@ from verify.candidates.api.optimizer import (
     OptimizerCheckpoint,
     OptimizerSettings,
     ShardedOptimizer,
-    StepOutcome,
 )
 from verify.candidates.api.optimizer_parts import MXFP8Training
 
@@ -78,13 +76,6 @@ def schedule_next_update(optimizer: DistributedOptimizer, settings: OptimizerSet
     for group, decays in zip(optimizer.param_groups, decaying, strict=True):
         group["lr"] = lr
         group["weight_decay"] = weight_decay if decays else 0.0
-
-
-def as_step_outcome(result: StepResult) -> StepOutcome:
-    """fastgrad's :class:`~fastgrad.optim.StepResult` as the seam's :class:`StepOutcome`."""
-    return StepOutcome(stepped=result.stepped, grad_norm=result.grad_norm,
-                       clip_coefficient=result.clip_coefficient, loss_scale=result.loss_scale,
-                       reason=result.reason or "")
 
 
 class FastgradDataParallel(DataParallelModule):
@@ -145,7 +136,7 @@ class FastgradShardedOptimizer(ShardedOptimizer):
 
     def step(self) -> StepOutcome:
         schedule_next_update(self.optimizer, self.settings, self.decaying)
-        return as_step_outcome(self.optimizer.step())
+        return self.optimizer.step()  # fastgrad reports its step in the seam's StepOutcome
 
     def state(self) -> dict[str, AdamWState]:
         return {name: AdamWState(entry["master"], entry["exp_avg"], entry["exp_avg_sq"])

@@ -33,9 +33,9 @@ from fastgrad.deferred_wgrad import ColumnParallelOutputLayer
 from fastgrad.mxfp8 import MXFP8Parameter
 from fastgrad.mxfp8_sharing import MXFP8ParamGradBuffer
 from fastgrad.optim import ModelChunks
-from fastgrad.parallel_dims import ParallelDims
 from fastgrad.pipeline import forward_backward_1f1b
 from fastgrad.pipeline_interleaved import forward_backward_interleaved
+from gradvocab import ParallelDims
 from verify.candidates.api.pipeline import (
     MXFP8_BLOCK,
     PipelineCase,

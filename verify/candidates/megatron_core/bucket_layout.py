@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
+from gradvocab import ParallelDims, RankPlace
 from verify.candidates.api import Technique, Unsupported
 from verify.candidates.api.layout import (
     BucketLayout,
@@ -55,6 +56,7 @@ from verify.candidates.api.layout import (
     Layout,
     LayoutCase,
 )
+from verify.candidates.megatron_core.process_groups import megatron_process_groups
 from verify.candidates.megatron_core.scope import MegatronScope
 from verify.candidates.megatron_core.version import installed
 
@@ -75,13 +77,6 @@ class MetaAllocation(TorchFunctionMode):
         if "device" in kwargs:
             kwargs["device"] = "meta"
         return func(*args, **kwargs)
-
-
-def fake_group(rank: int, size: int) -> Any:
-    """torch's ``FakeProcessGroup``: a size and a rank, no communication."""
-    from torch._C._distributed_c10d import FakeProcessGroup
-
-    return FakeProcessGroup._create_internal(rank, size)
 
 
 def read_layout(buffer: Any, params: Sequence[torch.nn.Parameter]) -> Layout:
@@ -113,19 +108,17 @@ def build_megatron_buffer(case: LayoutCase, params: Sequence[torch.nn.Parameter]
     """
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer
-    from megatron.core.process_groups_config import ProcessGroupCollection
 
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=case.use_distributed_optimizer,
         pad_buckets_for_high_nccl_busbw=case.pad_buckets_for_high_nccl_busbw,
         grad_reduce_in_fp32=True, overlap_grad_reduce=True, bucket_size=case.bucket_size)
-    dp_group = fake_group(dp_rank, case.dp_size)
-    groups = ProcessGroupCollection()
-    groups.tp = fake_group(0, 1)
-    groups.dp_cp = dp_group
+    # Laid out only: every group fake (a size and a rank), nothing communicates.
+    groups = megatron_process_groups(ParallelDims(dp_size=case.dp_size, place=RankPlace(
+        rank=dp_rank, dp_rank=dp_rank, distributed=False)))
     names = {p: f"param{i}" for i, p in enumerate(params)}
     indices = list(range(len(params)))
-    rest = (dp_group, case.bucket_size, names, 1.0 / case.dp_size, indices, False, groups)
+    rest = (groups.dp, case.bucket_size, names, 1.0 / case.dp_size, indices, False, groups)
     if not takes_param_layout:
         return _ParamAndGradBuffer(ddp_config, torch.bfloat16, torch.float32, params, *rest)
     layout = None
@@ -315,7 +308,6 @@ class MegatronLayout(MegatronScope, BucketLayout):
                      dp_size: int, dp_group: dist.ProcessGroup | None = None,
                      average: bool = False) -> GradBuffer:
         from megatron.core.distributed import DistributedDataParallelConfig
-        from megatron.core.process_groups_config import ProcessGroupCollection
         from megatron.core.transformer import TransformerConfig
 
         if dp_group is not None and dist.get_world_size(dp_group) != dp_size:
@@ -328,10 +320,10 @@ class MegatronLayout(MegatronScope, BucketLayout):
                      "pad_buckets_for_high_nccl_busbw"):
             if getattr(config, name) and not found.has(name):
                 raise unsupported(found.features[name].reason)
-        groups = ProcessGroupCollection()
-        groups.dp = dp_group if dp_group is not None else fake_group(0, dp_size)
-        groups.dp_cp = groups.dp
-        groups.tp, groups.pp, groups.ep, groups.expt_dp = (fake_group(0, 1) for _ in range(4))
+        # Without a group the buffer only lays itself out (fake groups of dp_size).
+        grid = (ParallelDims(dp_size=dp_size, place=RankPlace(rank=0, distributed=False))
+                if dp_group is None else ParallelDims.data_parallel(dp_group, dp_size))
+        groups = megatron_process_groups(grid)
         # The per-token-loss mode is Megatron's only plain SUM over DP (factor 1.0).
         transformer = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1,
                                         use_cpu_initialization=True,

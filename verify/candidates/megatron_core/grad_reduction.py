@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from gradvocab import ParallelDims
 from gradvocab.averaging import Averaging
 from verify.candidates.api.core import DocumentedBehaviour, Technique, Unsupported
 from verify.candidates.api.grad_reduction import (
@@ -43,6 +44,7 @@ from verify.candidates.api.grad_reduction import (
     ReductionConfig,
     ScratchReduceScatter,
 )
+from verify.candidates.megatron_core.process_groups import megatron_process_groups
 from verify.candidates.megatron_core.scope import MegatronScope
 from verify.candidates.megatron_core.version import installed
 
@@ -156,17 +158,11 @@ def own_rank_group(cache: dict) -> dist.ProcessGroup:
 
 
 def data_parallel_groups(group: dist.ProcessGroup | None, cache: dict):
-    """A ``ProcessGroupCollection`` for a DP-only grid on ``group`` (None: the world)."""
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
-    dp = dist.group.WORLD if group is None else group
-    alone = own_rank_group(cache)
-    groups = ProcessGroupCollection()
-    groups.tp = groups.pp = groups.ep = groups.mp = alone
-    groups.expt_dp = alone
-    groups.tp_ep_pp = None
-    groups.dp = groups.dp_cp = groups.intra_dist_opt = dp
-    return groups
+    """A ``ProcessGroupCollection`` for a DP-only grid on ``group`` (None: the world); its
+    size-1 groups (tensor, pipeline, expert) are a real group of this rank alone, made once
+    per process (:func:`own_rank_group`)."""
+    return megatron_process_groups(ParallelDims.data_parallel(group),
+                                   alone=own_rank_group(cache))
 
 
 @dataclass(frozen=True)

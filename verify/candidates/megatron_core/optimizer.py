@@ -31,6 +31,7 @@ from typing import ClassVar, NoReturn
 import torch
 import torch.distributed as dist
 
+from gradvocab import StepOutcome
 from verify.candidates.api.core import DocumentedBehaviour, Technique, Unsupported
 from verify.candidates.api.optimizer import (
     AdamWState,
@@ -39,7 +40,6 @@ from verify.candidates.api.optimizer import (
     DistributedOptimizerStep,
     OptimizerBehaviour,
     OptimizerSettings,
-    StepOutcome,
     TrainingOptimizer,
 )
 from verify.candidates.megatron_core.scope import MegatronScope

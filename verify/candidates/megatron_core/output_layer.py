@@ -41,7 +41,7 @@ from verify.candidates.api.deferred_wgrad import (
     ReduceInFlight,
     WgradGemm,
 )
-from verify.candidates.megatron_core.bucket_layout import fake_group
+from verify.candidates.megatron_core.process_groups import fake_group
 from verify.candidates.megatron_core.redirect import FUSED_WGRAD_MODULE
 from verify.candidates.megatron_core.scope import MegatronScope
 

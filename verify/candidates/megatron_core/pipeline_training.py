@@ -60,7 +60,7 @@ from verify.candidates.api.pipeline import (
     updated_once,
 )
 from verify.candidates.api.pipeline_spec import sgd_update
-from verify.candidates.megatron_core.bucket_layout import fake_group
+from verify.candidates.megatron_core.process_groups import megatron_process_groups
 from verify.candidates.megatron_core.scope import MegatronScope
 from verify.candidates.megatron_core.stages import StageChunk, forward_step_func, transformer_config
 from verify.candidates.megatron_core.twin_pipeline import (
@@ -161,7 +161,7 @@ class MegatronPipeline(MegatronScope, StagesForOptimizer, PipelineTraining):
             raise unsupported("is wired for the pipeline check's pipelined schedules (PP >= 2) only")
         require_features(case)
         config = transformer_config(case)
-        groups = _process_groups(grid)
+        groups = megatron_process_groups(grid)
         chunks, ddps = self._build(case, config, grid, groups, overlap)
         sites = LaunchSites(ddps)
         _wire(config, ddps, sites, overlap)
@@ -189,23 +189,6 @@ class MegatronPipeline(MegatronScope, StagesForOptimizer, PipelineTraining):
             ddps.append(ddp)
             chunks.append(chunk)
         return chunks, ddps
-
-
-def _process_groups(grid: ParallelDims) -> Any:
-    """The grid's groups as Megatron's ``ProcessGroupCollection`` (size-1 ones fake)."""
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
-    groups = ProcessGroupCollection()
-    groups.dp = grid.dp_group  # ParallelDims.build makes one on every rank of the grid
-    groups.dp_cp = groups.dp
-    groups.pp = grid.pp_group
-    groups.tp, groups.cp, groups.ep, groups.expt_dp = (fake_group(0, 1) for _ in range(4))
-    # A middle stage holds no embedding group (torch's NON_GROUP_MEMBER marker): None, which
-    # Megatron reads as size 1 and skips.
-    embedding = grid.embedding_group
-    groups.embd = embedding if isinstance(embedding, dist.ProcessGroup) else None
-    groups.pos_embd = None
-    return groups
 
 
 def _wire(config: Any, ddps: Sequence[Any], sites: LaunchSites, overlap: bool) -> None:

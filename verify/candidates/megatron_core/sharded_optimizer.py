@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fastgrad.parallel_dims import ParallelDims
+from gradvocab import ParallelDims, StepOutcome
 from verify.candidates.api.core import Technique, Unsupported
 from verify.candidates.api.optimizer import (
     AdamWState,
@@ -37,7 +37,6 @@ from verify.candidates.api.optimizer import (
     OptimizerCheckpoint,
     OptimizerSettings,
     ShardedOptimizer,
-    StepOutcome,
 )
 from verify.candidates.api.optimizer_schedule import HyperparameterSchedule
 from verify.candidates.megatron_core.grad_reduction import data_parallel_groups, model_config

@@ -60,45 +60,11 @@ from verify.candidates.api.pipeline_spec import (
     stage_loss,
     stage_param_name,
 )
+from verify.candidates.megatron_core.process_groups import fake_group, megatron_process_groups
 
 if TYPE_CHECKING:  # megatron-core is optional: imported where a technique runs
     from megatron.core.distributed import DistributedDataParallel
-    from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer import TransformerConfig
-
-
-def fake_group(rank: int, size: int) -> dist.ProcessGroup:
-    """torch's ``FakeProcessGroup``: a size and a rank, no communication."""
-    from torch._C._distributed_c10d import FakeProcessGroup
-
-    return FakeProcessGroup._create_internal(rank, size)
-
-
-def process_groups(grid: ParallelDims) -> ProcessGroupCollection:
-    """The built grid's groups as Megatron's ``ProcessGroupCollection`` (TP 1, no CP, no
-    experts: those groups size 1). ``mp``: every stage of this DP replica, the pipeline group
-    at TP 1. Collective over the grid's ranks (its distributed-optimizer group)."""
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
-    groups = ProcessGroupCollection()
-    groups.dp = grid.dp_group if grid.dp_group is not None else dist.group.WORLD
-    groups.dp_cp = groups.dp
-    groups.intra_dp_cp = groups.dp
-    groups.pp = grid.pp_group if grid.pp_group is not None else fake_group(0, 1)
-    groups.mp = groups.pp
-    groups.tp, groups.cp, groups.ep, groups.expt_tp = (fake_group(0, 1) for _ in range(4))
-    groups.tp_cp = groups.tp
-    groups.expt_dp = fake_group(0, 1)
-    groups.intra_expt_dp = groups.expt_dp
-    groups.tp_ep_pp = None
-    # One distributed-optimizer instance: its grad statistics (norm, zeros) are reduced over
-    # every rank of the grid (parallel_state's intra-distributed-optimizer-instance group).
-    ranks = list(range(grid.first_rank, grid.first_rank + grid.world_size))
-    groups.intra_dist_opt = (dist.group.WORLD if ranks == list(range(dist.get_world_size()))
-                             else dist.new_group(ranks, use_local_synchronization=True))
-    groups.embd = grid.embedding_group  # None on a middle stage: Megatron skips the all-reduce
-    groups.pos_embd = None
-    return groups
 
 
 class StageChunk(torch.nn.Module):
@@ -222,7 +188,7 @@ class MegatronStages:
 
         self.case, self._grid, self.settings = case, grid, settings
         self.config = transformer_config(case, settings.param_dtype)
-        self.groups = process_groups(grid)
+        self.groups = megatron_process_groups(grid)
         ddp_class = ddp_class or DistributedDataParallel
         self.chunks: list[StageChunk] = []
         self.ddps: list[DistributedDataParallel] = []

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fastgrad.parallel_dims import ParallelDims
+from gradvocab import ParallelDims, StepOutcome
 from verify.candidates.api.core import DocumentedBehaviour, Technique, Unsupported
 from verify.candidates.api.optimizer import (
     AdamWState,
@@ -39,7 +39,6 @@ from verify.candidates.api.optimizer import (
     OptimizerBehaviour,
     OptimizerCheckpoint,
     OptimizerSettings,
-    StepOutcome,
 )
 from verify.candidates.torch_fsdp2.sharding import mesh_of, policy
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+from gradvocab import default_bucket_size
 from refgrad.layout import compute_layout as reference_layout
 from verify.candidates import Behaviour, Candidate, Technique, Unsupported
 from verify.candidates.api.layout import BucketLayout, LayoutCase
@@ -214,7 +215,7 @@ def _report(ctx: CheckContext, rec: CheckRecorder, layout: BucketLayout,
             numels, shared, _ = layout_report.MODELS[model].param_numels()
             for dp in layout_report.DEFAULT_DPS:
                 labelled.append((f"{model} dp={dp}", LayoutCase(
-                    tuple(numels), dp_size=dp, bucket_size=max(40_000_000, 1_000_000 * dp),
+                    tuple(numels), dp_size=dp, bucket_size=default_bucket_size(dp),
                     use_distributed_optimizer=True, pad_buckets_for_high_nccl_busbw=True,
                     shared_embedding=tuple(shared))))
         candidate_layouts = layout.layouts([case for _, case in labelled])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+from gradvocab import default_bucket_size
 from refgrad.layout import compute_layout as reference_layout
 from verify.candidates.api.mxfp8 import ParamGatherResult
 from verify.check import CheckRecorder
@@ -104,7 +105,7 @@ def _published_table(rec: CheckRecorder) -> None:
         layout = reference_layout(
             _synthetic_numels(params),
             dp_size=dp,
-            bucket_size=max(40_000_000, 1_000_000 * dp),
+            bucket_size=default_bucket_size(dp),
             use_distributed_optimizer=True,
             pad_buckets_for_high_nccl_busbw=False,
         )

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from gradvocab import summarize_step
 from gradvocab.averaging import Averaging
 from refgrad.layout import compute_layout as reference_layout
 from refgrad.pipeline import (
@@ -15,7 +16,6 @@ from refgrad.pipeline import (
 )
 from verify.candidates.api import DocumentedBehaviour
 from verify.candidates.api.pipeline import PipelineCase, RankResult
-from verify.candidates.api.timeline import summarize_step
 from verify.check import CheckRecorder
 
 # ---------------------------------------------------------------- parent side

@@ -2,10 +2,11 @@
 
 As torchtitan's ``ParallelDims`` (``torchtitan/distributed/parallel_dims.py``): one frozen,
 self-validating object carries the tensor (TP), context (CP), data (DP), pipeline (PP) and
-virtual-pipeline (VPP) sizes and sequence parallelism. Every fastgrad object that
-communicates (DDP, its buffer and buckets, the MXFP8 front, the schedules, the output layer;
-the optimizer through its buffer) takes it, so the sizes, ranks and groups they work with
-cannot disagree.
+virtual-pipeline (VPP) sizes and sequence parallelism. It is vocabulary (``gradvocab``): every
+fastgrad object that communicates (DDP, its buffer and buckets, the MXFP8 front, the schedules,
+the output layer; the optimizer through its buffer) takes it, and so do gradverify's candidate
+seam, its checks and ``verify preflight``, so the sizes, ranks and groups they work with cannot
+disagree.
 
 Three ways to get one, one type:
 
@@ -37,7 +38,7 @@ from typing import Any, Generic, TypeVar
 
 import torch.distributed as dist
 
-from fastgrad.errors import LifecycleError
+from gradvocab.errors import LifecycleError
 
 ORDER = "tp-cp-dp-pp"  # innermost first: Megatron-Core's tp-cp-ep-dp-pp without experts
 _SIZES = ("tp_size", "cp_size", "dp_size", "pp_size", "vpp_size")
@@ -365,32 +366,6 @@ def _require_member(group: Any, name: str, what: str) -> None:
             "same ranks; each rank then uses the group holding it)")
 
 
-class DataParallelView:
-    """``dp_group``, ``dp_size``, ``dp_rank`` and ``distributed`` read from ``self.parallel_dims``.
-
-    For the objects that reduce over data-parallel replicas (buffer, bucket, the MXFP8
-    front): one place for the names callers use, none of them stored twice.
-    """
-
-    parallel_dims: ParallelDims
-
-    @property
-    def dp_group(self) -> Any:
-        return self.parallel_dims.dp_group
-
-    @property
-    def dp_size(self) -> int:
-        return self.parallel_dims.dp_size
-
-    @property
-    def dp_rank(self) -> int:
-        return self.parallel_dims.dp_rank
-
-    @property
-    def distributed(self) -> bool:
-        return self.parallel_dims.distributed
-
-
 def require_place(parallel_dims: object, owner: str) -> ParallelDims:
     """``parallel_dims`` if it is a :class:`ParallelDims` that knows this rank's place, else a
     TypeError/ValueError naming ``owner``."""
@@ -403,4 +378,4 @@ def require_place(parallel_dims: object, owner: str) -> ParallelDims:
     return parallel_dims
 
 
-__all__ = ["ORDER", "DataParallelView", "ParallelDims", "RankPlace", "require_place"]
+__all__ = ["ORDER", "ParallelDims", "RankPlace", "require_place"]
