@@ -236,14 +236,17 @@ def test_pipeline_check_classifies_every_megatron_difference():
     # the head's bucket is reducing while its deferred wgrads are drained into it (finding 4).
     # Without overlap the head is drained before the reduction: bitwise refgrad.
     tag = f"{EVERY_STEP}, overlap on"
-    wrong = {f"{tag}: reduced grads vs refgrad", f"{tag}: params after SGD vs refgrad",
-             f"{tag}: the deferred output-layer wgrads were drained before their bucket's "
-             "reduction was launched"}
+    drained_late = (f"{tag}: the deferred output-layer wgrads were drained before their bucket's "
+                    "reduction was launched")
     crashed = {f"{c.label}: {c.summary()}" for c in result.crashes}
-    # How wrong the drained-late head is depends on when gloo's async all-reduce read the
-    # bucket (a race): the later steps' losses may or may not differ in their last bits.
-    assert wrong | crashed <= set(result.failed_labels()) <= wrong | crashed | {
-        f"{tag}: losses vs refgrad"}
+    # The drain into a reducing bucket is always seen (the expectation fails every run). How
+    # wrong the drained-late head comes out depends on when gloo's async all-reduce thread read
+    # the bucket (a race): usually before the drain, so the reduced grads and params differ
+    # from refgrad (and maybe the later losses); on a starved machine (load ~30 on 2 cores) it
+    # read it after, and they matched.
+    racy = {f"{tag}: {what} vs refgrad" for what in ("reduced grads", "params after SGD", "losses")}
+    failed = set(result.failed_labels())
+    assert {drained_late} | crashed <= failed <= {drained_late} | crashed | racy
     findings = {c.label: c.finding for c in result.cases if not c.passed}
     assert findings == {f"{TIED}, overlap on": "megatron-core-3",
                         f"{TIED}, overlap off": "megatron-core-3",
@@ -259,8 +262,9 @@ def test_pipeline_check_classifies_every_megatron_difference():
     assert "timing P2 D2: grads overlap on vs off" in passed
     # The head's grad is among those that differ (and, tied, the first stage's weight); at
     # which step first depends on the race with gloo's async all-reduce.
-    note = next(n for n in result.notes if n.startswith(f"{tag}: reduced grads differ"))
-    assert "stage1.head.weight" in note and "stage0.layers.0.weight" in note, note
+    if f"{tag}: reduced grads vs refgrad" in failed:
+        note = next(n for n in result.notes if n.startswith(f"{tag}: reduced grads differ"))
+        assert "stage1.head.weight" in note and "stage0.layers.0.weight" in note, note
     # One bucket on every stage after the first (DistributedDataParallel.__init__). Hand-
     # derived with refgrad.layout at bucket_size 80: a stage of two 8x8 Linear layers, reversed
     # (bias 8, weight 64, bias 8: 80 >= 80 closes), is 2 buckets; the last tied stage with its
