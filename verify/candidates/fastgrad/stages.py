@@ -36,7 +36,7 @@ from fastgrad.optim import ModelChunks
 from fastgrad.parallel_dims import ParallelDims
 from fastgrad.pipeline import forward_backward_1f1b
 from fastgrad.pipeline_interleaved import forward_backward_interleaved
-from refgrad.pipeline_mixed import cast_params_
+from refgrad.pipeline import cast_params_
 from verify.candidates.api import Fault
 from verify.candidates.api.pipeline import (
     MXFP8_BLOCK,

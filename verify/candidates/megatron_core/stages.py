@@ -46,8 +46,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from refgrad.pipeline import HEAD_PARAM, StageModule, head_weight_init, stage_param_name
-from refgrad.pipeline_tp import stage_loss
+from refgrad.pipeline import (
+    HEAD_PARAM,
+    StageModule,
+    head_weight_init,
+    stage_loss,
+    stage_param_name,
+)
 from verify.candidates.api.pipeline import (
     ParallelDims,
     PipelineCase,
