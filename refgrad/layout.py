@@ -56,6 +56,11 @@ class Layout:
     numel_unpadded: int
     dp_size: int
 
+    @property
+    def num_buckets(self) -> int:
+        """How many buckets the buffer has (shared embeddings' own buckets included)."""
+        return len(self.bucket_indices)
+
     def shard(self, bucket_id: int, rank: int) -> tuple[int, int]:
         """``(start, end)`` in the buffer of rank ``rank``'s contiguous shard of a bucket."""
         if not 0 <= bucket_id < len(self.bucket_indices):

@@ -26,10 +26,10 @@ from refgrad.pipeline import (
     LinearStackSpec,
     StageModule,
     StepPlan,
+    interleaved_program_order,
     reference_training,
     stage_param_name,
 )
-from refgrad.pipeline_schedule import interleaved_program_order
 from verify.candidates.api.pipeline import PipelineCase
 from verify.candidates.fastgrad.pipeline import run_interleaved_case_on_rank
 from verify.metrics import assert_bitwise_equal

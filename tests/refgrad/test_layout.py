@@ -37,6 +37,7 @@ def test_shared_embedding_in_the_middle():
     assert layout.param_index_map == ((320, 330, 2), (256, 276, 2), (128, 158, 1), (0, 40, 0))
     assert layout.bucket_indices == ((0, 128), (128, 256), (256, 384))
     assert layout.per_bucket_numel_unpadded == (64, 30, 74)
+    assert layout.num_buckets == 3  # the shared embedding's own bucket counts
 
 
 def test_shared_embedding_larger_than_a_bucket():
@@ -63,6 +64,7 @@ def test_every_param_its_own_bucket_with_bucket_size_one():
     layout = compute_layout([1, 200, 3], dp_size=2, bucket_size=1, **DIST)
     assert layout.param_index_map == ((384, 385, 2), (128, 328, 1), (0, 3, 0))
     assert layout.bucket_indices == ((0, 128), (128, 384), (384, 512))
+    assert layout.num_buckets == 3
 
 
 def test_divisors_from_the_formula():

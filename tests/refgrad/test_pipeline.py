@@ -190,11 +190,14 @@ def test_tensor_parallel_spec_rules_and_hand_checked_tp_sums():
     from refgrad.pipeline import (
         LinearStackSpec,
         StageModule,
+        loss_target,
         reduce_and_tie,
         replica_grad_sums,
+        sequence_shard,
+        splits_loss,
+        stage_loss,
         stage_param_name,
     )
-    from refgrad.pipeline_tp import loss_target, sequence_shard, splits_loss, stage_loss
 
     with pytest.raises(ValueError, match=r"hidden \(5\) must be divisible by tensor_parallel"):
         LinearStackSpec(num_stages=2, hidden=5, output_head=True, tied_embedding=True,
@@ -226,8 +229,7 @@ def test_tensor_parallel_spec_rules_and_hand_checked_tp_sums():
 def test_tied_first_layer_at_tp2_is_a_vocab_parallel_embedding_by_hand():
     """Tied at TP 2: stage 0's first layer is ``x · W + b`` with W's rows split over TP as the
     head's; each rank's wgrad is ``x_kᵀ · G`` (small integers: every product and sum exact)."""
-    from refgrad.pipeline_embedding import VocabParallelFirstLayer, vocab_block
-    from refgrad.pipeline_tp import expected_on_rank
+    from refgrad.pipeline import VocabParallelFirstLayer, expected_on_rank, vocab_block
 
     spec = LinearStackSpec(num_stages=2, layers_per_stage=1, hidden=4, microbatch_size=2,
                            output_head=True, tied_embedding=True, tensor_parallel=2)

@@ -8,7 +8,7 @@ import pytest
 
 from fastgrad.pipeline import schedule_1f1b
 from fastgrad.pipeline_interleaved import schedule_interleaved
-from refgrad.pipeline_schedule import interleaved_program_order, program_order
+from refgrad.pipeline import interleaved_program_order, program_order
 from verify.studies.pipeline import (
     PipelineCosts,
     closed_form_bubble_fraction,

@@ -231,7 +231,7 @@ def test_twin_claims_and_gaps_follow_the_configuration(twins):
 @pytest.mark.dist
 def test_twin_runs_tensor_parallel_ranks_and_checks_each(twins):
     """TP 2: TP x PP x DP ranks; every TP rank's grads, params (its head rows) and losses held
-    against refgrad.pipeline_tp; sequence parallel where asked."""
+    against refgrad.pipeline.tensor_parallel; sequence parallel where asked."""
     for name, world in (("tp2", 4), ("tp2_sp", 8), ("tp2_sp_pp1", 4), ("tp2_sp_vpp", 4),
                         ("tp2_tied", 8)):
         _, report, plan, passed, results = twins[name]

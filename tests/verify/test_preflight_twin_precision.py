@@ -1,12 +1,12 @@
 """``verify preflight``'s twin with 16-bit params: bf16/fp16 compute, fp32 or 16-bit grad buffers.
 
 Multi-rank twins run in one spawned 8-rank world (grids side by side) and are
-compared with refgrad (``refgrad.pipeline_mixed`` + ``refgrad.optim``) through
+compared with refgrad (``refgrad.pipeline`` + ``refgrad.optim``) through
 the CLI's own code. The fp16 twin starts from a loss scale at which its fp16
 grads are finite (2^10 at most: Megatron's default 2^32 would skip every step), updates
 twice, then meets a deliberate loss spike whose fp16 grads overflow, so an update and the
 scaler's skip, hysteresis and backoff run on the ranks.
-At TP 2 (``refgrad.pipeline_tp_mixed``) the bf16 twin runs with and without
+At TP 2 (``refgrad.pipeline.tensor_parallel``) the bf16 twin runs with and without
 sequence parallelism, tied (the first layer vocab-parallel). Deliberately
 broken fastgrads (grads accumulated through the param dtype into the fp32
 main-grad buffer: a candidate whose stages build a broken DDP subclass; at TP 2 the
@@ -153,9 +153,7 @@ def test_where_the_twin_keeps_fp32_or_scales_dp_it_says_so():
 
 
 def test_refgrads_sp_grad_sum_over_tp_is_one_rounding_of_two_grad_dtype_terms():
-    from refgrad.pipeline import LinearStackSpec
-    from refgrad.pipeline_mixed import mixed_replica_grad_sums
-    from refgrad.pipeline_tp_mixed import mixed_sum_over_tensor_parallel
+    from refgrad.pipeline import LinearStackSpec, replica_grad_sums, sum_over_tensor_parallel
 
     spec = LinearStackSpec(num_stages=2, layers_per_stage=1, hidden=4, microbatch_size=2,
                            output_head=True, tensor_parallel=2, sequence_parallel=True)
@@ -164,15 +162,15 @@ def test_refgrads_sp_grad_sum_over_tp_is_one_rounding_of_two_grad_dtype_terms():
     per_rank = torch.tensor([[1.0, 1.0], [2.0**-8, 2.0**-8 + 2.0**-15]], dtype=torch.bfloat16)
     head = torch.full((4, 4), 3.0, dtype=torch.bfloat16)
     reduced = {"stage0.layers.0.weight": per_rank, "stage1.head.weight": head}
-    mixed_sum_over_tensor_parallel(spec, reduced)
+    sum_over_tensor_parallel(spec, reduced)
     assert reduced["stage0.layers.0.weight"].tolist() == [1.0, 1.0 + 2.0**-7]
     assert reduced["stage0.layers.0.weight"].dtype == torch.bfloat16
     assert reduced["stage1.head.weight"] is head
     tp4 = LinearStackSpec(num_stages=2, layers_per_stage=1, hidden=8, microbatch_size=4,
                           output_head=True, tensor_parallel=4)
     with pytest.raises(ValueError, match="models tensor_parallel 2 only"):
-        mixed_replica_grad_sums(tp4, [], {"w": torch.zeros(1, dtype=torch.bfloat16)}, None, 0, 1, 1,
-                                grad_dtype=torch.float32)
+        replica_grad_sums(tp4, [], {"w": torch.zeros(1, dtype=torch.bfloat16)}, None, 0, 1, 1,
+                          grad_dtype=torch.float32)
 
 
 def test_refgrads_16_bit_tied_sp_first_layer_keeps_one_buffer_left_out_of_the_tp_sum():
@@ -183,10 +181,12 @@ def test_refgrads_16_bit_tied_sp_first_layer_keeps_one_buffer_left_out_of_the_tp
         EMBEDDING_PARAM,
         LinearStackSpec,
         StageModule,
+        cast_params_,
         head_weight_init,
+        reduce_and_tie,
+        replica_grad_sums,
         stage_param_name,
     )
-    from refgrad.pipeline_mixed import cast_params_, mixed_reduce_and_tie, mixed_replica_grad_sums
 
     spec = LinearStackSpec(num_stages=2, layers_per_stage=1, hidden=4, microbatch_size=2, seed=3,
                            output_head=True, tied_embedding=True, tensor_parallel=2,
@@ -196,11 +196,11 @@ def test_refgrads_16_bit_tied_sp_first_layer_keeps_one_buffer_left_out_of_the_tp
     head = head_weight_init(spec).requires_grad_(True)
     named[stage_param_name(1, "head.weight")] = head
     cast_params_(list(named.values()), torch.bfloat16)
-    sums, _ = mixed_replica_grad_sums(spec, stages, named, head, 0, 2, 2, grad_dtype=torch.float32)
+    sums, _ = replica_grad_sums(spec, stages, named, head, 0, 2, 2, grad_dtype=torch.float32)
     emb, bias = stage_param_name(0, EMBEDDING_PARAM), stage_param_name(0, "layers.0.bias")
     assert sums[0][emb].shape == (4, 4) and sums[0][bias].shape == (2, 4)
     assert bool(sums[0][emb].ne(0).any())
-    reduced = mixed_reduce_and_tie(spec, sums, Averaging.SUM)
+    reduced = reduce_and_tie(spec, sums, Averaging.SUM)
     assert reduced[emb].shape == (4, 4) and reduced[bias].shape == (4,)
 
 

@@ -1,8 +1,9 @@
 """The full-size model on paper: buffer layouts, bytes on the wire, predicted reduction error.
 
 Nothing here allocates a tensor of the model's size: the layouts come from
-``fastgrad.layout.compute_layout`` on the per-chunk list of parameter sizes
-(production's own arithmetic, vectorised over parameters), and every other
+``refgrad.layout.compute_layout`` on the per-chunk list of parameter sizes
+(production's arithmetic as the specification states it, one parameter at a time: the
+figures are the spec's, never those of an implementation under test), and every other
 figure is a formula over those sizes. Units: elements for layouts, bytes for
 memory and traffic, per rank and per optimizer step.
 """
@@ -15,9 +16,9 @@ from fractions import Fraction
 
 import torch
 
-from fastgrad.layout import BufferLayout, compute_layout
 from gradvocab.averaging import Averaging
 from refgrad.formats import FLOAT32, format_of, gamma
+from refgrad.layout import Layout, compute_layout
 from verify.preflight.config import DTYPE_BYTES, PreflightConfig
 from verify.preflight.model import ParamSpec, chunk_parameters, layers_of_chunk
 from verify.studies.reduce_scatter.sweep import DEFAULT_DP
@@ -53,7 +54,7 @@ class ChunkLayout:
     params: tuple[ParamSpec, ...]
     bucket_size: int | None
     bucket_rule: str
-    layout: BufferLayout
+    layout: Layout
 
     @property
     def param_elements(self) -> int:

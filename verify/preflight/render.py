@@ -80,7 +80,7 @@ def report_tables(report: dict) -> Tables:
     tables.append(("Configuration (Megatron-Core names, after Megatron's own defaults)",
                    ["setting", "value"], settings))
     tables.append((
-        "Gradient buffer per stage and model chunk (one TP rank; fastgrad.layout.compute_layout)",
+        "Gradient buffer per stage and model chunk (one TP rank; refgrad.layout.compute_layout)",
         ["stage", "chunk", "params", "elements", "buffer numel", "padding", "buckets",
          "bucket rule", "grad buffer", "param buffer", "MXFP8 sharing saves"],
         collapse_stages([[str(r["stage"]), str(r["chunk"]), str(r["num_params"]), f"{r['param_elements']:,}",

@@ -46,7 +46,7 @@ import math
 import sys
 from dataclasses import dataclass
 
-from refgrad.pipeline_schedule import (
+from refgrad.pipeline import (
     interleaved_program_order,
     program_order,
     validate_schedule_shape,

@@ -50,9 +50,17 @@ import torch.distributed as dist
 from gradvocab import ParallelDims
 from gradvocab.averaging import Averaging
 from gradvocab.results import LAUNCH_SITES, RankResult
-from refgrad.pipeline import REDUCTIONS, LinearStackSpec, StepPlan, microbatch_data
-from refgrad.pipeline_embedding import vocab_block
-from refgrad.pipeline_tp import loss_target, sequence_shard, splits_loss, stage_loss
+from refgrad.pipeline import (
+    REDUCTIONS,
+    LinearStackSpec,
+    StepPlan,
+    loss_target,
+    microbatch_data,
+    sequence_shard,
+    splits_loss,
+    stage_loss,
+    vocab_block,
+)
 from verify.candidates.api.core import Technique, Unsupported
 from verify.candidates.api.findings import LaunchSettings
 from verify.candidates.api.optimizer import DataParallelModel

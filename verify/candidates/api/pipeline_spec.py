@@ -16,12 +16,13 @@ from refgrad.pipeline import (
     HEAD_PARAM,
     LinearStackSpec,
     StageModule,
+    cast_params_,
+    head_shard,
     head_weight_init,
     sgd_update,
+    stage_loss,
     stage_param_name,
 )
-from refgrad.pipeline_mixed import cast_params_
-from refgrad.pipeline_tp import head_shard, stage_loss
 
 __all__ = [
     "EMBEDDING_PARAM",

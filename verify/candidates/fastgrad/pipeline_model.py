@@ -62,7 +62,7 @@ class BodyWithHead(torch.nn.Module):
 class VocabParallelFirstLayer(torch.nn.Module):
     """The first stage's first layer when tied at TP > 1, on this rank: fastgrad's
     vocab-parallel embedding (``weight``: this TP rank's rows, tied to its output-layer shard),
-    then the replicated bias (refgrad: ``refgrad.pipeline_embedding``)."""
+    then the replicated bias (refgrad: ``refgrad.pipeline.embedding``)."""
 
     def __init__(self, spec: LinearStackSpec, grid: ParallelDims, bias: torch.Tensor) -> None:
         super().__init__()

@@ -17,7 +17,7 @@ before the backward, so every gradient is exactly ``S`` times the unscaled one (
 overflow or underflow at the twin's magnitudes); the reference therefore holds its reduced
 grads times ``S`` and unscales them with ``r32(1/S)`` as the optimizer must. With 16-bit
 params (``AdamWTwin.precision``) the reference runs the scaled 16-bit backward itself
-(``refgrad.pipeline_mixed``): fp16 grads may overflow, the step is skipped and the scale
+(``refgrad.pipeline.precision``): fp16 grads may overflow, the step is skipped and the scale
 follows Megatron's scaler (:mod:`verify.preflight.twin.scaler`).
 
 The fp16 twin's loss scale. The twin's grads are small (an MSE over unit-variance data

@@ -20,8 +20,7 @@ import torch
 
 from gradvocab.results import RankResult
 from refgrad.formats import FLOAT32, gamma
-from refgrad.pipeline import ReferenceResult
-from refgrad.pipeline_tp import expected_on_rank
+from refgrad.pipeline import ReferenceResult, expected_on_rank
 from verify.candidates.api.core import DocumentedBehaviour
 from verify.candidates.api.optimizer import OptimizerBehaviour
 from verify.candidates.api.pipeline import PipelineCase

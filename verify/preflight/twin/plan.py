@@ -182,7 +182,7 @@ def plan_twin(config: PreflightConfig, options: TwinOptions, support: ModelSuppo
     rows = config.micro_batch_size
     if sequence_parallel and rows % twin_tp:
         rows *= twin_tp  # each sample twin_tp tokens long, so the sequence splits over TP
-    # At TP 2 the tied first layer is vocab-parallel (refgrad.pipeline_embedding), so each TP
+    # At TP 2 the tied first layer is vocab-parallel (refgrad.pipeline.embedding), so each TP
     # rank's embedding and output-layer shards are tied over its own embedding group. At PP 1
     # the two are one weight (LinearStackSpec.shares_one_weight; at TP 2 one shard per TP rank).
     tied = config.tied_embeddings and (pp > 1 or (not limits.mxfp8 and limits.shared_weight_at_pp1))

@@ -9,10 +9,10 @@ master copies and casts them back into the 16-bit params before the param
 all-gather. The candidate does the same on the twin's ranks
 (:class:`verify.candidates.api.pipeline.StageSettings`: the param dtype, the loss in fp32
 on the 16-bit output, the grad buffer's dtype) and refgrad's model
-(``refgrad.pipeline_mixed``, its params cast by :func:`cast_stage_params_`) does it in one
+(``refgrad.pipeline.precision``, its params cast by :func:`cast_stage_params_`) does it in one
 process.
 
-At twin TP 2 the same holds per TP rank (``refgrad.pipeline_tp_mixed``): the
+At twin TP 2 the same holds per TP rank (``refgrad.pipeline.tensor_parallel``): the
 output layer's 16-bit partial dgrads are all-reduced (reduce-scattered under
 SP) over TP in 16 bits, as are (tied) the vocab-parallel first layer's 16-bit
 partial products, and, under SP, the blocks' grad-dtype ``main_grad`` is
@@ -31,7 +31,7 @@ from collections.abc import Iterable
 
 import torch
 
-from refgrad.pipeline_mixed import cast_params_
+from refgrad.pipeline import cast_params_
 from verify.preflight.config import PreflightConfig
 from verify.preflight.twin.variants import Dtype, TwinPrecision, twins_mxfp8
 

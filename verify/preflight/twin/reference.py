@@ -3,8 +3,8 @@
 :func:`reference_for` picks the run for the plan's training variant:
 
 - SGD: ``refgrad.pipeline.reference_training``;
-- AdamW (:func:`reference_with_optimizer`): ``refgrad.pipeline``'s model (or, with 16-bit
-  params, ``refgrad.pipeline_mixed``) one replica after the other, reduced as production
+- AdamW (:func:`reference_with_optimizer`): ``refgrad.pipeline``'s model (with 16-bit
+  params, in ``refgrad.pipeline.precision``'s dtypes) one replica after the other, reduced as production
   does, stepped by ``refgrad.optim.optimizer_step`` (exact arithmetic, one rounding per fp32
   operation) with the twin's max norm, loss scale (Megatron's scaler:
   :mod:`verify.preflight.twin.scaler`) and each update's lr and weight decay
@@ -52,7 +52,6 @@ from refgrad.pipeline import (
     replica_grad_sums,
     stage_param_name,
 )
-from refgrad.pipeline_mixed import mixed_reduce_and_tie, mixed_replica_grad_sums
 from verify.candidates.api.optimizer import HyperparameterSchedule, OptimizerBehaviour
 from verify.candidates.api.pipeline import PipelineCase
 from verify.preflight.twin.mxfp8 import BLOCK, SCALE_MODE
@@ -183,10 +182,10 @@ def reference_with_optimizer(case: PipelineCase, optim: AdamWTwin | None = None,
     for step, plan in enumerate(case.plans):
         scale = scaler.scale
         if precision.mixed:  # the scaled 16-bit backward itself (it may overflow)
-            per_replica, step_losses = mixed_replica_grad_sums(
+            per_replica, step_losses = replica_grad_sums(
                 spec, stages, named, head, step, plan.num_microbatches, case.dp_size,
                 grad_dtype=precision.grad_dtype, loss_scale=scale)
-            reduced = mixed_reduce_and_tie(spec, per_replica, case.reduction)
+            reduced = reduce_and_tie(spec, per_replica, case.reduction)
         else:
             per_replica, step_losses = replica_grad_sums(
                 spec, stages, named, head, step, plan.num_microbatches, case.dp_size)

@@ -92,7 +92,7 @@ class TwinPrecision:
 
     @property
     def mixed(self) -> bool:
-        """16-bit params: the path of ``refgrad.pipeline_mixed``."""
+        """16-bit params (``refgrad.pipeline.precision``)."""
         return self.params is not Dtype.FP32
 
 

@@ -1,4 +1,4 @@
-"""Reference for the pipeline model with tensor parallelism (TP) and sequence parallelism (SP).
+"""The pipeline model split over tensor parallelism (TP) and sequence parallelism (SP).
 
 ``refgrad.pipeline``'s Linear+tanh stack split as production splits it over a
 TP group of ``T`` ranks (bitwise claims hold for ``T <= 2``, see below):
@@ -17,7 +17,7 @@ TP group of ``T`` ranks (bitwise claims hold for ``T <= 2``, see below):
   ``R_0 + ... + R_{T-1}``;
 - **tied** (``tied_embedding``), the first stage's first layer is a
   vocab-parallel embedding tied to the head, row block by row block
-  (``refgrad.pipeline_embedding``): computed once on every row, so under SP
+  (``refgrad.pipeline.embedding``): computed once on every row, so under SP
   each body copy starts from its rows of the TP sum, and its ``[V, H]`` grad
   is one sum, not one per shard; on one stage (``shares_one_weight``, PP 1)
   it is the head's weight itself, each microbatch adding every TP rank's head
@@ -27,12 +27,13 @@ TP group of ``T`` ranks (bitwise claims hold for ``T <= 2``, see below):
   ``sum (out - target)^2 / (R * V) / M`` and the reported loss is the TP sum of
   the partials (production all-reduces them).
 
-This module models the per-rank partial sums with one body copy per sequence
-shard (so their grads stay apart) and one GEMM per vocab block, each of the
-same shape as on the rank. Every TP sum above has ``T`` terms: for ``T = 2``
-it is one fp32 addition, correctly rounded in either order, so fastgrad must
-match bitwise; for ``T > 2`` the backend chooses the order and no bitwise claim
-is made here.
+This module holds the split: each rank's rows, vocab block, head shard and partial loss,
+and one body copy per sequence shard (so their grads stay apart), each of the same shape as
+on the rank; ``refgrad.pipeline.grad_sums`` runs them (one GEMM per vocab block) and
+``refgrad.pipeline.reduction`` sums over TP. At ``T = 1`` the split is the whole model: one
+body, one vocab block, the whole loss. Every TP sum above has ``T`` terms: for ``T = 2``
+it is one addition, correctly rounded in either order, so fastgrad must match bitwise;
+for ``T > 2`` the backend chooses the order and no bitwise claim is made here.
 """
 
 from __future__ import annotations
@@ -43,12 +44,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from refgrad.pipeline_spec import (
+from refgrad.pipeline.spec import (
     EMBEDDING_PARAM,
     HEAD_PARAM,
-    HeadRecordingWgrad,
     LinearStackSpec,
-    microbatch_data,
     microbatch_loss,
     stage_param_name,
 )
@@ -123,97 +122,6 @@ def forward_shards(spec: LinearStackSpec, bodies: Sequence[Sequence[nn.Module]],
             out = stage(out)
         outs.append(out)
     return outs
-
-
-def tp_replica_grad_sums(
-    spec: LinearStackSpec,
-    stages: Sequence[nn.Module],
-    named: dict[str, torch.Tensor],
-    head: torch.Tensor | None,
-    step: int,
-    num_microbatches: int,
-    dp_size: int,
-) -> tuple[list[dict[str, torch.Tensor]], list[list[float]]]:
-    """``refgrad.pipeline.replica_grad_sums`` at TP > 1 (see the module docstring).
-
-    Under SP a block parameter's sum has a leading TP dimension (one microbatch-ordered
-    sum per TP rank); the head's ``[V, H]`` sum is the row blocks of every TP rank.
-    """
-
-    shards, tp = spec.sequence_shards, spec.tensor_parallel
-    head_name = stage_param_name(spec.num_stages - 1, HEAD_PARAM)
-    tied_name = stage_param_name(0, EMBEDDING_PARAM)
-    # TP-split like the head: one grad sum of all of it, never per sequence shard.
-    split = vocab_split_names(spec)
-    copies, copy_named = sequence_shard_bodies(spec, stages)
-    body_names = [n for n in named if n != head_name]
-    per_replica_sums: list[dict[str, torch.Tensor]] = []
-    step_losses: list[list[float]] = []
-    for dp_rank in range(dp_size):
-        inputs, targets = microbatch_data(spec, dp_rank, step, num_microbatches)
-        sums = {n: torch.zeros((shards, *named[n].shape)) if shards > 1 and n not in split
-                else torch.zeros_like(named[n]) for n in body_names}
-        if head is not None:
-            sums[head_name] = torch.zeros_like(head)
-        records: list[list[list[tuple[torch.Tensor, torch.Tensor]]]] = []
-        losses: list[float] = []
-        for x, target in zip(inputs, targets):
-            for params in copy_named:
-                for p in params.values():
-                    p.grad = None
-            outs = forward_shards(spec, copies, x)
-            if head is not None:
-                full = torch.cat(outs) if shards > 1 else outs[0]  # the all-gather
-                # One record per vocab block: autograd may run the blocks' backwards in any order.
-                record: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(tp)]
-                partials = [stage_loss(spec, HeadRecordingWgrad.apply(full, head_shard(spec, head, k),
-                                                                      record[k]),
-                                       loss_target(spec, target, k), num_microbatches)
-                            for k in range(tp)]
-                records.append(record)
-            elif shards > 1:
-                partials = [stage_loss(spec, outs[k], loss_target(spec, target, k), num_microbatches)
-                            for k in range(shards)]
-            else:
-                partials = [stage_loss(spec, outs[0], target, num_microbatches)]
-            loss = partials[0]
-            for part in partials[1:]:
-                loss = loss + part  # the TP all-reduce of the partial losses
-            loss.backward()
-            losses.append(float(loss.detach()))
-            if spec.shares_one_weight:  # one weight (one stage): each TP rank's head wgrad first
-                wgrad = torch.cat([torch.mm(g.t(), x) for [(g, x)] in records.pop()])
-                sums[tied_name] = sums[tied_name] + wgrad
-            for k, params in enumerate(copy_named):
-                for n, p in params.items():
-                    if p.grad is None:
-                        continue
-                    if shards > 1 and n not in split:
-                        sums[n][k] = sums[n][k] + p.grad
-                    else:
-                        sums[n] = sums[n] + p.grad
-        if spec.shares_one_weight:
-            sums[head_name] = sums[tied_name].clone()  # one parameter, reported under both names
-        elif head is not None:
-            for m in spec.head_wgrad_order(num_microbatches):
-                wgrad = torch.cat([torch.mm(g.t(), x) for [(g, x)] in records[m]])
-                sums[head_name] = sums[head_name] + wgrad
-        step_losses.append(losses)
-        per_replica_sums.append(sums)
-    return per_replica_sums, step_losses
-
-
-def sum_over_tensor_parallel(spec: LinearStackSpec, reduced: dict[str, torch.Tensor]) -> None:
-    """In place: each block parameter's per-TP-rank DP-reduced grads summed in TP-rank order
-    (the all-reduce of sequence-parallel grads after the DP sync; one add at TP 2)."""
-    split = vocab_split_names(spec)
-    for name, per_rank in reduced.items():
-        if name in split:
-            continue
-        total = per_rank[0]
-        for k in range(1, spec.sequence_shards):
-            total = total + per_rank[k]
-        reduced[name] = total
 
 
 def expected_on_rank(spec: LinearStackSpec, name: str, full: torch.Tensor, tp_rank: int) -> torch.Tensor:

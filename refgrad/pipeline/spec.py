@@ -1,9 +1,9 @@
-"""The pipeline model's description and its seeded data: what every pipeline reference shares.
+"""The pipeline model's description and its seeded data: what every part of the reference reads.
 
 :class:`LinearStackSpec` (the Linear+tanh stack, its output head, tied embedding, deferral and
-TP / SP split), :class:`StepPlan`, the seeded initial weights and microbatches, the loss and
-the SGD update, and the parameter names. ``refgrad.pipeline`` (the reference training),
-``refgrad.pipeline_tp`` and ``refgrad.pipeline_embedding`` (the TP split) build on it, so none
+TP / SP split), :class:`StepPlan`, the seeded initial weights and microbatches, the loss, and
+the parameter names. The model (``model``), its tensor-parallel split (``tensor_parallel``,
+``embedding``), the grad sums, the reductions and the training loop all build on it, so none
 of them needs another's model to describe it.
 """
 
@@ -38,10 +38,10 @@ class LinearStackSpec:
     both copies become ``fp32(reduced_first + reduced_head)``. On one stage
     (``shares_one_weight``) the two are one parameter: each microbatch adds the
     head's wgrad, then the first layer's grad, into its one sum (at TP > 1 each
-    TP rank's row block, ``refgrad.pipeline_tp``). At
+    TP rank's row block, ``refgrad.pipeline.tensor_parallel``). At
     ``tensor_parallel > 1`` that first layer is a vocab-parallel embedding,
     ``x · W + b`` with ``W`` split over TP by rows as the head is
-    (``refgrad.pipeline_embedding``), so each TP rank's two copies are tied.
+    (``refgrad.pipeline.embedding``), so each TP rank's two copies are tied.
     ``defer_output_wgrad`` and ``wgrad_deferral_limit`` are production's
     ``--defer-embedding-wgrad-compute`` and ``--wgrad-deferral-limit``: with
     ``0 < limit < M`` the first ``limit`` microbatches' head wgrads are added
@@ -49,7 +49,7 @@ class LinearStackSpec:
     ``refgrad.deferred_wgrad.deferred_accumulation_order``); otherwise in
     microbatch order.
     ``tensor_parallel`` (TP) and ``sequence_parallel`` split the model as
-    production does; their model is ``refgrad.pipeline_tp`` (the output head
+    production does; their model is ``refgrad.pipeline.tensor_parallel`` (the output head
     vocab-parallel over TP, the Linear+tanh blocks replicated, run on sequence
     shards under sequence parallelism).
     ``stage_layers``, when given, is the number of layers on each stage (one entry per
@@ -126,7 +126,7 @@ class LinearStackSpec:
     @property
     def vocab_parallel_embedding(self) -> bool:
         """Tied at TP > 1: the first stage's first layer is a vocab-parallel embedding tied to
-        the head (``refgrad.pipeline_embedding``)."""
+        the head (``refgrad.pipeline.embedding``)."""
         return self.tied_embedding and self.tensor_parallel > 1
 
     @property
@@ -179,22 +179,6 @@ def head_weight_init(spec: LinearStackSpec) -> torch.Tensor:
     return (torch.rand(spec.hidden, spec.hidden, generator=g) * 2 - 1) / spec.hidden**0.5
 
 
-class HeadRecordingWgrad(torch.autograd.Function):
-    """``x · Wᵀ``; backward returns the input gradient ``G · W`` and records ``(G, X)``."""
-
-    @staticmethod
-    def forward(ctx, x, weight, record):
-        ctx.save_for_backward(x, weight)
-        ctx.record = record
-        return torch.matmul(x, weight.t())
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        x, weight = ctx.saved_tensors
-        ctx.record.append((grad_output.detach(), x.detach()))
-        return grad_output.matmul(weight), None, None
-
-
 # A loss spike: 2^32 x unit-variance targets. The MSE (~2^64) and its gradient (~2^33 / (rows x
 # hidden x M) per element, below 2^38 and, scaled, far below fp32's 2^128) stay finite in fp32;
 # cast to fp16 (max 65504 < 2^16) for the backward, every element above 2^16 overflows.
@@ -218,11 +202,6 @@ def microbatch_data(
 def microbatch_loss(output: torch.Tensor, target: torch.Tensor, num_microbatches: int) -> torch.Tensor:
     """Mean squared error of one microbatch, divided by the microbatch count (as production)."""
     return (output - target).square().mean() / num_microbatches
-
-
-def sgd_update(param: torch.Tensor, grad: torch.Tensor, lr: float) -> torch.Tensor:
-    """``param - lr * grad`` with two separate fp32 roundings (no fused multiply-add)."""
-    return torch.sub(param, torch.mul(grad, lr))
 
 
 @dataclass(frozen=True)

@@ -22,18 +22,10 @@ GEMM; the ``[V, H]`` grad is the row blocks of every TP rank.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from refgrad.pipeline_spec import LinearStackSpec
-
-
-def vocab_parallel_embedding(spec: LinearStackSpec) -> bool:
-    """Whether the first stage's first layer is the tied vocab-parallel embedding."""
-    return spec.tied_embedding and spec.tensor_parallel > 1
+from refgrad.pipeline.spec import LinearStackSpec
 
 
 def vocab_block(spec: LinearStackSpec, x: torch.Tensor, tp_rank: int) -> torch.Tensor:
