@@ -19,9 +19,6 @@ ROOT = Path(__file__).resolve().parents[2]
 PAPER_MODULES = ("verify.preflight.paper", "verify.preflight.timing", "verify.preflight.hazards")
 # Followed into: our own packages (third-party imports are not scanned).
 FOLLOWED = ("verify", "refgrad")
-# What the figures may take from fastgrad: the carrier of the parallel sizes, no computation
-# under test behind it (the candidate seam's neutral vocabulary, tests/test_seam_imports.py).
-NEUTRAL_FASTGRAD = frozenset({"fastgrad.parallel_dims"})
 
 
 def module_file(root: Path, module: str) -> Path | None:
@@ -80,14 +77,9 @@ def fastgrad_imports(root: Path, start: tuple[str, ...]) -> dict[str, set[str]]:
     return found
 
 
-def not_neutral(found: dict[str, set[str]]) -> dict[str, set[str]]:
-    """The imports of ``found`` outside ``NEUTRAL_FASTGRAD``."""
-    bad = {module: names - NEUTRAL_FASTGRAD for module, names in found.items()}
-    return {module: names for module, names in bad.items() if names}
-
-
 def test_the_paper_figures_import_nothing_of_fastgrad_under_test():
-    assert not_neutral(fastgrad_imports(ROOT, PAPER_MODULES)) == {}
+    # The parallel sizes come from the vocabulary (gradvocab), which imports none of ours.
+    assert fastgrad_imports(ROOT, PAPER_MODULES) == {}
 
 
 def test_the_paper_layout_is_refgrads():
@@ -97,18 +89,18 @@ def test_the_paper_layout_is_refgrads():
 
 def test_the_scan_sees_a_late_import_two_modules_away(tmp_path):
     # verify.preflight.paper -> verify.helper (inside a function) -> fastgrad's package and
-    # its layout: found; fastgrad.parallel_dims, the neutral carrier, is allowed.
+    # its layout: found; the vocabulary (gradvocab) is not fastgrad.
     (tmp_path / "fastgrad").mkdir()
-    for name in ("__init__", "layout", "parallel_dims"):
+    (tmp_path / "gradvocab").mkdir()
+    (tmp_path / "gradvocab" / "__init__.py").write_text("")
+    for name in ("__init__", "layout"):
         (tmp_path / "fastgrad" / f"{name}.py").write_text("")
     (tmp_path / "verify" / "preflight").mkdir(parents=True)
     (tmp_path / "verify" / "__init__.py").write_text("")
     (tmp_path / "verify" / "preflight" / "__init__.py").write_text("")
     (tmp_path / "verify" / "preflight" / "paper.py").write_text(
-        "from fastgrad.parallel_dims import ParallelDims\nfrom ..helper import sizes\n")
+        "from gradvocab import ParallelDims\nfrom ..helper import sizes\n")
     (tmp_path / "verify" / "helper.py").write_text(
         "def sizes():\n    from fastgrad import layout\n    return layout\n")
     found = fastgrad_imports(tmp_path, ("verify.preflight.paper",))
-    assert found == {"verify.preflight.paper": {"fastgrad.parallel_dims"},
-                     "verify.helper": {"fastgrad", "fastgrad.layout"}}
-    assert not_neutral(found) == {"verify.helper": {"fastgrad", "fastgrad.layout"}}
+    assert found == {"verify.helper": {"fastgrad", "fastgrad.layout"}}
