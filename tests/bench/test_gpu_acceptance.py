@@ -105,6 +105,6 @@ def test_a_full_run_without_cuda_skips_the_cuda_steps_without_running_them(tmp_p
 def test_bad_settings_are_refused_by_name_before_any_work(tmp_path, variable, value, message):
     out = tmp_path / "out"
     run = subprocess.run(["bash", str(SCRIPT)], cwd=tmp_path, capture_output=True, text=True,
-                         env=_environment(tmp_path, OUT=str(out), **{variable: value}), timeout=60)
+                         env=_environment(tmp_path, OUT=str(out), **{variable: value}), timeout=TIMEOUT_S)
     assert run.returncode == 2 and message in run.stderr, (run.returncode, run.stderr)
     assert not out.exists()

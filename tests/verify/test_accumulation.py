@@ -17,6 +17,7 @@ import torch
 from refgrad import formats
 from refgrad import reduce_scatter as refc
 from refgrad.formats import tensor_bit_patterns
+from tests.timeouts import HANG_GUARD_S
 from verify.distributed import free_port
 from verify.metrics import assert_bitwise_equal, bitwise_equal
 from verify.oracle import correctly_rounded_sum
@@ -245,7 +246,7 @@ def test_dist_backend_under_torchrun(tmp_path):
         [str(torchrun), "--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "verify",
          "accumulation", "--backend", "dist", "--numel", "512", "--distribution", "normal",
          "--json", str(report)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=240,
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     payload = json.loads(report.read_text())

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.timeouts import HANG_GUARD_S
 from tests.verify.report_fixtures import (
     AFTER_FP32,
     DRAIN_MESSAGE,
@@ -258,7 +259,7 @@ def test_registered_checks_have_unique_names():
 
 def test_list_into_a_closed_pipe_has_no_traceback():
     proc = subprocess.run(f"{sys.executable} -m verify run --list | head -1", shell=True,
-                          capture_output=True, text=True, env=_env_subprocess(), timeout=60,
+                          capture_output=True, text=True, env=_env_subprocess(), timeout=HANG_GUARD_S,
                           cwd=REPO, executable="/bin/bash")
     assert proc.returncode == 0
     assert len(proc.stdout.splitlines()) == 1

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from fastgrad.timeline import Timeline
+from tests.timeouts import HANG_GUARD_S
 from verify.distributed import (
     DistributedRunError,
     RankCrashed,
@@ -331,7 +332,7 @@ def test_spawn_start_method_gives_the_same_results():
 def test_two_threads_may_spawn_at_once(warm_launcher):
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = [pool.submit(warm_launcher.spawn, _sum_of_ranks, 2, scale) for scale in (1.0, 10.0)]
-        first, second = (f.result(timeout=120) for f in futures)
+        first, second = (f.result(timeout=HANG_GUARD_S) for f in futures)
     assert first == [(0, 1.0), (1, 1.0)]
     assert second == [(0, 10.0), (1, 10.0)]
 

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from tests.timeouts import HANG_GUARD_S
 from tests.verify.cli_helpers import interrupt_after_line
 from tests.verify.test_cli import REPO, _env_subprocess, _passing, _use
 from verify import cli, runner
@@ -165,7 +166,7 @@ def test_a_deferred_ctrl_c_only_sets_the_event():
         "print('after', flush=True)\n"
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          env=_env_subprocess(), cwd=REPO, timeout=60)
+                          env=_env_subprocess(), cwd=REPO, timeout=HANG_GUARD_S)
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, "requested\nafter\n", "")
 
 

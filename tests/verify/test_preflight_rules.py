@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.timeouts import HANG_GUARD_S
 from tests.verify.preflight_launch import preflight_args, preflight_config
 from verify.preflight import cli as preflight_cli
 from verify.preflight.config import ConfigError
@@ -199,6 +200,6 @@ def test_a_reader_gone_away_still_gets_the_files_and_the_verdicts_exit_code(tmp_
                              "--json", str(json_path)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, cwd=str(Path(__file__).resolve().parents[2]))
     proc.stdout.close()  # before the report is printed: its first write meets a closed pipe
-    _, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=HANG_GUARD_S)
     assert proc.returncode == 0, err.decode()
     assert json.loads(json_path.read_text())["passed"] is True

@@ -18,6 +18,7 @@ import torch
 from gradvocab.averaging import Averaging
 from tests.candidates.fastgrad_faults import Fault, FaultyFastgrad
 from tests.distributed_utils import run_distributed
+from tests.timeouts import HANG_GUARD_S
 from tests.verify.preflight_launch import parsed_launch, preflight_args, preflight_config
 from verify.candidates import FastgradCandidate
 from verify.distributed import DistributedRunError
@@ -625,7 +626,7 @@ def test_under_torchrun_the_twin_runs_on_the_launched_world(tmp_path):
            "--twin-hidden-size", "8", "--twin-steps", "2", "--no-progress", "--json",
            str(json_path), "--", *MODEL, "--pipeline-model-parallel-size", "2",
            "--global-batch-size", "4", "--defer-embedding-wgrad-compute"]
-    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=240)
+    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.count("PASS: TP=1 PP=2 VPP=1 DP=1") == 1  # rank 0 only
     report = json.loads(json_path.read_text())
