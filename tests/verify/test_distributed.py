@@ -296,7 +296,12 @@ def test_a_rank_computing_forever_ends_at_the_ceiling(warm_launcher):
         "_rank_one_loops_forever" in location or "_compute_for" in location, str(error)
     assert error.states[1].starved or \
         error.states[1].recent_cpu_s > CPU_SHARE * error.states[1].window_s
-    assert "in torch.distributed.all_reduce" in (error.states[0].location or ""), str(error)
+    # Rank 0 waits in its all-reduce; on a starved machine (load ~25 with 8 spinners beside
+    # pytest -n 2) neither rank had reached the harness's entry point within the 5 s, and a rank
+    # that never started has no location to show.
+    first = error.states[0]
+    assert (first.location is None and first.starved) or \
+        "in torch.distributed.all_reduce" in (first.location or ""), str(error)
 
 
 def _progress_rank(rank, world_size, *, progress):
