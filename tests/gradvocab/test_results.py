@@ -5,6 +5,7 @@ import pickle
 import pytest
 import torch
 
+from gradvocab.optimizer_step import StepOutcome
 from gradvocab.results import LAUNCH_SITES, OptimizerRecord, RankResult
 
 
@@ -12,9 +13,9 @@ def test_sgd_and_optimizer_runs_are_one_type_told_apart_by_the_optimizer_record(
     sgd = RankResult(stage=1, dp_rank=0)
     assert sgd.optimizer is None and sgd.tp_rank == 0 and sgd.relearn_count == 0
     under_adamw = RankResult(stage=0, dp_rank=1, tp_rank=1, optimizer=OptimizerRecord())
-    under_adamw.optimizer.steps.append((True, 0.5, None, None))
+    under_adamw.optimizer.steps.append(StepOutcome(True, 0.5, None, None))
     assert type(sgd) is type(under_adamw)
-    assert under_adamw.optimizer.steps == [(True, 0.5, None, None)]
+    assert under_adamw.optimizer.steps == [StepOutcome(True, 0.5, None, None)]
     assert under_adamw.optimizer.buffer_shared is False
 
 

@@ -36,7 +36,7 @@ def _clip_norms(ranks: Sequence[RankResult | None], steps: int) -> tuple[float |
     all-reduced value; the first rank that reported one)."""
     for res in ranks:
         if res is not None and res.optimizer is not None and len(res.optimizer.steps) == steps:
-            return tuple(norm for _, norm, _, _ in res.optimizer.steps)
+            return tuple(outcome.grad_norm for outcome in res.optimizer.steps)
     return ()
 
 
