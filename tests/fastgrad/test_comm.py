@@ -122,7 +122,7 @@ def test_a_gloo_bucket_keeps_its_scratch_and_the_collectives_bits():
         steps = [ranks[r][it] for r in range(world)]
         prescaled = refc.prescale_like_torch([s["local"] for s in steps], 1.0 / world)
         reduced = torch.cat(refc.reduce_scatter(prescaled, accumulate="wire",
-                                                order="ring_reverse", op="sum"))
+                                                order="ring_reverse", op=Averaging.SUM))
         for rank, step in enumerate(steps):
             lo, hi = step["range"]
             want = prescaled[rank].clone()
