@@ -11,13 +11,14 @@ in another's implementation. One concept, one type:
   a pipelined step's per-rank timeline and what it says about the bubble;
 * :func:`default_bucket_size`: Megatron-Core's default DDP bucket size rule;
 * :class:`StepOutcome`: what one optimizer step did;
-* :class:`Averaging` (with :class:`AveragingFactors`): how data-parallel gradients are averaged;
+* :class:`Averaging` (with :class:`AveragingFactors` and :class:`MegatronAveragingFlags`): how
+  data-parallel gradients are averaged;
 * :class:`RankResult` (with :class:`OptimizerRecord`, :data:`LAUNCH_SITES`): what one rank of a
   multi-rank run returns;
 * :class:`LifecycleError`: an object used out of order.
 """
 
-from gradvocab.averaging import Averaging, AveragingFactors
+from gradvocab.averaging import Averaging, AveragingFactors, MegatronAveragingFlags
 from gradvocab.bucket_size import default_bucket_size
 from gradvocab.errors import LifecycleError
 from gradvocab.optimizer_step import StepOutcome
@@ -32,6 +33,7 @@ __all__ = [
     "Averaging",
     "AveragingFactors",
     "LifecycleError",
+    "MegatronAveragingFlags",
     "OptimizerRecord",
     "ParallelDims",
     "RankPlace",
