@@ -40,7 +40,7 @@ from fractions import Fraction
 
 import torch
 
-from gradvocab.averaging import Averaging
+from gradvocab import Averaging
 from refgrad import formats
 from refgrad.exact import ieee_sum
 

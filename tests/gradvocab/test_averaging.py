@@ -11,7 +11,7 @@ import json
 import pytest
 import torch.distributed as dist
 
-from gradvocab.averaging import Averaging, AveragingFactors, MegatronAveragingFlags
+from gradvocab import Averaging, AveragingFactors, MegatronAveragingFlags
 
 SUM, AVG = dist.ReduceOp.SUM, dist.ReduceOp.AVG
 

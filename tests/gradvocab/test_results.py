@@ -5,8 +5,7 @@ import pickle
 import pytest
 import torch
 
-from gradvocab.optimizer_step import StepOutcome
-from gradvocab.results import LAUNCH_SITES, OptimizerRecord, RankResult
+from gradvocab import LAUNCH_SITES, OptimizerRecord, RankResult, StepOutcome
 
 
 def test_sgd_and_optimizer_runs_are_one_type_told_apart_by_the_optimizer_record():

@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from gradvocab.averaging import Averaging
+from gradvocab import Averaging
 from tests.candidates.fastgrad_faults import Fault, FaultyFastgrad
 from tests.distributed_utils import run_distributed
 from tests.verify.preflight_launch import parsed_launch, preflight_args, preflight_config

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from fastgrad.ddp import DistributedDataParallel
-from gradvocab.averaging import Averaging
+from gradvocab import Averaging
 from tests.verify.test_preflight_twin_optim import STEPS, _config, _plans
 from tests.verify.twin_world import train_and_compare
 from verify.candidates import FastgradCandidate

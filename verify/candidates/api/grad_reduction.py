@@ -37,7 +37,7 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
-from gradvocab.averaging import Averaging
+from gradvocab import Averaging
 from verify.candidates.api.core import DocumentedBehaviour, Technique, Unsupported
 from verify.candidates.api.scope import TechniqueScope
 

@@ -47,9 +47,7 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
-from gradvocab import ParallelDims
-from gradvocab.averaging import Averaging
-from gradvocab.results import LAUNCH_SITES, RankResult
+from gradvocab import LAUNCH_SITES, Averaging, ParallelDims, RankResult
 from refgrad.pipeline import (
     REDUCTIONS,
     LinearStackSpec,

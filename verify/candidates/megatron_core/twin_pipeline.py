@@ -8,7 +8,7 @@ Megatron-Core's optimizer) and ``model_support``, a mixin of
 
 from __future__ import annotations
 
-from gradvocab.averaging import Averaging
+from gradvocab import Averaging
 from verify.candidates.api.core import Technique, Unsupported
 from verify.candidates.api.pipeline import (
     ModelSupport,

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from gradvocab.averaging import Averaging
+from gradvocab import Averaging
 from refgrad import reduce_scatter as refc
 from refgrad import reduce_torch
 from verify.candidates import Candidate, LaunchSettings

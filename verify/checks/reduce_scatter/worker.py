@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from gradvocab.averaging import Averaging
+from gradvocab import Averaging
 from refgrad import reduce_scatter as refc
 from refgrad.formats import tensor_bit_patterns
 from verify.candidates import Candidate, LaunchSettings, Unsupported

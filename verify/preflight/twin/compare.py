@@ -18,7 +18,7 @@ from fractions import Fraction
 
 import torch
 
-from gradvocab.results import RankResult
+from gradvocab import RankResult
 from refgrad.formats import FLOAT32, gamma
 from refgrad.pipeline import ReferenceResult, expected_on_rank
 from verify.candidates.api.core import DocumentedBehaviour

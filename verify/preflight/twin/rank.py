@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from gradvocab.results import OptimizerRecord, RankResult
+from gradvocab import OptimizerRecord, RankResult
 from verify.candidates.api import Candidate
 from verify.candidates.api.optimizer import DistributedOptimizerStep, OptimizerSettings
 from verify.candidates.api.pipeline import (

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict
 
-from gradvocab.results import RankResult
+from gradvocab import RankResult
 from verify.attribution import explaining
 from verify.candidates.api import Candidate, LaunchSettings
 from verify.candidates.api.optimizer import OptimizerBehaviour
