@@ -57,9 +57,8 @@ class RankResult:
     bucket, one of :data:`LAUNCH_SITES`. ``relearn_count``: how often the DDP relearned which
     params each bucket waits for (freezing and unfreezing a param; None: the candidate does
     not learn them). ``events``: the timeline, the rank's ``TimelineEvent`` records (empty: not
-    recorded; typed loosely so that this record needs no timeline module). ``chunk_enables``
-    (interleaved): at each chunk's grad-sync enable, the chunk and which chunks had a
-    reduction in flight (empty: not recorded). ``errors``: what the candidate raised in a step
+    recorded). ``chunk_enables`` (interleaved): at each chunk's grad-sync enable, the chunk and
+    which chunks had a reduction in flight (empty: not recorded). ``errors``: what the candidate raised in a step
     it then finished anyway (``"step N: ..."``; that step's losses are NaN), so that its peers
     were not left waiting and the later steps still ran. ``drained_in_flight`` (per step;
     empty: not observed): whether this rank's deferred output-layer wgrads were drained while
