@@ -2,8 +2,8 @@
 
 refgrad (the exact references), fastgrad (production) and verify (the harness and its
 candidate seam) all speak these types; gradvocab imports none of them, only torch and the
-standard library (``tests/test_gradvocab.py``), so any of them may import it without pulling
-in another's implementation. One concept, one type:
+standard library (``tests/gradvocab/test_gradvocab.py``), so any of them may import it without
+pulling in another's implementation. One concept, one type:
 
 * :class:`ParallelDims` (with :class:`RankPlace`): every parallel size and, built, this rank's
   coordinates and groups;
