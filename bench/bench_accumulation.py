@@ -36,6 +36,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from _timing import interleaved_times  # noqa: E402
 
+from verify.metrics import bitwise_equal  # noqa: E402
 from verify.studies.reduce_scatter import models, reference, sweep  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -87,7 +88,7 @@ def bench_exactness_rule(old, repeats: int) -> dict:
         "new": lambda: outputs.__setitem__("new", reference.float64_sum_is_exact(stacked)),
     }, repeats)
     return _row("float64_sum_is_exact bf16 [1024 x 8192]", times,
-                identical=torch.equal(outputs["old"], outputs["new"]))
+                identical=bitwise_equal(outputs["old"], outputs["new"]))
 
 
 def bench_ring(old, world_size: int, repeats: int) -> dict:
@@ -102,8 +103,7 @@ def bench_ring(old, world_size: int, repeats: int) -> dict:
         "new": lambda: outputs.__setitem__("new", models.ring_reduce(stacked, chunk, 5)),
     }, repeats)
     return _row(f"ring_reduce fp16 one block, W={world_size}", times,
-                identical=torch.equal(outputs["old"].view(torch.int16),
-                                      outputs["new"].view(torch.int16)))
+                identical=bitwise_equal(outputs["old"], outputs["new"]))
 
 
 def _row(label: str, times: dict, identical: bool) -> dict:

@@ -59,6 +59,7 @@ from fastgrad import mxfp8
 from fastgrad.deferred_wgrad import CUDA_WGRAD_METHODS, EmbeddingWgradConfig, accumulate_wgrad_
 from fastgrad.kernels import triton_available
 from fastgrad.reduce_scatter import reduce_shards_fp32
+from gradvocab import Averaging
 from refgrad import mxfp8 as ref_mxfp8
 from refgrad.deferred_wgrad import reference_main_grad
 from refgrad.reduce_scatter import all_reduce as ref_all_reduce
@@ -180,7 +181,7 @@ def check_reduction(device: str) -> list[BitCheck]:
                     out = torch.full((numel,), float("nan"), dtype=torch.bfloat16, device=device)
                     reduce_shards_fp32(shards.to(device), out, average=average)
                     expected = ref_all_reduce(list(shards), accumulate="fp32", order="rank",
-                                              op="avg" if average else "sum")[0]
+                                              op=Averaging.AVG if average else Averaging.SUM)[0]
                     checks.append(BitCheck(
                         f"reduction W={world_size} shard={numel} {kind} "
                         f"{'avg' if average else 'sum'} vs refgrad", same_bits(out, expected)))

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from fastgrad.config import DDPConfig
-from gradvocab.averaging import Averaging, AveragingFactors
+from gradvocab import Averaging, AveragingFactors
 
 
 class PrescaleSite(str, enum.Enum):

@@ -58,6 +58,37 @@ class AveragingFactors:
                              "(the mean is divided once)")
 
 
+@dataclass(frozen=True)
+class MegatronAveragingFlags:
+    """Megatron-Core's two settings that together choose how DP grads are averaged
+    (``DistributedDataParallel.__init__``): ``average_in_collective``
+    (``DistributedDataParallelConfig``: ``ReduceOp.AVG``, no scaling factor) and
+    ``calculate_per_token_loss`` (``TransformerConfig``: grads summed, no ``1/dp`` at all).
+    Both False is its default ``1/dp`` gradient scaling factor before a SUM. Megatron-Core
+    refuses both True ('Cannot average in collective when calculating per-token loss!'), and so
+    does this record. :meth:`Averaging.megatron_flags` makes one; ``Averaging.from_megatron``
+    reads one back."""
+
+    average_in_collective: bool
+    calculate_per_token_loss: bool
+
+    def __post_init__(self) -> None:
+        for name in ("average_in_collective", "calculate_per_token_loss"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"MegatronAveragingFlags.{name} must be a bool, "
+                                f"got {type(getattr(self, name)).__name__}")
+        if self.average_in_collective and self.calculate_per_token_loss:
+            raise ValueError("MegatronAveragingFlags: average_in_collective and "
+                             "calculate_per_token_loss exclude each other (Megatron-Core refuses "
+                             "to average in the collective when calculating per-token loss)")
+
+    @property
+    def average(self) -> bool:
+        """Whether the grads are averaged over DP at all (not per-token loss): the ``average``
+        that fastgrad's DDP and ``Averaging.from_megatron`` take."""
+        return not self.calculate_per_token_loss
+
+
 class Averaging(str, enum.Enum):
     """How DP grads are combined: ``SUM``, ``AVG`` (in the collective), ``PRESCALE`` (``1/dp``
     before a SUM) or ``POSTSCALE`` (``1/dp`` after a SUM); see the module doc."""
@@ -105,6 +136,17 @@ class Averaging(str, enum.Enum):
             return cls.AVG
         raise ValueError(f"op must be ReduceOp.SUM or ReduceOp.AVG, got {op!r}")
 
+    def megatron_flags(self) -> MegatronAveragingFlags:
+        """The inverse of :meth:`from_megatron`: the Megatron-Core settings that average DP
+        grads this way. ``SUM`` is per-token loss, ``AVG`` averages in the collective,
+        ``PRESCALE`` is neither (its default ``1/dp`` gradient scaling factor). ``POSTSCALE``
+        has no Megatron-Core spelling (it never scales after the collective): ValueError."""
+        if self is Averaging.POSTSCALE:
+            raise ValueError("Averaging.POSTSCALE has no Megatron-Core flags: Megatron-Core "
+                             "scales by 1/dp before the collective (PRESCALE) or averages in it (AVG)")
+        return MegatronAveragingFlags(average_in_collective=self is Averaging.AVG,
+                                      calculate_per_token_loss=self is Averaging.SUM)
+
     @classmethod
     def from_megatron(cls, *, average: bool, average_in_collective: bool) -> Averaging:
         """Megatron-Core's DDP flags as one way (``DistributedDataParallel.__init__``): no
@@ -123,4 +165,4 @@ class Averaging(str, enum.Enum):
         return cls.AVG if average_in_collective else cls.PRESCALE
 
 
-__all__ = ["Averaging", "AveragingFactors"]
+__all__ = ["Averaging", "AveragingFactors", "MegatronAveragingFlags"]

@@ -304,8 +304,8 @@ class ParallelDims:
         group, each DP rank one model-parallel group (every stage and TP rank).
         """
         if self.cp_size > 1:
-            raise ValueError(f"ParallelDims.build: cp_size={self.cp_size}: fastgrad has no "
-                             "context-parallel implementation; cp_size > 1 is for planning only")
+            raise ValueError(f"ParallelDims.build: cp_size={self.cp_size}: build() creates no "
+                             "context-parallel groups; cp_size > 1 is for planning only")
         if not (dist.is_available() and dist.is_initialized()):
             raise LifecycleError("ParallelDims.build needs torch.distributed to be initialised")
         world = dist.get_world_size()

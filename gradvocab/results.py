@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gradvocab.optimizer_step import StepOutcome
 from gradvocab.timeline import TimelineEvent
 
 # Where a bucket's reduction was launched (RankResult.launch_sites): by the hook of its last
@@ -29,15 +30,14 @@ def _non_negative_int(owner: str, name: str, value: object) -> None:
 @dataclass
 class OptimizerRecord:
     """Per step under a candidate's optimizer: ``state`` (its state by param name, then by
-    key), ``steps`` (stepped, grad norm or None where the candidate took none, clip
-    coefficient or None, loss scale or None), ``gathers_waited_in_hooks`` (with
-    overlap_param_gather at DP > 1: a gather in flight after the step, and every gather waited
-    for by the next forward's pre-hooks), ``mxfp8`` (MXFP8 params: each param's
+    key), ``steps`` (each step's :class:`StepOutcome`, as the candidate's optimizer reported
+    it), ``gathers_waited_in_hooks`` (with overlap_param_gather at DP > 1: a gather in flight
+    after the step, and every gather waited for by the next forward's pre-hooks), ``mxfp8`` (MXFP8 params: each param's
     ``(scale_bits, element_bits)`` by name) and ``buffer_shared`` (whether the param all-gather
     went through the grad buffer's bytes)."""
 
     state: list[dict[str, dict[str, torch.Tensor]]] = field(default_factory=list)
-    steps: list[tuple[bool, float | None, float | None, float | None]] = field(default_factory=list)
+    steps: list[StepOutcome] = field(default_factory=list)
     gathers_waited_in_hooks: list[tuple[bool, bool]] = field(default_factory=list)
     mxfp8: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
     buffer_shared: bool = False
@@ -57,9 +57,8 @@ class RankResult:
     bucket, one of :data:`LAUNCH_SITES`. ``relearn_count``: how often the DDP relearned which
     params each bucket waits for (freezing and unfreezing a param; None: the candidate does
     not learn them). ``events``: the timeline, the rank's ``TimelineEvent`` records (empty: not
-    recorded; typed loosely so that this record needs no timeline module). ``chunk_enables``
-    (interleaved): at each chunk's grad-sync enable, the chunk and which chunks had a
-    reduction in flight (empty: not recorded). ``errors``: what the candidate raised in a step
+    recorded). ``chunk_enables`` (interleaved): at each chunk's grad-sync enable, the chunk and
+    which chunks had a reduction in flight (empty: not recorded). ``errors``: what the candidate raised in a step
     it then finished anyway (``"step N: ..."``; that step's losses are NaN), so that its peers
     were not left waiting and the later steps still ran. ``drained_in_flight`` (per step;
     empty: not observed): whether this rank's deferred output-layer wgrads were drained while

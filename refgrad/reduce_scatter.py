@@ -28,9 +28,9 @@ Options:
 * ``order="tree"``: pairwise: ranks are summed in adjacent pairs
   ``(x[0]+x[1]), (x[2]+x[3]), ...``, an odd one out passed up unchanged, level by
   level until one value remains.
-* ``op=Averaging.AVG`` (``"avg"``, its value, is the same op): the final accumulator is
-  divided by W in the accumulator's precision (one rounding) before the final rounding to the
-  input dtype; ``Averaging.SUM`` (``"sum"``) the default.
+* ``op=Averaging.AVG``: the final accumulator is divided by W in the accumulator's precision
+  (one rounding) before the final rounding to the input dtype; ``Averaging.SUM`` the default.
+  ``op`` must be the type (its string ``"avg"`` is refused: one spelling everywhere).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from fractions import Fraction
 
 import torch
 
-from gradvocab.averaging import Averaging
+from gradvocab import Averaging
 from refgrad import formats
 from refgrad.exact import ieee_sum
 
@@ -125,8 +125,10 @@ def _validate(per_rank_inputs: Sequence[torch.Tensor], accumulate: str, order: s
         raise ValueError(f"accumulate must be one of {ACCUMULATE_MODES}, got {accumulate!r}")
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
-    if op not in OPS:
-        raise ValueError(f"op must be one of {[str(o) for o in OPS]}, got {op!r}")
+    # The type, not its string: one rule for every averaging argument in refgrad (as
+    # refgrad.pipeline.reduction.check_reduction), so no caller keeps a second spelling.
+    if not isinstance(op, Averaging) or op not in OPS:
+        raise ValueError(f"op must be one of Averaging.SUM, Averaging.AVG, got {op!r}")
     return formats.format_of(first.dtype)
 
 

@@ -26,7 +26,7 @@ fp32 in rank order, rounded once) by design; these are refgrad's models of them,
   is set and differs), each later one added to it in that dtype.
 
 ``ReduceOp.AVG`` is the backend's: gloo (torch 2.13) sums in the wire dtype, then divides
-by ``W`` once (``refgrad.reduce_scatter``'s ``op="avg"``); NCCL turns a floating-point AVG
+by ``W`` once (``refgrad.reduce_scatter``'s ``op=Averaging.AVG``); NCCL turns a floating-point AVG
 into a pre-multiplication by ``1/W`` rounded to the wire dtype, then a SUM
 (``src/enqueue.cc``, ``hostToDevRedOp``: ``ncclDevPreMulSum``).
 """
@@ -38,6 +38,7 @@ from fractions import Fraction
 
 import torch
 
+from gradvocab import Averaging
 from refgrad import formats
 from refgrad import reduce_scatter as refc
 
@@ -98,7 +99,7 @@ def compress_hook_all_reduce(per_rank: Sequence[torch.Tensor], wire: torch.dtype
     if not per_rank:
         raise ValueError("per_rank must hold one bucket per rank")
     compressed = divide_like_torch(cast(per_rank, wire), len(per_rank), device=device)
-    summed = refc.all_reduce(compressed, accumulate="wire", order=order, op="sum")
+    summed = refc.all_reduce(compressed, accumulate="wire", order=order, op=Averaging.SUM)
     return cast(summed, per_rank[0].dtype)
 
 
@@ -106,7 +107,9 @@ def fsdp2_divide_factors(reduce_dtype: torch.dtype, world_size: int, *, factor: 
                          force_sum: bool = False) -> tuple[float | None, float | None, str]:
     """``_get_gradient_divide_factors`` (one reduce-scatter group, no all-reduce group):
     ``(predivide, postdivide, op)`` with ``op`` one of ``"avg"``, ``"sum"``,
-    ``"premul_sum"`` (then the pre-multiplier is ``1 / factor``).
+    ``"premul_sum"`` (then the pre-multiplier is ``1 / factor``): torch's own op names, kept
+    as strings because ``gradvocab.Averaging`` has no PREMUL_SUM (:func:`fsdp2_reduce_scatter`
+    turns "sum"/"avg" into an ``Averaging`` for the collective).
 
     fp32 and bf16 (no overflow risk), not forced to SUM: no factor -> AVG in the collective
     (SUM at W = 1); ``factor == W`` -> AVG; another factor -> PREMUL_SUM(1/factor). Otherwise
@@ -152,15 +155,17 @@ def fsdp2_reduce_scatter(per_rank_inputs: Sequence[torch.Tensor], *, reduce_dtyp
         raise ValueError(f"avg_backend must be one of {AVG_BACKENDS}, got {avg_backend!r}")
     world = len(per_rank_inputs)
     dtype = reduce_dtype or per_rank_inputs[0].dtype
-    pre, post, op = fsdp2_divide_factors(dtype, world, factor=factor, force_sum=force_sum)
-    if op == "premul_sum":
+    pre, post, torch_op = fsdp2_divide_factors(dtype, world, factor=factor, force_sum=force_sum)
+    if torch_op == "premul_sum":
         raise ValueError("PREMUL_SUM (a gradient divide factor other than W with fp32/bf16 "
                          "reduce_dtype) is not modelled")
+    # torch's op name, once PREMUL_SUM is out, is "sum" or "avg": the collective's Averaging.
+    op = Averaging(torch_op)
     inputs = cast(per_rank_inputs, dtype)
     if pre is not None and pre != 1:
         inputs = divide_like_torch(inputs, pre, device=device)
-    if op == "avg" and avg_backend == "nccl":
-        inputs, op = _avg_by_premultiplying(inputs, world), "sum"
+    if op is Averaging.AVG and avg_backend == "nccl":
+        inputs, op = _avg_by_premultiplying(inputs, world), Averaging.SUM
     outputs = refc.reduce_scatter(inputs, accumulate="wire", order=order, op=op)
     if post is not None and post != 1:
         outputs = divide_like_torch(outputs, post, device=device)

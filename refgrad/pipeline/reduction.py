@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from gradvocab.averaging import Averaging
+from gradvocab import Averaging
 from refgrad.pipeline.precision import add_rounded
 from refgrad.pipeline.spec import EMBEDDING_PARAM, HEAD_PARAM, LinearStackSpec, stage_param_name
 from refgrad.pipeline.tensor_parallel import vocab_split_names

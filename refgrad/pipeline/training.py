@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gradvocab.averaging import Averaging
+from gradvocab import Averaging
 from refgrad.pipeline.grad_sums import replica_grad_sums
 from refgrad.pipeline.model import StageModule
 from refgrad.pipeline.reduction import check_reduction, reduce_and_tie

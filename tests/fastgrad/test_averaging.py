@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from fastgrad.averaging import GradAveraging, PrescaleSite, grad_averaging
 from fastgrad.config import DDPConfig
-from gradvocab.averaging import Averaging
+from gradvocab import Averaging
 
 SUM, AVG = dist.ReduceOp.SUM, dist.ReduceOp.AVG
 DIST_OPT = dict(use_distributed_optimizer=True)

@@ -17,7 +17,7 @@ from distributed_utils import run_distributed
 from fastgrad.buffer import ParamAndGradBuffer
 from fastgrad.comm import ChunkCopyWork, reduce_scatter_into
 from fastgrad.config import DDPConfig
-from gradvocab.averaging import Averaging
+from gradvocab import Averaging
 from refgrad import reduce_scatter as refc
 from verify.metrics import assert_bitwise_equal, bitwise_equal
 
@@ -122,7 +122,7 @@ def test_a_gloo_bucket_keeps_its_scratch_and_the_collectives_bits():
         steps = [ranks[r][it] for r in range(world)]
         prescaled = refc.prescale_like_torch([s["local"] for s in steps], 1.0 / world)
         reduced = torch.cat(refc.reduce_scatter(prescaled, accumulate="wire",
-                                                order="ring_reverse", op="sum"))
+                                                order="ring_reverse", op=Averaging.SUM))
         for rank, step in enumerate(steps):
             lo, hi = step["range"]
             want = prescaled[rank].clone()

@@ -13,8 +13,7 @@ from torch import nn
 from fastgrad.config import DDPConfig
 from fastgrad.ddp import DistributedDataParallel
 from fastgrad.exposed_grads import UnreducedGradPlaceholder
-from gradvocab import LifecycleError
-from gradvocab.averaging import Averaging
+from gradvocab import Averaging, LifecycleError
 from refgrad.pipeline import reduce_across_replicas
 from verify.metrics import assert_bitwise_equal, bitwise_equal
 

@@ -20,8 +20,7 @@ from fastgrad.pipeline_interleaved import (
     schedule_interleaved,
     validate_interleaving,
 )
-from gradvocab import ParallelDims, RankPlace
-from gradvocab.averaging import Averaging
+from gradvocab import Averaging, ParallelDims, RankPlace
 from refgrad.pipeline import (
     LinearStackSpec,
     StageModule,

@@ -14,11 +14,12 @@ from fastgrad.reduce_scatter import (
     reduce_scatter_with_fp32_accumulation,
     reduce_shards_fp32,
 )
+from gradvocab import Averaging
 from refgrad.reduce_scatter import reduce_scatter as ref_reduce_scatter
 from verify.metrics import assert_bitwise_equal, bitwise_equal
 
 DTYPE_NAMES = ("float16", "bfloat16")
-OPS = {"sum": SUM, "avg": AVG}
+OPS = {Averaging.SUM: SUM, Averaging.AVG: AVG}
 SHARD_NUMEL = 23  # odd, so nothing lines up with vector widths
 ITERATIONS = 2
 SENTINEL = 7.0
@@ -178,7 +179,7 @@ def _check_buffer_against_refgrad(per_rank_records: list[list[dict]]) -> None:
         for b in range(len(first["before"])):
             inputs = [per_rank_records[r][i]["before"][b] for r in range(world_size)]
             expected = ref_reduce_scatter(inputs, accumulate="fp32", order="rank",
-                                          op="avg" if first["average"] else "sum")
+                                          op=Averaging.AVG if first["average"] else Averaging.SUM)
             for rank in range(world_size):
                 assert_bitwise_equal(
                     expected[rank], per_rank_records[rank][i]["after"][b],
@@ -230,7 +231,7 @@ def test_local_reduction_matches_refgrad(dtype, world_size, average):
     per_rank = [torch.cat([shards[r], torch.zeros(40 * (world_size - 1), dtype=dtype)])
                 for r in range(world_size)]
     expected = ref_reduce_scatter(per_rank, accumulate="fp32", order="rank",
-                                  op="avg" if average else "sum")[0]
+                                  op=Averaging.AVG if average else Averaging.SUM)[0]
     assert_bitwise_equal(expected, out)
 
 
@@ -271,7 +272,7 @@ def test_cuda_kernel_matches_refgrad_and_cpu_path(dtype, world_size, average):
     per_rank = [torch.cat([small[r], torch.zeros(33 * (world_size - 1), dtype=dtype)])
                 for r in range(world_size)]
     expected = ref_reduce_scatter(per_rank, accumulate="fp32", order="rank",
-                                  op="avg" if average else "sum")[0]
+                                  op=Averaging.AVG if average else Averaging.SUM)[0]
     assert_bitwise_equal(expected, out.cpu())
     # Large sizes (several blocks, a ragged tail): the CPU loop is itself checked
     # against refgrad above, so it serves as the reference here.
@@ -348,7 +349,7 @@ def test_local_reduction_ieee_specials_match_refgrad(dtype):
         out = torch.empty(width, dtype=dtype)
         reduce_shards_fp32(shards, out, average=average)
         expected = ref_reduce_scatter(per_rank, accumulate="fp32", order="rank",
-                                      op="avg" if average else "sum")[0]
+                                      op=Averaging.AVG if average else Averaging.SUM)[0]
         distance = ulp_distance(expected, out)
         assert not distance.nan_mismatch.any(), (expected, out)
         assert (distance.ulps == 0).all(), (expected, out)
@@ -392,7 +393,7 @@ def test_prescale_inside_the_reduction_equals_the_separate_pass(dtype, prescale,
         per_rank = [torch.cat([row, torch.zeros(numel * (world_size - 1), dtype=dtype)])
                     for row in scaled]
         expected = ref_reduce_scatter(per_rank, accumulate="fp32", order="rank",
-                                      op="avg" if average else "sum")[0]
+                                      op=Averaging.AVG if average else Averaging.SUM)[0]
         assert_bitwise_equal(expected, fused)
 
 

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch.distributed as dist
 
-from gradvocab.averaging import Averaging, AveragingFactors
+from gradvocab import Averaging, AveragingFactors, MegatronAveragingFlags
 
 SUM, AVG = dist.ReduceOp.SUM, dist.ReduceOp.AVG
 
@@ -60,6 +60,34 @@ def test_torch_ops_convert_both_ways():
 ])
 def test_megatron_flags_convert_in_one_place(average, in_collective, expected):
     assert Averaging.from_megatron(average=average, average_in_collective=in_collective) is expected
+
+
+# By hand from DistributedDataParallel.__init__: per-token loss leaves the grads summed;
+# average_in_collective averages in ReduceOp.AVG; neither is the 1/dp scaling factor.
+MEGATRON_FLAGS = {
+    Averaging.SUM: MegatronAveragingFlags(average_in_collective=False, calculate_per_token_loss=True),
+    Averaging.AVG: MegatronAveragingFlags(average_in_collective=True, calculate_per_token_loss=False),
+    Averaging.PRESCALE: MegatronAveragingFlags(average_in_collective=False,
+                                               calculate_per_token_loss=False),
+}
+
+
+@pytest.mark.parametrize("averaging", list(MEGATRON_FLAGS))
+def test_megatron_flags_are_the_inverse_of_from_megatron(averaging):
+    flags = averaging.megatron_flags()
+    assert flags == MEGATRON_FLAGS[averaging]
+    assert flags.average is (averaging is not Averaging.SUM)
+    assert Averaging.from_megatron(average=flags.average,
+                                   average_in_collective=flags.average_in_collective) is averaging
+
+
+def test_postscale_and_contradictory_megatron_flags_are_refused():
+    with pytest.raises(ValueError, match="POSTSCALE has no Megatron-Core flags"):
+        Averaging.POSTSCALE.megatron_flags()
+    with pytest.raises(ValueError, match="exclude each other"):
+        MegatronAveragingFlags(average_in_collective=True, calculate_per_token_loss=True)
+    with pytest.raises(TypeError, match="calculate_per_token_loss must be a bool"):
+        MegatronAveragingFlags(average_in_collective=False, calculate_per_token_loss=0)
 
 
 def test_contradictions_and_bad_arguments_are_refused():

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from gradvocab.averaging import Averaging
+from gradvocab import Averaging
 from refgrad.pipeline import (
     LinearStackSpec,
     StageModule,

@@ -7,6 +7,7 @@ import functools
 import pytest
 import torch
 
+from gradvocab import Averaging
 from refgrad import formats
 from refgrad import reduce_scatter as rc
 from verify.metrics import assert_bitwise_equal, bitwise_equal
@@ -165,7 +166,7 @@ def test_avg_divides_the_fp32_accumulator_before_the_final_rounding(dtype):
     # Expected from exact arithmetic: fp32 IEEE quotient via float64 (53 >= 2*24+2 makes
     # the float64 -> float32 double rounding of a quotient innocuous).
     expected = (acc.double() / 3).float().to(dtype)
-    got = torch.cat(rc.reduce_scatter(inputs, accumulate="fp32", order="rank", op="avg"))
+    got = torch.cat(rc.reduce_scatter(inputs, accumulate="fp32", order="rank", op=Averaging.AVG))
     assert_bitwise_equal(expected, got)
 
 
@@ -175,9 +176,9 @@ def test_avg_hand_case():
     # then to fp16 (ulp 2^-12 in [1/4, 1/2)): 11196417 / 2^13 = 1366.75 -> 1367 * 2^-12.
     # The wire loses both 2^-11 to ties-to-even: 1 / 3 -> 1365.33 -> 1365 * 2^-12.
     inputs = _ranks([[1.0, 1.0], [1.0, 2.0**-11], [1.0, 2.0**-11]])
-    out = rc.all_reduce(inputs, accumulate="fp32", order="rank", op="avg")[0]
+    out = rc.all_reduce(inputs, accumulate="fp32", order="rank", op=Averaging.AVG)[0]
     assert out.tolist() == [1.0, 1367 * 2.0**-12]
-    wire = rc.all_reduce(inputs, accumulate="wire", order="rank", op="avg")[0]
+    wire = rc.all_reduce(inputs, accumulate="wire", order="rank", op=Averaging.AVG)[0]
     assert wire.tolist() == [1.0, 1365 * 2.0**-12]
 
 
@@ -207,6 +208,11 @@ def test_validation_errors():
         rc.reduce_scatter(good, accumulate="wire", order="random")
     with pytest.raises(ValueError, match="op"):
         rc.reduce_scatter(good, accumulate="wire", order="rank", op="max")
+    for collective in (rc.reduce_scatter, rc.all_reduce):  # the type, not its old string
+        with pytest.raises(ValueError, match=r"op must be one of Averaging.SUM, Averaging.AVG, got 'sum'"):
+            collective(good, accumulate="wire", order="rank", op="sum")
+    with pytest.raises(ValueError, match="op must be one of"):  # no scale in the collective itself
+        rc.all_reduce(good, accumulate="wire", order="rank", op=Averaging.PRESCALE)
     with pytest.raises(ValueError, match="divisible"):
         rc.reduce_scatter(_ranks([[1.0, 2.0, 3.0], [1.0, 2.0, 3.0]]), accumulate="wire", order="rank")
     with pytest.raises(ValueError, match="at least one"):

@@ -4,6 +4,7 @@ and torch's own CPU elementwise ops (the arithmetic the models claim to follow).
 import pytest
 import torch
 
+from gradvocab import Averaging
 from refgrad import reduce_scatter as refc
 from refgrad.reduce_torch import (
     cast,
@@ -46,7 +47,7 @@ def test_compress_hook_hand_derived():
     # the division underflows first: 2^-24 (fp16's smallest subnormal) / 2 rounds to 0 (even)
     tiny = torch.tensor([2.0**-24])
     assert compress_hook_all_reduce([tiny, tiny], torch.float16, order="rank")[0].item() == 0.0
-    assert refc.all_reduce([tiny, tiny], accumulate="fp32", order="rank", op="avg")[0].item() == 2.0**-24
+    assert refc.all_reduce([tiny, tiny], accumulate="fp32", order="rank", op=Averaging.AVG)[0].item() == 2.0**-24
 
 
 @pytest.mark.parametrize("dtype,world,want", [

@@ -226,7 +226,7 @@ def test_an_mxfp8_param_a_rank_did_not_report_fails():
     naming the missing one (matching bits on the reported ones are not enough)."""
     from types import SimpleNamespace
 
-    from gradvocab.results import OptimizerRecord, RankResult
+    from gradvocab import OptimizerRecord, RankResult
     from verify.preflight.twin.compare import StepRow, compare_mxfp8_params
 
     bits = (torch.tensor([127], dtype=torch.uint8), torch.tensor([1, 2], dtype=torch.uint8))

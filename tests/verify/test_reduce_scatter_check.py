@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from fastgrad.reduce_scatter import reduce_scatter_with_fp32_accumulation, reduce_shards_fp32
+from gradvocab import Averaging
 from verify.candidates import FastgradCandidate
 from verify.candidates.api.grad_reduction import (
     AVG,
@@ -166,6 +167,14 @@ class BrokenCandidate(FastgradCandidate):
 def broken_candidate(local: LocalReduction) -> BrokenCandidate:
     return BrokenCandidate(reduction=BrokenReduction(
         collective=AllToAllThen(local), scratch=AllToAllThenScratch(local), local=local))
+
+
+def test_a_configs_spec_averaging_is_the_exact_mean_however_the_candidate_averages():
+    # By hand: any averaging is held to the spec's fp32 sum / W (AVG); no averaging to the sum.
+    assert ReductionConfig(average=False).spec_averaging is Averaging.SUM
+    assert ReductionConfig().averaging is Averaging.PRESCALE
+    assert ReductionConfig().spec_averaging is Averaging.AVG
+    assert ReductionConfig(average_in_collective=True).spec_averaging is Averaging.AVG
 
 
 @pytest.mark.dist

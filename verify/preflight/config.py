@@ -21,8 +21,7 @@ import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from gradvocab import ParallelDims, default_bucket_size
-from gradvocab.averaging import Averaging
+from gradvocab import Averaging, ParallelDims, default_bucket_size
 from verify.preflight.flags import MEGATRON_LM, LaunchRefused, Refusal, flag_of
 from verify.preflight.pipeline_split import (
     PipelineSplit,

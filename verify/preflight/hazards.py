@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from gradvocab.averaging import Averaging
+from gradvocab import Averaging
 from verify.preflight.config import PreflightConfig
 from verify.preflight.paper import nccl_average_factor
 

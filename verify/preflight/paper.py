@@ -16,7 +16,7 @@ from fractions import Fraction
 
 import torch
 
-from gradvocab.averaging import Averaging
+from gradvocab import Averaging
 from refgrad.formats import FLOAT32, format_of, gamma
 from refgrad.layout import Layout, compute_layout
 from verify.preflight.config import DTYPE_BYTES, PreflightConfig

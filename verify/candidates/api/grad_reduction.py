@@ -37,7 +37,7 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
-from gradvocab.averaging import Averaging
+from gradvocab import Averaging
 from verify.candidates.api.core import DocumentedBehaviour, Technique, Unsupported
 from verify.candidates.api.scope import TechniqueScope
 
@@ -130,9 +130,10 @@ class ReductionConfig:
                                        average_in_collective=self.average_in_collective)
 
     @property
-    def op(self) -> Averaging:
-        """The spec's reduction the result is held to (refgrad's ``op``): the exact mean
-        (``AVG``: fp32 sum / W, one rounding) however the candidate averages, or ``SUM``."""
+    def spec_averaging(self) -> Averaging:
+        """The spec's averaging the result is held to (refgrad's collective ``op``; not a torch
+        ``ReduceOp``, unlike every other ``op`` here): the exact mean (``AVG``: fp32 sum / W,
+        one rounding) however the candidate averages (:attr:`averaging`), or ``SUM``."""
         return Averaging.AVG if self.averaging.averages else Averaging.SUM
 
     @property

@@ -47,9 +47,7 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
-from gradvocab import ParallelDims
-from gradvocab.averaging import Averaging
-from gradvocab.results import LAUNCH_SITES, RankResult
+from gradvocab import LAUNCH_SITES, Averaging, ParallelDims, RankResult
 from refgrad.pipeline import (
     REDUCTIONS,
     LinearStackSpec,
@@ -149,15 +147,15 @@ class PipelineCase:
         """The Megatron-LM settings the case stands for when trained with ``overlap``: the
         report spells it so, and a candidate's findings are matched against it."""
         spec = self.spec
+        flags = self.reduction.megatron_flags()
         return LaunchSettings(
             dims=replace(self.dims, first_rank=0), params_dtype=params_dtype,
             grad_dtype=params_dtype if grad_dtype is None else grad_dtype,
             use_distributed_optimizer=self.use_distributed_optimizer,
             overlap_grad_reduce=overlap,
             ddp_reduce_scatter_with_fp32_accumulation=self.reduce_scatter_with_fp32_accumulation,
-            ddp_average_in_collective=self.reduction is Averaging.AVG,
-            # The case's SUM is Megatron's per-token-loss mode (no 1/DP scaling).
-            calculate_per_token_loss=self.reduction is Averaging.SUM,
+            ddp_average_in_collective=flags.average_in_collective,
+            calculate_per_token_loss=flags.calculate_per_token_loss,
             defer_embedding_wgrad_compute=spec.output_head and spec.defer_output_wgrad,
             wgrad_deferral_limit=spec.wgrad_deferral_limit,
             untie_embeddings_and_output_weights=spec.output_head and not spec.tied_embedding,

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from fastgrad.buffer import ParamAndGradBuffer
 from fastgrad.config import DDPConfig
 from fastgrad.reduce_scatter import reduce_scatter_with_fp32_accumulation, reduce_shards_fp32
-from gradvocab.averaging import Averaging
+from gradvocab import Averaging
 from verify.candidates.api.core import DocumentedBehaviour
 from verify.candidates.api.grad_reduction import (
     SUM,

@@ -23,7 +23,6 @@ from fastgrad.config import DDPConfig
 from fastgrad.deferred_wgrad import ColumnParallelOutputLayer, EmbeddingWgradConfig
 from fastgrad.vocab_parallel_embedding import VocabParallelEmbedding
 from gradvocab import ParallelDims
-from gradvocab.averaging import Averaging
 from verify.candidates.api.pipeline import PipelineCase
 from verify.candidates.api.pipeline_spec import (
     EMBEDDING_PARAM,
@@ -41,7 +40,7 @@ def case_ddp_config(case: PipelineCase, overlap: bool, stage: int, chunk: int = 
     return DDPConfig(
         use_distributed_optimizer=case.use_distributed_optimizer,
         reduce_scatter_with_fp32_accumulation=case.reduce_scatter_with_fp32_accumulation,
-        average_in_collective=case.reduction is Averaging.AVG,
+        average_in_collective=case.reduction.megatron_flags().average_in_collective,
         overlap_grad_reduce=overlap,
         bucket_size=case.bucket_size_for(stage, chunk),
     )

@@ -139,7 +139,7 @@ class FastgradStages:
                                                        self._grid.stage, c),
                                        overlap_param_gather=settings.overlap_param_gather,
                                        grad_reduce_in_fp32=settings.grad_dtype == torch.float32),
-                dp_group=self._grid.dp_group, average=case.reduction.averages,
+                dp_group=self._grid.dp_group, average=case.reduction.megatron_flags().average,
                 external_grad_params=external_grad_params(spec, heads[c]))
             for c, module in enumerate(self.modules)]
 

@@ -30,8 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from gradvocab import ParallelDims
-from gradvocab.averaging import Averaging
+from gradvocab import Averaging, ParallelDims
 from verify.candidates.api.core import DocumentedBehaviour, Technique, Unsupported
 from verify.candidates.api.grad_reduction import (
     SUM,

@@ -49,7 +49,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradvocab.averaging import Averaging
 from verify.candidates.api.pipeline import (
     ParallelDims,
     PipelineCase,
@@ -180,7 +179,7 @@ class MegatronPipeline(MegatronScope, StagesForOptimizer, PipelineTraining):
                 use_distributed_optimizer=case.use_distributed_optimizer,
                 overlap_grad_reduce=overlap, bucket_size=case.bucket_size,
                 reduce_scatter_with_fp32_accumulation=case.reduce_scatter_with_fp32_accumulation,
-                average_in_collective=case.reduction is Averaging.AVG)
+                average_in_collective=case.reduction.megatron_flags().average_in_collective)
             ddp = self.ddp_class()(config, ddp_config, chunk, disable_bucketing=v > 0,
                                    pg_collection=groups)
             if chunk.output_layer is not None and case.dp_size > 1:  # DP 1: nothing to race

@@ -46,7 +46,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from gradvocab.averaging import Averaging
 from verify.candidates.api.pipeline import (
     ParallelDims,
     PipelineCase,
@@ -146,7 +145,7 @@ def transformer_config(case: PipelineCase, dtype: torch.dtype = torch.float32) -
         gradient_accumulation_fusion=spec.output_head,
         defer_embedding_wgrad_compute=spec.output_head and spec.defer_output_wgrad,
         wgrad_deferral_limit=spec.wgrad_deferral_limit,
-        calculate_per_token_loss=case.reduction is Averaging.SUM,
+        calculate_per_token_loss=case.reduction.megatron_flags().calculate_per_token_loss,
         # Megatron-LM: overlap_p2p_comm with VPP, and batch_p2p_comm = not overlap_p2p_comm.
         overlap_p2p_comm=interleaved, batch_p2p_comm=not interleaved)
 
@@ -159,7 +158,7 @@ def forward_step_func(case: PipelineCase, num_microbatches: int) -> Callable[...
     operations, the same bits. The ``"sum"`` reduction is its per-token-loss mode: the loss
     as refgrad has it and 0 tokens, so nothing divides it."""
     spec = case.spec
-    per_token = case.reduction is Averaging.SUM
+    per_token = case.reduction.megatron_flags().calculate_per_token_loss
 
     def forward_step(data_iterator: Iterator, model: torch.nn.Module) -> tuple[torch.Tensor, Callable]:
         x, target = next(data_iterator)
@@ -206,7 +205,7 @@ class MegatronStages:
                 grad_reduce_in_fp32=settings.grad_dtype == torch.float32,
                 bucket_size=case.bucket_size,
                 reduce_scatter_with_fp32_accumulation=case.reduce_scatter_with_fp32_accumulation,
-                average_in_collective=case.reduction is Averaging.AVG)
+                average_in_collective=case.reduction.megatron_flags().average_in_collective)
             self.ddps.append(ddp_class(self.config, ddp_config, module, disable_bucketing=v > 0,
                                        pg_collection=self.groups))
             self.chunks.append(chunk)

@@ -8,7 +8,7 @@ Megatron-Core's optimizer) and ``model_support``, a mixin of
 
 from __future__ import annotations
 
-from gradvocab.averaging import Averaging
+from gradvocab import Averaging
 from verify.candidates.api.core import Technique, Unsupported
 from verify.candidates.api.pipeline import (
     ModelSupport,
@@ -42,7 +42,7 @@ def require_features(case: PipelineCase, *also: str) -> None:
     needed = ["schedule_1f1b" if case.virtual_stages == 1 else "schedule_interleaved", *also]
     if case.reduce_scatter_with_fp32_accumulation:
         needed.append("reduce_scatter_with_fp32_accumulation")
-    if case.reduction is Averaging.AVG:
+    if case.reduction.megatron_flags().average_in_collective:
         needed.append("average_in_collective")
     if case.spec.output_head:
         needed += ["defer_embedding_wgrad_compute", "fused_wgrad_gemm"]

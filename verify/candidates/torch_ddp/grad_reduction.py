@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from gradvocab.averaging import Averaging
+from gradvocab import Averaging
 from verify.candidates.api.core import DocumentedBehaviour, Technique, Unsupported
 from verify.candidates.api.grad_reduction import (
     SUM,

@@ -23,7 +23,7 @@ from fractions import Fraction
 
 import torch
 
-from gradvocab.averaging import Averaging
+from gradvocab import Averaging
 from refgrad import formats
 from refgrad import reduce_scatter as refc
 from refgrad.layout_torch import (

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from gradvocab.averaging import Averaging
+from gradvocab import Averaging
 from refgrad.pipeline import (
     LinearStackSpec,
     StepPlan,

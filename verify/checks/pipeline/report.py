@@ -7,8 +7,7 @@ from typing import Any
 
 import torch
 
-from gradvocab import summarize_step
-from gradvocab.averaging import Averaging
+from gradvocab import Averaging, summarize_step
 from refgrad.layout import compute_layout as reference_layout
 from refgrad.pipeline import (
     StageModule,

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from gradvocab.averaging import Averaging
+from gradvocab import Averaging
 from refgrad import reduce_scatter as refc
 from refgrad import reduce_torch
 from verify.candidates import Candidate, LaunchSettings
@@ -128,7 +128,7 @@ def _expected(case: BucketCase, inputs: list[torch.Tensor], models: tuple[str, .
             inputs, reduce_dtype=None if case.reduce_dtype is None else getattr(torch, case.reduce_dtype),
             orig_dtype=inputs[0].dtype, order=order)
     reduce = refc.reduce_scatter if config.use_distributed_optimizer else refc.all_reduce
-    op = config.op
+    op = config.spec_averaging
     pre_scale = config.averaging.factors(size).pre_scale
     if "prescale" in models and pre_scale is not None:
         inputs, op = refc.prescale_like_torch(inputs, pre_scale), Averaging.SUM
@@ -150,7 +150,7 @@ def bucket_references(cases: list[BucketCase], behaviour: ReductionBehaviour, se
                 inputs = None
                 values = []
                 for chosen in ((), models) if documented else ((),):
-                    key = (case.size, case.inputs, case.config.op,
+                    key = (case.size, case.inputs, case.config.spec_averaging,
                            case.config.use_distributed_optimizer, dtype_name, it, chosen,
                            case.reduce_dtype if chosen else None)
                     if key not in done:
@@ -189,5 +189,5 @@ def check_bucket_cases(rec: CheckRecorder, outcomes: list[ItemOutcome], cases: l
                     spec, model = expected[(index, dtype_name, it)]
                     got = torch.cat([run["held"][(dtype_name, it)] for run in outcome.results])
                     rec.compare_documented(
-                        f"{case.label} vs refgrad's DP {case.config.op}: {dtype_name} it={it}",
+                        f"{case.label} vs refgrad's DP {case.config.spec_averaging}: {dtype_name} it={it}",
                         spec, got, documented=documented, documented_reference=model)

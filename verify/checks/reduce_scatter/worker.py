@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from gradvocab.averaging import Averaging
+from gradvocab import Averaging
 from refgrad import reduce_scatter as refc
 from refgrad.formats import tensor_bit_patterns
 from verify.candidates import Candidate, LaunchSettings, Unsupported
@@ -300,7 +300,7 @@ def check_average_sensitive(rec: CheckRecorder, per_rank: list[dict], average_si
                                                      op=Averaging.AVG))
             prescaled = refc.prescale_like_torch(inputs, Averaging.PRESCALE.factors(size).pre_scale)
             production = torch.cat(refc.reduce_scatter(prescaled, accumulate="fp32",
-                                                       order="rank", op="sum"))
+                                                       order="rank", op=Averaging.SUM))
             differ = int((tensor_bit_patterns(production) != tensor_bit_patterns(expected)).sum())
             rec.expect(
                 f"average-sensitive inputs ({tag}): refgrad's model of production's pre-scale "

@@ -18,7 +18,7 @@ from fractions import Fraction
 
 import torch
 
-from gradvocab.results import RankResult
+from gradvocab import RankResult
 from refgrad.formats import FLOAT32, gamma
 from refgrad.pipeline import ReferenceResult, expected_on_rank
 from verify.candidates.api.core import DocumentedBehaviour
@@ -231,13 +231,13 @@ class StepComparison:
         if bound_ulps is None:
             return 0.0
         reference = self.reference
-        scale = reference.steps[step][3] or 1.0
+        scale = reference.steps[step].loss_scale or 1.0
         total = 0.0
         for grad in reference.grads[step].values():
             top = float(grad.abs().max()) / scale
             allowed = bound_ulps * (math.ulp(top) * 2.0**29 if top > 0 else 2.0**-149)
             total += grad.numel() * allowed * allowed
-        norm = reference.steps[step][1]
+        norm = reference.steps[step].grad_norm
         return math.sqrt(total) + 2 * math.ulp(norm if math.isfinite(norm) else 0.0)
 
     def partial_sum_norm_bound(self) -> Fraction:
@@ -256,7 +256,9 @@ class StepComparison:
         :meth:`_norm_tolerance` (a candidate's documented partial-sum norm within
         :meth:`partial_sum_norm_bound`), and then clipping is compared only outside that band."""
         reference, step = self.reference, row.step
-        stepped, norm, coef, scale = reference.steps[step]
+        outcome = reference.steps[step]
+        stepped, norm = outcome.stepped, outcome.grad_norm
+        coef, scale = outcome.clip_coefficient, outcome.loss_scale
         row.grad_norm, row.clip_coefficient, row.loss_scale = norm, coef, scale
         row.stepped = stepped
         row.clipped = coef is not None and coef < 1.0
@@ -269,7 +271,9 @@ class StepComparison:
         for res in self.ranks:
             if res is None or res.optimizer is None:
                 continue
-            got_stepped, got_norm, got_coef, got_scale = res.optimizer.steps[step]
+            got = res.optimizer.steps[step]
+            got_stepped, got_norm = got.stepped, got.grad_norm
+            got_coef, got_scale = got.clip_coefficient, got.loss_scale
             where = f"step {step}: optimizer on stage {res.stage} (replica {res.dp_rank})"
             if got_stepped != stepped:
                 row.failures.append(f"{where} {'stepped' if got_stepped else 'skipped'}, refgrad "

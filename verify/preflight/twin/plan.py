@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from gradvocab.averaging import Averaging
+from gradvocab import Averaging
 from refgrad.pipeline import LinearStackSpec, StepPlan
 from verify.candidates.api.pipeline import ModelSupport, PipelineCase
 from verify.preflight.config import PreflightConfig

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from gradvocab.results import OptimizerRecord, RankResult
+from gradvocab import OptimizerRecord, RankResult
 from verify.candidates.api import Candidate
 from verify.candidates.api.optimizer import DistributedOptimizerStep, OptimizerSettings
 from verify.candidates.api.pipeline import (
@@ -86,9 +86,7 @@ def train_with_optimizer(run: TwinRun, training: PipelineTraining,
             result.launch_sites.append(model.launch_sites())
             result.losses.append(losses)
             result.grads.append(model.reduced_grads())
-            outcome = opt.step()
-            record.steps.append((outcome.stepped, outcome.grad_norm, outcome.clip_coefficient,
-                                 outcome.loss_scale))
+            record.steps.append(opt.step())
         opt.finish_param_sync()  # the last step's gather: no forward follows it
         _snapshot(result, record, model, opt.state(), mxfp8)
         record.buffer_shared = model.mxfp8_grad_buffer_shared

@@ -32,6 +32,7 @@ from fractions import Fraction
 
 import torch
 
+from gradvocab import StepOutcome
 from refgrad import mxfp8 as RQ
 from refgrad.optim import (
     AdamW,
@@ -117,8 +118,11 @@ class OptimReference:
     grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
     params: list[dict[str, torch.Tensor]] = field(default_factory=list)
     state: list[dict[str, dict[str, torch.Tensor]]] = field(default_factory=list)
-    # per step: (stepped, exact norm rounded to fp64, clip coefficient, loss scale)
-    steps: list[tuple[bool, float, float | None, float | None]] = field(default_factory=list)
+    # per step, what refgrad's optimizer did: the same record a candidate reports. refgrad
+    # always takes the norm (exact, rounded to fp64), so grad_norm is never None here: it is
+    # NaN where the grads hold NaN/inf (the value a candidate's norm takes there, compared as
+    # such), not "took none".
+    steps: list[StepOutcome] = field(default_factory=list)
     max_norm: float | None = None
     spec_state: list[dict[str, dict[str, torch.Tensor]]] = field(default_factory=list)
     decayed_state: list[dict[str, dict[str, torch.Tensor]]] = field(default_factory=list)
@@ -218,7 +222,8 @@ def reference_with_optimizer(case: PipelineCase, optim: AdamWTwin | None = None,
         coef = None
         if stepped and optim.max_grad_norm is not None:
             coef = float(clip_coefficient(norm, optim.max_grad_norm))
-        out.steps.append((stepped, math.nan if norm is None else float(norm), coef, scale))
+        out.steps.append(StepOutcome(stepped=stepped, grad_norm=math.nan if norm is None else float(norm),
+                                     clip_coefficient=coef, loss_scale=scale))
         scaler.update(found_inf=not stepped)
         updates += stepped
         state_now = {}

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from gradvocab.results import RankResult
+from gradvocab import RankResult
 from verify.candidates.api import Candidate, Unsupported
 from verify.candidates.api.optimizer import OptimizerBehaviour
 from verify.candidates.registry import default_candidate

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict
 
-from gradvocab.results import RankResult
+from gradvocab import RankResult
 from verify.attribution import explaining
 from verify.candidates.api import Candidate, LaunchSettings
 from verify.candidates.api.optimizer import OptimizerBehaviour
@@ -36,7 +36,7 @@ def _clip_norms(ranks: Sequence[RankResult | None], steps: int) -> tuple[float |
     all-reduced value; the first rank that reported one)."""
     for res in ranks:
         if res is not None and res.optimizer is not None and len(res.optimizer.steps) == steps:
-            return tuple(norm for _, norm, _, _ in res.optimizer.steps)
+            return tuple(outcome.grad_norm for outcome in res.optimizer.steps)
     return ()
 
 

@@ -5,6 +5,7 @@ function or a ``TYPE_CHECKING`` block counts as much as one at the top."""
 from __future__ import annotations
 
 import ast
+import importlib
 import sys
 from pathlib import Path
 
@@ -56,6 +57,26 @@ def test_every_public_name_is_reexported_from_its_module():
         module = getattr(value, "__module__", None)
         if module is not None and module != "builtins":  # a constant has no home module
             assert module.startswith("gradvocab."), (name, module)
+
+
+def submodule_public_names() -> dict[str, object]:
+    """Every name a gradvocab module exports in its ``__all__``, with its value."""
+    found = {}
+    for path in sorted(PACKAGE.glob("*.py")):
+        if path.stem == "__init__":
+            continue
+        module = importlib.import_module(f"gradvocab.{path.stem}")
+        found.update({name: getattr(module, name) for name in module.__all__})
+    return found
+
+
+def test_the_package_exports_exactly_what_its_modules_export():
+    # Both directions: nothing public in a module is missing from the one public face, and
+    # the face holds nothing no module exports; each name is the module's own object.
+    public = submodule_public_names()
+    assert sorted(gradvocab.__all__) == sorted(public)
+    for name, value in public.items():
+        assert getattr(gradvocab, name) is value, name
 
 
 def test_the_default_bucket_size_is_megatron_cores_rule():

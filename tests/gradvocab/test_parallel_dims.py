@@ -60,7 +60,7 @@ def test_a_sizes_only_instance_has_no_place_to_read():
         _ = dims.stage
     with pytest.raises(LifecycleError, match="initialised"):
         dims.build()
-    with pytest.raises(ValueError, match="cp_size=2: fastgrad has no context-parallel"):
+    with pytest.raises(ValueError, match=r"cp_size=2: build\(\) creates no context-parallel groups"):
         ParallelDims(cp_size=2).build()
     with pytest.raises(LifecycleError, match="initialised"):
         dims.with_groups()
