@@ -37,7 +37,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import threading
 import time
@@ -45,6 +44,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from _commits import export_commit  # bench/ is on sys.path when a script runs
 
 from verify.distributed import spawn
 from verify.distributed.stall import Sample, computed, cpu_seconds, progressed, thread_readings
@@ -67,17 +67,6 @@ def autogroup() -> str:
         return Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip()
     except OSError:
         return "unknown"
-
-
-def export_commit(commit: str, directory: Path) -> Path:
-    """The tree of ``commit`` unpacked into ``directory``."""
-    archive = subprocess.run(["git", "archive", "--format=tar", commit], cwd=REPO, check=True,
-                             capture_output=True).stdout
-    path = directory / "tree.tar"
-    path.write_bytes(archive)
-    with tarfile.open(path) as tar:
-        tar.extractall(directory / "tree", filter="data")
-    return directory / "tree"
 
 
 def _describe_tree() -> str:

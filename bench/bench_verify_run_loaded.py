@@ -22,10 +22,11 @@ import os
 import platform
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
+
+from _commits import export_commit  # bench/ is on sys.path when a script runs
 
 REPO = Path(__file__).resolve().parents[1]
 BUSY = "import time\nend = time.monotonic() + {limit}\nwhile time.monotonic() < end:\n    pass\n"
@@ -33,17 +34,6 @@ BUSY = "import time\nend = time.monotonic() + {limit}\nwhile time.monotonic() < 
 
 def load_average() -> str:
     return " ".join(f"{x:.1f}" for x in os.getloadavg())
-
-
-def export_commit(commit: str, directory: Path) -> Path:
-    """The tree of ``commit`` unpacked into ``directory`` (for PYTHONPATH)."""
-    archive = subprocess.run(["git", "archive", "--format=tar", commit], cwd=REPO, check=True,
-                             capture_output=True).stdout
-    path = directory / "tree.tar"
-    path.write_bytes(archive)
-    with tarfile.open(path) as tar:
-        tar.extractall(directory / "tree", filter="data")
-    return directory / "tree"
 
 
 def run_verify(label: str, root: Path, out_dir: Path) -> dict:
