@@ -20,10 +20,10 @@ import statistics
 
 def main() -> None:
     """Spawn the grid, check overlap on == off bitwise, print step and exposed-sync times."""
-    from gradvocab import summarize_step
+    from gradvocab import ParallelDims, summarize_step
     from refgrad.pipeline import LinearStackSpec, StepPlan
     from verify.candidates import FastgradCandidate
-    from verify.candidates.api.pipeline import ParallelDims, PipelineCase
+    from verify.candidates.interfaces import PipelineCase
     from verify.checks.pipeline.worker import PipelineRun, pipeline_worker
     from verify.distributed import spawn
     from verify.metrics import bitwise_equal

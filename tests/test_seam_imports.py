@@ -1,6 +1,6 @@
 """The candidate seam, as imports (grimp; imports inside functions count): a migrated check
-reaches fastgrad only through ``verify.candidates``, and the candidate API imports nothing of
-fastgrad (the vocabulary it shares with fastgrad is gradvocab's)."""
+reaches fastgrad only through ``verify.candidates``, and the interfaces module imports nothing
+of fastgrad (the vocabulary it shares with fastgrad is gradvocab's)."""
 
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ def test_a_migrated_check_imports_no_fastgrad(graph, check):
     assert _fastgrad_imports(graph, check) == {}
 
 
-def test_the_candidate_api_imports_no_fastgrad(graph):
-    assert _fastgrad_imports(graph, "verify.candidates.api") == {}
+def test_the_interfaces_module_imports_no_fastgrad(graph):
+    assert _fastgrad_imports(graph, "verify.candidates.interfaces") == {}
 
 
 def test_the_rule_sees_a_late_import_of_fastgrad():

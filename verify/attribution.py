@@ -2,8 +2,8 @@
 seam's.
 
 A candidate lists its known root causes (``Candidate.findings()``, each a
-:class:`~verify.candidates.api.findings.Finding` with a rule over
-:class:`~verify.candidates.api.findings.LaunchSettings`); the harness (``verify.check``'s
+:class:`~verify.candidates.interfaces.Finding` with a rule over
+:class:`~verify.candidates.interfaces.LaunchSettings`); the harness (``verify.check``'s
 recorder, ``verify preflight``'s findings and twin verdict) decides with :func:`explaining`
 which one a failing case shows. A failing case is never attributed by its label, and whatever
 no finding explains is a FAIL of its own.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from verify.candidates.api.findings import Effect, Finding, LaunchSettings
+from verify.candidates.interfaces import Effect, Finding, LaunchSettings
 
 
 def explaining(findings: Sequence[Finding], settings: LaunchSettings,

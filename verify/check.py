@@ -33,7 +33,7 @@ from verify.candidates import (
     Unsupported,
     default_candidate,
 )
-from verify.candidates.api.findings import Finding, LaunchSettings
+from verify.candidates.interfaces import Finding, LaunchSettings
 from verify.distributed import RankCrashed, RankLauncher, spawn_each
 
 _DEVICES = ("cpu", "cuda")

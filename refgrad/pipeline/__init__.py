@@ -46,12 +46,13 @@ from refgrad.pipeline.tensor_parallel import (
     expected_on_rank,
     head_shard,
     loss_target,
+    rank_microbatches,
     sequence_shard,
     splits_loss,
     stage_loss,
     vocab_split_names,
 )
-from refgrad.pipeline.training import ReferenceResult, reference_training, sgd_update
+from refgrad.pipeline.training import ReferenceResult, reference_training, sgd_update, updated_once
 
 __all__ = [
     "EMBEDDING_PARAM",
@@ -75,6 +76,7 @@ __all__ = [
     "microbatch_data",
     "microbatch_loss",
     "program_order",
+    "rank_microbatches",
     "reduce_across_replicas",
     "reduce_and_tie",
     "reference_training",
@@ -85,6 +87,7 @@ __all__ = [
     "stage_loss",
     "stage_param_name",
     "sum_over_tensor_parallel",
+    "updated_once",
     "validate_schedule_shape",
     "vocab_block",
     "vocab_split_names",

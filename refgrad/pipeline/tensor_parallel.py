@@ -39,15 +39,17 @@ for ``T > 2`` the backend chooses the order and no bitwise claim is made here.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
+from refgrad.pipeline.embedding import vocab_block
 from refgrad.pipeline.spec import (
     EMBEDDING_PARAM,
     HEAD_PARAM,
     LinearStackSpec,
+    microbatch_data,
     microbatch_loss,
     stage_param_name,
 )
@@ -86,6 +88,22 @@ def stage_loss(spec: LinearStackSpec, output: torch.Tensor, target_part: torch.T
         return microbatch_loss(output, target_part, num_microbatches)
     total = spec.microbatch_size * spec.hidden
     return (output - target_part).square().sum() / total / num_microbatches
+
+
+def rank_microbatches(spec: LinearStackSpec, dp_rank: int, tp_rank: int, step: int, m: int
+                      ) -> tuple[list[torch.Tensor], list[torch.Tensor],
+                                 Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
+    """One rank's ``(inputs, targets, loss_fn)`` for one step: its replica's data
+    (:func:`microbatch_data`), its sequence shard of the inputs under SP (its vocabulary
+    columns for the vocab-parallel first layer), and the part of each target its (partial)
+    loss covers."""
+    inputs, targets = microbatch_data(spec, dp_rank, step, m)
+    if spec.vocab_parallel_embedding:  # every row, this rank's vocabulary columns
+        inputs = [vocab_block(spec, x, tp_rank) for x in inputs]
+    else:
+        inputs = [sequence_shard(spec, x, tp_rank) for x in inputs]
+    targets = [loss_target(spec, t, tp_rank) for t in targets]
+    return inputs, targets, lambda out, target: stage_loss(spec, out, target, m)
 
 
 def head_shard(spec: LinearStackSpec, head: torch.Tensor, tp_rank: int) -> torch.Tensor:

@@ -28,7 +28,7 @@ stepped by ``refgrad.optim``, model production's ``--bf16`` and ``--fp16`` train
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -61,6 +61,18 @@ class ReferenceResult:
 def sgd_update(param: torch.Tensor, grad: torch.Tensor, lr: float) -> torch.Tensor:
     """``param - lr * grad`` with two separate fp32 roundings (no fused multiply-add)."""
     return torch.sub(param, torch.mul(grad, lr))
+
+
+def updated_once(named: dict[str, torch.nn.Parameter], frozen: Iterable[str]
+                 ) -> list[torch.nn.Parameter]:
+    """The params :func:`sgd_update` steps after a step of ``named`` (refgrad's names): each
+    once (a shared weight has two names), none of the ``frozen`` ones."""
+    frozen = set(frozen)
+    out: list[torch.nn.Parameter] = []
+    for name, param in named.items():
+        if name not in frozen and all(param is not seen for seen in out):
+            out.append(param)
+    return out
 
 
 def reference_training(

@@ -19,11 +19,10 @@ import torch.distributed as dist
 
 from fastgrad.deferred_wgrad import ColumnParallelOutputLayer
 from gradvocab import ParallelDims
-from verify.candidates.api.deferred_wgrad import DeferredWgrad
-from verify.candidates.api.pipeline import PipelineCase, PipelineTraining
 from verify.candidates.fastgrad import FastgradCandidate
 from verify.candidates.fastgrad.deferred_wgrad import FastgradDeferredWgrad
 from verify.candidates.fastgrad.pipeline import FastgradPipeline
+from verify.candidates.interfaces import DeferredWgrad, PipelineCase, PipelineTraining
 
 
 class Fault(str, enum.Enum):

@@ -11,8 +11,7 @@ from dataclasses import dataclass, replace
 import torch
 from megatron.core.distributed import DistributedDataParallel
 
-from verify.candidates.api import Technique
-from verify.candidates.api.optimizer_schedule import HyperparameterSchedule
+from verify.candidates.interfaces import HyperparameterSchedule, Technique
 from verify.candidates.megatron_core.candidate import MegatronCoreCandidate
 from verify.candidates.megatron_core.grad_reduction import MegatronGradReduction
 from verify.candidates.megatron_core.optimizer import MegatronOptimizer, MegatronTrainingOptimizer

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from verify.candidates.api import CandidateInfo
 from verify.candidates.fastgrad import FastgradCandidate
+from verify.candidates.interfaces import CandidateInfo
 
 
 @dataclass(frozen=True)

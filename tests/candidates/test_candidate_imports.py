@@ -1,11 +1,11 @@
 """A candidate imports the seam and the vocabulary, nothing else of ours.
 
-Every package under ``verify/candidates/`` other than the seam (``api``) is a candidate. Of
-gradverify's own packages it may import only ``verify.candidates.api`` (the interfaces, and what
-they hand over: refgrad's records and specification helpers), the vocabulary (``gradvocab``) and its own package; the
-fastgrad candidate may import fastgrad, its own library, as Megatron-Core's imports megatron.
-Anything else (torch, megatron, the standard library) is its own business. Read with ``ast``:
-imports inside functions and ``TYPE_CHECKING`` blocks count.
+Every package under ``verify/candidates/`` is a candidate. Of gradverify's own packages it may
+import only ``verify.candidates.interfaces`` (the technique interfaces, and what they hand over:
+refgrad's records and specification helpers), the vocabulary (``gradvocab``) and its own
+package; the fastgrad candidate may import fastgrad, its own library, as Megatron-Core's imports
+megatron. Anything else (torch, megatron, the standard library) is its own business. Read with
+``ast``: imports inside functions and ``TYPE_CHECKING`` blocks count.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 CANDIDATES = ROOT / "verify" / "candidates"
-SEAM = "verify.candidates.api"
+SEAM = "verify.candidates.interfaces"
 VOCABULARY = ("gradvocab",)
 # A candidate's own library, where it is one of ours.
 OWN_LIBRARY = {"fastgrad": "fastgrad"}
@@ -30,9 +30,8 @@ def _within(module: str, package: str) -> bool:
 
 
 def candidate_packages() -> list[str]:
-    """The candidate packages' names under ``verify/candidates/`` (every one but the seam)."""
-    return sorted(p.name for p in CANDIDATES.iterdir()
-                  if (p / "__init__.py").is_file() and p.name != "api")
+    """The candidate packages' names under ``verify/candidates/``."""
+    return sorted(p.name for p in CANDIDATES.iterdir() if (p / "__init__.py").is_file())
 
 
 def imported_modules(source: str, module: str, is_package: bool) -> list[tuple[int, str]]:
@@ -86,12 +85,13 @@ def test_a_candidate_imports_only_the_seam_the_vocabulary_and_its_own_library(ca
 
 def test_the_rule_sees_each_kind_of_forbidden_import():
     """Planted: refgrad, a check, another candidate, fastgrad from a non-fastgrad candidate, a
-    relative import out of the package and a late import inside a function, each found; the
-    seam, the vocabulary, the own package and third-party libraries pass."""
+    relative import out of the package, a late import inside a function and a module of
+    ``verify.candidates`` beside the seam, each found; the seam, the vocabulary, the own
+    package and third-party libraries pass."""
     source = (
         "import torch\n"
         "from megatron.core import parallel_state\n"
-        "from verify.candidates.api.pipeline import PipelineCase\n"
+        "from verify.candidates.interfaces import PipelineCase\n"
         "from verify.candidates.torch_ddp.layout import TorchDDPLayout\n"
         "from gradvocab.averaging import Averaging\n"
         "from gradvocab import StepOutcome\n"
@@ -100,8 +100,9 @@ def test_the_rule_sees_each_kind_of_forbidden_import():
         "import verify.checks.pipeline\n"
         "from verify.candidates.fastgrad import FastgradCandidate\n"
         "from fastgrad.ddp import DistributedDataParallel\n"
-        "from ..api import Candidate\n"
+        "from ..interfaces import Candidate\n"
         "from .. import registry\n"
+        "from verify.candidates.registry import CANDIDATES\n"
         "def late():\n"
         "    from verify.fixtures.mxfp8 import toy_config\n"
     )
@@ -112,7 +113,8 @@ def test_the_rule_sees_each_kind_of_forbidden_import():
         "verify.candidates.torch_ddp.candidate:10: verify.candidates.fastgrad",
         "verify.candidates.torch_ddp.candidate:11: fastgrad.ddp",
         "verify.candidates.torch_ddp.candidate:13: verify.candidates",
-        "verify.candidates.torch_ddp.candidate:15: verify.fixtures.mxfp8",
+        "verify.candidates.torch_ddp.candidate:14: verify.candidates.registry",
+        "verify.candidates.torch_ddp.candidate:16: verify.fixtures.mxfp8",
     ], found
     # the fastgrad candidate may import fastgrad, its own library
     assert forbidden_imports("from fastgrad.ddp import DistributedDataParallel\n",

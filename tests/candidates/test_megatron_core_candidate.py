@@ -1,6 +1,6 @@
-"""MegatronCoreCandidate behind the seam (``verify.candidates.api``, the lead's branch).
+"""MegatronCoreCandidate behind the seam (``verify.candidates.interfaces``).
 
-Skips on a branch without the seam, and where megatron-core is not installed.
+Skips where megatron-core is not installed.
 """
 
 from __future__ import annotations
@@ -8,12 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from verify.candidates.interfaces import ReduceScatter, Unsupported
 from verify.candidates.megatron_core.version import missing_reason
 from verify.metrics import assert_bitwise_equal
 
 pytestmark = pytest.mark.skipif(missing_reason() is not None, reason=str(missing_reason()))
-api = pytest.importorskip("verify.candidates.api",
-                          reason="the seam (verify.candidates.api) is not on this branch")
 
 
 def _candidate():
@@ -30,12 +29,11 @@ def test_info_names_the_version_redirects_and_what_cannot_run():
     assert bool(info.redirects) == (not torch.cuda.is_available())
     if not torch.cuda.is_available():
         assert dict(info.unsupported)["mxfp8"].startswith("Megatron-Core's MXFP8 params")
-        with pytest.raises(api.Unsupported, match="Transformer Engine"):
+        with pytest.raises(Unsupported, match="Transformer Engine"):
             _candidate().mxfp8()
     # pipeline(): one interface for the pipeline check's training and the twin's stages;
     # optimizer(): the distributed optimizer step over its own DDP chunks
-    from verify.candidates.api.optimizer import DistributedOptimizerStep
-    from verify.candidates.api.pipeline import PipelineTraining
+    from verify.candidates.interfaces import DistributedOptimizerStep, PipelineTraining
 
     assert isinstance(_candidate().pipeline(), PipelineTraining)
     assert isinstance(_candidate().optimizer(), DistributedOptimizerStep)
@@ -62,7 +60,7 @@ def test_grad_reduction_is_megatrons_fp32_reduce_scatter_in_rank_order():
     from tests.distributed_utils import run_distributed
 
     rs = _candidate().grad_reduction().reduce_scatter()
-    assert isinstance(rs, api.grad_reduction.ReduceScatter)
+    assert isinstance(rs, ReduceScatter)
     world = 3
     per_rank = run_distributed(_rs_rank, world, rs, timeout_s=120)
     for it in range(2):

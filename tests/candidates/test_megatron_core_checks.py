@@ -318,8 +318,9 @@ def test_launch_sites_count_a_reduction_an_earlier_launch_already_finished():
     start_grad_sync first finishes its predecessor's (previous_grad_reduce_bucket_group), so
     a launched reduction may be over by the time the schedule's hooks look: it still counts
     as launched (pipeline_training.reduction_launched), never as left for finish_grad_sync."""
+    from gradvocab import ParallelDims
     from refgrad.pipeline import LinearStackSpec, stage_param_name
-    from verify.candidates.api.pipeline import ParallelDims, PipelineCase
+    from verify.candidates.interfaces import PipelineCase
     from verify.checks.pipeline.cases import default_plans
     from verify.checks.pipeline.worker import PipelineRun, pipeline_worker
     from verify.distributed import spawn_each

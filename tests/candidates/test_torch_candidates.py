@@ -12,7 +12,7 @@ import torch
 from refgrad.layout import Layout
 from tests.candidates.torch_faults import DDPHookWithoutDivision, FSDP2DividingTwice
 from verify.candidates import CANDIDATES, Technique, Unsupported, candidate_named
-from verify.candidates.api.grad_reduction import ReductionConfig
+from verify.candidates.interfaces import ReductionConfig
 from verify.candidates.torch_ddp.candidate import TorchDDPCandidate
 from verify.candidates.torch_ddp.findings import FINDINGS as DDP_FINDINGS
 from verify.candidates.torch_fsdp2.candidate import TorchFSDP2Candidate

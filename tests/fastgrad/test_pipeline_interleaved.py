@@ -29,8 +29,8 @@ from refgrad.pipeline import (
     reference_training,
     stage_param_name,
 )
-from verify.candidates.api.pipeline import PipelineCase
 from verify.candidates.fastgrad.pipeline import run_interleaved_case_on_rank
+from verify.candidates.interfaces import PipelineCase
 from verify.metrics import assert_bitwise_equal
 from verify.studies.pipeline import PipelineCosts, simulate
 

@@ -8,8 +8,14 @@ import torch
 
 from gradvocab import ParallelDims
 from verify.candidates import FastgradCandidate
-from verify.candidates.api import Candidate, CandidateInfo
-from verify.candidates.api.findings import CrashSignature, Effect, Finding, LaunchSettings
+from verify.candidates.interfaces import (
+    Candidate,
+    CandidateInfo,
+    CrashSignature,
+    Effect,
+    Finding,
+    LaunchSettings,
+)
 from verify.check import CheckRecorder, CheckResult
 from verify.distributed.errors import Frame, RankCrashed, RankFailure
 from verify.report import Report

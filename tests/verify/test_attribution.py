@@ -4,7 +4,7 @@ each finding's rule on the case's settings and, for a crash, its signature; neve
 from __future__ import annotations
 
 from verify.attribution import explaining
-from verify.candidates.api.findings import CrashSignature, Effect, Finding, LaunchSettings
+from verify.candidates.interfaces import CrashSignature, Effect, Finding, LaunchSettings
 
 
 def _finding(key: str, effect: Effect, crash: CrashSignature | None = None) -> Finding:

@@ -11,10 +11,7 @@ from pathlib import Path
 import pytest
 
 from verify.candidates import Candidate, CandidateInfo, FastgradCandidate, Unsupported
-from verify.candidates.api.deferred_wgrad import DeferredWgrad
-from verify.candidates.api.layout import BucketLayout
-from verify.candidates.api.mxfp8 import MXFP8
-from verify.candidates.api.pipeline import PipelineTraining
+from verify.candidates.interfaces import MXFP8, BucketLayout, DeferredWgrad, PipelineTraining
 from verify.check import CheckContext
 from verify.checks import check_by_name
 

@@ -18,7 +18,7 @@ from tests.verify.report_fixtures import (
     crash_of,
 )
 from verify import cli
-from verify.candidates.api import CandidateInfo
+from verify.candidates.interfaces import CandidateInfo
 from verify.candidates.megatron_core.candidate import MegatronCoreCandidate
 from verify.check import Check, CheckResult
 

@@ -5,19 +5,15 @@ from dataclasses import dataclass
 import pytest
 
 from fastgrad.deferred_wgrad import ColumnParallelOutputLayer
+from gradvocab import ParallelDims
 from tests.candidates.fastgrad_faults import Fault, FaultyFastgrad
 from verify.candidates import FastgradCandidate, Technique, Unsupported
-from verify.candidates.api.deferred_wgrad import (
-    DeferredWgrad,
-    OutputLayerConfig,
-    ParallelDims,
-    WgradGemm,
-)
 from verify.candidates.fastgrad.deferred_wgrad import (
     FastgradDeferredWgrad,
     FastgradOutputLayer,
     FastgradWgradGemm,
 )
+from verify.candidates.interfaces import DeferredWgrad, OutputLayerConfig, WgradGemm
 from verify.check import CheckContext, CheckRecorder
 from verify.checks import CHECK_MODULES
 from verify.checks.deferred_wgrad import CHECK, WgradCase, build_cases

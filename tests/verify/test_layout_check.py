@@ -7,8 +7,8 @@ import pytest
 
 from fastgrad.buffer import ParamAndGradBuffer
 from verify.candidates import FastgradCandidate, Technique, Unsupported
-from verify.candidates.api.layout import BucketLayout, BufferConfig, LayoutCase
 from verify.candidates.fastgrad.layout import FastgradGradBuffer, FastgradLayout
+from verify.candidates.interfaces import BucketLayout, BufferConfig, LayoutCase
 from verify.check import CheckContext
 from verify.checks import CHECK_MODULES
 from verify.checks.layout import CHECK

@@ -9,8 +9,8 @@ import torch
 
 from fastgrad import mxfp8 as fast
 from verify.candidates import FastgradCandidate, Unsupported
-from verify.candidates.api.mxfp8 import MXFP8, ParamGatherResult, ParamGatherRun
 from verify.candidates.fastgrad.mxfp8 import FastgradMXFP8
+from verify.candidates.interfaces import MXFP8, ParamGatherResult, ParamGatherRun
 from verify.check import CheckContext, CheckRecorder
 from verify.checks import CHECK_MODULES, check_by_name
 from verify.checks import mxfp8 as check_module

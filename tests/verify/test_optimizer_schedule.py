@@ -12,8 +12,7 @@ import warnings
 
 import pytest
 
-from verify.candidates.api.optimizer import OptimizerSettings
-from verify.candidates.api.optimizer_schedule import HyperparameterSchedule
+from verify.candidates.interfaces import HyperparameterSchedule, OptimizerSettings
 from verify.candidates.megatron_core.version import missing_reason
 from verify.checks.optim.cases import SCHEDULES
 

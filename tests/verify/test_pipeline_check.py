@@ -4,11 +4,12 @@ from dataclasses import dataclass, replace
 
 import pytest
 
+from gradvocab import ParallelDims
 from refgrad.pipeline import LinearStackSpec, StepPlan
 from tests.candidates.fastgrad_faults import Fault, FaultyFastgrad
 from verify.candidates import FastgradCandidate, Technique, Unsupported
-from verify.candidates.api.pipeline import ParallelDims, PipelineCase
 from verify.candidates.fastgrad.pipeline import FastgradPipeline
+from verify.candidates.interfaces import PipelineCase
 from verify.check import CheckContext
 from verify.checks import check_by_name
 from verify.checks.pipeline import CHECK

@@ -14,7 +14,12 @@ import torch.distributed as dist
 from fastgrad.reduce_scatter import reduce_scatter_with_fp32_accumulation, reduce_shards_fp32
 from gradvocab import Averaging
 from verify.candidates import FastgradCandidate
-from verify.candidates.api.grad_reduction import (
+from verify.candidates.fastgrad.grad_reduction import (
+    FastgradBucketReduction,
+    FastgradGradReduction,
+    FastgradLocalReduction,
+)
+from verify.candidates.interfaces import (
     AVG,
     SUM,
     BucketReduction,
@@ -22,11 +27,6 @@ from verify.candidates.api.grad_reduction import (
     ReduceScatter,
     ReductionConfig,
     ScratchReduceScatter,
-)
-from verify.candidates.fastgrad.grad_reduction import (
-    FastgradBucketReduction,
-    FastgradGradReduction,
-    FastgradLocalReduction,
 )
 from verify.check import CheckContext, CheckRecorder
 from verify.checks import CHECK_MODULES, check_by_name

@@ -13,7 +13,7 @@ from typing import Any
 
 from tests.distributed_utils import run_distributed
 from verify.candidates import FastgradCandidate
-from verify.candidates.api import Candidate
+from verify.candidates.interfaces import Candidate
 from verify.preflight.twin import TwinOptions, finish_twin_report, plan_twin
 from verify.preflight.twin.rank import TwinRun, twin_phases_worker
 

@@ -1,9 +1,10 @@
 """What ``verify`` holds to refgrad: the candidates, reached only through this package.
 
-See :mod:`verify.candidates.api` for the seam and ``docs/candidates.md`` for how to add one.
+See :mod:`verify.candidates.interfaces` for the seam and ``docs/candidates.md`` for how to add one.
 """
 
-from verify.candidates.api import (
+from verify.candidates.fastgrad import FastgradCandidate
+from verify.candidates.interfaces import (
     Behaviour,
     Candidate,
     CandidateInfo,
@@ -13,7 +14,6 @@ from verify.candidates.api import (
     Technique,
     Unsupported,
 )
-from verify.candidates.fastgrad import FastgradCandidate
 from verify.candidates.registry import (
     CANDIDATES,
     DEFAULT_CANDIDATE,

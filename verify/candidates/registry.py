@@ -16,8 +16,8 @@ from collections.abc import Callable, Mapping
 from importlib.metadata import EntryPoint, entry_points
 from types import MappingProxyType
 
-from verify.candidates.api import Candidate
 from verify.candidates.fastgrad import FastgradCandidate
+from verify.candidates.interfaces import Candidate
 from verify.candidates.megatron_core.candidate import MegatronCoreCandidate
 from verify.candidates.torch_ddp.candidate import TorchDDPCandidate
 from verify.candidates.torch_fsdp2.candidate import TorchFSDP2Candidate
@@ -75,7 +75,7 @@ def candidate_named(name: str) -> Candidate:
                                    f"{point.value!r}) failed to import: {exc}") from exc
     if not (isinstance(factory, type) and issubclass(factory, Candidate)):
         raise CandidatePluginError(f"candidate {name!r}: the entry point {point.value!r} must name a "
-                                   f"subclass of verify.candidates.api.Candidate")
+                                   f"subclass of verify.candidates.interfaces.Candidate")
     candidate = factory()
     if candidate.name != name:
         raise CandidatePluginError(f"candidate {name!r}: {point.value!r} calls itself "

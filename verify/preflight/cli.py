@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from importlib import metadata
 from pathlib import Path
 
-from verify.candidates.api import Candidate
+from verify.candidates.interfaces import Candidate
 from verify.candidates.megatron_core.version import missing_reason
 from verify.candidates.registry import CANDIDATES, DEFAULT_CANDIDATE, candidate_named
 from verify.env import fingerprint

@@ -3,7 +3,7 @@
 A launch is Megatron-LM's, so whichever candidate trains the twin, the launch runs
 Megatron-Core's code: every finding of Megatron-Core's catalogue
 (:mod:`verify.candidates.megatron_core.findings`) whose rule reaches the launch's settings
-(:func:`launch_settings`, the same :class:`~verify.candidates.api.findings.LaunchSettings` a
+(:func:`launch_settings`, the same :class:`~verify.candidates.interfaces.LaunchSettings` a
 check's case is described with) is named in the verdict. Where Megatron-Core's own twin ran,
 what it showed is attributed the same way (:func:`explain_twin`): its crash, or its
 difference from refgrad, explained by the finding whose rule reaches the twin's scaled
@@ -13,7 +13,7 @@ settings. A reachable wrong gradient or crash makes the launch FAIL (exit 1).
 from __future__ import annotations
 
 from verify.attribution import explaining
-from verify.candidates.api.findings import Effect, Finding, LaunchSettings
+from verify.candidates.interfaces import Effect, Finding, LaunchSettings
 from verify.candidates.megatron_core.findings import FINDINGS
 from verify.preflight.config import PreflightConfig
 

@@ -9,15 +9,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from verify.candidates.api import Candidate, CandidateInfo
+from verify.candidates.interfaces import Candidate, CandidateInfo
 
 if TYPE_CHECKING:  # the technique interfaces, for annotations only
-    from verify.candidates.api.deferred_wgrad import DeferredWgrad
-    from verify.candidates.api.grad_reduction import GradReduction
-    from verify.candidates.api.layout import BucketLayout
-    from verify.candidates.api.mxfp8 import MXFP8
-    from verify.candidates.api.optimizer import DistributedOptimizerStep
-    from verify.candidates.api.pipeline import PipelineTraining
+    from verify.candidates.interfaces import (
+        MXFP8,
+        BucketLayout,
+        DeferredWgrad,
+        DistributedOptimizerStep,
+        GradReduction,
+        PipelineTraining,
+    )
 
 
 @dataclass(frozen=True)

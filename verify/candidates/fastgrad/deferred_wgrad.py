@@ -1,4 +1,4 @@
-"""fastgrad's output layer with deferred wgrad behind :mod:`verify.candidates.api.deferred_wgrad`.
+"""fastgrad's output layer with deferred wgrad behind :mod:`verify.candidates.interfaces`.
 
 ``fastgrad.deferred_wgrad.ColumnParallelOutputLayer`` is the layer (``start_step`` clears
 both deferral buffers, the drain has an in-flight guard), ``accumulate_wgrad_`` the GEMM
@@ -21,7 +21,7 @@ from fastgrad.deferred_wgrad import (
     allreduce_tied_embedding_grad,
 )
 from gradvocab import LifecycleError
-from verify.candidates.api.deferred_wgrad import (
+from verify.candidates.interfaces import (
     DeferredWgrad,
     DrainRefused,
     OutputLayer,

@@ -1,4 +1,4 @@
-"""fastgrad's DP gradient reduction behind :mod:`verify.candidates.api.grad_reduction`.
+"""fastgrad's DP gradient reduction behind :mod:`verify.candidates.interfaces`.
 
 The collectives are ``fastgrad.reduce_scatter.reduce_scatter_with_fp32_accumulation`` (every
 op, with or without a caller's scratch) and its local step ``reduce_shards_fp32``; a bucket is
@@ -20,11 +20,11 @@ from fastgrad.buffer import ParamAndGradBuffer
 from fastgrad.config import DDPConfig
 from fastgrad.reduce_scatter import reduce_scatter_with_fp32_accumulation, reduce_shards_fp32
 from gradvocab import Averaging
-from verify.candidates.api.core import DocumentedBehaviour
-from verify.candidates.api.grad_reduction import (
+from verify.candidates.interfaces import (
     SUM,
     BucketReduction,
     Completion,
+    DocumentedBehaviour,
     GradReduction,
     LocalReduction,
     ReduceScatter,

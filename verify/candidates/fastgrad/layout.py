@@ -1,4 +1,4 @@
-"""fastgrad's bucket layout and padded grad buffer behind :mod:`verify.candidates.api.layout`.
+"""fastgrad's bucket layout and padded grad buffer behind :mod:`verify.candidates.interfaces`.
 
 ``fastgrad.layout.compute_layout`` lays out each case; ``fastgrad.buffer.ParamAndGradBuffer``
 is the buffer, its groups' ``fastgrad.layout.BufferLayout`` read back as refgrad's
@@ -19,7 +19,7 @@ from fastgrad.buffer import ParamAndGradBuffer
 from fastgrad.buffer_group import BufferGroup
 from fastgrad.config import DDPConfig
 from fastgrad.layout import BufferLayout, compute_layout
-from verify.candidates.api.layout import (
+from verify.candidates.interfaces import (
     BucketLayout,
     BufferConfig,
     GradBucket,

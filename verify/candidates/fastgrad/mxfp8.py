@@ -1,4 +1,4 @@
-"""fastgrad's MXFP8 behind :mod:`verify.candidates.api.mxfp8`.
+"""fastgrad's MXFP8 behind :mod:`verify.candidates.interfaces`.
 
 ``fastgrad.mxfp8.quantize`` / ``dequantize`` (the Triton kernel on CUDA when Triton is
 installed, else the torch path), ``fastgrad.kernels.mxfp8.quantize_triton`` as the GPU
@@ -15,16 +15,17 @@ import torch
 import torch.distributed as dist
 
 from fastgrad import mxfp8 as fast
-from verify.candidates.api import Technique, Unsupported
-from verify.candidates.api.mxfp8 import (
-    BLOCK_SIZE,
+from verify.candidates.fastgrad.mxfp8_toy import train_toy_rank
+from verify.candidates.interfaces import (
     MXFP8,
+    MXFP8_BLOCK,
     MXFP8Kernel,
     ParamGatherResult,
     ParamGatherRun,
     ParamGatherStep,
+    Technique,
+    Unsupported,
 )
-from verify.candidates.fastgrad.mxfp8_toy import train_toy_rank
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ class FastgradMXFP8(MXFP8):
     def gpu_kernel(self) -> MXFP8Kernel:
         if not torch.cuda.is_available():
             raise Unsupported(Technique.MXFP8, "fastgrad's Triton kernel needs CUDA")
-        if not fast.triton_usable(torch.empty(1, device="cuda"), BLOCK_SIZE):
+        if not fast.triton_usable(torch.empty(1, device="cuda"), MXFP8_BLOCK):
             raise Unsupported(Technique.MXFP8, "fastgrad's Triton kernel: triton is not installed")
         return TritonKernel()
 

@@ -1,4 +1,4 @@
-"""fastgrad's :class:`~verify.candidates.api.optimizer.DistributedOptimizerStep`:
+"""fastgrad's :class:`~verify.candidates.interfaces.DistributedOptimizerStep`:
 ``fastgrad.optim.DistributedOptimizer`` (AdamW over the shards of the reduce-scattered
 buffer; over an MXFP8 buffer it re-quantizes the params at the end of the step) or, without
 the distributed optimizer, ``ReplicatedOptimizer`` over the all-reduced grads: Megatron's two
@@ -22,17 +22,6 @@ from fastgrad.optim import (
     ReplicatedOptimizer,
 )
 from gradvocab import StepOutcome
-from verify.candidates.api.core import Technique, Unsupported
-from verify.candidates.api.optimizer import (
-    AdamWState,
-    DataParallelModel,
-    DataParallelSettings,
-    DistributedOptimizerStep,
-    MXFP8ParamOptimizer,
-    OptimizerBehaviour,
-    OptimizerSettings,
-    TrainingOptimizer,
-)
 from verify.candidates.fastgrad.sharded_optimizer import (
     FastgradDataParallel,
     FastgradMXFP8Optimizer,
@@ -42,6 +31,18 @@ from verify.candidates.fastgrad.sharded_optimizer import (
     schedule_next_update,
 )
 from verify.candidates.fastgrad.stages import FastgradStages, norm_group
+from verify.candidates.interfaces import (
+    AdamWState,
+    DataParallelModel,
+    DataParallelSettings,
+    DistributedOptimizerStep,
+    MXFP8ParamOptimizer,
+    OptimizerBehaviour,
+    OptimizerSettings,
+    Technique,
+    TrainingOptimizer,
+    Unsupported,
+)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""fastgrad's :class:`~verify.candidates.api.pipeline.PipelineTraining`: ``fastgrad.ddp`` under
+"""fastgrad's :class:`~verify.candidates.interfaces.PipelineTraining`: ``fastgrad.ddp`` under
 ``fastgrad.pipeline``'s 1F1B (``fastgrad.pipeline_interleaved``'s interleaved 1F1B at
 VPP > 1, one DDP per model chunk), with ``fastgrad.deferred_wgrad``'s output layer and the
 tied-embedding all-reduce, on a grid built by ``ParallelDims.build``.
@@ -26,27 +26,26 @@ from fastgrad.deferred_wgrad import ColumnParallelOutputLayer
 from fastgrad.pipeline import forward_backward_1f1b
 from fastgrad.pipeline_interleaved import forward_backward_interleaved
 from fastgrad.timeline import Timeline
-from gradvocab import ParallelDims
-from verify.candidates.api.pipeline import (
+from gradvocab import ParallelDims, RankResult
+from verify.candidates.fastgrad.pipeline_model import (
+    build_stage_model,
+    case_ddp_config,
+    case_microbatches,
+    drained_head,
+    external_grad_params,
+    total_losses,
+)
+from verify.candidates.fastgrad.stages import FastgradStages
+from verify.candidates.interfaces import (
     ModelSupport,
     PipelineCase,
     PipelineModel,
     PipelineTraining,
-    RankResult,
     StageSettings,
     StepProgress,
-    rank_microbatches,
-    total_losses,
+    sgd_update,
     updated_once,
 )
-from verify.candidates.api.pipeline_spec import sgd_update
-from verify.candidates.fastgrad.pipeline_model import (
-    build_stage_model,
-    case_ddp_config,
-    drained_head,
-    external_grad_params,
-)
-from verify.candidates.fastgrad.stages import FastgradStages
 
 
 @dataclass(frozen=True)
@@ -85,9 +84,9 @@ class FastgradPipeline(PipelineTraining):
 
     def microbatches(self, case: PipelineCase, grid: ParallelDims, step: int, m: int
                      ) -> tuple[list[torch.Tensor], list[torch.Tensor], Any]:
-        """This rank's ``(inputs, targets, loss_fn)`` of step ``step``: the seam's
-        :func:`~verify.candidates.api.pipeline.rank_microbatches`."""
-        return rank_microbatches(case, grid, step, m)
+        """This rank's ``(inputs, targets, loss_fn)`` of step ``step``: refgrad's
+        (:func:`~verify.candidates.fastgrad.pipeline_model.case_microbatches`)."""
+        return case_microbatches(case, grid, step, m)
 
 
 def _full_reduced_grads(ddp: DistributedDataParallel, case: PipelineCase, dp_group: Any) -> None:

@@ -1,5 +1,5 @@
-"""fastgrad's pipeline model for a :class:`~verify.candidates.api.pipeline.PipelineCase`: the
-stage modules, fastgrad's output layer (or the subclass the caller names) and vocab-parallel
+"""fastgrad's pipeline model for a :class:`~verify.candidates.interfaces.PipelineCase`: the
+stage modules, this rank's data and losses, fastgrad's output layer (or the subclass the caller names) and vocab-parallel
 embedding, and the DDP settings.
 
 The tied embedding on one pipeline stage (production's PP 1) is one weight with two uses:
@@ -15,24 +15,45 @@ PP > 1). The reference is ``refgrad.pipeline``'s ``LinearStackSpec.shares_one_we
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from fastgrad.config import DDPConfig
 from fastgrad.deferred_wgrad import ColumnParallelOutputLayer, EmbeddingWgradConfig
 from fastgrad.vocab_parallel_embedding import VocabParallelEmbedding
 from gradvocab import ParallelDims
-from verify.candidates.api.pipeline import PipelineCase
-from verify.candidates.api.pipeline_spec import (
+from verify.candidates.interfaces import (
     EMBEDDING_PARAM,
     HEAD_PARAM,
     LinearStackSpec,
+    PipelineCase,
     StageModule,
     head_shard,
     head_weight_init,
+    rank_microbatches,
+    splits_loss,
     stage_param_name,
 )
+
+
+def case_microbatches(case: PipelineCase, grid: ParallelDims, step: int, m: int
+                      ) -> tuple[list[torch.Tensor], list[torch.Tensor],
+                                 Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
+    """This rank's ``(inputs, targets, loss_fn)`` of step ``step`` (refgrad's
+    :func:`~refgrad.pipeline.rank_microbatches` at this rank's DP and TP coordinates)."""
+    return rank_microbatches(case.spec, grid.dp_rank, grid.tp_rank, step, m)
+
+
+def total_losses(case: PipelineCase, grid: ParallelDims, losses: Sequence[torch.Tensor]) -> list[float]:
+    """The step's losses: partial losses summed over the TP group (production's all-reduce)."""
+    if losses and splits_loss(case.spec):
+        stacked = torch.stack(list(losses))
+        dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=grid.tp_group)
+        losses = list(stacked)
+    return [float(v) for v in losses]
 
 
 def case_ddp_config(case: PipelineCase, overlap: bool, stage: int, chunk: int = 0) -> DDPConfig:

@@ -1,4 +1,4 @@
-"""fastgrad's distributed optimizer as the ``optim`` check drives it (:mod:`verify.candidates.api.optimizer`).
+"""fastgrad's distributed optimizer as the ``optim`` check drives it (:mod:`verify.candidates.interfaces`).
 
 ``fastgrad.ddp.DistributedDataParallel`` (distributed optimizer, ``overlap_grad_reduce``) wraps
 the check's module (:class:`FastgradDataParallel`); ``fastgrad.optim.DistributedOptimizer`` (or
@@ -28,17 +28,17 @@ from fastgrad.optim import (
     param_groups_without_decay_for,
 )
 from gradvocab import ParallelDims, StepOutcome
-from verify.candidates.api.optimizer import (
+from verify.candidates.interfaces import (
     AdamWState,
     DataParallelModule,
     DataParallelSettings,
     LossScalerState,
     MXFP8ParamOptimizer,
+    MXFP8Training,
     OptimizerCheckpoint,
     OptimizerSettings,
     ShardedOptimizer,
 )
-from verify.candidates.api.optimizer_parts import MXFP8Training
 
 
 def fastgrad_config(settings: OptimizerSettings) -> AdamWConfig | SGDConfig:

@@ -1,4 +1,4 @@
-"""fastgrad's :class:`~verify.candidates.api.pipeline.PipelineModel`: a case's stages trained step
+"""fastgrad's :class:`~verify.candidates.interfaces.PipelineModel`: a case's stages trained step
 by step under the caller's optimizer (the preflight twin).
 
 Each rank builds its model chunks (``pipeline_model.build_stage_model``; the output layer
@@ -9,7 +9,7 @@ overlaps) and runs ``fastgrad.pipeline``'s 1F1B, or at VPP > 1 the interleaved 1
 optimizer is built over ``optimizer_target`` (the DDP, or ``fastgrad.optim.ModelChunks`` of
 the chunks: one norm and one step over all of them) by ``verify.candidates.fastgrad.optimizer``.
 
-With MXFP8 params (:class:`~verify.candidates.api.pipeline.MXFP8Params`) every weight is a
+With MXFP8 params (:class:`~verify.candidates.interfaces.MXFP8Params`) every weight is a
 ``fastgrad.mxfp8.MXFP8Parameter`` held in one ``fastgrad.mxfp8_sharing.MXFP8ParamGradBuffer``
 per rank (the optimizer is built on it, as the ``optim`` check drives it): the stage modules
 compute in fp32 on the dequantized values (refreshed after every step), each microbatch's
@@ -36,23 +36,18 @@ from fastgrad.optim import ModelChunks
 from fastgrad.pipeline import forward_backward_1f1b
 from fastgrad.pipeline_interleaved import forward_backward_interleaved
 from gradvocab import ParallelDims
-from verify.candidates.api.pipeline import (
-    MXFP8_BLOCK,
-    PipelineCase,
-    StageSettings,
-    rank_microbatches,
-    total_losses,
-)
-from verify.candidates.api.pipeline_spec import cast_params_
 from verify.candidates.fastgrad.pipeline_model import (
     build_stage_model,
     case_ddp_config,
+    case_microbatches,
     drained_head,
     external_grad_params,
+    total_losses,
 )
+from verify.candidates.interfaces import MXFP8_BLOCK, PipelineCase, StageSettings, cast_params_
 
 # This rank's (inputs, targets, loss_fn) of one step: (case, grid, step, microbatches) ->
-# ``verify.candidates.api.pipeline.rank_microbatches``'s result.
+# :func:`~verify.candidates.fastgrad.pipeline_model.case_microbatches`'s result.
 Microbatches = Callable[[PipelineCase, ParallelDims, int, int],
                         tuple[list[torch.Tensor], list[torch.Tensor],
                               Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]]
@@ -106,7 +101,7 @@ class FastgradStages:
 
     def __init__(self, case: PipelineCase, grid: ParallelDims, settings: StageSettings, *,
                  output_layer_class: type[ColumnParallelOutputLayer] = ColumnParallelOutputLayer,
-                 microbatches: Microbatches = rank_microbatches) -> None:
+                 microbatches: Microbatches = case_microbatches) -> None:
         self.case, self._grid, self.settings = case, grid, settings
         self._microbatches = microbatches
         built = [build_stage_model(case, grid, c, output_layer_class)

@@ -1,4 +1,4 @@
-"""Megatron-Core's bucket layout and grad buffers behind :mod:`verify.candidates.api.layout`.
+"""Megatron-Core's bucket layout and grad buffers behind :mod:`verify.candidates.interfaces`.
 
 * :meth:`MegatronLayout.layouts`: Megatron's ``param_and_grad_buffer._ParamAndGradBuffer``
   built for each case (:func:`build_megatron_buffer`: the DP group is torch's
@@ -29,7 +29,7 @@ is set. Without it Megatron reduces synchronously inside ``finish_grad_sync`` (i
 The buffer's norm, padding and non-sharded checkpoint helpers do not exist in Megatron-Core
 (its ``DistributedOptimizer`` computes the norm with ``clip_grads.get_grad_norm_fp32`` and
 checkpoints parameters and optimizer state, never grads): they raise
-:class:`~verify.candidates.api.Unsupported`. The pieces a DP rank owns come from the
+:class:`~verify.candidates.interfaces.Unsupported`. The pieces a DP rank owns come from the
 distributed optimizer's own map (``DistributedOptimizer._build_model_gbuf_range``), for the
 rank's own DP rank (Megatron maps no other rank's).
 """
@@ -45,8 +45,7 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 from gradvocab import ParallelDims, RankPlace
-from verify.candidates.api import Technique, Unsupported
-from verify.candidates.api.layout import (
+from verify.candidates.interfaces import (
     BucketLayout,
     BufferConfig,
     GradBucket,
@@ -55,6 +54,8 @@ from verify.candidates.api.layout import (
     GradPiece,
     Layout,
     LayoutCase,
+    Technique,
+    Unsupported,
 )
 from verify.candidates.megatron_core.process_groups import megatron_process_groups
 from verify.candidates.megatron_core.scope import MegatronScope

@@ -1,4 +1,4 @@
-"""Megatron-Core behind the seam (``verify.candidates.api``): ``MegatronCoreCandidate``.
+"""Megatron-Core behind the seam (``verify.candidates.interfaces``): ``MegatronCoreCandidate``.
 
 Each accessor returns the technique's interface, running Megatron-Core's own code:
 
@@ -25,7 +25,7 @@ refgrad's spec by design, :meth:`MegatronCoreCandidate.documented` names the beh
 where it lives, and the checks hold it to refgrad's model of it.
 
 What cannot run here (the installed version lacks it, or it needs CUDA) raises
-:class:`~verify.candidates.api.Unsupported` with the reason read from the installed code
+:class:`~verify.candidates.interfaces.Unsupported` with the reason read from the installed code
 (:mod:`verify.candidates.megatron_core.version`); without megatron-core every technique
 is Unsupported, saying how to install it. Importing this module does not import
 Megatron-Core (``verify.candidates.registry`` imports it to list the candidate).
@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import torch
 
-from verify.candidates.api import (
+from verify.candidates.interfaces import (
     Behaviour,
     Candidate,
     CandidateInfo,

@@ -12,7 +12,7 @@ and, for a crash, its exception), never by the case's label.
 
 from __future__ import annotations
 
-from verify.candidates.api.findings import CrashSignature, Effect, Finding, LaunchSettings
+from verify.candidates.interfaces import CrashSignature, Effect, Finding, LaunchSettings
 
 
 def _rebound_reduce_scatter(s: LaunchSettings) -> bool:

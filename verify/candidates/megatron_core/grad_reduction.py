@@ -1,4 +1,4 @@
-"""Megatron-Core's DP gradient reduction behind :mod:`verify.candidates.api.grad_reduction`.
+"""Megatron-Core's DP gradient reduction behind :mod:`verify.candidates.interfaces`.
 
 Megatron-Core's own code, unmodified:
 
@@ -31,17 +31,19 @@ import torch
 import torch.distributed as dist
 
 from gradvocab import Averaging, ParallelDims
-from verify.candidates.api.core import DocumentedBehaviour, Technique, Unsupported
-from verify.candidates.api.grad_reduction import (
+from verify.candidates.interfaces import (
     SUM,
     BucketReduction,
     Completion,
+    DocumentedBehaviour,
     GradReduction,
     LocalReduction,
     ReduceScatter,
     ReductionBehaviour,
     ReductionConfig,
     ScratchReduceScatter,
+    Technique,
+    Unsupported,
 )
 from verify.candidates.megatron_core.process_groups import megatron_process_groups
 from verify.candidates.megatron_core.scope import MegatronScope

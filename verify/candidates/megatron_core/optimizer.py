@@ -1,4 +1,4 @@
-"""Megatron-Core's :class:`~verify.candidates.api.optimizer.DistributedOptimizerStep`: its
+"""Megatron-Core's :class:`~verify.candidates.interfaces.DistributedOptimizerStep`: its
 ``get_megatron_optimizer`` over the DDP chunks of :class:`~verify.candidates.megatron_core.stages.MegatronStages`.
 
 As Megatron-LM's ``setup_model_and_optimizer`` and ``train`` wire it: an ``OptimizerConfig``
@@ -32,15 +32,17 @@ import torch
 import torch.distributed as dist
 
 from gradvocab import StepOutcome
-from verify.candidates.api.core import DocumentedBehaviour, Technique, Unsupported
-from verify.candidates.api.optimizer import (
+from verify.candidates.interfaces import (
     AdamWState,
     DataParallelModel,
     DataParallelSettings,
     DistributedOptimizerStep,
+    DocumentedBehaviour,
     OptimizerBehaviour,
     OptimizerSettings,
+    Technique,
     TrainingOptimizer,
+    Unsupported,
 )
 from verify.candidates.megatron_core.scope import MegatronScope
 from verify.candidates.megatron_core.sharded_optimizer import (

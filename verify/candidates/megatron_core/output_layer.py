@@ -1,4 +1,4 @@
-"""Megatron-Core's deferred embedding wgrad behind :mod:`verify.candidates.api.deferred_wgrad`.
+"""Megatron-Core's deferred embedding wgrad behind :mod:`verify.candidates.interfaces`.
 
 The layer is ``megatron.core.tensor_parallel.layers.ColumnParallelLinear`` (``gather_output=
 False``, ``gradient_accumulation_fusion``, given the ``embedding_activation_buffer`` and
@@ -33,12 +33,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from verify.candidates.api import Technique, Unsupported
-from verify.candidates.api.deferred_wgrad import (
+from verify.candidates.interfaces import (
     DeferredWgrad,
     OutputLayer,
     OutputLayerConfig,
     ReduceInFlight,
+    Technique,
+    Unsupported,
     WgradGemm,
 )
 from verify.candidates.megatron_core.process_groups import fake_group

@@ -1,5 +1,5 @@
 """Megatron-Core's DDP grad sync under its 1F1B schedules behind
-:class:`~verify.candidates.api.pipeline.PipelineTraining`.
+:class:`~verify.candidates.interfaces.PipelineTraining`.
 
 Each rank builds its model chunks of the case's ``refgrad.pipeline`` model (global stage
 ``chunk * P + stage``, Megatron's interleaving), the last stage's output head as Megatron's
@@ -29,7 +29,7 @@ Without per-token loss Megatron divides each microbatch's loss by the microbatch
 itself (``forward_step_calc_loss``), so the loss function returns refgrad's
 ``stage_loss(..., 1)``: the same operations, the same bits.
 
-What each rank reports (:class:`~verify.candidates.api.pipeline.RankResult`): losses,
+What each rank reports (:class:`gradvocab.RankResult`): losses,
 every parameter's reduced ``main_grad`` (with the distributed optimizer the other DP ranks'
 shards all-gathered, for the comparison only), the params after the step, and where each
 bucket group's reduction was launched, read from Megatron's own state
@@ -49,16 +49,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from verify.candidates.api.pipeline import (
-    ParallelDims,
+from gradvocab import ParallelDims, RankResult
+from verify.candidates.interfaces import (
     PipelineCase,
     PipelineTraining,
-    RankResult,
     StepProgress,
     rank_microbatches,
+    sgd_update,
     updated_once,
 )
-from verify.candidates.api.pipeline_spec import sgd_update
 from verify.candidates.megatron_core.process_groups import megatron_process_groups
 from verify.candidates.megatron_core.scope import MegatronScope
 from verify.candidates.megatron_core.stages import StageChunk, forward_step_func, transformer_config
@@ -231,7 +230,7 @@ def _train_steps(case: PipelineCase, grid: ParallelDims, config: Any, groups: An
         for ddp in ddps:
             ddp.zero_grad_buffer()
         m = plan.num_microbatches
-        inputs, targets, _ = rank_microbatches(case, grid, step, m)
+        inputs, targets, _ = rank_microbatches(case.spec, grid.dp_rank, grid.tp_rank, step, m)
         data = [(x.view(spec.microbatch_size, 1, spec.hidden), t) for x, t in zip(inputs, targets)]
         iterators = [iter(data) for _ in ddps]
         for chunk in chunks:

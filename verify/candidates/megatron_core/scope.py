@@ -1,6 +1,6 @@
 """The ``with`` scope of Megatron-Core's technique interfaces: its per-process setup, undone on exit.
 
-A check uses a technique's interface inside ``with`` (:mod:`verify.candidates.api.scope`).
+A check uses a technique's interface inside ``with`` (:class:`verify.candidates.interfaces.TechniqueScope`).
 For Megatron-Core the block holds what its own code assumes of the process:
 
 * the CPU redirects (:func:`verify.candidates.megatron_core.redirect.cpu_redirects`;

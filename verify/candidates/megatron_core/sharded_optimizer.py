@@ -1,4 +1,4 @@
-"""Megatron-Core's distributed optimizer as the ``optim`` check drives it (:mod:`verify.candidates.api.optimizer`).
+"""Megatron-Core's distributed optimizer as the ``optim`` check drives it (:mod:`verify.candidates.interfaces`).
 
 Megatron's ``DistributedDataParallel`` (distributed optimizer, ``overlap_grad_reduce``) wraps the
 check's module on the check's DP group, given as a ``ProcessGroupCollection``
@@ -12,7 +12,7 @@ it applies ``wd_mult``: no decay on 1-D params) and stepped after each successfu
 each iteration the buffers' ``zero_grad_buffer`` then the optimizer's ``zero_grad``. The DP sum instead of the mean
 is ``TransformerConfig.calculate_per_token_loss`` (DDP's ``gradient_scaling_factor`` 1).
 
-What it cannot do here is :class:`~verify.candidates.api.core.Unsupported`, naming where:
+What it cannot do here is :class:`~verify.candidates.interfaces.Unsupported`, naming where:
 SGD (``DistributedOptimizer`` steps Adam only), weight decay on 1-D params, and a reshardable
 checkpoint (not wired: its ``get_parameter_state_dp_zero`` format is not yet adapted).
 """
@@ -28,17 +28,18 @@ import torch.distributed as dist
 from torch import nn
 
 from gradvocab import ParallelDims, StepOutcome
-from verify.candidates.api.core import Technique, Unsupported
-from verify.candidates.api.optimizer import (
+from verify.candidates.interfaces import (
     AdamWState,
     DataParallelModule,
     DataParallelSettings,
+    HyperparameterSchedule,
     LossScalerState,
     OptimizerCheckpoint,
     OptimizerSettings,
     ShardedOptimizer,
+    Technique,
+    Unsupported,
 )
-from verify.candidates.api.optimizer_schedule import HyperparameterSchedule
 from verify.candidates.megatron_core.grad_reduction import data_parallel_groups, model_config
 
 SGD_UNSUPPORTED = ("SGD: Megatron-Core's DistributedOptimizer steps Adam only "

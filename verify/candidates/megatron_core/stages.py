@@ -1,4 +1,4 @@
-"""Megatron-Core's :class:`~verify.candidates.api.pipeline.PipelineModel`: a case's stages under its
+"""Megatron-Core's :class:`~verify.candidates.interfaces.PipelineModel`: a case's stages under its
 own DDP and 1F1B schedules, trained step by step under its own optimizer (the preflight twin).
 
 Each rank builds its model chunks of the case's ``refgrad.pipeline`` model (global stage
@@ -46,16 +46,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from verify.candidates.api.pipeline import (
-    ParallelDims,
-    PipelineCase,
-    StageSettings,
-    rank_microbatches,
-)
-from verify.candidates.api.pipeline_spec import (
+from gradvocab import ParallelDims
+from verify.candidates.interfaces import (
     HEAD_PARAM,
+    PipelineCase,
     StageModule,
+    StageSettings,
     head_weight_init,
+    rank_microbatches,
     stage_loss,
     stage_param_name,
 )
@@ -253,7 +251,7 @@ class MegatronStages:
         for zero_grad in self.on_zero_grad:
             zero_grad()
         m = case.plans[step].num_microbatches
-        inputs, targets, _ = rank_microbatches(case, grid, step, m)
+        inputs, targets, _ = rank_microbatches(case.spec, grid.dp_rank, grid.tp_rank, step, m)
         data = [(x.view(spec.microbatch_size, 1, spec.hidden), t) for x, t in zip(inputs, targets)]
         interleaved = case.virtual_stages > 1
         iterators = [iter(data) for _ in self.ddps]

@@ -1,5 +1,5 @@
 """The preflight twin's part of Megatron-Core's
-:class:`~verify.candidates.api.pipeline.PipelineTraining`: :meth:`~StagesForOptimizer.model`
+:class:`~verify.candidates.interfaces.PipelineTraining`: :meth:`~StagesForOptimizer.model`
 (:class:`~verify.candidates.megatron_core.stages.MegatronStages`, trained step by step under
 Megatron-Core's optimizer) and ``model_support``, a mixin of
 :class:`~verify.candidates.megatron_core.pipeline_training.MegatronPipeline` beside the
@@ -8,13 +8,13 @@ Megatron-Core's optimizer) and ``model_support``, a mixin of
 
 from __future__ import annotations
 
-from gradvocab import Averaging
-from verify.candidates.api.core import Technique, Unsupported
-from verify.candidates.api.pipeline import (
+from gradvocab import Averaging, ParallelDims
+from verify.candidates.interfaces import (
     ModelSupport,
-    ParallelDims,
     PipelineCase,
     StageSettings,
+    Technique,
+    Unsupported,
 )
 from verify.candidates.megatron_core.stages import MegatronStages
 from verify.candidates.megatron_core.version import installed

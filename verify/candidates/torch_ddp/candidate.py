@@ -1,4 +1,4 @@
-"""torch's ``DistributedDataParallel`` behind the seam (``verify.candidates.api``): ``TorchDDPCandidate``.
+"""torch's ``DistributedDataParallel`` behind the seam (``verify.candidates.interfaces``): ``TorchDDPCandidate``.
 
 =================  ==================================================================
 technique          interface (module in this package)
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from verify.candidates.api import (
+from verify.candidates.interfaces import (
     Behaviour,
     Candidate,
     CandidateInfo,

@@ -4,7 +4,7 @@ standalone reproduction in ``examples/torch/`` (exit 1 while it shows)."""
 
 from __future__ import annotations
 
-from verify.candidates.api.findings import Effect, Finding, LaunchSettings
+from verify.candidates.interfaces import Effect, Finding, LaunchSettings
 
 BUCKET_VIEW = "gradient_as_bucket_view=True"
 ZEROED_IN_PLACE = "zero_grad(set_to_none=False)"

@@ -1,4 +1,4 @@
-"""torch DDP's gradient reduction behind :mod:`verify.candidates.api.grad_reduction`.
+"""torch DDP's gradient reduction behind :mod:`verify.candidates.interfaces`.
 
 A bucket is one parameter of the bucket's size in a ``torch.nn.parallel.DistributedDataParallel``
 over the check's group; its grads are made by autograd (``(weight * grads).sum()``: the grad
@@ -26,16 +26,18 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from gradvocab import Averaging
-from verify.candidates.api.core import DocumentedBehaviour, Technique, Unsupported
-from verify.candidates.api.grad_reduction import (
+from verify.candidates.interfaces import (
     SUM,
     BucketReduction,
+    DocumentedBehaviour,
     GradReduction,
     LocalReduction,
     ReduceScatter,
     ReductionBehaviour,
     ReductionConfig,
     ScratchReduceScatter,
+    Technique,
+    Unsupported,
 )
 
 REDUCER = "torch/csrc/distributed/c10d/reducer.cpp"

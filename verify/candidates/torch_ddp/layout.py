@@ -1,4 +1,4 @@
-"""torch DDP's buckets behind :mod:`verify.candidates.api.layout`.
+"""torch DDP's buckets behind :mod:`verify.candidates.interfaces`.
 
 * :meth:`TorchDDPLayout.layouts`: the buckets a ``DistributedDataParallel`` rebuilds after its
   first iteration, from torch's own functions: ``_BucketCapacityConfig.create`` (the caps
@@ -23,8 +23,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from verify.candidates.api.core import Technique, Unsupported
-from verify.candidates.api.layout import (
+from verify.candidates.interfaces import (
     BucketLayout,
     BucketObserver,
     BucketTraining,
@@ -34,6 +33,8 @@ from verify.candidates.api.layout import (
     LayoutCase,
     ObservedBucket,
     ObservedIteration,
+    Technique,
+    Unsupported,
 )
 
 NO_BUFFER = ("torch-ddp keeps its buckets inside its C++ Reducer: no padded buffer with "

@@ -1,4 +1,4 @@
-"""torch's FSDP2 behind the seam (``verify.candidates.api``): ``TorchFSDP2Candidate``.
+"""torch's FSDP2 behind the seam (``verify.candidates.interfaces``): ``TorchFSDP2Candidate``.
 
 =================  ==================================================================
 technique          interface (module in this package)
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from verify.candidates.api import (
+from verify.candidates.interfaces import (
     Behaviour,
     Candidate,
     CandidateInfo,

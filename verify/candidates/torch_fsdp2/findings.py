@@ -7,7 +7,7 @@ candidate's adapter, and ``grad_dtype`` its ``reduce_dtype``."""
 
 from __future__ import annotations
 
-from verify.candidates.api.findings import CrashSignature, Effect, Finding, LaunchSettings
+from verify.candidates.interfaces import CrashSignature, Effect, Finding, LaunchSettings
 
 
 def _premul_sum_on_gloo(s: LaunchSettings) -> bool:

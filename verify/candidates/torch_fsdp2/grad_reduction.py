@@ -1,4 +1,4 @@
-"""FSDP2's gradient reduction behind :mod:`verify.candidates.api.grad_reduction`.
+"""FSDP2's gradient reduction behind :mod:`verify.candidates.interfaces`.
 
 Parameters of the check's shapes under ``fully_shard`` with a ``MixedPrecisionPolicy``
 (``sharding``); each microbatch's grads come from autograd (the forward is
@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 
 from gradvocab import Averaging
-from verify.candidates.api.core import DocumentedBehaviour, Technique, Unsupported
-from verify.candidates.api.grad_reduction import (
+from verify.candidates.interfaces import (
     SUM,
     BucketReduction,
+    DocumentedBehaviour,
     GradReduction,
     LocalReduction,
     ReduceScatter,
@@ -34,6 +34,8 @@ from verify.candidates.api.grad_reduction import (
     ScratchReduceScatter,
     ShardedGradCase,
     ShardedReduction,
+    Technique,
+    Unsupported,
 )
 from verify.candidates.torch_fsdp2.sharding import Coefficients, dtype_named, mesh_of, policy
 

@@ -1,4 +1,4 @@
-"""FSDP2's parameter sharding behind :mod:`verify.candidates.api.layout`.
+"""FSDP2's parameter sharding behind :mod:`verify.candidates.interfaces`.
 
 FSDP2 has no bucketed buffer: ``fully_shard`` shards every parameter on its own along dim 0
 (``_fsdp_param.FSDPParam._init_sharded_param``), so the bucket layouts and the padded buffer
@@ -13,8 +13,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from verify.candidates.api.core import Technique, Unsupported
-from verify.candidates.api.layout import (
+from verify.candidates.interfaces import (
     BucketLayout,
     BufferConfig,
     GradBuffer,
@@ -22,6 +21,8 @@ from verify.candidates.api.layout import (
     LayoutCase,
     ParameterShard,
     ParameterSharding,
+    Technique,
+    Unsupported,
 )
 from verify.candidates.torch_fsdp2.sharding import Coefficients, mesh_of, padded_rows, sharded_rows
 

@@ -1,5 +1,5 @@
 """torch's optimizers on FSDP2's sharded parameters, as the ``optim`` check drives them
-(:mod:`verify.candidates.api.optimizer`).
+(:mod:`verify.candidates.interfaces`).
 
 :meth:`TorchFSDP2Optimizer.data_parallel` wraps the check's module as torchtitan does:
 ``fully_shard`` on every child module and on the root, over the check's DP group, the
@@ -28,17 +28,19 @@ import torch.distributed as dist
 from torch import nn
 
 from gradvocab import ParallelDims, StepOutcome
-from verify.candidates.api.core import DocumentedBehaviour, Technique, Unsupported
-from verify.candidates.api.optimizer import (
+from verify.candidates.interfaces import (
     AdamWState,
     DataParallelModel,
     DataParallelModule,
     DataParallelSettings,
     DistributedOptimizerStep,
+    DocumentedBehaviour,
     LossScalerState,
     OptimizerBehaviour,
     OptimizerCheckpoint,
     OptimizerSettings,
+    Technique,
+    Unsupported,
 )
 from verify.candidates.torch_fsdp2.sharding import mesh_of, policy
 

@@ -30,7 +30,7 @@ What it establishes, on real gloo process groups (2 processes):
 Package layout: ``cases`` (the case matrix and its data), ``worker`` (one rank's run),
 ``comparisons`` (what the results must satisfy), ``entry`` (the run function and the
 registration). The implementation is reached only through ``candidate.deferred_wgrad()``
-(:mod:`verify.candidates.api.deferred_wgrad`).
+(:mod:`verify.candidates.interfaces`).
 """
 
 from verify.checks.deferred_wgrad.cases import (

@@ -7,6 +7,7 @@ from dataclasses import asdict
 
 import torch
 
+from gradvocab import ParallelDims
 from refgrad.deferred_wgrad import (
     deferred_accumulation_order,
     fastgrad_error_factor,
@@ -14,11 +15,7 @@ from refgrad.deferred_wgrad import (
     tied_embedding_grad_sum,
 )
 from verify.candidates import Candidate, LaunchSettings
-from verify.candidates.api.deferred_wgrad import (
-    DeferredWgrad,
-    ParallelDims,
-    WgradGemm,
-)
+from verify.candidates.interfaces import DeferredWgrad, WgradGemm
 from verify.check import CheckContext, CheckRecorder, launcher_for
 from verify.checks.deferred_wgrad.cases import (
     BATCH,

@@ -6,12 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from verify.candidates.api.deferred_wgrad import (
-    DeferredWgrad,
-    DrainRefused,
-    OutputLayerConfig,
-    ParallelDims,
-)
+from gradvocab import ParallelDims
+from verify.candidates.interfaces import DeferredWgrad, DrainRefused, OutputLayerConfig
 from verify.checks.deferred_wgrad.cases import BATCH, HIDDEN, SEQ, VOCAB
 from verify.metrics import bitwise_equal
 

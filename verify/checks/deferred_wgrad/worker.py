@@ -8,11 +8,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradvocab import ParallelDims
 from refgrad.deferred_wgrad import (
     deferred_accumulation_order,
 )
 from verify.candidates import Candidate, Unsupported
-from verify.candidates.api.deferred_wgrad import DeferredWgrad, OutputLayerConfig, ParallelDims
+from verify.candidates.interfaces import DeferredWgrad, OutputLayerConfig
 from verify.checks.deferred_wgrad.cases import (
     BATCH,
     HIDDEN,

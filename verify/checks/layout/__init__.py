@@ -17,10 +17,10 @@ What it verifies (REFERENCE_NOTES section 1):
 Package layout: ``invariants`` (what every layout must satisfy), ``cases`` (hand-derived
 and random cases), ``worker`` (the multi-rank reductions), ``buffers`` (single-process
 buffer properties), ``entry`` (the run function and the report glue). The implementation
-is reached only through ``candidate.layout()`` (:mod:`verify.candidates.api.layout`).
+is reached only through ``candidate.layout()`` (:mod:`verify.candidates.interfaces`).
 """
 
-from verify.candidates.api.layout import LayoutCase
+from verify.candidates.interfaces import LayoutCase
 from verify.checks.layout.buffers import buffer_violations
 from verify.checks.layout.cases import (
     HAND_CASES,

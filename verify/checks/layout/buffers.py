@@ -9,8 +9,7 @@ import torch
 
 from refgrad.layout import Layout
 from refgrad.layout import compute_layout as reference_layout
-from verify.candidates.api import Unsupported
-from verify.candidates.api.layout import BucketLayout, BufferConfig, GradBuffer
+from verify.candidates.interfaces import BucketLayout, BufferConfig, GradBuffer, Unsupported
 from verify.checks.layout.cases import compare_layouts
 from verify.metrics import bitwise_equal
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from refgrad.layout import Layout
 from refgrad.layout_torch import DDPBucketCaps, ddp_layout
-from verify.candidates.api.layout import LayoutCase
+from verify.candidates.interfaces import LayoutCase
 
 # --------------------------------------------------------------------------- hand-derived cases
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from gradvocab import default_bucket_size
 from refgrad.layout import compute_layout as reference_layout
 from verify.candidates import Behaviour, Candidate, Technique, Unsupported
-from verify.candidates.api.layout import BucketLayout, LayoutCase
+from verify.candidates.interfaces import BucketLayout, LayoutCase
 from verify.check import Check, CheckContext, CheckRecorder, run_part
 from verify.checks.layout.buffers import AlignmentFact, buffer_violations
 from verify.checks.layout.cases import (

@@ -23,7 +23,7 @@ from fractions import Fraction
 
 import torch
 
-from gradvocab import Averaging
+from gradvocab import Averaging, ParallelDims
 from refgrad import formats
 from refgrad import reduce_scatter as refc
 from refgrad.layout_torch import (
@@ -33,9 +33,7 @@ from refgrad.layout_torch import (
     fsdp2_shards,
 )
 from verify.candidates import Behaviour, Candidate, LaunchSettings, Unsupported
-from verify.candidates.api.grad_reduction import ReductionBehaviour
-from verify.candidates.api.layout import BucketTraining, ObservedBucket
-from verify.candidates.api.pipeline import ParallelDims
+from verify.candidates.interfaces import BucketTraining, ObservedBucket, ReductionBehaviour
 from verify.check import CheckRecorder
 from verify.distributed import RankLauncher, spawn_each
 from verify.metrics import bitwise_equal

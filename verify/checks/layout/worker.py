@@ -11,17 +11,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradvocab import ParallelDims
 from refgrad.layout import Layout
 from refgrad.layout import compute_layout as reference_layout
 from verify.candidates import Candidate, LaunchSettings, Unsupported
-from verify.candidates.api.layout import (
+from verify.candidates.interfaces import (
     BucketLayout,
     BufferConfig,
     GradBuffer,
     GradBufferGroup,
     GradPiece,
 )
-from verify.candidates.api.pipeline import ParallelDims
 from verify.check import launcher_for
 from verify.checks.layout.buffers import padding_mask
 from verify.distributed import DEFAULT_TIMEOUT_S, RankCrashed, spawn_each

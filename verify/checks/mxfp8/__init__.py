@@ -20,7 +20,7 @@
 Package layout: ``quantizer`` (part 1), ``sharing`` (part 2, the multi-rank worker glue),
 ``memory`` (part 3), ``drift`` (part 4), ``entry`` (the run function and the registration).
 The implementation is reached only through ``candidate.mxfp8()``
-(:mod:`verify.candidates.api.mxfp8`).
+(:mod:`verify.candidates.interfaces`).
 """
 
 from verify.checks.mxfp8.drift import check_drift

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from refgrad import mxfp8 as ref
-from verify.candidates.api.mxfp8 import MXFP8
+from verify.candidates.interfaces import MXFP8
 from verify.check import CheckContext, CheckRecorder
 from verify.metrics import bitwise_equal
 

@@ -6,7 +6,7 @@ from fractions import Fraction
 
 from gradvocab import default_bucket_size
 from refgrad.layout import compute_layout as reference_layout
-from verify.candidates.api.mxfp8 import ParamGatherResult
+from verify.candidates.interfaces import ParamGatherResult
 from verify.check import CheckRecorder
 from verify.fixtures import mxfp8_inputs as support
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from refgrad import mxfp8 as ref
-from verify.candidates.api.mxfp8 import MXFP8
+from verify.candidates.interfaces import MXFP8
 from verify.check import CheckContext, CheckRecorder
 from verify.fixtures import mxfp8_inputs as support
 from verify.metrics import bitwise_equal

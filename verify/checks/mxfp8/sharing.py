@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from gradvocab import ParallelDims
 from refgrad import mxfp8 as ref
 from refgrad.formats import BFLOAT16, decode_tensor, round_values_to_tensor
 from verify.candidates import Candidate, LaunchSettings
-from verify.candidates.api.mxfp8 import ParamGatherResult, ParamGatherRun
-from verify.candidates.api.pipeline import ParallelDims
+from verify.candidates.interfaces import ParamGatherResult, ParamGatherRun
 from verify.check import CheckContext, CheckRecorder, launcher_for
 from verify.checks.mxfp8.quantizer import as_e4m3, as_e8m0
 from verify.distributed import spawn_each

@@ -2,7 +2,7 @@
 
 The candidate (fastgrad by default, Megatron-Core, or a broken one) is reached only through
 its optimizer interface (``candidate.optimizer()``,
-:class:`~verify.candidates.api.optimizer.DistributedOptimizerStep`): ``data_parallel`` wraps
+:class:`~verify.candidates.interfaces.DistributedOptimizerStep`): ``data_parallel`` wraps
 the check's model in the candidate's DDP on the check's DP group, ``build`` makes its
 distributed optimizer, ``mxfp8`` its MXFP8 params (a candidate without them: a SKIP naming
 why). A candidate that documents departures from

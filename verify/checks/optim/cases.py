@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from verify.candidates.api.optimizer import (
+from verify.candidates.interfaces import (
     AdamWHyperparameters,
     DataParallelSettings,
     HyperparameterSchedule,

@@ -17,8 +17,7 @@ from fractions import Fraction
 import torch
 
 from refgrad.formats import FLOAT32, gamma
-from verify.candidates.api.core import DocumentedBehaviour
-from verify.candidates.api.optimizer import OptimizerBehaviour
+from verify.candidates.interfaces import DocumentedBehaviour, OptimizerBehaviour
 from verify.check import CheckRecorder
 from verify.checks.optim.cases import NAMES, SHAPES, OptimCase
 from verify.metrics import bitwise_equal

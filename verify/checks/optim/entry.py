@@ -9,11 +9,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from gradvocab import ParallelDims
 from refgrad import optim as R
 from refgrad.formats import tensor_bit_patterns
 from verify.candidates import Candidate, LaunchSettings, Technique, Unsupported
-from verify.candidates.api.optimizer import DistributedOptimizerStep, OptimizerBehaviour
-from verify.candidates.api.pipeline import ParallelDims
+from verify.candidates.interfaces import DistributedOptimizerStep, OptimizerBehaviour
 from verify.check import Check, CheckContext, CheckRecorder, launcher_for, run_part
 from verify.checks.optim.cases import CHECKPOINT_CASE, MIXED, NAMES, OptimCase, case_matrix
 from verify.checks.optim.compare import (

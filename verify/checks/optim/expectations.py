@@ -17,7 +17,7 @@ from refgrad import formats
 from refgrad import optim as R
 from refgrad import reduce_scatter as RS
 from refgrad.optim_torch import torch_order_step
-from verify.candidates.api.optimizer import HyperparameterSchedule
+from verify.candidates.interfaces import HyperparameterSchedule
 from verify.checks.optim.cases import ADAMW, NAMES, SGD, SHAPES, SHARED, coefficient, initial
 
 

@@ -1,7 +1,7 @@
 """MXFP8 params under the distributed optimizer, shared by the ``optim`` check and the tests.
 
 Each rank asks the candidate's optimizer for an MXFP8 training run
-(:class:`~verify.candidates.api.optimizer_parts.MXFP8Training`; fastgrad: an
+(:class:`~verify.candidates.interfaces.MXFP8Training`; fastgrad: an
 ``MXFP8ParamGradBuffer`` under its ``DistributedOptimizer``), feeds it rank-specific grads
 (MXFP8 params are not autograd leaves), reduces and steps; the optimizer stages the
 masters as bf16, all-gathers and quantizes them into the MXFP8 params. Expected
@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from refgrad import mxfp8 as RQ
 from refgrad import optim as R
-from verify.candidates.api.optimizer import (
+from verify.candidates.interfaces import (
     AdamWHyperparameters,
     MXFP8ParamOptimizer,
     OptimizerSettings,

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from verify.candidates import Candidate, Unsupported
-from verify.candidates.api.optimizer import DistributedOptimizerStep, OptimizerCheckpoint
+from verify.candidates.interfaces import DistributedOptimizerStep, OptimizerCheckpoint
 from verify.checks.optim.cases import CHECKPOINT_CASE, OptimCase, coefficients
 from verify.checks.optim.mxfp8 import train_mxfp8
 

@@ -1,7 +1,7 @@
 """Check ``pipeline``: grad sync in the 1F1B cooldown bubble, bitwise against refgrad.
 
 Real gloo processes run a ``P``-stage 1F1B pipeline times ``D`` data-parallel
-replicas (the candidate's :class:`~verify.candidates.api.pipeline.PipelineTraining`:
+replicas (the candidate's :class:`~verify.candidates.interfaces.PipelineTraining`:
 fastgrad's ``fastgrad.pipeline`` + ``fastgrad.ddp`` by default) for several optimizer
 steps with rank-specific data, microbatch counts ``M`` in ``{1, P-1, P, 2P+1}``
 (so ``M`` changes from step to step) and a parameter frozen for one step. Each
@@ -26,7 +26,7 @@ A case the candidate cannot run is a SKIP naming the reason; the rest still run.
 Package layout: ``cases`` (grids, step plans, phases), ``worker`` (the spawned entry
 point: the candidate's grids and training on each rank), ``report`` (collecting results,
 tables, the simulator comparison), ``entry`` (the run function and the registration).
-The case and result types are the candidate API's (``verify.candidates.api.pipeline``);
+The case and result types are the candidate API's (``verify.candidates.interfaces``);
 fastgrad's training is ``verify.candidates.fastgrad.pipeline``.
 """
 

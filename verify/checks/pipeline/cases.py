@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from gradvocab import Averaging
+from gradvocab import Averaging, ParallelDims
 from refgrad.pipeline import (
     LinearStackSpec,
     StepPlan,
     stage_param_name,
 )
-from verify.candidates.api.pipeline import ParallelDims, PipelineCase
+from verify.candidates.interfaces import PipelineCase
 
 
 def default_plans(pp_size: int, frozen: str, *, at_least_two: bool = False

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from gradvocab import RankResult
 from refgrad.pipeline import (
     reference_training,
 )
-from verify.candidates.api import Behaviour, Candidate, LaunchSettings, Technique
-from verify.candidates.api.pipeline import PipelineCase, RankResult
+from verify.candidates.interfaces import (
+    Behaviour,
+    Candidate,
+    LaunchSettings,
+    PipelineCase,
+    Technique,
+)
 from verify.check import Check, CheckContext, CheckRecorder, launcher_for
 from verify.checks.pipeline.cases import build_phases
 from verify.checks.pipeline.report import (

@@ -7,14 +7,13 @@ from typing import Any
 
 import torch
 
-from gradvocab import Averaging, summarize_step
+from gradvocab import Averaging, RankResult, summarize_step
 from refgrad.layout import compute_layout as reference_layout
 from refgrad.pipeline import (
     StageModule,
     reference_training,
 )
-from verify.candidates.api import DocumentedBehaviour
-from verify.candidates.api.pipeline import PipelineCase, RankResult
+from verify.candidates.interfaces import DocumentedBehaviour, PipelineCase
 from verify.check import CheckRecorder
 
 # ---------------------------------------------------------------- parent side

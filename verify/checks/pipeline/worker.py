@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from verify.candidates.api import Candidate, Unsupported
-from verify.candidates.api.pipeline import PipelineCase, RankResult, StepProgress
+from gradvocab import RankResult
+from verify.candidates.interfaces import Candidate, PipelineCase, StepProgress, Unsupported
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Check ``reduce_scatter``: a candidate's DP gradient reduction vs refgrad, and error growth.
 
 The candidate (fastgrad by default, Megatron-Core, or a broken one) is reached only through
-its :class:`~verify.candidates.api.grad_reduction.GradReduction` (``candidate.grad_reduction()``):
+its :class:`~verify.candidates.interfaces.GradReduction` (``candidate.grad_reduction()``):
 
 1. On real gloo groups of 2, 3 and 4 ranks (quick: 2 and 3), with rank-specific
    fp16/bf16 inputs and two iterations, every mode of the candidate's fp32-accumulating

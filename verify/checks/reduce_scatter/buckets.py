@@ -2,11 +2,11 @@
 
 Each :class:`~verify.checks.reduce_scatter.cases.BucketCase` fills one bucket per rank with
 rank-specific grads (bf16 and fp16, two iterations) and reduces it with the candidate's own
-DDP under the case's :class:`~verify.candidates.api.grad_reduction.ReductionConfig`
+DDP under the case's :class:`~verify.candidates.interfaces.ReductionConfig`
 (:meth:`GradReduction.bucket_reduction`). The spec is refgrad's DP mean (or sum) accumulated in
 fp32 in rank order and rounded once (``refgrad.reduce_scatter``, ``accumulate="fp32"``,
 ``order="rank"``). A candidate that departs from it by design says how
-(:class:`~verify.candidates.api.grad_reduction.ReductionBehaviour`): the check then holds it
+(:class:`~verify.candidates.interfaces.ReductionBehaviour`): the check then holds it
 bitwise to refgrad's model of that behaviour (a mismatch FAILs) and records the distance from
 the spec as a documented difference naming where the behaviour lives:
 
@@ -29,13 +29,11 @@ from __future__ import annotations
 
 import torch
 
-from gradvocab import Averaging
+from gradvocab import Averaging, ParallelDims
 from refgrad import reduce_scatter as refc
 from refgrad import reduce_torch
 from verify.candidates import Candidate, LaunchSettings
-from verify.candidates.api.core import DocumentedBehaviour, Unsupported
-from verify.candidates.api.grad_reduction import ReductionBehaviour
-from verify.candidates.api.pipeline import ParallelDims
+from verify.candidates.interfaces import DocumentedBehaviour, ReductionBehaviour, Unsupported
 from verify.check import CheckRecorder
 from verify.checks.reduce_scatter.cases import (
     BUCKET_SHARD,

@@ -7,9 +7,12 @@ from dataclasses import dataclass
 
 import torch
 
-from verify.candidates.api.grad_reduction import ReductionConfig
+from gradvocab import Averaging
+from verify.candidates.interfaces import ReductionConfig
 
 MODES = ("sync", "async", "scratch", "in_place")
+# What a collective does by its own op, asked of every candidate: a sum, or ReduceOp.AVG.
+COLLECTIVE_AVERAGINGS = (Averaging.SUM, Averaging.AVG)
 DTYPE_NAMES = ("float16", "bfloat16")
 ITERATIONS = 2
 # W at which the local reduction sees order-sensitive inputs (W=2 is commutative: a+b == b+a).

@@ -7,14 +7,10 @@ import torch
 from gradvocab import Averaging
 from refgrad import reduce_scatter as refc
 from refgrad.formats import tensor_bit_patterns
-from verify.candidates.api.core import Unsupported
-from verify.candidates.api.grad_reduction import (
-    COLLECTIVE_AVERAGINGS,
-    GradReduction,
-    LocalReduction,
-)
+from verify.candidates.interfaces import GradReduction, LocalReduction, Unsupported
 from verify.check import CheckContext, CheckRecorder
 from verify.checks.reduce_scatter.cases import (
+    COLLECTIVE_AVERAGINGS,
     DTYPE_NAMES,
     ORDER_SENSITIVE_LOCAL_SIZES,
     order_sensitive_input,

@@ -19,13 +19,12 @@ from fractions import Fraction
 
 import torch
 
+from gradvocab import ParallelDims
 from refgrad import formats
 from refgrad.layout_torch import fsdp2_reduce_scatter_placement, fsdp2_shards
 from refgrad.reduce_torch import fsdp2_accumulate, fsdp2_reduce_scatter
 from verify.candidates import Candidate, LaunchSettings, Unsupported
-from verify.candidates.api.core import DocumentedBehaviour
-from verify.candidates.api.grad_reduction import ReductionBehaviour, ShardedGradCase
-from verify.candidates.api.pipeline import ParallelDims
+from verify.candidates.interfaces import DocumentedBehaviour, ReductionBehaviour, ShardedGradCase
 from verify.check import CheckContext, CheckRecorder
 from verify.distributed import RankLauncher, spawn_each
 

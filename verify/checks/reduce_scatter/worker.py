@@ -16,16 +16,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from gradvocab import Averaging
+from gradvocab import Averaging, ParallelDims
 from refgrad import reduce_scatter as refc
 from refgrad.formats import tensor_bit_patterns
 from verify.candidates import Candidate, LaunchSettings, Unsupported
-from verify.candidates.api.grad_reduction import (
-    COLLECTIVE_AVERAGINGS,
-    GradReduction,
-    ReductionBehaviour,
-)
-from verify.candidates.api.pipeline import ParallelDims
+from verify.candidates.interfaces import GradReduction, ReductionBehaviour
 from verify.check import CheckContext, CheckRecorder, launcher_for, run_part
 from verify.checks.reduce_scatter.buckets import (
     bucket_references_process,
@@ -34,6 +29,7 @@ from verify.checks.reduce_scatter.buckets import (
 )
 from verify.checks.reduce_scatter.cases import (
     AVERAGE_SIZES,
+    COLLECTIVE_AVERAGINGS,
     DTYPE_NAMES,
     ITERATIONS,
     MODES,

@@ -2,7 +2,7 @@
 
 The ranks train their stages (at VPP > 1 their model chunks, one DDP buffer each, under one
 optimizer) with the candidate's schedule, DDP, deferred output layer and tied embedding,
-then step the candidate's optimizer (``verify.candidates.api.optimizer``: fastgrad's
+then step the candidate's optimizer (``verify.candidates.interfaces``: fastgrad's
 ``DistributedOptimizer`` over its reduce-scattered shard or, without
 ``--use-distributed-optimizer``, ``ReplicatedOptimizer`` over the all-reduced grads;
 Megatron-Core's ``get_megatron_optimizer``), the norm summed over the pipeline group with
@@ -34,7 +34,7 @@ it (hysteresis, then backoff), on both sides.
 
 from __future__ import annotations
 
-from verify.candidates.api.optimizer import HyperparameterSchedule
+from verify.candidates.interfaces import HyperparameterSchedule
 from verify.preflight.config import PreflightConfig
 from verify.preflight.twin.variants import AdamWTwin, Dtype, TwinPrecision, power_of_two
 

@@ -6,7 +6,7 @@ params, their bits) of the ranks against refgrad's single-process run of the sam
 (:func:`verify.preflight.twin.reference.reference_for`): bitwise where the reduction order
 is fixed, else within ``ulp_bound_factor(DP) x (step + 1)`` ULPs of each tensor's largest
 magnitude. Where the candidate documents how its optimizer departs from refgrad's spec
-(:class:`verify.candidates.api.optimizer.OptimizerBehaviour`), it is held to refgrad's model
+(:class:`verify.candidates.interfaces.OptimizerBehaviour`), it is held to refgrad's model
 of that behaviour and the distance from the spec is kept as a :class:`DocumentedDifference`.
 """
 
@@ -21,9 +21,7 @@ import torch
 from gradvocab import RankResult
 from refgrad.formats import FLOAT32, gamma
 from refgrad.pipeline import ReferenceResult, expected_on_rank
-from verify.candidates.api.core import DocumentedBehaviour
-from verify.candidates.api.optimizer import OptimizerBehaviour
-from verify.candidates.api.pipeline import PipelineCase
+from verify.candidates.interfaces import DocumentedBehaviour, OptimizerBehaviour, PipelineCase
 from verify.metrics import bitwise_equal
 from verify.preflight.twin.bounds import ulp_bound_factor, within
 from verify.preflight.twin.reference import OptimReference

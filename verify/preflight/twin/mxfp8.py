@@ -2,7 +2,7 @@
 
 With MXFP8 params the candidate builds every weight of the twin's stages as an MXFP8 param
 (E8M0 scales, E4M3 elements, blocks of 32 along the last dimension, floor scales;
-:class:`verify.candidates.api.pipeline.MXFP8Params`) and its distributed optimizer on their
+:class:`verify.candidates.interfaces.MXFP8Params`) and its distributed optimizer on their
 buffer: each step stages the fp32 master shards as bf16, all-gathers them (through the grad
 buffer's bytes with ``--reuse-grad-buf-for-mxfp8-param-ag``), quantizes the gathered slices
 into the MXFP8 params and zeroes the bucket (fastgrad: ``verify.candidates.fastgrad.stages``).
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from verify.candidates.api.pipeline import MXFP8_BLOCK
+from verify.candidates.interfaces import MXFP8_BLOCK
 from verify.preflight.config import PreflightConfig
 from verify.preflight.twin.variants import AdamWTwin, MXFP8Twin, twins_mxfp8
 

@@ -1,7 +1,7 @@
 """The scaled twin's plan: the user's layout scaled down to a case a candidate trains.
 
 :func:`plan_twin` maps a :class:`PreflightConfig` onto a
-:class:`verify.candidates.api.pipeline.PipelineCase`: the same TP x PP x VPP x DP grid (TP
+:class:`verify.candidates.interfaces.PipelineCase`: the same TP x PP x VPP x DP grid (TP
 capped at 2: a vocab-parallel output layer, Linear+tanh blocks replicated, on sequence
 shards under sequence parallelism) and microbatch count (capped), production's bucket rule,
 the same reduction (Megatron's default 1/DP pre-scaling before a SUM), the same collective
@@ -14,7 +14,7 @@ by AdamW (:class:`verify.preflight.twin.variants.AdamWTwin`: clipping, loss scal
 param all-gather, 16-bit params) or, with ``--fp8-recipe mxfp8 --fp8-param-gather``, AdamW
 over MXFP8 params (:class:`~verify.preflight.twin.variants.MXFP8Twin`). Everything the twin
 does not reproduce is listed in ``not_twinned``, with the reason; a part the candidate
-cannot build here (:class:`verify.candidates.api.pipeline.ModelSupport`) is scaled away or
+cannot build here (:class:`verify.candidates.interfaces.ModelSupport`) is scaled away or
 replaced and listed, naming the candidate.
 
 :func:`verify.preflight.twin.stage.run_twin_stage` trains it on real ranks (spawned gloo
@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 
 from gradvocab import Averaging
 from refgrad.pipeline import LinearStackSpec, StepPlan
-from verify.candidates.api.pipeline import ModelSupport, PipelineCase
+from verify.candidates.interfaces import ModelSupport, PipelineCase
 from verify.preflight.config import PreflightConfig
 from verify.preflight.twin.adamw import adamw_twin_for, fp16_overflow_step, optimizer_mapping
 from verify.preflight.twin.bounds import ulp_bound_factor

@@ -7,7 +7,7 @@ DDP main-grad buffer of ``config.grad_dtype`` (fp32 with
 the param dtype), reduced over DP in that dtype, and the optimizer steps fp32
 master copies and casts them back into the 16-bit params before the param
 all-gather. The candidate does the same on the twin's ranks
-(:class:`verify.candidates.api.pipeline.StageSettings`: the param dtype, the loss in fp32
+(:class:`verify.candidates.interfaces.StageSettings`: the param dtype, the loss in fp32
 on the 16-bit output, the grad buffer's dtype) and refgrad's model
 (``refgrad.pipeline.precision``, its params cast by :func:`cast_stage_params_`) does it in one
 process.

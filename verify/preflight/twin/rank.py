@@ -1,10 +1,10 @@
 """The twin's rank side: train the case through the candidate seam, and the spawned entry points.
 
 A :class:`TwinRun` names what one grid trains: the case, the overlap, the training variant
-and the :class:`~verify.candidates.api.Candidate` that trains it (fastgrad by default; a
+and the :class:`~verify.candidates.interfaces.Candidate` that trains it (fastgrad by default; a
 deliberately broken one is a test's subclass, ``tests/candidates/fastgrad_faults.py``).
 Inside the rank the twin reaches the implementation only through the candidate's interfaces,
-each used inside its ``with`` scope (:mod:`verify.candidates.api.scope`):
+each used inside its ``with`` scope (:class:`verify.candidates.interfaces.TechniqueScope`):
 ``candidate.pipeline()`` (its grid, its model chunks under its DDP and schedules) and, for
 the AdamW variants, ``candidate.optimizer()`` built over those chunks.
 """
@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from gradvocab import OptimizerRecord, RankResult
-from verify.candidates.api import Candidate
-from verify.candidates.api.optimizer import DistributedOptimizerStep, OptimizerSettings
-from verify.candidates.api.pipeline import (
-    ParallelDims,
+from gradvocab import OptimizerRecord, ParallelDims, RankResult
+from verify.candidates.interfaces import (
+    Candidate,
+    DistributedOptimizerStep,
+    OptimizerSettings,
     PipelineCase,
     PipelineModel,
     PipelineTraining,

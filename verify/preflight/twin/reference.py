@@ -13,7 +13,7 @@
   ``refgrad.mxfp8.dequantize(quantize(bf16(master)))``.
 
 A candidate whose optimizer departs from ``refgrad.optim`` by design
-(:class:`verify.candidates.api.optimizer.OptimizerBehaviour`: Megatron-Core's
+(:class:`verify.candidates.interfaces.OptimizerBehaviour`: Megatron-Core's
 ``torch.optim.AdamW`` order, no weight decay on 1-D params, its fp32 partial-sum norm) is
 held to refgrad's model of that behaviour (:class:`ReferenceRule`): the reference's
 trajectory steps ``refgrad.optim_torch.torch_order_step`` (with the platform's fp32 square
@@ -53,8 +53,7 @@ from refgrad.pipeline import (
     replica_grad_sums,
     stage_param_name,
 )
-from verify.candidates.api.optimizer import HyperparameterSchedule, OptimizerBehaviour
-from verify.candidates.api.pipeline import PipelineCase
+from verify.candidates.interfaces import HyperparameterSchedule, OptimizerBehaviour, PipelineCase
 from verify.preflight.twin.mxfp8 import BLOCK, SCALE_MODE
 from verify.preflight.twin.precision import cast_stage_params_
 from verify.preflight.twin.scaler import ReferenceScaler

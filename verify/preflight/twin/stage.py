@@ -20,8 +20,7 @@ import torch
 import torch.distributed as dist
 
 from gradvocab import RankResult
-from verify.candidates.api import Candidate, Unsupported
-from verify.candidates.api.optimizer import OptimizerBehaviour
+from verify.candidates.interfaces import Candidate, OptimizerBehaviour, Unsupported
 from verify.candidates.registry import default_candidate
 from verify.distributed import DistributedRunError, RankCrashed, RankLauncher, spawn
 from verify.preflight.config import PreflightConfig

@@ -23,14 +23,15 @@ from typing import ClassVar
 
 import torch
 
-from verify.candidates.api.optimizer import (
+from verify.candidates.interfaces import (
     CONSTANT_SCALE_WINDOW,
     AdamWHyperparameters,
     HyperparameterSchedule,
     LossScaling,
+    MXFP8Params,
     OptimizerSettings,
+    StageSettings,
 )
-from verify.candidates.api.pipeline import MXFP8Params, StageSettings
 from verify.preflight.config import PreflightConfig
 
 # The twin's AdamW (every candidate's): Megatron-LM's betas, eps and default --weight-decay (0.01), lr 1e-2.

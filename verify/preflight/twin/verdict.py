@@ -15,8 +15,7 @@ from dataclasses import asdict
 
 from gradvocab import RankResult
 from verify.attribution import explaining
-from verify.candidates.api import Candidate, LaunchSettings
-from verify.candidates.api.optimizer import OptimizerBehaviour
+from verify.candidates.interfaces import Candidate, LaunchSettings, OptimizerBehaviour
 from verify.candidates.megatron_core.findings import FINDINGS
 from verify.distributed import RankCrashed
 from verify.preflight.config import PreflightConfig
