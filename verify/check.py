@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from verify.attribution import explaining
+from verify.attribution import explaining, launch_flags
 from verify.candidates import (
     Candidate,
     DocumentedBehaviour,
@@ -261,7 +261,7 @@ class CheckRecorder:
             raise ValueError(f"case {label!r} was recorded before with other settings")
         if known is None:
             self._settings[label] = settings
-            self._cases[label] = CaseRecord(label, settings.flags(), settings.api_only,
+            self._cases[label] = CaseRecord(label, launch_flags(settings), settings.api_only,
                                             _plain_settings(settings))
         outer, self._case = self._case, label
         try:

@@ -31,6 +31,7 @@ from verify.candidates.interfaces import (
 from verify.check import CheckContext, CheckRecorder
 from verify.checks import CHECK_MODULES, check_by_name
 from verify.checks.reduce_scatter import CHECK, compare_local_reduction_on
+from verify.checks.reduce_scatter.cases import spec_averaging
 
 
 class _Done:
@@ -171,10 +172,10 @@ def broken_candidate(local: LocalReduction) -> BrokenCandidate:
 
 def test_a_configs_spec_averaging_is_the_exact_mean_however_the_candidate_averages():
     # By hand: any averaging is held to the spec's fp32 sum / W (AVG); no averaging to the sum.
-    assert ReductionConfig(average=False).spec_averaging is Averaging.SUM
+    assert spec_averaging(ReductionConfig(average=False)) is Averaging.SUM
     assert ReductionConfig().averaging is Averaging.PRESCALE
-    assert ReductionConfig().spec_averaging is Averaging.AVG
-    assert ReductionConfig(average_in_collective=True).spec_averaging is Averaging.AVG
+    assert spec_averaging(ReductionConfig()) is Averaging.AVG
+    assert spec_averaging(ReductionConfig(average_in_collective=True)) is Averaging.AVG
 
 
 @pytest.mark.dist

@@ -83,9 +83,7 @@ def _require_type(instance: object, name: str, kind: type) -> None:
                         f"got {type(value).__name__}")
 
 
-# ---------------------------------------------------------------------------------------
-# The candidate, its techniques, verdicts and known findings
-# ---------------------------------------------------------------------------------------
+# --- The candidate, its techniques, verdicts and known findings ------------------------------------
 
 class Technique(str, enum.Enum):
     """A technique a candidate implements; the value is its check's name."""
@@ -233,53 +231,6 @@ class LaunchSettings:
             return False
         return self.wgrad_deferral_limit == 1 or 1 in self.microbatches
 
-    def flags(self) -> str:
-        """The Megatron-LM flags that give these settings (non-default ones), with DP and M;
-        for a torch candidate's case, its torch API settings and DP."""
-        d = self.dims
-        if self.torch_api:
-            text = f"{', '.join(self.torch_api)} (DP {d.dp_size})"
-            return text if self.api_only is None else f"{text}; {self.api_only}"
-        parts = []
-        if d.tp_size > 1:
-            parts.append(f"--tensor-model-parallel-size {d.tp_size}")
-            if d.sequence_parallel:
-                parts.append("--sequence-parallel")
-        if d.pp_size > 1:
-            parts.append(f"--pipeline-model-parallel-size {d.pp_size}")
-        if d.vpp_size > 1:
-            parts.append(f"--num-virtual-stages-per-pipeline-rank {d.vpp_size}")
-        if self.params_dtype == "bfloat16":
-            parts.append("--bf16")
-            if self.grad_dtype == "bfloat16":
-                parts.append("--grad-reduce-in-bf16")
-        elif self.params_dtype == "float16":
-            parts.append("--fp16")
-            if self.grad_dtype == "float32":
-                parts.append("--accumulate-allreduce-grads-in-fp32")
-        for name in ("use_distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather",
-                     "ddp_reduce_scatter_with_fp32_accumulation", "ddp_average_in_collective",
-                     "calculate_per_token_loss", "defer_embedding_wgrad_compute"):
-            if getattr(self, name):
-                parts.append("--" + name.replace("_", "-"))
-        if self.overlap_grad_reduce and not self.align_grad_reduce:
-            parts.append("--no-align-grad-reduce")
-        if self.defer_embedding_wgrad_compute:
-            parts.append(f"--wgrad-deferral-limit {self.wgrad_deferral_limit}")
-        if self.untie_embeddings_and_output_weights:
-            parts.append("--untie-embeddings-and-output-weights")
-        parts.extend(self.other_flags)
-        scale = [f"DP {d.dp_size}"]
-        if len(set(self.microbatches)) == 1:
-            m = self.microbatches[0]
-            scale.append(f"{m} microbatch{'es' if m != 1 else ''} a step")
-        elif self.microbatches:
-            scale.append(f"M = {', '.join(map(str, self.microbatches))} over its steps")
-        text = " ".join(parts) if parts else "(Megatron-LM's defaults)"
-        text = f"{text} ({', '.join(scale)})"
-        if self.api_only is not None:
-            text += f"; direct API use: {self.api_only}"
-        return text
 
 
 class Effect(str, enum.Enum):
@@ -446,9 +397,7 @@ class Candidate(ABC):
         raise self.unsupported(Technique.MXFP8, "does not implement MXFP8")
 
 
-# ---------------------------------------------------------------------------------------
-# layout: bucket layout and the padded grad buffer (the ``layout`` check)
-# ---------------------------------------------------------------------------------------
+# --- layout: bucket layout and the padded grad buffer (the ``layout`` check) -----------------------
 
 @dataclass(frozen=True)
 class LayoutCase:
@@ -500,22 +449,18 @@ class GradBucket(Protocol):
 
     @property
     def start(self) -> int: ...
-
     @property
     def end(self) -> int: ...
 
     def grad_shard(self, rank: int) -> torch.Tensor:
         """A view of DP rank ``rank``'s shard of this bucket's grads."""
-        ...
 
     def start_grad_sync(self) -> None: ...
-
     def finish_grad_sync(self) -> None: ...
 
     @property
     def reduce_in_flight(self) -> bool:
         """True between ``start_grad_sync`` and ``finish_grad_sync``."""
-        ...
 
 
 @runtime_checkable
@@ -524,31 +469,26 @@ class GradBufferGroup(Protocol):
 
     @property
     def param_dtype(self) -> torch.dtype: ...
-
     @property
     def grad_dtype(self) -> torch.dtype: ...
 
     @property
     def params(self) -> Sequence[torch.nn.Parameter]:
         """In registration order; each has a ``main_grad`` view."""
-        ...
 
     @property
     def grad_data(self) -> torch.Tensor:
         """The whole flat grad buffer, padding included."""
-        ...
 
     @property
     def param_data(self) -> torch.Tensor | None:
         """The flat param buffer the params live in (distributed optimizer), else None."""
-        ...
 
     @property
     def buckets(self) -> Sequence[GradBucket]: ...
 
     def layout(self) -> Layout:
         """Where the group's params and buckets are, read from the buffer's own bookkeeping."""
-        ...
 
 
 @runtime_checkable
@@ -559,34 +499,27 @@ class GradBuffer(Protocol):
     @property
     def groups(self) -> Sequence[GradBufferGroup]:
         """One group per (param dtype, grad dtype), in first-seen order."""
-        ...
 
     @property
     def buckets(self) -> Sequence[GradBucket]:
         """Every group's buckets, group after group."""
-        ...
 
     def zero_grad(self) -> None:
         """Zero every grad buffer, padding included."""
-        ...
 
     def padding_is_zero(self) -> bool: ...
 
     def grad_norm_sq(self) -> torch.Tensor:
         """Sum of squares (float64) of every param's ``main_grad``."""
-        ...
 
     def local_shard_grad_norm_sq(self, rank: int) -> torch.Tensor:
         """Sum of squares (float64) of the param elements in DP rank ``rank``'s shards."""
-        ...
 
     def checkpoint_grads(self) -> dict[int, torch.Tensor]:
         """Per registration index, the ``main_grad`` a non-sharded checkpoint saves."""
-        ...
 
     def shard_checkpoint_grads(self, rank: int) -> dict[int, list[GradPiece]]:
         """Per registration index, the pieces DP rank ``rank`` saves (distributed optimizer)."""
-        ...
 
 
 @dataclass(frozen=True)
@@ -668,7 +601,6 @@ class BucketLayout(TechniqueScope, Protocol):
 
     def layouts(self, cases: Sequence[LayoutCase]) -> list[Layout]:
         """The layout of each case, in one call (a candidate may need a process to lay out)."""
-        ...
 
     def build_buffer(self, params: Sequence[torch.nn.Parameter], config: BufferConfig, *,
                      dp_size: int, dp_group: dist.ProcessGroup | None = None,
@@ -677,12 +609,9 @@ class BucketLayout(TechniqueScope, Protocol):
         the candidate's buffers, values kept. Without ``dp_group``: laid out for ``dp_size``
         ranks, inspection only. ``average``: the reduction averages over the replicas as the
         candidate does it; False: it sums."""
-        ...
 
 
-# ---------------------------------------------------------------------------------------
-# reduce_scatter: the data-parallel gradient reduction, as typed collectives
-# ---------------------------------------------------------------------------------------
+# --- reduce_scatter: the data-parallel gradient reduction, as typed collectives --------------------
 
 SUM = Averaging.SUM.reduce_op
 AVG = Averaging.AVG.reduce_op
@@ -753,20 +682,6 @@ class ReductionConfig:
         return Averaging.from_megatron(average=self.average,
                                        average_in_collective=self.average_in_collective)
 
-    @property
-    def spec_averaging(self) -> Averaging:
-        """The spec's averaging the result is held to: the exact mean (``AVG``: fp32 sum / W,
-        one rounding) however the candidate averages, or ``SUM``."""
-        return Averaging.AVG if self.averaging.averages else Averaging.SUM
-
-    @property
-    def label(self) -> str:
-        """How reports name the configuration."""
-        averaging = {Averaging.SUM: "sum", Averaging.AVG: "AVG in the collective",
-                     Averaging.PRESCALE: "pre-scale 1/W"}[self.averaging]
-        collective = ("fp32-accumulating reduce-scatter" if self.reduce_scatter_with_fp32_accumulation
-                      else "reduce-scatter" if self.use_distributed_optimizer else "all-reduce")
-        return f"{collective}, {averaging}"
 
 
 class BucketReduction(ABC):
@@ -819,11 +734,6 @@ class ShardedGradCase:
                              f"got {self.shapes!r}")
         _require_int(self, "microbatches", 1)
 
-    @property
-    def label(self) -> str:
-        reduce = self.reduce_dtype or "none"
-        return (f"params {self.orig_dtype}, compute {self.param_dtype}, reduce_dtype {reduce}, "
-                f"{self.microbatches} microbatches, shapes {list(self.shapes)}")
 
 
 class ShardedReduction(ABC):
@@ -843,16 +753,13 @@ class GradReduction(TechniqueScope, Protocol):
 
     def reduce_scatter(self, op: dist.ReduceOp.RedOpType = SUM) -> ReduceScatter:
         """The fp32-accumulating reduce-scatter the candidate's buckets run."""
-        ...
 
     def scratch_reduce_scatter(self, op: dist.ReduceOp.RedOpType = SUM) -> ScratchReduceScatter: ...
-
     def local_reduction(self, op: dist.ReduceOp.RedOpType = SUM) -> LocalReduction: ...
 
     def bucket_reduction(self, config: ReductionConfig) -> BucketReduction:
         """A bucket's reduction under ``config`` (Unsupported only for a configuration the
         candidate refuses up front)."""
-        ...
 
     def behaviour(self) -> ReductionBehaviour: ...
 
@@ -868,9 +775,7 @@ class GradReduction(TechniqueScope, Protocol):
         raise Unsupported(Technique.GRAD_REDUCTION, "does not shard parameters one by one")
 
 
-# ---------------------------------------------------------------------------------------
-# deferred_wgrad: the output layer with deferred embedding wgrad and its drain
-# ---------------------------------------------------------------------------------------
+# --- deferred_wgrad: the output layer with deferred embedding wgrad and its drain ------------------
 
 ReduceInFlight = Callable[[torch.nn.Parameter], bool]
 """True when the DP grad bucket holding the parameter has its reduction in flight."""
@@ -926,27 +831,22 @@ class OutputLayer(Protocol):
 
     @property
     def weight(self) -> torch.nn.Parameter: ...
-
     @property
     def main_grad(self) -> torch.Tensor: ...
 
     def __call__(self, local_input: torch.Tensor) -> torch.Tensor:
         """Logits ``[S, B, V / tp]`` of an input ``[S (/ tp under SP), B, H]``."""
-        ...
 
     def start_step(self) -> None:
         """What the schedule does at the start of a step: clear the deferral buffers."""
-        ...
 
     def drain(self, reduce_in_flight: ReduceInFlight | None = None) -> int:
         """Run every deferred wgrad GEMM into ``main_grad``; return how many ran. With
         ``reduce_in_flight``: :class:`DrainRefused` (writing nothing) while it says True."""
-        ...
 
     @property
     def num_deferred(self) -> int:
         """Deferred (input, grad_output) pairs waiting for the drain."""
-        ...
 
 
 class WgradGemm(ABC):
@@ -968,21 +868,16 @@ class DeferredWgrad(TechniqueScope, Protocol):
     def output_layer(self, weight: torch.Tensor, config: OutputLayerConfig, *,
                      main_grad_dtype: torch.dtype = torch.float32) -> OutputLayer:
         """A layer holding a copy of ``weight`` (this rank's shard) and a zero ``main_grad``."""
-        ...
 
     def allreduce_tied_embedding_grad(self, main_grad: torch.Tensor,
                                       embedding_group: dist.ProcessGroup) -> None:
         """Sum the tied embedding's ``main_grad`` over the first and last stage, in place."""
-        ...
 
     def wgrad_gemms(self, device: str) -> tuple[WgradGemm, ...]:
         """The variants the candidate has on ``device`` ("cpu" or "cuda")."""
-        ...
 
 
-# ---------------------------------------------------------------------------------------
-# mxfp8: quantization and the MXFP8 param all-gather through the grad buffer
-# ---------------------------------------------------------------------------------------
+# --- mxfp8: quantization and the MXFP8 param all-gather through the grad buffer --------------------
 
 MXFP8_BLOCK = 32  # elements per MXFP8 block along the last dimension (OCP MX v1.0)
 
@@ -1064,24 +959,19 @@ class MXFP8(TechniqueScope, Protocol):
     def quantize(self, x: torch.Tensor, *, scale_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
         """``(scale_bits, element_bits)``: uint8 on ``x``'s device, ``[..., n / 32]`` E8M0 and
         ``[..., n]`` E4M3."""
-        ...
 
     def dequantize(self, scale_bits: torch.Tensor, element_bits: torch.Tensor, *,
                    dtype: torch.dtype) -> torch.Tensor: ...
 
     def gpu_kernel(self) -> MXFP8Kernel:
         """Its CUDA kernel; Unsupported when it has none or it cannot run here."""
-        ...
 
     def train_with_param_gather(self, run: ParamGatherRun, rank: int,
                                 dp_group: dist.ProcessGroup) -> ParamGatherResult:
         """Run ``run`` as DP rank ``rank`` of ``dp_group`` (on every rank of it)."""
-        ...
 
 
-# ---------------------------------------------------------------------------------------
-# optim: the distributed optimizer step over the candidate's own DDP model
-# ---------------------------------------------------------------------------------------
+# --- optim: the distributed optimizer step over the candidate's own DDP model ----------------------
 
 @dataclass(frozen=True)
 class AdamWState:
@@ -1105,7 +995,6 @@ class DataParallelModel(Protocol):
 
     def named_parameters(self) -> Mapping[str, torch.nn.Parameter]:
         """By name as the forward uses them (a weight shared by two layers under both)."""
-        ...
 
 
 @runtime_checkable
@@ -1116,26 +1005,21 @@ class TrainingOptimizer(Protocol):
     @property
     def loss_scale(self) -> float | None:
         """The next step's loss scale (None: no loss scaling)."""
-        ...
 
     @property
     def param_gather_in_flight(self) -> bool: ...
 
     def step(self) -> StepOutcome:
         """Unscale, norm, clip, step the masters, publish the params, update the loss scale."""
-        ...
 
     def state(self) -> dict[str, AdamWState]:
         """Every param's master and moments by name, whole (collective over DP)."""
-        ...
 
     def finish_param_sync(self) -> None:
         """Wait for the last step's param all-gather."""
-        ...
 
     def close(self) -> None:
         """Remove what the optimizer hooked into the model."""
-        ...
 
 
 @dataclass(frozen=True)
@@ -1181,9 +1065,7 @@ class DataParallelModule(DataParallelModel, Protocol):
 
     @property
     def module(self) -> torch.nn.Module: ...
-
     def zero_grad_buffer(self) -> None: ...
-
     def finish_grad_sync(self) -> None: ...
 
 
@@ -1218,20 +1100,17 @@ class ShardedOptimizer(TrainingOptimizer, Protocol):
 
     def publish_params(self) -> None:
         """Launch the masters' param all-gather without a step (a skipped rank pairs the others')."""
-        ...
 
     def gather_in_flight(self, params: Iterable[torch.nn.Parameter]) -> bool: ...
 
     def named_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """Every param's fp32 ``master`` and state (``exp_avg``/``exp_avg_sq`` or
         ``momentum_buffer``) by name, whole."""
-        ...
 
     def checkpoint(self) -> OptimizerCheckpoint: ...
 
     def load_checkpoint(self, checkpoint: OptimizerCheckpoint) -> None:
         """Resume from ``checkpoint``, taken at any DP size."""
-        ...
 
 
 @runtime_checkable
@@ -1243,39 +1122,30 @@ class MXFP8Training(Protocol):
     @property
     def sharing(self) -> bool:
         """Whether the param all-gather and the grad buffer share bytes."""
-        ...
 
     @property
     def param_ranges(self) -> list[tuple[int, int]]: ...
-
     @property
     def buckets(self) -> list[tuple[int, int]]: ...
 
     def initial(self) -> list[torch.Tensor]:
         """The params as built, dequantized to fp32."""
-        ...
 
     def bits(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each param's scale and element bits (uint8), as the forward reads them."""
-        ...
 
     def zero_grad(self) -> None: ...
-
     def accumulate_grad(self, index: int, grad: torch.Tensor) -> None: ...
-
     def reduce_grads(self) -> None: ...
-
     def local_grad_shards(self) -> list[torch.Tensor]: ...
 
     def step(self) -> bool:
         """One step (stage, all-gather and quantize the masters); whether it stepped."""
-        ...
 
     def master_shards(self) -> list[torch.Tensor]: ...
 
     def named_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """Each param's state by ``params[<index>]``, whole."""
-        ...
 
 
 @runtime_checkable
@@ -1287,7 +1157,6 @@ class MXFP8ParamOptimizer(Protocol):
               dp_group: dist.ProcessGroup | None) -> MXFP8Training:
         """MXFP8 params quantized from ``values`` in a buffer over ``dp_group`` and the
         optimizer of ``settings`` (decay on every param), its first publication done."""
-        ...
 
 
 @runtime_checkable
@@ -1301,21 +1170,17 @@ class DistributedOptimizerStep(TechniqueScope, Protocol):
     def build(self, model: DataParallelModel, settings: OptimizerSettings) -> TrainingOptimizer:
         """This rank's optimizer over ``model`` (over a :class:`DataParallelModule`: a
         :class:`ShardedOptimizer`)."""
-        ...
 
     def behaviour(self) -> OptimizerBehaviour: ...
 
     def data_parallel(self, module: torch.nn.Module, settings: DataParallelSettings,
                       dp_group: dist.ProcessGroup | None) -> DataParallelModule:
         """``module`` wrapped in the candidate's DDP over ``dp_group`` (None: the world)."""
-        ...
 
     def mxfp8(self) -> MXFP8ParamOptimizer: ...
 
 
-# ---------------------------------------------------------------------------------------
-# pipeline: DDP grad sync under the 1F1B schedules, plain and interleaved
-# ---------------------------------------------------------------------------------------
+# --- pipeline: DDP grad sync under the 1F1B schedules, plain and interleaved -----------------------
 
 @dataclass(frozen=True)
 class PipelineCase:
@@ -1383,25 +1248,6 @@ class PipelineCase:
         """The same case on the ranks from ``first_rank`` (grids side by side in one world)."""
         return replace(self, dims=replace(self.dims, first_rank=first_rank))
 
-    def launch_settings(self, overlap: bool, *, params_dtype: str = "float32",
-                        grad_dtype: str | None = None) -> LaunchSettings:
-        """The Megatron-LM settings the case stands for when trained with ``overlap``."""
-        spec = self.spec
-        flags = self.reduction.megatron_flags()
-        return LaunchSettings(
-            dims=replace(self.dims, first_rank=0), params_dtype=params_dtype,
-            grad_dtype=params_dtype if grad_dtype is None else grad_dtype,
-            use_distributed_optimizer=self.use_distributed_optimizer,
-            overlap_grad_reduce=overlap,
-            ddp_reduce_scatter_with_fp32_accumulation=self.reduce_scatter_with_fp32_accumulation,
-            ddp_average_in_collective=flags.average_in_collective,
-            calculate_per_token_loss=flags.calculate_per_token_loss,
-            defer_embedding_wgrad_compute=spec.output_head and spec.defer_output_wgrad,
-            wgrad_deferral_limit=spec.wgrad_deferral_limit,
-            untie_embeddings_and_output_weights=spec.output_head and not spec.tied_embedding,
-            has_output_layer=spec.output_head,
-            microbatches=tuple(plan.num_microbatches for plan in self.plans))
-
     def bucket_size_for(self, stage: int, chunk: int) -> int:
         """The DDP bucket size of model chunk ``chunk`` on pipeline stage ``stage``."""
         if (stage, chunk) == (0, 0) or self.bucket_size_elsewhere is None:
@@ -1440,7 +1286,6 @@ class StepProgress(Protocol):
 
     def timeline_listener(self, prefix: str = "") -> Callable[[str, int, str], None]:
         """Called with ``(kind, microbatch, "start" | "end")`` around each schedule event."""
-        ...
 
 
 @dataclass(frozen=True)
@@ -1501,22 +1346,17 @@ class PipelineModel(DataParallelModel, Protocol):
         """Zero the grad buffers, run ``plans[step]`` (data: :func:`rank_microbatches`) with
         the loss times ``loss_scale``; grads reduced on return. The step's TP-summed losses,
         unscaled (the last stage; else empty)."""
-        ...
 
     def reduced_grads(self) -> dict[str, torch.Tensor]:
         """Every param's reduced ``main_grad``, whole (other DP ranks' shards gathered)."""
-        ...
 
     def launch_sites(self) -> tuple[str, ...]:
         """Where each bucket's reduction was launched (``gradvocab.LAUNCH_SITES``; empty: no
         notion of it)."""
-        ...
 
     def mxfp8_bits(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]: ...
-
     @property
     def mxfp8_grad_buffer_shared(self) -> bool: ...
-
     def close(self) -> None: ...
 
 
@@ -1533,12 +1373,10 @@ class PipelineTraining(TechniqueScope, Protocol):
         """This rank's place in ``dims``' grid with its groups (None outside it). Collective
         over the world: every rank enters it for every case of a phase, in order, before any
         case trains (grids may share the world: ``dims.first_rank``)."""
-        ...
 
     def train(self, case: PipelineCase, grid: ParallelDims, *, overlap: bool,
               progress: StepProgress | None = None) -> RankResult:
         """Train ``case`` on this rank with ``overlap_grad_reduce`` as given."""
-        ...
 
     def model(self, case: PipelineCase, grid: ParallelDims, settings: StageSettings) -> PipelineModel:
         """This rank's stages of ``case`` built as ``settings`` says, for the preflight twin;
@@ -1552,86 +1390,22 @@ class PipelineTraining(TechniqueScope, Protocol):
                             shared_weight_at_pp1=reason, replicated_optimizer=reason)
 
 __all__ = [
-    "AVG",
-    "EMBEDDING_PARAM",
-    "HEAD_PARAM",
-    "MXFP8",
-    "MXFP8_BLOCK",
-    "SUM",
-    "AdamWState",
-    "Behaviour",
-    "BucketLayout",
-    "BucketObserver",
-    "BucketReduction",
-    "BucketTraining",
-    "Candidate",
-    "CandidateInfo",
-    "Completion",
-    "CrashSignature",
-    "DataParallelModel",
-    "DataParallelModule",
-    "DataParallelSettings",
-    "DeferredWgrad",
-    "DistributedOptimizerStep",
-    "DocumentedBehaviour",
-    "DrainRefused",
-    "Effect",
-    "Finding",
-    "GradBucket",
-    "GradBuffer",
-    "GradBufferGroup",
-    "GradPiece",
-    "GradReduction",
-    "LaunchSettings",
-    "Layout",
-    "LayoutCase",
-    "LinearStackSpec",
-    "LocalReduction",
-    "LossScalerState",
-    "MXFP8Kernel",
-    "MXFP8ParamOptimizer",
-    "MXFP8Params",
-    "MXFP8Training",
-    "ModelSupport",
-    "ObservedBucket",
-    "ObservedIteration",
-    "OptimizerBehaviour",
-    "OptimizerCheckpoint",
-    "OutputLayer",
-    "OutputLayerConfig",
-    "ParamGatherResult",
-    "ParamGatherRun",
-    "ParamGatherStep",
-    "ParameterShard",
-    "ParameterSharding",
-    "PipelineCase",
-    "PipelineModel",
-    "PipelineTraining",
-    "ReduceInFlight",
-    "ReduceScatter",
-    "ReductionBehaviour",
-    "ReductionConfig",
-    "ScratchReduceScatter",
-    "ShardedGradCase",
-    "ShardedOptimizer",
-    "ShardedReduction",
-    "StageModule",
-    "StageSettings",
-    "StepProgress",
-    "Technique",
-    "TechniqueScope",
-    "TrainingOptimizer",
-    "Unsupported",
-    "WgradGemm",
-    "cast_params_",
-    "head_shard",
-    "head_weight_init",
-    "rank_microbatches",
-    "sgd_update",
-    "splits_loss",
-    "stage_loss",
-    "stage_param_name",
-    "updated_once",
+    "AVG", "EMBEDDING_PARAM", "HEAD_PARAM", "MXFP8", "MXFP8_BLOCK", "SUM", "AdamWState",
+    "Behaviour", "BucketLayout", "BucketObserver", "BucketReduction", "BucketTraining",
+    "Candidate", "CandidateInfo", "Completion", "CrashSignature", "DataParallelModel",
+    "DataParallelModule", "DataParallelSettings", "DeferredWgrad", "DistributedOptimizerStep",
+    "DocumentedBehaviour", "DrainRefused", "Effect", "Finding", "GradBucket", "GradBuffer",
+    "GradBufferGroup", "GradPiece", "GradReduction", "LaunchSettings", "Layout", "LayoutCase",
+    "LinearStackSpec", "LocalReduction", "LossScalerState", "MXFP8Kernel", "MXFP8ParamOptimizer",
+    "MXFP8Params", "MXFP8Training", "ModelSupport", "ObservedBucket", "ObservedIteration",
+    "OptimizerBehaviour", "OptimizerCheckpoint", "OutputLayer", "OutputLayerConfig",
+    "ParamGatherResult", "ParamGatherRun", "ParamGatherStep", "ParameterShard",
+    "ParameterSharding", "PipelineCase", "PipelineModel", "PipelineTraining", "ReduceInFlight",
+    "ReduceScatter", "ReductionBehaviour", "ReductionConfig", "ScratchReduceScatter",
+    "ShardedGradCase", "ShardedOptimizer", "ShardedReduction", "StageModule", "StageSettings",
+    "StepProgress", "Technique", "TechniqueScope", "TrainingOptimizer", "Unsupported",
+    "WgradGemm", "cast_params_", "head_shard", "head_weight_init", "rank_microbatches",
+    "sgd_update", "splits_loss", "stage_loss", "stage_param_name", "updated_once",
 ]
 
 
@@ -1931,13 +1705,7 @@ class HyperparameterSchedule:
                 f"--train-iters {self.wd_incr_steps}")
 
 __all__ += [
-    "CONSTANT_SCALE_WINDOW",
-    "LR_DECAY_STYLES",
-    "WD_INCR_STYLES",
-    "AdamWHyperparameters",
-    "BufferConfig",
-    "HyperparameterSchedule",
-    "LossScaling",
-    "OptimizerSettings",
+    "CONSTANT_SCALE_WINDOW", "LR_DECAY_STYLES", "WD_INCR_STYLES", "AdamWHyperparameters",
+    "BufferConfig", "HyperparameterSchedule", "LossScaling", "OptimizerSettings",
     "SGDHyperparameters",
 ]

@@ -8,6 +8,7 @@ from gradvocab import RankResult
 from refgrad.pipeline import (
     reference_training,
 )
+from verify.attribution import case_launch_settings
 from verify.candidates.interfaces import (
     Behaviour,
     Candidate,
@@ -37,7 +38,7 @@ from verify.distributed import ItemOutcome, spawn_each
 
 def case_settings(case: PipelineCase, overlap: bool) -> LaunchSettings:
     """The Megatron-LM settings a pipeline case stands for (fp32 params and grads)."""
-    return case.launch_settings(overlap)
+    return case_launch_settings(case, overlap)
 
 
 def _step_errors(rec: CheckRecorder, tag: str, results: list) -> None:

@@ -41,6 +41,7 @@ from verify.checks.reduce_scatter.cases import (
     INPUTS,
     ITERATIONS,
     BucketCase,
+    spec_averaging,
 )
 from verify.distributed import ItemOutcome
 
@@ -126,7 +127,7 @@ def _expected(case: BucketCase, inputs: list[torch.Tensor], models: tuple[str, .
             inputs, reduce_dtype=None if case.reduce_dtype is None else getattr(torch, case.reduce_dtype),
             orig_dtype=inputs[0].dtype, order=order)
     reduce = refc.reduce_scatter if config.use_distributed_optimizer else refc.all_reduce
-    op = config.spec_averaging
+    op = spec_averaging(config)
     pre_scale = config.averaging.factors(size).pre_scale
     if "prescale" in models and pre_scale is not None:
         inputs, op = refc.prescale_like_torch(inputs, pre_scale), Averaging.SUM
@@ -148,7 +149,7 @@ def bucket_references(cases: list[BucketCase], behaviour: ReductionBehaviour, se
                 inputs = None
                 values = []
                 for chosen in ((), models) if documented else ((),):
-                    key = (case.size, case.inputs, case.config.spec_averaging,
+                    key = (case.size, case.inputs, spec_averaging(case.config),
                            case.config.use_distributed_optimizer, dtype_name, it, chosen,
                            case.reduce_dtype if chosen else None)
                     if key not in done:
@@ -187,5 +188,5 @@ def check_bucket_cases(rec: CheckRecorder, outcomes: list[ItemOutcome], cases: l
                     spec, model = expected[(index, dtype_name, it)]
                     got = torch.cat([run["held"][(dtype_name, it)] for run in outcome.results])
                     rec.compare_documented(
-                        f"{case.label} vs refgrad's DP {case.config.spec_averaging}: {dtype_name} it={it}",
+                        f"{case.label} vs refgrad's DP {spec_averaging(case.config)}: {dtype_name} it={it}",
                         spec, got, documented=documented, documented_reference=model)

@@ -129,7 +129,24 @@ class BucketCase:
                  if self.after_fp32 else "")
         reduced = ("" if self.reduce_dtype is None
                    else f" of {'/'.join(self.dtypes)} grads reduced in {self.reduce_dtype}")
-        return f"DDP bucket reduction W={self.size} {self.config.label}{reduced}{inputs}{after}"
+        return f"DDP bucket reduction W={self.size} {config_label(self.config)}{reduced}{inputs}{after}"
+
+
+
+def spec_averaging(config: ReductionConfig) -> Averaging:
+    """The spec's averaging a bucket reduced under ``config`` is held to (refgrad's collective
+    ``op``): the exact mean (``AVG``: fp32 sum / W, one rounding) however the candidate
+    averages, or ``SUM``."""
+    return Averaging.AVG if config.averaging.averages else Averaging.SUM
+
+
+def config_label(config: ReductionConfig) -> str:
+    """How reports name a bucket reduction's configuration."""
+    averaging = {Averaging.SUM: "sum", Averaging.AVG: "AVG in the collective",
+                 Averaging.PRESCALE: "pre-scale 1/W"}[config.averaging]
+    collective = ("fp32-accumulating reduce-scatter" if config.reduce_scatter_with_fp32_accumulation
+                  else "reduce-scatter" if config.use_distributed_optimizer else "all-reduce")
+    return f"{collective}, {averaging}"
 
 
 PRESCALED = ReductionConfig()

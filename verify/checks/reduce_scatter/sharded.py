@@ -39,6 +39,13 @@ CASES = (
 )
 
 
+def sharded_label(case: ShardedGradCase) -> str:
+    """How reports name a sharded-gradient case."""
+    reduce = case.reduce_dtype or "none"
+    return (f"params {case.orig_dtype}, compute {case.param_dtype}, reduce_dtype {reduce}, "
+            f"{case.microbatches} microbatches, shapes {list(case.shapes)}")
+
+
 def microbatch_grads(rank: int, case: ShardedGradCase, iteration: int, seed: int
                      ) -> list[list[torch.Tensor]]:
     """Rank ``rank``'s grads of every microbatch (per parameter, whole, ``param_dtype``)."""
@@ -122,7 +129,7 @@ def check_sharded(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate) -
                               isolate=candidate.isolates_configurations, timeout_s=ctx.timeout_s,
                               launcher=launcher)
         for case, outcome in zip(CASES, outcomes, strict=True):
-            label = f"W={world} sharded parameters: {case.label}"
+            label = f"W={world} sharded parameters: {sharded_label(case)}"
             api = (f"MixedPrecisionPolicy(param_dtype={case.param_dtype}, "
                    f"reduce_dtype={case.reduce_dtype})", "set_requires_gradient_sync(False) but on "
                    "the last microbatch")

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 
 from gradvocab import RankResult
-from verify.attribution import explaining
+from verify.attribution import case_launch_settings, explaining
 from verify.candidates.interfaces import Candidate, LaunchSettings, OptimizerBehaviour
 from verify.candidates.megatron_core.findings import FINDINGS
 from verify.distributed import RankCrashed
@@ -95,8 +95,8 @@ def twin_section(config: PreflightConfig, plan: TwinPlan, ranks: Sequence[RankRe
 def twin_settings(config: PreflightConfig, plan: TwinPlan) -> LaunchSettings:
     """The scaled twin's own Megatron-LM settings (a candidate's findings are matched against
     what the twin ran, not the full-size launch)."""
-    return plan.case.launch_settings(plan.overlap, params_dtype=DTYPES[config.params_dtype],
-                                     grad_dtype=DTYPES[config.grad_dtype])
+    return case_launch_settings(plan.case, plan.overlap, params_dtype=DTYPES[config.params_dtype],
+                                grad_dtype=DTYPES[config.grad_dtype])
 
 
 def explained_by(candidate: Candidate, settings: LaunchSettings,
