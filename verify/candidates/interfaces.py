@@ -5,7 +5,8 @@ typed interface per :class:`Technique` (a Protocol, used inside ``with``:
 :class:`TechniqueScope`), each collective or step a small class with one typed ``__call__``,
 and the small records they exchange. A candidate imports this module, ``gradvocab`` and its
 own library, nothing else of ours (``tests/candidates/test_candidate_imports.py``); what it
-needs of refgrad's pipeline specification is re-exported here (the last section but one).
+needs of refgrad (its layout record, its pipeline model and spec helpers) is re-exported
+here, imported below.
 
 A candidate that cannot run a technique here raises :class:`Unsupported` with the reason and
 the check records a SKIP naming it; a candidate that departs from refgrad's spec by design
@@ -1388,6 +1389,7 @@ class PipelineTraining(TechniqueScope, Protocol):
         reason = "builds no pipeline model for an optimizer"
         return ModelSupport(tensor_parallel=reason, mxfp8_params=reason,
                             shared_weight_at_pp1=reason, replicated_optimizer=reason)
+
 
 __all__ = [
     "AVG", "EMBEDDING_PARAM", "HEAD_PARAM", "MXFP8", "MXFP8_BLOCK", "SUM", "AdamWState",
