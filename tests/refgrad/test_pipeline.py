@@ -275,3 +275,39 @@ def test_tied_tp2_copies_stay_equal_and_sp_keeps_one_embedding_grad(sequence_par
         assert_bitwise_equal(ref.grads[step][emb], expected)
         assert_bitwise_equal(ref.grads[step][head], expected)
         assert_bitwise_equal(ref.params[step][head], ref.params[step][emb])
+
+
+def test_updated_once_steps_a_shared_weight_once_and_no_frozen_one():
+    """By hand: a weight under two names is stepped once (first name kept), a frozen name
+    never, the rest in name order."""
+    from refgrad.pipeline import updated_once
+
+    a, b, c = (torch.nn.Parameter(torch.zeros(1)) for _ in range(3))
+    named = {"s0.a": a, "s1.tied": b, "s0.tied": b, "s1.c": c}
+    got = updated_once(named, frozen={"s1.c"})
+    assert len(got) == 2 and got[0] is a and got[1] is b
+    assert updated_once(named, frozen={"s1.tied"}) == [a, b, c]  # still stepped by its other name
+
+
+def test_rank_microbatches_is_this_ranks_shard_of_the_replicas_data():
+    """TP 2 with SP: each rank gets its replica's microbatches (``microbatch_data`` at its DP
+    rank), its sequence rows of the inputs, its vocab block of the targets, and the partial
+    loss; at TP 1 the whole microbatch."""
+    from refgrad.pipeline import loss_target, rank_microbatches, sequence_shard, stage_loss
+
+    spec = LinearStackSpec(num_stages=2, layers_per_stage=1, hidden=4, microbatch_size=2,
+                           tensor_parallel=2, sequence_parallel=True, output_head=True)
+    inputs, targets, loss_fn = rank_microbatches(spec, 1, 0, 0, 2)  # DP rank 1, TP rank 0
+    whole_in, whole_tg = microbatch_data(spec, 1, 0, 2)
+    assert len(inputs) == len(targets) == 2
+    for k in range(2):
+        assert_bitwise_equal(inputs[k], sequence_shard(spec, whole_in[k], 0))
+        assert_bitwise_equal(targets[k], loss_target(spec, whole_tg[k], 0))
+        assert inputs[k].shape == (1, 4) and targets[k].shape == (2, 2)
+    out = torch.ones(2, 2)
+    assert float(loss_fn(out, targets[0])) == float(stage_loss(spec, out, targets[0], 2))
+    plain = LinearStackSpec(num_stages=2, layers_per_stage=1, hidden=4, microbatch_size=2)
+    inputs, targets, _ = rank_microbatches(plain, 0, 0, 3, 1)
+    whole_in, whole_tg = microbatch_data(plain, 0, 3, 1)
+    assert_bitwise_equal(inputs[0], whole_in[0])
+    assert_bitwise_equal(targets[0], whole_tg[0])
