@@ -4,7 +4,8 @@ The previous implementation (``verify/studies/reduce_scatter/growth.py`` at comm
 ``BASELINE_COMMIT``) is loaded from git history, never kept in the package. Each
 case runs old and new alternately in one process, so load drift on a shared
 machine hits both; the ratio new/old of the medians is printed with every point
-of the two sweeps compared for bitwise equality.
+of the two sweeps compared for bitwise equality. The sweeps run the old one's methods
+(ring, tree, fp32) only: the same work timed, and every point has its counterpart.
 
     PYTHONPATH=$PWD python bench/bench_accumulation.py [--repeats 3] [--quick] [--json PATH]
     PYTHONPATH=$PWD python bench/bench_accumulation.py --rss      # peak RSS at two DPs
@@ -66,7 +67,11 @@ def _same_points(old_points, new_points) -> bool:
 
 
 def bench_sweep(old, label: str, kwargs: dict, repeats: int) -> dict:
+    """Both sweeps on the old one's methods: today's also measures methods the old never had
+    (torch's compress hooks, FSDP2), and its point lists would differ by those alone."""
+    kwargs = {**kwargs, "methods": old.METHODS}
     old_config, new_config = old.SweepConfig(**kwargs), sweep.SweepConfig(**kwargs)
+    label = f"{label}, {'+'.join(old.METHODS)}"
     outputs = {}
 
     def run_old():
@@ -110,7 +115,7 @@ def _row(label: str, times: dict, identical: bool) -> dict:
     old_s, new_s = statistics.median(times["old"]), statistics.median(times["new"])
     row = {"case": label, "old_s": old_s, "new_s": new_s, "ratio_new_over_old": new_s / old_s,
            "bitwise_identical": identical, "old_all_s": times["old"], "new_all_s": times["new"]}
-    print(f"{label:<48} old {old_s:8.3f}s  new {new_s:8.3f}s  new/old {new_s / old_s:5.2f}x  "
+    print(f"{label:<56} old {old_s:8.3f}s  new {new_s:8.3f}s  new/old {new_s / old_s:5.2f}x  "
           f"identical={identical}", flush=True)
     return row
 

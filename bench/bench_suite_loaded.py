@@ -6,8 +6,9 @@ to build, then runs a command under that load: by default the multi-rank tests
 suite ``bash scripts/test.sh``, or any ``--command``. With ``--baseline COMMIT`` the same
 command also runs on that commit's tree (``git archive`` into a temporary folder, run
 from there with the same interpreter), alternating with today's code round by round.
-Each run records its wall time, exit code, pytest's closing line and failed tests, and
-the load average: the 1-minute figure before, after, and sampled every 5 s during the
+Each run records its wall time, exit code, the closing line of every pytest session it ran
+(each leg: ``--suite`` runs the main suite, then the megatron-core 0.19.2 leg) and failed
+tests, and the load average: the 1-minute figure before, after, and sampled every 5 s during the
 run (mean and max). Then, still under load, it measures what the stall rule reads
 (``--signals-s`` seconds, 0 to skip): two gloo ranks, one blocked in ``all_reduce`` and
 one computing in Python, read every 0.5 s as the launcher reads them; for windows of
@@ -56,6 +57,8 @@ SUITE = "bash scripts/test.sh"
 LOAD_SAMPLE_S = 5.0
 # pytest's closing line, e.g. "==== 1 failed, 31 passed in 90.43s (0:01:30) ====" (no "=" with -q).
 SUMMARY = re.compile(r"^=*\s*(\d+ (?:passed|failed|errors?|skipped|deselected)\b.*\bin [\d.]+s\b.*?)\s*=*$")
+# The header line naming a session's interpreter, e.g. "platform linux -- Python 3.11.7, pytest-9.2.0, ...".
+PLATFORM = re.compile(r"^platform \S+ -- Python (\S+?),")
 
 
 def load_average() -> float:
@@ -99,6 +102,30 @@ class LoadSampler:
         self._thread.join()
 
 
+def pytest_legs(lines: list[str]) -> list[dict]:
+    """Every pytest session's closing line in one command's output, in order, with which leg
+    it is: its number from 1 and the Python its header names (None under ``-q``, which prints
+    no header). ``scripts/test.sh`` runs two: the main suite (Python 3.11), then the
+    megatron-core 0.19.2 leg (Python 3.12)."""
+    legs: list[dict] = []
+    python = None
+    for line in lines:
+        if platform_line := PLATFORM.match(line):
+            python = platform_line.group(1)
+        elif summary := SUMMARY.search(line):
+            legs.append({"leg": len(legs) + 1, "python": python, "summary": summary.group(1)})
+            python = None
+    return legs
+
+
+def describe_legs(legs: list[dict]) -> str:
+    """The legs in one line: ``leg 1 (Python 3.11.7): 2006 passed in ...; leg 2 (...): ...``."""
+    if not legs:
+        return "no pytest summary"
+    return "; ".join(f"leg {leg['leg']}" + (f" (Python {leg['python']})" if leg["python"] else "")
+                     + f": {leg['summary']}" for leg in legs)
+
+
 def run_command(label: str, command: str, root: Path, log: Path) -> dict:
     """One run of ``command`` (a shell line) from ``root``, its output kept in ``log``."""
     env = dict(os.environ, PYTHONPATH=str(root))
@@ -117,15 +144,14 @@ def run_command(label: str, command: str, root: Path, log: Path) -> dict:
             raise
     seconds = time.perf_counter() - start
     lines = log.read_text(errors="replace").splitlines()
-    summaries = [m.group(1) for line in lines if (m := SUMMARY.search(line))]
     during = sampler.values or [load_average()]
     row = {"code": label, "command": command, "seconds": round(seconds, 1),
            "exit_code": proc.returncode, "passed": proc.returncode == 0,
-           "pytest_summary": summaries[-1] if summaries else None,
+           "pytest_legs": pytest_legs(lines),
            "failed_tests": [line for line in lines if line.startswith(("FAILED", "ERROR"))],
            "load_before": before, "load_after": load_average(),
            "load_during_mean": round(statistics.mean(during), 1), "load_during_max": max(during)}
-    print(f"{label:<22} {seconds:7.1f} s  exit {proc.returncode}  {row['pytest_summary']}  "
+    print(f"{label:<22} {seconds:7.1f} s  exit {proc.returncode}  {describe_legs(row['pytest_legs'])}  "
           f"load {before} -> {row['load_after']} (during: mean {row['load_during_mean']}, "
           f"max {row['load_during_max']})", flush=True)
     for line in row["failed_tests"]:
@@ -310,7 +336,8 @@ def main() -> int:
         for (label, round_index, output), row in zip(logs, result["runs"]):
             text.append(f"\n===== {label} (round {round_index}): {row['seconds']} s, exit "
                         f"{row['exit_code']}, load during mean {row['load_during_mean']} "
-                        f"max {row['load_during_max']}\n$ {command}\n{output.rstrip()}")
+                        f"max {row['load_during_max']}\n===== {describe_legs(row['pytest_legs'])}"
+                        f"\n$ {command}\n{output.rstrip()}")
         Path(f"{args.out}.txt").write_text("\n".join(text) + "\n")
     return 0 if all(r["passed"] for r in result["runs"] if r["code"] == "today") else 1
 

@@ -171,8 +171,10 @@ ALL_FORMATS: tuple[FloatFormat, ...] = (
     FLOAT8_E8M0FNU,
 )
 
-# Integer dtypes of the same width, for reinterpreting bits (16/32-bit ones are signed).
-_SAME_WIDTH_INT = {8: torch.uint8, 16: torch.int16, 32: torch.int32}
+# Integer dtypes of the same width, for reinterpreting bits (16- to 64-bit ones are signed).
+_SAME_WIDTH_INT = {8: torch.uint8, 16: torch.int16, 32: torch.int32, 64: torch.int64}
+# The widths whose unsigned patterns an int64 holds (tensor_bit_patterns and its inverse).
+_PATTERN_WIDTHS = (8, 16, 32)
 
 
 def format_of(dtype_or_name: torch.dtype | str | FloatFormat) -> FloatFormat:
@@ -355,12 +357,24 @@ def round_to_value(fmt: FloatFormat, value: Value | int | float, overflow: str |
     return decode(fmt, round_to_bits(fmt, value, overflow))
 
 
-def _same_width_int(dtype: torch.dtype, name: str) -> tuple[int, torch.dtype]:
+def _same_width_int(dtype: torch.dtype, name: str,
+                    widths: tuple[int, ...] = _PATTERN_WIDTHS) -> tuple[int, torch.dtype]:
     width = torch.empty((), dtype=dtype).element_size() * 8
-    if width not in _SAME_WIDTH_INT:
-        widths = ", ".join(str(w) for w in _SAME_WIDTH_INT)
-        raise TypeError(f"{name} must have an element width in {{{widths}}} bits, got {dtype}")
+    if width not in widths:
+        named = ", ".join(str(w) for w in widths)
+        raise TypeError(f"{name} must have an element width in {{{named}}} bits, got {dtype}")
     return width, _SAME_WIDTH_INT[width]
+
+
+def tensor_same_width_ints(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements reinterpreted (never cast) as integers of the same width, in place of
+    its storage: uint8 for 8-bit dtypes, signed int16/int32/int64 above. Any 8- to 64-bit
+    dtype (floats, integers, bool); two tensors' views are equal exactly when their bits are.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"t must be a torch.Tensor, got {type(t).__name__}")
+    _, int_view = _same_width_int(t.dtype, "t", tuple(_SAME_WIDTH_INT))
+    return t.detach().contiguous().view(int_view)
 
 
 def tensor_bit_patterns(t: torch.Tensor) -> torch.Tensor:
@@ -371,8 +385,8 @@ def tensor_bit_patterns(t: torch.Tensor) -> torch.Tensor:
     """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"t must be a torch.Tensor, got {type(t).__name__}")
-    width, int_view = _same_width_int(t.dtype, "t")
-    return t.detach().contiguous().view(int_view).to(torch.int64) & ((1 << width) - 1)
+    width, _ = _same_width_int(t.dtype, "t")
+    return tensor_same_width_ints(t).to(torch.int64) & ((1 << width) - 1)
 
 
 def tensor_from_bit_patterns(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from refgrad.formats import FloatFormat, format_of, tensor_bit_patterns
+from refgrad.formats import FloatFormat, format_of, tensor_bit_patterns, tensor_same_width_ints
 
 __all__ = [
     "HISTOGRAM_BUCKETS",
@@ -413,17 +413,6 @@ def _with_msg(report: str, msg: str | None) -> str:
     return report if msg is None else f"{msg}\n\n{report}"
 
 
-# The integer dtype of each element width in bytes, to read a tensor's bit patterns.
-_BIT_PATTERN_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _bit_patterns_view(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s elements reinterpreted (never cast) as integers of the same width."""
-    if t.element_size() not in _BIT_PATTERN_VIEW:
-        raise TypeError(f"bitwise comparison takes 8- to 64-bit elements, got {t.dtype}")
-    return t.detach().contiguous().view(_BIT_PATTERN_VIEW[t.element_size()])
-
-
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """True when ``a`` and ``b`` have the same dtype, the same shape and identical bit patterns.
 
@@ -440,7 +429,7 @@ def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     # torch.equal on integers is exact equality, so on these views it compares bits.
-    return torch.equal(_bit_patterns_view(a), _bit_patterns_view(b))
+    return torch.equal(tensor_same_width_ints(a), tensor_same_width_ints(b))
 
 
 def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor, msg: str | None = None) -> None:
@@ -453,7 +442,7 @@ def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor, msg: str | None = Non
     if bitwise_equal(a, b):
         return
     if a.dtype == b.dtype and a.shape == b.shape and a.dtype not in supported_dtypes():
-        differs = (_bit_patterns_view(a) != _bit_patterns_view(b)).reshape(-1).cpu()
+        differs = (tensor_same_width_ints(a) != tensor_same_width_ints(b)).reshape(-1).cpu()
         first = int(torch.nonzero(differs)[0, 0])
         report = (f"Tensors are not bitwise equal!\n\ndtype {a.dtype}, shape {list(a.shape)}: "
                   f"{int(differs.sum())} / {differs.numel()} elements differ; the first at index "

@@ -428,6 +428,30 @@ def test_vectorised_bit_pattern_helpers():
         tensor_from_bits(torch.zeros(2), torch.float32)
 
 
+def test_same_width_ints_reinterpret_every_8_to_64_bit_dtype():
+    """The one dtype -> integer view table (verify.metrics' bitwise comparisons read it too).
+    Hand-written patterns; 16- to 64-bit views are signed, so the top half is negative."""
+    cases = [
+        (torch.tensor([-0.0, 1.0], dtype=torch.float64), torch.int64, [-(2**63), 0x3FF0000000000000]),
+        (torch.tensor([-0.0, 1.0], dtype=torch.float32), torch.int32, [-(2**31), 0x3F800000]),
+        (torch.tensor([-2.0, 2.0], dtype=torch.bfloat16), torch.int16, [0xC000 - 2**16, 0x4000]),
+        (torch.tensor([-2.0], dtype=torch.float64).to(torch.float8_e4m3fn), torch.uint8, [0xC0]),
+        (torch.tensor([True, False]), torch.uint8, [1, 0]),
+        (torch.tensor([-1, 7], dtype=torch.int64), torch.int64, [-1, 7]),
+    ]
+    for t, int_dtype, expected in cases:
+        view = F.tensor_same_width_ints(t)
+        assert view.dtype == int_dtype and view.tolist() == expected, t.dtype
+    # A reinterpretation of a non-contiguous tensor's elements, not of its storage order.
+    base = torch.tensor([[1.0, -0.0], [2.0, 0.5]], dtype=torch.float32)
+    assert F.tensor_same_width_ints(base.t()).tolist() == [[0x3F800000, 0x40000000],
+                                                         [-(2**31), 0x3F000000]]
+    with pytest.raises(TypeError, match="t must be a torch.Tensor"):
+        F.tensor_same_width_ints([1.0])
+    with pytest.raises(TypeError, match=r"element width in \{8, 16, 32, 64\} bits, got torch.complex128"):
+        F.tensor_same_width_ints(torch.zeros(1, dtype=torch.complex128))
+
+
 # --- agreement with torch's casts from float32 ------------------------------------------
 
 
