@@ -24,6 +24,7 @@ from verify.checks.optim.cases import OptimCase, case_matrix
 from verify.checks.optim.compare import check_case
 from verify.checks.optim.expectations import case_trajectory
 from verify.checks.optim.mxfp8 import compare_runs, refgrad_trajectory, train_mxfp8
+from verify.checks.optim.records import CaseResult
 from verify.checks.optim.worker import _train
 from verify.distributed import RankCrashed
 
@@ -225,7 +226,7 @@ class PublishesStaleShard(DistributedOptimizer):
             shard.master = current
 
 
-def _case_worker(rank: int, world: int, cases, optimizer_cls) -> list[dict]:
+def _case_worker(rank: int, world: int, cases, optimizer_cls) -> list[CaseResult]:
     """The check's rank code for each case on this world (ranks 0..DP-1, the whole world)."""
     bookkeeping = dist.new_group(list(range(world)))
     return [_train(case, None, rank, FastgradOptimizer(sharded_cls=optimizer_cls), 0,
