@@ -15,7 +15,8 @@ fp32 in rank order, rounded once) by design; these are refgrad's models of them,
   (``torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py``, ``_compress_hook``):
   ``buffer.to(dtype).div_(world_size)``, an all-reduce SUM in that dtype (the backend's
   order), then ``decompress`` copies the result back into the bucket (its dtype).
-* :func:`fsdp2_divide_factors` and :func:`fsdp2_reduce_scatter`: FSDP2's
+* :func:`fsdp2_divide_factors` (a :class:`FSDP2DivideFactors`) and
+  :func:`fsdp2_reduce_scatter`: FSDP2's
   ``foreach_reduce`` (``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py``): the
   grads cast to ``reduce_dtype``, divided by ``predivide_factor``, reduce-scattered with the
   op ``_get_gradient_divide_factors`` chose, divided by ``postdivide_factor``, cast to the
@@ -33,7 +34,9 @@ into a pre-multiplication by ``1/W`` rounded to the wire dtype, then a SUM
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from fractions import Fraction
 
 import torch
@@ -103,32 +106,77 @@ def compress_hook_all_reduce(per_rank: Sequence[torch.Tensor], wire: torch.dtype
     return cast(summed, per_rank[0].dtype)
 
 
+@dataclass(frozen=True)
+class FSDP2DivideFactors:
+    """What ``_get_gradient_divide_factors`` decides for one reduce-scatter (torch 2.13,
+    ``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py``): the collective's ``op``
+    (``Averaging.AVG`` or ``Averaging.SUM``), the divisors applied to every rank's input before
+    it (``predivide``) and to the result after it (``postdivide``), and torch's
+    ``ReduceOp.PREMUL_SUM(premultiplier)``: a SUM whose every input is first multiplied by
+    ``premultiplier`` (``1 / factor``), which is no ``Averaging`` and so is its own field.
+
+    The combinations are torch's three answers: AVG alone; a SUM with divisors (or none);
+    a PREMUL_SUM alone. A divisor is None where torch divides by nothing."""
+
+    op: Averaging
+    predivide: float | None = None
+    postdivide: float | None = None
+    premultiplier: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.op, Averaging) or self.op not in (Averaging.AVG, Averaging.SUM):
+            raise ValueError(f"FSDP2DivideFactors.op must be Averaging.AVG or Averaging.SUM "
+                             f"(torch's ReduceOp.AVG / ReduceOp.SUM), got {self.op!r}")
+        for name in ("predivide", "postdivide", "premultiplier"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, float):
+                raise TypeError(f"FSDP2DivideFactors.{name} must be None or a float, "
+                                f"got {type(value).__name__}")
+            if not math.isfinite(value) or value <= 0:
+                raise ValueError(f"FSDP2DivideFactors.{name} must be a positive finite float, "
+                                 f"got {value!r}")
+        dividing = self.predivide is not None or self.postdivide is not None
+        if self.op is Averaging.AVG and (dividing or self.premultiplier is not None):
+            # torch's AVG branch returns (None, None, AVG): an AVG is never scaled around
+            raise ValueError("FSDP2DivideFactors: op AVG takes no predivide, postdivide or "
+                             "premultiplier (the collective divides)")
+        if self.premultiplier is not None and dividing:
+            # torch's PREMUL_SUM branch returns (None, None, PREMUL_SUM(1/factor))
+            raise ValueError("FSDP2DivideFactors: premultiplier (PREMUL_SUM) excludes predivide "
+                             "and postdivide")
+
+    @property
+    def premul_sum(self) -> bool:
+        """Whether the collective is torch's ``PREMUL_SUM`` (a SUM of premultiplied inputs)."""
+        return self.premultiplier is not None
+
+
 def fsdp2_divide_factors(reduce_dtype: torch.dtype, world_size: int, *, factor: float | None = None,
-                         force_sum: bool = False) -> tuple[float | None, float | None, str]:
-    """``_get_gradient_divide_factors`` (one reduce-scatter group, no all-reduce group):
-    ``(predivide, postdivide, op)`` with ``op`` one of ``"avg"``, ``"sum"``,
-    ``"premul_sum"`` (then the pre-multiplier is ``1 / factor``): torch's own op names, kept
-    as strings because ``gradvocab.Averaging`` has no PREMUL_SUM (:func:`fsdp2_reduce_scatter`
-    turns "sum"/"avg" into an ``Averaging`` for the collective).
+                         force_sum: bool = False) -> FSDP2DivideFactors:
+    """``_get_gradient_divide_factors`` (one reduce-scatter group, no all-reduce group).
 
     fp32 and bf16 (no overflow risk), not forced to SUM: no factor -> AVG in the collective
     (SUM at W = 1); ``factor == W`` -> AVG; another factor -> PREMUL_SUM(1/factor). Otherwise
     (fp16, or forced): the factor (default W) split as ``pre * post``, ``pre`` the largest
     power of two with ``factor % pre == 0`` and ``factor / pre > pre`` before doubling stops
-    (fp16), or ``(None, factor)`` (forced fp32/bf16), then SUM."""
+    (fp16), or no predivide and ``post = factor`` (forced fp32/bf16), then SUM."""
     overflow_risk = reduce_dtype not in (torch.float32, torch.bfloat16)
     if not overflow_risk and not force_sum:
         if factor is None:
-            return None, None, "sum" if world_size == 1 else "avg"
-        return None, None, "avg" if factor == world_size else "premul_sum"
+            return FSDP2DivideFactors(Averaging.SUM if world_size == 1 else Averaging.AVG)
+        if factor == world_size:
+            return FSDP2DivideFactors(Averaging.AVG)
+        return FSDP2DivideFactors(Averaging.SUM, premultiplier=1 / factor)
     if factor is None:
         factor = float(world_size)
     if overflow_risk:
         pre = 1
         while factor % pre == 0 and factor / pre > pre:
             pre *= 2
-        return pre, factor / pre, "sum"
-    return None, factor, "sum"
+        return FSDP2DivideFactors(Averaging.SUM, predivide=float(pre), postdivide=factor / pre)
+    return FSDP2DivideFactors(Averaging.SUM, postdivide=float(factor))
 
 
 def _avg_by_premultiplying(per_rank: Sequence[torch.Tensor], world_size: int) -> list[torch.Tensor]:
@@ -155,12 +203,11 @@ def fsdp2_reduce_scatter(per_rank_inputs: Sequence[torch.Tensor], *, reduce_dtyp
         raise ValueError(f"avg_backend must be one of {AVG_BACKENDS}, got {avg_backend!r}")
     world = len(per_rank_inputs)
     dtype = reduce_dtype or per_rank_inputs[0].dtype
-    pre, post, torch_op = fsdp2_divide_factors(dtype, world, factor=factor, force_sum=force_sum)
-    if torch_op == "premul_sum":
+    factors = fsdp2_divide_factors(dtype, world, factor=factor, force_sum=force_sum)
+    if factors.premul_sum:
         raise ValueError("PREMUL_SUM (a gradient divide factor other than W with fp32/bf16 "
                          "reduce_dtype) is not modelled")
-    # torch's op name, once PREMUL_SUM is out, is "sum" or "avg": the collective's Averaging.
-    op = Averaging(torch_op)
+    op, pre, post = factors.op, factors.predivide, factors.postdivide
     inputs = cast(per_rank_inputs, dtype)
     if pre is not None and pre != 1:
         inputs = divide_like_torch(inputs, pre, device=device)
@@ -189,5 +236,5 @@ def fsdp2_accumulate(microbatch_grads: Sequence[torch.Tensor], *,
     return formats.round_values_to_tensor(fmt, values, tuple(first.shape))
 
 
-__all__ = ["AVG_BACKENDS", "cast", "compress_hook_all_reduce", "divide_like_torch",
+__all__ = ["AVG_BACKENDS", "FSDP2DivideFactors", "cast", "compress_hook_all_reduce", "divide_like_torch",
            "fsdp2_accumulate", "fsdp2_divide_factors", "fsdp2_reduce_scatter"]

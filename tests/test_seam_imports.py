@@ -9,7 +9,8 @@ import pytest
 
 # Checks that reach the implementation under test only through a Candidate.
 MIGRATED_CHECKS = ("verify.checks.layout", "verify.checks.reduce_scatter",
-                   "verify.checks.deferred_wgrad", "verify.checks.mxfp8", "verify.checks.pipeline")
+                   "verify.checks.deferred_wgrad", "verify.checks.mxfp8", "verify.checks.pipeline",
+                   "verify.checks.optim")
 
 
 @pytest.fixture(scope="module")

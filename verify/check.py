@@ -35,6 +35,7 @@ from verify.candidates import (
 )
 from verify.candidates.interfaces import Finding, LaunchSettings
 from verify.distributed import RankCrashed, RankLauncher, spawn_each
+from verify.metrics import compare as compare_tensors  # CheckRecorder.compare is the method
 
 _DEVICES = ("cpu", "cuda")
 
@@ -296,13 +297,11 @@ class CheckRecorder:
 
         ``reason`` must justify any ``max_ulp > 0``.
         """
-        from verify.metrics import compare
-
         if max_ulp < 0:
             raise ValueError(f"max_ulp must be >= 0, got {max_ulp}")
         if max_ulp > 0 and not reason:
             raise ValueError(f"comparison {label!r}: a max_ulp > 0 bound needs a reason")
-        result = compare(reference, candidate)
+        result = compare_tensors(reference, candidate)
         if max_ulp == 0:
             ok = result.bitwise_equal
         else:
@@ -336,11 +335,9 @@ class CheckRecorder:
         if documented_reference is None:
             raise ValueError(f"comparison {label!r}: a documented behaviour needs refgrad's "
                              f"model of it (documented_reference)")
-        from verify.metrics import compare
-
         ok = self.compare(f"{label} (documented: {documented.summary})", documented_reference,
                           candidate, max_ulp=max_ulp, reason=reason)
-        from_spec = compare(spec_reference, candidate)
+        from_spec = compare_tensors(spec_reference, candidate)
         if not from_spec.bitwise_equal:
             self._differences.append(DifferenceRecord(label, documented.summary, documented.where,
                                                       from_spec.to_dict()))

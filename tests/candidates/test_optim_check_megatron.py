@@ -31,6 +31,7 @@ import pytest
 import torch.distributed as dist
 
 from verify.candidates.megatron_core.version import missing_reason
+from verify.checks.optim.records import CaseResult
 
 pytestmark = [pytest.mark.skipif(missing_reason() is not None, reason=str(missing_reason())),
               pytest.mark.dist]
@@ -164,7 +165,7 @@ def test_megatron_core_skips_say_why(megatron_result):
     assert len(skipped) == 4, skipped
 
 
-def _case_worker(rank: int, world: int, candidate, case) -> dict:
+def _case_worker(rank: int, world: int, candidate, case) -> CaseResult:
     from verify.checks.optim.worker import _train
 
     bookkeeping = dist.new_group(list(range(world)))
@@ -186,7 +187,7 @@ def _failed_labels(candidate, case=None) -> list[str]:
     runs = run_distributed(_case_worker, case.dp, candidate, case)
     with candidate.optimizer() as optimizer:
         behaviour = optimizer.behaviour()
-    norms = tuple(r["grad_norm"] for r in runs[0]["results"])
+    norms = tuple(r.outcome.grad_norm for r in runs[0].steps)
     model = case_trajectory(case, 0, production=ProductionModel(norms))[0]
     rec = CheckRecorder("optim")
     check_case(rec, case, runs, case_trajectory(case, 0)[0], Documented(behaviour, model))

@@ -15,8 +15,15 @@ from hypothesis import strategies as st
 
 from fastgrad import mxfp8 as fast
 from refgrad import mxfp8 as ref
-from refgrad.formats import bits_to_tensor, format_of, tensor_bit_patterns
-from verify.fixtures.mxfp8 import special_blocks
+from refgrad.formats import (
+    FLOAT8_E4M3FN,
+    Special,
+    bits_to_tensor,
+    decode,
+    format_of,
+    tensor_bit_patterns,
+)
+from verify.fixtures.mxfp8 import random_blocks, special_blocks
 from verify.metrics import assert_bitwise_equal
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -108,8 +115,6 @@ def test_dequantize_matches_refgrad_for_any_codes(scales, elements):
 
 
 def test_e4m3_code_table_matches_refgrad_decode():
-    from refgrad.formats import FLOAT8_E4M3FN, Special, decode
-
     table = fast.e4m3_code_values()
     for code in range(256):
         value = decode(FLOAT8_E4M3FN, code)
@@ -154,8 +159,6 @@ def test_dequantize_errors():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_quantize_into_out_matches_refgrad_in_place(dtype):
     g = torch.Generator().manual_seed(3)
-    from verify.fixtures.mxfp8 import random_blocks
-
     x = torch.cat([special_blocks(dtype)[1], random_blocks(16, g, dtype)])  # several rows
     for mode in ref.SCALE_MODES:
         expected = ref.quantize(x, scale_mode=mode)
@@ -238,8 +241,6 @@ def test_triton_kernel_logic_in_interpreter():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cuda_quantize_matches_refgrad(dtype):
     g = torch.Generator().manual_seed(11)
-    from verify.fixtures.mxfp8 import random_blocks
-
     x = torch.cat([special_blocks(dtype)[1], random_blocks(256, g, dtype)])
     for mode in ref.SCALE_MODES:
         expected = ref.quantize(x, scale_mode=mode)

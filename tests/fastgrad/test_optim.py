@@ -22,7 +22,9 @@ from fastgrad.optim import (
     SGDConfig,
     param_groups_without_decay_for,
 )
+from fastgrad.optim.norm import limbs_to_fraction, local_square_limbs
 from fastgrad.optim.step_paths import TorchOpsPath
+from fastgrad.optim.update import adamw_scalars
 from gradvocab import LifecycleError
 from refgrad import optim as R
 from tests.fastgrad.optim_model import build, snapshot, train_step  # noqa: F401 - re-exported
@@ -237,8 +239,6 @@ def test_wrong_ddp_config_is_refused():
 
 
 def test_square_limbs_are_exact_and_partition_independent():
-    from fastgrad.optim.norm import limbs_to_fraction, local_square_limbs
-
     torch.manual_seed(0)
     x = torch.randn(5000) * torch.logspace(-30, 30, 5000)
     x[:4] = torch.tensor([1e-45, -3e38, 2.0**-149, 0.0])  # subnormal, near max, tiny, zero
@@ -253,8 +253,6 @@ def test_square_limbs_are_exact_and_partition_independent():
 
 
 def test_square_limbs_count_nonfinite():
-    from fastgrad.optim.norm import local_square_limbs
-
     _, nonfinite = local_square_limbs([torch.tensor([1.0, math.inf, -math.nan, 2.0])])
     assert nonfinite == 2
 
@@ -278,8 +276,6 @@ def test_check_nonfinite_must_be_a_bool():
 def test_adamw_bias_corrections_are_refgrads_at_any_step(step):
     """The running fp32 products beta^t (numba from 64 steps on) round as refgrad's, at every
     length: a scheduler moving the betas every step (OneCycleLR) restarts them at step 1."""
-    from fastgrad.optim.update import adamw_scalars
-
     for beta1, beta2 in ((0.9, 0.999), (0.85, 0.95), (0.5, 0.99999)):
         mine = adamw_scalars(AdamWConfig(lr=0.1, beta1=beta1, beta2=beta2), step)
         spec = R.adamw_scalars(R.AdamW(lr=0.1, beta1=beta1, beta2=beta2), step)

@@ -25,10 +25,12 @@ from fastgrad.optim import (
 )
 from refgrad import optim as R
 from tests.distributed_utils import run_distributed
+from tests.fastgrad.test_optim import assert_matches, snapshot, train_step
 from verify.checks.optim.cases import (
     ADAMW,
     BUCKET_SIZE,
     FP32,
+    MIXED,
     NAMES,
     SHAPES,
     TIED,
@@ -36,7 +38,7 @@ from verify.checks.optim.cases import (
     coefficient,
     initial,
 )
-from verify.checks.optim.expectations import reduced_grads
+from verify.checks.optim.expectations import reduced_grads, reference_trajectory
 from verify.metrics import assert_bitwise_equal
 
 CLIP = 0.5
@@ -172,9 +174,6 @@ def test_model_chunks_refuse_chunks_on_different_groups_of_the_same_size():
 def _replicated_worker(rank: int, world_size: int) -> dict:
     """DP 2, all-reduced grads: ReplicatedOptimizer on one model, and over two chunks."""
     del world_size
-    from tests.fastgrad.test_optim import snapshot, train_step
-    from verify.checks.optim.cases import MIXED
-
     out = {}
     for label, dtypes in (("fp32", FP32), ("bf16+fp32", MIXED)):
         model = Model(dtypes, 0)
@@ -191,10 +190,6 @@ def _replicated_worker(rank: int, world_size: int) -> dict:
 
 @pytest.mark.dist
 def test_replicated_optimizer_over_all_reduced_grads_is_refgrads_step_bitwise():
-    from tests.fastgrad.test_optim import assert_matches
-    from verify.checks.optim.cases import MIXED
-    from verify.checks.optim.expectations import reference_trajectory
-
     ranks = run_distributed(_replicated_worker, 2, timeout_s=120)
     for label, dtypes in (("fp32", FP32), ("bf16+fp32", MIXED)):
         want, _ = reference_trajectory([2] * STEPS, dtypes, "adamw", clip=CLIP)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from fractions import Fraction
 
@@ -23,6 +24,7 @@ from fastgrad.optim import AdamWConfig, SGDConfig
 from fastgrad.optim import cpu_kernels as K
 from fastgrad.optim.norm import BLOCK as NORM_BLOCK
 from fastgrad.optim.norm import limbs_from_bins, limbs_to_fraction, local_square_limbs
+from fastgrad.optim.step_paths import FusedCpuPath
 from fastgrad.optim.update import BLOCK, adamw_scalars, adamw_update_, sgd_update_, sqrt_fp32
 from refgrad import formats
 from refgrad import optim as R
@@ -283,8 +285,6 @@ def test_a_child_forked_after_the_kernels_ran_gets_the_same_bits():
 
 
 def test_fused_path_continues_beta_powers_only_for_the_same_betas():
-    from fastgrad.optim.step_paths import FusedCpuPath
-
     path = FusedCpuPath([], K)
     first, loaded = AdamWConfig(lr=1e-3, beta1=0.9), AdamWConfig(lr=1e-3, beta1=0.8, beta2=0.99)
     fresh = {c: [R.adamw_scalars(R.AdamW(lr=1e-3, beta1=c.beta1, beta2=c.beta2), t) for t in range(1, 8)]
@@ -299,8 +299,6 @@ def test_fused_path_continues_beta_powers_only_for_the_same_betas():
 def test_an_error_in_any_row_thread_reaches_the_caller(failing, monkeypatch):
     """A kernel that raises on a helper thread (or on the calling one) makes _run_rows raise,
     instead of returning with that thread's rows never updated."""
-    import threading
-
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     done = []
     caller_ran = threading.Event()

@@ -17,6 +17,7 @@ import torch
 
 from fastgrad.mxfp8_sharing import MXFP8Parameter, MXFP8ParamGradBuffer
 from fastgrad.optim import AdamWConfig, DistributedOptimizer
+from gradvocab import LifecycleError
 from tests.distributed_utils import run_distributed
 from verify.candidates.fastgrad.optimizer import FastgradOptimizer
 from verify.checks.optim.mxfp8 import CONFIGS, SHAPES, STEPS, joined_masters, refgrad_trajectory
@@ -77,8 +78,6 @@ def _one_rank(sharing: bool):
 
 
 def test_capability_flag_and_lifecycle_guard_through_the_optimizer():
-    from gradvocab import LifecycleError
-
     assert DistributedOptimizer.supports_mxfp8 is True
     weights, buffer, opt = _one_rank(sharing=True)
     with pytest.raises(LifecycleError, match="grad sync of bucket"):

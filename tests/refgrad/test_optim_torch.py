@@ -12,6 +12,7 @@ from refgrad import optim as R
 from refgrad.optim_torch import (
     torch_adamw_element,
     torch_adamw_scalars,
+    torch_clip_coefficient,
     torch_order_step,
     torch_sgd_element,
     torch_sgd_scalars,
@@ -170,9 +171,6 @@ def test_matches_torch_sgd_bitwise_on_this_cpu(hyper):
 def test_torch_clip_coefficient_is_clip_grads_with_norm():
     """refgrad's model of torch.nn.utils.clip_grads_with_norm_'s coefficient: the grad it
     scales is torch's, bitwise, over norms around and away from max_norm."""
-    from fractions import Fraction
-
-    from refgrad.optim_torch import torch_clip_coefficient
 
     g = torch.Generator().manual_seed(3)
     grads = torch.randn(64, generator=g)
@@ -188,9 +186,6 @@ def test_torch_clip_coefficient_is_clip_grads_with_norm():
 
 
 def test_torch_clip_coefficient_hand_derived():
-    from fractions import Fraction
-
-    from refgrad.optim_torch import torch_clip_coefficient
 
     # below max_norm the clamp makes the coefficient exactly 1
     assert torch_clip_coefficient(Fraction(1, 4), 1.0) == 1

@@ -1,19 +1,34 @@
 """refgrad.pipeline: the one-process reference of a pipelined, data-parallel step."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from gradvocab import Averaging
+from refgrad.exact import correctly_rounded_sum
 from refgrad.pipeline import (
+    EMBEDDING_PARAM,
+    HEAD_PARAM,
     LinearStackSpec,
     StageModule,
     StepPlan,
+    VocabParallelFirstLayer,
+    expected_on_rank,
+    head_weight_init,
+    loss_target,
     microbatch_data,
     microbatch_loss,
     reduce_across_replicas,
+    reduce_and_tie,
     reference_training,
+    replica_grad_sums,
+    sequence_shard,
     sgd_update,
+    splits_loss,
+    stage_loss,
     stage_param_name,
+    vocab_block,
 )
 from verify.metrics import assert_bitwise_equal, bitwise_equal
 
@@ -107,9 +122,6 @@ def test_validation():
 
 
 def test_tied_output_head_copies_stay_equal_and_get_the_summed_grad():
-    from refgrad.exact import correctly_rounded_sum
-    from refgrad.pipeline import EMBEDDING_PARAM, HEAD_PARAM
-
     spec = LinearStackSpec(num_stages=2, seed=5, output_head=True, tied_embedding=True)
     ref = reference_training(spec, [StepPlan(3), StepPlan(2)], dp_size=2)
     head, emb = stage_param_name(1, HEAD_PARAM), stage_param_name(0, EMBEDDING_PARAM)
@@ -128,8 +140,6 @@ def test_tied_output_head_copies_stay_equal_and_get_the_summed_grad():
 def test_tied_on_one_stage_is_one_weight_head_wgrad_then_first_layer_grad_per_microbatch():
     """Production's PP 1: per microbatch ``acc = (acc + Gᵀ·X) + grad_first``, no all-reduce;
     by hand with the head's use detached, so each contribution is computed on its own."""
-    from refgrad.pipeline import EMBEDDING_PARAM, HEAD_PARAM
-
     spec = LinearStackSpec(num_stages=1, seed=7, output_head=True, tied_embedding=True,
                            defer_output_wgrad=False)
     assert spec.shares_one_weight
@@ -155,8 +165,6 @@ def test_tied_on_one_stage_is_one_weight_head_wgrad_then_first_layer_grad_per_mi
 
 
 def test_head_wgrad_is_the_microbatch_ordered_sum_of_gemms():
-    from refgrad.pipeline import HEAD_PARAM, head_weight_init
-
     spec = LinearStackSpec(num_stages=2, seed=6, output_head=True)
     ref = reference_training(spec, [StepPlan(2)], dp_size=1)
     inputs, targets = microbatch_data(spec, 0, 0, 2)
@@ -183,21 +191,7 @@ def test_head_flags_validation():
 
 def test_tensor_parallel_spec_rules_and_hand_checked_tp_sums():
     """TP 2: the head's vocabulary and (SP) the rows split over TP; the TP sums are one add."""
-    import dataclasses
 
-    import pytest
-
-    from refgrad.pipeline import (
-        LinearStackSpec,
-        StageModule,
-        loss_target,
-        reduce_and_tie,
-        replica_grad_sums,
-        sequence_shard,
-        splits_loss,
-        stage_loss,
-        stage_param_name,
-    )
 
     with pytest.raises(ValueError, match=r"hidden \(5\) must be divisible by tensor_parallel"):
         LinearStackSpec(num_stages=2, hidden=5, output_head=True, tied_embedding=True,
@@ -229,8 +223,6 @@ def test_tensor_parallel_spec_rules_and_hand_checked_tp_sums():
 def test_tied_first_layer_at_tp2_is_a_vocab_parallel_embedding_by_hand():
     """Tied at TP 2: stage 0's first layer is ``x · W + b`` with W's rows split over TP as the
     head's; each rank's wgrad is ``x_kᵀ · G`` (small integers: every product and sum exact)."""
-    from refgrad.pipeline import VocabParallelFirstLayer, expected_on_rank, vocab_block
-
     spec = LinearStackSpec(num_stages=2, layers_per_stage=1, hidden=4, microbatch_size=2,
                            output_head=True, tied_embedding=True, tensor_parallel=2)
     assert spec.vocab_parallel_embedding
@@ -257,9 +249,6 @@ def test_tied_first_layer_at_tp2_is_a_vocab_parallel_embedding_by_hand():
 def test_tied_tp2_copies_stay_equal_and_sp_keeps_one_embedding_grad(sequence_parallel):
     """Tied at TP 2 (SP or not): both copies get reduced_first + reduced_head, and under SP the
     embedding's grad is one sum over all rows (no per-shard split), unlike the blocks'."""
-    from refgrad.exact import correctly_rounded_sum
-    from refgrad.pipeline import EMBEDDING_PARAM, HEAD_PARAM
-
     spec = LinearStackSpec(num_stages=2, layers_per_stage=1, hidden=4, microbatch_size=2,
                            seed=3, output_head=True, tied_embedding=True, tensor_parallel=2,
                            sequence_parallel=sequence_parallel)

@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from refgrad.pipeline import LinearStackSpec, replica_grad_sums
+from refgrad.pipeline import (
+    LinearStackSpec,
+    StageModule,
+    microbatch_data,
+    microbatch_loss,
+    replica_grad_sums,
+    stage_param_name,
+)
 from refgrad.pipeline.precision import accumulate, add_in_fp32, add_rounded, check_precision
 
 BF16 = torch.bfloat16
@@ -57,8 +64,6 @@ def test_check_precision_names_the_rule():
 def test_fp32_params_are_the_same_steps_as_the_reference_training():
     """The fp32 model through the one loop: each grad the microbatch-ordered fp32 sum (one
     rounding per add), by hand from autograd's grads of each microbatch on its own."""
-    from refgrad.pipeline import StageModule, microbatch_data, microbatch_loss, stage_param_name
-
     spec = LinearStackSpec(num_stages=2, layers_per_stage=1, hidden=4, microbatch_size=2, seed=2)
     stages = [StageModule(spec, s) for s in range(2)]
     named = {stage_param_name(s, n): p for s, st in enumerate(stages) for n, p in st.named_parameters()}

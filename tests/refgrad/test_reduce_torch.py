@@ -7,6 +7,7 @@ import torch
 from gradvocab import Averaging
 from refgrad import reduce_scatter as refc
 from refgrad.reduce_torch import (
+    FSDP2DivideFactors,
     cast,
     compress_hook_all_reduce,
     divide_like_torch,
@@ -50,19 +51,56 @@ def test_compress_hook_hand_derived():
     assert refc.all_reduce([tiny, tiny], accumulate="fp32", order="rank", op=Averaging.AVG)[0].item() == 2.0**-24
 
 
+# Expected values from torch 2.13's _get_gradient_divide_factors
+# (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py), run by hand: fp32/bf16 without a
+# factor -> (None, None, AVG), SUM at W = 1; fp16 -> pre doubles from 1 while
+# factor % pre == 0 and factor / pre > pre, post = factor / pre, SUM. W = 8: 1 -> 2 -> 4
+# (8 / 4 = 2 is not > 4); W = 3: 1 -> 2 (3 % 2 != 0); W = 64: 1 -> 2 -> 4 -> 8 (64 / 8 = 8);
+# W = 2: 1 -> 2 (2 / 2 = 1 is not > 2), post 1.
 @pytest.mark.parametrize("dtype,world,want", [
-    (torch.float32, 4, (None, None, "avg")), (torch.bfloat16, 1, (None, None, "sum")),
-    (torch.float16, 8, (4, 2.0, "sum")), (torch.float16, 3, (2, 1.5, "sum")),
-    (torch.float16, 64, (8, 8.0, "sum")), (torch.float16, 2, (2, 1.0, "sum")),
+    (torch.float32, 4, FSDP2DivideFactors(Averaging.AVG)),
+    (torch.bfloat16, 1, FSDP2DivideFactors(Averaging.SUM)),
+    (torch.float16, 8, FSDP2DivideFactors(Averaging.SUM, predivide=4.0, postdivide=2.0)),
+    (torch.float16, 3, FSDP2DivideFactors(Averaging.SUM, predivide=2.0, postdivide=1.5)),
+    (torch.float16, 64, FSDP2DivideFactors(Averaging.SUM, predivide=8.0, postdivide=8.0)),
+    (torch.float16, 2, FSDP2DivideFactors(Averaging.SUM, predivide=2.0, postdivide=1.0)),
 ])
 def test_divide_factors_hand_derived(dtype, world, want):
     assert fsdp2_divide_factors(dtype, world) == want
 
 
 def test_divide_factors_forced_and_given():
-    assert fsdp2_divide_factors(torch.float32, 4, factor=1.0) == (None, None, "premul_sum")
-    assert fsdp2_divide_factors(torch.float32, 4, factor=1.0, force_sum=True) == (None, 1.0, "sum")
-    assert fsdp2_divide_factors(torch.bfloat16, 4, factor=4) == (None, None, "avg")
+    # torch: fp32/bf16 with a factor other than the group's size -> PREMUL_SUM(1 / factor);
+    # forced to SUM (no overflow risk) -> (None, factor, SUM); factor == W -> AVG
+    given = fsdp2_divide_factors(torch.float32, 4, factor=2.0)
+    assert given == FSDP2DivideFactors(Averaging.SUM, premultiplier=0.5) and given.premul_sum
+    assert fsdp2_divide_factors(torch.float32, 4, factor=1.0, force_sum=True) \
+        == FSDP2DivideFactors(Averaging.SUM, postdivide=1.0)
+    assert fsdp2_divide_factors(torch.bfloat16, 4, factor=4) == FSDP2DivideFactors(Averaging.AVG)
+    assert not fsdp2_divide_factors(torch.bfloat16, 4).premul_sum
+
+
+@pytest.mark.parametrize("kwargs,error", [
+    ({"op": "avg"}, ValueError),  # a string is not the type
+    ({"op": Averaging.PRESCALE}, ValueError),  # not a collective's op
+    ({"op": Averaging.AVG, "postdivide": 2.0}, ValueError),  # AVG divides by itself
+    ({"op": Averaging.AVG, "premultiplier": 0.5}, ValueError),
+    ({"op": Averaging.SUM, "premultiplier": 0.5, "predivide": 2.0}, ValueError),
+    ({"op": Averaging.SUM, "predivide": 2}, TypeError),  # an int, not a float
+    ({"op": Averaging.SUM, "postdivide": True}, TypeError),
+    ({"op": Averaging.SUM, "postdivide": 0.0}, ValueError),
+    ({"op": Averaging.SUM, "premultiplier": float("inf")}, ValueError),
+])
+def test_divide_factors_record_refuses(kwargs, error):
+    with pytest.raises(error, match="FSDP2DivideFactors"):
+        FSDP2DivideFactors(**kwargs)
+
+
+def test_reduce_scatter_refuses_premul_sum():
+    inputs = [torch.ones(2), torch.ones(2)]
+    with pytest.raises(ValueError, match="PREMUL_SUM"):
+        fsdp2_reduce_scatter(inputs, reduce_dtype=None, orig_dtype=torch.float32, order="rank",
+                             factor=4.0)
 
 
 def test_fsdp2_reduce_scatter_avg_backends():

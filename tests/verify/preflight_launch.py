@@ -7,9 +7,10 @@ the flags as Megatron's parse_args does and resolves them as validate_args does.
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Mapping
 
-from verify.preflight.cli import own_options
+from verify.preflight.cli import configure_parser, own_options
 from verify.preflight.config import PreflightConfig
 from verify.preflight.flags import ParsedFlags, parse_megatron_flags, split_preflight_argv
 from verify.preflight.resolve import resolve
@@ -41,9 +42,6 @@ def preflight_config(argv: list[str], environ: Mapping[str, str] | None = None) 
 
 def preflight_args(argv: list[str]):
     """``verify preflight ARGV``'s Namespace, split as ``verify.cli.main`` splits it."""
-    import argparse
-
-    from verify.preflight.cli import configure_parser
 
     own, launch = split_preflight_argv(list(argv), own_options())
     parser = argparse.ArgumentParser(prog="verify preflight")

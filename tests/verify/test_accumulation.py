@@ -13,16 +13,23 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from refgrad import formats
 from refgrad import reduce_scatter as refc
 from refgrad.formats import tensor_bit_patterns
+from refgrad.reduce_torch import compress_hook_all_reduce, fsdp2_reduce_scatter
+from tests.distributed_utils import run_distributed
 from tests.timeouts import HANG_GUARD_S
+from tests.verify.cli_helpers import assert_help_and_usage_errors
+from verify import cli
+from verify.candidates.torch_fsdp2.grad_reduction import FSDP2BucketReduction
 from verify.distributed import free_port
 from verify.metrics import assert_bitwise_equal, bitwise_equal
 from verify.oracle import correctly_rounded_sum
 from verify.studies.reduce_scatter import cli as acc_cli
-from verify.studies.reduce_scatter import models, reference, sweep
+from verify.studies.reduce_scatter import kernels, models, reference, sweep
 
 REPO = Path(__file__).resolve().parents[2]
 DTYPES = (torch.float16, torch.bfloat16)
@@ -218,9 +225,6 @@ def test_bad_usage():
 
 def test_verify_cli_accumulation_help_and_exit_codes(capsys):
     """Through the real ``verify`` entry point: --help exits 0, bad usage exits 2."""
-    from tests.verify.cli_helpers import assert_help_and_usage_errors
-    from verify import cli
-
     assert_help_and_usage_errors(capsys, "accumulation", "--dp", (["--dtype", "fp8"], ["--backend", "mpi"]))
     assert cli.main(["accumulation", "--dp", "0", "--no-progress"]) == 2
     assert "--dp must be integers >= 2" in capsys.readouterr().err
@@ -353,8 +357,6 @@ def test_kernels_equal_the_torch_models(dtype, world_size, columns, chunk, first
     """The sweep's compiled ring, tree and fp32 reductions give the torch models' bits (the
     models equal refgrad: test_models_equal_refgrad), and its group sums and exactness flags
     those of the reference, on random and special values."""
-    from verify.studies.reduce_scatter import kernels
-
     sample = models.generate("gradient", world_size, columns, torch.Generator().manual_seed(columns))
     for stacked in ([sample] + ([_with_specials(sample)] if world_size >= 2 else [])):
         wire = stacked.to(dtype)
@@ -378,8 +380,6 @@ def test_kernels_equal_the_torch_models(dtype, world_size, columns, chunk, first
 def test_kernels_beyond_8192_ranks_and_on_any_thread_split(dtype, monkeypatch):
     """Several float64 groups (W > 2^13), bf16 columns whose sum is not exact in float64, and
     the same bits on one thread as on two (columns are independent)."""
-    from verify.studies.reduce_scatter import kernels
-
     world_size = 2 * reference.EXACT_GROUP_ROWS + 3
     sample = models.generate("gradient", world_size, 256, torch.Generator().manual_seed(4))
     sample[0, 7], sample[1, 7] = 2.0**100, 2.0**-100
@@ -409,9 +409,6 @@ def test_kernels_beyond_8192_ranks_and_on_any_thread_split(dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("world_size", [2, 3, 5, 8])
 def test_hook_and_fsdp2_models_equal_refgrad(dtype, world_size):
-    from refgrad.reduce_torch import compress_hook_all_reduce, fsdp2_reduce_scatter
-    from verify.studies.reduce_scatter import models
-
     g = torch.Generator().manual_seed(11 + world_size)
     chunk = 6
     stacked = (torch.randn(world_size, world_size * chunk, generator=g)
@@ -431,8 +428,6 @@ def test_hook_and_fsdp2_models_equal_refgrad(dtype, world_size):
 
 def test_sweep_hook_and_fsdp2_points_are_the_models_times_n():
     """The sweep's compiled path (prescale, the ring kernel, finish) is the models' result."""
-    from verify.studies.reduce_scatter import models, sweep
-
     g = torch.Generator().manual_seed(3)
     for dtype in (torch.float16, torch.bfloat16):
         stacked = (torch.randn(8, 64, generator=g) * torch.exp2(-16 * torch.rand(8, 64, generator=g))).to(dtype)
@@ -447,10 +442,6 @@ def _real_hooks_and_fsdp2(rank: int, world_size: int, seed: int) -> dict:
     """On gloo: torch's compress hooks on a bucket given as a ``(tensor,)`` tuple (what
     ``_compress_hook`` accepts besides a GradBucket), and FSDP2's reduce-scatter of one
     parameter with reduce_dtype its own 16-bit dtype."""
-    import torch.distributed as dist
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    from verify.candidates.torch_fsdp2.grad_reduction import FSDP2BucketReduction
 
     g = torch.Generator().manual_seed(seed * 101 + rank)
     grads = torch.randn(world_size * 4096, generator=g) * torch.exp2(-20 * torch.rand(world_size * 4096, generator=g))
@@ -467,9 +458,6 @@ def _real_hooks_and_fsdp2(rank: int, world_size: int, seed: int) -> dict:
 def test_models_equal_the_real_hooks_and_fsdp2_on_gloo(world_size):
     """The sweep's models on gloo's terms (the reverse ring, the CPU's division) are bitwise
     torch's own fp16/bf16_compress_hook and FSDP2's reduce-scatter, per rank."""
-    from tests.distributed_utils import run_distributed
-    from verify.studies.reduce_scatter import models
-
     per_rank = run_distributed(_real_hooks_and_fsdp2, world_size, 5)
     chunk = 4096
     for name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):

@@ -3,6 +3,13 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from verify.candidates import (
+    Candidate,
+    CandidateInfo,
+    DocumentedBehaviour,
+    FastgradCandidate,
+    Technique,
+)
 from verify.check import Check, CheckContext, CheckRecorder
 from verify.metrics import assert_bitwise_equal, bitwise_equal
 
@@ -103,8 +110,6 @@ def test_context_generator_is_deterministic():
 
 
 def test_a_technique_check_runs_fastgrad_by_default_and_refuses_other_candidate_types() -> None:
-    from verify.candidates import FastgradCandidate, Technique
-
     seen = []
 
     def run(ctx, rec, candidate):
@@ -121,13 +126,9 @@ def test_a_technique_check_runs_fastgrad_by_default_and_refuses_other_candidate_
 
 
 def test_an_unsupported_technique_is_a_skip_naming_the_candidate_and_the_reason() -> None:
-    from verify.candidates import Technique
-
     def run(ctx, rec, candidate):
         candidate.mxfp8()  # fastgrad's adapter does not exist in this test's candidate
         rec.expect("unreachable", True)
-
-    from verify.candidates import Candidate, CandidateInfo
 
     class NoMXFP8(Candidate):
         name = "none"
@@ -141,8 +142,6 @@ def test_an_unsupported_technique_is_a_skip_naming_the_candidate_and_the_reason(
 
 
 def test_a_documented_difference_passes_only_when_the_candidate_matches_its_model() -> None:
-    from verify.candidates import DocumentedBehaviour
-
     prescale = DocumentedBehaviour("pre-scales by 1/3 in bf16, then sums",
                                    "megatron.core.distributed.param_and_grad_buffer."
                                    "_ParamAndGradBucketGroup.start_grad_sync")
@@ -165,8 +164,6 @@ def test_a_documented_difference_passes_only_when_the_candidate_matches_its_mode
 
 
 def test_a_documented_fact_passes_only_when_the_candidate_keeps_its_model() -> None:
-    from verify.candidates import DocumentedBehaviour
-
     one_bucket = DocumentedBehaviour("one bucket on every pipeline stage after the first",
                                      "megatron.core.distributed.distributed_data_parallel."
                                      "DistributedDataParallel.__init__")

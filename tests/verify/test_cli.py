@@ -1,10 +1,13 @@
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.timeouts import HANG_GUARD_S
 from tests.verify.report_fixtures import (
@@ -18,9 +21,13 @@ from tests.verify.report_fixtures import (
     crash_of,
 )
 from verify import cli
-from verify.candidates.interfaces import CandidateInfo
+from verify.candidates.interfaces import CandidateInfo, DocumentedBehaviour, Technique
 from verify.candidates.megatron_core.candidate import MegatronCoreCandidate
+from verify.candidates.megatron_core.version import missing_reason
 from verify.check import Check, CheckResult
+from verify.checks import all_checks
+from verify.report import Report
+from verify.studies.reduce_scatter import cli as acc_cli
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -79,8 +86,6 @@ def test_bad_flag_is_usage_error():
 
 
 def test_cuda_without_cuda_is_usage_error(capsys):
-    import torch
-
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here")
     assert cli.main(["run", "--device", "cuda"]) == 2
@@ -146,8 +151,6 @@ def test_bad_output_path_is_refused_before_any_check_runs(monkeypatch, tmp_path,
 
 
 def test_one_output_failing_later_still_writes_the_others(monkeypatch, tmp_path, capsys):
-    from verify.report import Report
-
     _use(monkeypatch, _passing)
 
     def broken(self, path):
@@ -250,8 +253,6 @@ def test_every_listed_subcommand_module_exists():
 
 
 def test_registered_checks_have_unique_names():
-    from verify.checks import all_checks
-
     names = [c.name for c in all_checks()]
     assert len(names) == len(set(names))
     assert {"formats", "oracle", "metrics"} <= set(names)
@@ -317,8 +318,6 @@ def test_layout_bad_input_names_the_flag(capsys, argv, flag):
 
 
 def test_accumulation_refuses_what_memory_cannot_hold_before_work(monkeypatch, capsys):
-    from verify.studies.reduce_scatter import cli as acc_cli
-
     monkeypatch.setattr(acc_cli, "available_memory_bytes", lambda: 8 * 2**30)
     monkeypatch.setattr(acc_cli, "run_sweep", lambda *a, **k: pytest.fail("sweep ran"))
     assert cli.main(["accumulation", "--numel", "2000000000", "--no-progress"]) == 2
@@ -328,16 +327,12 @@ def test_accumulation_refuses_what_memory_cannot_hold_before_work(monkeypatch, c
 
 @pytest.mark.parametrize("option", ["--json", "--markdown", "--plot"])
 def test_accumulation_checks_its_outputs_before_the_sweep(monkeypatch, tmp_path, capsys, option):
-    from verify.studies.reduce_scatter import cli as acc_cli
-
     monkeypatch.setattr(acc_cli, "run_sweep", lambda *a, **k: pytest.fail("sweep ran"))
     assert cli.main(["accumulation", option, str(tmp_path / "missing" / "x"), "--no-progress"]) == 2
     assert option in capsys.readouterr().err
 
 
 def test_accumulation_one_output_failing_still_writes_the_others(monkeypatch, tmp_path, capsys):
-    from verify.studies.reduce_scatter import cli as acc_cli
-
     def broken(points, path):
         raise OSError(28, "No space left on device")
 
@@ -384,9 +379,6 @@ def test_jobs_must_be_positive(capsys):
 
 def _per_candidate(ctx, rec, candidate):
     """fastgrad matches the spec; the other candidate differs from it as it documents."""
-    import torch
-
-    from verify.candidates import DocumentedBehaviour
 
     spec = torch.tensor([1.0, 3.0])
     if candidate.name == "fastgrad":
@@ -398,8 +390,6 @@ def _per_candidate(ctx, rec, candidate):
 
 
 def test_two_candidates_give_one_report_with_a_column_each(monkeypatch, tmp_path, capsys):
-    from verify.candidates import Technique
-
     checks = {"truth": Check("truth", "a truth-layer check", _passing, default_candidate=object()),
               "tech": Check("tech", "a technique check", _per_candidate,
                             technique=Technique.LAYOUT)}
@@ -436,8 +426,6 @@ def test_a_candidate_named_twice_or_unknown_is_a_usage_error(monkeypatch, capsys
 
 
 def test_list_names_the_checks_and_the_candidates_with_their_versions(capsys):
-    from importlib.metadata import PackageNotFoundError, version
-
     assert cli.main(["run", "--list"]) == 0
     out = capsys.readouterr().out
     assert "layout           technique" in out and "formats          truth layer" in out
@@ -498,8 +486,6 @@ def test_megatron_core_trains_the_default_twin_where_installed(capsys):
     """The launch is Megatron-LM's: with megatron-core installed its own code trains the twin
     (at TP 1 here: its adapter builds no TP > 1 model), and the verdict names it and the TP
     it was scaled to."""
-    from verify.candidates.megatron_core.version import missing_reason
-
     if missing_reason() is not None:
         pytest.skip(missing_reason())
     argv = ["preflight", "--no-progress", "--world-size", "4", "--twin-steps", "2", "--",
@@ -517,8 +503,6 @@ INSTALL_COMMAND = "pip install -e '.[megatron]' (in the gradverify checkout)"
 def _without_megatron(monkeypatch):
     """Megatron-Core as if not installed, in this process only: importlib finds no
     ``megatron`` (what ``version.missing_reason`` asks), nothing is uninstalled."""
-    import importlib.util
-
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a, **k: None if name.split(".")[0] == "megatron"
@@ -578,8 +562,6 @@ def test_a_candidate_that_can_run_none_of_the_selected_checks_here_is_a_usage_er
 
 def _use_technique(monkeypatch, *functions):
     """Register synthetic pipeline-technique checks named tech0, tech1, ... (a candidate's)."""
-    from verify.candidates import Technique
-
     checks = {f"tech{i}": Check(f"tech{i}", f"synthetic {i}", fn, technique=Technique.PIPELINE)
               for i, fn in enumerate(functions)}
     monkeypatch.setattr(cli, "check_by_name", lambda name: checks[name])
@@ -589,8 +571,6 @@ def _use_technique(monkeypatch, *functions):
 
 def _hazard_only(ctx, rec, candidate):
     """A case only direct API use reaches fails (finding 1 of the test candidate); another passes."""
-    import torch
-
 
     a = torch.tensor([1.0, 2.0])
     with rec.case("after an fp32 DDP", AFTER_FP32):
@@ -608,8 +588,6 @@ def _reachable_crash(ctx, rec, candidate):
 
 
 def _unexplained_wrong_gradient(ctx, rec, candidate):
-    import torch
-
 
     a = torch.tensor([1.0, 2.0])
     with rec.case("W=4 AVG", NEW_BUG):

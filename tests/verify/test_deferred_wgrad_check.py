@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 
 import pytest
+import torch.distributed as dist
 
 from fastgrad.deferred_wgrad import ColumnParallelOutputLayer
 from gradvocab import ParallelDims
@@ -16,7 +17,7 @@ from verify.candidates.fastgrad.deferred_wgrad import (
 from verify.candidates.interfaces import DeferredWgrad, OutputLayerConfig, WgradGemm
 from verify.check import CheckContext, CheckRecorder
 from verify.checks import CHECK_MODULES
-from verify.checks.deferred_wgrad import CHECK, WgradCase, build_cases
+from verify.checks.deferred_wgrad import CHECK, WgradCase, build_cases, compare_wgrad_gemms_on
 
 
 class ClearsOnlyActivationsLayer(ColumnParallelOutputLayer):
@@ -117,8 +118,6 @@ def test_output_layer_config_validates_itself(fields, error, match):
 
 def test_wgrad_gemm_comparison_logic_on_cpu():
     # The CUDA section's comparison, run on the CPU path (fastgrad's one CPU GEMM).
-    from verify.checks.deferred_wgrad import compare_wgrad_gemms_on
-
     gemms = FastgradCandidate().deferred_wgrad().wgrad_gemms("cpu")
     assert [g.name for g in gemms] == ["fp32_upcast"]
     rec = CheckRecorder("wgrad")
@@ -143,8 +142,6 @@ class DropsFirstMicrobatch(WgradGemm):
 
 
 def test_wgrad_gemm_comparison_catches_a_dropped_microbatch():
-    from verify.checks.deferred_wgrad import compare_wgrad_gemms_on
-
     rec = CheckRecorder("wgrad")
     compare_wgrad_gemms_on("cpu", rec, 0, (DropsFirstMicrobatch(),))
     result = rec.finish(0.0)
@@ -210,8 +207,6 @@ def test_a_case_the_candidate_raises_in_fails_alone_and_a_missing_guard_is_a_ski
 def test_output_layer_config_at_tp_2_needs_the_tp_group_itself():
     """Dims given groups, but not the TP one, are refused: the layer would be built at TP 2
     over no group (Megatron's adapter then fails with a shape error instead)."""
-    import torch.distributed as dist
-
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         without_tp = ParallelDims(tp_size=2, pp_size=2).with_groups()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import pytest
 import torch.distributed as dist
 
+from tests.verify.preflight_launch import preflight_args
 from verify.candidates import FastgradCandidate
 from verify.candidates.fastgrad.deferred_wgrad import FastgradDeferredWgrad
 from verify.candidates.fastgrad.grad_reduction import FastgradBucketReduction, FastgradGradReduction
@@ -24,6 +25,8 @@ from verify.candidates.fastgrad.optimizer import FastgradOptimizer
 from verify.candidates.fastgrad.pipeline import FastgradPipeline
 from verify.check import CheckContext
 from verify.checks import check_by_name
+from verify.checks.layout import default_scenarios, run_reduce_scenarios
+from verify.preflight.cli import main as preflight_main
 
 CONTEXT = CheckContext(quick=True, timeout_s=60.0)
 FAULT = "planted fault on rank 1"
@@ -129,8 +132,6 @@ def test_a_raising_rank_is_the_crash_of_its_configuration(check):
 @pytest.mark.dist
 def test_a_raising_rank_in_the_layout_reductions_is_their_crash():
     # The layout check's reductions run only in the full mode (quick skips them).
-    from verify.checks.layout import default_scenarios, run_reduce_scenarios
-
     results = run_reduce_scenarios(2, default_scenarios(2), RaisingCandidate(), timeout_s=60.0)
     assert results and all(r.crash is not None for r in results)
     for r in results:
@@ -140,9 +141,6 @@ def test_a_raising_rank_in_the_layout_reductions_is_their_crash():
 
 @pytest.mark.dist
 def test_a_raising_rank_of_the_twin_is_named_as_the_twin_crash(tmp_path):
-    from tests.verify.preflight_launch import preflight_args
-    from verify.preflight.cli import main as preflight_main
-
     args = preflight_args(["--world-size", "4", "--pipeline-model-parallel-size", "2",
                            "--global-batch-size", "8", "--micro-batch-size", "1",
                            "--num-layers", "4", "--hidden-size", "64",

@@ -5,6 +5,8 @@ command's process group (as a terminal does) when its own progress lines say it 
 import json
 import subprocess
 import sys
+import threading
+from dataclasses import replace
 
 import pytest
 
@@ -12,6 +14,9 @@ from tests.timeouts import HANG_GUARD_S
 from tests.verify.cli_helpers import interrupt_after_line
 from tests.verify.test_cli import REPO, _env_subprocess, _passing, _use
 from verify import cli, runner
+from verify.studies import layout
+from verify.studies.reduce_scatter import cli as acc_cli
+from verify.studies.reduce_scatter import sweep
 
 
 def test_interrupt_reports_what_finished_marked_incomplete(monkeypatch, tmp_path, capsys):
@@ -171,10 +176,6 @@ def test_a_deferred_ctrl_c_only_sets_the_event():
 
 
 def test_interrupted_accumulation_writes_the_points_it_measured(monkeypatch, tmp_path, capsys):
-    from dataclasses import replace
-
-    from verify.studies.reduce_scatter import cli as acc_cli
-    from verify.studies.reduce_scatter import sweep
 
     def interrupted_after_the_first_dp(config, progress=None, into=None):
         sweep.run_sweep(replace(config, dp_sizes=config.dp_sizes[:1]), progress, into)
@@ -193,8 +194,6 @@ def test_interrupted_accumulation_writes_the_points_it_measured(monkeypatch, tmp
 
 
 def test_an_interrupted_subcommand_says_so_in_one_line(monkeypatch, capsys):
-    from verify.studies import layout
-
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
@@ -206,8 +205,6 @@ def test_an_interrupted_subcommand_says_so_in_one_line(monkeypatch, capsys):
 def test_interrupt_with_concurrent_checks_starts_nothing_more(monkeypatch, tmp_path, capsys):
     """--jobs 2: the check running beside the interrupted one is not waited for (it is
     marked interrupted), and no later check starts."""
-    import threading
-
     release = threading.Event()
     ran = []
 

@@ -6,6 +6,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+import torch
 import torch.distributed as dist
 
 from fastgrad.mxfp8_sharing import MXFP8ParamGradBuffer
@@ -22,8 +23,10 @@ from verify.check import FAIL, PASS, CheckContext, CheckRecorder
 from verify.checks import check_by_name
 from verify.checks.optim.cases import OptimCase, case_matrix
 from verify.checks.optim.compare import check_case
+from verify.checks.optim.entry import _trajectory_inputs
 from verify.checks.optim.expectations import case_trajectory
 from verify.checks.optim.mxfp8 import compare_runs, refgrad_trajectory, train_mxfp8
+from verify.checks.optim.records import CaseResult
 from verify.checks.optim.worker import _train
 from verify.distributed import RankCrashed
 
@@ -154,9 +157,6 @@ def test_matrix_covers_every_dimension_in_quick_and_default():
 def test_mxfp8_references_are_shared_only_between_runs_with_the_same_inputs():
     """check_mxfp8 computes refgrad's trajectory once per distinct input: the key must see
     one bit of one grad, the dtype, and the buffer layout, and nothing else."""
-    import torch
-
-    from verify.checks.optim.entry import _trajectory_inputs
 
     def runs(grad_value=0.5, dtype=torch.float32, buckets=((0, 4),)):
         step = {"grads": [torch.full((2,), grad_value, dtype=dtype)], "masters": ["ignored"]}
@@ -225,7 +225,7 @@ class PublishesStaleShard(DistributedOptimizer):
             shard.master = current
 
 
-def _case_worker(rank: int, world: int, cases, optimizer_cls) -> list[dict]:
+def _case_worker(rank: int, world: int, cases, optimizer_cls) -> list[CaseResult]:
     """The check's rank code for each case on this world (ranks 0..DP-1, the whole world)."""
     bookkeeping = dist.new_group(list(range(world)))
     return [_train(case, None, rank, FastgradOptimizer(sharded_cls=optimizer_cls), 0,

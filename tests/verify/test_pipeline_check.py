@@ -1,5 +1,6 @@
 """The ``pipeline`` check passes on fastgrad and fails on deliberately broken candidates."""
 
+import time
 from dataclasses import dataclass, replace
 
 import pytest
@@ -13,6 +14,8 @@ from verify.candidates.interfaces import PipelineCase
 from verify.check import CheckContext
 from verify.checks import check_by_name
 from verify.checks.pipeline import CHECK
+from verify.checks.pipeline.worker import PipelineRun, pipeline_worker
+from verify.distributed import RankTimeout, spawn, spawn_each
 
 
 def _case(pp, dp, first, spec, plans, vpp=1, **kw):
@@ -133,9 +136,6 @@ class _ScopedCandidate(FastgradCandidate):
 
 @pytest.mark.dist
 def test_the_check_uses_the_pipeline_interface_inside_its_scope():
-    from verify.checks.pipeline.worker import PipelineRun, pipeline_worker
-    from verify.distributed import spawn_each
-
     spec = LinearStackSpec(num_stages=2, layers_per_stage=1, hidden=8, seed=5)
     case = PipelineCase("P2 D1 scoped", ParallelDims(pp_size=2), spec, (StepPlan(2), StepPlan(2)))
     runs = [PipelineRun(case, overlap) for overlap in (True, False)]
@@ -163,8 +163,6 @@ class _RaisingCandidate(FastgradCandidate):
 
 @pytest.mark.dist
 def test_a_rank_raising_ends_its_case_in_seconds_as_a_crash_and_the_other_cases_run():
-    import time
-
     started = time.monotonic()
     result = CHECK.execute(CheckContext(quick=True, timeout_s=60), _RaisingCandidate())
     elapsed = time.monotonic() - started
@@ -256,8 +254,6 @@ def _pipeline_rank_that_stalls(rank, world_size, case, *, progress):
 
 @pytest.mark.dist
 def test_a_stalled_stage_is_reported_with_its_case_stage_and_step():
-    from verify.distributed import RankTimeout, spawn
-
     spec = LinearStackSpec(num_stages=2, layers_per_stage=1, hidden=8, seed=5)
     case = PipelineCase("P2 D1 stall", ParallelDims(pp_size=2), spec, (StepPlan(3), StepPlan(3)))
     with pytest.raises(RankTimeout) as info:

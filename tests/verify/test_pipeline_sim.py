@@ -9,6 +9,8 @@ import pytest
 from fastgrad.pipeline import schedule_1f1b
 from fastgrad.pipeline_interleaved import schedule_interleaved
 from refgrad.pipeline import interleaved_program_order, program_order
+from tests.verify.cli_helpers import assert_help_and_usage_errors
+from verify import cli
 from verify.studies.pipeline import (
     PipelineCosts,
     closed_form_bubble_fraction,
@@ -104,9 +106,6 @@ def test_cli_bad_input_exit_code(capsys):
 
 def test_verify_cli_simulate_pipeline_help_and_exit_codes(capsys):
     """Through the real ``verify`` entry point: --help exits 0, bad usage exits 2."""
-    from tests.verify.cli_helpers import assert_help_and_usage_errors
-    from verify import cli
-
     assert_help_and_usage_errors(capsys, "simulate-pipeline", "--microbatches", (["--mode", "eventually"], ["-P", "x"]))
     assert cli.main(["simulate-pipeline", "--stages", "0"]) == 2
     assert cli.main(["simulate-pipeline", "--grad-sync", "nan"]) == 2
@@ -195,8 +194,6 @@ def test_interleaved_validation():
 
 
 def test_cli_virtual_stages(capsys):
-    from verify import cli
-
     assert cli.main(["simulate-pipeline", "-P", "4", "-M", "6", "--virtual-stages", "2"]) == 2
     err = capsys.readouterr().err
     assert "--microbatches (6) must be a multiple of --stages (4)" in err

@@ -22,7 +22,9 @@ import pytest
 from tests.verify.preflight_launch import preflight_args, preflight_config
 from verify.candidates.megatron_core.version import missing_reason
 from verify.preflight import cli as preflight_cli
+from verify.preflight import config as config_module
 from verify.preflight.config import PreflightConfig
+from verify.preflight.pipeline_split import PipelineSplit
 from verify.preflight.twin.figures import (
     FigureResult,
     apply_figures,
@@ -170,9 +172,6 @@ def test_a_microbatch_formula_that_forgets_dp_fails_the_preflight_run(monkeypatc
 def test_an_uneven_split_laid_out_back_to_front_fails_the_preflight_run(monkeypatch, tmp_path):
     """Planted fault: the uneven first/last stages swapped (the last stage's 3 layers on the
     first): layers [[3], [1]] where Megatron-Core builds [[1], [3]]."""
-    from verify.preflight import config as config_module
-    from verify.preflight.pipeline_split import PipelineSplit
-
     production = config_module.split_layers
 
     def back_to_front(*args, **kwargs):

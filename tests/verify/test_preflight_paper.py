@@ -11,6 +11,7 @@ import torch
 from tests.verify.preflight_launch import parsed_launch, preflight_config
 from verify.preflight.cli import build_report
 from verify.preflight.paper import chunk_layouts, memory_rows, reduction_error, wire_rows
+from verify.preflight.render import format_bytes, format_ms
 from verify.preflight.timing import CostInputs
 
 # Toy GPT: 2 layers, h 64, 4 heads (kv_channels 16), ffn 4h = 256, seq 16 (= max positions),
@@ -290,8 +291,6 @@ def test_a_shared_embedding_bucket_is_explained_next_to_the_rule():
 
 
 def test_units_fit_the_number_and_counts_agree_with_their_nouns():
-    from verify.preflight.render import format_bytes, format_ms
-
     assert [format_bytes(v) for v in (0, 512, 1536, 4096, 59520 * 4, 25.171 * 2**30)] == [
         "0 B", "512 B", "1.50 KiB", "4.00 KiB", "232.50 KiB", "25.17 GiB"]
     assert [format_ms(v) for v in (0, 3484.93, 135.352, 2.413e-3, 4.664e-6)] == [

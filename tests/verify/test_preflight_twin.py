@@ -10,24 +10,35 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 
-from gradvocab import Averaging
-from tests.candidates.fastgrad_faults import Fault, FaultyFastgrad
+from fastgrad.deferred_wgrad import ColumnParallelOutputLayer, EmbeddingWgradConfig
+from gradvocab import Averaging, ParallelDims, RankPlace
+from refgrad.pipeline import EMBEDDING_PARAM, HEAD_PARAM, stage_param_name
+from tests.candidates.fastgrad_faults import Fault, FaultyFastgrad, output_layer_class
 from tests.distributed_utils import run_distributed
 from tests.timeouts import HANG_GUARD_S
 from tests.verify.preflight_launch import parsed_launch, preflight_args, preflight_config
 from verify.candidates import FastgradCandidate
-from verify.distributed import DistributedRunError
+from verify.candidates.fastgrad.pipeline_model import (
+    build_stage_model,
+    drained_head,
+    external_grad_params,
+)
+from verify.distributed import DistributedRunError, free_port
 from verify.metrics import assert_bitwise_equal, bitwise_equal
 from verify.preflight import cli as preflight_cli
 from verify.preflight.cli import build_report
 from verify.preflight.findings import launch_settings, reached
 from verify.preflight.hazards import FINDING, SAFE, decide_hazards
-from verify.preflight.render import render_markdown
+from verify.preflight.render import render_markdown, twin_tables
 from verify.preflight.timing import CostInputs
 from verify.preflight.twin import (
     AdamWTwin,
@@ -36,8 +47,11 @@ from verify.preflight.twin import (
     TwinSizeError,
     finish_twin_report,
     plan_twin,
+    verdict,
 )
 from verify.preflight.twin.bounds import ulp_bound_factor
+from verify.preflight.twin.bounds import within as _within
+from verify.preflight.twin.compare import StepRow
 from verify.preflight.twin.rank import TwinRun, twin_phases_worker
 from verify.preflight.twin.reference import reference_for
 
@@ -313,14 +327,6 @@ def test_the_pp1_tied_twin_builds_one_weight_for_the_embedding_and_the_output_la
     """Tied at PP 1 the rank's first layer and output layer hold the same Parameter, so DDP
     (which takes ``module.parameters()``) sees it once; autograd's hook, not the schedule's
     ``mark_grad_ready``, makes it ready, and nothing is drained or all-reduced."""
-    from gradvocab import RankPlace
-    from refgrad.pipeline import EMBEDDING_PARAM, HEAD_PARAM, stage_param_name
-    from verify.candidates.fastgrad.pipeline_model import (
-        build_stage_model,
-        drained_head,
-        external_grad_params,
-    )
-
     case = plan_twin(_config(PP1_TIED)[0], SMALL).case
     grid = replace(case.dims, place=RankPlace(rank=0))  # the one rank of a PP 1 DP 1 grid
     module, named, head, tied = build_stage_model(case, grid)
@@ -609,12 +615,6 @@ def test_an_uneven_context_parallel_twin_trains_its_per_stage_layers(capsys, tmp
 @pytest.mark.dist
 def test_under_torchrun_the_twin_runs_on_the_launched_world(tmp_path):
     """torchrun (2 processes): DP comes from WORLD_SIZE, rank 0 reports, both exit 0."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from verify.distributed import free_port
 
     root = Path(__file__).resolve().parents[2]
     json_path = tmp_path / "torchrun.json"
@@ -636,11 +636,6 @@ def test_under_torchrun_the_twin_runs_on_the_launched_world(tmp_path):
 
 def test_a_broken_drain_is_a_fault_of_one_layer_instance_not_a_global_rebinding():
     """The LIFO candidate's drain lives on the rank's own output layer; the class is untouched."""
-    import torch
-
-    from fastgrad.deferred_wgrad import ColumnParallelOutputLayer, EmbeddingWgradConfig
-    from gradvocab import ParallelDims
-    from tests.candidates.fastgrad_faults import output_layer_class
 
     production_drain = ColumnParallelOutputLayer.drain_deferred_wgrad
     assert FastgradCandidate().label == "fastgrad"
@@ -666,10 +661,6 @@ def test_a_broken_drain_is_a_fault_of_one_layer_instance_not_a_global_rebinding(
 def test_a_twin_whose_every_step_was_skipped_says_no_update_was_checked(monkeypatch):
     """Both sides skipping every step agree on the update vacuously: the verdict says so,
     and the per-step table marks the skipped steps."""
-    from verify.preflight.render import twin_tables
-    from verify.preflight.twin import verdict
-    from verify.preflight.twin.compare import StepRow
-
     config, report = _config(UNTIED_ADAMW)
     plan = plan_twin(config, SMALL)
 
@@ -709,8 +700,6 @@ def test_the_unfused_output_layer_is_listed_where_it_changes_bits(flags, listed)
 def test_the_bounded_comparison_holds_non_finite_values_to_bitwise():
     """Within a ULP bound, an inf in refgrad does not make the bound infinite, and a shared inf
     is no failure (hand-picked values)."""
-    from verify.preflight.twin.bounds import within as _within
-
     inf = float("inf")
     ref = torch.tensor([inf, 1.0, 2.0])
     assert not _within(ref, torch.tensor([3e38, 1.5, 1000.0]), 8)[0]  # inf vs finite
@@ -721,9 +710,6 @@ def test_the_bounded_comparison_holds_non_finite_values_to_bitwise():
 
 def test_a_step_that_compared_nothing_fails(monkeypatch):
     """Ranks that report no grads (or params) leave nothing to compare: that is no pass."""
-    from verify.preflight.twin import verdict
-    from verify.preflight.twin.compare import StepRow
-
     config, report = _config(UNTIED_ADAMW)
     plan = plan_twin(config, SMALL)
     empty = StepRow(step=0, microbatches=4, loss_max_ulp=0, grads_bitwise=0, grads_total=0,

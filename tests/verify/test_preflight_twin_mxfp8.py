@@ -15,6 +15,7 @@ fastgrad candidate whose stages build a broken subclass of its MXFP8 param or bu
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ import torch
 from fastgrad.comm import all_gather_into
 from fastgrad.mxfp8 import MXFP8Parameter, quantize
 from fastgrad.mxfp8_sharing import MXFP8ParamGradBuffer
+from gradvocab import OptimizerRecord, RankResult
 from tests.verify.preflight_launch import parsed_launch, preflight_config
 from tests.verify.twin_world import plan_layout, train_and_compare
 from verify.candidates import FastgradCandidate
@@ -32,6 +34,7 @@ from verify.preflight.render import render_markdown
 from verify.preflight.timing import CostInputs
 from verify.preflight.twin import AdamWTwin, MXFP8Twin, TwinOptions, plan_twin
 from verify.preflight.twin.adamw import adamw_twin_for
+from verify.preflight.twin.compare import StepRow, compare_mxfp8_params
 from verify.preflight.twin.mxfp8 import BLOCK
 
 MODEL = ["--micro-batch-size", "1", "--num-layers", "8", "--hidden-size", "64",
@@ -224,10 +227,6 @@ def test_wrong_scale_rounding_or_a_gather_over_live_grads_fails_naming_step_and_
 def test_an_mxfp8_param_a_rank_did_not_report_fails():
     """Names come from refgrad: a replica whose ranks report only some MXFP8 params fails,
     naming the missing one (matching bits on the reported ones are not enough)."""
-    from types import SimpleNamespace
-
-    from gradvocab import OptimizerRecord, RankResult
-    from verify.preflight.twin.compare import StepRow, compare_mxfp8_params
 
     bits = (torch.tensor([127], dtype=torch.uint8), torch.tensor([1, 2], dtype=torch.uint8))
     reference = SimpleNamespace(mxfp8=[{"stage0.layers.0.weight": bits, "stage0.layers.0.bias": bits}])

@@ -23,16 +23,39 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import torch.distributed as dist
 
+import fastgrad.pipeline as pipeline
 from fastgrad.ddp import DistributedDataParallel
+from fastgrad.deferred_wgrad import _OutputLayerFunction
+from fastgrad.vocab_parallel_embedding import _VocabParallelEmbed
 from gradvocab import Averaging
-from tests.verify.test_preflight_twin_optim import STEPS, _config, _plans
-from tests.verify.twin_world import train_and_compare
+from refgrad.pipeline import (
+    EMBEDDING_PARAM,
+    HEAD_PARAM,
+    LinearStackSpec,
+    StageModule,
+    cast_params_,
+    head_weight_init,
+    reduce_and_tie,
+    replica_grad_sums,
+    stage_param_name,
+    sum_over_tensor_parallel,
+)
+from tests.verify.broken_optimizers import HysteresisOneEarly
+from tests.verify.test_preflight_twin_optim import (
+    STEPS,
+    _BrokenOptimizerCandidate,
+    _config,
+    _plans,
+    _WrongInverseOptimizer,
+)
+from tests.verify.twin_world import plan_layout, train_and_compare
 from verify.candidates import FastgradCandidate
 from verify.candidates.fastgrad.pipeline import FastgradPipeline
 from verify.candidates.fastgrad.stages import FastgradStages
 from verify.metrics import assert_bitwise_equal, bitwise_equal
-from verify.preflight.twin import TwinPrecision, plan_twin
+from verify.preflight.twin import TwinOptions, TwinPrecision, plan_twin
 from verify.preflight.twin.precision import precision_for
 from verify.preflight.twin.rank import twin_phases_worker
 from verify.preflight.twin.reference import reference_for
@@ -153,8 +176,6 @@ def test_where_the_twin_keeps_fp32_or_scales_dp_it_says_so():
 
 
 def test_refgrads_sp_grad_sum_over_tp_is_one_rounding_of_two_grad_dtype_terms():
-    from refgrad.pipeline import LinearStackSpec, replica_grad_sums, sum_over_tensor_parallel
-
     spec = LinearStackSpec(num_stages=2, layers_per_stage=1, hidden=4, microbatch_size=2,
                            output_head=True, tensor_parallel=2, sequence_parallel=True)
     # By hand, bf16 (8 significant bits, ULP 2^-7 at 1): 1 + 2^-8 is a tie -> 1 (even);
@@ -177,17 +198,6 @@ def test_refgrads_16_bit_tied_sp_first_layer_keeps_one_buffer_left_out_of_the_tp
     """Tied at TP 2 under SP the 16-bit first layer is split over TP by vocabulary rows: one
     ``[V, H]`` grad buffer over every row (each rank's wgrad ``x_kᵀ · G`` with ``G`` gathered),
     not one per sequence shard as the replicated blocks', and not summed over TP."""
-    from refgrad.pipeline import (
-        EMBEDDING_PARAM,
-        LinearStackSpec,
-        StageModule,
-        cast_params_,
-        head_weight_init,
-        reduce_and_tie,
-        replica_grad_sums,
-        stage_param_name,
-    )
-
     spec = LinearStackSpec(num_stages=2, layers_per_stage=1, hidden=4, microbatch_size=2, seed=3,
                            output_head=True, tied_embedding=True, tensor_parallel=2,
                            sequence_parallel=True)
@@ -276,14 +286,6 @@ def test_the_fp16_twins_skip_moves_megatrons_scaler_and_planted_faults_fail():
     faults, each a fastgrad whose optimizer is a broken subclass: unscaling by 2/S (invisible
     to the twin before issue 31: at 2^32 every step was skipped, so no update was compared)
     fails at step 0; a scaler backing off one overflow early fails at step 3's scale."""
-    from tests.verify.broken_optimizers import HysteresisOneEarly
-    from tests.verify.test_preflight_twin_optim import (
-        _BrokenOptimizerCandidate,
-        _WrongInverseOptimizer,
-    )
-    from tests.verify.twin_world import plan_layout
-    from verify.preflight.twin import TwinOptions
-
     layout = {"hysteresis_1": (FP16_OVERFLOW, 0), "hysteresis_2": (FP16_DP1, 4),
               "wrong_inverse": (FP16_DP1, 6)}
     plans = plan_layout(layout, _config, TwinOptions(hidden_size=8, layers=1, steps=4))
@@ -313,8 +315,6 @@ def test_the_fp16_twins_skip_moves_megatrons_scaler_and_planted_faults_fail():
 
 
 def _initial_params(plan) -> dict:
-    from refgrad.pipeline import HEAD_PARAM, StageModule, head_weight_init, stage_param_name
-
     spec = plan.case.spec
     named = {stage_param_name(s, n): p for s in range(spec.num_stages)
              for n, p in StageModule(spec, s).named_parameters()}
@@ -367,9 +367,6 @@ def _dgrad_summed_in_fp32() -> None:
     """Break fastgrad's output layer in this process only: each TP rank's dgrad GEMM keeps its
     fp32 output and the TP all-reduce sums those in fp32, rounding once to the param dtype
     (production rounds each rank's partial dgrad to 16 bits and all-reduces the 16-bit values)."""
-    import torch.distributed as dist
-
-    from fastgrad.deferred_wgrad import _OutputLayerFunction
 
     right = _OutputLayerFunction.backward
 
@@ -387,8 +384,6 @@ def _sequence_parallel_grads_rounded_to_the_param_dtype() -> None:
     """Break fastgrad's TP all-reduce of sequence-parallel grads in this process only: each
     fp32 ``main_grad`` is rounded to bf16 before the sum (the sum in the param dtype instead of
     the grad dtype)."""
-    import fastgrad.pipeline as pipeline
-
     right = pipeline.allreduce_sequence_parallel_grads
 
     def wrong(params, tp_group):
@@ -444,9 +439,6 @@ def _embedding_wgrad_on_its_own_rows() -> None:
     """Break fastgrad's vocab-parallel embedding in this process only: under SP the backward
     skips the all-gather of the output grad, so each TP rank's wgrad ``x_kᵀ · G`` covers only
     its sequence shard's rows (production gathers ``G`` over every row first)."""
-    import torch.distributed as dist
-
-    from fastgrad.vocab_parallel_embedding import _VocabParallelEmbed
 
     right = _VocabParallelEmbed.backward
 

@@ -32,7 +32,7 @@ from verify.preflight.twin import (
 from verify.preflight.twin.rank import TwinRun, twin_phases_worker
 from verify.preflight.twin.reference import reference_for
 from verify.preflight.twin.variants import TWIN_ADAMW, TWIN_SCHEDULE, Dtype, adamw_of
-from verify.preflight.twin.verdict import twin_section
+from verify.preflight.twin.verdict import _ranks, twin_section
 
 MODEL = ["--micro-batch-size", "1", "--num-layers", "4", "--hidden-size", "64",
          "--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings", "16",
@@ -175,7 +175,5 @@ def test_the_sizes_are_checked_under_their_flags_before_the_dims_are_built():
 def test_a_twin_scaled_below_the_launchs_tp_says_so_in_the_verdict():
     """A TP 2 launch whose twin ran at TP 1 has not had its tensor parallelism checked: the
     verdict's first line says so, not only the list of what was not twinned."""
-    from verify.preflight.twin.verdict import _ranks
-
     assert _ranks({"world_size": 2, "tp_size": 1}, launch_tp=2) == "2 ranks, TP 2 scaled to TP 1"
     assert _ranks({"world_size": 4, "tp_size": 2}, launch_tp=2) == "4 ranks"

@@ -9,6 +9,7 @@ from tests.verify.report_fixtures import (
     fastgrad_result,
     two_candidate_report,
 )
+from verify.candidates import DocumentedBehaviour
 from verify.check import CheckRecorder, CheckResult, Table
 from verify.report import (
     MARKDOWN_COMPARISON_ROWS,
@@ -208,8 +209,6 @@ def test_no_line_ends_in_an_empty_reason():
 
 
 def test_a_documented_fact_is_not_shown_as_empty_numbers():
-    from verify.candidates import DocumentedBehaviour
-
     rec = CheckRecorder("pipeline", "buckets")
     one = DocumentedBehaviour("one bucket after the first stage", "pkg.ddp.__init__")
     rec.expect_documented("P2 buckets", False, documented=one, documented_holds=True,

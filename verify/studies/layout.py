@@ -14,11 +14,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from gradvocab import default_bucket_size
 from refgrad.layout import compute_layout
+from verify.options import SetOnce
+from verify.outputs import Output, OutputPathError, check_output_paths, write_outputs
+from verify.studies.layout_input import add_model_arguments, model_rows, user_models
 from verify.studies.layout_models import MODELS, ModelSpec
 
 DEFAULT_DPS = (8, 64, 512)
@@ -199,9 +204,6 @@ def _positive_int(text: str) -> int:
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """Options of ``verify layout``."""
-    from verify.options import SetOnce
-    from verify.studies.layout_input import add_model_arguments
-
     parser.description = (
         "Padding overhead of bucketed gradient buffers (distributed optimizer, default bucket "
         "size) for built-in models or your own (well under a second)."
@@ -227,12 +229,6 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Print the padding report; 0 on success, 2 on bad usage, 3 when --json cannot be written."""
-    import sys
-    from pathlib import Path
-
-    from verify.outputs import Output, OutputPathError, check_output_paths, write_outputs
-    from verify.studies.layout_input import model_rows, user_models
-
     try:
         if args.json not in (None, "-"):
             check_output_paths([("--json", args.json)])

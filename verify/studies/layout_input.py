@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from verify.options import SetOnce
 from verify.studies.layout_models import ModelSpec
 
 
@@ -147,8 +148,6 @@ def gpt_model(args: Any) -> ModelSpec | None:
 
 def add_model_arguments(parser: Any) -> None:
     """The options that describe the user's own model (each at most once)."""
-    from verify.options import SetOnce
-
     group = parser.add_argument_group(
         "your own model (instead of, or beside, --model)",
         "a list of parameter shapes, a JSON file of them, or a Megatron-style GPT description")

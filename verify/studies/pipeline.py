@@ -45,12 +45,15 @@ import json
 import math
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from refgrad.pipeline import (
     interleaved_program_order,
     program_order,
     validate_schedule_shape,
 )
+from verify.options import SetOnce
+from verify.outputs import Output, OutputPathError, check_output_paths, write_outputs
 
 SYNC_MODES = ("overlap", "after-compute", "barrier")
 EXIT_OK, EXIT_USAGE = 0, 2  # the simulator has no check that can fail
@@ -271,8 +274,6 @@ def _with_flags(message: str) -> str:
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``verify simulate-pipeline`` (each at most once)."""
-    from verify.options import SetOnce
-
     parser.description = (
         "Discrete-event simulation of one 1F1B pipeline step with data-parallel grad sync: "
         "step time, bubble fraction and exposed sync per sync placement (well under a second)."
@@ -303,8 +304,6 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Print step time, bubble fraction and exposed sync for the requested modes."""
-    from verify.outputs import OutputPathError, check_output_paths
-
     if args.json not in (None, "-"):
         try:
             check_output_paths([("--json", args.json)])
@@ -328,10 +327,6 @@ def main(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     closed = closed_form_bubble_fraction(args.stages, args.microbatches, V)
     if args.json is not None:
-        from pathlib import Path
-
-        from verify.outputs import Output, write_outputs
-
         text = json.dumps({"closed_form_bubble_fraction": closed,
                            "results": [r.to_dict() for r in results]}, indent=2)
         if args.json == "-":

@@ -37,6 +37,7 @@ from verify.candidates.interfaces import BucketTraining, ObservedBucket, Reducti
 from verify.check import CheckRecorder
 from verify.distributed import RankLauncher, spawn_each
 from verify.metrics import bitwise_equal
+from verify.oracle import correctly_rounded_sum
 
 
 @dataclass(frozen=True)
@@ -126,8 +127,6 @@ def expected_buckets(scenario: WatchedScenario, iteration: int) -> list[Observed
 
 def _exact_mean(per_rank: list[torch.Tensor]) -> torch.Tensor:
     """The DP mean of the ranks' fp32 grads, exact, rounded once to fp32 (the spec)."""
-    from verify.oracle import correctly_rounded_sum
-
     world = len(per_rank)
     if world & (world - 1) == 0:  # scaling by 1/W is exact: the oracle rounds the sum once
         return correctly_rounded_sum(torch.stack(per_rank) / world, torch.float32)

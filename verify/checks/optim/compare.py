@@ -20,6 +20,7 @@ from refgrad.formats import FLOAT32, gamma
 from verify.candidates.interfaces import DocumentedBehaviour, OptimizerBehaviour
 from verify.check import CheckRecorder
 from verify.checks.optim.cases import NAMES, SHAPES, OptimCase
+from verify.checks.optim.records import CaseRun, Snapshot
 from verify.metrics import bitwise_equal
 
 
@@ -53,15 +54,15 @@ def flat(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([tensors[n].detach().float().reshape(-1) for n in NAMES])
 
 
-def compare_snapshot(rec: CheckRecorder, label: str, want: dict, got: dict, *,
+def compare_snapshot(rec: CheckRecorder, label: str, want: dict, got: Snapshot, *,
                      documented: DocumentedBehaviour | None = None, model: dict | None = None) -> None:
-    """Params, masters and every state tensor refgrad has, bitwise (to refgrad's model of a
-    documented behaviour where there is one)."""
+    """Params, masters and every state tensor refgrad has (``want``, a step of refgrad's
+    trajectory), bitwise (to refgrad's model of a documented behaviour where there is one)."""
     def check(what: str, key: str | None) -> None:
         pick = ((lambda snap: flat(snap["params"])) if key is None
                 else (lambda snap: flat({n: snap["state"][n][key] for n in NAMES})))
-        candidate = (flat(got["params"]) if key is None
-                     else flat({n: got["state"]["params"][n][key] for n in NAMES}))
+        candidate = (flat(got.params) if key is None
+                     else flat({n: got.state[n][key] for n in NAMES}))
         rec.compare_documented(f"{label} {what}", pick(want), candidate, documented=documented,
                                documented_reference=None if model is None else pick(model))
 
@@ -70,14 +71,15 @@ def compare_snapshot(rec: CheckRecorder, label: str, want: dict, got: dict, *,
         check(key, key)
 
 
-def same_on_every_rank(snaps: list[dict]) -> bool:
+def same_on_every_rank(snaps: list[Snapshot]) -> bool:
+    """Whether every rank's snapshot holds the first's params and state, bitwise."""
     first = snaps[0]
     for other in snaps[1:]:
         for n in NAMES:
-            if not bitwise_equal(first["params"][n], other["params"][n]):
+            if not bitwise_equal(first.params[n], other.params[n]):
                 return False
-            for key, tensor in first["state"]["params"][n].items():
-                if not bitwise_equal(tensor, other["state"]["params"][n][key]):
+            for key, tensor in first.state[n].items():
+                if not bitwise_equal(tensor, other.state[n][key]):
                     return False
     return True
 
@@ -110,11 +112,11 @@ def _check_norms(rec: CheckRecorder, label: str, case: OptimCase, exact: float |
                                  f"(bound {float(bound):.3g}, γ(n + k + R + 8))")
 
 
-def check_case(rec: CheckRecorder, case: OptimCase, runs: list[dict], want: list[dict],
+def check_case(rec: CheckRecorder, case: OptimCase, runs: list[CaseRun], want: list[dict],
                documented: Documented = AS_SPECIFIED) -> None:
     """Every rank's run of ``case`` against refgrad's trajectory ``want`` (the spec's)."""
     for rank, run in enumerate(runs):
-        taken = sum(snap is not None for snap in run["snapshots"])
+        taken = sum(snap is not None for snap in run.snapshots)
         rec.expect(f"{case.label}: every step ran to its snapshot (rank {rank})", taken == len(want),
                    f"{taken} of {len(want)}")
     scaler_states, scales = case.scaler_states(), case.scales()
@@ -123,7 +125,7 @@ def check_case(rec: CheckRecorder, case: OptimCase, runs: list[dict], want: list
     model = documented.model
     for step, expected in enumerate(want):
         label = f"{case.label} step {step + 1}"
-        snaps = [run["snapshots"][step] for run in runs]
+        snaps = [run.snapshots[step] for run in runs]
         modelled = None if model is None or order is None else model[step]
         if all(snap is not None for snap in snaps):
             compare_snapshot(rec, label, expected, snaps[0], documented=order, model=modelled)
@@ -131,30 +133,31 @@ def check_case(rec: CheckRecorder, case: OptimCase, runs: list[dict], want: list
                 reference = modelled if modelled is not None else expected
                 rec.compare_documented(
                     f"{label} params after the gather (rank {rank})", flat(expected["params"]),
-                    flat(snap["params"]), documented=order,
+                    flat(snap.params), documented=order,
                     documented_reference=None if order is None else flat(reference["params"]))
             rec.expect(f"{label}: every rank holds the same params and state bitwise",
                        same_on_every_rank(snaps))
-        results = [run["results"][step] if step < len(run["results"]) else {} for run in runs]
-        stepped = [r.get("stepped") for r in results]
+        results = [run.step(step) for run in runs]  # None: the rank has no such step
+        outcomes = [None if r is None else r.outcome for r in results]
+        stepped = [None if o is None else o.stepped for o in outcomes]
         rec.expect(f"{label}: stepped={expected['stepped']} on every rank (as refgrad)",
                    all(s == expected["stepped"] for s in stepped),
-                   f"ranks: {stepped}" + ("" if all(r.get("agreed", True) for r in results)
+                   f"ranks: {stepped}" + ("" if all(r is None or r.agreed for r in results)
                                           else " (the ranks decided differently)"))
         if expected["stepped"]:
-            _check_norms(rec, label, case, expected["grad_norm"], [r.get("grad_norm") for r in results],
-                         documented)
+            _check_norms(rec, label, case, expected["grad_norm"],
+                         [None if o is None else o.grad_norm for o in outcomes], documented)
         if scaler_states is not None:
-            used = [r.get("loss_scale") for r in results]
+            used = [None if o is None else o.loss_scale for o in outcomes]
             rec.expect(f"{label}: loss scale {scales[step]:g} used on every rank (Megatron's rule)",
                        all(u == scales[step] for u in used), f"ranks: {used}")
-            after = [r.get("scaler") for r in results]
+            after = [None if r is None else r.scaler for r in results]
             rec.expect(f"{label}: loss scaler after the step {scaler_states[step]} on every rank "
                        f"(hysteresis {case.hysteresis})", all(a == scaler_states[step] for a in after),
                        f"ranks: {after}")
         if overlapped:
             # A stepped step launches the param all-gather; a skipped step (NaN/inf) launches none.
-            launched = [r.get("launched") for r in results]
+            launched = [None if r is None else r.launched for r in results]
             in_forward = documented.behaviour.param_gather_in_forward
             rec.expect_documented(
                 f"{label}: a param all-gather in flight after the step iff it stepped",
@@ -162,8 +165,8 @@ def check_case(rec: CheckRecorder, case: OptimCase, runs: list[dict], want: list
                 documented_holds=None if in_forward is None else all(x is False for x in launched),
                 detail=f"ranks: {launched}")
             # the next forward (the next step's, or one after the last) reads the gathered params
-            reads = [run["results"][step + 1].get("read_in_flight") if step + 1 < len(run["results"])
-                     else run.get("final_read_in_flight") for run in runs]
+            reads = [run.steps[step + 1].read_in_flight if step + 1 < len(run.steps)
+                     else run.final_read_in_flight for run in runs]
             rec.expect(f"{label}: the next forward read every param after its all-gather arrived "
                        "(its modules' forward pre-hooks waited)", reads == [False] * len(runs),
                        f"ranks (True: read while in flight): {reads}")

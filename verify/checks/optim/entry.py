@@ -25,6 +25,7 @@ from verify.checks.optim.compare import (
 )
 from verify.checks.optim.expectations import ProductionModel, case_trajectory
 from verify.checks.optim.mxfp8 import compare_runs, refgrad_trajectory
+from verify.checks.optim.records import CaseResult, CaseRun, RankRuns, Refused
 from verify.checks.optim.worker import (
     MXFP8_LABEL,
     RESUME_AFTER,
@@ -40,11 +41,11 @@ from verify.metrics import bitwise_equal
 CHECK_NAME = "optim"
 
 
-def _reported_norms(runs: list[dict] | None) -> tuple[float | None, ...] | None:
-    """The grad norm of each step as the first rank reported it (None: no run)."""
-    if not runs or "results" not in runs[0]:
+def _reported_norms(runs: list[CaseResult] | None) -> tuple[float | None, ...] | None:
+    """The grad norm of each step as the first rank reported it (None: no run, or refused)."""
+    if not runs or not isinstance(runs[0], CaseRun):
         return None
-    return tuple(r.get("grad_norm") for r in runs[0]["results"])
+    return tuple(r.outcome.grad_norm for r in runs[0].steps)
 
 
 def _references(cases: list[OptimCase], seed: int, norms: dict | None = None) -> dict:
@@ -82,51 +83,54 @@ def _references_process(rank: int, world: int, cases: list[OptimCase], seed: int
     return _references(cases, seed, norms)
 
 
-def _check_resumes(rec: CheckRecorder, per_rank: list[dict], cases: list[OptimCase], expected: dict,
+def _check_resumes(rec: CheckRecorder, per_rank: list[RankRuns], cases: list[OptimCase], expected: dict,
                    documented: Documented) -> None:
     """The DP=2 checkpoint resumed at DP=2 (== the uninterrupted run) and at DP=3 (== refgrad)."""
-    taken = per_rank[0]["cases"].get(cases.index(CHECKPOINT_CASE))
+    taken = per_rank[0].cases.get(cases.index(CHECKPOINT_CASE))
     if taken is None:
         return  # its world crashed: recorded as the crash
-    if "unsupported" in taken:
+    if isinstance(taken, Refused):
         return  # the case itself is a SKIP
-    if "checkpoint_unsupported" in taken:
+    if isinstance(taken.checkpoint, Refused):
         rec.skip(f"{CHECKPOINT_CASE.label}: resuming its checkpoint at DP=2 and DP=3: "
-                 f"{taken['checkpoint_unsupported']}")
+                 f"{taken.checkpoint.reason}")
         return
-    uninterrupted, checkpoint = taken["snapshots"], taken.get("checkpoint")
+    uninterrupted, checkpoint = taken.snapshots, taken.checkpoint
     rec.expect(f"{CHECKPOINT_CASE.label}: a checkpoint after step {RESUME_AFTER}", checkpoint is not None)
     for rank in (2, 3):
-        for k, snap in enumerate(per_rank[rank].get("dp2_resumed", {}).get("snapshots", [None])):
+        dp2 = per_rank[rank].dp2_resumed
+        # a resume that did not run (or was refused) shows as one step no run reached
+        for k, snap in enumerate(dp2.snapshots if isinstance(dp2, CaseRun) else (None,)):
             step = RESUME_AFTER + k + 1
             label = f"{CHECKPOINT_CASE.label} resumed after step {RESUME_AFTER} (rank {rank}) step {step}"
             before = uninterrupted[step - 1]
             if not rec.expect(f"{label}: both runs reached it", snap is not None and before is not None):
                 continue
-            rec.compare(f"{label} params == uninterrupted", flat(before["params"]), flat(snap["params"]))
-            for key in before["state"]["params"][NAMES[0]]:
+            rec.compare(f"{label} params == uninterrupted", flat(before.params), flat(snap.params))
+            for key in before.state[NAMES[0]]:
                 rec.compare(f"{label} {key} == uninterrupted",
-                            flat({n: before["state"]["params"][n][key] for n in NAMES}),
-                            flat({n: snap["state"]["params"][n][key] for n in NAMES}))
-    resharded = [per_rank[r].get("dp3_resumed", {}) for r in range(3)]
-    if checkpoint is None or not all("loaded" in run for run in resharded):
+                            flat({n: before.state[n][key] for n in NAMES}),
+                            flat({n: snap.state[n][key] for n in NAMES}))
+    resharded = [per_rank[r].dp3_resumed for r in range(3)]
+    all_loaded = all(isinstance(run, CaseRun) and run.loaded is not None for run in resharded)
+    if checkpoint is None or not all_loaded:
         rec.expect(f"{CHECKPOINT_CASE.label}: its checkpoint loaded at DP=3 on every rank",
-                   checkpoint is not None and all("loaded" in run for run in resharded))
+                   checkpoint is not None and all_loaded)
         return
     whole = checkpoint.params
     for rank, run in enumerate(resharded):
-        loaded = run["loaded"]["state"]["params"]
+        loaded = run.loaded.state
         for key in whole[NAMES[0]]:
             rec.compare(f"optim DP=2 checkpoint loaded at DP=3 (rank {rank}) full {key}",
                         flat({n: whole[n][key] for n in NAMES}), flat({n: loaded[n][key] for n in NAMES}))
         rec.compare(f"optim DP=2 checkpoint loaded at DP=3 (rank {rank}) params == master cast",
-                    flat({n: whole[n]["master"].to(MIXED[n]) for n in NAMES}), flat(run["loaded"]["params"]))
+                    flat({n: whole[n]["master"].to(MIXED[n]) for n in NAMES}), flat(run.loaded.params))
     dp3_case, want3 = expected["dp3"]
     modelled3 = documented.model
     for k, step_expected in enumerate(want3):
         step = RESUME_AFTER + k + 1
         label = f"{dp3_case.label} resumed from DP=2 step {step}"
-        snaps = [r["snapshots"][k] for r in resharded]
+        snaps = [r.snapshots[k] for r in resharded]
         if not rec.expect(f"{label}: every rank reached it", all(snap is not None for snap in snaps)):
             continue
         order = documented.order(dp3_case)
@@ -161,14 +165,14 @@ def _plan_labels(plan: WorldPlan) -> list[str]:
 
 def _spawn_plans(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate,
                  cases: list[OptimCase], seed: int, shares_a_world: bool, mxfp8_runs: list
-                 ) -> list[dict]:
+                 ) -> list[RankRuns]:
     """Every world plan in a world of its own, in order (a later world resumes an earlier
     one's checkpoint), laid out as the 4-rank plan. A plan whose world crashed is recorded as
     the crash of the case its failing rank was in (named by the worker), and its cases have
     no results."""
     plans = world_plans(cases, shares_a_world, extras=bool(mxfp8_runs))
     launcher = launcher_for(candidate)
-    results: list[list[dict] | None] = []
+    results: list[list[RankRuns] | None] = []
     checkpoint = None
     for plan in plans:
         resumes = plan.dp2_resume_ranks or plan.dp3_resume_ranks
@@ -182,7 +186,7 @@ def _spawn_plans(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate,
             _record_crash(rec, candidate, cases, plan, outcome.crash)
             results.append(None)
             continue
-        checkpoint = checkpoint or outcome.results[0].get("checkpoint")
+        checkpoint = checkpoint or outcome.results[0].checkpoint
         results.append(outcome.results)
     return as_four_ranks(cases, plans, results)
 
@@ -221,28 +225,28 @@ def check_multi_rank(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate
         expected = references.result()[0]
     models: dict = {"cases": [None] * len(cases), "dp3": (None, None)}
     if behaviour.documented():  # refgrad's model of its documented optimizer, clipped with its norms
-        norms = {"cases": [_reported_norms([per_rank[r]["cases"][i] for r in case.ranks
-                                            if i in per_rank[r]["cases"]])
+        norms = {"cases": [_reported_norms([per_rank[r].cases[i] for r in case.ranks
+                                            if i in per_rank[r].cases])
                            for i, case in enumerate(cases)],
-                 "dp3": _reported_norms([per_rank[r]["dp3_resumed"] for r in range(3)
-                                         if "dp3_resumed" in per_rank[r]]),
+                 "dp3": _reported_norms([per_rank[r].dp3_resumed for r in range(3)
+                                         if per_rank[r].dp3_resumed is not None]),
                  "torch_clip": behaviour.torch_clip_coefficient is not None}
         models = spawn(_references_process, 1, cases, seed, norms, timeout_s=ctx.timeout_s,
                        launcher=launcher_for(candidate))[0]
     for index, case in enumerate(cases):
-        if any(index not in per_rank[r]["cases"] for r in case.ranks):
+        if any(index not in per_rank[r].cases for r in case.ranks):
             continue  # its world crashed: recorded as the crash
-        runs = [per_rank[r]["cases"][index] for r in case.ranks]
-        if "unsupported" in runs[0]:
-            rec.skip(f"{case.label}: {runs[0]['unsupported']}")
+        runs = [per_rank[r].cases[index] for r in case.ranks]
+        if isinstance(runs[0], Refused):
+            rec.skip(f"{case.label}: {runs[0].reason}")
             continue
         with rec.case(case.label, case_settings(case)):
             check_case(rec, case, runs, expected["cases"][index],
                        Documented(behaviour, models["cases"][index]))
     _check_resumes(rec, per_rank, cases, expected, Documented(behaviour, models["dp3"][1]))
-    extras_ran = all("mxfp8" in per_rank[r] for r in (0, 1))
+    extras_ran = all(per_rank[r].mxfp8 is not None for r in (0, 1))
     if mxfp8_runs and extras_ran:
-        check_mxfp8(rec, mxfp8_runs, [per_rank[0]["mxfp8"], per_rank[1]["mxfp8"]], ctx.timeout_s)
+        check_mxfp8(rec, mxfp8_runs, [per_rank[0].mxfp8, per_rank[1].mxfp8], ctx.timeout_s)
 
 
 def check_torch_adamw(ctx: CheckContext, rec: CheckRecorder) -> None:

@@ -36,6 +36,14 @@ from verify.candidates import Candidate, Unsupported
 from verify.candidates.interfaces import DistributedOptimizerStep, OptimizerCheckpoint
 from verify.checks.optim.cases import CHECKPOINT_CASE, OptimCase, coefficients
 from verify.checks.optim.mxfp8 import train_mxfp8
+from verify.checks.optim.records import (
+    CaseResult,
+    CaseRun,
+    RankRuns,
+    Refused,
+    Snapshot,
+    StepRecord,
+)
 
 WORLD = 4
 RESUME_AFTER = 2  # the checkpoint is taken after this many steps of CHECKPOINT_CASE
@@ -107,16 +115,16 @@ def _agree(opt, result, bookkeeping, dp: int) -> bool:
     return False
 
 
-def snapshot(model, opt) -> dict:
+def snapshot(model, opt) -> Snapshot:
     """Full params (after the gather) and the optimizer's full state by name."""
     opt.finish_param_sync()
-    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "state": {"params": opt.named_state()}}
+    return Snapshot(params={n: p.detach().clone() for n, p in model.named_parameters()},
+                    state=opt.named_state())
 
 
 def _train(case: OptimCase, group, local_rank: int, optimizer: DistributedOptimizerStep, seed: int,
            *, bookkeeping=None, start: int = 0, load: OptimizerCheckpoint | None = None,
-           keep_checkpoint_after: int | None = None) -> dict:
+           keep_checkpoint_after: int | None = None) -> CaseResult:
     """Train ``case`` as a training loop does: step k's forward reads the params step k-1
     published (their all-gathers in flight with ``overlap_param_gather``), and the snapshot of
     step k-1 is taken once that forward has run; a forward after the last step checks its
@@ -126,61 +134,60 @@ def _train(case: OptimCase, group, local_rank: int, optimizer: DistributedOptimi
         ddp = optimizer.data_parallel(model, case.data_parallel_settings(), group)
         opt = optimizer.build(ddp, case.optimizer_settings())
     except Unsupported as unsupported:  # the same on every rank of the case: a SKIP
-        return {"unsupported": unsupported.reason}
-    out: dict = {"results": []}
+        return Refused(unsupported.reason)
+    loaded = None
     if load is not None:
         opt.load_checkpoint(load)
-        out["loaded"] = snapshot(model, opt)
-    snaps: dict[int, dict] = {}
+        loaded = snapshot(model, opt)
+    snaps: dict[int, Snapshot] = {}
+    checkpoint: OptimizerCheckpoint | Refused | None = None
 
     def take(step: int) -> None:
+        nonlocal checkpoint
         snaps[step] = snapshot(model, opt)
         if keep_checkpoint_after is not None and step + 1 == keep_checkpoint_after:
             try:
-                out["checkpoint"] = opt.checkpoint()
+                checkpoint = opt.checkpoint()
             except Unsupported as unsupported:  # the resumes become a SKIP
-                out["checkpoint_unsupported"] = unsupported.reason
+                checkpoint = Refused(unsupported.reason)
 
     seen: list[bool] = []
+    steps: list[StepRecord] = []
     model.set_probe(_leaf_probe(opt, seen))
     # What the optimizer raises is not caught: it ends the world (its peers waiting in a
     # collective are stopped at once) and is reported as the case's crash.
     for step in range(start, case.steps):
-        record: dict = {"stepped": None, "reason": None, "loss_scale": None, "grad_norm": None,
-                        "agreed": True, "scaler": None, "read_in_flight": None, "launched": None}
-        out["results"].append(record)
         seen.clear()
         scale = opt.loss_scale if opt.loss_scale is not None else 1.0
         ddp.zero_grad_buffer()
         model(coefficients(local_rank, step, case.inf_at, seed, scale)).backward()
-        record["read_in_flight"] = any(seen)  # the forward pre-hooks waited, or not
+        read_in_flight = any(seen)  # the forward pre-hooks waited, or not
         ddp.finish_grad_sync()
         if step > start:
             take(step - 1)  # the forward has waited for the previous step's gathers
         result = opt.step()
-        record.update(stepped=result.stepped, reason=result.reason, loss_scale=result.loss_scale,
-                      grad_norm=result.grad_norm, launched=opt.param_gather_in_flight)
-        if bookkeeping is not None:
-            record["agreed"] = _agree(opt, result, bookkeeping, case.dp)
+        launched = opt.param_gather_in_flight
+        agreed = True if bookkeeping is None else _agree(opt, result, bookkeeping, case.dp)
         scaler = opt.loss_scaler_state()
-        if scaler is not None:
-            record["scaler"] = scaler.as_dict()
+        steps.append(StepRecord(outcome=result, agreed=agreed,
+                                scaler=None if scaler is None else scaler.as_dict(),
+                                read_in_flight=read_in_flight, launched=launched))
     seen.clear()
     # the next iteration's start: its forward awaits the last step's gathers too
     ddp.zero_grad_buffer()
     with torch.no_grad():
         model(coefficients(local_rank, 0, None, seed, 0.0))
-    out["final_read_in_flight"] = any(seen)
+    final_read_in_flight = any(seen)
     take(case.steps - 1)
     model.set_probe(None)
     opt.close()
-    out["snapshots"] = [snaps.get(step) for step in range(start, case.steps)]
-    return out
+    return CaseRun(steps=tuple(steps), snapshots=tuple(snaps.get(step) for step in range(start, case.steps)),
+                   final_read_in_flight=final_read_in_flight, loaded=loaded, checkpoint=checkpoint)
 
 
 def rank_worker(rank: int, world: int, plan: WorldPlan, candidate: Candidate, seed: int,
                 mxfp8_runs: list[tuple[str, bool, bool]],
-                checkpoint: OptimizerCheckpoint | None) -> dict:
+                checkpoint: OptimizerCheckpoint | None) -> RankRuns:
     """One rank of ``plan``: phase 1 (its cases), phase 2 (the resumes: the checkpoint is the
     one this world's checkpoint case took, or ``checkpoint`` given from another world), then,
     where ``plan.extras``, the MXFP8 runs ``(algorithm, sharing, grad_fp32)`` at DP=2 on
@@ -190,39 +197,50 @@ def rank_worker(rank: int, world: int, plan: WorldPlan, candidate: Candidate, se
     def book(case: OptimCase):
         return books.get(case.ranks) if case.overlap and case.dp > 1 else None
 
-    out: dict = {"cases": {}}
+    cases: dict[int, CaseResult] = {}
+    resumed: dict[str, CaseResult] = {}
+    mxfp8 = None
     with candidate.optimizer() as optimizer:
         for index, case in plan.cases:
             if rank in case.ranks:
                 keep = RESUME_AFTER if case.label == CHECKPOINT_CASE.label else None
                 with _naming(case.label):
-                    out["cases"][index] = _train(case, groups[case.ranks], case.ranks.index(rank),
-                                                 optimizer, seed, bookkeeping=book(case),
-                                                 keep_checkpoint_after=keep)
-        if plan.dp2_resume_ranks or plan.dp3_resume_ranks:
+                    cases[index] = _train(case, groups[case.ranks], case.ranks.index(rank),
+                                          optimizer, seed, bookkeeping=book(case),
+                                          keep_checkpoint_after=keep)
+        resuming = bool(plan.dp2_resume_ranks or plan.dp3_resume_ranks)
+        if resuming:
             holders = [(i, c.ranks[0]) for i, c in plan.cases if c.label == CHECKPOINT_CASE.label]
             if checkpoint is None and holders:  # this world's checkpoint case took it
                 index, holder = holders[0]
-                box = [out["cases"][index].get("checkpoint") if rank == holder else None]
+                box = [taken_checkpoint(cases[index]) if rank == holder else None]
                 dist.broadcast_object_list(box, src=holder)
                 checkpoint = box[0]
-            out["checkpoint"] = checkpoint
         for key, ranks in (("dp3_resumed", plan.dp3_resume_ranks), ("dp2_resumed", plan.dp2_resume_ranks)):
-            resumed = dataclasses.replace(CHECKPOINT_CASE, ranks=ranks) if ranks else None
-            if resumed is not None and rank in ranks and checkpoint is not None:
+            resumed_case = dataclasses.replace(CHECKPOINT_CASE, ranks=ranks) if ranks else None
+            if resumed_case is not None and rank in ranks and checkpoint is not None:
                 with _naming(resumed_label(ranks)):
-                    out[key] = _train(resumed, groups[ranks], ranks.index(rank), optimizer, seed,
-                                      bookkeeping=book(resumed), start=RESUME_AFTER,
-                                      load=checkpoint)
+                    resumed[key] = _train(resumed_case, groups[ranks], ranks.index(rank), optimizer,
+                                          seed, bookkeeping=book(resumed_case), start=RESUME_AFTER,
+                                          load=checkpoint)
         if plan.extras and rank in EXTRAS_ON:
             pair = groups[EXTRAS_ON]
             if mxfp8_runs:
-                mxfp8 = optimizer.mxfp8()
+                mxfp8_optimizer = optimizer.mxfp8()
                 with _naming(MXFP8_LABEL):
-                    out["mxfp8"] = [train_mxfp8(mxfp8, rank, kind, sharing, grad_fp32,
-                                                dp_group=pair, seed=seed)
-                                    for kind, sharing, grad_fp32 in mxfp8_runs]
-    return out
+                    mxfp8 = [train_mxfp8(mxfp8_optimizer, rank, kind, sharing, grad_fp32,
+                                         dp_group=pair, seed=seed)
+                             for kind, sharing, grad_fp32 in mxfp8_runs]
+    return RankRuns(cases=cases, checkpoint=checkpoint if resuming else None,
+                    dp2_resumed=resumed.get("dp2_resumed"), dp3_resumed=resumed.get("dp3_resumed"),
+                    mxfp8=mxfp8)
+
+
+def taken_checkpoint(result: CaseResult | None) -> OptimizerCheckpoint | None:
+    """The checkpoint a case's run took (None: it took none, was refused one, or did not run)."""
+    if isinstance(result, CaseRun) and isinstance(result.checkpoint, OptimizerCheckpoint):
+        return result.checkpoint
+    return None
 
 
 MXFP8_LABEL = "optim MXFP8 DP=2"
@@ -245,25 +263,25 @@ def _naming(label: str) -> Iterator[None]:
 
 
 def as_four_ranks(cases: list[OptimCase], plans: list[WorldPlan],
-                  results: list[list[dict] | None]) -> list[dict]:
+                  results: list[list[RankRuns] | None]) -> list[RankRuns]:
     """The per-rank results of every plan laid out as the 4-rank plan lays them out (the
     matrix ``cases`` say which ranks each case has there); a plan without results (its world
     crashed, or it did not run) adds nothing."""
     if len(plans) == 1 and plans[0].world == WORLD and results[0] is not None:
         return results[0]
-    per_rank: list[dict] = [{"cases": {}} for _ in range(WORLD)]
+    per_rank: list[dict] = [{"cases": {}} for _ in range(WORLD)]  # RankRuns' fields, filled in
     for plan, ranks in zip(plans, results):
         if ranks is None:
             continue
         for index, case in plan.cases:
             for local, result in enumerate(ranks[:case.dp]):
-                per_rank[cases[index].ranks[local]]["cases"][index] = result["cases"][index]
+                per_rank[cases[index].ranks[local]]["cases"][index] = result.cases[index]
         for key, on in (("dp2_resumed", DP2_RESUMED_ON), ("dp3_resumed", DP3_RESUMED_ON)):
             for local, result in enumerate(ranks):
-                if key in result:
-                    per_rank[on[local]][key] = result[key]
+                if getattr(result, key) is not None:
+                    per_rank[on[local]][key] = getattr(result, key)
         if plan.extras:
             for local in EXTRAS_ON:
-                if "mxfp8" in ranks[local]:
-                    per_rank[local]["mxfp8"] = ranks[local]["mxfp8"]
-    return per_rank
+                if ranks[local].mxfp8 is not None:
+                    per_rank[local]["mxfp8"] = ranks[local].mxfp8
+    return [RankRuns(**fields) for fields in per_rank]

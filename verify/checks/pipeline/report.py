@@ -8,6 +8,8 @@ from typing import Any
 import torch
 
 from gradvocab import Averaging, RankResult, summarize_step
+from refgrad.exact import correctly_rounded_sum, exact_sum
+from refgrad.formats import FLOAT32, decode_tensor, gamma
 from refgrad.layout import compute_layout as reference_layout
 from refgrad.pipeline import (
     StageModule,
@@ -15,6 +17,8 @@ from refgrad.pipeline import (
 )
 from verify.candidates.interfaces import DocumentedBehaviour, PipelineCase
 from verify.check import CheckRecorder
+from verify.metrics import compare
+from verify.studies.pipeline import PipelineCosts, simulate
 
 # ---------------------------------------------------------------- parent side
 
@@ -71,10 +75,6 @@ def large_dp_report(rec: CheckRecorder, case: PipelineCase, ranks: list[dict]) -
     that already differ in the last bits, so they are only checked for overlap
     on vs off.
     """
-    from refgrad.exact import correctly_rounded_sum, exact_sum
-    from refgrad.formats import FLOAT32, decode_tensor, gamma
-    from verify.metrics import compare
-
     ref = reference_training(case.spec, case.plans[:1], case.dp_size, lr=case.lr, reduction=Averaging.SUM)
     names = sorted(ref.grads[0])
     replicas = [concat([sums[n] for n in names]) for sums in ref.replica_sums[0]]
@@ -144,8 +144,6 @@ def timeline_rows(case: PipelineCase, ranks: list[dict], step: int = 2) -> list[
 
 
 def timing_report(rec: CheckRecorder, case: PipelineCase, ranks: list[dict]) -> None:
-    from verify.studies.pipeline import PipelineCosts, simulate
-
     rows = []
     reports = {}
     for overlap in (True, False):
@@ -233,8 +231,6 @@ def interleaved_enable_report(rec: CheckRecorder, tag: str, case: PipelineCase,
 def differing_steps(reference_grads: list[dict[str, torch.Tensor]], got: dict[str, Any]) -> str:
     """Which steps' reduced grads differ from refgrad, and in which params (for the report
     of a failed comparison: a step that raised, or one wrong param, shows here)."""
-    from verify.metrics import compare
-
     parts = []
     for step, reference in enumerate(reference_grads):
         names = sorted(n for n, value in reference.items()

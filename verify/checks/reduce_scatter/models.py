@@ -12,6 +12,8 @@ from refgrad.exact import exact_sum
 from refgrad.formats import tensor_bit_patterns
 from verify.check import CheckContext, CheckRecorder
 from verify.checks.reduce_scatter.cases import DTYPE_NAMES
+from verify.metrics import ulp_distance
+from verify.oracle import correctly_rounded_sum
 from verify.studies.reduce_scatter import models as study_models
 from verify.studies.reduce_scatter import reference as study_reference
 from verify.studies.reduce_scatter import sweep as study_sweep
@@ -19,8 +21,6 @@ from verify.studies.reduce_scatter import sweep as study_sweep
 
 def check_models(ctx: CheckContext, rec: CheckRecorder) -> None:
     """The sweep's vectorised models and fast exact reference vs refgrad / the oracle."""
-    from verify.oracle import correctly_rounded_sum
-
     for world_size in (3, 8):
         chunk = 4 if ctx.quick else 16
         g = ctx.generator(world_size)
@@ -143,8 +143,6 @@ def fp32_average(stacked: torch.Tensor) -> torch.Tensor:
 
 def check_average(ctx: CheckContext, rec: CheckRecorder) -> None:
     """The spec's AVG (fp32 sum / W, one rounding) vs production's 16-bit pre-scale, vs the exact mean."""
-    from verify.metrics import ulp_distance
-
     numel = 256 if ctx.quick else 2048
     rows = []
     for dtype_name in DTYPE_NAMES:

@@ -22,8 +22,9 @@ import torch
 import torch.distributed as dist
 
 from fastgrad.comm import all_gather_into, reduce_scatter_into
+from fastgrad.reduce_scatter import reduce_scatter_with_fp32_accumulation
 from refgrad.formats import tensor_bit_patterns
-from verify.metrics import bitwise_equal
+from verify.metrics import bitwise_equal, ulp_distance
 from verify.studies.reduce_scatter.models import (
     DISTRIBUTIONS,
     DTYPES,
@@ -55,8 +56,6 @@ def _model_outputs(stacked: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def _measure(result: torch.Tensor, exact64: torch.Tensor, rounded: torch.Tensor,
              models: dict[str, torch.Tensor]) -> dict[str, Any]:
-    from verify.metrics import ulp_distance
-
     norm = float(torch.linalg.vector_norm(exact64))
     ulps = ulp_distance(result, rounded).ulps
     row: dict[str, Any] = {
@@ -115,8 +114,6 @@ def main_dist(args: argparse.Namespace) -> int:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     numel = -(-args.numel // world_size) * world_size
     shard = numel // world_size
-    from fastgrad.reduce_scatter import reduce_scatter_with_fp32_accumulation
-
     rows: list[dict[str, Any]] = []
     fastgrad_ok = True
     for dtype_name in args.dtype:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import torch
 
+from gradvocab import Averaging
 from refgrad.formats import format_of
 from refgrad.reduce_torch import fsdp2_divide_factors
 
@@ -174,24 +175,25 @@ def compress_hook_reduce(stacked: torch.Tensor, chunk_numel: int, first_chunk: i
 
 
 def fsdp2_prescale(stacked: torch.Tensor, *, backend: str = "nccl", device: str = "cuda"
-                   ) -> tuple[torch.Tensor, float | None, str]:
+                   ) -> tuple[torch.Tensor, float | None, Averaging]:
     """FSDP2's input to the collective (reduce_dtype = the block's dtype), the post-divide
-    factor and the collective's op: pre-divided (fp16), or pre-multiplied by 1/N rounded to
-    the dtype (AVG on NCCL: ``ncclDevPreMulSum``)."""
+    factor and the collective's op (``Averaging.AVG`` or ``.SUM``): pre-divided (fp16), or
+    pre-multiplied by 1/N rounded to the dtype (AVG on NCCL: ``ncclDevPreMulSum``, then SUM)."""
     world = stacked.shape[0]
-    pre, post, op = fsdp2_divide_factors(stacked.dtype, world)
+    factors = fsdp2_divide_factors(stacked.dtype, world)
+    op, pre = factors.op, factors.predivide
     if pre is not None and pre != 1:
         stacked = divide_like_torch(stacked, pre, device=device)
-    if op == "avg" and backend == "nccl":
+    if op is Averaging.AVG and backend == "nccl":
         scalar = torch.tensor(1.0 / world, dtype=torch.float32).to(stacked.dtype).float()
-        stacked, op = (stacked.float() * scalar).to(stacked.dtype), "sum"
-    return stacked, post, op
+        stacked, op = (stacked.float() * scalar).to(stacked.dtype), Averaging.SUM
+    return stacked, factors.postdivide, op
 
 
-def fsdp2_finish(summed: torch.Tensor, world: int, post: float | None, op: str, *,
+def fsdp2_finish(summed: torch.Tensor, world: int, post: float | None, op: Averaging, *,
                  device: str = "cuda") -> torch.Tensor:
     """After the ring: gloo's AVG divides the sum by N (on the CPU); the fp16 post-divide."""
-    if op == "avg":
+    if op is Averaging.AVG:
         summed = divide_like_torch(summed, world, device="cpu")
     if post is not None and post != 1:
         summed = divide_like_torch(summed, post, device=device)

@@ -15,6 +15,7 @@ import math
 import torch
 
 from refgrad.formats import tensor_bit_patterns
+from verify.oracle import correctly_rounded_sum
 
 # fp16 values are multiples of 2^-24 below 2^16: float64 sums up to 2^13 of them exactly.
 EXACT_GROUP_ROWS = 2**13
@@ -120,8 +121,6 @@ def exact_references(stacked: torch.Tensor, group_sums: torch.Tensor | None = No
     each group's float64 sum and whether it is exact, as ``kernels.reduce_block``
     gives them) save summing the block again.
     """
-    from verify.oracle import correctly_rounded_sum
-
     if group_sums is None or group_exact is None:
         exact64, fast, group_sums = _exact_parts(stacked)
     else:

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from verify.metrics import ulp_distance
 from verify.studies.reduce_scatter.kernels import reduce_block
 from verify.studies.reduce_scatter.models import (
     DISTRIBUTIONS,
@@ -74,8 +75,6 @@ class _Accumulator:
 
     def add(self, result: torch.Tensor, exact64: torch.Tensor, rounded: torch.Tensor,
             fp32_acc: torch.Tensor | None = None) -> None:
-        from verify.metrics import ulp_distance
-
         self.sq_error += float(torch.sum((result.double() - exact64) ** 2))
         self.sq_exact += float(torch.sum(exact64**2))
         if fp32_acc is not None:
