@@ -7,6 +7,8 @@ from refgrad.pipeline import LinearStackSpec
 from verify.preflight.config import PreflightConfig
 from verify.preflight.twin.variants import twins_mxfp8
 
+MOE_NOT_TWINNED = ("mixture-of-experts layers (the experts, the router and the "
+                   "expert-data-parallel reduction are laid out on paper only)")
 # TP sums of two fp32 values are one rounding in any order: bitwise. Larger TP is scaled to 2.
 MAX_TWIN_TP = 2
 
@@ -131,5 +133,10 @@ def left_out(config: PreflightConfig, m: int) -> list[str]:
                    "`verify run --check mxfp8`")
         if config.reuse_grad_buf_for_mxfp8_param_ag:
             out.append("grad-buffer reuse for the MXFP8 param all-gather: see the hazards")
+    if config.moe is not None:
+        # The twin's blocks stand for each MoE layer's FFN as for a dense MLP of its shape:
+        # nothing of the expert path (routing, expert parallelism, the expert buffers and
+        # their reduction over expert DP) runs in it.
+        out.append(MOE_NOT_TWINNED)
     out.append("transformer blocks (attention, MLP, norms, embeddings) are Linear+tanh layers")
     return out
