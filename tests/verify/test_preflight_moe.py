@@ -208,3 +208,5 @@ def test_the_twin_lists_the_experts_as_not_twinned():
     plan = plan_twin(config, TwinOptions())
     assert ("mixture-of-experts layers (the experts, the router and the expert-data-parallel "
             "reduction are laid out on paper only)") in plan.not_twinned
+    (row,) = [r for r in plan.mapping if r[0] == "mixture of experts"]
+    assert row[2].startswith("none: each MoE layer's FFN trained as a dense block")

@@ -36,6 +36,22 @@ def context_parallel_rows(config: PreflightConfig, dp: int) -> tuple[tuple[str, 
              f"dp_cp group (x 1/{dp} then SUM)"),)
 
 
+def moe_rows(config: PreflightConfig) -> tuple[tuple[str, str, str], ...]:
+    """How the twin maps a mixture of experts (no rows without one): not at all."""
+    moe = config.moe
+    if moe is None:
+        return ()
+    count = sum(moe.moe_layers(config.num_layers))
+    where = (f"expert grads {config.expert_grad_averaging}" if config.expert_buffers
+             else "the experts' grads in the dense buffers (EP 1, ETP = TP)")
+    return (("mixture of experts",
+             f"{moe.num_experts} experts (top-{moe.moe_router_topk}) in {count} of "
+             f"{config.num_layers} layers, EP {moe.expert_model_parallel_size}, ETP "
+             f"{moe.expert_tensor_parallel_size}; {where}",
+             "none: each MoE layer's FFN trained as a dense block of the twin (not twinned; the "
+             "expert path is laid out on paper only)"),)
+
+
 def tp_layout(tp: int, sequence_parallel: bool, twin: bool = False) -> str:
     """How the model is split over TP: production's or the twin's."""
     if tp == 1:
