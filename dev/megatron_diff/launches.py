@@ -1,7 +1,8 @@
 """The launches both sides are asked about: random, Megatron-LM's example scripts, our docs.
 
 - ``random``: seeded draws over the flags preflight models (and some it does not; the
-  gradient averaging flags from a generator of their own, added with issue 28), with
+  gradient averaging flags and the mixture-of-experts flags each from a generator of their
+  own, added with issue 28), with
   mistakes made on purpose (a world size TP x PP x CP does not divide, a batch that does
   not split, a layer count that does not split, a flag spelled as preflight once spelled it,
   an unquoted multi-word value, ...);
@@ -205,7 +206,47 @@ def _random_launch(rng: random.Random, index: int, seed: int) -> dict:
         argv += ["--calculate-per-token-loss"]
     if averaging.random() < 0.12:
         argv += ["--ddp-average-in-collective"]
+    # Since MoE is modelled (issue 28), mixture-of-experts flags from a generator of their own
+    # too: the draws above stay those of earlier corpora.
+    argv += _moe_flags(random.Random(f"{seed}:{index}:moe"), world, tp, pp)
     return {"id": f"random-{index:03d}", "source": "random", "world_size": world, "argv": argv}
+
+
+def _moe_flags(rng: random.Random, world: int, tp: int, pp: int) -> list[str]:
+    """A quarter of the launches get experts: mostly an expert grid that divides the world
+    (EP from the divisors of world / (ETP x PP)), at times one that does not, and Megatron's
+    MoE rules met or broken (top-1 without pre-softmax, biases with ETP > 1, a layer pattern
+    of the wrong length, an expert FFN ETP does not divide, shared experts)."""
+    if rng.random() >= 0.25:
+        return []
+    etp = rng.choice([1, 1, tp, tp, 2]) if rng.random() < 0.4 else None
+    expert_tp = etp or tp
+    room = world // (expert_tp * pp) if world % (expert_tp * pp) == 0 else 0
+    divisors = [d for d in (1, 2, 3, 4, 8, 16) if room and room % d == 0]
+    ep = rng.choice(divisors) if divisors and rng.random() < 0.85 else rng.choice([2, 3, 4, 8])
+    experts = ep * rng.choice([1, 2, 4]) if rng.random() < 0.9 else rng.choice([3, 6, 8])
+    argv = ["--num-experts", str(experts), "--expert-model-parallel-size", str(ep)]
+    if etp is not None:
+        argv += ["--expert-tensor-parallel-size", str(etp)]
+    if rng.random() < 0.5:
+        argv += ["--moe-ffn-hidden-size", str(rng.choice([256, 512, 1024, 1536, 777]))]
+    topk = rng.choice([1, 2, 2, 4])
+    argv += ["--moe-router-topk", str(topk)]
+    if topk == 1 and rng.random() < 0.5:
+        argv += ["--moe-router-pre-softmax"]
+    if rng.random() < 0.25:
+        argv += ["--moe-layer-freq", rng.choice(["2", "([0]+[1]*3)", "[1,0]*2", "([1]*1)"])]
+    if rng.random() < 0.2:
+        argv += ["--moe-shared-expert-intermediate-size", str(rng.choice([512, 1024, 333]))]
+    if rng.random() < 0.4:
+        argv += ["--moe-grouped-gemm"]
+    if rng.random() < 0.4:
+        argv += ["--moe-token-dispatcher-type", rng.choice(["alltoall", "allgather"])]
+    if rng.random() < 0.3:
+        argv += ["--moe-aux-loss-coeff", "1e-2", "--moe-router-load-balancing-type", "aux_loss"]
+    if rng.random() < 0.6:
+        argv += ["--disable-bias-linear"]
+    return argv
 
 
 # --------------------------------------------------------------------------- examples
