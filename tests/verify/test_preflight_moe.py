@@ -147,6 +147,12 @@ def test_grouped_gemm_lays_every_fc1_before_every_fc2():
                      "decoder.layers.0.mlp.experts.linear_fc1.weight1",
                      "decoder.layers.0.mlp.experts.linear_fc2.weight0",
                      "decoder.layers.0.mlp.experts.linear_fc2.weight1"]
+    # backends.py LocalSpecProvider.grouped_mlp_modules: SequentialMLP whatever the flag says.
+    config = preflight_config([*SMALL, "--num-experts", "6", "--moe-grouped-gemm",
+                               "--transformer-impl", "local"])
+    names = [p.name for p in chunk_parameters(config, 0, 0) if p.expert][:2]
+    assert names == ["decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight",
+                     "decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight"]
 
 
 def _refusals(*argv: str) -> list[tuple[str, str]]:

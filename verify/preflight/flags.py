@@ -160,6 +160,7 @@ MODELLED = frozenset({
     "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_shared_expert_overlap",
     "moe_grouped_gemm", "moe_router_pre_softmax", "moe_router_score_function",
     "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_token_dispatcher_type",
+    "transformer_impl",
 })
 
 # The MoE flags that change nothing without experts (--num-experts absent or 0, which
@@ -171,6 +172,7 @@ MOE_ONLY = frozenset({
     "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_shared_expert_overlap",
     "moe_grouped_gemm", "moe_router_pre_softmax", "moe_router_score_function",
     "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_token_dispatcher_type",
+    "transformer_impl",  # with experts: the local spec never groups them
 })
 
 # Given in place of Megatron-LM's spelling, these were preflight's own inventions.

@@ -135,7 +135,7 @@ def moe_parameters(config: PreflightConfig, prefix: str) -> list[ParamSpec]:
     params = [ParamSpec(prefix + "router.weight", (moe.num_experts, h))]
     if bias:
         params.append(ParamSpec(prefix + "router.bias", (moe.num_experts,)))
-    if moe.moe_grouped_gemm:  # TEGroupedMLP: each GroupedLinear's weight{i}, then bias{i}
+    if moe.grouped_experts:  # TEGroupedMLP: each GroupedLinear's weight{i}, then bias{i}
         for name, shape, bias_shape in (("linear_fc1", (fc1_rows, h), (fc1_rows,)),
                                         ("linear_fc2", (h, fc2_cols), (h,))):
             base = f"{prefix}experts.{name}."

@@ -98,6 +98,7 @@ class MoEConfig:
     moe_router_load_balancing_type: str | tuple[str, ...] = "aux_loss"
     moe_aux_loss_coeff: float | tuple[float, ...] = 0.0
     moe_token_dispatcher_type: str = "allgather"
+    transformer_impl: str = "transformer_engine"
 
     def __post_init__(self) -> None:
         ints = ("num_experts", "moe_ffn_hidden_size", "expert_model_parallel_size",
@@ -122,6 +123,13 @@ class MoEConfig:
         if self.moe_token_dispatcher_type not in TOKEN_DISPATCHERS:
             raise ValueError(f"MoEConfig.moe_token_dispatcher_type must be one of "
                              f"{TOKEN_DISPATCHERS}, got {self.moe_token_dispatcher_type!r}")
+
+    @property
+    def grouped_experts(self) -> bool:
+        """Whether the experts are one grouped GEMM module (TEGroupedMLP): --moe-grouped-gemm,
+        except under ``--transformer-impl local``, whose spec builds SequentialMLP whatever it
+        says (models/backends.py LocalSpecProvider.grouped_mlp_modules)."""
+        return self.moe_grouped_gemm and self.transformer_impl != "local"
 
     @property
     def num_local_experts(self) -> int:

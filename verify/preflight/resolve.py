@@ -319,6 +319,7 @@ def _moe(v: dict, ffn: int, tp: int, found: _Found) -> MoEConfig | None:
         moe_router_load_balancing_type=_single(v.get("moe_router_load_balancing_type", "aux_loss")),
         moe_aux_loss_coeff=_single(v.get("moe_aux_loss_coeff", 0.0)),
         moe_token_dispatcher_type=v.get("moe_token_dispatcher_type", "allgather"),
+        transformer_impl=v.get("transformer_impl", "transformer_engine"),
     )
 
 
