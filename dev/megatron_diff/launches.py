@@ -11,6 +11,9 @@
   ``torchrun``/``python``/``srun`` replaced by a stub that records its arguments; the SC21
   paper's configurations are expanded from ``academic_paper_scripts/sc21/CONFIG.sh``'s
   template for every option its ``run_*.sh`` scripts list;
+- ``moe``: the ``mixtral`` example's launch at 32, 64, 96 and 128 GPUs, with edits that keep it
+  valid and move the expert grid, the expert buffers and their averaging
+  (:data:`MIXTRAL_EDITS`);
 - ``docs``: every ``$ verify preflight`` line of README.md and docs/*.md
   (``tests/verify/doc_launches.py``), preflight's own options taken out.
 
@@ -412,6 +415,38 @@ def sc21_launches(examples: Path) -> list[dict]:
     return out
 
 
+# ------------------------------------------------------------------------------- moe
+
+
+# Edits of Megatron-LM's mixtral launch that keep it valid and move what MoE modelling lays
+# out: the expert grid, the expert buffers' padding and bucketing, their averaging.
+MIXTRAL_EDITS = (
+    [], ["--ddp-average-in-collective"], ["--calculate-per-token-loss"],
+    ["--expert-model-parallel-size", "4"], ["--expert-model-parallel-size", "2"],
+    ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "2"],
+    ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
+     "--ddp-average-in-collective"],
+    ["--moe-layer-freq", "2"], ["--moe-layer-freq", "([0]+[1]*31)", "--moe-grouped-gemm"],
+    ["--moe-shared-expert-intermediate-size", "4096", "--moe-shared-expert-gate"],
+    ["--num-virtual-stages-per-pipeline-rank", "2"], ["--transformer-impl", "local"],
+    ["--moe-ffn-hidden-size", "1408", "--num-experts", "64", "--moe-router-topk", "6"],
+    ["--expert-model-parallel-size", "1", "--ddp-bucket-size", "1000000"],
+)
+
+
+def mixtral_variants(examples: list[dict]) -> list[dict]:
+    """The mixtral example's launch at 32 to 128 GPUs, each with each of MIXTRAL_EDITS."""
+    base = next((x for x in examples if "mixtral" in x["id"]), None)
+    if base is None:
+        return []
+    # (world, its batch): 32, 64, 128 GPUs keep the global batch 256 (DP 8, 16, 32); at 96
+    # (DP 24, expert DP 3 at EP 8: bucket ends padded to lcm(3, 128)) it is 240.
+    worlds = ((32, []), (64, []), (96, ["--global-batch-size", "240"]), (128, []))
+    return [{"id": f"moe-mixtral-{world}-{number:02d}", "source": "moe", "world_size": world,
+             "argv": base["argv"] + batch + edit, "env": base.get("env", {})}
+            for world, batch in worlds for number, edit in enumerate(MIXTRAL_EDITS)]
+
+
 # ------------------------------------------------------------------------------- docs
 
 
@@ -443,11 +478,14 @@ def main() -> None:
     target = Path(sys.argv[2]) if len(sys.argv) > 2 else Path("launches.jsonl")
     count = int(sys.argv[3]) if len(sys.argv) > 3 else 400
     seed = int(sys.argv[4]) if len(sys.argv) > 4 else 22
-    launches = random_launches(count, seed) + example_launches(examples) + doc_launches()
+    examples_found = example_launches(examples)
+    launches = (random_launches(count, seed) + examples_found + mixtral_variants(examples_found)
+                + doc_launches())
     with target.open("w", encoding="utf-8") as out:
         for launch in launches:
             out.write(json.dumps(launch) + "\n")
-    counts = {s: sum(1 for x in launches if x["source"] == s) for s in ("random", "example", "docs")}
+    counts = {s: sum(1 for x in launches if x["source"] == s)
+              for s in ("random", "example", "moe", "docs")}
     print(f"wrote {len(launches)} launches to {target}: {counts}")
 
 

@@ -58,7 +58,9 @@ def preflight_verdict(argv: list[str], world_size: int) -> dict:
                 rc = exc.code
         message = " ".join(err.getvalue().split())
         report = json.loads(path.read_text()) if path.exists() else None
-        if rc != 0 or report is None or report.get("refused"):
+        # A launch that reaches a known Megatron-Core finding fails (exit 1) with its figures
+        # all there: Megatron accepts it, and so does preflight's reading of it.
+        if report is None or report.get("refused"):
             # Reports since issue 28 list every refusal with its stage, in Megatron's order.
             # A launch is "not modelled" when preflight stops at such a flag first (a flag
             # Megatron's parse_args refuses comes before it, as in Megatron).

@@ -76,7 +76,8 @@ def report_tables(report: dict) -> Tables:
               f["twin"] or "not measured here", f["upstream"], f["reproduction"], f["avoid"]]
              for f in report["findings"]]))
     tables += twin_tables(report)  # the parity table right after the verdict
-    settings = [[k, str(v)] for k, v in config.items() if k != "notes"]
+    # The MoE settings have a table of their own (expert_tables).
+    settings = [[k, str(v)] for k, v in config.items() if k not in ("notes", "moe")]
     tables.append(("Configuration (Megatron-Core names, after Megatron's own defaults)",
                    ["setting", "value"], settings))
     tables.append((
