@@ -12,7 +12,10 @@ summary: how many launches agree, and every one that does not.
 Agreement: both refuse, preflight's first refusal at the stage of Megatron-LM's launch path
 where Megatron stops, or both accept with the same DP, CP, number of microbatches, VPP,
 layers on every (pipeline stage, model chunk), bucket size of every chunk and gradient
-averaging (DDP's pre-scale factor, the collective's op, per-token loss). A launch that
+averaging (DDP's pre-scale factor, the collective's op, per-token loss), and with experts
+the expert DP size, each chunk's expert buffer (elements; with the distributed optimizer
+Megatron-Core's own padded size and bucket count) and the expert gradient scaling factor.
+A launch that
 preflight refuses as "not modelled" (a flag it declines to lay out) is counted apart.
 """
 
@@ -28,11 +31,13 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-FIGURES = ("dp", "cp", "m", "vpp", "layers", "bucket_sizes", "grad_scaling")
+FIGURES = ("dp", "cp", "m", "vpp", "layers", "bucket_sizes", "grad_scaling", "expert_dp",
+           "expert_layout", "expert_scaling")
 # megatron_side's stages -> the stages of verify.preflight.flags.STAGES that name the same
 # part of Megatron-LM's launch path.
 STAGE_OF = {"argparse": {"parse_args"}, "validate_args": {"validate_args"},
             "microbatches": {"set_global_variables"},
+            "parallel state": {"initialize_model_parallel"},
             "TransformerConfig": {"ModelParallelConfig", "TransformerConfig"},
             "layer split": {"model build"}, "model build": {"model build"},
             "DDP config": {"DDP config"}, "DDP wrap": {"DDP wrap"},

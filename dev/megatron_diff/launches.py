@@ -1,7 +1,8 @@
 """The launches both sides are asked about: random, Megatron-LM's example scripts, our docs.
 
 - ``random``: seeded draws over the flags preflight models (and some it does not; the
-  gradient averaging flags from a generator of their own, added with issue 28), with
+  gradient averaging flags and the mixture-of-experts flags each from a generator of their
+  own, added with issue 28), with
   mistakes made on purpose (a world size TP x PP x CP does not divide, a batch that does
   not split, a layer count that does not split, a flag spelled as preflight once spelled it,
   an unquoted multi-word value, ...);
@@ -10,6 +11,9 @@
   ``torchrun``/``python``/``srun`` replaced by a stub that records its arguments; the SC21
   paper's configurations are expanded from ``academic_paper_scripts/sc21/CONFIG.sh``'s
   template for every option its ``run_*.sh`` scripts list;
+- ``moe``: the ``mixtral`` example's launch at 32, 64, 96 and 128 GPUs, with edits that keep it
+  valid and move the expert grid, the expert buffers and their averaging
+  (:data:`MIXTRAL_EDITS`);
 - ``docs``: every ``$ verify preflight`` line of README.md and docs/*.md
   (``tests/verify/doc_launches.py``), preflight's own options taken out.
 
@@ -205,7 +209,47 @@ def _random_launch(rng: random.Random, index: int, seed: int) -> dict:
         argv += ["--calculate-per-token-loss"]
     if averaging.random() < 0.12:
         argv += ["--ddp-average-in-collective"]
+    # Since MoE is modelled (issue 28), mixture-of-experts flags from a generator of their own
+    # too: the draws above stay those of earlier corpora.
+    argv += _moe_flags(random.Random(f"{seed}:{index}:moe"), world, tp, pp)
     return {"id": f"random-{index:03d}", "source": "random", "world_size": world, "argv": argv}
+
+
+def _moe_flags(rng: random.Random, world: int, tp: int, pp: int) -> list[str]:
+    """A quarter of the launches get experts: mostly an expert grid that divides the world
+    (EP from the divisors of world / (ETP x PP)), at times one that does not, and Megatron's
+    MoE rules met or broken (top-1 without pre-softmax, biases with ETP > 1, a layer pattern
+    of the wrong length, an expert FFN ETP does not divide, shared experts)."""
+    if rng.random() >= 0.25:
+        return []
+    etp = rng.choice([1, 1, tp, tp, 2]) if rng.random() < 0.4 else None
+    expert_tp = etp or tp
+    room = world // (expert_tp * pp) if world % (expert_tp * pp) == 0 else 0
+    divisors = [d for d in (1, 2, 3, 4, 8, 16) if room and room % d == 0]
+    ep = rng.choice(divisors) if divisors and rng.random() < 0.85 else rng.choice([2, 3, 4, 8])
+    experts = ep * rng.choice([1, 2, 4]) if rng.random() < 0.9 else rng.choice([3, 6, 8])
+    argv = ["--num-experts", str(experts), "--expert-model-parallel-size", str(ep)]
+    if etp is not None:
+        argv += ["--expert-tensor-parallel-size", str(etp)]
+    if rng.random() < 0.5:
+        argv += ["--moe-ffn-hidden-size", str(rng.choice([256, 512, 1024, 1536, 777]))]
+    topk = rng.choice([1, 2, 2, 4])
+    argv += ["--moe-router-topk", str(topk)]
+    if topk == 1 and rng.random() < 0.5:
+        argv += ["--moe-router-pre-softmax"]
+    if rng.random() < 0.25:
+        argv += ["--moe-layer-freq", rng.choice(["2", "([0]+[1]*3)", "[1,0]*2", "([1]*1)"])]
+    if rng.random() < 0.2:
+        argv += ["--moe-shared-expert-intermediate-size", str(rng.choice([512, 1024, 333]))]
+    if rng.random() < 0.4:
+        argv += ["--moe-grouped-gemm"]
+    if rng.random() < 0.4:
+        argv += ["--moe-token-dispatcher-type", rng.choice(["alltoall", "allgather"])]
+    if rng.random() < 0.3:
+        argv += ["--moe-aux-loss-coeff", "1e-2", "--moe-router-load-balancing-type", "aux_loss"]
+    if rng.random() < 0.6:
+        argv += ["--disable-bias-linear"]
+    return argv
 
 
 # --------------------------------------------------------------------------- examples
@@ -371,6 +415,38 @@ def sc21_launches(examples: Path) -> list[dict]:
     return out
 
 
+# ------------------------------------------------------------------------------- moe
+
+
+# Edits of Megatron-LM's mixtral launch that keep it valid and move what MoE modelling lays
+# out: the expert grid, the expert buffers' padding and bucketing, their averaging.
+MIXTRAL_EDITS = (
+    [], ["--ddp-average-in-collective"], ["--calculate-per-token-loss"],
+    ["--expert-model-parallel-size", "4"], ["--expert-model-parallel-size", "2"],
+    ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "2"],
+    ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
+     "--ddp-average-in-collective"],
+    ["--moe-layer-freq", "2"], ["--moe-layer-freq", "([0]+[1]*31)", "--moe-grouped-gemm"],
+    ["--moe-shared-expert-intermediate-size", "4096", "--moe-shared-expert-gate"],
+    ["--num-virtual-stages-per-pipeline-rank", "2"], ["--transformer-impl", "local"],
+    ["--moe-ffn-hidden-size", "1408", "--num-experts", "64", "--moe-router-topk", "6"],
+    ["--expert-model-parallel-size", "1", "--ddp-bucket-size", "1000000"],
+)
+
+
+def mixtral_variants(examples: list[dict]) -> list[dict]:
+    """The mixtral example's launch at 32 to 128 GPUs, each with each of MIXTRAL_EDITS."""
+    base = next((x for x in examples if "mixtral" in x["id"]), None)
+    if base is None:
+        return []
+    # (world, its batch): 32, 64, 128 GPUs keep the global batch 256 (DP 8, 16, 32); at 96
+    # (DP 24, expert DP 3 at EP 8: bucket ends padded to lcm(3, 128)) it is 240.
+    worlds = ((32, []), (64, []), (96, ["--global-batch-size", "240"]), (128, []))
+    return [{"id": f"moe-mixtral-{world}-{number:02d}", "source": "moe", "world_size": world,
+             "argv": base["argv"] + batch + edit, "env": base.get("env", {})}
+            for world, batch in worlds for number, edit in enumerate(MIXTRAL_EDITS)]
+
+
 # ------------------------------------------------------------------------------- docs
 
 
@@ -402,11 +478,14 @@ def main() -> None:
     target = Path(sys.argv[2]) if len(sys.argv) > 2 else Path("launches.jsonl")
     count = int(sys.argv[3]) if len(sys.argv) > 3 else 400
     seed = int(sys.argv[4]) if len(sys.argv) > 4 else 22
-    launches = random_launches(count, seed) + example_launches(examples) + doc_launches()
+    examples_found = example_launches(examples)
+    launches = (random_launches(count, seed) + examples_found + mixtral_variants(examples_found)
+                + doc_launches())
     with target.open("w", encoding="utf-8") as out:
         for launch in launches:
             out.write(json.dumps(launch) + "\n")
-    counts = {s: sum(1 for x in launches if x["source"] == s) for s in ("random", "example", "docs")}
+    counts = {s: sum(1 for x in launches if x["source"] == s)
+              for s in ("random", "example", "moe", "docs")}
     print(f"wrote {len(launches)} launches to {target}: {counts}")
 
 

@@ -29,10 +29,19 @@ Stages, in Megatron's order (the first that raises is the verdict):
    at the first step (that function needs CUDA and process groups before it reaches them, so
    their conditions are restated here, verbatim).
 
+With experts, after the microbatch calculator, ``parallel state``: the expert grid of
+``megatron/core/parallel_state.py initialize_model_parallel`` (world // (ETP x EP x PP),
+refused when it does not divide; restated verbatim, the function needs torch.distributed),
+and in ``model build`` the MoE layer pattern of ``gpt_layer_specs.py`` and the experts' and
+shared experts' ``divide()``s.
+
 The figures of an accepted launch: DP, CP, M, VPP, layers (and first layer index) per
 pipeline rank and virtual stage, each model chunk's DDP bucket size as
 ``megatron/training/training.py get_model`` sets it, and how the grads are averaged (the
-DDP's pre-scale factor, the collective's op, per-token loss).
+DDP's pre-scale factor, the collective's op, per-token loss); with experts, the expert DP
+size, each chunk's expert buffer (its elements and, with the distributed optimizer,
+Megatron-Core's own layout of it: ``DistributedOptimizer.compute_full_param_layout`` on
+meta tensors) and the expert gradient scaling factor.
 """
 
 from __future__ import annotations
@@ -95,6 +104,8 @@ def megatron_verdict(argv: list[str], world_size: int, env: dict | None = None) 
                 args.decrease_batch_size_if_needed, args.step_batch_size_schedule,
                 args.seq_length)
             m = calculator.get()
+            stage = "parallel state"
+            expert_dp = _expert_grid(args) if args.num_experts is not None else None
             stage = "TransformerConfig"
             config = argument_utils.core_transformer_config_from_args(args)
             stage = "layer split"
@@ -123,8 +134,13 @@ def megatron_verdict(argv: list[str], world_size: int, env: dict | None = None) 
             buckets = [[None if (chunk > 0 or args.overlap_param_gather_with_optimizer_step
                                  or pp_rank > 0) else bucket for chunk in range(chunks)]
                        for pp_rank in range(pp)]
+            expert_layout = (_expert_layouts(config, args, ddp_config, layers, offsets, buckets,
+                                             expert_dp)
+                             if expert_dp is not None else None)
             stage = "DDP wrap"
             scaling = _ddp_scaling(config, ddp_config, dp_cp)
+            expert_scaling = (_expert_scaling(config, ddp_config, dp_cp, expert_dp)
+                              if expert_layout else None)
             if vpp is not None and pp > 1:
                 stage = "interleaved schedule"
                 group = config.microbatch_group_size_per_vp_stage
@@ -140,13 +156,15 @@ def megatron_verdict(argv: list[str], world_size: int, env: dict | None = None) 
         return _refused(stage, exc, sink.getvalue())
     except Exception as exc:  # noqa: BLE001 - any raise is Megatron's refusal
         out = _refused(stage, exc)
-        if stage not in ("validate_args", "microbatches", "TransformerConfig", "layer split",
+        if stage not in ("validate_args", "microbatches", "parallel state", "TransformerConfig",
+                         "layer split",
                          "model build", "DDP config", "DDP wrap", "interleaved schedule"):
             out["traceback"] = traceback.format_exc()
         return out
     return {"accepted": True, "dp": args.data_parallel_size, "cp": args.context_parallel_size,
             "m": m, "vpp": vpp or 1, "layers": layers, "offsets": offsets,
-            "bucket_sizes": buckets, "grad_scaling": scaling}
+            "bucket_sizes": buckets, "grad_scaling": scaling, "expert_dp": expert_dp,
+            "expert_layout": expert_layout, "expert_scaling": expert_scaling}
 
 
 def _ddp_scaling(config, ddp_config, dp_cp: int) -> list:
@@ -165,6 +183,119 @@ def _ddp_scaling(config, ddp_config, dp_cp: int) -> list:
         factor = 1.0 / dp_cp
     op = "AVG" if ddp_config.average_in_collective else "SUM"
     return [factor, op, bool(config.calculate_per_token_loss)]
+
+
+def _expert_grid(args) -> int:
+    """megatron/core/parallel_state.py:871-883 initialize_model_parallel, verbatim on the args
+    (it needs torch.distributed): the expert grid's data-parallel size."""
+    world_size = args.world_size
+    expert_tensor_parallel_size = args.expert_tensor_parallel_size
+    if expert_tensor_parallel_size is None:
+        expert_tensor_parallel_size = args.tensor_model_parallel_size
+    expert_tensor_model_pipeline_parallel_size = (
+        expert_tensor_parallel_size * args.expert_model_parallel_size
+        * args.pipeline_model_parallel_size * getattr(args, "expert_gtp_weight_remat_size", 1))
+    expert_data_parallel_size = world_size // expert_tensor_model_pipeline_parallel_size
+    if world_size % expert_tensor_model_pipeline_parallel_size != 0:
+        raise RuntimeError(f"world_size ({world_size}) is not divisible by "
+                           "expert_tensor_model_pipeline_parallel size "
+                           f"({expert_tensor_model_pipeline_parallel_size})")
+    return expert_data_parallel_size
+
+
+def _moe_layer_pattern(config) -> list[int]:
+    """megatron/core/models/gpt/gpt_layer_specs.py:643-671 get_gpt_decoder_layer_specs,
+    verbatim (the function builds Transformer Engine specs around it)."""
+    if isinstance(config.moe_layer_freq, int):
+        moe_layer_pattern = [
+            1 if (i % config.moe_layer_freq == 0) else 0 for i in range(config.num_layers)]
+    elif isinstance(config.moe_layer_freq, list):
+        moe_layer_pattern = config.moe_layer_freq
+        assert len(moe_layer_pattern) == config.num_layers, (
+            f"Invalid length of moe_layer_pattern: {len(moe_layer_pattern)}, "
+            f"expected {config.num_layers}, current moe layer pattern: {config.moe_layer_freq}")
+    else:
+        raise ValueError(f"Invalid moe_layer_freq: {type(config.moe_layer_freq)}, "
+                         f"{config.moe_layer_freq}")
+    for layer_number in range(config.num_layers):
+        if moe_layer_pattern[layer_number] not in (0, 1):
+            raise ValueError(f"Invalid layer pattern: {moe_layer_pattern}")
+    return moe_layer_pattern
+
+
+def _expert_layouts(config, args, ddp_config, layers, offsets, buckets, expert_dp) -> list:
+    """Each (pipeline rank, virtual stage)'s expert buffer as Megatron-Core lays it out:
+    [param elements, buffer numel, buckets] (numel and buckets only with the distributed
+    optimizer, whose layout ``DistributedOptimizer.compute_full_param_layout`` computes, run
+    here on meta tensors: it groups the ``allreduce=False`` params into the expert buffer and
+    pads it over ``expert_data_parallel_world_size``), None where the chunk has no expert
+    params. The experts' params are restated from moe_layer.py / experts.py on Megatron's
+    TransformerConfig: per local expert (num_moe_experts // EP) fc1 [moe_ffn x (2 if gated) /
+    ETP, h] and fc2 [h, moe_ffn / ETP] (with biases under add_bias_linear), SequentialMLP's
+    order, or TEGroupedMLP's (every fc1, then every fc2) under --moe-grouped-gemm with the
+    transformer_engine impl; allreduce = not (EP > 1 or ETP != TP) (layers.py:961)."""
+    import torch
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    pattern = _moe_layer_pattern(config)
+    etp = config.expert_tensor_parallel_size
+    use_expert_pgs = (config.expert_model_parallel_size > 1
+                      or etp != config.tensor_model_parallel_size)
+    if not use_expert_pgs:
+        return []  # the experts' params are ordinary params in the dense buffers
+    local = config.num_moe_experts // config.expert_model_parallel_size
+    ffn = config.moe_ffn_hidden_size
+    fc1 = (ffn * (2 if config.gated_linear_unit else 1) // etp, config.hidden_size)
+    fc2 = (config.hidden_size, ffn // etp)
+    grouped = args.moe_grouped_gemm and args.transformer_impl == "transformer_engine"
+
+    def param(shape):
+        p = torch.nn.Parameter(torch.empty(shape, device="meta", dtype=config.params_dtype))
+        p.allreduce = False
+        return p
+
+    def expert_params():
+        bias = config.add_bias_linear
+        if grouped:
+            return ([param(fc1) for _ in range(local)] + [param(fc1[:1]) for _ in range(local) if bias]
+                    + [param(fc2) for _ in range(local)]
+                    + [param(fc2[:1]) for _ in range(local) if bias])
+        out = []
+        for _ in range(local):
+            out += [param(fc1)] + ([param(fc1[:1])] if bias else [])
+            out += [param(fc2)] + ([param(fc2[:1])] if bias else [])
+        return out
+
+    grid = []
+    for pp_rank, (counts, firsts) in enumerate(zip(layers, offsets)):
+        row = []
+        for chunk, (count, first) in enumerate(zip(counts, firsts)):
+            params = [p for i in range(first, first + count) if pattern[i] for p in expert_params()]
+            if not params:
+                row.append(None)
+                continue
+            elements = sum(p.numel() for p in params)
+            if not ddp_config.use_distributed_optimizer:
+                row.append([elements, None, None])
+                continue
+            full = DistributedOptimizer.compute_full_param_layout(
+                params, buckets[pp_rank][chunk], expert_dp, ddp_config,
+                expert_data_parallel_world_size=expert_dp)
+            ((key, layout),) = full.layouts.items()
+            assert key.is_expert_parallel
+            row.append([elements, layout.bucket_indices[-1][1], len(layout.bucket_indices)])
+        grid.append(row)
+    return grid
+
+
+def _expert_scaling(config, ddp_config, dp_cp: int, expert_dp: int) -> float:
+    """distributed_data_parallel.py:185-216's expert_gradient_scaling_factor (restated: the
+    wrap needs process groups and a GPU)."""
+    if config.calculate_per_token_loss:
+        return 1.0
+    if ddp_config.average_in_collective:
+        return expert_dp / dp_cp
+    return 1.0 / dp_cp
 
 
 def _divide_like_the_model(config, args, divide) -> None:
@@ -188,3 +319,16 @@ def _divide_like_the_model(config, args, divide) -> None:
     divide(ffn, tp)  # linear_fc2: RowParallelLinear input
     if args.padded_vocab_size is not None:
         divide(args.padded_vocab_size, tp)  # VocabParallelEmbedding and the output layer
+    if config.num_moe_experts is not None:
+        _moe_layer_pattern(config)  # gpt_layer_specs.py, before the layers are built
+        etp = config.expert_tensor_parallel_size
+        moe_ffn = config.moe_ffn_hidden_size
+        divide(moe_ffn * (2 if config.gated_linear_unit else 1), etp)  # experts' fc1 over ETP
+        divide(moe_ffn, etp)  # experts' fc2
+        shared = config.moe_shared_expert_intermediate_size
+        if shared is not None:
+            # shared_experts.py:124 SharedExpertMLP.__init__, then its MLP over TP.
+            assert config.add_bias_linear == False, (  # noqa: E712 - Megatron's own assert
+                "bias is not supported in the shared experts, ")
+            divide(shared * (2 if config.gated_linear_unit else 1), tp)
+            divide(shared, tp)

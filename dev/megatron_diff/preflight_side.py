@@ -8,6 +8,7 @@ gradverify can be measured, ``PYTHONPATH`` naming it)::
 Each launch runs ``verify preflight --no-twin --json OUT --world-size W -- FLAGS``;
 the figures come from the JSON report: DP, CP, M, VPP, the layers of every
 (pipeline stage, model chunk), each chunk's bucket size and how the grads are averaged;
+with experts, the expert DP size, each chunk's expert buffer and the expert scaling factor;
 of a refused launch, the stage of Megatron-LM's launch path its first refusal names.
 """
 
@@ -57,7 +58,9 @@ def preflight_verdict(argv: list[str], world_size: int) -> dict:
                 rc = exc.code
         message = " ".join(err.getvalue().split())
         report = json.loads(path.read_text()) if path.exists() else None
-        if rc != 0 or report is None or report.get("refused"):
+        # A launch that reaches a known Megatron-Core finding fails (exit 1) with its figures
+        # all there: Megatron accepts it, and so does preflight's reading of it.
+        if report is None or report.get("refused"):
             # Reports since issue 28 list every refusal with its stage, in Megatron's order.
             # A launch is "not modelled" when preflight stops at such a flag first (a flag
             # Megatron's parse_args refuses comes before it, as in Megatron).
@@ -76,7 +79,31 @@ def preflight_verdict(argv: list[str], world_size: int) -> dict:
             # Older reports: no per-token loss, no averaging in the collective (refused).
             "grad_scaling": [config.get("gradient_scaling_factor", 1.0 / dp_cp),
                              config.get("grad_reduce_op", "SUM"),
-                             bool(config.get("calculate_per_token_loss", False))]}
+                             bool(config.get("calculate_per_token_loss", False))],
+            **_experts(report)}
+
+
+def _experts(report: dict) -> dict:
+    """The expert DP size, each chunk's expert buffer ([param elements, buffer numel, buckets];
+    numel and buckets only with the distributed optimizer; None where a chunk has none; []
+    when the experts are in the dense buffers) and the expert gradient scaling factor; all
+    None without experts (and in reports before MoE was modelled)."""
+    config = report["config"]
+    moe = config.get("moe")
+    if moe is None:
+        return {"expert_dp": None, "expert_layout": None, "expert_scaling": None}
+    if not moe["expert_buffers"]:
+        return {"expert_dp": moe["expert_data_parallel_size"], "expert_layout": [],
+                "expert_scaling": None}
+    grid = [[None] * config["virtual_pipeline_model_parallel_size"]
+            for _ in range(config["pipeline_model_parallel_size"])]
+    distributed = config["use_distributed_optimizer"]
+    for row in report.get("expert_layout", []):
+        grid[row["stage"]][row["chunk"]] = [row["param_elements"],
+                                            row["buffer_numel"] if distributed else None,
+                                            row["num_buckets"] if distributed else None]
+    return {"expert_dp": moe["expert_data_parallel_size"], "expert_layout": grid,
+            "expert_scaling": moe["expert_gradient_scaling_factor"]}
 
 
 def _bucket_grid(report: dict) -> list[list[int | None]]:

@@ -110,13 +110,13 @@ def test_unreadable_and_not_modelled_flags_come_together_and_stop_before_the_rul
     # parse_args refuses the unknown flag and the bad value; preflight then names each flag it
     # does not model, in the launch's order; no configuration rule is checked (here the
     # vocabulary would be refused at model build).
-    exc = _refused("--num-experts", "4", "--use-distributed-optimiser", "--lr", "x",
+    exc = _refused("--mtp-num-layers", "1", "--use-distributed-optimiser", "--lr", "x",
                    "--hybrid-layer-pattern", "M*", "--padded-vocab-size", "127", error=FlagError)
     assert len(exc.messages) == 4
     assert exc.messages[0].startswith("--use-distributed-optimiser is not a flag of")
     assert exc.messages[1] == (f"argument --lr: invalid float value: 'x' (Megatron-LM's "
                                f"parse_args refuses it: {MEGATRON_LM})")
-    assert exc.messages[2].startswith("--num-experts 4: not modelled (mixture-of-experts")
+    assert exc.messages[2].startswith("--mtp-num-layers 1: not modelled (multi-token prediction")
     assert exc.messages[3].startswith("--hybrid-layer-pattern M*: not modelled")
     assert exc.not_checked == (RULES_NOT_CHECKED,)
 

@@ -50,6 +50,8 @@ from verify.preflight.paper import (
     BUCKET_RULES,
     WIRE_FORMULAS,
     chunk_layouts,
+    expert_chunk_layouts,
+    expert_wire_rows,
     memory_rows,
     reduction_error,
     wire_rows,
@@ -171,7 +173,8 @@ def build_report(config: PreflightConfig, parsed: ParsedFlags, costs: CostInputs
         "verdict": (f"PREFLIGHT PASSED: valid under the rules of {MEGATRON_LM}; "
                     f"{config.shape} ({config.data_parallel_source}), "
                     f"{config.num_microbatches} microbatches; {pp * vpp} gradient "
-                    f"buffer{'s' if pp * vpp != 1 else ''} laid out on paper"),
+                    f"buffer{'s' if pp * vpp != 1 else ''} laid out on paper"
+                    + _expert_verdict(config)),
         "config": config.to_dict(),
         "unknown_flags": list(parsed.unknown),
         "ignored_positionals": list(parsed.positional),
@@ -180,11 +183,35 @@ def build_report(config: PreflightConfig, parsed: ParsedFlags, costs: CostInputs
         "wire": wire,
         "wire_formulas": dict(WIRE_FORMULAS),
         "reduction_error": reduction_error(config),
+        **expert_figures(config),
         "pipeline": pipeline_timing(config, chunks, wire, costs),
         "twin": {"run": False, "note": TWIN_NOTE},
         "hazards": [],
         "env": fingerprint(),
     }
+
+
+def _expert_verdict(config: PreflightConfig) -> str:
+    """The verdict's words on the experts: their buffers are on paper only."""
+    if config.moe is None:
+        return ""
+    moe = config.moe
+    where = (f"{len(expert_chunk_layouts(config))} expert buffers over expert DP "
+             f"{config.expert_data_parallel_size}" if config.expert_buffers else
+             "the experts' params in the dense buffers (EP 1, ETP = TP)")
+    return (f" ({moe.num_experts} experts, EP {moe.expert_model_parallel_size}, ETP "
+            f"{moe.expert_tensor_parallel_size}: {where})")
+
+
+def expert_figures(config: PreflightConfig) -> dict:
+    """The expert buffers' paper figures (none without expert buffers): their layout per
+    (stage, chunk), bytes on the wire over expert DP, averaging and predicted error."""
+    experts = expert_chunk_layouts(config)
+    if not experts:
+        return {}
+    return {"expert_layout": memory_rows(config, experts),
+            "expert_wire": expert_wire_rows(config, experts),
+            "expert_reduction_error": reduction_error(config, expert=True)}
 
 
 def twin_options(args: argparse.Namespace) -> TwinOptions:

@@ -23,6 +23,13 @@ from dataclasses import dataclass, field
 
 from gradvocab import Averaging, ParallelDims, default_bucket_size
 from verify.preflight.flags import MEGATRON_LM, LaunchRefused, Refusal, flag_of
+from verify.preflight.moe import (
+    MoEConfig,
+    expert_data_parallel_size,
+    expert_grid_refusals,
+    model_build_refusals,
+    transformer_config_refusals,
+)
 from verify.preflight.pipeline_split import (
     PipelineSplit,
     SplitError,
@@ -125,6 +132,8 @@ class PreflightConfig:
     calculate_per_token_loss: bool = False
     # --ddp-average-in-collective: no pre-scale; the collective averages (ReduceOp.AVG).
     ddp_average_in_collective: bool = False
+    # Mixture of experts (--num-experts): None for a dense model.
+    moe: MoEConfig | None = None
     megatron: str = MEGATRON_LM  # whose rules resolved and checked this configuration
     spelling: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
     notes: tuple[str, ...] = ()
@@ -144,6 +153,9 @@ class PreflightConfig:
                             f"{type(self.dims).__name__}")
         if self.dims.built:
             raise ValueError("PreflightConfig.dims must be sizes only (a configuration on paper)")
+        if self.moe is not None and not isinstance(self.moe, MoEConfig):
+            raise TypeError(f"PreflightConfig.moe must be a MoEConfig or None, got "
+                            f"{type(self.moe).__name__}")
         found, not_checked = check_config(self)
         if self.refused or found:
             raise ConfigError([*self.refused, *found], not_checked=not_checked)
@@ -295,6 +307,52 @@ class PreflightConfig:
                     f"grad by 1/{n} rounded to {wire}, then sums)")
         return f"x 1/{n} in {wire} before the collective, then ReduceOp.SUM over DP x CP = {n}"
 
+    @property
+    def expert_data_parallel_size(self) -> int | None:
+        """The expert grid's DP: world / (ETP x EP x PP), world = TP x PP x CP x DP
+        (megatron/core/parallel_state.py:874-880; the expert grid has no CP). None without
+        experts."""
+        if self.moe is None:
+            return None
+        world = (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+                 * self.context_parallel_size * self.data_parallel_size)
+        return expert_data_parallel_size(world, self.moe, self.pipeline_model_parallel_size)
+
+    @property
+    def expert_buffers(self) -> bool:
+        """Whether DDP builds expert buffers (the experts' params ``allreduce=False``)."""
+        return self.moe is not None and self.moe.expert_params_in_own_buffer(
+            self.tensor_model_parallel_size)
+
+    @property
+    def expert_gradient_scaling_factor(self) -> float | None:
+        """What DDP multiplies the expert buffers' grads by before their collective over expert
+        DP (distributed_data_parallel.py:185-216): 1.0 under per-token loss; EDP / (DP x CP)
+        under --ddp-average-in-collective (then ReduceOp.AVG over EDP: 1/(DP x CP) in all);
+        else 1/(DP x CP), as the dense grads. None without expert buffers."""
+        if not self.expert_buffers:
+            return None
+        if self.averaging is Averaging.SUM:
+            return 1.0
+        if self.averaging is Averaging.AVG:
+            return self.expert_data_parallel_size / self.data_context_parallel_size
+        return 1.0 / self.data_context_parallel_size
+
+    @property
+    def expert_grad_averaging(self) -> str | None:
+        """How the expert grads' DP average is formed, in words (None without expert buffers)."""
+        if not self.expert_buffers:
+            return None
+        edp, n, wire = (self.expert_data_parallel_size, self.data_context_parallel_size,
+                        self.grad_dtype)
+        if self.averaging is Averaging.SUM:
+            return (f"per-token loss: expert grads summed unscaled over expert DP = {edp}, then "
+                    f"x 1/T after the reduction (finalize_model_grads.py)")
+        if self.averaging is Averaging.AVG:
+            return (f"x {edp}/{n} (expert DP / (DP x CP)) in {wire}, then ReduceOp.AVG over "
+                    f"expert DP = {edp}: 1/{n} in all")
+        return f"x 1/{n} in {wire} before the collective, then ReduceOp.SUM over expert DP = {edp}"
+
     def to_dict(self) -> dict:
         """JSON-ready settings, with the derived microbatch count and layers per stage and chunk."""
         sizes = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
@@ -302,7 +360,7 @@ class PreflightConfig:
                  "context_parallel_size", "sequence_parallel")
         out = {k: getattr(self, k) for k in sizes}
         out |= {k: getattr(self, k) for k in self.__dataclass_fields__
-                if k not in ("spelling", "dims", "refused", "undefined")}
+                if k not in ("spelling", "dims", "refused", "undefined", "moe")}
         out["notes"] = list(self.notes)
         out["num_microbatches"] = self.num_microbatches
         out["data_context_parallel_size"] = self.data_context_parallel_size
@@ -310,6 +368,13 @@ class PreflightConfig:
         out["grad_reduce_op"] = self.grad_reduce_op
         out["grad_averaging"] = self.grad_averaging
         out["layers_per_stage_and_chunk"] = [list(row) for row in self.layer_split.layers]
+        if self.moe is not None:
+            out["moe"] = self.moe.to_dict() | {
+                "moe_layers": [i for i, m in enumerate(self.moe.moe_layers(self.num_layers)) if m],
+                "expert_data_parallel_size": self.expert_data_parallel_size,
+                "expert_buffers": self.expert_buffers,
+                "expert_gradient_scaling_factor": self.expert_gradient_scaling_factor,
+                "expert_grad_averaging": self.expert_grad_averaging}
         return out
 
 
@@ -319,6 +384,7 @@ class PreflightConfig:
 Rule = Callable[[PreflightConfig], Iterator["Refusal | str"]]
 # What a refusal can leave undefined, named for the "not checked" notes.
 _UNDEFINED_NAMES = {"data_parallel_size": "DP (world size / (TP x PP x CP))",
+                    "expert_grid": "the expert grid (ETP, EP)",
                     "virtual_pipeline_model_parallel_size": "the virtual pipeline size"}
 
 
@@ -335,6 +401,8 @@ def check_config(c: PreflightConfig) -> tuple[list[Refusal], list[str]]:
     for rule, needs, what in RULES:
         if rule in _INTERLEAVED and _VPP not in undefined and c.virtual_pipeline_model_parallel_size == 1:
             continue  # no interleaving: nothing to check, nothing left unchecked
+        if rule in _MOE and c.moe is None:
+            continue  # no experts: likewise
         missing = [n for n in needs if n in undefined]
         if missing:
             names = ", ".join(_UNDEFINED_NAMES.get(m) or c._name(m) for m in missing)
@@ -601,6 +669,28 @@ def _ddp_wrap(c: PreflightConfig) -> Iterator[Refusal]:
                       "calculating per-token loss!')", "DDP wrap")
 
 
+def _expert_grid(c: PreflightConfig) -> Iterator[Refusal]:
+    """parallel_state.py:881: the world over ETP x EP x PP (:mod:`verify.preflight.moe`)."""
+    if c.moe is None:
+        return
+    world = (c.tensor_model_parallel_size * c.pipeline_model_parallel_size
+             * c.context_parallel_size * c.data_parallel_size)
+    yield from expert_grid_refusals(c.moe, world, c.pipeline_model_parallel_size, c._name)
+
+
+def _experts_config(c: PreflightConfig) -> Iterator[Refusal]:
+    """TransformerConfig.__post_init__'s MoE rules (:mod:`verify.preflight.moe`)."""
+    if c.moe is not None:
+        yield from transformer_config_refusals(c.moe, c.add_bias_linear, c._name)
+
+
+def _experts_build(c: PreflightConfig) -> Iterator[Refusal]:
+    """Building the MoE layers (:mod:`verify.preflight.moe`)."""
+    if c.moe is not None:
+        yield from model_build_refusals(c.moe, c.num_layers, c.tensor_model_parallel_size,
+                                        c.swiglu, c.add_bias_linear, c._name)
+
+
 def _optimizer(c: PreflightConfig) -> Iterator[Refusal]:
     """The grad scaler's asserts (megatron/core/optimizer/grad_scaler.py) and preflight's
     own: a finite --clip-grad >= 0, whole positive --loss-scale-window and --hysteresis."""
@@ -625,6 +715,7 @@ _BATCH = ("data_parallel_size", "micro_batch_size", "global_batch_size")
 _TP, _PP, _VPP = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                   "virtual_pipeline_model_parallel_size")
 _INTERLEAVED = (_interleaving, _interleaved_microbatches)
+_MOE = (_expert_grid, _experts_config, _experts_build)
 # (rule, the values it reads that a refusal can leave undefined, what it checks), in the
 # order preflight runs them; check_config sorts what they find into Megatron-LM's order.
 RULES: tuple[tuple[Rule, tuple[str, ...], str], ...] = (
@@ -637,6 +728,8 @@ RULES: tuple[tuple[Rule, tuple[str, ...], str], ...] = (
     (_heads_over_tp, ("num_attention_heads", _TP), "the heads over TP"),
     (_groups_and_tp, ("num_query_groups", "num_attention_heads", _TP), "the query groups and TP"),
     (_fp8_param, (), "FP8 params"),
+    (_expert_grid, ("data_parallel_size", "expert_grid", _TP, _PP), "the expert grid"),
+    (_experts_config, (), "the MoE settings"),
     (_deferral, (_PP,), "the embedding wgrad deferral"),
     (_buffers, (), "the DDP buffers"),
     (_layer_split, ("num_layers", _PP, _VPP), "the layer split"),
@@ -647,6 +740,8 @@ RULES: tuple[tuple[Rule, tuple[str, ...], str], ...] = (
      "the QKV projection over TP"),
     (_ffn_over_tp, ("ffn_hidden_size", _TP), "the FFN over TP"),
     (_vocab_over_tp, ("padded_vocab_size", _TP), "the vocabulary over TP"),
+    (_experts_build, ("num_layers", "moe_ffn_hidden_size", "moe_layer_freq", _TP),
+     "the MoE layers"),
     (_ddp_wrap, (), "the DDP wrap"),
     (_optimizer, (), "the optimizer"),
 )

@@ -32,11 +32,13 @@ MEGATRON_LM = "Megatron-LM core_r0.19.0 (megatron-core 0.19.2)"
 
 # Megatron-LM's launch path, in the order it checks a launch: parse_args, validate_args
 # (megatron/training/arguments.py), set_global_variables (the microbatch calculator, then
-# the tokenizer), ModelParallelConfig.__post_init__ (run first by TransformerConfig's), the
+# the tokenizer), initialize_model_parallel (megatron/core/parallel_state.py: the expert
+# grid, made by initialize_megatron before the model), ModelParallelConfig.__post_init__ (run first by TransformerConfig's), the
 # rest of TransformerConfig.__post_init__, then get_model (megatron/training/training.py):
 # the model's modules, the DDP config, the DDP wrap; the optimizer and its grad scaler; the
 # first training step.
-STAGES = ("parse_args", "validate_args", "set_global_variables", "ModelParallelConfig",
+STAGES = ("parse_args", "validate_args", "set_global_variables", "initialize_model_parallel",
+          "ModelParallelConfig",
           "TransformerConfig", "model build", "DDP config", "DDP wrap", "optimizer", "first step")
 
 
@@ -152,6 +154,25 @@ MODELLED = frozenset({
     "loss_scale_window", "hysteresis", "batch_size", "model_parallel_size",
     "checkpoint_activations", "tp_comm_overlap", "mrope_section",
     "calculate_per_token_loss", "ddp_average_in_collective",
+    # mixture of experts (verify/preflight/moe.py)
+    "num_experts", "expert_model_parallel_size", "expert_tensor_parallel_size",
+    "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq",
+    "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_shared_expert_overlap",
+    "moe_grouped_gemm", "moe_router_pre_softmax", "moe_router_score_function",
+    "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_token_dispatcher_type",
+    "transformer_impl",
+})
+
+# The MoE flags that change nothing without experts (--num-experts absent or 0, which
+# validate_args:1593 makes None): listed as ignored then. --expert-model-parallel-size,
+# --moe-ffn-hidden-size and --moe-layer-freq stay read: Megatron refuses the first two
+# without experts (validate_args:1601, TransformerConfig:1551), reading the third.
+MOE_ONLY = frozenset({
+    "num_experts", "expert_tensor_parallel_size", "moe_router_topk",
+    "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_shared_expert_overlap",
+    "moe_grouped_gemm", "moe_router_pre_softmax", "moe_router_score_function",
+    "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_token_dispatcher_type",
+    "transformer_impl",  # with experts: the local spec never groups them
 })
 
 # Given in place of Megatron-LM's spelling, these were preflight's own inventions.
@@ -187,10 +208,20 @@ def _weight_shards(value: object, values: Mapping[str, object]) -> bool:
     return value is not None and value != values.get("tensor_model_parallel_size", 1)
 
 
+def _expert_weight_shards(value: object, values: Mapping[str, object]) -> bool:
+    expert_tp = values.get("expert_tensor_parallel_size") or values.get("tensor_model_parallel_size", 1)
+    return value is not None and value != expert_tp
+
+
 # dest -> (why preflight does not lay it out, when a given value is not modelled)
 NOT_MODELLED: dict[str, tuple[str, Callable[[object, Mapping[str, object]], bool]]] = {
-    "num_experts": ("mixture-of-experts layers (expert parallel groups and buffers)", _positive),
-    "expert_model_parallel_size": ("expert parallelism", _above_one),
+    "moe_latent_size": ("MoE latent projections (their parameters)", _given),
+    "moe_single_grouped_weight": ("one grouped weight for all local experts", _given),
+    "moe_single_grouped_bias": ("one grouped bias for all local experts", _given),
+    "use_grouped_gemm_for_shared_expert": ("the shared experts as a grouped GEMM", _given),
+    "moe_use_upcycling": ("dense-to-MoE upcycling", _given),
+    "expert_tensor_parallel_num_weight_shards": ("expert GTP weight sharding (it changes expert "
+                                                 "DP)", _expert_weight_shards),
     "pipeline_model_parallel_layout": ("an explicit pipeline layout", _given),
     "hybrid_layer_pattern": ("a hybrid (Mamba) layer pattern", _given),
     "hybrid_override_pattern": ("a hybrid (Mamba) layer pattern", _given),
@@ -445,13 +476,14 @@ def parse_megatron_flags(tokens: list[str], own_options: frozenset[str] = frozen
     if unread or not_modelled:
         raise FlagError([*unread, *(message for _, message in not_modelled)],
                         not_checked=[RULES_NOT_CHECKED])
+    read = MODELLED if namespace.get("num_experts") else MODELLED - MOE_ONLY
     for name, text in texts:
         dest = MEGATRON_FLAGS[name].dest
-        if dest not in MODELLED and text not in parsed.unknown:
+        if dest not in read and text not in parsed.unknown:
             parsed.unknown.append(text)
             if dest in IGNORED_BY_MEGATRON:
                 parsed.notes.append(f"{name}: {IGNORED_BY_MEGATRON[dest]}")
-    parsed.values = {dest: value for dest, value in namespace.items() if dest in MODELLED}
+    parsed.values = {dest: value for dest, value in namespace.items() if dest in read}
     return parsed
 
 

@@ -26,6 +26,26 @@ layer spec (``megatron/core/models/gpt/gpt_layer_specs.py``
   copy on the last stage and the first stage's word embedding are flagged
   ``shared_embedding`` when PP > 1 (``LanguageModule.setup_embeddings_and_output_layer``).
 
+Mixture of experts (``--num-experts``; ``--moe-layer-freq`` decides which layers, see
+:meth:`verify.preflight.moe.MoEConfig.moe_layers`): the layer's ``mlp`` is a ``MoELayer``
+(``megatron/core/transformer/moe/moe_layer.py``), which registers
+
+- ``router.weight`` ``[experts, h]`` (``TopKRouter``, not sharded; ``router.bias``
+  ``[experts]`` with biases), then
+- ``experts``: the local spec's ``SequentialMLP`` (experts.py), per local expert
+  (``experts / EP`` of them) an ``MLP`` with ``is_expert=True`` split over ETP:
+  ``local_experts.{i}.linear_fc1`` ``[moe_ffn'/ETP, h]`` and ``linear_fc2``
+  ``[h, moe_ffn/ETP]`` (biases as the dense MLP's). Under ``--moe-grouped-gemm`` the
+  Transformer Engine spec's ``TEGroupedMLP`` registers the same sizes as
+  ``linear_fc1.weight0..N-1`` (then ``bias0..N-1``), then ``linear_fc2``'s: every fc1
+  before every fc2, which is laid out here when the flag is given;
+- ``shared_experts`` (``--moe-shared-expert-intermediate-size S``): a TP-split MLP of FFN
+  ``S`` without biases, then ``gate_weight`` ``[1, h]`` with ``--moe-shared-expert-gate``.
+
+The experts' params are ``allreduce=False`` (DDP's expert buffers, reduced over expert
+DP) where EP > 1 or ETP != TP (``ParamSpec.expert``); the router and the shared experts
+are ordinary params.
+
 The Transformer Engine spec fuses the layernorms into ``linear_qkv`` and
 ``linear_fc1``: the same sizes, in another order, which can move the
 64-element start padding of the distributed optimizer by a few elements.
@@ -45,6 +65,7 @@ class ParamSpec:
     name: str
     shape: tuple[int, ...]
     shared_embedding: bool = False
+    expert: bool = False  # allreduce=False: in DDP's expert buffer, reduced over expert DP
 
     @property
     def numel(self) -> int:
@@ -83,6 +104,12 @@ def layer_parameters(config: PreflightConfig, index: int) -> list[ParamSpec]:
             specs.append(ParamSpec(prefix + name + ".bias", (bias_features,)))
         return specs
 
+    moe = config.moe
+    if moe is not None and moe.moe_layers(config.num_layers)[index]:
+        mlp = moe_parameters(config, prefix + "mlp.")
+    else:
+        mlp = [*linear("mlp.linear_fc1", fc1_out // tp, h, fc1_out // tp),
+               *linear("mlp.linear_fc2", h, config.ffn_hidden_size // tp, h)]
     return [
         *norm("input_layernorm"),
         *linear("self_attention.linear_proj", h, q // tp, h),
@@ -90,9 +117,49 @@ def layer_parameters(config: PreflightConfig, index: int) -> list[ParamSpec]:
         *linear("self_attention.linear_qkv", (q + 2 * kv) // tp, h, (q + 2 * kv) // tp,
                 bias or config.add_qkv_bias),
         *norm("pre_mlp_layernorm"),
-        *linear("mlp.linear_fc1", fc1_out // tp, h, fc1_out // tp),
-        *linear("mlp.linear_fc2", h, config.ffn_hidden_size // tp, h),
+        *mlp,
     ]
+
+
+def moe_parameters(config: PreflightConfig, prefix: str) -> list[ParamSpec]:
+    """A MoE layer's ``mlp`` on one TP (and ETP) rank, in registration order (module doc)."""
+    moe = config.moe
+    if moe is None:
+        raise ValueError("moe_parameters needs a configuration with experts (config.moe)")
+    h, tp, bias = config.hidden_size, config.tensor_model_parallel_size, config.add_bias_linear
+    etp, n_local = moe.expert_tensor_parallel_size, moe.num_local_experts
+    expert = config.expert_buffers
+    glu = 2 if config.swiglu else 1
+    fc1_rows, fc2_cols = moe.moe_ffn_hidden_size * glu // etp, moe.moe_ffn_hidden_size // etp
+    # router.py:61-66: fp32 at creation, cast to the params dtype (:81); not sharded.
+    params = [ParamSpec(prefix + "router.weight", (moe.num_experts, h))]
+    if bias:
+        params.append(ParamSpec(prefix + "router.bias", (moe.num_experts,)))
+    if moe.grouped_experts:  # TEGroupedMLP: each GroupedLinear's weight{i}, then bias{i}
+        for name, shape, bias_shape in (("linear_fc1", (fc1_rows, h), (fc1_rows,)),
+                                        ("linear_fc2", (h, fc2_cols), (h,))):
+            base = f"{prefix}experts.{name}."
+            params += [ParamSpec(f"{base}weight{i}", shape, expert=expert) for i in range(n_local)]
+            if bias:
+                params += [ParamSpec(f"{base}bias{i}", bias_shape, expert=expert)
+                           for i in range(n_local)]
+    else:  # SequentialMLP: local_experts.{i}, an MLP each
+        for i in range(n_local):
+            base = f"{prefix}experts.local_experts.{i}."
+            params.append(ParamSpec(base + "linear_fc1.weight", (fc1_rows, h), expert=expert))
+            if bias:
+                params.append(ParamSpec(base + "linear_fc1.bias", (fc1_rows,), expert=expert))
+            params.append(ParamSpec(base + "linear_fc2.weight", (h, fc2_cols), expert=expert))
+            if bias:
+                params.append(ParamSpec(base + "linear_fc2.bias", (h,), expert=expert))
+    shared = moe.moe_shared_expert_intermediate_size
+    if shared is not None:  # shared_experts.py: no bias (asserted), split over TP
+        params.append(ParamSpec(prefix + "shared_experts.linear_fc1.weight",
+                                (shared * glu // tp, h)))
+        params.append(ParamSpec(prefix + "shared_experts.linear_fc2.weight", (h, shared // tp)))
+        if moe.moe_shared_expert_gate:
+            params.append(ParamSpec(prefix + "shared_experts.gate_weight", (1, h)))
+    return params
 
 
 def chunk_parameters(config: PreflightConfig, stage: int, chunk: int) -> list[ParamSpec]:

@@ -79,12 +79,13 @@ def bucket_size_for(config: PreflightConfig, stage: int, chunk: int) -> tuple[in
 
 
 def chunk_layouts(config: PreflightConfig) -> list[ChunkLayout]:
-    """Every (stage, chunk)'s buffer, one DDP buffer per model chunk as Megatron wraps them,
-    sharded and padded over the DP x CP group that reduces the gradients."""
+    """Every (stage, chunk)'s dense buffer, one DDP buffer per model chunk as Megatron wraps
+    them, sharded and padded over the DP x CP group that reduces the gradients (the experts'
+    ``allreduce=False`` params are :func:`expert_chunk_layouts`')."""
     out = []
     for stage in range(config.pipeline_model_parallel_size):
         for chunk in range(config.virtual_pipeline_model_parallel_size):
-            params = chunk_parameters(config, stage, chunk)
+            params = [p for p in chunk_parameters(config, stage, chunk) if not p.expert]
             size, rule = bucket_size_for(config, stage, chunk)
             shared = [i for i, p in enumerate(params) if p.shared_embedding]
             layout = compute_layout(
@@ -100,6 +101,31 @@ def chunk_layouts(config: PreflightConfig) -> list[ChunkLayout]:
                 # distributed optimizer a shared embedding gets a bucket of its own, whatever
                 # the size rule (so "one" bucket by the rule can read 2 in the layout).
                 rule += " + 1 for the shared embedding (own bucket, distributed optimizer)"
+            out.append(ChunkLayout(stage, chunk, tuple(params), size, rule, layout))
+    return out
+
+
+def expert_chunk_layouts(config: PreflightConfig) -> list[ChunkLayout]:
+    """Every (stage, chunk)'s expert buffer, where it has expert params: Megatron-Core's DDP
+    groups ``allreduce=False`` params into buffers of their own
+    (param_and_grad_buffer.py:882 group_params_for_buffers, ``is_expert_parallel``), reduced
+    over the expert-data-parallel group and padded with its size
+    (distributed_data_parallel.py:223-229 ``intra_expt_dp_group``; distrib_optimizer.py:619
+    compute_full_param_layout ``expert_data_parallel_world_size``), with the same bucket size
+    as the chunk's dense buffer (``self.bucket_size``)."""
+    if not config.expert_buffers:
+        return []
+    out = []
+    for stage in range(config.pipeline_model_parallel_size):
+        for chunk in range(config.virtual_pipeline_model_parallel_size):
+            params = [p for p in chunk_parameters(config, stage, chunk) if p.expert]
+            if not params:
+                continue
+            size, rule = bucket_size_for(config, stage, chunk)
+            layout = compute_layout(
+                [p.numel for p in params], dp_size=config.expert_data_parallel_size,
+                bucket_size=size, use_distributed_optimizer=config.use_distributed_optimizer,
+                pad_buckets_for_high_nccl_busbw=config.ddp_pad_buckets_for_high_nccl_busbw)
             out.append(ChunkLayout(stage, chunk, tuple(params), size, rule, layout))
     return out
 
@@ -187,6 +213,28 @@ def wire_rows(config: PreflightConfig, chunks: list[ChunkLayout]) -> list[dict]:
     return rows
 
 
+def expert_wire_rows(config: PreflightConfig, chunks: list[ChunkLayout]) -> list[dict]:
+    """Per pipeline stage (one rank of it): bytes the expert buffers' collectives send per
+    step, over the expert-data-parallel group (the formulas of :data:`WIRE_FORMULAS` with
+    N = expert DP)."""
+    n = config.expert_data_parallel_size
+    factor = 1 if config.use_distributed_optimizer else 2
+    grad_b = DTYPE_BYTES[config.grad_dtype]
+    rows = []
+    for stage in range(config.pipeline_model_parallel_size):
+        bucket_numels = [end - start for c in chunks if c.stage == stage
+                         for start, end in c.layout.bucket_indices]
+        rows.append({
+            "stage": stage, "expert_dp": n,
+            "grad_collective": "reduce-scatter" if factor == 1 else "all-reduce",
+            "grad_sync_bytes": sum(factor * _ring_fraction(n) * s * grad_b for s in bucket_numels),
+            "param_all_gather_bytes": (sum(_ring_fraction(n) * s * param_gather_bytes_per_element(config)
+                                           for s in bucket_numels)
+                                       if config.use_distributed_optimizer else 0.0),
+        })
+    return rows
+
+
 def _gamma_or_none(k: int, unit_roundoff: Fraction) -> float | None:
     """refgrad's Higham ``gamma(k)`` as a float; None (no bound) where it does not exist
     (``k u >= 1``)."""
@@ -196,10 +244,10 @@ def _gamma_or_none(k: int, unit_roundoff: Fraction) -> float | None:
         return None
 
 
-def reduction_error(config: PreflightConfig) -> dict:
-    """Predicted relative error of the DP gradient reduction (over DP x CP ranks), from the
-    accumulation study's models."""
-    n = config.data_context_parallel_size
+def reduction_error(config: PreflightConfig, expert: bool = False) -> dict:
+    """Predicted relative error of the DP gradient reduction (over DP x CP ranks; ``expert``:
+    the expert buffers' over expert DP), from the accumulation study's models."""
+    n = config.expert_data_parallel_size if expert else config.data_context_parallel_size
     wire = config.grad_dtype
     study_dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(wire)
     wire_format = format_of(study_dtype) if study_dtype else FLOAT32
@@ -221,6 +269,12 @@ def reduction_error(config: PreflightConfig) -> dict:
     # How the average is formed (config.grad_averaging): NCCL's ReduceOp.AVG multiplies by a
     # rounded 1/N, a bias on every element on top of the sum's rounding.
     bias = (n * nccl_average_factor(n, wire) - 1) if config.averaging is Averaging.AVG else 0.0
+    if expert and config.averaging is Averaging.AVG:
+        # distributed_data_parallel.py:205: x EDP/(DP x CP) (a Python float, applied in fp32
+        # opmath by the in-place multiply), then AVG over EDP: the product of the two rounded
+        # factors against 1/(DP x CP).
+        pre = torch.tensor(config.expert_gradient_scaling_factor, dtype=torch.float32).item()
+        bias = pre * nccl_average_factor(n, wire) * config.data_context_parallel_size - 1
     if bias:
         typical += abs(bias)
         worst = None if worst is None else worst + abs(bias)
@@ -237,8 +291,10 @@ def reduction_error(config: PreflightConfig) -> dict:
         basis = f"extrapolated: N = {n} is beyond the measured N = {low}..{high}"
     return {"method": method, "wire_dtype": wire, "dp": n, "unit_roundoff": u,
             "typical_relative_error": typical, "worst_case_bound": worst, "model": model,
-            "basis": basis, "averaging": config.grad_averaging,
-            "gradient_scaling_factor": config.gradient_scaling_factor,
+            "basis": basis,
+            "averaging": config.expert_grad_averaging if expert else config.grad_averaging,
+            "gradient_scaling_factor": (config.expert_gradient_scaling_factor if expert
+                                        else config.gradient_scaling_factor),
             "reduce_op": config.grad_reduce_op, "averaging_bias": bias}
 
 

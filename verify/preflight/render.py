@@ -76,7 +76,8 @@ def report_tables(report: dict) -> Tables:
               f["twin"] or "not measured here", f["upstream"], f["reproduction"], f["avoid"]]
              for f in report["findings"]]))
     tables += twin_tables(report)  # the parity table right after the verdict
-    settings = [[k, str(v)] for k, v in config.items() if k != "notes"]
+    # The MoE settings have a table of their own (expert_tables).
+    settings = [[k, str(v)] for k, v in config.items() if k not in ("notes", "moe")]
     tables.append(("Configuration (Megatron-Core names, after Megatron's own defaults)",
                    ["setting", "value"], settings))
     tables.append((
@@ -109,6 +110,7 @@ def report_tables(report: dict) -> Tables:
                    [[err["method"], str(err["dp"]), _sci(err["unit_roundoff"]),
                      _sci(err["typical_relative_error"]), _sci(err["worst_case_bound"]),
                      err["model"], err["basis"]]]))
+    tables += expert_tables(report)
     pipe = report["pipeline"]
     costs = pipe["costs_ms"]
     tables.append(("Pipeline step (verify simulate-pipeline's simulator; costs per microbatch "
@@ -127,6 +129,42 @@ def report_tables(report: dict) -> Tables:
                        ["hazard", "status", "why", "twin"],
                        [[h["name"], h["status"].upper(), h["reason"], h["twin"] or "-"]
                         for h in report["hazards"]]))
+    return tables
+
+
+def expert_tables(report: dict) -> Tables:
+    """The mixture of experts: its settings, then (with expert buffers) their layout, bytes on
+    the wire and averaging over expert DP (none for a dense model)."""
+    moe = report["config"].get("moe")
+    if moe is None:
+        return []
+    tables: Tables = [("Mixture of experts (on paper only: the twin trains dense MLPs in their "
+                       "place)", ["setting", "value"], [[k, str(v)] for k, v in moe.items()])]
+    if "expert_layout" not in report:
+        return tables
+    tables.append((
+        f"Expert buffer per stage and model chunk (one ETP x EP rank; over expert DP "
+        f"{moe['expert_data_parallel_size']}; refgrad.layout.compute_layout)",
+        ["stage", "chunk", "params", "elements", "buffer numel", "padding", "buckets",
+         "bucket rule", "grad buffer", "param buffer"],
+        collapse_stages([[str(r["stage"]), str(r["chunk"]), str(r["num_params"]),
+                          f"{r['param_elements']:,}", f"{r['buffer_numel']:,}",
+                          f"{r['padding_elements']:,} ({100 * r['padding_fraction']:.4f}%)",
+                          str(r["num_buckets"]), r["bucket_rule"],
+                          format_bytes(r["grad_buffer_bytes"]), format_bytes(r["param_buffer_bytes"])]
+                         for r in report["expert_layout"]])))
+    tables.append(("Bytes sent per step over expert DP by one rank of each stage",
+                   ["stage", "expert DP", "grad sync", "param all-gather"],
+                   collapse_stages([[str(r["stage"]), str(r["expert_dp"]),
+                                     f"{format_bytes(r['grad_sync_bytes'])} ({r['grad_collective']})",
+                                     format_bytes(r["param_all_gather_bytes"])]
+                                    for r in report["expert_wire"]])))
+    err = report["expert_reduction_error"]
+    tables.append(("Expert grads: averaging and predicted relative error of their reduction",
+                   ["averaging", "scaling factor", "op", "N", "typical", "worst-case bound", "model"],
+                   [[err["averaging"], f"{err['gradient_scaling_factor']:.6g}", err["reduce_op"],
+                     str(err["dp"]), _sci(err["typical_relative_error"]),
+                     _sci(err["worst_case_bound"]), err["model"]]]))
     return tables
 
 

@@ -24,6 +24,7 @@ from verify.preflight.config import (
     flag_name,
 )
 from verify.preflight.flags import ParsedFlags, Refusal
+from verify.preflight.moe import LayerFreqError, MoEConfig, parse_layer_freq
 from verify.preflight.pipeline_split import SplitError, virtual_pipeline_size
 
 # validate_args: 'no longer valid' flags, what replaced them, and the line that refuses them.
@@ -256,6 +257,72 @@ def _pipeline(v: dict, num_layers: int, pp: int, found: _Found) -> int:
         return _PLACEHOLDER
 
 
+def _single(value: object) -> object:
+    """validate_args:1606-1609: a one-element list of --moe-router-load-balancing-type or
+    --moe-aux-loss-coeff is its element; a longer one stays a list (a tuple here)."""
+    if isinstance(value, list):
+        return value[0] if len(value) == 1 else tuple(value)
+    return value
+
+
+def _moe(v: dict, ffn: int, tp: int, found: _Found) -> MoEConfig | None:
+    """The MoE settings (validate_args:569 and :1593-1609), None without experts; the rules
+    validate_args checks on them are refused here, the rest by check_config."""
+    n = found.name
+    experts = v.get("num_experts")
+    if experts == 0:  # validate_args:1593
+        experts = None
+    ep = v.get("expert_model_parallel_size", 1)
+    etp = v.get("expert_tensor_parallel_size") or tp  # validate_args:569 (None: TP)
+    for dest, value in (("expert_model_parallel_size", ep), ("expert_tensor_parallel_size", etp)):
+        if value < 1:
+            found.refuse(f"{n(dest)} must be a positive integer, got {value}", 0, "expert_grid")
+    if ep > 1 and experts is None:
+        found.refuse(f"{n('expert_model_parallel_size')} {ep} needs {n('num_experts')} "
+                     "(validate_args: 'num_experts must be non None to use expert model "
+                     "parallelism')", 1601)
+    elif ep > 1 and experts % ep:
+        found.refuse(f"{n('num_experts')} ({experts}) must be a multiple of "
+                     f"{n('expert_model_parallel_size')} ({ep}) (validate_args: 'Number of "
+                     "experts should be a multiple of expert model parallel_size.')", 1602)
+    try:
+        freq = parse_layer_freq(v.get("moe_layer_freq", 1))
+    except LayerFreqError as exc:
+        found.refuse(f"argument {n('moe_layer_freq')}: {exc} (Megatron-LM's moe_freq_type)",
+                     0, "moe_layer_freq", stage="parse_args")
+        freq = 1
+    if experts is None:
+        dense = (isinstance(freq, tuple) and 0 in freq) or (isinstance(freq, int) and freq > 1)
+        if v.get("moe_ffn_hidden_size") is not None and not dense:
+            # TransformerConfig:1538-1554 (with a dense layer in the pattern it is ignored).
+            found.refuse(f"{n('moe_ffn_hidden_size')} is given without {n('num_experts')} "
+                         "(TransformerConfig.__post_init__: 'Please set num_moe_experts or "
+                         "remove moe_ffn_hidden_size.')", 1551, stage="TransformerConfig")
+        return None
+    moe_ffn = v.get("moe_ffn_hidden_size")
+    if moe_ffn is None:  # validate_args:1595 (after the FFN's own default)
+        if "ffn_hidden_size" in found.undefined:
+            found.undefined.add("moe_ffn_hidden_size")
+        moe_ffn = ffn
+    if "expert_grid" in found.undefined:
+        ep = etp = 1
+    return MoEConfig(
+        num_experts=experts, moe_ffn_hidden_size=moe_ffn,
+        expert_model_parallel_size=max(ep, 1), expert_tensor_parallel_size=max(etp, 1),
+        moe_router_topk=v.get("moe_router_topk", 2), moe_layer_freq=freq,
+        moe_shared_expert_intermediate_size=v.get("moe_shared_expert_intermediate_size"),
+        moe_shared_expert_gate=bool(v.get("moe_shared_expert_gate")),
+        moe_shared_expert_overlap=bool(v.get("moe_shared_expert_overlap")),
+        moe_grouped_gemm=bool(v.get("moe_grouped_gemm")),
+        moe_router_pre_softmax=bool(v.get("moe_router_pre_softmax")),
+        moe_router_score_function=v.get("moe_router_score_function", "softmax"),
+        moe_router_load_balancing_type=_single(v.get("moe_router_load_balancing_type", "aux_loss")),
+        moe_aux_loss_coeff=_single(v.get("moe_aux_loss_coeff", 0.0)),
+        moe_token_dispatcher_type=v.get("moe_token_dispatcher_type", "allgather"),
+        transformer_impl=v.get("transformer_impl", "transformer_engine"),
+    )
+
+
 def resolve(parsed: ParsedFlags, environ: Mapping[str, str],
             world_size: int | None = None) -> PreflightConfig:
     """Apply Megatron's defaults and adjustments to the parsed flags and validate the result;
@@ -336,6 +403,7 @@ def resolve(parsed: ParsedFlags, environ: Mapping[str, str],
     else:
         kv_channels = hidden // heads
     loss_scale_window = _whole(v, found, "loss_scale_window", DEFAULT_LOSS_SCALE_WINDOW)
+    moe = _moe(v, ffn, tp, found)
     try:
         dims = parallel_dims(tp, pp, vpp, dp, cp, sequence_parallel, spelling)
     except ConfigError as exc:  # VPP > 1 at PP 1 (validate_args:967), a size below 1
@@ -380,7 +448,7 @@ def resolve(parsed: ParsedFlags, environ: Mapping[str, str],
         decrease_batch_size_if_needed=bool(v.get("decrease_batch_size_if_needed")),
         calculate_per_token_loss=bool(v.get("calculate_per_token_loss")),
         ddp_average_in_collective=bool(v.get("ddp_average_in_collective")),
-        spelling=spelling, notes=tuple(notes),
+        moe=moe, spelling=spelling, notes=tuple(notes),
         clip_grad=v.get("clip_grad", DEFAULT_CLIP_GRAD), loss_scale=v.get("loss_scale"),
         initial_loss_scale=v.get("initial_loss_scale", DEFAULT_INITIAL_LOSS_SCALE),
         min_loss_scale=v.get("min_loss_scale", DEFAULT_MIN_LOSS_SCALE),

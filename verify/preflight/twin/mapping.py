@@ -7,6 +7,8 @@ from refgrad.pipeline import LinearStackSpec
 from verify.preflight.config import PreflightConfig
 from verify.preflight.twin.variants import twins_mxfp8
 
+MOE_NOT_TWINNED = ("mixture-of-experts layers (the experts, the router and the "
+                   "expert-data-parallel reduction are laid out on paper only)")
 # TP sums of two fp32 values are one rounding in any order: bitwise. Larger TP is scaled to 2.
 MAX_TWIN_TP = 2
 
@@ -32,6 +34,22 @@ def context_parallel_rows(config: PreflightConfig, dp: int) -> tuple[tuple[str, 
              f"summed over DP x CP = {group} ranks (the dp_cp group)",
              f"no sequence split: {dp} DP replicas, each with its own rows, stand for the "
              f"dp_cp group (x 1/{dp} then SUM)"),)
+
+
+def moe_rows(config: PreflightConfig) -> tuple[tuple[str, str, str], ...]:
+    """How the twin maps a mixture of experts (no rows without one): not at all."""
+    moe = config.moe
+    if moe is None:
+        return ()
+    count = sum(moe.moe_layers(config.num_layers))
+    where = (f"expert grads {config.expert_grad_averaging}" if config.expert_buffers
+             else "the experts' grads in the dense buffers (EP 1, ETP = TP)")
+    return (("mixture of experts",
+             f"{moe.num_experts} experts (top-{moe.moe_router_topk}) in {count} of "
+             f"{config.num_layers} layers, EP {moe.expert_model_parallel_size}, ETP "
+             f"{moe.expert_tensor_parallel_size}; {where}",
+             "none: each MoE layer's FFN trained as a dense block of the twin (not twinned; the "
+             "expert path is laid out on paper only)"),)
 
 
 def tp_layout(tp: int, sequence_parallel: bool, twin: bool = False) -> str:
@@ -131,5 +149,10 @@ def left_out(config: PreflightConfig, m: int) -> list[str]:
                    "`verify run --check mxfp8`")
         if config.reuse_grad_buf_for_mxfp8_param_ag:
             out.append("grad-buffer reuse for the MXFP8 param all-gather: see the hazards")
+    if config.moe is not None:
+        # The twin's blocks stand for each MoE layer's FFN as for a dense MLP of its shape:
+        # nothing of the expert path (routing, expert parallelism, the expert buffers and
+        # their reduction over expert DP) runs in it.
+        out.append(MOE_NOT_TWINNED)
     out.append("transformer blocks (attention, MLP, norms, embeddings) are Linear+tanh layers")
     return out

@@ -39,6 +39,7 @@ from verify.preflight.twin.mapping import (
     context_parallel_rows,
     layers_row,
     left_out,
+    moe_rows,
     output_wgrad,
     production_tie,
     tied_layout,
@@ -247,6 +248,7 @@ def plan_twin(config: PreflightConfig, options: TwinOptions, support: ModelSuppo
         ("tensor parallelism", tp_layout(tp, config.sequence_parallel),
          tp_layout(twin_tp, sequence_parallel, twin=True)),
         layers_row(config, spec, layers),
+        *moe_rows(config),
         ("hidden size", str(config.hidden_size), str(h)),
         ("grad reduction", f"x 1/DP then SUM ({'reduce-scatter' if config.use_distributed_optimizer else 'all-reduce'})",
          f"x 1/DP then SUM ({'reduce-scatter' if config.use_distributed_optimizer else 'all-reduce'}"
