@@ -5,7 +5,8 @@ exports ``fully_shard`` and its policies, not its internals)::
 
     from fastgrad import DDPConfig, DistributedDataParallel, AdamWConfig, DistributedOptimizer
 
-* wrapping: :class:`DistributedDataParallel` configured by :class:`DDPConfig`;
+* wrapping: :class:`DistributedDataParallel` configured by :class:`DDPConfig` (gradvocab's,
+  the one DDP settings type every package shares);
 * stepping: :class:`DistributedOptimizer` (sharded fp32 masters) or
   :class:`ReplicatedOptimizer` (all-reduced grads), both ``torch.optim.Optimizer``
   subclasses, with :class:`AdamWConfig` / :class:`SGDConfig`,
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 # gradvocab). They are imported on first use (PEP 562), so importing one building block
 # (``fastgrad.timeline``, ``fastgrad.reduce_scatter``) does not load the DDP, optimizer and kernels.
 _PUBLIC = {
-    "DDPConfig": "fastgrad.config",
+    "DDPConfig": "gradvocab",
     "DistributedDataParallel": "fastgrad.ddp",
     "LifecycleError": "gradvocab",
     "AdamWConfig": "fastgrad.optim",
@@ -49,7 +50,6 @@ _PUBLIC = {
 }
 
 if TYPE_CHECKING:  # the same names, for type checkers and IDEs
-    from fastgrad.config import DDPConfig
     from fastgrad.ddp import DistributedDataParallel
     from fastgrad.optim import (
         AdamWConfig,
@@ -62,7 +62,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
     )
     from fastgrad.pipeline import finalize_grads, forward_backward_1f1b
     from fastgrad.pipeline_interleaved import forward_backward_interleaved
-    from gradvocab import LifecycleError, ParallelDims, StepOutcome
+    from gradvocab import DDPConfig, LifecycleError, ParallelDims, StepOutcome
 
 
 def __getattr__(name: str) -> Any:

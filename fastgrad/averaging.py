@@ -28,8 +28,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from fastgrad.config import DDPConfig
-from gradvocab import Averaging, AveragingFactors
+from gradvocab import Averaging, AveragingFactors, DDPConfig
 
 
 class PrescaleSite(str, enum.Enum):

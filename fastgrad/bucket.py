@@ -43,10 +43,9 @@ import torch.distributed as dist
 
 from fastgrad.averaging import GradAveraging, PrescaleSite
 from fastgrad.comm import reduce_scatter_into
-from fastgrad.config import DDPConfig
 from fastgrad.data_parallel_view import DataParallelView
 from fastgrad.reduce_scatter import reduce_scatter_with_fp32_accumulation
-from gradvocab import LifecycleError, ParallelDims
+from gradvocab import DDPConfig, LifecycleError, ParallelDims
 
 
 class BucketOwner(Protocol):

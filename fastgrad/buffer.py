@@ -60,10 +60,9 @@ from fastgrad.bucket import (  # noqa: F401  (re-exported: one import site for b
     select_reduce_strategy,
 )
 from fastgrad.buffer_group import ALIGNMENT_ELEMENTS, BufferGroup, aligned_zeros  # noqa: F401
-from fastgrad.config import DDPConfig
 from fastgrad.data_parallel_view import DataParallelView
 from fastgrad.mxfp8 import PARAM_DTYPE, MXFP8Parameter
-from gradvocab import LifecycleError, ParallelDims, require_place
+from gradvocab import DDPConfig, LifecycleError, ParallelDims, require_place
 
 
 class ParamAndGradBuffer(DataParallelView):

@@ -57,10 +57,9 @@ from typing import Any
 from torch import nn
 
 from fastgrad.buffer import Bucket, ParamAndGradBuffer
-from fastgrad.config import DDPConfig
 from fastgrad.exposed_grads import ParamGrads
 from fastgrad.param_guard import ParamPlacement
-from gradvocab import LifecycleError, ParallelDims
+from gradvocab import DDPConfig, LifecycleError, ParallelDims
 
 
 @dataclass

@@ -35,7 +35,7 @@ raises :class:`gradvocab.LifecycleError` instead, for:
 
 The config combinations production says give NaN (sharing without both
 overlaps or without ``fp8_param_gather``) are refused by
-``fastgrad.config.DDPConfig`` itself with a ValueError.
+``gradvocab.DDPConfig`` itself with a ValueError.
 
 With sharing off, the same class uses separate ``param_data`` (bf16) and
 ``grad_data`` allocations and the same steps, which is the baseline the
@@ -53,11 +53,10 @@ import torch
 
 from fastgrad.buffer import Bucket, ParamAndGradBuffer
 from fastgrad.comm import all_gather_into
-from fastgrad.config import DDPConfig
 from fastgrad.data_parallel_view import DataParallelView
 from fastgrad.mxfp8 import PARAM_DTYPE, MXFP8Parameter
 from fastgrad.mxfp8_regions import BucketRegion, ParamRegionGuard, RegionState
-from gradvocab import LifecycleError, ParallelDims
+from gradvocab import DDPConfig, LifecycleError, ParallelDims
 
 __all__ = [
     "PARAM_DTYPE",

@@ -12,6 +12,8 @@ pulling in another's implementation. One concept, one type:
   per-rank timeline and what it says about the bubble;
 * :func:`default_bucket_size` (from :data:`MIN_DEFAULT_BUCKET_SIZE` and
   :data:`DEFAULT_BUCKET_SIZE_PER_RANK`): Megatron-Core's default DDP bucket size rule;
+* :class:`DDPConfig`: the data-parallel settings (Megatron-Core's
+  ``DistributedDataParallelConfig`` names), whose ``resolved_bucket_size`` applies that rule;
 * :class:`StepOutcome`: what one optimizer step did;
 * :class:`Averaging` (with :class:`AveragingFactors` and :class:`MegatronAveragingFlags`): how
   data-parallel gradients are averaged;
@@ -26,6 +28,7 @@ from gradvocab.bucket_size import (
     MIN_DEFAULT_BUCKET_SIZE,
     default_bucket_size,
 )
+from gradvocab.ddp_config import DDPConfig
 from gradvocab.errors import LifecycleError
 from gradvocab.optimizer_step import StepOutcome
 from gradvocab.parallel_dims import ORDER, ParallelDims, RankPlace, require_place
@@ -49,6 +52,7 @@ __all__ = [
     "ORDER",
     "Averaging",
     "AveragingFactors",
+    "DDPConfig",
     "LifecycleError",
     "MegatronAveragingFlags",
     "OptimizerRecord",

@@ -4,7 +4,6 @@ tests drive fastgrad's API (DDP, DistributedOptimizer and its state dicts) thems
 
 from __future__ import annotations
 
-from fastgrad.config import DDPConfig
 from fastgrad.ddp import DistributedDataParallel
 from fastgrad.optim import (
     AdamWConfig,
@@ -12,6 +11,7 @@ from fastgrad.optim import (
     SGDConfig,
     param_groups_without_decay_for,
 )
+from gradvocab import DDPConfig
 from verify.checks.optim.cases import ADAMW, BUCKET_SIZE, SGD, Model, coefficients
 
 

@@ -15,8 +15,7 @@ import pytest
 import torch.distributed as dist
 
 from fastgrad.averaging import GradAveraging, PrescaleSite, grad_averaging
-from fastgrad.config import DDPConfig
-from gradvocab import Averaging
+from gradvocab import Averaging, DDPConfig
 
 SUM, AVG = dist.ReduceOp.SUM, dist.ReduceOp.AVG
 DIST_OPT = dict(use_distributed_optimizer=True)

@@ -12,9 +12,8 @@ from fastgrad.buffer import (
     select_reduce_strategy,
 )
 from fastgrad.comm import reduce_scatter_into
-from fastgrad.config import DDPConfig
 from fastgrad.reduce_scatter import reduce_scatter_with_fp32_accumulation
-from gradvocab import LifecycleError, ParallelDims
+from gradvocab import DDPConfig, LifecycleError, ParallelDims
 from refgrad.layout import compute_layout as reference_layout
 from verify.candidates import FastgradCandidate
 from verify.checks.layout import buffer_violations, default_scenarios, run_reduce_scenarios

@@ -16,8 +16,7 @@ from distributed_utils import run_distributed
 
 from fastgrad.buffer import ParamAndGradBuffer
 from fastgrad.comm import ChunkCopyWork, reduce_scatter_into
-from fastgrad.config import DDPConfig
-from gradvocab import Averaging
+from gradvocab import Averaging, DDPConfig
 from refgrad import reduce_scatter as refc
 from verify.metrics import assert_bitwise_equal, bitwise_equal
 

@@ -10,10 +10,9 @@ import torch
 from distributed_utils import run_distributed
 from torch import nn
 
-from fastgrad.config import DDPConfig
 from fastgrad.ddp import DistributedDataParallel
 from fastgrad.exposed_grads import UnreducedGradPlaceholder
-from gradvocab import Averaging, LifecycleError
+from gradvocab import Averaging, DDPConfig, LifecycleError
 from refgrad.pipeline import reduce_across_replicas
 from verify.metrics import assert_bitwise_equal, bitwise_equal
 

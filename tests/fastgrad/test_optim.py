@@ -13,7 +13,6 @@ from fractions import Fraction
 import pytest
 import torch
 
-from fastgrad.config import DDPConfig
 from fastgrad.ddp import DistributedDataParallel
 from fastgrad.optim import (
     AdamWConfig,
@@ -23,7 +22,7 @@ from fastgrad.optim import (
     param_groups_without_decay_for,
 )
 from fastgrad.optim.step_paths import TorchOpsPath
-from gradvocab import LifecycleError
+from gradvocab import DDPConfig, LifecycleError
 from refgrad import optim as R
 from tests.fastgrad.optim_model import build, snapshot, train_step  # noqa: F401 - re-exported
 from verify.checks.optim.cases import (  # noqa: F401 - re-exported for test_optim_dist

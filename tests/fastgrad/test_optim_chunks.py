@@ -14,7 +14,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastgrad.config import DDPConfig
 from fastgrad.ddp import DistributedDataParallel
 from fastgrad.optim import (
     AdamWConfig,
@@ -23,6 +22,7 @@ from fastgrad.optim import (
     ReplicatedOptimizer,
     param_groups_without_decay_for,
 )
+from gradvocab import DDPConfig
 from refgrad import optim as R
 from tests.distributed_utils import run_distributed
 from verify.checks.optim.cases import (

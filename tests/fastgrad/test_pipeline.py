@@ -139,9 +139,9 @@ def _sgd(module):
 
 
 def _head_worker(rank, world_size):
-    from fastgrad.config import DDPConfig
     from fastgrad.ddp import DistributedDataParallel
     from fastgrad.pipeline import finalize_grads
+    from gradvocab import DDPConfig
 
     dims = ParallelDims(pp_size=2).build()
     out = {}

@@ -9,7 +9,7 @@ import fastgrad
 # name -> the module that defines it (the submodule imports keep working)
 HOME = {
     "AdamWConfig": "fastgrad.optim.config",
-    "DDPConfig": "fastgrad.config",
+    "DDPConfig": "gradvocab.ddp_config",
     "DistributedDataParallel": "fastgrad.ddp",
     "DistributedOptimizer": "fastgrad.optim.distributed",
     "DynamicLossScaler": "fastgrad.optim.config",
@@ -36,7 +36,7 @@ def test_all_lists_exactly_the_loop_names_each_the_submodules_object():
 
 
 def test_main_modules_declare_their_public_names():
-    for module, names in {"fastgrad.ddp": {"DistributedDataParallel"}, "fastgrad.config": {"DDPConfig"},
+    for module, names in {"fastgrad.ddp": {"DistributedDataParallel"}, "gradvocab": {"DDPConfig"},
                           "fastgrad.optim": {"DistributedOptimizer"},
                           "fastgrad.pipeline": {"forward_backward_1f1b"}}.items():
         assert names <= set(importlib.import_module(module).__all__), module

@@ -116,7 +116,7 @@ def _error_cases(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
 def _buffer_cases(rank: int, group) -> list[dict]:
     """Production's call path: a bucketed bf16 buffer whose config selects this reduce-scatter."""
     from fastgrad.buffer import ParamAndGradBuffer
-    from fastgrad.config import DDPConfig
+    from gradvocab import DDPConfig
 
     records = []
     for average in (False, True):

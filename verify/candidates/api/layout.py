@@ -24,16 +24,16 @@ have (Megatron keeps the norm and the checkpoint in its ``DistributedOptimizer``
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 
-from gradvocab import default_bucket_size
+from gradvocab import DDPConfig
 
 # Layout: refgrad's record of a layout, what layouts() returns; candidates import it from here
-from refgrad.layout import Layout, positive_int, validate_layout_arguments
+from refgrad.layout import Layout, validate_layout_arguments
 from verify.candidates.api.core import Technique, Unsupported
 from verify.candidates.api.scope import TechniqueScope
 
@@ -80,55 +80,6 @@ class LayoutCase:
                 "use_distributed_optimizer": self.use_distributed_optimizer,
                 "pad_buckets_for_high_nccl_busbw": self.pad_buckets_for_high_nccl_busbw,
                 "shared_embedding": self.shared_embedding}
-
-
-_BUFFER_BOOLS = ("use_distributed_optimizer", "pad_buckets_for_high_nccl_busbw",
-                 "grad_reduce_in_fp32", "overlap_grad_reduce",
-                 "reduce_scatter_with_fp32_accumulation", "average_in_collective")
-
-
-@dataclass(frozen=True)
-class BufferConfig:
-    """How the buffer buckets, pads and reduces (Megatron-Core's ``DistributedDataParallelConfig``
-    field names, the ones the layout check varies).
-
-    ``bucket_size`` None: :func:`gradvocab.default_bucket_size`; without
-    ``overlap_grad_reduce`` everything is one bucket (:meth:`resolved_bucket_size`).
-    """
-
-    use_distributed_optimizer: bool = False
-    bucket_size: int | None = None
-    pad_buckets_for_high_nccl_busbw: bool = False
-    grad_reduce_in_fp32: bool = False
-    overlap_grad_reduce: bool = False
-    reduce_scatter_with_fp32_accumulation: bool = False
-    average_in_collective: bool = False
-
-    def __post_init__(self) -> None:
-        _require_bools(self, _BUFFER_BOOLS)
-        if self.bucket_size is not None:
-            object.__setattr__(self, "bucket_size",
-                               positive_int(self.bucket_size, "BufferConfig.bucket_size"))
-        if self.reduce_scatter_with_fp32_accumulation and not self.use_distributed_optimizer:
-            raise ValueError("BufferConfig.reduce_scatter_with_fp32_accumulation needs "
-                             "use_distributed_optimizer=True (grads are reduce-scattered only then)")
-
-    def resolved_bucket_size(self, dp_size: int) -> int | None:
-        """The bucket size a buffer for ``dp_size`` ranks uses; None means one bucket.
-
-        As ``DistributedDataParallel.__init__``: None without ``overlap_grad_reduce``, else
-        ``bucket_size`` or :func:`gradvocab.default_bucket_size`.
-        """
-        dp = positive_int(dp_size, "dp_size")
-        if not self.overlap_grad_reduce:
-            return None
-        if self.bucket_size is None:
-            return default_bucket_size(dp)
-        return self.bucket_size
-
-    def to_dict(self) -> dict[str, object]:
-        """The fields as a plain dict (for reports and for a candidate's own config type)."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 @dataclass(frozen=True)
@@ -342,7 +293,7 @@ class BucketLayout(TechniqueScope, Protocol):
         needs a process of its own to lay out a buffer starts it once)."""
         ...
 
-    def build_buffer(self, params: Sequence[torch.nn.Parameter], config: BufferConfig, *,
+    def build_buffer(self, params: Sequence[torch.nn.Parameter], config: DDPConfig, *,
                      dp_size: int, dp_group: dist.ProcessGroup | None = None,
                      average: bool = False) -> GradBuffer:
         """Remap ``params`` (registration order; ``shared_embedding=True`` marks a shared

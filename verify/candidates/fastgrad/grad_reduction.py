@@ -17,9 +17,8 @@ import torch
 import torch.distributed as dist
 
 from fastgrad.buffer import ParamAndGradBuffer
-from fastgrad.config import DDPConfig
 from fastgrad.reduce_scatter import reduce_scatter_with_fp32_accumulation, reduce_shards_fp32
-from gradvocab import Averaging
+from gradvocab import Averaging, DDPConfig
 from verify.candidates.api.core import DocumentedBehaviour
 from verify.candidates.api.grad_reduction import (
     SUM,

@@ -19,10 +19,9 @@ from typing import Any
 
 import torch
 
-from fastgrad.config import DDPConfig
 from fastgrad.deferred_wgrad import ColumnParallelOutputLayer, EmbeddingWgradConfig
 from fastgrad.vocab_parallel_embedding import VocabParallelEmbedding
-from gradvocab import ParallelDims
+from gradvocab import DDPConfig, ParallelDims
 from verify.candidates.api.pipeline import PipelineCase
 from verify.candidates.api.pipeline_spec import (
     EMBEDDING_PARAM,

@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fastgrad.config import DDPConfig
 from fastgrad.ddp import DistributedDataParallel
 from fastgrad.mxfp8_sharing import MXFP8Parameter, MXFP8ParamGradBuffer
 from fastgrad.optim import (
@@ -27,7 +26,7 @@ from fastgrad.optim import (
     SGDConfig,
     param_groups_without_decay_for,
 )
-from gradvocab import ParallelDims, StepOutcome
+from gradvocab import DDPConfig, ParallelDims, StepOutcome
 from verify.candidates.api.optimizer import (
     AdamWState,
     DataParallelModule,

@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 
 from fastgrad.comm import all_gather_into
-from fastgrad.config import DDPConfig
 from fastgrad.ddp import DistributedDataParallel
 from fastgrad.deferred_wgrad import ColumnParallelOutputLayer
 from fastgrad.mxfp8 import MXFP8Parameter
@@ -35,7 +34,7 @@ from fastgrad.mxfp8_sharing import MXFP8ParamGradBuffer
 from fastgrad.optim import ModelChunks
 from fastgrad.pipeline import forward_backward_1f1b
 from fastgrad.pipeline_interleaved import forward_backward_interleaved
-from gradvocab import ParallelDims
+from gradvocab import DDPConfig, ParallelDims
 from verify.candidates.api.pipeline import (
     MXFP8_BLOCK,
     PipelineCase,

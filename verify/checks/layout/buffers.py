@@ -7,10 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
+from gradvocab import DDPConfig
 from refgrad.layout import Layout
 from refgrad.layout import compute_layout as reference_layout
 from verify.candidates.api import Unsupported
-from verify.candidates.api.layout import BucketLayout, BufferConfig, GradBuffer
+from verify.candidates.api.layout import BucketLayout, GradBuffer
 from verify.checks.layout.cases import compare_layouts
 from verify.metrics import bitwise_equal
 
@@ -167,7 +168,7 @@ def buffer_violations(
 
     for dp in (1, 3, 8):
         for dist_opt in (True, False):
-            config = BufferConfig(
+            config = DDPConfig(
                 use_distributed_optimizer=dist_opt, overlap_grad_reduce=True, bucket_size=150
             )
             params = _params(device, seed)
