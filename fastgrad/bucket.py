@@ -90,7 +90,7 @@ class AllReduceStrategy(GradReduceStrategy):
     name: str = "all-reduce"
 
     def launch(self, bucket: Bucket) -> Any:
-        return dist.all_reduce(bucket.grad_data, op=bucket.averaging.op, group=bucket.dp_group,
+        return dist.all_reduce(bucket.grad_data, op=bucket.averaging.factors.op, group=bucket.dp_group,
                                async_op=True)
 
 
@@ -111,14 +111,14 @@ class ReduceScatterStrategy(GradReduceStrategy):
         plan = bucket.averaging
         extra = {}
         if plan.site is PrescaleSite.COLLECTIVE:
-            extra["prescale"] = plan.prescale
+            extra["prescale"] = plan.factors.pre_scale
         scratch = bucket.collective_scratch()
         if scratch is not None:
             extra["scratch"] = scratch
         return self.collective(
             bucket.local_grad_shard,
             bucket.grad_data,
-            op=plan.op,
+            op=plan.factors.op,
             group=bucket.dp_group,
             async_op=True,
             **extra,

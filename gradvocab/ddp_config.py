@@ -12,6 +12,7 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass, fields
 
+from gradvocab.averaging import Averaging
 from gradvocab.bucket_size import default_bucket_size
 
 _BOOL_FIELDS = (
@@ -54,7 +55,8 @@ class DDPConfig:
       reduce_scatter_with_fp32_accumulation: reduce-scatter 16-bit grads through
         an all-to-all and accumulate in fp32.
       average_in_collective: average (``ReduceOp.AVG``) in the collective instead of a
-        ``1/dp`` gradient scaling factor before a SUM (see :class:`gradvocab.Averaging`).
+        ``1/dp`` gradient scaling factor before a SUM: Megatron-Core's spelling of
+        ``Averaging.AVG`` (:meth:`resolve_averaging` holds the two together).
       fp8_param_gather / reuse_grad_buf_for_mxfp8_param_ag: MXFP8 param
         all-gather, optionally through the grad buffer's memory.
     """
@@ -108,6 +110,30 @@ class DDPConfig:
         if not self.overlap_grad_reduce:
             return None
         return default if self.bucket_size is None else self.bucket_size
+
+    def resolve_averaging(self, averaging: Averaging | None) -> Averaging:
+        """How DP grads are combined under this config: ``averaging``, or, for None,
+        Megatron-Core's default (``Averaging.from_megatron`` of ``average_in_collective``:
+        ``AVG`` with it, ``PRESCALE`` without).
+
+        A bool is refused (TypeError: it does not say how); so is a way that contradicts
+        ``average_in_collective`` (ValueError: ``AVG`` exactly when it is set, as
+        ``Averaging.megatron_flags`` spells it) and ``POSTSCALE`` (no Megatron-Core flags).
+        """
+        if averaging is None:
+            return Averaging.from_megatron(average=True,
+                                           average_in_collective=self.average_in_collective)
+        if not isinstance(averaging, Averaging):
+            raise TypeError(
+                f"averaging must be a gradvocab.Averaging or None, got {type(averaging).__name__} "
+                f"{averaging!r} (a bool does not say how: Averaging.SUM sums, Averaging.PRESCALE "
+                "or Averaging.AVG average, None is Megatron-Core's default)")
+        if averaging.megatron_flags().average_in_collective != self.average_in_collective:
+            raise ValueError(
+                f"averaging={averaging} contradicts DDPConfig.average_in_collective="
+                f"{self.average_in_collective}: Averaging.AVG averages in the collective, "
+                "and only it")
+        return averaging
 
     def to_dict(self) -> dict[str, object]:
         """The fields as a plain dict (for reports, and for Megatron-Core's own config)."""

@@ -72,7 +72,7 @@ def _bucket_worker(rank: int, world: int) -> list[dict]:
     """A distributed-optimizer bucket averaged by a 1/W pre-scale, reduced twice."""
     params = [torch.nn.Parameter(torch.zeros(n)) for n in (37, 50)]
     buffer = ParamAndGradBuffer(params, config=DDPConfig(use_distributed_optimizer=True),
-                                average=True)
+                                averaging=Averaging.PRESCALE)
     (bucket,) = buffer.buckets
     steps = []
     for it in range(2):

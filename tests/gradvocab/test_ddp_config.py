@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from gradvocab import DDPConfig
+from gradvocab import Averaging, DDPConfig
 
 
 def megatron_bucket_size(overlap_grad_reduce: bool, bucket_size: int | None, dp: int) -> int | None:
@@ -117,3 +117,32 @@ def test_valid_full_mxfp8_sharing_config():
 def test_resolved_bucket_size_checks_dp(dp, error, overlap):
     with pytest.raises(error, match="dp_size"):
         DDPConfig(overlap_grad_reduce=overlap).resolved_bucket_size(dp)
+
+
+@pytest.mark.parametrize(("average_in_collective", "default"),
+                         [(False, Averaging.PRESCALE), (True, Averaging.AVG)])
+def test_no_averaging_named_is_megatron_cores_default(average_in_collective, default):
+    # Megatron-Core's DistributedDataParallel.__init__: gradient_scaling_factor = 1.0 and
+    # ReduceOp.AVG with average_in_collective, else 1.0 / dp before a SUM
+    config = DDPConfig(average_in_collective=average_in_collective)
+    assert config.resolve_averaging(None) is default
+    assert config.resolve_averaging(default) is default
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_a_bool_is_not_an_averaging(flag):
+    with pytest.raises(TypeError, match="averaging must be a gradvocab.Averaging or None, got bool"):
+        DDPConfig().resolve_averaging(flag)
+
+
+@pytest.mark.parametrize(("average_in_collective", "averaging"), [
+    (True, Averaging.SUM), (True, Averaging.PRESCALE), (False, Averaging.AVG)])
+def test_an_averaging_that_contradicts_average_in_collective_is_refused(average_in_collective, averaging):
+    with pytest.raises(ValueError, match=f"averaging={averaging} contradicts "
+                                         f"DDPConfig.average_in_collective={average_in_collective}"):
+        DDPConfig(average_in_collective=average_in_collective).resolve_averaging(averaging)
+
+
+def test_postscale_is_refused_as_megatron_core_has_no_flags_for_it():
+    with pytest.raises(ValueError, match="POSTSCALE has no Megatron-Core flags"):
+        DDPConfig().resolve_averaging(Averaging.POSTSCALE)

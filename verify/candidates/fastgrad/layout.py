@@ -18,7 +18,7 @@ import torch.distributed as dist
 from fastgrad.buffer import ParamAndGradBuffer
 from fastgrad.buffer_group import BufferGroup
 from fastgrad.layout import BufferLayout, compute_layout
-from gradvocab import DDPConfig
+from gradvocab import Averaging, DDPConfig
 from verify.candidates.api.layout import (
     BucketLayout,
     GradBucket,
@@ -126,8 +126,11 @@ class FastgradLayout(BucketLayout):
     def build_buffer(self, params: Sequence[torch.nn.Parameter], config: DDPConfig, *,
                      dp_size: int, dp_group: dist.ProcessGroup | None = None,
                      average: bool = False) -> GradBuffer:
-        # fastgrad.averaging decides how (AVG, or the 1/dp pre-scale and where it is applied)
+        # the seam's mean-or-sum as Megatron-Core's flags, converted where gradvocab keeps them;
+        # fastgrad.averaging then decides where a 1/dp pre-scale is applied
+        averaging = Averaging.from_megatron(average=average,
+                                            average_in_collective=config.average_in_collective)
         buffer = self.buffer_cls(
             list(params), config=config, dp_group=dp_group,
-            dp_size=dp_size, average=average)
+            dp_size=dp_size, averaging=averaging)
         return FastgradGradBuffer(buffer)

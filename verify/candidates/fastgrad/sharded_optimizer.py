@@ -26,7 +26,7 @@ from fastgrad.optim import (
     SGDConfig,
     param_groups_without_decay_for,
 )
-from gradvocab import DDPConfig, ParallelDims, StepOutcome
+from gradvocab import Averaging, DDPConfig, ParallelDims, StepOutcome
 from verify.candidates.api.optimizer import (
     AdamWState,
     DataParallelModule,
@@ -86,7 +86,10 @@ class FastgradDataParallel(DataParallelModule):
                            bucket_size=settings.bucket_size,
                            overlap_param_gather=settings.overlap_param_gather,
                            grad_reduce_in_fp32=settings.grad_reduce_in_fp32)
-        self.ddp = DistributedDataParallel(module, config=config, average=settings.average,
+        # the seam's DP mean (or sum) as Megatron-Core's flags; gradvocab converts them
+        averaging = Averaging.from_megatron(average=settings.average,
+                                            average_in_collective=config.average_in_collective)
+        self.ddp = DistributedDataParallel(module, config=config, averaging=averaging,
                                            dp_group=dp_group)
 
     @property

@@ -138,7 +138,7 @@ class FastgradStages:
                                                        self._grid.stage, c),
                                        overlap_param_gather=settings.overlap_param_gather,
                                        grad_reduce_in_fp32=settings.grad_dtype == torch.float32),
-                dp_group=self._grid.dp_group, average=case.reduction.megatron_flags().average,
+                dp_group=self._grid.dp_group, averaging=case.reduction,
                 external_grad_params=external_grad_params(spec, heads[c]))
             for c, module in enumerate(self.modules)]
 
@@ -160,7 +160,8 @@ class FastgradStages:
                            fp8_param_gather=True,
                            reuse_grad_buf_for_mxfp8_param_ag=settings.mxfp8.reuse_grad_buffer)
         self.front = self.mxfp8_buffer_class(self.front_params, config=config,
-                                             dp_group=self._grid.dp_group, average=True)
+                                             dp_group=self._grid.dp_group,
+                                             averaging=None)  # Megatron-Core's default: 1/dp first
         for param, mx in zip(self.named.values(), self.front_params):
             param.main_grad = mx.main_grad
             if self.head is not None and param is self.head.weight:
