@@ -14,6 +14,9 @@ pulling in another's implementation. One concept, one type:
   :data:`DEFAULT_BUCKET_SIZE_PER_RANK`): Megatron-Core's default DDP bucket size rule;
 * :class:`DDPConfig`: the data-parallel settings (Megatron-Core's
   ``DistributedDataParallelConfig`` names), whose ``resolved_bucket_size`` applies that rule;
+* :class:`AdamWConfig`, :class:`SGDConfig`, :class:`LossScaling` (with
+  :data:`CONSTANT_SCALE_WINDOW`): the optimizer's settings, which fastgrad's optimizer and
+  loss scaler take and the candidate seam's ``OptimizerSettings`` holds;
 * :class:`StepOutcome`: what one optimizer step did;
 * :class:`Averaging` (with :class:`AveragingFactors` and :class:`MegatronAveragingFlags`): how
   data-parallel gradients are averaged;
@@ -30,6 +33,12 @@ from gradvocab.bucket_size import (
 )
 from gradvocab.ddp_config import DDPConfig
 from gradvocab.errors import LifecycleError
+from gradvocab.optimizer_settings import (
+    CONSTANT_SCALE_WINDOW,
+    AdamWConfig,
+    LossScaling,
+    SGDConfig,
+)
 from gradvocab.optimizer_step import StepOutcome
 from gradvocab.parallel_dims import ORDER, ParallelDims, RankPlace, require_place
 from gradvocab.results import LAUNCH_SITES, OptimizerRecord, RankResult
@@ -44,21 +53,25 @@ from gradvocab.timeline import (
 
 __all__ = [
     "COMMUNICATION_KINDS",
+    "CONSTANT_SCALE_WINDOW",
     "COMPUTE_KINDS",
     "DEFAULT_BUCKET_SIZE_PER_RANK",
     "EVENT_KINDS",
     "LAUNCH_SITES",
     "MIN_DEFAULT_BUCKET_SIZE",
     "ORDER",
+    "AdamWConfig",
     "Averaging",
     "AveragingFactors",
     "DDPConfig",
     "LifecycleError",
+    "LossScaling",
     "MegatronAveragingFlags",
     "OptimizerRecord",
     "ParallelDims",
     "RankPlace",
     "RankResult",
+    "SGDConfig",
     "StepOutcome",
     "StepReport",
     "TimelineEvent",

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from fastgrad.optim import DynamicLossScaler
-from gradvocab import Averaging, LifecycleError
+from gradvocab import Averaging, LifecycleError, LossScaling
 from refgrad import optim as R
 from tests.distributed_utils import run_distributed
 from tests.fastgrad.test_optim import (
@@ -93,7 +93,7 @@ def worker_dp3(rank: int, world: int, checkpoint: dict) -> dict:
         "sgd": _train(rank, 3, build_args=(MIXED, "sgd"),
                       build_kwargs={"overlap_param_gather": True, "averaging": Averaging.SUM}),
         "fp16": _train(rank, 3, build_args=(FP16, "adamw"), scaler=True, build_kwargs={
-            "averaging": Averaging.SUM, "scaler": DynamicLossScaler(initial_scale=256.0, hysteresis=1)}),
+            "averaging": Averaging.SUM, "scaler": DynamicLossScaler(LossScaling(initial_scale=256.0, hysteresis=1))}),
     }
     # A param written while its bucket's all-gather is in flight is refused at the wait.
     model, ddp, opt = build(FP32, "adamw", overlap_param_gather=True, averaging=Averaging.SUM)

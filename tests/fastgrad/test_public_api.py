@@ -8,16 +8,17 @@ import fastgrad
 
 # name -> the module that defines it (the submodule imports keep working)
 HOME = {
-    "AdamWConfig": "fastgrad.optim.config",
+    "AdamWConfig": "gradvocab.optimizer_settings",
     "DDPConfig": "gradvocab.ddp_config",
     "DistributedDataParallel": "fastgrad.ddp",
     "DistributedOptimizer": "fastgrad.optim.distributed",
     "DynamicLossScaler": "fastgrad.optim.config",
     "LifecycleError": "gradvocab.errors",
+    "LossScaling": "gradvocab.optimizer_settings",
     "ModelChunks": "fastgrad.optim.chunks",
     "ParallelDims": "gradvocab.parallel_dims",
     "ReplicatedOptimizer": "fastgrad.optim.replicated",
-    "SGDConfig": "fastgrad.optim.config",
+    "SGDConfig": "gradvocab.optimizer_settings",
     "StepOutcome": "gradvocab.optimizer_step",
     "finalize_grads": "fastgrad.pipeline",
     "forward_backward_1f1b": "fastgrad.pipeline",

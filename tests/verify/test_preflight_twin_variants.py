@@ -9,12 +9,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from gradvocab import ParallelDims
+from gradvocab import CONSTANT_SCALE_WINDOW, LossScaling, ParallelDims
 from tests.candidates.fastgrad_faults import Fault, FaultyFastgrad
 from tests.distributed_utils import run_distributed
 from tests.verify.preflight_launch import preflight_config
 from verify.candidates import FastgradCandidate
-from verify.candidates.api.optimizer import CONSTANT_SCALE_WINDOW, LossScaling
 from verify.candidates.api.pipeline import MXFP8Params, RankResult, StageSettings
 from verify.preflight.config import ConfigError
 from verify.preflight.twin import (

@@ -31,93 +31,11 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
-from gradvocab import ParallelDims, StepOutcome
+from gradvocab import AdamWConfig, LossScaling, ParallelDims, SGDConfig, StepOutcome
 from verify.candidates.api.core import DocumentedBehaviour
 from verify.candidates.api.optimizer_parts import MXFP8Training
 from verify.candidates.api.optimizer_schedule import HyperparameterSchedule
 from verify.candidates.api.scope import TechniqueScope
-
-# A constant loss scale is a dynamic one that never grows: a growth interval no run reaches.
-CONSTANT_SCALE_WINDOW = 2**31
-
-
-def _power_of_two(value: float) -> bool:
-    return value > 0 and math.isfinite(value) and math.frexp(value)[0] == 0.5
-
-
-@dataclass(frozen=True)
-class AdamWHyperparameters:
-    """AdamW's hyperparameters (decoupled weight decay), the same for every parameter."""
-
-    lr: float = 1e-2
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-
-    def __post_init__(self) -> None:
-        for name in ("lr", "beta1", "beta2", "eps", "weight_decay"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"AdamWHyperparameters.{name} must be a finite number, got {value!r}")
-        if self.lr <= 0 or self.eps <= 0 or self.weight_decay < 0:
-            raise ValueError("AdamWHyperparameters: lr and eps must be > 0, weight_decay >= 0")
-        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
-            raise ValueError("AdamWHyperparameters: beta1 and beta2 must be in [0, 1)")
-
-
-@dataclass(frozen=True)
-class SGDHyperparameters:
-    """SGD with momentum (``dampening=0``, not Nesterov) and coupled weight decay."""
-
-    lr: float
-    momentum: float = 0.0
-    weight_decay: float = 0.0
-
-    def __post_init__(self) -> None:
-        for name in ("lr", "momentum", "weight_decay"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"SGDHyperparameters.{name} must be a finite number, got {value!r}")
-        if self.lr <= 0 or self.momentum < 0 or self.weight_decay < 0:
-            raise ValueError("SGDHyperparameters: lr must be > 0, momentum and weight_decay >= 0")
-
-
-@dataclass(frozen=True)
-class LossScaling:
-    """A loss scaler as Megatron-Core's (``megatron/core/optimizer/grad_scaler.py``): the loss
-    is multiplied by ``initial_scale`` before the backward; a step whose grads hold a NaN/inf
-    is skipped and, after ``hysteresis`` such steps, halves the scale (not below
-    ``min_scale``); ``growth_interval`` clean steps in a row double it. A constant scale is
-    :meth:`constant` (it never moves). Scales are powers of two, so scaling and unscaling are
-    exact."""
-
-    initial_scale: float
-    min_scale: float
-    growth_interval: int
-    hysteresis: int
-
-    def __post_init__(self) -> None:
-        for name in ("initial_scale", "min_scale"):
-            if not _power_of_two(getattr(self, name)):
-                raise ValueError(f"LossScaling.{name} must be a power of two, got {getattr(self, name)!r}")
-        if self.min_scale > self.initial_scale:
-            raise ValueError(f"LossScaling.min_scale ({self.min_scale}) must be <= initial_scale "
-                             f"({self.initial_scale})")
-        for name in ("growth_interval", "hysteresis"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"LossScaling.{name} must be an int >= 1, got {value!r}")
-
-    @classmethod
-    def constant(cls, scale: float) -> LossScaling:
-        """Megatron's ``ConstantGradScaler``: a scale that never moves."""
-        return cls(initial_scale=scale, min_scale=scale, growth_interval=CONSTANT_SCALE_WINDOW,
-                   hysteresis=1)
-
-    @property
-    def dynamic(self) -> bool:
-        return self.min_scale != self.initial_scale or self.growth_interval != CONSTANT_SCALE_WINDOW
 
 
 @dataclass(frozen=True)
@@ -134,18 +52,18 @@ class OptimizerSettings:
     ``lr`` and ``weight_decay`` of ``adamw`` / ``sgd``); None: those, at every update.
     """
 
-    adamw: AdamWHyperparameters = AdamWHyperparameters()
+    adamw: AdamWConfig = AdamWConfig(lr=1e-2)
     max_grad_norm: float | None = None
     loss_scaling: LossScaling | None = None
-    sgd: SGDHyperparameters | None = None
+    sgd: SGDConfig | None = None
     decay_1d_params: bool = True
     schedule: HyperparameterSchedule | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.adamw, AdamWHyperparameters):
-            raise TypeError("OptimizerSettings.adamw must be an AdamWHyperparameters")
-        if self.sgd is not None and not isinstance(self.sgd, SGDHyperparameters):
-            raise TypeError("OptimizerSettings.sgd must be an SGDHyperparameters or None")
+        if not isinstance(self.adamw, AdamWConfig):
+            raise TypeError("OptimizerSettings.adamw must be an AdamWConfig")
+        if self.sgd is not None and not isinstance(self.sgd, SGDConfig):
+            raise TypeError("OptimizerSettings.sgd must be an SGDConfig or None")
         if not isinstance(self.decay_1d_params, bool):
             raise TypeError("OptimizerSettings.decay_1d_params must be a bool")
         if self.max_grad_norm is not None and (
@@ -405,8 +323,6 @@ class DistributedOptimizerStep(TechniqueScope, Protocol):
 
 
 __all__ = [
-    "CONSTANT_SCALE_WINDOW",
-    "AdamWHyperparameters",
     "AdamWState",
     "DataParallelModel",
     "DataParallelModule",
@@ -414,12 +330,10 @@ __all__ = [
     "DistributedOptimizerStep",
     "HyperparameterSchedule",
     "LossScalerState",
-    "LossScaling",
     "MXFP8ParamOptimizer",
     "MXFP8Training",
     "OptimizerBehaviour",
     "OptimizerCheckpoint",
-    "SGDHyperparameters",
     "ShardedOptimizer",
     "OptimizerSettings",
     "TrainingOptimizer",

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from fastgrad.mxfp8_sharing import MXFP8Parameter, MXFP8ParamGradBuffer
-from fastgrad.optim import AdamWConfig, DistributedOptimizer, SGDConfig
-from gradvocab import DDPConfig
+from fastgrad.optim import DistributedOptimizer
+from gradvocab import AdamWConfig, DDPConfig, SGDConfig
 
 
 def toy_config(*, sharing: bool, grad_fp32: bool, bucket_size: int) -> DDPConfig:

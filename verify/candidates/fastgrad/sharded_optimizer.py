@@ -12,6 +12,7 @@ fastgrad follows ``refgrad.optim``'s order and exact norm: it documents no depar
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -20,13 +21,11 @@ from torch import nn
 from fastgrad.ddp import DistributedDataParallel
 from fastgrad.mxfp8_sharing import MXFP8Parameter, MXFP8ParamGradBuffer
 from fastgrad.optim import (
-    AdamWConfig,
     DistributedOptimizer,
     DynamicLossScaler,
-    SGDConfig,
     param_groups_without_decay_for,
 )
-from gradvocab import Averaging, DDPConfig, ParallelDims, StepOutcome
+from gradvocab import AdamWConfig, Averaging, DDPConfig, ParallelDims, SGDConfig, StepOutcome
 from verify.candidates.api.optimizer import (
     AdamWState,
     DataParallelModule,
@@ -41,17 +40,14 @@ from verify.candidates.api.optimizer_parts import MXFP8Training
 
 
 def fastgrad_config(settings: OptimizerSettings) -> AdamWConfig | SGDConfig:
-    """fastgrad's optimizer config for the seam's hyperparameters. With a schedule, its peak lr
-    and its largest (final) weight decay: the groups the optimizer builds with a nonzero
-    weight decay are those the schedule decays (:func:`decaying_groups`)."""
-    hyper = settings.sgd if settings.sgd is not None else settings.adamw
-    lr, weight_decay = hyper.lr, hyper.weight_decay
-    if settings.schedule is not None:
-        lr, weight_decay = settings.schedule.max_lr, settings.schedule.end_wd
-    if settings.sgd is not None:
-        return SGDConfig(lr=lr, momentum=settings.sgd.momentum, weight_decay=weight_decay)
-    h = settings.adamw
-    return AdamWConfig(lr=lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=weight_decay)
+    """The seam's optimizer config (gradvocab's type, which fastgrad takes as it is). With a
+    schedule, its peak lr and its largest (final) weight decay in place of the config's: the
+    groups the optimizer builds with a nonzero weight decay are those the schedule decays
+    (:func:`decaying_groups`)."""
+    config = settings.sgd if settings.sgd is not None else settings.adamw
+    if settings.schedule is None:
+        return config
+    return replace(config, lr=settings.schedule.max_lr, weight_decay=settings.schedule.end_wd)
 
 
 def decaying_groups(optimizer: DistributedOptimizer) -> list[bool]:
@@ -116,9 +112,7 @@ class FastgradShardedOptimizer(ShardedOptimizer):
     def __init__(self, model: FastgradDataParallel, settings: OptimizerSettings,
                  optimizer_cls: type[DistributedOptimizer]) -> None:
         scaling = settings.loss_scaling
-        scaler = None if scaling is None else DynamicLossScaler(
-            initial_scale=scaling.initial_scale, min_scale=scaling.min_scale,
-            growth_interval=scaling.growth_interval, hysteresis=scaling.hysteresis)
+        scaler = None if scaling is None else DynamicLossScaler(scaling)
         ddp = model.ddp
         groups = None if settings.decay_1d_params else param_groups_without_decay_for(ddp)
         self.optimizer = optimizer_cls(ddp, fastgrad_config(settings), groups,
