@@ -177,14 +177,14 @@ def check_reduction(device: str) -> list[BitCheck]:
             if world_size > 2:  # two terms commute: no order to reveal
                 inputs["order-revealing"] = order_revealing_shards(world_size, numel, g)
             for kind, shards in inputs.items():
-                for average in (False, True):
+                for op in (Averaging.SUM, Averaging.AVG):
                     out = torch.full((numel,), float("nan"), dtype=torch.bfloat16, device=device)
-                    reduce_shards_fp32(shards.to(device), out, average=average)
+                    reduce_shards_fp32(shards.to(device), out, op=op)
                     expected = ref_all_reduce(list(shards), accumulate="fp32", order="rank",
-                                              op=Averaging.AVG if average else Averaging.SUM)[0]
+                                              op=op)[0]
                     checks.append(BitCheck(
                         f"reduction W={world_size} shard={numel} {kind} "
-                        f"{'avg' if average else 'sum'} vs refgrad", same_bits(out, expected)))
+                        f"{op} vs refgrad", same_bits(out, expected)))
     return checks
 
 

@@ -41,12 +41,12 @@ import types
 import torch
 from torch import nn
 
-from fastgrad.config import DDPConfig
 from fastgrad.ddp import DistributedDataParallel
 from fastgrad.optim import AdamWConfig, DistributedOptimizer
 from fastgrad.optim.norm import local_square_limbs
 from fastgrad.optim.step_paths import FusedCpuPath, TorchOpsPath
 from fastgrad.optim.update import adamw_update_
+from gradvocab import DDPConfig
 from verify.distributed import spawn
 
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.1
@@ -299,7 +299,7 @@ _FIRST_STEP = """
 import time; t0 = time.perf_counter()
 import torch
 from torch import nn
-from fastgrad.config import DDPConfig
+from gradvocab import DDPConfig
 from fastgrad.ddp import DistributedDataParallel
 from fastgrad.optim import AdamWConfig, DistributedOptimizer
 model = nn.Linear(8, 8)

@@ -43,12 +43,13 @@ import torch
 from _timing import interleaved_medians  # bench/ is on sys.path when a script runs
 
 from fastgrad.reduce_scatter import reduce_shards_fp32
+from gradvocab import Averaging
 from refgrad.formats import tensor_bit_patterns
 
 
 def fastgrad_reduce(shards: torch.Tensor, output: torch.Tensor) -> None:
     """fastgrad's local reduction (Triton on CUDA, sequential fp32 loop elsewhere)."""
-    reduce_shards_fp32(shards, output, average=False)
+    reduce_shards_fp32(shards, output, op=Averaging.SUM)
 
 
 def production_reduce(shards: torch.Tensor, output: torch.Tensor) -> None:

@@ -147,7 +147,7 @@ tiny=(--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --
   --global-batch-size 8 --log-interval 5)
 if [ "$smoke" = 1 ]; then
   gpu_tests=(tests/fastgrad/test_mxfp8.py)
-  suite=(tests/fastgrad/test_config.py)
+  suite=(tests/gradvocab/test_ddp_config.py)
   bench_size=(--quick)
   verify_size=(--quick --check formats)
   megatron_size=(--quick --check layout)

@@ -5,11 +5,13 @@ exports ``fully_shard`` and its policies, not its internals)::
 
     from fastgrad import DDPConfig, DistributedDataParallel, AdamWConfig, DistributedOptimizer
 
-* wrapping: :class:`DistributedDataParallel` configured by :class:`DDPConfig`;
+* wrapping: :class:`DistributedDataParallel` configured by :class:`DDPConfig` (gradvocab's,
+  the one DDP settings type every package shares);
 * stepping: :class:`DistributedOptimizer` (sharded fp32 masters) or
   :class:`ReplicatedOptimizer` (all-reduced grads), both ``torch.optim.Optimizer``
   subclasses, with :class:`AdamWConfig` / :class:`SGDConfig`,
-  :func:`param_groups_without_decay_for`, :class:`DynamicLossScaler` (fp16) and
+  :func:`param_groups_without_decay_for`, :class:`DynamicLossScaler` (fp16, its settings a
+  :class:`LossScaling`; the three settings types gradvocab's) and
   :class:`StepOutcome`; :class:`ModelChunks` puts several model chunks under one optimizer;
 * the parallel grid: :class:`ParallelDims` (the TP/CP/DP/PP/VPP sizes; ``build()`` gives
   this rank's coordinates and process groups; ``ParallelDims.data_parallel(dp_group)``);
@@ -31,15 +33,16 @@ from typing import TYPE_CHECKING, Any
 # gradvocab). They are imported on first use (PEP 562), so importing one building block
 # (``fastgrad.timeline``, ``fastgrad.reduce_scatter``) does not load the DDP, optimizer and kernels.
 _PUBLIC = {
-    "DDPConfig": "fastgrad.config",
+    "DDPConfig": "gradvocab",
     "DistributedDataParallel": "fastgrad.ddp",
     "LifecycleError": "gradvocab",
-    "AdamWConfig": "fastgrad.optim",
+    "AdamWConfig": "gradvocab",
     "DistributedOptimizer": "fastgrad.optim",
     "DynamicLossScaler": "fastgrad.optim",
+    "LossScaling": "gradvocab",
     "ModelChunks": "fastgrad.optim",
     "ReplicatedOptimizer": "fastgrad.optim",
-    "SGDConfig": "fastgrad.optim",
+    "SGDConfig": "gradvocab",
     "param_groups_without_decay_for": "fastgrad.optim",
     "ParallelDims": "gradvocab",
     "StepOutcome": "gradvocab",
@@ -49,20 +52,25 @@ _PUBLIC = {
 }
 
 if TYPE_CHECKING:  # the same names, for type checkers and IDEs
-    from fastgrad.config import DDPConfig
     from fastgrad.ddp import DistributedDataParallel
     from fastgrad.optim import (
-        AdamWConfig,
         DistributedOptimizer,
         DynamicLossScaler,
         ModelChunks,
         ReplicatedOptimizer,
-        SGDConfig,
         param_groups_without_decay_for,
     )
     from fastgrad.pipeline import finalize_grads, forward_backward_1f1b
     from fastgrad.pipeline_interleaved import forward_backward_interleaved
-    from gradvocab import LifecycleError, ParallelDims, StepOutcome
+    from gradvocab import (
+        AdamWConfig,
+        DDPConfig,
+        LifecycleError,
+        LossScaling,
+        ParallelDims,
+        SGDConfig,
+        StepOutcome,
+    )
 
 
 def __getattr__(name: str) -> Any:
@@ -85,6 +93,7 @@ __all__ = [
     "DistributedOptimizer",
     "DynamicLossScaler",
     "LifecycleError",
+    "LossScaling",
     "ModelChunks",
     "ParallelDims",
     "ReplicatedOptimizer",

@@ -43,10 +43,9 @@ import torch.distributed as dist
 
 from fastgrad.averaging import GradAveraging, PrescaleSite
 from fastgrad.comm import reduce_scatter_into
-from fastgrad.config import DDPConfig
 from fastgrad.data_parallel_view import DataParallelView
 from fastgrad.reduce_scatter import reduce_scatter_with_fp32_accumulation
-from gradvocab import LifecycleError, ParallelDims
+from gradvocab import DDPConfig, LifecycleError, ParallelDims
 
 
 class BucketOwner(Protocol):
@@ -91,7 +90,7 @@ class AllReduceStrategy(GradReduceStrategy):
     name: str = "all-reduce"
 
     def launch(self, bucket: Bucket) -> Any:
-        return dist.all_reduce(bucket.grad_data, op=bucket.averaging.op, group=bucket.dp_group,
+        return dist.all_reduce(bucket.grad_data, op=bucket.averaging.factors.op, group=bucket.dp_group,
                                async_op=True)
 
 
@@ -112,14 +111,14 @@ class ReduceScatterStrategy(GradReduceStrategy):
         plan = bucket.averaging
         extra = {}
         if plan.site is PrescaleSite.COLLECTIVE:
-            extra["prescale"] = plan.prescale
+            extra["prescale"] = plan.factors.pre_scale
         scratch = bucket.collective_scratch()
         if scratch is not None:
             extra["scratch"] = scratch
         return self.collective(
             bucket.local_grad_shard,
             bucket.grad_data,
-            op=plan.op,
+            op=plan.factors.op,
             group=bucket.dp_group,
             async_op=True,
             **extra,

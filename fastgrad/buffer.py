@@ -3,14 +3,14 @@
 API summary
 -----------
 ``ParamAndGradBuffer(params, *, config, parallel_dims=None, dp_group=None, dp_size=None,
-device=None, average=False, mxfp8_params=False)``
+device=None, averaging=Averaging.SUM, mxfp8_params=False)``
     ``params``: parameters in registration order (a param with attribute
     ``shared_embedding=True`` gets its own bucket under the distributed optimizer).
     The data-parallel group comes from ``.parallel_dims``
     (:class:`gradvocab.ParallelDims` with this rank's place; pass one, else
     ``ParallelDims.data_parallel(dp_group, dp_size)`` resolves it) and is handed to every
     bucket, as is ``.averaging`` (:func:`fastgrad.averaging.grad_averaging` of ``config``,
-    the DP size and ``average``: the one decision of SUM, AVG or a ``1/dp`` pre-scale).
+    the DP size and ``averaging``: the one decision of SUM, AVG or a ``1/dp`` pre-scale).
     ``.params``, ``.config``, ``.parallel_dims``, ``.dp_size``, ``.dp_rank``, ``.dp_group``
     ``.groups``: ``list[BufferGroup]``, one per (param dtype, grad dtype), in
     first-seen order; ``.buckets``: every bucket of every group.
@@ -60,10 +60,9 @@ from fastgrad.bucket import (  # noqa: F401  (re-exported: one import site for b
     select_reduce_strategy,
 )
 from fastgrad.buffer_group import ALIGNMENT_ELEMENTS, BufferGroup, aligned_zeros  # noqa: F401
-from fastgrad.config import DDPConfig
 from fastgrad.data_parallel_view import DataParallelView
 from fastgrad.mxfp8 import PARAM_DTYPE, MXFP8Parameter
-from gradvocab import LifecycleError, ParallelDims, require_place
+from gradvocab import Averaging, DDPConfig, LifecycleError, ParallelDims, require_place
 
 
 class ParamAndGradBuffer(DataParallelView):
@@ -74,8 +73,10 @@ class ParamAndGradBuffer(DataParallelView):
     (always) and ``param.data`` (distributed optimizer only) become views into
     the group's buffers, keeping their values. Without torch.distributed the
     buffer can still be built for any ``dp_size`` to inspect layouts and
-    shards; reductions then need ``dp_size == 1``. ``average``: the reduction averages
-    over the replicas (else it sums); how is ``.averaging``.
+    shards; reductions then need ``dp_size == 1``. ``averaging``: how the reduction
+    combines the replicas (a :class:`gradvocab.Averaging`; the default ``Averaging.SUM``
+    sums, as a bare buffer always has; None is Megatron-Core's default, as
+    ``DistributedDataParallel``'s); the plan, with where a pre-scale is applied, is ``.averaging``.
     """
 
     def __init__(
@@ -87,7 +88,7 @@ class ParamAndGradBuffer(DataParallelView):
         dp_group: Any = None,
         dp_size: int | None = None,
         device: torch.device | str | None = None,
-        average: bool = False,
+        averaging: Averaging | None = Averaging.SUM,
         mxfp8_params: bool = False,
     ) -> None:
         if not isinstance(config, DDPConfig):
@@ -115,7 +116,7 @@ class ParamAndGradBuffer(DataParallelView):
         self.params = param_list
         self.parallel_dims = parallel_dims
         self.mxfp8_params = mxfp8_params
-        self.averaging = grad_averaging(config, parallel_dims.dp_size, average=average)
+        self.averaging = grad_averaging(config, parallel_dims.dp_size, averaging)
         self.strategy = select_reduce_strategy(config, distributed=parallel_dims.distributed)
         self.bucket_size = config.resolved_bucket_size(parallel_dims.dp_size)
         self._registration_index = {p: i for i, p in enumerate(param_list)}

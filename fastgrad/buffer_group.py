@@ -19,10 +19,9 @@ import torch
 
 from fastgrad.averaging import GradAveraging
 from fastgrad.bucket import Bucket, GradReduceStrategy
-from fastgrad.config import DDPConfig
 from fastgrad.layout import PARAM_START_ALIGNMENT, BufferLayout, compute_layout
 from fastgrad.mxfp8 import MXFP8Parameter
-from gradvocab import ParallelDims
+from gradvocab import DDPConfig, ParallelDims
 
 ALIGNMENT_ELEMENTS = PARAM_START_ALIGNMENT  # storage addresses of param views: 64 elements
 

@@ -57,10 +57,9 @@ from typing import Any
 from torch import nn
 
 from fastgrad.buffer import Bucket, ParamAndGradBuffer
-from fastgrad.config import DDPConfig
 from fastgrad.exposed_grads import ParamGrads
 from fastgrad.param_guard import ParamPlacement
-from gradvocab import LifecycleError, ParallelDims
+from gradvocab import Averaging, DDPConfig, LifecycleError, ParallelDims
 
 
 @dataclass
@@ -101,10 +100,12 @@ class DistributedDataParallel(nn.Module):
     The data-parallel group is ``parallel_dims``' (a :class:`ParallelDims` with this
     rank's place: ``build()`` of the whole grid, or ``ParallelDims.data_parallel``), or
     ``dp_group``'s (default: torch's default group).
-    ``average=True`` (production's default) averages over the replicas: through
-    ``ReduceOp.AVG`` when ``config.average_in_collective`` is set, otherwise by
-    pre-scaling each bucket by ``1/dp`` before a SUM (``self.averaging``, decided by
-    :func:`fastgrad.averaging.grad_averaging`). ``average=False`` sums.
+    ``averaging`` (a :class:`gradvocab.Averaging`) says how the replicas' grads are
+    combined: None (the default, Megatron-Core's) averages through ``ReduceOp.AVG`` when
+    ``config.average_in_collective`` is set, otherwise by pre-scaling each bucket by ``1/dp``
+    before a SUM (``Averaging.PRESCALE``); ``Averaging.SUM`` sums (Megatron-Core's per-token
+    loss). The plan is ``self.averaging``, decided once by
+    :func:`fastgrad.averaging.grad_averaging`.
     ``external_grad_params`` are parameters whose ``main_grad`` is written
     outside autograd; they count as ready only through :meth:`mark_grad_ready`.
     """
@@ -116,15 +117,13 @@ class DistributedDataParallel(nn.Module):
         config: DDPConfig,
         parallel_dims: ParallelDims | None = None,
         dp_group: Any = None,
-        average: bool = True,
+        averaging: Averaging | None = None,
         external_grad_params: Iterable[nn.Parameter] = (),
     ) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         if not isinstance(config, DDPConfig):
             raise TypeError(f"config must be a DDPConfig, got {type(config).__name__}")
-        if not isinstance(average, bool):
-            raise TypeError(f"average must be a bool, got {type(average).__name__}")
         if parallel_dims is not None and dp_group is not None:
             raise ValueError("pass either parallel_dims or dp_group, not both")
         super().__init__()
@@ -143,7 +142,7 @@ class DistributedDataParallel(nn.Module):
         self.parallel_dims = (ParallelDims.data_parallel(dp_group) if parallel_dims is None
                               else parallel_dims)
         self.buffer = ParamAndGradBuffer(
-            params, config=config, parallel_dims=self.parallel_dims, average=average
+            params, config=config, parallel_dims=self.parallel_dims, averaging=averaging
         )
         self.averaging = self.buffer.averaging
         self.dp_size = self.parallel_dims.dp_size

@@ -35,7 +35,7 @@ raises :class:`gradvocab.LifecycleError` instead, for:
 
 The config combinations production says give NaN (sharing without both
 overlaps or without ``fp8_param_gather``) are refused by
-``fastgrad.config.DDPConfig`` itself with a ValueError.
+``gradvocab.DDPConfig`` itself with a ValueError.
 
 With sharing off, the same class uses separate ``param_data`` (bf16) and
 ``grad_data`` allocations and the same steps, which is the baseline the
@@ -53,11 +53,10 @@ import torch
 
 from fastgrad.buffer import Bucket, ParamAndGradBuffer
 from fastgrad.comm import all_gather_into
-from fastgrad.config import DDPConfig
 from fastgrad.data_parallel_view import DataParallelView
 from fastgrad.mxfp8 import PARAM_DTYPE, MXFP8Parameter
 from fastgrad.mxfp8_regions import BucketRegion, ParamRegionGuard, RegionState
-from gradvocab import LifecycleError, ParallelDims
+from gradvocab import Averaging, DDPConfig, LifecycleError, ParallelDims
 
 __all__ = [
     "PARAM_DTYPE",
@@ -91,9 +90,10 @@ class MXFP8ParamGradBuffer(DataParallelView):
     ``data`` becomes a view into ``param_data`` (production's mapping).
     ``.buffer`` is the underlying ``ParamAndGradBuffer``; ``.buckets`` its buckets.
     The data-parallel group is ``parallel_dims``' or ``dp_group``'s, as for the buffer.
-    ``average``: the reduce-scatter averages over the replicas (as ``DistributedDataParallel``
-    does, Megatron-Core's default ``1/DP`` pre-scale unless ``config.average_in_collective``:
-    ``.buffer.averaging``), else it sums.
+    ``averaging``: how the reduce-scatter combines the replicas' grads (a
+    :class:`gradvocab.Averaging`; the default ``Averaging.SUM`` sums, None is
+    ``DistributedDataParallel``'s default, Megatron-Core's ``1/DP`` pre-scale unless
+    ``config.average_in_collective``); the plan is ``.buffer.averaging``.
     """
 
     def __init__(
@@ -104,11 +104,11 @@ class MXFP8ParamGradBuffer(DataParallelView):
         parallel_dims: ParallelDims | None = None,
         dp_group: Any = None,
         device: torch.device | str = "cpu",
-        average: bool = False,
+        averaging: Averaging | None = Averaging.SUM,
     ) -> None:
         self.buffer = ParamAndGradBuffer(
             params, config=config, parallel_dims=parallel_dims, dp_group=dp_group, device=device,
-            mxfp8_params=True, average=average,
+            mxfp8_params=True, averaging=averaging,
         )
         (group,) = self.buffer.groups  # every param is bf16 in this mode: one group
         self.group = group

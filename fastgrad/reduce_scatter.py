@@ -16,10 +16,11 @@ loop of fp32 adds in rank order. Production uses
 detail (vectorised/pairwise), so it is not guaranteed to match a rank-order
 model bit for bit.
 
-Averaging (``op=AVG``): the fp32 sum is divided by W (IEEE division in fp32)
-and only then rounded to the wire dtype. Production instead pre-scales every
-gradient by ``1/W`` in the gradient dtype before the collective, which is
-exact only for power-of-two W and no underflow.
+Averaging (``op=AVG``; the local reduction takes the same choice as a
+:class:`gradvocab.Averaging`, ``SUM`` or ``AVG``, as refgrad's model does): the fp32 sum is
+divided by W (IEEE division in fp32) and only then rounded to the wire dtype. Production
+instead pre-scales every gradient by ``1/W`` in the gradient dtype before the collective,
+which is exact only for power-of-two W and no underflow.
 
 Pre-scaling (``prescale=s``): production's ``grad_data.mul_(s)`` before the
 collective, folded into the local reduction so the bucket makes no extra
@@ -39,6 +40,7 @@ import torch.distributed as dist
 
 from fastgrad.comm import memory_overlaps
 from fastgrad.kernels import triton_available
+from gradvocab import Averaging
 
 SUM = dist.ReduceOp.SUM
 AVG = dist.ReduceOp.AVG
@@ -57,13 +59,13 @@ class FP32AccumulationWork:
         all_to_all_work: dist.Work | None,
         shards: torch.Tensor,
         output: torch.Tensor,
-        average: bool,
+        op: Averaging,
         prescale: float | None = None,
     ) -> None:
         self._all_to_all_work = all_to_all_work
         self._shards = shards
         self._output = output
-        self._average = average
+        self._op = check_local_op(op)
         self._prescale = prescale
         self._done = False
 
@@ -72,7 +74,7 @@ class FP32AccumulationWork:
         if not self._done:
             if self._all_to_all_work is not None:
                 self._all_to_all_work.wait()
-            reduce_shards_fp32(self._shards, self._output, average=self._average,
+            reduce_shards_fp32(self._shards, self._output, op=self._op,
                                prescale=self._prescale)
             self._done = True
             # Drop the scratch reference so the caller's memory can be reused.
@@ -95,16 +97,29 @@ def check_prescale(prescale: object) -> float | None:
     return float(prescale)
 
 
+def check_local_op(op: object) -> Averaging:
+    """``op`` if it is ``Averaging.SUM`` or ``Averaging.AVG`` (what the fp32 local reduction
+    does after its sum: nothing, or divide by W); TypeError for anything but an Averaging (a
+    bool included), ValueError for ``PRESCALE``/``POSTSCALE`` (a multiplier is ``prescale=``)."""
+    if not isinstance(op, Averaging):
+        raise TypeError(f"op must be Averaging.SUM or Averaging.AVG, got {type(op).__name__} {op!r}")
+    if op not in (Averaging.SUM, Averaging.AVG):
+        raise ValueError(f"op must be Averaging.SUM or Averaging.AVG (a pre-scale is prescale=), got {op}")
+    return op
+
+
 def reduce_shards_fp32(
-    shards: torch.Tensor, output: torch.Tensor, *, average: bool, prescale: float | None = None
+    shards: torch.Tensor, output: torch.Tensor, *, op: Averaging, prescale: float | None = None
 ) -> None:
-    """Sum the rows of ``shards`` ([W, n]) in fp32 in row order, optionally / W, round once.
+    """Sum the rows of ``shards`` ([W, n]) in fp32 in row order, / W for ``op=Averaging.AVG``,
+    round once.
 
     Bitwise equal to refgrad's ``accumulate="fp32", order="rank"`` model on every path:
     each step is one IEEE fp32 addition (a 16-bit value converts to fp32 exactly).
     ``prescale``: each element is first replaced by ``shards[r] * prescale`` computed as
     torch's ``mul_`` computes it in the shards' dtype (see the module docstring).
     """
+    op = check_local_op(op)
     prescale = check_prescale(prescale)
     _check_tensor("shards", shards)
     _check_tensor("output", output)
@@ -124,7 +139,7 @@ def reduce_shards_fp32(
     if _use_triton(shards):
         from fastgrad.kernels.reduction import reduce_shards_fp32 as triton_reduce
 
-        triton_reduce(shards, output.view(-1), average=average, prescale=prescale)
+        triton_reduce(shards, output.view(-1), op=op, prescale=prescale)
         return
     # A sequential loop, not torch.sum(dim=0): sum's reduction order over dim 0
     # is not specified, while this order is exactly rank 0, 1, ..., W-1. Each
@@ -137,7 +152,7 @@ def reduce_shards_fp32(
     acc = row(0).to(torch.float32, copy=True)  # never alias an fp32 input row
     for rank in range(1, world_size):
         acc.add_(row(rank).to(torch.float32))
-    if average:
+    if op is Averaging.AVG:
         # A 0-dim tensor divisor: CUDA turns a Python-scalar divisor into a
         # multiplication by its reciprocal, which is not IEEE division.
         acc.div_(torch.tensor(float(world_size), dtype=torch.float32, device=acc.device))
@@ -233,8 +248,8 @@ def reduce_scatter_with_fp32_accumulation(
     work = dist.all_to_all_single(
         scratch.view(-1), input.view(-1), group=group, async_op=async_op
     )
-    handle = FP32AccumulationWork(work if async_op else None, shards, output, op == AVG,
-                                  prescale)
+    handle = FP32AccumulationWork(work if async_op else None, shards, output,
+                                  Averaging.from_reduce_op(op), prescale)
     if async_op:
         return handle
     handle.wait()

@@ -12,6 +12,11 @@ pulling in another's implementation. One concept, one type:
   per-rank timeline and what it says about the bubble;
 * :func:`default_bucket_size` (from :data:`MIN_DEFAULT_BUCKET_SIZE` and
   :data:`DEFAULT_BUCKET_SIZE_PER_RANK`): Megatron-Core's default DDP bucket size rule;
+* :class:`DDPConfig`: the data-parallel settings (Megatron-Core's
+  ``DistributedDataParallelConfig`` names), whose ``resolved_bucket_size`` applies that rule;
+* :class:`AdamWConfig`, :class:`SGDConfig`, :class:`LossScaling` (with
+  :data:`CONSTANT_SCALE_WINDOW`): the optimizer's settings, which fastgrad's optimizer and
+  loss scaler take and the candidate seam's ``OptimizerSettings`` holds;
 * :class:`StepOutcome`: what one optimizer step did;
 * :class:`Averaging` (with :class:`AveragingFactors` and :class:`MegatronAveragingFlags`): how
   data-parallel gradients are averaged;
@@ -26,7 +31,14 @@ from gradvocab.bucket_size import (
     MIN_DEFAULT_BUCKET_SIZE,
     default_bucket_size,
 )
+from gradvocab.ddp_config import DDPConfig
 from gradvocab.errors import LifecycleError
+from gradvocab.optimizer_settings import (
+    CONSTANT_SCALE_WINDOW,
+    AdamWConfig,
+    LossScaling,
+    SGDConfig,
+)
 from gradvocab.optimizer_step import StepOutcome
 from gradvocab.parallel_dims import ORDER, ParallelDims, RankPlace, require_place
 from gradvocab.results import LAUNCH_SITES, OptimizerRecord, RankResult
@@ -41,20 +53,25 @@ from gradvocab.timeline import (
 
 __all__ = [
     "COMMUNICATION_KINDS",
+    "CONSTANT_SCALE_WINDOW",
     "COMPUTE_KINDS",
     "DEFAULT_BUCKET_SIZE_PER_RANK",
     "EVENT_KINDS",
     "LAUNCH_SITES",
     "MIN_DEFAULT_BUCKET_SIZE",
     "ORDER",
+    "AdamWConfig",
     "Averaging",
     "AveragingFactors",
+    "DDPConfig",
     "LifecycleError",
+    "LossScaling",
     "MegatronAveragingFlags",
     "OptimizerRecord",
     "ParallelDims",
     "RankPlace",
     "RankResult",
+    "SGDConfig",
     "StepOutcome",
     "StepReport",
     "TimelineEvent",

@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from gradvocab import Averaging
+
 _BLOCK = 2048
 _NUM_WARPS = 8
 
@@ -87,13 +89,14 @@ def shard_alignment(shard_numel: int) -> int:
 
 
 def reduce_shards_fp32(
-    shards: torch.Tensor, output: torch.Tensor, *, average: bool, prescale: float | None = None
+    shards: torch.Tensor, output: torch.Tensor, *, op: Averaging, prescale: float | None = None
 ) -> None:
-    """``output = round(sum_r fp32(round(shards[r] * prescale)) [/ W])`` in one pass.
+    """``output = round(sum_r fp32(round(shards[r] * prescale)) [/ W])`` in one pass (``/ W``
+    for ``op=Averaging.AVG``).
 
     ``shards`` is a contiguous ``[W, n]`` CUDA tensor, ``output`` a contiguous
     ``[n]``-element tensor on the same device; the caller validates shapes and
-    ``prescale`` (``None``: no pre-scale).
+    ``op`` (``Averaging.SUM`` or ``.AVG``) and ``prescale`` (``None``: no pre-scale).
     """
     world_size, shard_numel = shards.shape
     align = shard_alignment(shard_numel)
@@ -106,7 +109,7 @@ def reduce_shards_fp32(
         world_size,
         float(world_size),
         1.0 if prescale is None else float(prescale),
-        AVERAGE=average,
+        AVERAGE=op is Averaging.AVG,  # the kernel specialises on it
         PRESCALE=prescale is not None,
         ALIGN=align,
         BLOCK=_BLOCK,

@@ -1,11 +1,17 @@
-"""Hyper-parameters, the dynamic loss scaler and the step result of ``fastgrad.optim``."""
+"""The optimizer's config types (gradvocab's) and the dynamic loss scaler of ``fastgrad.optim``.
+
+``AdamWConfig``, ``SGDConfig`` and the scaler's settings ``LossScaling`` are
+:mod:`gradvocab.optimizer_settings`' (one type each for fastgrad, the candidate seam and the
+checks); the scaler, whose scale moves step by step, is fastgrad's own.
+"""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from gradvocab import AdamWConfig, LossScaling, SGDConfig
 
 
 def fp32(x: float) -> float:
@@ -18,108 +24,48 @@ def fp32(x: float) -> float:
         return float(np.float32(x))
 
 
-def _positive_finite(owner: str, name: str, value: object, *, allow_zero: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{owner}.{name} must be a float, got {type(value).__name__}")
-    ok = value >= 0 if allow_zero else value > 0
-    if not (math.isfinite(value) and ok):
-        rule = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{owner}.{name} must be finite and {rule}, got {value}")
-
-
-@dataclass(frozen=True)
-class AdamWConfig:
-    """AdamW (decoupled weight decay) hyper-parameters of one param group."""
-
-    lr: float
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-
-    def __post_init__(self) -> None:
-        # lr 0 is allowed, as torch's: a warmup (Megatron's, LambdaLR's) starts there
-        _positive_finite("AdamWConfig", "lr", self.lr, allow_zero=True)
-        _positive_finite("AdamWConfig", "eps", self.eps)
-        _positive_finite("AdamWConfig", "weight_decay", self.weight_decay, allow_zero=True)
-        for name in ("beta1", "beta2"):
-            value = getattr(self, name)
-            _positive_finite("AdamWConfig", name, value, allow_zero=True)
-            if not value < 1:
-                raise ValueError(f"AdamWConfig.{name} must be in [0, 1), got {value}")
-
-
-@dataclass(frozen=True)
-class SGDConfig:
-    """SGD hyper-parameters (torch semantics: coupled weight decay, dampening 0)."""
-
-    lr: float
-    momentum: float = 0.0
-    weight_decay: float = 0.0
-
-    def __post_init__(self) -> None:
-        _positive_finite("SGDConfig", "lr", self.lr, allow_zero=True)
-        _positive_finite("SGDConfig", "momentum", self.momentum, allow_zero=True)
-        _positive_finite("SGDConfig", "weight_decay", self.weight_decay, allow_zero=True)
-
-
 OptimizerConfig = AdamWConfig | SGDConfig
 
 
 @dataclass
 class DynamicLossScaler:
-    """Megatron-Core's dynamic grad scaler for fp16 (powers of two only, so unscaling is exact).
+    """Megatron-Core's dynamic grad scaler for fp16, driven by its :class:`gradvocab.LossScaling`
+    (default: ``LossScaling()``, a scale of 2**16 that halves after 2 overflowing steps and
+    doubles after 1000 clean ones; powers of two only, so unscaling is exact).
 
     On a step with NaN/inf grads: the growth tracker resets and the hysteresis
     counter drops; when it reaches 0 the scale is multiplied by
-    ``backoff_factor`` (not below ``min_scale``). After ``growth_interval``
-    clean steps in a row the scale is multiplied by ``growth_factor`` and the
-    hysteresis is restored.
+    ``settings.backoff_factor`` (not below ``settings.min_scale``). After
+    ``settings.growth_interval`` clean steps in a row the scale is multiplied by
+    ``settings.growth_factor`` and the hysteresis is restored.
     """
 
-    initial_scale: float = 2.0**16
-    min_scale: float = 1.0
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 1000
-    hysteresis: int = 2
+    settings: LossScaling = field(default_factory=LossScaling)
     scale: float = field(init=False)
     growth_tracker: int = field(init=False, default=0)
     hysteresis_tracker: int = field(init=False)
 
     def __post_init__(self) -> None:
-        for name in ("initial_scale", "min_scale", "growth_factor", "backoff_factor"):
-            value = getattr(self, name)
-            _positive_finite("DynamicLossScaler", name, value)
-            if math.frexp(value)[0] != 0.5:
-                raise ValueError(
-                    f"DynamicLossScaler.{name} must be a power of two (so unscaling is exact), "
-                    f"got {value}"
-                )
-        if not self.growth_factor > 1 or not self.backoff_factor < 1:
-            raise ValueError("DynamicLossScaler needs growth_factor > 1 and backoff_factor < 1")
-        if self.min_scale > self.initial_scale:
-            raise ValueError("DynamicLossScaler.min_scale must be <= initial_scale")
-        for name in ("growth_interval", "hysteresis"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"DynamicLossScaler.{name} must be an int >= 1, got {value!r}")
-        self.scale = float(self.initial_scale)
-        self.hysteresis_tracker = self.hysteresis
+        if not isinstance(self.settings, LossScaling):
+            raise TypeError("DynamicLossScaler.settings must be a gradvocab.LossScaling, got "
+                            f"{type(self.settings).__name__}")
+        self.scale = float(self.settings.initial_scale)
+        self.hysteresis_tracker = self.settings.hysteresis
 
     def update(self, found_inf: bool) -> None:
         """Adjust the scale after a step (``found_inf``: the all-reduced flag)."""
+        settings = self.settings
         if found_inf:
             self.growth_tracker = 0
             self.hysteresis_tracker -= 1
             if self.hysteresis_tracker <= 0:
-                self.scale = max(self.scale * self.backoff_factor, self.min_scale)
+                self.scale = max(self.scale * settings.backoff_factor, settings.min_scale)
             return
         self.growth_tracker += 1
-        if self.growth_tracker == self.growth_interval:
+        if self.growth_tracker == settings.growth_interval:
             self.growth_tracker = 0
-            self.hysteresis_tracker = self.hysteresis
-            self.scale *= self.growth_factor
+            self.hysteresis_tracker = settings.hysteresis
+            self.scale *= settings.growth_factor
 
     def state_dict(self) -> dict[str, float | int]:
         return {

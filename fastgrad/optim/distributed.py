@@ -36,13 +36,7 @@ from fastgrad.ddp import DistributedDataParallel
 from fastgrad.mxfp8_sharing import MXFP8ParamGradBuffer
 from fastgrad.optim.checkpoint import CheckpointMixin
 from fastgrad.optim.chunks import ModelChunks
-from fastgrad.optim.config import (
-    AdamWConfig,
-    DynamicLossScaler,
-    OptimizerConfig,
-    SGDConfig,
-    fp32,
-)
+from fastgrad.optim.config import DynamicLossScaler, OptimizerConfig, fp32
 from fastgrad.optim.groups import (  # noqa: F401  (re-exported: their historical home)
     GroupConfigs,
     default_no_decay,
@@ -54,7 +48,7 @@ from fastgrad.optim.guards import ParamVersions, check_model_parallel_group, res
 from fastgrad.optim.norm import NUM_LIMBS, limbs_to_fraction
 from fastgrad.optim.publication import ParamPublication, flat_fp32
 from fastgrad.optim.step_paths import choose_path
-from gradvocab import LifecycleError, StepOutcome
+from gradvocab import AdamWConfig, LifecycleError, SGDConfig, StepOutcome
 
 CLIP_EPS = 1e-6  # Megatron-Core: clip_coeff = max_norm / (total_norm + 1e-6)
 

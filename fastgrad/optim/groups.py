@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from fastgrad.optim.config import AdamWConfig, OptimizerConfig, SGDConfig
+from fastgrad.optim.config import OptimizerConfig
+from gradvocab import AdamWConfig, SGDConfig
 
 UNSUPPORTED_DEFAULTS = {"amsgrad": False, "maximize": False, "nesterov": False, "dampening": 0}
 # Keys torch's LR schedulers keep in the groups (LambdaLR ... OneCycleLR): carried, not read.

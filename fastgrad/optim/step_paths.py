@@ -24,9 +24,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from fastgrad.optim.config import AdamWConfig, OptimizerConfig, fp32
+from fastgrad.optim.config import OptimizerConfig, fp32
 from fastgrad.optim.norm import MAX_ELEMENTS, limbs_from_bins, local_square_limbs
 from fastgrad.optim.update import adamw_scalars, adamw_update_, sgd_update_
+from gradvocab import AdamWConfig
 
 
 def choose_path(shards: Sequence[Any], buffer: Any, uses_mxfp8_front: bool) -> Any:

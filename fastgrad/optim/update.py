@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from fastgrad.optim.config import AdamWConfig, SGDConfig, fp32
+from fastgrad.optim.config import fp32
+from gradvocab import AdamWConfig, SGDConfig
 
 BLOCK = 1 << 18  # elements per pass of the update: 1 MiB per operand, and few per-op thread barriers
 

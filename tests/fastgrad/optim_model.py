@@ -4,7 +4,6 @@ tests drive fastgrad's API (DDP, DistributedOptimizer and its state dicts) thems
 
 from __future__ import annotations
 
-from fastgrad.config import DDPConfig
 from fastgrad.ddp import DistributedDataParallel
 from fastgrad.optim import (
     AdamWConfig,
@@ -12,10 +11,11 @@ from fastgrad.optim import (
     SGDConfig,
     param_groups_without_decay_for,
 )
+from gradvocab import DDPConfig
 from verify.checks.optim.cases import ADAMW, BUCKET_SIZE, SGD, Model, coefficients
 
 
-def build(dtypes, algorithm, *, clip=None, overlap_param_gather=False, average=True,
+def build(dtypes, algorithm, *, clip=None, overlap_param_gather=False, averaging=None,
           scaler=None, grad_fp32=False, dp_group=None, model_parallel_group=None, seed=0,
           optimizer_cls=DistributedOptimizer, param_loss=False):
     """Model + DDP (distributed optimizer, several buckets) + ``optimizer_cls``."""
@@ -24,7 +24,7 @@ def build(dtypes, algorithm, *, clip=None, overlap_param_gather=False, average=T
         use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=BUCKET_SIZE,
         overlap_param_gather=overlap_param_gather, grad_reduce_in_fp32=grad_fp32,
     )
-    ddp = DistributedDataParallel(model, config=config, average=average, dp_group=dp_group)
+    ddp = DistributedDataParallel(model, config=config, averaging=averaging, dp_group=dp_group)
     cfg = AdamWConfig(**ADAMW) if algorithm == "adamw" else SGDConfig(**SGD)
     opt = optimizer_cls(
         ddp, cfg, param_groups_without_decay_for(ddp), max_grad_norm=clip, loss_scaler=scaler,

@@ -15,8 +15,7 @@ import pytest
 import torch.distributed as dist
 
 from fastgrad.averaging import GradAveraging, PrescaleSite, grad_averaging
-from fastgrad.config import DDPConfig
-from gradvocab import Averaging
+from gradvocab import Averaging, DDPConfig
 
 SUM, AVG = dist.ReduceOp.SUM, dist.ReduceOp.AVG
 DIST_OPT = dict(use_distributed_optimizer=True)
@@ -26,33 +25,41 @@ FP32_RS = dict(use_distributed_optimizer=True, reduce_scatter_with_fp32_accumula
 SUM_, AVG_, PRESCALE = Averaging.SUM, Averaging.AVG, Averaging.PRESCALE
 
 
-@pytest.mark.parametrize("config, dp, average, how, op, prescale, site", [
-    (dict(), 4, False, SUM_, SUM, None, None),                      # a sum: nothing scaled
-    (dict(), 4, True, PRESCALE, SUM, 0.25, PrescaleSite.BUCKET),    # Megatron's default: 1/dp first
-    (DIST_OPT, 3, True, PRESCALE, SUM, 1 / 3, PrescaleSite.BUCKET),
-    (FP32_RS, 4, True, PRESCALE, SUM, 0.25, PrescaleSite.COLLECTIVE),  # folded into the fp32 reduction
-    (FP32_RS, 4, False, SUM_, SUM, None, None),
-    (dict(average_in_collective=True), 4, True, AVG_, AVG, None, None),
-    ({**FP32_RS, "average_in_collective": True}, 2, True, AVG_, AVG, None, None),
-    (dict(), 1, True, PRESCALE, SUM, None, None),                   # x * 1.0 is x: no pre-scale
+@pytest.mark.parametrize("config, dp, averaging, how, op, prescale, site", [
+    (dict(), 4, SUM_, SUM_, SUM, None, None),                       # a sum: nothing scaled
+    (dict(), 4, None, PRESCALE, SUM, 0.25, PrescaleSite.BUCKET),    # Megatron's default: 1/dp first
+    (dict(), 4, PRESCALE, PRESCALE, SUM, 0.25, PrescaleSite.BUCKET),
+    (DIST_OPT, 3, None, PRESCALE, SUM, 1 / 3, PrescaleSite.BUCKET),
+    (FP32_RS, 4, None, PRESCALE, SUM, 0.25, PrescaleSite.COLLECTIVE),  # folded into the fp32 reduction
+    (FP32_RS, 4, SUM_, SUM_, SUM, None, None),
+    (dict(average_in_collective=True), 4, None, AVG_, AVG, None, None),
+    (dict(average_in_collective=True), 4, AVG_, AVG_, AVG, None, None),
+    ({**FP32_RS, "average_in_collective": True}, 2, None, AVG_, AVG, None, None),
+    (dict(), 1, None, PRESCALE, SUM, None, None),                   # x * 1.0 is x: no pre-scale
 ])
-def test_the_plan_by_hand(config, dp, average, how, op, prescale, site):
-    plan = grad_averaging(DDPConfig(**config), dp, average=average)
+def test_the_plan_by_hand(config, dp, averaging, how, op, prescale, site):
+    plan = grad_averaging(DDPConfig(**config), dp, averaging)
     assert (plan.averaging, plan.dp_size) == (how, dp)
-    assert (plan.average, plan.op, plan.prescale, plan.site) == (average, op, prescale, site)
+    assert (plan.factors.op, plan.factors.pre_scale, plan.site) == (op, prescale, site)
     for where in PrescaleSite:
         assert plan.prescale_at(where) == (prescale if where is site else None)
 
 
 def test_contradictions_and_bad_arguments_are_refused():
-    with pytest.raises(ValueError, match="cannot be combined with average=False"):
-        grad_averaging(DDPConfig(average_in_collective=True), 2, average=False)
+    with pytest.raises(ValueError, match="averaging=sum contradicts DDPConfig.average_in_collective=True"):
+        grad_averaging(DDPConfig(average_in_collective=True), 2, Averaging.SUM)
+    with pytest.raises(ValueError, match="averaging=prescale contradicts DDPConfig.average_in_collective=True"):
+        grad_averaging(DDPConfig(average_in_collective=True), 2, Averaging.PRESCALE)
+    with pytest.raises(ValueError, match="averaging=avg contradicts DDPConfig.average_in_collective=False"):
+        grad_averaging(DDPConfig(), 2, Averaging.AVG)
+    with pytest.raises(ValueError, match="POSTSCALE has no Megatron-Core flags"):
+        grad_averaging(DDPConfig(), 2, Averaging.POSTSCALE)
     with pytest.raises(TypeError, match="config must be a DDPConfig"):
-        grad_averaging({}, 2, average=True)
+        grad_averaging({}, 2)
     with pytest.raises(ValueError, match="dp_size must be an int >= 1"):
-        grad_averaging(DDPConfig(), 0, average=True)
-    with pytest.raises(TypeError, match="average must be a bool"):
-        grad_averaging(DDPConfig(), 2, average=1)
+        grad_averaging(DDPConfig(), 0)
+    with pytest.raises(TypeError, match="averaging must be a gradvocab.Averaging or None, got str"):
+        grad_averaging(DDPConfig(), 2, "avg")
     with pytest.raises(ValueError, match="site is given exactly when there is a pre-scale"):
         GradAveraging(Averaging.PRESCALE, 2)  # a pre-scale of 0.5 with nowhere to apply it
     with pytest.raises(ValueError, match="site is given exactly when there is a pre-scale"):
@@ -68,11 +75,12 @@ def test_contradictions_and_bad_arguments_are_refused():
 
 
 def test_reports_describe_the_plan():
-    assert grad_averaging(DDPConfig(), 4, average=True).describe() == \
+    assert grad_averaging(DDPConfig(), 4).describe() == \
         "x 0.25 (grad dtype, in the bucket) then SUM"
-    assert grad_averaging(DDPConfig(**FP32_RS), 2, average=True).describe() == \
+    assert grad_averaging(DDPConfig(**FP32_RS), 2).describe() == \
         "x 0.5 (grad dtype, inside the collective) then SUM"
-    assert grad_averaging(DDPConfig(average_in_collective=True), 2, average=True).describe() == \
+    assert grad_averaging(DDPConfig(average_in_collective=True), 2).describe() == \
         "AVG in the collective"
-    assert grad_averaging(DDPConfig(), 1, average=True).describe() == \
+    assert grad_averaging(DDPConfig(), 1).describe() == \
         "SUM (one replica: the average is the sum)"
+    assert grad_averaging(DDPConfig(), 4, Averaging.SUM).describe() == "SUM"

@@ -12,9 +12,8 @@ from fastgrad.buffer import (
     select_reduce_strategy,
 )
 from fastgrad.comm import reduce_scatter_into
-from fastgrad.config import DDPConfig
 from fastgrad.reduce_scatter import reduce_scatter_with_fp32_accumulation
-from gradvocab import LifecycleError, ParallelDims
+from gradvocab import Averaging, DDPConfig, LifecycleError, ParallelDims
 from refgrad.layout import compute_layout as reference_layout
 from verify.candidates import FastgradCandidate
 from verify.checks.layout import buffer_violations, default_scenarios, run_reduce_scenarios
@@ -156,9 +155,9 @@ def test_padding_never_leaks():
 
 def test_local_only_reduction_of_one_replica_leaves_its_grads():
     params = make_params([(3,), (4,)], [torch.bfloat16] * 2)
-    buf = ParamAndGradBuffer(params, config=DIST_OPT, average=True)
+    buf = ParamAndGradBuffer(params, config=DIST_OPT, averaging=Averaging.PRESCALE)
     assert isinstance(buf.strategy, LocalOnlyStrategy)
-    assert buf.averaging.prescale is None  # the average of one replica is that replica
+    assert buf.averaging.factors.pre_scale is None  # the average of one replica is that replica
     for p in params:
         p.main_grad.fill_(3.0)
     buf.start_grad_sync()
@@ -227,8 +226,8 @@ def test_bad_arguments():
         ParamAndGradBuffer(p, config=DIST_OPT, dp_size=0)
     with pytest.raises(ValueError, match="dp_group was given"):
         ParamAndGradBuffer(p, config=DIST_OPT, dp_group=object())
-    with pytest.raises(ValueError, match="cannot be combined with average=False"):
-        ParamAndGradBuffer(p, config=DDPConfig(average_in_collective=True))
+    with pytest.raises(ValueError, match="averaging=sum contradicts DDPConfig.average_in_collective=True"):
+        ParamAndGradBuffer(p, config=DDPConfig(average_in_collective=True))  # the default: SUM
     with pytest.raises(ValueError, match="either parallel_dims or dp_group/dp_size"):
         ParamAndGradBuffer(p, config=DIST_OPT, dp_size=1, parallel_dims=ParallelDims.data_parallel())
     with pytest.raises(ValueError, match="sizes only"):

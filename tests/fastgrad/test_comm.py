@@ -16,8 +16,7 @@ from distributed_utils import run_distributed
 
 from fastgrad.buffer import ParamAndGradBuffer
 from fastgrad.comm import ChunkCopyWork, reduce_scatter_into
-from fastgrad.config import DDPConfig
-from gradvocab import Averaging
+from gradvocab import Averaging, DDPConfig
 from refgrad import reduce_scatter as refc
 from verify.metrics import assert_bitwise_equal, bitwise_equal
 
@@ -73,7 +72,7 @@ def _bucket_worker(rank: int, world: int) -> list[dict]:
     """A distributed-optimizer bucket averaged by a 1/W pre-scale, reduced twice."""
     params = [torch.nn.Parameter(torch.zeros(n)) for n in (37, 50)]
     buffer = ParamAndGradBuffer(params, config=DDPConfig(use_distributed_optimizer=True),
-                                average=True)
+                                averaging=Averaging.PRESCALE)
     (bucket,) = buffer.buckets
     steps = []
     for it in range(2):

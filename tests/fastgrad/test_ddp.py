@@ -10,10 +10,9 @@ import torch
 from distributed_utils import run_distributed
 from torch import nn
 
-from fastgrad.config import DDPConfig
 from fastgrad.ddp import DistributedDataParallel
 from fastgrad.exposed_grads import UnreducedGradPlaceholder
-from gradvocab import Averaging, LifecycleError
+from gradvocab import Averaging, DDPConfig, LifecycleError
 from refgrad.pipeline import reduce_across_replicas
 from verify.metrics import assert_bitwise_equal, bitwise_equal
 
@@ -70,7 +69,7 @@ def _run_step(ddp, inputs):
 @pytest.mark.parametrize("overlap", [True, False])
 def test_main_grad_is_the_microbatch_ordered_sum(overlap):
     model = TwoLayer()
-    ddp = DistributedDataParallel(model, config=_config(overlap), average=False)
+    ddp = DistributedDataParallel(model, config=_config(overlap), averaging=Averaging.SUM)
     inputs = _data(0, 3)
     expected = _per_microbatch_grads(0, inputs)
     ddp.zero_grad_buffer()
@@ -95,7 +94,7 @@ def test_main_grad_is_the_microbatch_ordered_sum(overlap):
 
 def test_buckets_launch_in_the_last_backward_after_the_first_batch():
     model = TwoLayer()
-    ddp = DistributedDataParallel(model, config=_config(True), average=False)
+    ddp = DistributedDataParallel(model, config=_config(True), averaging=Averaging.SUM)
     assert len(ddp.buffer.buckets) >= 2
     for step in range(3):
         _run_step(ddp, _data(step, 2))
@@ -105,14 +104,14 @@ def test_buckets_launch_in_the_last_backward_after_the_first_batch():
 
 
 def test_without_overlap_everything_reduces_in_finish():
-    ddp = DistributedDataParallel(TwoLayer(), config=_config(False), average=False)
+    ddp = DistributedDataParallel(TwoLayer(), config=_config(False), averaging=Averaging.SUM)
     _run_step(ddp, _data(0, 2))
     assert set(ddp.last_launch_sites) == {"finish"}
 
 
 def test_microbatch_count_change_keeps_learned_counts_valid():
     model = TwoLayer()
-    ddp = DistributedDataParallel(model, config=_config(True), average=False)
+    ddp = DistributedDataParallel(model, config=_config(True), averaging=Averaging.SUM)
     for step, m in enumerate((3, 1, 5, 2)):
         inputs = _data(step, m)
         _run_step(ddp, inputs)
@@ -127,7 +126,7 @@ def test_microbatch_count_change_keeps_learned_counts_valid():
 
 def test_frozen_parameter_change_relearns_instead_of_hanging():
     model = TwoLayer()
-    ddp = DistributedDataParallel(model, config=_config(True), average=False)
+    ddp = DistributedDataParallel(model, config=_config(True), averaging=Averaging.SUM)
     _run_step(ddp, _data(0, 2))
     model.second.bias.requires_grad_(False)
     _run_step(ddp, _data(1, 2))
@@ -144,7 +143,7 @@ def test_frozen_parameter_change_relearns_instead_of_hanging():
 
 def test_bucket_never_launched_names_bucket_and_counts():
     model = TwoLayer()
-    ddp = DistributedDataParallel(model, config=_config(True, bucket_size=10_000), average=False)
+    ddp = DistributedDataParallel(model, config=_config(True, bucket_size=10_000), averaging=Averaging.SUM)
     _run_step(ddp, _data(0, 2))  # learns: every param produces a grad
     model.skip_second = True  # graph change: second.* never get a grad
     ddp.zero_grad_buffer()
@@ -160,7 +159,7 @@ def test_bucket_never_launched_names_bucket_and_counts():
 def test_unused_parameter_on_first_batch_is_learned():
     model = TwoLayer()
     model.skip_second = True
-    ddp = DistributedDataParallel(model, config=_config(True, bucket_size=10_000), average=False)
+    ddp = DistributedDataParallel(model, config=_config(True, bucket_size=10_000), averaging=Averaging.SUM)
     _run_step(ddp, _data(0, 2))
     assert ddp.last_launch_sites == ("finish",)  # incomplete on the first batch: launched at finish
     _run_step(ddp, _data(1, 2))
@@ -168,7 +167,7 @@ def test_unused_parameter_on_first_batch_is_learned():
 
 
 def test_sync_enabled_on_two_microbatches_is_refused():
-    ddp = DistributedDataParallel(TwoLayer(), config=_config(True), average=False)
+    ddp = DistributedDataParallel(TwoLayer(), config=_config(True), averaging=Averaging.SUM)
     ddp.zero_grad_buffer()
     inputs = _data(0, 2)
     _backward(ddp, inputs[0])  # sync enabled: this is taken as the last microbatch
@@ -177,7 +176,7 @@ def test_sync_enabled_on_two_microbatches_is_refused():
 
 
 def test_no_sync_misuse_is_refused():
-    ddp = DistributedDataParallel(TwoLayer(), config=_config(True), average=False)
+    ddp = DistributedDataParallel(TwoLayer(), config=_config(True), averaging=Averaging.SUM)
     ddp.zero_grad_buffer()
     with ddp.no_sync():
         with pytest.raises(LifecycleError, match="not reentrant"):
@@ -199,7 +198,7 @@ def test_no_sync_misuse_is_refused():
 def test_finish_without_a_step_is_refused(overlap):
     # Without overlap a second finish would silently reduce the reduced grads again.
     model = TwoLayer()
-    ddp = DistributedDataParallel(model, config=_config(overlap), average=False)
+    ddp = DistributedDataParallel(model, config=_config(overlap), averaging=Averaging.SUM)
     with pytest.raises(LifecycleError, match="without a step in progress"):
         ddp.finish_grad_sync()  # finish before any start
     inputs = _data(0, 2)
@@ -214,7 +213,7 @@ def test_finish_without_a_step_is_refused(overlap):
 def test_mark_grad_ready_for_grads_written_outside_autograd():
     model = TwoLayer()
     ddp = DistributedDataParallel(
-        model, config=_config(True, bucket_size=10_000), average=False,
+        model, config=_config(True, bucket_size=10_000), averaging=Averaging.SUM,
         external_grad_params=[model.second.weight],
     )
     for step in range(2):
@@ -241,13 +240,33 @@ def test_mark_grad_ready_after_finish_without_zeroing_is_refused():
         ddp.mark_grad_ready(model.second.weight)
 
 
+@pytest.mark.parametrize("flag", [True, False])
+def test_the_averaging_of_every_public_class_refuses_a_bool(flag):
+    """``average=True`` was a bool; an ``Averaging`` says how, and a bool passed for it is a
+    TypeError naming the parameter and the rule (not a silent SUM or average)."""
+    from fastgrad.buffer import ParamAndGradBuffer
+    from fastgrad.mxfp8_sharing import MXFP8ParamGradBuffer
+    from verify.fixtures.mxfp8 import toy_config
+
+    rule = "averaging must be a gradvocab.Averaging or None, got bool"
+    with pytest.raises(TypeError, match=rule):
+        DistributedDataParallel(TwoLayer(), config=_config(), averaging=flag)
+    with pytest.raises(TypeError, match=rule):
+        ParamAndGradBuffer([nn.Parameter(torch.zeros(4))], config=_config(), averaging=flag)
+    with pytest.raises(TypeError, match=rule):
+        MXFP8ParamGradBuffer([torch.zeros(4, dtype=torch.bfloat16)],
+                             config=toy_config(sharing=False, grad_fp32=True), averaging=flag)
+
+
 def test_constructor_validation():
     with pytest.raises(TypeError, match="module"):
         DistributedDataParallel("x", config=_config())
     with pytest.raises(TypeError, match="config"):
         DistributedDataParallel(TwoLayer(), config={})
     with pytest.raises(ValueError, match="average_in_collective"):
-        DistributedDataParallel(TwoLayer(), config=_config(average_in_collective=True), average=False)
+        DistributedDataParallel(TwoLayer(), config=_config(average_in_collective=True), averaging=Averaging.SUM)
+    with pytest.raises(ValueError, match="averaging=avg contradicts DDPConfig.average_in_collective=False"):
+        DistributedDataParallel(TwoLayer(), config=_config(), averaging=Averaging.AVG)
     frozen = TwoLayer()
     for p in frozen.parameters():
         p.requires_grad_(False)
@@ -280,11 +299,11 @@ def _dp_worker(rank, world_size):
     from fastgrad.comm import all_gather_into
 
     out = {}
-    for label, (extra, average, _) in CONFIGS.items():
+    for label, (extra, _, averaging) in CONFIGS.items():
         for overlap in (True, False):
             model = TwoLayer()
             ddp = DistributedDataParallel(
-                model, config=_config(overlap, **extra), average=average
+                model, config=_config(overlap, **extra), averaging=averaging
             )
             steps = []
             for step in range(2):
@@ -394,7 +413,7 @@ def _plain_sgd_worker(rank, world_size):
     for label, (dtype, grad_fp32) in PLAIN_OPTIMIZER_CASES.items():
         model = TwoLayer().to(dtype)
         ddp = DistributedDataParallel(
-            model, config=_config(True, grad_reduce_in_fp32=grad_fp32), average=True
+            model, config=_config(True, grad_reduce_in_fp32=grad_fp32)
         )
         optimizer = torch.optim.SGD(ddp.parameters(), lr=SGD_LR)
         steps = []

@@ -17,10 +17,9 @@ import pytest
 import torch
 from distributed_utils import run_distributed
 
-from fastgrad.config import DDPConfig
 from fastgrad.mxfp8_sharing import MXFP8Parameter, MXFP8ParamGradBuffer
 from fastgrad.optim import AdamWConfig, DistributedOptimizer, DynamicLossScaler, SGDConfig
-from gradvocab import LifecycleError
+from gradvocab import DDPConfig, LifecycleError
 from refgrad import mxfp8 as ref
 from verify.fixtures.mxfp8 import TOY_SHAPES, toy_config, train_both_modes_rank
 from verify.metrics import assert_bitwise_equal, bitwise_equal

@@ -13,7 +13,6 @@ from fractions import Fraction
 import pytest
 import torch
 
-from fastgrad.config import DDPConfig
 from fastgrad.ddp import DistributedDataParallel
 from fastgrad.optim import (
     AdamWConfig,
@@ -25,7 +24,7 @@ from fastgrad.optim import (
 from fastgrad.optim.norm import limbs_to_fraction, local_square_limbs
 from fastgrad.optim.step_paths import TorchOpsPath
 from fastgrad.optim.update import adamw_scalars
-from gradvocab import LifecycleError
+from gradvocab import DDPConfig, LifecycleError, LossScaling
 from refgrad import optim as R
 from tests.fastgrad.optim_model import build, snapshot, train_step  # noqa: F401 - re-exported
 from verify.checks.optim.cases import (  # noqa: F401 - re-exported for test_optim_dist
@@ -165,8 +164,10 @@ def test_bad_hyper_parameters_are_refused():
         AdamWConfig(lr=0.1, beta1=1.0)
     with pytest.raises(ValueError, match="SGDConfig.lr"):
         SGDConfig(lr=-1.0)  # lr 0 is allowed, as torch's (a warmup starts there)
-    with pytest.raises(ValueError, match="power of two"):
-        DynamicLossScaler(initial_scale=3.0)
+    with pytest.raises(ValueError, match="LossScaling.initial_scale must be a power of two"):
+        LossScaling(initial_scale=3.0)
+    with pytest.raises(TypeError, match="DynamicLossScaler.settings must be a gradvocab.LossScaling"):
+        DynamicLossScaler(2.0**16)  # the old first parameter, initial_scale
 
 
 def test_checkpoint_name_or_shape_mismatch_is_refused():
@@ -203,7 +204,7 @@ def test_fp16_needs_a_loss_scaler_and_bf16_refuses_one():
 
 def test_fp32_grads_take_a_loss_scale_and_unscale_it_exactly():
     """Megatron's --loss-scale (or fp16 params with fp32 main grads): a scaled fp32 backward."""
-    scaler = DynamicLossScaler(initial_scale=2.0**10, growth_interval=2)
+    scaler = DynamicLossScaler(LossScaling(initial_scale=2.0**10, growth_interval=2))
     model, ddp, opt = build(FP32, "adamw", clip=0.5, scaler=scaler)
     scales = [2.0**10, 2.0**10, 2.0**11]  # x2 after 2 clean steps
     want, _ = reference_trajectory([1, 1, 1], FP32, "adamw", clip=0.5, scales=scales)
@@ -215,7 +216,7 @@ def test_fp32_grads_take_a_loss_scale_and_unscale_it_exactly():
 
 
 def test_dynamic_loss_scaler_by_hand():
-    s = DynamicLossScaler(initial_scale=8.0, min_scale=2.0, growth_interval=2, hysteresis=2)
+    s = DynamicLossScaler(LossScaling(initial_scale=8.0, min_scale=2.0, growth_interval=2, hysteresis=2))
     s.update(True)
     assert s.scale == 8.0 and s.hysteresis_tracker == 1  # hysteresis absorbs the first inf
     s.update(True)

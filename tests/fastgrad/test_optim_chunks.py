@@ -14,7 +14,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastgrad.config import DDPConfig
 from fastgrad.ddp import DistributedDataParallel
 from fastgrad.optim import (
     AdamWConfig,
@@ -23,6 +22,7 @@ from fastgrad.optim import (
     ReplicatedOptimizer,
     param_groups_without_decay_for,
 )
+from gradvocab import DDPConfig
 from refgrad import optim as R
 from tests.distributed_utils import run_distributed
 from tests.fastgrad.test_optim import assert_matches, snapshot, train_step
@@ -49,7 +49,7 @@ def _chunks(overlap_param_gather: bool, dp_group=None) -> tuple[list, list]:
     config = DDPConfig(use_distributed_optimizer=True, overlap_grad_reduce=True,
                        bucket_size=BUCKET_SIZE, overlap_param_gather=overlap_param_gather)
     models = [Model(FP32, seed) for seed in (0, 1)]
-    return models, [DistributedDataParallel(m, config=config, average=True, dp_group=dp_group)
+    return models, [DistributedDataParallel(m, config=config, dp_group=dp_group)
                     for m in models]
 
 
@@ -178,7 +178,7 @@ def _replicated_worker(rank: int, world_size: int) -> dict:
     for label, dtypes in (("fp32", FP32), ("bf16+fp32", MIXED)):
         model = Model(dtypes, 0)
         config = DDPConfig(use_distributed_optimizer=False, overlap_grad_reduce=True, bucket_size=BUCKET_SIZE)
-        ddp = DistributedDataParallel(model, config=config, average=True)
+        ddp = DistributedDataParallel(model, config=config)
         opt = ReplicatedOptimizer(ddp, AdamWConfig(**ADAMW), param_groups_without_decay_for(ddp),
                                   max_grad_norm=CLIP)
         out[label] = []

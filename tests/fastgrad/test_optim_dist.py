@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from fastgrad.optim import DynamicLossScaler
-from gradvocab import LifecycleError
+from gradvocab import Averaging, LifecycleError, LossScaling
 from refgrad import optim as R
 from tests.distributed_utils import run_distributed
 from tests.fastgrad.test_optim import (
@@ -89,14 +89,14 @@ def worker(rank: int, world: int) -> dict:
 def worker_dp3(rank: int, world: int, checkpoint: dict) -> dict:
     out = {
         "resumed": _train(rank, 1, start=2, build_args=(MIXED, "adamw"),
-                          build_kwargs={"clip": 0.5, "average": False}, load=checkpoint),
+                          build_kwargs={"clip": 0.5, "averaging": Averaging.SUM}, load=checkpoint),
         "sgd": _train(rank, 3, build_args=(MIXED, "sgd"),
-                      build_kwargs={"overlap_param_gather": True, "average": False}),
+                      build_kwargs={"overlap_param_gather": True, "averaging": Averaging.SUM}),
         "fp16": _train(rank, 3, build_args=(FP16, "adamw"), scaler=True, build_kwargs={
-            "average": False, "scaler": DynamicLossScaler(initial_scale=256.0, hysteresis=1)}),
+            "averaging": Averaging.SUM, "scaler": DynamicLossScaler(LossScaling(initial_scale=256.0, hysteresis=1))}),
     }
     # A param written while its bucket's all-gather is in flight is refused at the wait.
-    model, ddp, opt = build(FP32, "adamw", overlap_param_gather=True, average=False)
+    model, ddp, opt = build(FP32, "adamw", overlap_param_gather=True, averaging=Averaging.SUM)
     train_step(model, ddp, opt, rank, 0)
     with torch.no_grad():
         model.layer.weight.add_(1.0)
@@ -106,7 +106,7 @@ def worker_dp3(rank: int, world: int, checkpoint: dict) -> dict:
     except LifecycleError as exc:
         out["modified"] = str(exc)
     # The same through .data, which moves no version counter: the published bits catch it.
-    model, ddp, opt = build(FP32, "adamw", overlap_param_gather=True, average=False)
+    model, ddp, opt = build(FP32, "adamw", overlap_param_gather=True, averaging=Averaging.SUM)
     train_step(model, ddp, opt, rank, 0)
     for shard in opt.shards:
         if shard.gather_handle is not None:
@@ -181,7 +181,7 @@ def test_dp2_then_dp3_bitwise_equal_to_refgrad():
     assert [out["pipeline_norm"] for out in ranks] == [float(R.global_norm(stage_grads))] * 3
 
     # DP=1 loads the DP=2 checkpoint and continues like refgrad.
-    model, ddp, opt = build(MIXED, "adamw", clip=0.5, average=False)
+    model, ddp, opt = build(MIXED, "adamw", clip=0.5, averaging=Averaging.SUM)
     opt.load_state_dict(checkpoint)
     want1, _ = reference_trajectory([1], MIXED, "adamw", clip=0.5, average=False,
                                     start=copy.deepcopy(after_checkpoint), first_step_id=2)

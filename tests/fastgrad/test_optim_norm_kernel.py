@@ -19,12 +19,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fastgrad.config import DDPConfig
 from fastgrad.ddp import DistributedDataParallel
 from fastgrad.optim import AdamWConfig, DistributedOptimizer
 from fastgrad.optim import cpu_kernels as K
 from fastgrad.optim.norm import limbs_from_bins, limbs_to_fraction
 from fastgrad.optim.step_paths import FusedCpuPath
+from gradvocab import DDPConfig
 from refgrad import optim as R
 from verify.metrics import assert_bitwise_equal
 

@@ -113,9 +113,9 @@ def _sgd(module):
 
 
 def _head_worker(rank, world_size):
-    from fastgrad.config import DDPConfig
     from fastgrad.ddp import DistributedDataParallel
     from fastgrad.pipeline import finalize_grads
+    from gradvocab import Averaging, DDPConfig
 
     dims = ParallelDims(pp_size=2).build()
     out = {}
@@ -127,7 +127,7 @@ def _head_worker(rank, world_size):
                 module,
                 config=DDPConfig(overlap_grad_reduce=overlap, bucket_size=40),
                 parallel_dims=dims,
-                average=False,
+                averaging=Averaging.SUM,
                 external_grad_params=[] if head is None else [head.weight],
             )
             record = []

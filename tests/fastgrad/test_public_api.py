@@ -8,16 +8,17 @@ import fastgrad
 
 # name -> the module that defines it (the submodule imports keep working)
 HOME = {
-    "AdamWConfig": "fastgrad.optim.config",
-    "DDPConfig": "fastgrad.config",
+    "AdamWConfig": "gradvocab.optimizer_settings",
+    "DDPConfig": "gradvocab.ddp_config",
     "DistributedDataParallel": "fastgrad.ddp",
     "DistributedOptimizer": "fastgrad.optim.distributed",
     "DynamicLossScaler": "fastgrad.optim.config",
     "LifecycleError": "gradvocab.errors",
+    "LossScaling": "gradvocab.optimizer_settings",
     "ModelChunks": "fastgrad.optim.chunks",
     "ParallelDims": "gradvocab.parallel_dims",
     "ReplicatedOptimizer": "fastgrad.optim.replicated",
-    "SGDConfig": "fastgrad.optim.config",
+    "SGDConfig": "gradvocab.optimizer_settings",
     "StepOutcome": "gradvocab.optimizer_step",
     "finalize_grads": "fastgrad.pipeline",
     "forward_backward_1f1b": "fastgrad.pipeline",
@@ -36,7 +37,7 @@ def test_all_lists_exactly_the_loop_names_each_the_submodules_object():
 
 
 def test_main_modules_declare_their_public_names():
-    for module, names in {"fastgrad.ddp": {"DistributedDataParallel"}, "fastgrad.config": {"DDPConfig"},
+    for module, names in {"fastgrad.ddp": {"DistributedDataParallel"}, "gradvocab": {"DDPConfig"},
                           "fastgrad.optim": {"DistributedOptimizer"},
                           "fastgrad.pipeline": {"forward_backward_1f1b"}}.items():
         assert names <= set(importlib.import_module(module).__all__), module

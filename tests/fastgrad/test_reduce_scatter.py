@@ -116,16 +116,16 @@ def _error_cases(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
 def _buffer_cases(rank: int, group) -> list[dict]:
     """Production's call path: a bucketed bf16 buffer whose config selects this reduce-scatter."""
     from fastgrad.buffer import ParamAndGradBuffer
-    from fastgrad.config import DDPConfig
+    from gradvocab import DDPConfig
 
     records = []
-    for average in (False, True):
+    for averaging in (Averaging.SUM, Averaging.AVG):
         config = DDPConfig(use_distributed_optimizer=True, overlap_grad_reduce=True,
                            bucket_size=40, reduce_scatter_with_fp32_accumulation=True,
-                           average_in_collective=average)
+                           average_in_collective=averaging is Averaging.AVG)
         params = [torch.nn.Parameter(torch.zeros(shape, dtype=torch.bfloat16))
                   for shape in [(5,), (7, 3), (11,), (9, 2)]]
-        buf = ParamAndGradBuffer(params, config=config, dp_group=group, average=average)
+        buf = ParamAndGradBuffer(params, config=config, dp_group=group, averaging=averaging)
         assert buf.strategy.collective is reduce_scatter_with_fp32_accumulation
         for iteration in range(ITERATIONS):
             buf.zero_grad()
@@ -135,7 +135,7 @@ def _buffer_cases(rank: int, group) -> list[dict]:
             before = [b.grad_data.clone() for b in buf.buckets]
             buf.start_grad_sync()
             buf.finish_grad_sync()
-            records.append({"average": average, "iteration": iteration, "before": before,
+            records.append({"averaging": averaging, "iteration": iteration, "before": before,
                             "after": [b.local_grad_shard.clone() for b in buf.buckets]})
     return records
 
@@ -179,11 +179,11 @@ def _check_buffer_against_refgrad(per_rank_records: list[list[dict]]) -> None:
         for b in range(len(first["before"])):
             inputs = [per_rank_records[r][i]["before"][b] for r in range(world_size)]
             expected = ref_reduce_scatter(inputs, accumulate="fp32", order="rank",
-                                          op=Averaging.AVG if first["average"] else Averaging.SUM)
+                                          op=first["averaging"])
             for rank in range(world_size):
                 assert_bitwise_equal(
                     expected[rank], per_rank_records[rank][i]["after"][b],
-                    msg=f"buffer bucket {b} rank {rank} average={first['average']}",
+                    msg=f"buffer bucket {b} rank {rank} averaging={first['averaging']}",
                 )
 
 
@@ -219,69 +219,69 @@ def test_bitwise_equal_to_refgrad_fp32_rank_order_for_2_3_4_ranks():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("world_size", [1, 3, 8])
-@pytest.mark.parametrize("average", [False, True])
-def test_local_reduction_matches_refgrad(dtype, world_size, average):
+@pytest.mark.parametrize("op", [Averaging.SUM, Averaging.AVG])
+def test_local_reduction_matches_refgrad(dtype, world_size, op):
     g = torch.Generator().manual_seed(world_size)
     shards = (torch.randn(world_size, 40, generator=g)
               * torch.exp2(-16 * torch.rand(world_size, 40, generator=g))).to(dtype)
     out = torch.empty(40, dtype=dtype)
-    reduce_shards_fp32(shards, out, average=average)
+    reduce_shards_fp32(shards, out, op=op)
     # refgrad's reduce-scatter of [W, 40] rows where every rank holds one shard per chunk:
     # build per-rank inputs whose chunk 0 is the shard, and read rank 0's output.
     per_rank = [torch.cat([shards[r], torch.zeros(40 * (world_size - 1), dtype=dtype)])
                 for r in range(world_size)]
     expected = ref_reduce_scatter(per_rank, accumulate="fp32", order="rank",
-                                  op=Averaging.AVG if average else Averaging.SUM)[0]
+                                  op=op)[0]
     assert_bitwise_equal(expected, out)
 
 
 def test_local_reduction_rejects_bad_shapes():
     with pytest.raises(TypeError, match="shards must be a torch.Tensor"):
-        reduce_shards_fp32([[1.0], [2.0]], torch.zeros(1), average=False)
+        reduce_shards_fp32([[1.0], [2.0]], torch.zeros(1), op=Averaging.SUM)
     with pytest.raises(ValueError, match="2-D"):
-        reduce_shards_fp32(torch.zeros(8), torch.zeros(8), average=False)
+        reduce_shards_fp32(torch.zeros(8), torch.zeros(8), op=Averaging.SUM)
     with pytest.raises(ValueError, match="shard_numel"):
-        reduce_shards_fp32(torch.zeros(2, 8), torch.zeros(7), average=False)
+        reduce_shards_fp32(torch.zeros(2, 8), torch.zeros(7), op=Averaging.SUM)
     with pytest.raises(TypeError, match="output.dtype"):
-        reduce_shards_fp32(torch.zeros(2, 8), torch.zeros(8, dtype=torch.float16), average=False)
+        reduce_shards_fp32(torch.zeros(2, 8), torch.zeros(8, dtype=torch.float16), op=Averaging.SUM)
     with pytest.raises(TypeError, match="shards.dtype"):
         reduce_shards_fp32(torch.zeros(2, 8, dtype=torch.float64),
-                           torch.zeros(8, dtype=torch.float64), average=False)
+                           torch.zeros(8, dtype=torch.float64), op=Averaging.SUM)
     with pytest.raises(ValueError, match="shards' device"):
-        reduce_shards_fp32(torch.zeros(2, 8), torch.zeros(8, device="meta"), average=False)
+        reduce_shards_fp32(torch.zeros(2, 8), torch.zeros(8, device="meta"), op=Averaging.SUM)
     with pytest.raises(ValueError, match="shards must be contiguous"):
-        reduce_shards_fp32(torch.zeros(8, 2).t(), torch.zeros(8), average=False)
+        reduce_shards_fp32(torch.zeros(8, 2).t(), torch.zeros(8), op=Averaging.SUM)
     with pytest.raises(ValueError, match="output must be contiguous"):
-        reduce_shards_fp32(torch.zeros(2, 8), torch.zeros(16)[::2], average=False)
+        reduce_shards_fp32(torch.zeros(2, 8), torch.zeros(16)[::2], op=Averaging.SUM)
     # fp32 rows are summed without touching the caller's tensor.
     rows = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
     out = torch.empty(2)
-    reduce_shards_fp32(rows, out, average=False)
+    reduce_shards_fp32(rows, out, op=Averaging.SUM)
     assert out.tolist() == [4.0, 6.0] and rows.tolist() == [[1.0, 2.0], [3.0, 4.0]]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("world_size", [2, 3, 8, 64])
-@pytest.mark.parametrize("average", [False, True])
-def test_cuda_kernel_matches_refgrad_and_cpu_path(dtype, world_size, average):
+@pytest.mark.parametrize("op", [Averaging.SUM, Averaging.AVG])
+def test_cuda_kernel_matches_refgrad_and_cpu_path(dtype, world_size, op):
     g = torch.Generator().manual_seed(world_size)
     small = (torch.randn(world_size, 33, generator=g) * 4).to(dtype)
     out = torch.empty(33, dtype=dtype, device="cuda")
-    reduce_shards_fp32(small.cuda(), out, average=average)
+    reduce_shards_fp32(small.cuda(), out, op=op)
     per_rank = [torch.cat([small[r], torch.zeros(33 * (world_size - 1), dtype=dtype)])
                 for r in range(world_size)]
     expected = ref_reduce_scatter(per_rank, accumulate="fp32", order="rank",
-                                  op=Averaging.AVG if average else Averaging.SUM)[0]
+                                  op=op)[0]
     assert_bitwise_equal(expected, out.cpu())
     # Large sizes (several blocks, a ragged tail): the CPU loop is itself checked
     # against refgrad above, so it serves as the reference here.
     big = (torch.randn(world_size, 3 * 2048 + 5, generator=g)
            * torch.exp2(-20 * torch.rand(world_size, 3 * 2048 + 5, generator=g))).to(dtype)
     expected_big = torch.empty(big.shape[1], dtype=dtype)
-    reduce_shards_fp32(big, expected_big, average=average)
+    reduce_shards_fp32(big, expected_big, op=op)
     got_big = torch.empty(big.shape[1], dtype=dtype, device="cuda")
-    reduce_shards_fp32(big.cuda(), got_big, average=average)
+    reduce_shards_fp32(big.cuda(), got_big, op=op)
     assert_bitwise_equal(expected_big, got_big.cpu())
 
 
@@ -289,6 +289,7 @@ def test_cuda_kernel_matches_refgrad_and_cpu_path(dtype, world_size, average):
 _INTERPRETER_SCRIPT = """
 import torch
 from fastgrad.reduce_scatter import reduce_shards_fp32 as torch_path
+from gradvocab import Averaging
 from fastgrad.kernels.reduction import reduce_shards_fp32 as kernel
 from verify.metrics import bitwise_equal
 bad = []
@@ -297,13 +298,13 @@ for world_size in (1, 3, 8, 64):
         g = torch.Generator().manual_seed(world_size * 1000 + n)
         shards = (torch.randn(world_size, n, generator=g)
                   * torch.exp2(-20 * torch.rand(world_size, n, generator=g))).to(torch.float16)
-        for average in (False, True):
+        for op in (Averaging.SUM, Averaging.AVG):
             a = torch.empty(n, dtype=torch.float16)
             b = torch.empty(n, dtype=torch.float16)
-            kernel(shards, a, average=average)
-            torch_path(shards, b, average=average)
+            kernel(shards, a, op=op)
+            torch_path(shards, b, op=op)
             if not bitwise_equal(a, b):
-                bad.append((world_size, n, average))
+                bad.append((world_size, n, str(op)))
 print("MISMATCHES", bad)
 """
 
@@ -345,11 +346,11 @@ def test_local_reduction_ieee_specials_match_refgrad(dtype):
     shards = torch.tensor(rows, dtype=dtype)
     width = shards.shape[1]
     per_rank = [torch.cat([shards[r], torch.zeros(2 * width, dtype=dtype)]) for r in range(3)]
-    for average in (False, True):
+    for op in (Averaging.SUM, Averaging.AVG):
         out = torch.empty(width, dtype=dtype)
-        reduce_shards_fp32(shards, out, average=average)
+        reduce_shards_fp32(shards, out, op=op)
         expected = ref_reduce_scatter(per_rank, accumulate="fp32", order="rank",
-                                      op=Averaging.AVG if average else Averaging.SUM)[0]
+                                      op=op)[0]
         distance = ulp_distance(expected, out)
         assert not distance.nan_mismatch.any(), (expected, out)
         assert (distance.ulps == 0).all(), (expected, out)
@@ -375,15 +376,15 @@ def _prescale_shards(world_size: int, numel: int, dtype: torch.dtype, seed: int)
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("prescale", PRESCALES)
-@pytest.mark.parametrize("average", [False, True])
-def test_prescale_inside_the_reduction_equals_the_separate_pass(dtype, prescale, average):
+@pytest.mark.parametrize("op", [Averaging.SUM, Averaging.AVG])
+def test_prescale_inside_the_reduction_equals_the_separate_pass(dtype, prescale, op):
     world_size, numel = 5, 37
     shards = _prescale_shards(world_size, numel, dtype, seed=int(1 / prescale) + world_size)
     fused = torch.empty(numel, dtype=dtype)
-    reduce_shards_fp32(shards, fused, average=average, prescale=prescale)
+    reduce_shards_fp32(shards, fused, op=op, prescale=prescale)
     # Production: grad_data.mul_(s) over the whole buffer, then the unscaled reduction.
     separate = torch.empty(numel, dtype=dtype)
-    reduce_shards_fp32(shards.clone().mul_(prescale), separate, average=average)
+    reduce_shards_fp32(shards.clone().mul_(prescale), separate, op=op)
     assert_bitwise_equal(separate, fused)
     if dtype != torch.float32:
         # And both are refgrad's model of torch's pre-scale followed by the fp32 reduction.
@@ -393,18 +394,23 @@ def test_prescale_inside_the_reduction_equals_the_separate_pass(dtype, prescale,
         per_rank = [torch.cat([row, torch.zeros(numel * (world_size - 1), dtype=dtype)])
                     for row in scaled]
         expected = ref_reduce_scatter(per_rank, accumulate="fp32", order="rank",
-                                      op=Averaging.AVG if average else Averaging.SUM)[0]
+                                      op=op)[0]
         assert_bitwise_equal(expected, fused)
 
 
 def test_prescale_validation():
     shards, out = torch.zeros(2, 4), torch.zeros(4)
     with pytest.raises(TypeError, match="prescale must be a float"):
-        reduce_shards_fp32(shards, out, average=False, prescale="0.5")
+        reduce_shards_fp32(shards, out, op=Averaging.SUM, prescale="0.5")
     with pytest.raises(TypeError, match="prescale must be a float"):
-        reduce_shards_fp32(shards, out, average=False, prescale=True)
+        reduce_shards_fp32(shards, out, op=Averaging.SUM, prescale=True)
     with pytest.raises(ValueError, match="prescale must be finite"):
-        reduce_shards_fp32(shards, out, average=False, prescale=float("inf"))
+        reduce_shards_fp32(shards, out, op=Averaging.SUM, prescale=float("inf"))
+    # the op after the fp32 sum: an Averaging, SUM or AVG; a bool (the old average=) says neither
+    with pytest.raises(TypeError, match="op must be Averaging.SUM or Averaging.AVG, got bool"):
+        reduce_shards_fp32(shards, out, op=True)
+    with pytest.raises(ValueError, match="a pre-scale is prescale="):
+        reduce_shards_fp32(shards, out, op=Averaging.PRESCALE)
 
 
 def _prescale_rank_main(rank: int, world_size: int) -> list[dict]:
@@ -444,6 +450,7 @@ def test_prescale_on_the_receiver_equals_prescale_on_the_sender():
 _PRESCALE_INTERPRETER_SCRIPT = """
 import torch
 from fastgrad.reduce_scatter import reduce_shards_fp32 as torch_path
+from gradvocab import Averaging
 from fastgrad.kernels.reduction import reduce_shards_fp32 as kernel, shard_alignment
 from verify.metrics import bitwise_equal
 assert [shard_alignment(n) for n in (1, 2, 12, 33, 6144, 6149)] == [1, 2, 4, 1, 8, 1]
@@ -455,17 +462,17 @@ for dtype in (torch.float16, torch.float32):
             shards = (torch.randn(world_size, n, generator=g)
                       * torch.exp2(-20 * torch.rand(world_size, n, generator=g))).to(dtype)
             for prescale in (None, 1 / world_size if world_size > 1 else 0.5, 1 / 3, 1e-3):
-                for average in (False, True):
+                for op in (Averaging.SUM, Averaging.AVG):
                     a = torch.empty(n, dtype=dtype)
                     b = torch.empty(n, dtype=dtype)
                     c = torch.empty(n, dtype=dtype)
-                    kernel(shards, a, average=average, prescale=prescale)
-                    torch_path(shards, b, average=average, prescale=prescale)
+                    kernel(shards, a, op=op, prescale=prescale)
+                    torch_path(shards, b, op=op, prescale=prescale)
                     # The separate pass production makes today.
                     scaled = shards if prescale is None else shards.clone().mul_(prescale)
-                    torch_path(scaled, c, average=average)
+                    torch_path(scaled, c, op=op)
                     if not (bitwise_equal(a, b) and bitwise_equal(a, c)):
-                        bad.append((str(dtype), world_size, n, prescale, average))
+                        bad.append((str(dtype), world_size, n, prescale, str(op)))
 print("MISMATCHES", bad)
 """
 

@@ -15,7 +15,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fastgrad.config import DDPConfig
 from fastgrad.ddp import DistributedDataParallel
 from fastgrad.optim import (
     AdamWConfig,
@@ -24,7 +23,7 @@ from fastgrad.optim import (
     param_groups_without_decay_for,
 )
 from fastgrad.param_guard import ParamPlacement
-from gradvocab import LifecycleError
+from gradvocab import DDPConfig, LifecycleError
 from refgrad import optim as R
 from tests.distributed_utils import run_distributed
 from tests.fastgrad.optim_model import build

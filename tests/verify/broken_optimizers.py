@@ -26,7 +26,7 @@ class _BacksOffOneEarly(DynamicLossScaler):
     def update(self, found_inf):
         if found_inf and self.hysteresis_tracker - 1 == 1:
             self.growth_tracker, self.hysteresis_tracker = 0, 1
-            self.scale = max(self.scale * self.backoff_factor, self.min_scale)
+            self.scale = max(self.scale * self.settings.backoff_factor, self.settings.min_scale)
             return
         super().update(found_inf)
 
@@ -39,7 +39,7 @@ class _BacksOffOneLate(DynamicLossScaler):
             self.growth_tracker = 0
             self.hysteresis_tracker -= 1
             if self.hysteresis_tracker < 0:
-                self.scale = max(self.scale * self.backoff_factor, self.min_scale)
+                self.scale = max(self.scale * self.settings.backoff_factor, self.settings.min_scale)
             return
         super().update(found_inf)
 
@@ -49,8 +49,7 @@ class _ScalerSwapped(DistributedOptimizer):
 
     def __init__(self, ddp, config, param_groups=None, *, loss_scaler=None, **kwargs):
         if loss_scaler is not None:
-            loss_scaler = self.scaler_cls(initial_scale=loss_scaler.initial_scale,
-                                          hysteresis=loss_scaler.hysteresis)
+            loss_scaler = self.scaler_cls(loss_scaler.settings)
         super().__init__(ddp, config, param_groups, loss_scaler=loss_scaler, **kwargs)
 
 

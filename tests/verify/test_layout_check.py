@@ -8,7 +8,7 @@ import pytest
 from fastgrad.buffer import ParamAndGradBuffer
 from verify.candidates import FastgradCandidate, Technique, Unsupported
 from verify.candidates.fastgrad.layout import FastgradGradBuffer, FastgradLayout
-from verify.candidates.interfaces import BucketLayout, BufferConfig, LayoutCase
+from verify.candidates.interfaces import BucketLayout, LayoutCase
 from verify.check import CheckContext
 from verify.checks import CHECK_MODULES
 from verify.checks.layout import CHECK
@@ -105,21 +105,6 @@ def test_layout_case_validates_itself(fields, error, match):
     LayoutCase(**good)
     with pytest.raises(error, match=match):
         LayoutCase(**{**good, **fields})
-
-
-def test_buffer_config_validates_itself_and_resolves_the_bucket_size():
-    with pytest.raises(TypeError, match="BufferConfig.overlap_grad_reduce must be a bool"):
-        BufferConfig(overlap_grad_reduce="yes")
-    with pytest.raises(ValueError, match="BufferConfig.bucket_size must be positive"):
-        BufferConfig(bucket_size=0)
-    with pytest.raises(ValueError, match="reduce_scatter_with_fp32_accumulation needs"):
-        BufferConfig(reduce_scatter_with_fp32_accumulation=True)
-    # Megatron-Core's DistributedDataParallel.__init__: one bucket without overlap, else
-    # bucket_size or max(40,000,000, 1,000,000 * dp).
-    assert BufferConfig(bucket_size=60).resolved_bucket_size(8) is None
-    assert BufferConfig(overlap_grad_reduce=True).resolved_bucket_size(8) == 40_000_000
-    assert BufferConfig(overlap_grad_reduce=True).resolved_bucket_size(64) == 64_000_000
-    assert BufferConfig(overlap_grad_reduce=True, bucket_size=60).resolved_bucket_size(64) == 60
 
 
 def test_published_examples_from_the_formula():

@@ -9,14 +9,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from gradvocab import ParallelDims, RankResult
+from gradvocab import CONSTANT_SCALE_WINDOW, LossScaling, ParallelDims, RankResult
 from tests.candidates.fastgrad_faults import Fault, FaultyFastgrad
 from tests.distributed_utils import run_distributed
 from tests.verify.preflight_launch import preflight_config
 from verify.candidates import FastgradCandidate
 from verify.candidates.interfaces import (
-    CONSTANT_SCALE_WINDOW,
-    LossScaling,
     MXFP8Params,
     StageSettings,
 )

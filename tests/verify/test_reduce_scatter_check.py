@@ -71,7 +71,7 @@ class PrescaledLocalAverage(LocalReduction):
     """Production's AVG in the local reduction: every row * 1/W in the 16-bit dtype, then the sum."""
 
     def __call__(self, shards, output, *, op):
-        reduce_shards_fp32(shards, output, average=False,
+        reduce_shards_fp32(shards, output, op=Averaging.SUM,
                            prescale=1.0 / shards.shape[0] if op == AVG else None)
 
 

@@ -33,10 +33,19 @@ from typing import ClassVar, Protocol, Self, runtime_checkable
 import torch
 import torch.distributed as dist
 
-from gradvocab import Averaging, ParallelDims, RankResult, StepOutcome, default_bucket_size
+from gradvocab import (
+    AdamWConfig,
+    Averaging,
+    DDPConfig,
+    LossScaling,
+    ParallelDims,
+    RankResult,
+    SGDConfig,
+    StepOutcome,
+)
 
 # Refgrad's records and specification helpers a candidate builds from (one import path).
-from refgrad.layout import Layout, positive_int, validate_layout_arguments
+from refgrad.layout import Layout, validate_layout_arguments
 from refgrad.mxfp8 import SCALE_MODES
 from refgrad.pipeline import (
     EMBEDDING_PARAM,
@@ -603,7 +612,7 @@ class BucketLayout(TechniqueScope, Protocol):
     def layouts(self, cases: Sequence[LayoutCase]) -> list[Layout]:
         """The layout of each case, in one call (a candidate may need a process to lay out)."""
 
-    def build_buffer(self, params: Sequence[torch.nn.Parameter], config: BufferConfig, *,
+    def build_buffer(self, params: Sequence[torch.nn.Parameter], config: DDPConfig, *,
                      dp_size: int, dp_group: dist.ProcessGroup | None = None,
                      average: bool = False) -> GradBuffer:
         """``params`` (registration order; ``shared_embedding=True`` marks one) remapped into
@@ -1412,141 +1421,9 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------------------------
-# SETTINGS (moving to gradvocab: delete this section at that merge). Moved here unchanged
-# from verify/candidates/api/layout.py, optimizer.py and optimizer_schedule.py.
+# Optimizer settings the optim check and the preflight twin hand a candidate (the
+# hyperparameters and the loss scaling inside them are gradvocab's).
 # ---------------------------------------------------------------------------------------
-
-_BUFFER_BOOLS = ("use_distributed_optimizer", "pad_buckets_for_high_nccl_busbw",
-                 "grad_reduce_in_fp32", "overlap_grad_reduce",
-                 "reduce_scatter_with_fp32_accumulation", "average_in_collective")
-
-
-@dataclass(frozen=True)
-class BufferConfig:
-    """How the buffer buckets, pads and reduces (Megatron-Core's ``DistributedDataParallelConfig``
-    field names, the ones the layout check varies).
-
-    ``bucket_size`` None: :func:`gradvocab.default_bucket_size`; without
-    ``overlap_grad_reduce`` everything is one bucket (:meth:`resolved_bucket_size`).
-    """
-
-    use_distributed_optimizer: bool = False
-    bucket_size: int | None = None
-    pad_buckets_for_high_nccl_busbw: bool = False
-    grad_reduce_in_fp32: bool = False
-    overlap_grad_reduce: bool = False
-    reduce_scatter_with_fp32_accumulation: bool = False
-    average_in_collective: bool = False
-
-    def __post_init__(self) -> None:
-        _require_bools(self, _BUFFER_BOOLS)
-        if self.bucket_size is not None:
-            object.__setattr__(self, "bucket_size",
-                               positive_int(self.bucket_size, "BufferConfig.bucket_size"))
-        if self.reduce_scatter_with_fp32_accumulation and not self.use_distributed_optimizer:
-            raise ValueError("BufferConfig.reduce_scatter_with_fp32_accumulation needs "
-                             "use_distributed_optimizer=True (grads are reduce-scattered only then)")
-
-    def resolved_bucket_size(self, dp_size: int) -> int | None:
-        """The bucket size a buffer for ``dp_size`` ranks uses; None means one bucket.
-
-        As ``DistributedDataParallel.__init__``: None without ``overlap_grad_reduce``, else
-        ``bucket_size`` or :func:`gradvocab.default_bucket_size`.
-        """
-        dp = positive_int(dp_size, "dp_size")
-        if not self.overlap_grad_reduce:
-            return None
-        if self.bucket_size is None:
-            return default_bucket_size(dp)
-        return self.bucket_size
-
-    def to_dict(self) -> dict[str, object]:
-        """The fields as a plain dict (for reports and for a candidate's own config type)."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
-# A constant loss scale is a dynamic one that never grows: a growth interval no run reaches.
-CONSTANT_SCALE_WINDOW = 2**31
-
-
-def _power_of_two(value: float) -> bool:
-    return value > 0 and math.isfinite(value) and math.frexp(value)[0] == 0.5
-
-
-@dataclass(frozen=True)
-class AdamWHyperparameters:
-    """AdamW's hyperparameters (decoupled weight decay), the same for every parameter."""
-
-    lr: float = 1e-2
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-
-    def __post_init__(self) -> None:
-        for name in ("lr", "beta1", "beta2", "eps", "weight_decay"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"AdamWHyperparameters.{name} must be a finite number, got {value!r}")
-        if self.lr <= 0 or self.eps <= 0 or self.weight_decay < 0:
-            raise ValueError("AdamWHyperparameters: lr and eps must be > 0, weight_decay >= 0")
-        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
-            raise ValueError("AdamWHyperparameters: beta1 and beta2 must be in [0, 1)")
-
-
-@dataclass(frozen=True)
-class SGDHyperparameters:
-    """SGD with momentum (``dampening=0``, not Nesterov) and coupled weight decay."""
-
-    lr: float
-    momentum: float = 0.0
-    weight_decay: float = 0.0
-
-    def __post_init__(self) -> None:
-        for name in ("lr", "momentum", "weight_decay"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"SGDHyperparameters.{name} must be a finite number, got {value!r}")
-        if self.lr <= 0 or self.momentum < 0 or self.weight_decay < 0:
-            raise ValueError("SGDHyperparameters: lr must be > 0, momentum and weight_decay >= 0")
-
-
-@dataclass(frozen=True)
-class LossScaling:
-    """A loss scaler as Megatron-Core's (``megatron/core/optimizer/grad_scaler.py``): the loss
-    is multiplied by ``initial_scale`` before the backward; a step whose grads hold a NaN/inf
-    is skipped and, after ``hysteresis`` such steps, halves the scale (not below
-    ``min_scale``); ``growth_interval`` clean steps in a row double it. A constant scale is
-    :meth:`constant` (it never moves). Scales are powers of two, so scaling and unscaling are
-    exact."""
-
-    initial_scale: float
-    min_scale: float
-    growth_interval: int
-    hysteresis: int
-
-    def __post_init__(self) -> None:
-        for name in ("initial_scale", "min_scale"):
-            if not _power_of_two(getattr(self, name)):
-                raise ValueError(f"LossScaling.{name} must be a power of two, got {getattr(self, name)!r}")
-        if self.min_scale > self.initial_scale:
-            raise ValueError(f"LossScaling.min_scale ({self.min_scale}) must be <= initial_scale "
-                             f"({self.initial_scale})")
-        for name in ("growth_interval", "hysteresis"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"LossScaling.{name} must be an int >= 1, got {value!r}")
-
-    @classmethod
-    def constant(cls, scale: float) -> LossScaling:
-        """Megatron's ``ConstantGradScaler``: a scale that never moves."""
-        return cls(initial_scale=scale, min_scale=scale, growth_interval=CONSTANT_SCALE_WINDOW,
-                   hysteresis=1)
-
-    @property
-    def dynamic(self) -> bool:
-        return self.min_scale != self.initial_scale or self.growth_interval != CONSTANT_SCALE_WINDOW
-
 
 @dataclass(frozen=True)
 class OptimizerSettings:
@@ -1562,18 +1439,18 @@ class OptimizerSettings:
     ``lr`` and ``weight_decay`` of ``adamw`` / ``sgd``); None: those, at every update.
     """
 
-    adamw: AdamWHyperparameters = AdamWHyperparameters()
+    adamw: AdamWConfig = AdamWConfig(lr=1e-2)
     max_grad_norm: float | None = None
     loss_scaling: LossScaling | None = None
-    sgd: SGDHyperparameters | None = None
+    sgd: SGDConfig | None = None
     decay_1d_params: bool = True
     schedule: HyperparameterSchedule | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.adamw, AdamWHyperparameters):
-            raise TypeError("OptimizerSettings.adamw must be an AdamWHyperparameters")
-        if self.sgd is not None and not isinstance(self.sgd, SGDHyperparameters):
-            raise TypeError("OptimizerSettings.sgd must be an SGDHyperparameters or None")
+        if not isinstance(self.adamw, AdamWConfig):
+            raise TypeError("OptimizerSettings.adamw must be an AdamWConfig")
+        if self.sgd is not None and not isinstance(self.sgd, SGDConfig):
+            raise TypeError("OptimizerSettings.sgd must be an SGDConfig or None")
         if not isinstance(self.decay_1d_params, bool):
             raise TypeError("OptimizerSettings.decay_1d_params must be a bool")
         if self.max_grad_norm is not None and (
@@ -1707,7 +1584,5 @@ class HyperparameterSchedule:
                 f"--train-iters {self.wd_incr_steps}")
 
 __all__ += [
-    "CONSTANT_SCALE_WINDOW", "LR_DECAY_STYLES", "WD_INCR_STYLES", "AdamWHyperparameters",
-    "BufferConfig", "HyperparameterSchedule", "LossScaling", "OptimizerSettings",
-    "SGDHyperparameters",
+    "LR_DECAY_STYLES", "WD_INCR_STYLES", "HyperparameterSchedule", "OptimizerSettings",
 ]

@@ -17,9 +17,8 @@ import torch
 import torch.distributed as dist
 
 from fastgrad.buffer import ParamAndGradBuffer
-from fastgrad.config import DDPConfig
 from fastgrad.reduce_scatter import reduce_scatter_with_fp32_accumulation, reduce_shards_fp32
-from gradvocab import Averaging
+from gradvocab import Averaging, DDPConfig
 from verify.candidates.interfaces import (
     SUM,
     BucketReduction,
@@ -76,7 +75,7 @@ class FastgradLocalReduction(LocalReduction):
 
     def __call__(self, shards: torch.Tensor, output: torch.Tensor, *,
                  op: dist.ReduceOp.RedOpType) -> None:
-        reduce_shards_fp32(shards, output, average=Averaging.from_reduce_op(op) is Averaging.AVG)
+        reduce_shards_fp32(shards, output, op=Averaging.from_reduce_op(op))
 
 
 @dataclass(frozen=True)
@@ -97,7 +96,7 @@ class FastgradBucketReduction(BucketReduction):
                 reduce_scatter_with_fp32_accumulation=self.config.reduce_scatter_with_fp32_accumulation,
                 average_in_collective=self.config.average_in_collective)
             self._buffers[key] = (param, ParamAndGradBuffer([param], config=config, dp_group=group,
-                                                            average=self.config.average))
+                                                            averaging=self.config.averaging))
         return self._buffers[key][1]
 
     def __call__(self, grads: torch.Tensor, *, group: dist.ProcessGroup | None) -> torch.Tensor:

@@ -17,11 +17,10 @@ import torch.distributed as dist
 
 from fastgrad.buffer import ParamAndGradBuffer
 from fastgrad.buffer_group import BufferGroup
-from fastgrad.config import DDPConfig
 from fastgrad.layout import BufferLayout, compute_layout
+from gradvocab import Averaging, DDPConfig
 from verify.candidates.interfaces import (
     BucketLayout,
-    BufferConfig,
     GradBucket,
     GradBuffer,
     GradBufferGroup,
@@ -124,11 +123,14 @@ class FastgradLayout(BucketLayout):
         return [as_refgrad_layout(compute_layout(list(c.numels), **c.refgrad_kwargs()))
                 for c in cases]
 
-    def build_buffer(self, params: Sequence[torch.nn.Parameter], config: BufferConfig, *,
+    def build_buffer(self, params: Sequence[torch.nn.Parameter], config: DDPConfig, *,
                      dp_size: int, dp_group: dist.ProcessGroup | None = None,
                      average: bool = False) -> GradBuffer:
-        # fastgrad.averaging decides how (AVG, or the 1/dp pre-scale and where it is applied)
+        # the seam's mean-or-sum as Megatron-Core's flags, converted where gradvocab keeps them;
+        # fastgrad.averaging then decides where a 1/dp pre-scale is applied
+        averaging = Averaging.from_megatron(average=average,
+                                            average_in_collective=config.average_in_collective)
         buffer = self.buffer_cls(
-            list(params), config=DDPConfig(**config.to_dict()), dp_group=dp_group,
-            dp_size=dp_size, average=average)
+            list(params), config=config, dp_group=dp_group,
+            dp_size=dp_size, averaging=averaging)
         return FastgradGradBuffer(buffer)

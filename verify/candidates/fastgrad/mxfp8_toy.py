@@ -5,7 +5,7 @@
 * :func:`train_toy_rank` — a small MXFP8 MLP (weights of the given ``shapes``) trained with
   fastgrad's distributed optimizer on one gloo rank, sharing on or off, returning
   per-iteration bits.
-* :func:`toy_config` — the ``fastgrad.config.DDPConfig`` of that run.
+* :func:`toy_config` — the ``gradvocab.DDPConfig`` of that run.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from fastgrad.config import DDPConfig
 from fastgrad.mxfp8_sharing import MXFP8Parameter, MXFP8ParamGradBuffer
-from fastgrad.optim import AdamWConfig, DistributedOptimizer, SGDConfig
+from fastgrad.optim import DistributedOptimizer
+from gradvocab import AdamWConfig, DDPConfig, SGDConfig
 
 
 def toy_config(*, sharing: bool, grad_fp32: bool, bucket_size: int) -> DDPConfig:

@@ -96,9 +96,7 @@ class FastgradTrainingOptimizer:
                  cls: type[DistributedOptimizer]) -> None:
         self.stages, self.settings = stages, settings
         scaling = settings.loss_scaling
-        scaler = None if scaling is None else DynamicLossScaler(
-            initial_scale=scaling.initial_scale, min_scale=scaling.min_scale,
-            growth_interval=scaling.growth_interval, hysteresis=scaling.hysteresis)
+        scaler = None if scaling is None else DynamicLossScaler(scaling)
         if stages.front is not None and scaler is not None:
             raise ValueError("fastgrad's MXFP8 buffer takes no loss scaler (its grads are fp32)")
         self.optimizer = cls(

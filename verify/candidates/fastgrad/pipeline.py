@@ -150,7 +150,7 @@ def _train(case: PipelineCase, grid: ParallelDims, overlap: bool, progress: Step
     head = next((h for h in heads if h is not None), None)  # last virtual stage only
     tied = [p for *_, per_chunk in built for p in per_chunk]
     ddps = [DistributedDataParallel(module, config=case_ddp_config(case, overlap, stage, c),
-                                    parallel_dims=grid, average=case.reduction.megatron_flags().average,
+                                    parallel_dims=grid, averaging=case.reduction,
                                     external_grad_params=external_grad_params(case.spec, heads[c]))
             for c, module in enumerate(modules)]
     result = RankResult(stage=stage, dp_rank=grid.dp_rank, tp_rank=grid.tp_rank)

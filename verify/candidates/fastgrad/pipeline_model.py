@@ -21,10 +21,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fastgrad.config import DDPConfig
 from fastgrad.deferred_wgrad import ColumnParallelOutputLayer, EmbeddingWgradConfig
 from fastgrad.vocab_parallel_embedding import VocabParallelEmbedding
-from gradvocab import ParallelDims
+from gradvocab import DDPConfig, ParallelDims
 from verify.candidates.interfaces import (
     EMBEDDING_PARAM,
     HEAD_PARAM,

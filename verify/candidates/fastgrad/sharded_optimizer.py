@@ -12,22 +12,20 @@ fastgrad follows ``refgrad.optim``'s order and exact norm: it documents no depar
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from fastgrad.config import DDPConfig
 from fastgrad.ddp import DistributedDataParallel
 from fastgrad.mxfp8_sharing import MXFP8Parameter, MXFP8ParamGradBuffer
 from fastgrad.optim import (
-    AdamWConfig,
     DistributedOptimizer,
     DynamicLossScaler,
-    SGDConfig,
     param_groups_without_decay_for,
 )
-from gradvocab import ParallelDims, StepOutcome
+from gradvocab import AdamWConfig, Averaging, DDPConfig, ParallelDims, SGDConfig, StepOutcome
 from verify.candidates.interfaces import (
     AdamWState,
     DataParallelModule,
@@ -42,17 +40,14 @@ from verify.candidates.interfaces import (
 
 
 def fastgrad_config(settings: OptimizerSettings) -> AdamWConfig | SGDConfig:
-    """fastgrad's optimizer config for the seam's hyperparameters. With a schedule, its peak lr
-    and its largest (final) weight decay: the groups the optimizer builds with a nonzero
-    weight decay are those the schedule decays (:func:`decaying_groups`)."""
-    hyper = settings.sgd if settings.sgd is not None else settings.adamw
-    lr, weight_decay = hyper.lr, hyper.weight_decay
-    if settings.schedule is not None:
-        lr, weight_decay = settings.schedule.max_lr, settings.schedule.end_wd
-    if settings.sgd is not None:
-        return SGDConfig(lr=lr, momentum=settings.sgd.momentum, weight_decay=weight_decay)
-    h = settings.adamw
-    return AdamWConfig(lr=lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=weight_decay)
+    """The seam's optimizer config (gradvocab's type, which fastgrad takes as it is). With a
+    schedule, its peak lr and its largest (final) weight decay in place of the config's: the
+    groups the optimizer builds with a nonzero weight decay are those the schedule decays
+    (:func:`decaying_groups`)."""
+    config = settings.sgd if settings.sgd is not None else settings.adamw
+    if settings.schedule is None:
+        return config
+    return replace(config, lr=settings.schedule.max_lr, weight_decay=settings.schedule.end_wd)
 
 
 def decaying_groups(optimizer: DistributedOptimizer) -> list[bool]:
@@ -87,7 +82,10 @@ class FastgradDataParallel(DataParallelModule):
                            bucket_size=settings.bucket_size,
                            overlap_param_gather=settings.overlap_param_gather,
                            grad_reduce_in_fp32=settings.grad_reduce_in_fp32)
-        self.ddp = DistributedDataParallel(module, config=config, average=settings.average,
+        # the seam's DP mean (or sum) as Megatron-Core's flags; gradvocab converts them
+        averaging = Averaging.from_megatron(average=settings.average,
+                                            average_in_collective=config.average_in_collective)
+        self.ddp = DistributedDataParallel(module, config=config, averaging=averaging,
                                            dp_group=dp_group)
 
     @property
@@ -114,9 +112,7 @@ class FastgradShardedOptimizer(ShardedOptimizer):
     def __init__(self, model: FastgradDataParallel, settings: OptimizerSettings,
                  optimizer_cls: type[DistributedOptimizer]) -> None:
         scaling = settings.loss_scaling
-        scaler = None if scaling is None else DynamicLossScaler(
-            initial_scale=scaling.initial_scale, min_scale=scaling.min_scale,
-            growth_interval=scaling.growth_interval, hysteresis=scaling.hysteresis)
+        scaler = None if scaling is None else DynamicLossScaler(scaling)
         ddp = model.ddp
         groups = None if settings.decay_1d_params else param_groups_without_decay_for(ddp)
         self.optimizer = optimizer_cls(ddp, fastgrad_config(settings), groups,

@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 
 from fastgrad.comm import all_gather_into
-from fastgrad.config import DDPConfig
 from fastgrad.ddp import DistributedDataParallel
 from fastgrad.deferred_wgrad import ColumnParallelOutputLayer
 from fastgrad.mxfp8 import MXFP8Parameter
@@ -35,7 +34,7 @@ from fastgrad.mxfp8_sharing import MXFP8ParamGradBuffer
 from fastgrad.optim import ModelChunks
 from fastgrad.pipeline import forward_backward_1f1b
 from fastgrad.pipeline_interleaved import forward_backward_interleaved
-from gradvocab import ParallelDims
+from gradvocab import DDPConfig, ParallelDims
 from verify.candidates.fastgrad.pipeline_model import (
     build_stage_model,
     case_ddp_config,
@@ -134,7 +133,7 @@ class FastgradStages:
                                                        self._grid.stage, c),
                                        overlap_param_gather=settings.overlap_param_gather,
                                        grad_reduce_in_fp32=settings.grad_dtype == torch.float32),
-                dp_group=self._grid.dp_group, average=case.reduction.megatron_flags().average,
+                dp_group=self._grid.dp_group, averaging=case.reduction,
                 external_grad_params=external_grad_params(spec, heads[c]))
             for c, module in enumerate(self.modules)]
 
@@ -156,7 +155,8 @@ class FastgradStages:
                            fp8_param_gather=True,
                            reuse_grad_buf_for_mxfp8_param_ag=settings.mxfp8.reuse_grad_buffer)
         self.front = self.mxfp8_buffer_class(self.front_params, config=config,
-                                             dp_group=self._grid.dp_group, average=True)
+                                             dp_group=self._grid.dp_group,
+                                             averaging=None)  # Megatron-Core's default: 1/dp first
         for param, mx in zip(self.named.values(), self.front_params):
             param.main_grad = mx.main_grad
             if self.head is not None and param is self.head.weight:

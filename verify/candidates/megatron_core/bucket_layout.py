@@ -44,10 +44,9 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from gradvocab import ParallelDims, RankPlace
+from gradvocab import DDPConfig, ParallelDims, RankPlace
 from verify.candidates.interfaces import (
     BucketLayout,
-    BufferConfig,
     GradBucket,
     GradBuffer,
     GradBufferGroup,
@@ -305,7 +304,7 @@ class MegatronLayout(MegatronScope, BucketLayout):
             out.append(read_layout(buffer, params))
         return out
 
-    def build_buffer(self, params: Sequence[torch.nn.Parameter], config: BufferConfig, *,
+    def build_buffer(self, params: Sequence[torch.nn.Parameter], config: DDPConfig, *,
                      dp_size: int, dp_group: dist.ProcessGroup | None = None,
                      average: bool = False) -> GradBuffer:
         from megatron.core.distributed import DistributedDataParallelConfig
@@ -314,7 +313,7 @@ class MegatronLayout(MegatronScope, BucketLayout):
         if dp_group is not None and dist.get_world_size(dp_group) != dp_size:
             raise ValueError(f"dp_size={dp_size} but dp_group has {dist.get_world_size(dp_group)} ranks")
         if config.average_in_collective and not average:
-            raise ValueError("BufferConfig.average_in_collective needs average=True "
+            raise ValueError("DDPConfig.average_in_collective needs average=True "
                              "(Megatron-Core averages in the collective or not at all)")
         found = installed()
         for name in ("reduce_scatter_with_fp32_accumulation", "average_in_collective",

@@ -185,6 +185,11 @@ def optimizer_config(settings: OptimizerSettings, *, dtype: torch.dtype,
     elif scaling is not None:
         if not fp16:
             raise ValueError("Megatron-Core's dynamic loss scaler is fp16's (OptimizerConfig.fp16)")
+        if not scaling.megatron_factors:
+            raise ValueError("Megatron-Core's dynamic loss scaler grows by 2 and backs off by 1/2 "
+                             "(get_megatron_optimizer; OptimizerConfig has no field for them), got "
+                             f"LossScaling.growth_factor={scaling.growth_factor}, "
+                             f"backoff_factor={scaling.backoff_factor}")
         scale = {"initial_loss_scale": scaling.initial_scale, "min_loss_scale": scaling.min_scale,
                  "loss_scale_window": scaling.growth_interval, "hysteresis": scaling.hysteresis}
     return OptimizerConfig(

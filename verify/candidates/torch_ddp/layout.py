@@ -23,11 +23,11 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from gradvocab import DDPConfig
 from verify.candidates.interfaces import (
     BucketLayout,
     BucketObserver,
     BucketTraining,
-    BufferConfig,
     GradBuffer,
     Layout,
     LayoutCase,
@@ -108,7 +108,7 @@ class TorchDDPLayout(BucketLayout):
     def layouts(self, cases: Sequence[LayoutCase]) -> list[Layout]:
         return [rebuilt_layout(case) for case in cases]
 
-    def build_buffer(self, params: Sequence[torch.nn.Parameter], config: BufferConfig, *,
+    def build_buffer(self, params: Sequence[torch.nn.Parameter], config: DDPConfig, *,
                      dp_size: int, dp_group: dist.ProcessGroup | None = None,
                      average: bool = False) -> GradBuffer:
         raise Unsupported(Technique.LAYOUT, NO_BUFFER)

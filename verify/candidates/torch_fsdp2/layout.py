@@ -13,9 +13,9 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from gradvocab import DDPConfig
 from verify.candidates.interfaces import (
     BucketLayout,
-    BufferConfig,
     GradBuffer,
     Layout,
     LayoutCase,
@@ -48,7 +48,7 @@ class TorchFSDP2Layout(BucketLayout):
     def layouts(self, cases: Sequence[LayoutCase]) -> list[Layout]:
         raise Unsupported(Technique.LAYOUT, NO_BUCKETS)
 
-    def build_buffer(self, params: Sequence[torch.nn.Parameter], config: BufferConfig, *,
+    def build_buffer(self, params: Sequence[torch.nn.Parameter], config: DDPConfig, *,
                      dp_size: int, dp_group: dist.ProcessGroup | None = None,
                      average: bool = False) -> GradBuffer:
         raise Unsupported(Technique.LAYOUT, NO_BUCKETS)

@@ -7,9 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
+from gradvocab import DDPConfig
 from refgrad.layout import Layout
 from refgrad.layout import compute_layout as reference_layout
-from verify.candidates.interfaces import BucketLayout, BufferConfig, GradBuffer, Unsupported
+from verify.candidates.interfaces import BucketLayout, GradBuffer, Unsupported
 from verify.checks.layout.cases import compare_layouts
 from verify.metrics import bitwise_equal
 
@@ -166,7 +167,7 @@ def buffer_violations(
 
     for dp in (1, 3, 8):
         for dist_opt in (True, False):
-            config = BufferConfig(
+            config = DDPConfig(
                 use_distributed_optimizer=dist_opt, overlap_grad_reduce=True, bucket_size=150
             )
             params = _params(device, seed)

@@ -11,13 +11,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradvocab import ParallelDims
+from gradvocab import DDPConfig, ParallelDims
 from refgrad.layout import Layout
 from refgrad.layout import compute_layout as reference_layout
 from verify.candidates import Candidate, LaunchSettings, Unsupported
 from verify.candidates.interfaces import (
     BucketLayout,
-    BufferConfig,
     GradBuffer,
     GradBufferGroup,
     GradPiece,
@@ -48,7 +47,7 @@ class ReduceScenario:
     name: str
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[str, ...]
-    config: BufferConfig
+    config: DDPConfig
     shared: tuple[int, ...] = ()
     # average over the replicas (a 1/dp pre-scale, or AVG with config.average_in_collective)
     average: bool = False
@@ -62,13 +61,13 @@ def default_scenarios(world_size: int) -> list[ReduceScenario]:
     """Reduce-scatter (plain, averaged, fp32-accumulating), all-reduce, an all-padding shard."""
     shapes = ((3, 5), (40,), (7, 3), (64,), (30, 2), (1,))
     dtypes = ("bfloat16", "float32", "bfloat16", "bfloat16", "float32", "bfloat16")
-    dist_opt = BufferConfig(use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=60)
+    dist_opt = DDPConfig(use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=60)
     fp32_accumulation = replace(dist_opt, reduce_scatter_with_fp32_accumulation=True)
     scenarios = [
         ReduceScenario("reduce-scatter SUM, mixed dtypes, shared embedding", shapes, dtypes, dist_opt, shared=(0,)),
         ReduceScenario(
             "all-reduce SUM (no distributed optimizer)", shapes, dtypes,
-            BufferConfig(overlap_grad_reduce=True, bucket_size=60),
+            DDPConfig(overlap_grad_reduce=True, bucket_size=60),
         ),
         ReduceScenario(
             "reduce-scatter with fp32 accumulation", shapes, ("bfloat16",) * len(shapes),
@@ -76,7 +75,7 @@ def default_scenarios(world_size: int) -> list[ReduceScenario]:
         ),
         ReduceScenario(
             "one tiny param: most ranks' shards are all padding", ((5,),), ("bfloat16",),
-            BufferConfig(use_distributed_optimizer=True),
+            DDPConfig(use_distributed_optimizer=True),
         ),
     ]
     if world_size & (world_size - 1) == 0:  # averaging is exact only for power-of-two dp

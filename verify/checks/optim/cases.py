@@ -29,13 +29,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from gradvocab import AdamWConfig, LossScaling, SGDConfig
 from verify.candidates.interfaces import (
-    AdamWHyperparameters,
     DataParallelSettings,
     HyperparameterSchedule,
-    LossScaling,
     OptimizerSettings,
-    SGDHyperparameters,
 )
 
 NAMES = ("embed.weight", "layer.weight", "layer.bias", "norm.weight", "head.weight")
@@ -157,9 +155,9 @@ def optimizer_settings(algorithm: str, *, clip: float | None = None,
     weight decay of each update from the algorithm's schedule (``SCHEDULES``)."""
     if algorithm not in ("adamw", "sgd"):
         raise ValueError(f"algorithm must be 'adamw' or 'sgd', got {algorithm!r}")
-    return OptimizerSettings(adamw=AdamWHyperparameters(**ADAMW), max_grad_norm=clip,
+    return OptimizerSettings(adamw=AdamWConfig(**ADAMW), max_grad_norm=clip,
                              loss_scaling=scaling, decay_1d_params=False,
-                             sgd=SGDHyperparameters(**SGD) if algorithm == "sgd" else None,
+                             sgd=SGDConfig(**SGD) if algorithm == "sgd" else None,
                              schedule=SCHEDULES[algorithm] if scheduled else None)
 
 

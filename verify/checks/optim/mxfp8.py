@@ -15,21 +15,20 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from gradvocab import AdamWConfig, SGDConfig
 from refgrad import mxfp8 as RQ
 from refgrad import optim as R
 from verify.candidates.interfaces import (
-    AdamWHyperparameters,
     MXFP8ParamOptimizer,
     OptimizerSettings,
-    SGDHyperparameters,
 )
 
 SHAPES = [(8, 64), (4, 32), (16, 32)]  # 1152 elements: two buckets of BUCKET_SIZE
 BUCKET_SIZE = 1000
 STEPS = 3
 CONFIGS = {  # decay on every param; AdamW clipped
-    "adamw": OptimizerSettings(adamw=AdamWHyperparameters(lr=1e-2, weight_decay=0.1), max_grad_norm=0.5),
-    "sgd": OptimizerSettings(sgd=SGDHyperparameters(lr=0.5, momentum=0.9, weight_decay=0.01)),
+    "adamw": OptimizerSettings(adamw=AdamWConfig(lr=1e-2, weight_decay=0.1), max_grad_norm=0.5),
+    "sgd": OptimizerSettings(sgd=SGDConfig(lr=0.5, momentum=0.9, weight_decay=0.01)),
 }
 # refgrad.optim.ParamState's state fields -> the optimizer's state_dict keys
 STATE_KEYS = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "momentum": "momentum_buffer"}

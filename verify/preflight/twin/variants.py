@@ -23,11 +23,9 @@ from typing import ClassVar
 
 import torch
 
+from gradvocab import CONSTANT_SCALE_WINDOW, AdamWConfig, LossScaling
 from verify.candidates.interfaces import (
-    CONSTANT_SCALE_WINDOW,
-    AdamWHyperparameters,
     HyperparameterSchedule,
-    LossScaling,
     MXFP8Params,
     OptimizerSettings,
     StageSettings,
@@ -35,7 +33,7 @@ from verify.candidates.interfaces import (
 from verify.preflight.config import PreflightConfig
 
 # The twin's AdamW (every candidate's): Megatron-LM's betas, eps and default --weight-decay (0.01), lr 1e-2.
-TWIN_ADAMW = AdamWHyperparameters(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+TWIN_ADAMW = AdamWConfig(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 # Its lr and weight decay change at every update, as a training run's do (Megatron-LM's
 # OptimizerParamScheduler): a warm-up of one update from 4e-3 to TWIN_ADAMW's 1e-2, then cosine
 # decay to 1e-3 at update 3; the weight decay rising linearly from 0.005 to TWIN_ADAMW's 0.01
