@@ -179,14 +179,14 @@ CLIPPED_ARGS = ((0, 1), "adamw", "bf16", True, 0.5, True, 3)  # the quick matrix
 def _failed_labels(candidate, case=None) -> list[str]:
     """One case (default: the clipped one) through the check's rank code and comparisons."""
     from tests.distributed_utils import run_distributed
+    from verify.candidates.interfaces import OPTIMIZER_BEHAVIOURS
     from verify.check import CheckRecorder
     from verify.checks.optim.compare import Documented, check_case
     from verify.checks.optim.expectations import ProductionModel, case_trajectory
 
     case = case or CLIPPED
     runs = run_distributed(_case_worker, case.dp, candidate, case)
-    with candidate.optimizer() as optimizer:
-        behaviour = optimizer.behaviour()
+    behaviour = candidate.departures(OPTIMIZER_BEHAVIOURS)
     norms = tuple(r.outcome.grad_norm for r in runs[0].steps)
     model = case_trajectory(case, 0, production=ProductionModel(norms))[0]
     rec = CheckRecorder("optim")

@@ -26,7 +26,7 @@ import operator
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import ClassVar, Protocol, Self, runtime_checkable
 
@@ -146,6 +146,37 @@ class Behaviour(str, enum.Enum):
     # No bucketed buffer: every parameter sharded on its own along dim 0 (layout check: held to
     # ``refgrad.layout_torch.fsdp2_shards``).
     DIM0_PARAMETER_SHARDS = "dim0_parameter_shards"
+    # The DP reduction (reduce_scatter and layout checks; the spec: the DP mean accumulated in
+    # fp32 in rank order, rounded once). ``1/W`` in the grad dtype, then a SUM
+    # (``refgrad.reduce_scatter.prescale_like_torch``);
+    PRESCALE = "prescale"
+    # the plain collective sums in the grad dtype in the backend's order (gloo: ``ring_reverse``);
+    WIRE_COLLECTIVE = "wire_collective"
+    # torch DDP's fp16/bf16 compress hooks (``refgrad.reduce_torch.compress_hook_all_reduce``);
+    COMPRESS_HOOK = "compress_hook"
+    # FSDP2's averaging and ``reduce_dtype`` casts (``refgrad.reduce_torch.fsdp2_reduce_scatter``).
+    DIVIDE_FACTORS = "divide_factors"
+    # The optimizer (optim check and the preflight twin; the spec: ``refgrad.optim``). torch's
+    # order of operations (``refgrad.optim_torch``), AdamW and SGD;
+    TORCH_ADAMW_ORDER = "torch_adamw_order"
+    TORCH_SGD_ORDER = "torch_sgd_order"
+    # no weight decay on 1-D params;
+    NO_DECAY_ON_1D_PARAMS = "no_decay_on_1d_params"
+    # an fp32 partial-sum grad norm, within ``γ(n + k + R + 8)`` of the exact one, clipped with its own;
+    PARTIAL_SUM_GRAD_NORM = "partial_sum_grad_norm"
+    # ``torch.nn.utils``' clip coefficient;
+    TORCH_CLIP_COEFFICIENT = "torch_clip_coefficient"
+    # under ``overlap_param_gather`` each forward pre-hook launches its bucket's all-gather.
+    PARAM_GATHER_IN_FORWARD = "param_gather_in_forward"
+
+
+# The departures the reduction checks and the optimizer checks ask a candidate about (the
+# optimizer's in the order reports list them).
+REDUCTION_BEHAVIOURS = (Behaviour.PRESCALE, Behaviour.WIRE_COLLECTIVE, Behaviour.COMPRESS_HOOK,
+                        Behaviour.DIVIDE_FACTORS)
+OPTIMIZER_BEHAVIOURS = (Behaviour.TORCH_ADAMW_ORDER, Behaviour.NO_DECAY_ON_1D_PARAMS,
+                        Behaviour.PARTIAL_SUM_GRAD_NORM, Behaviour.TORCH_SGD_ORDER,
+                        Behaviour.PARAM_GATHER_IN_FORWARD, Behaviour.TORCH_CLIP_COEFFICIENT)
 
 
 @runtime_checkable
@@ -365,9 +396,15 @@ class Candidate(ABC):
         return self.name
 
     def documented(self, behaviour: Behaviour) -> DocumentedBehaviour | None:
-        """How this candidate documents ``behaviour`` (None: it follows refgrad's spec there)."""
+        """How this candidate documents ``behaviour`` (None: it follows refgrad's spec there).
+        Raises :class:`Unsupported` where refgrad has no model of how it departs here."""
         del behaviour
         return None
+
+    def departures(self, behaviours: Iterable[Behaviour]) -> dict[Behaviour, DocumentedBehaviour]:
+        """Those of ``behaviours`` this candidate documents (:meth:`documented`), for a check
+        to hand to its reference and rank processes."""
+        return {b: found for b in behaviours if (found := self.documented(b)) is not None}
 
     def findings(self) -> tuple[Finding, ...]:
         """The root causes this candidate is known to have (none: every failure is a FAIL)."""
@@ -706,22 +743,6 @@ class BucketReduction(ABC):
 
 
 @dataclass(frozen=True)
-class ReductionBehaviour:
-    """How a DP reduction departs from refgrad's spec (the DP mean accumulated in fp32 in rank
-    order, rounded once) by design (None: it does not). ``prescale``: ``1/W`` in the grad dtype
-    then a SUM (``refgrad.reduce_scatter.prescale_like_torch``); ``wire_collective``: the plain
-    collective sums in the grad dtype in the backend's order (gloo: ``order="ring_reverse"``);
-    ``compress_hook``: torch DDP's fp16/bf16 compress hooks
-    (``refgrad.reduce_torch.compress_hook_all_reduce``); ``divide_factors``: FSDP2's
-    averaging and ``reduce_dtype`` casts (``refgrad.reduce_torch.fsdp2_reduce_scatter``)."""
-
-    prescale: DocumentedBehaviour | None = None
-    wire_collective: DocumentedBehaviour | None = None
-    compress_hook: DocumentedBehaviour | None = None
-    divide_factors: DocumentedBehaviour | None = None
-
-
-@dataclass(frozen=True)
 class ShardedGradCase:
     """Parameters of ``shapes`` sharded one by one (FSDP2), ``microbatches`` a step with the
     grad sync on the last one. Torch's ``MixedPrecisionPolicy`` names: ``orig_dtype`` the
@@ -770,8 +791,6 @@ class GradReduction(TechniqueScope, Protocol):
     def bucket_reduction(self, config: ReductionConfig) -> BucketReduction:
         """A bucket's reduction under ``config`` (Unsupported only for a configuration the
         candidate refuses up front)."""
-
-    def behaviour(self) -> ReductionBehaviour: ...
 
     def reduce_in(self, config: ReductionConfig, dtype: torch.dtype) -> BucketReduction:
         """A bucket's reduction run in ``dtype`` (torch DDP's compress hooks, FSDP2's
@@ -1033,27 +1052,6 @@ class TrainingOptimizer(Protocol):
 
 
 @dataclass(frozen=True)
-class OptimizerBehaviour:
-    """How an optimizer departs from ``refgrad.optim`` by design (None: it does not):
-    ``torch_adamw_order`` / ``torch_sgd_order``: torch's order of operations
-    (``refgrad.optim_torch``); ``no_decay_on_1d_params``; ``partial_sum_grad_norm``: an fp32
-    partial-sum norm, within ``γ(n + k + R + 8)`` of the exact one, clipped with its own;
-    ``param_gather_in_forward``: under ``overlap_param_gather`` each forward pre-hook launches
-    its bucket's all-gather; ``torch_clip_coefficient``: ``torch.nn.utils``'s coefficient."""
-
-    torch_adamw_order: DocumentedBehaviour | None = None
-    no_decay_on_1d_params: DocumentedBehaviour | None = None
-    partial_sum_grad_norm: DocumentedBehaviour | None = None
-    torch_sgd_order: DocumentedBehaviour | None = None
-    param_gather_in_forward: DocumentedBehaviour | None = None
-    torch_clip_coefficient: DocumentedBehaviour | None = None
-
-    def documented(self) -> tuple[DocumentedBehaviour, ...]:
-        """Every documented behaviour, in field order."""
-        return tuple(b for b in (getattr(self, f.name) for f in fields(self)) if b is not None)
-
-
-@dataclass(frozen=True)
 class DataParallelSettings:
     """The DDP a module is wrapped in for the ``optim`` check (always the distributed
     optimizer with ``overlap_grad_reduce``; ``average`` False: the sum)."""
@@ -1180,8 +1178,6 @@ class DistributedOptimizerStep(TechniqueScope, Protocol):
     def build(self, model: DataParallelModel, settings: OptimizerSettings) -> TrainingOptimizer:
         """This rank's optimizer over ``model`` (over a :class:`DataParallelModule`: a
         :class:`ShardedOptimizer`)."""
-
-    def behaviour(self) -> OptimizerBehaviour: ...
 
     def data_parallel(self, module: torch.nn.Module, settings: DataParallelSettings,
                       dp_group: dist.ProcessGroup | None) -> DataParallelModule:
@@ -1408,11 +1404,11 @@ __all__ = [
     "DocumentedBehaviour", "DrainRefused", "Effect", "Finding", "GradBucket", "GradBuffer",
     "GradBufferGroup", "GradPiece", "GradReduction", "LaunchSettings", "Layout", "LayoutCase",
     "LinearStackSpec", "LocalReduction", "LossScalerState", "MXFP8Kernel", "MXFP8ParamOptimizer",
-    "MXFP8Params", "MXFP8Training", "ModelSupport", "ObservedBucket", "ObservedIteration",
-    "OptimizerBehaviour", "OptimizerCheckpoint", "OutputLayer", "OutputLayerConfig",
+    "MXFP8Params", "MXFP8Training", "ModelSupport", "OPTIMIZER_BEHAVIOURS", "REDUCTION_BEHAVIOURS", "ObservedBucket", "ObservedIteration",
+    "OptimizerCheckpoint", "OutputLayer", "OutputLayerConfig",
     "ParamGatherResult", "ParamGatherRun", "ParamGatherStep", "ParameterShard",
     "ParameterSharding", "PipelineCase", "PipelineModel", "PipelineTraining", "ReduceInFlight",
-    "ReduceScatter", "ReductionBehaviour", "ReductionConfig", "ScratchReduceScatter",
+    "ReduceScatter", "ReductionConfig", "ScratchReduceScatter",
     "ShardedGradCase", "ShardedOptimizer", "ShardedReduction", "StageModule", "StageSettings",
     "StepProgress", "Technique", "TechniqueScope", "TrainingOptimizer", "Unsupported",
     "WgradGemm", "cast_params_", "head_shard", "head_weight_init", "rank_microbatches",

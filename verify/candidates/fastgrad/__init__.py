@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from verify.candidates.interfaces import Candidate, CandidateInfo
+from verify.candidates.interfaces import Behaviour, Candidate, CandidateInfo, DocumentedBehaviour
 
 if TYPE_CHECKING:  # the technique interfaces, for annotations only
     from verify.candidates.interfaces import (
@@ -20,6 +20,20 @@ if TYPE_CHECKING:  # the technique interfaces, for annotations only
         GradReduction,
         PipelineTraining,
     )
+
+DOCUMENTED: dict[Behaviour, DocumentedBehaviour] = {
+    Behaviour.PRESCALE: DocumentedBehaviour(
+        "the DP mean is every rank's grads multiplied by 1/W in the grad dtype, then a SUM "
+        "(production's default averaging)",
+        "fastgrad.averaging.grad_averaging (the plan), applied by fastgrad.bucket.Bucket."
+        "start_grad_sync or, with the fp32-accumulating reduce-scatter, inside "
+        "fastgrad.reduce_scatter.reduce_shards_fp32 (prescale=)"),
+    Behaviour.WIRE_COLLECTIVE: DocumentedBehaviour(
+        "the plain collective accumulates in the grad dtype in gloo's reverse-ring order "
+        "(AVG: that sum divided by W)",
+        "fastgrad.bucket.ReduceScatterStrategy (fastgrad.comm.reduce_scatter_into) / "
+        "AllReduceStrategy (torch.distributed.all_reduce)"),
+}
 
 
 @dataclass(frozen=True)
@@ -41,6 +55,9 @@ class FastgradCandidate(Candidate):
             installed = "source tree"
         return CandidateInfo(name=self.name, version=installed,
                              description="gradverify's own implementation (fastgrad)")
+
+    def documented(self, behaviour: Behaviour) -> DocumentedBehaviour | None:
+        return DOCUMENTED.get(behaviour)
 
     def layout(self) -> BucketLayout:
         """``fastgrad.layout.compute_layout`` and ``fastgrad.buffer.ParamAndGradBuffer``."""

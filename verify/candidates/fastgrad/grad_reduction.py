@@ -23,27 +23,11 @@ from verify.candidates.interfaces import (
     SUM,
     BucketReduction,
     Completion,
-    DocumentedBehaviour,
     GradReduction,
     LocalReduction,
     ReduceScatter,
-    ReductionBehaviour,
     ReductionConfig,
     ScratchReduceScatter,
-)
-
-BEHAVIOUR = ReductionBehaviour(
-    prescale=DocumentedBehaviour(
-        "the DP mean is every rank's grads multiplied by 1/W in the grad dtype, then a SUM "
-        "(production's default averaging)",
-        "fastgrad.averaging.grad_averaging (the plan), applied by fastgrad.bucket.Bucket."
-        "start_grad_sync or, with the fp32-accumulating reduce-scatter, inside "
-        "fastgrad.reduce_scatter.reduce_shards_fp32 (prescale=)"),
-    wire_collective=DocumentedBehaviour(
-        "the plain collective accumulates in the grad dtype in gloo's reverse-ring order "
-        "(AVG: that sum divided by W)",
-        "fastgrad.bucket.ReduceScatterStrategy (fastgrad.comm.reduce_scatter_into) / "
-        "AllReduceStrategy (torch.distributed.all_reduce)"),
 )
 
 
@@ -131,8 +115,6 @@ class FastgradGradReduction(GradReduction):
     def bucket_reduction(self, config: ReductionConfig) -> BucketReduction:
         return FastgradBucketReduction(config)
 
-    def behaviour(self) -> ReductionBehaviour:
-        return BEHAVIOUR
 
 
 __all__ = ["FastgradBucketReduction", "FastgradGradReduction",

@@ -37,7 +37,6 @@ from verify.candidates.interfaces import (
     DataParallelSettings,
     DistributedOptimizerStep,
     MXFP8ParamOptimizer,
-    OptimizerBehaviour,
     OptimizerSettings,
     Technique,
     TrainingOptimizer,
@@ -74,9 +73,6 @@ class FastgradOptimizer(DistributedOptimizerStep):
             raise TypeError(f"fastgrad's optimizer steps fastgrad's stages or a module its "
                             f"data_parallel() wrapped, got {type(model).__name__}")
         return FastgradTrainingOptimizer(model, settings, self.optimizer_class(model))
-
-    def behaviour(self) -> OptimizerBehaviour:
-        return OptimizerBehaviour()
 
     def data_parallel(self, module: nn.Module, settings: DataParallelSettings,
                       dp_group: dist.ProcessGroup | None) -> FastgradDataParallel:

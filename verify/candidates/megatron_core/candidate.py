@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, NoReturn
 import torch
 
 from verify.candidates.interfaces import (
+    OPTIMIZER_BEHAVIOURS,
     Behaviour,
     Candidate,
     CandidateInfo,
@@ -49,7 +50,11 @@ from verify.candidates.interfaces import (
 )
 from verify.candidates.megatron_core.findings import FINDINGS
 from verify.candidates.megatron_core.redirect import REDIRECTS
-from verify.candidates.megatron_core.version import installed, missing_reason
+from verify.candidates.megatron_core.version import (
+    installed,
+    missing_reason,
+    require_modelled_adamw,
+)
 
 if TYPE_CHECKING:  # the adapters import Megatron-Core's modules where a technique runs
     from verify.candidates.megatron_core.bucket_layout import MegatronLayout
@@ -59,6 +64,7 @@ if TYPE_CHECKING:  # the adapters import Megatron-Core's modules where a techniq
     from verify.candidates.megatron_core.pipeline_training import MegatronPipeline
 
 
+BUFFER = "megatron.core.distributed.param_and_grad_buffer._ParamAndGradBucketGroup.start_grad_sync"
 DOCUMENTED: dict[Behaviour, DocumentedBehaviour] = {
     Behaviour.BUFFER_ALIGNMENT_FROM_ALLOCATOR: DocumentedBehaviour(
         "leaves its buffers' memory alignment to the allocator: each param view sits at a "
@@ -72,6 +78,37 @@ DOCUMENTED: dict[Behaviour, DocumentedBehaviour] = {
         "megatron.core.distributed.distributed_data_parallel.DistributedDataParallel.__init__ "
         "(bucket_size = None when disable_bucketing or pp_rank > 0; Megatron-LM's get_model "
         "passes disable_bucketing for model chunks after the first)"),
+    Behaviour.PRESCALE: DocumentedBehaviour(
+        "the DP mean is every rank's bucket multiplied by 1/W in the grad dtype, then a SUM "
+        "(average_in_collective=False, the default)",
+        f"{BUFFER} (bucket.grad_data *= gradient_scaling_factor; 1/dp from megatron.core."
+        "distributed.distributed_data_parallel.DistributedDataParallel.__init__)"),
+    Behaviour.WIRE_COLLECTIVE: DocumentedBehaviour(
+        "the plain collective accumulates in the grad dtype in gloo's reverse-ring order "
+        "(ReduceOp.AVG: that sum divided by W)",
+        f"{BUFFER} (dist_reduce_scatter_func = torch.distributed.reduce_scatter_tensor, or "
+        "torch.distributed.all_reduce without the distributed optimizer)"),
+    Behaviour.TORCH_ADAMW_ORDER: DocumentedBehaviour(
+        "AdamW in torch.optim.AdamW's order of operations (Megatron-Core falls back to it without "
+        "Transformer Engine or apex)",
+        "megatron/core/optimizer/__init__.py (torch.optim.AdamW as Adam); refgrad model: "
+        "refgrad/optim_torch.py torch_order_step, with torch's CPU fp32 sqrt"),
+    Behaviour.NO_DECAY_ON_1D_PARAMS: DocumentedBehaviour(
+        "no weight decay on 1-D params and biases",
+        "megatron/core/optimizer/__init__.py get_standard_config_overrides (wd_mult 0), applied by "
+        "megatron/core/optimizer_param_scheduler.py OptimizerParamScheduler.step"),
+    Behaviour.PARTIAL_SUM_GRAD_NORM: DocumentedBehaviour(
+        "global grad norm from fp32 partial sums (per-param fp32 norms, their norm, squared and "
+        "summed over ranks in fp32), clipped with max_norm / (norm + 1e-6)",
+        "megatron/core/optimizer/clip_grads.py get_grad_norm_fp32 with "
+        "megatron/core/utils.py local_multi_tensor_l2_norm; clip_grad_by_total_norm_fp32"),
+    Behaviour.PARAM_GATHER_IN_FORWARD: DocumentedBehaviour(
+        "with overlap_param_gather the step launches no param all-gather: the next forward's first "
+        "pre-hook launches its bucket group's (after zero_grad_buffer resets them), each pre-hook "
+        "waits for its own and launches the next",
+        "megatron/core/optimizer/distrib_optimizer.py DistributedOptimizer.step_with_ready_grads "
+        "(start_param_sync only without overlap_param_gather); "
+        "megatron/core/distributed/param_and_grad_buffer.py _ParamAndGradBucketGroup.finish_param_sync"),
 }
 
 
@@ -109,7 +146,11 @@ class MegatronCoreCandidate(Candidate):
         return FINDINGS
 
     def documented(self, behaviour: Behaviour) -> DocumentedBehaviour | None:
-        """Where Megatron-Core departs from refgrad's spec by design (``docs/megatron_core.md``)."""
+        """Where Megatron-Core departs from refgrad's spec by design (``docs/megatron_core.md``);
+        its optimizer's departures are Unsupported where refgrad has no model of its inner
+        optimizer (not torch.optim.AdamW)."""
+        if behaviour in OPTIMIZER_BEHAVIOURS:
+            require_modelled_adamw()
         return DOCUMENTED.get(behaviour)
 
     @staticmethod

@@ -35,11 +35,9 @@ from verify.candidates.interfaces import (
     SUM,
     BucketReduction,
     Completion,
-    DocumentedBehaviour,
     GradReduction,
     LocalReduction,
     ReduceScatter,
-    ReductionBehaviour,
     ReductionConfig,
     ScratchReduceScatter,
     Technique,
@@ -50,19 +48,6 @@ from verify.candidates.megatron_core.scope import MegatronScope
 from verify.candidates.megatron_core.version import installed
 
 FP32_RS = "megatron.core.distributed.reduce_scatter_with_fp32_accumulation"
-BUFFER = "megatron.core.distributed.param_and_grad_buffer._ParamAndGradBucketGroup.start_grad_sync"
-BEHAVIOUR = ReductionBehaviour(
-    prescale=DocumentedBehaviour(
-        "the DP mean is every rank's bucket multiplied by 1/W in the grad dtype, then a SUM "
-        "(average_in_collective=False, the default)",
-        f"{BUFFER} (bucket.grad_data *= gradient_scaling_factor; 1/dp from megatron.core."
-        "distributed.distributed_data_parallel.DistributedDataParallel.__init__)"),
-    wire_collective=DocumentedBehaviour(
-        "the plain collective accumulates in the grad dtype in gloo's reverse-ring order "
-        "(ReduceOp.AVG: that sum divided by W)",
-        f"{BUFFER} (dist_reduce_scatter_func = torch.distributed.reduce_scatter_tensor, or "
-        "torch.distributed.all_reduce without the distributed optimizer)"),
-)
 ONLY_SUM = ("takes ReduceOp.SUM only in its reduce_scatter_with_fp32_accumulation (`assert op == "
             "torch.distributed.ReduceOp.SUM`, as its docstring says); its DDP averages by "
             "pre-scaling the bucket instead (the DDP bucket cases)")
@@ -251,10 +236,8 @@ class MegatronGradReduction(MegatronScope, GradReduction):
             _require_fp32_reduce_scatter()
         return MegatronBucketReduction(config, self.ddp_class)
 
-    def behaviour(self) -> ReductionBehaviour:
-        return BEHAVIOUR
 
 
-__all__ = ["BEHAVIOUR", "MegatronBucketReduction", "MegatronFP32ReduceScatter",
+__all__ = ["MegatronBucketReduction", "MegatronFP32ReduceScatter",
            "MegatronGradReduction", "MegatronLocalReduction", "MegatronScratchReduceScatter",
            "data_parallel_groups", "model_config", "own_rank_group"]

@@ -37,8 +37,6 @@ from verify.candidates.interfaces import (
     DataParallelModel,
     DataParallelSettings,
     DistributedOptimizerStep,
-    DocumentedBehaviour,
-    OptimizerBehaviour,
     OptimizerSettings,
     Technique,
     TrainingOptimizer,
@@ -56,29 +54,8 @@ from verify.candidates.megatron_core.sharded_optimizer import (
     step_and_report,
 )
 from verify.candidates.megatron_core.stages import MegatronStages
-from verify.candidates.megatron_core.version import installed
+from verify.candidates.megatron_core.version import require_modelled_adamw
 
-TORCH_ADAMW = DocumentedBehaviour(
-    "AdamW in torch.optim.AdamW's order of operations (Megatron-Core falls back to it without "
-    "Transformer Engine or apex)",
-    "megatron/core/optimizer/__init__.py (torch.optim.AdamW as Adam); refgrad model: "
-    "refgrad/optim_torch.py torch_order_step, with torch's CPU fp32 sqrt")
-NO_DECAY_ON_1D = DocumentedBehaviour(
-    "no weight decay on 1-D params and biases",
-    "megatron/core/optimizer/__init__.py get_standard_config_overrides (wd_mult 0), applied by "
-    "megatron/core/optimizer_param_scheduler.py OptimizerParamScheduler.step")
-PARTIAL_SUM_NORM = DocumentedBehaviour(
-    "global grad norm from fp32 partial sums (per-param fp32 norms, their norm, squared and "
-    "summed over ranks in fp32), clipped with max_norm / (norm + 1e-6)",
-    "megatron/core/optimizer/clip_grads.py get_grad_norm_fp32 with "
-    "megatron/core/utils.py local_multi_tensor_l2_norm; clip_grad_by_total_norm_fp32")
-PARAM_GATHER_IN_FORWARD = DocumentedBehaviour(
-    "with overlap_param_gather the step launches no param all-gather: the next forward's first "
-    "pre-hook launches its bucket group's (after zero_grad_buffer resets them), each pre-hook "
-    "waits for its own and launches the next",
-    "megatron/core/optimizer/distrib_optimizer.py DistributedOptimizer.step_with_ready_grads "
-    "(start_param_sync only without overlap_param_gather); "
-    "megatron/core/distributed/param_and_grad_buffer.py _ParamAndGradBucketGroup.finish_param_sync")
 NO_MXFP8 = ("MXFP8 params need Transformer Engine's MXFP8 tensors (CUDA); Megatron-Core's "
             "optimizer over them is the mxfp8 check's subject where it can run")
 
@@ -101,21 +78,12 @@ class MegatronOptimizer(MegatronScope, DistributedOptimizerStep):
 
     def build(self, model: DataParallelModel, settings: OptimizerSettings) -> TrainingOptimizer:
         if isinstance(model, MegatronDataParallel):
-            self.behaviour()  # Unsupported where refgrad has no model of its inner optimizer
+            require_modelled_adamw()  # Unsupported where refgrad has no model of its inner optimizer
             return self.sharded_cls(model, settings)
         if not isinstance(model, MegatronStages):
             raise TypeError(f"Megatron-Core's optimizer steps Megatron-Core's stages or a module "
                             f"its data_parallel() wrapped, got {type(model).__name__}")
         return (self.training_cls or MegatronTrainingOptimizer)(model, settings)
-
-    def behaviour(self) -> OptimizerBehaviour:
-        reason = installed().skip_reason("distributed_optimizer", "torch_adam_fallback")
-        if reason is not None:
-            raise Unsupported(Technique.OPTIMIZER, f"megatron-core {reason}: refgrad models "
-                              "torch.optim.AdamW's order only")
-        return OptimizerBehaviour(torch_adamw_order=TORCH_ADAMW, no_decay_on_1d_params=NO_DECAY_ON_1D,
-                                  partial_sum_grad_norm=PARTIAL_SUM_NORM,
-                                  param_gather_in_forward=PARAM_GATHER_IN_FORWARD)
 
     def data_parallel(self, module: torch.nn.Module, settings: DataParallelSettings,
                       dp_group: dist.ProcessGroup | None) -> MegatronDataParallel:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from verify.candidates.interfaces import Technique, Unsupported
+
 DISTRIBUTION = "megatron-core"
 INSTALL_HINT = "pip install -e '.[megatron]' (in the gradverify checkout)"
 
@@ -183,3 +185,12 @@ def installed() -> MegatronCoreInfo:
         "mxfp8_param_buffer_sharing": _mxfp8_feature(DistributedDataParallelConfig),
     }
     return MegatronCoreInfo(version=version(DISTRIBUTION), features=features)
+
+
+def require_modelled_adamw() -> None:
+    """Unsupported (optimizer) where Megatron-Core's optimizer is not the torch.optim.AdamW
+    refgrad models, nor its distributed optimizer there."""
+    reason = installed().skip_reason("distributed_optimizer", "torch_adam_fallback")
+    if reason is not None:
+        raise Unsupported(Technique.OPTIMIZER, f"megatron-core {reason}: refgrad models "
+                          "torch.optim.AdamW's order only")

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from verify.candidates.torch_ddp.grad_reduction import TorchDDPGradReduction
     from verify.candidates.torch_ddp.layout import TorchDDPLayout
 
+REDUCER = "torch/csrc/distributed/c10d/reducer.cpp"
 DOCUMENTED: dict[Behaviour, DocumentedBehaviour] = {
     Behaviour.DDP_BUCKETS: DocumentedBehaviour(
         "buckets sized in bytes (bucket_cap_mb, default 25 MiB with a 1 MiB first bucket), "
@@ -47,6 +48,19 @@ DOCUMENTED: dict[Behaviour, DocumentedBehaviour] = {
         "torch.nn.parallel.distributed._BucketCapacityConfig.create and "
         "DistributedDataParallel._ddp_init_helper; torch/csrc/distributed/c10d/reducer.cpp "
         "compute_bucket_assignment_by_size, Reducer::rebuild_buckets, Reducer::initialize_buckets"),
+    Behaviour.PRESCALE: DocumentedBehaviour(
+        "the DP mean is every grad multiplied by fp32(1/W) as it is copied into its bucket, "
+        "then an all-reduce SUM",
+        f"{REDUCER} Reducer::mark_variable_ready_dense (at::mul_out with 1 / div_factor_), "
+        "torch.nn.parallel.DistributedDataParallel"),
+    Behaviour.WIRE_COLLECTIVE: DocumentedBehaviour(
+        "the all-reduce sums in the grad dtype in the backend's order (gloo: reverse ring)",
+        f"{REDUCER} Reducer::all_reduce_bucket (torch.distributed.all_reduce, ProcessGroupGloo)"),
+    Behaviour.COMPRESS_HOOK: DocumentedBehaviour(
+        "fp16/bf16_compress_hook: the bucket cast to 16 bits, divided by W there, all-reduced "
+        "(SUM, 16-bit partial sums, the backend's order), copied back into the bucket",
+        "torch.distributed.algorithms.ddp_comm_hooks.default_hooks._compress_hook "
+        "(fp16_compress_hook, bf16_compress_hook)"),
 }
 NOT_HERE = {
     Technique.DEFERRED_WGRAD: "has no output layer with deferred wgrad",

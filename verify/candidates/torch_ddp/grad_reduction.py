@@ -29,33 +29,15 @@ from gradvocab import Averaging
 from verify.candidates.interfaces import (
     SUM,
     BucketReduction,
-    DocumentedBehaviour,
     GradReduction,
     LocalReduction,
     ReduceScatter,
-    ReductionBehaviour,
     ReductionConfig,
     ScratchReduceScatter,
     Technique,
     Unsupported,
 )
 
-REDUCER = "torch/csrc/distributed/c10d/reducer.cpp"
-BEHAVIOUR = ReductionBehaviour(
-    prescale=DocumentedBehaviour(
-        "the DP mean is every grad multiplied by fp32(1/W) as it is copied into its bucket, "
-        "then an all-reduce SUM",
-        f"{REDUCER} Reducer::mark_variable_ready_dense (at::mul_out with 1 / div_factor_), "
-        "torch.nn.parallel.DistributedDataParallel"),
-    wire_collective=DocumentedBehaviour(
-        "the all-reduce sums in the grad dtype in the backend's order (gloo: reverse ring)",
-        f"{REDUCER} Reducer::all_reduce_bucket (torch.distributed.all_reduce, ProcessGroupGloo)"),
-    compress_hook=DocumentedBehaviour(
-        "fp16/bf16_compress_hook: the bucket cast to 16 bits, divided by W there, all-reduced "
-        "(SUM, 16-bit partial sums, the backend's order), copied back into the bucket",
-        "torch.distributed.algorithms.ddp_comm_hooks.default_hooks._compress_hook "
-        "(fp16_compress_hook, bf16_compress_hook)"),
-)
 NO_COLLECTIVE = ("torch-ddp has no fp32-accumulating reduce-scatter: DDP all-reduces each bucket "
                  "in its own dtype")
 HOOKS = {torch.float16: default_hooks.fp16_compress_hook,
@@ -153,5 +135,3 @@ class TorchDDPGradReduction(GradReduction):
                               f"torch-ddp's compress hooks cast to fp16 or bf16, not {dtype}")
         return TorchDDPBucketReduction(hook=self.hooks[dtype])
 
-    def behaviour(self) -> ReductionBehaviour:
-        return BEHAVIOUR

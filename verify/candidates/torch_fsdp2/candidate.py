@@ -38,12 +38,43 @@ if TYPE_CHECKING:
     from verify.candidates.torch_fsdp2.layout import TorchFSDP2Layout
     from verify.candidates.torch_fsdp2.optimizer import TorchFSDP2Optimizer
 
+COLLECTIVES = "torch.distributed.fsdp._fully_shard._fsdp_collectives"
 DOCUMENTED: dict[Behaviour, DocumentedBehaviour] = {
     Behaviour.DIM0_PARAMETER_SHARDS: DocumentedBehaviour(
         "no bucketed buffer: every parameter is split on dim 0 into W chunks of ceil(dim0 / W) "
         "rows (torch.chunk; the last ones short or empty), each padded to that many rows",
         "torch.distributed.fsdp._fully_shard._fsdp_param.FSDPParam._init_sharded_param "
         "(_fsdp_common._chunk_with_empty, _get_dim0_padded_size)"),
+    Behaviour.WIRE_COLLECTIVE: DocumentedBehaviour(
+        "the reduce-scatter sums in the reduce dtype in the backend's order (gloo: reverse "
+        "ring); ReduceOp.AVG divides that sum by W",
+        f"{COLLECTIVES}.foreach_reduce (DefaultReduceScatter: torch.distributed.reduce_scatter_single)"),
+    Behaviour.DIVIDE_FACTORS: DocumentedBehaviour(
+        "the grads cast to reduce_dtype, averaged with ReduceOp.AVG (fp32, bf16) or divided by "
+        "factors of W before and after a SUM (fp16), cast to the sharded parameter's dtype; "
+        "microbatches without grad sync accumulate unsharded, upcast to reduce_dtype first",
+        f"{COLLECTIVES}._get_gradient_divide_factors and foreach_reduce; torch.distributed.fsdp."
+        "_fully_shard._fsdp_param.FSDPParam.to_accumulated_grad_if_needed"),
+    Behaviour.TORCH_ADAMW_ORDER: DocumentedBehaviour(
+        "AdamW in torch.optim.AdamW's order of operations (single-tensor path) on the fp32 "
+        "sharded params", "torch.optim.adamw._single_tensor_adamw (torch.optim.AdamW on "
+                          "FSDP2's DTensor shards)"),
+    Behaviour.TORCH_SGD_ORDER: DocumentedBehaviour(
+        "SGD in torch.optim.SGD's order of operations on the fp32 sharded params",
+        "torch.optim.sgd._single_tensor_sgd"),
+    Behaviour.PARTIAL_SUM_GRAD_NORM: DocumentedBehaviour(
+        "the global norm is every rank's fp32 norm of its shards' per-param norms, squared, "
+        "all-reduced and square-rooted, within γ(n + k + R + 8) of the exact norm",
+        "torch.nn.utils.get_total_norm (torch._foreach_norm and torch.linalg.vector_norm on "
+        "DTensor shards, reduced by torch.distributed.tensor._ops._math_ops._NormPartial)"),
+    Behaviour.TORCH_CLIP_COEFFICIENT: DocumentedBehaviour(
+        "the clip coefficient min(max_norm / (N + 1e-6), 1) is computed on the fp32 norm "
+        "tensor (a reciprocal, then times max_norm) and multiplies every grad",
+        "torch.nn.utils.clip_grads_with_norm_"),
+    Behaviour.PARAM_GATHER_IN_FORWARD: DocumentedBehaviour(
+        "the step launches no param all-gather: each FSDP module's forward gathers its "
+        "params (and reshards them after)",
+        "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._pre_forward"),
 }
 NOT_HERE = {
     Technique.DEFERRED_WGRAD: "has no output layer with deferred wgrad",

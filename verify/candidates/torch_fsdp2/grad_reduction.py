@@ -25,11 +25,9 @@ from gradvocab import Averaging
 from verify.candidates.interfaces import (
     SUM,
     BucketReduction,
-    DocumentedBehaviour,
     GradReduction,
     LocalReduction,
     ReduceScatter,
-    ReductionBehaviour,
     ReductionConfig,
     ScratchReduceScatter,
     ShardedGradCase,
@@ -39,19 +37,6 @@ from verify.candidates.interfaces import (
 )
 from verify.candidates.torch_fsdp2.sharding import Coefficients, dtype_named, mesh_of, policy
 
-COLLECTIVES = "torch.distributed.fsdp._fully_shard._fsdp_collectives"
-BEHAVIOUR = ReductionBehaviour(
-    wire_collective=DocumentedBehaviour(
-        "the reduce-scatter sums in the reduce dtype in the backend's order (gloo: reverse "
-        "ring); ReduceOp.AVG divides that sum by W",
-        f"{COLLECTIVES}.foreach_reduce (DefaultReduceScatter: torch.distributed.reduce_scatter_single)"),
-    divide_factors=DocumentedBehaviour(
-        "the grads cast to reduce_dtype, averaged with ReduceOp.AVG (fp32, bf16) or divided by "
-        "factors of W before and after a SUM (fp16), cast to the sharded parameter's dtype; "
-        "microbatches without grad sync accumulate unsharded, upcast to reduce_dtype first",
-        f"{COLLECTIVES}._get_gradient_divide_factors and foreach_reduce; torch.distributed.fsdp."
-        "_fully_shard._fsdp_param.FSDPParam.to_accumulated_grad_if_needed"),
-)
 NO_COLLECTIVE = ("torch-fsdp2 has no fp32-accumulating reduce-scatter: "
                  "MixedPrecisionPolicy(reduce_dtype=torch.float32) casts the grads to fp32 "
                  "before the collective instead (the reduce_dtype cases)")
@@ -149,5 +134,3 @@ class TorchFSDP2GradReduction(GradReduction):
     def sharded_reduction(self, case: ShardedGradCase) -> ShardedReduction:
         return self.step_class(case)
 
-    def behaviour(self) -> ReductionBehaviour:
-        return BEHAVIOUR

@@ -34,9 +34,7 @@ from verify.candidates.interfaces import (
     DataParallelModule,
     DataParallelSettings,
     DistributedOptimizerStep,
-    DocumentedBehaviour,
     LossScalerState,
-    OptimizerBehaviour,
     OptimizerCheckpoint,
     OptimizerSettings,
     Technique,
@@ -44,28 +42,6 @@ from verify.candidates.interfaces import (
 )
 from verify.candidates.torch_fsdp2.sharding import mesh_of, policy
 
-BEHAVIOUR = OptimizerBehaviour(
-    torch_adamw_order=DocumentedBehaviour(
-        "AdamW in torch.optim.AdamW's order of operations (single-tensor path) on the fp32 "
-        "sharded params", "torch.optim.adamw._single_tensor_adamw (torch.optim.AdamW on "
-                          "FSDP2's DTensor shards)"),
-    torch_sgd_order=DocumentedBehaviour(
-        "SGD in torch.optim.SGD's order of operations on the fp32 sharded params",
-        "torch.optim.sgd._single_tensor_sgd"),
-    partial_sum_grad_norm=DocumentedBehaviour(
-        "the global norm is every rank's fp32 norm of its shards' per-param norms, squared, "
-        "all-reduced and square-rooted, within γ(n + k + R + 8) of the exact norm",
-        "torch.nn.utils.get_total_norm (torch._foreach_norm and torch.linalg.vector_norm on "
-        "DTensor shards, reduced by torch.distributed.tensor._ops._math_ops._NormPartial)"),
-    torch_clip_coefficient=DocumentedBehaviour(
-        "the clip coefficient min(max_norm / (N + 1e-6), 1) is computed on the fp32 norm "
-        "tensor (a reciprocal, then times max_norm) and multiplies every grad",
-        "torch.nn.utils.clip_grads_with_norm_"),
-    param_gather_in_forward=DocumentedBehaviour(
-        "the step launches no param all-gather: each FSDP module's forward gathers its "
-        "params (and reshards them after)",
-        "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._pre_forward"),
-)
 NO_SCALER = ("loss scaling: FSDP2 has none (torch.amp.GradScaler is a separate API, not wired "
              "into this adapter)")
 NO_CHECKPOINT = ("a reshardable checkpoint: torch.distributed.checkpoint is not wired into this "
@@ -245,8 +221,6 @@ class TorchFSDP2Optimizer(DistributedOptimizerStep):
             raise _unsupported(NO_SCALER)
         return FSDP2Training(model, settings)
 
-    def behaviour(self) -> OptimizerBehaviour:
-        return BEHAVIOUR
 
     def data_parallel(self, module: nn.Module, settings: DataParallelSettings,
                       dp_group: dist.ProcessGroup | None) -> FSDP2Module:

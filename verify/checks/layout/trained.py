@@ -18,6 +18,7 @@ parameter (rows, padded rows, values) against ``refgrad.layout_torch.fsdp2_shard
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -33,7 +34,12 @@ from refgrad.layout_torch import (
     fsdp2_shards,
 )
 from verify.candidates import Behaviour, Candidate, LaunchSettings, Unsupported
-from verify.candidates.interfaces import BucketTraining, ObservedBucket, ReductionBehaviour
+from verify.candidates.interfaces import (
+    REDUCTION_BEHAVIOURS,
+    BucketTraining,
+    DocumentedBehaviour,
+    ObservedBucket,
+)
 from verify.check import CheckRecorder
 from verify.distributed import RankLauncher, spawn_each
 from verify.metrics import bitwise_equal
@@ -136,7 +142,8 @@ def _exact_mean(per_rank: list[torch.Tensor]) -> torch.Tensor:
     return formats.round_values_to_tensor(formats.FLOAT32, values, (per_rank[0].numel(),))
 
 
-def _modelled(per_rank: list[torch.Tensor], behaviour: ReductionBehaviour) -> torch.Tensor:
+def _modelled(per_rank: list[torch.Tensor], behaviour: Mapping[Behaviour, DocumentedBehaviour]
+              ) -> torch.Tensor:
     """refgrad's model of a bucket's documented reduction: the pre-scale by fp32(1/W), then
     the all-reduce in the grad dtype in gloo's order."""
     world = len(per_rank)
@@ -144,13 +151,13 @@ def _modelled(per_rank: list[torch.Tensor], behaviour: ReductionBehaviour) -> to
         # 1/2 is exact and a sum of two values is one rounding in any order: the model is the
         # spec's exact mean rounded once (and takes no Python pass over a million elements).
         return _exact_mean(per_rank)
-    averaging = Averaging.PRESCALE if behaviour.prescale is not None else Averaging.AVG
+    averaging = Averaging.PRESCALE if Behaviour.PRESCALE in behaviour else Averaging.AVG
     factors = averaging.factors(world)
     inputs = per_rank if factors.pre_scale is None else refc.prescale_like_torch(per_rank,
                                                                                 factors.pre_scale)
     op = Averaging.from_reduce_op(factors.op)  # the collective's op, SUM or AVG
     order = "rank" if world <= 2 else "gloo_ring"
-    return refc.all_reduce(inputs, accumulate="wire" if behaviour.wire_collective else "fp32",
+    return refc.all_reduce(inputs, accumulate="wire" if Behaviour.WIRE_COLLECTIVE in behaviour else "fp32",
                            order=order, op=op)[0]
 
 
@@ -163,8 +170,7 @@ def check_watched(rec: CheckRecorder, candidate: Candidate, quick: bool, seed: i
         except Unsupported as unsupported:
             rec.skip(f"DDP buckets watched while training: {unsupported}")
             return
-    with candidate.grad_reduction() as reduction:
-        behaviour = reduction.behaviour()
+    behaviour = candidate.departures(REDUCTION_BEHAVIOURS)
     documented = candidate.documented(Behaviour.DDP_BUCKETS)
     launcher = RankLauncher().preloading(*candidate.preload_modules)
     scenarios = watched_scenarios(quick)
@@ -185,8 +191,8 @@ def check_watched(rec: CheckRecorder, candidate: Candidate, quick: bool, seed: i
 
 
 def _check_scenario(rec: CheckRecorder, scenario: WatchedScenario, per_rank: list, seed: int,
-                    documented, behaviour: ReductionBehaviour) -> None:
-    reduction = behaviour.prescale or behaviour.wire_collective
+                    documented, behaviour: Mapping[Behaviour, DocumentedBehaviour]) -> None:
+    reduction = behaviour.get(Behaviour.PRESCALE) or behaviour.get(Behaviour.WIRE_COLLECTIVE)
     for it in range(scenario.iterations):
         tag = f"{scenario.label}, iteration {it + 1}"
         want = expected_buckets(scenario, it)

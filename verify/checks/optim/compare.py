@@ -1,7 +1,7 @@
 """The ``optim`` check's comparisons of the ranks' results with refgrad, and their classification.
 
 A candidate that documents no departure (fastgrad) is held bitwise to ``refgrad.optim``'s
-trajectory. Where the candidate documents one (:class:`OptimizerBehaviour`; Megatron-Core's
+trajectory. Where the candidate documents one (:data:`~verify.candidates.interfaces.OPTIMIZER_BEHAVIOURS`; Megatron-Core's
 ``torch.optim.AdamW`` order, its fp32 partial-sum grad norm, its param all-gather launched in
 the forward), it is held to refgrad's model of that behaviour (``model``: the trajectory of
 ``expectations.ProductionModel``, bitwise; the norm within its bound; no all-gather in flight
@@ -11,13 +11,15 @@ where the behaviour lives; a mismatch with the model is a FAIL.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from fractions import Fraction
+from types import MappingProxyType
 
 import torch
 
 from refgrad.formats import FLOAT32, gamma
-from verify.candidates.interfaces import DocumentedBehaviour, OptimizerBehaviour
+from verify.candidates.interfaces import Behaviour, DocumentedBehaviour
 from verify.check import CheckRecorder
 from verify.checks.optim.cases import NAMES, SHAPES, OptimCase
 from verify.checks.optim.records import CaseRun, Snapshot
@@ -29,16 +31,17 @@ class Documented:
     """What a case's comparisons classify: the candidate's behaviour and refgrad's model of it
     (``model``: the trajectory under the documented behaviour; None: the spec's own)."""
 
-    behaviour: OptimizerBehaviour
+    behaviour: Mapping[Behaviour, DocumentedBehaviour]
     model: list[dict] | None = None
 
     def order(self, case: OptimCase) -> DocumentedBehaviour | None:
         """The documented behaviours behind a case's numbers (the step's order of operations,
         and the norm it clips with), as one: None when the candidate follows the spec."""
-        parts = [self.behaviour.torch_adamw_order if case.algorithm == "adamw"
-                 else self.behaviour.torch_sgd_order]
+        parts = [self.behaviour.get(Behaviour.TORCH_ADAMW_ORDER if case.algorithm == "adamw"
+                                    else Behaviour.TORCH_SGD_ORDER)]
         if case.clip is not None:
-            parts += [self.behaviour.partial_sum_grad_norm, self.behaviour.torch_clip_coefficient]
+            parts += [self.behaviour.get(Behaviour.PARTIAL_SUM_GRAD_NORM),
+                      self.behaviour.get(Behaviour.TORCH_CLIP_COEFFICIENT)]
         parts = [p for p in parts if p is not None]
         if not parts or self.model is None:
             return None
@@ -46,7 +49,7 @@ class Documented:
                                    "; ".join(p.where for p in parts))
 
 
-AS_SPECIFIED = Documented(OptimizerBehaviour())
+AS_SPECIFIED = Documented(MappingProxyType({}))
 
 
 def flat(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -99,7 +102,7 @@ def _check_norms(rec: CheckRecorder, label: str, case: OptimCase, exact: float |
     what = (f"{label}: the global grad norm is refgrad's exact one on every rank "
             f"(the tied copy counted once)")
     detail = f"refgrad {exact!r}, ranks {norms}"
-    partial = documented.behaviour.partial_sum_grad_norm
+    partial = documented.behaviour.get(Behaviour.PARTIAL_SUM_GRAD_NORM)
     if partial is None or case.clip is None or exact is None:
         rec.expect(what, spec, detail)
         return
@@ -158,7 +161,7 @@ def check_case(rec: CheckRecorder, case: OptimCase, runs: list[CaseRun], want: l
         if overlapped:
             # A stepped step launches the param all-gather; a skipped step (NaN/inf) launches none.
             launched = [None if r is None else r.launched for r in results]
-            in_forward = documented.behaviour.param_gather_in_forward
+            in_forward = documented.behaviour.get(Behaviour.PARAM_GATHER_IN_FORWARD)
             rec.expect_documented(
                 f"{label}: a param all-gather in flight after the step iff it stepped",
                 all(x == expected["stepped"] for x in launched), documented=in_forward,

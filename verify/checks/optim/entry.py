@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import pickle
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -13,7 +14,12 @@ from gradvocab import ParallelDims
 from refgrad import optim as R
 from refgrad.formats import tensor_bit_patterns
 from verify.candidates import Candidate, LaunchSettings, Technique, Unsupported
-from verify.candidates.interfaces import DistributedOptimizerStep, OptimizerBehaviour
+from verify.candidates.interfaces import (
+    OPTIMIZER_BEHAVIOURS,
+    Behaviour,
+    DistributedOptimizerStep,
+    DocumentedBehaviour,
+)
 from verify.check import Check, CheckContext, CheckRecorder, launcher_for, run_part
 from verify.checks.optim.cases import CHECKPOINT_CASE, MIXED, NAMES, OptimCase, case_matrix
 from verify.checks.optim.compare import (
@@ -207,7 +213,8 @@ def _record_crash(rec: CheckRecorder, candidate: Candidate, cases: list[OptimCas
 
 
 def check_multi_rank(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate,
-                     behaviour: OptimizerBehaviour, shares_a_world: bool, *, mxfp8: bool) -> None:
+                     behaviour: Mapping[Behaviour, DocumentedBehaviour], shares_a_world: bool, *,
+                     mxfp8: bool) -> None:
     """The case matrix, the DP=2 resume and the DP=2 -> DP=3 reshard (one 4-rank spawn, or a
     world per DP size for a candidate whose optimizer cannot share one)."""
     cases = case_matrix(ctx.quick)
@@ -224,13 +231,13 @@ def check_multi_rank(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate
         per_rank = _spawn_plans(ctx, rec, candidate, cases, seed, shared, mxfp8_runs)
         expected = references.result()[0]
     models: dict = {"cases": [None] * len(cases), "dp3": (None, None)}
-    if behaviour.documented():  # refgrad's model of its documented optimizer, clipped with its norms
+    if behaviour:  # refgrad's model of its documented optimizer, clipped with its norms
         norms = {"cases": [_reported_norms([per_rank[r].cases[i] for r in case.ranks
                                             if i in per_rank[r].cases])
                            for i, case in enumerate(cases)],
                  "dp3": _reported_norms([per_rank[r].dp3_resumed for r in range(3)
                                          if per_rank[r].dp3_resumed is not None]),
-                 "torch_clip": behaviour.torch_clip_coefficient is not None}
+                 "torch_clip": Behaviour.TORCH_CLIP_COEFFICIENT in behaviour}
         models = spawn(_references_process, 1, cases, seed, norms, timeout_s=ctx.timeout_s,
                        launcher=launcher_for(candidate))[0]
     for index, case in enumerate(cases):
@@ -344,12 +351,13 @@ def run(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate) -> None:
 
 
 def _optimizer_facts(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate
-                     ) -> tuple[OptimizerBehaviour, bool, bool]:
+                     ) -> tuple[dict[Behaviour, DocumentedBehaviour], bool, bool]:
     """The candidate's documented departures, whether its optimizers share a world, and
     whether it has MXFP8 params. A candidate without the technique raises Unsupported: a
     SKIP."""
     with candidate.optimizer() as optimizer:
-        return optimizer.behaviour(), optimizer.shares_a_world, _has_mxfp8(rec, optimizer)
+        return (candidate.departures(OPTIMIZER_BEHAVIOURS), optimizer.shares_a_world,
+                _has_mxfp8(rec, optimizer))
 
 
 def _has_mxfp8(rec: CheckRecorder, optimizer: DistributedOptimizerStep) -> bool:

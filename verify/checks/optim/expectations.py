@@ -86,7 +86,7 @@ class ProductionModel:
     norm of each step (``norms``; None: refgrad's exact one)."""
 
     norms: tuple[float | None, ...] | None = None
-    # clipped with torch.nn.utils' coefficient (OptimizerBehaviour.torch_clip_coefficient)
+    # clipped with torch.nn.utils' coefficient (Behaviour.TORCH_CLIP_COEFFICIENT)
     torch_clip: bool = False
 
     def norm(self, k: int) -> float | None:

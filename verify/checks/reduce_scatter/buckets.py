@@ -6,7 +6,7 @@ DDP under the case's :class:`~verify.candidates.interfaces.ReductionConfig`
 (:meth:`GradReduction.bucket_reduction`). The spec is refgrad's DP mean (or sum) accumulated in
 fp32 in rank order and rounded once (``refgrad.reduce_scatter``, ``accumulate="fp32"``,
 ``order="rank"``). A candidate that departs from it by design says how
-(:class:`~verify.candidates.interfaces.ReductionBehaviour`): the check then holds it
+(:data:`~verify.candidates.interfaces.REDUCTION_BEHAVIOURS`): the check then holds it
 bitwise to refgrad's model of that behaviour (a mismatch FAILs) and records the distance from
 the spec as a documented difference naming where the behaviour lives:
 
@@ -27,13 +27,15 @@ the next shows.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from gradvocab import Averaging, ParallelDims
 from refgrad import reduce_scatter as refc
 from refgrad import reduce_torch
 from verify.candidates import Candidate, LaunchSettings
-from verify.candidates.interfaces import DocumentedBehaviour, ReductionBehaviour, Unsupported
+from verify.candidates.interfaces import Behaviour, DocumentedBehaviour, Unsupported
 from verify.check import CheckRecorder
 from verify.checks.reduce_scatter.cases import (
     BUCKET_SHARD,
@@ -89,21 +91,22 @@ def bucket_worker(rank: int, world_size: int, case: BucketCase, candidate: Candi
     return {"held": held}
 
 
-def _documented(behaviour: ReductionBehaviour, case: BucketCase
+def _documented(behaviour: Mapping[Behaviour, DocumentedBehaviour], case: BucketCase
                 ) -> tuple[DocumentedBehaviour | None, tuple[str, ...]]:
     """The candidate's documented behaviours that apply to ``case``, joined into one, and the
     names of the models they call for (``prescale``, ``wire``, ``compress_hook``,
     ``divide_factors``; empty: the spec)."""
     config = case.config
     if case.reduce_dtype is not None and not config.use_distributed_optimizer:
-        applying = {"compress_hook": behaviour.compress_hook}
-    elif behaviour.divide_factors is not None and config.average:
-        applying = {"divide_factors": behaviour.divide_factors, "wire": behaviour.wire_collective}
+        applying = {"compress_hook": behaviour.get(Behaviour.COMPRESS_HOOK)}
+    elif Behaviour.DIVIDE_FACTORS in behaviour and config.average:
+        applying = {"divide_factors": behaviour[Behaviour.DIVIDE_FACTORS],
+                    "wire": behaviour.get(Behaviour.WIRE_COLLECTIVE)}
     else:
-        applying = {"prescale": behaviour.prescale if config.averaging is Averaging.PRESCALE
+        applying = {"prescale": behaviour.get(Behaviour.PRESCALE) if config.averaging is Averaging.PRESCALE
                     else None,
                     "wire": None if config.reduce_scatter_with_fp32_accumulation
-                    else behaviour.wire_collective}
+                    else behaviour.get(Behaviour.WIRE_COLLECTIVE)}
     applying = {name: b for name, b in applying.items() if b is not None}
     if not applying:
         return None, ()
@@ -135,7 +138,7 @@ def _expected(case: BucketCase, inputs: list[torch.Tensor], models: tuple[str, .
     return reduce(inputs, accumulate=accumulate, order=order, op=op)
 
 
-def bucket_references(cases: list[BucketCase], behaviour: ReductionBehaviour, seed: int
+def bucket_references(cases: list[BucketCase], behaviour: Mapping[Behaviour, DocumentedBehaviour], seed: int
                       ) -> dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor | None]]:
     """refgrad's spec and (where the candidate documents a behaviour) its model, per
     (case index, dtype, iteration); cases with the same inputs and arithmetic share one
@@ -164,13 +167,14 @@ def bucket_references(cases: list[BucketCase], behaviour: ReductionBehaviour, se
 
 
 def bucket_references_process(rank: int, world: int, cases: list[BucketCase],
-                              behaviour: ReductionBehaviour, seed: int) -> dict:
+                              behaviour: Mapping[Behaviour, DocumentedBehaviour], seed: int) -> dict:
     """:func:`bucket_references` in a process of its own (``spawn`` with one rank)."""
     return bucket_references(cases, behaviour, seed)
 
 
 def check_bucket_cases(rec: CheckRecorder, outcomes: list[ItemOutcome], cases: list[BucketCase],
-                       behaviour: ReductionBehaviour, expected: dict, candidate: Candidate) -> None:
+                       behaviour: Mapping[Behaviour, DocumentedBehaviour], expected: dict,
+                       candidate: Candidate) -> None:
     """Every bucket case vs refgrad (``expected``: :func:`bucket_references`), documented
     behaviours classified (module docstring); each case is one case of the report, a crash
     of its world its crash."""

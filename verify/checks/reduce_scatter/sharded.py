@@ -7,7 +7,7 @@ unsharded parameters' dtype); the candidate reduces them (``GradReduction.sharde
 and returns its rows of every parameter's reduced grad. The spec is refgrad's: the exact DP
 mean of the grads summed over the microbatches, rounded once to the sharded parameters' dtype,
 the rows of ``refgrad.layout_torch.fsdp2_shards``. A candidate documenting its averaging
-(``ReductionBehaviour.divide_factors``) is held bitwise to refgrad's model of it:
+(``Behaviour.DIVIDE_FACTORS``) is held bitwise to refgrad's model of it:
 ``refgrad.reduce_torch.fsdp2_accumulate`` per rank, the reduce-scatter input laid out by
 ``fsdp2_reduce_scatter_placement``, ``fsdp2_reduce_scatter`` in gloo's order.
 """
@@ -15,6 +15,7 @@ the rows of ``refgrad.layout_torch.fsdp2_shards``. A candidate documenting its a
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from fractions import Fraction
 
 import torch
@@ -24,7 +25,12 @@ from refgrad import formats
 from refgrad.layout_torch import fsdp2_reduce_scatter_placement, fsdp2_shards
 from refgrad.reduce_torch import fsdp2_accumulate, fsdp2_reduce_scatter
 from verify.candidates import Candidate, LaunchSettings, Unsupported
-from verify.candidates.interfaces import DocumentedBehaviour, ReductionBehaviour, ShardedGradCase
+from verify.candidates.interfaces import (
+    REDUCTION_BEHAVIOURS,
+    Behaviour,
+    DocumentedBehaviour,
+    ShardedGradCase,
+)
 from verify.check import CheckContext, CheckRecorder
 from verify.distributed import RankLauncher, spawn_each
 
@@ -106,9 +112,9 @@ def model(case: ShardedGradCase, world: int, per_rank: list[list[list[torch.Tens
     return rows
 
 
-def _documented(behaviour: ReductionBehaviour) -> DocumentedBehaviour | None:
-    parts = [b for b in (behaviour.divide_factors, behaviour.wire_collective) if b is not None]
-    if behaviour.divide_factors is None:
+def _documented(behaviour: Mapping[Behaviour, DocumentedBehaviour]) -> DocumentedBehaviour | None:
+    parts = [behaviour[b] for b in (Behaviour.DIVIDE_FACTORS, Behaviour.WIRE_COLLECTIVE) if b in behaviour]
+    if Behaviour.DIVIDE_FACTORS not in behaviour:
         return None
     return DocumentedBehaviour("; then ".join(b.summary for b in parts), "; ".join(b.where for b in parts))
 
@@ -122,7 +128,7 @@ def check_sharded(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate) -
             rec.skip(f"parameters sharded one by one (uneven shards, microbatches without grad "
                      f"sync, each reduce_dtype): {unsupported}")
             return
-        documented = _documented(reduction.behaviour())
+        documented = _documented(candidate.departures(REDUCTION_BEHAVIOURS))
     launcher = RankLauncher().preloading(*candidate.preload_modules)
     for world in (3,) if ctx.quick else (2, 3, 4):
         outcomes = spawn_each(_worker, world, list(CASES), candidate, ctx.seed,

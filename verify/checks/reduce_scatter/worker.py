@@ -20,7 +20,12 @@ from gradvocab import Averaging, ParallelDims
 from refgrad import reduce_scatter as refc
 from refgrad.formats import tensor_bit_patterns
 from verify.candidates import Candidate, LaunchSettings, Unsupported
-from verify.candidates.interfaces import GradReduction, ReductionBehaviour
+from verify.candidates.interfaces import (
+    REDUCTION_BEHAVIOURS,
+    Behaviour,
+    DocumentedBehaviour,
+    GradReduction,
+)
 from verify.check import CheckContext, CheckRecorder, launcher_for, run_part
 from verify.checks.reduce_scatter.buckets import (
     bucket_references_process,
@@ -184,11 +189,12 @@ def collectives_settings(world: int) -> LaunchSettings:
 
 def _plan_and_behaviour(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate,
                         cases: list[BucketCase]
-                        ) -> tuple[CollectivePlan, ReductionBehaviour, dict[BucketCase, str]]:
+                        ) -> tuple[CollectivePlan, dict[Behaviour, DocumentedBehaviour],
+                                   dict[BucketCase, str]]:
     """Which ops the candidate's collectives take, its documented reduction behaviour, and
     the bucket cases it refuses up front (with why)."""
     with candidate.grad_reduction() as reduction:
-        return (collective_plan(reduction, rec), reduction.behaviour(),
+        return (collective_plan(reduction, rec), candidate.departures(REDUCTION_BEHAVIOURS),
                 bucket_refusals(reduction, cases))
 
 

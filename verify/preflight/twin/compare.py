@@ -6,28 +6,31 @@ params, their bits) of the ranks against refgrad's single-process run of the sam
 (:func:`verify.preflight.twin.reference.reference_for`): bitwise where the reduction order
 is fixed, else within ``ulp_bound_factor(DP) x (step + 1)`` ULPs of each tensor's largest
 magnitude. Where the candidate documents how its optimizer departs from refgrad's spec
-(:class:`verify.candidates.interfaces.OptimizerBehaviour`), it is held to refgrad's model
+(:data:`verify.candidates.interfaces.OPTIMIZER_BEHAVIOURS`), it is held to refgrad's model
 of that behaviour and the distance from the spec is kept as a :class:`DocumentedDifference`.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
+from types import MappingProxyType
 
 import torch
 
 from gradvocab import RankResult
 from refgrad.formats import FLOAT32, gamma
 from refgrad.pipeline import ReferenceResult, expected_on_rank
-from verify.candidates.interfaces import DocumentedBehaviour, OptimizerBehaviour, PipelineCase
+from verify.candidates.interfaces import Behaviour, DocumentedBehaviour, PipelineCase
 from verify.metrics import bitwise_equal
 from verify.preflight.twin.bounds import ulp_bound_factor, within
 from verify.preflight.twin.reference import OptimReference
 from verify.preflight.twin.variants import MXFP8Twin, TwinTraining, adamw_of
 
-AS_SPECIFIED = OptimizerBehaviour()  # an optimizer without documented departures from refgrad.optim
+# An optimizer without documented departures from refgrad.optim.
+AS_SPECIFIED: Mapping[Behaviour, DocumentedBehaviour] = MappingProxyType({})
 
 
 @dataclass
@@ -114,13 +117,13 @@ class StepComparison:
     def __init__(self, case: PipelineCase, training: TwinTraining, bitwise: bool,
                  ranks: list[RankResult | None], reference: OptimReference | ReferenceResult,
                  *, candidate: str = "the candidate",
-                 behaviour: OptimizerBehaviour = AS_SPECIFIED) -> None:
+                 behaviour: Mapping[Behaviour, DocumentedBehaviour] = AS_SPECIFIED) -> None:
         self.case, self.training, self.bitwise = case, training, bitwise
         self.ranks, self.reference, self.candidate = ranks, reference, candidate
         self.behaviour = behaviour
         self.optimizer = adamw_of(training) is not None
         self.got = collect(case, ranks, self.optimizer)
-        self.documented = {b.summary: DocumentedDifference(b) for b in behaviour.documented()}
+        self.documented = {b.summary: DocumentedDifference(b) for b in behaviour.values()}
 
     def rows(self) -> list[StepRow]:
         return [self._step(step) for step in range(len(self.case.plans))]
@@ -175,8 +178,8 @@ class StepComparison:
         behaviour puts between the candidate and the spec is recorded)."""
         reference, case, behaviour = self.reference, self.case, self.behaviour
         ref_state = reference.state[row.step]
-        documented = reference.spec_state and (behaviour.torch_adamw_order
-                                               or behaviour.no_decay_on_1d_params)
+        documented = reference.spec_state and (behaviour.get(Behaviour.TORCH_ADAMW_ORDER)
+                                               or behaviour.get(Behaviour.NO_DECAY_ON_1D_PARAMS))
         model = (f" (refgrad's model of {self.candidate}'s documented AdamW)" if documented else "")
         for name in sorted(ref_state):
             for replica, per_name in enumerate(self.got["state"][row.step]):
@@ -203,10 +206,11 @@ class StepComparison:
         """The candidate's distance from the spec (under its AdamW order) and, for a 1-D
         param, from the same model had it been decayed (under no decay on 1-D params)."""
         reference, behaviour = self.reference, self.behaviour
-        order = behaviour.torch_adamw_order or behaviour.no_decay_on_1d_params
+        order = (behaviour.get(Behaviour.TORCH_ADAMW_ORDER)
+                 or behaviour.get(Behaviour.NO_DECAY_ON_1D_PARAMS))
         self._note_spec_distance(order, reference.spec_state[step][name][key], cand, name,
                                  replica)
-        no_decay = behaviour.no_decay_on_1d_params
+        no_decay = behaviour.get(Behaviour.NO_DECAY_ON_1D_PARAMS)
         if no_decay is not None and reference.decayed_state and cand.dim() == 1:
             self._note_spec_distance(no_decay, reference.decayed_state[step][name][key], cand,
                                      name, replica)
@@ -260,7 +264,7 @@ class StepComparison:
         row.grad_norm, row.clip_coefficient, row.loss_scale = norm, coef, scale
         row.stepped = stepped
         row.clipped = coef is not None and coef < 1.0
-        partial = self.behaviour.partial_sum_grad_norm
+        partial = self.behaviour.get(Behaviour.PARTIAL_SUM_GRAD_NORM)
         tolerance = self._norm_tolerance(step, bound_ulps)
         if partial is not None and math.isfinite(norm):
             relative = float(self.partial_sum_norm_bound())
@@ -308,7 +312,7 @@ class StepComparison:
 def compare_steps(case: PipelineCase, training: TwinTraining, bitwise: bool,
                   ranks: list[RankResult | None], reference: OptimReference | ReferenceResult,
                   *, candidate: str = "the candidate",
-                  behaviour: OptimizerBehaviour = AS_SPECIFIED
+                  behaviour: Mapping[Behaviour, DocumentedBehaviour] = AS_SPECIFIED
                   ) -> tuple[list[StepRow], list[DocumentedDifference]]:
     """Every step's losses, reduced grads and updated params vs refgrad, per replica; and the
     documented differences from refgrad's spec."""

@@ -13,7 +13,7 @@
   ``refgrad.mxfp8.dequantize(quantize(bf16(master)))``.
 
 A candidate whose optimizer departs from ``refgrad.optim`` by design
-(:class:`verify.candidates.interfaces.OptimizerBehaviour`: Megatron-Core's
+(``OPTIMIZER_BEHAVIOURS`` of :meth:`Candidate.documented`: Megatron-Core's
 ``torch.optim.AdamW`` order, no weight decay on 1-D params, its fp32 partial-sum norm) is
 held to refgrad's model of that behaviour (:class:`ReferenceRule`): the reference's
 trajectory steps ``refgrad.optim_torch.torch_order_step`` (with the platform's fp32 square
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 
@@ -53,7 +53,12 @@ from refgrad.pipeline import (
     replica_grad_sums,
     stage_param_name,
 )
-from verify.candidates.interfaces import HyperparameterSchedule, OptimizerBehaviour, PipelineCase
+from verify.candidates.interfaces import (
+    Behaviour,
+    DocumentedBehaviour,
+    HyperparameterSchedule,
+    PipelineCase,
+)
 from verify.preflight.twin.mxfp8 import BLOCK, SCALE_MODE
 from verify.preflight.twin.precision import cast_stage_params_
 from verify.preflight.twin.scaler import ReferenceScaler
@@ -91,13 +96,13 @@ class ReferenceRule:
         return not self.torch_order and self.decay_1d_params and self.clip_norms is None
 
     @classmethod
-    def for_behaviour(cls, behaviour: OptimizerBehaviour,
+    def for_behaviour(cls, behaviour: Mapping[Behaviour, DocumentedBehaviour],
                       clip_norms: Sequence[float | None] = ()) -> ReferenceRule:
         """The rule modelling ``behaviour``; ``clip_norms``: the candidate's norms per step
         (used where it documents its own norm)."""
-        own_norm = behaviour.partial_sum_grad_norm is not None
-        return cls(torch_order=behaviour.torch_adamw_order is not None,
-                   decay_1d_params=behaviour.no_decay_on_1d_params is None,
+        own_norm = Behaviour.PARTIAL_SUM_GRAD_NORM in behaviour
+        return cls(torch_order=Behaviour.TORCH_ADAMW_ORDER in behaviour,
+                   decay_1d_params=Behaviour.NO_DECAY_ON_1D_PARAMS not in behaviour,
                    clip_norms=tuple(clip_norms) if own_norm else None)
 
 

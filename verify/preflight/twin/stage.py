@@ -14,17 +14,22 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
 
 from gradvocab import RankResult
-from verify.candidates.interfaces import Candidate, OptimizerBehaviour, Unsupported
+from verify.candidates.interfaces import (
+    OPTIMIZER_BEHAVIOURS,
+    Behaviour,
+    Candidate,
+    DocumentedBehaviour,
+    Unsupported,
+)
 from verify.candidates.registry import default_candidate
 from verify.distributed import DistributedRunError, RankCrashed, RankLauncher, spawn
 from verify.preflight.config import PreflightConfig
-from verify.preflight.twin.compare import AS_SPECIFIED
 from verify.preflight.twin.figures import apply_figures, figure_check
 from verify.preflight.twin.plan import TwinOptions, TwinPlan, plan_twin
 from verify.preflight.twin.rank import TwinRun, run_twin_rank, twin_worker
@@ -48,7 +53,7 @@ class PreparedTwin:
 
     candidate: Candidate
     plan: TwinPlan
-    behaviour: OptimizerBehaviour = AS_SPECIFIED
+    behaviour: dict[Behaviour, DocumentedBehaviour] = field(default_factory=dict)
 
     def run(self) -> TwinRun:
         return TwinRun(self.plan.case, self.plan.overlap, self.plan.training, self.candidate)
@@ -70,10 +75,10 @@ def prepare_twin(config: PreflightConfig, options: TwinOptions, candidate: Candi
         with candidate.pipeline() as training:
             support = training.model_support()
         plan = plan_twin(config, options, support, candidate.label)
-        behaviour = AS_SPECIFIED
+        behaviour = {}
         if adamw_of(plan.training) is not None:
-            with candidate.optimizer() as optimizer:
-                behaviour = optimizer.behaviour()
+            with candidate.optimizer():  # Unsupported where it has none
+                behaviour = candidate.departures(OPTIMIZER_BEHAVIOURS)
     except Unsupported as exc:
         return UnsupportedTwin(candidate, str(exc))
     return PreparedTwin(candidate, plan, behaviour)

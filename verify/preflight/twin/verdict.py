@@ -10,12 +10,12 @@ spec. ``report["twins"]`` lists the sections in the order the candidates were gi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 
 from gradvocab import RankResult
 from verify.attribution import case_launch_settings, explaining
-from verify.candidates.interfaces import Candidate, LaunchSettings, OptimizerBehaviour
+from verify.candidates.interfaces import Behaviour, Candidate, DocumentedBehaviour, LaunchSettings
 from verify.candidates.megatron_core.findings import FINDINGS
 from verify.distributed import RankCrashed
 from verify.preflight.config import PreflightConfig
@@ -41,12 +41,12 @@ def _clip_norms(ranks: Sequence[RankResult | None], steps: int) -> tuple[float |
 
 def twin_section(config: PreflightConfig, plan: TwinPlan, ranks: Sequence[RankResult | None],
                  *, where: str, candidate: Candidate,
-                 behaviour: OptimizerBehaviour = AS_SPECIFIED) -> dict:
+                 behaviour: Mapping[Behaviour, DocumentedBehaviour] = AS_SPECIFIED) -> dict:
     """Compare one candidate's ranks with refgrad (its documented behaviour modelled): the
     report section of that candidate."""
     case, training = plan.case, plan.training
     rule = SPEC
-    if adamw_of(training) is not None and behaviour.documented():
+    if adamw_of(training) is not None and behaviour:
         rule = ReferenceRule.for_behaviour(behaviour, _clip_norms(ranks, len(case.plans)))
     rows, documented = compare_steps(case, training, plan.bitwise, list(ranks),
                                      reference_for(case, training, rule),
@@ -289,7 +289,8 @@ def _failed(section: dict) -> str:
 
 def finish_twin_report(config: PreflightConfig, plan: TwinPlan,
                        ranks: Sequence[RankResult | None], report: dict, *, where: str,
-                       candidate: Candidate, behaviour: OptimizerBehaviour = AS_SPECIFIED) -> bool:
+                       candidate: Candidate,
+                       behaviour: Mapping[Behaviour, DocumentedBehaviour] = AS_SPECIFIED) -> bool:
     """Compare one candidate's ranks with refgrad, decide the hazards, write the verdict."""
     section = twin_section(config, plan, ranks, where=where, candidate=candidate,
                            behaviour=behaviour)
