@@ -614,11 +614,12 @@ class BucketLayout(TechniqueScope, Protocol):
 
     def build_buffer(self, params: Sequence[torch.nn.Parameter], config: DDPConfig, *,
                      dp_size: int, dp_group: dist.ProcessGroup | None = None,
-                     average: bool = False) -> GradBuffer:
+                     averaging: Averaging = Averaging.SUM) -> GradBuffer:
         """``params`` (registration order; ``shared_embedding=True`` marks one) remapped into
         the candidate's buffers, values kept. Without ``dp_group``: laid out for ``dp_size``
-        ranks, inspection only. ``average``: the reduction averages over the replicas as the
-        candidate does it; False: it sums."""
+        ranks, inspection only. ``averaging``: how the reduction combines the replicas, held
+        to ``config`` by ``DDPConfig.resolve_averaging`` (a bool: TypeError; ``AVG`` exactly
+        with ``average_in_collective``)."""
 
 
 # --- reduce_scatter: the data-parallel gradient reduction, as typed collectives --------------------
