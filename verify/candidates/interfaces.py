@@ -38,6 +38,7 @@ from gradvocab import (
     Averaging,
     DDPConfig,
     LossScaling,
+    MegatronAveragingFlags,
     ParallelDims,
     RankResult,
     SGDConfig,
@@ -666,33 +667,33 @@ class LocalReduction(ABC):
 
 @dataclass(frozen=True)
 class ReductionConfig:
-    """How a DDP bucket is reduced (``DistributedDataParallelConfig``'s names). ``average``:
-    the DP mean (False: the sum); without ``average_in_collective`` a ``1/W`` pre-scale in the
-    grad dtype, then a SUM. ``use_distributed_optimizer``: a reduce-scatter, else an
-    all-reduce. ``overlap_grad_reduce``: launched asynchronously, waited for in
-    ``finish_grad_sync``."""
+    """How a DDP bucket is reduced (``DistributedDataParallelConfig``'s names, its averaging as
+    one :class:`gradvocab.Averaging`). ``averaging``: ``PRESCALE`` (a ``1/W`` pre-scale in the
+    grad dtype, then a SUM; Megatron-Core's default), ``AVG`` (``average_in_collective``) or
+    ``SUM`` (its per-token loss); ``POSTSCALE`` has no Megatron-Core spelling and is refused.
+    ``use_distributed_optimizer``: a reduce-scatter, else an all-reduce.
+    ``overlap_grad_reduce``: launched asynchronously, waited for in ``finish_grad_sync``."""
 
-    average: bool = True
-    average_in_collective: bool = False
+    averaging: Averaging = Averaging.PRESCALE
     use_distributed_optimizer: bool = True
     reduce_scatter_with_fp32_accumulation: bool = False
     overlap_grad_reduce: bool = True
 
     def __post_init__(self) -> None:
-        _require_bools(self, ("average", "average_in_collective", "use_distributed_optimizer",
-                              "reduce_scatter_with_fp32_accumulation", "overlap_grad_reduce"))
-        if self.average_in_collective and not self.average:
-            raise ValueError("ReductionConfig.average_in_collective averages: it needs average=True")
+        if not isinstance(self.averaging, Averaging):
+            raise TypeError(f"ReductionConfig.averaging must be a gradvocab.Averaging, got "
+                            f"{type(self.averaging).__name__} {self.averaging!r} (a bool does not "
+                            "say how the replicas are combined)")
+        self.megatron_flags()  # ValueError for POSTSCALE: these are Megatron-Core's settings
+        _require_bools(self, ("use_distributed_optimizer", "reduce_scatter_with_fp32_accumulation",
+                              "overlap_grad_reduce"))
         if self.reduce_scatter_with_fp32_accumulation and not self.use_distributed_optimizer:
             raise ValueError("ReductionConfig.reduce_scatter_with_fp32_accumulation is a "
                              "reduce-scatter: it needs use_distributed_optimizer=True")
 
-    @property
-    def averaging(self) -> Averaging:
-        """How the candidate averages (Megatron-Core's flags, :meth:`Averaging.from_megatron`)."""
-        return Averaging.from_megatron(average=self.average,
-                                       average_in_collective=self.average_in_collective)
-
+    def megatron_flags(self) -> MegatronAveragingFlags:
+        """``averaging`` as Megatron-Core's two flags (``Averaging.megatron_flags``)."""
+        return self.averaging.megatron_flags()
 
 
 class BucketReduction(ABC):
