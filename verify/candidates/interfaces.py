@@ -1055,21 +1055,6 @@ class OptimizerBehaviour:
         return tuple(b for b in (getattr(self, f.name) for f in fields(self)) if b is not None)
 
 
-@dataclass(frozen=True)
-class DataParallelSettings:
-    """The DDP a module is wrapped in for the ``optim`` check (always the distributed
-    optimizer with ``overlap_grad_reduce``; ``average`` False: the sum)."""
-
-    bucket_size: int
-    overlap_param_gather: bool = False
-    grad_reduce_in_fp32: bool = False
-    average: bool = True
-
-    def __post_init__(self) -> None:
-        _require_int(self, "bucket_size", 1)
-        _require_bools(self, ("overlap_param_gather", "grad_reduce_in_fp32", "average"))
-
-
 @runtime_checkable
 class DataParallelModule(DataParallelModel, Protocol):
     """A module wrapped in the candidate's DDP (:meth:`DistributedOptimizerStep.data_parallel`);
@@ -1185,9 +1170,12 @@ class DistributedOptimizerStep(TechniqueScope, Protocol):
 
     def behaviour(self) -> OptimizerBehaviour: ...
 
-    def data_parallel(self, module: torch.nn.Module, settings: DataParallelSettings,
-                      dp_group: dist.ProcessGroup | None) -> DataParallelModule:
-        """``module`` wrapped in the candidate's DDP over ``dp_group`` (None: the world)."""
+    def data_parallel(self, module: torch.nn.Module, config: DDPConfig,
+                      dp_group: dist.ProcessGroup | None, *,
+                      averaging: Averaging | None = None) -> DataParallelModule:
+        """``module`` wrapped in the candidate's DDP under ``config`` over ``dp_group`` (None:
+        the world), its grads combined by ``config.resolve_averaging(averaging)`` (None: what
+        ``average_in_collective`` says; a bool: TypeError)."""
 
     def mxfp8(self) -> MXFP8ParamOptimizer: ...
 
@@ -1406,7 +1394,7 @@ __all__ = [
     "AVG", "EMBEDDING_PARAM", "HEAD_PARAM", "MXFP8", "MXFP8_BLOCK", "SUM", "AdamWState",
     "Behaviour", "BucketLayout", "BucketObserver", "BucketReduction", "BucketTraining",
     "Candidate", "CandidateInfo", "Completion", "CrashSignature", "DataParallelModel",
-    "DataParallelModule", "DataParallelSettings", "DeferredWgrad", "DistributedOptimizerStep",
+    "DataParallelModule", "DeferredWgrad", "DistributedOptimizerStep",
     "DocumentedBehaviour", "DrainRefused", "Effect", "Finding", "GradBucket", "GradBuffer",
     "GradBufferGroup", "GradPiece", "GradReduction", "LaunchSettings", "Layout", "LayoutCase",
     "LinearStackSpec", "LocalReduction", "LossScalerState", "MXFP8Kernel", "MXFP8ParamOptimizer",

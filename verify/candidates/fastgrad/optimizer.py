@@ -21,7 +21,7 @@ from fastgrad.optim import (
     DynamicLossScaler,
     ReplicatedOptimizer,
 )
-from gradvocab import StepOutcome
+from gradvocab import Averaging, DDPConfig, StepOutcome
 from verify.candidates.fastgrad.sharded_optimizer import (
     FastgradDataParallel,
     FastgradMXFP8Optimizer,
@@ -34,7 +34,6 @@ from verify.candidates.fastgrad.stages import FastgradStages, norm_group
 from verify.candidates.interfaces import (
     AdamWState,
     DataParallelModel,
-    DataParallelSettings,
     DistributedOptimizerStep,
     MXFP8ParamOptimizer,
     OptimizerBehaviour,
@@ -78,9 +77,10 @@ class FastgradOptimizer(DistributedOptimizerStep):
     def behaviour(self) -> OptimizerBehaviour:
         return OptimizerBehaviour()
 
-    def data_parallel(self, module: nn.Module, settings: DataParallelSettings,
-                      dp_group: dist.ProcessGroup | None) -> FastgradDataParallel:
-        return FastgradDataParallel(module, settings, dp_group)
+    def data_parallel(self, module: nn.Module, config: DDPConfig,
+                      dp_group: dist.ProcessGroup | None, *,
+                      averaging: Averaging | None = None) -> FastgradDataParallel:
+        return FastgradDataParallel(module, config, dp_group, averaging)
 
     def mxfp8(self) -> MXFP8ParamOptimizer:
         if not getattr(self.sharded_cls, "supports_mxfp8", False):

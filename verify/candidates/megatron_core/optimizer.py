@@ -31,11 +31,10 @@ from typing import ClassVar, NoReturn
 import torch
 import torch.distributed as dist
 
-from gradvocab import StepOutcome
+from gradvocab import Averaging, DDPConfig, StepOutcome
 from verify.candidates.interfaces import (
     AdamWState,
     DataParallelModel,
-    DataParallelSettings,
     DistributedOptimizerStep,
     DocumentedBehaviour,
     OptimizerBehaviour,
@@ -117,9 +116,10 @@ class MegatronOptimizer(MegatronScope, DistributedOptimizerStep):
                                   partial_sum_grad_norm=PARTIAL_SUM_NORM,
                                   param_gather_in_forward=PARAM_GATHER_IN_FORWARD)
 
-    def data_parallel(self, module: torch.nn.Module, settings: DataParallelSettings,
-                      dp_group: dist.ProcessGroup | None) -> MegatronDataParallel:
-        return MegatronDataParallel(module, settings, dp_group, self.ddp_class)
+    def data_parallel(self, module: torch.nn.Module, config: DDPConfig,
+                      dp_group: dist.ProcessGroup | None, *,
+                      averaging: Averaging | None = None) -> MegatronDataParallel:
+        return MegatronDataParallel(module, config, dp_group, averaging, self.ddp_class)
 
     def mxfp8(self) -> NoReturn:
         raise Unsupported(Technique.OPTIMIZER, NO_MXFP8)
