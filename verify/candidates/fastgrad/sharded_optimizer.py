@@ -77,8 +77,7 @@ class FastgradDataParallel(DataParallelModule):
 
     def __init__(self, module: nn.Module, config: DDPConfig,
                  dp_group: dist.ProcessGroup | None, averaging: Averaging | None = None) -> None:
-        # refused (a bool, a contradiction) before any process group is touched
-        averaging = config.resolve_averaging(averaging)
+        # fastgrad's DDP holds averaging to config (DDPConfig.resolve_averaging) first
         self.ddp = DistributedDataParallel(module, config=config, averaging=averaging,
                                            dp_group=dp_group)
 
