@@ -28,6 +28,7 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from gradvocab import Averaging  # noqa: E402
 from verify.candidates import FastgradCandidate  # noqa: E402
 from verify.candidates.fastgrad.deferred_wgrad import FastgradDeferredWgrad  # noqa: E402
 from verify.candidates.fastgrad.grad_reduction import (  # noqa: E402
@@ -49,10 +50,10 @@ def _on_rank_one() -> None:
 
 @dataclass(frozen=True)
 class _Layout(FastgradLayout):
-    def build_buffer(self, params, config, *, dp_size, dp_group=None, average=False):
+    def build_buffer(self, params, config, *, dp_size, dp_group=None, averaging=Averaging.SUM):
         _on_rank_one()
         return super().build_buffer(params, config, dp_size=dp_size, dp_group=dp_group,
-                                    average=average)
+                                    averaging=averaging)
 
 
 @dataclass(frozen=True)

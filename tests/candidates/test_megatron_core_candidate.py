@@ -67,3 +67,18 @@ def test_grad_reduction_is_megatrons_fp32_reduce_scatter_in_rank_order():
         expected = reduce_scatter([r[0][it] for r in per_rank], accumulate="fp32", order="rank")
         for r in range(world):
             assert_bitwise_equal(per_rank[r][1][it].view(torch.int16), expected[r].view(torch.int16))
+
+
+def test_data_parallel_and_build_buffer_refuse_a_bool_for_averaging():
+    # the seam's averaging is a gradvocab.Averaging (a bool does not say how); refused before
+    # any process group is touched
+    from gradvocab import DDPConfig
+    from verify.candidates.megatron_core.bucket_layout import MegatronLayout
+    from verify.candidates.megatron_core.optimizer import MegatronOptimizer
+
+    config = DDPConfig(use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=64)
+    with pytest.raises(TypeError, match="averaging must be a gradvocab.Averaging"):
+        MegatronOptimizer().data_parallel(torch.nn.Linear(2, 2), config, None, averaging=True)
+    with pytest.raises(TypeError, match="averaging must be a gradvocab.Averaging"):
+        MegatronLayout().build_buffer([torch.nn.Parameter(torch.zeros(4))], config, dp_size=2,
+                                      averaging=False)

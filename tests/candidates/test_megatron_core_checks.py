@@ -162,7 +162,7 @@ def test_layout_reductions_pass_each_in_a_process_of_its_own():
     assert [label for r in results for label, passed, _ in r.checks if not passed] == []
     assert len([c for r in results for c in r.checks]) == 2 * len(scenarios)
     # The copy whose last bucket is scaled twice over fails the averaged scenarios.
-    averaged = [s for s in scenarios if s.average]
+    averaged = [s for s in scenarios if s.averaging.averages]
     results = run_reduce_scenarios(2, averaged, ScaledBucketCandidate(), timeout_s=300.0)
     assert [passed for r in results for _, passed, _ in r.checks] == [False] * 2 * len(averaged)
 

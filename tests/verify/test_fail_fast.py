@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import pytest
 import torch.distributed as dist
 
+from gradvocab import Averaging
 from tests.verify.preflight_launch import preflight_args
 from verify.candidates import FastgradCandidate
 from verify.candidates.fastgrad.deferred_wgrad import FastgradDeferredWgrad
@@ -39,10 +40,10 @@ def _on_rank_one() -> None:
 
 @dataclass(frozen=True)
 class _RaisingLayout(FastgradLayout):
-    def build_buffer(self, params, config, *, dp_size, dp_group=None, average=False):
+    def build_buffer(self, params, config, *, dp_size, dp_group=None, averaging=Averaging.SUM):
         _on_rank_one()
         return super().build_buffer(params, config, dp_size=dp_size, dp_group=dp_group,
-                                    average=average)
+                                    averaging=averaging)
 
 
 @dataclass(frozen=True)

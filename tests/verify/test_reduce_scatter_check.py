@@ -126,9 +126,9 @@ class AveragesInFp32InsteadOfPrescale(FastgradBucketReduction):
 
     def __call__(self, grads, *, group):
         config = self.config
-        if (config.reduce_scatter_with_fp32_accumulation and config.average
-                and not config.average_in_collective):
-            config = ReductionConfig(average_in_collective=True,
+        if (config.reduce_scatter_with_fp32_accumulation
+                and config.averaging is Averaging.PRESCALE):
+            config = ReductionConfig(averaging=Averaging.AVG,
                                      reduce_scatter_with_fp32_accumulation=True)
         return FastgradBucketReduction(config)(grads, group=group)
 
@@ -172,10 +172,10 @@ def broken_candidate(local: LocalReduction) -> BrokenCandidate:
 
 def test_a_configs_spec_averaging_is_the_exact_mean_however_the_candidate_averages():
     # By hand: any averaging is held to the spec's fp32 sum / W (AVG); no averaging to the sum.
-    assert spec_averaging(ReductionConfig(average=False)) is Averaging.SUM
+    assert spec_averaging(ReductionConfig(averaging=Averaging.SUM)) is Averaging.SUM
     assert ReductionConfig().averaging is Averaging.PRESCALE
     assert spec_averaging(ReductionConfig()) is Averaging.AVG
-    assert spec_averaging(ReductionConfig(average_in_collective=True)) is Averaging.AVG
+    assert spec_averaging(ReductionConfig(averaging=Averaging.AVG)) is Averaging.AVG
 
 
 @pytest.mark.dist

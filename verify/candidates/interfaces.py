@@ -38,6 +38,7 @@ from gradvocab import (
     Averaging,
     DDPConfig,
     LossScaling,
+    MegatronAveragingFlags,
     ParallelDims,
     RankResult,
     SGDConfig,
@@ -651,11 +652,12 @@ class BucketLayout(TechniqueScope, Protocol):
 
     def build_buffer(self, params: Sequence[torch.nn.Parameter], config: DDPConfig, *,
                      dp_size: int, dp_group: dist.ProcessGroup | None = None,
-                     average: bool = False) -> GradBuffer:
+                     averaging: Averaging = Averaging.SUM) -> GradBuffer:
         """``params`` (registration order; ``shared_embedding=True`` marks one) remapped into
         the candidate's buffers, values kept. Without ``dp_group``: laid out for ``dp_size``
-        ranks, inspection only. ``average``: the reduction averages over the replicas as the
-        candidate does it; False: it sums."""
+        ranks, inspection only. ``averaging``: how the reduction combines the replicas, held
+        to ``config`` by ``DDPConfig.resolve_averaging`` (a bool: TypeError; ``AVG`` exactly
+        with ``average_in_collective``)."""
 
 
 # --- reduce_scatter: the data-parallel gradient reduction, as typed collectives --------------------
@@ -702,33 +704,33 @@ class LocalReduction(ABC):
 
 @dataclass(frozen=True)
 class ReductionConfig:
-    """How a DDP bucket is reduced (``DistributedDataParallelConfig``'s names). ``average``:
-    the DP mean (False: the sum); without ``average_in_collective`` a ``1/W`` pre-scale in the
-    grad dtype, then a SUM. ``use_distributed_optimizer``: a reduce-scatter, else an
-    all-reduce. ``overlap_grad_reduce``: launched asynchronously, waited for in
-    ``finish_grad_sync``."""
+    """How a DDP bucket is reduced (``DistributedDataParallelConfig``'s names, its averaging as
+    one :class:`gradvocab.Averaging`). ``averaging``: ``PRESCALE`` (a ``1/W`` pre-scale in the
+    grad dtype, then a SUM; Megatron-Core's default), ``AVG`` (``average_in_collective``) or
+    ``SUM`` (its per-token loss); ``POSTSCALE`` has no Megatron-Core spelling and is refused.
+    ``use_distributed_optimizer``: a reduce-scatter, else an all-reduce.
+    ``overlap_grad_reduce``: launched asynchronously, waited for in ``finish_grad_sync``."""
 
-    average: bool = True
-    average_in_collective: bool = False
+    averaging: Averaging = Averaging.PRESCALE
     use_distributed_optimizer: bool = True
     reduce_scatter_with_fp32_accumulation: bool = False
     overlap_grad_reduce: bool = True
 
     def __post_init__(self) -> None:
-        _require_bools(self, ("average", "average_in_collective", "use_distributed_optimizer",
-                              "reduce_scatter_with_fp32_accumulation", "overlap_grad_reduce"))
-        if self.average_in_collective and not self.average:
-            raise ValueError("ReductionConfig.average_in_collective averages: it needs average=True")
+        if not isinstance(self.averaging, Averaging):
+            raise TypeError(f"ReductionConfig.averaging must be a gradvocab.Averaging, got "
+                            f"{type(self.averaging).__name__} {self.averaging!r} (a bool does not "
+                            "say how the replicas are combined)")
+        self.megatron_flags()  # ValueError for POSTSCALE: these are Megatron-Core's settings
+        _require_bools(self, ("use_distributed_optimizer", "reduce_scatter_with_fp32_accumulation",
+                              "overlap_grad_reduce"))
         if self.reduce_scatter_with_fp32_accumulation and not self.use_distributed_optimizer:
             raise ValueError("ReductionConfig.reduce_scatter_with_fp32_accumulation is a "
                              "reduce-scatter: it needs use_distributed_optimizer=True")
 
-    @property
-    def averaging(self) -> Averaging:
-        """How the candidate averages (Megatron-Core's flags, :meth:`Averaging.from_megatron`)."""
-        return Averaging.from_megatron(average=self.average,
-                                       average_in_collective=self.average_in_collective)
-
+    def megatron_flags(self) -> MegatronAveragingFlags:
+        """``averaging`` as Megatron-Core's two flags (``Averaging.megatron_flags``)."""
+        return self.averaging.megatron_flags()
 
 
 class BucketReduction(ABC):
@@ -1052,18 +1054,6 @@ class TrainingOptimizer(Protocol):
 
 
 @dataclass(frozen=True)
-class DataParallelSettings:
-    """The DDP a module is wrapped in for the ``optim`` check (always the distributed
-    optimizer with ``overlap_grad_reduce``; ``average`` False: the sum)."""
-
-    bucket_size: int
-    overlap_param_gather: bool = False
-    grad_reduce_in_fp32: bool = False
-    average: bool = True
-
-    def __post_init__(self) -> None:
-        _require_int(self, "bucket_size", 1)
-        _require_bools(self, ("overlap_param_gather", "grad_reduce_in_fp32", "average"))
 
 
 @runtime_checkable
@@ -1179,9 +1169,12 @@ class DistributedOptimizerStep(TechniqueScope, Protocol):
         """This rank's optimizer over ``model`` (over a :class:`DataParallelModule`: a
         :class:`ShardedOptimizer`)."""
 
-    def data_parallel(self, module: torch.nn.Module, settings: DataParallelSettings,
-                      dp_group: dist.ProcessGroup | None) -> DataParallelModule:
-        """``module`` wrapped in the candidate's DDP over ``dp_group`` (None: the world)."""
+    def data_parallel(self, module: torch.nn.Module, config: DDPConfig,
+                      dp_group: dist.ProcessGroup | None, *,
+                      averaging: Averaging | None = None) -> DataParallelModule:
+        """``module`` wrapped in the candidate's DDP under ``config`` over ``dp_group`` (None:
+        the world), its grads combined by ``config.resolve_averaging(averaging)`` (None: what
+        ``average_in_collective`` says; a bool: TypeError)."""
 
     def mxfp8(self) -> MXFP8ParamOptimizer: ...
 
@@ -1400,7 +1393,7 @@ __all__ = [
     "AVG", "EMBEDDING_PARAM", "HEAD_PARAM", "MXFP8", "MXFP8_BLOCK", "SUM", "AdamWState",
     "Behaviour", "BucketLayout", "BucketObserver", "BucketReduction", "BucketTraining",
     "Candidate", "CandidateInfo", "Completion", "CrashSignature", "DataParallelModel",
-    "DataParallelModule", "DataParallelSettings", "DeferredWgrad", "DistributedOptimizerStep",
+    "DataParallelModule", "DeferredWgrad", "DistributedOptimizerStep",
     "DocumentedBehaviour", "DrainRefused", "Effect", "Finding", "GradBucket", "GradBuffer",
     "GradBufferGroup", "GradPiece", "GradReduction", "LaunchSettings", "Layout", "LayoutCase",
     "LinearStackSpec", "LocalReduction", "LossScalerState", "MXFP8Kernel", "MXFP8ParamOptimizer",

@@ -78,7 +78,7 @@ class FastgradBucketReduction(BucketReduction):
                 use_distributed_optimizer=self.config.use_distributed_optimizer,
                 overlap_grad_reduce=self.config.overlap_grad_reduce,
                 reduce_scatter_with_fp32_accumulation=self.config.reduce_scatter_with_fp32_accumulation,
-                average_in_collective=self.config.average_in_collective)
+                average_in_collective=self.config.megatron_flags().average_in_collective)
             self._buffers[key] = (param, ParamAndGradBuffer([param], config=config, dp_group=group,
                                                             averaging=self.config.averaging))
         return self._buffers[key][1]

@@ -125,11 +125,9 @@ class FastgradLayout(BucketLayout):
 
     def build_buffer(self, params: Sequence[torch.nn.Parameter], config: DDPConfig, *,
                      dp_size: int, dp_group: dist.ProcessGroup | None = None,
-                     average: bool = False) -> GradBuffer:
-        # the seam's mean-or-sum as Megatron-Core's flags, converted where gradvocab keeps them;
-        # fastgrad.averaging then decides where a 1/dp pre-scale is applied
-        averaging = Averaging.from_megatron(average=average,
-                                            average_in_collective=config.average_in_collective)
+                     averaging: Averaging = Averaging.SUM) -> GradBuffer:
+        # fastgrad's buffer holds averaging to config (DDPConfig.resolve_averaging) and
+        # decides where a 1/dp pre-scale is applied (fastgrad.averaging)
         buffer = self.buffer_cls(
             list(params), config=config, dp_group=dp_group,
             dp_size=dp_size, averaging=averaging)

@@ -5,7 +5,7 @@ the distributed optimizer, ``ReplicatedOptimizer`` over the all-reduced grads: M
 optimizers. The norm is summed over the pipeline (and TP) group, the tied copy on the last
 stage left out; the loss is scaled as Megatron's grad scaler does
 (``fastgrad.optim.DynamicLossScaler``). fastgrad's AdamW is ``refgrad.optim``'s order, its
-norm refgrad's: :meth:`FastgradOptimizer.behaviour` documents no departure.
+norm refgrad's: fastgrad documents no optimizer departure (its ``documented()``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from fastgrad.optim import (
     DynamicLossScaler,
     ReplicatedOptimizer,
 )
-from gradvocab import StepOutcome
+from gradvocab import Averaging, DDPConfig, StepOutcome
 from verify.candidates.fastgrad.sharded_optimizer import (
     FastgradDataParallel,
     FastgradMXFP8Optimizer,
@@ -34,7 +34,6 @@ from verify.candidates.fastgrad.stages import FastgradStages, norm_group
 from verify.candidates.interfaces import (
     AdamWState,
     DataParallelModel,
-    DataParallelSettings,
     DistributedOptimizerStep,
     MXFP8ParamOptimizer,
     OptimizerSettings,
@@ -74,9 +73,10 @@ class FastgradOptimizer(DistributedOptimizerStep):
                             f"data_parallel() wrapped, got {type(model).__name__}")
         return FastgradTrainingOptimizer(model, settings, self.optimizer_class(model))
 
-    def data_parallel(self, module: nn.Module, settings: DataParallelSettings,
-                      dp_group: dist.ProcessGroup | None) -> FastgradDataParallel:
-        return FastgradDataParallel(module, settings, dp_group)
+    def data_parallel(self, module: nn.Module, config: DDPConfig,
+                      dp_group: dist.ProcessGroup | None, *,
+                      averaging: Averaging | None = None) -> FastgradDataParallel:
+        return FastgradDataParallel(module, config, dp_group, averaging)
 
     def mxfp8(self) -> MXFP8ParamOptimizer:
         if not getattr(self.sharded_cls, "supports_mxfp8", False):

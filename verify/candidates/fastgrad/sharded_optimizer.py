@@ -29,7 +29,6 @@ from gradvocab import AdamWConfig, Averaging, DDPConfig, ParallelDims, SGDConfig
 from verify.candidates.interfaces import (
     AdamWState,
     DataParallelModule,
-    DataParallelSettings,
     LossScalerState,
     MXFP8ParamOptimizer,
     MXFP8Training,
@@ -76,15 +75,9 @@ def schedule_next_update(optimizer: DistributedOptimizer, settings: OptimizerSet
 class FastgradDataParallel(DataParallelModule):
     """A module in fastgrad's ``DistributedDataParallel``."""
 
-    def __init__(self, module: nn.Module, settings: DataParallelSettings,
-                 dp_group: dist.ProcessGroup | None) -> None:
-        config = DDPConfig(use_distributed_optimizer=True, overlap_grad_reduce=True,
-                           bucket_size=settings.bucket_size,
-                           overlap_param_gather=settings.overlap_param_gather,
-                           grad_reduce_in_fp32=settings.grad_reduce_in_fp32)
-        # the seam's DP mean (or sum) as Megatron-Core's flags; gradvocab converts them
-        averaging = Averaging.from_megatron(average=settings.average,
-                                            average_in_collective=config.average_in_collective)
+    def __init__(self, module: nn.Module, config: DDPConfig,
+                 dp_group: dist.ProcessGroup | None, averaging: Averaging | None = None) -> None:
+        # fastgrad's DDP holds averaging to config (DDPConfig.resolve_averaging) first
         self.ddp = DistributedDataParallel(module, config=config, averaging=averaging,
                                            dp_group=dp_group)
 

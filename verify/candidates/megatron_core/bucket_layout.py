@@ -12,11 +12,11 @@
   parameters (one ``_ParamAndGradBuffer`` per (param dtype, grad dtype), its bucket groups
   from ``partition_buckets``), with its groups given as a ``ProcessGroupCollection`` (the DP
   group, or a ``FakeProcessGroup`` of ``dp_size`` for inspection; size-1 fake TP, PP and EP
-  groups). ``average`` is decided the way Megatron decides it
-  (``DistributedDataParallel.__init__``): ``average_in_collective`` gives ``ReduceOp.AVG``,
-  otherwise a ``gradient_scaling_factor`` of ``1/dp`` before a SUM; a plain SUM
-  (``average=False``) is Megatron's per-token-loss mode (``calculate_per_token_loss``:
-  factor 1.0).
+  groups). ``averaging`` becomes Megatron's flags (``Averaging.megatron_flags``), which
+  Megatron reads in ``DistributedDataParallel.__init__``: ``AVG`` is
+  ``average_in_collective`` (``ReduceOp.AVG``), ``PRESCALE`` a ``gradient_scaling_factor`` of
+  ``1/dp`` before a SUM, ``SUM`` its per-token-loss mode (``calculate_per_token_loss``:
+  factor 1.0); ``POSTSCALE`` has no Megatron flags (ValueError).
 
 A bucket's sync is its bucket group's (``_ParamAndGradBucketGroup.start_grad_sync`` /
 ``finish_grad_sync``; without fp8 params every bucket is a group of its own). With
@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from gradvocab import DDPConfig, ParallelDims, RankPlace
+from gradvocab import Averaging, DDPConfig, ParallelDims, RankPlace
 from verify.candidates.interfaces import (
     BucketLayout,
     GradBucket,
@@ -306,15 +306,14 @@ class MegatronLayout(MegatronScope, BucketLayout):
 
     def build_buffer(self, params: Sequence[torch.nn.Parameter], config: DDPConfig, *,
                      dp_size: int, dp_group: dist.ProcessGroup | None = None,
-                     average: bool = False) -> GradBuffer:
+                     averaging: Averaging = Averaging.SUM) -> GradBuffer:
         from megatron.core.distributed import DistributedDataParallelConfig
         from megatron.core.transformer import TransformerConfig
 
         if dp_group is not None and dist.get_world_size(dp_group) != dp_size:
             raise ValueError(f"dp_size={dp_size} but dp_group has {dist.get_world_size(dp_group)} ranks")
-        if config.average_in_collective and not average:
-            raise ValueError("DDPConfig.average_in_collective needs average=True "
-                             "(Megatron-Core averages in the collective or not at all)")
+        # a bool or a way config contradicts is refused here; POSTSCALE has no Megatron-Core flags
+        flags = config.resolve_averaging(averaging).megatron_flags()
         found = installed()
         for name in ("reduce_scatter_with_fp32_accumulation", "average_in_collective",
                      "pad_buckets_for_high_nccl_busbw"):
@@ -327,7 +326,7 @@ class MegatronLayout(MegatronScope, BucketLayout):
         # The per-token-loss mode is Megatron's only plain SUM over DP (factor 1.0).
         transformer = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1,
                                         use_cpu_initialization=True,
-                                        calculate_per_token_loss=not average)
+                                        calculate_per_token_loss=flags.calculate_per_token_loss)
         ddp = self.ddp_class()(transformer, DistributedDataParallelConfig(**config.to_dict()),
                                _ParamHolder(params), pg_collection=groups)
         return MegatronGradBuffer(ddp, params, dp_size, config.overlap_grad_reduce)

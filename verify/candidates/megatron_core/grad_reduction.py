@@ -15,8 +15,9 @@ Megatron-Core's own code, unmodified:
   tensor, pipeline and expert groups are this rank alone): the bucket's ``grad_data`` is
   filled with the rank's grads and ``start_grad_sync`` / ``finish_grad_sync`` run
   ``_ParamAndGradBucketGroup``'s reduction (the ``1/W`` pre-scale of ``gradient_scaling_factor``
-  or ``ReduceOp.AVG``, then ``dist_reduce_scatter_func`` / ``all_reduce``). ``average=False``
-  is ``TransformerConfig.calculate_per_token_loss`` (no pre-scale).
+  or ``ReduceOp.AVG``, then ``dist_reduce_scatter_func`` / ``all_reduce``). The config's
+  ``Averaging`` becomes Megatron's flags (``ReductionConfig.megatron_flags``): ``SUM`` is
+  ``TransformerConfig.calculate_per_token_loss`` (no pre-scale).
 
 Everything runs inside the interface's ``with`` block (:class:`~verify.candidates.megatron_core.scope.MegatronScope`:
 the CPU redirects on a machine without CUDA).
@@ -172,14 +173,15 @@ class MegatronBucketReduction(BucketReduction):
             )
 
             config = self.config
+            flags = config.megatron_flags()
             ddp_config = DistributedDataParallelConfig(
                 use_distributed_optimizer=config.use_distributed_optimizer,
                 overlap_grad_reduce=config.overlap_grad_reduce, bucket_size=None,
-                average_in_collective=config.average_in_collective,
+                average_in_collective=flags.average_in_collective,
                 reduce_scatter_with_fp32_accumulation=config.reduce_scatter_with_fp32_accumulation)
             module = _OneParameter(grads.numel(), grads.dtype)
             ddp_class = self.ddp_class or DistributedDataParallel
-            self._built[key] = ddp_class(model_config(calculate_per_token_loss=not config.average),
+            self._built[key] = ddp_class(model_config(calculate_per_token_loss=flags.calculate_per_token_loss),
                                          ddp_config, module,
                                          pg_collection=data_parallel_groups(group, self._alone))
         return self._built[key]

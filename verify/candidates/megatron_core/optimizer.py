@@ -10,7 +10,7 @@ weight decay (the settings' schedule: warm-up, decay, weight-decay increment; it
 optimizer.scale_loss``, and each step ``optimizer.zero_grad()`` after the buffers are zeroed,
 then ``optimizer.step()`` and ``scheduler.step(1)``.
 
-How it departs from ``refgrad.optim`` by design (:meth:`MegatronOptimizer.behaviour`), each
+How it departs from ``refgrad.optim`` by design (the candidate's ``documented()``), each
 modelled by refgrad and named where it lives:
 
 * its inner optimizer is ``torch.optim.AdamW`` when neither Transformer Engine nor apex is
@@ -31,11 +31,10 @@ from typing import ClassVar, NoReturn
 import torch
 import torch.distributed as dist
 
-from gradvocab import StepOutcome
+from gradvocab import Averaging, DDPConfig, StepOutcome
 from verify.candidates.interfaces import (
     AdamWState,
     DataParallelModel,
-    DataParallelSettings,
     DistributedOptimizerStep,
     OptimizerSettings,
     Technique,
@@ -85,9 +84,10 @@ class MegatronOptimizer(MegatronScope, DistributedOptimizerStep):
                             f"its data_parallel() wrapped, got {type(model).__name__}")
         return (self.training_cls or MegatronTrainingOptimizer)(model, settings)
 
-    def data_parallel(self, module: torch.nn.Module, settings: DataParallelSettings,
-                      dp_group: dist.ProcessGroup | None) -> MegatronDataParallel:
-        return MegatronDataParallel(module, settings, dp_group, self.ddp_class)
+    def data_parallel(self, module: torch.nn.Module, config: DDPConfig,
+                      dp_group: dist.ProcessGroup | None, *,
+                      averaging: Averaging | None = None) -> MegatronDataParallel:
+        return MegatronDataParallel(module, config, dp_group, averaging, self.ddp_class)
 
     def mxfp8(self) -> NoReturn:
         raise Unsupported(Technique.OPTIMIZER, NO_MXFP8)

@@ -27,11 +27,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradvocab import ParallelDims, StepOutcome
+from gradvocab import Averaging, DDPConfig, ParallelDims, StepOutcome
 from verify.candidates.interfaces import (
     AdamWState,
     DataParallelModule,
-    DataParallelSettings,
     HyperparameterSchedule,
     LossScalerState,
     OptimizerCheckpoint,
@@ -119,8 +118,8 @@ class MegatronDataParallel(DataParallelModule):
     """A module in Megatron-Core's ``DistributedDataParallel`` on ``dp_group``. ``ddp_class``: the
     DDP class (a test's broken copy of Megatron's)."""
 
-    def __init__(self, module: nn.Module, settings: DataParallelSettings,
-                 dp_group: dist.ProcessGroup | None, ddp_class: type | None = None) -> None:
+    def __init__(self, module: nn.Module, config: DDPConfig, dp_group: dist.ProcessGroup | None,
+                 averaging: Averaging | None = None, ddp_class: type | None = None) -> None:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         dtypes = {p.dtype for p in module.parameters()}
@@ -129,14 +128,13 @@ class MegatronDataParallel(DataParallelModule):
             raise ValueError("Megatron-Core's optimizer takes fp16 or bf16 params, not both")
         self.param_dtype = (torch.float16 if self.fp16 else torch.bfloat16 if self.bf16
                             else torch.float32)
-        self._module, self._settings = module, settings
+        # a bool or a way config contradicts is refused; POSTSCALE has no Megatron-Core flags
+        flags = config.resolve_averaging(averaging).megatron_flags()
+        self._module, self._ddp_config = module, config
         self.groups = data_parallel_groups(dp_group, {})
         self.config = model_config(fp16=self.fp16, bf16=self.bf16, params_dtype=self.param_dtype,
-                                   calculate_per_token_loss=not settings.average)
-        ddp_config = DistributedDataParallelConfig(
-            use_distributed_optimizer=True, overlap_grad_reduce=True,
-            overlap_param_gather=settings.overlap_param_gather,
-            grad_reduce_in_fp32=settings.grad_reduce_in_fp32, bucket_size=settings.bucket_size)
+                                   calculate_per_token_loss=flags.calculate_per_token_loss)
+        ddp_config = DistributedDataParallelConfig(**config.to_dict())
         self.ddp = (ddp_class or DistributedDataParallel)(self.config, ddp_config, module,
                                                           pg_collection=self.groups)
         self._grid = ParallelDims.data_parallel(dp_group)
@@ -152,8 +150,8 @@ class MegatronDataParallel(DataParallelModule):
         return self._module
 
     @property
-    def settings(self) -> DataParallelSettings:
-        return self._settings
+    def ddp_config(self) -> DDPConfig:
+        return self._ddp_config
 
     def named_parameters(self) -> Mapping[str, nn.Parameter]:
         return dict(self._module.named_parameters())
@@ -262,7 +260,7 @@ class MegatronShardedOptimizer(ShardedOptimizer):
             warnings.filterwarnings("ignore", message="full scope is deprecated")
             self.optimizer = get_megatron_optimizer(
                 optimizer_config(settings, dtype=model.param_dtype,
-                                 overlap_param_gather=model.settings.overlap_param_gather),
+                                 overlap_param_gather=model.ddp_config.overlap_param_gather),
                 [model.ddp], use_gloo_process_groups=False, pg_collection=model.groups)
         self.scheduler = param_scheduler(self.optimizer, settings)
         model.on_zero_grad.append(self.optimizer.zero_grad)

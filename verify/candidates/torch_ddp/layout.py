@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from gradvocab import DDPConfig
+from gradvocab import Averaging, DDPConfig
 from verify.candidates.interfaces import (
     BucketLayout,
     BucketObserver,
@@ -110,7 +110,7 @@ class TorchDDPLayout(BucketLayout):
 
     def build_buffer(self, params: Sequence[torch.nn.Parameter], config: DDPConfig, *,
                      dp_size: int, dp_group: dist.ProcessGroup | None = None,
-                     average: bool = False) -> GradBuffer:
+                     averaging: Averaging = Averaging.SUM) -> GradBuffer:
         raise Unsupported(Technique.LAYOUT, NO_BUFFER)
 
     def bucket_observer(self) -> BucketObserver:

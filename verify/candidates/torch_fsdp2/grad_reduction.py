@@ -129,7 +129,7 @@ class TorchFSDP2GradReduction(GradReduction):
         if reason is not None:
             raise Unsupported(Technique.GRAD_REDUCTION, reason)
         return FSDP2BucketReduction(None if dtype is None else str(dtype).removeprefix("torch."),
-                                    None if config.average else 1.0, self.step_class)
+                                    None if config.averaging.averages else 1.0, self.step_class)
 
     def sharded_reduction(self, case: ShardedGradCase) -> ShardedReduction:
         return self.step_class(case)

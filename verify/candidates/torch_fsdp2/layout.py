@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from gradvocab import DDPConfig
+from gradvocab import Averaging, DDPConfig
 from verify.candidates.interfaces import (
     BucketLayout,
     GradBuffer,
@@ -50,7 +50,7 @@ class TorchFSDP2Layout(BucketLayout):
 
     def build_buffer(self, params: Sequence[torch.nn.Parameter], config: DDPConfig, *,
                      dp_size: int, dp_group: dist.ProcessGroup | None = None,
-                     average: bool = False) -> GradBuffer:
+                     averaging: Averaging = Averaging.SUM) -> GradBuffer:
         raise Unsupported(Technique.LAYOUT, NO_BUCKETS)
 
     def parameter_sharding(self) -> ParameterSharding:

@@ -27,12 +27,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradvocab import ParallelDims, StepOutcome
+from gradvocab import Averaging, DDPConfig, ParallelDims, StepOutcome
 from verify.candidates.interfaces import (
     AdamWState,
     DataParallelModel,
     DataParallelModule,
-    DataParallelSettings,
     DistributedOptimizerStep,
     LossScalerState,
     OptimizerCheckpoint,
@@ -61,9 +60,13 @@ def _fsdp_modules(module: nn.Module) -> list:
 class FSDP2Module(DataParallelModule):
     """The check's module under ``fully_shard`` (its children, then the root)."""
 
-    def __init__(self, module: nn.Module, settings: DataParallelSettings,
-                 group: dist.ProcessGroup | None) -> None:
+    def __init__(self, module: nn.Module, config: DDPConfig, group: dist.ProcessGroup | None,
+                 averaging: Averaging | None = None) -> None:
         from torch.distributed.fsdp import fully_shard
+
+        # FSDP2 has its own mean (its divide factors, a documented departure) for every way
+        # that averages, and a divide factor of 1 for the sum
+        averages = config.resolve_averaging(averaging).averages
 
         self._module = module
         self._grid = ParallelDims.data_parallel(dp_group=group)
@@ -76,11 +79,11 @@ class FSDP2Module(DataParallelModule):
                                  f"{type(child).__name__} holds params of dtypes {sorted(map(str, dtypes))}")
             (dtype,) = dtypes
             child.float()  # the sharded params are the fp32 masters
-            reduce = torch.float32 if settings.grad_reduce_in_fp32 else dtype
+            reduce = torch.float32 if config.grad_reduce_in_fp32 else dtype
             fully_shard(child, mesh=mesh, mp_policy=policy(None if dtype == torch.float32 else dtype,
                                                            reduce))
         fully_shard(module, mesh=mesh)
-        if not settings.average:
+        if not averages:
             for fsdp in _fsdp_modules(module):
                 fsdp.set_gradient_divide_factor(1.0)  # FSDP2's setting for the DP sum
         self.sharded = dict(module.named_parameters())
@@ -222,9 +225,10 @@ class TorchFSDP2Optimizer(DistributedOptimizerStep):
         return FSDP2Training(model, settings)
 
 
-    def data_parallel(self, module: nn.Module, settings: DataParallelSettings,
-                      dp_group: dist.ProcessGroup | None) -> FSDP2Module:
-        return FSDP2Module(module, settings, dp_group)
+    def data_parallel(self, module: nn.Module, config: DDPConfig,
+                      dp_group: dist.ProcessGroup | None, *,
+                      averaging: Averaging | None = None) -> FSDP2Module:
+        return FSDP2Module(module, config, dp_group, averaging)
 
     def mxfp8(self) -> NoReturn:
         raise _unsupported("MXFP8 params (torchao's float8 training is not wired)")

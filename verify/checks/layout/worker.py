@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradvocab import DDPConfig, ParallelDims
+from gradvocab import Averaging, DDPConfig, ParallelDims
 from refgrad.layout import Layout
 from refgrad.layout import compute_layout as reference_layout
 from verify.candidates import Candidate, LaunchSettings, Unsupported
@@ -49,10 +49,14 @@ class ReduceScenario:
     dtypes: tuple[str, ...]
     config: DDPConfig
     shared: tuple[int, ...] = ()
-    # average over the replicas (a 1/dp pre-scale, or AVG with config.average_in_collective)
-    average: bool = False
+    # how the replicas are combined: SUM, or the mean (PRESCALE: a 1/dp pre-scale; AVG, with
+    # config.average_in_collective)
+    averaging: Averaging = Averaging.SUM
     iterations: int = 2
     microbatches: int = 2
+
+    def __post_init__(self) -> None:
+        self.config.resolve_averaging(self.averaging)  # a bool or a contradiction is refused
 
 
 
@@ -82,15 +86,15 @@ def default_scenarios(world_size: int) -> list[ReduceScenario]:
         scenarios += [
             ReduceScenario(
                 "reduce-scatter AVG in the collective", shapes, dtypes,
-                replace(dist_opt, average_in_collective=True), average=True,
+                replace(dist_opt, average_in_collective=True), averaging=Averaging.AVG,
             ),
             ReduceScenario(
                 "fp32 grads of bf16 params, pre-scaled by 1/dp", shapes, ("bfloat16",) * len(shapes),
-                replace(dist_opt, grad_reduce_in_fp32=True), average=True,
+                replace(dist_opt, grad_reduce_in_fp32=True), averaging=Averaging.PRESCALE,
             ),
             ReduceScenario(  # the scaling folded into the fp32-accumulating reduction
                 "fp32 accumulation, pre-scaled by 1/dp", shapes, ("bfloat16",) * len(shapes),
-                fp32_accumulation, average=True,
+                fp32_accumulation, averaging=Averaging.PRESCALE,
             ),
         ]
     return scenarios
@@ -168,7 +172,7 @@ def _reduce_scenario(rank: int, world_size: int, scenario: ReduceScenario,
     try:
         buffer = layout.build_buffer(
             params, scenario.config, dp_size=world_size, dp_group=dist.group.WORLD,
-            average=scenario.average,
+            averaging=scenario.averaging,
         )
     except Unsupported as unsupported:
         return {"skipped": str(unsupported)}
@@ -248,7 +252,7 @@ def expected_reduction(
     expected = []
     for key, members, layout in reference_layouts(scenario, world_size):
         values = [Fraction(0)] * layout.numel
-        scale = Fraction(1, world_size) if scenario.average else Fraction(1)
+        scale = Fraction(1, world_size) if scenario.averaging.averages else Fraction(1)
         for k, i in enumerate(members):
             start, end, _ = layout.param_index_map[k]
             for flat in range(end - start):
@@ -317,7 +321,7 @@ def scenario_settings(scenario: ReduceScenario, world_size: int) -> LaunchSettin
         overlap_grad_reduce=config.overlap_grad_reduce,
         ddp_reduce_scatter_with_fp32_accumulation=config.reduce_scatter_with_fp32_accumulation,
         ddp_average_in_collective=config.average_in_collective,
-        calculate_per_token_loss=not scenario.average,
+        calculate_per_token_loss=scenario.averaging.megatron_flags().calculate_per_token_loss,
         has_output_layer=False,
         microbatches=(scenario.microbatches,) * scenario.iterations)
 

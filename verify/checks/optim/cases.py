@@ -29,9 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from gradvocab import AdamWConfig, LossScaling, SGDConfig
+from gradvocab import AdamWConfig, Averaging, DDPConfig, LossScaling, SGDConfig
 from verify.candidates.interfaces import (
-    DataParallelSettings,
     HyperparameterSchedule,
     OptimizerSettings,
 )
@@ -228,9 +227,10 @@ class OptimCase:
         return self.grads == "fp16" and not self.main_grads_fp32
 
     @property
-    def average(self) -> bool:
-        """Average only at power-of-two DP, where torch's 1/DP pre-scale is exact."""
-        return self.dp & (self.dp - 1) == 0
+    def averaging(self) -> Averaging:
+        """Average (Megatron-Core's default 1/DP pre-scale) only at power-of-two DP, where
+        that pre-scale is exact; otherwise sum."""
+        return Averaging.PRESCALE if self.dp & (self.dp - 1) == 0 else Averaging.SUM
 
     @property
     def label(self) -> str:
@@ -275,10 +275,12 @@ class OptimCase:
             return None
         return [SCALER_INITIAL] + [s["scale"] for s in states[:-1]]
 
-    def data_parallel_settings(self) -> DataParallelSettings:
-        """The DDP the case's model is wrapped in (several buckets, distributed optimizer)."""
-        return DataParallelSettings(bucket_size=BUCKET_SIZE, overlap_param_gather=self.overlap,
-                                    grad_reduce_in_fp32=self.main_grads_fp32, average=self.average)
+    def ddp_config(self) -> DDPConfig:
+        """The DDP the case's model is wrapped in (several buckets, distributed optimizer,
+        grads reduced per bucket as the backward produces them); :attr:`averaging` goes beside it."""
+        return DDPConfig(use_distributed_optimizer=True, overlap_grad_reduce=True,
+                         bucket_size=BUCKET_SIZE, overlap_param_gather=self.overlap,
+                         grad_reduce_in_fp32=self.main_grads_fp32)
 
     @property
     def schedule(self) -> HyperparameterSchedule | None:

@@ -158,7 +158,8 @@ def case_settings(case: OptimCase) -> LaunchSettings:
         dims=ParallelDims(dp_size=case.dp), params_dtype=dtype,
         grad_dtype="float32" if case.main_grads_fp32 else dtype, use_distributed_optimizer=True,
         overlap_grad_reduce=case.overlap, overlap_param_gather=case.overlap,
-        calculate_per_token_loss=not case.average, has_output_layer=False,
+        calculate_per_token_loss=case.averaging.megatron_flags().calculate_per_token_loss,
+        has_output_layer=False,
         other_flags=tuple(flags))
 
 

@@ -131,7 +131,7 @@ def _train(case: OptimCase, group, local_rank: int, optimizer: DistributedOptimi
     gathers too."""
     model = case.model(seed)
     try:
-        ddp = optimizer.data_parallel(model, case.data_parallel_settings(), group)
+        ddp = optimizer.data_parallel(model, case.ddp_config(), group, averaging=case.averaging)
         opt = optimizer.build(ddp, case.optimizer_settings())
     except Unsupported as unsupported:  # the same on every rank of the case: a SKIP
         return Refused(unsupported.reason)

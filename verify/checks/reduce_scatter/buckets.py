@@ -59,8 +59,8 @@ def case_settings(case: BucketCase) -> LaunchSettings:
         use_distributed_optimizer=config.use_distributed_optimizer,
         overlap_grad_reduce=config.overlap_grad_reduce,
         ddp_reduce_scatter_with_fp32_accumulation=config.reduce_scatter_with_fp32_accumulation,
-        ddp_average_in_collective=config.average_in_collective,
-        calculate_per_token_loss=not config.average,
+        ddp_average_in_collective=config.megatron_flags().average_in_collective,
+        calculate_per_token_loss=config.megatron_flags().calculate_per_token_loss,
         has_output_layer=False, after_fp32_accumulating_ddp=case.after_fp32)
 
 
@@ -99,7 +99,7 @@ def _documented(behaviour: Mapping[Behaviour, DocumentedBehaviour], case: Bucket
     config = case.config
     if case.reduce_dtype is not None and not config.use_distributed_optimizer:
         applying = {"compress_hook": behaviour.get(Behaviour.COMPRESS_HOOK)}
-    elif Behaviour.DIVIDE_FACTORS in behaviour and config.average:
+    elif Behaviour.DIVIDE_FACTORS in behaviour and config.averaging.averages:
         applying = {"divide_factors": behaviour[Behaviour.DIVIDE_FACTORS],
                     "wire": behaviour.get(Behaviour.WIRE_COLLECTIVE)}
     else:

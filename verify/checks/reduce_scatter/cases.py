@@ -150,12 +150,12 @@ def config_label(config: ReductionConfig) -> str:
 
 
 PRESCALED = ReductionConfig()
-AVG_IN_COLLECTIVE = ReductionConfig(average_in_collective=True)
+AVG_IN_COLLECTIVE = ReductionConfig(averaging=Averaging.AVG)
 ALL_REDUCE = ReductionConfig(use_distributed_optimizer=False)
 FP32_PRESCALED = ReductionConfig(reduce_scatter_with_fp32_accumulation=True)
 FP32_AVG_IN_COLLECTIVE = ReductionConfig(reduce_scatter_with_fp32_accumulation=True,
-                                         average_in_collective=True)
-FP32_SUM = ReductionConfig(average=False, reduce_scatter_with_fp32_accumulation=True)
+                                         averaging=Averaging.AVG)
+FP32_SUM = ReductionConfig(averaging=Averaging.SUM, reduce_scatter_with_fp32_accumulation=True)
 
 
 BUCKET_SIZES = (2, 3)  # W = 2: 1/2 exact, one addition; W = 3: neither
