@@ -11,7 +11,7 @@ Without ``overlap_grad_reduce`` both then drop the size: every param goes in one
 
 from __future__ import annotations
 
-import operator
+from gradvocab.validation import int_at_least
 
 # Elements, not bytes: the floor, and the growth per rank of the reducing group.
 MIN_DEFAULT_BUCKET_SIZE = 40_000_000
@@ -24,14 +24,7 @@ def default_bucket_size(dp_size: int) -> int:
     ``dp_size`` is the size of the group the buckets are reduced over (DP x CP under context
     parallelism, as ``resolve_ddp_bucket_size``); an int >= 1.
     """
-    if isinstance(dp_size, bool):
-        raise TypeError("dp_size must be an int, got bool")
-    try:
-        size = operator.index(dp_size)
-    except TypeError:
-        raise TypeError(f"dp_size must be an int, got {type(dp_size).__name__}") from None
-    if size < 1:
-        raise ValueError(f"dp_size must be an int >= 1, got {size}")
+    size = int_at_least(dp_size, "dp_size", 1)
     return max(MIN_DEFAULT_BUCKET_SIZE, DEFAULT_BUCKET_SIZE_PER_RANK * size)
 
 

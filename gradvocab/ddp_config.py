@@ -9,11 +9,11 @@ miscomputes are refused with a ValueError naming the fields and the rule.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, fields
 
 from gradvocab.averaging import Averaging
 from gradvocab.bucket_size import default_bucket_size
+from gradvocab.validation import int_at_least
 
 _BOOL_FIELDS = (
     "use_distributed_optimizer",
@@ -78,7 +78,9 @@ class DDPConfig:
             if not isinstance(value, bool):
                 raise TypeError(f"DDPConfig.{name} must be a bool, got {type(value).__name__}")
         if self.bucket_size is not None:
-            object.__setattr__(self, "bucket_size", _positive_bucket_size(self.bucket_size))
+            object.__setattr__(self, "bucket_size", int_at_least(
+                self.bucket_size, "DDPConfig.bucket_size", 1, expected="an int or None",
+                rule="positive (> 0) or None"))
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ValueError(
                 "DDPConfig.overlap_param_gather requires use_distributed_optimizer=True "
@@ -138,20 +140,6 @@ class DDPConfig:
     def to_dict(self) -> dict[str, object]:
         """The fields as a plain dict (for reports, and for Megatron-Core's own config)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
-def _positive_bucket_size(value: object) -> int:
-    if isinstance(value, bool):
-        raise TypeError("DDPConfig.bucket_size must be an int or None, got bool")
-    try:
-        size = operator.index(value)
-    except TypeError:
-        raise TypeError(
-            f"DDPConfig.bucket_size must be an int or None, got {type(value).__name__}"
-        ) from None
-    if size <= 0:
-        raise ValueError(f"DDPConfig.bucket_size must be positive (> 0) or None, got {size}")
-    return size
 
 
 __all__ = ["DDPConfig"]

@@ -30,7 +30,6 @@ is the ``tp-dp-pp`` order fastgrad has always used.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from itertools import product
@@ -39,6 +38,7 @@ from typing import Any, Generic, TypeVar
 import torch.distributed as dist
 
 from gradvocab.errors import LifecycleError
+from gradvocab.validation import int_at_least
 
 ORDER = "tp-cp-dp-pp"  # innermost first: Megatron-Core's tp-cp-ep-dp-pp without experts
 _SIZES = ("tp_size", "cp_size", "dp_size", "pp_size", "vpp_size")
@@ -100,18 +100,6 @@ class _FromPlace(Generic[T]):
         return value
 
 
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"ParallelDims.{name} must be an int, got bool")
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"ParallelDims.{name} must be an int, got {type(value).__name__}") from None
-    if value < 1:
-        raise ValueError(f"ParallelDims.{name} must be an int >= 1, got {value}")
-    return value
-
-
 @dataclass(frozen=True)
 class ParallelDims:
     """TP x CP x DP x PP sizes (VPP model chunks per pipeline rank), sequence parallelism, where
@@ -132,7 +120,7 @@ class ParallelDims:
 
     def __post_init__(self) -> None:
         for name in _SIZES:
-            object.__setattr__(self, name, _positive_int(name, getattr(self, name)))
+            object.__setattr__(self, name, int_at_least(getattr(self, name), f"ParallelDims.{name}", 1))
         if not isinstance(self.sequence_parallel, bool):
             raise TypeError(f"ParallelDims.sequence_parallel must be a bool, got "
                             f"{type(self.sequence_parallel).__name__}")

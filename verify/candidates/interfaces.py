@@ -79,12 +79,14 @@ def _require_bools(instance: object, names: Sequence[str]) -> None:
 
 def _require_int(instance: object, name: str, minimum: int, *, optional: bool = False) -> None:
     value = getattr(instance, name)
-    if optional and value is None:
-        return
+    if not (optional and value is None):
+        _count(type(instance).__name__, name, value, minimum, optional=optional)
+
+
+def _count(owner: str, name: str, value: object, minimum: int, *, optional: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         none = "None or " if optional else ""
-        raise ValueError(f"{type(instance).__name__}.{name} must be {none}an int >= {minimum}, "
-                         f"got {value!r}")
+        raise ValueError(f"{owner}.{name} must be {none}an int >= {minimum}, got {value!r}")
 
 
 def _require_type(instance: object, name: str, kind: type) -> None:
@@ -1469,11 +1471,6 @@ WD_INCR_STYLES = ("constant", "linear", "cosine")
 def _finite(owner: str, name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{owner}.{name} must be a finite number, got {value!r}")
-
-
-def _count(owner: str, name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{owner}.{name} must be an int >= {minimum}, got {value!r}")
 
 
 @dataclass(frozen=True)
