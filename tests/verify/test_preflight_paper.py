@@ -102,6 +102,20 @@ def test_toy_wire_bytes_by_hand():
     assert rows[1]["grad_sync_bytes"] == pytest.approx(2 / 3 * 58752 * 4)
 
 
+
+def test_toy_wire_bytes_all_reduce_without_the_distributed_optimizer():
+    config = _config([t for t in TOY if t != "--use-distributed-optimizer"])
+    chunks = chunk_layouts(config)
+    rows = wire_rows(config, chunks)
+    assert len(rows) == len(chunks) == 2  # PP 2, one chunk per stage
+    for row, chunk in zip(rows, chunks):
+        numel = sum(end - start for start, end in chunk.layout.bucket_indices)
+        # A ring all-reduce over DP 3 sends twice a reduce-scatter's share: 2 x 2/3 of the
+        # buckets' fp32 grad bytes; without the distributed optimizer nothing is all-gathered.
+        assert row["grad_collective"] == "all-reduce"
+        assert row["grad_sync_bytes"] == pytest.approx(2 * 2 / 3 * numel * 4)
+        assert row["param_all_gather_bytes"] == 0.0
+
 def test_reduction_error_models():
     # bf16 params: fp32 grads, fp32 ring over DP 3: 3 addends, 2 roundings: sqrt(2) x 2^-24
     # typical (Higham & Mary's probabilistic bound for 2 roundings), gamma(2) worst.

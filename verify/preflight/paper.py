@@ -82,27 +82,7 @@ def chunk_layouts(config: PreflightConfig) -> list[ChunkLayout]:
     """Every (stage, chunk)'s dense buffer, one DDP buffer per model chunk as Megatron wraps
     them, sharded and padded over the DP x CP group that reduces the gradients (the experts'
     ``allreduce=False`` params are :func:`expert_chunk_layouts`')."""
-    out = []
-    for stage in range(config.pipeline_model_parallel_size):
-        for chunk in range(config.virtual_pipeline_model_parallel_size):
-            params = [p for p in chunk_parameters(config, stage, chunk) if not p.expert]
-            size, rule = bucket_size_for(config, stage, chunk)
-            shared = [i for i, p in enumerate(params) if p.shared_embedding]
-            layout = compute_layout(
-                [p.numel for p in params],
-                dp_size=config.data_context_parallel_size,
-                bucket_size=size,
-                use_distributed_optimizer=config.use_distributed_optimizer,
-                pad_buckets_for_high_nccl_busbw=config.ddp_pad_buckets_for_high_nccl_busbw,
-                shared_embedding=shared,
-            )
-            if shared and config.use_distributed_optimizer:
-                # Megatron-Core's param_and_grad_buffer._does_param_require_new_bucket: with the
-                # distributed optimizer a shared embedding gets a bucket of its own, whatever
-                # the size rule (so "one" bucket by the rule can read 2 in the layout).
-                rule += " + 1 for the shared embedding (own bucket, distributed optimizer)"
-            out.append(ChunkLayout(stage, chunk, tuple(params), size, rule, layout))
-    return out
+    return _buffer_layouts(config, expert=False, dp_size=config.data_context_parallel_size)
 
 
 def expert_chunk_layouts(config: PreflightConfig) -> list[ChunkLayout]:
@@ -115,17 +95,33 @@ def expert_chunk_layouts(config: PreflightConfig) -> list[ChunkLayout]:
     as the chunk's dense buffer (``self.bucket_size``)."""
     if not config.expert_buffers:
         return []
+    return _buffer_layouts(config, expert=True, dp_size=config.expert_data_parallel_size)
+
+
+def _buffer_layouts(config: PreflightConfig, *, expert: bool, dp_size: int) -> list[ChunkLayout]:
+    """The dense (``expert`` False) or expert buffer of every (stage, chunk) that has params of
+    that kind, laid out over ``dp_size`` ranks with the chunk's bucket size."""
     out = []
     for stage in range(config.pipeline_model_parallel_size):
         for chunk in range(config.virtual_pipeline_model_parallel_size):
-            params = [p for p in chunk_parameters(config, stage, chunk) if p.expert]
-            if not params:
+            params = [p for p in chunk_parameters(config, stage, chunk) if p.expert == expert]
+            if expert and not params:
                 continue
             size, rule = bucket_size_for(config, stage, chunk)
+            shared = [i for i, p in enumerate(params) if p.shared_embedding]
             layout = compute_layout(
-                [p.numel for p in params], dp_size=config.expert_data_parallel_size,
-                bucket_size=size, use_distributed_optimizer=config.use_distributed_optimizer,
-                pad_buckets_for_high_nccl_busbw=config.ddp_pad_buckets_for_high_nccl_busbw)
+                [p.numel for p in params],
+                dp_size=dp_size,
+                bucket_size=size,
+                use_distributed_optimizer=config.use_distributed_optimizer,
+                pad_buckets_for_high_nccl_busbw=config.ddp_pad_buckets_for_high_nccl_busbw,
+                shared_embedding=shared,
+            )
+            if shared and config.use_distributed_optimizer:
+                # Megatron-Core's param_and_grad_buffer._does_param_require_new_bucket: with the
+                # distributed optimizer a shared embedding gets a bucket of its own, whatever
+                # the size rule (so "one" bucket by the rule can read 2 in the layout).
+                rule += " + 1 for the shared embedding (own bucket, distributed optimizer)"
             out.append(ChunkLayout(stage, chunk, tuple(params), size, rule, layout))
     return out
 
@@ -190,10 +186,7 @@ def wire_rows(config: PreflightConfig, chunks: list[ChunkLayout]) -> list[dict]:
     for stage in range(pp):
         mine = [c for c in chunks if c.stage == stage]
         bucket_numels = [end - start for c in mine for start, end in c.layout.bucket_indices]
-        factor = 1 if config.use_distributed_optimizer else 2
-        grad = sum(factor * _ring_fraction(n) * s * grad_b for s in bucket_numels)
-        gather = (sum(_ring_fraction(n) * s * param_gather_bytes_per_element(config)
-                      for s in bucket_numels) if config.use_distributed_optimizer else 0.0)
+        grad, gather = _bucket_collective_bytes(config, n, bucket_numels)
         embedding = 0.0
         if config.tied_embeddings and pp > 1 and stage in (0, pp - 1):
             embedding = (config.padded_vocab_size // tp) * config.hidden_size * grad_b
@@ -205,7 +198,7 @@ def wire_rows(config: PreflightConfig, chunks: list[ChunkLayout]) -> list[dict]:
         tensor = (layers * m * 8 * (tp - 1) / tp * config.micro_batch_size * config.seq_length
                   / config.context_parallel_size * config.hidden_size * act_b)
         rows.append({
-            "stage": stage, "grad_collective": "reduce-scatter" if factor == 1 else "all-reduce",
+            "stage": stage, "grad_collective": _grad_collective(config),
             "grad_sync_bytes": grad, "param_all_gather_bytes": gather,
             "embedding_all_reduce_bytes": embedding, "pipeline_p2p_sent_bytes": p2p,
             "tensor_parallel_bytes": tensor, "layers": layers,
@@ -218,21 +211,33 @@ def expert_wire_rows(config: PreflightConfig, chunks: list[ChunkLayout]) -> list
     step, over the expert-data-parallel group (the formulas of :data:`WIRE_FORMULAS` with
     N = expert DP)."""
     n = config.expert_data_parallel_size
-    factor = 1 if config.use_distributed_optimizer else 2
-    grad_b = DTYPE_BYTES[config.grad_dtype]
     rows = []
     for stage in range(config.pipeline_model_parallel_size):
         bucket_numels = [end - start for c in chunks if c.stage == stage
                          for start, end in c.layout.bucket_indices]
+        grad, gather = _bucket_collective_bytes(config, n, bucket_numels)
         rows.append({
-            "stage": stage, "expert_dp": n,
-            "grad_collective": "reduce-scatter" if factor == 1 else "all-reduce",
-            "grad_sync_bytes": sum(factor * _ring_fraction(n) * s * grad_b for s in bucket_numels),
-            "param_all_gather_bytes": (sum(_ring_fraction(n) * s * param_gather_bytes_per_element(config)
-                                           for s in bucket_numels)
-                                       if config.use_distributed_optimizer else 0.0),
+            "stage": stage, "expert_dp": n, "grad_collective": _grad_collective(config),
+            "grad_sync_bytes": grad, "param_all_gather_bytes": gather,
         })
     return rows
+
+
+def _grad_collective(config: PreflightConfig) -> str:
+    return "reduce-scatter" if config.use_distributed_optimizer else "all-reduce"
+
+
+def _bucket_collective_bytes(config: PreflightConfig, n: int,
+                             bucket_numels: list[int]) -> tuple[float, float]:
+    """Bytes one rank sends per step reducing buckets of ``bucket_numels`` over ``n`` ranks
+    (a reduce-scatter with the distributed optimizer, else an all-reduce: twice the ring's
+    traffic), and for the param all-gather that follows (none without it)."""
+    grad_b = DTYPE_BYTES[config.grad_dtype]
+    factor = 1 if config.use_distributed_optimizer else 2
+    grad = sum(factor * _ring_fraction(n) * s * grad_b for s in bucket_numels)
+    gather = (sum(_ring_fraction(n) * s * param_gather_bytes_per_element(config)
+                  for s in bucket_numels) if config.use_distributed_optimizer else 0.0)
+    return grad, gather
 
 
 def _gamma_or_none(k: int, unit_roundoff: Fraction) -> float | None:
