@@ -19,6 +19,7 @@ from refgrad.pipeline import (
     loss_target,
     microbatch_data,
     microbatch_loss,
+    rank_microbatches,
     reduce_across_replicas,
     reduce_and_tie,
     reference_training,
@@ -28,6 +29,7 @@ from refgrad.pipeline import (
     splits_loss,
     stage_loss,
     stage_param_name,
+    updated_once,
     vocab_block,
 )
 from verify.metrics import assert_bitwise_equal, bitwise_equal
@@ -269,8 +271,6 @@ def test_tied_tp2_copies_stay_equal_and_sp_keeps_one_embedding_grad(sequence_par
 def test_updated_once_steps_a_shared_weight_once_and_no_frozen_one():
     """By hand: a weight under two names is stepped once (first name kept), a frozen name
     never, the rest in name order."""
-    from refgrad.pipeline import updated_once
-
     a, b, c = (torch.nn.Parameter(torch.zeros(1)) for _ in range(3))
     named = {"s0.a": a, "s1.tied": b, "s0.tied": b, "s1.c": c}
     got = updated_once(named, frozen={"s1.c"})
@@ -282,8 +282,6 @@ def test_rank_microbatches_is_this_ranks_shard_of_the_replicas_data():
     """TP 2 with SP: each rank gets its replica's microbatches (``microbatch_data`` at its DP
     rank), its sequence rows of the inputs, its vocab block of the targets, and the partial
     loss; at TP 1 the whole microbatch."""
-    from refgrad.pipeline import loss_target, rank_microbatches, sequence_shard, stage_loss
-
     spec = LinearStackSpec(num_stages=2, layers_per_stage=1, hidden=4, microbatch_size=2,
                            tensor_parallel=2, sequence_parallel=True, output_head=True)
     inputs, targets, loss_fn = rank_microbatches(spec, 1, 0, 0, 2)  # DP rank 1, TP rank 0
