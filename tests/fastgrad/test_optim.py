@@ -24,7 +24,7 @@ from fastgrad.optim import (
 from fastgrad.optim.norm import limbs_to_fraction, local_square_limbs
 from fastgrad.optim.step_paths import TorchOpsPath
 from fastgrad.optim.update import adamw_scalars
-from gradvocab import DDPConfig, LifecycleError, LossScaling
+from gradvocab import Averaging, DDPConfig, LifecycleError, LossScaling
 from refgrad import optim as R
 from tests.fastgrad.optim_model import build, snapshot, train_step  # noqa: F401 - re-exported
 from verify.checks.optim.cases import (  # noqa: F401 - re-exported for test_optim_dist
@@ -75,7 +75,7 @@ def test_dp1_bitwise_equal_to_refgrad(algorithm, dtypes, clip):
 def test_dp1_grad_norm_is_refgrads_exact_norm():
     model, ddp, opt = build(MIXED, "adamw")
     result = train_step(model, ddp, opt, 0, 0)
-    grads = [R.values(g) for g in reduced_grads(1, 0, MIXED, average=True)]
+    grads = [R.values(g) for g in reduced_grads(1, 0, MIXED, averaging=Averaging.PRESCALE)]
     counted = [g for g, shared in zip(grads, SHARED) if not shared]  # the tied copy: once
     assert result.grad_norm == float(R.global_norm(counted))
 
@@ -287,3 +287,18 @@ def test_adamw_bias_corrections_are_refgrads_at_any_step(step):
         for _ in range(step - 1):
             p1, p2 = R.r32(p1 * b1), R.r32(p2 * b2)
         assert (Fraction(mine["beta1_power"]), Fraction(mine["beta2_power"])) == (p1, p2), (beta1, beta2)
+
+
+def test_reference_grads_take_an_averaging_not_a_bool():
+    """The optim check's reference reduction says how it averages with an ``Averaging``: a
+    bool (the old ``average=``) is a TypeError, and an averaging it does not model (AVG in the
+    collective) a ValueError naming it, rather than a silent sum."""
+    with pytest.raises(TypeError, match="averaging must be an Averaging"):
+        reduced_grads(2, 0, MIXED, averaging=True)
+    with pytest.raises(ValueError, match="averaging AVG is not modelled"):
+        reduced_grads(2, 0, MIXED, averaging=Averaging.AVG)
+    # DP 2: the pre-scale halves every reduced grad exactly (power of two)
+    summed = reduced_grads(2, 0, MIXED, averaging=Averaging.SUM)
+    halved = reduced_grads(2, 0, MIXED, averaging=Averaging.PRESCALE)
+    for s, h in zip(summed, halved):
+        assert torch.equal(h, s / 2)

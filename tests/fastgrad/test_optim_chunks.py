@@ -22,7 +22,7 @@ from fastgrad.optim import (
     ReplicatedOptimizer,
     param_groups_without_decay_for,
 )
-from gradvocab import DDPConfig
+from gradvocab import Averaging, DDPConfig
 from refgrad import optim as R
 from tests.distributed_utils import run_distributed
 from tests.fastgrad.test_optim import assert_matches, snapshot, train_step
@@ -94,7 +94,7 @@ def _reference() -> list[dict]:
               for _, _, n in names]
     snapshots = []
     for step in range(STEPS):
-        grads = [g for c in (0, 1) for g in reduced_grads(2, step, FP32, average=True, seed=c)]
+        grads = [g for c in (0, 1) for g in reduced_grads(2, step, FP32, averaging=Averaging.PRESCALE, seed=c)]
         stepped, norm = R.optimizer_step(states, grads, hypers, [step + 1] * len(names), max_norm=CLIP,
                                          shared=[n in TIED for _, _, n in names])
         assert stepped

@@ -142,7 +142,7 @@ def test_dp2_then_dp3_bitwise_equal_to_refgrad():
 
     # Checkpoint after step 2 at DP=2; resume at DP=3 and at DP=1.
     checkpoint = dp2[0]["adamw"]["snapshots"][1]["state"]
-    want3, _ = reference_trajectory([3], MIXED, "adamw", clip=0.5, average=False,
+    want3, _ = reference_trajectory([3], MIXED, "adamw", clip=0.5, averaging=Averaging.SUM,
                                     start=copy.deepcopy(after_checkpoint), first_step_id=2)
     for rank, out in enumerate(dp3):
         loaded = out["resumed"]["loaded"]["state"]["params"]
@@ -151,14 +151,14 @@ def test_dp2_then_dp3_bitwise_equal_to_refgrad():
                 assert_bitwise_equal(bits(loaded[name][key]), bits(tensor), msg=f"dp3 load {name} {key}")
         assert_matches(out["resumed"]["snapshots"][0], want3[0], f"dp3 resumed rank {rank}")
 
-    want_sgd3, _ = reference_trajectory([3, 3, 3], MIXED, "sgd", average=False)
+    want_sgd3, _ = reference_trajectory([3, 3, 3], MIXED, "sgd", averaging=Averaging.SUM)
     for rank, out in enumerate(dp3):
         for step, snap in enumerate(out["sgd"]["snapshots"]):
             assert_matches(snap, want_sgd3[step], f"dp3 sgd rank {rank} step {step}")
         assert all(out["sgd"]["gather_waited_in_hook"])
 
     # fp16: the inf on rank 1 at step 1 skips that step on every rank and halves the scale.
-    want16, _ = reference_trajectory([3, 3, 3], FP16, "adamw", average=False,
+    want16, _ = reference_trajectory([3, 3, 3], FP16, "adamw", averaging=Averaging.SUM,
                                      scales=[256.0, 256.0, 128.0], inf_at=INF_AT)
     assert [w["stepped"] for w in want16] == [True, False, True]
     for rank, out in enumerate(dp3):
@@ -183,7 +183,7 @@ def test_dp2_then_dp3_bitwise_equal_to_refgrad():
     # DP=1 loads the DP=2 checkpoint and continues like refgrad.
     model, ddp, opt = build(MIXED, "adamw", clip=0.5, averaging=Averaging.SUM)
     opt.load_state_dict(checkpoint)
-    want1, _ = reference_trajectory([1], MIXED, "adamw", clip=0.5, average=False,
+    want1, _ = reference_trajectory([1], MIXED, "adamw", clip=0.5, averaging=Averaging.SUM,
                                     start=copy.deepcopy(after_checkpoint), first_step_id=2)
     train_step(model, ddp, opt, 0, 2)
     assert_matches(snapshot(model, opt), want1[0], "dp1 resumed")

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.optim import lr_scheduler
 
 from fastgrad.optim import AdamWConfig, DistributedOptimizer
-from gradvocab import LifecycleError
+from gradvocab import Averaging, LifecycleError
 from refgrad import optim as R
 from tests.distributed_utils import run_distributed
 from tests.fastgrad.optim_model import build, train_step
@@ -90,7 +90,7 @@ def _refgrad_scheduled(schedule: list[tuple], algorithm: str) -> list[dict[str, 
     out = []
     for step, hyper in enumerate(schedule):
         hypers = [_refgrad_hyper(algorithm, hyper, no_decay=len(SHAPES[n]) == 1) for n in NAMES]
-        grads = reduced_grads(2, step, FP32, average=True)
+        grads = reduced_grads(2, step, FP32, averaging=Averaging.PRESCALE)
         assert R.optimizer_step(states, grads, hypers, [step + 1] * len(NAMES), shared=list(SHARED))[0]
         out.append({n: R.to_tensor(s.master, SHAPES[n]) for n, s in zip(NAMES, states)})
     return out
@@ -178,7 +178,7 @@ def test_torch_shaped_checkpoint_with_its_scheduler_resumes_at_dp1_and_dp2():
             hyper = {**ADAMW, "lr": lrs[step]}
             hypers = [R.AdamW(**{**hyper, "weight_decay": 0.0 if len(SHAPES[n]) == 1 else hyper["weight_decay"]})
                       for n in NAMES]
-            assert R.optimizer_step(states, reduced_grads(world, step, FP32, average=True), hypers,
+            assert R.optimizer_step(states, reduced_grads(world, step, FP32, averaging=Averaging.PRESCALE), hypers,
                                     [step + 1] * len(NAMES), shared=list(SHARED))[0]
         return {n: R.to_tensor(s.master, SHAPES[n]) for n, s in zip(NAMES, states)}
 

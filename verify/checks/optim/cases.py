@@ -183,6 +183,12 @@ INF_AT = (1, 1, "layer.weight", 5)  # rank 1 only, step 1, one inf element: a sk
 INF_EVERYWHERE = (None, 1, None, None)  # every element of every grad on every rank: every shard
 
 
+def averaging_at(dp: int) -> Averaging:
+    """Average (Megatron-Core's default 1/DP pre-scale) only at power-of-two DP, where that
+    pre-scale is exact; otherwise sum (the grads are then exact sums, see ``coefficient``)."""
+    return Averaging.PRESCALE if dp & (dp - 1) == 0 else Averaging.SUM
+
+
 @dataclass(frozen=True)
 class OptimCase:
     """One training run of the check: where, what, and how many steps."""
@@ -228,9 +234,8 @@ class OptimCase:
 
     @property
     def averaging(self) -> Averaging:
-        """Average (Megatron-Core's default 1/DP pre-scale) only at power-of-two DP, where
-        that pre-scale is exact; otherwise sum."""
-        return Averaging.PRESCALE if self.dp & (self.dp - 1) == 0 else Averaging.SUM
+        """How this case's DP reduction averages (:func:`averaging_at` its DP)."""
+        return averaging_at(self.dp)
 
     @property
     def label(self) -> str:

@@ -13,29 +13,45 @@ from fractions import Fraction
 
 import torch
 
+from gradvocab import Averaging
 from refgrad import formats
 from refgrad import optim as R
 from refgrad import reduce_scatter as RS
 from refgrad.optim_torch import torch_order_step
 from verify.candidates.interfaces import HyperparameterSchedule
-from verify.checks.optim.cases import ADAMW, NAMES, SGD, SHAPES, SHARED, coefficient, initial
+from verify.checks.optim.cases import (
+    ADAMW,
+    NAMES,
+    SGD,
+    SHAPES,
+    SHARED,
+    averaging_at,
+    coefficient,
+    initial,
+)
 
 
-def reduced_grads(world: int, step: int, dtypes, *, average: bool, grad_fp32=False,
+def reduced_grads(world: int, step: int, dtypes, *, averaging: Averaging, grad_fp32=False,
                   loss_scale=1.0, inf_at=None, seed=0) -> tuple[torch.Tensor, ...]:
     """Per param: the DDP reduction of the ranks' grads, by refgrad's reduce-scatter spec.
 
     The grads are multiples of 1/8 (times a power-of-two loss scale), so every
     partial sum is exact and the rank order used here is also gloo's result.
-    Averaging is by torch's ``1/dp`` pre-scale (exact only for power-of-two dp).
+    ``averaging``: ``Averaging.SUM``, or ``Averaging.PRESCALE`` (torch's ``1/dp`` pre-scale,
+    exact only for power-of-two dp); the others are not modelled here (ValueError).
     Memoised: the refgrad reductions are slow and shared by several cases.
     """
-    return _reduced_grads(world, step, tuple(dtypes.items()), average, grad_fp32, loss_scale,
+    if not isinstance(averaging, Averaging):
+        raise TypeError(f"reduced_grads: averaging must be an Averaging, got {averaging!r}")
+    if averaging not in (Averaging.SUM, Averaging.PRESCALE):
+        raise ValueError(f"reduced_grads: averaging {averaging.name} is not modelled: the optim "
+                         f"check's reference sums or pre-scales by 1/dp (SUM or PRESCALE)")
+    return _reduced_grads(world, step, tuple(dtypes.items()), averaging, grad_fp32, loss_scale,
                           inf_at, seed)
 
 
 @functools.lru_cache(maxsize=512)
-def _reduced_grads(world, step, dtype_items, average, grad_fp32, loss_scale, inf_at, seed):
+def _reduced_grads(world, step, dtype_items, averaging, grad_fp32, loss_scale, inf_at, seed):
     dtypes = dict(dtype_items)
     out = []
     for i, name in enumerate(NAMES):
@@ -45,7 +61,7 @@ def _reduced_grads(world, step, dtype_items, average, grad_fp32, loss_scale, inf
             .to(dtypes[name]).to(gdtype).reshape(-1)
             for r in range(world)
         ]
-        if average:
+        if averaging is Averaging.PRESCALE:
             per_rank = RS.prescale_like_torch(per_rank, 1.0 / world)
         out.append(RS.all_reduce(per_rank, accumulate="wire", order="rank")[0])
     return tuple(out)
@@ -122,7 +138,8 @@ def step_hypers(algorithm: str, schedule: HyperparameterSchedule | None, update:
     return [no_decay if len(SHAPES[n]) == 1 else hyper for n in NAMES]
 
 
-def reference_trajectory(worlds, dtypes, algorithm, *, clip=None, average=True, grad_fp32=False,
+def reference_trajectory(worlds, dtypes, algorithm, *, clip=None,
+                         averaging: Averaging = Averaging.PRESCALE, grad_fp32=False,
                          scales=None, inf_at=None, start=None, first_step_id=0, seed=0,
                          param_loss=False, production: ProductionModel | None = None,
                          schedule: HyperparameterSchedule | None = None):
@@ -155,7 +172,7 @@ def reference_trajectory(worlds, dtypes, algorithm, *, clip=None, average=True, 
                 raise ValueError("param_loss runs without loss scaling and without an inf")
             grads = param_loss_grads(world, step_id, dtypes, states, grad_fp32=grad_fp32, seed=seed)
         else:
-            grads = reduced_grads(world, step_id, dtypes, average=average, grad_fp32=grad_fp32,
+            grads = reduced_grads(world, step_id, dtypes, averaging=averaging, grad_fp32=grad_fp32,
                                   loss_scale=1.0 if scale is None else scale, inf_at=inf_at, seed=seed)
         hypers = step_hypers(algorithm, schedule, steps)
         if production is None:
@@ -196,7 +213,10 @@ def case_trajectory(case, seed: int, start=None, first_step_id: int = 0, worlds=
     scales = case.scales()
     return reference_trajectory(
         worlds, case.dtypes, case.algorithm, clip=case.clip,
-        average=all(w & (w - 1) == 0 for w in worlds), grad_fp32=case.main_grads_fp32,
+        # one averaging for the whole trajectory: the pre-scale only where every DP has it
+        averaging=(Averaging.PRESCALE if all(averaging_at(w) is Averaging.PRESCALE for w in worlds)
+                   else Averaging.SUM),
+        grad_fp32=case.main_grads_fp32,
         scales=None if scales is None else scales[first_step_id:first_step_id + steps],
         inf_at=case.inf_at, start=start, first_step_id=first_step_id, seed=seed,
         param_loss=case.param_loss, production=production, schedule=case.schedule,
