@@ -58,7 +58,7 @@ from verify.candidates.interfaces import (
 )
 from verify.candidates.megatron_core.process_groups import megatron_process_groups
 from verify.candidates.megatron_core.scope import MegatronScope
-from verify.candidates.megatron_core.version import installed
+from verify.candidates.megatron_core.version import installed, megatron_ddp_config
 
 CANDIDATE = "megatron-core"
 
@@ -307,18 +307,13 @@ class MegatronLayout(MegatronScope, BucketLayout):
     def build_buffer(self, params: Sequence[torch.nn.Parameter], config: DDPConfig, *,
                      dp_size: int, dp_group: dist.ProcessGroup | None = None,
                      averaging: Averaging = Averaging.SUM) -> GradBuffer:
-        from megatron.core.distributed import DistributedDataParallelConfig
         from megatron.core.transformer import TransformerConfig
 
         if dp_group is not None and dist.get_world_size(dp_group) != dp_size:
             raise ValueError(f"dp_size={dp_size} but dp_group has {dist.get_world_size(dp_group)} ranks")
         # a bool or a way config contradicts is refused here; POSTSCALE has no Megatron-Core flags
         flags = config.resolve_averaging(averaging).megatron_flags()
-        found = installed()
-        for name in ("reduce_scatter_with_fp32_accumulation", "average_in_collective",
-                     "pad_buckets_for_high_nccl_busbw"):
-            if getattr(config, name) and not found.has(name):
-                raise unsupported(found.features[name].reason)
+        ddp_config = megatron_ddp_config(config, installed(), unsupported)
         # Without a group the buffer only lays itself out (fake groups of dp_size).
         grid = (ParallelDims(dp_size=dp_size, place=RankPlace(rank=0, distributed=False))
                 if dp_group is None else ParallelDims.data_parallel(dp_group, dp_size))
@@ -327,6 +322,6 @@ class MegatronLayout(MegatronScope, BucketLayout):
         transformer = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1,
                                         use_cpu_initialization=True,
                                         calculate_per_token_loss=flags.calculate_per_token_loss)
-        ddp = self.ddp_class()(transformer, DistributedDataParallelConfig(**config.to_dict()),
+        ddp = self.ddp_class()(transformer, ddp_config,
                                _ParamHolder(params), pg_collection=groups)
         return MegatronGradBuffer(ddp, params, dp_size, config.overlap_grad_reduce)

@@ -40,6 +40,7 @@ from verify.candidates.interfaces import (
     Unsupported,
 )
 from verify.candidates.megatron_core.grad_reduction import data_parallel_groups, model_config
+from verify.candidates.megatron_core.version import installed, megatron_ddp_config
 
 SGD_UNSUPPORTED = ("SGD: Megatron-Core's DistributedOptimizer steps Adam only "
                    "(megatron/core/optimizer/distrib_optimizer.py DistributedOptimizer.__init__ "
@@ -120,7 +121,7 @@ class MegatronDataParallel(DataParallelModule):
 
     def __init__(self, module: nn.Module, config: DDPConfig, dp_group: dist.ProcessGroup | None,
                  averaging: Averaging | None = None, ddp_class: type | None = None) -> None:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import DistributedDataParallel
 
         dtypes = {p.dtype for p in module.parameters()}
         self.fp16, self.bf16 = torch.float16 in dtypes, torch.bfloat16 in dtypes
@@ -134,7 +135,7 @@ class MegatronDataParallel(DataParallelModule):
         self.groups = data_parallel_groups(dp_group, {})
         self.config = model_config(fp16=self.fp16, bf16=self.bf16, params_dtype=self.param_dtype,
                                    calculate_per_token_loss=flags.calculate_per_token_loss)
-        ddp_config = DistributedDataParallelConfig(**config.to_dict())
+        ddp_config = megatron_ddp_config(config, installed(), _unsupported)
         self.ddp = (ddp_class or DistributedDataParallel)(self.config, ddp_config, module,
                                                           pg_collection=self.groups)
         self._grid = ParallelDims.data_parallel(dp_group)

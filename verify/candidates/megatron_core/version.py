@@ -14,10 +14,12 @@ import importlib
 import importlib.util
 import inspect
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from gradvocab import DDPConfig
 from verify.candidates.interfaces import Technique, Unsupported
 
 DISTRIBUTION = "megatron-core"
@@ -185,6 +187,31 @@ def installed() -> MegatronCoreInfo:
         "mxfp8_param_buffer_sharing": _mxfp8_feature(DistributedDataParallelConfig),
     }
     return MegatronCoreInfo(version=version(DISTRIBUTION), features=features)
+
+
+# DDPConfig fields that an installed Megatron-Core may lack, and the feature that says so.
+_DDP_FIELD_FEATURES = ("reduce_scatter_with_fp32_accumulation", "average_in_collective",
+                       "pad_buckets_for_high_nccl_busbw")
+
+
+def megatron_ddp_config(config: DDPConfig, found: MegatronCoreInfo,
+                        refuse: Callable[[str], Exception], ddp_class: type | None = None):
+    """``config`` as the installed ``DistributedDataParallelConfig`` (``ddp_class``): a setting
+    this version lacks raises ``refuse(reason)`` (the caller's Unsupported), and a field its
+    dataclass does not have is passed only where it is off, so that no version gets a field it
+    cannot take (a TypeError) nor silently loses one that is on."""
+    if ddp_class is None:
+        from megatron.core.distributed import DistributedDataParallelConfig as ddp_class
+    for name in _DDP_FIELD_FEATURES:
+        if getattr(config, name) and not found.has(name):
+            raise refuse(found.features[name].reason)
+    have = {f.name for f in dataclasses.fields(ddp_class)}
+    defaults = DDPConfig()
+    for name, value in config.to_dict().items():
+        if name not in have and value != getattr(defaults, name):
+            raise refuse(f"{ddp_class.__module__}.{ddp_class.__qualname__} has no field {name!r} "
+                         f"in this version (DDPConfig.{name}={value!r})")
+    return ddp_class(**{name: value for name, value in config.to_dict().items() if name in have})
 
 
 def require_modelled_adamw() -> None:
