@@ -69,6 +69,19 @@ class LrOneUlpOnMXFP8(DistributedOptimizer):
         super().__init__(ddp, config, *args, **kwargs)
 
 
+class WorldPerCaseOptimizer(FastgradOptimizer):
+    """fastgrad's optimizer, run as a candidate whose optimizer cannot share a world is
+    (Megatron-Core's, FSDP2's): every case, and each resume, in a world of its own."""
+
+    shares_a_world = False
+
+
+@dataclasses.dataclass(frozen=True)
+class WorldPerCaseCandidate(FastgradCandidate):
+    def optimizer(self) -> FastgradOptimizer:
+        return WorldPerCaseOptimizer()
+
+
 def _quick(candidate=None):
     return check_by_name("optim").execute(CheckContext(quick=True), candidate)
 
@@ -84,6 +97,17 @@ def test_fastgrad_passes_quick():
             for what in ("masters param 0", "param 0 element bits (rank 1)"):
                 assert f"optim MXFP8 DP=2 {kind} sharing {sharing} grads fp32 step 2 {what}" in mxfp8
     assert any("torch.optim.AdamW" in f for f in result.notes)
+
+
+@pytest.mark.dist
+def test_a_candidate_that_cannot_share_a_world_still_resumes_the_checkpoint():
+    """The checkpoint case's world runs no resume; the resume worlds after it must still get
+    its checkpoint (they were skipped, and failed as steps no run reached, before)."""
+    result = _quick(WorldPerCaseCandidate())
+    assert result.status == PASS, (result.error, result.failed_labels())
+    resumed = [c.label for c in result.comparisons if "resumed" in c.label]
+    assert any("resumed after step" in label for label in resumed), resumed
+    assert any("resumed from DP=2" in label for label in resumed), resumed
 
 
 @pytest.mark.dist

@@ -39,6 +39,7 @@ from verify.checks.optim.worker import (
     as_four_ranks,
     rank_worker,
     resumed_label,
+    world_checkpoint,
     world_plans,
 )
 from verify.distributed import RankCrashed, spawn, spawn_each
@@ -193,7 +194,7 @@ def _spawn_plans(ctx: CheckContext, rec: CheckRecorder, candidate: Candidate,
             _record_crash(rec, candidate, cases, plan, outcome.crash)
             results.append(None)
             continue
-        checkpoint = checkpoint or outcome.results[0].checkpoint
+        checkpoint = checkpoint or world_checkpoint(plan, outcome.results)
         results.append(outcome.results)
     return as_four_ranks(cases, plans, results)
 

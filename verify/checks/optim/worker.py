@@ -243,6 +243,18 @@ def taken_checkpoint(result: CaseResult | None) -> OptimizerCheckpoint | None:
     return None
 
 
+def world_checkpoint(plan: WorldPlan, per_rank: list[RankRuns]) -> OptimizerCheckpoint | None:
+    """The checkpoint a world passes on to later worlds' resumes: the one its resumes loaded,
+    else the one its checkpoint case took (a world of its own for a candidate that cannot
+    share one: it runs no resume, so it loaded none)."""
+    if per_rank and per_rank[0].checkpoint is not None:
+        return per_rank[0].checkpoint
+    for index, case in plan.cases:
+        if case.label == CHECKPOINT_CASE.label:
+            return taken_checkpoint(per_rank[case.ranks[0]].cases.get(index))
+    return None
+
+
 MXFP8_LABEL = "optim MXFP8 DP=2"
 
 
