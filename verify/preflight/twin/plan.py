@@ -37,8 +37,8 @@ from verify.preflight.twin.bounds import ulp_bound_factor
 from verify.preflight.twin.mapping import (
     MAX_TWIN_TP,
     context_parallel_rows,
-    layers_row,
     hybrid_rows,
+    layers_row,
     left_out,
     moe_rows,
     output_wgrad,
