@@ -509,6 +509,8 @@ def _hybrid_edits(argv: list[str], scale: str) -> list[tuple[int, list[str]]]:
         (16, pp(argv, 2)), (16, pp(argv, 2, n // 2)), (16, pp(argv, 2, n // 2 - 4)),
         (32, _with(pp(argv, 2, n // 4, n // 2, 3 * n // 4), "--global-batch-size", "128")),
         (32, _with(pp(argv, 4, n // 4, n // 2, 3 * n // 4), "--global-batch-size", "64")),
+        # uneven segments, interleaved: 10 and 14 layers on stage 0, 10 and the rest on stage 1
+        (32, _with(pp(argv, 2, 10, 20, 34), "--global-batch-size", "128")),
         (16, _with(pp(argv, 2), "--decoder-first-pipeline-num-layers", str(n // 2 - 2))),
         (16, _without(pp(argv, 2, n // 2), "--untie-embeddings-and-output-weights")),
         (8, _without(argv, "--untie-embeddings-and-output-weights")),

@@ -17,6 +17,7 @@ import pytest
 from tests.verify.preflight_launch import parsed_launch, preflight_config
 from verify.preflight.config import ConfigError
 from verify.preflight.flags import FlagError
+from verify.preflight.hybrid import HybridConfig
 from verify.preflight.model import chunk_parameters
 from verify.preflight.paper import chunk_layouts, wire_rows
 from verify.preflight.twin import TwinOptions, plan_twin
@@ -266,3 +267,12 @@ def test_the_twin_lists_the_mamba_mixers_as_not_twinned():
     # Without a Mamba layer nothing is left untwinned for it.
     plain = plan_twin(preflight_config([*SMALL, "--hybrid-layer-pattern", "*-"]), TwinOptions())
     assert not any(item.startswith("Mamba mixers") for item in plain.not_twinned)
+
+
+def test_hybrid_config_refuses_what_it_cannot_lay_out_and_wrong_types():
+    with pytest.raises(ValueError, match="HybridConfig.pattern holds symbols"):
+        HybridConfig(pattern="M-E")
+    with pytest.raises(TypeError, match="HybridConfig.mamba_state_dim must be an int"):
+        HybridConfig(pattern="M-", mamba_state_dim="128")
+    with pytest.raises(TypeError, match="HybridConfig.mamba_num_heads must be an int"):
+        HybridConfig(pattern="M-", mamba_num_heads=True)
