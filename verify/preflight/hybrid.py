@@ -31,8 +31,10 @@ size, ``T`` TP, ``d_inner = heads x head dim`` (heads default ``2 h / head dim``
   + 2 g s + n)/T, h]``; ``norm.weight [d_inner/T]`` (the gated RMSNorm, :417); ``out_proj``
   (TERowParallelLinear, no bias): ``weight [h, d_inner/T]``. A_log and D are made in fp32 and
   cast with the rest by Float16Module (megatron/core/transformer/module.py:464): one buffer.
-  They are 1-D, so Megatron-Core's default no-weight-decay rule (biases and 1-D params)
-  already exempts them.
+  They are 1-D, so Megatron-Core's default no-weight-decay rule (1-D params and biases,
+  megatron/core/optimizer/__init__.py:108) already exempts them, as it does dt_bias, the
+  conv1d bias and the norms. No mixer param is ``allreduce=False``: all are in the dense
+  buffer, reduced over DP x CP like the rest.
 - ``*`` (TransformerLayer with only ``self_attention``; the input norm fused into
   ``linear_qkv``): ``linear_proj.weight [h, q/T]`` (``bias [h]``), ``linear_qkv
   .layer_norm_weight [h]`` (``layer_norm_bias``), ``linear_qkv.weight [(q + 2 kv)/T, h]``
