@@ -386,11 +386,7 @@ class PreflightConfig:
                 "expert_gradient_scaling_factor": self.expert_gradient_scaling_factor,
                 "expert_grad_averaging": self.expert_grad_averaging}
         if self.hybrid is not None:
-            types = self.hybrid.layer_types
-            out["hybrid"] = self.hybrid.to_dict() | {
-                "layer_counts": {symbol: types.count(symbol) for symbol in "M*-"},
-                "mamba_heads": self.hybrid.mamba_heads(self.hidden_size),
-                "mamba_d_inner": self.hybrid.d_inner(self.hidden_size)}
+            out["hybrid"] = self.hybrid.to_dict(self.hidden_size)
         return out
 
 

@@ -135,9 +135,13 @@ class HybridConfig:
         return tuple(tuple(segments[chunk * pipeline_parallel + stage] for chunk in range(virtual))
                      for stage in range(pipeline_parallel))
 
-    def to_dict(self) -> dict:
-        """JSON-ready settings."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+    def to_dict(self, hidden_size: int) -> dict:
+        """JSON-ready settings, with the layers of each kind and the mixer's heads and inner
+        width at ``hidden_size``."""
+        types = self.layer_types
+        return {f.name: getattr(self, f.name) for f in fields(self)} | {
+            "layer_counts": {symbol: types.count(symbol) for symbol in (MAMBA, ATTENTION, MLP)},
+            "mamba_heads": self.mamba_heads(hidden_size), "mamba_d_inner": self.d_inner(hidden_size)}
 
 
 @dataclass(frozen=True)
