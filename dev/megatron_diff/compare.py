@@ -14,7 +14,8 @@ where Megatron stops, or both accept with the same DP, CP, number of microbatche
 layers on every (pipeline stage, model chunk), bucket size of every chunk and gradient
 averaging (DDP's pre-scale factor, the collective's op, per-token loss), and with experts
 the expert DP size, each chunk's expert buffer (elements; with the distributed optimizer
-Megatron-Core's own padded size and bucket count) and the expert gradient scaling factor.
+Megatron-Core's own padded size and bucket count) and the expert gradient scaling factor,
+and with a hybrid pattern each chunk's dense buffer the same way (``hybrid_layout``).
 A launch that
 preflight refuses as "not modelled" (a flag it declines to lay out) is counted apart.
 """
@@ -32,7 +33,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 FIGURES = ("dp", "cp", "m", "vpp", "layers", "bucket_sizes", "grad_scaling", "expert_dp",
-           "expert_layout", "expert_scaling")
+           "expert_layout", "expert_scaling", "hybrid_layout")
 # megatron_side's stages -> the stages of verify.preflight.flags.STAGES that name the same
 # part of Megatron-LM's launch path.
 STAGE_OF = {"argparse": {"parse_args"}, "validate_args": {"validate_args"},

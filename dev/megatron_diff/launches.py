@@ -14,6 +14,9 @@
 - ``moe``: the ``mixtral`` example's launch at 32, 64, 96 and 128 GPUs, with edits that keep it
   valid and move the expert grid, the expert buffers and their averaging
   (:data:`MIXTRAL_EDITS`);
+- ``hybrid``: the ``mamba`` example's two launches (800M at TP 1, 8B at TP 4) at other TP,
+  PP (with and without ``|`` in the pattern, interleaved by more segments than PP ranks,
+  uneven), world sizes and settings, mostly valid, a few refused (:func:`hybrid_variants`);
 - ``docs``: every ``$ verify preflight`` line of README.md and docs/*.md
   (``tests/verify/doc_launches.py``), preflight's own options taken out.
 
@@ -447,6 +450,96 @@ def mixtral_variants(examples: list[dict]) -> list[dict]:
             for world, batch in worlds for number, edit in enumerate(MIXTRAL_EDITS)]
 
 
+# ------------------------------------------------------------------------------- hybrid
+
+
+def _with(argv: list[str], flag: str, *values: str) -> list[str]:
+    """``argv`` with ``flag`` given ``values`` (replaced where given, else appended; no
+    values: a switch added once)."""
+    out, skip = [], 0
+    for token in argv:
+        if skip:
+            skip -= 1
+            continue
+        if token == flag:
+            skip = len(values)
+            continue
+        out.append(token)
+    return out + [flag, *values]
+
+
+def _without(argv: list[str], *switches: str) -> list[str]:
+    return [t for t in argv if t not in switches]
+
+
+def _piped(pattern: str, *cuts: int) -> str:
+    """``pattern`` with '|' before each of the layer indices ``cuts``."""
+    bounds = [0, *cuts, len(pattern)]
+    return "|".join(pattern[a:b] for a, b in zip(bounds, bounds[1:]))
+
+
+def hybrid_variants(examples: list[dict]) -> list[dict]:
+    """The mamba example's two launches (examples/mamba/train.sh, MODEL_SCALE 800M and 8B),
+    each edited by :func:`_hybrid_edits`."""
+    out = []
+    for base in (x for x in examples if x["id"].startswith("example-train-")):
+        scale = "8b" if _value(base["argv"], "--tensor-model-parallel-size") == "4" else "800m"
+        out += [{"id": f"hybrid-{scale}-{number:02d}", "source": "hybrid", "world_size": world,
+                 "argv": edit, "env": base.get("env", {})}
+                for number, (world, edit) in enumerate(_hybrid_edits(base["argv"], scale))]
+    return out
+
+
+def _hybrid_edits(argv: list[str], scale: str) -> list[tuple[int, list[str]]]:
+    """(world size, edited launch) each: mostly valid, the last six refused."""
+    pattern = _value(argv, "--hybrid-layer-pattern")
+    n = len(pattern)
+
+    def pp(a: list[str], k: int, *cuts: int) -> list[str]:
+        return _with(_with(a, "--pipeline-model-parallel-size", str(k)),
+                     "--hybrid-layer-pattern", _piped(pattern, *cuts))
+
+    def tp(a: list[str], k: int) -> list[str]:
+        # A global batch of 64 splits over every DP below (micro batch 4, DP <= 16).
+        return _with(_with(_padded(a, k), "--tensor-model-parallel-size", str(k)),
+                     "--global-batch-size", "64")
+
+    return [
+        (8, tp(argv, 2)), (16, tp(argv, 4)), (16, tp(argv, 8)), (8, tp(argv, 1)),
+        (16, pp(argv, 2)), (16, pp(argv, 2, n // 2)), (16, pp(argv, 2, n // 2 - 4)),
+        (32, _with(pp(argv, 2, n // 4, n // 2, 3 * n // 4), "--global-batch-size", "128")),
+        (32, _with(pp(argv, 4, n // 4, n // 2, 3 * n // 4), "--global-batch-size", "64")),
+        # uneven segments, interleaved: 10 and 14 layers on stage 0, 10 and the rest on stage 1
+        (32, _with(pp(argv, 2, 10, 20, 34), "--global-batch-size", "128")),
+        (16, _with(pp(argv, 2), "--decoder-first-pipeline-num-layers", str(n // 2 - 2))),
+        (16, _without(pp(argv, 2, n // 2), "--untie-embeddings-and-output-weights")),
+        (8, _without(argv, "--untie-embeddings-and-output-weights")),
+        (8, _with(argv, "--normalization", "LayerNorm")),
+        (8, _without(argv, "--disable-bias-linear")),
+        (8, _with(argv, "--mamba-num-heads", "48" if scale == "800m" else "96")),
+        (8, _with(_with(argv, "--mamba-num-groups", "4"), "--mamba-state-dim", "64")),
+        (8, _with(argv, "--ddp-bucket-size", "10000000")),
+        (8, _with(argv, "--ddp-average-in-collective")),
+        (8, _with(argv, "--calculate-per-token-loss")),
+        (8, _without(argv, "--use-distributed-optimizer", "--overlap-param-gather")),
+        (8, _with(_with(argv, "--ffn-hidden-size", "3000"), "--swiglu")),
+        (8, ["--hybrid-override-pattern" if t == "--hybrid-layer-pattern" else t for t in argv]),
+        # refused: segments over PP, mixer groups over TP, interleaving flags, head dim,
+        # uneven-stage flags with '|', '|' at PP 1 (an interleaved schedule).
+        (24, pp(argv, 3, n // 2)), (16, tp(argv, 16)),
+        (16, _with(pp(argv, 2), "--num-virtual-stages-per-pipeline-rank", "2")),
+        (8, _with(argv, "--mamba-head-dim", "96")),
+        (16, _with(pp(argv, 2, n // 2), "--decoder-last-pipeline-num-layers", "4")),
+        (8, _with(argv, "--hybrid-layer-pattern", _piped(pattern, n // 2))),
+    ]
+
+
+def _padded(argv: list[str], tp: int) -> list[str]:
+    """The launch's GPT-2 vocabulary padded for TP ``tp`` (as :func:`_padded_vocab`)."""
+    multiple = 128 * tp
+    return _with(argv, "--padded-vocab-size", str(-(-GPT2_VOCAB // multiple) * multiple))
+
+
 # ------------------------------------------------------------------------------- docs
 
 
@@ -480,12 +573,12 @@ def main() -> None:
     seed = int(sys.argv[4]) if len(sys.argv) > 4 else 22
     examples_found = example_launches(examples)
     launches = (random_launches(count, seed) + examples_found + mixtral_variants(examples_found)
-                + doc_launches())
+                + hybrid_variants(examples_found) + doc_launches())
     with target.open("w", encoding="utf-8") as out:
         for launch in launches:
             out.write(json.dumps(launch) + "\n")
     counts = {s: sum(1 for x in launches if x["source"] == s)
-              for s in ("random", "example", "moe", "docs")}
+              for s in ("random", "example", "moe", "hybrid", "docs")}
     print(f"wrote {len(launches)} launches to {target}: {counts}")
 
 

@@ -35,6 +35,15 @@ refused when it does not divide; restated verbatim, the function needs torch.dis
 and in ``model build`` the MoE layer pattern of ``gpt_layer_specs.py`` and the experts' and
 shared experts' ``divide()``s.
 
+With a hybrid pattern (``--hybrid-layer-pattern``), ``layer split`` is Megatron-Core's own
+``select_pipeline_segment`` (hybrid_layer_allocation.py) for every (pipeline rank, virtual
+stage), ``model build`` the divides of the layer kinds the pattern builds and the Mamba
+mixer's asserts (mamba_mixer.py:239-272, restated verbatim: the mixer needs mamba_ssm and a
+GPU), and each chunk's dense buffer is laid out by Megatron-Core's own
+``DistributedOptimizer.compute_full_param_layout`` on meta tensors whose shapes are restated
+from hybrid_model.py, hybrid_layer_specs.py, mamba_mixer.py and the attention/MLP modules
+(``hybrid_layout``).
+
 The figures of an accepted launch: DP, CP, M, VPP, layers (and first layer index) per
 pipeline rank and virtual stage, each model chunk's DDP bucket size as
 ``megatron/training/training.py get_model`` sets it, and how the grads are averaged (the
@@ -52,6 +61,7 @@ import os
 import sys
 import traceback
 
+import hybrid_side
 import megatron_env
 
 
@@ -112,7 +122,10 @@ def megatron_verdict(argv: list[str], world_size: int, env: dict | None = None) 
             pp, vpp = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
             chunks = vpp or 1
             layers, offsets = [], []
-            for pp_rank in range(pp):
+            hybrid = args.hybrid_layer_pattern is not None
+            if hybrid:
+                layers, offsets, kinds = hybrid_side.split(config, args, pp, vpp)
+            for pp_rank in range(pp if not hybrid else 0):
                 per_stage, first = [], []
                 for chunk in range(chunks):
                     vp_stage = chunk if vpp is not None else None
@@ -123,7 +136,10 @@ def megatron_verdict(argv: list[str], world_size: int, env: dict | None = None) 
                 layers.append(per_stage)
                 offsets.append(first)
             stage = "model build"
-            _divide_like_the_model(config, args, divide)
+            if hybrid:
+                hybrid_side.divide_like_the_model(config, args, divide, kinds)
+            else:
+                _divide_like_the_model(config, args, divide)
             stage = "DDP config"
             ddp_config = training.get_megatron_ddp_config(args)
             training.get_pg_size = lambda group=None: group.size()
@@ -137,6 +153,8 @@ def megatron_verdict(argv: list[str], world_size: int, env: dict | None = None) 
             expert_layout = (_expert_layouts(config, args, ddp_config, layers, offsets, buckets,
                                              expert_dp)
                              if expert_dp is not None else None)
+            hybrid_layout = (hybrid_side.layouts(config, args, ddp_config, kinds, buckets, dp_cp)
+                             if hybrid else None)
             stage = "DDP wrap"
             scaling = _ddp_scaling(config, ddp_config, dp_cp)
             expert_scaling = (_expert_scaling(config, ddp_config, dp_cp, expert_dp)
@@ -164,7 +182,8 @@ def megatron_verdict(argv: list[str], world_size: int, env: dict | None = None) 
     return {"accepted": True, "dp": args.data_parallel_size, "cp": args.context_parallel_size,
             "m": m, "vpp": vpp or 1, "layers": layers, "offsets": offsets,
             "bucket_sizes": buckets, "grad_scaling": scaling, "expert_dp": expert_dp,
-            "expert_layout": expert_layout, "expert_scaling": expert_scaling}
+            "expert_layout": expert_layout, "expert_scaling": expert_scaling,
+            "hybrid_layout": hybrid_layout}
 
 
 def _ddp_scaling(config, ddp_config, dp_cp: int) -> list:

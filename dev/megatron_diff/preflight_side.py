@@ -80,7 +80,7 @@ def preflight_verdict(argv: list[str], world_size: int) -> dict:
             "grad_scaling": [config.get("gradient_scaling_factor", 1.0 / dp_cp),
                              config.get("grad_reduce_op", "SUM"),
                              bool(config.get("calculate_per_token_loss", False))],
-            **_experts(report)}
+            **_experts(report), "hybrid_layout": _hybrid(report)}
 
 
 def _experts(report: dict) -> dict:
@@ -104,6 +104,22 @@ def _experts(report: dict) -> dict:
                                             row["num_buckets"] if distributed else None]
     return {"expert_dp": moe["expert_data_parallel_size"], "expert_layout": grid,
             "expert_scaling": moe["expert_gradient_scaling_factor"]}
+
+
+def _hybrid(report: dict) -> list | None:
+    """With a hybrid pattern, each chunk's dense buffer: [param elements, buffer numel,
+    buckets] (numel and buckets only with the distributed optimizer); None without one."""
+    config = report["config"]
+    if config.get("hybrid") is None:
+        return None
+    grid = [[None] * config["virtual_pipeline_model_parallel_size"]
+            for _ in range(config["pipeline_model_parallel_size"])]
+    distributed = config["use_distributed_optimizer"]
+    for row in report["layout"]:
+        grid[row["stage"]][row["chunk"]] = [row["param_elements"],
+                                            row["buffer_numel"] if distributed else None,
+                                            row["num_buckets"] if distributed else None]
+    return grid
 
 
 def _bucket_grid(report: dict) -> list[list[int | None]]:

@@ -111,13 +111,13 @@ def test_unreadable_and_not_modelled_flags_come_together_and_stop_before_the_rul
     # does not model, in the launch's order; no configuration rule is checked (here the
     # vocabulary would be refused at model build).
     exc = _refused("--mtp-num-layers", "1", "--use-distributed-optimiser", "--lr", "x",
-                   "--hybrid-layer-pattern", "M*", "--padded-vocab-size", "127", error=FlagError)
+                   "--hybrid-layer-pattern", "M*E", "--padded-vocab-size", "127", error=FlagError)
     assert len(exc.messages) == 4
     assert exc.messages[0].startswith("--use-distributed-optimiser is not a flag of")
     assert exc.messages[1] == (f"argument --lr: invalid float value: 'x' (Megatron-LM's "
                                f"parse_args refuses it: {MEGATRON_LM})")
     assert exc.messages[2].startswith("--mtp-num-layers 1: not modelled (multi-token prediction")
-    assert exc.messages[3].startswith("--hybrid-layer-pattern M*: not modelled")
+    assert exc.messages[3].startswith("--hybrid-layer-pattern M*E: not modelled")
     assert exc.not_checked == (RULES_NOT_CHECKED,)
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from gradvocab import Averaging, ParallelDims, default_bucket_size
 from verify.preflight.flags import MEGATRON_LM, LaunchRefused, Refusal, flag_of
+from verify.preflight.hybrid import ATTENTION, MLP, HybridConfig, mixer_refusals
 from verify.preflight.moe import (
     MoEConfig,
     expert_data_parallel_size,
@@ -134,6 +135,8 @@ class PreflightConfig:
     ddp_average_in_collective: bool = False
     # Mixture of experts (--num-experts): None for a dense model.
     moe: MoEConfig | None = None
+    # Hybrid Mamba model (--hybrid-layer-pattern): None for a GPT model.
+    hybrid: HybridConfig | None = None
     megatron: str = MEGATRON_LM  # whose rules resolved and checked this configuration
     spelling: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
     notes: tuple[str, ...] = ()
@@ -156,6 +159,9 @@ class PreflightConfig:
         if self.moe is not None and not isinstance(self.moe, MoEConfig):
             raise TypeError(f"PreflightConfig.moe must be a MoEConfig or None, got "
                             f"{type(self.moe).__name__}")
+        if self.hybrid is not None and not isinstance(self.hybrid, HybridConfig):
+            raise TypeError(f"PreflightConfig.hybrid must be a HybridConfig or None, got "
+                            f"{type(self.hybrid).__name__}")
         found, not_checked = check_config(self)
         if self.refused or found:
             raise ConfigError([*self.refused, *found], not_checked=not_checked)
@@ -222,7 +228,11 @@ class PreflightConfig:
 
     @property
     def layer_split(self) -> PipelineSplit:
-        """The transformer layers of every (pipeline stage, model chunk), as Megatron splits them."""
+        """The transformer layers of every (pipeline stage, model chunk), as Megatron splits them
+        (a hybrid pattern's '|' segments: :meth:`HybridConfig.stage_layers`)."""
+        if self.hybrid is not None and self.hybrid.has_pipes:
+            return PipelineSplit.of_segments(self.hybrid.stage_layers(
+                self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size))
         return split_layers(self.num_layers, self.pipeline_model_parallel_size,
                             self.virtual_pipeline_model_parallel_size,
                             self.decoder_first_pipeline_num_layers,
@@ -360,7 +370,7 @@ class PreflightConfig:
                  "context_parallel_size", "sequence_parallel")
         out = {k: getattr(self, k) for k in sizes}
         out |= {k: getattr(self, k) for k in self.__dataclass_fields__
-                if k not in ("spelling", "dims", "refused", "undefined", "moe")}
+                if k not in ("spelling", "dims", "refused", "undefined", "moe", "hybrid")}
         out["notes"] = list(self.notes)
         out["num_microbatches"] = self.num_microbatches
         out["data_context_parallel_size"] = self.data_context_parallel_size
@@ -375,6 +385,8 @@ class PreflightConfig:
                 "expert_buffers": self.expert_buffers,
                 "expert_gradient_scaling_factor": self.expert_gradient_scaling_factor,
                 "expert_grad_averaging": self.expert_grad_averaging}
+        if self.hybrid is not None:
+            out["hybrid"] = self.hybrid.to_dict(self.hidden_size)
         return out
 
 
@@ -403,6 +415,8 @@ def check_config(c: PreflightConfig) -> tuple[list[Refusal], list[str]]:
             continue  # no interleaving: nothing to check, nothing left unchecked
         if rule in _MOE and c.moe is None:
             continue  # no experts: likewise
+        if c.hybrid is not None and rule in _HYBRID_BUILDS and not c.hybrid.builds(_HYBRID_BUILDS[rule]):
+            continue  # a hybrid model without layers of the kind the rule builds
         missing = [n for n in needs if n in undefined]
         if missing:
             names = ", ".join(_UNDEFINED_NAMES.get(m) or c._name(m) for m in missing)
@@ -656,6 +670,13 @@ def _vocab_over_tp(c: PreflightConfig) -> Iterator[Refusal]:
                            "megatron/core/tensor_parallel/utils.py")
 
 
+def _mamba_mixers(c: PreflightConfig) -> Iterator[Refusal]:
+    """Building the Mamba mixers (:mod:`verify.preflight.hybrid`)."""
+    if c.hybrid is not None:
+        yield from mixer_refusals(c.hybrid, c.hidden_size, c.tensor_model_parallel_size,
+                                  c.fp8_format is not None, c._name)
+
+
 def _ddp_wrap(c: PreflightConfig) -> Iterator[Refusal]:
     """megatron/core/distributed/distributed_data_parallel.py:180-182 DistributedDataParallel
     .__init__ (get_model wraps each chunk): 'Cannot average in collective when calculating
@@ -716,6 +737,9 @@ _TP, _PP, _VPP = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                   "virtual_pipeline_model_parallel_size")
 _INTERLEAVED = (_interleaving, _interleaved_microbatches)
 _MOE = (_expert_grid, _experts_config, _experts_build)
+# The model-build rules of a layer kind a hybrid pattern may leave out (hybrid_block.py builds
+# only the layers of its pattern): attention's and the MLP's.
+_HYBRID_BUILDS = {_heads_per_group: ATTENTION, _qkv_over_tp: ATTENTION, _ffn_over_tp: MLP}
 # (rule, the values it reads that a refusal can leave undefined, what it checks), in the
 # order preflight runs them; check_config sorts what they find into Megatron-LM's order.
 RULES: tuple[tuple[Rule, tuple[str, ...], str], ...] = (
@@ -742,6 +766,7 @@ RULES: tuple[tuple[Rule, tuple[str, ...], str], ...] = (
     (_vocab_over_tp, ("padded_vocab_size", _TP), "the vocabulary over TP"),
     (_experts_build, ("num_layers", "moe_ffn_hidden_size", "moe_layer_freq", _TP),
      "the MoE layers"),
+    (_mamba_mixers, ("hidden_size", _TP), "the Mamba mixers"),
     (_ddp_wrap, (), "the DDP wrap"),
     (_optimizer, (), "the optimizer"),
 )

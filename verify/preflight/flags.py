@@ -161,7 +161,14 @@ MODELLED = frozenset({
     "moe_grouped_gemm", "moe_router_pre_softmax", "moe_router_score_function",
     "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_token_dispatcher_type",
     "transformer_impl",
+    # hybrid Mamba models (verify/preflight/hybrid.py)
+    "hybrid_layer_pattern", "hybrid_override_pattern", "mamba_state_dim", "mamba_head_dim",
+    "mamba_num_groups", "mamba_num_heads",
 })
+
+# The --mamba-* sizes change nothing without a hybrid pattern: listed as ignored then.
+HYBRID_ONLY = frozenset({"mamba_state_dim", "mamba_head_dim", "mamba_num_groups",
+                         "mamba_num_heads"})
 
 # The MoE flags that change nothing without experts (--num-experts absent or 0, which
 # validate_args:1593 makes None): listed as ignored then. --expert-model-parallel-size,
@@ -204,6 +211,23 @@ def _not(default: str) -> Callable[[object, Mapping[str, object]], bool]:
     return lambda value, values: value != default
 
 
+# The symbols of a hybrid pattern (megatron/core/models/hybrid/hybrid_layer_allocation.py
+# Symbols) that preflight does not lay out (verify/preflight/hybrid.py models M, *, - and |).
+HYBRID_NOT_MODELLED = {"G": "GDN 'G' layers", "+": "MLA '+' layers",
+                       "D": "DeepSeek sparse attention 'D' layers", "E": "MoE 'E' layers",
+                       "/": "MTP depths after '/'"}
+
+
+def not_modelled_parts(pattern: str) -> list[str]:
+    """The parts of a hybrid pattern preflight does not lay out (empty: modelled)."""
+    return [what for symbol, what in HYBRID_NOT_MODELLED.items() if symbol in pattern]
+
+
+def _hybrid_not_modelled(value: object, values: Mapping[str, object]) -> bool:
+    """A hybrid pattern with layers or MTP depths preflight does not lay out, or with experts."""
+    return bool(not_modelled_parts(str(value))) or bool(values.get("num_experts"))
+
+
 def _weight_shards(value: object, values: Mapping[str, object]) -> bool:
     return value is not None and value != values.get("tensor_model_parallel_size", 1)
 
@@ -213,6 +237,9 @@ def _expert_weight_shards(value: object, values: Mapping[str, object]) -> bool:
     return value is not None and value != expert_tp
 
 
+_HYBRID_REASON = ("a hybrid pattern with GDN 'G', MLA '+', sparse attention 'D' or MoE 'E' "
+                  "layers, MTP depths after '/', or --num-experts (M, * and - layers with | "
+                  "stages are modelled)")
 # dest -> (why preflight does not lay it out, when a given value is not modelled)
 NOT_MODELLED: dict[str, tuple[str, Callable[[object, Mapping[str, object]], bool]]] = {
     "moe_latent_size": ("MoE latent projections (their parameters)", _given),
@@ -223,8 +250,8 @@ NOT_MODELLED: dict[str, tuple[str, Callable[[object, Mapping[str, object]], bool
     "expert_tensor_parallel_num_weight_shards": ("expert GTP weight sharding (it changes expert "
                                                  "DP)", _expert_weight_shards),
     "pipeline_model_parallel_layout": ("an explicit pipeline layout", _given),
-    "hybrid_layer_pattern": ("a hybrid (Mamba) layer pattern", _given),
-    "hybrid_override_pattern": ("a hybrid (Mamba) layer pattern", _given),
+    "hybrid_layer_pattern": (_HYBRID_REASON, _hybrid_not_modelled),
+    "hybrid_override_pattern": (_HYBRID_REASON, _hybrid_not_modelled),
     "heterogeneous_layers_config_path": ("heterogeneous layers", _given),
     "heterogeneous_layers_config_encoded_json": ("heterogeneous layers", _given),
     "mtp_num_layers": ("multi-token prediction layers on the last stage", _positive),
@@ -477,6 +504,8 @@ def parse_megatron_flags(tokens: list[str], own_options: frozenset[str] = frozen
         raise FlagError([*unread, *(message for _, message in not_modelled)],
                         not_checked=[RULES_NOT_CHECKED])
     read = MODELLED if namespace.get("num_experts") else MODELLED - MOE_ONLY
+    if namespace.get("hybrid_layer_pattern") is None and namespace.get("hybrid_override_pattern") is None:
+        read -= HYBRID_ONLY
     for name, text in texts:
         dest = MEGATRON_FLAGS[name].dest
         if dest not in read and text not in parsed.unknown:

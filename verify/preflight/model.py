@@ -46,6 +46,11 @@ The experts' params are ``allreduce=False`` (DDP's expert buffers, reduced over 
 DP) where EP > 1 or ETP != TP (``ParamSpec.expert``); the router and the shared experts
 are ordinary params.
 
+Hybrid Mamba models (``--hybrid-layer-pattern``): ``HybridModel`` registers the same
+embedding and output layer around a ``HybridStack`` whose layers follow the pattern (the
+parameters of each kind: :mod:`verify.preflight.hybrid`) and whose final norm is
+``decoder.final_norm`` (hybrid_block.py, a TENorm).
+
 The Transformer Engine spec fuses the layernorms into ``linear_qkv`` and
 ``linear_fc1``: the same sizes, in another order, which can move the
 64-element start padding of the distributed optimizer by a few elements.
@@ -56,6 +61,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from verify.preflight.config import PreflightConfig
+from verify.preflight.hybrid import layer_shapes
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,11 @@ def layer_parameters(config: PreflightConfig, index: int) -> list[ParamSpec]:
     fc1_out = config.ffn_hidden_size * (2 if config.swiglu else 1)
     bias = config.add_bias_linear
     prefix = f"decoder.layers.{index}."
+    if config.hybrid is not None:
+        symbol = config.hybrid.layer_types[index]
+        return [ParamSpec(prefix + name, shape) for name, shape in layer_shapes(
+            config.hybrid, symbol, h, tp, (q, kv), (fc1_out, config.ffn_hidden_size),
+            config.normalization == "LayerNorm", bias, config.add_qkv_bias)]
 
     def norm(name: str) -> list[ParamSpec]:
         specs = [ParamSpec(prefix + name + ".weight", (h,))]
@@ -180,9 +191,10 @@ def chunk_parameters(config: PreflightConfig, stage: int, chunk: int) -> list[Pa
     for index in layers_of_chunk(config, stage, chunk):
         params.extend(layer_parameters(config, index))
     if post_process:
-        params.append(ParamSpec("decoder.final_layernorm.weight", (h,)))
+        final = "decoder.final_layernorm" if config.hybrid is None else "decoder.final_norm"
+        params.append(ParamSpec(f"{final}.weight", (h,)))
         if config.normalization == "LayerNorm":
-            params.append(ParamSpec("decoder.final_layernorm.bias", (h,)))
+            params.append(ParamSpec(f"{final}.bias", (h,)))
         if config.untie_embeddings_and_output_weights or not pre_process:
             params.append(ParamSpec("output_layer.weight", (vocab_rows, h),
                                     shared_embedding=shared))

@@ -39,9 +39,11 @@ WIRE_FORMULAS = {
                             "(tied embeddings, PP > 1, embedding group of 2)",
     "pipeline_p2p": "M * (mbs * seq/CP/(TP if sequence parallel) * h * b_act) per chunk boundary "
                     "and direction: forward activations sent downstream, their grads upstream",
-    "tensor_parallel": "layers * M * 8 (T-1)/T * mbs * seq/CP * h * b_act (per layer and "
-                       "microbatch: 2 all-gathers + 2 reduce-scatters forward and the mirror "
-                       "backward with sequence parallelism; 4 all-reduces without: same bytes)",
+    "tensor_parallel": "blocks * M * 4 (T-1)/T * mbs * seq/CP * h * b_act (per TP block and "
+                       "microbatch: 1 all-gather + 1 reduce-scatter forward and the mirror "
+                       "backward with sequence parallelism; 2 all-reduces without: same bytes; "
+                       "a GPT layer is 2 blocks, attention and MLP, a hybrid layer 1: its Mamba "
+                       "mixer, attention or MLP)",
 }
 
 
@@ -194,8 +196,9 @@ def wire_rows(config: PreflightConfig, chunks: list[ChunkLayout]) -> list[dict]:
         sends_forward = sum(1 for v in virtual if v < pp * vpp - 1)
         sends_backward = sum(1 for v in virtual if v > 0)
         p2p = (sends_forward + sends_backward) * m * boundary
-        layers = sum(1 for c in mine for p in c.params if p.name.endswith("input_layernorm.weight"))
-        tensor = (layers * m * 8 * (tp - 1) / tp * config.micro_batch_size * config.seq_length
+        layers = sum(len(layers_of_chunk(config, c.stage, c.chunk)) for c in mine)
+        blocks = layers if config.hybrid is not None else 2 * layers
+        tensor = (blocks * m * 4 * (tp - 1) / tp * config.micro_batch_size * config.seq_length
                   / config.context_parallel_size * config.hidden_size * act_b)
         rows.append({
             "stage": stage, "grad_collective": _grad_collective(config),

@@ -45,6 +45,19 @@ class PipelineSplit:
     layers: tuple[tuple[int, ...], ...]
     offsets: tuple[tuple[int, ...], ...]
 
+    @classmethod
+    def of_segments(cls, segments: tuple[tuple[str, ...], ...]) -> PipelineSplit:
+        """The split a hybrid pattern's '|' segments give, ``segments[stage][chunk]``: each
+        segment's layers, its offset the layers of the segments before it in virtual-stage
+        order ``chunk x PP + stage`` (hybrid_layer_allocation.py select_pipeline_segment)."""
+        pp, chunks = len(segments), len(segments[0])
+        order = [segments[v % pp][v // pp] for v in range(pp * chunks)]
+        starts = [sum(len(s) for s in order[:v]) for v in range(pp * chunks)]
+        return cls(tuple(tuple(len(segments[stage][chunk]) for chunk in range(chunks))
+                         for stage in range(pp)),
+                   tuple(tuple(starts[chunk * pp + stage] for chunk in range(chunks))
+                         for stage in range(pp)))
+
     def layer_range(self, stage: int, chunk: int) -> range:
         start = self.offsets[stage][chunk]
         return range(start, start + self.layers[stage][chunk])

@@ -24,6 +24,7 @@ from verify.preflight.config import (
     flag_name,
 )
 from verify.preflight.flags import ParsedFlags, Refusal
+from verify.preflight.hybrid import read_hybrid
 from verify.preflight.moe import LayerFreqError, MoEConfig, parse_layer_freq
 from verify.preflight.pipeline_split import SplitError, virtual_pipeline_size
 
@@ -353,12 +354,24 @@ def resolve(parsed: ParsedFlags, environ: Mapping[str, str],
                      "(megatron/training/arguments.py validate_args)", 430, "data_parallel_size")
     dp = _PLACEHOLDER if "data_parallel_size" in found.undefined else world // (tp * pp * cp)
     mbs, gbs = _batch(v, dp, found)
+    reading = None
+    if v.get("hybrid_layer_pattern") is not None or v.get("hybrid_override_pattern") is not None:
+        # validate_args:717-891, before the layer count is required: the pattern gives it.
+        reading = read_hybrid(v, None if "pipeline_model_parallel_size" in found.undefined
+                              else pp, n)
+        found.refusals.extend(reading.refusals)
+        found.undefined.update(reading.undefined)
+        notes.extend(reading.notes)
+        v["num_layers"] = _PLACEHOLDER if reading.num_layers is None else reading.num_layers
     num_layers = found.one_of(v, "num_layers", "encoder_num_layers", (1265, 1277))
     hidden = found.required(v, "hidden_size")
     heads = found.required(v, "num_attention_heads")
     max_positions = found.required(v, "max_position_embeddings")
     seq = found.one_of(v, "seq_length", "encoder_seq_length", (1308, 1310))
-    vpp = _pipeline(v, num_layers, pp, found)
+    if reading is None:
+        vpp = _pipeline(v, num_layers, pp, found)
+    else:
+        vpp = reading.virtual_pipeline_size or _PLACEHOLDER
     params_dtype, grad_dtype = _precision(v, notes, found)
     fp8_format, fp8_recipe = _fp8(v, notes)
     if v.get("reuse_grad_buf_for_mxfp8_param_ag") and fp8_recipe != "mxfp8":
@@ -448,7 +461,7 @@ def resolve(parsed: ParsedFlags, environ: Mapping[str, str],
         decrease_batch_size_if_needed=bool(v.get("decrease_batch_size_if_needed")),
         calculate_per_token_loss=bool(v.get("calculate_per_token_loss")),
         ddp_average_in_collective=bool(v.get("ddp_average_in_collective")),
-        moe=moe, spelling=spelling, notes=tuple(notes),
+        moe=moe, hybrid=reading and reading.config, spelling=spelling, notes=tuple(notes),
         clip_grad=v.get("clip_grad", DEFAULT_CLIP_GRAD), loss_scale=v.get("loss_scale"),
         initial_loss_scale=v.get("initial_loss_scale", DEFAULT_INITIAL_LOSS_SCALE),
         min_loss_scale=v.get("min_loss_scale", DEFAULT_MIN_LOSS_SCALE),

@@ -9,6 +9,9 @@ from verify.preflight.twin.variants import twins_mxfp8
 
 MOE_NOT_TWINNED = ("mixture-of-experts layers (the experts, the router and the "
                    "expert-data-parallel reduction are laid out on paper only)")
+HYBRID_NOT_TWINNED = ("Mamba mixers of the hybrid pattern (the selective scan, conv1d, dt_bias, "
+                      "A_log, D and the gated norm: their params and buffers are laid out on paper "
+                      "only)")
 # TP sums of two fp32 values are one rounding in any order: bitwise. Larger TP is scaled to 2.
 MAX_TWIN_TP = 2
 
@@ -50,6 +53,20 @@ def moe_rows(config: PreflightConfig) -> tuple[tuple[str, str, str], ...]:
              f"{moe.expert_tensor_parallel_size}; {where}",
              "none: each MoE layer's FFN trained as a dense block of the twin (not twinned; the "
              "expert path is laid out on paper only)"),)
+
+
+def hybrid_rows(config: PreflightConfig) -> tuple[tuple[str, str, str], ...]:
+    """How the twin maps a hybrid Mamba pattern (no rows without one): each layer, whatever
+    its kind, is one of the twin's blocks; nothing of a Mamba mixer runs."""
+    hybrid = config.hybrid
+    if hybrid is None:
+        return ()
+    types = hybrid.layer_types
+    return (("hybrid layers",
+             f"{hybrid.pattern!r}: {types.count('M')} Mamba, {types.count('*')} attention, "
+             f"{types.count('-')} MLP layers",
+             "each layer one dense block of the twin (the Mamba mixers not twinned: laid out "
+             "on paper only)"),)
 
 
 def tp_layout(tp: int, sequence_parallel: bool, twin: bool = False) -> str:
@@ -154,5 +171,9 @@ def left_out(config: PreflightConfig, m: int) -> list[str]:
         # nothing of the expert path (routing, expert parallelism, the expert buffers and
         # their reduction over expert DP) runs in it.
         out.append(MOE_NOT_TWINNED)
+    if config.hybrid is not None and config.hybrid.builds("M"):
+        # The twin's blocks stand for each Mamba layer as for any other: the mixer's scan,
+        # its convolution and its sharded 1-D params run nowhere in it.
+        out.append(HYBRID_NOT_TWINNED)
     out.append("transformer blocks (attention, MLP, norms, embeddings) are Linear+tanh layers")
     return out

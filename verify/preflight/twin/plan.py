@@ -37,6 +37,7 @@ from verify.preflight.twin.bounds import ulp_bound_factor
 from verify.preflight.twin.mapping import (
     MAX_TWIN_TP,
     context_parallel_rows,
+    hybrid_rows,
     layers_row,
     left_out,
     moe_rows,
@@ -249,6 +250,7 @@ def plan_twin(config: PreflightConfig, options: TwinOptions, support: ModelSuppo
          tp_layout(twin_tp, sequence_parallel, twin=True)),
         layers_row(config, spec, layers),
         *moe_rows(config),
+        *hybrid_rows(config),
         ("hidden size", str(config.hidden_size), str(h)),
         ("grad reduction", f"x 1/DP then SUM ({'reduce-scatter' if config.use_distributed_optimizer else 'all-reduce'})",
          f"x 1/DP then SUM ({'reduce-scatter' if config.use_distributed_optimizer else 'all-reduce'}"
