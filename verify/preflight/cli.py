@@ -184,7 +184,7 @@ def build_report(config: PreflightConfig, parsed: ParsedFlags, costs: CostInputs
         "wire_formulas": dict(WIRE_FORMULAS),
         "reduction_error": reduction_error(config),
         **expert_figures(config),
-        "pipeline": pipeline_timing(config, chunks, wire, costs),
+        "pipeline": pipeline_timing(config, chunks, wire, costs, expert_chunk_layouts(config)),
         "twin": {"run": False, "note": TWIN_NOTE},
         "hazards": [],
         "env": fingerprint(),
