@@ -30,6 +30,12 @@ from verify.preflight.moe import (
     model_build_refusals,
     transformer_config_refusals,
 )
+from verify.preflight.optimizer import (
+    OptimizerChoice,
+    distributed_optimizer_refusals,
+    learning_rate_refusals,
+    optimizer_build_refusals,
+)
 from verify.preflight.pipeline_split import (
     PipelineSplit,
     SplitError,
@@ -134,6 +140,8 @@ class PreflightConfig:
     ddp_average_in_collective: bool = False
     # Mixture of experts (--num-experts): None for a dense model.
     moe: MoEConfig | None = None
+    # --optimizer (adam or sgd) and what SGD's build reads (verify/preflight/optimizer.py).
+    optimizer: OptimizerChoice = OptimizerChoice()
     megatron: str = MEGATRON_LM  # whose rules resolved and checked this configuration
     spelling: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
     notes: tuple[str, ...] = ()
@@ -156,6 +164,9 @@ class PreflightConfig:
         if self.moe is not None and not isinstance(self.moe, MoEConfig):
             raise TypeError(f"PreflightConfig.moe must be a MoEConfig or None, got "
                             f"{type(self.moe).__name__}")
+        if not isinstance(self.optimizer, OptimizerChoice):
+            raise TypeError(f"PreflightConfig.optimizer must be an OptimizerChoice, got "
+                            f"{type(self.optimizer).__name__}")
         found, not_checked = check_config(self)
         if self.refused or found:
             raise ConfigError([*self.refused, *found], not_checked=not_checked)
@@ -360,7 +371,8 @@ class PreflightConfig:
                  "context_parallel_size", "sequence_parallel")
         out = {k: getattr(self, k) for k in sizes}
         out |= {k: getattr(self, k) for k in self.__dataclass_fields__
-                if k not in ("spelling", "dims", "refused", "undefined", "moe")}
+                if k not in ("spelling", "dims", "refused", "undefined", "moe", "optimizer")}
+        out["optimizer"] = self.optimizer.to_dict()
         out["notes"] = list(self.notes)
         out["num_microbatches"] = self.num_microbatches
         out["data_context_parallel_size"] = self.data_context_parallel_size
@@ -691,6 +703,21 @@ def _experts_build(c: PreflightConfig) -> Iterator[Refusal]:
                                         c.swiglu, c.add_bias_linear, c._name)
 
 
+def _learning_rate(c: PreflightConfig) -> Iterator[Refusal]:
+    """validate_args:1320 on --lr (:mod:`verify.preflight.optimizer`)."""
+    yield from learning_rate_refusals(c.optimizer, c._name)
+
+
+def _optimizer_build(c: PreflightConfig) -> Iterator[Refusal]:
+    """The SGD constructor's checks, before the grad scaler (:mod:`verify.preflight.optimizer`)."""
+    yield from optimizer_build_refusals(c.optimizer, c._name)
+
+
+def _distributed_sgd(c: PreflightConfig) -> Iterator[Refusal]:
+    """DistributedOptimizer's assert, after the grad scaler (:mod:`verify.preflight.optimizer`)."""
+    yield from distributed_optimizer_refusals(c.optimizer, c.use_distributed_optimizer, c._name)
+
+
 def _optimizer(c: PreflightConfig) -> Iterator[Refusal]:
     """The grad scaler's asserts (megatron/core/optimizer/grad_scaler.py) and preflight's
     own: a finite --clip-grad >= 0, whole positive --loss-scale-window and --hysteresis."""
@@ -743,7 +770,10 @@ RULES: tuple[tuple[Rule, tuple[str, ...], str], ...] = (
     (_experts_build, ("num_layers", "moe_ffn_hidden_size", "moe_layer_freq", _TP),
      "the MoE layers"),
     (_ddp_wrap, (), "the DDP wrap"),
+    (_learning_rate, (), "the learning rate"),
+    (_optimizer_build, (), "the SGD optimizer's build"),
     (_optimizer, (), "the optimizer"),
+    (_distributed_sgd, (), "SGD with the distributed optimizer"),
 )
 
 

@@ -9,6 +9,8 @@ from verify.preflight.twin.variants import twins_mxfp8
 
 MOE_NOT_TWINNED = ("mixture-of-experts layers (the experts, the router and the "
                    "expert-data-parallel reduction are laid out on paper only)")
+SGD_NOT_TWINNED = ("the SGD step (--optimizer sgd): the twin steps AdamW; its gradients and "
+                   "their reduction are SGD's, the update and its momentum buffer are not checked")
 # TP sums of two fp32 values are one rounding in any order: bitwise. Larger TP is scaled to 2.
 MAX_TWIN_TP = 2
 
@@ -50,6 +52,17 @@ def moe_rows(config: PreflightConfig) -> tuple[tuple[str, str, str], ...]:
              f"{moe.expert_tensor_parallel_size}; {where}",
              "none: each MoE layer's FFN trained as a dense block of the twin (not twinned; the "
              "expert path is laid out on paper only)"),)
+
+
+def production_optimizer(config: PreflightConfig) -> str:
+    """The optimizer row's production column: the optimizer and where its masters live."""
+    where = ("distributed optimizer" if config.use_distributed_optimizer
+             else "fp32 masters of every param (no distributed optimizer)")
+    choice = config.optimizer
+    if choice.name != "sgd":
+        return where
+    return (f"SGD (momentum {choice.sgd_momentum:g}, weight decay {choice.weight_decay:g}, "
+            f"lr {choice.lr:g}), {where}")
 
 
 def tp_layout(tp: int, sequence_parallel: bool, twin: bool = False) -> str:
@@ -154,5 +167,7 @@ def left_out(config: PreflightConfig, m: int) -> list[str]:
         # nothing of the expert path (routing, expert parallelism, the expert buffers and
         # their reduction over expert DP) runs in it.
         out.append(MOE_NOT_TWINNED)
+    if config.optimizer.name == "sgd":
+        out.append(SGD_NOT_TWINNED)
     out.append("transformer blocks (attention, MLP, norms, embeddings) are Linear+tanh layers")
     return out

@@ -244,6 +244,8 @@ def write_sections(config: PreflightConfig, report: dict, sections: list[dict]) 
     # A twin's match says nothing of the expert path, which it does not run.
     unchecked = ("; the expert path (router, experts, expert-DP reduction) not checked: on paper "
                  "only" if config.moe is not None else "")
+    if config.optimizer.name == "sgd":  # the twin steps AdamW
+        unchecked += "; the SGD step not checked: the twin steps AdamW"
     failed = [s for s in ran if not s["passed"]]
     not_run = "".join(f"; {s['candidate']}: twin {'did not finish' if 'error' in s else 'not run'}"
                       f" ({s.get('error') or s.get('skipped')})" for s in sections if not s["run"])
