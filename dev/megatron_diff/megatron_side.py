@@ -184,8 +184,10 @@ def _build_optimizer(args) -> None:
     verbatim on the built optimizer and the module's own classes (the constructor needs
     CUDA before it). The grad scaler between them is not built (it needs CUDA)."""
     import torch
-    from megatron.core.optimizer import _get_megatron_optimizer_based_on_param_groups
-    from megatron.core.optimizer import distrib_optimizer
+    from megatron.core.optimizer import (
+        _get_megatron_optimizer_based_on_param_groups,
+        distrib_optimizer,
+    )
     from megatron.training import training
 
     config, _ = training.get_megatron_optimizer_config(args)
