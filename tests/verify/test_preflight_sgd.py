@@ -24,6 +24,7 @@ from verify.preflight.cli import build_report
 from verify.preflight.config import ConfigError
 from verify.preflight.flags import FlagError
 from verify.preflight.paper import chunk_layouts, expert_chunk_layouts, optimizer_state_rows
+from verify.preflight.render import report_tables
 from verify.preflight.timing import CostInputs
 from verify.preflight.twin import TwinOptions, plan_twin
 from verify.preflight.twin.mapping import SGD_NOT_TWINNED
@@ -138,6 +139,10 @@ def test_the_report_carries_the_optimizer_state_and_the_twin_lists_the_sgd_step(
     config = preflight_config(argv)
     report = build_report(config, parsed_launch(argv), CostInputs())
     assert report["optimizer_state"][0]["state_tensors"] == ["momentum_buffer"]
+    (table,) = [t for t in report_tables(report) if t[0].startswith("Optimizer state per rank")]
+    # 4 x 57,536 B = 230,144 B = 224.75 KiB, the fp32 copy and the momentum buffer alike.
+    assert table[2] == [["0", "sgd", "Float16OptimizerWithFloat16Params", "57,536",
+                         "224.75 KiB", "224.75 KiB (momentum_buffer)", "224.75 KiB"]]
     assert report["config"]["optimizer"]["optimizer"] == "sgd"
     plan = plan_twin(config, TwinOptions())
     assert SGD_NOT_TWINNED in plan.not_twinned
