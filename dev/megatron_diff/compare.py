@@ -41,7 +41,7 @@ STAGE_OF = {"argparse": {"parse_args"}, "validate_args": {"validate_args"},
             "parallel state": {"initialize_model_parallel"},
             "TransformerConfig": {"ModelParallelConfig", "TransformerConfig"},
             "layer split": {"model build"}, "model build": {"model build"},
-            "DDP config": {"DDP config"}, "DDP wrap": {"DDP wrap"},
+            "DDP config": {"DDP config"}, "DDP wrap": {"DDP wrap"}, "optimizer": {"optimizer"},
             "interleaved schedule": {"first step"}}
 
 

@@ -17,6 +17,8 @@
 - ``hybrid``: the ``mamba`` example's two launches (800M at TP 1, 8B at TP 4) at other TP,
   PP (with and without ``|`` in the pattern, interleaved by more segments than PP ranks,
   uneven), world sizes and settings, mostly valid, a few refused (:func:`hybrid_variants`);
+- ``sgd``: Megatron-LM's GPT-3 175B and Llama-3 8B launches with ``--optimizer sgd``
+  (:data:`SGD_EDITS`), valid and not;
 - ``docs``: every ``$ verify preflight`` line of README.md and docs/*.md
   (``tests/verify/doc_launches.py``), preflight's own options taken out.
 
@@ -468,10 +470,6 @@ def _with(argv: list[str], flag: str, *values: str) -> list[str]:
     return out + [flag, *values]
 
 
-def _without(argv: list[str], *switches: str) -> list[str]:
-    return [t for t in argv if t not in switches]
-
-
 def _piped(pattern: str, *cuts: int) -> str:
     """``pattern`` with '|' before each of the layer indices ``cuts``."""
     bounds = [0, *cuts, len(pattern)]
@@ -538,6 +536,63 @@ def _padded(argv: list[str], tp: int) -> list[str]:
     """The launch's GPT-2 vocabulary padded for TP ``tp`` (as :func:`_padded_vocab`)."""
     multiple = 128 * tp
     return _with(argv, "--padded-vocab-size", str(-(-GPT2_VOCAB // multiple) * multiple))
+# ------------------------------------------------------------------------------- sgd
+
+
+# (example, world, what to drop from its flags, edits): Megatron-LM's GPT-3 175B launch at
+# 256 GPUs (TP 8 x PP 16 x DP 2; its --step-batch-size-schedule, unquoted in the script,
+# which argparse refuses, dropped) and its Llama-3 8B FP8 launch at 8 GPUs without the
+# distributed optimizer and what needs it (--overlap-param-gather, --fp8-param-gather),
+# each with --optimizer sgd: valid ones that move the optimizer state (momentum 0 or not,
+# weight decay, bucketing, interleaving) and some Megatron refuses at the optimizer's build
+# (the distributed optimizer, a negative momentum or weight decay, no --lr) or in
+# validate_args (--min-lr above --lr).
+DISTRIBUTED = ("--use-distributed-optimizer", "--overlap-param-gather", "--fp8-param-gather")
+SGD_EDITS = (
+    ("train_gpt3_175b_distributed", 256, ("--step-batch-size-schedule",), (
+        ["--optimizer", "sgd"], ["--optimizer", "sgd", "--sgd-momentum", "0"],
+        ["--optimizer", "sgd", "--sgd-momentum", "0.5", "--weight-decay", "0"],
+        ["--optimizer", "sgd", "--overlap-grad-reduce"],
+        ["--optimizer", "sgd", "--num-virtual-stages-per-pipeline-rank", "2"],
+        ["--optimizer", "sgd", "--use-distributed-optimizer"],
+        ["--optimizer", "sgd", "--sgd-momentum=-0.9"],
+        ["--optimizer", "sgd", "--weight-decay=-0.1"],
+        ["--optimizer", "sgd", "--min-lr", "1e-3"],
+        ["--sgd-momentum", "0"],  # read only under --optimizer sgd
+    )),
+    ("train_gpt3_175b_distributed", 256, ("--step-batch-size-schedule", "--lr"),
+     (["--optimizer", "sgd"],)),
+    ("train_llama3_8b_h100_fp8-0", 8, DISTRIBUTED, (
+        ["--optimizer", "sgd"], ["--optimizer", "sgd", "--sgd-momentum", "0"],
+        ["--optimizer", "sgd", "--overlap-grad-reduce", "--ddp-bucket-size", "10000000"],
+    )),
+    ("train_llama3_8b_h100_fp8-0", 8, (), (["--optimizer", "sgd"],)),
+)
+
+
+def _without(argv: list[str], *flags: str) -> list[str]:
+    """``argv`` less ``flags``, each with the values that follow it (none for a switch)."""
+    out, dropping = [], False
+    for token in argv:
+        if token.startswith("--"):
+            dropping = token in flags
+        if not dropping:
+            out.append(token)
+    return out
+
+
+def sgd_variants(examples: list[dict]) -> list[dict]:
+    """SGD_EDITS on the example launches they name (none where an example is absent)."""
+    out = []
+    for number, (name, world, drop, edits) in enumerate(SGD_EDITS):
+        base = next((x for x in examples if name in x["id"]), None)
+        if base is None:
+            continue
+        for index, edit in enumerate(edits):
+            out.append({"id": f"sgd-{name}-{number}-{index:02d}", "source": "sgd",
+                        "world_size": world, "argv": _without(base["argv"], *drop) + edit,
+                        "env": base.get("env", {})})
+    return out
 
 
 # ------------------------------------------------------------------------------- docs
@@ -573,12 +628,13 @@ def main() -> None:
     seed = int(sys.argv[4]) if len(sys.argv) > 4 else 22
     examples_found = example_launches(examples)
     launches = (random_launches(count, seed) + examples_found + mixtral_variants(examples_found)
-                + hybrid_variants(examples_found) + doc_launches())
+                + hybrid_variants(examples_found) + sgd_variants(examples_found)
+                + doc_launches())
     with target.open("w", encoding="utf-8") as out:
         for launch in launches:
             out.write(json.dumps(launch) + "\n")
     counts = {s: sum(1 for x in launches if x["source"] == s)
-              for s in ("random", "example", "moe", "hybrid", "docs")}
+              for s in ("random", "example", "moe", "hybrid", "sgd", "docs")}
     print(f"wrote {len(launches)} launches to {target}: {counts}")
 
 

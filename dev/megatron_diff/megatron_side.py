@@ -24,6 +24,9 @@ Stages, in Megatron's order (the first that raises is the verdict):
 8. ``DDP wrap``: ``DistributedDataParallel.__init__``'s assert on per-token loss with
    averaging in the collective and its gradient scaling factor, and the collective's op
    (restated: the wrap needs process groups and a GPU);
+8b. ``optimizer``: with ``--optimizer sgd``, ``get_megatron_optimizer``'s torch SGD built by
+   Megatron's own code on one CPU param, then the distributed
+   optimizer's Adam-only assert (:func:`_build_optimizer`);
 9. ``interleaved schedule``: the two checks on M at the top of
    ``megatron/core/pipeline_parallel/schedules.py forward_backward_pipelining_with_interleaving``
    at the first step (that function needs CUDA and process groups before it reaches them, so
@@ -159,6 +162,8 @@ def megatron_verdict(argv: list[str], world_size: int, env: dict | None = None) 
             scaling = _ddp_scaling(config, ddp_config, dp_cp)
             expert_scaling = (_expert_scaling(config, ddp_config, dp_cp, expert_dp)
                               if expert_layout else None)
+            stage = "optimizer"
+            _build_optimizer(args)
             if vpp is not None and pp > 1:
                 stage = "interleaved schedule"
                 group = config.microbatch_group_size_per_vp_stage
@@ -176,7 +181,8 @@ def megatron_verdict(argv: list[str], world_size: int, env: dict | None = None) 
         out = _refused(stage, exc)
         if stage not in ("validate_args", "microbatches", "parallel state", "TransformerConfig",
                          "layer split",
-                         "model build", "DDP config", "DDP wrap", "interleaved schedule"):
+                         "model build", "DDP config", "DDP wrap", "optimizer",
+                         "interleaved schedule"):
             out["traceback"] = traceback.format_exc()
         return out
     return {"accepted": True, "dp": args.data_parallel_size, "cp": args.context_parallel_size,
@@ -184,6 +190,45 @@ def megatron_verdict(argv: list[str], world_size: int, env: dict | None = None) 
             "bucket_sizes": buckets, "grad_scaling": scaling, "expert_dp": expert_dp,
             "expert_layout": expert_layout, "expert_scaling": expert_scaling,
             "hybrid_layout": hybrid_layout}
+
+
+def _build_optimizer(args) -> None:
+    """``get_megatron_optimizer``'s build of the torch optimizer, run: Megatron-LM's own
+    ``get_megatron_optimizer_config`` (OptimizerConfig's ``__post_init__``) and
+    ``_get_megatron_optimizer_based_on_param_groups(..., skip_megatron_wrapping=True)`` on
+    one CPU param, for SGD (torch's class here, as Megatron-Core imports it without
+    Transformer Engine or apex, whose FusedSGD checks lr, momentum and weight decay alike);
+    then, with the distributed optimizer,
+    ``DistributedOptimizer.__init__``'s assert (distrib_optimizer.py:688-694), restated
+    verbatim on the built optimizer and the module's own classes (the constructor needs
+    CUDA before it). The grad scaler between them is not built (it needs CUDA)."""
+    import torch
+    from megatron.core.optimizer import (
+        _get_megatron_optimizer_based_on_param_groups,
+        distrib_optimizer,
+    )
+    from megatron.training import training
+
+    config, _ = training.get_megatron_optimizer_config(args)
+    if config.optimizer != "sgd":
+        # Adam is not built: torch's AdamW (here) refuses a missing --lr, which Transformer
+        # Engine's FusedAdam (production's) need not, and preflight does not model it; the
+        # distributed optimizer's assert passes Adam. Other optimizers are built elsewhere
+        # (layer-wise); preflight refuses them as not modelled.
+        return
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer, init_state_fn = _get_megatron_optimizer_based_on_param_groups(
+        config, [], [{"params": [param]}], skip_megatron_wrapping=True)
+    if config.use_distributed_optimizer:
+        Adam, HybridDeviceOptimizer = distrib_optimizer.Adam, distrib_optimizer.HybridDeviceOptimizer
+        assert (
+            isinstance(optimizer, (Adam, torch.optim.AdamW, HybridDeviceOptimizer))
+            or optimizer is None
+            or init_state_fn is not None
+        ), (
+            "Only Adam, HybridDeviceOptimizer, and optimizers with an init_state_fn "
+            "(e.g., Lion) are currently supported, due to checkpointing requirements."
+        )
 
 
 def _ddp_scaling(config, ddp_config, dp_cp: int) -> list:

@@ -212,7 +212,7 @@ def test_megatron_flags_preflight_does_not_use_are_listed_in_order(capsys):
     (["--num-experts", "8", "--moe-latent-size", "64"], "--moe-latent-size 64: not modelled (MoE latent"),
     (["--qk-layernorm"], "--qk-layernorm: not modelled"),
     (["--fp4-format", "e2m1", "--fp4-param-gather"], "--fp4-format e2m1: not modelled"),
-    (["--optimizer", "sgd"], "--optimizer sgd: not modelled"),
+    (["--optimizer", "lion"], "--optimizer lion: not modelled"),  # adam and sgd are read
     (["--main-grads-dtype", "bf16"], "--main-grads-dtype bf16: not modelled"),
 ])
 def test_flags_that_change_the_layout_gradients_or_batch_are_refused_as_not_modelled(tokens, named):
@@ -229,11 +229,12 @@ def test_the_gradient_averaging_flags_are_read():
 
 
 def test_not_modelled_only_where_the_value_changes_something():
-    # --num-experts 0 is no MoE (validate_args: num_experts 0 -> None); --optimizer adam and
-    # --main-grads-dtype fp32 are Megatron's defaults.
+    # --num-experts 0 is no MoE (validate_args: num_experts 0 -> None); --main-grads-dtype
+    # fp32 is Megatron's default; --optimizer adam is read (verify/preflight/optimizer.py).
     parsed = parse_megatron_flags(SMALL + ["--num-experts", "0", "--optimizer", "adam",
                                            "--main-grads-dtype", "fp32"])
-    assert parsed.unknown == ["--num-experts 0", "--optimizer adam", "--main-grads-dtype fp32"]
+    assert parsed.unknown == ["--num-experts 0", "--main-grads-dtype fp32"]
+    assert parsed.values["optimizer"] == "adam"
 
 
 def test_a_misspelled_flag_names_the_likely_one_megatrons_or_preflights(capsys):

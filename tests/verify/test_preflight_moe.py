@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.verify.preflight_launch import preflight_config
-from verify.preflight.cli import expert_figures
+from tests.verify.preflight_launch import parsed_launch, preflight_config
+from verify.preflight.cli import build_report, expert_figures
 from verify.preflight.config import ConfigError
 from verify.preflight.flags import FlagError
 from verify.preflight.model import chunk_parameters
 from verify.preflight.paper import chunk_layouts, expert_chunk_layouts
+from verify.preflight.timing import CostInputs
 from verify.preflight.twin import TwinOptions, plan_twin
 
 # Megatron-LM core_r0.19.0 examples/mixtral/train_mixtral_8x7b_distributed.sh, the flags it
@@ -216,3 +217,71 @@ def test_the_twin_lists_the_experts_as_not_twinned():
             "reduction are laid out on paper only)") in plan.not_twinned
     (row,) = [r for r in plan.mapping if r[0] == "mixture of experts"]
     assert row[2].startswith("none: each MoE layer's FFN trained as a dense block")
+
+
+# TP 2 with the experts at ETP 1, EP 1, on 2 ranks: DP = 2 // (TP 2 x PP 1) = 1, so the dense
+# buffers send nothing, and expert DP = 2 // (ETP 1 x EP 1 x PP 1) = 2 (parallel_state.py:
+# 874-880), an expert buffer of its own as ETP != TP (layers.py:961). M = 2 // (1 x 1) = 2.
+EXPERTS_ONLY_SYNC = ["--world-size", "2", "--tensor-model-parallel-size", "2",
+                     "--expert-tensor-parallel-size", "1", "--num-layers", "4",
+                     "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16",
+                     "--max-position-embeddings", "16", "--padded-vocab-size", "128",
+                     "--micro-batch-size", "1", "--global-batch-size", "2", "--bf16",
+                     "--disable-bias-linear", "--use-distributed-optimizer",
+                     "--num-experts", "3", "--moe-ffn-hidden-size", "41"]
+# Given compute costs, the grad sync estimated from the wire at 1 GB/s = 1e6 bytes per ms.
+COSTS = CostInputs(forward_ms=1.0, backward_ms=2.0, p2p_ms=0.0, assumed_bus_gbps=1.0)
+
+
+def _pipeline(argv):
+    config = preflight_config(argv)
+    return build_report(config, parsed_launch(argv), COSTS)["pipeline"]
+
+
+def test_the_pipeline_step_includes_the_expert_buffers_sync_and_reports_their_gather():
+    """distributed_data_parallel.py:578-595: start/finish_grad_sync run ``self.bucket_groups +
+    self.expert_parallel_bucket_groups``, so the step waits for the expert reduction too.
+
+    By hand: 4 layers x 3 local experts (EP 1) x (fc1 [41, 64] + fc2 [64, 41]) = 62,976
+    elements (a multiple of lcm(2, 128) = 128: no padding), fp32 grads under --bf16. Over
+    expert DP 2 the reduce-scatter sends 1/2 x 62,976 x 4 = 125,952 bytes = 0.125952 ms, the
+    param all-gather 1/2 x 62,976 x 2 (bf16) = 62,976 bytes = 0.062976 ms; the dense buffer
+    at DP 1 sends 0."""
+    pipe = _pipeline(EXPERTS_ONLY_SYNC)
+    costs = pipe["costs_ms"]
+    assert costs["grad_sync"] == costs["last_stage_grad_sync"] == pytest.approx(0.125952)
+    assert costs["expert_grad_sync"] == pytest.approx(0.125952)
+    assert costs["param_all_gather"] == pytest.approx(0.062976)
+    # No --overlap-grad-reduce: the sync follows the compute's M (f + b) = 6 ms, all exposed.
+    assert pipe["sync_mode"] == "after-compute"
+    assert pipe["compute_end_ms"] == pytest.approx(6.0)
+    assert pipe["exposed_grad_sync_ms"] == pytest.approx(0.125952)
+    assert pipe["step_time_ms"] == pytest.approx(6.125952)
+
+
+def test_the_first_chunks_expert_buckets_are_reduced_with_its_dense_ones():
+    """With --overlap-grad-reduce the expert buffer takes the dense buffer's bucket size
+    (40M: one bucket each here), so pipeline rank 0's first chunk reduces 2 buckets, equal
+    shares of the 0.125952 ms (the stated model). By hand: the last backward starts at
+    M (f + b) - b = 4 ms; bucket k is ready at 4 + 2 (k + 1) / 2 = 5, 6 ms and takes
+    0.062976 ms, so the sync ends 0.062976 ms after the compute's 6 ms."""
+    pipe = _pipeline([*EXPERTS_ONLY_SYNC, "--overlap-grad-reduce"])
+    assert pipe["first_chunk_buckets"] == 2
+    assert pipe["exposed_grad_sync_ms"] == pytest.approx(0.125952 / 2)
+
+
+def test_each_stage_adds_its_own_expert_sync():
+    """SMALL (PP 2, DP 9, expert DP 3): each stage's expert buffer is 10,752 elements
+    (test_small_moe_launch_pads_the_expert_buffer_with_the_expert_dp_size), its fp32
+    reduce-scatter 2/3 x 10,752 x 4 = 28,672 bytes = 0.028672 ms at 1 GB/s, added to the
+    stage's dense sync; the all-gather 2/3 x 10,752 x 2 = 14,336 bytes to the dense one's."""
+    argv = [*SMALL, "--overlap-grad-reduce"]
+    config = preflight_config(argv)
+    report = build_report(config, parsed_launch(argv), COSTS)
+    costs = report["pipeline"]["costs_ms"]
+    dense = [row["grad_sync_bytes"] / 1e6 for row in report["wire"]]
+    assert costs["grad_sync"] == pytest.approx(dense[0] + 0.028672)
+    assert costs["last_stage_grad_sync"] == pytest.approx(dense[1] + 0.028672)
+    assert costs["expert_grad_sync"] == pytest.approx(0.028672)
+    gather = max(row["param_all_gather_bytes"] for row in report["wire"]) / 1e6
+    assert costs["param_all_gather"] == pytest.approx(gather + 0.014336)

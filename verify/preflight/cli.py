@@ -53,6 +53,7 @@ from verify.preflight.paper import (
     expert_chunk_layouts,
     expert_wire_rows,
     memory_rows,
+    optimizer_state_rows,
     reduction_error,
     wire_rows,
 )
@@ -164,6 +165,7 @@ def build_report(config: PreflightConfig, parsed: ParsedFlags, costs: CostInputs
     """Stage 2: every paper figure, JSON-ready."""
     chunks = chunk_layouts(config)
     wire = wire_rows(config, chunks)
+    experts = expert_chunk_layouts(config)
     pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size
     return {
         "tool": "verify preflight",
@@ -184,7 +186,8 @@ def build_report(config: PreflightConfig, parsed: ParsedFlags, costs: CostInputs
         "wire_formulas": dict(WIRE_FORMULAS),
         "reduction_error": reduction_error(config),
         **expert_figures(config),
-        "pipeline": pipeline_timing(config, chunks, wire, costs),
+        "optimizer_state": optimizer_state_rows(config, chunks, experts),
+        "pipeline": pipeline_timing(config, chunks, wire, costs, experts),
         "twin": {"run": False, "note": TWIN_NOTE},
         "hazards": [],
         "env": fingerprint(),

@@ -31,6 +31,12 @@ from verify.preflight.moe import (
     model_build_refusals,
     transformer_config_refusals,
 )
+from verify.preflight.optimizer import (
+    OptimizerChoice,
+    distributed_optimizer_refusals,
+    learning_rate_refusals,
+    optimizer_build_refusals,
+)
 from verify.preflight.pipeline_split import (
     PipelineSplit,
     SplitError,
@@ -137,6 +143,8 @@ class PreflightConfig:
     moe: MoEConfig | None = None
     # Hybrid Mamba model (--hybrid-layer-pattern): None for a GPT model.
     hybrid: HybridConfig | None = None
+    # --optimizer (adam or sgd) and what SGD's build reads (verify/preflight/optimizer.py).
+    optimizer: OptimizerChoice = OptimizerChoice()
     megatron: str = MEGATRON_LM  # whose rules resolved and checked this configuration
     spelling: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
     notes: tuple[str, ...] = ()
@@ -162,6 +170,9 @@ class PreflightConfig:
         if self.hybrid is not None and not isinstance(self.hybrid, HybridConfig):
             raise TypeError(f"PreflightConfig.hybrid must be a HybridConfig or None, got "
                             f"{type(self.hybrid).__name__}")
+        if not isinstance(self.optimizer, OptimizerChoice):
+            raise TypeError(f"PreflightConfig.optimizer must be an OptimizerChoice, got "
+                            f"{type(self.optimizer).__name__}")
         found, not_checked = check_config(self)
         if self.refused or found:
             raise ConfigError([*self.refused, *found], not_checked=not_checked)
@@ -370,7 +381,9 @@ class PreflightConfig:
                  "context_parallel_size", "sequence_parallel")
         out = {k: getattr(self, k) for k in sizes}
         out |= {k: getattr(self, k) for k in self.__dataclass_fields__
-                if k not in ("spelling", "dims", "refused", "undefined", "moe", "hybrid")}
+                if k not in ("spelling", "dims", "refused", "undefined", "moe", "hybrid",
+                             "optimizer")}
+        out["optimizer"] = self.optimizer.to_dict()
         out["notes"] = list(self.notes)
         out["num_microbatches"] = self.num_microbatches
         out["data_context_parallel_size"] = self.data_context_parallel_size
@@ -712,6 +725,21 @@ def _experts_build(c: PreflightConfig) -> Iterator[Refusal]:
                                         c.swiglu, c.add_bias_linear, c._name)
 
 
+def _learning_rate(c: PreflightConfig) -> Iterator[Refusal]:
+    """validate_args:1320 on --lr (:mod:`verify.preflight.optimizer`)."""
+    yield from learning_rate_refusals(c.optimizer, c._name)
+
+
+def _optimizer_build(c: PreflightConfig) -> Iterator[Refusal]:
+    """The SGD constructor's checks, before the grad scaler (:mod:`verify.preflight.optimizer`)."""
+    yield from optimizer_build_refusals(c.optimizer, c._name)
+
+
+def _distributed_sgd(c: PreflightConfig) -> Iterator[Refusal]:
+    """DistributedOptimizer's assert, after the grad scaler (:mod:`verify.preflight.optimizer`)."""
+    yield from distributed_optimizer_refusals(c.optimizer, c.use_distributed_optimizer, c._name)
+
+
 def _optimizer(c: PreflightConfig) -> Iterator[Refusal]:
     """The grad scaler's asserts (megatron/core/optimizer/grad_scaler.py) and preflight's
     own: a finite --clip-grad >= 0, whole positive --loss-scale-window and --hysteresis."""
@@ -768,7 +796,10 @@ RULES: tuple[tuple[Rule, tuple[str, ...], str], ...] = (
      "the MoE layers"),
     (_mamba_mixers, ("hidden_size", _TP), "the Mamba mixers"),
     (_ddp_wrap, (), "the DDP wrap"),
+    (_learning_rate, (), "the learning rate"),
+    (_optimizer_build, (), "the SGD optimizer's build"),
     (_optimizer, (), "the optimizer"),
+    (_distributed_sgd, (), "SGD with the distributed optimizer"),
 )
 
 

@@ -164,6 +164,8 @@ MODELLED = frozenset({
     # hybrid Mamba models (verify/preflight/hybrid.py)
     "hybrid_layer_pattern", "hybrid_override_pattern", "mamba_state_dim", "mamba_head_dim",
     "mamba_num_groups", "mamba_num_heads",
+    # the optimizer (verify/preflight/optimizer.py)
+    "optimizer", "sgd_momentum", "lr", "min_lr", "weight_decay",
 })
 
 # The --mamba-* sizes change nothing without a hybrid pattern: listed as ignored then.
@@ -181,6 +183,10 @@ MOE_ONLY = frozenset({
     "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_token_dispatcher_type",
     "transformer_impl",  # with experts: the local spec never groups them
 })
+
+# Read only under --optimizer sgd, whose build takes them (core/optimizer/__init__.py:618);
+# with Adam they are listed as ignored, as before SGD was modelled.
+SGD_ONLY = frozenset({"sgd_momentum", "lr", "min_lr", "weight_decay"})
 
 # Given in place of Megatron-LM's spelling, these were preflight's own inventions.
 RENAMED = {
@@ -281,7 +287,8 @@ NOT_MODELLED: dict[str, tuple[str, Callable[[object, Mapping[str, object]], bool
     "exp_avg_dtype": ("Adam moments in another dtype than fp32", _not("fp32")),
     "exp_avg_sq_dtype": ("Adam moments in another dtype than fp32", _not("fp32")),
     "use_precision_aware_optimizer": ("the precision-aware optimizer", _given),
-    "optimizer": ("an optimizer other than Adam (the twin steps AdamW)", _not("adam")),
+    "optimizer": ("an optimizer other than Adam or SGD", lambda value, values: value not in
+                  ("adam", "sgd")),
     "optimizer_cpu_offload": ("the CPU-offloaded optimizer", _given),
     "freeze_all_layers": ("frozen layers (no distributed optimizer, no param gather)", _given),
     "pad_vocab_size": ("an unpadded vocabulary", _given),
@@ -506,6 +513,8 @@ def parse_megatron_flags(tokens: list[str], own_options: frozenset[str] = frozen
     read = MODELLED if namespace.get("num_experts") else MODELLED - MOE_ONLY
     if namespace.get("hybrid_layer_pattern") is None and namespace.get("hybrid_override_pattern") is None:
         read -= HYBRID_ONLY
+    if namespace.get("optimizer") != "sgd":
+        read = read - SGD_ONLY
     for name, text in texts:
         dest = MEGATRON_FLAGS[name].dest
         if dest not in read and text not in parsed.unknown:

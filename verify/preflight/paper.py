@@ -167,6 +167,45 @@ def memory_rows(config: PreflightConfig, chunks: list[ChunkLayout]) -> list[dict
     return rows
 
 
+def optimizer_state_rows(config: PreflightConfig, chunks: list[ChunkLayout],
+                         experts: list[ChunkLayout]) -> list[dict]:
+    """Per pipeline stage (one rank of it): the fp32 bytes the optimizer keeps beside the
+    buffers, over the stage's dense and expert params. Megatron-Core wraps the torch optimizer
+    (core/optimizer/__init__.py:638-681) in the DistributedOptimizer (each rank's shard of
+    every buffer, over DP x CP, the experts' over expert DP; counted as the padded shard
+    numel / N, an upper bound: padding holds no state), else in
+    Float16OptimizerWithFloat16Params with 16-bit params (an fp32 copy of every param,
+    optimizer.py:1012) or the FP32Optimizer (the params themselves). The main params: fp32
+    copies of 16-bit params (distrib_optimizer.py:445; fp32 params are stepped in place,
+    :465); the state: :attr:`OptimizerChoice.state_tensors` fp32 tensors of the same size
+    (and ``state_bytes_torch_sgd``: without Transformer Engine or apex)."""
+    choice = config.optimizer
+    if config.use_distributed_optimizer:
+        wrapper = "DistributedOptimizer"
+    elif config.params_dtype != "fp32":
+        wrapper = "Float16OptimizerWithFloat16Params"
+    else:
+        wrapper = "FP32Optimizer"
+    rows = []
+    for stage in range(config.pipeline_model_parallel_size):
+        elements = 0
+        for buffers, n in ((chunks, config.data_context_parallel_size),
+                           (experts, config.expert_data_parallel_size if experts else 1)):
+            for c in buffers:
+                if c.stage == stage:
+                    elements += (c.layout.numel // n if config.use_distributed_optimizer
+                                 else c.param_elements)
+        main = 4 * elements if config.params_dtype != "fp32" else 0
+        rows.append({
+            "stage": stage, "optimizer": choice.name, "wrapper": wrapper,
+            "elements": elements, "main_param_bytes": main,
+            "state_tensors": list(choice.state_tensors),
+            "state_bytes": 4 * len(choice.state_tensors) * elements,
+            "state_bytes_torch_sgd": 4 * len(choice.state_tensors_torch) * elements,
+        })
+    return rows
+
+
 def activation_bytes(config: PreflightConfig) -> float:
     """One microbatch's activation (or its grad) at a pipeline boundary (a CP rank's share of
     the sequence: schedules.py divides the tensor shape's sequence by CP)."""

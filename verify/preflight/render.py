@@ -92,6 +92,17 @@ def report_tables(report: dict) -> Tables:
           + (" (on)" if r["mxfp8_sharing_enabled"] else " (if enabled)")]
          for r in report["layout"]]),
     ))
+    if report.get("optimizer_state"):  # reports before SGD was modelled have none
+        tables.append((
+            "Optimizer state per rank beside the buffers (fp32; the distributed optimizer's "
+            "shards counted with their padding)",
+            ["stage", "optimizer", "wrapper", "elements", "main params", "state",
+             "state (torch.optim.SGD)"],
+            collapse_stages([[str(r["stage"]), r["optimizer"], r["wrapper"], f"{r['elements']:,}",
+                              format_bytes(r["main_param_bytes"]),
+                              f"{format_bytes(r['state_bytes'])} ({', '.join(r['state_tensors'])})",
+                              format_bytes(r["state_bytes_torch_sgd"])]
+                             for r in report["optimizer_state"]])))
     tables.append((
         "Bytes sent per step by one rank of each stage",
         ["stage", "grad sync", "param all-gather", "embedding all-reduce", "pipeline p2p",

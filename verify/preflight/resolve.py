@@ -26,6 +26,12 @@ from verify.preflight.config import (
 from verify.preflight.flags import ParsedFlags, Refusal
 from verify.preflight.hybrid import read_hybrid
 from verify.preflight.moe import LayerFreqError, MoEConfig, parse_layer_freq
+from verify.preflight.optimizer import (
+    DEFAULT_MIN_LR,
+    DEFAULT_SGD_MOMENTUM,
+    DEFAULT_WEIGHT_DECAY,
+    OptimizerChoice,
+)
 from verify.preflight.pipeline_split import SplitError, virtual_pipeline_size
 
 # validate_args: 'no longer valid' flags, what replaced them, and the line that refuses them.
@@ -462,6 +468,10 @@ def resolve(parsed: ParsedFlags, environ: Mapping[str, str],
         calculate_per_token_loss=bool(v.get("calculate_per_token_loss")),
         ddp_average_in_collective=bool(v.get("ddp_average_in_collective")),
         moe=moe, hybrid=reading and reading.config, spelling=spelling, notes=tuple(notes),
+        optimizer=OptimizerChoice(v.get("optimizer", "adam"), lr=v.get("lr"),
+                                  min_lr=v.get("min_lr", DEFAULT_MIN_LR),
+                                  weight_decay=v.get("weight_decay", DEFAULT_WEIGHT_DECAY),
+                                  sgd_momentum=v.get("sgd_momentum", DEFAULT_SGD_MOMENTUM)),
         clip_grad=v.get("clip_grad", DEFAULT_CLIP_GRAD), loss_scale=v.get("loss_scale"),
         initial_loss_scale=v.get("initial_loss_scale", DEFAULT_INITIAL_LOSS_SCALE),
         min_loss_scale=v.get("min_loss_scale", DEFAULT_MIN_LOSS_SCALE),

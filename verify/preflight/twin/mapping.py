@@ -12,6 +12,8 @@ MOE_NOT_TWINNED = ("mixture-of-experts layers (the experts, the router and the "
 HYBRID_NOT_TWINNED = ("Mamba mixers of the hybrid pattern (the selective scan, conv1d, dt_bias, "
                       "A_log, D and the gated norm: their params and buffers are laid out on paper "
                       "only)")
+SGD_NOT_TWINNED = ("the SGD step (--optimizer sgd): the twin steps AdamW; its gradients and "
+                   "their reduction are SGD's, the update and its momentum buffer are not checked")
 # TP sums of two fp32 values are one rounding in any order: bitwise. Larger TP is scaled to 2.
 MAX_TWIN_TP = 2
 
@@ -67,6 +69,15 @@ def hybrid_rows(config: PreflightConfig) -> tuple[tuple[str, str, str], ...]:
              f"{types.count('-')} MLP layers",
              "each layer one dense block of the twin (the Mamba mixers not twinned: laid out "
              "on paper only)"),)
+def production_optimizer(config: PreflightConfig) -> str:
+    """The optimizer row's production column: the optimizer and where its masters live."""
+    where = ("distributed optimizer" if config.use_distributed_optimizer
+             else "fp32 masters of every param (no distributed optimizer)")
+    choice = config.optimizer
+    if choice.name != "sgd":
+        return where
+    return (f"SGD (momentum {choice.sgd_momentum:g}, weight decay {choice.weight_decay:g}, "
+            f"lr {choice.lr:g}), {where}")
 
 
 def tp_layout(tp: int, sequence_parallel: bool, twin: bool = False) -> str:
@@ -175,5 +186,7 @@ def left_out(config: PreflightConfig, m: int) -> list[str]:
         # The twin's blocks stand for each Mamba layer as for any other: the mixer's scan,
         # its convolution and its sharded 1-D params run nowhere in it.
         out.append(HYBRID_NOT_TWINNED)
+    if config.optimizer.name == "sgd":
+        out.append(SGD_NOT_TWINNED)
     out.append("transformer blocks (attention, MLP, norms, embeddings) are Linear+tanh layers")
     return out

@@ -42,6 +42,7 @@ from verify.preflight.twin.mapping import (
     left_out,
     moe_rows,
     output_wgrad,
+    production_optimizer,
     production_tie,
     tied_layout,
     tp_layout,
@@ -263,8 +264,7 @@ def plan_twin(config: PreflightConfig, options: TwinOptions, support: ModelSuppo
         ("output layer", output_wgrad(config), output_wgrad(config)),
         ("tied embedding all-reduce", production_tie(config),
          tied_layout(config, twin_tp, tied)),
-        ("optimizer", "distributed optimizer" if config.use_distributed_optimizer
-         else "fp32 masters of every param (no distributed optimizer)",
+        ("optimizer", production_optimizer(config),
          f"{candidate}'s AdamW (lr scheduled), " + ("distributed optimizer" if case.use_distributed_optimizer
                                               else "replicated optimizer")),
         *optimizer_mapping(config, adamw, overflow_step),

@@ -246,6 +246,8 @@ def write_sections(config: PreflightConfig, report: dict, sections: list[dict]) 
                  "only" if config.moe is not None else "")
     if config.hybrid is not None and config.hybrid.builds("M"):
         unchecked += "; the Mamba mixers not checked: on paper only"
+    if config.optimizer.name == "sgd":  # the twin steps AdamW
+        unchecked += "; the SGD step not checked: the twin steps AdamW"
     failed = [s for s in ran if not s["passed"]]
     not_run = "".join(f"; {s['candidate']}: twin {'did not finish' if 'error' in s else 'not run'}"
                       f" ({s.get('error') or s.get('skipped')})" for s in sections if not s["run"])
