@@ -63,6 +63,10 @@ class ChunkLayout:
 
 def bucket_size_for(config: PreflightConfig, stage: int, chunk: int) -> tuple[int | None, str]:
     """Production's bucket size for a chunk, and the rule that set it."""
+    if config.torch_fsdp2:
+        # megatron/training/training.py get_model:1848: no bucket size for torch FSDP2, which
+        # reduces per fully_shard module.
+        return None, "none (torch FSDP2: one reduce-scatter per fully_shard module)"
     if not config.overlap_grad_reduce:
         # megatron/training/training.py resolve_ddp_bucket_size: None without overlap.
         return None, "one (no --overlap-grad-reduce)"

@@ -26,6 +26,7 @@ from verify.preflight.config import (
 from verify.preflight.flags import ParsedFlags, Refusal
 from verify.preflight.moe import LayerFreqError, MoEConfig, parse_layer_freq
 from verify.preflight.pipeline_split import SplitError, virtual_pipeline_size
+from verify.preflight.sharded_dp import resolve_sharded_dp
 
 # validate_args: 'no longer valid' flags, what replaced them, and the line that refuses them.
 _REMOVED = {"batch_size": ("--micro-batch-size", 574),
@@ -360,6 +361,14 @@ def resolve(parsed: ParsedFlags, environ: Mapping[str, str],
     seq = found.one_of(v, "seq_length", "encoder_seq_length", (1308, 1310))
     vpp = _pipeline(v, num_layers, pp, found)
     params_dtype, grad_dtype = _precision(v, notes, found)
+    # Megatron-FSDP / torch FSDP2 (verify/preflight/sharded_dp.py): validate_args' rules, and
+    # the values it changes (the distributed optimizer on, FP8 param gather off, ...).
+    sharded_dp, sharded_refusals, changed = resolve_sharded_dp(v, params_dtype, n, notes)
+    found.refusals.extend(sharded_refusals)
+    v.update(changed)
+    if sharded_dp is not None:  # their own grad dtype, not DDP's fp32 accumulation
+        grad_dtype = sharded_dp.main_grads_dtype
+        notes[:] = [note for note in notes if not note.startswith("--bf16: Megatron accumulates")]
     fp8_format, fp8_recipe = _fp8(v, notes)
     if v.get("reuse_grad_buf_for_mxfp8_param_ag") and fp8_recipe != "mxfp8":
         # distributed_data_parallel_config.py: "Should be set to True only when fp8_recipe is
@@ -448,7 +457,7 @@ def resolve(parsed: ParsedFlags, environ: Mapping[str, str],
         decrease_batch_size_if_needed=bool(v.get("decrease_batch_size_if_needed")),
         calculate_per_token_loss=bool(v.get("calculate_per_token_loss")),
         ddp_average_in_collective=bool(v.get("ddp_average_in_collective")),
-        moe=moe, spelling=spelling, notes=tuple(notes),
+        moe=moe, sharded_dp=sharded_dp, spelling=spelling, notes=tuple(notes),
         clip_grad=v.get("clip_grad", DEFAULT_CLIP_GRAD), loss_scale=v.get("loss_scale"),
         initial_loss_scale=v.get("initial_loss_scale", DEFAULT_INITIAL_LOSS_SCALE),
         min_loss_scale=v.get("min_loss_scale", DEFAULT_MIN_LOSS_SCALE),
