@@ -227,6 +227,20 @@ def expert_wire_rows(config: PreflightConfig, chunks: list[ChunkLayout]) -> list
     return rows
 
 
+def sharded_rows(config: PreflightConfig, chunks: list[ChunkLayout]) -> list[dict]:
+    """Per (stage, chunk) under Megatron-FSDP or torch FSDP2: what one rank holds and sends per
+    step for the chunk's params (:meth:`ShardedDPConfig.memory` and ``.wire`` over DP x CP);
+    none under DDP. The chunk's elements are the model's, without Megatron-FSDP's padding."""
+    sharded = config.sharded_dp
+    if sharded is None:
+        return []
+    n = config.data_context_parallel_size
+    return [{"stage": c.stage, "chunk": c.chunk, "param_elements": c.param_elements,
+             **sharded.memory(c.param_elements, n, config.params_dtype),
+             **sharded.wire(c.param_elements, n, config.params_dtype, config.num_microbatches)}
+            for c in chunks]
+
+
 def _grad_collective(config: PreflightConfig) -> str:
     return "reduce-scatter" if config.use_distributed_optimizer else "all-reduce"
 

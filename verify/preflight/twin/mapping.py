@@ -9,6 +9,24 @@ from verify.preflight.twin.variants import twins_mxfp8
 
 MOE_NOT_TWINNED = ("mixture-of-experts layers (the experts, the router and the "
                    "expert-data-parallel reduction are laid out on paper only)")
+
+
+def sharded_not_twinned(config: PreflightConfig) -> str | None:
+    """Why the twin does not check the launch's fully-sharded data-parallel path (None under
+    Megatron-Core's DDP): the twin's ranks reduce through a DDP-style bucketed buffer."""
+    sharded = config.sharded_dp
+    if sharded is None:
+        return None
+    if config.torch_fsdp2:
+        return ("torch FSDP2 (--use-torch-fsdp2): the twin reduces its grads through a bucketed "
+                "DDP buffer, not torch's fully_shard reduce-scatter and all-gathers; the "
+                "torch_fsdp2 candidate's own checks (`verify run --candidate torch-fsdp2`) cover "
+                "fully_shard's gradients, not this launch's twin")
+    return (f"{sharded.label} (--use-megatron-fsdp): the twin reduces its grads through "
+            "Megatron-Core's DDP buffer; Megatron-FSDP's sharded buffers, per-microbatch "
+            "reduce-scatter and param all-gathers are laid out on paper only")
+
+
 # TP sums of two fp32 values are one rounding in any order: bitwise. Larger TP is scaled to 2.
 MAX_TWIN_TP = 2
 
@@ -154,5 +172,8 @@ def left_out(config: PreflightConfig, m: int) -> list[str]:
         # nothing of the expert path (routing, expert parallelism, the expert buffers and
         # their reduction over expert DP) runs in it.
         out.append(MOE_NOT_TWINNED)
+    sharded = sharded_not_twinned(config)
+    if sharded is not None:
+        out.append(sharded)
     out.append("transformer blocks (attention, MLP, norms, embeddings) are Linear+tanh layers")
     return out
