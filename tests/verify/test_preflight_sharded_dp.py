@@ -19,6 +19,7 @@ from tests.verify.preflight_launch import parsed_launch, preflight_config
 from verify.preflight.config import ConfigError
 from verify.preflight.paper import chunk_layouts, sharded_rows
 from verify.preflight.twin import TwinOptions, plan_twin
+from verify.preflight.twin.verdict import write_sections
 
 # Megatron-LM core_r0.19.0 examples/megatron_fsdp/train_llama3_8b_fsdp_h100_fp8.sh, the flags it
 # hands pretrain_gpt.py with its defaults (8 GPUs, optim_grads_params), the mock tokenizer's
@@ -224,3 +225,17 @@ def test_the_twin_lists_the_sharded_path_as_not_twinned():
                         (TORCH_FSDP2, "torch FSDP2 (--use-torch-fsdp2)")):
         plan = plan_twin(preflight_config(argv), TwinOptions())
         assert any(item.startswith(start) for item in plan.not_twinned), plan.not_twinned
+
+
+def test_a_passing_twin_says_the_sharded_path_was_not_checked():
+    # A twin that matched refgrad (a minimal section): the verdict still names the launch's
+    # Megatron-FSDP path as unchecked, and the DDP launch's verdict does not.
+    section = {"run": True, "passed": True, "bitwise": True, "candidate": "fastgrad",
+               "world_size": 4, "tp_size": 1, "steps": [{"stepped": True}],
+               "not_twinned": ["x"]}
+    for argv, says in ((MEGATRON_FSDP, True), (SMALL, False)):
+        report = {"layout": []}
+        write_sections(preflight_config(argv), report, [dict(section)])
+        assert report["verdict"].startswith("PASS")
+        assert ("the data-parallel path (Megatron-FSDP (optim_grads_params)) not checked"
+                in report["verdict"]) is says, report["verdict"]
