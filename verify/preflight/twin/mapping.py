@@ -20,8 +20,9 @@ def sharded_not_twinned(config: PreflightConfig) -> str | None:
     if config.torch_fsdp2:
         return ("torch FSDP2 (--use-torch-fsdp2): the twin reduces its grads through a bucketed "
                 "DDP buffer, not torch's fully_shard reduce-scatter and all-gathers; the "
-                "torch_fsdp2 candidate's own checks (`verify run --candidate torch-fsdp2`) cover "
-                "fully_shard's gradients, not this launch's twin")
+                "torch-fsdp2 candidate cannot train a twin (no pipeline training wired), and "
+                "`verify run --candidate torch-fsdp2` checks fully_shard's gradients on its own "
+                "cases, not this launch's")
     return (f"{sharded.label} (--use-megatron-fsdp): the twin reduces its grads through "
             "Megatron-Core's DDP buffer; Megatron-FSDP's sharded buffers, per-microbatch "
             "reduce-scatter and param all-gathers are laid out on paper only")
