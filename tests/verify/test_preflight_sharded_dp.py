@@ -17,6 +17,7 @@ import pytest
 
 from tests.verify.preflight_launch import parsed_launch, preflight_config
 from verify.preflight.config import ConfigError
+from verify.preflight.findings import launch_settings, reached
 from verify.preflight.paper import chunk_layouts, sharded_rows
 from verify.preflight.twin import TwinOptions, plan_twin
 from verify.preflight.twin.verdict import write_sections
@@ -239,3 +240,14 @@ def test_a_passing_twin_says_the_sharded_path_was_not_checked():
         assert report["verdict"].startswith("PASS")
         assert ("the data-parallel path (Megatron-FSDP (optim_grads_params)) not checked"
                 in report["verdict"]) is says, report["verdict"]
+
+
+def test_ddps_fp32_reduce_scatter_finding_is_not_claimed_under_megatron_fsdp():
+    # Finding 2 (the fp32-accumulating reduce-scatter with averaging in the collective) is in
+    # DDP's param_and_grad_buffer.py; Megatron-FSDP's buffers never read the flag (only
+    # distributed_data_parallel.py and param_and_grad_buffer.py of core/distributed do).
+    flags = ["--ddp-reduce-scatter-with-fp32-accumulation", "--ddp-average-in-collective"]
+    ddp = preflight_config([*SMALL, "--use-distributed-optimizer", *flags])
+    fsdp = preflight_config([*MEGATRON_FSDP, *flags])
+    assert "megatron-core-2" in {f.key for f in reached(launch_settings(ddp))}
+    assert "megatron-core-2" not in {f.key for f in reached(launch_settings(fsdp))}
