@@ -19,6 +19,7 @@ from tests.verify.preflight_launch import parsed_launch, preflight_config
 from verify.preflight.config import ConfigError
 from verify.preflight.findings import launch_settings, reached
 from verify.preflight.paper import chunk_layouts, sharded_rows
+from verify.preflight.render import sharded_tables
 from verify.preflight.twin import TwinOptions, plan_twin
 from verify.preflight.twin.verdict import write_sections
 
@@ -251,3 +252,12 @@ def test_ddps_fp32_reduce_scatter_finding_is_not_claimed_under_megatron_fsdp():
     fsdp = preflight_config([*MEGATRON_FSDP, *flags])
     assert "megatron-core-2" in {f.key for f in reached(launch_settings(ddp))}
     assert "megatron-core-2" not in {f.key for f in reached(launch_settings(fsdp))}
+
+
+def test_the_report_shows_the_sharded_figures_only_under_fsdp():
+    config = preflight_config([*MEGATRON_FSDP, "--data-parallel-sharding-strategy", "optim"])
+    report = {"config": config.to_dict(), "sharded_dp": sharded_rows(config, chunk_layouts(config))}
+    ((title, _, rows),) = sharded_tables(report)
+    assert title.startswith("Megatron-FSDP (optim) in place of DDP (shards optimizer state over")
+    assert rows[0][7].endswith("(reduce-scatter x 1)") and rows[0][8].endswith("(x 1)")
+    assert sharded_tables({"config": preflight_config(SMALL).to_dict()}) == []
