@@ -261,3 +261,15 @@ def test_the_report_shows_the_sharded_figures_only_under_fsdp():
     assert title.startswith("Megatron-FSDP (optim) in place of DDP (shards optimizer state over")
     assert rows[0][7].endswith("(reduce-scatter x 1)") and rows[0][8].endswith("(x 1)")
     assert sharded_tables({"config": preflight_config(SMALL).to_dict()}) == []
+
+
+def test_torch_fsdp2_keeps_fp32_masters_of_bf16_params_only():
+    # megatron/core/optimizer/__init__.py:638-684: bf16 params get Float16OptimizerWithFloat16Params
+    # (fp32 masters), fp32 params FP32Optimizer (none); sharded with the params, 1/4 each.
+    rows = {}
+    for name, argv in (("bf16", TORCH_FSDP2), ("fp32", [t for t in TORCH_FSDP2 if t != "--bf16"])):
+        config = preflight_config(argv)
+        (rows[name],) = sharded_rows(config, chunk_layouts(config))
+    assert rows["bf16"]["main_param_bytes"] == ELEMENTS / 4 * 4
+    assert rows["fp32"]["main_param_bytes"] == 0
+    assert rows["fp32"]["param_bytes"] == ELEMENTS / 4 * 4

@@ -309,10 +309,12 @@ def resolve_sharded_dp(v: Mapping[str, object], params_dtype: str, name: Name, n
         return None, refusals, changed
     if fsdp2:
         # torch_fully_sharded_data_parallel.py: fully_shard without a MixedPrecisionPolicy, so
-        # the grads and their reduction are in the params' dtype.
+        # the grads and their reduction are in the params' dtype; the optimizer keeps fp32
+        # masters of bf16/fp16 params (Float16OptimizerWithFloat16Params), none of fp32 ones
+        # (FP32Optimizer; megatron/core/optimizer/__init__.py:638-684).
         config = ShardedDPConfig(
             TORCH_FSDP2, main_grads_dtype=params_dtype, grad_comm_dtype=params_dtype,
-            main_params_dtype="fp32",
+            main_params_dtype=None if params_dtype == "fp32" else "fp32",
             reshard_after_forward=v.get("torch_fsdp2_reshard_after_forward", True),
             init_model_with_meta_device=bool(v.get("init_model_with_meta_device")))
         if fsdp:
