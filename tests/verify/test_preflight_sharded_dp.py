@@ -273,3 +273,13 @@ def test_torch_fsdp2_keeps_fp32_masters_of_bf16_params_only():
     assert rows["bf16"]["main_param_bytes"] == ELEMENTS / 4 * 4
     assert rows["fp32"]["main_param_bytes"] == 0
     assert rows["fp32"]["param_bytes"] == ELEMENTS / 4 * 4
+
+
+def test_the_notes_give_the_sharded_grad_dtype_not_ddps_fp32_accumulation():
+    ddp = "--bf16: Megatron accumulates and reduces grads in fp32"
+    assert any(n.startswith(ddp) for n in preflight_config(SMALL).notes)
+    for argv, own in ((MEGATRON_FSDP, "--use-megatron-fsdp: grads are kept in bf16 and reduced in bf16"),
+                      (TORCH_FSDP2, "--use-torch-fsdp2: grads are kept and reduced in bf16")):
+        notes = preflight_config(argv).notes
+        assert not any(n.startswith(ddp) for n in notes), notes
+        assert any(n.startswith(own) for n in notes), notes

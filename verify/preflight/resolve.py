@@ -198,8 +198,10 @@ def _precision(v: dict, notes: list[str], found: _Found) -> tuple[str, str]:
             accumulate_fp32 = False
         elif not accumulate_fp32:
             accumulate_fp32 = True
-            notes.append("--bf16: Megatron accumulates and reduces grads in fp32 "
-                         "(--grad-reduce-in-bf16 not given)")
+            # (Megatron-FSDP and torch FSDP2 have their own grad dtype: sharded_dp.py says it.)
+            if not (v.get("use_megatron_fsdp") or v.get("use_torch_fsdp2")):
+                notes.append("--bf16: Megatron accumulates and reduces grads in fp32 "
+                             "(--grad-reduce-in-bf16 not given)")
     return params, "fp32" if accumulate_fp32 or params == "fp32" else params
 
 
@@ -368,7 +370,6 @@ def resolve(parsed: ParsedFlags, environ: Mapping[str, str],
     v.update(changed)
     if sharded_dp is not None:  # their own grad dtype, not DDP's fp32 accumulation
         grad_dtype = sharded_dp.main_grads_dtype
-        notes[:] = [note for note in notes if not note.startswith("--bf16: Megatron accumulates")]
     fp8_format, fp8_recipe = _fp8(v, notes)
     if v.get("reuse_grad_buf_for_mxfp8_param_ag") and fp8_recipe != "mxfp8":
         # distributed_data_parallel_config.py: "Should be set to True only when fp8_recipe is

@@ -317,6 +317,11 @@ def resolve_sharded_dp(v: Mapping[str, object], params_dtype: str, name: Name, n
             main_params_dtype=None if params_dtype == "fp32" else "fp32",
             reshard_after_forward=v.get("torch_fsdp2_reshard_after_forward", True),
             init_model_with_meta_device=bool(v.get("init_model_with_meta_device")))
+        if params_dtype != "fp32":
+            notes.append(f"{name('use_torch_fsdp2')}: grads are kept and reduced in "
+                         f"{params_dtype}, the params' dtype (fully_shard gets no "
+                         "MixedPrecisionPolicy; --accumulate-allreduce-grads-in-fp32 is "
+                         "Megatron-Core DDP's)")
         if fsdp:
             notes.append(f"{name('use_torch_fsdp2')} and {name('use_megatron_fsdp')} both given: "
                          "get_model wraps with torch FSDP2 (training.py:1837)")
