@@ -18,6 +18,7 @@ import pytest
 from tests.verify.preflight_launch import parsed_launch, preflight_config
 from verify.preflight.config import ConfigError
 from verify.preflight.findings import launch_settings, reached
+from verify.preflight.flags import FlagError
 from verify.preflight.paper import chunk_layouts, sharded_rows
 from verify.preflight.render import sharded_tables
 from verify.preflight.twin import TwinOptions, plan_twin
@@ -283,3 +284,10 @@ def test_the_notes_give_the_sharded_grad_dtype_not_ddps_fp32_accumulation():
         notes = preflight_config(argv).notes
         assert not any(n.startswith(ddp) for n in notes), notes
         assert any(n.startswith(own) for n in notes), notes
+
+
+def test_megatron_fsdp_with_experts_stays_not_modelled():
+    with pytest.raises(FlagError) as exc:
+        preflight_config([*MEGATRON_FSDP, "--num-experts", "2"])
+    assert exc.value.messages[0].startswith("--use-megatron-fsdp: not modelled (Megatron-FSDP "
+                                            "with experts")

@@ -225,6 +225,10 @@ def _expert_weight_shards(value: object, values: Mapping[str, object]) -> bool:
     return value is not None and value != expert_tp
 
 
+def _with_experts(value: object, values: Mapping[str, object]) -> bool:
+    return bool(value) and bool(values.get("num_experts"))
+
+
 # dest -> (why preflight does not lay it out, when a given value is not modelled)
 NOT_MODELLED: dict[str, tuple[str, Callable[[object, Mapping[str, object]], bool]]] = {
     "moe_latent_size": ("MoE latent projections (their parameters)", _given),
@@ -247,6 +251,8 @@ NOT_MODELLED: dict[str, tuple[str, Callable[[object, Mapping[str, object]], bool
     "hierarchical_context_parallel_sizes": ("hierarchical context parallelism", _given),
     "hybrid_context_parallel": ("hybrid context parallelism", _given),
     "tensor_parallel_num_weight_shards": ("GTP weight sharding (it changes DP)", _weight_shards),
+    "use_megatron_fsdp": ("Megatron-FSDP with experts (their params sharded over expert DP "
+                          "by its own buffers)", _with_experts),
     "num_distributed_optimizer_instances": ("several distributed-optimizer instances",
                                             _above_one),
     "ddp_num_buckets": ("a bucket count in place of a bucket size", _given),
