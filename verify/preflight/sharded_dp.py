@@ -271,6 +271,11 @@ def resolve_sharded_dp(v: Mapping[str, object], params_dtype: str, name: Name, n
             refuse(f"{name('check_weight_hash_across_dp_replicas_interval')} is not supported with "
                    f"{flag} {name('data_parallel_sharding_strategy')} optim_grads_params "
                    "(validate_args)", 1139)
+        if v.get("gradient_accumulation_fusion", True):
+            # validate_args:1130-1137 warns; mcore_fsdp_adapter.py:147-151 asserts TE >= 2.10.
+            notes.append(f"{flag} with gradient accumulation fusion (on by default) needs "
+                         "Transformer Engine >= 2.10 (mcore_fsdp_adapter.py), which preflight "
+                         "does not see")
         notes.append(ENVIRONMENT_NOTE.format(impl="Megatron-FSDP", line=1143))
         if ckpt != "fsdp_dtensor":
             refuse(f"{flag} requires {name('ckpt_format')} fsdp_dtensor, got {ckpt} "
