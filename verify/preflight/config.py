@@ -305,7 +305,8 @@ class PreflightConfig:
     @property
     def grad_reduce_op(self) -> str:
         """The grad collective's op by name, "AVG" or "SUM" (``averaging.reduce_op``;
-        megatron/core/distributed/param_and_grad_buffer.py start_grad_sync:664-666)."""
+        megatron/core/distributed/param_and_grad_buffer.py start_grad_sync:664-666); under
+        Megatron-FSDP also "PREMUL_SUM" (:meth:`ShardedDPConfig.averaging`)."""
         if self.sharded_dp is not None:
             return self._sharded_averaging[1]
         return self.averaging.reduce_op.name

@@ -208,7 +208,6 @@ def _dtype(value: object, default: str) -> str | None:
 
 
 def resolve_sharded_dp(v: Mapping[str, object], params_dtype: str, name: Name, notes: list[str],
-                       environ: Mapping[str, str] | None = None,
                        ) -> tuple[ShardedDPConfig | None, list[Refusal], dict[str, object]]:
     """Megatron-LM's validate_args on the fully-sharded DP flags of ``v`` (the launch's values by
     Megatron attribute, Megatron's defaults where absent): (the settings, None without either
