@@ -19,6 +19,9 @@
   uneven), world sizes and settings, mostly valid, a few refused (:func:`hybrid_variants`);
 - ``sgd``: Megatron-LM's GPT-3 175B and Llama-3 8B launches with ``--optimizer sgd``
   (:data:`SGD_EDITS`), valid and not;
+- ``fsdp``: the ``megatron_fsdp`` example's launch at 8, 16 and 32 GPUs with each sharding
+  strategy and edits of its averaging, its grad dtype and its companions, and the same launch
+  moved to torch FSDP2 (:data:`FSDP_EDITS`, :func:`fsdp_variants`);
 - ``docs``: every ``$ verify preflight`` line of README.md and docs/*.md
   (``tests/verify/doc_launches.py``), preflight's own options taken out.
 
@@ -595,6 +598,59 @@ def sgd_variants(examples: list[dict]) -> list[dict]:
     return out
 
 
+# ------------------------------------------------------------------------------- fsdp
+
+
+# Edits of Megatron-LM's Megatron-FSDP launch (examples/megatron_fsdp), as (flags dropped,
+# flags added): each strategy, without its per-token loss, with averaging in the collective,
+# fp32 grads, without --use-distributed-optimizer (validate_args turns it on), and three it
+# refuses (the checkpoint format, no_shard with meta-device init, the weight-hash check).
+_PER_TOKEN, _META = ("--calculate-per-token-loss",), ("--init-model-with-meta-device",)
+FSDP_EDITS = (
+    ((), []), (_META, ["--data-parallel-sharding-strategy", "no_shard"]),
+    ((), ["--data-parallel-sharding-strategy", "optim"]),
+    ((), ["--data-parallel-sharding-strategy", "optim_grads"]),
+    (_PER_TOKEN, []), (_PER_TOKEN, ["--megatron-fsdp-main-grads-dtype", "fp32"]),
+    (_PER_TOKEN, ["--ddp-average-in-collective"]), ((), ["--ddp-average-in-collective"]),
+    (("--use-distributed-optimizer",), []),
+    ((), ["--ckpt-format", "torch_dist"]),
+    ((), ["--data-parallel-sharding-strategy", "no_shard"]),
+    ((), ["--check-weight-hash-across-dp-replicas-interval", "10"]),
+)
+# Flags of the Megatron-FSDP launch that torch FSDP2 refuses or does not read.
+_MEGATRON_FSDP_ONLY = ("--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+                       "--ckpt-format", "--use-nccl-ub", "--fsdp-double-buffer",
+                       "--fsdp-manual-registration", "--use-distributed-optimizer",
+                       "--overlap-param-gather")
+# Edits of the same launch moved to torch FSDP2; the last three it refuses.
+FSDP2_EDITS = (
+    ((), []), (_PER_TOKEN, []), (_PER_TOKEN, ["--ddp-average-in-collective"]),
+    ((), ["--torch-fsdp2-no-reshard-after-forward"]), ((), ["--ckpt-format", "torch_dcp"]),
+    ((), ["--tensor-model-parallel-size", "2"]),
+    (("--no-gradient-accumulation-fusion",), []), ((), ["--use-distributed-optimizer"]),
+    ((), ["--ckpt-format", "torch_dcp", "--tensor-model-parallel-size", "2"]),
+)
+
+
+def fsdp_variants(examples: list[dict]) -> list[dict]:
+    """The Megatron-FSDP example's launch at 8, 16 and 32 GPUs with each of FSDP_EDITS, and
+    moved to torch FSDP2 with each of FSDP2_EDITS (the example's environment: no
+    CUDA_DEVICE_MAX_CONNECTIONS)."""
+    base = next((x for x in examples if "fsdp" in x["id"]), None)
+    if base is None:
+        return []
+    fsdp2 = _without(base["argv"], *_MEGATRON_FSDP_ONLY) + ["--use-torch-fsdp2"]
+    out = []
+    for world in (8, 16, 32):
+        for kind, argv, edits in (("megatron", base["argv"], FSDP_EDITS),
+                                  ("torch", fsdp2, FSDP2_EDITS)):
+            out += [{"id": f"fsdp-{kind}-{world}-{number:02d}", "source": "fsdp",
+                     "world_size": world, "argv": _without(argv, *drop) + add,
+                     "env": base.get("env", {})}
+                    for number, (drop, add) in enumerate(edits)]
+    return out
+
+
 # ------------------------------------------------------------------------------- docs
 
 
@@ -629,12 +685,12 @@ def main() -> None:
     examples_found = example_launches(examples)
     launches = (random_launches(count, seed) + examples_found + mixtral_variants(examples_found)
                 + hybrid_variants(examples_found) + sgd_variants(examples_found)
-                + doc_launches())
+                + fsdp_variants(examples_found) + doc_launches())
     with target.open("w", encoding="utf-8") as out:
         for launch in launches:
             out.write(json.dumps(launch) + "\n")
     counts = {s: sum(1 for x in launches if x["source"] == s)
-              for s in ("random", "example", "moe", "hybrid", "sgd", "docs")}
+              for s in ("random", "example", "moe", "hybrid", "sgd", "fsdp", "docs")}
     print(f"wrote {len(launches)} launches to {target}: {counts}")
 
 

@@ -46,6 +46,12 @@ GPU), and each chunk's dense buffer is laid out by Megatron-Core's own
 ``DistributedOptimizer.compute_full_param_layout`` on meta tensors whose shapes are restated
 from hybrid_model.py, hybrid_layer_specs.py, mamba_mixer.py and the attention/MLP modules
 (``hybrid_layout``).
+With ``--use-megatron-fsdp`` or ``--use-torch-fsdp2`` (``get_model`` wraps the chunks in
+Megatron-FSDP or torch FSDP2, training.py:1837-1844): no bucket size for torch FSDP2
+(:1848), and the averaging as the wrapper forms it: Megatron-FSDP's scaling factor
+(megatron_fsdp.py:370-384) through Megatron's own ``gradient_reduce_preprocessing``, torch
+FSDP2's through torch's own ``_get_gradient_divide_factors``; such a launch runs without
+``CUDA_DEVICE_MAX_CONNECTIONS`` (validate_args asserts it unset or > 1 under FSDP).
 
 The figures of an accepted launch: DP, CP, M, VPP, layers (and first layer index) per
 pipeline rank and virtual stage, each model chunk's DDP bucket size as
@@ -96,7 +102,12 @@ def megatron_verdict(argv: list[str], world_size: int, env: dict | None = None) 
     from megatron.training import argument_utils, arguments, training
 
     os.environ["WORLD_SIZE"], os.environ["RANK"] = str(world_size), "0"
-    for name, value in {"CUDA_DEVICE_MAX_CONNECTIONS": "1", **(env or {})}.items():
+    # validate_args asserts CUDA_DEVICE_MAX_CONNECTIONS=1 for TP or CP > 1 under DDP and
+    # "unset or > 1" under either FSDP (arguments.py:1014, :1143): the launch sets it as its
+    # data-parallel mode needs (the FSDP example unsets it), unless its script says otherwise.
+    sharded = "--use-megatron-fsdp" in argv or "--use-torch-fsdp2" in argv
+    connections = "unset" if sharded else "1"
+    for name, value in {"CUDA_DEVICE_MAX_CONNECTIONS": connections, **(env or {})}.items():
         if value == "unset":
             os.environ.pop(name, None)
         else:
@@ -147,7 +158,8 @@ def megatron_verdict(argv: list[str], world_size: int, env: dict | None = None) 
             ddp_config = training.get_megatron_ddp_config(args)
             training.get_pg_size = lambda group=None: group.size()
             dp_cp = args.data_parallel_size * args.context_parallel_size
-            bucket = training.resolve_ddp_bucket_size(
+            # get_model:1848: no bucket size for torch FSDP2 (its own config has none).
+            bucket = None if args.use_torch_fsdp2 else training.resolve_ddp_bucket_size(
                 ddp_config, _Group(dp_cp), ddp_config.overlap_grad_reduce, num_parameters=0)
             # megatron/training/training.py get_model: per-chunk bucket sizes.
             buckets = [[None if (chunk > 0 or args.overlap_param_gather_with_optimizer_step
@@ -159,7 +171,12 @@ def megatron_verdict(argv: list[str], world_size: int, env: dict | None = None) 
             hybrid_layout = (hybrid_side.layouts(config, args, ddp_config, kinds, buckets, dp_cp)
                              if hybrid else None)
             stage = "DDP wrap"
-            scaling = _ddp_scaling(config, ddp_config, dp_cp)
+            if args.use_torch_fsdp2:  # get_model:1837-1844: which wrapper
+                scaling = _torch_fsdp2_scaling(config, dp_cp)
+            elif args.use_megatron_fsdp:
+                scaling = _megatron_fsdp_scaling(config, ddp_config, dp_cp)
+            else:
+                scaling = _ddp_scaling(config, ddp_config, dp_cp)
             expert_scaling = (_expert_scaling(config, ddp_config, dp_cp, expert_dp)
                               if expert_layout else None)
             stage = "optimizer"
@@ -247,6 +264,48 @@ def _ddp_scaling(config, ddp_config, dp_cp: int) -> list:
         factor = 1.0 / dp_cp
     op = "AVG" if ddp_config.average_in_collective else "SUM"
     return [factor, op, bool(config.calculate_per_token_loss)]
+
+
+def _megatron_fsdp_scaling(config, ddp_config, dp_cp: int) -> list:
+    """[factor, op, per-token loss] of Megatron-FSDP: megatron_fsdp.py:370-384
+    _init_fsdp_param_and_grad_buffer's gradient_scaling_factor (restated: it needs process
+    groups), then Megatron's own ``gradient_reduce_preprocessing`` (param_and_grad_buffer.py)
+    on a one-element grad of the dtype the grads cross the wire in (mcore_fsdp_adapter.py's
+    MixedPrecisionPolicy: main grads default to the params' dtype, the wire to the main grads')."""
+    import torch
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import (
+        gradient_reduce_preprocessing,
+    )
+
+    if config.calculate_per_token_loss:
+        factor = None
+    elif ddp_config.average_in_collective:
+        factor = 1.0
+    else:
+        factor = 1.0 / dp_cp
+    grads = ddp_config.megatron_fsdp_main_grads_dtype or config.params_dtype
+    wire = ddp_config.megatron_fsdp_grad_comm_dtype or grads
+    op = gradient_reduce_preprocessing(torch.ones(1, dtype=wire), factor, ddp_config)
+    names = {torch.distributed.ReduceOp.SUM: "SUM", torch.distributed.ReduceOp.AVG: "AVG"}
+    return [1.0 if factor is None else factor, names.get(op, "PREMUL_SUM"),
+            bool(config.calculate_per_token_loss)]
+
+
+def _torch_fsdp2_scaling(config, dp_cp: int) -> list:
+    """[factor, op, per-token loss] of torch FSDP2 as TorchFullyShardedDataParallel calls
+    fully_shard (no MixedPrecisionPolicy: grads reduced in the params' dtype, over the DP x CP
+    group): torch's own ``_get_gradient_divide_factors`` on a group of that size."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
+
+    pre, _, op, _ = _get_gradient_divide_factors(_Group(dp_cp), None, config.params_dtype)
+    name = "AVG" if op == torch_reduce_op("AVG") else "SUM" if op == torch_reduce_op("SUM") else str(op)
+    return [1.0 if pre is None else 1.0 / pre, name, bool(config.calculate_per_token_loss)]
+
+
+def torch_reduce_op(name: str):
+    import torch
+
+    return getattr(torch.distributed.ReduceOp, name)
 
 
 def _expert_grid(args) -> int:

@@ -55,6 +55,7 @@ from verify.preflight.paper import (
     memory_rows,
     optimizer_state_rows,
     reduction_error,
+    sharded_rows,
     wire_rows,
 )
 from verify.preflight.render import print_terminal, write_outputs
@@ -176,7 +177,7 @@ def build_report(config: PreflightConfig, parsed: ParsedFlags, costs: CostInputs
                     f"{config.shape} ({config.data_parallel_source}), "
                     f"{config.num_microbatches} microbatches; {pp * vpp} gradient "
                     f"buffer{'s' if pp * vpp != 1 else ''} laid out on paper"
-                    + _expert_verdict(config)),
+                    + _expert_verdict(config) + _sharded_verdict(config)),
         "config": config.to_dict(),
         "unknown_flags": list(parsed.unknown),
         "ignored_positionals": list(parsed.positional),
@@ -187,6 +188,7 @@ def build_report(config: PreflightConfig, parsed: ParsedFlags, costs: CostInputs
         "reduction_error": reduction_error(config),
         **expert_figures(config),
         "optimizer_state": optimizer_state_rows(config, chunks, experts),
+        "sharded_dp": sharded_rows(config, chunks),
         "pipeline": pipeline_timing(config, chunks, wire, costs, experts),
         "twin": {"run": False, "note": TWIN_NOTE},
         "hazards": [],
@@ -204,6 +206,14 @@ def _expert_verdict(config: PreflightConfig) -> str:
              "the experts' params in the dense buffers (EP 1, ETP = TP)")
     return (f" ({moe.num_experts} experts, EP {moe.expert_model_parallel_size}, ETP "
             f"{moe.expert_tensor_parallel_size}: {where})")
+
+
+def _sharded_verdict(config: PreflightConfig) -> str:
+    """The verdict's words on fully-sharded DP: its per-rank figures are on paper only."""
+    if config.sharded_dp is None:
+        return ""
+    return (f"; {config.sharded_dp.label} in place of DDP: its sharding and collectives on "
+            "paper (unpadded), its own buffers not laid out")
 
 
 def expert_figures(config: PreflightConfig) -> dict:

@@ -43,6 +43,7 @@ from verify.preflight.pipeline_split import (
     interleaved_microbatch_check,
     split_layers,
 )
+from verify.preflight.sharded_dp import MEGATRON_FSDP, TORCH_FSDP2, ShardedDPConfig
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # megatron/training/arguments.py defaults of the optimizer flags.
@@ -145,6 +146,8 @@ class PreflightConfig:
     hybrid: HybridConfig | None = None
     # --optimizer (adam or sgd) and what SGD's build reads (verify/preflight/optimizer.py).
     optimizer: OptimizerChoice = OptimizerChoice()
+    # Megatron-FSDP or torch FSDP2 in place of DDP (verify/preflight/sharded_dp.py); None: DDP.
+    sharded_dp: ShardedDPConfig | None = None
     megatron: str = MEGATRON_LM  # whose rules resolved and checked this configuration
     spelling: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
     notes: tuple[str, ...] = ()
@@ -173,6 +176,9 @@ class PreflightConfig:
         if not isinstance(self.optimizer, OptimizerChoice):
             raise TypeError(f"PreflightConfig.optimizer must be an OptimizerChoice, got "
                             f"{type(self.optimizer).__name__}")
+        if self.sharded_dp is not None and not isinstance(self.sharded_dp, ShardedDPConfig):
+            raise TypeError(f"PreflightConfig.sharded_dp must be a ShardedDPConfig or None, got "
+                            f"{type(self.sharded_dp).__name__}")
         found, not_checked = check_config(self)
         if self.refused or found:
             raise ConfigError([*self.refused, *found], not_checked=not_checked)
@@ -285,8 +291,9 @@ class PreflightConfig:
     @property
     def first_stage_bucket_size(self) -> int | None:
         """Bucket size of pipeline rank 0's first chunk; None (one bucket) without overlap."""
-        # megatron/training/training.py resolve_ddp_bucket_size: None if not overlap_grad_reduce.
-        if not self.overlap_grad_reduce:
+        # megatron/training/training.py resolve_ddp_bucket_size: None if not overlap_grad_reduce;
+        # not resolved at all for torch FSDP2 (get_model:1848).
+        if not self.overlap_grad_reduce or self.torch_fsdp2:
             return None
         return self.ddp_bucket_size if self.ddp_bucket_size is not None else self.default_bucket_size
 
@@ -296,6 +303,10 @@ class PreflightConfig:
         SUM under --calculate-per-token-loss (finalize_model_grads divides by the token count
         after the reduction), AVG under --ddp-average-in-collective, else PRESCALE
         (megatron/core/distributed/distributed_data_parallel.py:179-203)."""
+        if self.sharded_dp is not None:  # the op of ShardedDPConfig.averaging, as an Averaging
+            summed = self.calculate_per_token_loss and self.sharded_dp.implementation == MEGATRON_FSDP
+            return Averaging.from_megatron(average=not summed,
+                                           average_in_collective=self.grad_reduce_op == "AVG")
         if self.calculate_per_token_loss and self.ddp_average_in_collective:
             # refused at the DDP wrap (_ddp_wrap); reported as the collective would run
             return Averaging.AVG
@@ -305,19 +316,27 @@ class PreflightConfig:
     @property
     def gradient_scaling_factor(self) -> float:
         """What Megatron-Core's DDP multiplies each bucket's grads by before the collective:
-        1/(DP x CP) for PRESCALE, else 1.0 (``averaging``'s pre-scale; None is 1.0)."""
+        1/(DP x CP) for PRESCALE, else 1.0 (``averaging``'s pre-scale; None is 1.0); under
+        fully-sharded DP, :meth:`ShardedDPConfig.averaging`'s."""
+        if self.sharded_dp is not None:
+            return self._sharded_averaging[0]
         pre_scale = self.averaging.factors(self.data_context_parallel_size).pre_scale
         return 1.0 if pre_scale is None else pre_scale
 
     @property
     def grad_reduce_op(self) -> str:
         """The grad collective's op by name, "AVG" or "SUM" (``averaging.reduce_op``;
-        megatron/core/distributed/param_and_grad_buffer.py start_grad_sync:664-666)."""
+        megatron/core/distributed/param_and_grad_buffer.py start_grad_sync:664-666); under
+        Megatron-FSDP also "PREMUL_SUM" (:meth:`ShardedDPConfig.averaging`)."""
+        if self.sharded_dp is not None:
+            return self._sharded_averaging[1]
         return self.averaging.reduce_op.name
 
     @property
     def grad_averaging(self) -> str:
         """How the DP x CP average of the grads is formed, in words."""
+        if self.sharded_dp is not None:
+            return self._sharded_averaging[2]
         n, wire = self.data_context_parallel_size, self.grad_dtype
         if self.averaging is Averaging.SUM:
             return (f"per-token loss: grads summed unscaled over DP x CP = {n}, then x 1/T in "
@@ -327,6 +346,17 @@ class PreflightConfig:
             return (f"ReduceOp.AVG over DP x CP = {n} (no pre-scale; NCCL multiplies each "
                     f"grad by 1/{n} rounded to {wire}, then sums)")
         return f"x 1/{n} in {wire} before the collective, then ReduceOp.SUM over DP x CP = {n}"
+
+    @property
+    def torch_fsdp2(self) -> bool:
+        """Whether torch FSDP2 wraps the chunks (no bucketed buffer of Megatron's)."""
+        return self.sharded_dp is not None and self.sharded_dp.implementation == TORCH_FSDP2
+
+    @property
+    def _sharded_averaging(self) -> tuple[float, str, str]:
+        return self.sharded_dp.averaging(self.data_context_parallel_size,
+                                         self.calculate_per_token_loss,
+                                         self.ddp_average_in_collective)
 
     @property
     def expert_data_parallel_size(self) -> int | None:
@@ -382,7 +412,7 @@ class PreflightConfig:
         out = {k: getattr(self, k) for k in sizes}
         out |= {k: getattr(self, k) for k in self.__dataclass_fields__
                 if k not in ("spelling", "dims", "refused", "undefined", "moe", "hybrid",
-                             "optimizer")}
+                             "optimizer", "sharded_dp")}
         out["optimizer"] = self.optimizer.to_dict()
         out["notes"] = list(self.notes)
         out["num_microbatches"] = self.num_microbatches
@@ -391,6 +421,7 @@ class PreflightConfig:
         out["grad_reduce_op"] = self.grad_reduce_op
         out["grad_averaging"] = self.grad_averaging
         out["layers_per_stage_and_chunk"] = [list(row) for row in self.layer_split.layers]
+        out["sharded_dp"] = None if self.sharded_dp is None else self.sharded_dp.to_dict()
         if self.moe is not None:
             out["moe"] = self.moe.to_dict() | {
                 "moe_layers": [i for i, m in enumerate(self.moe.moe_layers(self.num_layers)) if m],
@@ -694,7 +725,8 @@ def _ddp_wrap(c: PreflightConfig) -> Iterator[Refusal]:
     """megatron/core/distributed/distributed_data_parallel.py:180-182 DistributedDataParallel
     .__init__ (get_model wraps each chunk): 'Cannot average in collective when calculating
     per-token loss!'."""
-    if c.calculate_per_token_loss and c.ddp_average_in_collective:
+    # Megatron-FSDP and torch FSDP2 have no such assert (sharded_dp.py ShardedDPConfig.averaging).
+    if c.sharded_dp is None and c.calculate_per_token_loss and c.ddp_average_in_collective:
         yield Refusal(f"{c._name('calculate_per_token_loss')} cannot be combined with "
                       f"{c._name('ddp_average_in_collective')}: per-token loss sums the grads and "
                       "divides by the token count after the reduction, so the collective must "

@@ -29,7 +29,10 @@ def launch_settings(config: PreflightConfig) -> LaunchSettings:
         use_distributed_optimizer=config.use_distributed_optimizer,
         overlap_grad_reduce=config.overlap_grad_reduce,
         overlap_param_gather=config.overlap_param_gather,
-        ddp_reduce_scatter_with_fp32_accumulation=config.ddp_reduce_scatter_with_fp32_accumulation,
+        # Megatron-FSDP and torch FSDP2 never take DDP's fp32-accumulating reduce-scatter (only
+        # distributed_data_parallel.py and param_and_grad_buffer.py read the flag).
+        ddp_reduce_scatter_with_fp32_accumulation=(config.ddp_reduce_scatter_with_fp32_accumulation
+                                                   and config.sharded_dp is None),
         ddp_average_in_collective=config.ddp_average_in_collective,
         calculate_per_token_loss=config.calculate_per_token_loss,
         defer_embedding_wgrad_compute=config.defer_embedding_wgrad_compute,

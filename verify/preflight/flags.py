@@ -128,6 +128,15 @@ MEGATRON_ACTIONS = _load_actions()
 MEGATRON_FLAGS: Mapping[str, FlagAction] = {f: a for a in MEGATRON_ACTIONS for f in a.flags}
 _FLAG_OF_DEST = {a.dest: a.flags[0] for a in MEGATRON_ACTIONS}
 
+# The fully-sharded DP flags that change nothing without --use-megatron-fsdp or
+# --use-torch-fsdp2: listed as ignored then (verify/preflight/sharded_dp.py reads them).
+FSDP_ONLY = frozenset({
+    "data_parallel_sharding_strategy", "init_model_with_meta_device", "fsdp_double_buffer",
+    "megatron_fsdp_main_grads_dtype", "megatron_fsdp_grad_comm_dtype",
+    "megatron_fsdp_main_params_dtype", "torch_fsdp2_reshard_after_forward",
+    "check_weight_hash_across_dp_replicas_interval",
+})
+
 # The Megatron attributes (argparse dests) preflight reads; every other flag is ignored
 # (listed) or, in NOT_MODELLED, refused.
 MODELLED = frozenset({
@@ -166,6 +175,9 @@ MODELLED = frozenset({
     "mamba_num_groups", "mamba_num_heads",
     # the optimizer (verify/preflight/optimizer.py)
     "optimizer", "sgd_momentum", "lr", "min_lr", "weight_decay",
+    # fully-sharded data parallelism (verify/preflight/sharded_dp.py)
+    "use_megatron_fsdp", "use_torch_fsdp2", "ckpt_format", "nccl_ub", "fsdp_manual_registration",
+    *FSDP_ONLY,
 })
 
 # The --mamba-* sizes change nothing without a hybrid pattern: listed as ignored then.
@@ -246,6 +258,10 @@ def _expert_weight_shards(value: object, values: Mapping[str, object]) -> bool:
 _HYBRID_REASON = ("a hybrid pattern with GDN 'G', MLA '+', sparse attention 'D' or MoE 'E' "
                   "layers, MTP depths after '/', or --num-experts (M, * and - layers with | "
                   "stages are modelled)")
+def _with_experts(value: object, values: Mapping[str, object]) -> bool:
+    return bool(value) and bool(values.get("num_experts"))
+
+
 # dest -> (why preflight does not lay it out, when a given value is not modelled)
 NOT_MODELLED: dict[str, tuple[str, Callable[[object, Mapping[str, object]], bool]]] = {
     "moe_latent_size": ("MoE latent projections (their parameters)", _given),
@@ -268,8 +284,8 @@ NOT_MODELLED: dict[str, tuple[str, Callable[[object, Mapping[str, object]], bool
     "hierarchical_context_parallel_sizes": ("hierarchical context parallelism", _given),
     "hybrid_context_parallel": ("hybrid context parallelism", _given),
     "tensor_parallel_num_weight_shards": ("GTP weight sharding (it changes DP)", _weight_shards),
-    "use_torch_fsdp2": ("PyTorch FSDP2 in place of Megatron-Core's DDP", _given),
-    "use_megatron_fsdp": ("Megatron-FSDP in place of Megatron-Core's DDP", _given),
+    "use_megatron_fsdp": ("Megatron-FSDP with experts (their params sharded over expert DP "
+                          "by its own buffers)", _with_experts),
     "num_distributed_optimizer_instances": ("several distributed-optimizer instances",
                                             _above_one),
     "ddp_num_buckets": ("a bucket count in place of a bucket size", _given),
@@ -515,6 +531,8 @@ def parse_megatron_flags(tokens: list[str], own_options: frozenset[str] = frozen
         read -= HYBRID_ONLY
     if namespace.get("optimizer") != "sgd":
         read = read - SGD_ONLY
+    if not (namespace.get("use_megatron_fsdp") or namespace.get("use_torch_fsdp2")):
+        read -= FSDP_ONLY
     for name, text in texts:
         dest = MEGATRON_FLAGS[name].dest
         if dest not in read and text not in parsed.unknown:

@@ -65,6 +65,10 @@ class ChunkLayout:
 
 def bucket_size_for(config: PreflightConfig, stage: int, chunk: int) -> tuple[int | None, str]:
     """Production's bucket size for a chunk, and the rule that set it."""
+    if config.torch_fsdp2:
+        # megatron/training/training.py get_model:1848: no bucket size for torch FSDP2, which
+        # reduces per fully_shard module.
+        return None, "none (torch FSDP2: one reduce-scatter per fully_shard module)"
     if not config.overlap_grad_reduce:
         # megatron/training/training.py resolve_ddp_bucket_size: None without overlap.
         return None, "one (no --overlap-grad-reduce)"
@@ -263,6 +267,20 @@ def expert_wire_rows(config: PreflightConfig, chunks: list[ChunkLayout]) -> list
             "grad_sync_bytes": grad, "param_all_gather_bytes": gather,
         })
     return rows
+
+
+def sharded_rows(config: PreflightConfig, chunks: list[ChunkLayout]) -> list[dict]:
+    """Per (stage, chunk) under Megatron-FSDP or torch FSDP2: what one rank holds and sends per
+    step for the chunk's params (:meth:`ShardedDPConfig.memory` and ``.wire`` over DP x CP);
+    none under DDP. The chunk's elements are the model's, without Megatron-FSDP's padding."""
+    sharded = config.sharded_dp
+    if sharded is None:
+        return []
+    n = config.data_context_parallel_size
+    return [{"stage": c.stage, "chunk": c.chunk, "param_elements": c.param_elements,
+             **sharded.memory(c.param_elements, n, config.params_dtype),
+             **sharded.wire(c.param_elements, n, config.params_dtype, config.num_microbatches)}
+            for c in chunks]
 
 
 def _grad_collective(config: PreflightConfig) -> str:

@@ -122,6 +122,7 @@ def report_tables(report: dict) -> Tables:
                      _sci(err["typical_relative_error"]), _sci(err["worst_case_bound"]),
                      err["model"], err["basis"]]]))
     tables += expert_tables(report)
+    tables += sharded_tables(report)
     pipe = report["pipeline"]
     costs = pipe["costs_ms"]
     tables.append(("Pipeline step (verify simulate-pipeline's simulator; costs per microbatch "
@@ -177,6 +178,28 @@ def expert_tables(report: dict) -> Tables:
                      str(err["dp"]), _sci(err["typical_relative_error"]),
                      _sci(err["worst_case_bound"]), err["model"]]]))
     return tables
+
+
+def sharded_tables(report: dict) -> Tables:
+    """Megatron-FSDP or torch FSDP2 in place of DDP: what one rank holds and sends per step
+    (none under DDP)."""
+    sharded = report["config"].get("sharded_dp")
+    if not sharded:
+        return []
+    shards = ", ".join(k.replace("_", " ") for k, v in sharded["shards"].items() if v) or "nothing"
+    return [(f"{sharded['label']} in place of DDP (shards {shards} over DP x CP; on paper, "
+             "unpadded; the twin reduces through a DDP buffer)",
+             ["stage", "chunk", "elements", "params", "grads", "master params", "Adam state",
+              "grad sync", "param all-gathers"],
+             collapse_stages([[str(r["stage"]), str(r["chunk"]), f"{r['param_elements']:,}",
+                               format_bytes(r["param_bytes"]), format_bytes(r["grad_bytes"]),
+                               format_bytes(r["main_param_bytes"]),
+                               format_bytes(r["optimizer_state_bytes"]),
+                               f"{format_bytes(r['grad_sync_bytes'])} ({r['grad_collective']} "
+                               f"x {r['grad_reductions_per_step']})",
+                               f"{format_bytes(r['param_all_gather_bytes'])} "
+                               f"(x {r['param_all_gathers_per_step']})"]
+                              for r in report.get("sharded_dp", [])]))]
 
 
 def twin_sections(report: dict) -> list[dict]:

@@ -33,6 +33,7 @@ from verify.preflight.optimizer import (
     OptimizerChoice,
 )
 from verify.preflight.pipeline_split import SplitError, virtual_pipeline_size
+from verify.preflight.sharded_dp import resolve_sharded_dp
 
 # validate_args: 'no longer valid' flags, what replaced them, and the line that refuses them.
 _REMOVED = {"batch_size": ("--micro-batch-size", 574),
@@ -204,8 +205,10 @@ def _precision(v: dict, notes: list[str], found: _Found) -> tuple[str, str]:
             accumulate_fp32 = False
         elif not accumulate_fp32:
             accumulate_fp32 = True
-            notes.append("--bf16: Megatron accumulates and reduces grads in fp32 "
-                         "(--grad-reduce-in-bf16 not given)")
+            # (Megatron-FSDP and torch FSDP2 have their own grad dtype: sharded_dp.py says it.)
+            if not (v.get("use_megatron_fsdp") or v.get("use_torch_fsdp2")):
+                notes.append("--bf16: Megatron accumulates and reduces grads in fp32 "
+                             "(--grad-reduce-in-bf16 not given)")
     return params, "fp32" if accumulate_fp32 or params == "fp32" else params
 
 
@@ -379,6 +382,13 @@ def resolve(parsed: ParsedFlags, environ: Mapping[str, str],
     else:
         vpp = reading.virtual_pipeline_size or _PLACEHOLDER
     params_dtype, grad_dtype = _precision(v, notes, found)
+    # Megatron-FSDP / torch FSDP2 (verify/preflight/sharded_dp.py): validate_args' rules, and
+    # the values it changes (the distributed optimizer on, FP8 param gather off, ...).
+    sharded_dp, sharded_refusals, changed = resolve_sharded_dp(v, params_dtype, n, notes)
+    found.refusals.extend(sharded_refusals)
+    v.update(changed)
+    if sharded_dp is not None:  # their own grad dtype, not DDP's fp32 accumulation
+        grad_dtype = sharded_dp.main_grads_dtype
     fp8_format, fp8_recipe = _fp8(v, notes)
     if v.get("reuse_grad_buf_for_mxfp8_param_ag") and fp8_recipe != "mxfp8":
         # distributed_data_parallel_config.py: "Should be set to True only when fp8_recipe is
@@ -472,6 +482,7 @@ def resolve(parsed: ParsedFlags, environ: Mapping[str, str],
                                   min_lr=v.get("min_lr", DEFAULT_MIN_LR),
                                   weight_decay=v.get("weight_decay", DEFAULT_WEIGHT_DECAY),
                                   sgd_momentum=v.get("sgd_momentum", DEFAULT_SGD_MOMENTUM)),
+        sharded_dp=sharded_dp,
         clip_grad=v.get("clip_grad", DEFAULT_CLIP_GRAD), loss_scale=v.get("loss_scale"),
         initial_loss_scale=v.get("initial_loss_scale", DEFAULT_INITIAL_LOSS_SCALE),
         min_loss_scale=v.get("min_loss_scale", DEFAULT_MIN_LOSS_SCALE),

@@ -14,6 +14,25 @@ HYBRID_NOT_TWINNED = ("Mamba mixers of the hybrid pattern (the selective scan, c
                       "only)")
 SGD_NOT_TWINNED = ("the SGD step (--optimizer sgd): the twin steps AdamW; its gradients and "
                    "their reduction are SGD's, the update and its momentum buffer are not checked")
+
+
+def sharded_not_twinned(config: PreflightConfig) -> str | None:
+    """Why the twin does not check the launch's fully-sharded data-parallel path (None under
+    Megatron-Core's DDP): the twin's ranks reduce through a DDP-style bucketed buffer."""
+    sharded = config.sharded_dp
+    if sharded is None:
+        return None
+    if config.torch_fsdp2:
+        return ("torch FSDP2 (--use-torch-fsdp2): the twin reduces its grads through a bucketed "
+                "DDP buffer, not torch's fully_shard reduce-scatter and all-gathers; the "
+                "torch-fsdp2 candidate cannot train a twin (no pipeline training wired), and "
+                "`verify run --candidate torch-fsdp2` checks fully_shard's gradients on its own "
+                "cases, not this launch's")
+    return (f"{sharded.label} (--use-megatron-fsdp): the twin reduces its grads through "
+            "Megatron-Core's DDP buffer; Megatron-FSDP's sharded buffers, per-microbatch "
+            "reduce-scatter and param all-gathers are laid out on paper only")
+
+
 # TP sums of two fp32 values are one rounding in any order: bitwise. Larger TP is scaled to 2.
 MAX_TWIN_TP = 2
 
@@ -188,5 +207,8 @@ def left_out(config: PreflightConfig, m: int) -> list[str]:
         out.append(HYBRID_NOT_TWINNED)
     if config.optimizer.name == "sgd":
         out.append(SGD_NOT_TWINNED)
+    sharded = sharded_not_twinned(config)
+    if sharded is not None:
+        out.append(sharded)
     out.append("transformer blocks (attention, MLP, norms, embeddings) are Linear+tanh layers")
     return out

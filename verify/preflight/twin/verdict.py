@@ -248,6 +248,9 @@ def write_sections(config: PreflightConfig, report: dict, sections: list[dict]) 
         unchecked += "; the Mamba mixers not checked: on paper only"
     if config.optimizer.name == "sgd":  # the twin steps AdamW
         unchecked += "; the SGD step not checked: the twin steps AdamW"
+    if config.sharded_dp is not None:  # the twin's DDP path is not the launch's
+        unchecked += (f"; the data-parallel path ({config.sharded_dp.label}) not checked: the "
+                      "twin reduces through a DDP buffer")
     failed = [s for s in ran if not s["passed"]]
     not_run = "".join(f"; {s['candidate']}: twin {'did not finish' if 'error' in s else 'not run'}"
                       f" ({s.get('error') or s.get('skipped')})" for s in sections if not s["run"])
