@@ -30,6 +30,9 @@ from verify.preflight.moe import (
     model_build_refusals,
     transformer_config_refusals,
 )
+from verify.preflight.mtp import MTPConfig, qk_norm_params
+from verify.preflight.mtp import model_build_refusals as mtp_build_refusals
+from verify.preflight.mtp import validate_args_refusals as mtp_validate_args_refusals
 from verify.preflight.pipeline_split import (
     PipelineSplit,
     SplitError,
@@ -134,6 +137,11 @@ class PreflightConfig:
     ddp_average_in_collective: bool = False
     # Mixture of experts (--num-experts): None for a dense model.
     moe: MoEConfig | None = None
+    # --qk-layernorm / --qk-l2-norm, and multi-token prediction (--mtp-num-layers; None without):
+    # verify/preflight/mtp.py.
+    qk_layernorm: bool = False
+    qk_l2_norm: bool = False
+    mtp: MTPConfig | None = None
     megatron: str = MEGATRON_LM  # whose rules resolved and checked this configuration
     spelling: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
     notes: tuple[str, ...] = ()
@@ -156,6 +164,9 @@ class PreflightConfig:
         if self.moe is not None and not isinstance(self.moe, MoEConfig):
             raise TypeError(f"PreflightConfig.moe must be a MoEConfig or None, got "
                             f"{type(self.moe).__name__}")
+        if self.mtp is not None and not isinstance(self.mtp, MTPConfig):
+            raise TypeError(f"PreflightConfig.mtp must be an MTPConfig or None, got "
+                            f"{type(self.mtp).__name__}")
         found, not_checked = check_config(self)
         if self.refused or found:
             raise ConfigError([*self.refused, *found], not_checked=not_checked)
@@ -308,6 +319,17 @@ class PreflightConfig:
         return f"x 1/{n} in {wire} before the collective, then ReduceOp.SUM over DP x CP = {n}"
 
     @property
+    def qk_norm_params(self) -> bool:
+        """Whether every attention layer has q/k layernorm parameters (verify/preflight/mtp.py)."""
+        return qk_norm_params(self.qk_layernorm, self.qk_l2_norm)
+
+    @property
+    def word_embedding_all_reduce(self) -> bool:
+        """Whether the first and last stage all-reduce the word embeddings' grads: PP > 1 with
+        tied embeddings or MTP (finalize_model_grads.py:132-147)."""
+        return self.pipeline_model_parallel_size > 1 and (self.tied_embeddings or self.mtp is not None)
+
+    @property
     def expert_data_parallel_size(self) -> int | None:
         """The expert grid's DP: world / (ETP x EP x PP), world = TP x PP x CP x DP
         (megatron/core/parallel_state.py:874-880; the expert grid has no CP). None without
@@ -360,7 +382,7 @@ class PreflightConfig:
                  "context_parallel_size", "sequence_parallel")
         out = {k: getattr(self, k) for k in sizes}
         out |= {k: getattr(self, k) for k in self.__dataclass_fields__
-                if k not in ("spelling", "dims", "refused", "undefined", "moe")}
+                if k not in ("spelling", "dims", "refused", "undefined", "moe", "mtp")}
         out["notes"] = list(self.notes)
         out["num_microbatches"] = self.num_microbatches
         out["data_context_parallel_size"] = self.data_context_parallel_size
@@ -375,6 +397,9 @@ class PreflightConfig:
                 "expert_buffers": self.expert_buffers,
                 "expert_gradient_scaling_factor": self.expert_gradient_scaling_factor,
                 "expert_grad_averaging": self.expert_grad_averaging}
+        out["mtp"] = None if self.mtp is None else self.mtp.to_dict()
+        out["qk_norm_params"] = self.qk_norm_params
+        out["word_embedding_all_reduce"] = self.word_embedding_all_reduce
         return out
 
 
@@ -401,8 +426,8 @@ def check_config(c: PreflightConfig) -> tuple[list[Refusal], list[str]]:
     for rule, needs, what in RULES:
         if rule in _INTERLEAVED and _VPP not in undefined and c.virtual_pipeline_model_parallel_size == 1:
             continue  # no interleaving: nothing to check, nothing left unchecked
-        if rule in _MOE and c.moe is None:
-            continue  # no experts: likewise
+        if (rule in _MOE and c.moe is None) or (rule is _mtp_build and c.mtp is None):
+            continue  # no experts, no MTP: likewise
         missing = [n for n in needs if n in undefined]
         if missing:
             names = ", ".join(_UNDEFINED_NAMES.get(m) or c._name(m) for m in missing)
@@ -691,6 +716,18 @@ def _experts_build(c: PreflightConfig) -> Iterator[Refusal]:
                                         c.swiglu, c.add_bias_linear, c._name)
 
 
+def _mtp_position(c: PreflightConfig) -> Iterator[Refusal]:
+    """validate_args:856: MTP with rope or no position embeddings (:mod:`verify.preflight.mtp`)."""
+    if c.mtp is not None:
+        yield from mtp_validate_args_refusals(c.mtp, c.position_embedding_type, c._name)
+
+
+def _mtp_build(c: PreflightConfig) -> Iterator[Refusal]:
+    """Building the MTP layers (:mod:`verify.preflight.mtp`)."""
+    if c.mtp is not None:
+        yield from mtp_build_refusals(c.mtp, c.hidden_size, c.tensor_model_parallel_size, c._name)
+
+
 def _optimizer(c: PreflightConfig) -> Iterator[Refusal]:
     """The grad scaler's asserts (megatron/core/optimizer/grad_scaler.py) and preflight's
     own: a finite --clip-grad >= 0, whole positive --loss-scale-window and --hysteresis."""
@@ -728,6 +765,7 @@ RULES: tuple[tuple[Rule, tuple[str, ...], str], ...] = (
     (_heads_over_tp, ("num_attention_heads", _TP), "the heads over TP"),
     (_groups_and_tp, ("num_query_groups", "num_attention_heads", _TP), "the query groups and TP"),
     (_fp8_param, (), "FP8 params"),
+    (_mtp_position, (), "multi-token prediction's position embeddings"),
     (_expert_grid, ("data_parallel_size", "expert_grid", _TP, _PP), "the expert grid"),
     (_experts_config, (), "the MoE settings"),
     (_deferral, (_PP,), "the embedding wgrad deferral"),
@@ -742,6 +780,7 @@ RULES: tuple[tuple[Rule, tuple[str, ...], str], ...] = (
     (_vocab_over_tp, ("padded_vocab_size", _TP), "the vocabulary over TP"),
     (_experts_build, ("num_layers", "moe_ffn_hidden_size", "moe_layer_freq", _TP),
      "the MoE layers"),
+    (_mtp_build, ("hidden_size", _TP), "the MTP projection over TP"),
     (_ddp_wrap, (), "the DDP wrap"),
     (_optimizer, (), "the optimizer"),
 )

@@ -161,7 +161,12 @@ MODELLED = frozenset({
     "moe_grouped_gemm", "moe_router_pre_softmax", "moe_router_score_function",
     "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_token_dispatcher_type",
     "transformer_impl",
+    # query/key layernorm and multi-token prediction (verify/preflight/mtp.py)
+    "qk_layernorm", "qk_l2_norm", "mtp_num_layers", "mtp_use_repeated_layer",
+    "mtp_loss_scaling_factor",
 })
+# Without MTP (--mtp-num-layers absent or 0) these change nothing: listed as ignored then.
+MTP_ONLY = frozenset({"mtp_use_repeated_layer", "mtp_loss_scaling_factor"})
 
 # The MoE flags that change nothing without experts (--num-experts absent or 0, which
 # validate_args:1593 makes None): listed as ignored then. --expert-model-parallel-size,
@@ -196,12 +201,19 @@ def _above_one(value: object, values: Mapping[str, object]) -> bool:
     return isinstance(value, int) and value > 1
 
 
-def _positive(value: object, values: Mapping[str, object]) -> bool:
-    return isinstance(value, int) and value > 0
-
-
 def _not(default: str) -> Callable[[object, Mapping[str, object]], bool]:
     return lambda value, values: value != default
+
+
+def _mtp_not_modelled(value: object, values: Mapping[str, object]) -> bool:
+    """A negative MTP depth, or MTP inside a hybrid (Mamba) layer pattern."""
+    hybrid = values.get("hybrid_layer_pattern") or values.get("hybrid_override_pattern")
+    return isinstance(value, int) and (value < 0 or (value > 0 and bool(hybrid)))
+
+
+def _with_mtp(value: object, values: Mapping[str, object]) -> bool:
+    mtp = values.get("mtp_num_layers")
+    return bool(value) and isinstance(mtp, int) and mtp > 0
 
 
 def _weight_shards(value: object, values: Mapping[str, object]) -> bool:
@@ -227,9 +239,11 @@ NOT_MODELLED: dict[str, tuple[str, Callable[[object, Mapping[str, object]], bool
     "hybrid_override_pattern": ("a hybrid (Mamba) layer pattern", _given),
     "heterogeneous_layers_config_path": ("heterogeneous layers", _given),
     "heterogeneous_layers_config_encoded_json": ("heterogeneous layers", _given),
-    "mtp_num_layers": ("multi-token prediction layers on the last stage", _positive),
+    "mtp_num_layers": ("multi-token prediction with a negative depth or inside a hybrid "
+                       "(Mamba) layer pattern", _mtp_not_modelled),
+    "mtp_detach_heads": ("MTP heads detached, their grads clipped as a group of their own",
+                         _with_mtp),
     "multi_latent_attention": ("multi-latent attention's parameter shapes", _given),
-    "qk_layernorm": ("the query/key layernorm parameters", _given),
     "attention_output_gate": ("the gated attention output's wider QKV weight", _given),
     "quick_geglu": ("a gated (GeGLU) MLP", _given),
     "hierarchical_context_parallel_sizes": ("hierarchical context parallelism", _given),
@@ -477,6 +491,7 @@ def parse_megatron_flags(tokens: list[str], own_options: frozenset[str] = frozen
         raise FlagError([*unread, *(message for _, message in not_modelled)],
                         not_checked=[RULES_NOT_CHECKED])
     read = MODELLED if namespace.get("num_experts") else MODELLED - MOE_ONLY
+    read = read if namespace.get("mtp_num_layers") else read - MTP_ONLY
     for name, text in texts:
         dest = MEGATRON_FLAGS[name].dest
         if dest not in read and text not in parsed.unknown:

@@ -25,6 +25,7 @@ from verify.preflight.config import (
 )
 from verify.preflight.flags import ParsedFlags, Refusal
 from verify.preflight.moe import LayerFreqError, MoEConfig, parse_layer_freq
+from verify.preflight.mtp import mtp_from_flags
 from verify.preflight.pipeline_split import SplitError, virtual_pipeline_size
 
 # validate_args: 'no longer valid' flags, what replaced them, and the line that refuses them.
@@ -449,6 +450,9 @@ def resolve(parsed: ParsedFlags, environ: Mapping[str, str],
         calculate_per_token_loss=bool(v.get("calculate_per_token_loss")),
         ddp_average_in_collective=bool(v.get("ddp_average_in_collective")),
         moe=moe, spelling=spelling, notes=tuple(notes),
+        qk_layernorm=bool(v.get("qk_layernorm")), qk_l2_norm=bool(v.get("qk_l2_norm")),
+        mtp=mtp_from_flags(v.get("mtp_num_layers"), v.get("mtp_use_repeated_layer"),
+                           v.get("mtp_loss_scaling_factor")),
         clip_grad=v.get("clip_grad", DEFAULT_CLIP_GRAD), loss_scale=v.get("loss_scale"),
         initial_loss_scale=v.get("initial_loss_scale", DEFAULT_INITIAL_LOSS_SCALE),
         min_loss_scale=v.get("min_loss_scale", DEFAULT_MIN_LOSS_SCALE),
