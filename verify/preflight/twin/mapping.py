@@ -154,5 +154,18 @@ def left_out(config: PreflightConfig, m: int) -> list[str]:
         # nothing of the expert path (routing, expert parallelism, the expert buffers and
         # their reduction over expert DP) runs in it.
         out.append(MOE_NOT_TWINNED)
+    if config.qk_norm_params:
+        out.append("--qk-layernorm: the q/k layernorm params of every attention layer and the "
+                   "TP all-reduce of their grads are laid out on paper only (the twin's blocks "
+                   "have no attention)")
+    if config.mtp is not None:
+        tie = ("its all-reduce stands for production's between the first stage's embedding and "
+               "the last stage's copy, but no MTP gradient reaches it" if config.tied_embeddings
+               else "the twin is untied and all-reduces no embedding, where production "
+               "all-reduces the word embeddings' grads between the first and last stage"
+               if config.pipeline_model_parallel_size > 1 else "")
+        out.append(f"--mtp-num-layers {config.mtp.mtp_num_layers}: the MTP layers, their loss and "
+                   "the last stage's word-embedding copy are laid out on paper only"
+                   + (f"; {tie}" if tie else ""))
     out.append("transformer blocks (attention, MLP, norms, embeddings) are Linear+tanh layers")
     return out
