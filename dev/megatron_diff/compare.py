@@ -14,7 +14,9 @@ where Megatron stops, or both accept with the same DP, CP, number of microbatche
 layers on every (pipeline stage, model chunk), bucket size of every chunk and gradient
 averaging (DDP's pre-scale factor, the collective's op, per-token loss), and with experts
 the expert DP size, each chunk's expert buffer (elements; with the distributed optimizer
-Megatron-Core's own padded size and bucket count) and the expert gradient scaling factor.
+Megatron-Core's own padded size and bucket count) and the expert gradient scaling factor;
+for every launch the MTP depths built on every (stage, chunk) and whether the word
+embeddings' grads are all-reduced between the first and last stage (tied or MTP).
 A launch that
 preflight refuses as "not modelled" (a flag it declines to lay out) is counted apart.
 """
@@ -32,7 +34,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 FIGURES = ("dp", "cp", "m", "vpp", "layers", "bucket_sizes", "grad_scaling", "expert_dp",
-           "expert_layout", "expert_scaling")
+           "expert_layout", "expert_scaling", "mtp_layers", "embedding_sync")
 # megatron_side's stages -> the stages of verify.preflight.flags.STAGES that name the same
 # part of Megatron-LM's launch path.
 STAGE_OF = {"argparse": {"parse_args"}, "validate_args": {"validate_args"},

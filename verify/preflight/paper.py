@@ -155,6 +155,12 @@ def memory_rows(config: PreflightConfig, chunks: list[ChunkLayout]) -> list[dict
             "numel_unpadded": c.layout.numel_unpadded, "padding_elements": padding,
             "padding_fraction": padding / numel, "bucket_rule": c.bucket_rule,
             "layers": len(layers_of_chunk(config, c.stage, c.chunk)),
+            # MTP depths on the chunk (multi_token_prediction.py get_mtp_num_layers_to_build):
+            # all on the last stage's last chunk.
+            "mtp_layers": (config.mtp.mtp_num_layers if config.mtp is not None
+                           and (c.stage, c.chunk) == (config.pipeline_model_parallel_size - 1,
+                                                      config.virtual_pipeline_model_parallel_size - 1)
+                           else 0),
             "bucket_size": c.bucket_size,
             "num_buckets": c.layout.num_buckets,
             "bucket_numels": [end - start for start, end in c.layout.bucket_indices],
