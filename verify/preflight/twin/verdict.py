@@ -244,6 +244,11 @@ def write_sections(config: PreflightConfig, report: dict, sections: list[dict]) 
     # A twin's match says nothing of the expert path, which it does not run.
     unchecked = ("; the expert path (router, experts, expert-DP reduction) not checked: on paper "
                  "only" if config.moe is not None else "")
+    if config.mtp is not None:  # nor of the MTP layers and the embedding all-reduce they add
+        unchecked += ("; the MTP layers and the word-embedding all-reduce they add not checked: "
+                      "on paper only")
+    if config.qk_norm_params:
+        unchecked += "; the q/k layernorms and their TP grad all-reduce not checked: on paper only"
     failed = [s for s in ran if not s["passed"]]
     not_run = "".join(f"; {s['candidate']}: twin {'did not finish' if 'error' in s else 'not run'}"
                       f" ({s.get('error') or s.get('skipped')})" for s in sections if not s["run"])
