@@ -198,7 +198,12 @@ def test_the_twin_lists_mtp_and_qk_layernorm_as_not_twinned():
     config = preflight_config([*MTP, "--qk-layernorm", "--untie-embeddings-and-output-weights"])
     plan = plan_twin(config, TwinOptions())
     text = "\n".join(plan.not_twinned)
-    assert "--qk-layernorm: the q/k layernorm params" in text
+    assert ("--qk-layernorm: the q/k layernorm params of every attention layer and the TP "
+            "all-reduce of their grads are laid out on paper only") in text
+    tp1 = preflight_config([*UNTIED, "--qk-layernorm", "--world-size", "2",
+                            "--tensor-model-parallel-size", "1"])
+    assert ("--qk-layernorm: the q/k layernorm params of every attention layer are laid out on "
+            "paper only") in plan_twin(tp1, TwinOptions()).not_twinned
     assert ("--mtp-num-layers 1: the MTP layers, their loss and the last stage's word-embedding "
             "copy are laid out on paper only; the twin is untied and all-reduces no embedding"
             ) in text

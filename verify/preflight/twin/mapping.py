@@ -155,9 +155,10 @@ def left_out(config: PreflightConfig, m: int) -> list[str]:
         # their reduction over expert DP) runs in it.
         out.append(MOE_NOT_TWINNED)
     if config.qk_norm_params:
-        out.append("--qk-layernorm: the q/k layernorm params of every attention layer and the "
-                   "TP all-reduce of their grads are laid out on paper only (the twin's blocks "
-                   "have no attention)")
+        reduce = (" and the TP all-reduce of their grads are" if config.tensor_model_parallel_size > 1
+                  else " are")
+        out.append(f"--qk-layernorm: the q/k layernorm params of every attention layer{reduce} "
+                   "laid out on paper only (the twin's blocks have no attention)")
     if config.mtp is not None:
         tie = ("its all-reduce stands for production's between the first stage's embedding and "
                "the last stage's copy, but no MTP gradient reaches it" if config.tied_embeddings

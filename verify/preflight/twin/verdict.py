@@ -248,7 +248,8 @@ def write_sections(config: PreflightConfig, report: dict, sections: list[dict]) 
         unchecked += ("; the MTP layers and the word-embedding all-reduce they add not checked: "
                       "on paper only")
     if config.qk_norm_params:
-        unchecked += "; the q/k layernorms and their TP grad all-reduce not checked: on paper only"
+        reduce = " and their TP grad all-reduce" if config.tensor_model_parallel_size > 1 else ""
+        unchecked += f"; the q/k layernorms{reduce} not checked: on paper only"
     failed = [s for s in ran if not s["passed"]]
     not_run = "".join(f"; {s['candidate']}: twin {'did not finish' if 'error' in s else 'not run'}"
                       f" ({s.get('error') or s.get('skipped')})" for s in sections if not s["run"])
