@@ -203,7 +203,7 @@ def test_the_twin_lists_mtp_and_qk_layernorm_as_not_twinned():
     tp1 = preflight_config([*UNTIED, "--qk-layernorm", "--world-size", "2",
                             "--tensor-model-parallel-size", "1"])
     assert ("--qk-layernorm: the q/k layernorm params of every attention layer are laid out on "
-            "paper only") in plan_twin(tp1, TwinOptions()).not_twinned
+            "paper only (the twin's blocks have no attention)") in plan_twin(tp1, TwinOptions()).not_twinned
     assert ("--mtp-num-layers 1: the MTP layers, their loss and the last stage's word-embedding "
             "copy are laid out on paper only; the twin is untied and all-reduces no embedding"
             ) in text
