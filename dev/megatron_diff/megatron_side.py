@@ -148,6 +148,7 @@ def megatron_verdict(argv: list[str], world_size: int, env: dict | None = None) 
                                  or pp_rank > 0) else bucket for chunk in range(chunks)]
                        for pp_rank in range(pp)]
             expert_layout = (_expert_layouts(config, args, ddp_config, layers, offsets, buckets,
+                                             mtp_layers,
                                              expert_dp)
                              if expert_dp is not None else None)
             stage = "DDP wrap"
@@ -284,7 +285,8 @@ def _moe_layer_pattern(config) -> list[int]:
     return moe_layer_pattern
 
 
-def _expert_layouts(config, args, ddp_config, layers, offsets, buckets, expert_dp) -> list:
+def _expert_layouts(config, args, ddp_config, layers, offsets, buckets, mtp_layers,
+                    expert_dp) -> list:
     """Each (pipeline rank, virtual stage)'s expert buffer as Megatron-Core lays it out:
     [param elements, buffer numel, buckets] (numel and buckets only with the distributed
     optimizer, whose layout ``DistributedOptimizer.compute_full_param_layout`` computes, run
@@ -332,6 +334,11 @@ def _expert_layouts(config, args, ddp_config, layers, offsets, buckets, expert_d
         row = []
         for chunk, (count, first) in enumerate(zip(counts, firsts)):
             params = [p for i in range(first, first + count) if pattern[i] for p in expert_params()]
+            # MTP layers are of the decoder's last layer's spec (megatron/training/models/gpt.py
+            # mtp_block_spec: decoder_specs[-1]); one layer under --mtp-use-repeated-layer.
+            if mtp_layers[pp_rank][chunk] and pattern[-1]:
+                built = 1 if config.mtp_use_repeated_layer else mtp_layers[pp_rank][chunk]
+                params += [p for _ in range(built) for p in expert_params()]
             if not params:
                 row.append(None)
                 continue

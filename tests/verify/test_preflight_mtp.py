@@ -21,7 +21,7 @@ from tests.verify.preflight_launch import preflight_config
 from verify.preflight.config import ConfigError
 from verify.preflight.flags import FlagError, parse_megatron_flags
 from verify.preflight.model import chunk_parameters
-from verify.preflight.paper import chunk_layouts, wire_rows
+from verify.preflight.paper import chunk_layouts, expert_chunk_layouts, wire_rows
 from verify.preflight.twin import TwinOptions, plan_twin
 
 # World 4 = TP 2 x PP 2 (DP 1); 4 layers, 2 per stage; h 64, 4 heads (kv channels 16), FFN
@@ -231,3 +231,24 @@ def test_with_mtp_the_final_layernorm_goes_with_the_last_decoder_layer():
     # Without MTP it stays with the post-process chunk.
     plain = preflight_config([*UNTIED, *argv[len(MTP):]])
     assert "decoder.final_layernorm.weight" in [p.name for p in chunk_parameters(plain, 1, 1)]
+
+
+def test_an_mtp_layer_is_of_the_decoders_last_layers_kind_moe_or_dense():
+    # megatron/training/models/gpt.py:401-416 mtp_block_spec: the decoder's last layer spec
+    # (decoder_specs[-1]). World 4 = PP 2 x DP 2 at TP 1; 2 experts over EP 2 (one local each,
+    # expert buffers: EP > 1, layers.py:961); expert FFN 32: fc1 [32, 64] + fc2 [64, 32] =
+    # 4096 elements per MoE layer (no biases).
+    moe = ["--world-size", "4", "--tensor-model-parallel-size", "1", "--num-experts", "2",
+           "--expert-model-parallel-size", "2", "--moe-ffn-hidden-size", "32",
+           "--disable-bias-linear"]
+    every = preflight_config([*MTP, *moe])
+    experts = expert_chunk_layouts(every)
+    # stage 0: layers 0, 1; stage 1: layers 2, 3 and the MTP layer, all MoE.
+    assert [c.param_elements for c in experts] == [2 * 4096, 3 * 4096]
+    assert any(p.name.startswith("mtp.layers.0.mtp_model_layer.mlp.experts.")
+               for p in experts[1].params)
+    last_dense = preflight_config([*MTP, *moe, "--moe-layer-freq", "[1,1,1,0]"])
+    experts = expert_chunk_layouts(last_dense)
+    assert [c.param_elements for c in experts] == [2 * 4096, 4096]
+    names = [p.name for p in chunk_parameters(last_dense, 1, 0)]
+    assert "mtp.layers.0.mtp_model_layer.mlp.linear_fc1.weight" in names
