@@ -455,7 +455,7 @@ MIXTRAL_EDITS = (
     ["--expert-model-parallel-size", "1", "--ddp-bucket-size", "1000000"],
     # Since MTP is modelled: its layer is of the last layer's kind (MoE, then dense).
     ["--mtp-num-layers", "1"], ["--mtp-num-layers", "2", "--moe-layer-freq", "([1]*31+[0])"],
-    ["--mtp-num-layers", "3", "--mtp-use-repeated-layer", "--untie-embeddings-and-output-weights"],
+    ["--mtp-num-layers", "3", "--mtp-use-repeated-layer"],
 )
 
 
