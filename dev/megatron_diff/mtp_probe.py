@@ -8,7 +8,12 @@ layer spec (``get_gpt_layer_local_spec(qk_layernorm=...)``), ``mtp_block_spec`` 
 from ``parallel_state``. Each chunk's ``named_parameters`` (name, shape, the
 ``shared_embedding`` flag) on TP rank 0 are held to ``verify.preflight.model.chunk_parameters``
 of the same launch, in order (decoder layer indices compared as preflight's global ones less
-the chunk's first). One stand-in: ``Tensor.cuda`` is the identity, for the first/last stage's
+the chunk's first), and each chunk's distributed-optimizer buffer as Megatron-LM lays it out
+(``training.py`` wrap_model_chunks_with_ddp: ``DistributedOptimizer.compute_full_param_layout``
+on the chunk's parameters, DP 4, bucket size 5,000 on pipeline rank 0's first chunk and one
+bucket elsewhere, as ``get_model`` sets them under ``--overlap-grad-reduce --ddp-bucket-size
+5000``: its padded size and bucket count, which the ``shared_embedding`` copy's own bucket
+moves) is held to preflight's ``chunk_layouts``. One stand-in: ``Tensor.cuda`` is the identity, for the first/last stage's
 embedding all-reduce at build (``language_module.py``: ``weight.data.cuda()``). Needs
 megatron-core 0.19.2 (the project's ``.venv-mcore019``) for the builds; preflight runs on the
 interpreter that starts it::
@@ -43,16 +48,18 @@ CASES = [
     (2, 2, None, True, None, False, True, "RMSNorm", 4),
 ]
 HIDDEN, HEADS, FFN, VOCAB, SEQ = 64, 4, 128, 128, 16
+DP, BUCKET = 4, 5000  # the layouts' data-parallel size and pipeline rank 0's bucket size
 
 
 def _launch(case: tuple) -> list[str]:
     tp, pp, vpp, tied, mtp, repeated, qk, norm, layers = case
-    argv = ["--world-size", str(tp * pp), "--tensor-model-parallel-size", str(tp),
+    argv = ["--world-size", str(tp * pp * DP), "--tensor-model-parallel-size", str(tp),
             "--pipeline-model-parallel-size", str(pp), "--num-layers", str(layers),
             "--hidden-size", str(HIDDEN), "--num-attention-heads", str(HEADS),
             "--ffn-hidden-size", str(FFN), "--seq-length", str(SEQ),
             "--max-position-embeddings", str(SEQ), "--micro-batch-size", "1",
-            "--global-batch-size", "4", "--padded-vocab-size", str(VOCAB),
+            "--global-batch-size", str(4 * DP), "--padded-vocab-size", str(VOCAB),
+            "--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", str(BUCKET),
             "--position-embedding-type", "rope", "--normalization", norm,
             "--transformer-impl", "local"]
     if vpp:
@@ -87,11 +94,13 @@ def _build(case: list, number: int, folder: str) -> None:
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         import torch.nn.functional as F
         from megatron.core import parallel_state
+        from megatron.core.distributed import DistributedDataParallelConfig
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_local_spec,
             get_gpt_mtp_block_spec,
         )
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
         from megatron.core.transformer.transformer_config import TransformerConfig
 
         parallel_state.destroy_model_parallel()
@@ -120,8 +129,17 @@ def _build(case: list, number: int, folder: str) -> None:
                                                                    vp_stage=stage),
                 share_embeddings_and_output_weights=tied, mtp_block_spec=mtp_spec,
                 vp_stage=stage)
-            chunks.append([[name, list(p.shape), bool(getattr(p, "shared_embedding", False))]
-                           for name, p in model.named_parameters()])
+            ddp = DistributedDataParallelConfig(use_distributed_optimizer=True,
+                                                overlap_grad_reduce=True, bucket_size=BUCKET)
+            first = parallel_state.get_pipeline_model_parallel_rank() == 0 and vp_stage == 0
+            full = DistributedOptimizer.compute_full_param_layout(
+                [q for q in model.parameters() if q.requires_grad], BUCKET if first else None,
+                DP, ddp)
+            ((_, layout),) = full.layouts.items()
+            chunks.append({"params": [[name, list(p.shape),
+                                       bool(getattr(p, "shared_embedding", False))]
+                                      for name, p in model.named_parameters()],
+                           "buffer": [layout.bucket_indices[-1][1], len(layout.bucket_indices)]})
     if parallel_state.get_tensor_model_parallel_rank() == 0:
         stage = parallel_state.get_pipeline_model_parallel_rank()
         Path(folder, f"{number}-{stage}.json").write_text(json.dumps(chunks), encoding="utf-8")
@@ -152,8 +170,10 @@ def preflight_params(case: tuple) -> dict[int, list]:
     sys.path.insert(0, str(REPO))
     from tests.verify.preflight_launch import preflight_config
     from verify.preflight.model import chunk_parameters, layers_of_chunk
+    from verify.preflight.paper import chunk_layouts
 
     config = preflight_config(_launch(case))
+    layouts = {(c.stage, c.chunk): c.layout for c in chunk_layouts(config)}
     out = {}
     for stage in range(config.pipeline_model_parallel_size):
         chunks = []
@@ -164,8 +184,10 @@ def preflight_params(case: tuple) -> dict[int, list]:
                 return re.sub(r"^decoder\.layers\.(\d+)\.",
                               lambda m: f"decoder.layers.{int(m.group(1)) - first}.", name)
 
-            chunks.append([[local(p.name), list(p.shape), p.shared_embedding]
-                           for p in chunk_parameters(config, stage, chunk)])
+            layout = layouts[(stage, chunk)]
+            chunks.append({"params": [[local(p.name), list(p.shape), p.shared_embedding]
+                                      for p in chunk_parameters(config, stage, chunk)],
+                           "buffer": [layout.numel, layout.num_buckets]})
         out[stage] = chunks
     return out
 
@@ -191,7 +213,9 @@ def main() -> None:
                         lines.append(f"    stage {stage} chunk {chunk}:\n      megatron  {m}\n"
                                      f"      preflight {p}")
     lines.append(f"{agree} of {len(CASES)} cases: every chunk's parameters (name, shape, "
-                 "shared_embedding) equal, in order")
+                 "shared_embedding) equal, in order, and its distributed-optimizer buffer "
+                 f"(padded size, buckets; DP {DP}, bucket size {BUCKET:,} on pipeline rank 0's "
+                 "first chunk)")
     text = "\n".join(lines) + "\n"
     Path(args.out).write_text(text, encoding="utf-8")
     print(text)
