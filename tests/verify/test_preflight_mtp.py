@@ -180,15 +180,17 @@ def test_each_mtp_rule_is_refused_naming_its_flags(argv, message, stage):
     assert found[0][0].startswith(message), found
 
 
-def test_mtp_zero_is_no_mtp_and_negative_or_hybrid_or_detached_is_not_modelled():
+def test_mtp_zero_is_no_mtp_and_negative_hybrid_detached_mtp_or_qk_clip_not_modelled():
     assert preflight_config([*BASE[:-2], "--mtp-num-layers", "0"]).mtp is None
     for extra in (["--mtp-num-layers", "-1"],
                   ["--mtp-num-layers", "1", "--mtp-detach-heads"],
-                  ["--mtp-num-layers", "1", "--hybrid-layer-pattern", "M*M*"]):
+                  ["--mtp-num-layers", "1", "--hybrid-layer-pattern", "M*M*"],
+                  ["--qk-clip", "--qk-layernorm"]):
         with pytest.raises(FlagError) as caught:
             preflight_config([*BASE, *extra])
         assert any(f"{extra[0]} {extra[1]}: not modelled" in m or "--mtp-detach-heads: not "
-                   "modelled" in m for m in caught.value.messages), caught.value.messages
+                   "modelled" in m or "--qk-clip: not modelled" in m
+                   for m in caught.value.messages), caught.value.messages
     # Without MTP its other flags change nothing: listed as ignored.
     parsed = parse_megatron_flags(["--mtp-detach-heads", "--mtp-use-repeated-layer"])
     assert parsed.unknown == ["--mtp-detach-heads", "--mtp-use-repeated-layer"]

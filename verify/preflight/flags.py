@@ -244,6 +244,8 @@ NOT_MODELLED: dict[str, tuple[str, Callable[[object, Mapping[str, object]], bool
     "mtp_detach_heads": ("MTP heads detached, their grads clipped as a group of their own",
                          _with_mtp),
     "multi_latent_attention": ("multi-latent attention's parameter shapes", _given),
+    "qk_clip": ("QK-clip: the query/key weights rescaled after each optimizer step "
+                "(training.py train_step: clip_qk)", _given),
     "attention_output_gate": ("the gated attention output's wider QKV weight", _given),
     "quick_geglu": ("a gated (GeGLU) MLP", _given),
     "hierarchical_context_parallel_sizes": ("hierarchical context parallelism", _given),
