@@ -18,10 +18,13 @@ from __future__ import annotations
 import pytest
 
 from tests.verify.preflight_launch import preflight_config
+from verify.preflight.cli import build_report
 from verify.preflight.config import ConfigError
 from verify.preflight.flags import FlagError, parse_megatron_flags
 from verify.preflight.model import chunk_parameters
 from verify.preflight.paper import chunk_layouts, expert_chunk_layouts, wire_rows
+from verify.preflight.render import report_tables
+from verify.preflight.timing import CostInputs
 from verify.preflight.twin import TwinOptions, plan_twin
 
 # World 4 = TP 2 x PP 2 (DP 1); 4 layers, 2 per stage; h 64, 4 heads (kv channels 16), FFN
@@ -209,6 +212,10 @@ def test_the_twin_lists_mtp_and_qk_layernorm_as_not_twinned():
     assert ("--mtp-num-layers 1: the MTP layers, their loss and the last stage's word-embedding "
             "copy are laid out on paper only; the twin is untied and all-reduces no embedding"
             ) in text
+    # finalize_model_grads.py:146: MTP makes production all-reduce the untied embeddings.
+    assert dict((m[0], m[1]) for m in plan.mapping)["tied embedding all-reduce"] == (
+        "untied, but MTP all-reduces the word embeddings' grads between the first stage and the "
+        "last stage's copy")
     settings = config.to_dict()
     assert settings["mtp"] == {"mtp_num_layers": 1, "mtp_use_repeated_layer": False,
                                "mtp_loss_scaling_factor": 0.1, "layers_built": 1}
@@ -254,3 +261,19 @@ def test_an_mtp_layer_is_of_the_decoders_last_layers_kind_moe_or_dense():
     assert [c.param_elements for c in experts] == [2 * 4096, 4096]
     names = [p.name for p in chunk_parameters(last_dense, 1, 0)]
     assert "mtp.layers.0.mtp_model_layer.mlp.linear_fc1.weight" in names
+
+
+def test_the_wire_table_shows_the_qk_norms_tp_all_reduce_only_where_it_sends_bytes():
+    def wire_table(argv: list[str]) -> tuple[list[str], list[list[str]]]:
+        config = preflight_config(argv)
+        report = build_report(config, parse_megatron_flags([]), CostInputs())
+        ((_, headers, rows),) = [t for t in report_tables(report)
+                                 if t[0] == "Bytes sent per step by one rank of each stage"]
+        return headers, rows
+
+    headers, rows = wire_table([*BASE, "--qk-layernorm"])
+    assert headers[-1] == "q/k norm TP all-reduce"
+    assert [row[-1] for row in rows] == ["512 B"]  # both stages 512 B: collapsed to one row
+    tp1, _ = wire_table([*BASE, "--qk-layernorm", "--world-size", "2",
+                         "--tensor-model-parallel-size", "1"])
+    assert "q/k norm TP all-reduce" not in tp1

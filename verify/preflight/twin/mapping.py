@@ -67,6 +67,9 @@ def tp_layout(tp: int, sequence_parallel: bool, twin: bool = False) -> str:
 
 def production_tie(config: PreflightConfig) -> str:
     """Production's tie: the all-reduce (PP > 1), one shared weight (PP 1), or none."""
+    if not config.tied_embeddings and config.word_embedding_all_reduce:
+        return ("untied, but MTP all-reduces the word embeddings' grads between the first "
+                "stage and the last stage's copy")
     if not config.tied_embeddings:
         return "False"
     if config.pipeline_model_parallel_size == 1:
