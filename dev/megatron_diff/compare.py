@@ -16,6 +16,9 @@ averaging (DDP's pre-scale factor, the collective's op, per-token loss), and wit
 the expert DP size, each chunk's expert buffer (elements; with the distributed optimizer
 Megatron-Core's own padded size and bucket count) and the expert gradient scaling factor,
 and with a hybrid pattern each chunk's dense buffer the same way (``hybrid_layout``).
+Megatron-Core's own padded size and bucket count) and the expert gradient scaling factor;
+for every launch the MTP depths built on every (stage, chunk) and whether the word
+embeddings' grads are all-reduced between the first and last stage (tied or MTP).
 A launch that
 preflight refuses as "not modelled" (a flag it declines to lay out) is counted apart.
 """
@@ -33,7 +36,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 FIGURES = ("dp", "cp", "m", "vpp", "layers", "bucket_sizes", "grad_scaling", "expert_dp",
-           "expert_layout", "expert_scaling", "hybrid_layout")
+           "expert_layout", "expert_scaling", "hybrid_layout", "mtp_layers", "embedding_sync")
 # megatron_side's stages -> the stages of verify.preflight.flags.STAGES that name the same
 # part of Megatron-LM's launch path.
 STAGE_OF = {"argparse": {"parse_args"}, "validate_args": {"validate_args"},

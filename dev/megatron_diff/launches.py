@@ -22,6 +22,9 @@
 - ``fsdp``: the ``megatron_fsdp`` example's launch at 8, 16 and 32 GPUs with each sharding
   strategy and edits of its averaging, its grad dtype and its companions, and the same launch
   moved to torch FSDP2 (:data:`FSDP_EDITS`, :func:`fsdp_variants`);
+- ``mtpqk``: the Qwen3-8B model of ``post_training/modelopt/conf/Qwen/Qwen3-8B.sh``
+  (``--qk-layernorm``, RMSNorm, rope, untied) at TP 1/2, PP 1/2/4 (VPP 3 once), tied and
+  untied, without and with multi-token prediction (:data:`QWEN_EDITS`);
 - ``docs``: every ``$ verify preflight`` line of README.md and docs/*.md
   (``tests/verify/doc_launches.py``), preflight's own options taken out.
 
@@ -220,7 +223,26 @@ def _random_launch(rng: random.Random, index: int, seed: int) -> dict:
     # Since MoE is modelled (issue 28), mixture-of-experts flags from a generator of their own
     # too: the draws above stay those of earlier corpora.
     argv += _moe_flags(random.Random(f"{seed}:{index}:moe"), world, tp, pp)
+    # Since --qk-layernorm and MTP are modelled (issue 28), their flags from a generator of
+    # their own as well.
+    argv += _mtp_qk_flags(random.Random(f"{seed}:{index}:mtp"))
     return {"id": f"random-{index:03d}", "source": "random", "world_size": world, "argv": argv}
+
+
+def _mtp_qk_flags(rng: random.Random) -> list[str]:
+    """--qk-layernorm (at times with --qk-l2-norm) in a sixth of the launches; MTP in another
+    sixth: 1 to 3 depths (0 at times), at times repeated, at times with rope (otherwise the
+    position embedding drawn above, which Megatron refuses unless rope or none)."""
+    argv = []
+    if rng.random() < 0.16:
+        argv += ["--qk-layernorm"] + (["--qk-l2-norm"] if rng.random() < 0.2 else [])
+    if rng.random() < 0.16:
+        argv += ["--mtp-num-layers", str(rng.choice([0, 1, 1, 2, 3]))]
+        if rng.random() < 0.3:
+            argv += ["--mtp-use-repeated-layer"]
+        if rng.random() < 0.6:
+            argv += ["--position-embedding-type", "rope"]
+    return argv
 
 
 def _moe_flags(rng: random.Random, world: int, tp: int, pp: int) -> list[str]:
@@ -439,6 +461,9 @@ MIXTRAL_EDITS = (
     ["--num-virtual-stages-per-pipeline-rank", "2"], ["--transformer-impl", "local"],
     ["--moe-ffn-hidden-size", "1408", "--num-experts", "64", "--moe-router-topk", "6"],
     ["--expert-model-parallel-size", "1", "--ddp-bucket-size", "1000000"],
+    # Since MTP is modelled: its layer is of the last layer's kind (MoE, then dense).
+    ["--mtp-num-layers", "1"], ["--mtp-num-layers", "2", "--moe-layer-freq", "([1]*31+[0])"],
+    ["--mtp-num-layers", "3", "--mtp-use-repeated-layer"],
 )
 
 
@@ -648,6 +673,45 @@ def fsdp_variants(examples: list[dict]) -> list[dict]:
                      "world_size": world, "argv": _without(argv, *drop) + add,
                      "env": base.get("env", {})}
                     for number, (drop, add) in enumerate(edits)]
+# ----------------------------------------------------------------------------- mtpqk
+
+QWEN3_8B = "post_training/modelopt/conf/Qwen/Qwen3-8B.sh"
+# (world, TP, PP, extra) grids for the Qwen3-8B model (36 layers): TP 1/2, PP 1/2/4, VPP 3.
+QWEN_GRIDS = ((8, 1, 1, []), (8, 2, 1, []), (8, 2, 2, []), (8, 1, 4, []), (16, 2, 4, []),
+              (8, 2, 2, ["--num-virtual-stages-per-pipeline-rank", "3"]))
+# Edits that keep the launch valid and move what MTP and qk-layernorm modelling lays out (the
+# last one Megatron refuses: MTP needs rope or no position embeddings).
+QWEN_EDITS = (
+    [], ["--mtp-num-layers", "1"], ["--mtp-num-layers", "2"],
+    ["--mtp-num-layers", "3", "--mtp-use-repeated-layer"], ["tied", "--mtp-num-layers", "1"],
+    ["tied"], ["--mtp-num-layers", "1", "--use-distributed-optimizer", "--overlap-grad-reduce"],
+    ["--qk-l2-norm", "--mtp-num-layers", "1"],
+    ["--mtp-num-layers", "1", "--position-embedding-type", "learned_absolute"],
+)
+
+
+def qwen_launches(examples: Path) -> list[dict]:
+    """Qwen3-8B's model flags (the conf's MODEL_ARGS, read by bash) on each grid, each edit."""
+    conf = examples / QWEN3_8B
+    if not conf.exists():
+        return []
+    read = subprocess.run(["bash", "-c", 'source "$0"; printf "%s" "$MODEL_ARGS"', str(conf)],
+                          capture_output=True, text=True, timeout=60, check=True,
+                          env={"PATH": "/usr/bin:/bin"})
+    model = read.stdout.split()
+    out = []
+    for world, tp, pp, extra in QWEN_GRIDS:
+        for number, edit in enumerate(QWEN_EDITS):
+            argv = [t for t in model if not (t == "--untie-embeddings-and-output-weights"
+                                             and "tied" in edit)]
+            argv += ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size",
+                     str(pp), *extra, "--global-batch-size", "32",
+                     # Qwen3's 151,936 tokens = 1187 x 128 (its --make-vocab-size-divisible-by).
+                     "--padded-vocab-size", "151936", *[t for t in edit if t != "tied"]]
+            out.append({"id": f"mtpqk-qwen3-8b-{world}-tp{tp}-pp{pp}"
+                              f"{'-vpp' if extra else ''}-{number:02d}",
+                        "source": "mtpqk", "world_size": world, "argv": argv,
+                        "env": {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}})
     return out
 
 
@@ -685,12 +749,12 @@ def main() -> None:
     examples_found = example_launches(examples)
     launches = (random_launches(count, seed) + examples_found + mixtral_variants(examples_found)
                 + hybrid_variants(examples_found) + sgd_variants(examples_found)
-                + fsdp_variants(examples_found) + doc_launches())
+                + fsdp_variants(examples_found) + qwen_launches(examples) + doc_launches())
     with target.open("w", encoding="utf-8") as out:
         for launch in launches:
             out.write(json.dumps(launch) + "\n")
     counts = {s: sum(1 for x in launches if x["source"] == s)
-              for s in ("random", "example", "moe", "hybrid", "sgd", "fsdp", "docs")}
+              for s in ("random", "example", "moe", "hybrid", "sgd", "fsdp", "mtpqk", "docs")}
     print(f"wrote {len(launches)} launches to {target}: {counts}")
 
 

@@ -52,6 +52,14 @@ Megatron-FSDP or torch FSDP2, training.py:1837-1844): no bucket size for torch F
 (megatron_fsdp.py:370-384) through Megatron's own ``gradient_reduce_preprocessing``, torch
 FSDP2's through torch's own ``_get_gradient_divide_factors``; such a launch runs without
 ``CUDA_DEVICE_MAX_CONNECTIONS`` (validate_args asserts it unset or > 1 under FSDP).
+With multi-token prediction (``--mtp-num-layers``), the ``layer split`` stage also asks
+Megatron-Core's own ``multi_token_prediction.get_mtp_num_layers_to_build`` for every
+(pipeline rank, virtual stage) (``parallel_state``'s pipeline rank and sizes set through its
+own setters), ``model build`` restates ``eh_proj``'s ``divide()`` of h over TP, and the
+figures carry whether the first and last stage all-reduce the word embeddings' grads:
+Megatron-Core's own ``finalize_model_grads._get_shared_word_embedding_weight`` on a stand-in
+module (tied or MTP), over an embedding group of more than one rank (PP > 1,
+``parallel_state.default_embedding_ranks``).
 
 The figures of an accepted launch: DP, CP, M, VPP, layers (and first layer index) per
 pipeline rank and virtual stage, each model chunk's DDP bucket size as
@@ -149,11 +157,15 @@ def megatron_verdict(argv: list[str], world_size: int, env: dict | None = None) 
                                                               pp_rank=pp_rank))
                 layers.append(per_stage)
                 offsets.append(first)
+            mtp_layers = _mtp_layers(config, pp, chunks)
             stage = "model build"
             if hybrid:
                 hybrid_side.divide_like_the_model(config, args, divide, kinds)
             else:
                 _divide_like_the_model(config, args, divide)
+            if config.mtp_num_layers:
+                # multi_token_prediction.py:1000 eh_proj, a ColumnParallelLinear(2h -> h).
+                divide(config.hidden_size, config.tensor_model_parallel_size)
             stage = "DDP config"
             ddp_config = training.get_megatron_ddp_config(args)
             training.get_pg_size = lambda group=None: group.size()
@@ -166,6 +178,7 @@ def megatron_verdict(argv: list[str], world_size: int, env: dict | None = None) 
                                  or pp_rank > 0) else bucket for chunk in range(chunks)]
                        for pp_rank in range(pp)]
             expert_layout = (_expert_layouts(config, args, ddp_config, layers, offsets, buckets,
+                                             mtp_layers,
                                              expert_dp)
                              if expert_dp is not None else None)
             hybrid_layout = (hybrid_side.layouts(config, args, ddp_config, kinds, buckets, dp_cp)
@@ -206,7 +219,8 @@ def megatron_verdict(argv: list[str], world_size: int, env: dict | None = None) 
             "m": m, "vpp": vpp or 1, "layers": layers, "offsets": offsets,
             "bucket_sizes": buckets, "grad_scaling": scaling, "expert_dp": expert_dp,
             "expert_layout": expert_layout, "expert_scaling": expert_scaling,
-            "hybrid_layout": hybrid_layout}
+            "hybrid_layout": hybrid_layout, "mtp_layers": mtp_layers,
+            "embedding_sync": _embedding_sync(config, args)}
 
 
 def _build_optimizer(args) -> None:
@@ -246,6 +260,53 @@ def _build_optimizer(args) -> None:
             "Only Adam, HybridDeviceOptimizer, and optimizers with an init_state_fn "
             "(e.g., Lion) are currently supported, due to checkpointing requirements."
         )
+
+
+def _mtp_layers(config, pp: int, chunks: int) -> list:
+    """Megatron-Core's get_mtp_num_layers_to_build for every (pipeline rank, virtual stage),
+    its parallel_state told the rank and sizes through its own setters (0 everywhere without
+    MTP)."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.multi_token_prediction import get_mtp_num_layers_to_build
+
+    parallel_state.set_pipeline_model_parallel_world_size(pp)
+    parallel_state.set_virtual_pipeline_model_parallel_world_size(
+        config.virtual_pipeline_model_parallel_size)
+    grid = []
+    try:
+        for pp_rank in range(pp):
+            parallel_state.set_pipeline_model_parallel_rank(pp_rank)
+            vpp = config.virtual_pipeline_model_parallel_size
+            grid.append([get_mtp_num_layers_to_build(config, vp_stage=chunk if vpp else None)
+                         for chunk in range(chunks)])
+    finally:
+        parallel_state.set_pipeline_model_parallel_world_size(None)
+        parallel_state.set_virtual_pipeline_model_parallel_world_size(None)
+        parallel_state.set_pipeline_model_parallel_rank(None)
+    return grid
+
+
+class _LanguageModule:
+    """The two attributes finalize_model_grads reads of a model chunk to find its shared
+    word embedding."""
+
+    def __init__(self, tied: bool) -> None:
+        self.share_embeddings_and_output_weights = tied
+
+    def shared_embedding_or_output_weight(self) -> str:
+        return "the word embeddings"
+
+
+def _embedding_sync(config, args) -> bool:
+    """Whether finalize_model_grads all-reduces the word embeddings' grads between stages:
+    its own _get_shared_word_embedding_weight (tied embeddings or MTP) finds a weight, and the
+    embedding group (first and last pipeline stage) has more than one rank."""
+    from megatron.core.distributed.finalize_model_grads import _get_shared_word_embedding_weight
+    from megatron.core.parallel_state import default_embedding_ranks
+
+    module = _LanguageModule(not args.untie_embeddings_and_output_weights)
+    shared = _get_shared_word_embedding_weight(module, config) is not None
+    return shared and len(default_embedding_ranks(list(range(args.pipeline_model_parallel_size)))) > 1
 
 
 def _ddp_scaling(config, ddp_config, dp_cp: int) -> list:
@@ -346,7 +407,8 @@ def _moe_layer_pattern(config) -> list[int]:
     return moe_layer_pattern
 
 
-def _expert_layouts(config, args, ddp_config, layers, offsets, buckets, expert_dp) -> list:
+def _expert_layouts(config, args, ddp_config, layers, offsets, buckets, mtp_layers,
+                    expert_dp) -> list:
     """Each (pipeline rank, virtual stage)'s expert buffer as Megatron-Core lays it out:
     [param elements, buffer numel, buckets] (numel and buckets only with the distributed
     optimizer, whose layout ``DistributedOptimizer.compute_full_param_layout`` computes, run
@@ -394,6 +456,11 @@ def _expert_layouts(config, args, ddp_config, layers, offsets, buckets, expert_d
         row = []
         for chunk, (count, first) in enumerate(zip(counts, firsts)):
             params = [p for i in range(first, first + count) if pattern[i] for p in expert_params()]
+            # MTP layers are of the decoder's last layer's spec (megatron/training/models/gpt.py
+            # mtp_block_spec: decoder_specs[-1]); one layer under --mtp-use-repeated-layer.
+            if mtp_layers[pp_rank][chunk] and pattern[-1]:
+                built = 1 if config.mtp_use_repeated_layer else mtp_layers[pp_rank][chunk]
+                params += [p for _ in range(built) for p in expert_params()]
             if not params:
                 row.append(None)
                 continue

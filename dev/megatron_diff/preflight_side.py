@@ -80,7 +80,21 @@ def preflight_verdict(argv: list[str], world_size: int) -> dict:
             "grad_scaling": [config.get("gradient_scaling_factor", 1.0 / dp_cp),
                              config.get("grad_reduce_op", "SUM"),
                              bool(config.get("calculate_per_token_loss", False))],
-            **_experts(report), "hybrid_layout": _hybrid(report)}
+            **_experts(report), "hybrid_layout": _hybrid(report), "mtp_layers": _mtp_grid(report),
+            "embedding_sync": config.get("word_embedding_all_reduce",
+                                         config["untie_embeddings_and_output_weights"] is False
+                                         and config["pipeline_model_parallel_size"] > 1)}
+
+
+def _mtp_grid(report: dict) -> list[list[int]]:
+    """The MTP depths built on every (stage, chunk): all on the last chunk, 0 elsewhere (and
+    everywhere in reports before MTP was modelled)."""
+    config = report["config"]
+    pp, vpp = config["pipeline_model_parallel_size"], config["virtual_pipeline_model_parallel_size"]
+    grid = [[0] * vpp for _ in range(pp)]
+    for row in report["layout"]:
+        grid[row["stage"]][row["chunk"]] = row.get("mtp_layers", 0)
+    return grid
 
 
 def _experts(report: dict) -> dict:

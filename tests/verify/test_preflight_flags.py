@@ -210,7 +210,7 @@ def test_megatron_flags_preflight_does_not_use_are_listed_in_order(capsys):
 
 @pytest.mark.parametrize(("tokens", "named"), [
     (["--num-experts", "8", "--moe-latent-size", "64"], "--moe-latent-size 64: not modelled (MoE latent"),
-    (["--qk-layernorm"], "--qk-layernorm: not modelled"),
+    (["--mtp-num-layers", "1", "--mtp-detach-heads"], "--mtp-detach-heads: not modelled"),
     (["--fp4-format", "e2m1", "--fp4-param-gather"], "--fp4-format e2m1: not modelled"),
     (["--optimizer", "lion"], "--optimizer lion: not modelled"),  # adam and sgd are read
     (["--main-grads-dtype", "bf16"], "--main-grads-dtype bf16: not modelled"),

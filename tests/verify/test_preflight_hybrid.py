@@ -244,6 +244,15 @@ def test_a_pattern_with_experts_is_not_modelled():
         preflight_config([*SMALL, "--hybrid-layer-pattern", "M-", "--num-experts", "2"])
 
 
+def test_qk_layernorm_in_a_hybrid_pattern_is_not_modelled():
+    """hybrid_stack_spec's attention layer names no q/k layernorm module (hybrid_layer_specs.py
+    attention_layer, where the GPT spec names one): what --qk-layernorm builds there is not
+    laid out, so it is refused with that reason; a GPT launch with it is modelled."""
+    with pytest.raises(FlagError, match="--qk-layernorm.*not modelled.*hybrid_stack_spec"):
+        preflight_config([*SMALL, "--hybrid-layer-pattern", "M*M-", "--qk-layernorm"])
+    assert preflight_config([*SMALL, "--num-layers", "2", "--qk-layernorm"]).qk_norm_params
+
+
 def test_mamba_sizes_without_a_pattern_are_listed_as_ignored():
     parsed = parsed_launch(["--num-layers", "2", *SMALL])
     assert "--mamba-head-dim 32" in parsed.unknown

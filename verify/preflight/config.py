@@ -31,6 +31,9 @@ from verify.preflight.moe import (
     model_build_refusals,
     transformer_config_refusals,
 )
+from verify.preflight.mtp import MTPConfig, qk_norm_params
+from verify.preflight.mtp import model_build_refusals as mtp_build_refusals
+from verify.preflight.mtp import validate_args_refusals as mtp_validate_args_refusals
 from verify.preflight.optimizer import (
     OptimizerChoice,
     distributed_optimizer_refusals,
@@ -148,6 +151,11 @@ class PreflightConfig:
     optimizer: OptimizerChoice = OptimizerChoice()
     # Megatron-FSDP or torch FSDP2 in place of DDP (verify/preflight/sharded_dp.py); None: DDP.
     sharded_dp: ShardedDPConfig | None = None
+    # --qk-layernorm / --qk-l2-norm, and multi-token prediction (--mtp-num-layers; None without):
+    # verify/preflight/mtp.py.
+    qk_layernorm: bool = False
+    qk_l2_norm: bool = False
+    mtp: MTPConfig | None = None
     megatron: str = MEGATRON_LM  # whose rules resolved and checked this configuration
     spelling: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
     notes: tuple[str, ...] = ()
@@ -179,6 +187,9 @@ class PreflightConfig:
         if self.sharded_dp is not None and not isinstance(self.sharded_dp, ShardedDPConfig):
             raise TypeError(f"PreflightConfig.sharded_dp must be a ShardedDPConfig or None, got "
                             f"{type(self.sharded_dp).__name__}")
+        if self.mtp is not None and not isinstance(self.mtp, MTPConfig):
+            raise TypeError(f"PreflightConfig.mtp must be an MTPConfig or None, got "
+                            f"{type(self.mtp).__name__}")
         found, not_checked = check_config(self)
         if self.refused or found:
             raise ConfigError([*self.refused, *found], not_checked=not_checked)
@@ -359,6 +370,17 @@ class PreflightConfig:
                                          self.ddp_average_in_collective)
 
     @property
+    def qk_norm_params(self) -> bool:
+        """Whether every attention layer has q/k layernorm parameters (verify/preflight/mtp.py)."""
+        return qk_norm_params(self.qk_layernorm, self.qk_l2_norm)
+
+    @property
+    def word_embedding_all_reduce(self) -> bool:
+        """Whether the first and last stage all-reduce the word embeddings' grads: PP > 1 with
+        tied embeddings or MTP (finalize_model_grads.py:132-147)."""
+        return self.pipeline_model_parallel_size > 1 and (self.tied_embeddings or self.mtp is not None)
+
+    @property
     def expert_data_parallel_size(self) -> int | None:
         """The expert grid's DP: world / (ETP x EP x PP), world = TP x PP x CP x DP
         (megatron/core/parallel_state.py:874-880; the expert grid has no CP). None without
@@ -412,7 +434,7 @@ class PreflightConfig:
         out = {k: getattr(self, k) for k in sizes}
         out |= {k: getattr(self, k) for k in self.__dataclass_fields__
                 if k not in ("spelling", "dims", "refused", "undefined", "moe", "hybrid",
-                             "optimizer", "sharded_dp")}
+                             "optimizer", "sharded_dp", "mtp")}
         out["optimizer"] = self.optimizer.to_dict()
         out["notes"] = list(self.notes)
         out["num_microbatches"] = self.num_microbatches
@@ -431,6 +453,9 @@ class PreflightConfig:
                 "expert_grad_averaging": self.expert_grad_averaging}
         if self.hybrid is not None:
             out["hybrid"] = self.hybrid.to_dict(self.hidden_size)
+        out["mtp"] = None if self.mtp is None else self.mtp.to_dict()
+        out["qk_norm_params"] = self.qk_norm_params
+        out["word_embedding_all_reduce"] = self.word_embedding_all_reduce
         return out
 
 
@@ -457,8 +482,8 @@ def check_config(c: PreflightConfig) -> tuple[list[Refusal], list[str]]:
     for rule, needs, what in RULES:
         if rule in _INTERLEAVED and _VPP not in undefined and c.virtual_pipeline_model_parallel_size == 1:
             continue  # no interleaving: nothing to check, nothing left unchecked
-        if rule in _MOE and c.moe is None:
-            continue  # no experts: likewise
+        if (rule in _MOE and c.moe is None) or (rule is _mtp_build and c.mtp is None):
+            continue  # no experts, no MTP: likewise
         if c.hybrid is not None and rule in _HYBRID_BUILDS and not c.hybrid.builds(_HYBRID_BUILDS[rule]):
             continue  # a hybrid model without layers of the kind the rule builds
         missing = [n for n in needs if n in undefined]
@@ -772,6 +797,18 @@ def _distributed_sgd(c: PreflightConfig) -> Iterator[Refusal]:
     yield from distributed_optimizer_refusals(c.optimizer, c.use_distributed_optimizer, c._name)
 
 
+def _mtp_position(c: PreflightConfig) -> Iterator[Refusal]:
+    """validate_args:856: MTP with rope or no position embeddings (:mod:`verify.preflight.mtp`)."""
+    if c.mtp is not None:
+        yield from mtp_validate_args_refusals(c.mtp, c.position_embedding_type, c._name)
+
+
+def _mtp_build(c: PreflightConfig) -> Iterator[Refusal]:
+    """Building the MTP layers (:mod:`verify.preflight.mtp`)."""
+    if c.mtp is not None:
+        yield from mtp_build_refusals(c.mtp, c.hidden_size, c.tensor_model_parallel_size, c._name)
+
+
 def _optimizer(c: PreflightConfig) -> Iterator[Refusal]:
     """The grad scaler's asserts (megatron/core/optimizer/grad_scaler.py) and preflight's
     own: a finite --clip-grad >= 0, whole positive --loss-scale-window and --hysteresis."""
@@ -812,6 +849,7 @@ RULES: tuple[tuple[Rule, tuple[str, ...], str], ...] = (
     (_heads_over_tp, ("num_attention_heads", _TP), "the heads over TP"),
     (_groups_and_tp, ("num_query_groups", "num_attention_heads", _TP), "the query groups and TP"),
     (_fp8_param, (), "FP8 params"),
+    (_mtp_position, (), "multi-token prediction's position embeddings"),
     (_expert_grid, ("data_parallel_size", "expert_grid", _TP, _PP), "the expert grid"),
     (_experts_config, (), "the MoE settings"),
     (_deferral, (_PP,), "the embedding wgrad deferral"),
@@ -827,6 +865,7 @@ RULES: tuple[tuple[Rule, tuple[str, ...], str], ...] = (
     (_experts_build, ("num_layers", "moe_ffn_hidden_size", "moe_layer_freq", _TP),
      "the MoE layers"),
     (_mamba_mixers, ("hidden_size", _TP), "the Mamba mixers"),
+    (_mtp_build, ("hidden_size", _TP), "the MTP projection over TP"),
     (_ddp_wrap, (), "the DDP wrap"),
     (_learning_rate, (), "the learning rate"),
     (_optimizer_build, (), "the SGD optimizer's build"),

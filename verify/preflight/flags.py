@@ -178,7 +178,12 @@ MODELLED = frozenset({
     # fully-sharded data parallelism (verify/preflight/sharded_dp.py)
     "use_megatron_fsdp", "use_torch_fsdp2", "ckpt_format", "nccl_ub", "fsdp_manual_registration",
     *FSDP_ONLY,
+    # query/key layernorm and multi-token prediction (verify/preflight/mtp.py)
+    "qk_layernorm", "qk_l2_norm", "mtp_num_layers", "mtp_use_repeated_layer",
+    "mtp_loss_scaling_factor",
 })
+# Without MTP (--mtp-num-layers absent or 0) these change nothing: listed as ignored then.
+MTP_ONLY = frozenset({"mtp_use_repeated_layer", "mtp_loss_scaling_factor"})
 
 # The --mamba-* sizes change nothing without a hybrid pattern: listed as ignored then.
 HYBRID_ONLY = frozenset({"mamba_state_dim", "mamba_head_dim", "mamba_num_groups",
@@ -221,10 +226,6 @@ def _above_one(value: object, values: Mapping[str, object]) -> bool:
     return isinstance(value, int) and value > 1
 
 
-def _positive(value: object, values: Mapping[str, object]) -> bool:
-    return isinstance(value, int) and value > 0
-
-
 def _not(default: str) -> Callable[[object, Mapping[str, object]], bool]:
     return lambda value, values: value != default
 
@@ -246,6 +247,23 @@ def _hybrid_not_modelled(value: object, values: Mapping[str, object]) -> bool:
     return bool(not_modelled_parts(str(value))) or bool(values.get("num_experts"))
 
 
+def _in_hybrid(value: object, values: Mapping[str, object]) -> bool:
+    """A setting given with a hybrid (Mamba) layer pattern."""
+    hybrid = values.get("hybrid_layer_pattern") or values.get("hybrid_override_pattern")
+    return bool(value) and bool(hybrid)
+
+
+def _mtp_not_modelled(value: object, values: Mapping[str, object]) -> bool:
+    """A negative MTP depth, or MTP inside a hybrid (Mamba) layer pattern."""
+    hybrid = values.get("hybrid_layer_pattern") or values.get("hybrid_override_pattern")
+    return isinstance(value, int) and (value < 0 or (value > 0 and bool(hybrid)))
+
+
+def _with_mtp(value: object, values: Mapping[str, object]) -> bool:
+    mtp = values.get("mtp_num_layers")
+    return bool(value) and isinstance(mtp, int) and mtp > 0
+
+
 def _weight_shards(value: object, values: Mapping[str, object]) -> bool:
     return value is not None and value != values.get("tensor_model_parallel_size", 1)
 
@@ -258,6 +276,8 @@ def _expert_weight_shards(value: object, values: Mapping[str, object]) -> bool:
 _HYBRID_REASON = ("a hybrid pattern with GDN 'G', MLA '+', sparse attention 'D' or MoE 'E' "
                   "layers, MTP depths after '/', or --num-experts (M, * and - layers with | "
                   "stages are modelled)")
+
+
 def _with_experts(value: object, values: Mapping[str, object]) -> bool:
     return bool(value) and bool(values.get("num_experts"))
 
@@ -276,9 +296,17 @@ NOT_MODELLED: dict[str, tuple[str, Callable[[object, Mapping[str, object]], bool
     "hybrid_override_pattern": (_HYBRID_REASON, _hybrid_not_modelled),
     "heterogeneous_layers_config_path": ("heterogeneous layers", _given),
     "heterogeneous_layers_config_encoded_json": ("heterogeneous layers", _given),
-    "mtp_num_layers": ("multi-token prediction layers on the last stage", _positive),
+    "mtp_num_layers": ("multi-token prediction with a negative depth or inside a hybrid "
+                       "(Mamba) layer pattern", _mtp_not_modelled),
+    "mtp_detach_heads": ("MTP heads detached, their grads clipped as a group of their own",
+                         _with_mtp),
     "multi_latent_attention": ("multi-latent attention's parameter shapes", _given),
-    "qk_layernorm": ("the query/key layernorm parameters", _given),
+    # hybrid_stack_spec's attention layer names no q/k layernorm module (hybrid_layer_specs.py
+    # attention_layer), where the GPT spec's does: what Megatron builds there is not laid out.
+    "qk_layernorm": ("--qk-layernorm in a hybrid pattern's attention layers (Megatron-Core's "
+                     "hybrid_stack_spec gives them no q/k layernorm module)", _in_hybrid),
+    "qk_clip": ("QK-clip: the query/key weights rescaled after each optimizer step "
+                "(training.py train_step: clip_qk)", _given),
     "attention_output_gate": ("the gated attention output's wider QKV weight", _given),
     "quick_geglu": ("a gated (GeGLU) MLP", _given),
     "hierarchical_context_parallel_sizes": ("hierarchical context parallelism", _given),
@@ -533,6 +561,7 @@ def parse_megatron_flags(tokens: list[str], own_options: frozenset[str] = frozen
         read = read - SGD_ONLY
     if not (namespace.get("use_megatron_fsdp") or namespace.get("use_torch_fsdp2")):
         read -= FSDP_ONLY
+    read = read if namespace.get("mtp_num_layers") else read - MTP_ONLY
     for name, text in texts:
         dest = MEGATRON_FLAGS[name].dest
         if dest not in read and text not in parsed.unknown:

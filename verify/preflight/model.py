@@ -50,6 +50,14 @@ Hybrid Mamba models (``--hybrid-layer-pattern``): ``HybridModel`` registers the 
 embedding and output layer around a ``HybridStack`` whose layers follow the pattern (the
 parameters of each kind: :mod:`verify.preflight.hybrid`) and whose final norm is
 ``decoder.final_norm`` (hybrid_block.py, a TENorm).
+Query/key layernorm (``--qk-layernorm``) adds ``self_attention.q_layernorm`` and
+``k_layernorm`` over one head (kv_channels; weight, and bias under LayerNorm, not sharded)
+after ``linear_qkv``. Multi-token prediction (``--mtp-num-layers``) puts on the last stage's
+last chunk the word embeddings (``shared_embedding`` at PP > 1, tied or not), then after the
+decoder ``mtp.layers.{i}`` (enorm, hnorm, ``eh_proj`` ``[h/TP, 2h]``, ``mtp_model_layer``: the
+decoder's last layer's kind, ``final_layernorm``), then the output layer (allocated there at
+PP > 1 even when tied, and then never the shared copy); the decoder's final layernorm goes
+with the last decoder layer (:mod:`verify.preflight.mtp` cites the source).
 
 The Transformer Engine spec fuses the layernorms into ``linear_qkv`` and
 ``linear_fc1``: the same sizes, in another order, which can move the
@@ -88,14 +96,16 @@ def layers_of_chunk(config: PreflightConfig, stage: int, chunk: int) -> range:
     return config.layer_split.layer_range(stage, chunk)
 
 
-def layer_parameters(config: PreflightConfig, index: int) -> list[ParamSpec]:
-    """Parameters of transformer layer ``index`` on one TP rank, in registration order."""
+def layer_parameters(config: PreflightConfig, index: int,
+                     prefix: str | None = None) -> list[ParamSpec]:
+    """Parameters of transformer layer ``index`` on one TP rank, in registration order, named
+    under ``prefix`` (default the decoder's ``decoder.layers.{index}.``)."""
     h, tp = config.hidden_size, config.tensor_model_parallel_size
     q = config.num_attention_heads * config.kv_channels
     kv = config.num_query_groups * config.kv_channels
     fc1_out = config.ffn_hidden_size * (2 if config.swiglu else 1)
     bias = config.add_bias_linear
-    prefix = f"decoder.layers.{index}."
+    prefix = f"decoder.layers.{index}." if prefix is None else prefix
     if config.hybrid is not None:
         symbol = config.hybrid.layer_types[index]
         return [ParamSpec(prefix + name, shape) for name, shape in layer_shapes(
@@ -127,9 +137,43 @@ def layer_parameters(config: PreflightConfig, index: int) -> list[ParamSpec]:
         # attention.py SelfAttention: bias=add_bias_linear or add_qkv_bias.
         *linear("self_attention.linear_qkv", (q + 2 * kv) // tp, h, (q + 2 * kv) // tp,
                 bias or config.add_qkv_bias),
+        *(qk_norms(config, prefix) if config.qk_norm_params else []),
         *norm("pre_mlp_layernorm"),
         *mlp,
     ]
+
+
+def qk_norms(config: PreflightConfig, prefix: str) -> list[ParamSpec]:
+    """``q_layernorm`` then ``k_layernorm`` over one head (attention.py:1722-1740)."""
+    d = config.kv_channels
+    bias = config.normalization == "LayerNorm"
+    return [ParamSpec(f"{prefix}self_attention.{name}.{part}", (d,))
+            for name in ("q_layernorm", "k_layernorm")
+            for part in (("weight", "bias") if bias else ("weight",))]
+
+
+def norm_parameters(config: PreflightConfig, name: str) -> list[ParamSpec]:
+    """A layernorm over h: weight, and bias under LayerNorm (RMSNorm has none)."""
+    h = config.hidden_size
+    return [ParamSpec(f"{name}.weight", (h,)),
+            *([ParamSpec(f"{name}.bias", (h,))] if config.normalization == "LayerNorm" else [])]
+
+
+def mtp_parameters(config: PreflightConfig) -> list[ParamSpec]:
+    """The MTP block on one TP rank, in registration order (multi_token_prediction.py:983-1053):
+    per layer built, enorm, hnorm, eh_proj (ColumnParallelLinear 2h -> h, no bias), a
+    transformer layer of the decoder's last layer's kind, final_layernorm."""
+    if config.mtp is None:
+        return []
+    h, tp = config.hidden_size, config.tensor_model_parallel_size
+    params: list[ParamSpec] = []
+    for i in range(config.mtp.layers_built):
+        base = f"mtp.layers.{i}."
+        params += [*norm_parameters(config, base + "enorm"), *norm_parameters(config, base + "hnorm"),
+                   ParamSpec(base + "eh_proj.weight", (h // tp, 2 * h)),
+                   *layer_parameters(config, config.num_layers - 1, base + "mtp_model_layer."),
+                   *norm_parameters(config, base + "final_layernorm")]
+    return params
 
 
 def moe_parameters(config: PreflightConfig, prefix: str) -> list[ParamSpec]:
@@ -179,23 +223,29 @@ def chunk_parameters(config: PreflightConfig, stage: int, chunk: int) -> list[Pa
     h, tp = config.hidden_size, config.tensor_model_parallel_size
     pre_process = stage == 0 and chunk == 0
     post_process = stage == pp - 1 and chunk == vpp - 1
-    shared = config.tied_embeddings and pp > 1
+    mtp_process = post_process and config.mtp is not None
+    # The word embeddings' shared copy (shared_embedding: own bucket under the distributed
+    # optimizer) sits on the output layer, or with MTP on the last chunk's embedding.
+    shared = config.word_embedding_all_reduce
     vocab_rows = config.padded_vocab_size // tp
     params: list[ParamSpec] = []
-    if pre_process:
+    if pre_process or mtp_process:
         params.append(ParamSpec("embedding.word_embeddings.weight", (vocab_rows, h),
                                 shared_embedding=shared))
         if config.position_embedding_type == "learned_absolute":
             params.append(ParamSpec("embedding.position_embeddings.weight",
                                     (config.max_position_embeddings, h)))
-    for index in layers_of_chunk(config, stage, chunk):
+    layers = layers_of_chunk(config, stage, chunk)
+    for index in layers:
         params.extend(layer_parameters(config, index))
-    if post_process:
-        final = "decoder.final_layernorm" if config.hybrid is None else "decoder.final_norm"
-        params.append(ParamSpec(f"{final}.weight", (h,)))
-        if config.normalization == "LayerNorm":
-            params.append(ParamSpec(f"{final}.bias", (h,)))
-        if config.untie_embeddings_and_output_weights or not pre_process:
-            params.append(ParamSpec("output_layer.weight", (vocab_rows, h),
-                                    shared_embedding=shared))
+    # transformer_block.py:387-414: with MTP the final layernorm goes with the last layer.
+    if (config.num_layers - 1 in layers) if config.mtp is not None else post_process:
+        # a hybrid stack's is its final_norm (hybrid_block.py)
+        params += norm_parameters(config, "decoder.final_layernorm" if config.hybrid is None
+                                  else "decoder.final_norm")
+    if mtp_process:
+        params += mtp_parameters(config)
+    if post_process and (config.untie_embeddings_and_output_weights or not pre_process):
+        params.append(ParamSpec("output_layer.weight", (vocab_rows, h),
+                                shared_embedding=shared and not mtp_process))
     return params

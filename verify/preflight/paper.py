@@ -36,13 +36,17 @@ WIRE_FORMULAS = {
     "param_all_gather": "sum over buckets of (N-1)/N * S * b_param (distributed optimizer; "
                         "b_param = 1 + 1/32 with MXFP8 --fp8-param-gather: E4M3 data + E8M0 scales)",
     "embedding_all_reduce": "2 (2-1)/2 * (vocab/TP * h) * b_grad on the first and last stage "
-                            "(tied embeddings, PP > 1, embedding group of 2)",
+                            "(PP > 1 with tied embeddings or MTP, embedding group of 2)",
+    "qk_layernorm_tp_all_reduce": "2 (T-1)/T * (the stage's q/k layernorm elements) * b_grad "
+                                  "(--qk-layernorm: their grads summed over TP after the DP "
+                                  "reduction, finalize_model_grads.py:451-454)",
     "pipeline_p2p": "M * (mbs * seq/CP/(TP if sequence parallel) * h * b_act) per chunk boundary "
                     "and direction: forward activations sent downstream, their grads upstream",
     "tensor_parallel": "blocks * M * 4 (T-1)/T * mbs * seq/CP * h * b_act (per TP block and "
                        "microbatch: 1 all-gather + 1 reduce-scatter forward and the mirror "
                        "backward with sequence parallelism; 2 all-reduces without: same bytes; "
-                       "a GPT layer is 2 blocks, attention and MLP, a hybrid layer 1: its Mamba "
+                       "a GPT layer, and each MTP depth's transformer layer run on the last "
+                       "stage, is 2 blocks, attention and MLP; a hybrid layer 1: its Mamba "
                        "mixer, attention or MLP)",
 }
 
@@ -158,6 +162,12 @@ def memory_rows(config: PreflightConfig, chunks: list[ChunkLayout]) -> list[dict
             "numel_unpadded": c.layout.numel_unpadded, "padding_elements": padding,
             "padding_fraction": padding / numel, "bucket_rule": c.bucket_rule,
             "layers": len(layers_of_chunk(config, c.stage, c.chunk)),
+            # MTP depths on the chunk (multi_token_prediction.py get_mtp_num_layers_to_build):
+            # all on the last stage's last chunk.
+            "mtp_layers": (config.mtp.mtp_num_layers if config.mtp is not None
+                           and (c.stage, c.chunk) == (config.pipeline_model_parallel_size - 1,
+                                                      config.virtual_pipeline_model_parallel_size - 1)
+                           else 0),
             "bucket_size": c.bucket_size,
             "num_buckets": c.layout.num_buckets,
             "bucket_numels": [end - start for start, end in c.layout.bucket_indices],
@@ -233,21 +243,27 @@ def wire_rows(config: PreflightConfig, chunks: list[ChunkLayout]) -> list[dict]:
         bucket_numels = [end - start for c in mine for start, end in c.layout.bucket_indices]
         grad, gather = _bucket_collective_bytes(config, n, bucket_numels)
         embedding = 0.0
-        if config.tied_embeddings and pp > 1 and stage in (0, pp - 1):
+        if config.word_embedding_all_reduce and stage in (0, pp - 1):
             embedding = (config.padded_vocab_size // tp) * config.hidden_size * grad_b
         virtual = [c.chunk * pp + stage for c in mine]
         sends_forward = sum(1 for v in virtual if v < pp * vpp - 1)
         sends_backward = sum(1 for v in virtual if v > 0)
         p2p = (sends_forward + sends_backward) * m * boundary
         layers = sum(len(layers_of_chunk(config, c.stage, c.chunk)) for c in mine)
-        blocks = layers if config.hybrid is not None else 2 * layers
+        # Each MTP depth runs a transformer layer (the repeated one N times) on the last stage.
+        mtp_runs = config.mtp.mtp_num_layers if config.mtp is not None and stage == pp - 1 else 0
+        blocks = layers if config.hybrid is not None else 2 * (layers + mtp_runs)
         tensor = (blocks * m * 4 * (tp - 1) / tp * config.micro_batch_size * config.seq_length
                   / config.context_parallel_size * config.hidden_size * act_b)
+        qk_norm = sum(p.numel for c in mine for p in c.params
+                      if ".q_layernorm." in p.name or ".k_layernorm." in p.name)
         rows.append({
             "stage": stage, "grad_collective": _grad_collective(config),
             "grad_sync_bytes": grad, "param_all_gather_bytes": gather,
-            "embedding_all_reduce_bytes": embedding, "pipeline_p2p_sent_bytes": p2p,
-            "tensor_parallel_bytes": tensor, "layers": layers,
+            "embedding_all_reduce_bytes": embedding,
+            "qk_layernorm_tp_all_reduce_bytes": 2 * (tp - 1) / tp * qk_norm * grad_b,
+            "pipeline_p2p_sent_bytes": p2p,
+            "tensor_parallel_bytes": tensor, "layers": layers, "mtp_layer_runs": mtp_runs,
         })
     return rows
 

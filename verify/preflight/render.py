@@ -103,13 +103,16 @@ def report_tables(report: dict) -> Tables:
                               f"{format_bytes(r['state_bytes'])} ({', '.join(r['state_tensors'])})",
                               format_bytes(r["state_bytes_torch_sgd"])]
                              for r in report["optimizer_state"]])))
+    # --qk-layernorm at TP > 1: the q/k norms' grads summed over TP (a column only then).
+    qk = any(r.get("qk_layernorm_tp_all_reduce_bytes") for r in report["wire"])
     tables.append((
         "Bytes sent per step by one rank of each stage",
         ["stage", "grad sync", "param all-gather", "embedding all-reduce", "pipeline p2p",
-         "tensor parallel"],
+         "tensor parallel", *(["q/k norm TP all-reduce"] if qk else [])],
         collapse_stages([[str(r["stage"]), f"{format_bytes(r['grad_sync_bytes'])} ({r['grad_collective']})",
           format_bytes(r["param_all_gather_bytes"]), format_bytes(r["embedding_all_reduce_bytes"]),
-          format_bytes(r["pipeline_p2p_sent_bytes"]), format_bytes(r["tensor_parallel_bytes"])]
+          format_bytes(r["pipeline_p2p_sent_bytes"]), format_bytes(r["tensor_parallel_bytes"]),
+          *([format_bytes(r["qk_layernorm_tp_all_reduce_bytes"])] if qk else [])]
          for r in report["wire"]]),
     ))
     tables.append(("Formulas (N = DP size, S = bucket numel, b = bytes per element, "

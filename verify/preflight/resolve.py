@@ -26,6 +26,7 @@ from verify.preflight.config import (
 from verify.preflight.flags import ParsedFlags, Refusal
 from verify.preflight.hybrid import read_hybrid
 from verify.preflight.moe import LayerFreqError, MoEConfig, parse_layer_freq
+from verify.preflight.mtp import mtp_from_flags
 from verify.preflight.optimizer import (
     DEFAULT_MIN_LR,
     DEFAULT_SGD_MOMENTUM,
@@ -483,6 +484,9 @@ def resolve(parsed: ParsedFlags, environ: Mapping[str, str],
                                   weight_decay=v.get("weight_decay", DEFAULT_WEIGHT_DECAY),
                                   sgd_momentum=v.get("sgd_momentum", DEFAULT_SGD_MOMENTUM)),
         sharded_dp=sharded_dp,
+        qk_layernorm=bool(v.get("qk_layernorm")), qk_l2_norm=bool(v.get("qk_l2_norm")),
+        mtp=mtp_from_flags(v.get("mtp_num_layers"), v.get("mtp_use_repeated_layer"),
+                           v.get("mtp_loss_scaling_factor")),
         clip_grad=v.get("clip_grad", DEFAULT_CLIP_GRAD), loss_scale=v.get("loss_scale"),
         initial_loss_scale=v.get("initial_loss_scale", DEFAULT_INITIAL_LOSS_SCALE),
         min_loss_scale=v.get("min_loss_scale", DEFAULT_MIN_LOSS_SCALE),

@@ -88,6 +88,8 @@ def hybrid_rows(config: PreflightConfig) -> tuple[tuple[str, str, str], ...]:
              f"{types.count('-')} MLP layers",
              "each layer one dense block of the twin (the Mamba mixers not twinned: laid out "
              "on paper only)"),)
+
+
 def production_optimizer(config: PreflightConfig) -> str:
     """The optimizer row's production column: the optimizer and where its masters live."""
     where = ("distributed optimizer" if config.use_distributed_optimizer
@@ -114,6 +116,9 @@ def tp_layout(tp: int, sequence_parallel: bool, twin: bool = False) -> str:
 
 def production_tie(config: PreflightConfig) -> str:
     """Production's tie: the all-reduce (PP > 1), one shared weight (PP 1), or none."""
+    if not config.tied_embeddings and config.word_embedding_all_reduce:
+        return ("untied, but MTP all-reduces the word embeddings' grads between the first "
+                "stage and the last stage's copy")
     if not config.tied_embeddings:
         return "False"
     if config.pipeline_model_parallel_size == 1:
@@ -210,5 +215,19 @@ def left_out(config: PreflightConfig, m: int) -> list[str]:
     sharded = sharded_not_twinned(config)
     if sharded is not None:
         out.append(sharded)
+    if config.qk_norm_params:
+        reduce = (" and the TP all-reduce of their grads are" if config.tensor_model_parallel_size > 1
+                  else " are")
+        out.append(f"--qk-layernorm: the q/k layernorm params of every attention layer{reduce} "
+                   "laid out on paper only (the twin's blocks have no attention)")
+    if config.mtp is not None:
+        tie = ("its all-reduce stands for production's between the first stage's embedding and "
+               "the last stage's copy, but no MTP gradient reaches it" if config.tied_embeddings
+               else "the twin is untied and all-reduces no embedding, where production "
+               "all-reduces the word embeddings' grads between the first and last stage"
+               if config.pipeline_model_parallel_size > 1 else "")
+        out.append(f"--mtp-num-layers {config.mtp.mtp_num_layers}: the MTP layers, their loss and "
+                   "the last stage's word-embedding copy are laid out on paper only"
+                   + (f"; {tie}" if tie else ""))
     out.append("transformer blocks (attention, MLP, norms, embeddings) are Linear+tanh layers")
     return out

@@ -251,6 +251,12 @@ def write_sections(config: PreflightConfig, report: dict, sections: list[dict]) 
     if config.sharded_dp is not None:  # the twin's DDP path is not the launch's
         unchecked += (f"; the data-parallel path ({config.sharded_dp.label}) not checked: the "
                       "twin reduces through a DDP buffer")
+    if config.mtp is not None:  # nor of the MTP layers and the embedding all-reduce they add
+        unchecked += ("; the MTP layers and the word-embedding all-reduce they add not checked: "
+                      "on paper only")
+    if config.qk_norm_params:
+        reduce = " and their TP grad all-reduce" if config.tensor_model_parallel_size > 1 else ""
+        unchecked += f"; the q/k layernorms{reduce} not checked: on paper only"
     failed = [s for s in ran if not s["passed"]]
     not_run = "".join(f"; {s['candidate']}: twin {'did not finish' if 'error' in s else 'not run'}"
                       f" ({s.get('error') or s.get('skipped')})" for s in sections if not s["run"])
