@@ -673,6 +673,9 @@ def fsdp_variants(examples: list[dict]) -> list[dict]:
                      "world_size": world, "argv": _without(argv, *drop) + add,
                      "env": base.get("env", {})}
                     for number, (drop, add) in enumerate(edits)]
+    return out
+
+
 # ----------------------------------------------------------------------------- mtpqk
 
 QWEN3_8B = "post_training/modelopt/conf/Qwen/Qwen3-8B.sh"
