@@ -163,8 +163,9 @@ def run(rank: int, wrapper_name: str) -> list[tuple[int, float, float]] | str:
                                               TinyModel())
     else:
         model = DistributedDataParallel(config, DistributedDataParallelConfig(), TinyModel())
-    # What megatron/training/training.py sets (setup_model_and_optimizer / train):
-    config.no_sync_func = model.no_sync
+    # What megatron/training/training.py's train() sets: finalize_model_grads as the finalize
+    # function; a no_sync_func only for a DDP / Megatron-FSDP model with --overlap-grad-reduce
+    # (never for TorchFullyShardedDataParallel), so None here for both wrappers.
     config.finalize_model_grads_func = finalize_model_grads
     param = model.module.linear.weight
 
