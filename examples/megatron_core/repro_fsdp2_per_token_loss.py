@@ -28,7 +28,13 @@ while Megatron-Core runs ``torch.cuda.current_device`` answers "cpu",
 becomes "cpu" and ``Tensor.cuda()`` keeps the tensor where it is. On a GPU node none
 of this is used (NCCL there).
 
-    python examples/megatron_core/repro_fsdp2_per_token_loss.py   # exit 1: bug, 0: fixed
+On megatron-core 0.16.1 every ``TorchFullyShardedDataParallel`` step fails before the scaling:
+``finalize_model_grads`` calls ``finish_grad_sync(force_all_reduce=...)``, which only
+``_BaseDataParallel.finish_grad_sync(self)`` answers there (TypeError); the script says so
+(exit 1, its own BUG line).
+
+    python examples/megatron_core/repro_fsdp2_per_token_loss.py   # exit 1: bug, 0: fixed,
+                                                                  # 2: the DDP control failed
 """
 
 import contextlib
