@@ -63,7 +63,7 @@ def launch_flags(settings: LaunchSettings) -> str:
             parts.append("--accumulate-allreduce-grads-in-fp32")
     for name in ("use_distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather",
                  "ddp_reduce_scatter_with_fp32_accumulation", "ddp_average_in_collective",
-                 "calculate_per_token_loss", "defer_embedding_wgrad_compute"):
+                 "calculate_per_token_loss", "use_torch_fsdp2", "defer_embedding_wgrad_compute"):
         if getattr(settings, name):
             parts.append("--" + name.replace("_", "-"))
     if settings.overlap_grad_reduce and not settings.align_grad_reduce:

@@ -42,6 +42,25 @@ REPROS = {
     "repro_stale_grad_output.py": [
         "after clear_embedding_activation_buffer: 0 activation, 1 grad_output",
         "main_grad != expected", "BUG: the abandoned step's grad_output was paired"],
+    "repro_fsdp2_per_token_loss.py": [
+        "DistributedDataParallel step 1 rank 1: max |got - expected| 0, got/expected 1",
+        # T / DP: 16 / 2 and 32 / 2 (the script's token masks)
+        "TorchFullyShardedDataParallel step 0 rank 0", "got/expected 8",
+        "TorchFullyShardedDataParallel step 1 rank 1", "got/expected 16",
+        "BUG: with calculate_per_token_loss, TorchFullyShardedDataParallel's grads are not "
+        "divided by the token count"],
+}
+# script -> release -> what its output must contain there instead of REPROS[script]
+BY_RELEASE = {
+    "repro_fsdp2_per_token_loss.py": {
+        # 0.16.1: TorchFullyShardedDataParallel has no finish_grad_sync of its own, and
+        # finalize_model_grads.py:443 passes force_all_reduce to _BaseDataParallel's.
+        "0.16.1": [
+            "DistributedDataParallel step 1 rank 1: max |got - expected| 0, got/expected 1",
+            "raised TypeError(\"_BaseDataParallel.finish_grad_sync() got an unexpected keyword "
+            "argument 'force_all_reduce'\") at megatron/core/distributed/finalize_model_grads.py",
+            "BUG (before the scaling): every TorchFullyShardedDataParallel step fails"],
+    },
 }
 
 # release -> the scripts whose bug its source has, read in megatron/core/ of each wheel. In
@@ -67,6 +86,9 @@ REPROS = {
 #   ModelParallelConfig.batch_p2p_comm defaults to True.
 # - stale_grad_output: pipeline_parallel/schedules.py clear_embedding_activation_buffer
 #   (identical): clears embedding_activation_buffer only.
+# - fsdp2_per_token_loss: distributed/torch_fully_sharded_data_parallel.py defines no
+#   scale_gradients in either release (data_parallel_base.py's is `pass`); 0.19.2's
+#   finalize_model_grads calls it with 1/num_tokens; 0.16.1's fails earlier (BY_RELEASE).
 PRESENT = {
     "0.16.1": set(REPROS),
     "0.19.2": set(REPROS),
@@ -97,5 +119,5 @@ def test_repro_shows_its_bug_where_the_release_has_it(script: str) -> None:
         return
     assert run.returncode == 1, (f"{script} exited {run.returncode} (0: fixed in {version}?)"
                                  f"\n{run.stdout}\n{run.stderr[-3000:]}")
-    for needle in REPROS[script]:
+    for needle in BY_RELEASE.get(script, {}).get(version, REPROS[script]):
         assert needle in run.stdout, f"{script}: {needle!r} not in\n{run.stdout}"

@@ -214,6 +214,8 @@ class LaunchSettings:
     ddp_reduce_scatter_with_fp32_accumulation: bool = False
     ddp_average_in_collective: bool = False
     calculate_per_token_loss: bool = False
+    # torch FSDP2 wraps the model chunks (Megatron-LM's --use-torch-fsdp2) instead of DDP
+    use_torch_fsdp2: bool = False
     defer_embedding_wgrad_compute: bool = False
     wgrad_deferral_limit: int = 0
     untie_embeddings_and_output_weights: bool = False

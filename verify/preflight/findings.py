@@ -35,6 +35,7 @@ def launch_settings(config: PreflightConfig) -> LaunchSettings:
                                                    and config.sharded_dp is None),
         ddp_average_in_collective=config.ddp_average_in_collective,
         calculate_per_token_loss=config.calculate_per_token_loss,
+        use_torch_fsdp2=config.torch_fsdp2,
         defer_embedding_wgrad_compute=config.defer_embedding_wgrad_compute,
         wgrad_deferral_limit=config.wgrad_deferral_limit,
         untie_embeddings_and_output_weights=config.untie_embeddings_and_output_weights,

@@ -136,7 +136,7 @@ class ShardedDPConfig:
                 text += ("; --calculate-per-token-loss: the 1/T of finalize_model_grads is NOT "
                          "applied (TorchFullyShardedDataParallel keeps _BaseDataParallel's no-op "
                          "scale_gradients, data_parallel_base.py:45), so the grads are the DP "
-                         "average of per-rank token sums")
+                         "average of per-rank token sums (Megatron-Core finding 8)")
             return 1.0, op, text
         if per_token_loss:
             return 1.0, "SUM", (f"Megatron-FSDP, per-token loss: grads summed unscaled over DP x "

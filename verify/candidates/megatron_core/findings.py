@@ -43,6 +43,10 @@ def _stale_grad_output(s: LaunchSettings) -> bool:
             and s.wgrad_deferral_limit > 0)
 
 
+def _fsdp2_per_token_loss_undivided(s: LaunchSettings) -> bool:
+    return s.use_torch_fsdp2 and s.calculate_per_token_loss
+
+
 FINDINGS: tuple[Finding, ...] = (
     Finding(
         key="megatron-core-1", number=1,
@@ -141,6 +145,30 @@ FINDINGS: tuple[Finding, ...] = (
         avoid="after an exception abandons a step, rebuild the model or clear both "
               "embedding_activation_buffer and grad_output_buffer",
         reaches=_stale_grad_output,
+    ),
+    # Number 7 is REFERENCE_NOTES §12's checkpoint finding (model_param_group_index_map),
+    # which the optim check's faults cover; it is not a gradient path and not listed here.
+    Finding(
+        key="megatron-core-8", number=8,
+        title="torch FSDP2 with per-token loss: finalize_model_grads' scale_gradients(1/T) is "
+              "a no-op on TorchFullyShardedDataParallel, so the grads stay FSDP2's DP average "
+              "of the token sums, T/DP times the per-token mean",
+        effect=Effect.WRONG_GRADIENT,
+        launch="--use-torch-fsdp2 --calculate-per-token-loss (any DP; validate_args has no "
+               "rule on the pair). The factor T/DP changes with every step's token count; "
+               "--clip-grad (1.0 by default) then clips by the inflated norm, and the logged "
+               "grad norm and an SGD update are T/DP times too large",
+        api_only=None,
+        upstream="none found (NVIDIA/Megatron-LM tracker searched 2026-11-29); the same "
+                 "T/DP factor in another project's own FSDP2 backend: radixark/miles PR 3231. "
+                 "Seen in 0.19.2; in 0.16.1 every TorchFullyShardedDataParallel step fails "
+                 "before the scaling (finalize_model_grads passes force_all_reduce to a "
+                 "finish_grad_sync that takes none: TypeError)",
+        reproduction="examples/megatron_core/repro_fsdp2_per_token_loss.py",
+        avoid="drop --calculate-per-token-loss under --use-torch-fsdp2 (each microbatch's loss "
+              "is then divided by its token count and by M before the backward), or use "
+              "DDP or --use-megatron-fsdp, whose scale_gradients divide",
+        reaches=_fsdp2_per_token_loss_undivided,
     ),
 )
 """Megatron-Core's findings, numbered as in ``docs/megatron_core.md``."""
