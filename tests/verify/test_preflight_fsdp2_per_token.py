@@ -22,6 +22,7 @@ from tests.verify.preflight_launch import preflight_args, preflight_config
 from tests.verify.test_preflight_sharded_dp import MEGATRON_FSDP, SMALL, TORCH_FSDP2
 from verify.preflight import cli as preflight_cli
 from verify.preflight.findings import fails_the_launch, launch_settings, reached
+from verify.preflight.twin import TwinOptions, plan_twin
 
 PER_TOKEN = "--calculate-per-token-loss"
 KEY = "megatron-core-8"
@@ -69,3 +70,25 @@ def test_the_json_report_carries_it_as_failing_the_launch(tmp_path, capsys):
     (finding,) = [f for f in reached(launch_settings(preflight_config([*TORCH_FSDP2, PER_TOKEN])))
                   if f.key == KEY]
     assert fails_the_launch(finding)
+
+
+def test_the_twin_says_the_1_over_t_is_not_applied_under_fsdp2_only():
+    """The twin's list of what it leaves out: under torch FSDP2 the 1/T never reaches the grads
+    (data_parallel_base.py:45's no-op scale_gradients), so production's gradient is
+    (1/(DP x CP)) x sum of token grads, T/(DP x CP) times the per-token mean the twin computes;
+    DDP (distributed_data_parallel.py:598) and Megatron-FSDP (mcore_fsdp_adapter.py:231) divide
+    after the reduction, the same gradient up to rounding when every token counts."""
+    def per_token_entries(argv: list[str]) -> list[str]:
+        plan = plan_twin(preflight_config([*argv, PER_TOKEN]), TwinOptions())
+        return [g for g in plan.not_twinned if g.startswith(PER_TOKEN)]
+
+    (fsdp2,) = per_token_entries(TORCH_FSDP2)
+    assert "1/T of finalize_model_grads" in fsdp2 and "is not applied" in fsdp2
+    assert "(Megatron-Core finding 8)" in fsdp2
+    assert "T/(DP x CP) times the per-token mean" in fsdp2
+    assert "does not reproduce that gradient" in fsdp2
+    assert "the same gradient" not in fsdp2 and "multiplies them by 1/T" not in fsdp2
+    for argv in (SMALL, MEGATRON_FSDP):
+        (entry,) = per_token_entries(argv)
+        assert "multiplies them by 1/T" in entry and "the same gradient up to rounding" in entry
+        assert "finding 8" not in entry

@@ -222,6 +222,26 @@ def test_the_twin_lists_mtp_and_qk_layernorm_as_not_twinned():
     assert settings["qk_norm_params"] and settings["word_embedding_all_reduce"]
 
 
+def test_mtp_names_the_embedding_copy_and_its_all_reduce_only_across_stages():
+    """At PP 1 the one stage builds the one word embedding its MTP layers read (gpt_model.py:167:
+    pre_process or mtp_process) and the one-rank embedding group skips the all-reduce
+    (finalize_model_grads.py:229): no copy and no all-reduce, tied or not. At PP 2 the last
+    stage builds a copy that is all-reduced with the first stage's (:132-147)."""
+    def mtp_entries(argv: list[str]) -> list[str]:
+        plan = plan_twin(preflight_config(argv), TwinOptions())
+        return [g for g in plan.not_twinned if g.startswith("--mtp-num-layers")]
+
+    pp1 = ["--pipeline-model-parallel-size", "1", "--mtp-num-layers", "1"]
+    for argv in ([*BASE, *pp1], [*UNTIED, *pp1]):
+        assert mtp_entries(argv) == [
+            "--mtp-num-layers 1: the MTP layers and their loss are laid out on paper only"]
+    (tied,) = mtp_entries([*BASE, "--mtp-num-layers", "1"])
+    assert tied == ("--mtp-num-layers 1: the MTP layers, their loss and the last stage's "
+                    "word-embedding copy are laid out on paper only; its all-reduce stands for "
+                    "production's between the first stage's embedding and the last stage's "
+                    "copy, but no MTP gradient reaches it")
+
+
 def test_with_mtp_the_final_layernorm_goes_with_the_last_decoder_layer():
     # 2 layers + embedding + loss over PP 2 x VPP 2: one each per virtual stage (virtual stage v
     # = chunk x PP + stage), so the last chunk (stage 1, chunk 1) holds the loss and MTP but no

@@ -179,7 +179,16 @@ def left_out(config: PreflightConfig, m: int) -> list[str]:
     if m != config.num_microbatches:
         out.append(f"microbatch count: {config.num_microbatches} capped to {m} "
                    "(--twin-max-microbatches; the schedule's steady state is the same)")
-    if config.calculate_per_token_loss:
+    if config.calculate_per_token_loss and config.torch_fsdp2:
+        # TorchFullyShardedDataParallel keeps the base class's no-op scale_gradients
+        # (data_parallel_base.py:45), so finalize_model_grads' 1/T never reaches the grads.
+        out.append("--calculate-per-token-loss under torch FSDP2: production sums each token's "
+                   "loss and fully_shard averages the grads over DP x CP (ReduceOp.AVG), but the "
+                   "1/T of finalize_model_grads (T: the global batch's loss-mask tokens) is not "
+                   "applied (Megatron-Core finding 8): its grads are the DP x CP average of "
+                   "per-rank token sums, T/(DP x CP) times the per-token mean; the twin averages "
+                   "as without it (x 1/DP before the SUM) and so does not reproduce that gradient")
+    elif config.calculate_per_token_loss:
         out.append("--calculate-per-token-loss: production sums each token's loss, reduces the "
                    "grads unscaled over DP x CP and multiplies them by 1/T (the global batch's "
                    "loss-mask tokens) after the reduction; the twin averages as without it (x 1/DP "
@@ -220,14 +229,18 @@ def left_out(config: PreflightConfig, m: int) -> list[str]:
                   else " are")
         out.append(f"--qk-layernorm: the q/k layernorm params of every attention layer{reduce} "
                    "laid out on paper only (the twin's blocks have no attention)")
-    if config.mtp is not None:
+    if config.mtp is not None and config.pipeline_model_parallel_size > 1:
         tie = ("its all-reduce stands for production's between the first stage's embedding and "
                "the last stage's copy, but no MTP gradient reaches it" if config.tied_embeddings
                else "the twin is untied and all-reduces no embedding, where production "
-               "all-reduces the word embeddings' grads between the first and last stage"
-               if config.pipeline_model_parallel_size > 1 else "")
+               "all-reduces the word embeddings' grads between the first and last stage")
         out.append(f"--mtp-num-layers {config.mtp.mtp_num_layers}: the MTP layers, their loss and "
-                   "the last stage's word-embedding copy are laid out on paper only"
-                   + (f"; {tie}" if tie else ""))
+                   f"the last stage's word-embedding copy are laid out on paper only; {tie}")
+    elif config.mtp is not None:
+        # PP 1: the one stage builds the one word embedding its MTP layers read (gpt_model.py
+        # :167), and its one-rank embedding group skips the all-reduce (finalize_model_grads.py
+        # :229, core_r0.19.0): no copy, no all-reduce to name.
+        out.append(f"--mtp-num-layers {config.mtp.mtp_num_layers}: the MTP layers and their "
+                   "loss are laid out on paper only")
     out.append("transformer blocks (attention, MLP, norms, embeddings) are Linear+tanh layers")
     return out
