@@ -874,5 +874,4 @@ RULES: tuple[tuple[Rule, tuple[str, ...], str], ...] = (
 )
 
 
-
 __all__ = ["ConfigError", "DTYPE_BYTES", "RULES", "PreflightConfig", "check_config", "flag_name"]
