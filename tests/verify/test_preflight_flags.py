@@ -92,12 +92,12 @@ def test_args_file_with_a_launcher_continuations_comments_quotes_and_equals():
         "    --tensor-model-parallel-size 2 \\   # TP inside a node\n"
         "    --pipeline-model-parallel-size=2 \\\n"
         "    --data-path '/data/my corpus' \\\n"
-        "    --bf16 --lr 1e-4 --wgrad-deferral-limit -1\n"
+        "    --bf16 --weight-decay 1e-4 --wgrad-deferral-limit -1\n"
     )
     parsed = parse_megatron_flags(tokenize_args_text(text))
     assert parsed.values == {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
                              "bf16": True, "wgrad_deferral_limit": -1}
-    assert parsed.unknown == ["--data-path /data/my corpus", "--lr 1e-4"]
+    assert parsed.unknown == ["--data-path /data/my corpus", "--weight-decay 1e-4"]
     # Everything up to the training script is the launcher's; its world is 8 x 2.
     assert parsed.positional == ["torchrun", "--nproc-per-node", "8", "--nnodes", "2",
                                  "pretrain_gpt.py"]
@@ -108,11 +108,11 @@ def test_command_line_flags_win_over_the_args_file(tmp_path):
     path = tmp_path / "train-args.txt"
     path.write_text("--micro-batch-size 4 \\\n --no-gradient-accumulation-fusion\n")
     args = preflight_args(["--args-file", str(path), "--micro-batch-size", "2", "--",
-                           "--lr", "3"])
+                           "--weight-decay", "3"])
     parsed = read_flags(args)
     assert parsed.values["micro_batch_size"] == 2
     assert parsed.values["gradient_accumulation_fusion"] is False
-    assert parsed.unknown == ["--lr 3"]
+    assert parsed.unknown == ["--weight-decay 3"]
 
 
 def test_gradient_accumulation_fusion_defaults_on_and_can_be_turned_off():
@@ -174,7 +174,7 @@ def test_the_launchers_world_size_is_used_when_nothing_else_gives_it(tmp_path):
 def test_cli_end_to_end_writes_json_and_markdown_naming_megatrons_version(tmp_path, capsys):
     json_path, md_path = tmp_path / "pf.json", tmp_path / "pf.md"
     args_file = tmp_path / "args.txt"
-    args_file.write_text(" ".join(SMALL) + " \\\n --pipeline-model-parallel-size 2 --lr 3e-4\n")
+    args_file.write_text(" ".join(SMALL) + " \\\n --pipeline-model-parallel-size 2 --weight-decay 3e-4\n")
     rc = verify_main(["preflight", "--args-file", str(args_file), "--world-size", "6",
                       "--json", str(json_path), "--markdown", str(md_path), "--no-twin", "--",
                       "--bf16", "--use-distributed-optimizer"])
@@ -183,7 +183,7 @@ def test_cli_end_to_end_writes_json_and_markdown_naming_megatrons_version(tmp_pa
     assert out.startswith(f"PREFLIGHT PASSED: valid under the rules of {MEGATRON_LM}")
     assert "world size 6 (--world-size) / (TP x PP x CP)" in out
     assert "scaled twin run is not part of this output" in out
-    assert "--lr 3e-4" in out  # the ignored flag is listed
+    assert "--weight-decay 3e-4" in out  # the ignored flag is listed
     report = json.loads(json_path.read_text())
     assert report["passed"] is True and report["twin"]["run"] is False
     assert report["megatron"] == report["config"]["megatron"] == MEGATRON_LM
@@ -196,12 +196,12 @@ def test_cli_end_to_end_writes_json_and_markdown_naming_megatrons_version(tmp_pa
 
 
 def test_megatron_flags_preflight_does_not_use_are_listed_in_order(capsys):
-    rc = verify_main(["preflight", "--world-size", "2", "--no-twin", "--", *SMALL, "--lr",
+    rc = verify_main(["preflight", "--world-size", "2", "--no-twin", "--", *SMALL, "--weight-decay",
                       "1.5e-4", "--train-iters=100", "--adam-beta2", "0.95", "--rampup-batch-size",
                       "16", "16", "1000"])
     out = " ".join(capsys.readouterr().out.split())
     assert rc == 0
-    assert ("ignored flags (not used by preflight): --lr 1.5e-4, --train-iters=100, "
+    assert ("ignored flags (not used by preflight): --weight-decay 1.5e-4, --train-iters=100, "
             "--adam-beta2 0.95, --rampup-batch-size 16 16 1000") in out
     # megatron/core/num_microbatches_calculator.py init_num_microbatches_calculator (0.19):
     # "rampup_batch_size: Deprecated. This argument is ignored."

@@ -168,17 +168,17 @@ def test_preflight_option_errors_do_not_blame_the_configuration(capsys, tmp_path
 
 def test_a_misspelled_megatron_flag_is_refused_with_the_likely_one(capsys, tmp_path):
     flags = tmp_path / "flags.txt"
-    flags.write_text("--use-distributed-optimiser\n--lr 1.5e-4\n")
+    flags.write_text("--use-distributed-optimiser\n--weight-decay 1.5e-4\n")
     rc, _, err = _run(BASE + ["--args-file", str(flags)], capsys)
     assert rc == 2 and "did you mean --use-distributed-optimizer?" in err
     # A real Megatron-LM flag that preflight does not use is only listed, right under the
     # verdict.
-    flags.write_text("--expert-tensor-parallel-size 2\n--lr 1.5e-4\n")
+    flags.write_text("--expert-tensor-parallel-size 2\n--weight-decay 1.5e-4\n")
     rc, out, _ = _run(BASE + ["--args-file", str(flags)], capsys)
     assert rc == 0
     lines = " ".join(out.split()).split("gradient buffers laid out on paper", 1)[1].strip()
     assert lines.startswith("ignored flags (not used by preflight): "
-                            "--expert-tensor-parallel-size 2, --lr 1.5e-4")
+                            "--expert-tensor-parallel-size 2, --weight-decay 1.5e-4")
 
 
 def test_piped_output_keeps_table_cells_whole(capsys, monkeypatch):

@@ -67,8 +67,9 @@ def test_sgd_is_read_with_megatrons_defaults_and_in_the_json():
 
 
 def test_sgd_flags_are_ignored_under_adam_and_other_optimizers_refused():
-    parsed = parsed_launch([*TOY, "--sgd-momentum", "0", "--lr", "0.1"])
-    assert parsed.unknown == ["--sgd-momentum 0", "--lr 0.1"]
+    # --lr is read for every optimizer (validate_args:1319-1320 compares it with --min-lr).
+    parsed = parsed_launch([*TOY, "--sgd-momentum", "0", "--lr", "0.1", "--weight-decay", "0"])
+    assert parsed.unknown == ["--sgd-momentum 0", "--weight-decay 0"]
     assert preflight_config([*TOY, "--sgd-momentum", "0"]).optimizer.name == "adam"
     with pytest.raises(FlagError, match="--optimizer muon: not modelled"):
         parsed_launch([*TOY, "--optimizer", "muon"])

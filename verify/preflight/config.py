@@ -794,7 +794,9 @@ def _optimizer_build(c: PreflightConfig) -> Iterator[Refusal]:
 
 def _distributed_sgd(c: PreflightConfig) -> Iterator[Refusal]:
     """DistributedOptimizer's assert, after the grad scaler (:mod:`verify.preflight.optimizer`)."""
-    yield from distributed_optimizer_refusals(c.optimizer, c.use_distributed_optimizer, c._name)
+    megatron_fsdp = c.sharded_dp is not None and c.sharded_dp.implementation == MEGATRON_FSDP
+    yield from distributed_optimizer_refusals(c.optimizer, c.use_distributed_optimizer, c._name,
+                                              megatron_fsdp)
 
 
 def _mtp_position(c: PreflightConfig) -> Iterator[Refusal]:

@@ -202,8 +202,9 @@ MOE_ONLY = frozenset({
 })
 
 # Read only under --optimizer sgd, whose build takes them (core/optimizer/__init__.py:618);
-# with Adam they are listed as ignored, as before SGD was modelled.
-SGD_ONLY = frozenset({"sgd_momentum", "lr", "min_lr", "weight_decay"})
+# with Adam they are listed as ignored, as before SGD was modelled. --lr and --min-lr are read
+# for every optimizer: validate_args:1319-1320 asserts --min-lr <= --lr whatever it is.
+SGD_ONLY = frozenset({"sgd_momentum", "weight_decay"})
 
 # Given in place of Megatron-LM's spelling, these were preflight's own inventions.
 RENAMED = {

@@ -2,11 +2,13 @@
 Megatron-LM core_r0.19.0 does.
 
 :class:`OptimizerChoice` holds the settings (:func:`verify.preflight.resolve.resolve` reads
-them; ``--lr``, ``--min-lr``, ``--weight-decay`` and ``--sgd-momentum`` only under
-``--optimizer sgd``, whose build reads them), and the rules below are the ones Megatron-LM
+them; ``--lr`` and ``--min-lr`` for every optimizer, as validate_args compares them whatever
+the optimizer; ``--weight-decay`` and ``--sgd-momentum`` only under ``--optimizer sgd``, whose
+build reads them), and the rules below are the ones Megatron-LM
 meets on them, each citing its source (megatron-core 0.19.2):
 
-- validate_args (``megatron/training/arguments.py:1319-1320``): ``--min-lr <= --lr``;
+- validate_args (``megatron/training/arguments.py:1319-1320``): ``--min-lr <= --lr`` (every
+  optimizer);
 - the optimizer's build (``megatron/core/optimizer/__init__.py:617-623``): SGD is the torch
   class (``torch.optim.SGD`` without Transformer Engine or apex, their ``FusedSGD`` with
   them), built with ``lr=config.lr, weight_decay=config.weight_decay,
@@ -42,7 +44,8 @@ STATE_TENSORS = {"adam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
 
 @dataclass(frozen=True)
 class OptimizerChoice:
-    """``--optimizer`` and, for SGD, the values its build reads (``lr`` None: not given)."""
+    """``--optimizer``, ``--lr`` / ``--min-lr`` (``lr`` None: not given) and, for SGD, the
+    other values its build reads."""
 
     name: str = "adam"
     lr: float | None = None
@@ -81,9 +84,10 @@ class OptimizerChoice:
         return STATE_TENSORS[self.name]
 
     def to_dict(self) -> dict:
-        """JSON-ready; Adam's: the name only (preflight reads the rest only for SGD)."""
+        """JSON-ready; Adam's: the name, lr and min_lr (the SGD-only values are not read)."""
         if self.name == "adam":
-            return {"optimizer": "adam", "state_tensors": list(self.state_tensors)}
+            return {"optimizer": "adam", "lr": self.lr, "min_lr": self.min_lr,
+                    "state_tensors": list(self.state_tensors)}
         return {"optimizer": self.name} | {k: v for k, v in asdict(self).items() if k != "name"} | {
             "state_tensors": list(self.state_tensors),
             "state_tensors_torch_sgd": list(self.state_tensors_torch)}
@@ -93,9 +97,9 @@ Name = Callable[[str], str]
 
 
 def learning_rate_refusals(choice: OptimizerChoice, name: Name) -> Iterator[Refusal]:
-    """validate_args:1319-1320: ``if args.lr is not None: assert args.min_lr <= args.lr``
-    (read with --optimizer sgd)."""
-    if choice.name == "sgd" and choice.lr is not None and not choice.min_lr <= choice.lr:
+    """validate_args:1319-1320: ``if args.lr is not None: assert args.min_lr <= args.lr``,
+    whatever the optimizer."""
+    if choice.lr is not None and not choice.min_lr <= choice.lr:
         yield Refusal(f"{name('min_lr')} ({choice.min_lr:g}) must be <= {name('lr')} "
                       f"({choice.lr:g}) (validate_args: assert args.min_lr <= args.lr)",
                       "validate_args", 1320)
@@ -123,12 +127,16 @@ def optimizer_build_refusals(choice: OptimizerChoice, name: Name) -> Iterator[Re
 
 
 def distributed_optimizer_refusals(choice: OptimizerChoice, use_distributed_optimizer: bool,
-                                   name: Name) -> Iterator[Refusal]:
+                                   name: Name, megatron_fsdp: bool = False) -> Iterator[Refusal]:
     """distrib_optimizer.py:688-694: DistributedOptimizer.__init__ asserts Adam, torch's
     AdamW, the hybrid CPU-offloaded optimizer or an ``init_state_fn`` (SGD has none:
-    core/optimizer/__init__.py:624)."""
+    core/optimizer/__init__.py:624). ``megatron_fsdp``: the distributed optimizer is on
+    because ``--use-megatron-fsdp`` turned it on (validate_args:1112), whatever the user gave."""
     if choice.name == "sgd" and use_distributed_optimizer:
-        yield Refusal(f"--optimizer sgd cannot be used with {name('use_distributed_optimizer')}: "
+        what = (f"Megatron-FSDP's distributed optimizer (turned on by "
+                f"{name('use_megatron_fsdp')}, validate_args:1112)" if megatron_fsdp
+                else name("use_distributed_optimizer"))
+        yield Refusal(f"--optimizer sgd cannot be used with {what}: "
                       "Megatron-Core's DistributedOptimizer asserts 'Only Adam, "
                       "HybridDeviceOptimizer, and optimizers with an init_state_fn (e.g., Lion) "
                       "are currently supported' (megatron/core/optimizer/distrib_optimizer.py:"

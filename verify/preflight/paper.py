@@ -192,8 +192,14 @@ def optimizer_state_rows(config: PreflightConfig, chunks: list[ChunkLayout],
     optimizer.py:1012) or the FP32Optimizer (the params themselves). The main params: fp32
     copies of 16-bit params (distrib_optimizer.py:445; fp32 params are stepped in place,
     :465); the state: :attr:`OptimizerChoice.state_tensors` fp32 tensors of the same size
-    (and ``state_bytes_torch_sgd``: without Transformer Engine or apex)."""
+    (and ``state_bytes_torch_sgd``: without Transformer Engine or apex).
+
+    Under Megatron-FSDP or torch FSDP2 the elements are what :meth:`ShardedDPConfig.memory`
+    gives the rank (sharded or not as the strategy says), as in :func:`sharded_rows`, so that
+    the two tables agree."""
     choice = config.optimizer
+    if config.sharded_dp is not None:
+        return _sharded_optimizer_state_rows(config, chunks, experts)
     if config.use_distributed_optimizer:
         wrapper = "DistributedOptimizer"
     elif config.params_dtype != "fp32":
@@ -212,6 +218,35 @@ def optimizer_state_rows(config: PreflightConfig, chunks: list[ChunkLayout],
         main = 4 * elements if config.params_dtype != "fp32" else 0
         rows.append({
             "stage": stage, "optimizer": choice.name, "wrapper": wrapper,
+            "elements": elements, "main_param_bytes": main,
+            "state_tensors": list(choice.state_tensors),
+            "state_bytes": 4 * len(choice.state_tensors) * elements,
+            "state_bytes_torch_sgd": 4 * len(choice.state_tensors_torch) * elements,
+        })
+    return rows
+
+
+def _sharded_optimizer_state_rows(config: PreflightConfig, chunks: list[ChunkLayout],
+                                  experts: list[ChunkLayout]) -> list[dict]:
+    """:func:`optimizer_state_rows` under fully-sharded DP: per stage, the sum over its dense
+    chunks (over DP x CP) and expert chunks (over expert DP) of ShardedDPConfig.memory."""
+    choice, sharded = config.optimizer, config.sharded_dp
+    wrapper = ("DistributedOptimizer" if config.use_distributed_optimizer
+               else "Float16OptimizerWithFloat16Params" if config.params_dtype != "fp32"
+               else "FP32Optimizer")
+    rows = []
+    for stage in range(config.pipeline_model_parallel_size):
+        elements = main = 0.0
+        for buffers, n in ((chunks, config.data_context_parallel_size),
+                           (experts, config.expert_data_parallel_size if experts else 1)):
+            for c in buffers:
+                if c.stage == stage:
+                    held = sharded.memory(c.param_elements, n, config.params_dtype, 0)
+                    elements += held["optimizer_elements"]
+                    main += held["main_param_bytes"]
+        elements = int(elements) if elements.is_integer() else elements  # n divides them
+        rows.append({
+            "stage": stage, "optimizer": choice.name, "wrapper": f"{wrapper} ({sharded.label})",
             "elements": elements, "main_param_bytes": main,
             "state_tensors": list(choice.state_tensors),
             "state_bytes": 4 * len(choice.state_tensors) * elements,
@@ -294,7 +329,8 @@ def sharded_rows(config: PreflightConfig, chunks: list[ChunkLayout]) -> list[dic
         return []
     n = config.data_context_parallel_size
     return [{"stage": c.stage, "chunk": c.chunk, "param_elements": c.param_elements,
-             **sharded.memory(c.param_elements, n, config.params_dtype),
+             **sharded.memory(c.param_elements, n, config.params_dtype,
+                              len(config.optimizer.state_tensors)),
              **sharded.wire(c.param_elements, n, config.params_dtype, config.num_microbatches)}
             for c in chunks]
 

@@ -14,6 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from verify.console import report_width
+from verify.preflight.twin.mapping import DDP_FOR_COMPARISON
 
 Tables = list[tuple[str, list[str], list[list[str]]]]
 BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
@@ -43,6 +44,9 @@ def format_ms(value: float) -> str:
     return f"{value / TIME_UNITS[-1][0]:.3g} {TIME_UNITS[-1][1]}"
 
 
+def _elements(value: float) -> str:
+    """An element count; a rank's share of a sharded one may be fractional (an even 1/N)."""
+    return f"{value:,}" if isinstance(value, int) else f"{value:,.2f}"
 
 
 def _sci(value: float | None) -> str:
@@ -93,20 +97,24 @@ def report_tables(report: dict) -> Tables:
          for r in report["layout"]]),
     ))
     if report.get("optimizer_state"):  # reports before SGD was modelled have none
+        # torch.optim.SGD's own figure (no buffer at momentum 0): a column only for SGD.
+        sgd = any(r["optimizer"] == "sgd" for r in report["optimizer_state"])
         tables.append((
-            "Optimizer state per rank beside the buffers (fp32; the distributed optimizer's "
-            "shards counted with their padding)",
+            "Optimizer state per rank beside the buffers (fp32; "
+            + ("as the fully-sharded table shards it)" if config.get("sharded_dp") else
+               "the distributed optimizer's shards counted with their padding)"),
             ["stage", "optimizer", "wrapper", "elements", "main params", "state",
-             "state (torch.optim.SGD)"],
-            collapse_stages([[str(r["stage"]), r["optimizer"], r["wrapper"], f"{r['elements']:,}",
-                              format_bytes(r["main_param_bytes"]),
+             *(["state (torch.optim.SGD)"] if sgd else [])],
+            collapse_stages([[str(r["stage"]), r["optimizer"], r["wrapper"],
+                              _elements(r["elements"]), format_bytes(r["main_param_bytes"]),
                               f"{format_bytes(r['state_bytes'])} ({', '.join(r['state_tensors'])})",
-                              format_bytes(r["state_bytes_torch_sgd"])]
+                              *([format_bytes(r["state_bytes_torch_sgd"])] if sgd else [])]
                              for r in report["optimizer_state"]])))
     # --qk-layernorm at TP > 1: the q/k norms' grads summed over TP (a column only then).
     qk = any(r.get("qk_layernorm_tp_all_reduce_bytes") for r in report["wire"])
     tables.append((
-        "Bytes sent per step by one rank of each stage",
+        "Bytes sent per step by one rank of each stage"
+        + (f" ({DDP_FOR_COMPARISON})" if config.get("sharded_dp") else ""),
         ["stage", "grad sync", "param all-gather", "embedding all-reduce", "pipeline p2p",
          "tensor parallel", *(["q/k norm TP all-reduce"] if qk else [])],
         collapse_stages([[str(r["stage"]), f"{format_bytes(r['grad_sync_bytes'])} ({r['grad_collective']})",
@@ -192,7 +200,7 @@ def sharded_tables(report: dict) -> Tables:
     shards = ", ".join(k.replace("_", " ") for k, v in sharded["shards"].items() if v) or "nothing"
     return [(f"{sharded['label']} in place of DDP (shards {shards} over DP x CP; on paper, "
              "unpadded; the twin reduces through a DDP buffer)",
-             ["stage", "chunk", "elements", "params", "grads", "master params", "Adam state",
+             ["stage", "chunk", "elements", "params", "grads", "master params", "optimizer state",
               "grad sync", "param all-gathers"],
              collapse_stages([[str(r["stage"]), str(r["chunk"]), f"{r['param_elements']:,}",
                                format_bytes(r["param_bytes"]), format_bytes(r["grad_bytes"]),

@@ -13,8 +13,11 @@ fully-sharded data-parallel classes in place of Megatron-Core's ``DistributedDat
 - ``--use-torch-fsdp2``: ``megatron/core/distributed/torch_fully_sharded_data_parallel.py
   TorchFullyShardedDataParallel``, torch's ``fully_shard`` on every ``TransformerLayer``,
   ``LanguageModelEmbedding``, ``RotaryEmbedding`` and ``tensor_parallel.ColumnParallelLinear``
-  (not the last under ``--transformer-impl local``), then on the whole chunk (:60-148): params,
-  grads and optimizer state all sharded over DP x CP.
+  (not the last under ``--transformer-impl local``, :114-121), then on the whole chunk
+  (:60-148): params, grads and optimizer state all sharded over DP x CP. Which modules are
+  units changes only which params share an all-gather, not the bytes :meth:`ShardedDPConfig.wire`
+  counts (every param gathered as if in a unit, an upper bound), so ``--transformer-impl`` is
+  not read for FSDP2 (without experts it is listed as ignored: flags.py ``MOE_ONLY``).
 
 Each rule here cites its line of ``megatron/training/arguments.py`` (validate_args); the rules
 run while the launch is resolved (:func:`resolve_sharded_dp`), so :mod:`verify.preflight.config`
@@ -42,9 +45,10 @@ STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 _SHARDS = {"no_shard": (False, False, False), "optim": (True, False, False),
            "optim_grads": (True, True, False), "optim_grads_params": (True, True, True)}
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-# Adam's two moments per element, fp32 (--exp-avg-dtype / --exp-avg-sq-dtype other than fp32
-# are refused as not modelled).
-ADAM_STATE_BYTES = 8
+# Bytes per element of one optimizer state tensor: fp32 (Adam's --exp-avg-dtype /
+# --exp-avg-sq-dtype other than fp32 are refused as not modelled; SGD's momentum buffer is a
+# zeros_like of the fp32 main param).
+STATE_TENSOR_BYTES = 4
 # validate_args asserts on the launch's environment, which preflight does not see.
 ENVIRONMENT_NOTE = ("Megatron-LM asserts CUDA_DEVICE_MAX_CONNECTIONS is unset or > 1 with "
                     "{impl} (validate_args:{line}: 'FSDP requires CUDA_DEVICE_MAX_CONNECTIONS > 1 "
@@ -150,11 +154,14 @@ class ShardedDPConfig:
         return 1.0 / dp_cp, "PREMUL_SUM", (f"Megatron-FSDP: NCCL PREMUL_SUM(1/{dp_cp}) in {wire} "
                                            f"over DP x CP = {dp_cp} (gradient_reduce_div_fusion)")
 
-    def memory(self, elements: int, n: int, params_dtype: str, adam: bool = True) -> dict:
+    def memory(self, elements: int, n: int, params_dtype: str, state_tensors: int) -> dict:
         """Bytes one rank holds for ``elements`` params over DP x CP = ``n`` ranks, sharded as
         :attr:`shards` says (an even 1/n share; the padding of the real buffers not counted):
         the model's params (``params_dtype``), the grads (``main_grads_dtype``), the master
-        params (``main_params_dtype``, none for ``auto``) and Adam's two fp32 moments."""
+        params (``main_params_dtype``, none for ``auto``) and the optimizer's ``state_tensors``
+        fp32 tensors (:attr:`verify.preflight.optimizer.OptimizerChoice.state_tensors`: Adam's
+        two moments, SGD's momentum buffer). ``optimizer_elements``: the elements the
+        optimizer steps on this rank."""
         shards = self.shards
         share = elements / n
         params = (share if shards["params"] else elements) * DTYPE_BYTES[params_dtype]
@@ -162,8 +169,9 @@ class ShardedDPConfig:
         state_elements = share if shards["optimizer_state"] else elements
         main = (0.0 if self.main_params_dtype is None
                 else state_elements * DTYPE_BYTES[self.main_params_dtype])
-        state = state_elements * ADAM_STATE_BYTES if adam else 0.0
+        state = state_elements * STATE_TENSOR_BYTES * state_tensors
         return {"param_bytes": params, "grad_bytes": grads, "main_param_bytes": main,
+                "optimizer_elements": state_elements,
                 "optimizer_state_bytes": state, "total_bytes": params + grads + main + state}
 
     def wire(self, elements: int, n: int, params_dtype: str, microbatches: int) -> dict:

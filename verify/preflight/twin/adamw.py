@@ -129,7 +129,8 @@ def optimizer_mapping(config: PreflightConfig, adamw: AdamWTwin | None,
     gather = "waited in forward pre-hooks" if config.overlap_param_gather else "right after the step"
     return (
         ("lr and weight-decay schedule", "--lr / --lr-warmup-* / --lr-decay-* / "
-         "--start-weight-decay ... (not read: the twin runs a schedule of its own)",
+         "--start-weight-decay ... (the twin runs a schedule of its own; preflight reads --lr "
+         "and --min-lr only for validate_args' --min-lr <= --lr)",
          schedule_text(adamw.schedule)),
         ("gradient clipping", clip,
          "none" if adamw.max_grad_norm is None else

@@ -33,6 +33,23 @@ def sharded_not_twinned(config: PreflightConfig) -> str | None:
             "reduce-scatter and param all-gathers are laid out on paper only")
 
 
+# The mapping rows whose production column describes Megatron-Core DDP's collectives.
+DDP_COLLECTIVE_ROWS = ("grad reduction", "param all-gather")
+DDP_FOR_COMPARISON = "DDP's, for comparison; the launch's own are in the fully-sharded table"
+
+
+def label_ddp_rows(mapping: tuple[tuple[str, str, str], ...], config: PreflightConfig,
+                   ) -> tuple[tuple[str, str, str], ...]:
+    """Under Megatron-FSDP or torch FSDP2, mark the production column of the rows that
+    describe DDP's collectives as DDP's (the launch's own are on paper, in the fully-sharded
+    table); ``mapping`` unchanged under DDP."""
+    if config.sharded_dp is None:
+        return mapping
+    return tuple((setting, f"{production} ({DDP_FOR_COMPARISON})", twin)
+                 if setting in DDP_COLLECTIVE_ROWS else (setting, production, twin)
+                 for setting, production, twin in mapping)
+
+
 # TP sums of two fp32 values are one rounding in any order: bitwise. Larger TP is scaled to 2.
 MAX_TWIN_TP = 2
 

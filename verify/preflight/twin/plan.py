@@ -38,6 +38,7 @@ from verify.preflight.twin.mapping import (
     MAX_TWIN_TP,
     context_parallel_rows,
     hybrid_rows,
+    label_ddp_rows,
     layers_row,
     left_out,
     moe_rows,
@@ -271,7 +272,7 @@ def plan_twin(config: PreflightConfig, options: TwinOptions, support: ModelSuppo
         *precision_mapping(config, precision),
         ("steps", "-", str(options.steps)),
     )
-    mapping = with_mxfp8_rows(mapping, config, mxfp8, vpp)
+    mapping = label_ddp_rows(with_mxfp8_rows(mapping, config, mxfp8, vpp), config)
     return TwinPlan(case=case, overlap=config.overlap_grad_reduce, world_size=world,
                     bitwise=bitwise, order_note=order_note, mapping=mapping,
                     not_twinned=tuple(not_twinned), training=mxfp8 if mxfp8 is not None else adamw)
