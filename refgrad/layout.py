@@ -19,6 +19,8 @@ import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from gradvocab.validation import int_at_least
+
 PARAM_START_ALIGNMENT = 64  # elements: 128 bytes for >= 16-bit params
 BUCKET_END_ALIGNMENT = 128  # elements: 256 bytes for >= 16-bit params
 HIGH_BUSBW_ALIGNMENT = 2**16  # elements: NCCL ring message-size divisibility
@@ -92,15 +94,7 @@ class Layout:
 
 def positive_int(value: object, name: str) -> int:
     """``value`` as an int; TypeError unless it is an integer (bool excluded), ValueError unless > 0."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got bool")
-    try:
-        as_int = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
-    if as_int <= 0:
-        raise ValueError(f"{name} must be positive, got {as_int}")
-    return as_int
+    return int_at_least(value, name, 1, rule="positive")
 
 
 def validate_layout_arguments(
