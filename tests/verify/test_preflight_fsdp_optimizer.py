@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 
 from tests.verify.preflight_launch import parsed_launch, preflight_config
+from tests.verify.test_preflight_sharded_dp import ELEMENTS, MEGATRON_FSDP, SMALL, TORCH_FSDP2
 from verify.preflight.cli import build_report
 from verify.preflight.config import ConfigError
 from verify.preflight.paper import (
@@ -29,19 +30,9 @@ from verify.preflight.timing import CostInputs
 from verify.preflight.twin import TwinOptions, plan_twin
 from verify.preflight.twin.mapping import DDP_FOR_COMPARISON
 
-# World 4 -> DP 4. Elements by hand (no biases, RMSNorm, no SwiGLU, kv channels 64 / 4 = 16):
-# per layer norm 64 + QKV (4 + 2 x 4) x 16 x 64 = 12,288 + proj 64 x 64 = 4,096 + norm 64 +
-# fc1 128 x 64 = 8,192 + fc2 8,192 = 32,896; two layers 65,792, final norm 64, embedding
-# 128 x 64 = 8,192, untied output layer 8,192: 82,240; a rank's even quarter 20,560.
-ELEMENTS, SHARE = 82_240, 20_560
-SMALL = ["--world-size", "4", "--num-layers", "2", "--hidden-size", "64",
-         "--num-attention-heads", "4", "--ffn-hidden-size", "128", "--seq-length", "16",
-         "--max-position-embeddings", "16", "--padded-vocab-size", "128",
-         "--position-embedding-type", "rope", "--normalization", "RMSNorm",
-         "--disable-bias-linear", "--untie-embeddings-and-output-weights",
-         "--micro-batch-size", "1", "--global-batch-size", "8", "--bf16"]
-TORCH_FSDP2 = [*SMALL, "--use-torch-fsdp2", "--no-gradient-accumulation-fusion"]
-MEGATRON_FSDP = [*SMALL, "--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"]
+# The small launch of test_preflight_sharded_dp (ELEMENTS derived by hand there) at world 4 ->
+# DP 4: a rank's even quarter of its 82,240 elements is 20,560.
+SHARE = ELEMENTS // 4
 SGD = ["--optimizer", "sgd", "--lr", "0.1"]
 
 
