@@ -24,6 +24,22 @@ from verify.checks.optim import CHECK as OPTIM
 from verify.checks.reduce_scatter import CHECK as REDUCE_SCATTER
 
 
+@pytest.mark.parametrize("bucket_cap_mb", [None, 25, 1, 0.001, 0.5])
+def test_bucket_caps_without_torch_213s_config_are_the_configs(monkeypatch, bucket_cap_mb):
+    """torch before 2.13 has no _BucketCapacityConfig; the caps derived from its constructor's
+    rule must be the ones torch 2.13's config gives (where this torch has it)."""
+    import torch.nn.parallel.distributed as ddp_module
+
+    if not hasattr(ddp_module, "_BucketCapacityConfig"):
+        pytest.skip(f"torch {torch.__version__} has no _BucketCapacityConfig to compare with")
+    from verify.candidates.torch_ddp.layout import bucket_caps
+
+    own = ddp_module._BucketCapacityConfig.create(bucket_cap_mb, None, False)
+    assert bucket_caps(bucket_cap_mb) == (own.first_bucket_bytes_cap, own.bucket_bytes_cap)
+    monkeypatch.delattr(ddp_module, "_BucketCapacityConfig")
+    assert bucket_caps(bucket_cap_mb) == (own.first_bucket_bytes_cap, own.bucket_bytes_cap)
+
+
 def test_registered_with_the_techniques_they_lack():
     assert CANDIDATES["torch-ddp"] is TorchDDPCandidate
     assert CANDIDATES["torch-fsdp2"] is TorchFSDP2Candidate

@@ -1,8 +1,8 @@
 """torch DDP's buckets behind :mod:`verify.candidates.interfaces`.
 
 * :meth:`TorchDDPLayout.layouts`: the buckets a ``DistributedDataParallel`` rebuilds after its
-  first iteration, from torch's own functions: ``_BucketCapacityConfig.create`` (the caps
-  from ``bucket_cap_mb``) and ``dist._compute_bucket_assignment_by_size`` called as
+  first iteration, from torch's own functions: the caps from ``bucket_cap_mb``
+  (:func:`bucket_caps`) and ``dist._compute_bucket_assignment_by_size`` called as
   ``Reducer::rebuild_buckets`` calls it (the params in the order their grads became ready,
   here the reverse of registration, limits ``[first_bucket_bytes_cap, bucket_bytes_cap]``),
   on meta tensors of fp32 params; the params of a bucket back to back in its order
@@ -42,15 +42,31 @@ NO_BUFFER = ("torch-ddp keeps its buckets inside its C++ Reducer: no padded buff
              "while it trains instead)")
 
 
+def bucket_caps(bucket_cap_mb: float | None) -> tuple[int, int]:
+    """The Reducer's (first bucket, other buckets) byte caps for DDP's ``bucket_cap_mb``.
+
+    torch 2.13 computes them in ``_BucketCapacityConfig.create``, used here where torch has
+    it. Earlier releases (2.11 and 2.12: the lent GPU node runs 2.11) compute the same two
+    numbers inline in ``DistributedDataParallel.__init__`` and ``_ddp_init_helper``: 25 MiB
+    when ``bucket_cap_mb`` is None, and then ``dist._DEFAULT_FIRST_BUCKET_BYTES`` for the
+    first bucket; a cap the user gave for both otherwise.
+    """
+    import torch.nn.parallel.distributed as ddp_module
+
+    config = getattr(ddp_module, "_BucketCapacityConfig", None)
+    if config is not None:
+        caps = config.create(bucket_cap_mb, None, False)
+        return caps.first_bucket_bytes_cap, caps.bucket_bytes_cap
+    cap = int((25 if bucket_cap_mb is None else bucket_cap_mb) * 1024 * 1024)
+    return (dist._DEFAULT_FIRST_BUCKET_BYTES if bucket_cap_mb is None else cap), cap
+
+
 def rebuilt_layout(case: LayoutCase) -> Layout:
     """DDP's buckets for ``case`` (fp32 params), from torch's own bucket assignment."""
-    from torch.nn.parallel.distributed import _BucketCapacityConfig
-
-    caps = _BucketCapacityConfig.create(case.ddp_bucket_cap_mb, None, False)
     params = [torch.empty(n, device="meta") for n in case.numels]
     ready = list(reversed(range(len(params))))
     buckets, _ = dist._compute_bucket_assignment_by_size(
-        [params[i] for i in ready], [caps.first_bucket_bytes_cap, caps.bucket_bytes_cap],
+        [params[i] for i in ready], list(bucket_caps(case.ddp_bucket_cap_mb)),
         [False] * len(params), ready)
     index_map: dict[int, tuple[int, int, int]] = {}
     bounds = []
