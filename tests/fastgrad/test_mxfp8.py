@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -12,6 +11,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from triton_interpreter import missing_reason
 
 from fastgrad import mxfp8 as fast
 from refgrad import mxfp8 as ref
@@ -199,7 +199,7 @@ def test_triton_not_used_on_cpu():
     assert not fast.triton_usable(torch.zeros(32), 32)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.skipif(missing_reason() is not None, reason=str(missing_reason()))
 def test_triton_kernel_logic_in_interpreter():
     """TRITON_INTERPRET=1 runs the kernel on CPU; faithful for its integer/fp32 logic.
 
