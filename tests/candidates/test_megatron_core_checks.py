@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from verify.candidates.megatron_core.version import missing_reason
+from verify.check import CheckContext
 
 pytestmark = pytest.mark.skipif(missing_reason() is not None, reason=str(missing_reason()))
 
@@ -25,7 +26,6 @@ if missing_reason() is None:
     from verify.candidates.megatron_core.bucket_layout import MegatronLayout
     from verify.candidates.megatron_core.candidate import DOCUMENTED, MegatronCoreCandidate
     from verify.candidates.megatron_core.pipeline_training import MegatronPipeline
-    from verify.check import CheckContext
 
     @dataclass(frozen=True)
     class ScaledBucketPipeline(MegatronPipeline):
