@@ -74,6 +74,44 @@ def test_formats_check_fails_for_truncating_bf16_cast():
     assert all("bfloat16" in label for label in failed)
 
 
+def non_saturating_e4m3fn_cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """torch's e4m3fn cast as releases before 2.13 made it, by OCP FP8's non-saturating rule:
+    a value whose magnitude passes 464 (448 + half its ULP; 464 itself ties to even, 448),
+    or is infinite, becomes NaN with the input's sign (S.1111.111). Hand-derived, so that
+    the check's pre-2.13 expectations are exercised on any torch."""
+    out = t.to(dtype)
+    if dtype != torch.float8_e4m3fn:
+        return out
+    overflow = t.to(torch.float32).abs() > 464  # exact widening; False for NaN
+    nan_bits = torch.where(t < 0, 0xFF, 0x7F).to(torch.uint8)
+    return torch.where(overflow, nan_bits, out.view(torch.uint8)).view(dtype)
+
+
+def _e4m3fn_labels(result) -> list[str]:
+    return [label for label in result.failed_labels() if "float8_e4m3fn" in label]
+
+
+def test_formats_check_holds_each_torch_release_to_its_own_e4m3fn_overflow():
+    """Before 2.13 torch's e4m3fn cast gives NaN past 448, from 2.13 on it saturates: the
+    check expects the running release's policy, and fails on the other one's, for e4m3fn's
+    torch comparisons only."""
+    this_release_saturates = torch.tensor([1000.0]).to(torch.float8_e4m3fn).view(torch.uint8) == 0x7E
+    other_release = "2.12.1" if bool(this_release_saturates) else "2.13.0"
+    claimed = _run_formats(torch_version=other_release)
+    assert not claimed.passed
+    assert claimed.failed_labels() == _e4m3fn_labels(claimed)
+    assert any("float32->float8_e4m3fn: torch vs rounding rule" in x for x in claimed.failed_labels())
+
+    emulated_old = _run_formats(cast=non_saturating_e4m3fn_cast, torch_version="2.11.0")
+    assert emulated_old.error is None, emulated_old.error
+    assert emulated_old.passed, emulated_old.failed_labels()
+    assert any("float8_e4m3fn of inf: torch 0x7f" in n and "absent before torch 2.13" in n
+               and "as recorded" in n for n in emulated_old.notes)
+    wrongly_new = _run_formats(cast=non_saturating_e4m3fn_cast, torch_version="2.13.0")
+    assert not wrongly_new.passed
+    assert wrongly_new.failed_labels() == _e4m3fn_labels(wrongly_new)
+
+
 def _run_metrics(**candidates):
     return check_by_name("metrics").execute(QUICK, MetricsCandidate(**candidates))
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 import torch
+from torch.torch_version import Version
 
 from refgrad import formats as F
 from verify.check import Check, CheckContext, CheckRecorder
@@ -60,6 +61,29 @@ def torch_cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype)
 
 
+# torch's float32 -> float8_e4m3fn cast past the largest finite value (448). Up to 2.12.x it
+# is OCP FP8's non-saturating conversion: NaN (S.1111.111), for inf too. PyTorch PR #178817
+# ("Properly saturate E4M3 on finite-overflow on CPU/C++ conversion code", merged
+# 2026-04-17) made it saturate to ±448; torch 2.13.0 is the first release with it. Read in
+# torch/headeronly/util/Float8_e4m3fn.h of the 2.11.0, 2.12.0, 2.12.1 and 2.13.0 wheels, and
+# seen on the CPU in 2.11.0 and 2.13.0.
+FIRST_TORCH_SATURATING_E4M3FN = (2, 13)
+
+
+def torch_release(torch_version: str) -> tuple[int, int]:
+    """(major, minor) of a torch version string; a pre-release (``2.13.0a0+...``, as NGC
+    containers ship) counts as its release."""
+    release = Version(torch_version).release
+    return release[0], release[1] if len(release) > 1 else 0
+
+
+def torch_cast_overflow(fmt: F.FloatFormat, torch_version: str) -> str:
+    """The overflow policy of torch's float32 cast to ``fmt`` in that torch release."""
+    if fmt.name == "float8_e4m3fn" and torch_release(torch_version) < FIRST_TORCH_SATURATING_E4M3FN:
+        return "nan"
+    return fmt.default_overflow
+
+
 @dataclass(frozen=True)
 class CastCandidates:
     """float32 inputs for a cast to ``fmt`` and the bits correct rounding must give."""
@@ -70,23 +94,27 @@ class CastCandidates:
     kinds: tuple[str, ...]  # one label per value: "exact", "tie", "above", "below"
 
 
-def _overflow_bits(fmt: F.FloatFormat, negative: bool) -> int:
+def _overflow_bits(fmt: F.FloatFormat, negative: bool, overflow: str) -> int:
     sign = fmt.sign_bit if negative else 0
-    if fmt.default_overflow == "inf":
+    if overflow == "inf":
         return sign | (((1 << fmt.exponent_bits) - 1) << fmt.mantissa_bits)
-    if fmt.default_overflow == "saturate":
+    if overflow == "saturate":
         return sign | fmt.max_finite_bits
     return fmt.canonical_nan_bits
 
 
-def float32_cast_candidates(fmt: F.FloatFormat, patterns: torch.Tensor) -> CastCandidates:
+def float32_cast_candidates(
+    fmt: F.FloatFormat, patterns: torch.Tensor, overflow: str | None = None
+) -> CastCandidates:
     """Build values at, between and around the given positive finite patterns of ``fmt``.
 
     ``patterns`` are int64 positive finite patterns (<= ``fmt.max_finite_bits``).
     For each pattern p with upper neighbour p+1: the value of p, the midpoint,
     and the float32 neighbours of the midpoint; for signed formats the negated
     values too. Values come from torch's widening to float64, which is exact.
+    ``overflow`` is the policy past the largest finite value (default: the format's).
     """
+    overflow = fmt.default_overflow if overflow is None else overflow
     if patterns.numel() and int(patterns.max()) > fmt.max_finite_bits:
         raise ValueError(f"patterns must be <= max_finite_bits ({fmt.max_finite_bits:#x})")
     dtype = fmt.torch_dtype
@@ -102,7 +130,8 @@ def float32_cast_candidates(fmt: F.FloatFormat, patterns: torch.Tensor) -> CastC
     above = torch.nextafter(midpoint, torch.full_like(midpoint, float("inf")))
     below = torch.nextafter(midpoint, torch.full_like(midpoint, float("-inf")))
 
-    upper_bits = torch.where(at_top, torch.full_like(patterns, _overflow_bits(fmt, False)), patterns + 1)
+    upper_bits = torch.where(at_top, torch.full_like(patterns, _overflow_bits(fmt, False, overflow)),
+                             patterns + 1)
     if fmt.name == "float8_e8m0fnu":
         tie_bits = upper_bits  # documented tie rule: 1.5·2^k rounds up
     else:
@@ -147,8 +176,9 @@ class KnownTorchBehaviour:
 
     ``correct_bits`` is refgrad's ``round_to_bits(target, example, overflow)``;
     ``None`` when the value has no encoding in the target (refgrad raises).
-    ``torch_bits`` is what torch 2.13 (CPU) returns for ``example`` held in
-    ``source_dtype`` and cast with ``.to(target_dtype)``.
+    ``torch_bits`` is what torch (CPU) returns for ``example`` held in ``source_dtype`` and
+    cast with ``.to(target_dtype)``: in every release seen (2.11 to 2.13) where ``since`` is
+    None, else from release ``since`` on; before it torch gives ``correct_bits``.
     """
 
     name: str
@@ -159,12 +189,26 @@ class KnownTorchBehaviour:
     correct_bits: int | None
     overflow: str | None
     explanation: str
+    since: tuple[int, int] | None = None
 
-    def torch_result(self) -> int:
+    def __post_init__(self) -> None:
+        if self.since is not None and self.correct_bits is None:
+            raise ValueError(f"{self.name}: since= needs correct_bits, what torch gave before it")
+
+    def present_in(self, torch_version: str) -> bool:
+        """Whether that torch release behaves so (else it gives ``correct_bits``)."""
+        return self.since is None or torch_release(torch_version) >= self.since
+
+    def expected_torch_bits(self, torch_version: str) -> int | None:
+        """What that torch release is recorded to return for ``example``."""
+        return self.torch_bits if self.present_in(torch_version) else self.correct_bits
+
+    def torch_result(self, cast: CastFunction = torch_cast) -> int:
+        """The bits ``cast`` (torch's own by default) gives for ``example``."""
         source = torch.tensor([self.example], dtype=getattr(torch, self.source_dtype))
         if source.item() != self.example and self.example == self.example:
             raise ValueError(f"{self.name}: example {self.example!r} is not exact in {self.source_dtype}")
-        return int(F.tensor_bit_patterns(source.to(getattr(torch, self.target_dtype)))[0])
+        return int(F.tensor_bit_patterns(cast(source, getattr(torch, self.target_dtype)))[0])
 
     def refgrad_result(self, round_to_bits: RoundFunction = F.round_to_bits) -> int | None:
         fmt = F.format_of(self.target_dtype)
@@ -230,13 +274,16 @@ KNOWN_TORCH_BEHAVIOURS: tuple[KnownTorchBehaviour, ...] = (
         "float32 out of range->float8_e4m3fn saturates", "float32", "float8_e4m3fn",
         1000.0, 0x7E, 0x7F, "nan",
         "torch saturates to 448 (refgrad's default policy for e4m3fn, the MX element rule); "
-        "the OCP FP8 non-saturating conversion (overflow='nan') gives NaN 0x7F.",
+        "the OCP FP8 non-saturating conversion (overflow='nan') gives NaN 0x7F, as torch did "
+        "before 2.13 (PyTorch PR #178817).",
+        since=FIRST_TORCH_SATURATING_E4M3FN,
     ),
     KnownTorchBehaviour(
         "float32 inf->float8_e4m3fn saturates", "float32", "float8_e4m3fn",
         float("inf"), 0x7E, 0x7F, "nan",
         "e4m3fn has no infinity; torch maps +inf to 448 (saturate, like PTX satfinite), the "
-        "non-saturating OCP conversion gives NaN 0x7F.",
+        "non-saturating OCP conversion gives NaN 0x7F, as torch did before 2.13.",
+        since=FIRST_TORCH_SATURATING_E4M3FN,
     ),
 )
 
@@ -281,9 +328,19 @@ def _compare_cast(
     values: torch.Tensor,
     cast: CastFunction,
 ) -> None:
-    """Bitwise comparison of expected bits with the cast of float32 ``values``."""
+    """Bitwise comparison of expected bits with the cast of float32 ``values``.
+
+    Where the rule gives NaN, the cast must give a NaN, of either sign: torch keeps the
+    input's sign on the NaN of an e4m3fn overflow (OCP's S.1111.111), refgrad returns one
+    canonical NaN, and a NaN's sign carries no value (as for the NaN payloads below).
+    """
     candidate = cast(values, fmt.torch_dtype)
-    rec.compare(label, F.tensor_from_bit_patterns(expected, fmt.torch_dtype), candidate)
+    wanted = F.tensor_from_bit_patterns(expected, fmt.torch_dtype)
+    nan = torch.isnan(wanted.to(torch.float32))  # widening keeps NaN, exactly
+    rec.compare(label, wanted[~nan], candidate[~nan])
+    if bool(nan.any()):
+        rec.expect(f"{label}: NaN where the rule gives NaN ({int(nan.sum())} values)",
+                   bool(torch.isnan(candidate[nan].to(torch.float32)).all()))
 
 
 def _sample(patterns: torch.Tensor, size: int, rng: random.Random) -> torch.Tensor:
@@ -313,6 +370,7 @@ class FormatsCandidate:
 
     round_to_bits: RoundFunction = F.round_to_bits
     cast: CastFunction = torch_cast
+    torch_version: str = str(torch.__version__)  # the release whose cast policies apply
 
     @classmethod
     def default(cls) -> FormatsCandidate:
@@ -322,7 +380,7 @@ class FormatsCandidate:
 
 def run(ctx: CheckContext, rec: CheckRecorder, candidate: FormatsCandidate) -> None:
     """The ``formats`` check: round trips, the rounding rule, and torch's float32 casts."""
-    round_to_bits, cast = candidate.round_to_bits, candidate.cast
+    round_to_bits, cast, version = candidate.round_to_bits, candidate.cast, candidate.torch_version
     rng = random.Random(ctx.seed)
 
     # 1. Round trips.
@@ -341,7 +399,8 @@ def run(ctx: CheckContext, rec: CheckRecorder, candidate: FormatsCandidate) -> N
     for offset, fmt in enumerate(FLOAT32_CAST_TARGETS):
         every = positive_finite_patterns(fmt)
         torch_patterns = _sample(every, 2048, rng) if ctx.quick else every
-        constructed = float32_cast_candidates(fmt, torch_patterns)
+        torch_overflow = torch_cast_overflow(fmt, version)
+        constructed = float32_cast_candidates(fmt, torch_patterns, torch_overflow)
         keep = outside_known_torch_behaviours(fmt, constructed.values)
         excluded += int((~keep).sum())
         _compare_cast(
@@ -368,7 +427,7 @@ def run(ctx: CheckContext, rec: CheckRecorder, candidate: FormatsCandidate) -> N
         finite = randoms[~nan_input]
         _compare_cast(
             rec, f"float32->{fmt.name}: torch vs refgrad ({finite.numel()} random values)",
-            fmt, refgrad_round_float32(fmt, finite, None, round_to_bits), finite, cast,
+            fmt, refgrad_round_float32(fmt, finite, torch_overflow, round_to_bits), finite, cast,
         )
         nan_out_torch = torch.isnan(cast(randoms[nan_input], fmt.torch_dtype).to(torch.float32))
         nan_out_ref = [
@@ -379,13 +438,16 @@ def run(ctx: CheckContext, rec: CheckRecorder, candidate: FormatsCandidate) -> N
             f"float32->{fmt.name}: NaN inputs give NaN in torch and refgrad",
             bool(nan_out_torch.all()) and all(nan_out_ref),
         )
-        rows.append([fmt.name, n_constructed, subset.values.numel(), randoms.numel()])
+        rows.append([fmt.name, torch_overflow, n_constructed, subset.values.numel(),
+                     randoms.numel()])
     rec.table(
         "float32 -> narrow casts compared",
-        ["target", "torch vs rule (values)", "refgrad vs rule (values)", "random values"],
+        ["target", f"torch {version} overflow", "torch vs rule (values)",
+         "refgrad vs rule (values)", "random values"],
         rows,
         [
-            "rule = the bits implied by nearest/ties-to-even and the overflow policy",
+            "rule = the bits implied by nearest/ties-to-even and the overflow policy (torch's "
+            "for its casts; refgrad's default for refgrad); a NaN matches a NaN of either sign",
             f"{excluded} inputs excluded as known torch behaviours (e8m0: zero, negative, "
             "float32 subnormals in (2^-127, 1.5·2^-127))",
         ],
@@ -409,14 +471,17 @@ def run(ctx: CheckContext, rec: CheckRecorder, candidate: FormatsCandidate) -> N
     rows = []
     for known in KNOWN_TORCH_BEHAVIOURS:
         refgrad_bits = known.refgrad_result(round_to_bits)
-        torch_bits = known.torch_result()
+        torch_bits = known.torch_result(cast)
+        recorded = known.expected_torch_bits(version)
         rec.expect(
             f"known behaviour '{known.name}': refgrad gives the correctly rounded result",
             refgrad_bits == known.correct_bits,
             f"refgrad {refgrad_bits!r}, recorded {known.correct_bits!r}",
         )
-        status = "as recorded" if torch_bits == known.torch_bits else (
-            f"CHANGED: torch now gives {torch_bits:#04x} (recorded {known.torch_bits:#04x})"
+        absent = "" if known.present_in(version) else (
+            f", absent before torch {known.since[0]}.{known.since[1]}")
+        status = f"as recorded{absent}" if torch_bits == recorded else (
+            f"CHANGED: torch {version} gives {torch_bits:#04x} (recorded {recorded:#04x}{absent})"
         )
         correct = "no encoding" if known.correct_bits is None else f"{known.correct_bits:#04x}"
         rec.note(
@@ -427,7 +492,7 @@ def run(ctx: CheckContext, rec: CheckRecorder, candidate: FormatsCandidate) -> N
         )
         rows.append([known.name, repr(known.example), f"{torch_bits:#04x}", correct, status])
     rec.table(
-        "Known torch cast behaviours (torch 2.13 CPU)",
+        f"Known torch cast behaviours (torch {version}, CPU)",
         ["behaviour", "example", "torch bits", "correct bits", "status"],
         rows,
     )
