@@ -1,20 +1,32 @@
 #!/usr/bin/env bash
-# The Megatron-Core tests on megatron-core 0.19.2 (what `tox -e megatron019` runs), on a fresh
-# machine: create (or reuse) .venv-mcore019 on Python 3.12 with torch==2.13.0,
-# megatron-core==0.19.2 and gradverify's [test] extra, then run tests/candidates and the
-# preflight twin's Megatron-Core test in it. Extra arguments go to pytest.
+# The second test leg (what `tox -e megatron019` runs), on a fresh machine: the Megatron-Core
+# tests on megatron-core 0.19.2, and the tests whose answers depend on the torch, Triton and
+# NumPy releases, on the software of the lent GPU node (H200): Python 3.12, torch 2.11.0 (its
+# CUDA build, which runs on the CPU), Triton 3.6.0 and NumPy 2.5.2. Creates (or reuses)
+# .venv-mcore019 with those, megatron-core==0.19.2 and gradverify's [test] extra. The main leg
+# runs everything on torch 2.13.0, so the two legs span the releases users train with. Extra
+# arguments go to pytest.
 #
-#   VENV   where the environment lives (default: .venv-mcore019 in the repository)
-#   PYTHON a Python 3.12 interpreter (default: python3.12 on PATH, else pyenv's
-#          /root/.pyenv/versions/3.12.*/bin/python)
+#   VENV               where the environment lives (default: .venv-mcore019 in the repository)
+#   PYTHON             a Python 3.12 interpreter (default: python3.12 on PATH, else pyenv's
+#                      /root/.pyenv/versions/3.12.*/bin/python)
+#   GRADVERIFY_TORCH_019  the torch version of this leg (default 2.11.0, the GPU node's)
 #
-# megatron-core 0.17 on ships Python 3.12 wheels only, and torch 2.13.0 for Python 3.12 comes
-# from the registry as its CUDA build (about 4.7 GB installed; it runs on the CPU): the first
-# run installs for several minutes, later runs reuse the environment.
+# megatron-core 0.17 on ships Python 3.12 wheels only, and torch for Python 3.12 comes from the
+# registry as its CUDA build (about 4.7 GB installed): the first run installs for several
+# minutes, later runs reuse the environment.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${VENV:-$repo/.venv-mcore019}"
 megatron_core="0.19.2"
+torch_version="${GRADVERIFY_TORCH_019:-2.11.0}"
+# The lent GPU node's other versions; torch 2.11.0 itself requires Triton 3.6.0.
+numpy_version="2.5.2"
+# Tests whose expectations depend on the torch/Triton/NumPy release: torch's float8 casts
+# (e4m3fn saturates from torch 2.13), Triton's interpreter (NumPy 2.4 broke it before 3.7),
+# torch DDP's private bucket config (2.13 only), the CLI's candidates and versions.
+stack_tests=(tests/refgrad/test_formats.py tests/verify/test_checks_formats_metrics.py
+  tests/fastgrad/test_mxfp8.py tests/fastgrad/test_reduce_scatter.py tests/verify/test_cli.py)
 
 is_python312() {
   "$1" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' >/dev/null 2>&1
@@ -55,17 +67,18 @@ installed() {  # the installed version of a distribution, or nothing
 try: print(m.version(sys.argv[1]))
 except m.PackageNotFoundError: pass" "$1"
 }
-if [ "$(installed torch)" != "2.13.0" ]; then
-  echo "test-megatron-019: installing torch==2.13.0 (Python 3.12: the CUDA build, ~4.7 GB)" >&2
-  "${pip[@]}" install "torch==2.13.0"
+if [ "$(installed torch)" != "$torch_version" ]; then
+  echo "test-megatron-019: installing torch==$torch_version (Python 3.12: the CUDA build, ~4.7 GB)" >&2
+  "${pip[@]}" install "torch==$torch_version"
 fi
 if [ "$(installed megatron-core)" != "$megatron_core" ]; then
   echo "test-megatron-019: installing megatron-core==$megatron_core" >&2
   "${pip[@]}" install "megatron-core==$megatron_core"
 fi
-"${pip[@]}" install -e "${repo}[test]"
+"${pip[@]}" install -e "${repo}[test]" "numpy==$numpy_version"
 
 cd "$repo"
 echo "test-megatron-019: $("$venv/bin/python" --version), torch $(installed torch)," \
-     "megatron-core $(installed megatron-core)" >&2
-exec "$venv/bin/python" -m pytest -n auto tests/candidates tests/verify/test_preflight_twin_megatron.py "$@"
+     "triton $(installed triton), numpy $(installed numpy), megatron-core $(installed megatron-core)" >&2
+exec "$venv/bin/python" -m pytest -n auto tests/candidates tests/verify/test_preflight_twin_megatron.py \
+  "${stack_tests[@]}" "$@"

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Test suite on a fresh machine: set up .venv with the test extras, then run every
 # test (unit, property, multi-rank gloo; GPU tests skip without CUDA) in parallel, with
-# megatron-core 0.16.x (Python 3.11); then the Megatron-Core tests again on megatron-core
-# 0.19.2 (Python 3.12, scripts/test-megatron-019.sh). GRADVERIFY_MEGATRON_019=0 skips that
-# second leg (it installs torch's CUDA build for Python 3.12, ~4.7 GB, on its first run).
+# megatron-core 0.16.x (Python 3.11, torch 2.13.0); then the second leg
+# (scripts/test-megatron-019.sh): the Megatron-Core tests on megatron-core 0.19.2 and the
+# tests that depend on the torch/Triton/NumPy release, on the lent GPU node's software
+# (Python 3.12, torch 2.11.0). GRADVERIFY_MEGATRON_019=0 skips that second leg (it installs
+# torch's CUDA build for Python 3.12, ~4.7 GB, on its first run).
 # Extra arguments go to the first pytest.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
