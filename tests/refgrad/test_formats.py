@@ -6,7 +6,7 @@ IEEE-like, max 57344) and OCP MX v1.0 (E8M0: unsigned, bias 127, no zero, no
 inf, NaN 0xFF). Every expected value here is derived by hand from those rules
 or from torch's *widening* casts (exact by construction); where torch's
 narrowing casts are not correctly rounded, the test records the exact torch
-result as a known behaviour (``verify.checks.formats.KNOWN_TORCH_BEHAVIOURS``).
+result as a known behaviour (``verify.torch_casts.KNOWN_TORCH_BEHAVIOURS``).
 """
 
 from __future__ import annotations
@@ -22,20 +22,29 @@ from refgrad import formats as F
 from refgrad.formats import tensor_bit_patterns as bits_of
 from refgrad.formats import tensor_from_bit_patterns as tensor_from_bits
 from verify.checks.formats import (
-    E8M0_TORCH_SUBNORMAL_ROUND_UP,
-    KNOWN_TORCH_BEHAVIOURS,
     float32_cast_candidates,
-    outside_known_torch_behaviours,
     positive_finite_patterns,
     refgrad_round_float32,
-    torch_cast_overflow,
 )
 from verify.metrics import assert_bitwise_equal
+from verify.torch_casts import (
+    E8M0_TORCH_SUBNORMAL_ROUND_UP,
+    KNOWN_TORCH_BEHAVIOURS,
+    observed_overflow,
+    outside_known_torch_behaviours,
+    torch_cast_overflow,
+)
 
 TWO = Fraction(2)
 # What this torch's casts do past a format's largest finite value (torch 2.13 made e4m3fn
-# saturate; earlier releases give NaN: verify.checks.formats.torch_cast_overflow).
+# saturate; earlier releases give NaN: verify.torch_casts.torch_cast_overflow).
 TORCH = str(torch.__version__)
+
+
+def torch_policy(fmt: F.FloatFormat) -> str:
+    """This torch's overflow policy for ``fmt``: its release's, or for a 2.13.0 alpha (which
+    the version cannot place) the one its cast shows, as the formats check does."""
+    return torch_cast_overflow(fmt, TORCH) or observed_overflow(fmt)
 
 SMALL_FORMATS = (F.FLOAT16, F.BFLOAT16, F.FLOAT8_E4M3FN, F.FLOAT8_E5M2, F.FLOAT8_E8M0FNU)
 EIGHT_BIT = (F.FLOAT8_E4M3FN, F.FLOAT8_E5M2, F.FLOAT8_E8M0FNU)
@@ -486,7 +495,7 @@ def test_cast_candidates_hand_examples():
 
 @pytest.mark.parametrize("fmt", SMALL_FORMATS, ids=lambda f: f.name)
 def test_torch_float32_casts_follow_rounding_rule_all_patterns(fmt):
-    c = float32_cast_candidates(fmt, positive_finite_patterns(fmt), torch_cast_overflow(fmt, TORCH))
+    c = float32_cast_candidates(fmt, positive_finite_patterns(fmt), torch_policy(fmt))
     keep = outside_known_torch_behaviours(fmt, c.values)
     torch_bits = bits_of(c.values[keep].to(fmt.torch_dtype))
     expected = c.expected_bits[keep]
@@ -541,7 +550,7 @@ def test_refgrad_matches_torch_on_random_float32(fmt):
     values = values[outside_known_torch_behaviours(fmt, values) | torch.isnan(values)]
     torch_out = values.to(fmt.torch_dtype)
     torch_bits = bits_of(torch_out).tolist()
-    ref_bits = refgrad_round_float32(fmt, values, torch_cast_overflow(fmt, TORCH)).tolist()
+    ref_bits = refgrad_round_float32(fmt, values, torch_policy(fmt)).tolist()
     for x, t, r in zip(values.tolist(), torch_bits, ref_bits):
         if math.isnan(x) or F.is_nan_bits(fmt, r):  # a NaN's sign is torch's detail
             assert F.is_nan_bits(fmt, t) and F.is_nan_bits(fmt, r), f"{fmt.name}: {x!r}"
@@ -586,7 +595,7 @@ def test_refgrad_fp16_bf16_to_fp8_sample():
         for target in (F.FLOAT8_E4M3FN, F.FLOAT8_E5M2):
             got = bits_of(x.to(target.torch_dtype)).tolist()
             for value, t in zip(F.decode_tensor(x), got):
-                r = F.round_to_bits(target, value, torch_cast_overflow(target, TORCH))
+                r = F.round_to_bits(target, value, torch_policy(target))
                 assert (F.is_nan_bits(target, t) and F.is_nan_bits(target, r)) or t == r
 
 
@@ -615,8 +624,8 @@ def test_torch_float64_casts_round_twice_through_float32(fmt):
         via_float32 = F.round_to_value(F.FLOAT32, x)
         if fmt is F.FLOAT8_E8M0FNU and (x <= 0 or 2.0**-127 < x < 1.5 * 2.0**-127):
             continue
-        assert t == F.round_to_bits(fmt, via_float32), f"{fmt.name} {x!r}"
-        disagreements += t != F.round_to_bits(fmt, x)
+        assert t == F.round_to_bits(fmt, via_float32, torch_policy(fmt)), f"{fmt.name} {x!r}"
+        disagreements += t != F.round_to_bits(fmt, x, torch_policy(fmt))
     # Most adversarial inputs are misrounded (those whose tie already rounds the right way
     # are not), so the double rounding is really exercised.
     assert disagreements >= 100
@@ -635,19 +644,26 @@ def test_float64_to_float32_is_correctly_rounded():
 @pytest.mark.parametrize("known", KNOWN_TORCH_BEHAVIOURS, ids=lambda k: k.name)
 def test_known_torch_behaviour_is_exactly_as_recorded(known):
     # If torch changes, this fails: update the record (and the findings it feeds).
-    assert known.torch_result() == known.expected_torch_bits(TORCH)
+    assert known.torch_result() == known.expected_torch_bits(
+        torch_policy(F.format_of(known.target_dtype)))
     assert known.refgrad_result() == known.correct_bits
     assert known.torch_bits != known.correct_bits
 
 
 # (torch version, e4m3fn overflow policy): from each wheel's
-# torch/headeronly/util/Float8_e4m3fn.h; 2.11.0 and 2.13.0 also seen casting on the CPU.
+# torch/headeronly/util/Float8_e4m3fn.h (2.11.0 and 2.13.0 also seen casting on the CPU), and
+# PyTorch PR #178817's merge on 2026-04-17 for the 2.13.0 nightlies; None: cannot tell.
 E4M3FN_OVERFLOW_BY_RELEASE = [
     ("2.11.0+cu130", "nan"),  # the lent H200's torch
     ("2.12.0", "nan"),
+    ("2.12.0rc1", "nan"),
     ("2.12.1+cu130", "nan"),
-    ("2.13.0+cpu", "saturate"),  # PyTorch PR #178817, first released here
-    ("2.13.0a0+gitabc.nv26.10", "saturate"),  # a pre-release counts as its release
+    ("2.13.0.dev20260417+cpu", "nan"),  # a nightly built before the merge
+    ("2.13.0.dev20260418", "saturate"),  # and after
+    ("2.13.0a0+gitabc.nv26.05", None),  # a source build: before or after the merge
+    ("2.13.0rc2", "saturate"),  # cut from the 2.13 branch, months after the merge
+    ("2.13.0+cpu", "saturate"),
+    ("2.14.0a0+gitdef", "saturate"),
     ("2.14.1", "saturate"),
     ("3.0", "saturate"),
 ]
@@ -660,13 +676,20 @@ def test_torch_cast_overflow_follows_the_release(version, policy):
         assert torch_cast_overflow(fmt, version) == fmt.default_overflow  # no change seen
 
 
-def test_known_behaviours_absent_before_their_release_give_the_correct_bits():
-    saturating = [k for k in KNOWN_TORCH_BEHAVIOURS if k.since is not None]
+@pytest.mark.parametrize("version", ["", "unknown", "2.13.0-custom build", None])
+def test_a_version_torch_could_not_have_is_refused_by_name(version):
+    with pytest.raises(ValueError, match="torch_version must be a torch version"):
+        torch_cast_overflow(F.FLOAT8_E4M3FN, version)
+
+
+def test_known_behaviours_of_one_policy_give_the_correct_bits_under_the_other():
+    saturating = [k for k in KNOWN_TORCH_BEHAVIOURS if k.under_policy is not None]
     assert {k.example for k in saturating} == {1000.0, math.inf}
     for known in saturating:
-        assert known.expected_torch_bits("2.11.0") == known.correct_bits == 0x7F  # OCP NaN
-        assert known.expected_torch_bits("2.13.0") == known.torch_bits == 0x7E  # 448
-    assert all(k.present_in("2.11.0") for k in KNOWN_TORCH_BEHAVIOURS if k.since is None)
+        assert known.under_policy == "saturate"
+        assert known.expected_torch_bits("nan") == known.correct_bits == 0x7F  # OCP NaN
+        assert known.expected_torch_bits("saturate") == known.torch_bits == 0x7E  # 448
+    assert all(k.present_under("nan") for k in KNOWN_TORCH_BEHAVIOURS if k.under_policy is None)
 
 
 def test_known_torch_behaviours_cover_the_documented_cases():

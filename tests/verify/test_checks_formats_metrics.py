@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from fractions import Fraction
 
+import pytest
 import torch
 
 from refgrad import formats as F
@@ -74,42 +75,83 @@ def test_formats_check_fails_for_truncating_bf16_cast():
     assert all("bfloat16" in label for label in failed)
 
 
+def _e4m3fn_past_the_threshold(t: torch.Tensor) -> torch.Tensor:
+    """Where a cast to e4m3fn overflows: a magnitude past 464 (448 plus half its ULP; 464
+    itself ties to even, 448), infinities included, NaN not. Hand-derived."""
+    return t.to(torch.float32).abs() > 464  # exact widening
+
+
 def non_saturating_e4m3fn_cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """torch's e4m3fn cast as releases before 2.13 made it, by OCP FP8's non-saturating rule:
-    a value whose magnitude passes 464 (448 + half its ULP; 464 itself ties to even, 448),
-    or is infinite, becomes NaN with the input's sign (S.1111.111). Hand-derived, so that
-    the check's pre-2.13 expectations are exercised on any torch."""
+    past the threshold a NaN with the input's sign (S.1111.111). Hand-derived, so the check's
+    pre-2.13 expectations are exercised on any torch (on torch 2.11 it equals torch's cast)."""
     out = t.to(dtype)
     if dtype != torch.float8_e4m3fn:
         return out
-    overflow = t.to(torch.float32).abs() > 464  # exact widening; False for NaN
     nan_bits = torch.where(t < 0, 0xFF, 0x7F).to(torch.uint8)
-    return torch.where(overflow, nan_bits, out.view(torch.uint8)).view(dtype)
+    return torch.where(_e4m3fn_past_the_threshold(t), nan_bits, out.view(torch.uint8)).view(dtype)
+
+
+def saturating_e4m3fn_cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """torch's e4m3fn cast from 2.13 on: past the threshold ±448 (0x7E/0xFE). Hand-derived."""
+    out = t.to(dtype)
+    if dtype != torch.float8_e4m3fn:
+        return out
+    max_bits = torch.where(t < 0, 0xFE, 0x7E).to(torch.uint8)
+    return torch.where(_e4m3fn_past_the_threshold(t), max_bits, out.view(torch.uint8)).view(dtype)
 
 
 def _e4m3fn_labels(result) -> list[str]:
     return [label for label in result.failed_labels() if "float8_e4m3fn" in label]
 
 
-def test_formats_check_holds_each_torch_release_to_its_own_e4m3fn_overflow():
+@pytest.mark.parametrize("cast, release, other_release", [
+    (non_saturating_e4m3fn_cast, "2.11.0", "2.13.0"),
+    (saturating_e4m3fn_cast, "2.13.0", "2.12.1"),
+])
+def test_formats_check_holds_each_torch_release_to_its_own_e4m3fn_overflow(cast, release,
+                                                                            other_release):
     """Before 2.13 torch's e4m3fn cast gives NaN past 448, from 2.13 on it saturates: the
-    check expects the running release's policy, and fails on the other one's, for e4m3fn's
-    torch comparisons only."""
-    this_release_saturates = torch.tensor([1000.0]).to(torch.float8_e4m3fn).view(torch.uint8) == 0x7E
-    other_release = "2.12.1" if bool(this_release_saturates) else "2.13.0"
-    claimed = _run_formats(torch_version=other_release)
+    check passes a cast that follows its release's policy, and fails the other policy's, on
+    e4m3fn's torch comparisons only."""
+    right = _run_formats(cast=cast, torch_version=release)
+    assert right.error is None, right.error
+    assert right.passed, right.failed_labels()
+    wrong = _run_formats(cast=cast, torch_version=other_release)
+    assert not wrong.passed
+    assert wrong.failed_labels() == _e4m3fn_labels(wrong)
+    assert any("float32->float8_e4m3fn: torch vs rounding rule" in x for x in wrong.failed_labels())
+    if cast is saturating_e4m3fn_cast:  # NaN expected, 448 given: the NaN expectation fails
+        nan_labels = [x for x in wrong.failed_labels() if "NaN where the rule gives NaN" in x]
+        assert nan_labels
+        details = [e.detail for e in wrong.expectations if e.label in nan_labels]
+        assert all("not NaN, e.g. " in d and "0x7e" in d for d in details), details
+    pre_2_13 = cast is non_saturating_e4m3fn_cast
+    notes = [n for n in right.notes if "float8_e4m3fn of inf" in n]
+    assert len(notes) == 1 and (("0x7f" in notes[0] and "absent: this torch's float8_e4m3fn "
+                                 "overflow is 'nan'" in notes[0]) if pre_2_13
+                                else ("0x7e" in notes[0] and "absent" not in notes[0])), notes
+
+
+def test_formats_check_on_the_installed_torch_fails_when_told_another_release():
+    saturates = torch.tensor([1000.0]).to(torch.float8_e4m3fn).view(torch.uint8) == 0x7E
+    claimed = _run_formats(torch_version="2.12.1" if bool(saturates) else "2.13.0")
     assert not claimed.passed
     assert claimed.failed_labels() == _e4m3fn_labels(claimed)
-    assert any("float32->float8_e4m3fn: torch vs rounding rule" in x for x in claimed.failed_labels())
 
-    emulated_old = _run_formats(cast=non_saturating_e4m3fn_cast, torch_version="2.11.0")
-    assert emulated_old.error is None, emulated_old.error
-    assert emulated_old.passed, emulated_old.failed_labels()
-    assert any("float8_e4m3fn of inf: torch 0x7f" in n and "absent before torch 2.13" in n
-               and "as recorded" in n for n in emulated_old.notes)
-    wrongly_new = _run_formats(cast=non_saturating_e4m3fn_cast, torch_version="2.13.0")
-    assert not wrongly_new.passed
-    assert wrongly_new.failed_labels() == _e4m3fn_labels(wrongly_new)
+
+@pytest.mark.parametrize("cast, shown", [(non_saturating_e4m3fn_cast, "nan"),
+                                         (saturating_e4m3fn_cast, "saturate")])
+def test_a_213_alpha_is_held_to_the_policy_its_cast_shows_and_says_so(cast, shown):
+    result = _run_formats(cast=cast, torch_version="2.13.0a0+gitabc")
+    assert result.passed, result.failed_labels()
+    (note,) = [n for n in result.notes if "2.13.0 pre-release" in n]
+    assert f"shows {shown}" in note and "PyTorch PR #178817" in note
+
+
+def test_formats_candidate_refuses_a_version_torch_could_not_have():
+    with pytest.raises(ValueError, match="FormatsCandidate.torch_version must be a torch version"):
+        FormatsCandidate(torch_version="nightly")
 
 
 def _run_metrics(**candidates):

@@ -8,12 +8,14 @@ import pytest
 import torch
 
 from fastgrad import mxfp8 as fast
+from refgrad.formats import FLOAT8_E4M3FN
 from verify.candidates import FastgradCandidate, Unsupported
 from verify.candidates.fastgrad.mxfp8 import FastgradMXFP8
 from verify.candidates.interfaces import MXFP8, ParamGatherResult, ParamGatherRun
 from verify.check import CheckContext, CheckRecorder
 from verify.checks import CHECK_MODULES, check_by_name
 from verify.checks import mxfp8 as check_module
+from verify.torch_casts import torch_cast_overflow
 
 
 def test_mxfp8_check_is_registered():
@@ -40,6 +42,14 @@ def test_mxfp8_check_passes_quick():
     # internal note and description names never reach the report
     text = " ".join(titles + result.notes).lower()
     assert "reference_notes" not in text and "seed" not in text
+    # torch's own e4m3fn cast of exactly scaled values: the spec's bits where this release
+    # saturates (2.13 on), else NaN exactly where the spec saturates to ±448 (verify.torch_casts)
+    (cast_note,) = [n for n in result.notes if "of exactly scaled values" in n]
+    if torch_cast_overflow(FLOAT8_E4M3FN, str(torch.__version__)) == "saturate":
+        assert " 0 element(s) differ" in cast_note and "saturates, as the spec" in cast_note
+    else:
+        assert "where the spec saturates to ±448" in cast_note and "and 0 other(s)" in cast_note
+        assert " 0 element(s) differ" not in cast_note
 
 
 class TiesAwayFromZero(FastgradMXFP8):

@@ -13,23 +13,31 @@ Three kinds of evidence:
    documented tie rule), and the format's overflow policy past the largest
    finite value.
 3. Where torch's casts differ from correct rounding (other source dtypes,
-   policies), each difference is recorded in :data:`KNOWN_TORCH_BEHAVIOURS` with
-   a concrete example and reported as a finding.
+   policies), each difference is recorded in :data:`verify.torch_casts.KNOWN_TORCH_BEHAVIOURS`
+   with a concrete example and reported as a finding.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 
 import torch
-from torch.torch_version import Version
 
 from refgrad import formats as F
 from verify.check import Check, CheckContext, CheckRecorder
 from verify.metrics import bitwise_equal
+from verify.torch_casts import (
+    KNOWN_TORCH_BEHAVIOURS,
+    CastFunction,
+    RoundFunction,
+    observed_overflow,
+    outside_known_torch_behaviours,
+    torch_cast,
+    torch_cast_overflow,
+    torch_version_of,
+)
 
 FLOAT32_CAST_TARGETS: tuple[F.FloatFormat, ...] = (
     F.FLOAT16,
@@ -49,40 +57,6 @@ VIRTUAL_NEXT_AFTER_MAX: dict[str, Fraction] = {
     "float8_e5m2": Fraction(65536),  # 57344 + 8192
     "float8_e8m0fnu": Fraction(2) ** 128,  # 2^127 · 2
 }
-
-# round_to_bits(fmt, value, overflow) -> bits; the candidate the check holds to the rules.
-RoundFunction = Callable[[F.FloatFormat, object, "str | None"], int]
-# cast(tensor, dtype) -> tensor; torch's cast unless a test swaps in a broken one.
-CastFunction = Callable[[torch.Tensor, torch.dtype], torch.Tensor]
-
-
-def torch_cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """torch's own cast: the behaviour this check characterises."""
-    return t.to(dtype)
-
-
-# torch's float32 -> float8_e4m3fn cast past the largest finite value (448). Up to 2.12.x it
-# is OCP FP8's non-saturating conversion: NaN (S.1111.111), for inf too. PyTorch PR #178817
-# ("Properly saturate E4M3 on finite-overflow on CPU/C++ conversion code", merged
-# 2026-04-17) made it saturate to ±448; torch 2.13.0 is the first release with it. Read in
-# torch/headeronly/util/Float8_e4m3fn.h of the 2.11.0, 2.12.0, 2.12.1 and 2.13.0 wheels, and
-# seen on the CPU in 2.11.0 and 2.13.0.
-FIRST_TORCH_SATURATING_E4M3FN = (2, 13)
-
-
-def torch_release(torch_version: str) -> tuple[int, int]:
-    """(major, minor) of a torch version string; a pre-release (``2.13.0a0+...``, as NGC
-    containers ship) counts as its release."""
-    release = Version(torch_version).release
-    return release[0], release[1] if len(release) > 1 else 0
-
-
-def torch_cast_overflow(fmt: F.FloatFormat, torch_version: str) -> str:
-    """The overflow policy of torch's float32 cast to ``fmt`` in that torch release."""
-    if fmt.name == "float8_e4m3fn" and torch_release(torch_version) < FIRST_TORCH_SATURATING_E4M3FN:
-        return "nan"
-    return fmt.default_overflow
-
 
 @dataclass(frozen=True)
 class CastCandidates:
@@ -170,136 +144,6 @@ def refgrad_round_float32(
     return torch.tensor(bits, dtype=torch.int64)
 
 
-@dataclass(frozen=True)
-class KnownTorchBehaviour:
-    """A torch cast result that is not the correctly rounded one, with one concrete example.
-
-    ``correct_bits`` is refgrad's ``round_to_bits(target, example, overflow)``;
-    ``None`` when the value has no encoding in the target (refgrad raises).
-    ``torch_bits`` is what torch (CPU) returns for ``example`` held in ``source_dtype`` and
-    cast with ``.to(target_dtype)``: in every release seen (2.11 to 2.13) where ``since`` is
-    None, else from release ``since`` on; before it torch gives ``correct_bits``.
-    """
-
-    name: str
-    source_dtype: str
-    target_dtype: str
-    example: float
-    torch_bits: int
-    correct_bits: int | None
-    overflow: str | None
-    explanation: str
-    since: tuple[int, int] | None = None
-
-    def __post_init__(self) -> None:
-        if self.since is not None and self.correct_bits is None:
-            raise ValueError(f"{self.name}: since= needs correct_bits, what torch gave before it")
-
-    def present_in(self, torch_version: str) -> bool:
-        """Whether that torch release behaves so (else it gives ``correct_bits``)."""
-        return self.since is None or torch_release(torch_version) >= self.since
-
-    def expected_torch_bits(self, torch_version: str) -> int | None:
-        """What that torch release is recorded to return for ``example``."""
-        return self.torch_bits if self.present_in(torch_version) else self.correct_bits
-
-    def torch_result(self, cast: CastFunction = torch_cast) -> int:
-        """The bits ``cast`` (torch's own by default) gives for ``example``."""
-        source = torch.tensor([self.example], dtype=getattr(torch, self.source_dtype))
-        if source.item() != self.example and self.example == self.example:
-            raise ValueError(f"{self.name}: example {self.example!r} is not exact in {self.source_dtype}")
-        return int(F.tensor_bit_patterns(cast(source, getattr(torch, self.target_dtype)))[0])
-
-    def refgrad_result(self, round_to_bits: RoundFunction = F.round_to_bits) -> int | None:
-        fmt = F.format_of(self.target_dtype)
-        try:
-            return round_to_bits(fmt, self.example, self.overflow)
-        except ValueError:
-            return None
-
-
-KNOWN_TORCH_BEHAVIOURS: tuple[KnownTorchBehaviour, ...] = (
-    KnownTorchBehaviour(
-        "float64->bfloat16 double rounding", "float64", "bfloat16",
-        1 + 2**-8 + 2**-30, 0x3F80, 0x3F81, None,
-        "torch casts float64 to float32 first (rounding 1+2^-8+2^-30 to the bf16 midpoint "
-        "1+2^-8), then ties to even gives 1.0; the value is above the midpoint, so the "
-        "correctly rounded result is 1+2^-7.",
-    ),
-    KnownTorchBehaviour(
-        "float64->float16 double rounding", "float64", "float16",
-        1 + 2**-11 + 2**-40, 0x3C00, 0x3C01, None,
-        "Same double rounding through float32: 1+2^-11+2^-40 becomes the fp16 midpoint "
-        "1+2^-11 and ties to even to 1.0 instead of rounding up to 1+2^-10.",
-    ),
-    KnownTorchBehaviour(
-        "float64->float8_e4m3fn double rounding", "float64", "float8_e4m3fn",
-        1 + 2**-4 + 2**-40, 0x38, 0x39, None,
-        "float64 goes through float32: 1+2^-4+2^-40 becomes the e4m3 midpoint 1+2^-4, which "
-        "ties to even (1.0) instead of rounding up to 1.125.",
-    ),
-    KnownTorchBehaviour(
-        "float64->float8_e5m2 double rounding", "float64", "float8_e5m2",
-        1 + 2**-3 + 2**-40, 0x3C, 0x3D, None,
-        "float64 goes through float32: 1+2^-3+2^-40 becomes the e5m2 midpoint 1+2^-3, which "
-        "ties to even (1.0) instead of rounding up to 1.25.",
-    ),
-    KnownTorchBehaviour(
-        "float64->float8_e8m0fnu double rounding", "float64", "float8_e8m0fnu",
-        1.5 - 2**-40, 0x80, 0x7F, None,
-        "float64 goes through float32: 1.5-2^-40 becomes the tie 1.5 and rounds up to 2.0; "
-        "the value is below the midpoint between 1 and 2, so the nearest is 1.0.",
-    ),
-    KnownTorchBehaviour(
-        "float32 zero->float8_e8m0fnu", "float32", "float8_e8m0fnu",
-        0.0, 0x00, None, None,
-        "e8m0 has no zero; torch returns 0x00, i.e. 2^-127, where refgrad rejects the value "
-        "(round_to_bits raises ValueError). Zero amax must be handled before the cast.",
-    ),
-    KnownTorchBehaviour(
-        "float32 negative->float8_e8m0fnu", "float32", "float8_e8m0fnu",
-        -3.0, 0x81, None, None,
-        "e8m0 is unsigned; torch drops the sign and rounds |x| (3.0 is a tie, up to 4.0), "
-        "where refgrad rejects negative values.",
-    ),
-    KnownTorchBehaviour(
-        "float32 subnormal->float8_e8m0fnu rounds up", "float32", "float8_e8m0fnu",
-        2.0**-127 + 2.0**-129, 0x01, 0x00, None,
-        "1.25·2^-127 is a float32 subnormal; its nearest e8m0 value is 2^-127 (0x00), but "
-        "torch gives 2^-126. Every float32 in the open interval (2^-127, 1.5·2^-127) is "
-        "rounded up this way (torch appears to read a subnormal's fraction as if it were "
-        "normal); inputs there are excluded from the agreement comparisons.",
-    ),
-    KnownTorchBehaviour(
-        "float32 out of range->float8_e4m3fn saturates", "float32", "float8_e4m3fn",
-        1000.0, 0x7E, 0x7F, "nan",
-        "torch saturates to 448 (refgrad's default policy for e4m3fn, the MX element rule); "
-        "the OCP FP8 non-saturating conversion (overflow='nan') gives NaN 0x7F, as torch did "
-        "before 2.13 (PyTorch PR #178817).",
-        since=FIRST_TORCH_SATURATING_E4M3FN,
-    ),
-    KnownTorchBehaviour(
-        "float32 inf->float8_e4m3fn saturates", "float32", "float8_e4m3fn",
-        float("inf"), 0x7E, 0x7F, "nan",
-        "e4m3fn has no infinity; torch maps +inf to 448 (saturate, like PTX satfinite), the "
-        "non-saturating OCP conversion gives NaN 0x7F, as torch did before 2.13.",
-        since=FIRST_TORCH_SATURATING_E4M3FN,
-    ),
-)
-
-
-# float32 inputs in this open interval hit the e8m0 subnormal behaviour above.
-E8M0_TORCH_SUBNORMAL_ROUND_UP = (2.0**-127, 1.5 * 2.0**-127)
-
-
-def outside_known_torch_behaviours(fmt: F.FloatFormat, values: torch.Tensor) -> torch.Tensor:
-    """Mask of float32 ``values`` whose cast to ``fmt`` is not a known torch behaviour."""
-    if fmt.name != "float8_e8m0fnu":
-        return torch.ones_like(values, dtype=torch.bool)
-    low, high = E8M0_TORCH_SUBNORMAL_ROUND_UP
-    return (values > 0) & ~((values > low) & (values < high))
-
-
 def _expect_roundtrip(
     rec: CheckRecorder,
     fmt: F.FloatFormat,
@@ -339,8 +183,13 @@ def _compare_cast(
     nan = torch.isnan(wanted.to(torch.float32))  # widening keeps NaN, exactly
     rec.compare(label, wanted[~nan], candidate[~nan])
     if bool(nan.any()):
+        not_nan = ~torch.isnan(candidate[nan].to(torch.float32))
+        examples = [f"{x!r} -> {b:#04x}" for x, b in zip(
+            values[nan][not_nan][:5].tolist(),
+            F.tensor_bit_patterns(candidate[nan][not_nan][:5]).tolist())]
         rec.expect(f"{label}: NaN where the rule gives NaN ({int(nan.sum())} values)",
-                   bool(torch.isnan(candidate[nan].to(torch.float32)).all()))
+                   not bool(not_nan.any()),
+                   f"{int(not_nan.sum())} not NaN, e.g. " + ", ".join(examples) if examples else "")
 
 
 def _sample(patterns: torch.Tensor, size: int, rng: random.Random) -> torch.Tensor:
@@ -372,10 +221,26 @@ class FormatsCandidate:
     cast: CastFunction = torch_cast
     torch_version: str = str(torch.__version__)  # the release whose cast policies apply
 
+    def __post_init__(self) -> None:
+        torch_version_of(self.torch_version, "FormatsCandidate.torch_version")
+
     @classmethod
     def default(cls) -> FormatsCandidate:
         """``refgrad.formats.round_to_bits`` and torch's own casts."""
         return cls()
+
+
+def _torch_policy(rec: CheckRecorder, fmt: F.FloatFormat, version: str, cast: CastFunction) -> str:
+    """torch's overflow policy for ``fmt`` in ``version``; where the version cannot tell (a
+    2.13.0 alpha), the one its cast shows, said in a note."""
+    policy = torch_cast_overflow(fmt, version)
+    if policy is not None:
+        return policy
+    seen = observed_overflow(fmt, cast)
+    rec.note(f"torch {version} is a 2.13.0 pre-release, built before or after PyTorch PR "
+             f"#178817 changed its {fmt.name} overflow from NaN to saturation; its cast of "
+             f"1000.0 shows {seen or 'neither'}, the policy held to here")
+    return seen or fmt.default_overflow
 
 
 def run(ctx: CheckContext, rec: CheckRecorder, candidate: FormatsCandidate) -> None:
@@ -393,13 +258,14 @@ def run(ctx: CheckContext, rec: CheckRecorder, candidate: FormatsCandidate) -> N
         else:
             _expect_roundtrip(rec, fmt, list(range(1 << 16)), "all", round_to_bits)
 
-    # 2. torch's float32 casts vs the rounding rule and vs refgrad.
+    # 2. torch's float32 casts vs the rounding rule and vs refgrad, under torch's policies.
+    policies = {fmt.name: _torch_policy(rec, fmt, version, cast) for fmt in FLOAT32_CAST_TARGETS}
     rows = []
     excluded = 0
     for offset, fmt in enumerate(FLOAT32_CAST_TARGETS):
         every = positive_finite_patterns(fmt)
         torch_patterns = _sample(every, 2048, rng) if ctx.quick else every
-        torch_overflow = torch_cast_overflow(fmt, version)
+        torch_overflow = policies[fmt.name]
         constructed = float32_cast_candidates(fmt, torch_patterns, torch_overflow)
         keep = outside_known_torch_behaviours(fmt, constructed.values)
         excluded += int((~keep).sum())
@@ -472,14 +338,15 @@ def run(ctx: CheckContext, rec: CheckRecorder, candidate: FormatsCandidate) -> N
     for known in KNOWN_TORCH_BEHAVIOURS:
         refgrad_bits = known.refgrad_result(round_to_bits)
         torch_bits = known.torch_result(cast)
-        recorded = known.expected_torch_bits(version)
+        policy = policies[known.target_dtype]
+        recorded = known.expected_torch_bits(policy)
         rec.expect(
             f"known behaviour '{known.name}': refgrad gives the correctly rounded result",
             refgrad_bits == known.correct_bits,
             f"refgrad {refgrad_bits!r}, recorded {known.correct_bits!r}",
         )
-        absent = "" if known.present_in(version) else (
-            f", absent before torch {known.since[0]}.{known.since[1]}")
+        absent = "" if known.present_under(policy) else (
+            f", absent: this torch's {known.target_dtype} overflow is {policy!r}")
         status = f"as recorded{absent}" if torch_bits == recorded else (
             f"CHANGED: torch {version} gives {torch_bits:#04x} (recorded {recorded:#04x}{absent})"
         )

@@ -8,10 +8,8 @@ from typing import Any
 import torch
 
 from refgrad import mxfp8 as ref
-from refgrad.formats import FLOAT8_E4M3FN
 from verify.candidates.interfaces import MXFP8
 from verify.check import CheckContext, CheckRecorder
-from verify.checks.formats import torch_cast_overflow
 from verify.fixtures import mxfp8_inputs as support
 from verify.metrics import bitwise_equal
 
@@ -118,7 +116,10 @@ def conformance_table(
                 cells += [_agreement(ref_scales, scales), _agreement(ref_elements, elements)]
                 if peer == "spec scale + torch e4m3 cast":
                     finite = (ref_scales != 0xFF).repeat_interleave(support.BLOCK, dim=-1)
-                    cast_finite_mismatches.append(int((ref_elements.ne(elements) & finite).sum()))
+                    differ = ref_elements.ne(elements) & finite
+                    # The spec saturates to ±448 (0x7E/0xFE); a non-saturating cast gives NaN.
+                    to_nan = differ & (ref_elements & 0x7F).eq(0x7E) & (elements & 0x7F).eq(0x7F)
+                    cast_finite_mismatches.append((int(to_nan.sum()), int((differ & ~to_nan).sum())))
                 if dtype == torch.float32 and peer != candidate_name:
                     _disagreement_findings(rec, peer, mode, (ref_scales, ref_elements), (scales, elements))
             rows.append(cells)
@@ -136,19 +137,18 @@ def conformance_table(
             "element saturates; (4) NaN blocks: the elements beside the NaN are not NaN codes "
             "(a definitional difference: the NaN scale makes every value NaN either way)."
         )
-    finite_mismatch = sum(cast_finite_mismatches)
-    if finite_mismatch == 0:
+    saturated_to_nan = sum(n for n, _ in cast_finite_mismatches)
+    other = sum(n for _, n in cast_finite_mismatches)
+    if saturated_to_nan + other == 0:
         why = " (it rounds to nearest even and saturates, as the spec);"
-    elif torch_cast_overflow(FLOAT8_E4M3FN, str(torch.__version__)) == "nan":
-        # A scaled element reaches up to 2^9: past 464 this torch gives NaN (before 2.13).
-        why = (" (this torch gives NaN past 448, OCP FP8's non-saturating rule, where the spec "
-               "saturates; torch 2.13 saturates);")
     else:
-        why = ";"
+        why = (f": {saturated_to_nan} where the spec saturates to ±448 (0x7E/0xFE) and the cast "
+               "gives NaN (0x7F/0xFF), as torch's e4m3fn cast past 464 does before torch 2.13 "
+               f"(verify.torch_casts), and {other} other(s);")
     rec.note(
         f"torch {torch.__version__} .to(float8_e4m3fn) of exactly scaled values (spec scale, "
-        f"x*2^-e in float64): {finite_mismatch} element(s) differ from the spec inside finite "
-        "blocks, over every mode and input dtype" + why
+        f"x*2^-e in float64): {saturated_to_nan + other} element(s) differ from the spec inside "
+        "finite blocks, over every mode and input dtype" + why
         + " inside NaN/inf blocks it differs by definition (the spec makes every element NaN)."
     )
     rec.table(
