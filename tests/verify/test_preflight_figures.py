@@ -186,3 +186,29 @@ def test_an_uneven_split_laid_out_back_to_front_fails_the_preflight_run(monkeypa
     assert rc == 1 and report["verdict"].startswith("FAIL"), report["verdict"]
     assert "layers per (pipeline stage, model chunk) is [[3], [1]]" in report["verdict"]
     assert "derives [[1], [3]]" in report["verdict"]
+
+
+def test_an_empty_megatron_folder_is_not_megatron_core(monkeypatch):
+    """`pip uninstall megatron-core` can leave an empty `megatron/` folder, which imports as a
+    namespace package: the figures are then unchecked ("not installed"), never a FAIL that
+    says Megatron-Core refused the launch (seen on a Python 3.12 venv, torch 2.11)."""
+    import importlib.machinery
+    import importlib.util
+
+    from verify.candidates.megatron_core import version
+    from verify.preflight.twin.figures import FigureCheck
+
+    real_find_spec = importlib.util.find_spec
+
+    def empty_namespace(name, *args):
+        if name == "megatron":
+            return importlib.machinery.ModuleSpec("megatron", None, is_package=True)
+        if name.startswith("megatron."):
+            return None
+        return real_find_spec(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", empty_namespace)
+    assert version.missing_reason() is not None
+    check = FigureCheck(_config("tp2_pp2"), timeout_s=60)
+    result = check.result()
+    assert result.unchecked == "megatron-core is not installed" and not result.disagreements

@@ -18,7 +18,6 @@ held to the hand-derived table only.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -28,6 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from verify.candidates.megatron_core.version import missing_reason
 from verify.preflight.config import PreflightConfig
 
 MODULE = "verify.preflight.twin.megatron_figures"
@@ -111,7 +111,7 @@ class FigureCheck:
         if config.world_size is None:
             self._unchecked = "the world size is unknown"
             return
-        if importlib.util.find_spec("megatron") is None:
+        if missing_reason() is not None:  # also an empty megatron/ left by pip uninstall
             self._unchecked = "megatron-core is not installed"
             return
         self._process = _start(launch_sizes(config))
