@@ -25,19 +25,23 @@ from verify.checks.reduce_scatter import CHECK as REDUCE_SCATTER
 
 
 @pytest.mark.parametrize("bucket_cap_mb", [None, 25, 1, 0.001, 0.5])
-def test_bucket_caps_without_torch_213s_config_are_the_configs(monkeypatch, bucket_cap_mb):
-    """torch before 2.13 has no _BucketCapacityConfig; the caps derived from its constructor's
-    rule must be the ones torch 2.13's config gives (where this torch has it)."""
+def test_bucket_caps_are_refgrads_and_torch_213s_config(monkeypatch, bucket_cap_mb):
+    """The caps torch-ddp lays DDP's buckets out with are refgrad's hand-derived ones on every
+    torch; where torch has 2.13's _BucketCapacityConfig they are its, also when it is taken
+    away (the path earlier releases take)."""
     import torch.nn.parallel.distributed as ddp_module
 
-    if not hasattr(ddp_module, "_BucketCapacityConfig"):
-        pytest.skip(f"torch {torch.__version__} has no _BucketCapacityConfig to compare with")
+    from refgrad.layout_torch import DDPBucketCaps
     from verify.candidates.torch_ddp.layout import bucket_caps
 
+    hand = DDPBucketCaps.from_bucket_cap_mb(bucket_cap_mb).rebuild_limits()
+    assert bucket_caps(bucket_cap_mb) == hand
+    if not hasattr(ddp_module, "_BucketCapacityConfig"):
+        return  # torch before 2.13: the fallback is what just ran
     own = ddp_module._BucketCapacityConfig.create(bucket_cap_mb, None, False)
-    assert bucket_caps(bucket_cap_mb) == (own.first_bucket_bytes_cap, own.bucket_bytes_cap)
+    assert hand == (own.first_bucket_bytes_cap, own.bucket_bytes_cap)
     monkeypatch.delattr(ddp_module, "_BucketCapacityConfig")
-    assert bucket_caps(bucket_cap_mb) == (own.first_bucket_bytes_cap, own.bucket_bytes_cap)
+    assert bucket_caps(bucket_cap_mb) == hand
 
 
 def test_registered_with_the_techniques_they_lack():

@@ -45,8 +45,9 @@ DOCUMENTED: dict[Behaviour, DocumentedBehaviour] = {
         "buckets sized in bytes (bucket_cap_mb, default 25 MiB with a 1 MiB first bucket), "
         "rebuilt after the first iteration in the order the grads became ready, params back to "
         "back with no padding and no shards",
-        "torch.nn.parallel.distributed._BucketCapacityConfig.create and "
-        "DistributedDataParallel._ddp_init_helper; torch/csrc/distributed/c10d/reducer.cpp "
+        "torch.nn.parallel.distributed._BucketCapacityConfig.create (torch 2.13; before it, "
+        "DistributedDataParallel.__init__) and DistributedDataParallel._ddp_init_helper; "
+        "torch/csrc/distributed/c10d/reducer.cpp "
         "compute_bucket_assignment_by_size, Reducer::rebuild_buckets, Reducer::initialize_buckets"),
     Behaviour.PRESCALE: DocumentedBehaviour(
         "the DP mean is every grad multiplied by fp32(1/W) as it is copied into its bucket, "
