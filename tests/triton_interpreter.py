@@ -7,7 +7,7 @@ loop whose bound is a kernel argument under the installed NumPy.
 
 from __future__ import annotations
 
-import importlib.metadata
+import importlib
 import importlib.util
 
 from packaging.version import Version
@@ -38,9 +38,10 @@ def runtime_loop_reason(
         reason = missing_reason()
         if reason is not None:
             return reason
-        triton_version = importlib.metadata.version("triton")
+        # The module's own version: torch nightlies ship it as the pytorch-triton distribution.
+        triton_version = importlib.import_module("triton").__version__
     if numpy_version is None:
-        numpy_version = importlib.metadata.version("numpy")
+        numpy_version = importlib.import_module("numpy").__version__
     triton, numpy = Version(triton_version), Version(numpy_version)
     if triton < FIRST_TRITON_WITH_THE_FIX and numpy >= FIRST_NUMPY_REFUSING_THE_CONVERSION:
         return (f"Triton {triton_version}'s interpreter cannot loop to a kernel argument under "
