@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The second test leg (what `tox -e megatron019` runs), on a fresh machine: the Megatron-Core
-# tests on megatron-core 0.19.2, and the tests whose answers depend on the torch, Triton and
-# NumPy releases, on the software of the lent GPU node (H200): Python 3.12, torch 2.11.0 (its
-# CUDA build, which runs on the CPU), Triton 3.6.0 and NumPy 2.5.2. Creates (or reuses)
+# tests on megatron-core 0.19.2, and the tests that touch what changed between torch, Triton
+# and NumPy releases (torch's float8 casts, private torch APIs, Triton's interpreter), on the
+# software of the lent GPU node (H200): Python 3.12, torch 2.11.0 (its CUDA build, which runs
+# on the CPU), Triton 3.6.0 and NumPy 2.5.2. Creates (or reuses)
 # .venv-mcore019 with those, megatron-core==0.19.2 and gradverify's [test] extra. The main leg
 # runs everything on torch 2.13.0, so the two legs span the releases users train with. Extra
 # arguments go to pytest.
@@ -22,11 +23,8 @@ megatron_core="0.19.2"
 torch_version="${GRADVERIFY_TORCH_019:-2.11.0}"
 # The lent GPU node's other versions; torch 2.11.0 itself requires Triton 3.6.0.
 numpy_version="2.5.2"
-# Tests whose expectations depend on the torch/Triton/NumPy release: torch's float8 casts
-# (e4m3fn saturates from torch 2.13), Triton's interpreter (NumPy 2.4 broke it before 3.7),
-# torch DDP's private bucket config (2.13 only), the CLI's candidates and versions.
-stack_tests=(tests/refgrad/test_formats.py tests/verify/test_checks_formats_metrics.py
-  tests/fastgrad/test_mxfp8.py tests/fastgrad/test_reduce_scatter.py tests/verify/test_cli.py)
+# What the leg runs: tests/second_leg_paths.txt (pytest reads it as arguments; tox.ini's
+# megatron019 runs the same file).
 
 is_python312() {
   "$1" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' >/dev/null 2>&1
@@ -67,7 +65,8 @@ installed() {  # the installed version of a distribution, or nothing
 try: print(m.version(sys.argv[1]))
 except m.PackageNotFoundError: pass" "$1"
 }
-if [ "$(installed torch)" != "$torch_version" ]; then
+torch_installed="$(installed torch)"
+if [ "${torch_installed%%+*}" != "$torch_version" ]; then  # PyTorch's own index adds +cu130
   echo "test-megatron-019: installing torch==$torch_version (Python 3.12: the CUDA build, ~4.7 GB)" >&2
   "${pip[@]}" install "torch==$torch_version"
 fi
@@ -80,5 +79,4 @@ fi
 cd "$repo"
 echo "test-megatron-019: $("$venv/bin/python" --version), torch $(installed torch)," \
      "triton $(installed triton), numpy $(installed numpy), megatron-core $(installed megatron-core)" >&2
-exec "$venv/bin/python" -m pytest -n auto tests/candidates tests/verify/test_preflight_twin_megatron.py \
-  "${stack_tests[@]}" "$@"
+exec "$venv/bin/python" -m pytest -n auto @tests/second_leg_paths.txt "$@"
