@@ -74,7 +74,7 @@ if [ "$(installed megatron-core)" != "$megatron_core" ]; then
   echo "test-megatron-019: installing megatron-core==$megatron_core" >&2
   "${pip[@]}" install "megatron-core==$megatron_core"
 fi
-"${pip[@]}" install -e "${repo}[test]" "numpy==$numpy_version"
+"${pip[@]}" install -e "${repo}[test,plot]" "numpy==$numpy_version"  # the GPU node has matplotlib
 
 cd "$repo"
 echo "test-megatron-019: $("$venv/bin/python" --version), torch $(installed torch)," \
