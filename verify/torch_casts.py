@@ -76,6 +76,14 @@ def observed_overflow(fmt: F.FloatFormat, cast: CastFunction = torch_cast) -> st
     return "nan" if F.is_nan_bits(fmt, bits) else None
 
 
+def overflow_policy(fmt: F.FloatFormat, torch_version: str, cast: CastFunction = torch_cast) -> str:
+    """The overflow policy to hold ``cast`` to: the release's (:func:`torch_cast_overflow`);
+    where the version cannot tell, the one ``cast`` shows; the format's default if it shows
+    none (the comparisons then fail)."""
+    return (torch_cast_overflow(fmt, torch_version) or observed_overflow(fmt, cast)
+            or fmt.default_overflow)
+
+
 @dataclass(frozen=True)
 class KnownTorchBehaviour:
     """A torch cast result that is not the correctly rounded one, with one concrete example.

@@ -30,8 +30,8 @@ from verify.metrics import assert_bitwise_equal
 from verify.torch_casts import (
     E8M0_TORCH_SUBNORMAL_ROUND_UP,
     KNOWN_TORCH_BEHAVIOURS,
-    observed_overflow,
     outside_known_torch_behaviours,
+    overflow_policy,
     torch_cast_overflow,
 )
 
@@ -42,9 +42,8 @@ TORCH = str(torch.__version__)
 
 
 def torch_policy(fmt: F.FloatFormat) -> str:
-    """This torch's overflow policy for ``fmt``: its release's, or for a 2.13.0 alpha (which
-    the version cannot place) the one its cast shows, as the formats check does."""
-    return torch_cast_overflow(fmt, TORCH) or observed_overflow(fmt)
+    """This torch's overflow policy for ``fmt``, as the formats check decides it."""
+    return overflow_policy(fmt, TORCH)
 
 SMALL_FORMATS = (F.FLOAT16, F.BFLOAT16, F.FLOAT8_E4M3FN, F.FLOAT8_E5M2, F.FLOAT8_E8M0FNU)
 EIGHT_BIT = (F.FLOAT8_E4M3FN, F.FLOAT8_E5M2, F.FLOAT8_E8M0FNU)

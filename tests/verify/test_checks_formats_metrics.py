@@ -111,7 +111,7 @@ def _e4m3fn_labels(result) -> list[str]:
 ])
 def test_formats_check_holds_each_torch_release_to_its_own_e4m3fn_overflow(cast, release,
                                                                             other_release):
-    """Before 2.13 torch's e4m3fn cast gives NaN past 448, from 2.13 on it saturates: the
+    """Before 2.13 torch's e4m3fn cast gives NaN past 464, from 2.13 on it saturates: the
     check passes a cast that follows its release's policy, and fails the other policy's, on
     e4m3fn's torch comparisons only."""
     right = _run_formats(cast=cast, torch_version=release)

@@ -15,7 +15,7 @@ from verify.candidates.interfaces import MXFP8, ParamGatherResult, ParamGatherRu
 from verify.check import CheckContext, CheckRecorder
 from verify.checks import CHECK_MODULES, check_by_name
 from verify.checks import mxfp8 as check_module
-from verify.torch_casts import torch_cast_overflow
+from verify.torch_casts import overflow_policy
 
 
 def test_mxfp8_check_is_registered():
@@ -45,7 +45,7 @@ def test_mxfp8_check_passes_quick():
     # torch's own e4m3fn cast of exactly scaled values: the spec's bits where this release
     # saturates (2.13 on), else NaN exactly where the spec saturates to ±448 (verify.torch_casts)
     (cast_note,) = [n for n in result.notes if "of exactly scaled values" in n]
-    if torch_cast_overflow(FLOAT8_E4M3FN, str(torch.__version__)) == "saturate":
+    if overflow_policy(FLOAT8_E4M3FN, str(torch.__version__)) == "saturate":
         assert " 0 element(s) differ" in cast_note and "saturates, as the spec" in cast_note
     else:
         assert "where the spec saturates to ±448" in cast_note and "and 0 other(s)" in cast_note

@@ -10,8 +10,10 @@ Three kinds of evidence:
    random values). The expected bits of those constructed values follow from
    the rounding rule alone: the lower neighbour below the midpoint, the upper
    one above it, the even pattern at it (float8_e8m0fnu: the upper one, its
-   documented tie rule), and the format's overflow policy past the largest
-   finite value.
+   documented tie rule), and past the largest finite value torch's overflow
+   policy for the running release (:func:`verify.torch_casts.overflow_policy`:
+   the format's default, except float8_e4m3fn before torch 2.13, which gives
+   NaN).
 3. Where torch's casts differ from correct rounding (other source dtypes,
    policies), each difference is recorded in :data:`verify.torch_casts.KNOWN_TORCH_BEHAVIOURS`
    with a concrete example and reported as a finding.
@@ -34,6 +36,7 @@ from verify.torch_casts import (
     RoundFunction,
     observed_overflow,
     outside_known_torch_behaviours,
+    overflow_policy,
     torch_cast,
     torch_cast_overflow,
     torch_version_of,
@@ -233,14 +236,13 @@ class FormatsCandidate:
 def _torch_policy(rec: CheckRecorder, fmt: F.FloatFormat, version: str, cast: CastFunction) -> str:
     """torch's overflow policy for ``fmt`` in ``version``; where the version cannot tell (a
     2.13.0 alpha), the one its cast shows, said in a note."""
-    policy = torch_cast_overflow(fmt, version)
-    if policy is not None:
-        return policy
-    seen = observed_overflow(fmt, cast)
-    rec.note(f"torch {version} is a 2.13.0 pre-release, built before or after PyTorch PR "
-             f"#178817 changed its {fmt.name} overflow from NaN to saturation; its cast of "
-             f"1000.0 shows {seen or 'neither'}, the policy held to here")
-    return seen or fmt.default_overflow
+    policy = overflow_policy(fmt, version, cast)
+    if torch_cast_overflow(fmt, version) is None:
+        seen = observed_overflow(fmt, cast)
+        rec.note(f"torch {version} is a 2.13.0 pre-release, built before or after PyTorch PR "
+                 f"#178817 changed its {fmt.name} overflow from NaN to saturation; its cast of "
+                 f"1000.0 shows {seen or 'neither'}, the policy held to here")
+    return policy
 
 
 def run(ctx: CheckContext, rec: CheckRecorder, candidate: FormatsCandidate) -> None:
