@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+import torch.nn.parallel.distributed as ddp_module
 
 from gradvocab import Averaging, DDPConfig
 from verify.candidates.interfaces import (
@@ -51,8 +52,6 @@ def bucket_caps(bucket_cap_mb: float | None) -> tuple[int, int]:
     when ``bucket_cap_mb`` is None, and then ``dist._DEFAULT_FIRST_BUCKET_BYTES`` for the
     first bucket; a cap the user gave for both otherwise.
     """
-    import torch.nn.parallel.distributed as ddp_module
-
     config = getattr(ddp_module, "_BucketCapacityConfig", None)
     if config is not None:
         caps = config.create(bucket_cap_mb, None, False)
